@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -256,6 +257,59 @@ def save_models(
     _write_atomic(path, lambda p: torch.save(payload, p))
 
 
+def export_state(
+    algorithm: Algorithm, server: dict, fleet: Fleet, tensors: FleetTensors, method: str
+) -> dict[str, Any] | None:
+    """The algorithm's reusable server state (e.g. fedprior's fleet prior) with its context.
+
+    Adds what is needed to apply it to new units: the method and its parameters,
+    feature and target names, the scaler, and the range of each input the fleet
+    was calibrated over (inputs outside it are extrapolation).
+    """
+    state = algorithm.export_state(server)
+    if state is None:
+        return None
+    names = list(fleet.features)
+    train = fleet.frame[fleet.frame["split"] == "train"]
+    if "term_names" in state:
+        state["term_names"] = [
+            re.sub(r"x(\d+)", lambda m: names[int(m.group(1))], t) for t in state["term_names"]
+        ]
+    ident = state.get("identification")
+    if ident:
+        ident["weak_terms"] = [
+            re.sub(r"x(\d+)", lambda m: names[int(m.group(1))], t) for t in ident["weak_terms"]
+        ]
+    return {
+        **state,
+        "method": method,
+        "method_params": {
+            f.name: getattr(algorithm, f.name)
+            for f in dataclasses.fields(algorithm)
+            if f.name != "task"
+        },
+        "features": names,
+        "target": fleet.target,
+        "scaler": tensors.scaler.to_dict(),
+        "input_range": {c: [float(train[c].min()), float(train[c].max())] for c in names},
+        "num_units": fleet.num_clients,
+    }
+
+
+def identification_note(state: dict[str, Any]) -> str:
+    """A one-line warning when the fleet's data leave directions of a prior unlearned."""
+    ident = state.get("identification") or {}
+    weak = ident.get("weak_directions", 0)
+    if not weak:
+        return ""
+    return (
+        f"the fleet's calibration points do not identify {weak} direction(s) of the "
+        f"prior (terms {', '.join(ident['weak_terms'])}): predictions that depend on them "
+        "carry the vague starting prior's σ, not a learned one. Calibrate some units over "
+        "the whole range, or use lower orders."
+    )
+
+
 def run_experiment(
     config: RunConfig,
     fleet: Fleet,
@@ -264,13 +318,16 @@ def run_experiment(
     train_points: Sequence[int] = (0,),
     on_progress: Callable[[str, int, dict], None] | None = None,
     on_skip: Callable[[str, str], None] | None = None,
+    on_note: Callable[[str, str], None] | None = None,
 ) -> pd.DataFrame:
     """Run every (train_points, method, seed); return (and write) the summary table.
 
     With ``methods=["all"]`` a method that cannot run on this model (e.g. one
     that needs a shared body when the model is all head) is skipped and
     reported through ``on_skip(method, reason)``; a method named explicitly
-    that cannot run is an error.
+    that cannot run is an error. What a user must know about a finished run
+    (e.g. a fleet prior that the data do not identify) goes to
+    ``on_note(method, message)``.
     """
     expand_all = list(methods) == ["all"]
     methods = check_methods(methods, config, task_kind(fleet))
@@ -336,6 +393,14 @@ def run_experiment(
                 _write_csv(run_dir / "per_sensor.csv", final)
                 save_models(run_dir / "model.pt", result, tensors, config, algorithm, method, seed)
                 row = summary_row(method, seed, tp, result, fs, task)
+                exported = export_state(algorithm, result.server, subset, tensors, method)
+                if exported is not None:
+                    _write_text(run_dir / "prior.json", json.dumps(exported, indent=1))
+                    note = identification_note(exported)
+                    if "identification" in exported:
+                        row["weak_directions"] = exported["identification"]["weak_directions"]
+                    if note and on_note is not None:
+                        on_note(method, note)
                 _write_text(done, json.dumps(row, indent=2))
                 (run_dir / "checkpoint.pt").unlink(missing_ok=True)
                 rows.append(row)
