@@ -163,7 +163,14 @@ def test_an_unobserved_direction_is_reported_and_keeps_a_vague_prior():
     """Every unit saw the second input at two levels only: its quadratic is not identified."""
     data, _, _, _, _ = planted_fleet(30, 20, seed=6, orders=(1, 2), t_levels=(-0.8, 0.8))
     alg = make(orders=(1, 2))
-    server, _, personal, _ = run(alg, data, 30)
+    server, _, personal, _ = run(alg, data, 60)
+    # an unseen direction keeps its starting variance: it neither collapses nor grows
+    vals, vecs = torch.linalg.eigh(server["support"])
+    unseen = vecs[:, vals < alg.min_informed]
+    assert unseen.shape[1] == 2  # P̃2(x1) ∝ 1 on two levels: with and without P1(x0)
+    torch.testing.assert_close(
+        unseen.T @ server["sigma"] @ unseen, alg.init_scale**2 * torch.eye(2, dtype=F64)
+    )
     ident = alg.identification(server)
     assert ident["weak_directions"] >= 1
     assert any("P2(x1)" in t for t in ident["weak_terms"])

@@ -19,8 +19,7 @@ One round is one ECME iteration (:mod:`fedcal.core.bayes`):
    (Φ_iᵀΦ_i, Φ_iᵀy_i, y_iᵀy_i, n_i) and the broadcast (μ, Σ, σ²), the posterior
    N(m_i, V_i) of its coefficients. It uploads only what the server's sums
    need: m_i, S_i = m_i m_iᵀ + V_i, the GLS terms Φ_iᵀC_i⁻¹Φ_i and
-   Φ_iᵀC_i⁻¹(y_i − Φ_iμ), its expected residual sum of squares r_i, n_i, its
-   Gram matrix Φ_iᵀΦ_i (where it was calibrated, not what it measured) and how
+   Φ_iᵀC_i⁻¹(y_i − Φ_iμ), its expected residual sum of squares r_i, n_i, and how
    far its own points determine each direction (for the identification check).
    With ``noise = "sensor"`` (for fleets whose units differ in noise) it keeps
    a private noise variance
@@ -30,9 +29,8 @@ One round is one ECME iteration (:mod:`fedcal.core.bayes`):
    not trusted on its own noise.
 2. **M-step, server**: μ by generalized least squares, Σ by EM's update
    (1/N) Σ_i E[(c_i − μ)(c_i − μ)ᵀ], then shrunk toward its diagonal by
-   ``shrinkage`` in coordinates where the fleet's mean Gram matrix Σ_iΦ_iᵀΦ_i/Σ_in_i
-   is the identity, optionally factored as ``rank`` factors plus a diagonal,
-   and its eigenvalues floored (:func:`fedcal.core.bayes.regularize`);
+   ``shrinkage``, optionally factored as ``rank`` factors plus a diagonal, and
+   its eigenvalues floored (:func:`fedcal.core.bayes.regularize`);
    σ² = Σ_i r_i / Σ_i n_i. Only sums over clients enter, in a canonical order.
 3. **Personal model** (``personalize``): the posterior mean m_i, which is a
    precision-weighted interpolation between the unit's own least-squares fit
@@ -41,22 +39,29 @@ One round is one ECME iteration (:mod:`fedcal.core.bayes`):
 
 Identification. A direction of coefficient space that no unit's data
 determine (e.g. curvature in temperature when every unit saw only two
-temperatures) is not learned: EM leaves its prior variance where it started,
-``init_scale``² — vague on purpose, so predictions that depend on it get a
-wide predictive σ instead of a confident number. The server also counts, per
-direction of the basis, how many units' own points determine it (the
-eigenvalues of Σ_i [I − (I + s²G_i/σ_i²)⁻¹]); directions informed by fewer
-than ``min_informed`` units are reported as weakly identified
-(:meth:`FedPrior.identification`, in the run's output and the exported prior).
+temperatures) cannot be learned. The server counts, per direction of the
+basis, how many units' own points determine it (the eigenvalues of
+Σ_i [I − (I + s²G_i/σ_i²)⁻¹], s = ``init_scale``); along directions informed by
+fewer than ``min_informed`` units it keeps the vague start (μ unchanged,
+variance s²) instead of an estimate from one or two units, so predictions
+that lean on them carry a wide predictive σ rather than a confident number,
+and the run reports them as weakly identified (:meth:`FedPrior.identification`,
+in the run's output and the exported prior). When every unit has fewer points
+than the basis has terms, lower the orders: the prior cannot be learned from
+such a fleet (measured in the README).
 
 Defaults (ours, measured on mixed fleets of 20 fully calibrated + 20 new
 units, 3 fleet seeds, off-grid test points; README): Legendre orders (4, 3),
 the silicon-resonator calibration surface of shared/spec/sensor-fleet.md,
 which also spans a quartz unit to the noise floor — (3, 3) gives the same
-errors, so the prior does not overfit the larger basis; shrinkage 0.05 in the
-fleet's design metric (in raw Legendre coordinates it cost 15 % at 4×3
-points); one fleet noise level (per-sensor levels narrowed the intervals of
-units with few points: coverage 0.78 against 0.88); a vague start
+errors, so the prior does not overfit the larger basis; no shrinkage (0.05
+toward the diagonal cost 15 % at 4×3 points: neighbouring Legendre terms of
+one unit's narrow frequency span are strongly correlated, and shrinking
+toward the diagonal discards what the fleet measured — EM's Σ stays positive
+definite without it, through the posterior covariances V_i); a floor of
+1e-12 on Σ's eigenvalues (absolute, scaled units); one fleet noise level
+(per-sensor levels narrowed the intervals of units with few points:
+coverage 0.78 against 0.88); a vague start
 (coefficients ±1, noise 0.1 in scaled units) that keeps round 0
 well-conditioned; 50 rounds of the engine are enough (EM's slowest rate is
 the fraction of units that cannot see a direction).
@@ -94,13 +99,14 @@ class FedPrior(Algorithm):
     orders: tuple[int, ...] = (4, 3)  # tensor basis: highest Legendre order per input
     basis: str = "auto"  # "tensor" (orders), "total" (degree), "auto": tensor if orders fit
     degree: int = 2  # total-degree basis: every product of total order ≤ degree
-    shrinkage: float = 0.05  # λ: Σ ← (1 − λ)Σ̂ + λ diag(Σ̂)
+    shrinkage: float = 0.0  # λ: Σ ← (1 − λ)Σ̂ + λ diag(Σ̂)
     rank: int = 0  # > 0: Σ = W Wᵀ + D with this many factors; 0: full Σ
-    floor: float = 1e-9  # eigenvalues of Σ ≥ floor · their mean
+    floor: float = 1e-12  # eigenvalues of Σ ≥ floor (scaled units²)
     noise: str = "fleet"  # "fleet": one σ²; "sensor": σ_i² shrunk toward the fleet's
     noise_prior_points: float = 4.0  # ν of the per-sensor noise
     init_scale: float = 1.0  # prior std of every coefficient before any data (scaled units)
     init_noise: float = 0.1  # noise std before any data (scaled units)
+    mean_scale: float = 10.0  # hyperprior N(0, s²) on μ (scaled units; inf: none)
     min_informed: float = 2.0  # a direction informed by fewer units is weakly identified
 
     name = "fedprior"
@@ -177,7 +183,6 @@ class FedPrior(Algorithm):
             "gls_rhs": post.gls_rhs,
             "rss": post.rss,
             "n": stats.n,
-            "gram": stats.gram,
             "support": data_support(stats.gram, self._noise(down, state), self.init_scale),
         }
         nu = self.noise_prior_points
@@ -199,9 +204,19 @@ class FedPrior(Algorithm):
             total["second"],
             count,
             server["mu"],
+            self.mean_scale,
         )
-        metric = total["gram"] / total["n"].clamp_min(1.0)  # the fleet's mean ΦᵀΦ per point
-        sigma = regularize(sigma_hat, self.shrinkage, self.floor, self.rank or None, metric)
+        sigma = regularize(sigma_hat, self.shrinkage, self.floor, self.rank or None)
+        # Directions that too few units' points determine are not learned: they keep the
+        # vague start (μ as it was, variance init_scale²), so predictions that lean on
+        # them carry a wide σ instead of a guess from one or two units (see module doc).
+        vals, vecs = torch.linalg.eigh(0.5 * (total["support"] + total["support"].T))
+        weak = vecs[:, vals < self.min_informed]
+        if weak.shape[1]:
+            proj_weak = weak @ weak.T
+            proj_seen = torch.eye(mu.shape[0], dtype=F64) - proj_weak
+            sigma = proj_seen @ sigma @ proj_seen + self.init_scale**2 * proj_weak
+            mu = proj_seen @ mu + proj_weak @ server["mu"]
         noise_var = total["rss"] / total["n"].clamp_min(1.0)
         return {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
 

@@ -149,57 +149,25 @@ def predictive_var(design: Tensor, cov: Tensor, noise_var: Tensor) -> Tensor:
 
 
 def regularize(
-    cov: Tensor,
-    shrinkage: float,
-    floor: float,
-    rank: int | None = None,
-    metric: Tensor | None = None,
-    fa_iters: int = 50,
+    cov: Tensor, shrinkage: float, floor: float, rank: int | None = None, fa_iters: int = 50
 ) -> Tensor:
     """Make an estimated prior covariance safe to use: shrink, optionally factor, floor.
 
-    With ``metric`` M (p × p, positive semi-definite: the fleet's mean Gram
-    matrix of the basis) the three steps act in coordinates where M is the
-    identity, c' = Rc with M = RᵀR: there the basis is orthonormal over where
-    the fleet was calibrated, so "toward the diagonal" means "toward
-    independent effects on the predictions" whatever the parameterization —
-    in raw polynomial coordinates neighbouring terms are nearly collinear
-    and shrinking their covariance toward its diagonal destroys the
-    correlations the fleet measured. (A ridge of 1e-6 of M's scale keeps R
-    invertible along directions no unit saw; the coordinates change, nothing else.)
-
     1. shrink toward its own diagonal, (1 − λ) Σ̂ + λ diag(Σ̂) (a MAP update under
        an inverse-Wishart hyperprior centred on the diagonal; Ledoit–Wolf's
-       target): fewer sensors than coefficients leave Σ̂ rank-deficient;
+       target), for fleets with fewer units than coefficients;
     2. ``rank`` k: Σ ≈ W Wᵀ + D, k factors plus a diagonal, fitted to the
        shrunk Σ̂ by iterated principal factors (factor analysis): D is refit to
        what W Wᵀ leaves on the diagonal, W from the top-k eigenpairs of
-       Σ̂ − D. Fewer parameters when sensors of a design vary along few directions;
-    3. every eigenvalue floored at ``floor``·max(mean eigenvalue, tiny), so the
-       prior stays positive definite and a direction on which all sensors agree
-       cannot collapse to a zero variance that no later data could move.
+       Σ̂ − D. Fewer parameters when units of a design vary along few directions;
+    3. every eigenvalue floored at ``floor`` (an absolute variance): the prior
+       stays positive definite and a direction on which all units agree cannot
+       collapse to a zero variance that no later data could move. Absolute, not
+       relative to the spectrum: a direction no unit saw keeps its large starting
+       variance, and a relative floor would lift every learned direction with it.
     """
     p = cov.shape[-1]
     cov = 0.5 * (cov + cov.transpose(-2, -1))
-    if metric is not None:
-        m = 0.5 * (metric + metric.T).to(F64)
-        m = m + 1e-6 * torch.diagonal(m).abs().max().clamp_min(1e-300) * torch.eye(p, dtype=F64)
-        r = torch.linalg.cholesky(m).T  # M = Rᵀ R
-        r_inv = torch.linalg.solve_triangular(r, torch.eye(p, dtype=F64), upper=True)
-        cov = r_inv @ _shrink_and_factor(r @ cov @ r.T, shrinkage, rank, fa_iters) @ r_inv.T
-    else:
-        cov = _shrink_and_factor(cov, shrinkage, rank, fa_iters)
-    # The floor acts in the prior's own coordinates: in metric coordinates a direction
-    # no unit saw is tiny, and flooring it there would blow it up on the way back.
-    vals, vecs = torch.linalg.eigh(0.5 * (cov + cov.transpose(-2, -1)))
-    scale = vals.mean(-1, keepdim=True).clamp_min(torch.finfo(F64).tiny)
-    vals = torch.maximum(vals, floor * scale)
-    out = vecs @ torch.diag_embed(vals) @ vecs.transpose(-2, -1)
-    return 0.5 * (out + out.transpose(-2, -1))
-
-
-def _shrink_and_factor(cov: Tensor, shrinkage: float, rank: int | None, fa_iters: int) -> Tensor:
-    p = cov.shape[-1]
     diag = torch.diag_embed(torch.diagonal(cov, dim1=-2, dim2=-1))
     cov = (1 - shrinkage) * cov + shrinkage * diag
     if rank is not None and rank < p:
@@ -210,7 +178,10 @@ def _shrink_and_factor(cov: Tensor, shrinkage: float, rank: int | None, fa_iters
             w = vecs[..., -rank:] * top_vals.sqrt().unsqueeze(-2)
             d = (torch.diagonal(cov, dim1=-2, dim2=-1) - (w * w).sum(-1)).clamp_min(0)
         cov = w @ w.transpose(-2, -1) + torch.diag_embed(d)
-    return cov
+    vals, vecs = torch.linalg.eigh(cov)
+    vals = vals.clamp_min(floor)
+    out = vecs @ torch.diag_embed(vals) @ vecs.transpose(-2, -1)
+    return 0.5 * (out + out.transpose(-2, -1))
 
 
 def m_step(
@@ -220,23 +191,39 @@ def m_step(
     sum_second: Tensor,
     num_clients: Tensor,
     mu: Tensor,
-    ridge: float = 1e-12,
+    mean_scale: float = math.inf,
+    rcond: float = 1e-10,
 ) -> tuple[Tensor, Tensor]:
     """The server's update from client sums: (μ_new, Σ̂) before :func:`regularize`.
 
-    μ_new = μ + (Σ_i Φ_iᵀC_i⁻¹Φ_i)⁻¹ Σ_i Φ_iᵀC_i⁻¹(y_i − Φ_i μ)   (GLS, see module doc);
+    μ_new maximizes the marginal likelihood for the current Σ (GLS), under a
+    N(0, s² I) hyperprior on μ with s = ``mean_scale`` (∞: none):
+
+        (Σ_i Φ_iᵀC_i⁻¹Φ_i + I/s²) μ_new = Σ_i Φ_iᵀC_i⁻¹y_i
+                                    = Σ_i Φ_iᵀC_i⁻¹(y_i − Φ_iμ) + (Σ_i Φ_iᵀC_i⁻¹Φ_i) μ;
+
     Σ̂ = (1/N) Σ_i E[(c_i − μ_new)(c_i − μ_new)ᵀ]
        = (1/N) Σ_i S_i − μ_new m̄ᵀ − m̄ μ_newᵀ + μ_new μ_newᵀ,  S_i = m_i m_iᵀ + V_i.
 
-    A direction that no client's data inform has a zero GLS Gram: ``ridge``
-    (relative to the Gram's scale) keeps μ there where it was.
+    Why the hyperprior: along a direction the units' points barely inform, the
+    GLS precision is tiny and the plain solution is noise divided by it; the
+    hyperprior keeps μ there near 0 (s ≫ any plausible coefficient: the target
+    and the basis are scaled to O(1)). Without one (s = ∞) the solve is a
+    pseudo-inverse: eigenvalues below ``rcond`` times the largest are dropped, so
+    μ stays where it was along unseen directions.
     """
     p = mu.shape[-1]
-    scale = torch.diagonal(sum_gls_gram).abs().max().clamp_min(torch.finfo(F64).tiny)
-    step = torch.linalg.solve(
-        sum_gls_gram + ridge * scale * torch.eye(p, dtype=F64), sum_gls_rhs.unsqueeze(-1)
-    )[..., 0]
-    mu_new = mu + step
+    gram = 0.5 * (sum_gls_gram + sum_gls_gram.T)
+    target = sum_gls_rhs + gram @ mu
+    if math.isfinite(mean_scale):
+        gram = gram + torch.eye(p, dtype=F64) / mean_scale**2
+    vals, vecs = torch.linalg.eigh(gram)
+    keep = vals > rcond * vals.max().clamp_min(torch.finfo(F64).tiny)
+    inv = torch.where(keep, 1.0 / torch.where(keep, vals, 1.0), torch.zeros_like(vals))
+    # Along dropped directions (no hyperprior only) μ keeps its old value.
+    kept = vecs @ (inv * (vecs.T @ target))
+    dropped = vecs @ (torch.where(keep, 0.0, 1.0) * (vecs.T @ mu))
+    mu_new = kept + dropped
     mean_bar = sum_mean / num_clients
     outer = torch.outer(mu_new, mean_bar)
     sigma = sum_second / num_clients - outer - outer.T + torch.outer(mu_new, mu_new)
