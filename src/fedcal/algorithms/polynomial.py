@@ -338,9 +338,11 @@ class PolynomialCalibration(Algorithm):
         return out
 
     def probe_design(self) -> Tensor:
-        """The basis on a tensor grid of the unit box (points, terms), ≤ ~1000 points."""
+        """The basis on a tensor grid of the unit box (points, terms): 2·max order + 1 points
+        per input (≤ 729 in all) — a cost of points × rows per candidate, kept small."""
         f = len(self.top_orders)
-        side = torch.linspace(-1.0, 1.0, max(3, int(1000 ** (1 / f))), dtype=F64)
+        per_input = min(2 * max(self.top_orders) + 1, max(3, int(729 ** (1 / f) + 1e-9)))
+        side = torch.linspace(-1.0, 1.0, per_input, dtype=F64)
         points = torch.cartesian_prod(*([side] * f)).reshape(-1, f)
         return tensor_design(points, self.exponents)
 
