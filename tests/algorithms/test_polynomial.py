@@ -12,6 +12,7 @@ from fedcal.algorithms.polynomial import (
     PolynomialCalibration,
     count_levels,
     least_squares,
+    lebesgue_constant,
     tensor_design,
 )
 from fedcal.core.data import ClientData
@@ -173,6 +174,18 @@ def test_last_resort_prefers_the_saturated_order_that_amplifies_least():
     assert PolynomialCalibration(task(), saturate="grid").fit(data)["orders"].tolist() == [
         [1.0, 1.0]
     ]
+
+
+def test_lebesgue_constant_of_a_3x2_grid_interpolant_is_5_over_4():
+    """Quadratic interpolation at −1, 0, 1: Σ|ℓ_i| peaks at u = ±1/2 with 1/8 + 3/4 + 3/8 =
+    5/4; linear interpolation between the two ends adds nothing (Σ|ℓ_i| = 1)."""
+    alg = PolynomialCalibration(task())
+    u = torch.tensor([[f, t] for f in (-1.0, 0.0, 1.0) for t in (-1.0, 1.0)], dtype=F64)
+    used = alg.term_mask((2, 1))
+    design = tensor_design(u, alg.exponents)[:, used][None]
+    ls = least_squares(design, torch.zeros(1, 6, dtype=F64), torch.ones(1, 6, dtype=F64), 1e-10)
+    probe = alg.probe_design()[:, used]  # 9 × 9 points on the box, ±1/2 among them
+    assert lebesgue_constant(ls, probe).item() == pytest.approx(1.25, abs=1e-12)
 
 
 def test_fewer_points_than_the_smallest_model_is_refused_and_never_a_number():
