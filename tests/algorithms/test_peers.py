@@ -1,9 +1,9 @@
 """The peers of FedGMI, each against its defining property.
 
-polynomial, centralized(_ft), fedavg_ft, fedper, fedrep, fedala, ditto, apfl:
+centralized(_ft), fedavg_ft, fedper, fedrep, fedala, ditto, apfl:
 limiting cases that reduce a method to a known one, hand-computed updates,
-and independent reference computations (numpy least squares, a plain
-autograd SGD loop).
+and independent reference computations (a plain autograd SGD loop); the
+per-sensor polynomial is tested in ``test_polynomial.py``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from fedcal.algorithms.fedavg import FedAvg
 from fedcal.algorithms.fedavg_ft import FedAvgFinetune
 from fedcal.algorithms.fedper import FedPer
 from fedcal.algorithms.fedrep import FedRep
-from fedcal.algorithms.polynomial import PolynomialCalibration, monomials
-from fedcal.core.data import ClientData, _generator, client_round_seed
+from fedcal.core.data import _generator, client_round_seed
 from fedcal.core.task import Task
 from fedcal.core.tree import drop, expand, flatten, select, sq_norm, sub, tree_map
-from fedcal.engine.simulation import EngineConfig, prepare, simulate
+from fedcal.engine.simulation import prepare
 from fedcal.models.mlp import MLP
 
 F64 = torch.float64
@@ -55,82 +54,6 @@ def differ(a, b, keys):
 
 TASK = Task(MLP(hidden=(6, 5)))
 RECIPE = {"lr": 0.05, "local_epochs": 2, "batch_size": 8}
-
-
-# ---- polynomial ---------------------------------------------------------------
-def polynomial_cohort(true_orders, rows=150, noise=0.0, seed=0):
-    """Clients whose target is an exact polynomial of the given orders in (f, T)."""
-    alg = PolynomialCalibration(TASK)
-    gen = torch.Generator().manual_seed(seed)
-    n = len(true_orders)
-    x = torch.rand(n, rows, 2, generator=gen, dtype=F64) * 1.6 - 0.8
-    coef = torch.randn(n, len(alg.exponents), generator=gen, dtype=F64)
-    coef = coef * alg.term_masks(true_orders)
-    y = (monomials(x, alg.exponents) * coef.unsqueeze(1)).sum(-1, keepdim=True)
-    y = y + noise * torch.randn(y.shape, generator=gen, dtype=F64)
-    return ClientData(x, y, torch.full((n,), rows), tuple(range(11, 11 + n))), coef
-
-
-def test_polynomial_recovers_an_exact_surface_and_cv_picks_its_orders():
-    true = [(3, 2), (1, 0), (4, 3), (2, 1)]
-    data, coef = polynomial_cohort(true)
-    alg = PolynomialCalibration(TASK)
-    fitted, orders = alg.fit(data)
-    assert orders.tolist() == [list(map(float, pq)) for pq in true]
-    assert torch.allclose(fitted, coef, rtol=0, atol=1e-8)
-    probe, _ = polynomial_cohort(true, rows=50, seed=1)
-    exact = (monomials(probe.x, alg.exponents) * coef.unsqueeze(1)).sum(-1, keepdim=True)
-    pred = alg.predict({"coef": fitted}, probe.x)
-    assert (pred - exact).abs().max() < 1e-9  # scaled units, float64
-
-
-def test_polynomial_cv_picks_the_true_orders_under_noise():
-    """Noise 1e-4 (scaled; ≈0.08 hPa): bigger models fit noise, smaller ones miss a term."""
-    true = [(3, 2), (2, 1), (1, 3)]
-    data, _ = polynomial_cohort(true, rows=200, noise=1e-4, seed=3)
-    _, orders = PolynomialCalibration(TASK).fit(data)
-    assert orders.tolist() == [list(map(float, pq)) for pq in true]
-    # The rule is "the smallest model within the tolerance of the best": a huge
-    # tolerance admits every model, so the smallest of the grid, (1, 0), wins.
-    _, orders = PolynomialCalibration(TASK, cv_tolerance=1e6).fit(data)
-    assert orders.tolist() == [[1.0, 0.0]] * 3
-
-
-def test_polynomial_fixed_orders_equal_numpy_least_squares():
-    data, _ = polynomial_cohort([(4, 3), (2, 2)], rows=60, noise=0.05, seed=2)
-    data = ClientData(data.x, data.y, torch.tensor([60, 41]), data.seeds)  # ragged client
-    alg = PolynomialCalibration(TASK, orders=(2, 1))
-    fitted, orders = alg.fit(data)
-    assert orders.tolist() == [[2.0, 1.0], [2.0, 1.0]]
-    for c, n in enumerate([60, 41]):
-        f, t = data.x[c, :n, 0].numpy(), data.x[c, :n, 1].numpy()
-        design = np.stack([f**i * t**j for i in range(3) for j in range(2)], axis=1)
-        oracle = np.linalg.lstsq(design, data.y[c, :n, 0].numpy(), rcond=None)[0]
-        mine = {(i, j): fitted[c, k].item() for k, (i, j) in enumerate(alg.exponents.tolist())}
-        got = np.array([mine[(i, j)] for i in range(3) for j in range(2)])
-        assert np.allclose(got, oracle, rtol=0, atol=1e-9)
-        assert all(v == 0.0 for (i, j), v in mine.items() if i > 2 or j > 1)
-
-
-def test_polynomial_uses_fewer_coefficients_than_training_rows():
-    data, _ = polynomial_cohort([(4, 3)], rows=10)  # 8 training rows per fold
-    _, orders = PolynomialCalibration(TASK).fit(data)
-    p, q = orders[0].tolist()
-    assert (p + 1) * (q + 1) < 8
-
-
-def test_polynomial_is_idempotent_over_rounds(make_fleet):
-    fleet = prepare(make_fleet(num_clients=3, train=[30, 18, 25]), dtype="float64")
-    alg = PolynomialCalibration(TASK)
-    one = simulate(alg, fleet, EngineConfig(rounds=1, seed=4, dtype="float64"))
-    three = simulate(alg, fleet, EngineConfig(rounds=3, seed=4, dtype="float64"))
-    assert_close(one.personal, three.personal, atol=0)
-    # A later round with other fold seeds leaves a fitted client untouched.
-    data = fleet.train.with_seeds((7, 8, 9))
-    state = alg.client_update({}, one.states, data).state
-    assert_close(state, one.states, atol=0)
-    # Nothing leaves the sensors.
-    assert not alg.federated and one.bytes_up_per_round == 0.0
 
 
 # ---- centralized --------------------------------------------------------------
