@@ -57,7 +57,7 @@ def test_per_sensor_fit_recovers_each_planted_polynomial():
     alg = LeastSquares(Task(MLP(in_features=3)), ridge=1e-12)
     personal, result = fit(alg, data)
     assert torch.allclose(personal["coef"], coef, atol=1e-7)
-    assert result.reply == {}  # nothing leaves a sensor
+    assert result.reply == {} and not alg.federated  # nothing leaves a sensor
     assert torch.all(result.metrics["train_loss"] < 1e-12)
 
 
@@ -65,6 +65,7 @@ def test_pooled_fit_is_least_squares_on_all_points_stacked():
     coef = torch.randn(4, 10, generator=torch.Generator().manual_seed(2), dtype=F64)
     data = cohort([9, 14, 11, 20], coef, noise=0.1)
     alg = LeastSquares(Task(MLP(in_features=3)), pooled=True, ridge=1e-12)
+    assert alg.federated
     personal, _ = fit(alg, data)
     e = total_degree_exponents(3, 2)
     xs = np.concatenate(

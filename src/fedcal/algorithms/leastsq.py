@@ -59,7 +59,11 @@ class LeastSquares(Algorithm):
     ridge: float = 1e-8  # λ, relative to the number of points (numerical safety)
 
     name = "leastsq"
-    federated = True  # pooled uploads sufficient statistics; per-sensor uploads nothing
+
+    @property
+    def federated(self) -> bool:  # type: ignore[override]
+        """Pooled uploads sufficient statistics; a per-sensor fit communicates nothing."""
+        return self.pooled
 
     def __post_init__(self) -> None:
         if self.degree < 0:
