@@ -239,3 +239,17 @@ def test_shipped_fewpoint_and_generic_configs():
     pooled = build_algorithm("pooled_ls", generic, task)
     assert pooled.pooled and pooled.degree == 2 and len(pooled.exponents) == 10
     assert "leastsq" in REGISTRY
+
+
+def test_aggregate_does_not_skip_a_nan_run():
+    summary = pd.DataFrame(
+        {
+            "method": ["a", "a", "b", "b"],
+            "seed": [0, 1, 0, 1],
+            "train_points": [0] * 4,
+            "rmse_mean": [1.0, float("nan"), 2.0, 4.0],
+        }
+    )
+    table = aggregate(summary).set_index("method")
+    assert math.isnan(table.loc["a", "rmse_mean"]) and math.isnan(table.loc["a", "rmse_mean_std"])
+    assert table.loc["b", "rmse_mean"] == 3.0 and table.loc["b", "rmse_mean_std"] == 1.0

@@ -10,14 +10,16 @@ def aggregate(summary: pd.DataFrame) -> pd.DataFrame:
     """Mean and std over seeds per ([design,] train_points, method), methods in given order.
 
     With a design sweep the rows are per design too; with a fleet-seed sweep
-    the mean and std are over training seeds and fleet seeds together.
+    the mean and std are over training seeds and fleet seeds together. A NaN
+    run (a diverged sensor) makes its group NaN: it is never skipped.
     """
     keys = [k for k in ("design", "train_points") if k in summary.columns]
     metrics = [c for c in summary.columns if c not in ("method", "seed", "fleet_seed", *keys)]
     order = {m: i for i, m in enumerate(pd.unique(summary["method"]))}
     grouped = summary.groupby([*keys, "method"], sort=False)[metrics]
     table = pd.concat(
-        [grouped.mean(), grouped.std(ddof=0).add_suffix("_std")], axis=1
+        [grouped.mean(skipna=False), grouped.std(ddof=0, skipna=False).add_suffix("_std")],
+        axis=1,
     ).reset_index()
     table["seeds"] = grouped.size().to_numpy()
     table["_order"] = table["method"].map(order)
