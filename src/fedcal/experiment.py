@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -246,7 +246,7 @@ def summary_row(
     result: RunResult,
     fs: float,
     task: Task,
-    roles: Mapping[str, str] | None = None,
+    roles: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """One summary row: each test metric's mean and worst over sensors.
 
@@ -301,6 +301,109 @@ def save_models(
     _write_atomic(path, lambda p: torch.save(payload, p))
 
 
+def run_experiment(
+    config: RunConfig,
+    fleet: Fleet,
+    out: Path,
+    methods: Sequence[str],
+    train_points: Sequence[int] = (0,),
+    on_progress: Callable[[str, int, dict], None] | None = None,
+    on_skip: Callable[[str, str], None] | None = None,
+) -> pd.DataFrame:
+    """Run every (fleet variant, train_points, method, seed); return (and write) the summary.
+
+    Fleet variants come from the design and fleet-seed sweeps of ``config``
+    (see :func:`fleet_variants`); without them ``fleet`` is the only one. With
+    ``methods=["all"]`` a method that cannot run on this model (e.g. one
+    that needs a shared body when the model is all head) is skipped and
+    reported through ``on_skip(method, reason)``; a method named explicitly
+    that cannot run is an error.
+    """
+    expand_all = list(methods) == ["all"]
+    methods = check_methods(methods, config, task_kind(fleet))
+    variants = fleet_variants(config, fleet)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    resolved = {**config.to_dict(), "methods": methods, "train_points_sweep": list(train_points)}
+    config_path = out / "config.json"
+    text = json.dumps(resolved, indent=2, sort_keys=True, default=list)
+    if config_path.exists() and json.loads(config_path.read_text()) != json.loads(text):
+        raise ConfigError(
+            f"{out} holds a run with another configuration; choose another --out "
+            "or remove it (nothing was changed)"
+        )
+    _write_text(config_path, text)
+    _write_text(
+        out / "fleet.json", json.dumps(_provenance(variants), indent=2, sort_keys=True, default=str)
+    )
+    rows: list[dict[str, Any]] = []
+    for labels, fleet, tp in [(lab, f, tp) for lab, f in variants for tp in train_points]:
+        fs, roles = full_scale(fleet), fleet.roles
+        subset = fleet.with_train_points(tp or None, seed=config.data.split_seed)
+        tensors = prepare(subset, config.data.scaling, config.engine.dtype)
+        task = build_task(config, tensors.train.x.shape[-1], subset.meta, client_inputs(tensors))
+        for method in methods:
+            try:
+                algorithm = build_algorithm(method, config, task)
+            except ConfigError as err:
+                if not expand_all:
+                    raise
+                if on_skip is not None:
+                    on_skip(method, str(err))
+                continue
+            for seed in range(config.seeds):
+                run_dir = out / "runs" / _run_name(method, labels, tp, seed)
+                done = run_dir / "done.json"
+                if done.exists():
+                    rows.append(json.loads(done.read_text()))
+                    continue
+                run_dir.mkdir(parents=True, exist_ok=True)
+                engine = EngineConfig(
+                    rounds=config.engine.rounds,
+                    participation=config.engine.participation,
+                    eval_every=config.engine.eval_every,
+                    seed=seed,
+                    dtype=config.engine.dtype,
+                )
+                label = f"{method}{_where(labels)} tp={tp or 'all'} seed={seed}"
+                result = simulate(
+                    algorithm,
+                    tensors,
+                    engine,
+                    on_round=(lambda t, s, label=label: on_progress(label, t, s))
+                    if on_progress
+                    else None,
+                    checkpoint=run_dir / "checkpoint.pt",
+                    checkpoint_every=config.engine.checkpoint_every,
+                )
+                history = pd.DataFrame(result.history)
+                history.insert(0, "method", method)
+                history.insert(1, "seed", seed)
+                _write_csv(run_dir / "metrics.csv", history)
+                final = pd.DataFrame(result.final)
+                final.insert(0, "method", method)
+                final.insert(1, "seed", seed)
+                if roles is not None:  # mixed fleets: each sensor's role beside its id
+                    role_column = final["client"].astype(str).map(roles)
+                    final.insert(final.columns.get_loc("client") + 1, "role", role_column)
+                _write_csv(run_dir / "per_sensor.csv", final)
+                save_models(run_dir / "model.pt", result, tensors, config, algorithm, method, seed)
+                row = {**labels, **summary_row(method, seed, tp, result, fs, task, roles)}
+                _write_text(done, json.dumps(row, indent=2))
+                (run_dir / "checkpoint.pt").unlink(missing_ok=True)
+                rows.append(row)
+                _write_csv(out / "summary.csv", _ordered(pd.DataFrame(rows)))
+    summary = _ordered(pd.DataFrame(rows))
+    _write_csv(out / "summary.csv", summary)
+    return summary
+
+
+def _ordered(frame: pd.DataFrame) -> pd.DataFrame:
+    first = [c for c in SUMMARY_COLUMNS if c in frame.columns]
+    rest = [c for c in frame.columns if c not in first]
+    return frame[first + rest]
+
+
 def fleet_variants(config: RunConfig, fleet: Fleet) -> list[tuple[dict[str, Any], Fleet]]:
     """The fleets of a run: ``fleet`` alone, or one per (fleet seed, design) of the sweeps.
 
@@ -342,116 +445,12 @@ def _run_name(method: str, labels: dict[str, Any], tp: int, seed: int) -> str:
     return "_".join([*parts, f"tp{tp}", f"seed{seed}"])
 
 
-def run_experiment(
-    config: RunConfig,
-    fleet: Fleet,
-    out: Path,
-    methods: Sequence[str],
-    train_points: Sequence[int] = (0,),
-    on_progress: Callable[[str, int, dict], None] | None = None,
-    on_skip: Callable[[str, str], None] | None = None,
-) -> pd.DataFrame:
-    """Run every (fleet variant, train_points, method, seed); return (and write) the summary.
+def _where(labels: dict[str, Any]) -> str:
+    return "".join(f" {k}={v}" for k, v in labels.items())
 
-    Fleet variants come from the design and fleet-seed sweeps of ``config``
-    (see :func:`fleet_variants`); without them ``fleet`` is the only one. With
-    ``methods=["all"]`` a method that cannot run on this model (e.g. one
-    that needs a shared body when the model is all head) is skipped and
-    reported through ``on_skip(method, reason)``; a method named explicitly
-    that cannot run is an error.
-    """
-    expand_all = list(methods) == ["all"]
-    methods = check_methods(methods, config, task_kind(fleet))
-    variants = fleet_variants(config, fleet)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    resolved = {**config.to_dict(), "methods": methods, "train_points_sweep": list(train_points)}
-    config_path = out / "config.json"
-    text = json.dumps(resolved, indent=2, sort_keys=True, default=list)
-    if config_path.exists() and json.loads(config_path.read_text()) != json.loads(text):
-        raise ConfigError(
-            f"{out} holds a run with another configuration; choose another --out "
-            "or remove it (nothing was changed)"
-        )
-    _write_text(config_path, text)
+
+def _provenance(variants: list[tuple[dict[str, Any], Fleet]]) -> Any:
+    """fleet.json: the fleet's meta, or per swept variant its labels and meta."""
     if len(variants) == 1 and not variants[0][0]:
-        provenance: Any = fleet.meta
-    else:
-        provenance = [{**labels, "meta": v.meta} for labels, v in variants]
-    _write_text(out / "fleet.json", json.dumps(provenance, indent=2, sort_keys=True, default=str))
-    rows: list[dict[str, Any]] = []
-    for labels, variant in variants:
-        fs = full_scale(variant)
-        roles = variant.roles
-        for tp in train_points:
-            subset = variant.with_train_points(tp or None, seed=config.data.split_seed)
-            tensors = prepare(subset, config.data.scaling, config.engine.dtype)
-            task = build_task(
-                config, tensors.train.x.shape[-1], subset.meta, client_inputs(tensors)
-            )
-            for method in methods:
-                try:
-                    algorithm = build_algorithm(method, config, task)
-                except ConfigError as err:
-                    if not expand_all:
-                        raise
-                    if on_skip is not None:
-                        on_skip(method, str(err))
-                    continue
-                for seed in range(config.seeds):
-                    run_dir = out / "runs" / _run_name(method, labels, tp, seed)
-                    done = run_dir / "done.json"
-                    if done.exists():
-                        rows.append(json.loads(done.read_text()))
-                        continue
-                    run_dir.mkdir(parents=True, exist_ok=True)
-                    engine = EngineConfig(
-                        rounds=config.engine.rounds,
-                        participation=config.engine.participation,
-                        eval_every=config.engine.eval_every,
-                        seed=seed,
-                        dtype=config.engine.dtype,
-                    )
-                    where = "".join(f" {k}={v}" for k, v in labels.items())
-                    label = f"{method}{where} tp={tp or 'all'} seed={seed}"
-                    result = simulate(
-                        algorithm,
-                        tensors,
-                        engine,
-                        on_round=(lambda t, s, label=label: on_progress(label, t, s))
-                        if on_progress
-                        else None,
-                        checkpoint=run_dir / "checkpoint.pt",
-                        checkpoint_every=config.engine.checkpoint_every,
-                    )
-                    history = pd.DataFrame(result.history)
-                    history.insert(0, "method", method)
-                    history.insert(1, "seed", seed)
-                    _write_csv(run_dir / "metrics.csv", history)
-                    final = pd.DataFrame(result.final)
-                    final.insert(0, "method", method)
-                    final.insert(1, "seed", seed)
-                    if roles is not None:
-                        final.insert(
-                            final.columns.get_loc("client") + 1,
-                            "role",
-                            final["client"].astype(str).map(roles),
-                        )
-                    _write_csv(run_dir / "per_sensor.csv", final)
-                    save_models(
-                        run_dir / "model.pt", result, tensors, config, algorithm, method, seed
-                    )
-                    row = {**labels, **summary_row(method, seed, tp, result, fs, task, roles)}
-                    _write_text(done, json.dumps(row, indent=2))
-                    (run_dir / "checkpoint.pt").unlink(missing_ok=True)
-                    rows.append(row)
-                    _write_csv(out / "summary.csv", _ordered(pd.DataFrame(rows)))
-    summary = _ordered(pd.DataFrame(rows))
-    _write_csv(out / "summary.csv", summary)
-    return summary
-
-
-def _ordered(frame: pd.DataFrame) -> pd.DataFrame:
-    first = [c for c in SUMMARY_COLUMNS if c in frame.columns]
-    rest = [c for c in frame.columns if c not in first]
-    return frame[first + rest]
+        return variants[0][1].meta
+    return [{**labels, "meta": fleet.meta} for labels, fleet in variants]
