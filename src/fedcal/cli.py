@@ -102,6 +102,8 @@ def _experiment(
         * cfg.seeds
         * len(train_points)
         * cfg.engine.rounds
+        * max(len(cfg.designs), 1)
+        * max(len(cfg.fleet_seeds), 1)
     )
     columns = (
         TextColumn("{task.description}"),
@@ -159,6 +161,12 @@ def _table_columns(table, unit: str, show_bytes: bool) -> list[tuple[str, str]]:
             ("rmse_mean_pct_fs", "RMSE %FS"),
             ("max_abs_worst_pct_fs", "max|err| %FS"),
         ]
+        for role in ("new", "reference"):  # mixed fleets: the same per role
+            if f"rmse_mean_{role}" in table.columns:
+                cols += [
+                    (f"rmse_mean_{role}", f"RMSE mean {role} ({unit})"),
+                    (f"rmse_worst_{role}", f"RMSE worst {role} ({unit})"),
+                ]
     else:
         cols = [
             (c, c)
@@ -172,11 +180,10 @@ def _table_columns(table, unit: str, show_bytes: bool) -> list[tuple[str, str]]:
 
 
 def _print_table(table, unit: str, show_bytes: bool) -> None:
-    from fedcal.report.tables import fmt_pm
+    from fedcal.report.tables import fmt_pm, sections_of
 
     cols = _table_columns(table, unit, show_bytes)
-    for tp, part in table.groupby("train_points", sort=False):
-        title = "calibration points per sensor: " + ("all" if tp == 0 else str(tp))
+    for title, part in sections_of(table):
         t = Table(title=title, title_justify="left")
         t.add_column("method")
         for _, header in cols:
@@ -239,10 +246,33 @@ def compare(
     train_points: Annotated[
         str | None, typer.Option("--train-points", help="sweep, e.g. 12,24,48,96,384")
     ] = None,
+    designs: Annotated[
+        str | None,
+        typer.Option("--designs", help="chamber-design sweep of the simulator, e.g. 3x2,4x3,6x4"),
+    ] = None,
+    fleet_seeds: Annotated[
+        str | None, typer.Option("--fleet-seeds", help="fleet-seed sweep, e.g. 0,1,2")
+    ] = None,
 ) -> None:
     """Compare methods on the same fleet, splits and seeds, optionally over point budgets."""
+    from fedcal.config import check_design, check_fleet_seeds
+
     try:
         cfg = _resolve(config, data, features, target, methods, seeds, rounds)
+        if designs is not None:
+            chosen = tuple(check_design(d, "--designs") for d in _csv_list(designs))
+            if not chosen or len(set(chosen)) != len(chosen):
+                raise ConfigError(f"--designs: need distinct designs like 3x2,4x3, got {designs!r}")
+            cfg = replace(cfg, designs=chosen)
+        if fleet_seeds is not None:
+            bad = f"--fleet-seeds: expected integers like 0,1,2, got {fleet_seeds!r}"
+            try:
+                parsed = [int(s) for s in _csv_list(fleet_seeds)]
+            except ValueError:
+                raise ConfigError(bad) from None
+            if not parsed:
+                raise ConfigError(bad)
+            cfg = replace(cfg, fleet_seeds=check_fleet_seeds(parsed, "--fleet-seeds"))
         points = (
             tuple(int(p) for p in _csv_list(train_points))
             if train_points

@@ -45,6 +45,10 @@ class FleetConfig:
     heterogeneity: float = 1.0
     num_lots: int = 1
     test_design: str = "cycle"
+    train_design: str = "campaign"  # "campaign" (16 P x 6 T x 4 sweeps) or "PxT", e.g. "3x2"
+    num_reference: int = 0  # mixed fleet: reference units (reference_design) ...
+    num_new: int = 0  # ... + new units (train_design); 0 and 0 = num_sensors plain units
+    reference_design: str = "campaign"
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,8 @@ class TrainConfig:
 class RunConfig:
     methods: tuple[str, ...] = ("fedgmi", "fedavg", "local")
     seeds: int = 3
+    designs: tuple[str, ...] = ()  # sweep of [fleet] train_design (empty: no sweep)
+    fleet_seeds: tuple[int, ...] = ()  # sweep of [fleet] seed (empty: no sweep)
     data: DataConfig = field(default_factory=DataConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -135,14 +141,59 @@ def _coerce(cls: type, values: dict[str, Any], where: str) -> Any:
     return replace(defaults, **out)
 
 
+RUN_KEYS = ("methods", "seeds", "designs", "fleet_seeds")  # fields of [run]
+
+
+def check_design(design: Any, where: str) -> str:
+    """A chamber design name ("campaign" or "PxT"), or a one-line ConfigError naming ``where``."""
+    from fedcal.data.simulator import parse_design
+
+    if not isinstance(design, str):
+        raise ConfigError(f"{where}: expected a string like '3x2', got {design!r}")
+    try:
+        parse_design(design)
+    except ValueError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    return design
+
+
+def check_fleet_seeds(seeds: Any, where: str) -> tuple[int, ...]:
+    """Fleet seeds: distinct non-negative integers, or a one-line ConfigError."""
+    if not isinstance(seeds, list | tuple) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds
+    ):
+        raise ConfigError(f"{where}: expected a list of non-negative integers, got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"{where}: repeated fleet seed in {list(seeds)!r}")
+    return tuple(seeds)
+
+
+def _check_sweeps(cfg: RunConfig, where: str) -> None:
+    f = cfg.fleet
+    check_design(f.train_design, f"{where} [fleet] train_design")
+    check_design(f.reference_design, f"{where} [fleet] reference_design")
+    if f.num_reference < 0 or f.num_new < 0:
+        raise ConfigError(f"{where} [fleet]: num_reference and num_new must be >= 0")
+    if not isinstance(cfg.designs, tuple):
+        raise ConfigError(f"{where} [run] designs: expected a list, got {cfg.designs!r}")
+    for d in cfg.designs:
+        check_design(d, f"{where} [run] designs")
+    if len(set(cfg.designs)) != len(cfg.designs):
+        raise ConfigError(f"{where} [run] designs: repeated design in {list(cfg.designs)!r}")
+    check_fleet_seeds(cfg.fleet_seeds, f"{where} [run] fleet_seeds")
+
+
 def from_dict(raw: dict[str, Any], where: str = "config") -> RunConfig:
     """Build a RunConfig from parsed TOML, validating every field."""
     raw = dict(raw)
     kwargs: dict[str, Any] = {}
     run = dict(raw.pop("run", {}))
-    for key in ("methods", "seeds"):
+    for key in RUN_KEYS:
         if key in run:
-            kwargs[key] = tuple(run.pop(key)) if key == "methods" else run.pop(key)
+            value = run.pop(key)
+            if key != "seeds" and not isinstance(value, list | tuple):
+                raise ConfigError(f"{where} [run] {key}: expected a list, got {value!r}")
+            kwargs[key] = value if key == "seeds" else tuple(value)
     if run:
         raise ConfigError(f"{where}: unknown field(s) in [run]: {', '.join(sorted(run))}")
     for name, cls in SECTIONS.items():
@@ -154,7 +205,9 @@ def from_dict(raw: dict[str, Any], where: str = "config") -> RunConfig:
     kwargs["method_params"] = {k: dict(v) for k, v in methods.items()}
     if raw:
         raise ConfigError(f"{where}: unknown section(s) {', '.join(sorted(raw))}")
-    return RunConfig(**kwargs)
+    cfg = RunConfig(**kwargs)
+    _check_sweeps(cfg, where)
+    return cfg
 
 
 def default_config() -> RunConfig:
@@ -163,7 +216,8 @@ def default_config() -> RunConfig:
     return from_dict(tomllib.loads(text), "fedcal/configs/default.toml")
 
 
-SHIPPED = ("physics", "digits")  # fedcal/configs/<name>.toml, usable as --config <name>
+# fedcal/configs/<name>.toml, usable as --config <name>
+SHIPPED = ("physics", "digits", "fewpoint", "generic")
 
 
 def load_config(path: str | Path | None) -> RunConfig:
@@ -193,7 +247,7 @@ def merge(base: RunConfig, user: RunConfig, raw: dict[str, Any]) -> RunConfig:
     """``base`` with the fields that ``raw`` (the user's parsed file) sets taken from ``user``."""
     updates: dict[str, Any] = {}
     run = raw.get("run", {})
-    for key in ("methods", "seeds"):
+    for key in RUN_KEYS:
         if key in run:
             updates[key] = getattr(user, key)
     for name in SECTIONS:

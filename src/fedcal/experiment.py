@@ -5,9 +5,10 @@ Layout of a run directory::
     config.json            resolved configuration (refuses to mix with another one)
     fleet.json             where the data came from (file or simulator settings)
     summary.csv            one row per (method, train_points, seed), rewritten after each run
-    runs/<method>_tp<N>_seed<S>/
+                           (and per design / fleet seed when those are swept)
+    runs/<method>_tp<N>_seed<S>/    (sweeps: <method>_<design>_fs<F>_tp<N>_seed<S>)
         metrics.csv        per round and sensor: test/train errors, train loss
-        per_sensor.csv     final errors of each sensor's personalized model
+        per_sensor.csv     final errors of each sensor's personalized model (and its role)
         model.pt           personalized weights of every sensor, scaler, model settings
         done.json          the summary row; written last, so a run without it is redone
         checkpoint.pt      while running (removed when done): resume point
@@ -29,6 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -47,6 +49,8 @@ HIGHER_IS_BETTER = {"accuracy"}  # every other metric is an error: its worst sen
 
 SUMMARY_COLUMNS = [
     "method",
+    "design",
+    "fleet_seed",
     "seed",
     "train_points",
     "rmse_mean",
@@ -68,6 +72,10 @@ def load_data(config: RunConfig) -> Fleet:
         from fedcal.data.digits import digits_fleet
 
         return digits_fleet(seed=config.fleet.seed)
+    if d.path == "builtin:humidity":
+        from fedcal.data.humidity import HumiditySpec, humidity_fleet
+
+        return humidity_fleet(HumiditySpec(num_units=config.fleet.num_sensors), config.fleet.seed)
     if d.path:
         from fedcal.data.loader import load_fleet
 
@@ -91,6 +99,10 @@ def load_data(config: RunConfig) -> Fleet:
             heterogeneity=f.heterogeneity,
             num_lots=f.num_lots,
             test_design=f.test_design,
+            train_design=f.train_design,
+            num_reference=f.num_reference,
+            num_new=f.num_new,
+            reference_design=f.reference_design,
         )
         fleet = simulate_fleet(spec, seed=f.seed)
     return fleet
@@ -214,17 +226,50 @@ def full_scale(fleet: Fleet) -> float:
     return float(values.max() - values.min())
 
 
+def fleet_stat(values: pd.Series, how: str, name: str) -> float:
+    """Mean or worst of one metric over sensors; NaN if any sensor's value is not finite.
+
+    A diverged sensor (NaN or ±inf) must show in the summary, not vanish from
+    a mean (pandas skips NaN by default) or turn it into an infinite number.
+    """
+    v = values.to_numpy(dtype=float)
+    if len(v) == 0 or not np.isfinite(v).all():
+        return float("nan")
+    if how == "mean":
+        return float(v.mean())
+    return float(v.min() if name in HIGHER_IS_BETTER else v.max())
+
+
 def summary_row(
-    method: str, seed: int, train_points: int, result: RunResult, fs: float, task: Task
+    method: str,
+    seed: int,
+    train_points: int,
+    result: RunResult,
+    fs: float,
+    task: Task,
+    roles: dict[str, str] | None = None,
 ) -> dict[str, Any]:
+    """One summary row: each test metric's mean and worst over sensors.
+
+    With ``roles`` (sensor id → role, e.g. a mixed fleet's "reference"/"new")
+    the row also gets ``<metric>_mean_<role>`` and ``<metric>_worst_<role>``
+    over that role's sensors. Any non-finite sensor value makes its mean and
+    worst NaN (see :func:`fleet_stat`).
+    """
     final = pd.DataFrame(result.final)
     row: dict[str, Any] = {"method": method, "seed": seed, "train_points": train_points}
+    groups: dict[str, pd.Series] = {}
+    if roles is not None:
+        role_of = final["client"].astype(str).map(roles)
+        groups = {r: role_of == r for r in sorted(set(role_of))}
     for col in final.columns:
         if col.startswith("test_"):
             name = col.removeprefix("test_")
-            row[f"{name}_mean"] = float(final[col].mean())
-            worst = final[col].min() if name in HIGHER_IS_BETTER else final[col].max()
-            row[f"{name}_worst"] = float(worst)
+            for how in ("mean", "worst"):
+                row[f"{name}_{how}"] = fleet_stat(final[col], how, name)
+            for role, rows in groups.items():
+                for how in ("mean", "worst"):
+                    row[f"{name}_{how}_{role}"] = fleet_stat(final.loc[rows, col], how, name)
     if task.kind == "regression":
         row["rmse_mean_pct_fs"] = 100.0 * row["rmse_mean"] / fs
         row["max_abs_worst_pct_fs"] = 100.0 * row["max_abs_worst"] / fs
@@ -320,9 +365,11 @@ def run_experiment(
     on_skip: Callable[[str, str], None] | None = None,
     on_note: Callable[[str, str], None] | None = None,
 ) -> pd.DataFrame:
-    """Run every (train_points, method, seed); return (and write) the summary table.
+    """Run every (fleet variant, train_points, method, seed); return (and write) the summary.
 
-    With ``methods=["all"]`` a method that cannot run on this model (e.g. one
+    Fleet variants come from the design and fleet-seed sweeps of ``config``
+    (see :func:`fleet_variants`); without them ``fleet`` is the only one. With
+    ``methods=["all"]`` a method that cannot run on this model (e.g. one
     that needs a shared body when the model is all head) is skipped and
     reported through ``on_skip(method, reason)``; a method named explicitly
     that cannot run is an error. What a user must know about a finished run
@@ -331,6 +378,7 @@ def run_experiment(
     """
     expand_all = list(methods) == ["all"]
     methods = check_methods(methods, config, task_kind(fleet))
+    variants = fleet_variants(config, fleet)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     resolved = {**config.to_dict(), "methods": methods, "train_points_sweep": list(train_points)}
@@ -342,10 +390,12 @@ def run_experiment(
             "or remove it (nothing was changed)"
         )
     _write_text(config_path, text)
-    _write_text(out / "fleet.json", json.dumps(fleet.meta, indent=2, sort_keys=True, default=str))
-    fs = full_scale(fleet)
+    _write_text(
+        out / "fleet.json", json.dumps(_provenance(variants), indent=2, sort_keys=True, default=str)
+    )
     rows: list[dict[str, Any]] = []
-    for tp in train_points:
+    for labels, fleet, tp in [(lab, f, tp) for lab, f in variants for tp in train_points]:
+        fs, roles = full_scale(fleet), fleet.roles
         subset = fleet.with_train_points(tp or None, seed=config.data.split_seed)
         tensors = prepare(subset, config.data.scaling, config.engine.dtype)
         task = build_task(config, tensors.train.x.shape[-1], subset.meta, client_inputs(tensors))
@@ -359,7 +409,7 @@ def run_experiment(
                     on_skip(method, str(err))
                 continue
             for seed in range(config.seeds):
-                run_dir = out / "runs" / f"{method}_tp{tp}_seed{seed}"
+                run_dir = out / "runs" / _run_name(method, labels, tp, seed)
                 done = run_dir / "done.json"
                 if done.exists():
                     rows.append(json.loads(done.read_text()))
@@ -372,7 +422,7 @@ def run_experiment(
                     seed=seed,
                     dtype=config.engine.dtype,
                 )
-                label = f"{method} tp={tp or 'all'} seed={seed}"
+                label = f"{method}{_where(labels)} tp={tp or 'all'} seed={seed}"
                 result = simulate(
                     algorithm,
                     tensors,
@@ -390,9 +440,12 @@ def run_experiment(
                 final = pd.DataFrame(result.final)
                 final.insert(0, "method", method)
                 final.insert(1, "seed", seed)
+                if roles is not None:  # mixed fleets: each sensor's role beside its id
+                    role_column = final["client"].astype(str).map(roles)
+                    final.insert(final.columns.get_loc("client") + 1, "role", role_column)
                 _write_csv(run_dir / "per_sensor.csv", final)
                 save_models(run_dir / "model.pt", result, tensors, config, algorithm, method, seed)
-                row = summary_row(method, seed, tp, result, fs, task)
+                row = {**labels, **summary_row(method, seed, tp, result, fs, task, roles)}
                 exported = export_state(algorithm, result.server, subset, tensors, method)
                 if exported is not None:
                     _write_text(run_dir / "prior.json", json.dumps(exported, indent=1))
@@ -414,3 +467,55 @@ def _ordered(frame: pd.DataFrame) -> pd.DataFrame:
     first = [c for c in SUMMARY_COLUMNS if c in frame.columns]
     rest = [c for c in frame.columns if c not in first]
     return frame[first + rest]
+
+
+def fleet_variants(config: RunConfig, fleet: Fleet) -> list[tuple[dict[str, Any], Fleet]]:
+    """The fleets of a run: ``fleet`` alone, or one per (fleet seed, design) of the sweeps.
+
+    ``[run] fleet_seeds`` / ``designs`` (or ``--fleet-seeds`` / ``--designs``)
+    regenerate the fleet with ``[fleet] seed`` / ``train_design`` set to each
+    value; each variant is labelled by the swept fields only (they become
+    summary columns ``fleet_seed`` / ``design``).
+    """
+    if not config.designs and not config.fleet_seeds:
+        return [({}, fleet)]
+    path = config.data.path
+    if config.designs and path:
+        raise ConfigError(
+            f"[run] designs sweep the simulator's chamber designs; [data] path is {path!r}"
+        )
+    if config.fleet_seeds and path and not path.startswith("builtin:"):
+        raise ConfigError(
+            f"[run] fleet_seeds regenerate a built-in fleet; [data] path is the file {path!r}"
+        )
+    out = []
+    for fleet_seed in config.fleet_seeds or (config.fleet.seed,):
+        for design in config.designs or (config.fleet.train_design,):
+            f = dataclasses.replace(config.fleet, seed=fleet_seed, train_design=design)
+            labels: dict[str, Any] = {}
+            if config.designs:
+                labels["design"] = design
+            if config.fleet_seeds:
+                labels["fleet_seed"] = fleet_seed
+            out.append((labels, load_data(dataclasses.replace(config, fleet=f))))
+    return out
+
+
+def _run_name(method: str, labels: dict[str, Any], tp: int, seed: int) -> str:
+    parts = [method]
+    if "design" in labels:
+        parts.append(str(labels["design"]))
+    if "fleet_seed" in labels:
+        parts.append(f"fs{labels['fleet_seed']}")
+    return "_".join([*parts, f"tp{tp}", f"seed{seed}"])
+
+
+def _where(labels: dict[str, Any]) -> str:
+    return "".join(f" {k}={v}" for k, v in labels.items())
+
+
+def _provenance(variants: list[tuple[dict[str, Any], Fleet]]) -> Any:
+    """fleet.json: the fleet's meta, or per swept variant its labels and meta."""
+    if len(variants) == 1 and not variants[0][0]:
+        return variants[0][1].meta
+    return [{**labels, "meta": fleet.meta} for labels, fleet in variants]

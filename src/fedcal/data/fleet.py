@@ -19,6 +19,7 @@ BAROMETRIC_TARGET: str = "pressure_hpa"
 CLIENT_COLUMN: str = "sensor_id"
 SPLIT_COLUMN: str = "split"
 SPLITS: tuple[str, ...] = ("train", "test")
+ROLE_COLUMN: str = "role"  # optional: a unit's role, e.g. "reference" / "new" (mixed fleets)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,22 @@ class Fleet:
     @property
     def num_clients(self) -> int:
         return len(self.client_ids)
+
+    @property
+    def roles(self) -> dict[str, str] | None:
+        """Each sensor's role (from the optional ``role`` column), or None without one.
+
+        A sensor whose rows disagree on its role is refused: results per role
+        would be meaningless.
+        """
+        if ROLE_COLUMN not in self.frame.columns:
+            return None
+        per = self.frame.groupby(self.client_column, sort=False)[ROLE_COLUMN]
+        counts = per.nunique(dropna=False)
+        if (counts > 1).any():
+            bad = ", ".join(map(str, counts.index[counts > 1][:5]))
+            raise ValueError(f"column {ROLE_COLUMN!r}: sensor(s) {bad} have more than one role")
+        return {str(cid): str(role) for cid, role in per.first().items()}
 
     def arrays(self, split: str) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per client (in ``client_ids`` order): ``(x (n, F), y (n, 1))`` float64."""

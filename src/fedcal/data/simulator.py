@@ -103,7 +103,34 @@ up, down) = 384 training rows, then the test cycle (``sweep`` =
 same 5 — the levels nearest ``linspace`` over the grid, 50, 450, 850, 1150,
 1550 hPa — 60 test rows. ``test_design="random"``: instead, after all
 training, 60 off-grid points with P ~ U(50, 1550) hPa, T ~ U(−40, 60) °C and a
-random direction, the same points for every sensor (one chamber run).
+random direction, the same points for every sensor (one chamber run): uniform
+over the whole calibrated rectangle [min level, max level] × [min plateau,
+max plateau] (true chamber temperature; the sensor reads it with its bias).
+
+Chamber designs (few-point calibration)
+---------------------------------------
+``train_design`` says which calibration points a unit gets: ``"campaign"`` is
+the seed protocol above (16 × 6 × 4 sweeps = 384 rows); ``"PxT"`` (e.g.
+``"3x2"``, ``"4x3"``, ``"6x4"``) is what a production chamber does with few
+points: P pressure levels evenly spread over the calibrated range
+(``linspace(min level, max level, P)``, so the ends are always included) at
+each of T temperature plateaus, also evenly spread and including both ends of
+the range (``linspace(min plateau, max plateau, T)``; T = 1: the middle of the
+range), one ascending sweep per plateau, plateaus cold to hot — P·T rows.
+The physics is the campaign's: each plateau's true temperature is its setpoint
+plus N(0, ``plateau_offset_c``²) (its own chamber run, shared by every unit of
+that design: stream ``(seed, design)``), and the ascending sweep carries the
+hysteresis of an ascending branch (the campaign averages both branches, a
+one-sweep design cannot). Test rows are the campaign's, whatever the design
+(same points, same chamber temperatures, same noise draws), so designs are
+compared on identical test data.
+
+Mixed fleets: ``num_reference`` units calibrated with ``reference_design``
+(default the campaign) then ``num_new`` units with ``train_design``; sensor
+ids run on (reference units first), each unit is drawn exactly as in a plain
+fleet of that size, and the frame gains a ``role`` column ("reference" /
+"new"). With both counts 0 (the default) the fleet is ``num_sensors`` units
+of ``train_design`` and has no role column.
 
 Randomness: numpy ``Generator(PCG64)`` from ``SeedSequence(seed,
 spawn_key=...)``, one stream per purpose and per sensor, so sensor i does not
@@ -115,18 +142,27 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import re
 from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
 import pandas as pd
 
-from fedcal.data.fleet import BAROMETRIC_FEATURES, BAROMETRIC_TARGET, CLIENT_COLUMN, Fleet
+from fedcal.data.fleet import (
+    BAROMETRIC_FEATURES,
+    BAROMETRIC_TARGET,
+    CLIENT_COLUMN,
+    ROLE_COLUMN,
+    Fleet,
+)
 
 PSI_TO_HPA = 68.94757
 FAMILIES = ("quartz", "silicon")
 PRESETS = ("nominal", "harsh")
 TEST_DESIGNS = ("cycle", "random")
+CAMPAIGN = "campaign"
+ROLES = ("reference", "new")
 
 # Per preset: white noise (hPa), hysteresis half-amplitude range (hPa), ripple bound (hPa).
 PRESET_VALUES: dict[str, dict] = {
@@ -177,11 +213,35 @@ _NUM_POOL_UNITS = 21
 
 # Stream purposes (first element of a SeedSequence spawn key).
 _S_PARENTS, _S_LOT, _S_LOT_ASSIGN, _S_CHAMBER, _S_RANDOM_TEST, _S_SENSOR, _S_NOISE = range(7)
+_S_DESIGN_CHAMBER = 7
+
+_DESIGN_PATTERN = re.compile(r"(\d+)x(\d+)")
+
+
+def parse_design(design: str) -> tuple[int, int] | None:
+    """``"campaign"`` → None; ``"PxT"`` → (P, T) pressure levels × temperature plateaus.
+
+    Raises ValueError (one line, naming the value) for anything else, P < 2 or T < 1.
+    """
+    if design == CAMPAIGN:
+        return None
+    match = _DESIGN_PATTERN.fullmatch(str(design).strip().lower())
+    if match is None:
+        raise ValueError(f"{design!r} is not 'campaign' or PxT like '3x2'")
+    p, t = int(match[1]), int(match[2])
+    if p < 2 or t < 1:
+        raise ValueError(f"{design!r}: need at least 2 pressure levels and 1 temperature plateau")
+    return p, t
 
 
 @dataclass(frozen=True)
 class FleetSpec:
-    """Settings of a simulated fleet; defaults reproduce the seed's protocol."""
+    """Settings of a simulated fleet; defaults reproduce the seed's protocol.
+
+    ``num_sensors`` sizes a plain fleet; a mixed fleet (``num_reference`` or
+    ``num_new`` > 0) has ``num_reference + num_new`` units instead (see the
+    module doc, "Chamber designs").
+    """
 
     num_sensors: int = 20
     pressure_levels_hpa: tuple[float, ...] = tuple(float(p) for p in range(50, 1551, 100))
@@ -202,6 +262,10 @@ class FleetSpec:
     plateau_offset_c: float = 0.2
     drift_hpa_per_year: float = 0.0
     test_delay_years: float = 0.0
+    train_design: str = CAMPAIGN
+    num_reference: int = 0
+    num_new: int = 0
+    reference_design: str = CAMPAIGN
 
     def __post_init__(self) -> None:
         # Accept lists (a spec read back from JSON) and keep the frozen spec hashable.
@@ -223,6 +287,32 @@ class FleetSpec:
             raise ValueError("need at least 2 pressure levels and 1 temperature plateau")
         if self.heterogeneity < 0:
             raise ValueError("heterogeneity must be >= 0")
+        for name in ("train_design", "reference_design"):
+            try:
+                parse_design(getattr(self, name))
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
+        if self.num_reference < 0 or self.num_new < 0:
+            raise ValueError("num_reference and num_new must be >= 0")
+
+    @property
+    def mixed(self) -> bool:
+        """A fleet of reference units and new units (roles recorded)."""
+        return self.num_reference + self.num_new > 0
+
+    @property
+    def sensor_count(self) -> int:
+        return self.num_reference + self.num_new if self.mixed else self.num_sensors
+
+    def role(self, i: int) -> str | None:
+        """ "reference" or "new" for unit ``i`` of a mixed fleet; None in a plain fleet."""
+        if not self.mixed:
+            return None
+        return ROLES[0] if i < self.num_reference else ROLES[1]
+
+    def design(self, i: int) -> str:
+        """The chamber design that calibrates unit ``i``."""
+        return self.reference_design if self.role(i) == ROLES[0] else self.train_design
 
     # Effective non-ideality levels (explicit overrides win over the preset).
     @property
@@ -411,7 +501,7 @@ def sensor_parameters(spec: FleetSpec = FleetSpec(), seed: int = 0) -> pd.DataFr
     lot_centres: dict[int, tuple[int, np.ndarray]] = {}
     h_lo, h_hi = spec.hysteresis_range_hpa
     rows = []
-    for i in range(spec.num_sensors):
+    for i in range(spec.sensor_count):
         r = _rng(seed, _S_SENSOR, i)
         # Fixed draw order whatever the spec, so one seed means the same sensor.
         z_coef = r.standard_normal(d)
@@ -471,14 +561,59 @@ def _check_seed(seed: int) -> None:
 # Protocol
 
 
-def measurement_plan(spec: FleetSpec = FleetSpec(), seed: int = 0) -> pd.DataFrame:
-    """The chamber schedule shared by every sensor, in measurement order.
+def measurement_plan(
+    spec: FleetSpec = FleetSpec(), seed: int = 0, design: str | None = None
+) -> pd.DataFrame:
+    """The chamber schedule of every unit of one design, in measurement order.
 
-    Columns: ``pressure_hpa`` (true, reference gauge), ``temperature_true_c``
-    (chamber, setpoint + plateau offset), ``plateau`` (index, −1 for random
-    test points), ``sweep``, ``direction``, ``split``.
+    ``design`` defaults to ``spec.train_design``. Columns: ``pressure_hpa``
+    (true, reference gauge), ``temperature_true_c`` (chamber, setpoint +
+    plateau offset), ``plateau`` (index into the design's plateaus, −1 for
+    random test points), ``sweep``, ``direction``, ``split``. Test rows are the
+    campaign's whatever the design.
     """
     _check_seed(seed)
+    grid = parse_design(spec.train_design if design is None else design)
+    campaign = _campaign_plan(spec, seed)
+    if grid is None:
+        return campaign
+    train = _grid_plan(spec, seed, *grid)
+    test = campaign[campaign["split"] == "test"]
+    return pd.concat([train, test], ignore_index=True)
+
+
+def design_levels(spec: FleetSpec, num_levels: int, num_plateaus: int) -> tuple[np.ndarray, ...]:
+    """(pressure levels, temperature setpoints) of a PxT design: evenly spread, ends included."""
+    levels = np.asarray(spec.pressure_levels_hpa, dtype=float)
+    plateaus = np.asarray(spec.temperature_plateaus_c, dtype=float)
+    p = np.linspace(levels.min(), levels.max(), num_levels)
+    if num_plateaus == 1:
+        t = np.array([(plateaus.min() + plateaus.max()) / 2.0])
+    else:
+        t = np.linspace(plateaus.min(), plateaus.max(), num_plateaus)
+    return p, t
+
+
+def _grid_plan(spec: FleetSpec, seed: int, num_levels: int, num_plateaus: int) -> pd.DataFrame:
+    """Training rows of a PxT design: one ascending sweep per plateau, cold to hot."""
+    p, t = design_levels(spec, num_levels, num_plateaus)
+    offsets = spec.plateau_offset_c * _rng(
+        seed, _S_DESIGN_CHAMBER, num_levels, num_plateaus
+    ).standard_normal(num_plateaus)
+    n = num_levels * num_plateaus
+    return pd.DataFrame(
+        {
+            "pressure_hpa": np.tile(p, num_plateaus),
+            "temperature_true_c": np.repeat(t + offsets, num_levels),
+            "plateau": np.repeat(np.arange(num_plateaus, dtype=np.int64), num_levels),
+            "sweep": np.zeros(n, dtype=np.int64),
+            "direction": np.full(n, "up", dtype=object),
+            "split": np.full(n, "train", dtype=object),
+        }
+    )
+
+
+def _campaign_plan(spec: FleetSpec, seed: int) -> pd.DataFrame:
     levels = np.asarray(spec.pressure_levels_hpa, dtype=float)
     plateaus = np.asarray(spec.temperature_plateaus_c, dtype=float)
     n_sweeps = spec.train_sweeps + 1  # the test cycle is sweep index train_sweeps
@@ -540,27 +675,28 @@ def _dir(up: bool) -> str:
 
 
 def simulate_fleet(spec: FleetSpec = FleetSpec(), seed: int = 0) -> Fleet:
-    """Simulate ``spec.num_sensors`` sensors through the chamber protocol.
+    """Simulate ``spec.sensor_count`` sensors through their chamber designs.
 
     Same ``spec`` and ``seed`` give a bit-identical frame; sensor i does not
     change when more sensors are added.
     """
     _check_seed(seed)
-    plan = measurement_plan(spec, seed)
     params = sensor_parameters(spec, seed)
     names = _param_names(spec.family)
     levels = np.asarray(spec.pressure_levels_hpa, dtype=float)
     p_min, p_max = levels.min(), levels.max()
-
-    p_true = plan["pressure_hpa"].to_numpy(float)
-    t_true = plan["temperature_true_c"].to_numpy(float)
-    sign = np.where(plan["direction"].to_numpy() == "down", 1.0, -1.0)
-    is_test = (plan["split"] == "test").to_numpy()
-    shape_h = np.sin(np.pi * np.clip((p_true - p_min) / (p_max - p_min), 0.0, 1.0))
-    n = len(plan)
+    designs = {spec.design(i) for i in range(spec.sensor_count)}
+    plans = {d: measurement_plan(spec, seed, d) for d in designs}
 
     frames = []
     for i, (sid, prm) in enumerate(params.iterrows()):
+        plan = plans[spec.design(i)]
+        p_true = plan["pressure_hpa"].to_numpy(float)
+        t_true = plan["temperature_true_c"].to_numpy(float)
+        sign = np.where(plan["direction"].to_numpy() == "down", 1.0, -1.0)
+        is_test = (plan["split"] == "test").to_numpy()
+        shape_h = np.sin(np.pi * np.clip((p_true - p_min) / (p_max - p_min), 0.0, 1.0))
+        n = len(plan)
         # Separate noise streams for train and test rows: the training data do
         # not depend on the test design.
         z_p, z_t = np.empty(n), np.empty(n)
@@ -593,6 +729,8 @@ def simulate_fleet(spec: FleetSpec = FleetSpec(), seed: int = 0) -> Fleet:
                 }
             )
         )
+        if spec.mixed:
+            frames[-1][ROLE_COLUMN] = np.full(n, spec.role(i), dtype=object)
     frame = pd.concat(frames, ignore_index=True)
     meta = {
         "source": "simulator",
@@ -600,6 +738,8 @@ def simulate_fleet(spec: FleetSpec = FleetSpec(), seed: int = 0) -> Fleet:
         "seed": int(seed),
         "lots": {sid: int(lot) for sid, lot in params["lot"].items()},
     }
+    if spec.mixed:
+        meta["roles"] = {sid: spec.role(i) for i, sid in enumerate(params.index)}
     return Fleet(
         frame=frame,
         features=BAROMETRIC_FEATURES,

@@ -65,8 +65,10 @@ CONTROL = "fedcal"  # name of the ConfigRecord that steers a message
 # ----------------------------------------------------------------------------
 def config_to_json(config: RunConfig) -> str:
     """A RunConfig as the JSON of its TOML layout (what ``fedcal.config.from_dict`` reads)."""
+    from fedcal.config import RUN_KEYS
+
     d = config.to_dict()
-    raw: dict[str, Any] = {"run": {"methods": d.pop("methods"), "seeds": d.pop("seeds")}}
+    raw: dict[str, Any] = {"run": {k: d.pop(k) for k in RUN_KEYS}}
     raw["methods"] = d.pop("method_params")
     raw.update(d)
     return json.dumps(raw, sort_keys=True, default=list)

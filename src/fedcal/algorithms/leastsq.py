@@ -1,0 +1,117 @@
+"""Least-squares polynomial references for generic inputs: per sensor, or pooled over the fleet.
+
+Reference lines for any number of inputs (the ``polynomial`` method is
+written for two, frequency and temperature). The model is a total-degree
+polynomial in the scaled inputs x ∈ ℝ^F:
+
+    y ≈ Σ_{|e| ≤ d} c_e · x^e,   x^e = Π_j x_j^{e_j}   (C(F + d, d) terms; F = 3, d = 2: 10)
+
+* ``pooled = false`` (per-sensor fit, not federated): each sensor solves its own
+  ridge-regularized normal equations (X_iᵀX_i + λI) c_i = X_iᵀy_i on its
+  calibration points; with fewer points than terms λ → 0 picks the
+  minimum-norm interpolant, i.e. it overfits — what a per-unit fit does
+  with few points.
+* ``pooled = true`` (one fleet-wide fit, federated): each client uploads its
+  Gram matrix X_iᵀX_i and moment X_iᵀy_i; the server solves
+  (Σ_i X_iᵀX_i + λI) c = Σ_i X_iᵀy_i — exactly the least-squares fit of all
+  points pooled (sum of sufficient statistics, so no point leaves a client)
+  and every sensor uses c: the non-personalized reference.
+
+Closed form: one round suffices and later rounds repeat it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fedcal.core.algorithm import Algorithm, ClientResult
+from fedcal.core.data import ClientData
+from fedcal.core.tree import Tree
+
+F64 = torch.float64
+
+
+def total_degree_exponents(num_inputs: int, degree: int) -> Tensor:
+    """(terms, num_inputs): every exponent vector with sum ≤ degree, by degree, then lexical."""
+    rows = [
+        e
+        for d in range(degree + 1)
+        for e in sorted(itertools.product(range(d + 1), repeat=num_inputs), reverse=True)
+        if sum(e) == d
+    ]
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), num_inputs)
+
+
+def monomial_design(x: Tensor, exponents: Tensor) -> Tensor:
+    """x^e for each exponent row: (..., rows, F) → (..., rows, terms), float64."""
+    x = x.to(F64).unsqueeze(-2)  # (..., rows, 1, F)
+    return x.pow(exponents.to(F64)).prod(-1)
+
+
+@dataclass(frozen=True)
+class LeastSquares(Algorithm):
+    degree: int = 2
+    pooled: bool = False
+    ridge: float = 1e-8  # λ, relative to the number of points (numerical safety)
+
+    name = "leastsq"
+
+    @property
+    def federated(self) -> bool:  # type: ignore[override]
+        """Pooled uploads sufficient statistics; a per-sensor fit communicates nothing."""
+        return self.pooled
+
+    def __post_init__(self) -> None:
+        if self.degree < 0:
+            raise ValueError(f"degree must be >= 0, got {self.degree}")
+        if self.ridge <= 0:
+            raise ValueError(f"ridge must be > 0, got {self.ridge}")
+
+    @property
+    def exponents(self) -> Tensor:
+        return total_degree_exponents(self.task.model.in_features, self.degree)
+
+    def _statistics(self, data: ClientData) -> tuple[Tensor, Tensor, Tensor]:
+        """Per client: XᵀWX (clients, B, B), XᵀWy (clients, B), row count (clients,)."""
+        design = monomial_design(data.x, self.exponents)
+        w = data.mask.to(F64).unsqueeze(-1)
+        gram = design.transpose(1, 2) @ (w * design)
+        moment = ((w * design) * data.y[..., :1].to(F64)).sum(1)
+        return gram, moment, data.mask.to(F64).sum(1)
+
+    def _solve(self, gram: Tensor, moment: Tensor, count: Tensor) -> Tensor:
+        eye = torch.eye(gram.shape[-1], dtype=F64)
+        lam = self.ridge * count.clamp_min(1.0)
+        return torch.linalg.solve(gram + lam[..., None, None] * eye, moment)
+
+    # ---- the contract ----------------------------------------------------
+    def server_init(self, params: Tree) -> Tree:
+        return {"coef": torch.zeros(len(self.exponents), dtype=F64)}
+
+    def client_update(self, down: Tree, state: Tree, data: ClientData) -> ClientResult:
+        gram, moment, count = self._statistics(data)
+        reply = {"gram": gram, "moment": moment, "count": count} if self.pooled else {}
+        params = self.personalize(down, state, data)
+        err = (self.predict(params, data.x) - data.y).pow(2).mean(-1)
+        mse = (err * data.mask).sum(1) / data.mask.sum(1).clamp_min(1)
+        return ClientResult(reply, state, {"train_loss": mse})
+
+    def server_update(self, server: Tree, replies: Tree, weights: Tensor) -> Tree:
+        if not self.pooled:
+            return server
+        total = {k: v.sum(0) for k, v in replies.items()}
+        return {**server, "coef": self._solve(total["gram"], total["moment"], total["count"])}
+
+    def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
+        if self.pooled:
+            return {"coef": down["coef"]}
+        return {"coef": self._solve(*self._statistics(data))}
+
+    def predict(self, params: Tree, x: Tensor) -> Tensor:
+        """Σ_e c_e x^e per client: (clients, rows, 1) in the dtype of ``x``."""
+        design = monomial_design(x, self.exponents)
+        return (design * params["coef"].unsqueeze(1)).sum(-1, keepdim=True).to(x.dtype)
