@@ -135,7 +135,7 @@ def _experiment(
     unit = target_unit(cfg.data.target)
     _print_table(table, unit, show_bytes)
     console.print(
-        f"results in [bold]{out}[/] (summary.csv, runs/*/per_sensor.csv, runs/*/model.pt)"
+        f"results in [bold]{out}[/] (summary.csv, runs/*/per_sensor.csv, runs/*/model.safetensors)"
     )
 
 

@@ -124,7 +124,21 @@ def _fingerprint(algorithm: Algorithm, fleet: FleetTensors, config: EngineConfig
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from (corrupt, or of another run); names the file."""
+    """A checkpoint that cannot be resumed from (corrupt, or of another run).
+
+    ``str()`` names the file, the problem and what to do; ``path`` and
+    ``problem`` let a caller give its own advice.
+    """
+
+    def __init__(self, path: str | Path, problem: str) -> None:
+        self.path, self.problem = str(path), problem
+        super().__init__(
+            f"checkpoint {path}: {problem}; remove it to start this run afresh, "
+            "or choose another output directory"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.problem))
 
 
 def save_checkpoint(
@@ -147,21 +161,17 @@ def save_checkpoint(
 
 def load_checkpoint(path: Path, fingerprint: str) -> tuple[Tree, Tree, list[dict], int, float]:
     """``(server, states, history, round, elapsed)`` of a checkpoint of this very run."""
-    advice = "remove it to start this run afresh, or choose another output directory"
     try:
         trees, meta, blobs = load_trees(path)
         same = meta["fingerprint"] == fingerprint
         saved = (trees["server"], trees["states"], list(blobs["history"]))
         round_done, elapsed = int(meta["round"]), float(meta["elapsed"])
     except TensorFileError as e:
-        raise CheckpointError(f"checkpoint {e}; {advice}") from None
+        raise CheckpointError(path, e.problem) from None
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path} is incomplete ({e!r}); {advice}") from None
+        raise CheckpointError(path, f"incomplete ({type(e).__name__}: {e})") from None
     if not same:
-        raise CheckpointError(
-            f"checkpoint {path} belongs to another run (algorithm, data or config differ); "
-            + advice
-        )
+        raise CheckpointError(path, "belongs to another run (algorithm, data or config differ)")
     return (*saved, round_done, elapsed)
 
 
