@@ -30,7 +30,6 @@ the server for the rest of the run; its file keeps its last completed round.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -135,18 +134,10 @@ def save_state(path: Path, payload: dict) -> None:
     """Write atomically: a crash leaves the previous file or the new one, never a torn one."""
     import torch
 
+    from fedcal.core.atomic import write_with
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
-        torch.save(payload, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_with(path, lambda tmp: torch.save(payload, tmp))
 
 
 def load_state(path: str | Path) -> dict:
