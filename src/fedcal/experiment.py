@@ -2,17 +2,20 @@
 
 Layout of a run directory::
 
-    config.json            resolved configuration (refuses to mix with another one)
+    config.json            resolved configuration and the data's digest (refuses to mix
+                           with another configuration or with changed data)
     fleet.json             where the data came from (file or simulator settings)
     summary.csv            one row per (method, train_points, seed), rewritten after each run
     runs/<method>_tp<N>_seed<S>/
         metrics.csv        per round and sensor: test/train errors, train loss
         per_sensor.csv     final errors of each sensor's personalized model
-        model.pt           personalized weights of every sensor, scaler, model settings
+        model.safetensors  personalized weights of every sensor (tensors) + JSON: scaler,
+                           model settings (no pickle: the model is rebuilt from config.json)
         done.json          the summary row; written last, so a run without it is redone
-        checkpoint.pt      while running (removed when done): resume point
+        checkpoint.safetensors  while running (removed when done): resume point
 
-Every file is written atomically (temporary file, then rename): an interrupted
+Every file is written atomically (:mod:`fedcal.core.atomic`: temporary file,
+fsync, rename, fsync of the directory): an interrupted
 or failed run never leaves a half-written file, and results already written
 stay intact. Running the same command again resumes: finished runs are read
 back, an interrupted run continues from its checkpoint with the same numbers.
