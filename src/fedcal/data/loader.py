@@ -347,9 +347,15 @@ def _read_csv(path: Path, label: str, max_bytes: int) -> _Raw:
 
 def _frame_digest(frame: pd.DataFrame) -> str:
     """SHA-256 of a table's column names and values (row order counts, the index does not)."""
+    # Values by plain bytes, not pandas' hashing: a pandas upgrade must not reject old files.
     h = hashlib.sha256(json.dumps([str(c) for c in frame.columns]).encode())
     for col in frame.columns:
-        h.update(pd.util.hash_pandas_object(frame[col], index=False).to_numpy().tobytes())
+        values = frame[col]
+        if pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values):
+            h.update(values.to_numpy(dtype="float64", na_value=np.nan).tobytes())
+        else:
+            h.update("\x1f".join(map(str, values.tolist())).encode("utf-8", "surrogatepass"))
+        h.update(b"\x1e")
     return h.hexdigest()
 
 
