@@ -188,3 +188,17 @@ def test_planted_pickle_model_or_checkpoint_never_runs(tmp_path, make_fleet):
     with pytest.raises(RunDirectoryError, match="not a fedcal tensor file"):
         run_experiment(cfg, fleet, tmp_path, ["local"])
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["done.json", "config.json"])
+def test_corrupt_run_files_are_one_line_errors(tmp_path, make_fleet, name):
+    fleet = make_fleet(num_clients=3)
+    cfg = small_config(rounds=1, seeds=1)
+    run_experiment(cfg, fleet, tmp_path, ["local"])
+    path = (
+        tmp_path / name if name == "config.json" else tmp_path / "runs" / "local_tp0_seed0" / name
+    )
+    path.write_text(path.read_text()[:25])  # cut mid-JSON, as a full disk might
+    with pytest.raises(RunDirectoryError, match=rf"{name} is .*corrupt.*another --out") as err:
+        run_experiment(cfg, fleet, tmp_path, ["local"])
+    assert "\n" not in str(err.value)
