@@ -39,9 +39,10 @@ A barometric file in the wrong unit is physically possible but wrong, so the
 known barometric columns also have plausible ranges (:data:`PLAUSIBLE_RANGES`)
 whose messages guess the unit mistake: pressure above 2000 hPa ("is it in
 Pa?") or never reaching 250 hPa ("is it in kPa or psi?"), frequency below
-100 Hz ("is it in kHz?"), temperature above 250 °C ("is it in kelvin?"). A ``physical_bounds`` entry for a column replaces its
-plausible range too. Any feature or target beyond ±1e15 (e.g. ``1e308``) is
-refused whatever the column: no sensor reads that, and it overflows scaling.
+100 Hz ("is it in kHz?"), temperature above 250 °C ("is it in kelvin?"). A
+``physical_bounds`` entry for a column replaces its plausible range too.
+Any feature or target beyond ±1e15 (e.g. ``1e308``) is refused whatever the
+column: no sensor reads that, and it overflows scaling.
 
 Hostile files
 -------------
