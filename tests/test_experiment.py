@@ -5,10 +5,11 @@ from dataclasses import replace
 
 import pandas as pd
 import pytest
-import torch
 
 from fedcal.config import ConfigError, default_config
-from fedcal.experiment import build_algorithm, build_task, run_experiment
+from fedcal.core.tensorfile import load_trees
+from fedcal.experiment import RunDirectoryError, build_algorithm, build_task, run_experiment
+from fedcal.report.export import load_models
 from fedcal.report.tables import aggregate
 
 
@@ -52,9 +53,10 @@ def test_run_directory_contents(tmp_path, make_fleet):
     )
     metrics = pd.read_csv(run / "metrics.csv")
     assert sorted(metrics["round"].unique()) == [1, 2, 3]
-    models = torch.load(run / "model.pt", weights_only=False)
-    assert sorted(models["params"]) == ["S00", "S01", "S02"]
-    assert not (run / "checkpoint.pt").exists()
+    trees, meta, _ = load_trees(run / "model.safetensors")
+    assert meta["client_ids"] == ["S00", "S01", "S02"]
+    assert trees["params"]["l0.weight"].shape[0] == 3  # (clients, out, in)
+    assert not (run / "checkpoint.safetensors").exists()
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["engine"]["rounds"] == 3
     # local uploads nothing; FedGMI uploads the whole model each round
@@ -107,7 +109,96 @@ def test_whitened_basis_is_built_from_the_fleet_and_runs(tmp_path, make_fleet):
     cfg = replace(load_config("physics"), seeds=1, engine=replace(small_config().engine, rounds=2))
     summary = run_experiment(cfg, make_fleet(num_clients=3), tmp_path, ["local"])
     assert summary["rmse_mean"].notna().all()
-    model = torch.load(tmp_path / "runs" / "local_tp0_seed0" / "model.pt", weights_only=False)
-    assert isinstance(model["model_object"], Basis) and model["model_object"].poly_transform
+    _, meta, _ = load_trees(tmp_path / "runs" / "local_tp0_seed0" / "model.safetensors")
+    assert meta["whitening"]["poly_transform"]
+    # The model is rebuilt from config + stored moments, equal to the one trained.
+    fleet_models = load_models(tmp_path, "local")
+    assert isinstance(fleet_models.algorithm.task.model, Basis)
+    assert repr(fleet_models.algorithm.task.model) == meta["model_repr"]
     with pytest.raises(ConfigError, match="needs the fleet's training inputs"):
         build_task(cfg, 2)
+
+
+def test_changed_data_at_the_same_path_is_refused(tmp_path, make_fleet):
+    fleet = make_fleet(num_clients=3)
+    run_experiment(small_config(rounds=1, seeds=1), fleet, tmp_path, ["local"])
+    frame = fleet.frame.copy()
+    frame.loc[0, "pressure_hpa"] += 0.5  # one reading differs, everything else equal
+    changed = replace(fleet, frame=frame)
+    before = (tmp_path / "summary.csv").read_bytes()
+    with pytest.raises(RunDirectoryError, match=r"data changed since this run started.*remove"):
+        run_experiment(small_config(rounds=1, seeds=1), changed, tmp_path, ["local"])
+    assert (tmp_path / "summary.csv").read_bytes() == before
+    # the same data again is still read back
+    run_experiment(small_config(rounds=1, seeds=1), fleet, tmp_path, ["local"])
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupt_checkpoint_in_a_run_directory_is_a_clear_error(tmp_path, make_fleet, damage):
+    fleet = make_fleet(num_clients=3)
+    cfg = small_config(rounds=2, seeds=1)
+    run_experiment(cfg, fleet, tmp_path, ["local"])
+    run = tmp_path / "runs" / "local_tp0_seed0"
+    # Simulate a run killed after its first checkpoint: no done.json, a checkpoint left.
+    from fedcal.engine.simulation import EngineConfig, prepare, simulate
+
+    algorithm = build_algorithm("local", cfg, build_task(cfg, 2))
+    tensors = prepare(fleet, cfg.data.scaling, cfg.engine.dtype)
+    ckpt = run / "checkpoint.safetensors"
+    simulate(algorithm, tensors, EngineConfig(rounds=1, dtype=cfg.engine.dtype), checkpoint=ckpt)
+    (run / "done.json").unlink()
+    data = bytearray(ckpt.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) - 7]
+    else:
+        data[len(data) // 2] ^= 0x10
+    ckpt.write_bytes(bytes(data))
+    with pytest.raises(
+        RunDirectoryError, match=r"checkpoint .*: remove .* or choose another --out"
+    ):
+        run_experiment(cfg, fleet, tmp_path, ["local"])
+
+
+def _planted_pickle(path, marker):
+    """A pickle whose loading would create ``marker`` (what a malicious model.pt does)."""
+    import pickle
+
+    class Plant:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    path.write_bytes(pickle.dumps({"params": Plant()}))
+
+
+def test_planted_pickle_model_or_checkpoint_never_runs(tmp_path, make_fleet):
+    fleet = make_fleet(num_clients=3)
+    cfg = small_config(rounds=2, seeds=1)
+    run_experiment(cfg, fleet, tmp_path, ["local"])
+    run = tmp_path / "runs" / "local_tp0_seed0"
+    marker = tmp_path / "pwned"
+    for name in ("model.safetensors", "model.pt"):
+        if name == "model.pt":
+            (run / "model.safetensors").unlink()
+        _planted_pickle(run / name, marker)
+        with pytest.raises(ValueError, match=str(run / name)):
+            load_models(tmp_path, "local")
+        assert not marker.exists()
+    (run / "done.json").unlink()
+    _planted_pickle(run / "checkpoint.safetensors", marker)
+    with pytest.raises(RunDirectoryError, match="not a fedcal tensor file"):
+        run_experiment(cfg, fleet, tmp_path, ["local"])
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["done.json", "config.json"])
+def test_corrupt_run_files_are_one_line_errors(tmp_path, make_fleet, name):
+    fleet = make_fleet(num_clients=3)
+    cfg = small_config(rounds=1, seeds=1)
+    run_experiment(cfg, fleet, tmp_path, ["local"])
+    path = (
+        tmp_path / name if name == "config.json" else tmp_path / "runs" / "local_tp0_seed0" / name
+    )
+    path.write_text(path.read_text()[:25])  # cut mid-JSON, as a full disk might
+    with pytest.raises(RunDirectoryError, match=rf"{name} is .*corrupt.*another --out") as err:
+        run_experiment(cfg, fleet, tmp_path, ["local"])
+    assert "\n" not in str(err.value)

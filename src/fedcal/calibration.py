@@ -37,7 +37,14 @@ from fedcal.core.tree import Tree, expand
 from fedcal.data.fleet import Fleet
 from fedcal.data.scaling import Scaler
 from fedcal.engine.simulation import FleetTensors, RunResult, errors
-from fedcal.experiment import _write_csv, _write_text, build_algorithm, build_task, save_models
+from fedcal.experiment import (
+    MODEL_FILE,
+    _write_csv,
+    _write_text,
+    build_algorithm,
+    build_task,
+    save_models,
+)
 
 RANGE_TOLERANCE = 0.05  # inputs may exceed the fleet's calibrated range by 5 % of its span
 NOISE_ITERATIONS = 25  # fixed-point iterations of a unit's own noise level (converged: tested)
@@ -151,7 +158,9 @@ def write(out: Path, prior: dict[str, Any], fleet: Fleet, result: Calibration) -
     _write_text(out / "config.json", json.dumps(resolved, indent=2, sort_keys=True, default=list))
     _write_text(run_dir / "prior.json", json.dumps(prior, indent=1))
     run = RunResult([], [], result.personal, result.server, {}, 0.0, 0.0, 0.0)
-    save_models(run_dir / "model.pt", run, result.tensors, cfg, result.algorithm, method, 0)
+    save_models(
+        run_dir / MODEL_FILE, run, result.tensors, cfg, result.algorithm, method, 0, fleet.meta
+    )
 
     ids = result.tensors.client_ids
     names = prior.get("term_names") or [str(t) for t in prior["terms"]]

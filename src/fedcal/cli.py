@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -27,9 +29,56 @@ from rich.table import Table
 
 from fedcal.config import ConfigError, RunConfig, load_config
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__.split("\n")[0])
+DEBUG_FLAG = "--debug"
+
+
+class _App(typer.Typer):
+    """The typer app, with one rule for errors nobody anticipated.
+
+    Expected problems (bad data, bad config) are reported by the commands
+    themselves (``error: …``, exit 2). Anything else is an internal error:
+    one line on stderr and exit 1, unless ``--debug`` (anywhere on the line)
+    or ``FEDCAL_DEBUG=1`` asks for the full trace. Tracebacks never show local
+    variables (they may hold data or paths a user should not paste).
+    """
+
+    def __call__(self, *args, **kwargs):
+        argv = list(kwargs.pop("args", None) or (args[0] if args else sys.argv[1:]))
+        debug = DEBUG_FLAG in argv or os.environ.get("FEDCAL_DEBUG", "") not in ("", "0")
+        argv = [a for a in argv if a != DEBUG_FLAG]
+        try:
+            return super().__call__(argv, *args[1:], **kwargs)
+        except Exception as err:
+            if debug:
+                raise
+            text = str(err).strip().splitlines()
+            detail = f": {text[0]}" if text else ""
+            sys.stderr.write(
+                f"fedcal: internal error: {type(err).__name__}{detail} "
+                f"(run with {DEBUG_FLAG} for the full trace)\n"
+            )
+            sys.exit(1)
+
+
+app = _App(
+    add_completion=False,
+    no_args_is_help=True,
+    help=__doc__.split("\n")[0],
+    pretty_exceptions_show_locals=False,
+)
 console = Console()
 err_console = Console(stderr=True)
+
+
+@app.callback()
+def _options(
+    debug: Annotated[
+        bool, typer.Option(DEBUG_FLAG, help="on an internal error, show the full trace")
+    ] = False,
+) -> None:
+    # --debug is taken out of the command line by _App (so it works after a
+    # subcommand too); declared here so that --help lists it.
+    pass
 
 
 def _fail(message: str) -> None:
@@ -138,7 +187,7 @@ def _experiment(
     unit = target_unit(cfg.data.target)
     _print_table(table, unit, show_bytes)
     console.print(
-        f"results in [bold]{out}[/] (summary.csv, runs/*/per_sensor.csv, runs/*/model.pt)"
+        f"results in [bold]{out}[/] (summary.csv, runs/*/per_sensor.csv, runs/*/model.safetensors)"
     )
 
 

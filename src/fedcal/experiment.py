@@ -2,18 +2,21 @@
 
 Layout of a run directory::
 
-    config.json            resolved configuration (refuses to mix with another one)
+    config.json            resolved configuration and the data's digest (refuses to mix
+                           with another configuration or with changed data)
     fleet.json             where the data came from (file or simulator settings)
     summary.csv            one row per (method, train_points, seed), rewritten after each run
                            (and per design / fleet seed when those are swept)
     runs/<method>_tp<N>_seed<S>/    (sweeps: <method>_<design>_fs<F>_tp<N>_seed<S>)
         metrics.csv        per round and sensor: test/train errors, train loss
         per_sensor.csv     final errors of each sensor's personalized model (and its role)
-        model.pt           personalized weights of every sensor, scaler, model settings
+        model.safetensors  personalized weights of every sensor (tensors) + JSON: scaler,
+                           model settings (no pickle: the model is rebuilt from config.json)
         done.json          the summary row; written last, so a run without it is redone
-        checkpoint.pt      while running (removed when done): resume point
+        checkpoint.safetensors  while running (removed when done): resume point
 
-Every file is written atomically (temporary file, then rename): an interrupted
+Every file is written atomically (:mod:`fedcal.core.atomic`: temporary file,
+fsync, rename, fsync of the directory): an interrupted
 or failed run never leaves a half-written file, and results already written
 stay intact. Running the same command again resumes: finished runs are read
 back, an interrupted run continues from its checkpoint with the same numbers.
@@ -22,11 +25,11 @@ back, an interrupted run continues from its checkpoint with the same numbers.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
-import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +40,20 @@ import torch
 from fedcal.algorithms import REGISTRY, get
 from fedcal.config import ConfigError, RunConfig
 from fedcal.core.algorithm import Algorithm
+from fedcal.core.atomic import write_text
 from fedcal.core.classification import ClassificationTask
 from fedcal.core.task import Task
-from fedcal.core.tree import unstack
+from fedcal.core.tensorfile import TensorFileError, load_trees, save_trees
+from fedcal.core.tree import flatten, unstack
 from fedcal.data.fleet import Fleet
-from fedcal.engine.simulation import EngineConfig, FleetTensors, RunResult, prepare, simulate
+from fedcal.engine.simulation import (
+    CheckpointError,
+    EngineConfig,
+    FleetTensors,
+    RunResult,
+    prepare,
+    simulate,
+)
 from fedcal.models import build_model
 from fedcal.models.basis import Basis, whitened
 
@@ -206,18 +218,23 @@ def check_methods(
     return names
 
 
-def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+MODEL_FILE = "model.safetensors"
+CHECKPOINT_FILE = "checkpoint.safetensors"
+
+
+class RunDirectoryError(ConfigError):
+    """A run directory that cannot be resumed (its data changed, or a file in it is corrupt).
+
+    A :class:`ConfigError` so that every caller reports it the same way: one line.
+    """
 
 
 def _write_text(path: Path, text: str) -> None:
-    _write_atomic(path, lambda p: p.write_text(text))
+    write_text(path, text)
 
 
 def _write_csv(path: Path, frame: pd.DataFrame) -> None:
-    _write_atomic(path, lambda p: frame.to_csv(p, index=False))
+    write_text(path, frame.to_csv(index=False))
 
 
 def full_scale(fleet: Fleet) -> float:
@@ -287,19 +304,71 @@ def save_models(
     algorithm: Algorithm,
     method: str,
     seed: int,
+    task_meta: dict | None = None,
 ) -> None:
-    per_client = unstack(result.personal)
-    payload = {
+    """Every sensor's personalized parameters (tensors) and how to rebuild the model (JSON).
+
+    Nothing is pickled: the model is rebuilt from the run's configuration by
+    :func:`rebuild_task`; what the configuration alone cannot give (a whitened
+    basis's fleet moments) is stored as numbers.
+    """
+    model = algorithm.task.model
+    whitening = None
+    if getattr(model, "poly_center", None) is not None:
+        whitening = {"poly_center": model.poly_center, "poly_transform": model.poly_transform}
+    meta = {
         "method": method,
         "seed": seed,
-        "params": {cid: p for cid, p in zip(tensors.client_ids, per_client, strict=True)},
+        "client_ids": list(tensors.client_ids),
+        "num_features": int(tensors.train.x.shape[-1]),
+        "task_meta": {k: v for k, v in (task_meta or {}).items() if k in ("task", "num_classes")},
         "model": asdict(config.model),
-        "model_object": algorithm.task.model,
+        "model_repr": repr(model),
+        "whitening": whitening,
         "head_layers": algorithm.task.head_layers,
         "method_params": config.method_params.get(method, {}),
         "scaler": tensors.scaler.to_dict(),
     }
-    _write_atomic(path, lambda p: torch.save(payload, p))
+    save_trees(path, {"params": result.personal}, meta)
+
+
+def rebuild_task(config: RunConfig, meta: dict, path: Path) -> Task:
+    """The task a model file was trained with, rebuilt from its run's config and its metadata."""
+    cfg = replace(config, model=replace(config.model, whiten=False))
+    task = build_task(cfg, int(meta["num_features"]), meta.get("task_meta") or {})
+    if meta.get("whitening"):
+        w = meta["whitening"]
+        model = replace(
+            task.model,
+            poly_center=tuple(w["poly_center"]),
+            poly_transform=tuple(tuple(r) for r in w["poly_transform"]),
+        )
+        task = type(task)(model, head_layers=task.head_layers)
+    if repr(task.model) != meta.get("model_repr"):
+        raise TensorFileError(path, "its model does not match the run's config.json")
+    return task
+
+
+def load_model_file(path: Path, config: RunConfig) -> tuple[Task, dict[str, dict], dict]:
+    """``(task, {sensor id: parameters}, metadata)`` of a file written by :func:`save_models`."""
+    trees, meta, _ = load_trees(path)
+    try:
+        task = rebuild_task(config, meta, path)
+        per_client = unstack(trees["params"])
+        params = dict(zip(meta["client_ids"], per_client, strict=True))
+    except (KeyError, TypeError, ValueError, ConfigError) as e:
+        if isinstance(e, TensorFileError):
+            raise
+        raise TensorFileError(path, f"does not fit its run ({type(e).__name__}: {e})") from None
+    expected = {
+        k: tuple(v.shape)
+        for k, v in flatten(task.model.init(torch.Generator(), torch.float64)).items()
+    }
+    for sensor, p in params.items():
+        got = {k: tuple(v.shape) for k, v in flatten(p).items()}
+        if not set(expected) <= set(got) or any(got[k] != expected[k] for k in expected):
+            raise TensorFileError(path, f"parameters of sensor {sensor!r} do not fit the model")
+    return task, params, meta
 
 
 def export_state(
@@ -384,12 +453,14 @@ def run_experiment(
     resolved = {**config.to_dict(), "methods": methods, "train_points_sweep": list(train_points)}
     config_path = out / "config.json"
     text = json.dumps(resolved, indent=2, sort_keys=True, default=list)
-    if config_path.exists() and json.loads(config_path.read_text()) != json.loads(text):
-        raise ConfigError(
-            f"{out} holds a run with another configuration; choose another --out "
-            "or remove it (nothing was changed)"
-        )
-    _write_text(config_path, text)
+    # The data's content, not just its path: a file replaced at the same path is another run.
+    digest = _data_digest(variants)
+    if config_path.exists():
+        _check_same_run(config_path, json.loads(text), digest, out)
+    _write_text(
+        config_path,
+        json.dumps({**resolved, "data_sha256": digest}, indent=2, sort_keys=True, default=list),
+    )
     _write_text(
         out / "fleet.json", json.dumps(_provenance(variants), indent=2, sort_keys=True, default=str)
     )
@@ -412,7 +483,7 @@ def run_experiment(
                 run_dir = out / "runs" / _run_name(method, labels, tp, seed)
                 done = run_dir / "done.json"
                 if done.exists():
-                    rows.append(json.loads(done.read_text()))
+                    rows.append(_read_done(done, out))
                     continue
                 run_dir.mkdir(parents=True, exist_ok=True)
                 engine = EngineConfig(
@@ -423,16 +494,22 @@ def run_experiment(
                     dtype=config.engine.dtype,
                 )
                 label = f"{method}{_where(labels)} tp={tp or 'all'} seed={seed}"
-                result = simulate(
-                    algorithm,
-                    tensors,
-                    engine,
-                    on_round=(lambda t, s, label=label: on_progress(label, t, s))
-                    if on_progress
-                    else None,
-                    checkpoint=run_dir / "checkpoint.pt",
-                    checkpoint_every=config.engine.checkpoint_every,
-                )
+                try:
+                    result = simulate(
+                        algorithm,
+                        tensors,
+                        engine,
+                        on_round=(lambda t, s, label=label: on_progress(label, t, s))
+                        if on_progress
+                        else None,
+                        checkpoint=run_dir / CHECKPOINT_FILE,
+                        checkpoint_every=config.engine.checkpoint_every,
+                    )
+                except CheckpointError as err:
+                    raise RunDirectoryError(
+                        f"checkpoint {err.path}: {err.problem}: remove {out} (or only that "
+                        "checkpoint, to redo that run) or choose another --out"
+                    ) from None
                 history = pd.DataFrame(result.history)
                 history.insert(0, "method", method)
                 history.insert(1, "seed", seed)
@@ -444,7 +521,16 @@ def run_experiment(
                     role_column = final["client"].astype(str).map(roles)
                     final.insert(final.columns.get_loc("client") + 1, "role", role_column)
                 _write_csv(run_dir / "per_sensor.csv", final)
-                save_models(run_dir / "model.pt", result, tensors, config, algorithm, method, seed)
+                save_models(
+                    run_dir / MODEL_FILE,
+                    result,
+                    tensors,
+                    config,
+                    algorithm,
+                    method,
+                    seed,
+                    subset.meta,
+                )
                 row = {**labels, **summary_row(method, seed, tp, result, fs, task, roles)}
                 exported = export_state(algorithm, result.server, subset, tensors, method)
                 if exported is not None:
@@ -455,12 +541,55 @@ def run_experiment(
                     if note and on_note is not None:
                         on_note(method, note)
                 _write_text(done, json.dumps(row, indent=2))
-                (run_dir / "checkpoint.pt").unlink(missing_ok=True)
+                (run_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
                 rows.append(row)
                 _write_csv(out / "summary.csv", _ordered(pd.DataFrame(rows)))
     summary = _ordered(pd.DataFrame(rows))
     _write_csv(out / "summary.csv", summary)
     return summary
+
+
+def _data_digest(variants: list[tuple[dict[str, Any], Fleet]]) -> str:
+    """One digest of every fleet variant's content (a single fleet: its own digest)."""
+    digests = [f.content_digest() for _, f in variants]
+    if len(digests) == 1:
+        return digests[0]
+    return hashlib.sha256("\n".join(digests).encode()).hexdigest()
+
+
+def _check_same_run(config_path: Path, resolved: dict, digest: str, out: Path) -> None:
+    """Refuse a run directory holding another configuration or made from other data."""
+    try:
+        saved = json.loads(config_path.read_text())
+        saved_digest = saved.pop("data_sha256", None)
+    except (OSError, ValueError, AttributeError) as e:
+        raise RunDirectoryError(
+            f"{config_path} is unreadable or corrupt ({type(e).__name__}); "
+            f"remove {out} or choose another --out"
+        ) from None
+    if saved != resolved:
+        raise ConfigError(
+            f"{out} holds a run with another configuration; choose another --out "
+            "or remove it (nothing was changed)"
+        )
+    if saved_digest != digest:
+        raise RunDirectoryError(
+            f"data changed since this run started (its content differs from what {out} was "
+            f"run on): remove {out} or choose another --out"
+        )
+
+
+def _read_done(done: Path, out: Path) -> dict[str, Any]:
+    try:
+        row = json.loads(done.read_text())
+        if not isinstance(row, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise RunDirectoryError(
+            f"{done} is corrupt ({type(e).__name__}); remove {done.parent} to redo that run, "
+            f"or remove {out} or choose another --out"
+        ) from None
+    return row
 
 
 def _ordered(frame: pd.DataFrame) -> pd.DataFrame:

@@ -391,8 +391,10 @@ def test_split_column_none_ignores_file_split(tmp_path):
 # --------------------------------------------------------------------------- atomic save
 
 
-@pytest.mark.parametrize(("suffix", "writer"), [(".csv", "to_csv"), (".parquet", "to_parquet")])
+@pytest.mark.parametrize(("suffix", "writer"), [(".csv", "to_csv"), (".parquet", "write_table")])
 def test_failed_save_leaves_existing_file(tmp_path, monkeypatch, suffix, writer):
+    import pyarrow.parquet as pq
+
     path = tmp_path / f"fleet{suffix}"
     path.write_bytes(b"precious")
 
@@ -400,7 +402,10 @@ def test_failed_save_leaves_existing_file(tmp_path, monkeypatch, suffix, writer)
         fh.write("half," if suffix == ".csv" else b"PAR1half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(pd.DataFrame, writer, broken)
+    if writer == "to_csv":
+        monkeypatch.setattr(pd.DataFrame, writer, broken)
+    else:
+        monkeypatch.setattr(pq, writer, broken)
     with pytest.raises(OSError, match="disk full"):
         save_fleet(sample_fleet(), path)
     assert path.read_bytes() == b"precious"

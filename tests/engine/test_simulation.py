@@ -6,7 +6,8 @@ import torch
 
 from fedcal.algorithms.fedgmi import FedGMI
 from fedcal.core.task import Task
-from fedcal.engine.simulation import EngineConfig, cohort, prepare, simulate
+from fedcal.core.tensorfile import load_trees
+from fedcal.engine.simulation import CheckpointError, EngineConfig, cohort, prepare, simulate
 from fedcal.models.mlp import MLP
 
 
@@ -45,7 +46,7 @@ def test_interrupted_run_resumes_with_identical_numbers(tmp_path, make_fleet):
 
     with pytest.raises(KeyboardInterrupt):
         simulate(alg, tensors, config, on_round=interrupt, checkpoint=ckpt, checkpoint_every=2)
-    assert torch.load(ckpt, weights_only=False)["round"] == 2
+    assert load_trees(ckpt)[1]["round"] == 2
     resumed = simulate(alg, tensors, config, checkpoint=ckpt, checkpoint_every=2)
     assert all(torch.equal(straight.personal[k], resumed.personal[k]) for k in straight.personal)
     pd.testing.assert_frame_equal(pd.DataFrame(straight.history), pd.DataFrame(resumed.history))
@@ -57,3 +58,20 @@ def test_checkpoint_of_another_run_is_refused(tmp_path, make_fleet):
     simulate(alg, tensors, EngineConfig(rounds=1, dtype="float64"), checkpoint=ckpt)
     with pytest.raises(ValueError, match="belongs to another run"):
         simulate(alg, tensors, EngineConfig(rounds=2, dtype="float64"), checkpoint=ckpt)
+
+
+def test_checkpoint_is_tensors_only_and_a_damaged_one_is_a_clear_error(tmp_path, make_fleet):
+    alg, tensors = setup(make_fleet)
+    ckpt = tmp_path / "ckpt.pt"
+    config = EngineConfig(rounds=2, dtype="float64")
+    simulate(alg, tensors, config, checkpoint=ckpt, checkpoint_every=1)
+    data = ckpt.read_bytes()
+    assert data[8:9] == b"{"  # a safetensors JSON header, not a pickle stream
+    flipped = bytearray(data)
+    flipped[-20] ^= 0x04  # a bit inside the tensors/history payload
+    for name, content in (("flipped", bytes(flipped)), ("truncated", data[: len(data) // 2])):
+        bad = tmp_path / f"{name}.pt"
+        bad.write_bytes(content)
+        with pytest.raises(CheckpointError, match="start this run afresh") as err:
+            simulate(alg, tensors, config, checkpoint=bad)
+        assert str(bad) in str(err.value) and "\n" not in str(err.value)

@@ -9,6 +9,8 @@ target, and which rows are calibration (``train``) and which are held out
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,6 +66,23 @@ class Fleet:
             bad = ", ".join(map(str, counts.index[counts > 1][:5]))
             raise ValueError(f"column {ROLE_COLUMN!r}: sensor(s) {bad} have more than one role")
         return {str(cid): str(role) for cid, role in per.first().items()}
+
+    def content_digest(self) -> str:
+        """SHA-256 of what training reads: every row's client, features, target and split.
+
+        Row order counts (it fixes each client's point order); extra columns do
+        not. Used to refuse resuming a run whose data file has changed.
+        """
+        columns = [self.client_column, *self.features, self.target, SPLIT_COLUMN]
+        h = hashlib.sha256(json.dumps(columns).encode())
+        for col in columns:
+            values = self.frame[col]
+            if col in (*self.features, self.target):
+                h.update(values.to_numpy(dtype="float64").tobytes())
+            else:
+                h.update("\x1f".join(map(str, values.tolist())).encode("utf-8", "surrogatepass"))
+            h.update(b"\x1e")
+        return h.hexdigest()
 
     def arrays(self, split: str) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per client (in ``client_ids`` order): ``(x (n, F), y (n, 1))`` float64."""

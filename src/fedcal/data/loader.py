@@ -32,16 +32,39 @@ columns that are features or the target of the load:
 
 A user entry replaces the default for that column; ``None`` as value removes
 the check. User entries must name a feature or the target.
+
+Plausible ranges
+----------------
+A barometric file in the wrong unit is physically possible but wrong, so the
+known barometric columns also have plausible ranges (:data:`PLAUSIBLE_RANGES`)
+whose messages guess the unit mistake: pressure above 2000 hPa ("is it in
+Pa?") or never reaching 250 hPa ("is it in kPa or psi?"), frequency below
+100 Hz ("is it in kHz?"), temperature above 250 °C ("is it in kelvin?"). A
+``physical_bounds`` entry for a column replaces its plausible range too.
+Any feature or target beyond ±1e15 (e.g. ``1e308``) is refused whatever the
+column: no sensor reads that, and it overflows scaling.
+
+Hostile files
+-------------
+Only regular files are read (a FIFO, a device such as ``/dev/zero``, a
+directory or a symlink to one is refused without reading), and none larger
+than ``max_bytes`` (default 2 GiB, or ``$FEDCAL_MAX_FILE_BYTES``). Parquet
+files written by :func:`save_fleet` carry page checksums (verified on read:
+a flipped bit is an error, not a silently different value) and a record of
+the rows per sensor and a digest of the table in the file's key-value
+metadata, checked on read when present.
 """
 
 from __future__ import annotations
 
 import csv
 import difflib
+import hashlib
+import json
 import math
 import os
 import re
-import secrets
+import stat
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +73,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from fedcal.core.atomic import write_with
 from fedcal.data.fleet import (
     BAROMETRIC_FEATURES,
     BAROMETRIC_TARGET,
@@ -63,6 +87,10 @@ SOURCE_LINE = "source_line"
 CSV_SUFFIXES: tuple[str, ...] = (".csv",)
 PARQUET_SUFFIXES: tuple[str, ...] = (".parquet", ".pq")
 MAX_LISTED = 5  # offending rows (or sensors) spelled out in a message
+DEFAULT_MAX_BYTES = 2 * 1024**3  # a fleet file larger than this is refused unread
+MAX_BYTES_ENV = "FEDCAL_MAX_FILE_BYTES"
+MAX_ABS_VALUE = 1e15  # beyond any sensor reading in any unit; 1e308 overflows scaling
+PARQUET_META_KEY = b"fedcal"  # key-value metadata written by save_fleet
 
 _NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 _NON_FINITE = re.compile(r"[+-]?(?:nan|inf|infinity)", re.IGNORECASE)
@@ -126,6 +154,43 @@ DEFAULT_PHYSICAL_BOUNDS: dict[str, Bounds] = {
 }
 
 
+@dataclass(frozen=True)
+class Plausible:
+    """Where the values of a known column lie when its unit is right.
+
+    ``hints``: ``(lo, hi, text)`` — a value outside the range but inside
+    ``[lo, hi)`` most likely means ``text`` (a unit mistake). ``reach``:
+    ``(value, text)`` — the column's largest value must be at least ``value``,
+    else ``text`` (every value plausible alone, the whole column in too small
+    a unit).
+    """
+
+    lo: float
+    hi: float
+    unit: str
+    hints: tuple[tuple[float, float, str], ...] = ()
+    reach: tuple[float, str] | None = None
+
+    def hint(self, v: float) -> str:
+        return next((text for lo, hi, text in self.hints if lo <= v < hi), "")
+
+
+PLAUSIBLE_RANGES: dict[str, Plausible] = {
+    "pressure_hpa": Plausible(
+        0.0,
+        2000.0,
+        "hPa",
+        ((2000.0, 2.0e5, "is it in Pa? (1 hPa = 100 Pa)"),),
+        # kPa (<= 200 for a 2000 hPa range), psi (<= 29), inHg (<= 59) never reach 250.
+        (250.0, "is it in kPa or psi? a barometric calibration reaches ambient (~1013 hPa)"),
+    ),
+    "frequency_hz": Plausible(100.0, 1e9, "Hz", ((0.0, 100.0, "is it in kHz? (1 kHz = 1000 Hz)"),)),
+    "temperature_c": Plausible(
+        -100.0, 250.0, "°C", ((250.0, 800.0, "is it in kelvin? (°C = K − 273.15)"),)
+    ),
+}
+
+
 # --------------------------------------------------------------------------- messages
 
 
@@ -166,11 +231,66 @@ def _file_format(path: Path, label: str) -> str:
     )
 
 
-def _read_csv(path: Path, label: str) -> _Raw:
+_FILE_KINDS = {
+    stat.S_IFIFO: "a named pipe (FIFO)",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def max_file_bytes() -> int:
+    """The size limit: ``$FEDCAL_MAX_FILE_BYTES`` if set, else :data:`DEFAULT_MAX_BYTES`."""
+    text = os.environ.get(MAX_BYTES_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_BYTES
     try:
-        fh = open(path, newline="", encoding="utf-8-sig")  # noqa: SIM115 (closed below)
+        value = int(text)
+    except ValueError:
+        raise ValueError(
+            f"${MAX_BYTES_ENV} must be a whole number of bytes, got {text!r}"
+        ) from None
+    if value <= 0:
+        raise ValueError(f"${MAX_BYTES_ENV} must be positive, got {value}")
+    return value
+
+
+def _open_regular(path: Path, label: str, max_bytes: int) -> int:
+    """A read-only descriptor of ``path`` if it is a regular file within the size limit.
+
+    Opened non-blocking and checked with ``fstat`` on the descriptor itself, so
+    a FIFO is refused without waiting for a writer and a file swapped between
+    check and read cannot slip through.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise FleetDataError(label, "file not found") from None
     except OSError as e:
-        raise FleetDataError(label, f"cannot open file: {e.strerror or e}") from e
+        raise FleetDataError(label, f"cannot open file: {e.strerror or e}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            raise FleetDataError(label, f"not a regular file ({kind}); give a CSV or Parquet file")
+        if st.st_size > max_bytes:
+            raise FleetDataError(
+                label,
+                f"file is {st.st_size} bytes, over the limit of {max_bytes} bytes "
+                f"(set ${MAX_BYTES_ENV} to raise it)",
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_csv(path: Path, label: str, max_bytes: int) -> _Raw:
+    fd = _open_regular(path, label, max_bytes)
+    fh = os.fdopen(fd, newline="", encoding="utf-8-sig")
     with fh:
         reader = csv.reader(fh)
         header: list[str] | None = None
@@ -226,15 +346,78 @@ def _read_csv(path: Path, label: str) -> _Raw:
     return _Raw(frame, np.asarray(lines, dtype=np.int64), "line", True, header_line)
 
 
-def _read_parquet(path: Path, label: str) -> _Raw:
-    import pyarrow as pa
+def _frame_digest(frame: pd.DataFrame) -> str:
+    """SHA-256 of a table's column names and values (row order counts, the index does not)."""
+    # Values by plain bytes, not pandas' hashing: a pandas upgrade must not reject old files.
+    h = hashlib.sha256(json.dumps([str(c) for c in frame.columns]).encode())
+    for col in frame.columns:
+        values = frame[col]
+        if pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values):
+            h.update(values.to_numpy(dtype="float64", na_value=np.nan).tobytes())
+        else:
+            h.update("\x1f".join(map(str, values.tolist())).encode("utf-8", "surrogatepass"))
+        h.update(b"\x1e")
+    return h.hexdigest()
 
-    if not path.is_file():
-        raise FleetDataError(label, "cannot open file: not a regular file")
+
+def _parquet_record(frame: pd.DataFrame, client_column: str | None) -> dict:
+    """What save_fleet stores beside a table, to check it when read back."""
+    record: dict = {"version": 1, "rows": len(frame), "sha256": _frame_digest(frame)}
+    if client_column is not None and client_column in frame.columns:
+        ids = frame[client_column].astype(str)
+        record["client_column"] = client_column
+        record["rows_per_sensor"] = {str(k): int(v) for k, v in ids.value_counts().items()}
+    return record
+
+
+def _check_parquet_record(frame: pd.DataFrame, raw_record: bytes, label: str) -> None:
+    redo = "the file is corrupt, or was changed by a tool that kept fedcal's metadata"
     try:
-        frame = pd.read_parquet(path)
-    except (OSError, ValueError, pa.ArrowException) as e:
-        raise FleetDataError(label, f"cannot read as Parquet: {e}") from e
+        record = json.loads(raw_record)
+        rows, digest = int(record["rows"]), str(record["sha256"])
+        per_sensor = record.get("rows_per_sensor")
+        column = record.get("client_column")
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+        raise FleetDataError(
+            label, f"fedcal's metadata in the file is unreadable: {redo}"
+        ) from None
+    if len(frame) != rows:
+        raise FleetDataError(label, f"has {len(frame)} rows, its metadata records {rows}: {redo}")
+    if per_sensor is not None and column in frame.columns:
+        have = frame[column].astype(str).value_counts().to_dict()
+        wrong = sorted(set(have) | set(per_sensor), key=str)
+        wrong = [k for k in wrong if have.get(k, 0) != per_sensor.get(k, 0)]
+        if wrong:
+            listed = ", ".join(
+                f"{k!r}: {have.get(k, 0)} read, {per_sensor.get(k, 0)} recorded"
+                for k in wrong[:MAX_LISTED]
+            )
+            raise FleetDataError(
+                label, f"rows per sensor differ from its metadata ({listed}): {redo}", [], column
+            )
+    if _frame_digest(frame) != digest:
+        raise FleetDataError(label, f"content differs from the digest in its metadata: {redo}")
+
+
+def _read_parquet(path: Path, label: str, max_bytes: int) -> _Raw:
+    import pyarrow.parquet as pq
+
+    fd = _open_regular(path, label, max_bytes)
+    with os.fdopen(fd, "rb") as fh:
+        try:
+            pf = pq.ParquetFile(fh, page_checksum_verification=True)
+            record = (pf.schema_arrow.metadata or {}).get(PARQUET_META_KEY)
+            frame = pf.read().to_pandas()
+        except Exception as e:  # any failure to decode untrusted bytes is the file's
+            detail = str(e).strip().splitlines()
+            detail = f": {detail[0]}" if detail else ""
+            if "verify page integrity" in detail:
+                problem = "corrupt: a data page fails its checksum (the file was damaged)"
+            else:
+                problem = f"cannot read as Parquet ({type(e).__name__}{detail})"
+            raise FleetDataError(label, problem) from None
+    if record is not None:
+        _check_parquet_record(frame, record, label)
     if not isinstance(frame.index, pd.RangeIndex) and any(n is not None for n in frame.index.names):
         frame = frame.reset_index()  # a named index is data (e.g. the sensor id)
     else:
@@ -466,6 +649,45 @@ def _check_columns(raw: _Raw, label: str, required: list[str], split_column: str
         )
 
 
+def _check_magnitudes(raw, label, values) -> None:
+    for col, v in values.items():
+        bad = np.flatnonzero(np.abs(v) > MAX_ABS_VALUE)
+        if len(bad):
+            items = [(int(raw.rows[i]), _fmt(v[i])) for i in bad]
+            raise FleetDataError(
+                label,
+                f"absurd magnitude (beyond ±{MAX_ABS_VALUE:g}; no sensor reads that — a wrong "
+                "unit or a corrupt value?) at " + _listing(items, raw.kind),
+                [r for r, _ in items],
+                col,
+            )
+
+
+def _check_plausible(raw, label, values, ranges: Mapping[str, Plausible]) -> None:
+    for col, r in ranges.items():
+        v = values[col]
+        bad = np.flatnonzero((v < r.lo) | (v > r.hi))
+        if len(bad):
+            items = [(int(raw.rows[i]), _fmt(v[i])) for i in bad]
+            hint = r.hint(float(v[bad[0]]))
+            text = (
+                f"implausible values for this column (expected {r.lo:g} to {r.hi:g} {r.unit}) at "
+                + _listing(items, raw.kind)
+                + (f" — {hint}" if hint else "")
+                + "; if they are right, pass physical_bounds for this column"
+            )
+            raise FleetDataError(label, text, [r for r, _ in items], col)
+        if r.reach is not None and len(v) and v.max() < r.reach[0]:
+            raise FleetDataError(
+                label,
+                f"implausible for this column: its largest value is {_fmt(v.max())} {r.unit}, "
+                f"below {r.reach[0]:g} — {r.reach[1]}; if it is right, pass physical_bounds "
+                "for this column",
+                [],
+                col,
+            )
+
+
 def _check_bounds(raw, label, values, bounds) -> None:
     for col, b in bounds.items():
         v = values[col]
@@ -554,6 +776,7 @@ def load_fleet(
     min_train_points: int = 3,
     min_test_points: int = 1,
     physical_bounds: Mapping[str, tuple[float | None, float | None] | Bounds | None] | None = None,
+    max_bytes: int | None = None,
 ) -> Fleet:
     """Read and validate a fleet file (``.csv``, ``.parquet`` or ``.pq``).
 
@@ -572,6 +795,9 @@ def load_fleet(
     (see the module docstring); no duplicate rows (same sensor, features and
     target — same inputs with different targets are fine); every sensor has
     at least ``min_train_points`` train and ``min_test_points`` test points.
+    Before any of it, the file must be a regular file of at most ``max_bytes``
+    (default :func:`max_file_bytes`), and values must be of sane magnitude and
+    plausible for known columns (see the module docstring).
 
     Returns a :class:`Fleet` whose frame keeps the file's row order and
     extra columns (CSV extras are typed: int, float, bool or str), with the
@@ -585,13 +811,18 @@ def load_fleet(
     )
     numeric = [*features, target]
     bounds = _resolve_bounds(numeric, physical_bounds)
+    # A user's own bounds for a column replace its plausible range as well.
+    plausible = {
+        c: PLAUSIBLE_RANGES[c]
+        for c in numeric
+        if c in PLAUSIBLE_RANGES and c not in (physical_bounds or {})
+    }
+    limit = max_file_bytes() if max_bytes is None else int(max_bytes)
 
     label = str(path)
     p = Path(path)
     fmt = _file_format(p, label)
-    if not p.exists():
-        raise FleetDataError(label, "file not found")
-    raw = _read_csv(p, label) if fmt == "csv" else _read_parquet(p, label)
+    raw = _read_csv(p, label, limit) if fmt == "csv" else _read_parquet(p, label, limit)
 
     _check_columns(raw, label, [client_column, *numeric], split_column)
     use_file_split = split_column is not None and split_column in raw.frame.columns
@@ -616,7 +847,9 @@ def load_fleet(
             )
         raise first
 
+    _check_magnitudes(raw, label, values)
     _check_bounds(raw, label, values, bounds)
+    _check_plausible(raw, label, values, plausible)
     _check_duplicates(raw, label, client_column, ids, values)
 
     order = list(pd.unique(pd.Series(ids)))
@@ -650,31 +883,41 @@ def load_fleet(
 def save_fleet(fleet: Fleet, path: str | Path) -> None:
     """Write ``fleet.frame`` as ``.csv`` or ``.parquet``/``.pq`` (by suffix), atomically.
 
-    The table goes to a temporary file in the same directory, which then
-    replaces ``path`` (``os.replace``), so a failed write never leaves a half
-    file and never touches an existing one. The ``source_line`` column is not
-    written (it is regenerated on load). Features, target and client column
-    are not stored: pass them to :func:`load_fleet` again.
+    The table goes to a temporary file in the same directory, fsync'd, which
+    then replaces ``path`` (:mod:`fedcal.core.atomic`), so a failed write never
+    leaves a half file and never touches an existing one. The ``source_line``
+    column is not written (it is regenerated on load). Features, target and
+    client column are not stored: pass them to :func:`load_fleet` again.
+
+    Parquet is written with page checksums (CRC32 of every data page, verified
+    by :func:`load_fleet`) and, in the key-value metadata under ``fedcal``, the
+    row count, the rows of each sensor and a digest of the table.
     """
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix not in CSV_SUFFIXES + PARQUET_SUFFIXES:
         supported = ", ".join(CSV_SUFFIXES + PARQUET_SUFFIXES)
         raise ValueError(f"{p}: unsupported file type {p.suffix!r}; supported: {supported}")
-    frame = fleet.frame.drop(columns=[SOURCE_LINE], errors="ignore")
-    tmp = p.with_name(f".{p.name}.{secrets.token_hex(6)}.tmp")
-    try:
-        if suffix in CSV_SUFFIXES:
+    frame = fleet.frame.drop(columns=[SOURCE_LINE], errors="ignore").reset_index(drop=True)
+
+    if suffix in CSV_SUFFIXES:
+
+        def write(tmp: Path) -> None:
             with open(tmp, "x", newline="", encoding="utf-8") as fh:
                 frame.to_csv(fh, index=False, lineterminator="\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-        else:
+
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pa.Table.from_pandas(frame, preserve_index=False)
+        record = json.dumps(_parquet_record(frame, fleet.client_column)).encode()
+        table = table.replace_schema_metadata(
+            {**(table.schema.metadata or {}), PARQUET_META_KEY: record}
+        )
+
+        def write(tmp: Path) -> None:
             with open(tmp, "xb") as fh:
-                frame.to_parquet(fh, index=False)
-                fh.flush()
-                os.fsync(fh.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+                pq.write_table(table, fh, write_page_checksum=True)
+
+    write_with(p, write)

@@ -14,7 +14,6 @@ round, client), and the checkpoint holds the complete state.
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -26,6 +25,7 @@ from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.data import PERSONALIZE, ClientData, client_round_seed
+from fedcal.core.tensorfile import TensorFileError, load_trees, save_trees
 from fedcal.core.tree import Tree, expand, gather, num_bytes, scatter, tree_map
 from fedcal.data.fleet import Fleet
 from fedcal.data.scaling import Scaler, fit_scaler
@@ -144,10 +144,56 @@ def _fingerprint(algorithm: Algorithm, fleet: FleetTensors, config: EngineConfig
     return h.hexdigest()
 
 
-def _save_atomic(obj: dict, path: Path) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from (corrupt, or of another run).
+
+    ``str()`` names the file, the problem and what to do; ``path`` and
+    ``problem`` let a caller give its own advice.
+    """
+
+    def __init__(self, path: str | Path, problem: str) -> None:
+        self.path, self.problem = str(path), problem
+        super().__init__(
+            f"checkpoint {path}: {problem}; remove it to start this run afresh, "
+            "or choose another output directory"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.problem))
+
+
+def save_checkpoint(
+    path: Path,
+    fingerprint: str,
+    round_done: int,
+    elapsed: float,
+    server: Tree,
+    states: Tree,
+    history: list[dict],
+) -> None:
+    """Tensors and JSON only (no pickle), checksummed, written atomically."""
+    save_trees(
+        path,
+        {"server": server, "states": states},
+        {"fingerprint": fingerprint, "round": round_done, "elapsed": elapsed},
+        {"history": history},
+    )
+
+
+def load_checkpoint(path: Path, fingerprint: str) -> tuple[Tree, Tree, list[dict], int, float]:
+    """``(server, states, history, round, elapsed)`` of a checkpoint of this very run."""
+    try:
+        trees, meta, blobs = load_trees(path)
+        same = meta["fingerprint"] == fingerprint
+        saved = (trees["server"], trees["states"], list(blobs["history"]))
+        round_done, elapsed = int(meta["round"]), float(meta["elapsed"])
+    except TensorFileError as e:
+        raise CheckpointError(path, e.problem) from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(path, f"incomplete ({type(e).__name__}: {e})") from None
+    if not same:
+        raise CheckpointError(path, "belongs to another run (algorithm, data or config differ)")
+    return (*saved, round_done, elapsed)
 
 
 def simulate(
@@ -178,14 +224,9 @@ def simulate(
     start_round, elapsed = 0, 0.0
     fingerprint = _fingerprint(algorithm, fleet, config)
     if checkpoint is not None and Path(checkpoint).exists():
-        saved = torch.load(checkpoint, weights_only=False)
-        if saved["fingerprint"] != fingerprint:
-            raise ValueError(
-                f"checkpoint {checkpoint} belongs to another run (algorithm, data or "
-                "config differ); remove it or choose another output directory"
-            )
-        server, states, history = saved["server"], saved["states"], saved["history"]
-        start_round, elapsed = saved["round"], saved["elapsed"]
+        server, states, history, start_round, elapsed = load_checkpoint(
+            Path(checkpoint), fingerprint
+        )
 
     counts = fleet.train.count.to(torch.float64)
     bytes_up, bytes_down = [], []
@@ -219,16 +260,9 @@ def simulate(
             if on_round is not None:
                 on_round(t + 1, summary)
         if checkpoint is not None and (last or (t + 1) % checkpoint_every == 0):
-            _save_atomic(
-                {
-                    "fingerprint": fingerprint,
-                    "round": t + 1,
-                    "elapsed": time.perf_counter() - t0,
-                    "server": server,
-                    "states": states,
-                    "history": history,
-                },
-                Path(checkpoint),
+            elapsed_now = time.perf_counter() - t0
+            save_checkpoint(
+                Path(checkpoint), fingerprint, t + 1, elapsed_now, server, states, history
             )
     wall = time.perf_counter() - t0
     personal = _personal(algorithm, fleet, server, states, config.seed, config.rounds - 1)

@@ -1,6 +1,6 @@
 """Use and ship the calibrated models of a run: predictions for new readings, firmware export.
 
-A run directory keeps, per (method, seed), ``model.pt``: every sensor's
+A run directory keeps, per (method, seed), ``model.safetensors``: every sensor's
 personalized parameters, the input/target scaling and the model settings.
 :func:`load_models` turns it back into a callable calibration; :func:`to_c_header`
 writes a dependency-free C header for MLP models (float32, one weight set per
@@ -51,36 +51,49 @@ class CalibratedFleet:
 def load_models(
     run_dir: str | Path, method: str, seed: int = 0, train_points: int = 0
 ) -> CalibratedFleet:
-    """Read ``runs/<method>_tp<N>_seed<S>/model.pt`` of a run directory."""
-    from fedcal.core.task import Task
-    from fedcal.experiment import build_algorithm
+    """Read ``runs/<method>_tp<N>_seed<S>/model.safetensors`` of a run directory.
+
+    Tensors and JSON only: the model is rebuilt from the run's ``config.json``
+    (nothing is unpickled, so a planted file cannot run code). A damaged or
+    foreign file is a ``ValueError`` naming it.
+    """
+    from fedcal.experiment import MODEL_FILE, build_algorithm, load_model_file
 
     run_dir = Path(run_dir)
-    path = run_dir / "runs" / f"{method}_tp{train_points}_seed{seed}" / "model.pt"
+    folder = run_dir / "runs" / f"{method}_tp{train_points}_seed{seed}"
+    path = folder / MODEL_FILE
     if not path.exists():
+        if (folder / "model.pt").exists():
+            raise ValueError(
+                f"{folder / 'model.pt'}: a pickled model of an older fedcal, which is no longer "
+                "read (unpickling can run code); rerun the experiment into a new --out"
+            )
         raise FileNotFoundError(
             f"no model for method {method!r}, seed {seed} in {run_dir} ({path} missing)"
         )
-    saved = torch.load(path, weights_only=False)
-    cfg_raw = json.loads((run_dir / "config.json").read_text())
-    cfg = from_dict(
-        {
-            "data": cfg_raw["data"],
-            "model": cfg_raw["model"],
-            "train": cfg_raw["train"],
-            "methods": cfg_raw["method_params"],
-        },
-        str(run_dir / "config.json"),
-    )
-    task = Task(saved["model_object"], head_layers=saved["head_layers"])
+    config_path = run_dir / "config.json"
+    try:
+        cfg_raw = json.loads(config_path.read_text())
+        cfg = from_dict(
+            {
+                "data": cfg_raw["data"],
+                "model": cfg_raw["model"],
+                "train": cfg_raw["train"],
+                "methods": cfg_raw["method_params"],
+            },
+            str(config_path),
+        )
+    except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{config_path}: unreadable or not a fedcal run config ({e!r})") from None
+    task, params, meta = load_model_file(path, cfg)
     algorithm = build_algorithm(method, cfg, task)
     return CalibratedFleet(
         algorithm,
-        saved["params"],
-        Scaler.from_dict(saved["scaler"]),
+        params,
+        Scaler.from_dict(meta["scaler"]),
         cfg.data.features,
         cfg.data.target,
-        saved["model"],
+        meta["model"],
     )
 
 

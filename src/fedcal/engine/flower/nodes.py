@@ -19,7 +19,6 @@ requested when a column needs them (:func:`needs_moments`).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fedcal.core.atomic import write_with
 from fedcal.data.scaling import client_moments
 
 if TYPE_CHECKING:
@@ -87,19 +87,22 @@ def prepare_node_files(fleet: Fleet, out_dir: str | Path) -> list[tuple[str, Pat
             "classification": fleet.meta.get("task") == "classification",
         }
         path = out / f"{name}.npz"
-        tmp = out / f".{name}.tmp.npz"
         (x_tr, y_tr), (x_te, y_te) = train[index], test[index]
-        np.savez(
-            tmp,
-            header=np.asarray(json.dumps(header)),
-            x_train=x_tr,
-            y_train=y_tr,
-            x_test=x_te,
-            y_test=y_te,
-        )
-        os.replace(tmp, path)
+        arrays = {
+            "header": np.asarray(json.dumps(header)),
+            "x_train": x_tr,
+            "y_train": y_tr,
+            "x_test": x_te,
+            "y_test": y_te,
+        }
+        write_with(path, lambda tmp, arrays=arrays: _savez(tmp, arrays))
         written.append((sensor, path))
     return written
+
+
+def _savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    with open(path, "xb") as fh:  # a file object: np.savez would append ".npz" to a name
+        np.savez(fh, **arrays)
 
 
 def load_node_file(path: str | Path) -> NodeData:

@@ -30,7 +30,6 @@ the server for the rest of the run; its file keeps its last completed round.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -130,35 +129,32 @@ def answer_handshake(content: RecordDict, node_cfg: Mapping) -> RecordDict:
 
 def state_path(state_dir: str | Path, sensor_id: str, run_id: int) -> Path:
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in sensor_id)
-    return Path(state_dir) / f"{safe}-run{run_id}.pt"
+    return Path(state_dir) / f"{safe}-run{run_id}.safetensors"
+
+
+_STATE_TREES = ("state", "personal")  # flat dicts of tensors (``personal`` may be None)
 
 
 def save_state(path: Path, payload: dict) -> None:
-    """Write atomically: a crash leaves the previous file or the new one, never a torn one."""
-    import torch
+    """Write atomically, tensors and JSON only (:mod:`fedcal.core.tensorfile`, no pickle)."""
+    from fedcal.core.tensorfile import save_trees
+    from fedcal.core.tree import unflatten
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as fh:
-        torch.save(payload, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    trees = {k: unflatten(payload[k]) for k in _STATE_TREES if payload.get(k) is not None}
+    meta = {k: v for k, v in payload.items() if k not in _STATE_TREES}
+    save_trees(path, trees, meta)
 
 
 def load_state(path: str | Path) -> dict:
-    """A persisted client state (tensors, strings and numbers only: safe to load)."""
-    import torch
+    """A persisted client state; a damaged or foreign file is a ValueError naming it."""
+    from fedcal.core.tensorfile import load_trees
+    from fedcal.core.tree import flatten
 
-    payload = torch.load(Path(path), weights_only=True)
-    if payload.get("format") != STATE_FORMAT:
+    trees, meta, _ = load_trees(path)
+    if meta.get("format") != STATE_FORMAT:
         raise ValueError(f"{path}: not a fedcal node state file")
-    return payload
+    return {**meta, **{k: flatten(trees[k]) if k in trees else None for k in _STATE_TREES}}
 
 
 def _scaled(node: NodeData, scaler: Scaler, dtype: str, seeds: tuple[int, ...]):

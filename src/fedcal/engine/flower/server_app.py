@@ -24,7 +24,6 @@ format, who trained in each round, failures and timings.
 from __future__ import annotations
 
 import json
-import os
 import time
 import traceback
 from logging import INFO, WARNING
@@ -87,9 +86,9 @@ def exchange(
 
 
 def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    from fedcal.core.atomic import write_with
+
+    write_with(path, write)
 
 
 def load_run_config(cfg: dict[str, Any]):
