@@ -87,7 +87,7 @@ def test_basis_terms_and_names():
 
 def test_planted_hierarchical_fleet_recovers_mu_and_sigma():
     data, _, mu, sigma, _ = planted_fleet(400, 30, seed=1)
-    server, _, _, _ = run(make(shrinkage=0.0, floor=1e-12, noise="fleet"), data, 40)
+    server, _, _, _ = run(make(shrinkage_units=0.0, floor=1e-12, noise="fleet"), data, 40)
     # μ: the mean of 400 draws; standard error √(diag Σ / 400)
     se = (torch.diagonal(sigma) / 400).sqrt()
     assert torch.all((server["mu"] - mu).abs() < 4 * se)
@@ -98,7 +98,7 @@ def test_planted_hierarchical_fleet_recovers_mu_and_sigma():
 
 def test_ecme_never_lowers_the_marginal_likelihood():
     data, _, _, _, _ = planted_fleet(30, [3, 5, 8] * 10, seed=2)
-    _, _, _, ll = run(make(shrinkage=0.0, floor=1e-14, noise="fleet"), data, 30)
+    _, _, _, ll = run(make(shrinkage_units=0.0, floor=1e-14, noise="fleet"), data, 30)
     assert all(b >= a - 1e-7 * abs(a) for a, b in itertools.pairwise(ll))
     assert ll[-1] > ll[0]
 
@@ -188,7 +188,7 @@ def test_generic_features_use_a_total_degree_basis():
     assert alg.design(x).shape == (2, 5, 10)
 
 
-@pytest.mark.parametrize("bad", [{"shrinkage": 1.5}, {"noise": "loud"}, {"rank": -1}])
+@pytest.mark.parametrize("bad", [{"shrinkage_units": -1.0}, {"noise": "loud"}, {"rank": -1}])
 def test_bad_hyperparameters_are_refused(bad):
     with pytest.raises(ValueError):
         make(**bad)

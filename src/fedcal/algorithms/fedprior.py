@@ -99,7 +99,7 @@ class FedPrior(Algorithm):
     orders: tuple[int, ...] = (4, 3)  # tensor basis: highest Legendre order per input
     basis: str = "auto"  # "tensor" (orders), "total" (degree), "auto": tensor if orders fit
     degree: int = 2  # total-degree basis: every product of total order ≤ degree
-    shrinkage: float = 0.0  # λ: Σ ← (1 − λ)Σ̂ + λ diag(Σ̂)
+    shrinkage_units: float = 2.0  # ν0: Σ ← (1 − λ)Σ̂ + λ diag(Σ̂), λ = ν0/(N + ν0)
     rank: int = 0  # > 0: Σ = W Wᵀ + D with this many factors; 0: full Σ
     floor: float = 1e-12  # eigenvalues of Σ ≥ floor (scaled units²)
     noise: str = "fleet"  # "fleet": one σ²; "sensor": σ_i² shrunk toward the fleet's
@@ -117,8 +117,8 @@ class FedPrior(Algorithm):
             raise ValueError(f"basis must be one of {BASES}, got {self.basis!r}")
         if self.noise not in NOISE_MODELS:
             raise ValueError(f"noise must be one of {NOISE_MODELS}, got {self.noise!r}")
-        if not 0.0 <= self.shrinkage <= 1.0:
-            raise ValueError(f"shrinkage must be in [0, 1], got {self.shrinkage}")
+        if self.shrinkage_units < 0:
+            raise ValueError(f"shrinkage_units must be >= 0, got {self.shrinkage_units}")
         if self.rank < 0:
             raise ValueError(f"rank must be >= 0, got {self.rank}")
         if not (self.floor > 0 and self.init_scale > 0 and self.init_noise > 0):
@@ -183,6 +183,7 @@ class FedPrior(Algorithm):
             "gls_rhs": post.gls_rhs,
             "rss": post.rss,
             "n": stats.n,
+            "gram": stats.gram,
             "support": data_support(stats.gram, self._noise(down, state), self.init_scale),
         }
         nu = self.noise_prior_points
@@ -206,7 +207,11 @@ class FedPrior(Algorithm):
             server["mu"],
             self.mean_scale,
         )
-        sigma = regularize(sigma_hat, self.shrinkage, self.floor, self.rank or None)
+        # λ = ν0/(N + ν0): ν0 pseudo-units of an inverse-Wishart hyperprior, so a small
+        # fleet is shrunk more than a large one; in the fleet's design metric.
+        lam = self.shrinkage_units / (float(count) + self.shrinkage_units)
+        metric = total["gram"] / total["n"].clamp_min(1.0)
+        sigma = regularize(sigma_hat, lam, self.floor, self.rank or None, metric)
         # Directions that too few units' points determine are not learned: they keep the
         # vague start (μ as it was, variance init_scale²), so predictions that lean on
         # them carry a wide σ instead of a guess from one or two units (see module doc).

@@ -149,25 +149,54 @@ def predictive_var(design: Tensor, cov: Tensor, noise_var: Tensor) -> Tensor:
 
 
 def regularize(
-    cov: Tensor, shrinkage: float, floor: float, rank: int | None = None, fa_iters: int = 50
+    cov: Tensor,
+    shrinkage: float,
+    floor: float,
+    rank: int | None = None,
+    metric: Tensor | None = None,
+    fa_iters: int = 50,
 ) -> Tensor:
     """Make an estimated prior covariance safe to use: shrink, optionally factor, floor.
 
     1. shrink toward its own diagonal, (1 − λ) Σ̂ + λ diag(Σ̂) (a MAP update under
        an inverse-Wishart hyperprior centred on the diagonal; Ledoit–Wolf's
-       target), for fleets with fewer units than coefficients;
+       target): a fleet with fewer units than coefficients gives a Σ̂ whose
+       between-unit part has rank N − 1, and a new unit would be told its
+       coefficients cannot move along the other directions;
     2. ``rank`` k: Σ ≈ W Wᵀ + D, k factors plus a diagonal, fitted to the
        shrunk Σ̂ by iterated principal factors (factor analysis): D is refit to
        what W Wᵀ leaves on the diagonal, W from the top-k eigenpairs of
        Σ̂ − D. Fewer parameters when units of a design vary along few directions;
-    3. every eigenvalue floored at ``floor`` (an absolute variance): the prior
-       stays positive definite and a direction on which all units agree cannot
-       collapse to a zero variance that no later data could move. Absolute, not
-       relative to the spectrum: a direction no unit saw keeps its large starting
-       variance, and a relative floor would lift every learned direction with it.
+    3. every eigenvalue floored at ``floor`` (an absolute variance), so the
+       prior stays positive definite.
+
+    With ``metric`` M (the fleet's mean Gram matrix of the basis, p × p) steps 1
+    and 2 act in coordinates c' = Rc, M = RᵀR, where the basis is orthonormal
+    over where the fleet was calibrated: "toward the diagonal" then means
+    "toward independent effects on the predictions". In raw polynomial
+    coordinates neighbouring terms of a narrow input span are nearly collinear,
+    and shrinking toward that diagonal destroys correlations the fleet measured
+    (measured: 15 % worse at 4×3 points). A ridge of 1e-6 of M's scale keeps R
+    invertible along directions no unit saw (those are reset by the caller).
     """
     p = cov.shape[-1]
     cov = 0.5 * (cov + cov.transpose(-2, -1))
+    if metric is not None:
+        m = 0.5 * (metric + metric.T).to(F64)
+        m = m + 1e-6 * torch.diagonal(m).abs().max().clamp_min(1e-300) * torch.eye(p, dtype=F64)
+        r = torch.linalg.cholesky(m).T  # M = Rᵀ R
+        r_inv = torch.linalg.solve_triangular(r, torch.eye(p, dtype=F64), upper=True)
+        cov = r_inv @ _shrink_and_factor(r @ cov @ r.T, shrinkage, rank, fa_iters) @ r_inv.T
+    else:
+        cov = _shrink_and_factor(cov, shrinkage, rank, fa_iters)
+    vals, vecs = torch.linalg.eigh(0.5 * (cov + cov.transpose(-2, -1)))
+    vals = vals.clamp_min(floor)
+    out = vecs @ torch.diag_embed(vals) @ vecs.transpose(-2, -1)
+    return 0.5 * (out + out.transpose(-2, -1))
+
+
+def _shrink_and_factor(cov: Tensor, shrinkage: float, rank: int | None, fa_iters: int) -> Tensor:
+    p = cov.shape[-1]
     diag = torch.diag_embed(torch.diagonal(cov, dim1=-2, dim2=-1))
     cov = (1 - shrinkage) * cov + shrinkage * diag
     if rank is not None and rank < p:
@@ -178,10 +207,7 @@ def regularize(
             w = vecs[..., -rank:] * top_vals.sqrt().unsqueeze(-2)
             d = (torch.diagonal(cov, dim1=-2, dim2=-1) - (w * w).sum(-1)).clamp_min(0)
         cov = w @ w.transpose(-2, -1) + torch.diag_embed(d)
-    vals, vecs = torch.linalg.eigh(cov)
-    vals = vals.clamp_min(floor)
-    out = vecs @ torch.diag_embed(vals) @ vecs.transpose(-2, -1)
-    return 0.5 * (out + out.transpose(-2, -1))
+    return cov
 
 
 def m_step(
