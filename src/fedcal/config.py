@@ -163,7 +163,7 @@ def default_config() -> RunConfig:
     return from_dict(tomllib.loads(text), "fedcal/configs/default.toml")
 
 
-SHIPPED = ("physics", "digits")  # fedcal/configs/<name>.toml, usable as --config <name>
+SHIPPED = ("physics", "digits", "quickstart")  # fedcal/configs/<name>.toml: --config <name>
 
 
 def load_config(path: str | Path | None) -> RunConfig:

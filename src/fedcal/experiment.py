@@ -4,6 +4,7 @@ Layout of a run directory::
 
     config.json            resolved configuration (refuses to mix with another one)
     fleet.json             where the data came from (file or simulator settings)
+    valid_range_tp<N>.json per sensor, the span of its calibration points (exports carry it)
     summary.csv            one row per (method, train_points, seed), rewritten after each run
     runs/<method>_tp<N>_seed<S>/
         metrics.csv        per round and sensor: test/train errors, train loss
@@ -37,7 +38,7 @@ from fedcal.core.algorithm import Algorithm
 from fedcal.core.classification import ClassificationTask
 from fedcal.core.task import Task
 from fedcal.core.tree import unstack
-from fedcal.data.fleet import Fleet
+from fedcal.data.fleet import SPLIT_COLUMN, Fleet
 from fedcal.engine.simulation import EngineConfig, FleetTensors, RunResult, prepare, simulate
 from fedcal.models import build_model
 from fedcal.models.basis import Basis, whitened
@@ -142,12 +143,12 @@ def client_inputs(tensors: FleetTensors) -> list:
     return [train.x[c, :n] for c, n in enumerate(train.count.tolist())]
 
 
-def build_algorithm(name: str, config: RunConfig, task: Task) -> Algorithm:
-    """The named method with the shared local recipe and its own parameters from the config.
+def method_settings(name: str, config: RunConfig) -> tuple[type[Algorithm], dict[str, Any]]:
+    """The registered class behind ``name`` and the parameters the config sets for it.
 
-    A name may also be a *variant* defined in the config: a ``[methods.<name>]``
-    table with ``base = "<registered method>"`` and the parameters it changes
-    (e.g. FedGMI's ablations).
+    The shared ``[train]`` recipe applies where the class has the field; a
+    variant (``base = …``) starts from its base's table; the method's own
+    table wins. Parameters not returned keep the class defaults.
     """
     own = dict(config.method_params.get(name, {}))
     base = own.pop("base", name)
@@ -163,6 +164,17 @@ def build_algorithm(name: str, config: RunConfig, task: Task) -> Algorithm:
             f"{name} takes: {', '.join(sorted(known))}"
         )
     values.update(own)
+    return cls, values
+
+
+def build_algorithm(name: str, config: RunConfig, task: Task) -> Algorithm:
+    """The named method with the shared local recipe and its own parameters from the config.
+
+    A name may also be a *variant* defined in the config: a ``[methods.<name>]``
+    table with ``base = "<registered method>"`` and the parameters it changes
+    (e.g. FedGMI's ablations).
+    """
+    cls, values = method_settings(name, config)
     try:
         return cls(task=task, **values)
     except (TypeError, ValueError) as err:
@@ -211,6 +223,20 @@ def full_scale(fleet: Fleet) -> float:
     """The calibrated span of the target (max − min over the fleet's reference values)."""
     values = fleet.frame[fleet.target].to_numpy(float)
     return float(values.max() - values.min())
+
+
+def valid_ranges(fleet: Fleet) -> dict[str, Any]:
+    """Per sensor, the span of its calibration points: {sensor: {column: [min, max]}}.
+
+    Inputs and target; a model is only validated inside this range, so exports carry it.
+    """
+    train = fleet.frame[fleet.frame[SPLIT_COLUMN] == "train"]
+    columns = [*fleet.features, fleet.target]
+    spans = train.groupby(fleet.client_column, sort=False)[columns].agg(["min", "max"])
+    return {
+        str(sensor): {c: [float(row[(c, "min")]), float(row[(c, "max")])] for c in columns}
+        for sensor, row in spans.iterrows()
+    }
 
 
 def summary_row(
@@ -290,6 +316,9 @@ def run_experiment(
     rows: list[dict[str, Any]] = []
     for tp in train_points:
         subset = fleet.with_train_points(tp or None, seed=config.data.split_seed)
+        if task_kind(fleet) == "regression":
+            ranges = json.dumps(valid_ranges(subset), indent=1)
+            _write_text(out / f"valid_range_tp{tp}.json", ranges)
         tensors = prepare(subset, config.data.scaling, config.engine.dtype)
         task = build_task(config, tensors.train.x.shape[-1], subset.meta, client_inputs(tensors))
         for method in methods:
