@@ -90,11 +90,14 @@ def temperature_column(fleet: Fleet) -> str | None:
     return next((f for f in fleet.features if "temp" in f.lower()), None)
 
 
-def plateaus(t: np.ndarray, gap: float = 2.0, max_groups: int = 8) -> np.ndarray:
+def plateaus(
+    t: np.ndarray, gap: float = 2.0, max_span: float = 5.0, max_groups: int = 8
+) -> np.ndarray:
     """Temperature plateau index per point: runs of sorted values closer than ``gap``.
 
-    Chamber data sits on a few set points; off-grid data (no plateaus) falls
-    back to six quantile bins.
+    Chamber data sits on a few set points (at most ``max_groups`` runs, none
+    wider than ``max_span``); other data (off-grid, no plateaus) falls back to
+    six quantile bins.
     """
     t = np.asarray(t, float)
     if len(t) == 0:
@@ -102,7 +105,8 @@ def plateaus(t: np.ndarray, gap: float = 2.0, max_groups: int = 8) -> np.ndarray
     order = np.argsort(t)
     breaks = np.diff(t[order]) > gap
     group_sorted = np.concatenate([[0], np.cumsum(breaks)])
-    if group_sorted[-1] + 1 > max_groups:
+    spans = pd.Series(t[order]).groupby(group_sorted).agg(lambda v: v.max() - v.min())
+    if group_sorted[-1] + 1 > max_groups or spans.max() > max_span:
         edges = np.quantile(t, np.linspace(0, 1, 7)[1:-1])
         return np.searchsorted(edges, t, side="right")
     groups = np.empty(len(t), int)
