@@ -212,3 +212,17 @@ def test_report_renders_in_headless_chromium(compare_run, tmp_path):
     pixels = np.asarray(image)
     # rendered content, not a blank page: many rows hold dark pixels (text, plot lines)
     assert (pixels < 128).any(axis=1).mean() > 0.3
+
+
+def test_a_diverged_sensor_has_no_error_to_draw(compare_run, tmp_path):
+    _, run, _, _ = compare_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    path = copy / "runs" / "fedgmi_tp24_seed0" / "per_sensor.csv"
+    frame = pd.read_csv(path)
+    frame["status"] = ["diverged"] + ["ok"] * (len(frame) - 1)
+    frame.to_csv(path, index=False)
+    table = RunDir.open(copy).per_sensor(24).query("method == 'fedgmi' and seed == 0")
+    assert table["test_rmse"].isna().tolist() == [True] + [False] * (len(frame) - 1)
+    report = build_report(copy, tmp_path / "d.html")
+    assert "per-sensor" in report.figures  # drawn, with the diverged sensor named, not plotted

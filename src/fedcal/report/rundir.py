@@ -71,8 +71,17 @@ class RunDir:
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
     def per_sensor(self, train_points: int) -> pd.DataFrame:
-        """Every (method, seed, sensor)'s final errors at one point budget."""
-        return self._concat("per_sensor.csv", train_points)
+        """Every (method, seed, sensor)'s final errors at one point budget.
+
+        A sensor whose ``status`` (where the file has one) is not ``ok`` gets NaN
+        errors, so that no figure draws a diverged model's numbers.
+        """
+        frame = self._concat("per_sensor.csv", train_points)
+        if "status" in frame.columns:
+            bad = frame["status"].fillna("diverged").astype(str) != "ok"
+            errors = [c for c in frame.columns if c.startswith(("test_", "train_"))]
+            frame[errors] = frame[errors].astype(float).mask(bad, np.nan)
+        return frame
 
     def metrics(self, train_points: int) -> pd.DataFrame:
         """Every (method, seed, round, sensor)'s errors at one point budget."""
