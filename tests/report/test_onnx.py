@@ -11,10 +11,13 @@ import onnxruntime as ort
 import pytest
 from typer.testing import CliRunner
 
+from fedcal.algorithms.polynomial import PolynomialCalibration
 from fedcal.cli import app
 from fedcal.data.loader import load_fleet
 from fedcal.experiment import valid_ranges
 from fedcal.report.export import load_models
+from fedcal.report.onnx_export import to_onnx
+from fedcal.report.rundir import predictive_std
 
 runner = CliRunner(env={"COLUMNS": "200"})
 
@@ -145,3 +148,24 @@ def test_c_header_range_check(compare_run, tmp_path):
     subprocess.run(cmd, check=True)
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()
     assert [int(v) for v in out] == [p[2] for p in probes]
+
+
+class WithStd(PolynomialCalibration):
+    """The polynomial with a predictive σ that varies with the input (scaled units)."""
+
+    def predictive_std(self, params, x):
+        return 0.01 + 0.02 * x[..., :1].abs()  # (clients, rows, 1)
+
+
+def test_onnx_exports_predictive_std_where_the_method_has_one(compare_run):
+    _, run, _, _ = compare_run
+    fleet = load_models(run, "polynomial", 0, 24)
+    fleet = replace(fleet, algorithm=WithStd(**fleet.algorithm.__dict__))
+    x = probe_inputs(json.loads((run / "valid_range_tp24.json").read_text())["S01"])
+    session = ort.InferenceSession(to_onnx(fleet, "S01", "polynomial"))
+    assert [o.name for o in session.get_outputs()] == ["pressure_hpa", "pressure_hpa_std"]
+    y, std = session.run(None, {"x": x})
+    assert np.max(np.abs(y - fleet.predict("S01", x)) / np.abs(y)) <= 1e-6
+    want = predictive_std(fleet, "S01", x)
+    assert want is not None and np.ptp(want) > 0
+    assert np.max(np.abs(std[:, 0] - want) / want) <= 1e-6

@@ -12,6 +12,9 @@ TorchScript-based exporter (``dynamo=False``), which needs no extra package;
 the dynamo exporter would add onnxscript for graphs this small. The model's
 metadata (``metadata_props``) names the sensor, method, inputs, target and
 the valid input range (the span of the sensor's calibration points).
+A method with a predictive distribution (``algorithm.predictive_std`` returns
+a tensor) gets a second output, ``<target>_std``: the predictive standard
+deviation in target units, traced the same way.
 """
 
 from __future__ import annotations
@@ -46,10 +49,20 @@ class SensorCalibration(torch.nn.Module):
         self.register_buffer("y_offset", torch.as_tensor(s.y_offset, dtype=torch.float64))
         self.register_buffer("y_scale", torch.as_tensor(s.y_scale, dtype=torch.float64))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def has_std(self) -> bool:
+        """Whether the method gives a predictive standard deviation for this model."""
+        method = getattr(self.algorithm, "predictive_std", None)
+        probe = torch.zeros(1, 1, len(self.x_offset), dtype=torch.float64)
+        return method is not None and method(self.params, probe) is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         z = (x - self.x_offset) / self.x_scale  # as CalibratedFleet.predict, in float64
         y = self.algorithm.predict(self.params, z.unsqueeze(0))[0]  # (rows, 1)
-        return y.to(torch.float64) * self.y_scale + self.y_offset
+        y = y.to(torch.float64) * self.y_scale + self.y_offset
+        if not self.has_std():
+            return y
+        std = self.algorithm.predictive_std(self.params, z.unsqueeze(0))[0]  # (rows, 1)
+        return y, std.to(torch.float64) * self.y_scale.abs()
 
 
 def to_onnx(
@@ -62,6 +75,7 @@ def to_onnx(
     example = torch.as_tensor(
         np.tile(fleet.scaler.x_offset + fleet.scaler.x_scale * 0.5, (2, 1)), dtype=torch.float64
     )
+    outputs = [fleet.target] + ([f"{fleet.target}_std"] if module.has_std() else [])
     buf = io.BytesIO()
     with warnings.catch_warnings():
         # the TorchScript exporter announces its deprecation on every call
@@ -72,8 +86,8 @@ def to_onnx(
             buf,
             dynamo=False,
             input_names=["x"],
-            output_names=[fleet.target],
-            dynamic_axes={"x": {0: "rows"}, fleet.target: {0: "rows"}},
+            output_names=outputs,
+            dynamic_axes={"x": {0: "rows"}, **{name: {0: "rows"} for name in outputs}},
             opset_version=OPSET,
         )
     model = onnx.load_from_string(buf.getvalue())
@@ -89,7 +103,7 @@ def to_onnx(
         entry.key, entry.value = key, value
     model.doc_string = (
         f"fedcal calibration of sensor {sensor} ({method}): x = raw "
-        f"[{', '.join(fleet.features)}] float64 → {fleet.target}"
+        f"[{', '.join(fleet.features)}] float64 → {', '.join(outputs)}"
     )
     onnx.checker.check_model(model)
     return model.SerializeToString()
