@@ -17,7 +17,8 @@ run and compare also take --quiet (no progress bar, no table) and --html FILE
 Exit codes: 0 done (a method that diverged is reported as "diverged" in the
 table, and still exits 0); 2 refused input — a bad option, configuration, data
 file, method name or run directory, reported on one line before anything is
-trained or written; 1 anything else (an unexpected error, or Ctrl-C).
+trained or written; 130 interrupted (Ctrl-C; the same command resumes from the
+last checkpoint); 1 anything else (an unexpected error).
 """
 
 from __future__ import annotations

@@ -100,3 +100,15 @@ def test_exit_codes_are_documented():
     text = cli.__doc__
     assert "Exit codes: 0 done" in " ".join(text.split())
     assert "2 refused input" in " ".join(text.split())
+
+
+def test_interrupt_exits_130_and_nothing_is_printed_as_a_result(files, tmp_path, monkeypatch):
+    import fedcal.experiment
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fedcal.experiment, "run_experiment", interrupted)
+    data, cfg = files
+    result = runner.invoke(app, run_args(data, cfg, "local", tmp_path / "i"))
+    assert result.exit_code == 130 and "RMSE" not in result.output
