@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.colors import LogNorm
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
 
 from fedcal.report.rundir import plateaus
 
@@ -195,6 +196,7 @@ def point_sweep(
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xticks(sorted(set(points.values())), [str(v) for v in sorted(set(points.values()))])
+    ax.xaxis.set_minor_formatter(NullFormatter())  # only the budgets of the run are labelled
     ax.set_xlabel("calibration points per sensor")
     ax.set_ylabel(f"test RMSE, fleet mean ({unit})")
     ax.set_title("calibration-point sweep")

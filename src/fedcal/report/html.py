@@ -46,7 +46,7 @@ th, td { border: 1px solid #ccc; padding: 3px 8px; }
 td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 td.diverged { color: crimson; font-weight: bold; }
 img { max-width: 100%; } .note { color: #555; font-style: italic; }
-pre { background: #f6f6f6; padding: 1em; font-size: 0.8em; overflow-x: auto; }
+pre { background: #f6f6f6; padding: 1em; font-size: 0.8em; white-space: pre-wrap; }
 """
 
 
@@ -225,7 +225,11 @@ def build_report(run_dir: str | Path, out: str | Path, seed: int | None = None) 
             "no shown method gives a predictive distribution (predictive_std)",
         )
 
-    config_text = json.dumps(run.raw_config, indent=2, sort_keys=True)
+    # one line per section (wrapped by the page), not one line per list item
+    config_text = "\n".join(
+        f"{key} = {json.dumps(value, sort_keys=True)}"
+        for key, value in sorted(run.raw_config.items())
+    )
     sections.append(("config", "Resolved configuration", f"<pre>{html.escape(config_text)}</pre>"))
     best = ranked[0] if ranked else "—"
     head = [
