@@ -345,14 +345,15 @@ def methods(config: ConfigOpt = None) -> None:
 
     try:
         cfg = load_config(config)
+        recipe = dataclasses.asdict(cfg.train)
         variants = [n for n, p in cfg.method_params.items() if "base" in p and n not in REGISTRY]
         rows = []
         for name in [*sorted(REGISTRY), *sorted(variants)]:
             cls, values = method_settings(name, cfg)
             shown = []
             for f in dataclasses.fields(cls):
-                if f.name == "task":
-                    continue
+                if f.name == "task" or (f.name in recipe and values.get(f.name) == recipe[f.name]):
+                    continue  # the shared recipe, printed once above the table
                 if f.name in values:
                     shown.append(f"{f.name}={values[f.name]!r}*")
                 elif f.default is not dataclasses.MISSING:
@@ -361,12 +362,18 @@ def methods(config: ConfigOpt = None) -> None:
             rows.append((name, base, cls, ", ".join(shown)))
     except (ConfigError, KeyError) as err:
         _fail(str(err).strip("'\""))
-    t = Table(caption="* set by the configuration ([train] recipe or [methods.<name>])")
+    console.print(
+        "local recipe shared by every method ([train]): "
+        + ", ".join(f"{k}={v!r}" for k, v in recipe.items()),
+        highlight=False,
+        markup=False,
+    )
+    t = Table(caption="* set by the configuration ([methods.<name>]); others: class defaults")
     t.add_column("method", no_wrap=True)
     t.add_column("variant of")
     t.add_column("federated")
     t.add_column("task")
-    t.add_column("parameters used")
+    t.add_column("own parameters used")
     for name, base, cls, params in rows:
         t.add_row(name, base, "yes" if cls.federated else "no", cls.task_kind, params)
     console.print(t)

@@ -55,20 +55,21 @@ def test_methods_fully_validated_before_training(files, tmp_path, methods, extra
 
 def test_methods_shows_the_values_a_run_uses(tmp_path):
     cfg = tmp_path / "c.toml"
-    cfg.write_text("[train]\nlr = 0.3\n[methods.fedgmi]\nfinetune_steps = 4\n")
+    cfg.write_text("[train]\nlr = 0.3\n[methods.fedgmi]\nfinetune_steps = 4\nlr = 0.2\n")
+    output = wide.invoke(app, ["methods", "--config", str(cfg)]).output
     rows = {
-        line.split("│")[1].strip(): line
-        for line in wide.invoke(app, ["methods", "--config", str(cfg)]).output.splitlines()
-        if line.startswith("│")
+        line.split("│")[1].strip(): line for line in output.splitlines() if line.startswith("│")
     }
-    assert "lr=0.3*" in rows["fedgmi"] and "finetune_steps=4*" in rows["fedgmi"]
-    assert "lr=0.3*" in rows["fedavg"]
+    assert output.startswith("local recipe shared by every method ([train]): lr=0.3,")
+    assert "finetune_steps=4*" in rows["fedgmi"] and "lr=0.2*" in rows["fedgmi"]
+    assert "lr=" not in rows["fedavg"]  # fedavg runs the shared recipe
     # a variant inherits its base's table and shows its own change
     joint = rows["fedgmi_joint"]
     assert "│ fedgmi " in joint and "finetune_steps=4*" in joint and "normalize='joint'*" in joint
     # the shipped default's recipe (lr 0.1), not the class default (0.05), is what runs
-    default_rows = wide.invoke(app, ["methods"]).output
-    assert "lr=0.1*" in default_rows and not re.search(r"[ (]lr=0\.05,", default_rows)
+    default = wide.invoke(app, ["methods"]).output
+    assert default.startswith("local recipe shared by every method ([train]): lr=0.1,")
+    assert not re.search(r"[ (]lr=0\.05,", default)
     bad = tmp_path / "bad.toml"
     bad.write_text('[methods.x]\nbase = "fedgmi"\nmagic = 1\n')
     result = wide.invoke(app, ["methods", "--config", str(bad)])
