@@ -120,3 +120,26 @@ def test_table_fits_100_columns_with_whole_names_and_numbers(show_bytes):
             mean, _, std = cells[1].partition(" ±")
             assert float(mean) == pytest.approx(row["rmse_mean"], rel=5e-3)
             assert float(std) == pytest.approx(row["rmse_mean_std"], rel=5e-2)
+
+
+def test_design_sweeps_get_sections_and_fleet_seeds_are_pooled():
+    rows = []
+    for design, base in (("3x2", 1.0), ("6x4", 0.1)):
+        for fleet_seed in (0, 1):
+            for seed in (0, 1):
+                value = base * (1 + fleet_seed + 0.5 * seed)
+                rows.append(("polynomial", seed, fleet_seed, design, 12, value))
+    summary = pd.DataFrame(
+        rows, columns=["method", "seed", "fleet_seed", "design", "train_points", "rmse_mean"]
+    )
+    table = aggregate(summary)
+    assert table["design"].tolist() == ["3x2", "6x4"] and (table["seeds"] == 4).all()
+    # pooled over training seeds and fleet seeds: (1 + {0,1} + {0,0.5}) · base
+    assert table["rmse_mean"].tolist() == pytest.approx([1.75, 0.175])
+    assert "fleet_seed" not in table.columns and "fleet_seed_std" not in table.columns
+    console = Console(width=100, record=True, color_system=None)
+    for t in rich_tables(table, [("rmse_mean", "RMSE mean")], "hPa"):
+        console.print(t)
+    text = " ".join(console.export_text().split())  # titles wrap to the table's width
+    assert "design 3x2, calibration points per sensor: 12" in text
+    assert "design 6x4, calibration points per sensor: 12" in text

@@ -33,7 +33,7 @@ import pandas as pd
 
 from fedcal.report import figures
 from fedcal.report.rundir import RunDir, residuals, temperature_column
-from fedcal.report.tables import aggregate, cell, table_columns, target_unit
+from fedcal.report.tables import aggregate, cell, sections_of, table_columns, target_unit
 
 MAX_DETAIL_METHODS = 6  # residual and map panels: the best methods, one row each
 MAX_ROUND_METHODS = 10  # lines in the error-against-round figure
@@ -71,20 +71,22 @@ def _png(fig) -> str:
 def _ranked(table: pd.DataFrame, budget: int) -> list[str]:
     """Methods at one budget, lowest fleet-mean error first, diverged last."""
     part = table[table["train_points"] == budget]
-    key = "rmse_mean" if "rmse_mean" in part.columns else None
-    if key is None:
-        return list(part["method"])
-    return list(part.sort_values(key, na_position="last", kind="stable")["method"])
+    if "rmse_mean" in part.columns:
+        part = part.sort_values("rmse_mean", na_position="last", kind="stable")
+    return list(pd.unique(part["method"]))  # once each, also with a design sweep
 
 
 def summary_html(table: pd.DataFrame, unit: str) -> str:
     """The summary table; each number's cell carries the exact mean and std it shows."""
     columns = table_columns(table, unit, show_bytes="bytes_up_per_round" in table, full=True)
     out = []
-    for tp, part in table.groupby("train_points", sort=False):
-        title = "all" if tp == 0 else str(tp)
-        out.append(f"<h3>calibration points per sensor: {title}</h3>")
-        out.append(f'<table class="summary" data-train-points="{tp}"><tr><th>method</th>')
+    for title, part in sections_of(table):
+        tp = int(part["train_points"].iloc[0])
+        design = ""
+        if "design" in part:
+            design = f' data-design="{html.escape(str(part["design"].iloc[0]))}"'
+        out.append(f"<h3>{html.escape(title)}</h3>")
+        out.append(f'<table class="summary" data-train-points="{tp}"{design}><tr><th>method</th>')
         out += [f"<th>{html.escape(h)}</th>" for _, h in columns]
         out.append("<th>seeds</th></tr>")
         for _, row in part.iterrows():

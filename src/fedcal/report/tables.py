@@ -14,7 +14,8 @@ import numpy as np
 import pandas as pd
 from rich.table import Table
 
-KEYS = ("method", "seed", "train_points")
+SWEEP_KEYS = ("design", "train_points")  # a table section per value (design: chamber sweeps)
+POOLED = ("seed", "fleet_seed")  # averaged over: training seeds and fleet seeds together
 DIVERGED = "diverged"
 
 UNITS = {"hpa": "hPa", "pa": "Pa", "kpa": "kPa", "c": "°C", "k": "K", "percent": "%", "ppm": "ppm"}
@@ -35,15 +36,21 @@ def _nan_std(values: pd.Series) -> float:
 
 
 def aggregate(summary: pd.DataFrame) -> pd.DataFrame:
-    """Mean and std over seeds per (train_points, method), in the order methods were given.
+    """Mean and std over seeds per ([design,] train_points, method), methods in given order.
+
+    With a fleet-seed sweep the mean and std are over training seeds and fleet
+    seeds together.
 
     Non-numeric columns (e.g. ``status``) are not averaged; a seed whose
     ``status`` is not ``ok`` counts as NaN in every error metric, so the
     method's mean is NaN (diverged). ``diverged_seeds`` counts such seeds.
     """
     summary = summary.copy()
+    keys = [k for k in SWEEP_KEYS if k in summary.columns]
     metrics = [
-        c for c in summary.columns if c not in KEYS and pd.api.types.is_numeric_dtype(summary[c])
+        c
+        for c in summary.columns
+        if c not in ("method", *POOLED, *keys) and pd.api.types.is_numeric_dtype(summary[c])
     ]
     bad = summary[metrics].isna().any(axis=1)
     if "status" in summary.columns:
@@ -53,7 +60,7 @@ def aggregate(summary: pd.DataFrame) -> pd.DataFrame:
     summary[errors] = summary[errors].astype(float).mask(bad, np.nan)
     summary["diverged_seeds"] = bad.astype(int)
     order = {m: i for i, m in enumerate(pd.unique(summary["method"]))}
-    grouped = summary.groupby(["train_points", "method"], sort=False)
+    grouped = summary.groupby([*keys, "method"], sort=False)
     table = pd.concat(
         [
             grouped[metrics].agg(_nan_mean),
@@ -64,9 +71,19 @@ def aggregate(summary: pd.DataFrame) -> pd.DataFrame:
     ).reset_index()
     table["seeds"] = grouped.size().to_numpy()
     table["_order"] = table["method"].map(order)
-    return (
-        table.sort_values(["train_points", "_order"]).drop(columns="_order").reset_index(drop=True)
-    )
+    return table.sort_values([*keys, "_order"]).drop(columns="_order").reset_index(drop=True)
+
+
+def sections_of(table: pd.DataFrame):
+    """(title, rows) per ([design,] train_points) of an ``aggregate`` table, in its order."""
+    keys = [k for k in SWEEP_KEYS if k in table.columns]
+    for values, part in table.groupby(keys, sort=False):
+        named = dict(zip(keys, values, strict=True))
+        tp = named["train_points"]
+        title = "calibration points per sensor: " + ("all" if tp == 0 else str(tp))
+        if "design" in named:
+            title = f"design {named['design']}, " + title
+        yield title, part
 
 
 def fmt_num(value: float, digits: int = 3) -> str:
@@ -115,6 +132,12 @@ def table_columns(
         cols += [("max_abs_worst", f"max|err| worst{u}"), ("rmse_mean_pct_fs", "RMSE %FS")]
         if full:
             cols.append(("max_abs_worst_pct_fs", "max|err| %FS"))
+            for role in ("new", "reference"):  # mixed fleets: the same per role
+                if f"rmse_mean_{role}" in table.columns:
+                    cols += [
+                        (f"rmse_mean_{role}", f"RMSE mean {role}{u}"),
+                        (f"rmse_worst_{role}", f"RMSE worst {role}{u}"),
+                    ]
     else:
         cols = [
             (c, c)
@@ -144,8 +167,7 @@ def cell(row: pd.Series, column: str) -> str:
 def rich_tables(table: pd.DataFrame, columns: list[tuple[str, str]], unit: str = "") -> list[Table]:
     """One rich table per point budget; cells never wrap or get cut (method names whole)."""
     out = []
-    for tp, part in table.groupby("train_points", sort=False):
-        title = "calibration points per sensor: " + ("all" if tp == 0 else str(tp))
+    for title, part in sections_of(table):
         if unit:
             title += f"; errors on held-out points in {unit}, mean ±std over seeds"
         t = Table(title=title, title_justify="left", pad_edge=False)
@@ -162,9 +184,10 @@ def rich_tables(table: pd.DataFrame, columns: list[tuple[str, str]], unit: str =
 def to_markdown(table: pd.DataFrame, columns: list[tuple[str, str]]) -> str:
     """A Markdown table of ``aggregate`` output: method, then ``(column, header)`` as mean ± std."""
     lines = []
-    for tp, part in table.groupby("train_points", sort=False):
-        if table["train_points"].nunique() > 1:
-            lines.append(f"\ncalibration points per sensor: {'all' if tp == 0 else tp}\n")
+    sections = list(sections_of(table))
+    for title, part in sections:
+        if len(sections) > 1:
+            lines.append(f"\n{title}\n")
         lines.append("| method | " + " | ".join(h.replace("|", "\\|") for _, h in columns) + " |")
         lines.append("|---|" + "---:|" * len(columns))
         for _, row in part.iterrows():
