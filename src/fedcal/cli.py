@@ -411,7 +411,7 @@ def export(
         _fail("--format onnx writes one file per sensor: give a directory with --out")
     try:
         fleet = load_models(run_dir, method, seed, train_points)
-        ranges = read_valid_ranges(run_dir, train_points)
+        ranges = read_valid_ranges(run_dir, method, seed, train_points)
         if fmt == "onnx":
             from fedcal.report.onnx_export import to_onnx
 

@@ -4,12 +4,12 @@ Layout of a run directory::
 
     config.json            resolved configuration (refuses to mix with another one)
     fleet.json             where the data came from (file or simulator settings)
-    valid_range_tp<N>.json per sensor, the span of its calibration points (exports carry it)
     summary.csv            one row per (method, train_points, seed), rewritten after each run
     runs/<method>_tp<N>_seed<S>/
         metrics.csv        per round and sensor: test/train errors, train loss
         per_sensor.csv     final errors of each sensor's personalized model
         model.pt           personalized weights of every sensor, scaler, model settings
+        valid_range.json   per sensor, the span of its calibration points (exports carry it)
         done.json          the summary row; written last, so a run without it is redone
         checkpoint.pt      while running (removed when done): resume point
 
@@ -316,9 +316,6 @@ def run_experiment(
     rows: list[dict[str, Any]] = []
     for tp in train_points:
         subset = fleet.with_train_points(tp or None, seed=config.data.split_seed)
-        if task_kind(fleet) == "regression":
-            ranges = json.dumps(valid_ranges(subset), indent=1)
-            _write_text(out / f"valid_range_tp{tp}.json", ranges)
         tensors = prepare(subset, config.data.scaling, config.engine.dtype)
         task = build_task(config, tensors.train.x.shape[-1], subset.meta, client_inputs(tensors))
         for method in methods:
@@ -364,6 +361,9 @@ def run_experiment(
                 final.insert(1, "seed", seed)
                 _write_csv(run_dir / "per_sensor.csv", final)
                 save_models(run_dir / "model.pt", result, tensors, config, algorithm, method, seed)
+                if task.kind == "regression":
+                    ranges = json.dumps(valid_ranges(subset), indent=1)
+                    _write_text(run_dir / "valid_range.json", ranges)
                 row = summary_row(method, seed, tp, result, fs, task)
                 _write_text(done, json.dumps(row, indent=2))
                 (run_dir / "checkpoint.pt").unlink(missing_ok=True)

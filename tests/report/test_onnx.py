@@ -82,7 +82,7 @@ def test_onnx_export_of_the_physics_basis_model(tmp_path, make_fleet):
     args = ["export", str(run), "--method", "local", "--format", "onnx", "--out", str(out)]
     assert runner.invoke(app, args).exit_code == 0
     fleet = as_float64(load_models(run, "local"))
-    ranges = json.loads((run / "valid_range_tp0.json").read_text())
+    ranges = json.loads((run / "runs" / "local_tp0_seed0" / "valid_range.json").read_text())
     for sensor in fleet.params:
         x = probe_inputs(ranges[sensor])
         want = fleet.predict(sensor, x)
@@ -126,7 +126,7 @@ def test_c_header_range_check(compare_run, tmp_path):
     header = tmp_path / "cal.h"
     args = ["export", str(run), "--method", "fedgmi", "--train-points", "24", "--out", str(header)]
     assert runner.invoke(app, args).exit_code == 0
-    ranges = json.loads((run / "valid_range_tp24.json").read_text())
+    ranges = json.loads((run / "runs" / "fedgmi_tp24_seed0" / "valid_range.json").read_text())
     sensors = sorted(ranges)
     probes = []
     for s in sensors:
@@ -161,7 +161,8 @@ def test_onnx_exports_predictive_std_where_the_method_has_one(compare_run):
     _, run, _, _ = compare_run
     fleet = load_models(run, "polynomial", 0, 24)
     fleet = replace(fleet, algorithm=WithStd(**fleet.algorithm.__dict__))
-    x = probe_inputs(json.loads((run / "valid_range_tp24.json").read_text())["S01"])
+    ranges = json.loads((run / "runs" / "polynomial_tp24_seed0" / "valid_range.json").read_text())
+    x = probe_inputs(ranges["S01"])
     session = ort.InferenceSession(to_onnx(fleet, "S01", "polynomial"))
     assert [o.name for o in session.get_outputs()] == ["pressure_hpa", "pressure_hpa_std"]
     y, std = session.run(None, {"x": x})
@@ -169,3 +170,14 @@ def test_onnx_exports_predictive_std_where_the_method_has_one(compare_run):
     want = predictive_std(fleet, "S01", x)
     assert want is not None and np.ptp(want) > 0
     assert np.max(np.abs(std[:, 0] - want) / want) <= 1e-6
+
+
+def test_valid_ranges_of_an_older_run_are_recomputed_from_its_fleet(compare_run, tmp_path):
+    from fedcal.report.rundir import read_valid_ranges
+
+    _, run, _, _ = compare_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    written = read_valid_ranges(copy, "fedgmi", 1, 12)
+    (copy / "runs" / "fedgmi_tp12_seed1" / "valid_range.json").unlink()
+    assert read_valid_ranges(copy, "fedgmi", 1, 12) == written

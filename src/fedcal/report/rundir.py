@@ -162,13 +162,15 @@ def residuals(run: RunDir, fleet: Fleet, method: str, train_points: int, seed: i
     return out.rename(columns={fleet.client_column: "sensor"})
 
 
-def read_valid_ranges(run_dir: str | Path, train_points: int = 0) -> dict:
-    """Each sensor's calibrated span ({sensor: {column: [min, max]}}) for one point budget.
+def read_valid_ranges(
+    run_dir: str | Path, method: str, seed: int = 0, train_points: int = 0
+) -> dict:
+    """Each sensor's calibrated span ({sensor: {column: [min, max]}}) for one run.
 
-    From ``valid_range_tp<N>.json``; a run directory written before that file
-    existed gets it recomputed from its fleet (the simulator, or the data file).
+    From the run's ``valid_range.json``; a run written before that file existed
+    gets it recomputed from its fleet (the simulator, or the data file).
     """
-    path = Path(run_dir) / f"valid_range_tp{train_points}.json"
+    path = Path(run_dir) / "runs" / f"{method}_tp{train_points}_seed{seed}" / "valid_range.json"
     if path.exists():
         return json.loads(path.read_text())
     from fedcal.experiment import valid_ranges
