@@ -140,7 +140,7 @@ def table_columns(
                     ]
     else:
         cols = [
-            (c, c)
+            (c, c.replace("_", " "))
             for c in table.columns
             if c.endswith(("_mean", "_worst")) and not c.endswith("_std")
         ]
@@ -174,7 +174,9 @@ def rich_tables(table: pd.DataFrame, columns: list[tuple[str, str]], unit: str =
         # no_wrap + ellipsis: a table too wide would show "…" (tested never to happen)
         t.add_column("method", no_wrap=True, overflow="ellipsis")
         for _, header in columns:
-            t.add_column(header, justify="right", no_wrap=True, overflow="ellipsis")
+            # two-line headers ("RMSE" over "mean"): the numbers, not the words, set the width
+            two_lines = "\n".join(header.rsplit(" ", 1))
+            t.add_column(two_lines, justify="right", no_wrap=True, overflow="ellipsis")
         for _, row in part.iterrows():
             t.add_row(str(row["method"]), *[cell(row, c) for c, _ in columns])
         out.append(t)
