@@ -40,7 +40,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
-from rich.table import Table
+from rich.table import Column, Table
 
 from fedcal.config import ConfigError, RunConfig, load_config
 from fedcal.report.tables import target_unit
@@ -135,14 +135,16 @@ def validate_methods(cfg: RunConfig, fleet) -> list[str]:
 
 def progress_bar(quiet: bool) -> Progress:
     """Methods × seeds × budgets × rounds with ETA, on a terminal only (quiet in CI and pipes)."""
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
+    columns = (  # counts and ETA first: a narrow terminal cuts the description, not them
+        BarColumn(bar_width=16),
         MofNCompleteColumn(),
         TextColumn("rounds"),
         TimeElapsedColumn(),
         TextColumn("ETA"),
         TimeRemainingColumn(),
+        TextColumn(
+            "{task.description}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")
+        ),
     )
     return Progress(
         *columns,
@@ -182,8 +184,8 @@ def _experiment(
         def on_progress(label: str, t: int, summary: dict) -> None:
             step = t - seen.get(label, 0)
             seen[label] = t
-            first = next(iter(summary.items()), None)
-            shown = f"  {first[0]}={first[1]:.4g}" if first else ""
+            first = next(iter(summary.values()), None)  # the round's first metric, short
+            shown = f": {first:.3g}" if first is not None else ""
             progress.update(bar, advance=step, description=f"{label}{shown}")
 
         def on_skip(method: str, why: str) -> None:
