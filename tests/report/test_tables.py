@@ -50,6 +50,8 @@ def summary_frame(status: bool = True) -> pd.DataFrame:
     frame = pd.DataFrame(rows, columns=["method", "seed", "rmse_mean", "rmse_worst", "status"])
     frame.insert(2, "train_points", 0)
     frame["wall_s"] = [1.0, 3.0, 2.0, 2.0, 4.0, 6.0]
+    # a column only one method writes (as fedprior's weak_directions): NaN for the others
+    frame["weak_directions"] = [np.nan, np.nan, np.nan, np.nan, 1.0, 3.0]
     return frame if status else frame.drop(columns="status")
 
 
@@ -64,6 +66,9 @@ def test_aggregate_mean_std_and_diverged_never_averaged_away():
     # cost columns stay numbers
     assert table.loc["fedrep", "wall_s"] == pytest.approx(5.0)
     assert list(table.index) == ["polynomial", "fedbn", "fedrep"]
+    # a method without the method-specific column is not diverged because of it
+    assert table.loc["polynomial", "diverged_seeds"] == 0
+    assert math.isnan(table.loc["polynomial", "weak_directions"])
     # without a status column a NaN metric alone marks the seed
     plain = aggregate(summary_frame(status=False)).set_index("method")
     assert math.isnan(plain.loc["fedrep", "rmse_mean"])

@@ -16,6 +16,8 @@ from rich.table import Table
 
 SWEEP_KEYS = ("design", "train_points")  # a table section per value (design: chamber sweeps)
 POOLED = ("seed", "fleet_seed")  # averaged over: training seeds and fleet seeds together
+# errors every run of a task writes: NaN in one of them means the run diverged
+HEADLINE = ("rmse_mean", "rmse_worst", "mae_mean", "max_abs_worst", "accuracy_mean")
 DIVERGED = "diverged"
 
 UNITS = {"hpa": "hPa", "pa": "Pa", "kpa": "kPa", "c": "°C", "k": "K", "percent": "%", "ppm": "ppm"}
@@ -41,9 +43,12 @@ def aggregate(summary: pd.DataFrame) -> pd.DataFrame:
     With a fleet-seed sweep the mean and std are over training seeds and fleet
     seeds together.
 
-    Non-numeric columns (e.g. ``status``) are not averaged; a seed whose
-    ``status`` is not ``ok`` counts as NaN in every error metric, so the
-    method's mean is NaN (diverged). ``diverged_seeds`` counts such seeds.
+    A NaN value makes its own cell's mean NaN (shown as diverged), never
+    skipped; a column only some methods write (e.g. ``weak_directions``)
+    affects only that column. Non-numeric columns (e.g. ``status``) are not
+    averaged; a seed whose ``status`` is not ``ok`` counts as NaN in every
+    error metric. ``diverged_seeds`` counts seeds with such a status or a NaN
+    headline error (:data:`HEADLINE`).
     """
     summary = summary.copy()
     keys = [k for k in SWEEP_KEYS if k in summary.columns]
@@ -52,7 +57,8 @@ def aggregate(summary: pd.DataFrame) -> pd.DataFrame:
         for c in summary.columns
         if c not in ("method", *POOLED, *keys) and pd.api.types.is_numeric_dtype(summary[c])
     ]
-    bad = summary[metrics].isna().any(axis=1)
+    headline = [c for c in HEADLINE if c in summary.columns]
+    bad = summary[headline].isna().any(axis=1)
     if "status" in summary.columns:
         bad |= summary["status"].fillna(DIVERGED).astype(str) != "ok"
     # cost columns stay meaningful for a diverged run; error metrics do not
