@@ -125,7 +125,7 @@ def residuals_by_plateau(
             groups = plateaus(s[temperature]) if temperature else np.zeros(len(s), int)
             for g in np.unique(groups):
                 part = s[groups == g].sort_values(target)
-                label = f"{part[temperature].mean():.0f} °C" if temperature else None
+                label = f"{round(part[temperature].mean()):d} °C" if temperature else None
                 ax.plot(part[target], part["residual"], marker=".", label=label)
             ax.axhline(0, color="black", linewidth=0.6)
             ax.set_title(
@@ -207,39 +207,50 @@ def point_sweep(
 
 
 def uncertainty_bands(
-    residuals: dict[str, pd.DataFrame], target: str, unit: str
+    residuals: dict[str, pd.DataFrame], target: str, temperature: str | None, unit: str
 ) -> tuple[Figure, dict[str, float]]:
-    """Residual and its ±2σ predictive band against reference, for the median sensor.
+    """Per method: the ±2σ predictive band of its median sensor, and every residual over σ.
 
-    Returns the figure and, per method, the fraction of all test points whose
-    residual lies within ±1.96σ (empirical coverage of the 95 % interval).
+    Left panel: that sensor's 2σ per temperature plateau (lines) and |residual|
+    (dots) against reference. Right panel: residual / σ of every held-out point
+    of every sensor, with the ±1.96 lines of a 95 % interval. Returns the figure
+    and, per method, the share of points within ±1.96σ (empirical coverage).
     """
     n = len(residuals)
-    fig, axes = plt.subplots(1, n, figsize=(5.5 * n, 3.6), layout="constrained", squeeze=False)
+    fig, axes = plt.subplots(n, 2, figsize=(11, 3.4 * n), layout="constrained", squeeze=False)
     coverage = {}
-    for ax, (method, res) in zip(axes[0], residuals.items(), strict=True):
+    for (ax, az), (method, res) in zip(axes, residuals.items(), strict=True):
         ok = res[np.isfinite(res["residual"]) & np.isfinite(res["std"])]
         coverage[method] = (
             float((ok["residual"].abs() <= 1.96 * ok["std"]).mean()) if len(ok) else float("nan")
         )
         rmse = _sensor_rmse(ok)
         if rmse.empty:
-            ax.text(0.5, 0.5, f"{method}: diverged", ha="center", color="crimson")
-            ax.set_axis_off()
+            for a in (ax, az):
+                a.text(0.5, 0.5, f"{method}: diverged", ha="center", color="crimson")
+                a.set_axis_off()
             continue
         sensor = rmse.sort_values().index[len(rmse) // 2]
-        s = ok[ok["sensor"] == sensor].sort_values(target)
-        ax.fill_between(
-            s[target], -2 * s["std"], 2 * s["std"], alpha=0.25, label="±2σ predictive", step="mid"
-        )
-        ax.plot(s[target], s["residual"], ".", label="residual")
-        ax.axhline(0, color="black", linewidth=0.6)
-        ax.set_title(
-            f"{method} — sensor {sensor}; 95 % coverage, all sensors: {coverage[method]:.0%}",
+        s = ok[ok["sensor"] == sensor]
+        groups = plateaus(s[temperature]) if temperature else np.zeros(len(s), int)
+        for i, g in enumerate(np.unique(groups)):
+            part = s[groups == g].sort_values(target)
+            label = f"2σ, {round(part[temperature].mean()):d} °C" if temperature else "2σ"
+            ax.plot(part[target], 2 * part["std"], color=_color(i), label=label)
+            ax.plot(part[target], part["residual"].abs(), ".", color=_color(i))
+        ax.set_title(f"{method} — sensor {sensor}: 2σ (lines), |residual| (dots)", fontsize=9)
+        ax.set_xlabel(f"{target} (reference)")
+        ax.set_ylabel(unit)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        az.plot(ok[target], ok["residual"] / ok["std"], ".", markersize=3)
+        for bound in (-1.96, 1.96):
+            az.axhline(bound, color="crimson", linewidth=0.8)
+        az.set_title(
+            f"{method} — all sensors: residual / σ; within ±1.96: {coverage[method]:.1%}",
             fontsize=9,
         )
-        ax.set_xlabel(f"{target} (reference)")
-        ax.set_ylabel(f"residual ({unit})")
-        ax.legend(fontsize=7)
-        ax.grid(True, alpha=0.3)
+        az.set_xlabel(f"{target} (reference)")
+        az.set_ylabel("residual / σ")
+        az.grid(True, alpha=0.3)
     return fig, coverage

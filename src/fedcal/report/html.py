@@ -174,8 +174,8 @@ def build_report(run_dir: str | Path, out: str | Path, seed: int | None = None) 
             ("error-map", "Error over the (P, T) plane"),
         ):
             note(section, title, "residuals apply to regression runs")
+    temperature = temperature_column(fleet) if fleet is not None else None
     if res:
-        temperature = temperature_column(fleet)
         figure(
             "residuals",
             "Residuals by temperature plateau",
@@ -211,14 +211,15 @@ def build_report(run_dir: str | Path, out: str | Path, seed: int | None = None) 
 
     with_std = {m: r for m, r in res.items() if np.isfinite(r["std"]).any()}
     if with_std:
-        fig, coverage = figures.uncertainty_bands(with_std, fleet.target, unit)
+        fig, coverage = figures.uncertainty_bands(with_std, fleet.target, temperature, unit)
         cover = ", ".join(f"{m} {c:.1%}" for m, c in coverage.items())
         figure(
             "uncertainty",
             "Predictive uncertainty",
             fig,
-            "Residual and the method's ±2σ predictive band for its median sensor; share of "
-            f"held-out points within ±1.96σ over all sensors: {cover}.",
+            "Left: the method's 2σ predictive band of its median sensor per temperature "
+            "plateau, with that sensor's |residual|. Right: residual / σ of every held-out "
+            f"point; share within ±1.96σ (95 % interval), all sensors: {cover}.",
         )
     else:
         note(
