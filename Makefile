@@ -1,5 +1,6 @@
 # fedcal — the two set-up commands:
-#   make run    install (first time) and calibrate the embedded default fleet with FedGMI and its peers
+#   make run    install (first time); compare the per-sensor polynomial, fedcal's best method and
+#               FedGMI on the embedded default fleet; write the HTML report and print its path
 #   make test   install (first time) and run the test suite
 PYTHON ?= python3.11
 VENV := .venv
@@ -14,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/fedcal run --out runs/default
+	$(BIN)/fedcal run --config quickstart --out runs/default --html runs/default/report.html
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

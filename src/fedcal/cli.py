@@ -7,8 +7,18 @@ Stable interface (scripts call it)::
                [--config FILE] [--out DIR]
     fedcal compare [same options] [--train-points 12,24,48,96,384]
     fedcal simulate --out fleet.parquet
-    fedcal methods
-    fedcal export RUN_DIR --method fedgmi [--seed 0] --out FILE
+    fedcal methods [--config FILE]
+    fedcal export RUN_DIR --method fedgmi [--seed 0] [--format c|json|onnx] --out FILE|DIR
+    fedcal report RUN_DIR [--markdown] [--html FILE]
+
+run and compare also take --quiet (no progress bar, no table) and --html FILE
+(write the HTML report when done). The progress bar shows only on a terminal.
+
+Exit codes: 0 done (a method that diverged is reported as "diverged" in the
+table, and still exits 0); 2 refused input — a bad option, configuration, data
+file, method name or run directory, reported on one line before anything is
+trained or written; 130 interrupted (Ctrl-C; the same command resumes from the
+last checkpoint); 1 anything else (an unexpected error).
 """
 
 from __future__ import annotations
@@ -24,10 +34,18 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Column, Table
 
 from fedcal.config import ConfigError, RunConfig, load_config
+from fedcal.report.tables import target_unit
 
 DEBUG_FLAG = "--debug"
 
@@ -111,7 +129,15 @@ def _resolve(
         d = replace(d, target=target)
     cfg = replace(cfg, data=d)
     if methods is not None:
-        cfg = replace(cfg, methods=_csv_list(methods))
+        names = _csv_list(methods)
+        if not names:
+            raise ConfigError("--methods is empty; give names separated by commas, or 'all'")
+        repeated = sorted({m for m in names if names.count(m) > 1})
+        if repeated:
+            raise ConfigError(f"--methods names {', '.join(repeated)} more than once")
+        if "all" in names and len(names) > 1:
+            raise ConfigError("--methods 'all' cannot be combined with other names")
+        cfg = replace(cfg, methods=names)
     if seeds is not None:
         if seeds < 1:
             raise ConfigError("--seeds must be at least 1")
@@ -130,45 +156,100 @@ def _default_out(kind: str, cfg: RunConfig, extra: object) -> Path:
     return Path("runs") / f"{kind}-{digest.hexdigest()[:8]}"
 
 
+def validate_methods(cfg: RunConfig, fleet) -> list[str]:
+    """Every method name and parameter, checked before anything trains.
+
+    Unknown names, unknown or invalid method parameters and methods that cannot
+    run on the configured model raise ConfigError (with ``all``, such methods
+    are skipped by the experiment instead, so only names are checked).
+    """
+    from fedcal.engine.simulation import prepare
+    from fedcal.experiment import (
+        build_algorithm,
+        build_task,
+        check_methods,
+        client_inputs,
+        task_kind,
+    )
+
+    names = check_methods(cfg.methods, cfg, task_kind(fleet))
+    if list(cfg.methods) == ["all"]:
+        return names
+    tensors = prepare(fleet, cfg.data.scaling, cfg.engine.dtype)
+    task = build_task(cfg, tensors.train.x.shape[-1], fleet.meta, client_inputs(tensors))
+    for name in names:
+        build_algorithm(name, cfg, task)
+    return names
+
+
+def progress_bar(quiet: bool) -> Progress:
+    """Methods × seeds × budgets × rounds with ETA, on a terminal only (quiet in CI and pipes)."""
+    columns = (  # counts and ETA first: a narrow terminal cuts the description, not them
+        BarColumn(bar_width=16),
+        MofNCompleteColumn(),
+        TextColumn("rounds"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        TextColumn(
+            "{task.description}", table_column=Column(ratio=1, no_wrap=True, overflow="ellipsis")
+        ),
+    )
+    return Progress(
+        *columns,
+        console=err_console,
+        transient=True,
+        disable=quiet or not err_console.is_terminal,
+    )
+
+
 def _experiment(
-    cfg: RunConfig, out: Path | None, train_points: tuple[int, ...], kind: str, show_bytes: bool
+    cfg: RunConfig,
+    out: Path | None,
+    train_points: tuple[int, ...],
+    kind: str,
+    show_bytes: bool,
+    quiet: bool = False,
+    html: Path | None = None,
 ) -> None:
     import torch
 
     from fedcal.data.loader import FleetDataError
-    from fedcal.experiment import check_methods, load_data, run_experiment, task_kind
+    from fedcal.experiment import load_data, run_experiment
     from fedcal.report.tables import aggregate
 
     torch.set_num_threads(1)  # tiny models: threading overhead dominates
     try:
         fleet = load_data(cfg)
-        check_methods(cfg.methods, cfg, task_kind(fleet))
+        names = validate_methods(cfg, fleet)
     except (ConfigError, FleetDataError) as err:
         _fail(str(err))
     out = out or _default_out(kind, cfg, list(train_points))
     total = (
-        len(check_methods(cfg.methods, cfg, task_kind(fleet)))
+        len(names)
         * cfg.seeds
         * len(train_points)
         * cfg.engine.rounds
         * max(len(cfg.designs), 1)
         * max(len(cfg.fleet_seeds), 1)
     )
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} rounds"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=err_console, transient=True) as progress:
+    with progress_bar(quiet) as progress:
         bar = progress.add_task("starting", total=total)
         seen: dict[str, int] = {}
 
         def on_progress(label: str, t: int, summary: dict) -> None:
             step = t - seen.get(label, 0)
             seen[label] = t
-            first = next(iter(summary.items()))
-            progress.update(bar, advance=step, description=f"{label}  {first[0]}={first[1]:.4g}")
+            first = next(iter(summary.values()), None)  # the round's first metric, short
+            shown = f": {first:.3g}" if first is not None else ""
+            progress.update(bar, advance=step, description=f"{label}{shown}")
+
+        def on_skip(method: str, why: str) -> None:
+            if not quiet:
+                err_console.print(f"skipped {method}: {escape(why)}")
+
+        def on_note(method: str, note: str) -> None:  # what a user must know: even with --quiet
+            err_console.print(f"note ({method}): {escape(note)}")
 
         try:
             summary = run_experiment(
@@ -178,67 +259,37 @@ def _experiment(
                 cfg.methods,
                 train_points,
                 on_progress,
-                on_skip=lambda m, why: err_console.print(f"skipped {m}: {escape(why)}"),
-                on_note=lambda m, note: err_console.print(f"note ({m}): {escape(note)}"),
+                on_skip=on_skip,
+                on_note=on_note,
             )
         except ConfigError as err:
             _fail(str(err))
-    table = aggregate(summary)
-    unit = target_unit(cfg.data.target)
-    _print_table(table, unit, show_bytes)
-    console.print(
-        f"results in [bold]{out}[/] (summary.csv, runs/*/per_sensor.csv, runs/*/model.safetensors)"
-    )
+    if not quiet:
+        table = aggregate(summary)
+        _print_table(table, target_unit(cfg.data.target), show_bytes)
+        console.print(
+            f"results in [bold]{out}[/] (summary.csv, runs/*/per_sensor.csv, "
+            "runs/*/model.safetensors)"
+        )
+    if html is not None:
+        _write_html(out, html, quiet)
 
 
-UNITS = {"hpa": "hPa", "pa": "Pa", "kpa": "kPa", "c": "°C", "k": "K", "percent": "%", "ppm": "ppm"}
+def _write_html(run_dir: Path, html: Path, quiet: bool) -> None:
+    from fedcal.report.html import build_report
 
-
-def target_unit(column: str) -> str:
-    """The unit a column name ends with (``pressure_hpa`` → hPa), or '' if none is known."""
-    suffix = column.rsplit("_", 1)[-1].lower() if "_" in column else ""
-    return UNITS.get(suffix, suffix)
-
-
-def _table_columns(table, unit: str, show_bytes: bool) -> list[tuple[str, str]]:
-    if "rmse_mean" in table.columns:
-        cols = [
-            ("rmse_mean", f"RMSE mean ({unit})"),
-            ("rmse_worst", f"RMSE worst ({unit})"),
-            ("mae_mean", f"MAE mean ({unit})"),
-            ("max_abs_worst", f"max|err| worst ({unit})"),
-            ("rmse_mean_pct_fs", "RMSE %FS"),
-            ("max_abs_worst_pct_fs", "max|err| %FS"),
-        ]
-        for role in ("new", "reference"):  # mixed fleets: the same per role
-            if f"rmse_mean_{role}" in table.columns:
-                cols += [
-                    (f"rmse_mean_{role}", f"RMSE mean {role} ({unit})"),
-                    (f"rmse_worst_{role}", f"RMSE worst {role} ({unit})"),
-                ]
-    else:
-        cols = [
-            (c, c)
-            for c in table.columns
-            if c.endswith(("_mean", "_worst")) and not c.endswith("_std")
-        ]
-    cols.append(("wall_s", "wall s"))
-    if show_bytes:
-        cols += [("bytes_up_per_round", "up B/round"), ("bytes_down_per_round", "down B/round")]
-    return cols
+    report = build_report(run_dir, html)
+    if not quiet:
+        console.print(
+            f"HTML report: [bold]{report.path.resolve()}[/] ({len(report.figures)} figures)",
+            soft_wrap=True,
+        )
 
 
 def _print_table(table, unit: str, show_bytes: bool) -> None:
-    from fedcal.report.tables import fmt_pm, sections_of
+    from fedcal.report.tables import rich_tables, table_columns
 
-    cols = _table_columns(table, unit, show_bytes)
-    for title, part in sections_of(table):
-        t = Table(title=title, title_justify="left")
-        t.add_column("method")
-        for _, header in cols:
-            t.add_column(header, justify="right")
-        for _, row in part.iterrows():
-            t.add_row(row["method"], *[fmt_pm(row[c], row[f"{c}_std"]) for c, _ in cols])
+    for t in rich_tables(table, table_columns(table, unit, show_bytes), unit):
         console.print(t)
 
 
@@ -258,6 +309,12 @@ RoundsOpt = Annotated[int | None, typer.Option("--rounds", help="federated round
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", help="TOML file overriding the defaults")
 ]
+QuietOpt = Annotated[
+    bool, typer.Option("--quiet", "-q", help="no progress bar and no table; errors only")
+]
+HtmlOpt = Annotated[
+    Path | None, typer.Option("--html", help="also write the HTML report to this file")
+]
 
 
 @app.command()
@@ -273,13 +330,16 @@ def run(
     train_points: Annotated[
         int, typer.Option("--train-points", help="calibration points per sensor (0 = all)")
     ] = 0,
+    html: HtmlOpt = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """Train a personalized calibration model per sensor and print the error summary."""
     try:
         cfg = _resolve(config, data, features, target, methods, seeds, rounds)
     except ConfigError as err:
         _fail(str(err))
-    _experiment(cfg, out, (train_points or cfg.data.train_points,), "run", show_bytes=False)
+    points = (train_points or cfg.data.train_points,)
+    _experiment(cfg, out, points, "run", show_bytes=False, quiet=quiet, html=html)
 
 
 @app.command()
@@ -302,6 +362,8 @@ def compare(
     fleet_seeds: Annotated[
         str | None, typer.Option("--fleet-seeds", help="fleet-seed sweep, e.g. 0,1,2")
     ] = None,
+    html: HtmlOpt = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """Compare methods on the same fleet, splits and seeds, optionally over point budgets."""
     from fedcal.config import check_design, check_fleet_seeds
@@ -331,7 +393,7 @@ def compare(
         _fail(str(err))
     except ValueError:
         _fail(f"--train-points must be whole numbers separated by commas, got {train_points!r}")
-    _experiment(cfg, out, points, "compare", show_bytes=True)
+    _experiment(cfg, out, points, "compare", show_bytes=True, quiet=quiet, html=html)
 
 
 @app.command()
@@ -366,24 +428,46 @@ def simulate(
 
 
 @app.command()
-def methods() -> None:
-    """List the registered methods and their parameters."""
+def methods(config: ConfigOpt = None) -> None:
+    """List every method and config variant with the parameter values a run will use."""
     import dataclasses
 
     from fedcal.algorithms import REGISTRY
+    from fedcal.experiment import method_settings
 
-    t = Table()
-    t.add_column("method")
+    try:
+        cfg = load_config(config)
+        recipe = dataclasses.asdict(cfg.train)
+        variants = [n for n, p in cfg.method_params.items() if "base" in p and n not in REGISTRY]
+        rows = []
+        for name in [*sorted(REGISTRY), *sorted(variants)]:
+            cls, values = method_settings(name, cfg)
+            shown = []
+            for f in dataclasses.fields(cls):
+                if f.name == "task" or (f.name in recipe and values.get(f.name) == recipe[f.name]):
+                    continue  # the shared recipe, printed once above the table
+                if f.name in values:
+                    shown.append(f"{f.name}={values[f.name]!r}*")
+                elif f.default is not dataclasses.MISSING:
+                    shown.append(f"{f.name}={f.default!r}")
+            base = cls.name if name not in REGISTRY else ""
+            rows.append((name, base, cls, ", ".join(shown)))
+    except (ConfigError, KeyError) as err:
+        _fail(str(err).strip("'\""))
+    console.print(
+        "local recipe shared by every method ([train]): "
+        + ", ".join(f"{k}={v!r}" for k, v in recipe.items()),
+        highlight=False,
+        markup=False,
+    )
+    t = Table(caption="* set by the configuration ([methods.<name>]); others: class defaults")
+    t.add_column("method", no_wrap=True)
+    t.add_column("variant of")
     t.add_column("federated")
     t.add_column("task")
-    t.add_column("parameters (defaults)")
-    for name, cls in sorted(REGISTRY.items()):
-        params = ", ".join(
-            f"{f.name}={f.default!r}"
-            for f in dataclasses.fields(cls)
-            if f.name != "task" and f.default is not dataclasses.MISSING
-        )
-        t.add_row(name, "yes" if cls.federated else "no", cls.task_kind, params)
+    t.add_column("own parameters used")
+    for name, base, cls, params in rows:
+        t.add_row(name, base, "yes" if cls.federated else "no", cls.task_kind, params)
     console.print(t)
 
 
@@ -395,22 +479,53 @@ def export(
     train_points: Annotated[
         int, typer.Option("--train-points", help="which point budget (0 = all)")
     ] = 0,
-    fmt: Annotated[str, typer.Option("--format", help="c (header for firmware) or json")] = "c",
+    fmt: Annotated[
+        str,
+        typer.Option(
+            "--format", help="c (header for firmware), json, or onnx (one file per sensor)"
+        ),
+    ] = "c",
     out: Annotated[
-        Path | None, typer.Option("--out", help="file to write (default: stdout)")
+        Path | None,
+        typer.Option("--out", help="file to write (default: stdout); a directory for onnx"),
     ] = None,
 ) -> None:
-    """Export every sensor's calibrated model for firmware (C header) or other tools (JSON)."""
-    from fedcal.report.export import load_models, to_c_header, to_json
+    """Export every sensor's calibrated model: C header, JSON, or ONNX (one file per sensor).
 
+    Every format carries each sensor's valid range: the span of its calibration points.
+    """
+    from fedcal.report.export import load_models, to_c_header, to_json
+    from fedcal.report.rundir import read_valid_ranges
+
+    if fmt not in ("c", "json", "onnx"):
+        _fail(f"--format must be 'c', 'json' or 'onnx', got {fmt!r}")
+    if fmt == "onnx" and out is None:
+        _fail("--format onnx writes one file per sensor: give a directory with --out")
     try:
         fleet = load_models(run_dir, method, seed, train_points)
-        if fmt not in ("c", "json"):
-            raise ValueError(f"--format must be 'c' or 'json', got {fmt!r}")
-        text = to_c_header(fleet) if fmt == "c" else to_json(fleet)
+        ranges = read_valid_ranges(run_dir, method, seed, train_points)
+        if fmt == "onnx":
+            from fedcal.report.onnx_export import to_onnx
+
+            files = {
+                sid: to_onnx(fleet, sid, method, ranges.get(sid)) for sid in sorted(fleet.params)
+            }
+        else:
+            text = (
+                to_c_header(fleet, valid_range=ranges)
+                if fmt == "c"
+                else to_json(fleet, valid_range=ranges)
+            )
     except (FileNotFoundError, ValueError, ConfigError) as err:
         _fail(str(err))
-    if out is None:
+    if fmt == "onnx":
+        out.mkdir(parents=True, exist_ok=True)
+        for sid, blob in files.items():
+            tmp = out / f"{sid}.onnx.tmp"
+            tmp.write_bytes(blob)
+            tmp.replace(out / f"{sid}.onnx")
+        console.print(f"wrote {len(files)} ONNX models ({{sensor}}.onnx) to {out}")
+    elif out is None:
         console.out(text, highlight=False)
     else:
         out.write_text(text)
@@ -549,11 +664,15 @@ def flower_nodes(
 def report(
     run_dir: Annotated[Path, typer.Argument(help="a run directory of fedcal run/compare")],
     markdown: Annotated[bool, typer.Option(help="print Markdown instead of a rich table")] = False,
+    html: Annotated[
+        Path | None,
+        typer.Option("--html", help="write a self-contained HTML report (figures embedded)"),
+    ] = None,
 ) -> None:
-    """Print the mean ± std table of a run directory's summary.csv."""
+    """Print the mean ± std table of a run directory; with --html, write the full report."""
     import pandas as pd
 
-    from fedcal.report.tables import aggregate, to_markdown
+    from fedcal.report.tables import aggregate, table_columns, to_markdown
 
     path = run_dir / "summary.csv"
     if not path.exists():
@@ -562,9 +681,15 @@ def report(
     cfg = json.loads((run_dir / "config.json").read_text())
     unit = target_unit(cfg["data"]["target"])
     if markdown:
-        console.out(to_markdown(table, _table_columns(table, unit, True)), highlight=False)
+        columns = table_columns(table, unit, True, full=True)
+        console.out(to_markdown(table, columns), highlight=False)
     else:
         _print_table(table, unit, True)
+    if html is not None:
+        import torch
+
+        torch.set_num_threads(1)
+        _write_html(run_dir, html, quiet=False)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -217,7 +217,7 @@ def default_config() -> RunConfig:
 
 
 # fedcal/configs/<name>.toml, usable as --config <name>
-SHIPPED = ("physics", "digits", "fewpoint", "generic")
+SHIPPED = ("physics", "digits", "fewpoint", "generic", "quickstart")
 
 
 def load_config(path: str | Path | None) -> RunConfig:

@@ -12,6 +12,8 @@ Layout of a run directory::
         per_sensor.csv     final errors of each sensor's personalized model (and its role)
         model.safetensors  personalized weights of every sensor (tensors) + JSON: scaler,
                            model settings (no pickle: the model is rebuilt from config.json)
+        valid_range.json   per sensor, the span of its calibration points (exports carry it)
+        prior.json         fedprior: the fleet prior, for `fedcal calibrate`
         done.json          the summary row; written last, so a run without it is redone
         checkpoint.safetensors  while running (removed when done): resume point
 
@@ -45,7 +47,7 @@ from fedcal.core.classification import ClassificationTask
 from fedcal.core.task import Task
 from fedcal.core.tensorfile import TensorFileError, load_trees, save_trees
 from fedcal.core.tree import flatten, unstack
-from fedcal.data.fleet import Fleet
+from fedcal.data.fleet import SPLIT_COLUMN, Fleet
 from fedcal.engine.simulation import (
     CheckpointError,
     EngineConfig,
@@ -167,12 +169,12 @@ def client_inputs(tensors: FleetTensors) -> list:
     return [train.x[c, :n] for c, n in enumerate(train.count.tolist())]
 
 
-def build_algorithm(name: str, config: RunConfig, task: Task) -> Algorithm:
-    """The named method with the shared local recipe and its own parameters from the config.
+def method_settings(name: str, config: RunConfig) -> tuple[type[Algorithm], dict[str, Any]]:
+    """The registered class behind ``name`` and the parameters the config sets for it.
 
-    A name may also be a *variant* defined in the config: a ``[methods.<name>]``
-    table with ``base = "<registered method>"`` and the parameters it changes
-    (e.g. FedGMI's ablations).
+    The shared ``[train]`` recipe applies where the class has the field; a
+    variant (``base = …``) starts from its base's table; the method's own
+    table wins. Parameters not returned keep the class defaults.
     """
     own = dict(config.method_params.get(name, {}))
     base = own.pop("base", name)
@@ -188,6 +190,17 @@ def build_algorithm(name: str, config: RunConfig, task: Task) -> Algorithm:
             f"{name} takes: {', '.join(sorted(known))}"
         )
     values.update(own)
+    return cls, values
+
+
+def build_algorithm(name: str, config: RunConfig, task: Task) -> Algorithm:
+    """The named method with the shared local recipe and its own parameters from the config.
+
+    A name may also be a *variant* defined in the config: a ``[methods.<name>]``
+    table with ``base = "<registered method>"`` and the parameters it changes
+    (e.g. FedGMI's ablations).
+    """
+    cls, values = method_settings(name, config)
     try:
         return cls(task=task, **values)
     except (TypeError, ValueError) as err:
@@ -255,6 +268,20 @@ def fleet_stat(values: pd.Series, how: str, name: str) -> float:
     if how == "mean":
         return float(v.mean())
     return float(v.min() if name in HIGHER_IS_BETTER else v.max())
+
+
+def valid_ranges(fleet: Fleet) -> dict[str, Any]:
+    """Per sensor, the span of its calibration points: {sensor: {column: [min, max]}}.
+
+    Inputs and target; a model is only validated inside this range, so exports carry it.
+    """
+    train = fleet.frame[fleet.frame[SPLIT_COLUMN] == "train"]
+    columns = [*fleet.features, fleet.target]
+    spans = train.groupby(fleet.client_column, sort=False)[columns].agg(["min", "max"])
+    return {
+        str(sensor): {c: [float(row[(c, "min")]), float(row[(c, "max")])] for c in columns}
+        for sensor, row in spans.iterrows()
+    }
 
 
 def summary_row(
@@ -538,6 +565,9 @@ def run_experiment(
                     seed,
                     subset.meta,
                 )
+                if task.kind == "regression":
+                    ranges = json.dumps(valid_ranges(subset), indent=1)
+                    _write_text(run_dir / "valid_range.json", ranges)
                 row = {**labels, **summary_row(method, seed, tp, result, fs, task, roles)}
                 exported = export_state(algorithm, result.server, subset, tensors, method)
                 if exported is not None:

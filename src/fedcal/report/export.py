@@ -97,14 +97,21 @@ def load_models(
     )
 
 
-def to_json(fleet: CalibratedFleet) -> str:
-    """All numbers needed to evaluate every sensor's model, as JSON."""
+def to_json(fleet: CalibratedFleet, valid_range: dict | None = None) -> str:
+    """All numbers needed to evaluate every sensor's model, as JSON.
+
+    ``valid_range`` ({sensor: {column: [min, max]}}, the span of each sensor's
+    calibration points) is written as ``valid_range``; outside it the model
+    extrapolates. Every leaf of the personalized parameter tree is written, so a
+    method whose tree holds a posterior (coefficients, covariance) exports it too.
+    """
     return json.dumps(
         {
             "features": list(fleet.features),
             "target": fleet.target,
             "model": fleet.model,
             "scaler": fleet.scaler.to_dict(),
+            "valid_range": valid_range or {},
             "sensors": {
                 sid: {k: v.double().tolist() for k, v in p.items()}
                 for sid, p in fleet.params.items()
@@ -112,6 +119,38 @@ def to_json(fleet: CalibratedFleet) -> str:
         },
         indent=1,
     )
+
+
+def _c_range_lines(sensors: list[str], columns: list[str], valid_range: dict) -> list[str]:
+    """Per-sensor min/max of each input and of the output, and an in-range test."""
+    missing = [s for s in sensors if s not in valid_range]
+    if missing:
+        raise ValueError(f"no valid range for sensor(s) {', '.join(missing)}")
+    *inputs, target = columns
+
+    def rows(col_index: int) -> str:
+        return ", ".join(
+            "{" + ", ".join(_c_float(valid_range[s][c][col_index]) for c in inputs) + "}"
+            for s in sensors
+        )
+
+    def flat(col_index: int) -> str:
+        return ", ".join(_c_float(valid_range[s][target][col_index]) for s in sensors)
+
+    return [
+        "/* Valid range per sensor: the span of its calibration points (inputs and output);",
+        " * outside it the model extrapolates. */",
+        f"static const float fedcal_x_min[FEDCAL_NUM_SENSORS][FEDCAL_NUM_INPUTS] = {{{rows(0)}}};",
+        f"static const float fedcal_x_max[FEDCAL_NUM_SENSORS][FEDCAL_NUM_INPUTS] = {{{rows(1)}}};",
+        f"static const float fedcal_y_min[FEDCAL_NUM_SENSORS] = {{{flat(0)}}};",
+        f"static const float fedcal_y_max[FEDCAL_NUM_SENSORS] = {{{flat(1)}}};",
+        "/* 1 if raw inputs x lie inside sensor `sensor`'s calibrated range, else 0. */",
+        "static inline int fedcal_in_range(int sensor, const float *x) {",
+        "    for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j)",
+        "        if (x[j] < fedcal_x_min[sensor][j] || x[j] > fedcal_x_max[sensor][j]) return 0;",
+        "    return 1;",
+        "}",
+    ]
 
 
 def _c_float(v: float) -> str:
@@ -124,8 +163,16 @@ def _c_array(name: str, values: np.ndarray) -> str:
     return f"static const float {name}[{values.size}] = {{{body}}};"
 
 
-def to_c_header(fleet: CalibratedFleet, guard: str = "FEDCAL_CALIBRATION_H") -> str:
-    """A C99 header evaluating each sensor's MLP; only for the ``mlp`` family."""
+def to_c_header(
+    fleet: CalibratedFleet,
+    guard: str = "FEDCAL_CALIBRATION_H",
+    valid_range: dict | None = None,
+) -> str:
+    """A C99 header evaluating each sensor's MLP; only for the ``mlp`` family.
+
+    With ``valid_range`` (see :func:`to_json`) it also carries each sensor's
+    calibrated input and output span and ``fedcal_in_range``.
+    """
     if fleet.model.get("family") != "mlp" or not all(
         "l0.weight" in p for p in fleet.params.values()
     ):
@@ -160,6 +207,8 @@ def to_c_header(fleet: CalibratedFleet, guard: str = "FEDCAL_CALIBRATION_H") -> 
         + ", ".join(json.dumps(sid) for sid in sensors)
         + "};",
     ]
+    if valid_range:
+        lines += _c_range_lines(sensors, [*fleet.features, fleet.target], valid_range)
     for i, sid in enumerate(sensors):
         p = fleet.params[sid]
         for k in range(layers):

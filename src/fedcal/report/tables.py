@@ -1,24 +1,78 @@
-"""Tables of results: per-method mean ± std over seeds, as data and as text."""
+"""Tables of results: per-method mean ± std over seeds, as data, rich tables and Markdown.
+
+A seed whose run diverged (a NaN metric, or ``status`` other than ``ok`` where
+summary.csv has that column) makes the method's mean NaN, which every
+renderer prints as ``diverged`` — never as a number averaged over the seeds
+that happened to survive.
+"""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
+from rich.table import Table
+
+SWEEP_KEYS = ("design", "train_points")  # a table section per value (design: chamber sweeps)
+POOLED = ("seed", "fleet_seed")  # averaged over: training seeds and fleet seeds together
+# errors every run of a task writes: NaN in one of them means the run diverged
+HEADLINE = ("rmse_mean", "rmse_worst", "mae_mean", "max_abs_worst", "accuracy_mean")
+DIVERGED = "diverged"
+
+UNITS = {"hpa": "hPa", "pa": "Pa", "kpa": "kPa", "c": "°C", "k": "K", "percent": "%", "ppm": "ppm"}
+
+
+def target_unit(column: str) -> str:
+    """The unit a column name ends with (``pressure_hpa`` → hPa), or '' if none is known."""
+    suffix = column.rsplit("_", 1)[-1].lower() if "_" in column else ""
+    return UNITS.get(suffix, suffix)
+
+
+def _nan_mean(values: pd.Series) -> float:
+    return float(np.mean(values.to_numpy(float)))  # NaN if any seed is NaN
+
+
+def _nan_std(values: pd.Series) -> float:
+    return float(np.std(values.to_numpy(float)))  # over seeds, ddof = 0
 
 
 def aggregate(summary: pd.DataFrame) -> pd.DataFrame:
     """Mean and std over seeds per ([design,] train_points, method), methods in given order.
 
-    With a design sweep the rows are per design too; with a fleet-seed sweep
-    the mean and std are over training seeds and fleet seeds together. A NaN
-    run (a diverged sensor) makes its group NaN: it is never skipped.
+    With a fleet-seed sweep the mean and std are over training seeds and fleet
+    seeds together.
+
+    A NaN value makes its own cell's mean NaN (shown as diverged), never
+    skipped; a column only some methods write (e.g. ``weak_directions``)
+    affects only that column. Non-numeric columns (e.g. ``status``) are not
+    averaged; a seed whose ``status`` is not ``ok`` counts as NaN in every
+    error metric. ``diverged_seeds`` counts seeds with such a status or a NaN
+    headline error (:data:`HEADLINE`).
     """
-    keys = [k for k in ("design", "train_points") if k in summary.columns]
-    metrics = [c for c in summary.columns if c not in ("method", "seed", "fleet_seed", *keys)]
+    summary = summary.copy()
+    keys = [k for k in SWEEP_KEYS if k in summary.columns]
+    metrics = [
+        c
+        for c in summary.columns
+        if c not in ("method", *POOLED, *keys) and pd.api.types.is_numeric_dtype(summary[c])
+    ]
+    headline = [c for c in HEADLINE if c in summary.columns]
+    bad = summary[headline].isna().any(axis=1)
+    if "status" in summary.columns:
+        bad |= summary["status"].fillna(DIVERGED).astype(str) != "ok"
+    # cost columns stay meaningful for a diverged run; error metrics do not
+    errors = [c for c in metrics if not c.startswith(("wall_s", "bytes_"))]
+    summary[errors] = summary[errors].astype(float).mask(bad, np.nan)
+    summary["diverged_seeds"] = bad.astype(int)
     order = {m: i for i, m in enumerate(pd.unique(summary["method"]))}
-    grouped = summary.groupby([*keys, "method"], sort=False)[metrics]
+    grouped = summary.groupby([*keys, "method"], sort=False)
     table = pd.concat(
-        [grouped.mean(skipna=False), grouped.std(ddof=0, skipna=False).add_suffix("_std")],
+        [
+            grouped[metrics].agg(_nan_mean),
+            grouped[metrics].agg(_nan_std).add_suffix("_std"),
+            grouped["diverged_seeds"].sum(),
+        ],
         axis=1,
     ).reset_index()
     table["seeds"] = grouped.size().to_numpy()
@@ -26,10 +80,113 @@ def aggregate(summary: pd.DataFrame) -> pd.DataFrame:
     return table.sort_values([*keys, "_order"]).drop(columns="_order").reset_index(drop=True)
 
 
+def sections_of(table: pd.DataFrame):
+    """(title, rows) per ([design,] train_points) of an ``aggregate`` table, in its order."""
+    keys = [k for k in SWEEP_KEYS if k in table.columns]
+    for values, part in table.groupby(keys, sort=False):
+        named = dict(zip(keys, values, strict=True))
+        tp = named["train_points"]
+        title = "calibration points per sensor: " + ("all" if tp == 0 else str(tp))
+        if "design" in named:
+            title = f"design {named['design']}, " + title
+        yield title, part
+
+
+def fmt_num(value: float, digits: int = 3) -> str:
+    """A short number: ``digits`` significant digits, no exponent between 1e-3 and 1e5."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return DIVERGED
+    v = float(value)
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    if v == 0:
+        return "0"
+    if 1e-3 <= abs(v) < 1e5:
+        magnitude = math.floor(math.log10(abs(v)))
+        decimals = max(digits - 1 - magnitude, 0)
+        text = f"{v:.{decimals}f}"
+        return text.rstrip("0").rstrip(".") if "." in text else text
+    return f"{v:.{digits - 1}e}".replace("e+0", "e").replace("e-0", "e-").replace("e+", "e")
+
+
 def fmt_pm(mean: float, std: float, digits: int = 3) -> str:
-    if np.isnan(std):
-        return f"{mean:.{digits}g}"
-    return f"{mean:.{digits}g} ± {std:.2g}"
+    """``mean ±std`` (std to 2 digits); ``diverged`` for a NaN mean; the mean alone without std."""
+    if mean is None or math.isnan(float(mean)):
+        return DIVERGED
+    if std is None or math.isnan(float(std)):
+        return fmt_num(mean, digits)
+    if abs(float(std)) <= 1e-9 * abs(float(mean)):
+        std = 0.0  # float noise of identical seeds (a closed-form method), not a spread
+    return f"{fmt_num(mean, digits)} ±{fmt_num(std, 2)}"
+
+
+def table_columns(
+    table: pd.DataFrame, unit: str, show_bytes: bool, full: bool = False
+) -> list[tuple[str, str]]:
+    """``(column, header)`` pairs to show; the short set fits a 100-column terminal.
+
+    ``full`` adds MAE and max|err| in % of full scale (Markdown and HTML have room).
+    """
+    u = f" ({unit})" if unit and full else ""  # terminal tables name the unit in the title
+    if "rmse_mean" in table.columns:
+        cols = [
+            ("rmse_mean", f"RMSE mean{u}"),
+            ("rmse_worst", f"RMSE worst{u}"),
+        ]
+        if full:
+            cols.append(("mae_mean", f"MAE mean{u}"))
+        cols += [("max_abs_worst", f"max|err| worst{u}"), ("rmse_mean_pct_fs", "RMSE %FS")]
+        if full:
+            cols.append(("max_abs_worst_pct_fs", "max|err| %FS"))
+            for role in ("new", "reference"):  # mixed fleets: the same per role
+                if f"rmse_mean_{role}" in table.columns:
+                    cols += [
+                        (f"rmse_mean_{role}", f"RMSE mean {role}{u}"),
+                        (f"rmse_worst_{role}", f"RMSE worst {role}{u}"),
+                    ]
+    else:
+        cols = [
+            (c, c.replace("_", " "))
+            for c in table.columns
+            if c.endswith(("_mean", "_worst")) and not c.endswith("_std")
+        ]
+    cols.append(("wall_s", "wall s"))
+    if show_bytes:
+        cols.append(("bytes_up_per_round", "up kB/round"))
+    return cols
+
+
+# shown as the mean alone: %FS is RMSE / full scale (its spread is RMSE's), costs vary little
+MEAN_ONLY = ("rmse_mean_pct_fs", "max_abs_worst_pct_fs", "wall_s")
+
+
+def cell(row: pd.Series, column: str) -> str:
+    """One table cell: mean ±std (mean only for %FS and costs), bytes in kB, NaN ``diverged``."""
+    mean, std = row[column], row.get(f"{column}_std", float("nan"))
+    if column.startswith("bytes_"):
+        return fmt_num(mean / 1e3)
+    if column in MEAN_ONLY:
+        return fmt_num(mean)
+    return fmt_pm(mean, std)
+
+
+def rich_tables(table: pd.DataFrame, columns: list[tuple[str, str]], unit: str = "") -> list[Table]:
+    """One rich table per point budget; cells never wrap or get cut (method names whole)."""
+    out = []
+    for title, part in sections_of(table):
+        if unit:
+            title += f"; errors on held-out points in {unit}, mean ±std over seeds"
+        t = Table(title=title, title_justify="left", pad_edge=False)
+        # no_wrap + ellipsis: a table too wide would show "…" (tested never to happen)
+        t.add_column("method", no_wrap=True, overflow="ellipsis")
+        for _, header in columns:
+            # two-line headers ("RMSE" over "mean"): the numbers, not the words, set the width
+            two_lines = "\n".join(header.rsplit(" ", 1))
+            t.add_column(two_lines, justify="right", no_wrap=True, overflow="ellipsis")
+        for _, row in part.iterrows():
+            t.add_row(str(row["method"]), *[cell(row, c) for c, _ in columns])
+        out.append(t)
+    return out
 
 
 def to_markdown(table: pd.DataFrame, columns: list[tuple[str, str]]) -> str:
@@ -42,18 +199,6 @@ def to_markdown(table: pd.DataFrame, columns: list[tuple[str, str]]) -> str:
         lines.append("| method | " + " | ".join(h.replace("|", "\\|") for _, h in columns) + " |")
         lines.append("|---|" + "---:|" * len(columns))
         for _, row in part.iterrows():
-            cells = [fmt_pm(row[c], row[f"{c}_std"]) for c, _ in columns]
+            cells = [cell(row, c) for c, _ in columns]
             lines.append(f"| {row['method']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def sections_of(table: pd.DataFrame):
-    """(title, rows) per ([design,] train_points) of an ``aggregate`` table, in its order."""
-    keys = [k for k in ("design", "train_points") if k in table.columns]
-    for values, part in table.groupby(keys, sort=False):
-        named = dict(zip(keys, values, strict=True))
-        tp = named["train_points"]
-        title = "calibration points per sensor: " + ("all" if tp == 0 else str(tp))
-        if "design" in named:
-            title = f"design {named['design']}, " + title
-        yield title, part

@@ -1,0 +1,256 @@
+"""The report's figures, drawn with matplotlib (Agg backend: no display, no network).
+
+Each function takes plain tables (pandas) and returns a matplotlib Figure; none
+of them reads files or computes a metric the run did not write, except the
+residuals, which come from the saved models (:func:`fedcal.report.rundir.residuals`).
+NaN errors (a diverged run) are never drawn as numbers: they are named in the
+panel instead.
+"""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: the report is written to a file, never shown
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.colors import LogNorm
+from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
+
+from fedcal.report.rundir import plateaus
+
+COLORS = plt.get_cmap("tab10").colors
+
+
+def _color(i: int) -> tuple:
+    return COLORS[i % len(COLORS)]
+
+
+def _diverged_note(ax, names: list[str]) -> None:
+    if names:
+        ax.text(
+            0.01,
+            0.99,
+            "diverged (not drawn): " + ", ".join(names),
+            transform=ax.transAxes,
+            va="top",
+            fontsize=8,
+            color="crimson",
+        )
+
+
+def error_vs_round(metrics: pd.DataFrame, methods: list[str], unit: str) -> Figure:
+    """Test RMSE per round: median sensor (solid) and worst sensor (dashed), mean over seeds."""
+    fig, ax = plt.subplots(figsize=(8, 4.5), layout="constrained")
+    diverged = []
+    for i, method in enumerate(methods):
+        m = metrics[metrics["method"] == method]
+        per_round = m.groupby(["seed", "round"])["test_rmse"].agg(
+            median=lambda s: float(np.median(s.to_numpy())),
+            worst=lambda s: s.to_numpy().max(),
+        )
+        curve = per_round.groupby("round").agg(lambda s: s.to_numpy().mean())
+        if curve.empty or not np.isfinite(curve.to_numpy()).all():
+            diverged.append(method)
+            curve = curve[np.isfinite(curve).all(axis=1)]
+        if curve.empty:
+            continue
+        style = {"marker": "o"} if len(curve) == 1 else {}
+        ax.plot(curve.index, curve["median"], color=_color(i), label=method, **style)
+        ax.plot(curve.index, curve["worst"], color=_color(i), linestyle="--", **style)
+    ax.set_yscale("log")
+    ax.set_xlabel("round")
+    ax.set_ylabel(f"test RMSE ({unit})")
+    ax.set_title("error against round — solid: median sensor, dashed: worst sensor")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, ncols=2)
+    _diverged_note(ax, diverged)
+    return fig
+
+
+def per_sensor_rmse(per_sensor: pd.DataFrame, methods: list[str], unit: str) -> Figure:
+    """Each sensor's test RMSE (mean over seeds) per method: a box and one dot per sensor."""
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(methods) + 2), 4.5), layout="constrained")
+    diverged = []
+    for i, method in enumerate(methods):
+        rmse = (
+            per_sensor[per_sensor["method"] == method]
+            .groupby("client")["test_rmse"]
+            .agg(lambda s: s.to_numpy().mean())
+            .to_numpy()
+        )
+        finite = rmse[np.isfinite(rmse)]
+        if len(finite) < len(rmse):
+            diverged.append(f"{method} ({len(rmse) - len(finite)} sensors)")
+        if len(finite) == 0:
+            continue
+        ax.boxplot(finite, positions=[i], widths=0.5, showfliers=False)
+        offsets = np.linspace(-0.18, 0.18, len(finite)) if len(finite) > 1 else np.zeros(1)
+        ax.scatter(i + offsets, finite, s=10, color=_color(i), zorder=3)
+    ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
+    ax.set_yscale("log")
+    ax.set_ylabel(f"test RMSE per sensor ({unit})")
+    ax.set_title("per-sensor test RMSE (one dot per sensor)")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    _diverged_note(ax, diverged)
+    return fig
+
+
+def _sensor_rmse(res: pd.DataFrame) -> pd.Series:
+    return res.groupby("sensor")["residual"].agg(lambda r: float(np.sqrt(np.mean(r**2))))
+
+
+def residuals_by_plateau(
+    residuals: dict[str, pd.DataFrame], target: str, temperature: str | None, unit: str
+) -> Figure:
+    """Residual against reference, one line per temperature plateau; best and worst sensor."""
+    rows = len(residuals)
+    fig, axes = plt.subplots(
+        rows, 2, figsize=(11, 2.8 * rows + 0.5), layout="constrained", squeeze=False
+    )
+    for r, (method, res) in enumerate(residuals.items()):
+        rmse = _sensor_rmse(res)
+        finite = rmse[np.isfinite(rmse)]
+        for c, which in enumerate(("best", "worst")):
+            ax = axes[r, c]
+            if finite.empty:
+                ax.text(0.5, 0.5, f"{method}: diverged", ha="center", color="crimson")
+                ax.set_axis_off()
+                continue
+            sensor = finite.idxmin() if which == "best" else finite.idxmax()
+            s = res[res["sensor"] == sensor]
+            groups = plateaus(s[temperature]) if temperature else np.zeros(len(s), int)
+            for g in np.unique(groups):
+                part = s[groups == g].sort_values(target)
+                label = f"{round(part[temperature].mean()):d} °C" if temperature else None
+                ax.plot(part[target], part["residual"], marker=".", label=label)
+            ax.axhline(0, color="black", linewidth=0.6)
+            ax.set_title(
+                f"{method} — {which} sensor {sensor}: RMSE {finite[sensor]:.3g} {unit}",
+                fontsize=9,
+            )
+            ax.set_xlabel(f"{target} (reference)")
+            ax.set_ylabel(f"residual ({unit})")
+            ax.grid(True, alpha=0.3)
+            if temperature and c == 1:
+                ax.legend(fontsize=7, title=temperature, title_fontsize=7, loc="best")
+    return fig
+
+
+def error_map(
+    residuals: dict[str, pd.DataFrame], target: str, temperature: str, unit: str
+) -> Figure:
+    """RMS over sensors of the test residual in cells of the (target, temperature) plane."""
+    n = len(residuals)
+    cols = min(n, 3)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(4.2 * cols + 0.6, 3.4 * rows), layout="constrained", squeeze=False
+    )
+    for ax in axes.ravel()[n:]:
+        ax.set_axis_off()
+    for ax, (method, res) in zip(axes.ravel(), residuals.items(), strict=False):
+        ok = res[np.isfinite(res["residual"])]
+        if ok.empty:
+            ax.text(0.5, 0.5, f"{method}: diverged", ha="center", color="crimson")
+            ax.set_axis_off()
+            continue
+        sq = ok["residual"].to_numpy() ** 2
+        hb = ax.hexbin(
+            ok[target],
+            ok[temperature],
+            C=sq,
+            reduce_C_function=lambda v: float(np.sqrt(np.mean(v))),
+            gridsize=(10, 5),
+            cmap="viridis",
+            norm=LogNorm() if (sq > 0).all() else None,  # colours span the cells' own range
+        )
+        fig.colorbar(hb, ax=ax, label=f"RMS residual ({unit})")
+        ax.set_title(method, fontsize=9)
+        ax.set_xlabel(f"{target} (reference)")
+        ax.set_ylabel(temperature)
+    return fig
+
+
+def point_sweep(
+    table: pd.DataFrame, methods: list[str], points: dict[int, int], unit: str
+) -> Figure:
+    """Fleet mean test RMSE (mean ± std over seeds) against calibration points per sensor."""
+    fig, ax = plt.subplots(figsize=(7, 4.5), layout="constrained")
+    diverged = []
+    for i, method in enumerate(methods):
+        part = table[table["method"] == method].copy()
+        part["n"] = part["train_points"].map(points)
+        bad = part[~np.isfinite(part["rmse_mean"])]
+        diverged += [f"{method} @ {int(n)}" for n in bad["n"]]
+        part = part[np.isfinite(part["rmse_mean"])].sort_values("n")
+        if part.empty:
+            continue
+        ax.errorbar(
+            part["n"], part["rmse_mean"], yerr=part["rmse_mean_std"], marker="o",
+            color=_color(i), label=method, capsize=3,
+        )  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(sorted(set(points.values())), [str(v) for v in sorted(set(points.values()))])
+    ax.xaxis.set_minor_formatter(NullFormatter())  # only the budgets of the run are labelled
+    ax.set_xlabel("calibration points per sensor")
+    ax.set_ylabel(f"test RMSE, fleet mean ({unit})")
+    ax.set_title("calibration-point sweep")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    _diverged_note(ax, diverged)
+    return fig
+
+
+def uncertainty_bands(
+    residuals: dict[str, pd.DataFrame], target: str, temperature: str | None, unit: str
+) -> tuple[Figure, dict[str, float]]:
+    """Per method: the ±2σ predictive band of its median sensor, and every residual over σ.
+
+    Left panel: that sensor's 2σ per temperature plateau (lines) and |residual|
+    (dots) against reference. Right panel: residual / σ of every held-out point
+    of every sensor, with the ±1.96 lines of a 95 % interval. Returns the figure
+    and, per method, the share of points within ±1.96σ (empirical coverage).
+    """
+    n = len(residuals)
+    fig, axes = plt.subplots(n, 2, figsize=(11, 3.4 * n), layout="constrained", squeeze=False)
+    coverage = {}
+    for (ax, az), (method, res) in zip(axes, residuals.items(), strict=True):
+        ok = res[np.isfinite(res["residual"]) & np.isfinite(res["std"])]
+        coverage[method] = (
+            float((ok["residual"].abs() <= 1.96 * ok["std"]).mean()) if len(ok) else float("nan")
+        )
+        rmse = _sensor_rmse(ok)
+        if rmse.empty:
+            for a in (ax, az):
+                a.text(0.5, 0.5, f"{method}: diverged", ha="center", color="crimson")
+                a.set_axis_off()
+            continue
+        sensor = rmse.sort_values().index[len(rmse) // 2]
+        s = ok[ok["sensor"] == sensor]
+        groups = plateaus(s[temperature]) if temperature else np.zeros(len(s), int)
+        for i, g in enumerate(np.unique(groups)):
+            part = s[groups == g].sort_values(target)
+            label = f"2σ, {round(part[temperature].mean()):d} °C" if temperature else "2σ"
+            ax.plot(part[target], 2 * part["std"], color=_color(i), label=label)
+            ax.plot(part[target], part["residual"].abs(), ".", color=_color(i))
+        ax.set_title(f"{method} — sensor {sensor}: 2σ (lines), |residual| (dots)", fontsize=9)
+        ax.set_xlabel(f"{target} (reference)")
+        ax.set_ylabel(unit)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        az.plot(ok[target], ok["residual"] / ok["std"], ".", markersize=3)
+        for bound in (-1.96, 1.96):
+            az.axhline(bound, color="crimson", linewidth=0.8)
+        az.set_title(
+            f"{method} — all sensors: residual / σ; within ±1.96: {coverage[method]:.1%}",
+            fontsize=9,
+        )
+        az.set_xlabel(f"{target} (reference)")
+        az.set_ylabel("residual / σ")
+        az.grid(True, alpha=0.3)
+    return fig, coverage
