@@ -113,6 +113,7 @@ class PolynomialCalibration(Algorithm):
     ridge: float = 1e-12
 
     name = "polynomial"
+    uploads = ()
     federated = False
 
     def __post_init__(self) -> None:
