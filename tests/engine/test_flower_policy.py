@@ -22,23 +22,24 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
-from flwr.common.serde import recorddict_to_proto
+from flwr.app import RecordDict
 
 from fedcal.algorithms import REGISTRY
 from fedcal.config import EngineSection, ModelConfig, RunConfig, TrainConfig
 from fedcal.core.tree import flatten
 from fedcal.data.fleet import Fleet
 from fedcal.engine.flower.codec import record_to_tree
-from fedcal.engine.flower.nodes import node_config, prepare_node_files
-from fedcal.engine.flower.policy import UPLOAD_KINDS, NodePolicy, PolicyError
-from fedcal.engine.flower.protocol import (
-    Federation,
-    answer_handshake,
-    build,
-    run_round,
-    state_path,
+from fedcal.engine.flower.hostile import (
+    CORRUPTIONS,
+    arrays,
+    node_cfgs,
+    retag,
+    row_bytes,
+    run_in_process,
+    with_arrays,
 )
+from fedcal.engine.flower.policy import UPLOAD_KINDS, NodePolicy, PolicyError
+from fedcal.engine.flower.protocol import Federation, answer_handshake, build, state_path
 from fedcal.engine.flower.validation import ROWS, expected_reply
 from fedcal.engine.simulation import DTYPES
 
@@ -80,50 +81,15 @@ KEY_KIND = {
 
 
 def _node_cfgs(fleet: Fleet, tmp_path, per_index: dict[int, dict] | None = None) -> dict:
-    """Node configs as flower-supernode parses them; ``per_index``: policy keys per client."""
-    from flwr.common.config import parse_config_args
-
-    cfgs = {}
-    for index, (sensor, path) in enumerate(prepare_node_files(fleet, tmp_path / "nodes")):
-        allow = (per_index or {}).get(index, {})
-        text = node_config(path, sensor, index, tmp_path / "state", **allow)
-        cfgs[2000 + 13 * index] = parse_config_args([text])
-    return cfgs
+    return node_cfgs(fleet, tmp_path, per_index)
 
 
 def _run(fed: Federation, cfgs: dict, run_id: int, tamper=None) -> tuple[dict, list]:
-    """The ServerApp loop in-process; ``tamper(t, node, reply)`` may replace a reply.
-
-    Returns the nodes' Context.state and every reply as (round, node, bytes on the wire).
-    """
-    states = {n: RecordDict() for n in cfgs}
-    wire = []
-    fed.register({n: answer_handshake(fed.handshake_content(), c) for n, c in cfgs.items()})
-    for t in range(fed.rounds + 1):
-        sent = fed.messages(t)
-        replies = {}
-        for n, content in sent.items():
-            reply = run_round(content, cfgs[n], states[n], run_id)
-            reply = tamper(t, n, reply) if tamper else reply
-            wire.append((t, n, recorddict_to_proto(reply).SerializeToString()))
-            replies[n] = reply
-        fed.absorb(t, sent, replies, {})
-    return states, wire
+    return run_in_process(fed, cfgs, run_id, tamper)
 
 
 def _node_of(cfgs: dict, index: int) -> int:
     return next(n for n, c in cfgs.items() if c["client-index"] == index)
-
-
-def _rows_bytes(fleet: Fleet, fed: Federation, index: int) -> list[bytes]:
-    """Client ``index``'s scaled training rows as the float64 bytes centralized sends.
-
-    One entry per row's inputs (16 bytes) and one per row's target (8 bytes).
-    """
-    x, y = fleet.arrays("train")[index]
-    sx, sy = fed.scaler.x(x), fed.scaler.y(y)
-    rows = [np.ascontiguousarray(r, dtype=np.float64).tobytes() for r in sx]
-    return rows + [np.float64(v).tobytes() for v in sy.reshape(-1)]
 
 
 # ----------------------------------------------------------------------------
@@ -196,22 +162,17 @@ def test_curious_server_gets_no_raw_rows_from_default_nodes(make_fleet, tmp_path
     cfgs = _node_cfgs(fleet, tmp_path)
     fed = Federation(CONFIG, "centralized", seed=4)
     wire: list = []
-
-    def spy(t, n, reply):
-        wire.append((n, recorddict_to_proto(reply).SerializeToString()))
-        return reply
-
     with pytest.raises(RuntimeError, match="round 0: 0 of 3 clients trained") as err:
-        _run(fed, cfgs, run_id=1, tamper=spy)
+        run_in_process(fed, cfgs, run_id=1, wire=wire)
     for n in cfgs:
         assert f"node {n} refused method 'centralized': uploads raw_rows" in str(err.value)
         assert f"node {n} refused" in fed.failed["0"][cfgs[n]["client-index"]]
     assert fed.dropped == set(cfgs)
     # nothing of any row left a node: not one row's bytes in any reply on the wire
-    assert len(wire) == 3
-    rows = [r for i in range(3) for r in _rows_bytes(fleet, fed, i)]
-    assert all(r not in payload for _, payload in wire for r in rows)
-    assert all(len(payload) < 1000 for _, payload in wire)  # a refusal, not a model
+    assert sorted(t for t, _, _ in wire) == [-1, -1, -1, 0, 0, 0]  # handshakes, round 0
+    rows = [r for i in range(3) for r in row_bytes(fleet, fed, i)]
+    assert all(r not in payload for _, _, payload in wire for r in rows)
+    assert all(len(payload) < 1000 for _, _, payload in wire)  # refusals, not data
     # a refused node trains nothing and keeps no state
     for cfg in cfgs.values():
         assert not state_path(cfg["state-dir"], cfg["sensor-id"], 1).exists()
@@ -240,9 +201,9 @@ def test_a_node_that_allows_raw_rows_is_served_and_only_it(make_fleet, tmp_path)
     assert set(fed.failed["0"]) == {0, 2} and fed.dropped == {_node_of(cfgs, 0), _node_of(cfgs, 2)}
     # the consenting node's rows are on the wire (so the byte check above can fail) …
     sent_by_1 = b"".join(p for _, n, p in wire if n == _node_of(cfgs, 1))
-    assert all(r in sent_by_1 for r in _rows_bytes(fleet, fed, 1))
+    assert all(r in sent_by_1 for r in row_bytes(fleet, fed, 1))
     # … the others' are nowhere
-    others = [r for i in (0, 2) for r in _rows_bytes(fleet, fed, i)]
+    others = [r for i in (0, 2) for r in row_bytes(fleet, fed, i)]
     assert all(r not in p for _, _, p in wire for r in others)
     assert sorted({r["client_index"] for r in fed.history}) == [1]
 
@@ -257,7 +218,7 @@ def test_a_node_refuses_its_scaling_sums_when_statistics_are_not_allowed(
     replies = {n: answer_handshake(fed.handshake_content(), c) for n, c in cfgs.items()}
     refused = replies[_node_of(cfgs, 0)]
     assert "moments" not in refused and "moments" in replies[_node_of(cfgs, 1)]
-    with pytest.raises(RuntimeError, match="only 1 answered the handshake; node 2000 refused"):
+    with pytest.raises(RuntimeError, match="only 1 answered the handshake; node 100 refused"):
         fed.register(replies)
     assert "statistics not allowed by its node config (allow-uploads=model)" in str(
         refused["refused"]["reason"]
@@ -267,62 +228,27 @@ def test_a_node_refuses_its_scaling_sums_when_statistics_are_not_allowed(
 # ----------------------------------------------------------------------------
 # a hostile client
 # ----------------------------------------------------------------------------
-def _with_reply(reply: RecordDict, arrays: dict[str, np.ndarray]) -> RecordDict:
-    out = RecordDict({k: v for k, v in reply.items() if k != "reply"})
-    out["reply"] = ArrayRecord({k: Array(v) for k, v in arrays.items()})
-    return out
-
-
-def _arrays(reply: RecordDict) -> dict[str, np.ndarray]:
-    return {k: v.numpy() for k, v in reply["reply"].items()}
-
-
-def _nan(a: dict) -> dict:
-    k = next(iter(a))
-    bad = a[k].copy()
-    bad.reshape(-1)[0] = np.nan
-    return {**a, k: bad}
-
-
-def _inf(a: dict) -> dict:
-    k = list(a)[-1]
-    return {**a, k: np.full_like(a[k], np.inf)}
-
-
-def _retag(reply: RecordDict, record: str, **values) -> RecordDict:
-    out = RecordDict(dict(reply.items()))
-    kind = ConfigRecord if record == "info" else MetricRecord
-    out[record] = kind({**dict(reply[record]), **values})
-    return out
-
-
+# corruption → what the server's reason says
 CORRUPT = {
-    "extra key": (lambda r: _with_reply(r, {**_arrays(r), "model/spy": np.zeros(3)}), "unexpected"),
-    "missing key": (lambda r: _with_reply(r, dict(list(_arrays(r).items())[1:])), "missing"),
-    "wrong shape": (
-        lambda r: _with_reply(r, {k: np.concatenate([v, v]) for k, v in _arrays(r).items()}),
-        "has shape",
-    ),
-    "wrong dtype": (
-        lambda r: _with_reply(r, {k: v.astype(np.float32) for k, v in _arrays(r).items()}),
-        "has dtype float32, expected float64",
-    ),
-    "NaN": (lambda r: _with_reply(r, _nan(_arrays(r))), "holds 1 non-finite value"),
-    "inf": (lambda r: _with_reply(r, _inf(_arrays(r))), "non-finite value"),
-    "not arrays": (
-        lambda r: RecordDict({**dict(r.items()), "reply": ConfigRecord({"model/l0": 1.0})}),
-        "reply is a ConfigRecord, not arrays",
-    ),
-    "foreign index": (lambda r: _retag(r, "info", **{"client-index": 0}), "info says client 0"),
-    "negative rows": (lambda r: _retag(r, "info", **{"num-train": -5}), "not a row count"),
-    "extra metric": (lambda r: _retag(r, "train", spy=1.0), "training metrics names ['spy']"),
+    "extra key": "unexpected ['model/spy']",
+    "missing key": "missing ['model/l0.weight']",
+    "wrong shape": "has shape (12, 2), expected (6, 2)",
+    "wrong dtype": "has dtype float32, expected float64",
+    "NaN": "holds 1 non-finite value",
+    "inf": "non-finite value",
+    "not arrays": "reply is a ConfigRecord, not arrays",
+    "foreign index": "info says client 0, the handshake said 1",
+    "negative rows": "info num-train -5 is not a row count",
+    "extra metric": "training metrics names ['spy'] not expected",
 }
+_with_reply, _arrays, _retag = with_arrays, arrays, retag
 
 
 @pytest.mark.parametrize("case", list(CORRUPT))
 def test_malformed_reply_drops_that_node_for_that_round_only(case, make_fleet, tmp_path) -> None:
     fleet = make_fleet(num_clients=3, train=[13, 7, 10])
-    corrupt, reason = CORRUPT[case]
+    corrupt, reason = CORRUPTIONS[case], CORRUPT[case]
+    assert set(CORRUPT) == set(CORRUPTIONS)
     config = replace(CONFIG, method_params={"fedavg": {"sample_weighted": True}})
 
     def hostile(t, n, reply):

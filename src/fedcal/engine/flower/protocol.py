@@ -25,6 +25,15 @@ outlives the run and survives a crash of the SuperNode: a SuperNode
 restarted between two messages (same node id, as with SuperNode
 authentication) resumes from it. A node that fails a message is dropped by
 the server for the rest of the run; its file keeps its last completed round.
+
+Neither side trusts the other. A node serves only methods whose declared
+upload kinds its node config allows (:mod:`~fedcal.engine.flower.policy`;
+by default no raw rows) and answers anything else with a ``refused`` record;
+the server drops a refusing node for the run. The server checks every reply
+against the structure an honest client would send
+(:mod:`~fedcal.engine.flower.validation`) and leaves a malformed one out of
+that round only; a client's weight never exceeds the train rows it declared
+at the handshake. Aggregation is one step, :func:`aggregate`.
 """
 
 from __future__ import annotations
