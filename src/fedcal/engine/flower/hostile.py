@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     seeds = [int(s) for s in args.fleet_seeds.split(",")]
     table: dict[str, dict] = {
-        name: {"rmse": [], "gap": [], "why": "", "trained": ""} for name in cases
+        name: {"rmse": [], "gap": [], "why": "", "trained": "", "stopped": []} for name in cases
     }
     curious: list[str] = []
     for seed in seeds:
@@ -225,11 +225,17 @@ def main(argv: list[str] | None = None) -> None:
             runs = {}
             for i, (name, tamper) in enumerate(cases.items()):
                 fed = Federation(config, "fedavg", seed=0, min_replies=1)
-                run_in_process(fed, node_cfgs(fleet, Path(tmp) / str(i)), run_id=i, tamper=tamper)
+                try:
+                    run_in_process(
+                        fed, node_cfgs(fleet, Path(tmp) / str(i)), run_id=i, tamper=tamper
+                    )
+                except RuntimeError as err:  # e.g. every reply non-finite: reported, not a number
+                    table[name]["stopped"].append(f"seed {seed}: {str(err).split(';')[0]}")
                 runs[name] = fed
             for name, fed in runs.items():
                 row = table[name]
-                row["rmse"].append(_final_rmse(fed))
+                if fed.log[-1]["round"] == fed.rounds - 1:  # the run completed
+                    row["rmse"].append(_final_rmse(fed))
                 row["gap"].append(_max_gap(fed, runs["sits round 1 out"]))
                 row["why"] = fed.rejected.get("1", {}).get(victim, "")
                 row["trained"] = ",".join(map(str, fed.log[1]["trained"]))
@@ -264,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("|---|---|---:|---:|---|")
     for name, row in table.items():
-        rmse = f"{np.mean(row['rmse']):.4g} ± {np.std(row['rmse']):.2g}"
+        rmse = f"{np.mean(row['rmse']):.4g} ± {np.std(row['rmse']):.2g}" if row["rmse"] else ""
+        rmse = "; ".join([rmse] * bool(rmse) + [f"run stopped ({w})" for w in row["stopped"]])
         print(f"| {name} | {row['trained']} | {max(row['gap']):.3g} | {rmse} | {row['why']} |")
     print()
     print("\n".join(curious))
