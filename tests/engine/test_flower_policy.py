@@ -22,7 +22,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from flwr.app import RecordDict
+from flwr.app import Array, ArrayRecord, RecordDict
 
 from fedcal.algorithms import REGISTRY
 from fedcal.config import EngineSection, ModelConfig, RunConfig, TrainConfig
@@ -344,3 +344,57 @@ def test_honest_replies_of_every_shape_pass_and_ragged_rows_are_checked(
         r[2] == "reply 'x' has shape (11, 2), expected (10, 2)" for r in fed.rejected.values()
     )
     assert DTYPES[fed.dtype] == torch.float64
+
+
+HANDSHAKE_CORRUPT = {
+    "no info": (lambda r: RecordDict({}), "handshake without an info record"),
+    "rows not a number": (
+        lambda r: retag(r, "info", **{"num-train": "many"}),
+        "handshake info num-train='many' is not a int",
+    ),
+    "index out of range": (
+        lambda r: retag(r, "info", **{"client-index": 7}),
+        "handshake info client-index=7 num-clients=3 num-train=7 is inconsistent",
+    ),
+    "features not JSON": (
+        lambda r: retag(r, "info", features="f,T"),
+        "handshake info features='f,T' is not a JSON list of names",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HANDSHAKE_CORRUPT))
+def test_malformed_handshake_leaves_that_node_out(case, make_fleet, tmp_path) -> None:
+    fleet = make_fleet(num_clients=3, train=[13, 7, 10])
+    corrupt, reason = HANDSHAKE_CORRUPT[case]
+    cfgs = _node_cfgs(fleet, tmp_path)
+    bad = _node_of(cfgs, 1)
+    fed = Federation(CONFIG, "fedavg", seed=4)
+    run_in_process(fed, cfgs, 51, lambda t, n, r: corrupt(r) if (t, n) == (-1, bad) else r)
+    assert fed.handshake_rejected == {str(bad): f"node {bad}: {reason}"}
+    assert sorted(m.client_index for m in fed.members.values()) == [0, 2]
+    assert [e["trained"] for e in fed.log] == [[0, 2]] * 3
+
+
+def test_malformed_scaling_sums_are_rejected(make_fleet, tmp_path) -> None:
+    """Federated scaling needs every client's sums: a NaN sum stops the run, saying why."""
+    fleet = make_fleet(num_clients=3, train=[13, 7, 10])
+    config = replace(CONFIG, data=replace(CONFIG.data, scaling="federated"))
+    cfgs = _node_cfgs(fleet, tmp_path)
+    bad = _node_of(cfgs, 2)
+
+    def poison(t, n, r):
+        if (t, n) != (-1, bad):
+            return r
+        out = RecordDict(dict(r.items()))
+        sums = {k: v.numpy() for k, v in r["moments"].items()}
+        sums["sx"] = np.full_like(sums["sx"], np.nan)
+        out["moments"] = ArrayRecord({k: Array(v) for k, v in sums.items()})
+        return out
+
+    fed = Federation(config, "fedavg", seed=4)
+    with pytest.raises(RuntimeError, match=f"only 2 answered the handshake; node {bad}: scaling"):
+        run_in_process(fed, cfgs, 52, poison)
+    assert fed.handshake_rejected == {
+        str(bad): f"node {bad}: scaling sum 'sx': float64 (2,), expected finite float64 (2,)"
+    }

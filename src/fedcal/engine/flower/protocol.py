@@ -383,6 +383,7 @@ class Federation:
     # message round → client index → why its reply (or part of it) was not used
     rejected: dict[str, dict[int, str]] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)  # handshake refusals, by node id
+    handshake_rejected: dict[str, str] = field(default_factory=dict)  # malformed, by node id
 
     def __post_init__(self) -> None:
         self.rounds = self.rounds or self.config.engine.rounds
@@ -401,9 +402,15 @@ class Federation:
         return RecordDict({CONTROL: ConfigRecord({"scaling": self.config.data.scaling})})
 
     def register(self, replies: Mapping[int, RecordDict]) -> None:
-        """Map node ids to clients, fit the scaler, initialise the server tree."""
+        """Map node ids to clients, fit the scaler, initialise the server tree.
+
+        A node that refuses (its scaling sums) or sends a malformed handshake
+        is left out of the run and reported (:attr:`refused`,
+        :attr:`handshake_rejected`).
+        """
         import torch
 
+        from fedcal.engine.flower.validation import check_handshake
         from fedcal.engine.simulation import DTYPES
 
         if not replies:
@@ -412,8 +419,17 @@ class Federation:
             if "refused" in rep:
                 self.refused[str(nid)] = f"node {nid} {rep['refused']['reason']}"
         replies = {nid: rep for nid, rep in replies.items() if "refused" not in rep}
+        for nid, rep in replies.items():
+            # the sums are checked only if this run's scaling reads them (below)
+            why = check_handshake(rep, "moments" in rep or self._moments_needed(rep))
+            if why is not None:
+                self.handshake_rejected[str(nid)] = f"node {nid}: {why}"
+        replies = {n: r for n, r in replies.items() if str(n) not in self.handshake_rejected}
         if not replies:
-            raise RuntimeError(f"every SuperNode refused the handshake: {self.refused}")
+            raise RuntimeError(
+                "no usable handshake: "
+                + "; ".join([*self.refused.values(), *self.handshake_rejected.values()])
+            )
         infos = {nid: rep["info"] for nid, rep in replies.items()}
         first = next(iter(infos.values()))
         shape = {k: first[k] for k in ("features", "target", "classification", "num-clients")}
@@ -443,7 +459,8 @@ class Federation:
                 raise RuntimeError(
                     f"scaling needs federated statistics of all {self.num_clients} clients, "
                     f"only {len(by_index)} answered the handshake"
-                    + (f"; {'; '.join(self.refused.values())}" if self.refused else "")
+                    + "".join(f"; {why}" for why in self.refused.values())
+                    + "".join(f"; {why}" for why in self.handshake_rejected.values())
                 )
             for m in self.members.values():
                 rec = replies[m.node_id]["moments"]
@@ -456,6 +473,16 @@ class Federation:
         gen = torch.Generator().manual_seed(self.seed)
         params = self.algorithm.task.model.init(gen, DTYPES[self.dtype])
         self.server = self.algorithm.server_init(params)
+
+    def _moments_needed(self, reply: RecordDict) -> bool:
+        """Whether this node's declared columns need its scaling sums (False if unreadable)."""
+        try:
+            info = reply["info"]
+            features = tuple(json.loads(str(info["features"])))
+            target, regression = str(info["target"]), not bool(info["classification"])
+        except Exception:  # the info check reports it
+            return False
+        return needs_moments(features, target, self.config.data.scaling, regression)
 
     # -- rounds ---------------------------------------------------------------
     def evaluates(self, t: int) -> bool:

@@ -22,7 +22,8 @@ that round only. The run fails with a clear message when fewer than
 ``min-replies`` clients trained in a round.
 ``result.json`` holds the per-sensor evaluation rows in the simulator's
 format, who trained in each round, failures and refusals (``failures``,
-``handshake_refusals``), rejected replies (``rejected``) and timings.
+``handshake_refusals``), rejected replies (``rejected``,
+``handshake_rejected``) and timings.
 """
 
 from __future__ import annotations
@@ -161,8 +162,9 @@ def _run(grid: Grid, cfg: dict[str, Any], result: dict[str, Any], out: Path) -> 
         fed.register(replies)
     finally:
         result["handshake_refusals"] = fed.refused
-    if fed.refused:
-        log(WARNING, "[fedcal] handshake refusals: %s", fed.refused)
+        result["handshake_rejected"] = fed.handshake_rejected
+    if fed.refused or fed.handshake_rejected:
+        log(WARNING, "[fedcal] handshake: %s", {**fed.refused, **fed.handshake_rejected})
     result["sensors"] = fed.sensors()
     result["node_ids"] = {str(m.client_index): str(n) for n, m in fed.members.items()}
     timings["handshake_s"] = time.monotonic() - t0

@@ -15,6 +15,9 @@ rejected, for this round only, when
 * its metric records name other metrics or hold non-numbers,
 * its info names another client or an invalid train-row count.
 
+Handshake replies are checked too (:func:`check_handshake`): a node whose
+identity record or scaling sums are malformed is left out of the run.
+
 The dummy run shares nothing with real clients and touches no server state.
 """
 
@@ -175,3 +178,64 @@ def check_reply(content: Any, spec: ReplySpec, rows: int) -> tuple[Tree | None, 
 def capped_weight(declared: int, claimed: int) -> float:
     """A client's aggregation weight: what it claims now, never more than at the handshake."""
     return float(min(declared, claimed))
+
+
+HANDSHAKE_INFO = {
+    "sensor-id": str,
+    "client-index": int,
+    "num-clients": int,
+    "num-train": int,
+    "features": str,
+    "target": str,
+    "classification": bool,
+}
+
+
+def check_handshake(content: Any, moments: bool) -> str | None:
+    """Why a handshake reply is unusable (None: fine); ``moments``: scaling sums expected."""
+    import json
+
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    info = content.get("info")
+    if not isinstance(info, ConfigRecord):
+        return "handshake without an info record"
+    for key, kind in HANDSHAKE_INFO.items():
+        value = info.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            return f"handshake info {key}={value!r} is not a {kind.__name__}"
+    if not 0 <= info["client-index"] < info["num-clients"] or info["num-train"] < 0:
+        return (
+            f"handshake info client-index={info['client-index']} num-clients="
+            f"{info['num-clients']} num-train={info['num-train']} is inconsistent"
+        )
+    try:
+        features = json.loads(info["features"])
+    except ValueError:
+        features = None
+    if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
+        return f"handshake info features={info['features']!r} is not a JSON list of names"
+    if not moments:
+        return None
+    record = content.get("moments")
+    if not isinstance(record, ArrayRecord):
+        return "handshake without its scaling sums"
+    width = {"n": 1, "sx": len(features), "sxx": len(features), "sy": 1, "syy": 1}
+    if set(record.keys()) != set(width):
+        return f"scaling sums {sorted(record.keys())}, expected {sorted(width)}"
+    for key, n in width.items():
+        try:
+            arr = record[key].numpy()
+        except Exception as err:  # a malformed payload must not end the run
+            return f"scaling sum {key!r} does not decode: {err}"
+        dtype = np.int64 if key == "n" else np.float64
+        if arr.dtype != dtype or arr.shape != (n,) or not np.isfinite(arr).all():
+            want = f"finite {dtype.__name__} ({n},)"
+            return f"scaling sum {key!r}: {arr.dtype} {arr.shape}, expected {want}"
+        if key in ("n", "sxx", "syy") and (arr < 0).any():
+            return f"scaling sum {key!r} is negative"
+    if int(record["n"].numpy()[0]) != info["num-train"]:
+        return (
+            f"scaling sums count {int(record['n'].numpy()[0])} rows, info says {info['num-train']}"
+        )
+    return None
