@@ -222,19 +222,20 @@ def main(argv: list[str] | None = None) -> None:
     for seed in seeds:
         fleet = simulate_fleet(FleetSpec(num_sensors=args.sensors), seed=seed)
         with tempfile.TemporaryDirectory() as tmp:
-            runs = {}
+            runs, completed = {}, set()
             for i, (name, tamper) in enumerate(cases.items()):
                 fed = Federation(config, "fedavg", seed=0, min_replies=1)
                 try:
                     run_in_process(
                         fed, node_cfgs(fleet, Path(tmp) / str(i)), run_id=i, tamper=tamper
                     )
+                    completed.add(name)
                 except RuntimeError as err:  # e.g. every reply non-finite: reported, not a number
                     table[name]["stopped"].append(f"seed {seed}: {str(err).split(';')[0]}")
                 runs[name] = fed
             for name, fed in runs.items():
                 row = table[name]
-                if fed.log[-1]["round"] == fed.rounds - 1:  # the run completed
+                if name in completed:
                     row["rmse"].append(_final_rmse(fed))
                 row["gap"].append(_max_gap(fed, runs["sits round 1 out"]))
                 row["why"] = fed.rejected.get("1", {}).get(victim, "")
