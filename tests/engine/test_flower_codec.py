@@ -54,13 +54,13 @@ CONFIG = RunConfig(
 )
 
 
-def _node_cfgs(fleet: Fleet, tmp_path) -> dict[int, dict]:
+def _node_cfgs(fleet: Fleet, tmp_path, **allow) -> dict[int, dict]:
     """Node configs as flower-supernode would parse them, keyed by made-up node ids."""
     from flwr.common.config import parse_config_args
 
     cfgs = {}
     for index, (sensor, path) in enumerate(prepare_node_files(fleet, tmp_path / "nodes")):
-        text = node_config(path, sensor, index, tmp_path / "state")
+        text = node_config(path, sensor, index, tmp_path / "state", **allow)
         cfgs[1000 + 17 * (5 - index)] = parse_config_args([text])  # as flower-supernode does
     return cfgs
 
@@ -194,9 +194,12 @@ def _assert_same_as_simulator(fed: Federation, res, cfgs, run_id: int, fleet: Fl
 @pytest.mark.parametrize("method", REGRESSION)
 def test_every_regression_algorithm_equals_the_simulator(method, make_fleet, tmp_path) -> None:
     fleet = make_fleet(num_clients=3, train=[13, 7, 10])
-    cfgs = _node_cfgs(fleet, tmp_path)
+    # centralized*: nodes that agreed to share their rows (the default refuses, tested below)
+    raw = "raw_rows" in REGISTRY[method].uploads
+    cfgs = _node_cfgs(fleet, tmp_path, **({"allow_uploads": "*"} if raw else {}))
     fed = Federation(CONFIG, method, seed=4)
     _run_in_process(fed, cfgs, run_id=11)
+    assert fed.rejected == {} and all(f == {} for f in fed.failed.values())
     alg = build(CONFIG, method, 2)
     res = simulate(
         alg, prepare(fleet, dtype="float64"), EngineConfig(rounds=3, seed=4, dtype="float64")

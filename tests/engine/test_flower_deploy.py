@@ -12,7 +12,10 @@ SuperNode, so it runs last. What is proved:
   final server tree, each sensor's personalized model and private state
   (read from the state file the SuperNode wrote);
 * faults: a SuperNode SIGKILLed in round 1 is dropped, the run completes with
-  the other one, its state file holds exactly its state after round 0.
+  the other one, its state file holds exactly its state after round 0;
+* a curious server: a run of ``centralized`` (raw rows) is refused by both
+  SuperNodes (default node config), fails with their messages in
+  result.json, and no node trains or writes state for it.
 
 Two sensors keep it inside the CI budget on 2 cores: a SuperNode handles one
 message at a time and every message starts a fresh ClientApp process that
@@ -201,6 +204,32 @@ def test_flower_run_equals_the_simulator(setup: Setup, equivalence_runs, method:
         "message_s": [round(r["exchange_s"], 1) for r in rounds],
         "simulator_s": round(sim_wall, 3),
     }
+
+
+def test_curious_server_is_refused_raw_rows(setup: Setup, equivalence_runs) -> None:
+    """Both SuperNodes run with the default node config: no raw rows leave them.
+
+    Submitted after the equivalence runs finished (it takes the handshake and one
+    message), so it does not slow them down.
+    """
+    t0 = time.monotonic()
+    status = setup.dep.wait(_submit(setup, "curious", method="centralized"), timeout=300)
+    result = json.loads((setup.root / "out" / "curious" / "result.json").read_text())
+    TIMINGS["curious"] = {"flwr_run_to_finished_s": round(time.monotonic() - t0, 1)}
+    assert status["status"] == "finished:failed", status
+    assert result["status"] == "error"
+    assert "round 0: 0 of 2 clients trained" in result["error"]
+    for i, sensor in enumerate(setup.fleet.client_ids):
+        why = (
+            f"node {setup.registered[sensor]} refused method 'centralized': uploads raw_rows "
+            "(the client's raw (scaled) training rows), not allowed by its node config "
+            "(allow-uploads unset: every kind but raw_rows)"
+        )
+        assert result["failures"]["0"][str(i)] == why
+        assert why in result["error"]
+        assert not state_path(setup.state_dirs[sensor], sensor, int(result["run_id"])).exists()
+    assert result["participation"] == [{"round": 0, "asked": [0, 1], "trained": []}]
+    assert "history" not in result and result["rejected"] == {}
 
 
 def test_killed_supernode_is_dropped_and_its_state_file_is_intact(setup: Setup) -> None:

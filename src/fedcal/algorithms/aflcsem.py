@@ -164,6 +164,7 @@ class AFLCSEM(Algorithm):
     initial_tau: int = 1
 
     name = "aflcsem"
+    uploads = ("model", "gradients", "costs")  # F_i, ∇F_i, ρ_i, β_i; Q_i, c_i, e_i
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.cost_weight <= 1.0:

@@ -152,6 +152,7 @@ class ClusteredLayered(Algorithm):
     label_capacity: int = 1024
 
     name = "clustered"
+    uploads = ("model", "update_directions")  # SVD directions of Δ_i
 
     def __post_init__(self) -> None:
         if self.similarity not in SIMILARITIES:

@@ -92,6 +92,7 @@ class FedGen(Algorithm):
     seed: int = 0
 
     name = "fedgen"
+    uploads = ("model", "label_counts")  # label_counts: the pressure-bin histogram
 
     def __post_init__(self) -> None:
         if self.head not in ("personal", "shared"):

@@ -72,6 +72,7 @@ class FedKD(Algorithm):
     public_points: tuple[int, ...] = (11, 6)
 
     name = "fedkd"
+    uploads = ("public_outputs", "model")  # model: only with share="both"
 
     def __post_init__(self) -> None:
         if self.share not in ("logits", "both"):

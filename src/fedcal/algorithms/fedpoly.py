@@ -77,6 +77,7 @@ class FedPoly(Algorithm):
     ridge: float = 1e-6  # ε: keeps an under-determined sensor (fewer points than terms) well-posed
 
     name = "fedpoly"
+    uploads = ("statistics",)  # Gram matrix A_i and r_i of the projected design
 
     def __post_init__(self) -> None:
         # A TOML config gives lists; terms are compared as tuples.

@@ -54,6 +54,7 @@ class IFCA(Algorithm):
     warmup_rounds: int = 5
 
     name = "ifca"
+    uploads = ("model", "cluster_choice")
 
     def __post_init__(self) -> None:
         if self.clusters < 1 or self.warmup_rounds < 0:

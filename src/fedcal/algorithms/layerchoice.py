@@ -57,6 +57,7 @@ class LayerChoice(Algorithm):
     force_k: int = -1  # ≥ 0: no probe, FedPer with this many private top layers
 
     name = "layerchoice"
+    uploads = ("model", "validation_losses")
 
     def __post_init__(self) -> None:
         if self.force_k > self.num_layers or self.probe_rounds < 0 or self.holdout_every < 2:

@@ -19,6 +19,7 @@ from fedcal.core.tree import Tree
 @dataclass(frozen=True)
 class LocalOnly(Algorithm):
     name = "local"
+    uploads = ()
     federated = False
 
     def client_init(self, down: Tree) -> Tree:

@@ -197,6 +197,7 @@ class PolynomialCalibration(Algorithm):
     rcond: float = 1e-10
 
     name = "polynomial"
+    uploads = ()
     federated = False
 
     def __post_init__(self) -> None:

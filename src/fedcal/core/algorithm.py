@@ -59,6 +59,9 @@ class Algorithm(ABC):
     name: ClassVar[str] = "base"
     federated: ClassVar[bool] = True  # False: nothing leaves the client (a reference line)
     task_kind: ClassVar[str] = "regression"  # the task family it is written for
+    # What client_update's reply may carry, by kind (fedcal.engine.flower.policy.UPLOAD_KINDS):
+    # a Flower node refuses a method whose kinds its node config does not allow.
+    uploads: ClassVar[tuple[str, ...]] = ("model",)
 
     # ---- the contract -------------------------------------------------
     def server_init(self, params: Tree) -> Tree:

@@ -126,18 +126,29 @@ def load_node_file(path: str | Path) -> NodeData:
 
 
 def node_config(
-    data_path: str | Path, sensor_id: str, client_index: int, state_dir: str | Path
+    data_path: str | Path,
+    sensor_id: str,
+    client_index: int,
+    state_dir: str | Path,
+    allow_methods: str | None = None,
+    allow_uploads: str | None = None,
 ) -> str:
     """The ``flower-supernode --node-config`` value for one sensor.
 
     Flower parses it as TOML key=value pairs; strings are written as TOML
     literal strings (single quotes: no escapes, so any path without a quote works).
+    ``allow_methods`` / ``allow_uploads``: the node's sharing policy
+    (:mod:`fedcal.engine.flower.policy`); None leaves the default.
     """
     values = {
         "data-path": str(Path(data_path).resolve()),
         "sensor-id": sensor_id,
         "state-dir": str(Path(state_dir).resolve()),
     }
+    if allow_methods is not None:
+        values["allow-methods"] = allow_methods
+    if allow_uploads is not None:
+        values["allow-uploads"] = allow_uploads
     for key, value in values.items():
         if "'" in value or "\n" in value:
             raise ValueError(f"node config {key}={value!r}: quotes and newlines are not allowed")

@@ -25,6 +25,15 @@ outlives the run and survives a crash of the SuperNode: a SuperNode
 restarted between two messages (same node id, as with SuperNode
 authentication) resumes from it. A node that fails a message is dropped by
 the server for the rest of the run; its file keeps its last completed round.
+
+Neither side trusts the other. A node serves only methods whose declared
+upload kinds its node config allows (:mod:`~fedcal.engine.flower.policy`;
+by default no raw rows) and answers anything else with a ``refused`` record;
+the server drops a refusing node for the run. The server checks every reply
+against the structure an honest client would send
+(:mod:`~fedcal.engine.flower.validation`) and leaves a malformed one out of
+that round only; a client's weight never exceeds the train rows it declared
+at the handshake. Aggregation is one step, :func:`aggregate`.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from fedcal.engine.flower.codec import (
     tree_to_record,
 )
 from fedcal.engine.flower.nodes import NodeData, load_for_node
+from fedcal.engine.flower.policy import NodePolicy
 
 if TYPE_CHECKING:
     from flwr.app import RecordDict
@@ -107,6 +117,7 @@ def answer_handshake(content: RecordDict, node_cfg: Mapping) -> RecordDict:
     from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
     node = load_for_node(node_cfg)
+    policy = NodePolicy.from_node_config(node_cfg)  # a misconfigured node fails here, early
     mode = str(content[CONTROL]["scaling"])
     info = ConfigRecord(
         {
@@ -122,6 +133,13 @@ def answer_handshake(content: RecordDict, node_cfg: Mapping) -> RecordDict:
     reply = RecordDict({"info": info})
     if needs_moments(node.features, node.target, mode, not node.classification):
         from flwr.app import Array
+
+        if policy.refuses_kind("statistics"):
+            why = (
+                "refused to send its scaling sums (n, Σx, Σx²): statistics not allowed by its "
+                f"node config ({policy.describe('allow-uploads')})"
+            )
+            return RecordDict({"info": info, "refused": ConfigRecord({"reason": why})})
 
         reply["moments"] = ArrayRecord({k: Array(v) for k, v in node.moments().items()})
     return reply
@@ -191,6 +209,22 @@ def run_round(content: RecordDict, node_cfg: Mapping, state: RecordDict, run_id:
     config = config_from_json(str(ctl["config"]))
     scaler = Scaler.from_dict(json.loads(str(ctl["scaler"])))
     alg = build(config, method, len(node.features))
+    # The node decides what leaves it, whatever the server asks (see policy.py): a refused
+    # request trains nothing, sends nothing of the data and leaves the state untouched.
+    refusal = NodePolicy.from_node_config(node_cfg).refusal(method, alg.name, type(alg).uploads)
+    if refusal is not None:
+        return RecordDict(
+            {
+                "refused": ConfigRecord(
+                    {
+                        "reason": refusal,
+                        "sensor-id": node.sensor_id,
+                        "client-index": node.client_index,
+                        "round": t,
+                    }
+                )
+            }
+        )
     down = expand(record_to_tree(content["down"]), 1)
     state_dir = node_cfg.get("state-dir")
     disk = state_path(state_dir, node.sensor_id, run_id) if state_dir else None
@@ -280,6 +314,15 @@ def _flat(tree: Mapping) -> dict:
 # ----------------------------------------------------------------------------
 # server side
 # ----------------------------------------------------------------------------
+def aggregate(algorithm: Algorithm, server: Tree, replies: Tree, weights) -> Tree:
+    """The one step where (validated) replies stacked ``(clients, …)`` become the next server.
+
+    Today the algorithm's own ``server_update`` with the capped row counts as
+    weights; screening, clipping or robust rules plug in here.
+    """
+    return algorithm.server_update(server, replies, weights)
+
+
 def stack_padded(trees: list[Mapping]) -> Tree:
     """Stack one tree per client into a client tree, zero-padding ragged leaves.
 
@@ -335,12 +378,17 @@ class Federation:
     log: list[dict] = field(default_factory=list)
     failed: dict[str, dict[int, str]] = field(default_factory=dict)
     dropped: set[int] = field(default_factory=set)  # node ids that failed a message
+    # message round → client index → why its reply (or part of it) was not used
+    rejected: dict[str, dict[int, str]] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)  # handshake refusals, by node id
+    handshake_rejected: dict[str, str] = field(default_factory=dict)  # malformed, by node id
 
     def __post_init__(self) -> None:
         self.rounds = self.rounds or self.config.engine.rounds
         self.dtype = self.dtype or self.config.engine.dtype
         self._train_metrics: dict[int, dict[int, dict]] = {}
         self.num_clients = 0
+        self.num_features = 0
         self.server = None
         self.algorithm = None
         self.scaler = None
@@ -352,13 +400,34 @@ class Federation:
         return RecordDict({CONTROL: ConfigRecord({"scaling": self.config.data.scaling})})
 
     def register(self, replies: Mapping[int, RecordDict]) -> None:
-        """Map node ids to clients, fit the scaler, initialise the server tree."""
+        """Map node ids to clients, fit the scaler, initialise the server tree.
+
+        A node that refuses (its scaling sums) or sends a malformed handshake
+        is left out of the run and reported (:attr:`refused`,
+        :attr:`handshake_rejected`).
+        """
         import torch
 
+        from fedcal.engine.flower.validation import check_handshake
         from fedcal.engine.simulation import DTYPES
 
         if not replies:
             raise RuntimeError("no SuperNode answered the handshake")
+        for nid, rep in replies.items():
+            if "refused" in rep:
+                self.refused[str(nid)] = f"node {nid} {rep['refused']['reason']}"
+        replies = {nid: rep for nid, rep in replies.items() if "refused" not in rep}
+        for nid, rep in replies.items():
+            # the sums are checked only if this run's scaling reads them (below)
+            why = check_handshake(rep, "moments" in rep or self._moments_needed(rep))
+            if why is not None:
+                self.handshake_rejected[str(nid)] = f"node {nid}: {why}"
+        replies = {n: r for n, r in replies.items() if str(n) not in self.handshake_rejected}
+        if not replies:
+            raise RuntimeError(
+                "no usable handshake: "
+                + "; ".join([*self.refused.values(), *self.handshake_rejected.values()])
+            )
         infos = {nid: rep["info"] for nid, rep in replies.items()}
         first = next(iter(infos.values()))
         shape = {k: first[k] for k in ("features", "target", "classification", "num-clients")}
@@ -388,6 +457,8 @@ class Federation:
                 raise RuntimeError(
                     f"scaling needs federated statistics of all {self.num_clients} clients, "
                     f"only {len(by_index)} answered the handshake"
+                    + "".join(f"; {why}" for why in self.refused.values())
+                    + "".join(f"; {why}" for why in self.handshake_rejected.values())
                 )
             for m in self.members.values():
                 rec = replies[m.node_id]["moments"]
@@ -396,9 +467,20 @@ class Federation:
             features, target, moments, self.config.data.scaling, not classification
         )
         self.algorithm = build(self.config, self.method, len(features))
+        self.num_features = len(features)
         gen = torch.Generator().manual_seed(self.seed)
         params = self.algorithm.task.model.init(gen, DTYPES[self.dtype])
         self.server = self.algorithm.server_init(params)
+
+    def _moments_needed(self, reply: RecordDict) -> bool:
+        """Whether this node's declared columns need its scaling sums (False if unreadable)."""
+        try:
+            info = reply["info"]
+            features = tuple(json.loads(str(info["features"])))
+            target, regression = str(info["target"]), not bool(info["classification"])
+        except Exception:  # the info check reports it
+            return False
+        return needs_moments(features, target, self.config.data.scaling, regression)
 
     # -- rounds ---------------------------------------------------------------
     def evaluates(self, t: int) -> bool:
@@ -444,15 +526,47 @@ class Federation:
         replies: Mapping[int, RecordDict],
         failures: Mapping[int, str],
     ) -> None:
-        """Fold in the replies to message ``t``: evaluation rows of ``t − 1``, then training."""
+        """Fold in the replies to message ``t``: evaluation rows of ``t − 1``, then training.
+
+        A node that refuses the method is dropped for the run, like a failed one.
+        Every other reply is checked against :func:`expected_reply` first; a
+        malformed one (or its malformed part) is left out of this round only and
+        recorded in :attr:`rejected`. A client's weight is the train-row count it
+        claims, capped at the count it declared at the handshake.
+        """
         import torch
 
         from fedcal.core.tree import num_bytes
+        from fedcal.engine.flower.validation import (
+            capped_weight,
+            check_eval,
+            check_info,
+            check_reply,
+            expected_reply,
+        )
+        from fedcal.engine.simulation import DTYPES
 
+        failures = dict(failures)
+        for nid, rep in replies.items():
+            if "refused" in rep:
+                failures[nid] = f"node {nid} {rep['refused'].get('reason', 'refused')}"
+        replies = {n: r for n, r in replies.items() if n not in failures}
         self.failed[str(t)] = {self.members[n].client_index: why for n, why in failures.items()}
         # A node that failed sits out the rest of the run: its state stays at its last
         # completed round, and waiting for it again would cost a timeout per round.
         self.dropped.update(failures)
+        rejected: dict[int, str] = {}
+        claimed: dict[int, int] = {}
+        for nid, rep in replies.items():
+            rows, why = check_info(rep, self.members[nid].client_index)
+            if why is None:
+                claimed[nid] = rows
+            else:
+                rejected[self.members[nid].client_index] = why
+        replies = {n: r for n, r in replies.items() if n in claimed}
+        spec = expected_reply(
+            self.algorithm, self.server, self.scaler, self.num_features, DTYPES[self.dtype]
+        )
         eval_round = t - 1 if t > 0 and self.evaluates(t - 1) else -1
         order = sorted(replies, key=lambda n: self.members[n].client_index)
         if eval_round >= 0:
@@ -460,6 +574,10 @@ class Federation:
             names = list(dict.fromkeys(k for mets in trained.values() for k in mets))
             for nid in order:
                 m = self.members[nid]
+                why = check_eval(replies[nid], spec) if "eval" in replies[nid] else "no evaluation"
+                if why is not None:
+                    rejected[m.client_index] = why
+                    continue
                 row: dict[str, Any] = {"client_index": m.client_index, "client": m.sensor_id}
                 row.update(dict(replies[nid]["eval"]))
                 row["round"] = eval_round + 1
@@ -468,14 +586,28 @@ class Federation:
                     row[name] = mets.get(name, float("nan"))
                 self.history.append(row)
         if t >= self.rounds:
+            if rejected:
+                self.rejected[str(t)] = rejected
             return
         asked = [n for n in sent if bool(sent[n][CONTROL]["train"])]
-        done = [n for n in order if n in asked and "reply" in replies[n]]
+        uploads: dict[int, Tree] = {}
+        for nid in order:
+            if nid in asked and "reply" in replies[nid]:
+                m = self.members[nid]
+                tree, why = check_reply(replies[nid], spec, m.num_train)
+                if why is None:
+                    uploads[nid] = tree
+                else:
+                    rejected[m.client_index] = why
+        done = list(uploads)
         entry = {
             "round": t,
             "asked": sorted(self.members[n].client_index for n in asked),
             "trained": [self.members[n].client_index for n in done],
         }
+        if rejected:
+            self.rejected[str(t)] = rejected
+            entry["rejected"] = {str(i): why for i, why in sorted(rejected.items())}
         self.log.append(entry)
         # Required: min-replies out of the round's cohort, counting members that were
         # dropped earlier or are offline (not asked) as missing.
@@ -484,7 +616,9 @@ class Federation:
         required = max(1, min(self.min_replies, len(planned)))
         if len(done) < required:
             missing = {
-                self.members[n].sensor_id: failures.get(n, "dropped or offline")
+                self.members[n].sensor_id: failures.get(
+                    n, rejected.get(self.members[n].client_index, "dropped or offline")
+                )
                 for n in planned
                 if n not in done
             }
@@ -497,11 +631,12 @@ class Federation:
         self._train_metrics[t] = {
             self.members[n].client_index: dict(replies[n]["train"]) for n in done
         }
-        stacked = stack_padded([record_to_tree(replies[n]["reply"]) for n in done])
+        stacked = stack_padded([uploads[n] for n in done])
         weights = torch.tensor(
-            [float(self.members[n].num_train) for n in done], dtype=torch.float64
+            [capped_weight(self.members[n].num_train, claimed[n]) for n in done],
+            dtype=torch.float64,
         )
-        self.server = self.algorithm.server_update(self.server, stacked, weights)
+        self.server = aggregate(self.algorithm, self.server, stacked, weights)
         entry["bytes_up"] = num_bytes(stacked, per_client_axis=True) * len(done)
 
     def final_rows(self) -> list[dict]:

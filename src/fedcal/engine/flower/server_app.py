@@ -13,12 +13,17 @@ Run config (declared in the Flower app's ``pyproject.toml``)::
     min-replies   clients that must train in a round, else the run fails
     node-wait-timeout, reply-timeout, poll-interval, message-ttl   (seconds)
 
-A SuperNode that fails, or does not answer within ``reply-timeout``, is
-dropped for the rest of the run (its state file keeps its last completed
-round); the run fails with a clear message when fewer than ``min-replies``
-clients trained in a round.
+A SuperNode that fails, refuses the method (its node config does not allow
+it, see :mod:`fedcal.engine.flower.policy`), or does not answer within
+``reply-timeout`` is dropped for the rest of the run (its state file keeps
+its last completed round); a malformed reply (keys, shapes, dtypes,
+non-finite values; :mod:`fedcal.engine.flower.validation`) is left out of
+that round only. The run fails with a clear message when fewer than
+``min-replies`` clients trained in a round.
 ``result.json`` holds the per-sensor evaluation rows in the simulator's
-format, who trained in each round, failures and timings.
+format, who trained in each round, failures and refusals (``failures``,
+``handshake_refusals``), rejected replies (``rejected``,
+``handshake_rejected``) and timings.
 """
 
 from __future__ import annotations
@@ -152,7 +157,13 @@ def _run(grid: Grid, cfg: dict[str, Any], result: dict[str, Any], out: Path) -> 
     if failures:
         log(WARNING, "[fedcal] handshake failures: %s", failures)
     result["handshake_failures"] = {str(k): v for k, v in failures.items()}
-    fed.register(replies)
+    try:
+        fed.register(replies)
+    finally:
+        result["handshake_refusals"] = fed.refused
+        result["handshake_rejected"] = fed.handshake_rejected
+    if fed.refused or fed.handshake_rejected:
+        log(WARNING, "[fedcal] handshake: %s", {**fed.refused, **fed.handshake_rejected})
     result["sensors"] = fed.sensors()
     result["node_ids"] = {str(m.client_index): str(n) for n, m in fed.members.items()}
     timings["handshake_s"] = time.monotonic() - t0
@@ -166,13 +177,21 @@ def _run(grid: Grid, cfg: dict[str, Any], result: dict[str, Any], out: Path) -> 
         t_exchange = time.monotonic() - t_round
         if failures:
             log(WARNING, "[fedcal] round %d failures: %s", t, failures)
-        fed.absorb(t, contents, replies, failures)
+        try:
+            fed.absorb(t, contents, replies, failures)
+        finally:  # a run that fails here still reports who refused or sent what
+            result["failures"] = fed.failed
+            result["rejected"] = fed.rejected
+            result["participation"] = fed.log
+        for index, why in fed.failed.get(str(t), {}).items():
+            if why.startswith("node ") and " refused " in why:
+                log(WARNING, "[fedcal] round %d: client %s: %s", t, index, why)
+        for index, why in fed.rejected.get(str(t), {}).items():
+            log(WARNING, "[fedcal] round %d: reply of client %s rejected: %s", t, index, why)
         timings["rounds"].append(
             {"round": t, "exchange_s": t_exchange, "total_s": time.monotonic() - t_round}
         )
         result["history"] = fed.history
-        result["participation"] = fed.log
-        result["failures"] = fed.failed
         log(INFO, "[fedcal] message %d/%d done in %.1f s", t, fed.rounds, t_exchange)
 
     result["final"] = fed.final_rows()

@@ -1,0 +1,282 @@
+"""A curious server and hostile clients against the Flower adapter, in one process.
+
+The real server side (:class:`~fedcal.engine.flower.protocol.Federation`) and
+the real client handler (:func:`~fedcal.engine.flower.protocol.run_round`)
+exchange Flower records directly; a ``tamper`` hook rewrites chosen replies
+the way a hostile SuperNode could. Used by the tests and by::
+
+    python -m fedcal.engine.flower.hostile        # the figures of the README
+
+which runs FedAvg (sample-weighted) on the first sensors of the embedded
+fleet for several fleet seeds: an honest run, each malformed reply of one
+client in round 1, row-count lies, and a server that asks for raw rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from flwr.app import RecordDict
+
+    from fedcal.data.fleet import Fleet
+    from fedcal.engine.flower.protocol import Federation
+
+HANDSHAKE = -1  # the round number ``tamper`` sees for handshake replies
+Tamper = Callable[[int, int, "RecordDict"], "RecordDict"]
+
+
+def run_in_process(
+    fed: Federation,
+    node_cfgs: Mapping[int, Mapping],
+    run_id: int,
+    tamper: Tamper | None = None,
+    wire: list[tuple[int, int, bytes]] | None = None,
+) -> tuple[dict, list[tuple[int, int, bytes]]]:
+    """The ServerApp's loop without transport; ``tamper(t, node, reply)`` may replace a reply.
+
+    Returns each node's ``Context.state`` and every reply as it would go on the
+    wire: ``(round, node id, serialized RecordDict)``, appended to ``wire`` if
+    given (so a run that fails keeps what was received).
+    """
+    from flwr.app import RecordDict
+    from flwr.common.serde import recorddict_to_proto
+
+    from fedcal.engine.flower.protocol import answer_handshake, run_round
+
+    def deliver(t: int, n: int, reply: RecordDict) -> RecordDict:
+        reply = tamper(t, n, reply) if tamper else reply
+        wire.append((t, n, recorddict_to_proto(reply).SerializeToString()))
+        return reply
+
+    states = {n: RecordDict() for n in node_cfgs}
+    wire = [] if wire is None else wire
+    hello = fed.handshake_content()
+    fed.register(
+        {n: deliver(HANDSHAKE, n, answer_handshake(hello, c)) for n, c in node_cfgs.items()}
+    )
+    for t in range(fed.rounds + 1):
+        sent = fed.messages(t)
+        replies = {
+            n: deliver(t, n, run_round(c, node_cfgs[n], states[n], run_id)) for n, c in sent.items()
+        }
+        fed.absorb(t, sent, replies, {})
+    return states, wire
+
+
+def node_cfgs(
+    fleet: Fleet, root: Path, allow: Mapping[int, Mapping[str, str]] | None = None
+) -> dict[int, dict]:
+    """Node configs of every sensor as flower-supernode parses them (node id = 100 + index)."""
+    from flwr.common.config import parse_config_args
+
+    from fedcal.engine.flower.nodes import node_config, prepare_node_files
+
+    cfgs = {}
+    for index, (sensor, path) in enumerate(prepare_node_files(fleet, root / "nodes")):
+        text = node_config(path, sensor, index, root / "state", **(allow or {}).get(index, {}))
+        cfgs[100 + index] = parse_config_args([text])
+    return cfgs
+
+
+# ----------------------------------------------------------------------------
+# malformed replies
+# ----------------------------------------------------------------------------
+def with_arrays(reply: RecordDict, arrays: Mapping[str, np.ndarray]) -> RecordDict:
+    """``reply`` with its upload replaced by ``arrays``."""
+    from flwr.app import Array, ArrayRecord, RecordDict
+
+    out = RecordDict({k: v for k, v in reply.items() if k != "reply"})
+    out["reply"] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+    return out
+
+
+def arrays(reply: RecordDict) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in reply["reply"].items()}
+
+
+def retag(reply: RecordDict, record: str, **values) -> RecordDict:
+    """``reply`` with entries of its ``info`` (ConfigRecord) or ``train`` (metrics) replaced."""
+    from flwr.app import ConfigRecord, MetricRecord, RecordDict
+
+    out = RecordDict(dict(reply.items()))
+    kind = ConfigRecord if record == "info" else MetricRecord
+    out[record] = kind({**dict(reply[record]), **values})
+    return out
+
+
+def _first_nan(a: dict) -> dict:
+    k = next(iter(a))
+    bad = a[k].copy()
+    bad.reshape(-1)[0] = np.nan
+    return {**a, k: bad}
+
+
+def _other_float(a: np.ndarray) -> np.ndarray:
+    return a.astype(np.float64 if a.dtype == np.float32 else np.float32)
+
+
+def _not_arrays(reply: RecordDict) -> RecordDict:
+    from flwr.app import ConfigRecord, RecordDict
+
+    return RecordDict({**dict(reply.items()), "reply": ConfigRecord({"model/l0": 1.0})})
+
+
+# name → what a hostile client does to its reply (the training upload must be in it)
+CORRUPTIONS: dict[str, Callable[[RecordDict], RecordDict]] = {
+    "extra key": lambda r: with_arrays(r, {**arrays(r), "model/spy": np.zeros(3)}),
+    "missing key": lambda r: with_arrays(r, dict(list(arrays(r).items())[1:])),
+    "wrong shape": lambda r: with_arrays(
+        r, {k: np.concatenate([v, v]) if v.ndim else v for k, v in arrays(r).items()}
+    ),
+    "wrong dtype": lambda r: with_arrays(r, {k: _other_float(v) for k, v in arrays(r).items()}),
+    "NaN": lambda r: with_arrays(r, _first_nan(arrays(r))),
+    "inf": lambda r: with_arrays(r, {k: np.full_like(v, np.inf) for k, v in arrays(r).items()}),
+    "not arrays": _not_arrays,
+    "foreign index": lambda r: retag(r, "info", **{"client-index": 0}),
+    "negative rows": lambda r: retag(r, "info", **{"num-train": -5}),
+    "extra metric": lambda r: retag(r, "train", spy=1.0),
+}
+
+
+# ----------------------------------------------------------------------------
+# the README's figures
+# ----------------------------------------------------------------------------
+def _final_rmse(fed: Federation) -> float:
+    rows = [r["test_rmse"] for r in fed.history if r["round"] == fed.rounds]
+    return float(np.mean(rows)) if rows else float("nan")
+
+
+def _max_gap(a: Federation, b: Federation) -> float:
+    from fedcal.core.tree import flatten
+
+    fa, fb = flatten(a.server), flatten(b.server)
+    return max(float((fa[k].double() - fb[k].double()).abs().max()) for k in fb)
+
+
+def row_bytes(fleet: Fleet, fed: Federation, index: int) -> list[bytes]:
+    """Client ``index``'s scaled training rows as centralized sends them (the run's dtype).
+
+    One entry per row's inputs and one per row's target value.
+    """
+    dtype = np.dtype(fed.dtype)
+    x, y = fleet.arrays("train")[index]
+    sx, sy = fed.scaler.x(x).astype(dtype), fed.scaler.y(y).astype(dtype)
+    return [r.tobytes() for r in sx] + [v.tobytes() for v in sy.reshape(-1)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    import tempfile
+    from dataclasses import replace
+
+    import torch
+
+    from fedcal.config import default_config
+    from fedcal.data.simulator import FleetSpec, simulate_fleet
+    from fedcal.engine.flower.protocol import Federation
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sensors", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--fleet-seeds", default="0,1,2")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    base = default_config()
+    config = replace(
+        base,
+        engine=replace(base.engine, rounds=args.rounds),
+        method_params={**base.method_params, "fedavg": {"sample_weighted": True}},
+    )
+    victim = 1  # the hostile client's index; it misbehaves in round 1
+
+    def at(t_bad: int, fn):
+        return lambda t, n, r: fn(r) if (t, n) == (t_bad, 100 + victim) else r
+
+    def strip(r):  # the reference: the client computes round 1 but uploads nothing
+        from flwr.app import RecordDict
+
+        return RecordDict({k: v for k, v in r.items() if k not in ("reply", "train")})
+
+    cases: dict[str, Tamper | None] = {"honest": None, "sits round 1 out": at(1, strip)}
+    cases.update({name: at(1, fn) for name, fn in CORRUPTIONS.items()})
+    cases["claims 1e9 rows in round 1"] = at(1, lambda r: retag(r, "info", **{"num-train": 10**9}))
+    cases["uploads its model x1000"] = at(
+        1, lambda r: with_arrays(r, {k: v * 1000 for k, v in arrays(r).items()})
+    )
+    cases["claims 1e9 rows at the handshake only"] = at(
+        HANDSHAKE, lambda r: retag(r, "info", **{"num-train": 10**9})
+    )
+    cases["claims 1e9 rows at the handshake and in every reply"] = lambda t, n, r: (
+        retag(r, "info", **{"num-train": 10**9}) if n == 100 + victim else r
+    )
+    seeds = [int(s) for s in args.fleet_seeds.split(",")]
+    table: dict[str, dict] = {
+        name: {"rmse": [], "gap": [], "why": "", "trained": "", "stopped": []} for name in cases
+    }
+    curious: list[str] = []
+    for seed in seeds:
+        fleet = simulate_fleet(FleetSpec(num_sensors=args.sensors), seed=seed)
+        with tempfile.TemporaryDirectory() as tmp:
+            runs, completed = {}, set()
+            for i, (name, tamper) in enumerate(cases.items()):
+                fed = Federation(config, "fedavg", seed=0, min_replies=1)
+                try:
+                    run_in_process(
+                        fed, node_cfgs(fleet, Path(tmp) / str(i)), run_id=i, tamper=tamper
+                    )
+                    completed.add(name)
+                except RuntimeError as err:  # e.g. every reply non-finite: reported, not a number
+                    table[name]["stopped"].append(f"seed {seed}: {str(err).split(';')[0]}")
+                runs[name] = fed
+            for name, fed in runs.items():
+                row = table[name]
+                if name in completed:
+                    row["rmse"].append(_final_rmse(fed))
+                row["gap"].append(_max_gap(fed, runs["sits round 1 out"]))
+                row["why"] = fed.rejected.get("1", {}).get(victim, "")
+                row["trained"] = ",".join(map(str, fed.log[1]["trained"]))
+            # a curious server: centralized, default nodes, then nodes that allow raw rows
+            for allow in (None, {i: {"allow_uploads": "*"} for i in range(args.sensors)}):
+                root = Path(tmp) / ("curious" if allow is None else "consent")
+                fed = Federation(config, "centralized", seed=0, min_replies=1)
+                wire: list = []
+                try:
+                    run_in_process(fed, node_cfgs(fleet, root, allow), run_id=99, wire=wire)
+                    outcome = f"ran {fed.rounds} rounds"
+                except RuntimeError as err:
+                    outcome = f"run stopped ({str(err).split(';')[0][:48]}…)"
+                rows = [b for i in range(args.sensors) for b in row_bytes(fleet, fed, i)]
+                blob = b"".join(p for _, _, p in wire)
+                seen = sum(b in blob for b in rows)
+                who = "default nodes" if allow is None else "allow-uploads=*"
+                curious.append(
+                    f"fleet seed {seed}, {who}: "
+                    f"{outcome}; row values found in the replies: {seen} of {len(rows)}; "
+                    f"refusals: {len(fed.failed.get('0', {}))}"
+                )
+                if allow is None and seed == seeds[0]:
+                    curious.append(f"  message: {next(iter(fed.failed['0'].values()))}")
+    print(
+        f"FedAvg (sample-weighted), {args.sensors} sensors of the embedded fleet, "
+        f"{args.rounds} rounds, fleet seeds {seeds}; client {victim} misbehaves in round 1"
+    )
+    print(
+        "| case | trained in round 1 | max abs server diff vs sitting out | test RMSE (hPa) "
+        "| server's reason |"
+    )
+    print("|---|---|---:|---:|---|")
+    for name, row in table.items():
+        rmse = f"{np.mean(row['rmse']):.4g} ± {np.std(row['rmse']):.2g}" if row["rmse"] else ""
+        rmse = "; ".join([rmse] * bool(rmse) + [f"run stopped ({w})" for w in row["stopped"]])
+        print(f"| {name} | {row['trained']} | {max(row['gap']):.3g} | {rmse} | {row['why']} |")
+    print()
+    print("\n".join(curious))
+
+
+if __name__ == "__main__":
+    main()
