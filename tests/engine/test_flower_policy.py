@@ -75,6 +75,13 @@ KEY_KIND = {
     "directions": "update_directions",
     "assignment": "cluster_choice",
     "val_loss": "validation_losses",
+    "mean": "model",  # fedprior: a unit's posterior mean coefficients
+    "second": "statistics",
+    "gls_gram": "statistics",
+    "gls_rhs": "statistics",
+    "rss": "statistics",
+    "n": "statistics",
+    "support": "statistics",
     "key": None,  # the client's round seed: a function of (run seed, round, index)
     "seed": None,
 }
@@ -138,9 +145,13 @@ def test_declared_upload_kinds_cover_every_reply_key(method) -> None:
     assert kinds <= declared, (method, kinds, declared)
     assert declared <= set(UPLOAD_KINDS)
     # declared kinds that the default hyperparameters do not send: only these, on purpose
-    optional = {"fedkd": {"model"}}  # share="both" also uploads the body
+    optional = {
+        "fedkd": {"model"},  # share="both" also uploads the body
+        "leastsq": {"statistics"},  # pooled=true uploads Gram sums; per sensor: nothing
+    }
     assert declared - kinds == optional.get(method, set()), method
-    assert (not alg.federated) == (declared == set())
+    if method not in optional:
+        assert (not alg.federated) == (declared == set())
 
 
 def test_reply_rows_follow_the_declared_row_count() -> None:

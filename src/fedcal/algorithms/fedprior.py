@@ -110,6 +110,8 @@ class FedPrior(Algorithm):
     min_informed: float = 2.0  # a direction informed by fewer units is weakly identified
 
     name = "fedprior"
+    # m_i is the unit's posterior mean (its calibration); the rest are sufficient statistics.
+    uploads = ("model", "statistics")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "orders", tuple(int(o) for o in self.orders))

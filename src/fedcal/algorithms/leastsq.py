@@ -59,6 +59,7 @@ class LeastSquares(Algorithm):
     ridge: float = 1e-8  # λ, relative to the number of points (numerical safety)
 
     name = "leastsq"
+    uploads = ("statistics",)  # pooled: Gram sums; per sensor nothing leaves the client
 
     @property
     def federated(self) -> bool:  # type: ignore[override]
