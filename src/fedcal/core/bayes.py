@@ -95,7 +95,8 @@ def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Poste
     chol = torch.linalg.cholesky(sigma)  # L
     eye = torch.eye(p, dtype=F64)
     lg = chol.transpose(1, 2) @ gram @ chol / s2
-    a = eye + 0.5 * (lg + lg.transpose(1, 2))  # symmetric by construction, not by rounding
+    b = 0.5 * (lg + lg.transpose(1, 2))  # B = LᵀGL/σ², symmetric by construction
+    a = eye + b
     a_chol = torch.linalg.cholesky(a)
     resid_rhs = rhs - (gram @ mu.unsqueeze(-1))[..., 0]  # Φᵀ(y − Φμ)
     g = (chol.transpose(1, 2) @ resid_rhs.unsqueeze(-1)) / s2
@@ -104,11 +105,14 @@ def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Poste
     a_inv = torch.cholesky_inverse(a_chol)
     cov = chol @ a_inv @ chol.transpose(1, 2)
     cov = 0.5 * (cov + cov.transpose(1, 2))
-    # Φᵀ C⁻¹ Φ = (G − G L A⁻¹ Lᵀ G / σ²) / σ², and likewise for the residual.
-    gl = gram @ chol
-    gls_gram = (gram - gl @ a_inv @ gl.transpose(1, 2) / s2) / s2
+    # In whitened coordinates, with B = LᵀGL/σ² = A − I (Woodbury):
+    #   Lᵀ Φᵀ C⁻¹ Φ L = A⁻¹ B   and   Lᵀ Φᵀ C⁻¹ (y − Φμ) = A⁻¹ g = z̄.
+    # A⁻¹B is a solve, not a difference: the direct (G − G L A⁻¹ Lᵀ G/σ²)/σ² cancels
+    # catastrophically on collinear features, and I − A⁻¹ does under a tight prior.
+    l_inv = torch.linalg.solve_triangular(chol, eye.expand(c, p, p), upper=False)
+    gls_gram = l_inv.transpose(1, 2) @ torch.cholesky_solve(b, a_chol) @ l_inv
     gls_gram = 0.5 * (gls_gram + gls_gram.transpose(1, 2))
-    gls_rhs = (resid_rhs.unsqueeze(-1) - gl @ z) / s2
+    gls_rhs = l_inv.transpose(1, 2) @ z
     # E‖y − Φc‖² = ‖y − Φm‖² + tr(G V)
     mean_col = mean.unsqueeze(-1)
     rss = (
