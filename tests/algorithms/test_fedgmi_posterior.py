@@ -273,3 +273,23 @@ def test_contract_pure_deterministic_order_free_and_structured(variant, make_fle
     personal = alg.personalize(expand(alg.broadcast(new), 3), first.state, data)
     pred = alg.predict(personal, data.x)
     assert pred.shape == data.y.shape and torch.isfinite(pred).all()
+
+
+def test_all_head_model_recovers_planted_polynomial_heads():
+    """The physics-aware basis with no hidden layers is all head (no body to train): the
+    posterior mode is then a fleet prior over polynomial coefficients. Noise-free targets
+    that are exactly a per-sensor polynomial in the basis are fitted to rounding."""
+    from fedcal.models.basis import Basis
+
+    task = Task(Basis(poly_orders=(2, 1), hidden=()))
+    alg = FedGMIPosterior(task, lr=0.1, local_epochs=5, batch_size=4, prior_init_noise=1e-4)
+    data = _data(clients=3, n=15)
+    server = alg.server_init(task.model.init(torch.Generator().manual_seed(0), F64))
+    down = expand(alg.broadcast(server), 3)
+    design = head_design(task, down["model"], data.x)  # the Legendre terms and 1
+    planted = torch.randn(3, design.shape[-1], generator=torch.Generator().manual_seed(2))
+    data = ClientData(data.x, design @ planted.to(F64).unsqueeze(-1), data.count, data.seeds)
+    result = alg.client_update(down, alg.client_init(down), data)
+    assert task.body == () and set(result.reply["model"]) == set()
+    pred = task.predict(result.state["model"], data.x)
+    assert torch.allclose(pred, data.y, atol=1e-5)
