@@ -187,7 +187,7 @@ def head_tree(task: Task, coef: Tensor, dtype: torch.dtype) -> Tree:
 
 
 def finite_posterior(stats: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Posterior:
-    """:func:`fedcal.core.bayes.posterior` per client (``mu`` (c, p), ``sigma`` (c, p, p),
+    """:func:`fedcal.core.bayes.posterior` for a cohort (``mu`` (c, p), ``sigma`` (c, p, p),
     ``noise_var`` (c,)), NaN for a client whose inputs are not finite.
 
     A body that diverged gives non-finite features, and a Cholesky factorization of
@@ -358,7 +358,7 @@ class FedGMI(Algorithm):
         return ClientResult(reply, {"model": trained}, {"train_loss": loss, "loglik": post.loglik})
 
     def posterior_server_update(self, server: Tree, replies: Tree, weights: Tensor) -> Tree:
-        """Step 4: body = mean of the bodies; (μ_h, Σ_h, σ²) by ECME + regularize (as fedprior)."""
+        """Step 4: body = mean of the bodies; (μ_h, Σ_h, σ²) by EM, Σ_h regularized."""
         body = weighted_mean(replies["model"], self.weights(weights))
         # Every unit counts once in the prior; sums in a canonical order (arrival-order free).
         order = torch.from_numpy(np.lexsort(replies["mean"].numpy().T[::-1]).copy())
