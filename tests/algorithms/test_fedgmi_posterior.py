@@ -293,3 +293,18 @@ def test_all_head_model_recovers_planted_polynomial_heads():
     assert task.body == () and set(result.reply["model"]) == set()
     pred = task.predict(result.state["model"], data.x)
     assert torch.allclose(pred, data.y, atol=1e-5)
+
+
+def test_a_diverged_client_makes_the_prior_nan_instead_of_failing():
+    """Its NaN sums reach the server: the prior is NaN, and next round every head is NaN
+    (the engine reports the run as diverged) — no factorization error stops the run."""
+    alg = _alg()
+    server, down = _down(alg, 3, noise=0.05)
+    result = alg.client_update(down, alg.client_init(down), _data(clients=3))
+    reply = {**result.reply, "gram": result.reply["gram"].clone()}
+    reply["gram"][1] = torch.nan
+    new = alg.server_update(server, reply, torch.full((3,), 20.0))
+    assert torch.isnan(new["head_sigma"]).all()
+    down = expand(alg.broadcast(new), 3)
+    _, post = alg.head_posterior(down, _data(clients=3))
+    assert torch.isnan(post.mean).all()

@@ -368,9 +368,18 @@ class FedGMI(Algorithm):
         mu = stats["mean"] / count
         sigma_hat = stats["second"] / count - torch.outer(mu, mu)
         metric = stats["gram"] / stats["n"].clamp_min(1.0)  # the fleet's mean ΦᵀΦ per point
+        # A diverged client makes the sums non-finite: the prior is then NaN (and so is
+        # every head next round, reported as divergence) instead of a failed factorization.
+        finite = sigma_hat.isfinite().all() & metric.isfinite().all()
+        eye = torch.eye(mu.shape[0], dtype=F64)
         sigma = regularize(
-            sigma_hat, self.prior_shrinkage, self.prior_floor, self.prior_rank or None, metric
+            torch.where(finite, sigma_hat, eye),
+            self.prior_shrinkage,
+            self.prior_floor,
+            self.prior_rank or None,
+            torch.where(finite, metric, eye),
         )
+        sigma = torch.where(finite, sigma, torch.nan)
         dtype = server["model"][head_names(self.task)[0]].dtype
         head = {k: v[0] for k, v in head_tree(self.task, mu.unsqueeze(0), dtype).items()}
         return {
