@@ -164,6 +164,7 @@ class AFLCSEM(Algorithm):
     initial_tau: int = 1
 
     name = "aflcsem"
+    reply_aggregation = "custom"  # losses and τ-control statistics, not a plain mean
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.cost_weight <= 1.0:

@@ -74,6 +74,7 @@ def pool(replies: Tree) -> ClientData:
 @dataclass(frozen=True)
 class Centralized(Algorithm):
     name = "centralized"
+    reply_aggregation = "custom"  # replies are pooled data
 
     def client_update(self, down: Tree, state: Tree, data: ClientData) -> ClientResult:
         reply = {

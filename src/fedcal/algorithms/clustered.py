@@ -152,6 +152,7 @@ class ClusteredLayered(Algorithm):
     label_capacity: int = 1024
 
     name = "clustered"
+    reply_aggregation = "custom"  # clustering of the replies
 
     def __post_init__(self) -> None:
         if self.similarity not in SIMILARITIES:

@@ -92,6 +92,7 @@ class FedGen(Algorithm):
     seed: int = 0
 
     name = "fedgen"
+    reply_aggregation = "custom"  # the generator trains on each client's head
 
     def __post_init__(self) -> None:
         if self.head not in ("personal", "shared"):

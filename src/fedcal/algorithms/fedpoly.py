@@ -77,6 +77,7 @@ class FedPoly(Algorithm):
     ridge: float = 1e-6  # ε: keeps an under-determined sensor (fewer points than terms) well-posed
 
     name = "fedpoly"
+    reply_aggregation = "sum"  # Σ of Gram matrices and right-hand sides
 
     def __post_init__(self) -> None:
         # A TOML config gives lists; terms are compared as tuples.

@@ -84,6 +84,7 @@ class FedProto(Algorithm):
     share_model: bool = False  # True: FedAvg + prototypes, as FedLSA's benchmark runs it
 
     name = "fedproto"
+    reply_aggregation = "custom"  # count-weighted prototypes
     task_kind = "classification"
 
     def server_init(self, params: Tree) -> Tree:

@@ -54,6 +54,7 @@ class IFCA(Algorithm):
     warmup_rounds: int = 5
 
     name = "ifca"
+    reply_aggregation = "custom"  # per-cluster means by assignment
 
     def __post_init__(self) -> None:
         if self.clusters < 1 or self.warmup_rounds < 0:

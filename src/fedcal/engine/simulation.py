@@ -24,13 +24,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedcal.core.aggregation import PLAIN, AggregationPolicy, aggregate, finite_rows
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.data import PERSONALIZE, ClientData, client_round_seed
-from fedcal.core.tree import Tree, expand, gather, num_bytes, scatter, tree_map
+from fedcal.core.tree import Tree, expand, gather, num_bytes, per_client, scatter, tree_map
 from fedcal.data.fleet import Fleet
 from fedcal.data.scaling import Scaler, fit_scaler
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+AGGREGATION = 3  # seed purpose of the server's DP noise (clients use 0.., see core.data)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class EngineConfig:
     seed: int = 0
     dtype: str = "float32"
     init_seed: int | None = None  # model init seed; defaults to ``seed``
+    # Server-side screening/clipping/robust rule/DP (fedcal.core.aggregation). PLAIN only
+    # rejects non-finite replies; the experiment passes the configuration's policy.
+    aggregation: AggregationPolicy = PLAIN
 
 
 @dataclass
@@ -165,6 +170,10 @@ def simulate(
             )
         server, states, history = saved["server"], saved["states"], saved["history"]
         start_round, elapsed = saved["round"], saved["elapsed"]
+        rejected, rounds_log = saved["rejected"], saved["aggregation"]
+    else:
+        rejected = torch.zeros(n, dtype=torch.int64)  # rounds each client's reply was rejected
+        rounds_log: list[dict] = []
 
     counts = fleet.train.count.to(torch.float64)
     bytes_up, bytes_down = [], []
@@ -176,9 +185,28 @@ def simulate(
             tuple(client_round_seed(config.seed, t, i) for i in ids)
         )
         down = algorithm.broadcast(server)
-        result = algorithm.client_update(expand(down, len(ids)), gather(states, idx), data)
-        states = scatter(states, idx, result.state)
-        server = algorithm.server_update(server, result.reply, counts.index_select(0, idx))
+        before = gather(states, idx)
+        result = algorithm.client_update(expand(down, len(ids)), before, data)
+        state_ok = finite_rows(result.state)
+        server, accepted, agg = aggregate(
+            algorithm,
+            server,
+            down,
+            result.reply,
+            counts.index_select(0, idx),
+            config.aggregation,
+            round_seed=client_round_seed(config.seed, t, 0, AGGREGATION),
+            eligible=state_ok if state_ok.numel() else None,
+        )
+        # Roll back the private state of every client whose reply was rejected.
+        kept = tree_map(
+            lambda new, old, ok=accepted: torch.where(per_client(ok, new), new, old.to(new.dtype)),
+            result.state,
+            before,
+        )
+        states = scatter(states, idx, kept)
+        rejected = rejected.index_add(0, idx, (~accepted).to(torch.int64))
+        rounds_log.append({"round": t + 1, "cohort": len(ids), **agg})
         if algorithm.federated:  # a non-federated reference line communicates nothing
             bytes_up.append(num_bytes(result.reply, per_client_axis=True) * len(ids))
             bytes_down.append(num_bytes(down) * len(ids))
@@ -192,6 +220,7 @@ def simulate(
             }
             for row in rows:
                 row["round"] = t + 1
+                row["rejected_rounds"] = int(rejected[row["client_index"]])
                 for name, by_client in trained.items():
                     row[name] = by_client.get(row["client_index"], float("nan"))
             history.extend(rows)
@@ -206,6 +235,8 @@ def simulate(
                     "server": server,
                     "states": states,
                     "history": history,
+                    "rejected": rejected,
+                    "aggregation": rounds_log,
                 },
                 Path(checkpoint),
             )
@@ -217,6 +248,8 @@ def simulate(
             algorithm, fleet, server, states, config.seed, config.rounds - 1, personal
         )[0]
     ]
+    for row in final:
+        row["rejected_rounds"] = int(rejected[row["client_index"]])
     return RunResult(
         history=history,
         final=final,
@@ -227,6 +260,7 @@ def simulate(
         bytes_up_per_round=float(np.mean(bytes_up)) if bytes_up else 0.0,
         bytes_down_per_round=float(np.mean(bytes_down)) if bytes_down else 0.0,
         rounds_done=config.rounds,
+        extra={"aggregation": rounds_log},
     )
 
 
@@ -258,6 +292,9 @@ def _evaluate(
         row = {"client_index": i, "client": cid}
         row.update({f"test_{k}": float(v[i]) for k, v in test.items()})
         row.update({f"train_{k}": float(v[i]) for k, v in train.items()})
+        # A sensor whose personalized model gives a non-finite error has diverged.
+        finite = all(np.isfinite(v) for k, v in row.items() if k.startswith(("test_", "train_")))
+        row["status"] = "ok" if finite else "diverged"
         rows.append(row)
     key = algorithm.task.primary_metric
     summary = {
