@@ -9,6 +9,10 @@ Stable interface (scripts call it)::
     fedcal simulate --out fleet.parquet
     fedcal methods
     fedcal export RUN_DIR --method fedgmi [--seed 0] --out FILE
+
+Exit codes of run/compare: 0 every method ran and no sensor diverged; 1 the table
+was printed but a method failed or a sensor diverged (said above the exit); 2 bad
+input (data, configuration, options), nothing trained.
 """
 
 from __future__ import annotations
@@ -74,6 +78,10 @@ def _resolve(
     return cfg
 
 
+def _with_aggregation(cfg: RunConfig, rule: str | None) -> RunConfig:
+    return cfg if rule is None else replace(cfg, aggregation=replace(cfg.aggregation, rule=rule))
+
+
 def _default_out(kind: str, cfg: RunConfig, extra: object) -> Path:
     digest = hashlib.sha256(
         json.dumps([cfg.to_dict(), extra], sort_keys=True, default=list).encode()
@@ -119,6 +127,12 @@ def _experiment(
             first = next(iter(summary.items()))
             progress.update(bar, advance=step, description=f"{label}  {first[0]}={first[1]:.4g}")
 
+        failures: list[str] = []
+
+        def on_fail(label: str, reason: str) -> None:
+            failures.append(f"{label}: {reason}")
+            err_console.print(f"[bold red]failed[/] {escape(label)}: {escape(reason)}")
+
         try:
             summary = run_experiment(
                 cfg,
@@ -128,6 +142,7 @@ def _experiment(
                 train_points,
                 on_progress,
                 on_skip=lambda m, why: err_console.print(f"skipped {m}: {escape(why)}"),
+                on_fail=on_fail,
             )
         except ConfigError as err:
             _fail(str(err))
@@ -137,6 +152,17 @@ def _experiment(
     console.print(
         f"results in [bold]{out}[/] (summary.csv, runs/*/per_sensor.csv, runs/*/model.pt)"
     )
+    has = "diverged" in summary.columns
+    diverged = summary[summary["diverged"].fillna(0) > 0] if has else summary.iloc[0:0]
+    for _, row in diverged.iterrows():
+        err_console.print(
+            f"[bold red]diverged[/] {row['method']} seed={row['seed']}: "
+            f"{int(row['diverged'])} sensor(s) (status in per_sensor.csv)"
+        )
+    for line in failures:
+        err_console.print(f"[bold red]failed[/] {escape(line)}")
+    if failures or len(diverged):
+        raise typer.Exit(code=1)
 
 
 UNITS = {"hpa": "hPa", "pa": "Pa", "kpa": "kPa", "c": "°C", "k": "K", "percent": "%", "ppm": "ppm"}
@@ -165,6 +191,8 @@ def _table_columns(table, unit: str, show_bytes: bool) -> list[tuple[str, str]]:
             if c.endswith(("_mean", "_worst")) and not c.endswith("_std")
         ]
     cols.append(("wall_s", "wall s"))
+    if "diverged" in table.columns and (table["diverged"].fillna(0) > 0).any():
+        cols.append(("diverged", "diverged sensors"))
     if show_bytes:
         cols += [("bytes_up_per_round", "up B/round"), ("bytes_down_per_round", "down B/round")]
     return cols
@@ -181,6 +209,9 @@ def _print_table(table, unit: str, show_bytes: bool) -> None:
         for _, header in cols:
             t.add_column(header, justify="right")
         for _, row in part.iterrows():
+            if row.get("failed", 0) == 1:  # every seed failed: no numbers to show
+                t.add_row(row["method"], *["failed"] * len(cols))
+                continue
             t.add_row(row["method"], *[fmt_pm(row[c], row[f"{c}_std"]) for c, _ in cols])
         console.print(t)
 
@@ -198,6 +229,10 @@ TargetOpt = Annotated[str | None, typer.Option("--target", help="target column")
 MethodsOpt = Annotated[str | None, typer.Option("--methods", help="comma separated, or 'all'")]
 SeedsOpt = Annotated[int | None, typer.Option("--seeds", help="number of training seeds")]
 RoundsOpt = Annotated[int | None, typer.Option("--rounds", help="federated rounds")]
+AggregationOpt = Annotated[
+    str | None,
+    typer.Option("--aggregation", help="server rule: mean, median, trimmed_mean or krum"),
+]
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", help="TOML file overriding the defaults")
 ]
@@ -213,13 +248,16 @@ def run(
     rounds: RoundsOpt = None,
     config: ConfigOpt = None,
     out: OutOpt = None,
+    aggregation: AggregationOpt = None,
     train_points: Annotated[
         int, typer.Option("--train-points", help="calibration points per sensor (0 = all)")
     ] = 0,
 ) -> None:
     """Train a personalized calibration model per sensor and print the error summary."""
     try:
-        cfg = _resolve(config, data, features, target, methods, seeds, rounds)
+        cfg = _with_aggregation(
+            _resolve(config, data, features, target, methods, seeds, rounds), aggregation
+        )
     except ConfigError as err:
         _fail(str(err))
     _experiment(cfg, out, (train_points or cfg.data.train_points,), "run", show_bytes=False)
@@ -235,13 +273,16 @@ def compare(
     rounds: RoundsOpt = None,
     config: ConfigOpt = None,
     out: OutOpt = None,
+    aggregation: AggregationOpt = None,
     train_points: Annotated[
         str | None, typer.Option("--train-points", help="sweep, e.g. 12,24,48,96,384")
     ] = None,
 ) -> None:
     """Compare methods on the same fleet, splits and seeds, optionally over point budgets."""
     try:
-        cfg = _resolve(config, data, features, target, methods, seeds, rounds)
+        cfg = _with_aggregation(
+            _resolve(config, data, features, target, methods, seeds, rounds), aggregation
+        )
         points = (
             tuple(int(p) for p in _csv_list(train_points))
             if train_points

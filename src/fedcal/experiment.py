@@ -33,6 +33,7 @@ import torch
 
 from fedcal.algorithms import REGISTRY, get
 from fedcal.config import ConfigError, RunConfig
+from fedcal.core.aggregation import AggregationError, AggregationPolicy, check_policy
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.classification import ClassificationTask
 from fedcal.core.task import Task
@@ -57,6 +58,9 @@ SUMMARY_COLUMNS = [
     "wall_s",
     "bytes_up_per_round",
     "bytes_down_per_round",
+    "diverged",
+    "rejected",
+    "failed",
 ]
 
 
@@ -169,6 +173,50 @@ def build_algorithm(name: str, config: RunConfig, task: Task) -> Algorithm:
         raise ConfigError(f"[methods.{name}]: {err}") from None
 
 
+def build_policy(config: RunConfig) -> tuple[AggregationPolicy, dict[str, Any]]:
+    """The server's aggregation policy, with DP noise calibrated by the accountant.
+
+    Returns the policy and what the run records about privacy (empty without DP).
+    """
+    a, p = config.aggregation, config.privacy
+    privacy: dict[str, Any] = {}
+    sigma = 0.0
+    if p.epsilon > 0:
+        from fedcal.core.privacy import account
+
+        if p.clip <= 0:
+            raise ConfigError("[privacy] epsilon > 0 needs clip > 0 (the update norm bound)")
+        try:
+            spent = account(p.epsilon, p.delta, config.engine.participation, config.engine.rounds)
+        except ValueError as err:
+            raise ConfigError(f"[privacy]: {err}") from None
+        sigma = spent.noise_multiplier
+        privacy = {**asdict(spent), "clip": p.clip, "accountant": "opacus RDP"}
+    try:
+        policy = AggregationPolicy(
+            rule=a.rule,  # type: ignore[arg-type]  # validated by the policy
+            screen_factor=a.screen_factor,
+            clip_factor=a.clip_factor,
+            trim_fraction=a.trim_fraction,
+            krum_byzantine=a.krum_byzantine,
+            krum_select=a.krum_select,
+            dp_noise_multiplier=sigma,
+            dp_clip=p.clip if sigma else 0.0,
+        )
+    except AggregationError as err:
+        raise ConfigError(f"[aggregation]: {err}") from None
+    return policy, privacy
+
+
+def one_line(err: BaseException, limit: int = 300) -> str:
+    """An exception as one short line (no tensor dumps, no traceback)."""
+    text = str(err).strip().splitlines()
+    first = text[0] if text else ""
+    if len(first) > limit:
+        first = first[:limit] + "…"
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
+
+
 def check_methods(
     methods: Sequence[str], config: RunConfig | None = None, task_kind: str = "regression"
 ) -> list[str]:
@@ -221,8 +269,13 @@ def summary_row(
     for col in final.columns:
         if col.startswith("test_"):
             name = col.removeprefix("test_")
-            row[f"{name}_mean"] = float(final[col].mean())
-            worst = final[col].min() if name in HIGHER_IS_BETTER else final[col].max()
+            # NaN-propagating: a diverged sensor makes the fleet's figure NaN, never dropped.
+            row[f"{name}_mean"] = float(final[col].mean(skipna=False))
+            worst = (
+                final[col].min(skipna=False)
+                if name in HIGHER_IS_BETTER
+                else final[col].max(skipna=False)
+            )
             row[f"{name}_worst"] = float(worst)
     if task.kind == "regression":
         row["rmse_mean_pct_fs"] = 100.0 * row["rmse_mean"] / fs
@@ -230,6 +283,9 @@ def summary_row(
     row["wall_s"] = result.wall_s
     row["bytes_up_per_round"] = result.bytes_up_per_round
     row["bytes_down_per_round"] = result.bytes_down_per_round
+    row["diverged"] = int((final["status"] == "diverged").sum()) if "status" in final else 0
+    row["rejected"] = int(final["rejected_rounds"].sum()) if "rejected_rounds" in final else 0
+    row["failed"] = 0
     return row
 
 
@@ -264,16 +320,22 @@ def run_experiment(
     train_points: Sequence[int] = (0,),
     on_progress: Callable[[str, int, dict], None] | None = None,
     on_skip: Callable[[str, str], None] | None = None,
+    on_fail: Callable[[str, str], None] | None = None,
 ) -> pd.DataFrame:
     """Run every (train_points, method, seed); return (and write) the summary table.
 
     With ``methods=["all"]`` a method that cannot run on this model (e.g. one
     that needs a shared body when the model is all head) is skipped and
     reported through ``on_skip(method, reason)``; a method named explicitly
-    that cannot run is an error.
+    that cannot run is an error (raised before anything trains). A method that
+    raises while training is reported through ``on_fail(label, one-line reason)``,
+    gets a summary row with ``failed = 1`` and no numbers, and the others go on.
+    Summary rows count each run's ``diverged`` sensors (non-finite personalized
+    model) and ``rejected`` replies; fleet means are NaN when a sensor diverged.
     """
     expand_all = list(methods) == ["all"]
     methods = check_methods(methods, config, task_kind(fleet))
+    policy, privacy = build_policy(config)  # bad input stops here, before anything is written
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     resolved = {**config.to_dict(), "methods": methods, "train_points_sweep": list(train_points)}
@@ -287,20 +349,34 @@ def run_experiment(
     _write_text(config_path, text)
     _write_text(out / "fleet.json", json.dumps(fleet.meta, indent=2, sort_keys=True, default=str))
     fs = full_scale(fleet)
-    rows: list[dict[str, Any]] = []
+    if privacy:
+        _write_text(out / "privacy.json", json.dumps(privacy, indent=2))
+    # Every method is built (and its aggregation policy checked) for every budget before
+    # anything trains: a method that cannot run is known before the first round.
+    plans = []
+    refused: dict[str, str] = {}
     for tp in train_points:
         subset = fleet.with_train_points(tp or None, seed=config.data.split_seed)
         tensors = prepare(subset, config.data.scaling, config.engine.dtype)
         task = build_task(config, tensors.train.x.shape[-1], subset.meta, client_inputs(tensors))
+        built = []
         for method in methods:
             try:
                 algorithm = build_algorithm(method, config, task)
-            except ConfigError as err:
-                if not expand_all:
-                    raise
-                if on_skip is not None:
-                    on_skip(method, str(err))
+                check_policy(algorithm, policy)
+            except (ConfigError, AggregationError) as err:
+                refused.setdefault(method, str(err))
                 continue
+            built.append((method, algorithm))
+        plans.append((tp, tensors, task, built))
+    if refused and not expand_all:
+        raise ConfigError("; ".join(refused.values()))
+    for method, reason in refused.items():
+        if on_skip is not None:
+            on_skip(method, reason)
+    rows: list[dict[str, Any]] = []
+    for tp, tensors, task, built in plans:
+        for method, algorithm in built:
             for seed in range(config.seeds):
                 run_dir = out / "runs" / f"{method}_tp{tp}_seed{seed}"
                 done = run_dir / "done.json"
@@ -314,28 +390,45 @@ def run_experiment(
                     eval_every=config.engine.eval_every,
                     seed=seed,
                     dtype=config.engine.dtype,
+                    aggregation=policy,
                 )
                 label = f"{method} tp={tp or 'all'} seed={seed}"
-                result = simulate(
-                    algorithm,
-                    tensors,
-                    engine,
-                    on_round=(lambda t, s, label=label: on_progress(label, t, s))
-                    if on_progress
-                    else None,
-                    checkpoint=run_dir / "checkpoint.pt",
-                    checkpoint_every=config.engine.checkpoint_every,
-                )
+                try:
+                    result = simulate(
+                        algorithm,
+                        tensors,
+                        engine,
+                        on_round=(lambda t, s, label=label: on_progress(label, t, s))
+                        if on_progress
+                        else None,
+                        checkpoint=run_dir / "checkpoint.pt",
+                        checkpoint_every=config.engine.checkpoint_every,
+                    )
+                except (KeyboardInterrupt, MemoryError):
+                    raise
+                except Exception as err:  # one method's failure must not end the others
+                    reason = one_line(err)
+                    _write_text(run_dir / "failed.txt", reason + "\n")
+                    if on_fail is not None:
+                        on_fail(label, reason)
+                    rows.append({"method": method, "seed": seed, "train_points": tp, "failed": 1})
+                    _write_csv(out / "summary.csv", _ordered(pd.DataFrame(rows)))
+                    break  # the other seeds of this method would fail alike
+                (run_dir / "failed.txt").unlink(missing_ok=True)
                 history = pd.DataFrame(result.history)
                 history.insert(0, "method", method)
                 history.insert(1, "seed", seed)
                 _write_csv(run_dir / "metrics.csv", history)
+                _write_csv(run_dir / "aggregation.csv", pd.DataFrame(result.extra["aggregation"]))
                 final = pd.DataFrame(result.final)
                 final.insert(0, "method", method)
                 final.insert(1, "seed", seed)
                 _write_csv(run_dir / "per_sensor.csv", final)
                 save_models(run_dir / "model.pt", result, tensors, config, algorithm, method, seed)
                 row = summary_row(method, seed, tp, result, fs, task)
+                if privacy:
+                    row["epsilon"] = privacy["epsilon"]
+                    row["noise_multiplier"] = privacy["noise_multiplier"]
                 _write_text(done, json.dumps(row, indent=2))
                 (run_dir / "checkpoint.pt").unlink(missing_ok=True)
                 rows.append(row)
