@@ -287,13 +287,19 @@ def _evaluate(
         personal = _personal(algorithm, fleet, server, states, seed, t)
     test = errors(algorithm, personal, fleet.test, fleet.scaler)
     train = errors(algorithm, personal, fleet.train, fleet.scaler)
+    model_ok = finite_rows(personal)
+    if not model_ok.numel():
+        model_ok = torch.ones(fleet.num_clients, dtype=torch.bool)
     rows = []
     for i, cid in enumerate(fleet.client_ids):
         row = {"client_index": i, "client": cid}
         row.update({f"test_{k}": float(v[i]) for k, v in test.items()})
         row.update({f"train_{k}": float(v[i]) for k, v in train.items()})
-        # A sensor whose personalized model gives a non-finite error has diverged.
-        finite = all(np.isfinite(v) for k, v in row.items() if k.startswith(("test_", "train_")))
+        # Diverged: a non-finite personalized model or test error (a train error may
+        # overflow on absurd labels while the model itself is fine).
+        finite = bool(model_ok[i]) and all(
+            np.isfinite(v) for k, v in row.items() if k.startswith("test_")
+        )
         row["status"] = "ok" if finite else "diverged"
         rows.append(row)
     key = algorithm.task.primary_metric
