@@ -130,7 +130,7 @@ def main() -> None:
             on_fail=lambda label, why: failures.append(f"{label}: {why}"),
         )
     print(f"wall {time.perf_counter() - t0:.0f} s")
-    print("| method | RMSE mean (µg/m³) | RMSE worst | diverged sensors (runs) | rejected | state |")
+    print("| method | RMSE mean (µg/m³) | RMSE worst | diverged (runs) | rejected | state |")
     print("|---|---:|---:|---:|---:|---|")
     bad_methods = 0
     for method, part in summary.groupby("method", sort=False):
@@ -141,7 +141,8 @@ def main() -> None:
         finite = len(ok) and np.isfinite(ok["rmse_mean"]).all()
         state = "failed" if failed else ("finite" if finite and not div else "DIVERGED")
         bad_methods += state != "finite"
-        mean = f"{ok['rmse_mean'].mean():.3g} ± {ok['rmse_mean'].std(ddof=0):.2g}" if finite else "—"
+        rmse = ok["rmse_mean"]
+        mean = f"{rmse.mean():.3g} ± {rmse.std(ddof=0):.2g}" if finite else "—"
         worst = f"{ok['rmse_worst'].mean():.3g}" if finite else "—"
         rej = int(ok["rejected"].sum()) if len(ok) else 0
         print(f"| {method} | {mean} | {worst} | {div} ({runs_div}) | {rej} | {state} |")
