@@ -63,6 +63,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--rules", default="plain,default,median,trimmed_mean,krum")
+    ap.add_argument(
+        "--poisoned-rules", default=None, help="rules run on poisoned fleets (default: --rules)"
+    )
     ap.add_argument("--poisons", default=",".join(POISONS))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -80,6 +83,7 @@ def main() -> None:
             policies[rule] = build_policy(
                 replace(cfg, aggregation=replace(cfg.aggregation, rule=rule))
             )[0]
+    poisoned_rules = (args.poisoned_rules or args.rules).split(",")
     print(
         f"recipe: lr {cfg.train.lr}, batch {cfg.train.batch_size}, grad_clip "
         f"{cfg.train.grad_clip}, {args.rounds} rounds, {args.seeds} seeds; sensor {VICTIM} poisoned"
@@ -92,6 +96,8 @@ def main() -> None:
         for method in args.methods.split(","):
             algorithm = build_algorithm(method, cfg, task)
             for rule, policy in policies.items():
+                if pname != "clean" and rule not in poisoned_rules:
+                    continue
                 for seed in range(args.seeds):
                     engine = EngineConfig(
                         rounds=args.rounds, eval_every=args.rounds, seed=seed, aggregation=policy
@@ -127,6 +133,9 @@ def main() -> None:
             cells = []
             for rule in rules:
                 cell = part[(part["poison"] == pname) & (part["rule"] == rule)]
+                if cell.empty:
+                    cells.append("")
+                    continue
                 ratio = cell["ratio"].mean(skipna=False)
                 div = int(cell["diverged"].sum())
                 text = "diverged" if not np.isfinite(ratio) else f"{ratio:.2f}"
