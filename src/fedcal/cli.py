@@ -143,6 +143,7 @@ def _experiment(
                 on_progress,
                 on_skip=lambda m, why: err_console.print(f"skipped {m}: {escape(why)}"),
                 on_fail=on_fail,
+                on_note=lambda m, note: err_console.print(f"note ({m}): {escape(note)}"),
             )
         except ConfigError as err:
             _fail(str(err))
@@ -376,6 +377,61 @@ def export(
     else:
         out.write_text(text)
         console.print(f"wrote {len(fleet.params)} sensors' models to {out}")
+
+
+@app.command()
+def calibrate(
+    prior: Annotated[
+        Path, typer.Option("--prior", help="a run directory with a fedprior run, or its prior.json")
+    ],
+    data: Annotated[
+        Path,
+        typer.Option("--data", help="CSV/Parquet of the new units' calibration points"),
+    ],
+    out: Annotated[Path, typer.Option("--out", help="directory to write (a run directory)")],
+    method: Annotated[str, typer.Option(help="which fedprior method of the run")] = "fedprior",
+    seed: Annotated[int, typer.Option(help="which training seed of the run")] = 0,
+    train_points: Annotated[
+        int, typer.Option("--train-points", help="which point budget of the run (0 = all)")
+    ] = 0,
+) -> None:
+    """Calibrate new units from a few points each, against a trained fleet prior.
+
+    Every row of --data is a calibration point unless the file has a split column
+    (rows marked 'test' are then held out and scored). Writes coefficients.csv,
+    per_sensor.csv and a run directory that `fedcal export`/`predict` read.
+    """
+    import torch
+
+    from fedcal import calibration
+    from fedcal.data.loader import FleetDataError, load_fleet
+
+    torch.set_num_threads(1)
+    try:
+        path = calibration.find_prior(prior, method, seed, train_points)
+        doc = calibration.load_prior(path)
+        fleet = load_fleet(
+            data,
+            features=doc["features"],
+            target=doc["target"],
+            test_fraction=0.0,
+            min_train_points=1,
+            min_test_points=0,
+        )
+        result = calibration.calibrate(doc, fleet, str(data))
+        table = calibration.write(out, doc, fleet, result)
+    except (FileNotFoundError, ValueError, ConfigError, FleetDataError) as err:
+        _fail(str(err))
+    unit = target_unit(doc["target"])
+    t = Table(title=f"{len(table)} unit(s) calibrated against {path}", title_justify="left")
+    columns = [c for c in table.columns if c != "sensor_id"]
+    t.add_column("sensor")
+    for c in columns:
+        t.add_column(c.replace("_", " ") + (f" ({unit})" if c.endswith(("sd", "rmse")) else ""))
+    for _, row in table.iterrows():
+        t.add_row(str(row["sensor_id"]), *[f"{row[c]:.4g}" for c in columns])
+    console.print(t)
+    console.print(f"wrote {out}/coefficients.csv, per_sensor.csv and a run directory")
 
 
 @app.command()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -312,6 +313,59 @@ def save_models(
     _write_atomic(path, lambda p: torch.save(payload, p))
 
 
+def export_state(
+    algorithm: Algorithm, server: dict, fleet: Fleet, tensors: FleetTensors, method: str
+) -> dict[str, Any] | None:
+    """The algorithm's reusable server state (e.g. fedprior's fleet prior) with its context.
+
+    Adds what is needed to apply it to new units: the method and its parameters,
+    feature and target names, the scaler, and the range of each input the fleet
+    was calibrated over (inputs outside it are extrapolation).
+    """
+    state = algorithm.export_state(server)
+    if state is None:
+        return None
+    names = list(fleet.features)
+    train = fleet.frame[fleet.frame["split"] == "train"]
+    if "term_names" in state:
+        state["term_names"] = [
+            re.sub(r"x(\d+)", lambda m: names[int(m.group(1))], t) for t in state["term_names"]
+        ]
+    ident = state.get("identification")
+    if ident:
+        ident["weak_terms"] = [
+            re.sub(r"x(\d+)", lambda m: names[int(m.group(1))], t) for t in ident["weak_terms"]
+        ]
+    return {
+        **state,
+        "method": method,
+        "method_params": {
+            f.name: getattr(algorithm, f.name)
+            for f in dataclasses.fields(algorithm)
+            if f.name != "task"
+        },
+        "features": names,
+        "target": fleet.target,
+        "scaler": tensors.scaler.to_dict(),
+        "input_range": {c: [float(train[c].min()), float(train[c].max())] for c in names},
+        "num_units": fleet.num_clients,
+    }
+
+
+def identification_note(state: dict[str, Any]) -> str:
+    """A one-line warning when the fleet's data leave directions of a prior unlearned."""
+    ident = state.get("identification") or {}
+    weak = ident.get("weak_directions", 0)
+    if not weak:
+        return ""
+    return (
+        f"the fleet's calibration points do not identify {weak} direction(s) of the "
+        f"prior (terms {', '.join(ident['weak_terms'])}): predictions that depend on them "
+        "carry the vague starting prior's σ, not a learned one. Calibrate some units over "
+        "the whole range, or use lower orders."
+    )
+
+
 def run_experiment(
     config: RunConfig,
     fleet: Fleet,
@@ -321,6 +375,7 @@ def run_experiment(
     on_progress: Callable[[str, int, dict], None] | None = None,
     on_skip: Callable[[str, str], None] | None = None,
     on_fail: Callable[[str, str], None] | None = None,
+    on_note: Callable[[str, str], None] | None = None,
 ) -> pd.DataFrame:
     """Run every (train_points, method, seed); return (and write) the summary table.
 
@@ -332,6 +387,8 @@ def run_experiment(
     gets a summary row with ``failed = 1`` and no numbers, and the others go on.
     Summary rows count each run's ``diverged`` sensors (non-finite personalized
     model) and ``rejected`` replies; fleet means are NaN when a sensor diverged.
+    What a user must know about a finished run (e.g. a fleet prior that the data do
+    not identify) goes to ``on_note(method, message)``.
     """
     expand_all = list(methods) == ["all"]
     methods = check_methods(methods, config, task_kind(fleet))
@@ -368,14 +425,14 @@ def run_experiment(
                 refused.setdefault(method, str(err))
                 continue
             built.append((method, algorithm))
-        plans.append((tp, tensors, task, built))
+        plans.append((tp, subset, tensors, task, built))
     if refused and not expand_all:
         raise ConfigError("; ".join(refused.values()))
     for method, reason in refused.items():
         if on_skip is not None:
             on_skip(method, reason)
     rows: list[dict[str, Any]] = []
-    for tp, tensors, task, built in plans:
+    for tp, subset, tensors, task, built in plans:
         for method, algorithm in built:
             for seed in range(config.seeds):
                 run_dir = out / "runs" / f"{method}_tp{tp}_seed{seed}"
@@ -429,6 +486,14 @@ def run_experiment(
                 if privacy:
                     row["epsilon"] = privacy["epsilon"]
                     row["noise_multiplier"] = privacy["noise_multiplier"]
+                exported = export_state(algorithm, result.server, subset, tensors, method)
+                if exported is not None:
+                    _write_text(run_dir / "prior.json", json.dumps(exported, indent=1))
+                    note = identification_note(exported)
+                    if "identification" in exported:
+                        row["weak_directions"] = exported["identification"]["weak_directions"]
+                    if note and on_note is not None:
+                        on_note(method, note)
                 _write_text(done, json.dumps(row, indent=2))
                 (run_dir / "checkpoint.pt").unlink(missing_ok=True)
                 rows.append(row)

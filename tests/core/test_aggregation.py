@@ -213,3 +213,12 @@ def test_custom_gets_no_clipping():
 def test_policy_validation(kwargs, message):
     with pytest.raises(AggregationError, match=message):
         AggregationPolicy(**kwargs)
+
+
+def test_a_sum_servers_replies_are_contributions_even_when_named_like_the_broadcast():
+    # fedprior broadcasts and receives a leaf of the same name; a sum is never a model delta.
+    server = {"stat": torch.tensor([100.0, 100.0], dtype=F64)}
+    stats = {"stat": torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 5.0]], dtype=F64)}
+    policy = AggregationPolicy(screen_factor=0.0, clip_factor=3.0)
+    new, _, _ = aggregate(SumAlg(task=None), server, server, stats, ONES4, policy, 0)
+    assert new["stat"].tolist() == [2.0, 4.0]  # norms 1, 1, 1, 5 → the last clipped to (0, 3)

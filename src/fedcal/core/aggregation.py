@@ -22,11 +22,11 @@ alike. A round's replies (stacked ``(clients, ...)``) go through, in order:
 
 **The update of a reply.** A reply leaf whose path exists in the broadcast with
 the same shape (e.g. ``model/…``) is a model: its update is ``reply − broadcast``.
-Any other floating leaf (sufficient statistics, predictions, losses) is the
-client's contribution relative to zero: its update is the leaf itself, so
-clipping scales a statistics reply as a whole — it down-weights that client
-consistently (e.g. Gram matrix and right-hand side together). Integer leaves
-are never modified.
+Any other floating leaf (sufficient statistics, predictions, losses), and every
+leaf of a ``"sum"`` server update, is the client's contribution relative to
+zero: its update is the leaf itself, so clipping scales a statistics reply as a
+whole — it down-weights that client consistently (e.g. Gram matrix and
+right-hand side together). Integer leaves are never modified.
 
 **Where a coordinate-wise rule applies.** ``Algorithm.reply_aggregation`` says
 what ``server_update`` does with the replies: ``"mean"`` (a weighted mean of
@@ -129,9 +129,17 @@ def check_policy(algorithm, policy: AggregationPolicy) -> None:
         raise AggregationError(f"{name}: client-level DP needs a mean/sum server update")
 
 
-def _updates(broadcast: Tree, replies: Tree) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """Flat floating updates (clients, ...) and the reference each is relative to."""
-    down, up = flatten(broadcast), flatten(replies)
+def _updates(
+    broadcast: Tree, replies: Tree, kind: str = "mean"
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Flat floating updates (clients, ...) and the reference each is relative to.
+
+    A ``"sum"`` server adds its replies up: they are contributions, never model
+    states, so every leaf is relative to zero even when the broadcast has a leaf
+    of the same name (e.g. fedprior's ``support``).
+    """
+    down = flatten(broadcast) if kind != "sum" else {}
+    up = flatten(replies)
     updates, refs = {}, {}
     for key, reply in up.items():
         if not reply.is_floating_point():
@@ -213,7 +221,7 @@ def aggregate(
     """
     check_policy(algorithm, policy)
     kind = getattr(algorithm, "reply_aggregation", "mean")
-    updates, refs = _updates(broadcast, replies)
+    updates, refs = _updates(broadcast, replies, kind)
     n = int(weights.shape[0])
     weights = weights.to(torch.float64)
     if weight_cap is not None:

@@ -93,6 +93,20 @@ class Algorithm(ABC):
     def predict(self, params: Tree, x: Tensor) -> Tensor:
         return self.task.predict(params, x)
 
+    def predictive_std(self, params: Tree, x: Tensor) -> Tensor | None:
+        """Predictive standard deviation of each prediction (clients, rows, targets), or None.
+
+        Only methods with a probabilistic model have one (e.g. fedprior's posterior).
+        """
+        return None
+
+    def export_state(self, server: Tree) -> dict | None:
+        """The trained server state as JSON-able data a user can reuse, or None.
+
+        E.g. fedprior's fleet prior, from which ``fedcal calibrate`` calibrates new units.
+        """
+        return None
+
     # ---- shared helpers -------------------------------------------------
     def weights(self, counts: Tensor) -> Tensor:
         """Aggregation weights: sample counts (FedAvg paper) or uniform (plain mean)."""

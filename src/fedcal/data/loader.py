@@ -403,8 +403,8 @@ def _check_args(features, target, client_column, split_column, test_fraction, se
     clash = [c for c in named if c in reserved]
     if clash:
         raise ValueError(f"column names {clash} are reserved for the split / source line")
-    if not 0.0 < float(test_fraction) < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+    if not 0.0 <= float(test_fraction) < 1.0:
+        raise ValueError(f"test_fraction must be in [0, 1), got {test_fraction}")
     if int(seed) < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     for name, v in mins.items():
@@ -514,7 +514,8 @@ def _seeded_split(ids: list[str], test_fraction: float, seed: int):
     for cid, idx in zip(uniques, groups, strict=True):
         m = len(idx)
         k = math.floor(m * test_fraction + 0.5)
-        k = min(max(k, 1), m - 1) if m >= 2 else 0
+        # test_fraction 0: every point calibrates (e.g. new units for `fedcal calibrate`)
+        k = min(max(k, 1), m - 1) if m >= 2 and test_fraction > 0 else 0
         rng = np.random.default_rng([int(seed), zlib.crc32(cid.encode("utf-8"))])
         split[idx[rng.choice(m, size=k, replace=False)]] = "test"
     return split

@@ -116,8 +116,29 @@ def errors(
     """The task's per-client metrics of ``params`` on ``data`` (target units)."""
     with torch.no_grad():
         pred = algorithm.predict(params, data.x)
+        std = algorithm.predictive_std(params, data.x)
     scale = torch.as_tensor(scaler.y_scale, dtype=pred.dtype)
-    return algorithm.task.metrics(pred, data.y, data.mask, scale)
+    out = algorithm.task.metrics(pred, data.y, data.mask, scale)
+    if std is not None:
+        out.update(interval_metrics(pred, std, data.y, data.mask, scale))
+    return out
+
+
+def interval_metrics(
+    pred: Tensor, std: Tensor, y: Tensor, mask: Tensor, y_scale: Tensor
+) -> dict[str, Tensor]:
+    """Per-client calibration of predictive intervals (clients,).
+
+    ``coverage95``: the fraction of rows whose error lies inside the nominal 95 %
+    interval ±1.96 σ; ``pred_sd``: the mean predictive σ in the target's unit.
+    """
+    m = mask.unsqueeze(-1).to(pred.dtype)
+    n = (m.sum((1, 2))).clamp_min(1.0)
+    inside = ((pred - y).abs() <= 1.959964 * std).to(pred.dtype)
+    return {
+        "coverage95": (inside * m).sum((1, 2)) / n,
+        "pred_sd": (std * y_scale * m).sum((1, 2)) / n,
+    }
 
 
 def _fingerprint(algorithm: Algorithm, fleet: FleetTensors, config: EngineConfig) -> str:

@@ -107,6 +107,53 @@ def legendre(x: Tensor, order: int) -> list[Tensor]:
     return [math.sqrt(2 * n + 1) * v for n, v in enumerate(values)]
 
 
+def legendre_exponents(
+    num_inputs: int, orders: Sequence[int] | None = None, degree: int | None = None
+) -> tuple[tuple[int, ...], ...]:
+    """The terms of a Legendre-product basis as exponent tuples, constant term first.
+
+    ``orders`` (one per input): the tensor product, every (a_1..a_F) with a_k ≤
+    orders[k]; ``degree``: the total-degree basis, every term with Σ a_k ≤ degree
+    (for many inputs, where the tensor product grows as Π(orders+1)).
+    Ordered by total degree, then lexicographically.
+    """
+    if (orders is None) == (degree is None):
+        raise ValueError("give either orders (one per input) or a total degree")
+    if orders is not None:
+        if len(orders) != num_inputs or any(o < 0 for o in orders):
+            raise ValueError(f"orders needs one order >= 0 per input ({num_inputs}), got {orders}")
+        terms = itertools.product(*(range(o + 1) for o in orders))
+    else:
+        if degree < 0:
+            raise ValueError(f"degree must be >= 0, got {degree}")
+        terms = (
+            t for t in itertools.product(range(degree + 1), repeat=num_inputs) if sum(t) <= degree
+        )
+    return tuple(sorted(terms, key=lambda t: (sum(t), tuple(-a for a in t))))
+
+
+def legendre_products(x: Tensor, exponents: Sequence[Sequence[int]]) -> Tensor:
+    """φ_k(x) = Π_j P̃_{a_kj}(x_j) for each exponent tuple: (..., rows, F) → (..., rows, terms).
+
+    Float64: these columns feed least-squares solves whose Gram matrices square
+    their condition number.
+    """
+    x = x.to(torch.float64)
+    num_inputs = x.shape[-1]
+    if not exponents:
+        return x.new_zeros(*x.shape[:-1], 0)
+    tops = [max(t[j] for t in exponents) for j in range(num_inputs)]
+    values = [legendre(x[..., j], tops[j]) for j in range(num_inputs)]
+    cols = []
+    for term in exponents:
+        col = torch.ones_like(x[..., 0])
+        for j, a in enumerate(term):
+            if a:
+                col = col * values[j][a]
+        cols.append(col)
+    return torch.stack(cols, dim=-1)
+
+
 @dataclass(frozen=True)
 class Basis:
     """Fixed Legendre-product terms ‖ learned MLP features → linear head.

@@ -1,0 +1,230 @@
+"""A hierarchical linear model, batched over a cohort: the algebra of a fleet prior.
+
+Sensor i has a design Φ_i (n_i × p) of a basis φ(x), targets y_i, and
+
+    y_i = Φ_i c_i + ε_i,   ε_i ~ N(0, σ_i² I),   c_i ~ N(μ, Σ)      (the fleet prior).
+
+Everything a client needs is its *moments* G_i = Φ_iᵀΦ_i, b_i = Φ_iᵀy_i,
+yy_i = y_iᵀy_i and n_i (:func:`moments`). Given (μ, Σ, σ_i²) the posterior of
+c_i is Gaussian (:func:`posterior`):
+
+    V_i = (G_i/σ_i² + Σ⁻¹)⁻¹,   m_i = V_i (b_i/σ_i² + Σ⁻¹ μ),
+
+computed in the prior's whitened coordinates c = μ + L z (Σ = L Lᵀ), where
+the system matrix A_i = I + Lᵀ G_i L / σ_i² has every eigenvalue ≥ 1: the same
+code is stable for a vague prior (Σ → ∞: m_i → the sensor's own least squares)
+and a tight one (Σ → 0: m_i → μ), and never inverts Σ.
+
+The M-step (:func:`m_step`) turns sums over clients into (μ, Σ): only sums
+enter it, so secure aggregation could hide each client's terms. μ is the
+generalized-least-squares mean Σ_i Φ_iᵀC_i⁻¹Φ_i μ = Σ_i Φ_iᵀC_i⁻¹y_i with
+C_i = σ_i² I + Φ_i Σ Φ_iᵀ — the exact maximizer of the marginal likelihood in μ
+for the current Σ (an ECME step; it converges faster than EM's plain mean of
+m_i and makes Σ → 0 give the pooled least-squares fit exactly); Σ is EM's
+update (1/N) Σ_i E[(c_i − μ)(c_i − μ)ᵀ], then regularized (:func:`regularize`).
+
+Float64 throughout: Gram matrices of polynomial bases square their condition
+numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+F64 = torch.float64
+
+
+class Moments(NamedTuple):
+    """A cohort's sufficient statistics: G (c, p, p), b (c, p), yy (c,), n (c,)."""
+
+    gram: Tensor
+    rhs: Tensor
+    yy: Tensor
+    n: Tensor
+
+
+def moments(design: Tensor, y: Tensor, mask: Tensor) -> Moments:
+    """Sufficient statistics of ``design`` (c, rows, p), ``y`` (c, rows), ``mask`` (c, rows).
+
+    Padding rows (mask 0) contribute nothing.
+    """
+    w = mask.to(F64)
+    phi = design.to(F64) * w.unsqueeze(-1)
+    y = y.to(F64) * w
+    return Moments(
+        phi.transpose(1, 2) @ phi, (phi * y.unsqueeze(-1)).sum(1), (y * y).sum(1), w.sum(1)
+    )
+
+
+class Posterior(NamedTuple):
+    """Posterior N(mean, cov) of each client's coefficients, and what the M-step sums need.
+
+    ``mean`` (c, p), ``cov`` (c, p, p); ``gls_gram`` Φᵀ C⁻¹ Φ (c, p, p) and
+    ``gls_rhs`` Φᵀ C⁻¹ (y − Φμ) (c, p) for the mean's GLS update; ``rss`` the
+    expected residual sum of squares E‖y − Φc‖² (c,); ``loglik`` the marginal
+    log-likelihood log p(y_i) (c,).
+    """
+
+    mean: Tensor
+    cov: Tensor
+    gls_gram: Tensor
+    gls_rhs: Tensor
+    rss: Tensor
+    loglik: Tensor
+
+
+def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Posterior:
+    """The E-step: each client's posterior under the prior N(mu, sigma) and noise σ_i².
+
+    ``mu`` (p,) or (c, p), ``sigma`` (p, p) or (c, p, p), positive definite;
+    ``noise_var`` (c,). In whitened coordinates z = L⁻¹(c − μ):
+
+        A = I + Lᵀ G L / σ²,  g = Lᵀ (b − G μ) / σ²,  z̄ = A⁻¹ g,
+        m = μ + L z̄,          V = L A⁻¹ Lᵀ,
+        −2 log p(y) = n log 2πσ² + log|A| + (‖y − Φμ‖² / σ² − gᵀ A⁻¹ g)   (Woodbury).
+    """
+    gram, rhs, yy, n = m
+    c, p = rhs.shape
+    mu = mu.to(F64).expand(c, p)
+    sigma = sigma.to(F64).expand(c, p, p)
+    s2 = noise_var.to(F64).reshape(c, 1, 1)
+    chol = torch.linalg.cholesky(sigma)  # L
+    eye = torch.eye(p, dtype=F64)
+    lg = chol.transpose(1, 2) @ gram @ chol / s2
+    a = eye + 0.5 * (lg + lg.transpose(1, 2))  # symmetric by construction, not by rounding
+    a_chol = torch.linalg.cholesky(a)
+    resid_rhs = rhs - (gram @ mu.unsqueeze(-1))[..., 0]  # Φᵀ(y − Φμ)
+    g = (chol.transpose(1, 2) @ resid_rhs.unsqueeze(-1)) / s2
+    z = torch.cholesky_solve(g, a_chol)
+    mean = mu + (chol @ z)[..., 0]
+    a_inv = torch.cholesky_inverse(a_chol)
+    cov = chol @ a_inv @ chol.transpose(1, 2)
+    cov = 0.5 * (cov + cov.transpose(1, 2))
+    # Φᵀ C⁻¹ Φ = (G − G L A⁻¹ Lᵀ G / σ²) / σ², and likewise for the residual.
+    gl = gram @ chol
+    gls_gram = (gram - gl @ a_inv @ gl.transpose(1, 2) / s2) / s2
+    gls_gram = 0.5 * (gls_gram + gls_gram.transpose(1, 2))
+    gls_rhs = (resid_rhs.unsqueeze(-1) - gl @ z) / s2
+    # E‖y − Φc‖² = ‖y − Φm‖² + tr(G V)
+    mean_col = mean.unsqueeze(-1)
+    rss = (
+        yy
+        - 2 * (rhs * mean).sum(-1)
+        + (mean_col.transpose(1, 2) @ gram @ mean_col)[..., 0, 0]
+        + (gram * cov).sum((-2, -1))
+    )
+    rss = rss.clamp_min(0.0)
+    quad = yy - 2 * (rhs * mu).sum(-1) + (mu.unsqueeze(1) @ gram @ mu.unsqueeze(-1))[..., 0, 0]
+    logdet_a = 2 * torch.diagonal(a_chol, dim1=-2, dim2=-1).log().sum(-1)
+    s2f = s2[..., 0, 0]
+    loglik = -0.5 * (
+        n * torch.log(2 * math.pi * s2f) + logdet_a + quad / s2f - (g * z).sum((-2, -1))
+    )
+    return Posterior(mean, cov, gls_gram, gls_rhs[..., 0], rss, loglik)
+
+
+def data_support(gram: Tensor, noise_var: Tensor, scale: float) -> Tensor:
+    """How far each client's data alone pin its coefficients down: I − (I + s² G/σ²)⁻¹.
+
+    The shrinkage matrix of a vague N(0, s² I) prior (c, p, p): an eigenvalue
+    near 1 is a direction the data determine to much better than ``scale``, near
+    0 one they do not see. Summed over clients, its eigenvalues count the units
+    that inform each direction — a property of where units were calibrated,
+    not of the learned prior (a tight prior is not an unobserved one).
+    """
+    p = gram.shape[-1]
+    eye = torch.eye(p, dtype=F64)
+    a = eye + scale**2 * gram.to(F64) / noise_var.to(F64).reshape(-1, 1, 1)
+    return eye - torch.linalg.inv(0.5 * (a + a.transpose(1, 2)))
+
+
+def predictive_var(design: Tensor, cov: Tensor, noise_var: Tensor) -> Tensor:
+    """Predictive variance φ(x)ᵀ V φ(x) + σ² of each row: ``design`` (c, rows, p) → (c, rows)."""
+    design = design.to(F64)
+    return ((design @ cov.to(F64)) * design).sum(-1) + noise_var.to(F64).unsqueeze(-1)
+
+
+def regularize(
+    cov: Tensor, shrinkage: float, floor: float, rank: int | None = None, fa_iters: int = 50
+) -> Tensor:
+    """Make an estimated prior covariance safe to use: shrink, optionally factor, floor.
+
+    1. shrink toward its own diagonal, (1 − λ) Σ̂ + λ diag(Σ̂) (a MAP update under
+       an inverse-Wishart hyperprior centred on the diagonal; Ledoit–Wolf's
+       target), for fleets with fewer units than coefficients;
+    2. ``rank`` k: Σ ≈ W Wᵀ + D, k factors plus a diagonal, fitted to the
+       shrunk Σ̂ by iterated principal factors (factor analysis): D is refit to
+       what W Wᵀ leaves on the diagonal, W from the top-k eigenpairs of
+       Σ̂ − D. Fewer parameters when units of a design vary along few directions;
+    3. every eigenvalue floored at ``floor`` (an absolute variance): the prior
+       stays positive definite and a direction on which all units agree cannot
+       collapse to a zero variance that no later data could move. Absolute, not
+       relative to the spectrum: a direction no unit saw keeps its large starting
+       variance, and a relative floor would lift every learned direction with it.
+    """
+    p = cov.shape[-1]
+    cov = 0.5 * (cov + cov.transpose(-2, -1))
+    diag = torch.diag_embed(torch.diagonal(cov, dim1=-2, dim2=-1))
+    cov = (1 - shrinkage) * cov + shrinkage * diag
+    if rank is not None and rank < p:
+        d = torch.diagonal(cov, dim1=-2, dim2=-1).clamp_min(0) * 0.5
+        for _ in range(fa_iters):
+            vals, vecs = torch.linalg.eigh(cov - torch.diag_embed(d))
+            top_vals = vals[..., -rank:].clamp_min(0)
+            w = vecs[..., -rank:] * top_vals.sqrt().unsqueeze(-2)
+            d = (torch.diagonal(cov, dim1=-2, dim2=-1) - (w * w).sum(-1)).clamp_min(0)
+        cov = w @ w.transpose(-2, -1) + torch.diag_embed(d)
+    vals, vecs = torch.linalg.eigh(cov)
+    vals = vals.clamp_min(floor)
+    out = vecs @ torch.diag_embed(vals) @ vecs.transpose(-2, -1)
+    return 0.5 * (out + out.transpose(-2, -1))
+
+
+def m_step(
+    sum_gls_gram: Tensor,
+    sum_gls_rhs: Tensor,
+    sum_mean: Tensor,
+    sum_second: Tensor,
+    num_clients: Tensor,
+    mu: Tensor,
+    mean_scale: float = math.inf,
+    rcond: float = 1e-10,
+) -> tuple[Tensor, Tensor]:
+    """The server's update from client sums: (μ_new, Σ̂) before :func:`regularize`.
+
+    μ_new maximizes the marginal likelihood for the current Σ (GLS), under a
+    N(0, s² I) hyperprior on μ with s = ``mean_scale`` (∞: none):
+
+        (Σ_i Φ_iᵀC_i⁻¹Φ_i + I/s²) μ_new = Σ_i Φ_iᵀC_i⁻¹y_i
+                                    = Σ_i Φ_iᵀC_i⁻¹(y_i − Φ_iμ) + (Σ_i Φ_iᵀC_i⁻¹Φ_i) μ;
+
+    Σ̂ = (1/N) Σ_i E[(c_i − μ_new)(c_i − μ_new)ᵀ]
+       = (1/N) Σ_i S_i − μ_new m̄ᵀ − m̄ μ_newᵀ + μ_new μ_newᵀ,  S_i = m_i m_iᵀ + V_i.
+
+    Why the hyperprior: along a direction the units' points barely inform, the
+    GLS precision is tiny and the plain solution is noise divided by it; the
+    hyperprior keeps μ there near 0 (s ≫ any plausible coefficient: the target
+    and the basis are scaled to O(1)). Without one (s = ∞) the solve is a
+    pseudo-inverse: eigenvalues below ``rcond`` times the largest are dropped, so
+    μ stays where it was along unseen directions.
+    """
+    p = mu.shape[-1]
+    gram = 0.5 * (sum_gls_gram + sum_gls_gram.T)
+    target = sum_gls_rhs + gram @ mu
+    if math.isfinite(mean_scale):
+        gram = gram + torch.eye(p, dtype=F64) / mean_scale**2
+    vals, vecs = torch.linalg.eigh(gram)
+    keep = vals > rcond * vals.max().clamp_min(torch.finfo(F64).tiny)
+    inv = torch.where(keep, 1.0 / torch.where(keep, vals, 1.0), torch.zeros_like(vals))
+    # Along dropped directions (no hyperprior only) μ keeps its old value.
+    kept = vecs @ (inv * (vecs.T @ target))
+    dropped = vecs @ (torch.where(keep, 0.0, 1.0) * (vecs.T @ mu))
+    mu_new = kept + dropped
+    mean_bar = sum_mean / num_clients
+    outer = torch.outer(mu_new, mean_bar)
+    sigma = sum_second / num_clients - outer - outer.T + torch.outer(mu_new, mu_new)
+    return mu_new, 0.5 * (sigma + sigma.T)
