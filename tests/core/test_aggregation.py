@@ -222,3 +222,31 @@ def test_a_sum_servers_replies_are_contributions_even_when_named_like_the_broadc
     policy = AggregationPolicy(screen_factor=0.0, clip_factor=3.0)
     new, _, _ = aggregate(SumAlg(task=None), server, server, stats, ONES4, policy, 0)
     assert new["stat"].tolist() == [2.0, 4.0]  # norms 1, 1, 1, 5 → the last clipped to (0, 3)
+
+
+def test_sum_statistics_are_sized_leaf_by_leaf():
+    # A Gram-like leaf 1e9 times larger than the label-dependent leaf: joint norms would
+    # hide a ×1000 poisoned right-hand side; per-leaf ratios to the median expose it.
+    gram = torch.full((4, 2), 1e9, dtype=F64)
+    rhs = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1000.0, 0.0]], dtype=F64)
+    server = {"gram": torch.zeros(2, dtype=F64), "rhs": torch.zeros(2, dtype=F64)}
+
+    @dataclass(frozen=True)
+    class Stats(SumAlg):
+        def server_update(self, server, replies, weights):
+            return {k: v.sum(0) for k, v in replies.items()}
+
+    replies = {"gram": gram, "rhs": rhs}
+    screen = AggregationPolicy(screen_factor=10.0, clip_factor=0.0)
+    new, accepted, _ = aggregate(Stats(task=None), server, server, replies, ONES4, screen, 0)
+    assert accepted.tolist() == [True, True, True, False]
+    assert new["rhs"].tolist() == [2.0, 2.0] and new["gram"].tolist() == [3e9, 3e9]
+    # Clipping: one factor per client on every leaf (rhs sizes 1, 1, √2, 1000; torch.median
+    # takes the lower middle, 1).
+    clip = AggregationPolicy(screen_factor=0.0, clip_factor=3.0)
+    new, accepted, m = aggregate(Stats(task=None), server, server, replies, ONES4, clip, 0)
+    median = float(torch.tensor([1.0, 1.0, 2**0.5, 1000.0], dtype=F64).median())
+    factor = 3.0 * median / 1000.0
+    assert accepted.all() and m["clipped"] == 1.0
+    assert torch.allclose(new["gram"], torch.tensor([(3 + factor) * 1e9] * 2, dtype=F64))
+    assert torch.allclose(new["rhs"], torch.tensor([2 + 1000 * factor, 2.0], dtype=F64))

@@ -8,10 +8,13 @@ alike. A round's replies (stacked ``(clients, ...)``) go through, in order:
    norm exceeds ``screen_factor`` × the median norm of the finite replies: a
    robust, scale-free test (Byzantine-robust FL commonly measures updates
    against the cohort median, e.g. Blanchard et al. 2017; Yin et al. 2018).
+   For summed statistics the size is the largest per-leaf ratio to the median
+   (:func:`relative_sizes`): leaves in different units cannot hide each other.
 2. **Update clipping** (adaptive): each update is scaled to at most
    ``clip_factor`` × the median update norm of the accepted clients
    (centred clipping as in Karimireddy et al. 2021, with the median as the
-   reference scale). With DP the bound is the fixed ``dp_clip`` instead.
+   reference scale; one factor per client, so summed statistics stay
+   consistent). With DP the bound is the fixed ``dp_clip`` instead.
 3. **The rule**: the algorithm's own weighted mean/sum (``mean``), the
    coordinate-wise median or trimmed mean (Yin et al. 2018), or Multi-Krum
    selection (Blanchard et al. 2017, eq. of the score s(i)).
@@ -173,6 +176,28 @@ def finite_rows(tree: Tree) -> Tensor:
     return ok
 
 
+def relative_sizes(updates: dict[str, Tensor], accepted: Tensor, kind: str) -> Tensor:
+    """Each client's update size relative to the accepted cohort's median, (clients,).
+
+    A model update is one vector: ‖Δ_i‖ / median_j ‖Δ_j‖. A ``"sum"`` reply is a set
+    of statistics in different units (a Gram matrix may be 10⁹ times its right-hand
+    side, and a poisoned label moves only the latter): the size is the largest
+    per-leaf ratio, max_l ‖Δ_il‖ / median_j ‖Δ_jl‖, so no leaf hides behind another.
+    """
+    n = int(accepted.shape[0])
+    if kind != "sum":
+        norms = update_norms(updates, n)
+        median = norms[accepted].median()
+        return norms / median if median > 0 else torch.zeros_like(norms)
+    ratio = torch.zeros(n, dtype=torch.float64)
+    for u in updates.values():
+        norms = u.reshape(n, -1).to(torch.float64).norm(dim=1)
+        median = norms[accepted].median()
+        if median > 0:
+            ratio = torch.maximum(ratio, norms / median)
+    return ratio
+
+
 def krum_scores(flat: Tensor, byzantine: int) -> Tensor:
     """Krum's s(i) = Σ of squared distances to the n − f − 2 nearest other updates."""
     n = flat.shape[0]
@@ -234,8 +259,8 @@ def aggregate(
     norms = update_norms(updates, n)
     metrics: dict[str, float] = {"rejected_nonfinite": float(nonfinite)}
     median = norms[accepted].median() if accepted.any() else torch.tensor(float("nan"))
-    if policy.screen_factor > 0 and not policy.dp and accepted.any() and median > 0:
-        outlier = accepted & (norms > policy.screen_factor * median)
+    if policy.screen_factor > 0 and not policy.dp and accepted.any() and updates:
+        outlier = accepted & (relative_sizes(updates, accepted, kind) > policy.screen_factor)
         accepted = accepted & ~outlier
         metrics["rejected_norm"] = float(outlier.sum())
     else:
@@ -256,29 +281,33 @@ def aggregate(
     # Clipping: a per-client factor min(1, bound / ‖Δ_i‖) on every update leaf; rows that
     # are not clipped keep their reply bit for bit.
     processed = flatten(replies)
+    clip = None
     if policy.dp:
         bound = torch.tensor(policy.dp_clip, dtype=torch.float64)
-    elif policy.clip_factor > 0 and kind != "custom":
-        bound = policy.clip_factor * norms[accepted].median()
-    else:
-        bound = None
-    if bound is not None:
         clip = accepted & (norms > bound)
         factor = torch.where(clip, bound / norms.clamp_min(1e-300), torch.ones_like(norms))
+        metrics["clip_bound"] = float(bound)
+    elif policy.clip_factor > 0 and kind != "custom":
+        size = relative_sizes(updates, accepted, kind)
+        clip = accepted & (size > policy.clip_factor)
+        factor = torch.where(clip, policy.clip_factor / size, torch.ones_like(size))
+        if kind != "sum":
+            metrics["clip_bound"] = float(policy.clip_factor * norms[accepted].median())
+    if clip is not None:
         for key, u in updates.items():
             shape = (n, *([1] * (u.dim() - 1)))
             updates[key] = u * factor.to(u.dtype).reshape(shape)
             processed[key] = torch.where(
                 clip.reshape(shape), (updates[key] + refs[key]).to(u.dtype), processed[key]
             )
-        metrics["clip_bound"] = float(bound)
         metrics["clipped"] = float(clip.sum())
 
     if policy.rule == "krum":
         idx = accepted.nonzero()[:, 0]
-        flat = torch.cat(
-            [updates[k].index_select(0, idx).reshape(len(idx), -1).double() for k in updates], 1
-        )
+        parts = [updates[k].index_select(0, idx).reshape(len(idx), -1).double() for k in updates]
+        if kind == "sum":  # statistics in different units: each leaf by its median norm
+            parts = [p / p.norm(dim=1).median().clamp_min(1e-300) for p in parts]
+        flat = torch.cat(parts, 1)
         scores = krum_scores(flat, policy.krum_byzantine)
         m = policy.krum_select or max(1, len(idx) - policy.krum_byzantine)
         keep = idx[scores.argsort(stable=True)[: min(m, len(idx))]]
