@@ -26,7 +26,14 @@ import torch
 
 from fedcal.config import default_config
 from fedcal.engine.simulation import EngineConfig, prepare, simulate
-from fedcal.experiment import build_algorithm, build_policy, build_task, client_inputs, load_data
+from fedcal.experiment import (
+    build_algorithm,
+    build_policy,
+    build_task,
+    client_inputs,
+    load_data,
+    one_line,
+)
 
 
 def main() -> None:
@@ -57,18 +64,29 @@ def main() -> None:
             privacy = replace(cfg.privacy, epsilon=eps, clip=args.clip, delta=args.delta)
             policy, spent = build_policy(replace(cfg, privacy=privacy))
             algorithm = build_algorithm(method, cfg, task)
-            means, worsts, diverged, norms = [], [], 0, []
+            means, worsts, diverged, norms, failed = [], [], 0, [], []
             for seed in range(args.seeds):
                 engine = EngineConfig(
                     rounds=args.rounds, eval_every=args.rounds, seed=seed, aggregation=policy
                 )
-                result = simulate(algorithm, tensors, engine)
+                try:
+                    result = simulate(algorithm, tensors, engine)
+                except Exception as err:  # reported as a failure, never as a number
+                    failed.append(one_line(err, 150))
+                    continue
                 final = pd.DataFrame(result.final)
                 means.append(final["test_rmse"].mean(skipna=False))
                 worsts.append(final["test_rmse"].max(skipna=False))
                 diverged += int((final["status"] == "diverged").sum())
                 log = result.extra["aggregation"]
                 norms.append((log[0]["median_update_norm"], log[-1]["median_update_norm"]))
+            if failed:
+                print(
+                    f"| {method} | {label} | | | failed in {len(failed)}/{args.seeds} seeds: "
+                    f"{failed[0]} | | |",
+                    flush=True,
+                )
+                continue
             m, w = pd.Series(means), pd.Series(worsts)
             sigma = f"{spent['noise_multiplier']:.3g}" if spent else "—"
             eps_spent = f"{spent['epsilon']:.3f}" if spent else "∞"

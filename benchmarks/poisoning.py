@@ -32,7 +32,14 @@ import torch
 from fedcal.config import default_config
 from fedcal.core.aggregation import PLAIN
 from fedcal.engine.simulation import EngineConfig, prepare, simulate
-from fedcal.experiment import build_algorithm, build_policy, build_task, client_inputs, load_data
+from fedcal.experiment import (
+    build_algorithm,
+    build_policy,
+    build_task,
+    client_inputs,
+    load_data,
+    one_line,
+)
 
 POISONS = {
     "clean": None,
@@ -89,6 +96,7 @@ def main() -> None:
         f"{cfg.train.grad_clip}, {args.rounds} rounds, {args.seeds} seeds; sensor {VICTIM} poisoned"
     )
     records = []
+    failures: set[str] = set()
     t0 = time.perf_counter()
     for pname in args.poisons.split(","):
         tensors = prepare(poison(base_fleet, pname), cfg.data.scaling, cfg.engine.dtype)
@@ -102,26 +110,31 @@ def main() -> None:
                     engine = EngineConfig(
                         rounds=args.rounds, eval_every=args.rounds, seed=seed, aggregation=policy
                     )
-                    result = simulate(algorithm, tensors, engine)
+                    record = {"poison": pname, "method": method, "rule": rule, "seed": seed}
+                    try:
+                        result = simulate(algorithm, tensors, engine)
+                    except Exception as err:  # reported as a failure, never as a number
+                        failures.add(f"{method} {rule} {pname}: {one_line(err, 120)}")
+                        records.append({**record, "others_rmse": np.nan, "failed": 1})
+                        continue
                     final = pd.DataFrame(result.final)
                     others = final[final["client_index"] != VICTIM]
                     records.append(
                         {
-                            "poison": pname,
-                            "method": method,
-                            "rule": rule,
-                            "seed": seed,
+                            **record,
                             # NaN-propagating: a diverged sensor shows as NaN, not dropped.
                             "others_rmse": float(others["test_rmse"].mean(skipna=False)),
                             "diverged": int((final["status"] == "diverged").sum()),
                             "rejected": int(final["rejected_rounds"].sum()),
+                            "failed": 0,
                         }
                     )
         print(f"  {pname} done at {time.perf_counter() - t0:.0f} s", flush=True)
     frame = pd.DataFrame(records)
     clean = frame[frame["poison"] == "clean"].set_index(["method", "rule", "seed"])["others_rmse"]
     frame["ratio"] = [
-        r.others_rmse / clean[(r.method, r.rule, r.seed)] for r in frame.itertuples(index=False)
+        r.others_rmse / clean.get((r.method, r.rule, r.seed), np.nan)
+        for r in frame.itertuples(index=False)
     ]
     for method in args.methods.split(","):
         part = frame[frame["method"] == method]
@@ -137,7 +150,10 @@ def main() -> None:
                     cells.append("")
                     continue
                 ratio = cell["ratio"].mean(skipna=False)
-                div = int(cell["diverged"].sum())
+                div = int(cell["diverged"].fillna(0).sum())
+                if cell["failed"].sum():
+                    cells.append(f"failed ({int(cell['failed'].sum())}/{len(cell)})")
+                    continue
                 text = "diverged" if not np.isfinite(ratio) else f"{ratio:.2f}"
                 if pname != "clean":
                     text += f" ({int(cell['rejected'].sum())} rej)"
@@ -149,6 +165,8 @@ def main() -> None:
             c = part[(part["poison"] == "clean") & (part["rule"] == rule)]["others_rmse"]
             cost.append(f"{c.mean():.3g} hPa ({c.mean() / base.mean():.2f}×)")
         print("| clean RMSE (vs plain) | " + " | ".join(cost) + " |")
+    for line in sorted(failures):
+        print("failed:", line)
     print(f"\nwall {time.perf_counter() - t0:.0f} s")
 
 
