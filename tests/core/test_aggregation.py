@@ -250,3 +250,11 @@ def test_sum_statistics_are_sized_leaf_by_leaf():
     assert accepted.all() and m["clipped"] == 1.0
     assert torch.allclose(new["gram"], torch.tensor([(3 + factor) * 1e9] * 2, dtype=F64))
     assert torch.allclose(new["rhs"], torch.tensor([2 + 1000 * factor, 2.0], dtype=F64))
+
+
+def test_an_algorithm_may_refuse_rules_that_break_its_statistics():
+    from fedcal.algorithms.fedprior import FedPrior
+
+    assert FedPrior.robust_rules == ("mean", "krum")
+    with pytest.raises(AggregationError, match="fedprior: rule 'median' is refused"):
+        check_policy(FedPrior.__new__(FedPrior), AggregationPolicy(rule="median"))

@@ -120,9 +120,15 @@ PLAIN = AggregationPolicy(screen_factor=0.0, clip_factor=0.0)
 def check_policy(algorithm, policy: AggregationPolicy) -> None:
     """Refuse a policy the algorithm's ``server_update`` cannot honour (one-line reason)."""
     kind = getattr(algorithm, "reply_aggregation", "mean")
+    name = getattr(algorithm, "name", type(algorithm).__name__)
+    allowed = getattr(algorithm, "robust_rules", ("mean", "median", "trimmed_mean", "krum"))
+    if policy.rule not in allowed:
+        raise AggregationError(
+            f"{name}: rule {policy.rule!r} is refused for this method (it accepts "
+            f"{', '.join(allowed)}; see its reply_aggregation note)"
+        )
     if kind != "custom":
         return
-    name = getattr(algorithm, "name", type(algorithm).__name__)
     if policy.rule in ("median", "trimmed_mean"):
         raise AggregationError(
             f"{name}: rule {policy.rule!r} needs a server update that is a mean or sum of "

@@ -64,6 +64,8 @@ class Algorithm(ABC):
     # weighted mean, maybe followed by server steps on it), "sum" (sufficient statistics)
     # or "custom" (only screening and Krum selection may touch the replies).
     reply_aggregation: ClassVar[str] = "mean"
+    # Server rules this algorithm accepts (see fedcal.core.aggregation.check_policy).
+    robust_rules: ClassVar[tuple[str, ...]] = ("mean", "median", "trimmed_mean", "krum")
 
     # ---- the contract -------------------------------------------------
     def server_init(self, params: Tree) -> Tree:
