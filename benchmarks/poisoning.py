@@ -155,8 +155,7 @@ def main() -> None:
                     cells.append(f"failed ({int(cell['failed'].sum())}/{len(cell)})")
                     continue
                 text = "diverged" if not np.isfinite(ratio) else f"{ratio:.2f}"
-                if pname != "clean":
-                    text += f" ({int(cell['rejected'].sum())} rej)"
+                text += f" ({int(cell['rejected'].sum())} rej)"
                 cells.append(text + (f" [{div} div]" if div else ""))
             print(f"| {pname} | " + " | ".join(cells) + " |")
         base = part[(part["poison"] == "clean") & (part["rule"] == "plain")]["others_rmse"]

@@ -246,9 +246,11 @@ def aggregate(
     ``weights`` are the clients' training-row counts; ``weight_cap`` (e.g. the
     counts declared at the handshake) caps them. ``eligible`` (clients,) marks
     clients the engine already rejects (e.g. a non-finite new private state).
-    Returns ``(new_server, accepted, metrics)``: ``accepted`` (clients,) bool —
-    the engine keeps the previous private state of the others — and round
-    metrics (counts of rejections, the median norm, the clip bound, σ).
+    Returns ``(new_server, accepted, metrics)``: ``accepted`` (clients,) bool, the
+    clients that passed screening — the engine keeps the previous private state
+    of the others (Multi-Krum's unselected clients are accepted but left out of
+    the aggregate) — and round metrics (rejections, the median norm, the clip
+    bound, σ).
     """
     check_policy(algorithm, policy)
     kind = getattr(algorithm, "reply_aggregation", "mean")
@@ -308,6 +310,7 @@ def aggregate(
             )
         metrics["clipped"] = float(clip.sum())
 
+    used = accepted
     if policy.rule == "krum":
         idx = accepted.nonzero()[:, 0]
         parts = [updates[k].index_select(0, idx).reshape(len(idx), -1).double() for k in updates]
@@ -320,9 +323,11 @@ def aggregate(
         selected = torch.zeros(n, dtype=torch.bool)
         selected[keep] = True
         metrics["krum_dropped"] = float((accepted & ~selected).sum())
-        accepted = selected
+        # Not selected is not rejected: the client keeps its private progress (an honest
+        # but atypical sensor would otherwise be frozen round after round).
+        used = selected
 
-    idx = accepted.nonzero()[:, 0]
+    idx = used.nonzero()[:, 0]
     k = len(idx)
     if policy.rule in ("median", "trimmed_mean") or policy.dp:
         chosen = {key: u.index_select(0, idx) for key, u in updates.items()}
