@@ -10,15 +10,18 @@ Stable interface (scripts call it)::
     fedcal methods [--config FILE]
     fedcal export RUN_DIR --method fedgmi [--seed 0] [--format c|json|onnx] --out FILE|DIR
     fedcal report RUN_DIR [--markdown] [--html FILE]
+    fedcal calibrate --prior RUN_DIR --data new_units.csv --out DIR
 
-run and compare also take --quiet (no progress bar, no table) and --html FILE
-(write the HTML report when done). The progress bar shows only on a terminal.
+run and compare also take --quiet (no progress bar, no table), --html FILE
+(write the HTML report when done) and --aggregation RULE. The progress bar
+shows only on a terminal.
 
-Exit codes: 0 done (a method that diverged is reported as "diverged" in the
-table, and still exits 0); 2 refused input — a bad option, configuration, data
-file, method name or run directory, reported on one line before anything is
-trained or written; 130 interrupted (Ctrl-C; the same command resumes from the
-last checkpoint); 1 anything else (an unexpected error).
+Exit codes: 0 done, every method ran and no sensor diverged; 1 the table was
+printed but a method failed or a sensor diverged (each named above the exit);
+2 refused input — a bad option, configuration, data file, method name or run
+directory, reported on one line before anything is trained or written; 3 an
+internal error (one line; --debug shows the trace); 130 interrupted (Ctrl-C;
+the same command resumes from the last checkpoint).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ class _App(typer.Typer):
 
     Expected problems (bad data, bad config) are reported by the commands
     themselves (``error: …``, exit 2). Anything else is an internal error:
-    one line on stderr and exit 1, unless ``--debug`` (anywhere on the line)
+    one line on stderr and exit 3, unless ``--debug`` (anywhere on the line)
     or ``FEDCAL_DEBUG=1`` asks for the full trace. Tracebacks never show local
     variables (they may hold data or paths a user should not paste).
     """
@@ -75,7 +78,7 @@ class _App(typer.Typer):
                 f"fedcal: internal error: {type(err).__name__}{detail} "
                 f"(run with {DEBUG_FLAG} for the full trace)\n"
             )
-            sys.exit(1)
+            sys.exit(3)
 
 
 app = _App(
@@ -147,6 +150,10 @@ def _resolve(
             raise ConfigError("--rounds must be at least 1")
         cfg = replace(cfg, engine=replace(cfg.engine, rounds=rounds))
     return cfg
+
+
+def _with_aggregation(cfg: RunConfig, rule: str | None) -> RunConfig:
+    return cfg if rule is None else replace(cfg, aggregation=replace(cfg.aggregation, rule=rule))
 
 
 def _default_out(kind: str, cfg: RunConfig, extra: object) -> Path:
@@ -251,6 +258,12 @@ def _experiment(
         def on_note(method: str, note: str) -> None:  # what a user must know: even with --quiet
             err_console.print(f"note ({method}): {escape(note)}")
 
+        failures: list[str] = []
+
+        def on_fail(label: str, reason: str) -> None:
+            failures.append(f"{label}: {reason}")
+            err_console.print(f"[bold red]failed[/] {escape(label)}: {escape(reason)}")
+
         try:
             summary = run_experiment(
                 cfg,
@@ -260,6 +273,7 @@ def _experiment(
                 train_points,
                 on_progress,
                 on_skip=on_skip,
+                on_fail=on_fail,
                 on_note=on_note,
             )
         except ConfigError as err:
@@ -273,6 +287,17 @@ def _experiment(
         )
     if html is not None:
         _write_html(out, html, quiet)
+    has = "diverged" in summary.columns
+    diverged = summary[summary["diverged"].fillna(0) > 0] if has else summary.iloc[0:0]
+    for _, row in diverged.iterrows():
+        err_console.print(
+            f"[bold red]diverged[/] {row['method']} seed={row['seed']}: "
+            f"{int(row['diverged'])} sensor(s) (status in per_sensor.csv)"
+        )
+    for line in failures:
+        err_console.print(f"[bold red]failed[/] {escape(line)}")
+    if failures or len(diverged):
+        raise typer.Exit(code=1)
 
 
 def _write_html(run_dir: Path, html: Path, quiet: bool) -> None:
@@ -306,6 +331,10 @@ TargetOpt = Annotated[str | None, typer.Option("--target", help="target column")
 MethodsOpt = Annotated[str | None, typer.Option("--methods", help="comma separated, or 'all'")]
 SeedsOpt = Annotated[int | None, typer.Option("--seeds", help="number of training seeds")]
 RoundsOpt = Annotated[int | None, typer.Option("--rounds", help="federated rounds")]
+AggregationOpt = Annotated[
+    str | None,
+    typer.Option("--aggregation", help="server rule: mean, median, trimmed_mean or krum"),
+]
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", help="TOML file overriding the defaults")
 ]
@@ -327,6 +356,7 @@ def run(
     rounds: RoundsOpt = None,
     config: ConfigOpt = None,
     out: OutOpt = None,
+    aggregation: AggregationOpt = None,
     train_points: Annotated[
         int, typer.Option("--train-points", help="calibration points per sensor (0 = all)")
     ] = 0,
@@ -335,7 +365,9 @@ def run(
 ) -> None:
     """Train a personalized calibration model per sensor and print the error summary."""
     try:
-        cfg = _resolve(config, data, features, target, methods, seeds, rounds)
+        cfg = _with_aggregation(
+            _resolve(config, data, features, target, methods, seeds, rounds), aggregation
+        )
     except ConfigError as err:
         _fail(str(err))
     points = (train_points or cfg.data.train_points,)
@@ -352,6 +384,7 @@ def compare(
     rounds: RoundsOpt = None,
     config: ConfigOpt = None,
     out: OutOpt = None,
+    aggregation: AggregationOpt = None,
     train_points: Annotated[
         str | None, typer.Option("--train-points", help="sweep, e.g. 12,24,48,96,384")
     ] = None,

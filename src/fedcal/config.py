@@ -81,6 +81,28 @@ class TrainConfig:
     momentum: float = 0.0
     weight_decay: float = 0.0
     sample_weighted: bool = False
+    grad_clip: float = 0.0  # per-client L2 bound on each local gradient; 0 = off
+
+
+@dataclass(frozen=True)
+class AggregationSection:
+    """Server-side screening, clipping and rule (fedcal.core.aggregation.AggregationPolicy)."""
+
+    rule: str = "mean"  # mean | median | trimmed_mean | krum
+    screen_factor: float = 10.0  # reject updates > factor × cohort median norm; 0 = off
+    clip_factor: float = 3.0  # clip updates to factor × cohort median norm; 0 = off
+    trim_fraction: float = 0.1
+    krum_byzantine: int = 1
+    krum_select: int = 0
+
+
+@dataclass(frozen=True)
+class PrivacySection:
+    """Client-level DP (DP-FedAvg); off when epsilon = 0."""
+
+    epsilon: float = 0.0  # target ε over the whole run; the noise multiplier follows
+    delta: float = 1e-5
+    clip: float = 0.0  # fixed L2 bound on each client's update (scaled units)
 
 
 @dataclass(frozen=True)
@@ -94,6 +116,8 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineSection = field(default_factory=EngineSection)
     train: TrainConfig = field(default_factory=TrainConfig)
+    aggregation: AggregationSection = field(default_factory=AggregationSection)
+    privacy: PrivacySection = field(default_factory=PrivacySection)
     method_params: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -108,6 +132,8 @@ SECTIONS = {
     "model": ModelConfig,
     "engine": EngineSection,
     "train": TrainConfig,
+    "aggregation": AggregationSection,
+    "privacy": PrivacySection,
 }
 
 

@@ -41,6 +41,7 @@ import torch
 
 from fedcal.algorithms import REGISTRY, get
 from fedcal.config import ConfigError, RunConfig
+from fedcal.core.aggregation import AggregationError, AggregationPolicy, check_policy
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.atomic import write_text
 from fedcal.core.classification import ClassificationTask
@@ -76,6 +77,9 @@ SUMMARY_COLUMNS = [
     "wall_s",
     "bytes_up_per_round",
     "bytes_down_per_round",
+    "diverged",
+    "rejected",
+    "failed",
 ]
 
 
@@ -207,6 +211,50 @@ def build_algorithm(name: str, config: RunConfig, task: Task) -> Algorithm:
         raise ConfigError(f"[methods.{name}]: {err}") from None
 
 
+def build_policy(config: RunConfig) -> tuple[AggregationPolicy, dict[str, Any]]:
+    """The server's aggregation policy, with DP noise calibrated by the accountant.
+
+    Returns the policy and what the run records about privacy (empty without DP).
+    """
+    a, p = config.aggregation, config.privacy
+    privacy: dict[str, Any] = {}
+    sigma = 0.0
+    if p.epsilon > 0:
+        from fedcal.core.privacy import account
+
+        if p.clip <= 0:
+            raise ConfigError("[privacy] epsilon > 0 needs clip > 0 (the update norm bound)")
+        try:
+            spent = account(p.epsilon, p.delta, config.engine.participation, config.engine.rounds)
+        except ValueError as err:
+            raise ConfigError(f"[privacy]: {err}") from None
+        sigma = spent.noise_multiplier
+        privacy = {**asdict(spent), "clip": p.clip, "accountant": "opacus RDP"}
+    try:
+        policy = AggregationPolicy(
+            rule=a.rule,  # type: ignore[arg-type]  # validated by the policy
+            screen_factor=a.screen_factor,
+            clip_factor=a.clip_factor,
+            trim_fraction=a.trim_fraction,
+            krum_byzantine=a.krum_byzantine,
+            krum_select=a.krum_select,
+            dp_noise_multiplier=sigma,
+            dp_clip=p.clip if sigma else 0.0,
+        )
+    except AggregationError as err:
+        raise ConfigError(f"[aggregation]: {err}") from None
+    return policy, privacy
+
+
+def one_line(err: BaseException, limit: int = 300) -> str:
+    """An exception as one short line (no tensor dumps, no traceback)."""
+    text = str(err).strip().splitlines()
+    first = text[0] if text else ""
+    if len(first) > limit:
+        first = first[:limit] + "…"
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
+
+
 def check_methods(
     methods: Sequence[str], config: RunConfig | None = None, task_kind: str = "regression"
 ) -> list[str]:
@@ -320,6 +368,9 @@ def summary_row(
     row["wall_s"] = result.wall_s
     row["bytes_up_per_round"] = result.bytes_up_per_round
     row["bytes_down_per_round"] = result.bytes_down_per_round
+    row["diverged"] = int((final["status"] == "diverged").sum()) if "status" in final else 0
+    row["rejected"] = int(final["rejected_rounds"].sum()) if "rejected_rounds" in final else 0
+    row["failed"] = 0
     return row
 
 
@@ -466,6 +517,7 @@ def run_experiment(
     train_points: Sequence[int] = (0,),
     on_progress: Callable[[str, int, dict], None] | None = None,
     on_skip: Callable[[str, str], None] | None = None,
+    on_fail: Callable[[str, str], None] | None = None,
     on_note: Callable[[str, str], None] | None = None,
 ) -> pd.DataFrame:
     """Run every (fleet variant, train_points, method, seed); return (and write) the summary.
@@ -475,13 +527,18 @@ def run_experiment(
     ``methods=["all"]`` a method that cannot run on this model (e.g. one
     that needs a shared body when the model is all head) is skipped and
     reported through ``on_skip(method, reason)``; a method named explicitly
-    that cannot run is an error. What a user must know about a finished run
-    (e.g. a fleet prior that the data do not identify) goes to
-    ``on_note(method, message)``.
+    that cannot run is an error (raised before anything trains). A method that
+    raises while training is reported through ``on_fail(label, one-line reason)``,
+    gets a summary row with ``failed = 1`` and no numbers, and the others go on.
+    Summary rows count each run's ``diverged`` sensors (non-finite personalized
+    model) and ``rejected`` replies; fleet means are NaN when a sensor diverged.
+    What a user must know about a finished run (e.g. a fleet prior that the data do
+    not identify) goes to ``on_note(method, message)``.
     """
     expand_all = list(methods) == ["all"]
     methods = check_methods(methods, config, task_kind(fleet))
     variants = fleet_variants(config, fleet)
+    policy, privacy = build_policy(config)  # bad input stops here, before anything is written
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     resolved = {**config.to_dict(), "methods": methods, "train_points_sweep": list(train_points)}
@@ -498,21 +555,36 @@ def run_experiment(
     _write_text(
         out / "fleet.json", json.dumps(_provenance(variants), indent=2, sort_keys=True, default=str)
     )
-    rows: list[dict[str, Any]] = []
-    for labels, fleet, tp in [(lab, f, tp) for lab, f in variants for tp in train_points]:
-        fs, roles = full_scale(fleet), fleet.roles
+    if privacy:
+        _write_text(out / "privacy.json", json.dumps(privacy, indent=2))
+    # Every method is built (and its aggregation policy checked) for every fleet variant and
+    # budget before anything trains: a method that cannot run is known before the first round.
+    plans = []
+    refused: dict[str, str] = {}
+    for labels, variant, tp in [(lab, f, tp) for lab, f in variants for tp in train_points]:
+        subset = variant.with_train_points(tp or None, seed=config.data.split_seed)
         subset = fleet.with_train_points(tp or None, seed=config.data.split_seed)
         tensors = prepare(subset, config.data.scaling, config.engine.dtype)
         task = build_task(config, tensors.train.x.shape[-1], subset.meta, client_inputs(tensors))
+        built = []
         for method in methods:
             try:
                 algorithm = build_algorithm(method, config, task)
-            except ConfigError as err:
-                if not expand_all:
-                    raise
-                if on_skip is not None:
-                    on_skip(method, str(err))
+                check_policy(algorithm, policy)
+            except (ConfigError, AggregationError) as err:
+                refused.setdefault(method, str(err))
                 continue
+            built.append((method, algorithm))
+        plans.append((labels, variant, tp, subset, tensors, task, built))
+    if refused and not expand_all:
+        raise ConfigError("; ".join(refused.values()))
+    for method, reason in refused.items():
+        if on_skip is not None:
+            on_skip(method, reason)
+    rows: list[dict[str, Any]] = []
+    for labels, variant, tp, subset, tensors, task, built in plans:
+        fs, roles = full_scale(variant), variant.roles
+        for method, algorithm in built:
             for seed in range(config.seeds):
                 run_dir = out / "runs" / _run_name(method, labels, tp, seed)
                 done = run_dir / "done.json"
@@ -526,6 +598,7 @@ def run_experiment(
                     eval_every=config.engine.eval_every,
                     seed=seed,
                     dtype=config.engine.dtype,
+                    aggregation=policy,
                 )
                 label = f"{method}{_where(labels)} tp={tp or 'all'} seed={seed}"
                 try:
@@ -544,10 +617,23 @@ def run_experiment(
                         f"checkpoint {err.path}: {err.problem}: remove {out} (or only that "
                         "checkpoint, to redo that run) or choose another --out"
                     ) from None
+                except (KeyboardInterrupt, MemoryError):
+                    raise
+                except Exception as err:  # one method's failure must not end the others
+                    reason = one_line(err)
+                    _write_text(run_dir / "failed.txt", reason + "\n")
+                    if on_fail is not None:
+                        on_fail(label, reason)
+                    failed = {"method": method, "seed": seed, "train_points": tp, "failed": 1}
+                    rows.append({**labels, **failed})
+                    _write_csv(out / "summary.csv", _ordered(pd.DataFrame(rows)))
+                    break  # the other seeds of this method would fail alike
+                (run_dir / "failed.txt").unlink(missing_ok=True)
                 history = pd.DataFrame(result.history)
                 history.insert(0, "method", method)
                 history.insert(1, "seed", seed)
                 _write_csv(run_dir / "metrics.csv", history)
+                _write_csv(run_dir / "aggregation.csv", pd.DataFrame(result.extra["aggregation"]))
                 final = pd.DataFrame(result.final)
                 final.insert(0, "method", method)
                 final.insert(1, "seed", seed)
@@ -569,6 +655,9 @@ def run_experiment(
                     ranges = json.dumps(valid_ranges(subset), indent=1)
                     _write_text(run_dir / "valid_range.json", ranges)
                 row = {**labels, **summary_row(method, seed, tp, result, fs, task, roles)}
+                if privacy:
+                    row["epsilon"] = privacy["epsilon"]
+                    row["noise_multiplier"] = privacy["noise_multiplier"]
                 exported = export_state(algorithm, result.server, subset, tensors, method)
                 if exported is not None:
                     _write_text(run_dir / "prior.json", json.dumps(exported, indent=1))

@@ -180,7 +180,10 @@ def test_flower_run_equals_the_simulator(setup: Setup, equivalence_runs, method:
     res, sim_wall = _simulate(setup, method)
     flower, sim = _frame(result["history"]), _frame(res.history)
     assert list(flower["client"]) == list(sim["client"]) and len(sim) == 2 * ROUNDS
-    numeric = [c for c in sim.columns if c not in ("client", "client_index", "round")]
+    # status / rejected_rounds: the simulator's screening columns (all replies accepted here).
+    assert (sim["status"] == "ok").all() and (sim["rejected_rounds"] == 0).all()
+    skip = ("client", "client_index", "round", "status", "rejected_rounds")
+    numeric = [c for c in sim.columns if c not in skip]
     np.testing.assert_allclose(
         flower[numeric].to_numpy(float), sim[numeric].to_numpy(float), rtol=0, atol=1e-9
     )

@@ -166,6 +166,8 @@ class AFLCSEM(Algorithm):
     name = "aflcsem"
     uploads = ("model", "gradients", "costs")  # F_i, ∇F_i, ρ_i, β_i; Q_i, c_i, e_i
 
+    reply_aggregation = "custom"  # losses and τ-control statistics, not a plain mean
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.cost_weight <= 1.0:
             raise ValueError("cost_weight S must lie in [0, 1]")

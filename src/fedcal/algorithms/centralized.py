@@ -76,6 +76,8 @@ class Centralized(Algorithm):
     name = "centralized"
     uploads = ("raw_rows",)
 
+    reply_aggregation = "custom"  # replies are pooled data
+
     def client_update(self, down: Tree, state: Tree, data: ClientData) -> ClientResult:
         reply = {
             "x": data.x,

@@ -154,6 +154,8 @@ class ClusteredLayered(Algorithm):
     name = "clustered"
     uploads = ("model", "update_directions")  # SVD directions of Δ_i
 
+    reply_aggregation = "custom"  # clustering of the replies
+
     def __post_init__(self) -> None:
         if self.similarity not in SIMILARITIES:
             raise ValueError(f"similarity must be one of {SIMILARITIES}")

@@ -94,6 +94,8 @@ class FedGen(Algorithm):
     name = "fedgen"
     uploads = ("model", "label_counts")  # label_counts: the pressure-bin histogram
 
+    reply_aggregation = "custom"  # the generator trains on each client's head
+
     def __post_init__(self) -> None:
         if self.head not in ("personal", "shared"):
             raise ValueError("head must be 'personal' or 'shared'")

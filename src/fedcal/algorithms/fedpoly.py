@@ -79,6 +79,8 @@ class FedPoly(Algorithm):
     name = "fedpoly"
     uploads = ("statistics",)  # Gram matrix A_i and r_i of the projected design
 
+    reply_aggregation = "sum"  # Σ of Gram matrices and right-hand sides
+
     def __post_init__(self) -> None:
         # A TOML config gives lists; terms are compared as tuples.
         object.__setattr__(self, "private_terms", tuple(tuple(t) for t in self.private_terms))

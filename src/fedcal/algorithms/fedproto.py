@@ -85,6 +85,8 @@ class FedProto(Algorithm):
 
     name = "fedproto"
     uploads = ("prototypes", "label_counts", "model")  # model: with share_model
+
+    reply_aggregation = "custom"  # count-weighted prototypes
     task_kind = "classification"
 
     def server_init(self, params: Tree) -> Tree:

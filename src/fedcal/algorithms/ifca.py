@@ -56,6 +56,8 @@ class IFCA(Algorithm):
     name = "ifca"
     uploads = ("model", "cluster_choice")
 
+    reply_aggregation = "custom"  # per-cluster means by assignment
+
     def __post_init__(self) -> None:
         if self.clusters < 1 or self.warmup_rounds < 0:
             raise ValueError("clusters must be >= 1 and warmup_rounds >= 0")

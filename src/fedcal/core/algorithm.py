@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from fedcal.core.data import ClientData, full_batch, minibatches
-from fedcal.core.local import Penalty, train
+from fedcal.core.local import GradClip, Penalty, train
 from fedcal.core.optim import make_optimizer
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree, weighted_mean
@@ -55,6 +55,7 @@ class Algorithm(ABC):
     weight_decay: float = 0.0
     optimizer: str = "sgd"
     sample_weighted: bool = False
+    grad_clip: float = 0.0  # per-client L2 bound on each local gradient step; 0 = off
 
     name: ClassVar[str] = "base"
     federated: ClassVar[bool] = True  # False: nothing leaves the client (a reference line)
@@ -62,6 +63,13 @@ class Algorithm(ABC):
     # What client_update's reply may carry, by kind (fedcal.engine.flower.policy.UPLOAD_KINDS):
     # a Flower node refuses a method whose kinds its node config does not allow.
     uploads: ClassVar[tuple[str, ...]] = ("model",)
+
+    # What server_update does with the replies (see fedcal.core.aggregation): "mean" (a
+    # weighted mean, maybe followed by server steps on it), "sum" (sufficient statistics)
+    # or "custom" (only screening and Krum selection may touch the replies).
+    reply_aggregation: ClassVar[str] = "mean"
+    # Server rules this algorithm accepts (see fedcal.core.aggregation.check_policy).
+    robust_rules: ClassVar[tuple[str, ...]] = ("mean", "median", "trimmed_mean", "krum")
 
     # ---- the contract -------------------------------------------------
     def server_init(self, params: Tree) -> Tree:
@@ -115,9 +123,10 @@ class Algorithm(ABC):
         )
 
     def make_optimizer(self, lr: float | None = None):
-        return make_optimizer(
+        inner = make_optimizer(
             self.optimizer, self.lr if lr is None else lr, self.momentum, self.weight_decay
         )
+        return GradClip(inner, self.grad_clip) if self.grad_clip > 0 else inner
 
     def local_train(
         self,

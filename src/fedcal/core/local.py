@@ -9,6 +9,7 @@ trains the whole cohort — the hand-batched alternative to ``vmap(grad)``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -95,3 +96,37 @@ def train(
         total = total + value * batches.active[s]
     steps = batches.active.sum(0).clamp_min(1.0)
     return params, total / steps
+
+
+def clip_by_norm(grads: Tree, max_norm: float) -> Tree:
+    """Scale each client's gradient to L2 norm ≤ ``max_norm`` (``clip_grad_norm_`` per client).
+
+    The norm is over every leaf of the client's gradient; a non-finite norm
+    gives a non-finite gradient (the divergence is reported, not hidden).
+    """
+    parts = [g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]
+    if not parts:
+        return grads
+    norm = torch.stack(parts).sum(0).sqrt()
+    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch's clip_grad_norm_ formula
+    return {k: g * factor.reshape(-1, *([1] * (g.dim() - 1))) for k, g in grads.items()}
+
+
+@dataclass(frozen=True)
+class GradClip:
+    """An optimizer whose gradients are clipped per client first (gradient-norm clipping)."""
+
+    inner: object
+    max_norm: float
+
+    @property
+    def lr(self) -> float:
+        return self.inner.lr
+
+    def init(self, params: Tree) -> Tree:
+        return self.inner.init(params)
+
+    def update(
+        self, params: Tree, grads: Tree, state: Tree, active: Tensor | None = None
+    ) -> tuple[Tree, Tree]:
+        return self.inner.update(params, clip_by_norm(grads, self.max_norm), state, active)

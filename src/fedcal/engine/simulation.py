@@ -23,14 +23,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedcal.core.aggregation import PLAIN, AggregationPolicy, aggregate, finite_rows
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.data import PERSONALIZE, ClientData, client_round_seed
 from fedcal.core.tensorfile import TensorFileError, load_trees, save_trees
-from fedcal.core.tree import Tree, expand, gather, num_bytes, scatter, tree_map
+from fedcal.core.tree import Tree, expand, gather, num_bytes, per_client, scatter, tree_map
 from fedcal.data.fleet import Fleet
 from fedcal.data.scaling import Scaler, fit_scaler
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+AGGREGATION = 3  # seed purpose of the server's DP noise (clients use 0.., see core.data)
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class EngineConfig:
     seed: int = 0
     dtype: str = "float32"
     init_seed: int | None = None  # model init seed; defaults to ``seed``
+    # Server-side screening/clipping/robust rule/DP (fedcal.core.aggregation). PLAIN only
+    # rejects non-finite replies; the experiment passes the configuration's policy.
+    aggregation: AggregationPolicy = PLAIN
 
 
 @dataclass
@@ -170,30 +175,37 @@ def save_checkpoint(
     server: Tree,
     states: Tree,
     history: list[dict],
+    rejected: Tensor,
+    rounds_log: list[dict],
 ) -> None:
-    """Tensors and JSON only (no pickle), checksummed, written atomically."""
+    """Tensors and JSON only (no pickle), checksummed, written atomically.
+
+    ``rejected`` counts, per client, the rounds its reply was rejected; ``rounds_log``
+    is the aggregation's per-round record.
+    """
     save_trees(
         path,
-        {"server": server, "states": states},
+        {"server": server, "states": states, "rejected": {"rounds": rejected}},
         {"fingerprint": fingerprint, "round": round_done, "elapsed": elapsed},
-        {"history": history},
+        {"history": history, "aggregation": rounds_log},
     )
 
 
-def load_checkpoint(path: Path, fingerprint: str) -> tuple[Tree, Tree, list[dict], int, float]:
-    """``(server, states, history, round, elapsed)`` of a checkpoint of this very run."""
+def load_checkpoint(path: Path, fingerprint: str) -> tuple:
+    """``(server, states, history, round, elapsed, rejected, rounds_log)`` of this very run."""
     try:
         trees, meta, blobs = load_trees(path)
         same = meta["fingerprint"] == fingerprint
         saved = (trees["server"], trees["states"], list(blobs["history"]))
         round_done, elapsed = int(meta["round"]), float(meta["elapsed"])
+        extra = (trees["rejected"]["rounds"], list(blobs["aggregation"]))
     except TensorFileError as e:
         raise CheckpointError(path, e.problem) from None
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(path, f"incomplete ({type(e).__name__}: {e})") from None
     if not same:
         raise CheckpointError(path, "belongs to another run (algorithm, data or config differ)")
-    return (*saved, round_done, elapsed)
+    return (*saved, round_done, elapsed, *extra)
 
 
 def simulate(
@@ -224,9 +236,12 @@ def simulate(
     start_round, elapsed = 0, 0.0
     fingerprint = _fingerprint(algorithm, fleet, config)
     if checkpoint is not None and Path(checkpoint).exists():
-        server, states, history, start_round, elapsed = load_checkpoint(
+        server, states, history, start_round, elapsed, rejected, rounds_log = load_checkpoint(
             Path(checkpoint), fingerprint
         )
+    else:
+        rejected = torch.zeros(n, dtype=torch.int64)  # rounds each client's reply was rejected
+        rounds_log: list[dict] = []
 
     counts = fleet.train.count.to(torch.float64)
     bytes_up, bytes_down = [], []
@@ -238,9 +253,28 @@ def simulate(
             tuple(client_round_seed(config.seed, t, i) for i in ids)
         )
         down = algorithm.broadcast(server)
-        result = algorithm.client_update(expand(down, len(ids)), gather(states, idx), data)
-        states = scatter(states, idx, result.state)
-        server = algorithm.server_update(server, result.reply, counts.index_select(0, idx))
+        before = gather(states, idx)
+        result = algorithm.client_update(expand(down, len(ids)), before, data)
+        state_ok = finite_rows(result.state)
+        server, accepted, agg = aggregate(
+            algorithm,
+            server,
+            down,
+            result.reply,
+            counts.index_select(0, idx),
+            config.aggregation,
+            round_seed=client_round_seed(config.seed, t, 0, AGGREGATION),
+            eligible=state_ok if state_ok.numel() else None,
+        )
+        # Roll back the private state of every client whose reply was rejected.
+        kept = tree_map(
+            lambda new, old, ok=accepted: torch.where(per_client(ok, new), new, old.to(new.dtype)),
+            result.state,
+            before,
+        )
+        states = scatter(states, idx, kept)
+        rejected = rejected.index_add(0, idx, (~accepted).to(torch.int64))
+        rounds_log.append({"round": t + 1, "cohort": len(ids), **agg})
         if algorithm.federated:  # a non-federated reference line communicates nothing
             bytes_up.append(num_bytes(result.reply, per_client_axis=True) * len(ids))
             bytes_down.append(num_bytes(down) * len(ids))
@@ -254,6 +288,7 @@ def simulate(
             }
             for row in rows:
                 row["round"] = t + 1
+                row["rejected_rounds"] = int(rejected[row["client_index"]])
                 for name, by_client in trained.items():
                     row[name] = by_client.get(row["client_index"], float("nan"))
             history.extend(rows)
@@ -262,7 +297,15 @@ def simulate(
         if checkpoint is not None and (last or (t + 1) % checkpoint_every == 0):
             elapsed_now = time.perf_counter() - t0
             save_checkpoint(
-                Path(checkpoint), fingerprint, t + 1, elapsed_now, server, states, history
+                Path(checkpoint),
+                fingerprint,
+                t + 1,
+                elapsed_now,
+                server,
+                states,
+                history,
+                rejected,
+                rounds_log,
             )
     wall = time.perf_counter() - t0
     personal = _personal(algorithm, fleet, server, states, config.seed, config.rounds - 1)
@@ -272,6 +315,8 @@ def simulate(
             algorithm, fleet, server, states, config.seed, config.rounds - 1, personal
         )[0]
     ]
+    for row in final:
+        row["rejected_rounds"] = int(rejected[row["client_index"]])
     return RunResult(
         history=history,
         final=final,
@@ -282,6 +327,7 @@ def simulate(
         bytes_up_per_round=float(np.mean(bytes_up)) if bytes_up else 0.0,
         bytes_down_per_round=float(np.mean(bytes_down)) if bytes_down else 0.0,
         rounds_done=config.rounds,
+        extra={"aggregation": rounds_log},
     )
 
 
@@ -308,11 +354,20 @@ def _evaluate(
         personal = _personal(algorithm, fleet, server, states, seed, t)
     test = errors(algorithm, personal, fleet.test, fleet.scaler)
     train = errors(algorithm, personal, fleet.train, fleet.scaler)
+    model_ok = finite_rows(personal)
+    if not model_ok.numel():
+        model_ok = torch.ones(fleet.num_clients, dtype=torch.bool)
     rows = []
     for i, cid in enumerate(fleet.client_ids):
         row = {"client_index": i, "client": cid}
         row.update({f"test_{k}": float(v[i]) for k, v in test.items()})
         row.update({f"train_{k}": float(v[i]) for k, v in train.items()})
+        # Diverged: a non-finite personalized model or test error (a train error may
+        # overflow on absurd labels while the model itself is fine).
+        finite = bool(model_ok[i]) and all(
+            np.isfinite(v) for k, v in row.items() if k.startswith("test_")
+        )
+        row["status"] = "ok" if finite else "diverged"
         rows.append(row)
     key = algorithm.task.primary_metric
     summary = {

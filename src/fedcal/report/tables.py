@@ -136,6 +136,8 @@ def table_columns(
         if full:
             cols.append(("mae_mean", f"MAE mean{u}"))
         cols += [("max_abs_worst", f"max|err| worst{u}"), ("rmse_mean_pct_fs", "RMSE %FS")]
+        if not full and "rmse_mean_new" in table.columns:  # mixed fleet: the new units
+            cols += [("rmse_mean_new", "RMSE new"), ("rmse_worst_new", "worst new")]
         if full:
             cols.append(("max_abs_worst_pct_fs", "max|err| %FS"))
             for role in ("new", "reference"):  # mixed fleets: the same per role
@@ -151,13 +153,15 @@ def table_columns(
             if c.endswith(("_mean", "_worst")) and not c.endswith("_std")
         ]
     cols.append(("wall_s", "wall s"))
+    if "diverged" in table.columns and (table["diverged"].fillna(0) > 0).any():
+        cols.append(("diverged", "diverged sensors"))  # mean count over seeds
     if show_bytes:
         cols.append(("bytes_up_per_round", "up kB/round"))
     return cols
 
 
 # shown as the mean alone: %FS is RMSE / full scale (its spread is RMSE's), costs vary little
-MEAN_ONLY = ("rmse_mean_pct_fs", "max_abs_worst_pct_fs", "wall_s")
+MEAN_ONLY = ("rmse_mean_pct_fs", "max_abs_worst_pct_fs", "wall_s", "diverged")
 
 
 def cell(row: pd.Series, column: str) -> str:
@@ -184,6 +188,9 @@ def rich_tables(table: pd.DataFrame, columns: list[tuple[str, str]], unit: str =
             two_lines = "\n".join(header.rsplit(" ", 1))
             t.add_column(two_lines, justify="right", no_wrap=True, overflow="ellipsis")
         for _, row in part.iterrows():
+            if row.get("failed", 0) >= 1:  # every seed raised: no numbers to show
+                t.add_row(str(row["method"]), *["failed"] * len(columns))
+                continue
             t.add_row(str(row["method"]), *[cell(row, c) for c, _ in columns])
         out.append(t)
     return out

@@ -1,0 +1,354 @@
+"""Server-side aggregation with screening, clipping, robust rules and client-level DP.
+
+One entry point, :func:`aggregate`, used by the simulator and the Flower server
+alike. A round's replies (stacked ``(clients, ...)``) go through, in order:
+
+1. **Screening.** A client whose reply (or, when the engine says so, whose new
+   private state) holds a non-finite value is rejected. So is one whose update
+   norm exceeds ``screen_factor`` × the median norm of the finite replies: a
+   robust, scale-free test (Byzantine-robust FL commonly measures updates
+   against the cohort median, e.g. Blanchard et al. 2017; Yin et al. 2018).
+   For summed statistics the size is the largest per-leaf ratio to the median
+   (:func:`relative_sizes`): leaves in different units cannot hide each other.
+2. **Update clipping** (adaptive): each update is scaled to at most
+   ``clip_factor`` × the median update norm of the accepted clients
+   (centred clipping as in Karimireddy et al. 2021, with the median as the
+   reference scale; one factor per client, so summed statistics stay
+   consistent). With DP the bound is the fixed ``dp_clip`` instead.
+3. **The rule**: the algorithm's own weighted mean/sum (``mean``), the
+   coordinate-wise median or trimmed mean (Yin et al. 2018), or Multi-Krum
+   selection (Blanchard et al. 2017, eq. of the score s(i)).
+4. **Client-level DP** (McMahan et al. 2018, DP-FedAvg): the clipped updates are
+   summed, Gaussian noise N(0, σ²C²) is added from a generator seeded by the
+   round, and the noisy average replaces every accepted reply.
+5. The algorithm's own ``server_update`` over the accepted (processed) replies.
+
+**The update of a reply.** A reply leaf whose path exists in the broadcast with
+the same shape (e.g. ``model/…``) is a model: its update is ``reply − broadcast``.
+Any other floating leaf (sufficient statistics, predictions, losses), and every
+leaf of a ``"sum"`` server update, is the client's contribution relative to
+zero: its update is the leaf itself, so clipping scales a statistics reply as a
+whole — it down-weights that client consistently (e.g. Gram matrix and
+right-hand side together). Integer leaves are never modified.
+
+**Where a coordinate-wise rule applies.** ``Algorithm.reply_aggregation`` says
+what ``server_update`` does with the replies: ``"mean"`` (a weighted mean of
+replies, possibly followed by server-side steps on that mean) or ``"sum"``
+(a sum, e.g. sufficient statistics). For both, a robust estimate *replicated
+over the accepted clients* yields exactly the robust mean (or the robust mean
+times the cohort size, i.e. a robust sum). ``"custom"`` server updates
+(clustering, pooled data, cost controllers) get only screening and Multi-Krum
+selection; clipping, the median, the trimmed mean and DP are refused for them
+with a message (:func:`check_policy`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+from torch import Tensor
+
+from fedcal.core.tree import Tree, flatten, unflatten
+
+Rule = Literal["mean", "median", "trimmed_mean", "krum"]
+ReplyAggregation = Literal["mean", "sum", "custom"]
+
+
+class AggregationError(ValueError):
+    """A policy that cannot apply to an algorithm (raised before any training)."""
+
+
+@dataclass(frozen=True)
+class AggregationPolicy:
+    """How the server treats a round's replies (see the module docstring).
+
+    ``screen_factor`` / ``clip_factor``: multiples of the cohort's median update
+    norm (0 turns the step off). ``trim_fraction``: share of clients cut at each
+    end per coordinate. ``krum_byzantine`` (f) and ``krum_select`` (m, 0 = n − f).
+    ``dp_noise_multiplier`` σ > 0 switches on client-level DP with fixed clip
+    ``dp_clip`` C; the noise std on the sum is σ·C.
+    """
+
+    rule: Rule = "mean"
+    screen_factor: float = 10.0
+    clip_factor: float = 3.0
+    trim_fraction: float = 0.1
+    krum_byzantine: int = 1
+    krum_select: int = 0
+    dp_noise_multiplier: float = 0.0
+    dp_clip: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.rule not in get_args(Rule):
+            raise AggregationError(
+                f"aggregation rule {self.rule!r}: expected one of {', '.join(get_args(Rule))}"
+            )
+        for name in ("screen_factor", "clip_factor", "dp_noise_multiplier", "dp_clip"):
+            value = getattr(self, name)
+            if not value >= 0 or value == float("inf"):
+                raise AggregationError(f"aggregation {name} = {value}: expected a finite ≥ 0")
+        if 0 < self.screen_factor <= 1 or 0 < self.clip_factor < 1:
+            raise AggregationError(
+                "aggregation screen_factor must be > 1 and clip_factor ≥ 1 (multiples of "
+                "the median norm; 0 = off)"
+            )
+        if not 0 <= self.trim_fraction < 0.5:
+            raise AggregationError(
+                f"aggregation trim_fraction = {self.trim_fraction}: expected 0 ≤ t < 0.5"
+            )
+        if self.krum_byzantine < 0 or self.krum_select < 0:
+            raise AggregationError("aggregation krum_byzantine and krum_select must be ≥ 0")
+        if self.dp:
+            if self.dp_clip <= 0:
+                raise AggregationError("privacy: a noise multiplier needs a clip bound > 0")
+            if self.rule != "mean":
+                raise AggregationError(
+                    f"privacy: DP noise is calibrated for the clipped mean, not rule {self.rule!r}"
+                )
+
+    @property
+    def dp(self) -> bool:
+        return self.dp_noise_multiplier > 0
+
+
+PLAIN = AggregationPolicy(screen_factor=0.0, clip_factor=0.0)
+"""Only non-finite replies are rejected; otherwise exactly the algorithm's own aggregate."""
+
+
+def check_policy(algorithm, policy: AggregationPolicy) -> None:
+    """Refuse a policy the algorithm's ``server_update`` cannot honour (one-line reason)."""
+    kind = getattr(algorithm, "reply_aggregation", "mean")
+    name = getattr(algorithm, "name", type(algorithm).__name__)
+    allowed = getattr(algorithm, "robust_rules", ("mean", "median", "trimmed_mean", "krum"))
+    if policy.rule not in allowed:
+        raise AggregationError(
+            f"{name}: rule {policy.rule!r} is refused for this method (it accepts "
+            f"{', '.join(allowed)}; see its reply_aggregation note)"
+        )
+    if kind != "custom":
+        return
+    if policy.rule in ("median", "trimmed_mean"):
+        raise AggregationError(
+            f"{name}: rule {policy.rule!r} needs a server update that is a mean or sum of "
+            "replies; this one is custom (use 'mean' or 'krum')"
+        )
+    if policy.dp:
+        raise AggregationError(f"{name}: client-level DP needs a mean/sum server update")
+
+
+def _updates(
+    broadcast: Tree, replies: Tree, kind: str = "mean"
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Flat floating updates (clients, ...) and the reference each is relative to.
+
+    A ``"sum"`` server adds its replies up: they are contributions, never model
+    states, so every leaf is relative to zero even when the broadcast has a leaf
+    of the same name (e.g. fedprior's ``support``).
+    """
+    down = flatten(broadcast) if kind != "sum" else {}
+    up = flatten(replies)
+    updates, refs = {}, {}
+    for key, reply in up.items():
+        if not reply.is_floating_point():
+            continue
+        ref = down.get(key)
+        if ref is not None and tuple(ref.shape) == tuple(reply.shape[1:]):
+            refs[key] = ref.to(reply.dtype)
+            updates[key] = reply - refs[key]
+        else:
+            refs[key] = torch.zeros((), dtype=reply.dtype)
+            updates[key] = reply
+    return updates, refs
+
+
+def update_norms(updates: dict[str, Tensor], clients: int) -> Tensor:
+    """Per-client L2 norm over every update leaf (float64, NaN/inf propagate)."""
+    norms = torch.zeros(clients, dtype=torch.float64)
+    for u in updates.values():
+        norms = norms + u.reshape(clients, -1).to(torch.float64).pow(2).sum(1)
+    return norms.sqrt()
+
+
+def finite_rows(tree: Tree) -> Tensor:
+    """(clients,) bool: every floating leaf of a client tree is finite for that client."""
+    flat = [t for t in flatten(tree).values() if t.is_floating_point()]
+    if not flat:
+        return torch.ones(0, dtype=torch.bool)
+    ok = torch.ones(flat[0].shape[0], dtype=torch.bool)
+    for t in flat:
+        ok = ok & torch.isfinite(t.reshape(t.shape[0], -1)).all(1)
+    return ok
+
+
+def relative_sizes(updates: dict[str, Tensor], accepted: Tensor, kind: str) -> Tensor:
+    """Each client's update size relative to the accepted cohort's median, (clients,).
+
+    A model update is one vector: ‖Δ_i‖ / median_j ‖Δ_j‖. A ``"sum"`` reply is a set
+    of statistics in different units (a Gram matrix may be 10⁹ times its right-hand
+    side, and a poisoned label moves only the latter): the size is the largest
+    per-leaf ratio, max_l ‖Δ_il‖ / median_j ‖Δ_jl‖, so no leaf hides behind another.
+    """
+    n = int(accepted.shape[0])
+    if kind != "sum":
+        norms = update_norms(updates, n)
+        median = norms[accepted].median()
+        return norms / median if median > 0 else torch.zeros_like(norms)
+    ratio = torch.zeros(n, dtype=torch.float64)
+    for u in updates.values():
+        norms = u.reshape(n, -1).to(torch.float64).norm(dim=1)
+        median = norms[accepted].median()
+        if median > 0:
+            ratio = torch.maximum(ratio, norms / median)
+    return ratio
+
+
+def krum_scores(flat: Tensor, byzantine: int) -> Tensor:
+    """Krum's s(i) = Σ of squared distances to the n − f − 2 nearest other updates."""
+    n = flat.shape[0]
+    dist = torch.cdist(flat, flat).pow(2)
+    dist = dist + torch.diag(torch.full((n,), float("inf"), dtype=flat.dtype))
+    k = max(1, min(n - 1, n - byzantine - 2))
+    return dist.topk(k, dim=1, largest=False).values.sum(1)
+
+
+def coordinate_rule(updates: dict[str, Tensor], rule: str, trim: float) -> dict[str, Tensor]:
+    """Coordinate-wise median or trimmed mean over the clients axis (no clients axis left)."""
+    out = {}
+    for key, u in updates.items():
+        if rule == "median":
+            # Mean of the two middle values for an even cohort (torch.median takes the lower).
+            s = u.sort(0).values
+            n = s.shape[0]
+            out[key] = 0.5 * (s[(n - 1) // 2] + s[n // 2])
+        else:
+            n = u.shape[0]
+            cut = int(trim * n)
+            out[key] = u.sort(0).values[cut : n - cut].mean(0)
+    return out
+
+
+def aggregate(
+    algorithm,
+    server: Tree,
+    broadcast: Tree,
+    replies: Tree,
+    weights: Tensor,
+    policy: AggregationPolicy,
+    round_seed: int,
+    *,
+    eligible: Tensor | None = None,
+    weight_cap: Tensor | None = None,
+) -> tuple[Tree, Tensor, dict[str, float]]:
+    """Screen, clip, combine (and noise) a round's replies; return the new server.
+
+    ``weights`` are the clients' training-row counts; ``weight_cap`` (e.g. the
+    counts declared at the handshake) caps them. ``eligible`` (clients,) marks
+    clients the engine already rejects (e.g. a non-finite new private state).
+    Returns ``(new_server, accepted, metrics)``: ``accepted`` (clients,) bool, the
+    clients that passed screening — the engine keeps the previous private state
+    of the others (Multi-Krum's unselected clients are accepted but left out of
+    the aggregate) — and round metrics (rejections, the median norm, the clip
+    bound, σ).
+    """
+    check_policy(algorithm, policy)
+    kind = getattr(algorithm, "reply_aggregation", "mean")
+    updates, refs = _updates(broadcast, replies, kind)
+    n = int(weights.shape[0])
+    weights = weights.to(torch.float64)
+    if weight_cap is not None:
+        weights = torch.minimum(weights, weight_cap.to(torch.float64))
+    accepted = torch.ones(n, dtype=torch.bool) if eligible is None else eligible.clone()
+    finite = finite_rows(replies)
+    if finite.numel():
+        accepted = accepted & finite
+    nonfinite = int((~accepted).sum())
+    norms = update_norms(updates, n)
+    metrics: dict[str, float] = {"rejected_nonfinite": float(nonfinite)}
+    median = norms[accepted].median() if accepted.any() else torch.tensor(float("nan"))
+    if policy.screen_factor > 0 and not policy.dp and accepted.any() and updates:
+        outlier = accepted & (relative_sizes(updates, accepted, kind) > policy.screen_factor)
+        accepted = accepted & ~outlier
+        metrics["rejected_norm"] = float(outlier.sum())
+    else:
+        metrics["rejected_norm"] = 0.0
+    metrics["median_update_norm"] = float(median)
+    if not accepted.any() or not updates:
+        metrics["accepted"] = float(accepted.sum())
+        if not accepted.any():
+            return server, accepted, metrics  # nothing trustworthy arrived: keep the model
+        idx = accepted.nonzero()[:, 0]
+        sub = {k: v.index_select(0, idx) for k, v in flatten(replies).items()}
+        return (
+            algorithm.server_update(server, unflatten(sub), weights.index_select(0, idx)),
+            accepted,
+            metrics,
+        )
+
+    # Clipping: a per-client factor min(1, bound / ‖Δ_i‖) on every update leaf; rows that
+    # are not clipped keep their reply bit for bit.
+    processed = flatten(replies)
+    clip = None
+    if policy.dp:
+        bound = torch.tensor(policy.dp_clip, dtype=torch.float64)
+        clip = accepted & (norms > bound)
+        factor = torch.where(clip, bound / norms.clamp_min(1e-300), torch.ones_like(norms))
+        metrics["clip_bound"] = float(bound)
+    elif policy.clip_factor > 0 and kind != "custom":
+        size = relative_sizes(updates, accepted, kind)
+        clip = accepted & (size > policy.clip_factor)
+        factor = torch.where(clip, policy.clip_factor / size, torch.ones_like(size))
+        if kind != "sum":
+            metrics["clip_bound"] = float(policy.clip_factor * norms[accepted].median())
+    if clip is not None:
+        for key, u in updates.items():
+            shape = (n, *([1] * (u.dim() - 1)))
+            updates[key] = u * factor.to(u.dtype).reshape(shape)
+            processed[key] = torch.where(
+                clip.reshape(shape), (updates[key] + refs[key]).to(u.dtype), processed[key]
+            )
+        metrics["clipped"] = float(clip.sum())
+
+    used = accepted
+    if policy.rule == "krum":
+        idx = accepted.nonzero()[:, 0]
+        parts = [updates[k].index_select(0, idx).reshape(len(idx), -1).double() for k in updates]
+        if kind == "sum":  # statistics in different units: each leaf by its median norm
+            parts = [p / p.norm(dim=1).median().clamp_min(1e-300) for p in parts]
+        flat = torch.cat(parts, 1)
+        scores = krum_scores(flat, policy.krum_byzantine)
+        m = policy.krum_select or max(1, len(idx) - policy.krum_byzantine)
+        keep = idx[scores.argsort(stable=True)[: min(m, len(idx))]]
+        selected = torch.zeros(n, dtype=torch.bool)
+        selected[keep] = True
+        metrics["krum_dropped"] = float((accepted & ~selected).sum())
+        # Not selected is not rejected: the client keeps its private progress (an honest
+        # but atypical sensor would otherwise be frozen round after round).
+        used = selected
+
+    idx = used.nonzero()[:, 0]
+    k = len(idx)
+    if policy.rule in ("median", "trimmed_mean") or policy.dp:
+        chosen = {key: u.index_select(0, idx) for key, u in updates.items()}
+        if policy.dp:
+            # DP-FedAvg: (Σ clipped Δ_i + N(0, σ²C²·I)) / k with uniform weights.
+            gen = torch.Generator().manual_seed(int(round_seed) % (2**63))
+            std = policy.dp_noise_multiplier * policy.dp_clip
+            estimate = {}
+            for key, u in chosen.items():
+                noise = torch.randn(u.shape[1:], generator=gen, dtype=torch.float64)
+                estimate[key] = (u.sum(0) + (std * noise).to(u.dtype)) / k
+            weights = torch.ones_like(weights)
+            metrics["dp_noise_std"] = float(std)
+        else:
+            estimate = coordinate_rule(chosen, policy.rule, policy.trim_fraction)
+        # The estimate replicated over the accepted clients: their mean is the estimate,
+        # their sum k × the estimate (see the module docstring).
+        for key, u in updates.items():
+            processed[key] = (estimate[key] + refs[key]).to(u.dtype).expand(u.shape).clone()
+
+    sub = {key: v.index_select(0, idx) for key, v in processed.items()}
+    metrics["accepted"] = float(k)
+    new_server = algorithm.server_update(server, unflatten(sub), weights.index_select(0, idx))
+    return new_server, accepted, metrics

@@ -1,0 +1,261 @@
+"""Screening, clipping, robust rules, DP noise and weight caps of core.aggregation, by hand."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import pytest
+import torch
+
+from fedcal.core.aggregation import (
+    PLAIN,
+    AggregationError,
+    AggregationPolicy,
+    aggregate,
+    check_policy,
+    krum_scores,
+)
+from fedcal.core.algorithm import Algorithm, ClientResult
+
+F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class MeanAlg(Algorithm):
+    """The base server update: weighted mean of replies["model"]."""
+
+    name: ClassVar[str] = "toy_mean"
+
+    def client_update(self, down, state, data):  # never called here
+        return ClientResult({}, {}, {})
+
+
+@dataclass(frozen=True)
+class SumAlg(MeanAlg):
+    name: ClassVar[str] = "toy_sum"
+    reply_aggregation: ClassVar[str] = "sum"
+
+    def server_update(self, server, replies, weights):
+        return {"stat": replies["stat"].sum(0)}
+
+
+@dataclass(frozen=True)
+class CustomAlg(MeanAlg):
+    name: ClassVar[str] = "toy_custom"
+    reply_aggregation: ClassVar[str] = "custom"
+
+
+def rows(*vectors) -> dict:
+    return {"model": {"w": torch.tensor(vectors, dtype=F64)}}
+
+
+SERVER = {"model": {"w": torch.zeros(2, dtype=F64)}}
+ONES4 = torch.ones(4, dtype=F64)
+
+
+def run(alg, replies, policy, weights=None, **kw):
+    n = replies["model"]["w"].shape[0] if "model" in replies else replies["stat"].shape[0]
+    weights = torch.ones(n, dtype=F64) if weights is None else weights
+    server = SERVER if "model" in replies else {"stat": torch.zeros(2, dtype=F64)}
+    return aggregate(alg(task=None), server, server, replies, weights, policy, 0, **kw)
+
+
+def test_plain_policy_is_the_algorithms_own_aggregate_bit_for_bit():
+    replies = rows([0.1, 0.2], [0.3, -0.7], [1.1, 0.05])
+    new, accepted, _ = run(MeanAlg, replies, PLAIN)
+    expected = MeanAlg(task=None).server_update(SERVER, replies, torch.ones(3, dtype=F64))
+    assert torch.equal(new["model"]["w"], expected["model"]["w"])
+    assert accepted.tolist() == [True, True, True]
+
+
+def test_non_finite_reply_is_rejected_and_the_rest_averaged():
+    new, accepted, m = run(MeanAlg, rows([1.0, 2.0], [float("nan"), 0.0], [3.0, 4.0]), PLAIN)
+    assert accepted.tolist() == [True, False, True]
+    assert new["model"]["w"].tolist() == [2.0, 3.0]
+    assert m["rejected_nonfinite"] == 1.0
+
+
+def test_all_rejected_keeps_the_server():
+    new, accepted, _ = run(MeanAlg, rows([float("inf"), 0.0]), PLAIN)
+    assert new is SERVER and accepted.tolist() == [False]
+
+
+def test_eligible_mask_from_the_engine_rejects_too():
+    eligible = torch.tensor([True, False, True])
+    new, accepted, _ = run(MeanAlg, rows([1.0, 0], [9.0, 0], [3.0, 0]), PLAIN, eligible=eligible)
+    assert accepted.tolist() == [True, False, True] and new["model"]["w"].tolist() == [2.0, 0.0]
+
+
+def test_norm_outlier_screened_relative_to_the_cohort_median():
+    # Norms 1, 1, 2, 50: median 1.5, screen at 10 × 1.5 = 15 → the 50 goes.
+    replies = rows([1.0, 0], [0, 1.0], [2.0, 0], [0, 50.0])
+    policy = AggregationPolicy(screen_factor=10.0, clip_factor=0.0)
+    new, accepted, m = run(MeanAlg, replies, policy)
+    assert accepted.tolist() == [True, True, True, False]
+    assert m["rejected_norm"] == 1.0
+    assert torch.allclose(new["model"]["w"], torch.tensor([1.0, 1 / 3], dtype=F64))
+
+
+def test_adaptive_clipping_by_hand():
+    # Norms 1, 1, 1, 5: median 1, bound 3 × 1 = 3 → the last becomes (0, 3).
+    replies = rows([1.0, 0], [1.0, 0], [0, 1.0], [0, 5.0])
+    policy = AggregationPolicy(screen_factor=0.0, clip_factor=3.0)
+    new, accepted, m = run(MeanAlg, replies, policy)
+    assert accepted.all() and m["clipped"] == 1.0 and m["clip_bound"] == 3.0
+    assert torch.allclose(new["model"]["w"], torch.tensor([0.5, 1.0], dtype=F64))
+
+
+def test_clipping_is_relative_to_the_broadcast():
+    server = {"model": {"w": torch.tensor([10.0, 10.0], dtype=F64)}}
+    # Updates (1, 0), (0, 1), (0, 1), (0, 5) → the last clipped to (0, 3): mean (0.25, 1.25).
+    replies = rows([11.0, 10.0], [10.0, 11.0], [10.0, 11.0], [10.0, 15.0])
+    policy = AggregationPolicy(screen_factor=0.0, clip_factor=3.0)
+    new, _, _ = aggregate(MeanAlg(task=None), server, server, replies, ONES4, policy, 0)
+    assert torch.allclose(new["model"]["w"], torch.tensor([10.25, 11.25], dtype=F64))
+
+
+def test_coordinate_median_even_cohort_takes_the_middle_pair():
+    replies = rows([1.0, 10.0], [2.0, -5.0], [100.0, 0.0], [3.0, 1.0])
+    policy = AggregationPolicy(rule="median", screen_factor=0.0, clip_factor=0.0)
+    new, accepted, _ = run(MeanAlg, replies, policy)
+    # Sorted columns: (1, 2, 3, 100) → 2.5; (−5, 0, 1, 10) → 0.5.
+    assert accepted.all() and new["model"]["w"].tolist() == [2.5, 0.5]
+
+
+def test_trimmed_mean_cuts_each_end():
+    replies = rows([1.0, 0], [2.0, 0], [3.0, 0], [4.0, 0], [1000.0, 0])
+    policy = AggregationPolicy(
+        rule="trimmed_mean", trim_fraction=0.2, screen_factor=0.0, clip_factor=0.0
+    )
+    new, _, _ = run(MeanAlg, replies, policy)
+    assert new["model"]["w"].tolist() == [3.0, 0.0]  # mean of 2, 3, 4
+
+
+def test_median_of_a_sum_algorithm_is_the_robust_sum():
+    stats = {"stat": torch.tensor([[1.0, 2.0], [2.0, 2.0], [3.0, 900.0]], dtype=F64)}
+    policy = AggregationPolicy(rule="median", screen_factor=0.0, clip_factor=0.0)
+    new, _, _ = run(SumAlg, stats, policy)
+    assert new["stat"].tolist() == [6.0, 6.0]  # 3 × coordinate median (2, 2)
+
+
+def test_krum_scores_against_brute_force_and_selection():
+    rng = np.random.default_rng(0)
+    pts = np.vstack([rng.normal(0, 0.1, (5, 3)), [[8.0, 8.0, 8.0]]])
+    f = 1
+    scores = krum_scores(torch.tensor(pts), f).numpy()
+    n = len(pts)
+    for i in range(n):
+        d = sorted(((pts[i] - pts[j]) ** 2).sum() for j in range(n) if j != i)
+        assert scores[i] == pytest.approx(sum(d[: n - f - 2]))
+    replies = {"model": {"w": torch.tensor(pts, dtype=F64)}}
+    server = {"model": {"w": torch.zeros(3, dtype=F64)}}
+    policy = AggregationPolicy(rule="krum", krum_byzantine=1, screen_factor=0, clip_factor=0)
+    new, accepted, m = aggregate(
+        MeanAlg(task=None), server, server, replies, torch.ones(n, dtype=F64), policy, 0
+    )
+    # Left out of the mean, but not rejected: its private state is kept.
+    assert accepted.all() and m["krum_dropped"] == 1.0 and m["accepted"] == 5.0
+    assert np.allclose(new["model"]["w"].numpy(), pts[:5].mean(0))
+
+
+def test_weight_cap_bounds_a_declared_row_count():
+    replies = rows([1.0, 0], [0, 1.0])
+    # A FedAvg-style sample-weighted server; the second client claims 1e9 rows.
+    alg = MeanAlg(task=None, sample_weighted=True)
+    weights = torch.tensor([10.0, 1e9], dtype=F64)
+    cap = torch.tensor([10.0, 30.0], dtype=F64)
+    new, _, _ = aggregate(alg, SERVER, SERVER, replies, weights, PLAIN, 0, weight_cap=cap)
+    assert torch.allclose(new["model"]["w"], torch.tensor([0.25, 0.75], dtype=F64))
+
+
+def test_dp_noise_is_seeded_and_has_the_calibrated_scale():
+    replies = rows([3.0, 4.0], [0.0, 1.0], [0.0, 0.0])  # norms 5, 1, 0
+    policy = AggregationPolicy(dp_noise_multiplier=2.0, dp_clip=1.0)
+    a, _, m = aggregate(MeanAlg(task=None), SERVER, SERVER, replies, torch.ones(3), policy, 42)
+    b, _, _ = aggregate(MeanAlg(task=None), SERVER, SERVER, replies, torch.ones(3), policy, 42)
+    c, _, _ = aggregate(MeanAlg(task=None), SERVER, SERVER, replies, torch.ones(3), policy, 43)
+    assert torch.equal(a["model"]["w"], b["model"]["w"])
+    assert not torch.equal(a["model"]["w"], c["model"]["w"])
+    # Clipped to C = 1: (0.6, 0.8), (0, 1), (0, 0); noise σC·z from the round's generator.
+    z = torch.randn(2, generator=torch.Generator().manual_seed(42), dtype=F64)
+    expected = (torch.tensor([0.6, 1.8], dtype=F64) + 2.0 * z) / 3
+    assert torch.allclose(a["model"]["w"], expected)
+    assert m["dp_noise_std"] == 2.0
+
+
+def test_custom_server_updates_refuse_coordinate_rules_and_dp():
+    with pytest.raises(AggregationError, match="toy_custom: rule 'median'"):
+        check_policy(CustomAlg(task=None), AggregationPolicy(rule="median"))
+    with pytest.raises(AggregationError, match="DP"):
+        check_policy(CustomAlg(task=None), AggregationPolicy(dp_noise_multiplier=1, dp_clip=1))
+    check_policy(CustomAlg(task=None), AggregationPolicy(rule="krum"))  # allowed
+
+
+def test_custom_gets_no_clipping():
+    replies = rows([1.0, 0], [1.0, 0], [0, 1.0], [0, 5.0])
+    policy = AggregationPolicy(screen_factor=0.0, clip_factor=3.0)
+    new, _, _ = run(CustomAlg, replies, policy)
+    assert torch.allclose(new["model"]["w"], torch.tensor([0.5, 1.5], dtype=F64))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"rule": "mode"}, "aggregation rule 'mode'"),
+        ({"clip_factor": 0.5}, "clip_factor"),
+        ({"trim_fraction": 0.5}, "trim_fraction"),
+        ({"dp_noise_multiplier": 1.0}, "clip bound"),
+        ({"dp_noise_multiplier": 1.0, "dp_clip": 1.0, "rule": "median"}, "clipped mean"),
+        ({"screen_factor": float("nan")}, "screen_factor"),
+    ],
+)
+def test_policy_validation(kwargs, message):
+    with pytest.raises(AggregationError, match=message):
+        AggregationPolicy(**kwargs)
+
+
+def test_a_sum_servers_replies_are_contributions_even_when_named_like_the_broadcast():
+    # fedprior broadcasts and receives a leaf of the same name; a sum is never a model delta.
+    server = {"stat": torch.tensor([100.0, 100.0], dtype=F64)}
+    stats = {"stat": torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 5.0]], dtype=F64)}
+    policy = AggregationPolicy(screen_factor=0.0, clip_factor=3.0)
+    new, _, _ = aggregate(SumAlg(task=None), server, server, stats, ONES4, policy, 0)
+    assert new["stat"].tolist() == [2.0, 4.0]  # norms 1, 1, 1, 5 → the last clipped to (0, 3)
+
+
+def test_sum_statistics_are_sized_leaf_by_leaf():
+    # A Gram-like leaf 1e9 times larger than the label-dependent leaf: joint norms would
+    # hide a ×1000 poisoned right-hand side; per-leaf ratios to the median expose it.
+    gram = torch.full((4, 2), 1e9, dtype=F64)
+    rhs = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1000.0, 0.0]], dtype=F64)
+    server = {"gram": torch.zeros(2, dtype=F64), "rhs": torch.zeros(2, dtype=F64)}
+
+    @dataclass(frozen=True)
+    class Stats(SumAlg):
+        def server_update(self, server, replies, weights):
+            return {k: v.sum(0) for k, v in replies.items()}
+
+    replies = {"gram": gram, "rhs": rhs}
+    screen = AggregationPolicy(screen_factor=10.0, clip_factor=0.0)
+    new, accepted, _ = aggregate(Stats(task=None), server, server, replies, ONES4, screen, 0)
+    assert accepted.tolist() == [True, True, True, False]
+    assert new["rhs"].tolist() == [2.0, 2.0] and new["gram"].tolist() == [3e9, 3e9]
+    # Clipping: one factor per client on every leaf (rhs sizes 1, 1, √2, 1000; torch.median
+    # takes the lower middle, 1).
+    clip = AggregationPolicy(screen_factor=0.0, clip_factor=3.0)
+    new, accepted, m = aggregate(Stats(task=None), server, server, replies, ONES4, clip, 0)
+    median = float(torch.tensor([1.0, 1.0, 2**0.5, 1000.0], dtype=F64).median())
+    factor = 3.0 * median / 1000.0
+    assert accepted.all() and m["clipped"] == 1.0
+    assert torch.allclose(new["gram"], torch.tensor([(3 + factor) * 1e9] * 2, dtype=F64))
+    assert torch.allclose(new["rhs"], torch.tensor([2 + 1000 * factor, 2.0], dtype=F64))
+
+
+def test_an_algorithm_may_refuse_rules_that_break_its_statistics():
+    from fedcal.algorithms.fedprior import FedPrior
+
+    assert FedPrior.robust_rules == ("mean", "krum")
+    with pytest.raises(AggregationError, match="fedprior: rule 'median' is refused"):
+        check_policy(FedPrior.__new__(FedPrior), AggregationPolicy(rule="median"))
