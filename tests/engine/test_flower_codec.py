@@ -41,6 +41,7 @@ from fedcal.engine.flower.protocol import (
     state_path,
 )
 from fedcal.engine.simulation import EngineConfig, prepare, simulate
+from fedcal.experiment import build_policy
 
 REGRESSION = sorted(n for n, c in REGISTRY.items() if c.task_kind == "regression")
 CONFIG = RunConfig(
@@ -52,6 +53,8 @@ CONFIG = RunConfig(
     # (1e-16) grows to 1e-5. A prior those sensors do identify keeps the 1e-10 equality.
     method_params={"fedprior": {"orders": [1, 1], "init_noise": 0.1}},
 )
+# The server step of a real run: the [aggregation] policy of the config (screen, clip).
+POLICY = build_policy(CONFIG)[0]
 
 
 def _node_cfgs(fleet: Fleet, tmp_path, **allow) -> dict[int, dict]:
@@ -206,7 +209,9 @@ def test_every_regression_algorithm_equals_the_simulator(method, make_fleet, tmp
     assert fed.rejected == {} and all(f == {} for f in fed.failed.values())
     alg = build(CONFIG, method, 2)
     res = simulate(
-        alg, prepare(fleet, dtype="float64"), EngineConfig(rounds=3, seed=4, dtype="float64")
+        alg,
+        prepare(fleet, dtype="float64"),
+        EngineConfig(rounds=3, seed=4, dtype="float64", aggregation=POLICY),
     )
     _assert_same_as_simulator(fed, res, cfgs, 11, fleet)
 
@@ -224,7 +229,9 @@ def test_partial_participation_and_sparse_evaluation_follow_the_simulator(
     _run_in_process(fed, cfgs, run_id=5)
     assert [len(e["trained"]) for e in fed.log] == [2, 2, 2, 2]
     assert sorted({r["round"] for r in fed.history}) == [3, 4]
-    engine = EngineConfig(rounds=4, seed=2, dtype="float64", participation=0.5, eval_every=3)
+    engine = EngineConfig(
+        rounds=4, seed=2, dtype="float64", participation=0.5, eval_every=3, aggregation=POLICY
+    )
     res = simulate(build(config, method, 2), prepare(fleet, dtype="float64"), engine)
     _assert_same_as_simulator(fed, res, cfgs, 5, fleet)
 
@@ -238,7 +245,9 @@ def test_federated_scaling_goes_through_the_handshake(make_fleet, tmp_path) -> N
     tensors = prepare(fleet, scaling="federated", dtype="float64")
     assert fed.scaler.x_offset.tobytes() == tensors.scaler.x_offset.tobytes()
     res = simulate(
-        build(config, "fedavg", 2), tensors, EngineConfig(rounds=2, seed=1, dtype="float64")
+        build(config, "fedavg", 2),
+        tensors,
+        EngineConfig(rounds=2, seed=1, dtype="float64", aggregation=POLICY),
     )
     _assert_same_as_simulator(fed, res, cfgs, 2, fleet)
 
@@ -259,7 +268,7 @@ def test_failed_client_sits_out_and_its_state_file_stays_at_its_last_round(
     res = simulate(
         build(CONFIG, "fedper", 2),
         prepare(fleet, dtype="float64"),
-        EngineConfig(rounds=1, seed=0, dtype="float64"),
+        EngineConfig(rounds=1, seed=0, dtype="float64", aggregation=POLICY),
     )
     for k, v in flatten(res.states).items():
         assert torch.allclose(saved["state"][k], v[2], rtol=0, atol=1e-12), k
@@ -305,7 +314,7 @@ def test_float32_runs_match_the_simulator_too(make_fleet, tmp_path) -> None:
     fed = Federation(config, "fedgmi", seed=4)
     _run_in_process(fed, cfgs, run_id=12)
     assert all(v.dtype == torch.float32 for v in flatten(fed.server).values())
-    engine = EngineConfig(rounds=3, seed=4, dtype="float32")
+    engine = EngineConfig(rounds=3, seed=4, dtype="float32", aggregation=POLICY)
     res = simulate(build(config, "fedgmi", 2), prepare(fleet, dtype="float32"), engine)
     flower, sim = pd.DataFrame(fed.history), pd.DataFrame(res.history)
     # float32: summation order over padded rows differs → agreement to ~1e-6 relative
@@ -326,7 +335,7 @@ def test_fedgmi_posterior_variants_equal_the_simulator(extra, make_fleet, tmp_pa
     cfgs = _node_cfgs(fleet, tmp_path)
     fed = Federation(config, "fedgmi_posterior", seed=4)
     _run_in_process(fed, cfgs, run_id=13)
-    engine = EngineConfig(rounds=3, seed=4, dtype="float64")
+    engine = EngineConfig(rounds=3, seed=4, dtype="float64", aggregation=POLICY)
     res = simulate(build(config, "fedgmi_posterior", 2), prepare(fleet, dtype="float64"), engine)
     assert "head_cov" in flatten(res.personal)  # the posterior mode really ran
     _assert_same_as_simulator(fed, res, cfgs, 13, fleet)

@@ -47,6 +47,7 @@ from fedcal.engine.flower.local import LocalDeployment, make_node_key, stop_tree
 from fedcal.engine.flower.nodes import node_config, prepare_node_files
 from fedcal.engine.flower.protocol import build, config_to_json, load_state, state_path
 from fedcal.engine.simulation import EngineConfig, prepare, simulate
+from fedcal.experiment import build_policy
 
 APP = Path(__file__).resolve().parents[2] / "flower"
 ROUNDS, SEED = 2, 3
@@ -55,6 +56,8 @@ CONFIG = RunConfig(
     train=TrainConfig(lr=0.1, local_epochs=2, batch_size=4),
     engine=EngineSection(rounds=ROUNDS, dtype="float64"),
 )
+# The server step of a real run: the [aggregation] policy of the config (screen, clip).
+POLICY = build_policy(CONFIG)[0]
 METHODS = ("fedgmi", "fedavg", "fedper", "ditto")
 TIMINGS: dict[str, dict] = {}
 
@@ -139,7 +142,7 @@ def equivalence_runs(setup: Setup) -> dict[str, tuple[dict, dict, float]]:
 
 def _simulate(setup: Setup, method: str, rounds: int = ROUNDS):
     tensors = prepare(setup.fleet, dtype="float64")
-    engine = EngineConfig(rounds=rounds, seed=SEED, dtype="float64")
+    engine = EngineConfig(rounds=rounds, seed=SEED, dtype="float64", aggregation=POLICY)
     t0 = time.perf_counter()
     res = simulate(build(CONFIG, method, 2), tensors, engine)
     return res, time.perf_counter() - t0

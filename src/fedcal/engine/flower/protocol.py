@@ -314,13 +314,21 @@ def _flat(tree: Mapping) -> dict:
 # ----------------------------------------------------------------------------
 # server side
 # ----------------------------------------------------------------------------
-def aggregate(algorithm: Algorithm, server: Tree, replies: Tree, weights) -> Tree:
+def aggregate(
+    algorithm: Algorithm, server: Tree, replies: Tree, weights, policy, round_seed: int
+) -> tuple[Tree, object, dict]:
     """The one step where (validated) replies stacked ``(clients, …)`` become the next server.
 
-    Today the algorithm's own ``server_update`` with the capped row counts as
-    weights; screening, clipping or robust rules plug in here.
+    The simulator's own step (:func:`fedcal.core.aggregation.aggregate`): screening,
+    clipping, the robust rule and DP noise of the run's ``[aggregation]`` /
+    ``[privacy]`` policy, then the algorithm's ``server_update``, with the capped
+    row counts as weights and the simulator's seed for the noise — so a Flower
+    run equals the simulator's. Returns ``(server, accepted, metrics)``.
     """
-    return algorithm.server_update(server, replies, weights)
+    from fedcal.core.aggregation import aggregate as aggregate_replies
+
+    down = algorithm.broadcast(server)
+    return aggregate_replies(algorithm, server, down, replies, weights, policy, round_seed)
 
 
 def stack_padded(trees: list[Mapping]) -> Tree:
@@ -391,6 +399,7 @@ class Federation:
         self.num_features = 0
         self.server = None
         self.algorithm = None
+        self.policy = None
         self.scaler = None
 
     # -- handshake ----------------------------------------------------------
@@ -468,6 +477,9 @@ class Federation:
         )
         self.algorithm = build(self.config, self.method, len(features))
         self.num_features = len(features)
+        from fedcal.experiment import build_policy
+
+        self.policy = build_policy(self.config)[0]
         gen = torch.Generator().manual_seed(self.seed)
         params = self.algorithm.task.model.init(gen, DTYPES[self.dtype])
         self.server = self.algorithm.server_init(params)
@@ -636,7 +648,21 @@ class Federation:
             [capped_weight(self.members[n].num_train, claimed[n]) for n in done],
             dtype=torch.float64,
         )
-        self.server = aggregate(self.algorithm, self.server, stacked, weights)
+        from fedcal.core.data import client_round_seed
+        from fedcal.engine.simulation import AGGREGATION
+
+        seed = client_round_seed(self.seed, t, 0, AGGREGATION)
+        self.server, accepted, agg = aggregate(
+            self.algorithm, self.server, stacked, weights, self.policy, seed
+        )
+        entry["aggregation"] = agg
+        screened = [
+            self.members[n].client_index
+            for n, ok in zip(done, accepted.tolist(), strict=True)
+            if not ok
+        ]
+        if screened:  # their private state on the node is not rolled back (said in README)
+            entry["screened"] = screened
         entry["bytes_up"] = num_bytes(stacked, per_client_axis=True) * len(done)
 
     def final_rows(self) -> list[dict]:
