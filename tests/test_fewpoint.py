@@ -145,6 +145,12 @@ def test_sweep_runs_are_labelled_and_aggregated_per_design(tmp_path):
         ["4x3", "fedpoly_p3"],
     ]
     assert (table["seeds"] == 2).all()  # 1 training seed × 2 fleet seeds
+    # Each run trained on its own variant: the new units' points follow the design.
+    for design in ("3x2", "4x3"):
+        runs = summary.query(f"design == '{design}' and method == 'polynomial'")
+        assert runs["rmse_mean_new"].nunique() == 2  # two fleets, two results
+    worse = summary.query("method == 'polynomial'").groupby("design")["rmse_mean_new"].mean()
+    assert worse["3x2"] > 5 * worse["4x3"]  # 6 points cannot do what 12 do
     expected = summary.query("design == '4x3' and method == 'polynomial'")["rmse_mean_new"].mean()
     got = table.query("design == '4x3' and method == 'polynomial'")["rmse_mean_new"].item()
     assert got == pytest.approx(expected)

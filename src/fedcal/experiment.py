@@ -563,7 +563,6 @@ def run_experiment(
     refused: dict[str, str] = {}
     for labels, variant, tp in [(lab, f, tp) for lab, f in variants for tp in train_points]:
         subset = variant.with_train_points(tp or None, seed=config.data.split_seed)
-        subset = fleet.with_train_points(tp or None, seed=config.data.split_seed)
         tensors = prepare(subset, config.data.scaling, config.engine.dtype)
         task = build_task(config, tensors.train.x.shape[-1], subset.meta, client_inputs(tensors))
         built = []
