@@ -20,7 +20,7 @@ def broken_run_dir(tmp_path):
 def test_internal_error_is_one_line_with_the_debug_hint(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         app(["report", str(broken_run_dir(tmp_path))])
-    assert exit_.value.code == 1
+    assert exit_.value.code == 3
     err = capsys.readouterr().err
     assert err == (
         "fedcal: internal error: KeyError: 'method' (run with --debug for the full trace)\n"
@@ -48,7 +48,7 @@ def test_a_real_process_prints_no_traceback_and_no_locals(tmp_path):
     cmd = [sys.executable, "-c", "from fedcal.cli import app; app()", "report"]
     run_dir = str(broken_run_dir(tmp_path))
     quiet = subprocess.run([*cmd, run_dir], env=env, capture_output=True, text=True, timeout=120)
-    assert quiet.returncode == 1
+    assert quiet.returncode == 3
     assert "Traceback" not in quiet.stderr and len(quiet.stderr.strip().splitlines()) == 1
     loud = subprocess.run(
         [*cmd, run_dir, "--debug"], env=env, capture_output=True, text=True, timeout=120

@@ -38,7 +38,7 @@ class SumAlg(MeanAlg):
     reply_aggregation: ClassVar[str] = "sum"
 
     def server_update(self, server, replies, weights):
-        return {"stat": replies["stat"].sum(0)}
+        return {k: v.sum(0) for k, v in replies.items()}
 
 
 @dataclass(frozen=True)
@@ -216,13 +216,30 @@ def test_policy_validation(kwargs, message):
         AggregationPolicy(**kwargs)
 
 
-def test_a_sum_servers_replies_are_contributions_even_when_named_like_the_broadcast():
-    # fedprior broadcasts and receives a leaf of the same name; a sum is never a model delta.
+def test_a_sum_servers_statistics_are_never_clipped():
+    # fedprior broadcasts and receives a leaf of the same name; a sum is never a model delta,
+    # and scaling one unit's statistics would corrupt them (screening is what guards sums).
     server = {"stat": torch.tensor([100.0, 100.0], dtype=F64)}
     stats = {"stat": torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 5.0]], dtype=F64)}
     policy = AggregationPolicy(screen_factor=0.0, clip_factor=3.0)
-    new, _, _ = aggregate(SumAlg(task=None), server, server, stats, ONES4, policy, 0)
-    assert new["stat"].tolist() == [2.0, 4.0]  # norms 1, 1, 1, 5 → the last clipped to (0, 3)
+    new, _, metrics = aggregate(SumAlg(task=None), server, server, stats, ONES4, policy, 0)
+    assert new["stat"].tolist() == [2.0, 6.0] and "clipped" not in metrics
+
+
+def test_units_of_other_sizes_are_not_outliers_but_a_poisoned_one_is():
+    """Rows 384, 6, 6, 6: Gram sums grow with rows, a posterior mean does not."""
+    rows = torch.tensor([384.0, 6.0, 6.0, 6.0], dtype=F64)
+    gram = rows.unsqueeze(1) * torch.ones(4, 2, dtype=F64)  # grows with n
+    mean = torch.ones(4, 2, dtype=F64)  # does not
+    server = {"gram": torch.zeros(2, dtype=F64), "mean": torch.zeros(2, dtype=F64)}
+    screen = AggregationPolicy(screen_factor=10.0, clip_factor=0.0)
+    honest = {"gram": gram, "mean": mean}
+    _, accepted, _ = aggregate(SumAlg(task=None), server, server, honest, rows, screen, 0)
+    assert accepted.all()  # 64× the others' Gram sum, but not per row
+    poisoned = {"gram": gram, "mean": mean.clone()}
+    poisoned["mean"][2] *= 1000.0  # labels ×1000 on a small unit
+    _, accepted, _ = aggregate(SumAlg(task=None), server, server, poisoned, rows, screen, 0)
+    assert accepted.tolist() == [True, True, False, True]
 
 
 def test_sum_statistics_are_sized_leaf_by_leaf():
@@ -242,15 +259,6 @@ def test_sum_statistics_are_sized_leaf_by_leaf():
     new, accepted, _ = aggregate(Stats(task=None), server, server, replies, ONES4, screen, 0)
     assert accepted.tolist() == [True, True, True, False]
     assert new["rhs"].tolist() == [2.0, 2.0] and new["gram"].tolist() == [3e9, 3e9]
-    # Clipping: one factor per client on every leaf (rhs sizes 1, 1, √2, 1000; torch.median
-    # takes the lower middle, 1).
-    clip = AggregationPolicy(screen_factor=0.0, clip_factor=3.0)
-    new, accepted, m = aggregate(Stats(task=None), server, server, replies, ONES4, clip, 0)
-    median = float(torch.tensor([1.0, 1.0, 2**0.5, 1000.0], dtype=F64).median())
-    factor = 3.0 * median / 1000.0
-    assert accepted.all() and m["clipped"] == 1.0
-    assert torch.allclose(new["gram"], torch.tensor([(3 + factor) * 1e9] * 2, dtype=F64))
-    assert torch.allclose(new["rhs"], torch.tensor([2 + 1000 * factor, 2.0], dtype=F64))
 
 
 def test_an_algorithm_may_refuse_rules_that_break_its_statistics():

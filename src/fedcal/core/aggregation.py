@@ -182,25 +182,40 @@ def finite_rows(tree: Tree) -> Tensor:
     return ok
 
 
-def relative_sizes(updates: dict[str, Tensor], accepted: Tensor, kind: str) -> Tensor:
+def relative_sizes(
+    updates: dict[str, Tensor], accepted: Tensor, kind: str, rows: Tensor | None = None
+) -> Tensor:
     """Each client's update size relative to the accepted cohort's median, (clients,).
 
     A model update is one vector: ‖Δ_i‖ / median_j ‖Δ_j‖. A ``"sum"`` reply is a set
     of statistics in different units (a Gram matrix may be 10⁹ times its right-hand
     side, and a poisoned label moves only the latter): the size is the largest
     per-leaf ratio, max_l ‖Δ_il‖ / median_j ‖Δ_jl‖, so no leaf hides behind another.
+    Statistics also grow with a client's rows (``rows``): a unit calibrated with 384
+    points is not an outlier among units with 6. A leaf counts as outlying only if it
+    is so both as it is and per row (‖Δ_il‖/n_i against the median of the same), so
+    neither the leaves that grow with n (Gram sums) nor those that do not (a
+    posterior mean) flag an honest unit of another size; a poisoned target grows both.
     """
     n = int(accepted.shape[0])
     if kind != "sum":
         norms = update_norms(updates, n)
         median = norms[accepted].median()
         return norms / median if median > 0 else torch.zeros_like(norms)
+    per_row = None if rows is None else rows.to(torch.float64).clamp_min(1.0)
     ratio = torch.zeros(n, dtype=torch.float64)
     for u in updates.values():
         norms = u.reshape(n, -1).to(torch.float64).norm(dim=1)
         median = norms[accepted].median()
-        if median > 0:
-            ratio = torch.maximum(ratio, norms / median)
+        if median <= 0:
+            continue
+        leaf = norms / median
+        if per_row is not None:
+            scaled = norms / per_row
+            scaled_median = scaled[accepted].median()
+            if scaled_median > 0:
+                leaf = torch.minimum(leaf, scaled / scaled_median)
+        ratio = torch.maximum(ratio, leaf)
     return ratio
 
 
@@ -268,7 +283,8 @@ def aggregate(
     metrics: dict[str, float] = {"rejected_nonfinite": float(nonfinite)}
     median = norms[accepted].median() if accepted.any() else torch.tensor(float("nan"))
     if policy.screen_factor > 0 and not policy.dp and accepted.any() and updates:
-        outlier = accepted & (relative_sizes(updates, accepted, kind) > policy.screen_factor)
+        sizes = relative_sizes(updates, accepted, kind, weights)
+        outlier = accepted & (sizes > policy.screen_factor)
         accepted = accepted & ~outlier
         metrics["rejected_norm"] = float(outlier.sum())
     else:
@@ -295,12 +311,13 @@ def aggregate(
         clip = accepted & (norms > bound)
         factor = torch.where(clip, bound / norms.clamp_min(1e-300), torch.ones_like(norms))
         metrics["clip_bound"] = float(bound)
-    elif policy.clip_factor > 0 and kind != "custom":
+    elif policy.clip_factor > 0 and kind == "mean":
+        # Statistics are not clipped: scaling a unit's Gram sum and its second moments by
+        # one factor is no bounded contribution but a corrupted one (screening covers them).
         size = relative_sizes(updates, accepted, kind)
         clip = accepted & (size > policy.clip_factor)
         factor = torch.where(clip, policy.clip_factor / size, torch.ones_like(size))
-        if kind != "sum":
-            metrics["clip_bound"] = float(policy.clip_factor * norms[accepted].median())
+        metrics["clip_bound"] = float(policy.clip_factor * norms[accepted].median())
     if clip is not None:
         for key, u in updates.items():
             shape = (n, *([1] * (u.dim() - 1)))
