@@ -261,16 +261,17 @@ class FedPrior(Algorithm):
         if not torch.any(support != 0):
             return {"informed_units": [], "weak_terms": [], "weak_directions": 0}
         vals, vecs = torch.linalg.eigh(0.5 * (support + support.T))
-        weak = []
+        weak, directions = [], 0
         for k in range(len(vals)):
             if vals[k] < self.min_informed:
+                directions += 1
                 loading = vecs[:, k].abs()
                 big = torch.nonzero(loading >= 0.5 * loading.max())[:, 0].tolist()
                 weak += [term_name(self.terms[j]) for j in big]
         return {
             "informed_units": [round(float(v), 3) for v in vals],
             "weak_terms": sorted(set(weak)),
-            "weak_directions": len(weak),
+            "weak_directions": directions,
         }
 
     def export_state(self, server: Tree) -> dict[str, Any]:
