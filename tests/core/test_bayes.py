@@ -31,6 +31,14 @@ def _problem(seed: int = 0, clients: int = 3, rows: int = 7, p: int = 4):
     return design, y, mask, mu, sigma, noise
 
 
+def _server_step(post, mu0):
+    """The M-step from the sums of a cohort's E-step, as fedprior's server takes it."""
+    second = post.mean.unsqueeze(-1) * post.mean.unsqueeze(-2) + post.cov
+    count = torch.tensor(float(post.mean.shape[0]), dtype=F64)
+    sums = (post.gls_gram.sum(0), post.gls_rhs.sum(0), post.mean.sum(0), second.sum(0))
+    return m_step(*sums, count, mu0)
+
+
 def test_e_step_equals_direct_posterior_and_marginal_likelihood():
     """V = (ΦᵀΦ/σ² + Σ⁻¹)⁻¹, m = V(Φᵀy/σ² + Σ⁻¹μ); log p(y) = log N(y; Φμ, σ²I + ΦΣΦᵀ)."""
     design, y, mask, mu, sigma, noise = _problem()
@@ -78,15 +86,7 @@ def test_tight_prior_m_step_gives_the_pooled_least_squares_fit():
     noise = torch.full((3,), 0.5, dtype=F64)  # one noise level: pooled OLS = pooled GLS
     mu0 = torch.zeros(p, dtype=F64)
     post = posterior(moments(design, y, mask), mu0, 1e-14 * torch.eye(p, dtype=F64), noise)
-    second = post.mean.unsqueeze(-1) * post.mean.unsqueeze(-2) + post.cov
-    mu, _ = m_step(
-        post.gls_gram.sum(0),
-        post.gls_rhs.sum(0),
-        post.mean.sum(0),
-        second.sum(0),
-        torch.tensor(3.0, dtype=F64),
-        mu0,
-    )
+    mu, _ = _server_step(post, mu0)
     keep = mask.bool()
     pooled = np.linalg.lstsq(design[keep].numpy(), y[keep].numpy(), rcond=None)[0]
     np.testing.assert_allclose(mu.numpy(), pooled, rtol=1e-7, atol=1e-9)
@@ -95,15 +95,7 @@ def test_tight_prior_m_step_gives_the_pooled_least_squares_fit():
 def test_m_step_sigma_is_the_expected_outer_product_about_the_new_mean():
     design, y, mask, mu0, sigma, noise = _problem(seed=3)
     post = posterior(moments(design, y, mask), mu0, sigma, noise)
-    second = post.mean.unsqueeze(-1) * post.mean.unsqueeze(-2) + post.cov
-    mu, sig = m_step(
-        post.gls_gram.sum(0),
-        post.gls_rhs.sum(0),
-        post.mean.sum(0),
-        second.sum(0),
-        torch.tensor(3.0, dtype=F64),
-        mu0,
-    )
+    mu, sig = _server_step(post, mu0)
     direct = (
         sum(torch.outer(post.mean[i] - mu, post.mean[i] - mu) + post.cov[i] for i in range(3)) / 3
     )
