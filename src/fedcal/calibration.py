@@ -43,7 +43,10 @@ from fedcal.experiment import (
     _write_text,
     build_algorithm,
     build_task,
+    fleet_stat,
+    full_scale,
     save_models,
+    valid_ranges,
 )
 
 RANGE_TOLERANCE = 0.05  # inputs may exceed the fleet's calibrated range by 5 % of its span
@@ -182,4 +185,19 @@ def write(out: Path, prior: dict[str, Any], fleet: Fleet, result: Calibration) -
         for k, v in test.items():
             per_sensor[f"test_{k}"] = np.where(has_test, v.numpy(), np.nan)
     _write_csv(out / "per_sensor.csv", per_sensor)
+    # What the report and the exports read from a run directory: the valid input range of
+    # each unit and a summary row.
+    _write_text(run_dir / "valid_range.json", json.dumps(valid_ranges(fleet), indent=1))
+    row: dict[str, Any] = {"method": method, "seed": 0, "train_points": 0}
+    for col in per_sensor.columns:
+        if col.startswith("test_"):
+            name = col.removeprefix("test_")
+            row[f"{name}_mean"] = fleet_stat(per_sensor[col], "mean", name)
+            row[f"{name}_worst"] = fleet_stat(per_sensor[col], "worst", name)
+    if "rmse_mean" in row:
+        fs = full_scale(fleet)
+        row["rmse_mean_pct_fs"] = 100.0 * row["rmse_mean"] / fs
+        row["max_abs_worst_pct_fs"] = 100.0 * row["max_abs_worst"] / fs
+    row.update(wall_s=0.0, bytes_up_per_round=0.0, bytes_down_per_round=0.0)
+    _write_csv(out / "summary.csv", pd.DataFrame([row]))
     return per_sensor

@@ -62,6 +62,11 @@ def test_calibrate_writes_coefficients_and_a_run_directory_that_export_and_predi
     result = runner.invoke(app, [*args, "--out", str(pred_file)])
     assert result.exit_code == 0, result.output
     predicted = pd.read_csv(pred_file)["pressure_hpa_calibrated"].to_numpy()
+    onnx_dir = root / "onnx"
+    args = ["export", str(out), "--method", "fedprior", "--format", "onnx", "--out", str(onnx_dir)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in onnx_dir.iterdir()) == [f"NEW-S00{i}.onnx" for i in range(3)]
     truth = frame[frame["split"] == "test"]["pressure_hpa"].to_numpy()
     rmse = float(np.sqrt(np.mean((predicted - truth) ** 2)))
     assert rmse == pytest.approx(float(np.sqrt((per_sensor["test_rmse"] ** 2).mean())), rel=1e-6)
