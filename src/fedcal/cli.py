@@ -255,8 +255,12 @@ def _experiment(
             if not quiet:
                 err_console.print(f"skipped {method}: {escape(why)}")
 
+        noted: set[tuple[str, str]] = set()
+
         def on_note(method: str, note: str) -> None:  # what a user must know: even with --quiet
-            err_console.print(f"note ({method}): {escape(note)}")
+            if (method, note) not in noted:  # once, not once per seed and design
+                noted.add((method, note))
+                err_console.print(f"note ({method}): {escape(note)}")
 
         failures: list[str] = []
 

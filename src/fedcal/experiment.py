@@ -469,16 +469,15 @@ def export_state(
     if state is None:
         return None
     names = list(fleet.features)
-    train = fleet.frame[fleet.frame["split"] == "train"]
+    train = fleet.frame[fleet.frame[SPLIT_COLUMN] == "train"]
+
+    def named(terms: list[str]) -> list[str]:  # 'P2(x0)·P1(x1)' → 'P2(frequency_hz)·…'
+        return [re.sub(r"x(\d+)", lambda m: names[int(m.group(1))], t) for t in terms]
+
     if "term_names" in state:
-        state["term_names"] = [
-            re.sub(r"x(\d+)", lambda m: names[int(m.group(1))], t) for t in state["term_names"]
-        ]
-    ident = state.get("identification")
-    if ident:
-        ident["weak_terms"] = [
-            re.sub(r"x(\d+)", lambda m: names[int(m.group(1))], t) for t in ident["weak_terms"]
-        ]
+        state["term_names"] = named(state["term_names"])
+    if state.get("identification"):
+        state["identification"]["weak_terms"] = named(state["identification"]["weak_terms"])
     return {
         **state,
         "method": method,
