@@ -356,20 +356,37 @@ def test_a_run_directory_records_and_rebuilds_the_values_used(tmp_path):
 # ----------------------------------------------------------------------------
 # one definition each: the schema's sections against the classes they fill
 # ----------------------------------------------------------------------------
-def test_sections_fill_their_classes_without_a_field_by_field_copy():
+def test_each_group_of_settings_has_one_definition():
+    """[fleet] is the simulator's FleetSpec plus the seed; [engine] the engine's settings plus
+    the checkpoint interval; both refuse a bad value in one line when built from Python too."""
     from fedcal.build import engine_settings
     from fedcal.config import EngineSection, FleetConfig, TrainConfig
     from fedcal.core.algorithm import Algorithm
     from fedcal.data.simulator import FleetSpec
+    from fedcal.engine.settings import EngineSettings
     from fedcal.engine.simulation import EngineConfig
 
-    names = lambda cls: {f.name for f in dataclasses.fields(cls)}  # noqa: E731
-    assert names(TrainConfig) == names(Algorithm) - {"task"}  # the recipe is the contract's
-    assert set(FleetConfig().spec_fields()) <= names(FleetSpec)
-    assert names(EngineSection) - {"checkpoint_every"} <= names(EngineConfig)
+    names = lambda cls: [f.name for f in dataclasses.fields(cls)]  # noqa: E731
+    assert set(names(TrainConfig)) == set(names(Algorithm)) - {"task"}  # the contract's recipe
+    assert issubclass(FleetConfig, FleetSpec) and names(FleetConfig) == [*names(FleetSpec), "seed"]
+    assert issubclass(EngineSection, EngineSettings) and issubclass(EngineConfig, EngineSettings)
+    assert names(EngineSection) == [*names(EngineSettings), "checkpoint_every"]
     cfg = default_config()
     engine = EngineConfig(**engine_settings(cfg), seed=0)
     assert (engine.rounds, engine.participation, engine.dtype) == (50, 1.0, "float32")
+    assert cfg.fleet.spec() == FleetSpec(**{k: getattr(cfg.fleet, k) for k in names(FleetSpec)})
+    for make, text in [
+        (lambda: FleetSpec(num_lots=0), "FleetSpec num_lots: must be >= 1, got 0"),
+        (lambda: FleetSpec(heterogeneity="1"), "FleetSpec heterogeneity: expected a finite"),
+        (lambda: FleetSpec(train_design="3y2"), "FleetSpec train_design: '3y2' is not"),
+        (lambda: EngineConfig(rounds=0), "EngineConfig rounds: must be >= 1, got 0"),
+        (lambda: EngineConfig(participation=float("nan")), "EngineConfig participation: "),
+        (lambda: EngineConfig(seed=-1), "EngineConfig seed: must be >= 0, got -1"),
+        (lambda: EngineSection(checkpoint_every=0), "EngineSection checkpoint_every: must be"),
+    ]:
+        with pytest.raises(ValueError) as err:
+            make()
+        assert str(err.value).startswith(text) and "\n" not in str(err.value)
 
 
 def test_nothing_below_the_experiment_imports_it():

@@ -57,13 +57,9 @@ def load_data(config: RunConfig) -> Fleet:
             seed=d.split_seed,
             physical_bounds=d.loader_bounds(),
         )
-    from fedcal.data.simulator import FleetSpec, simulate_fleet
+    from fedcal.data.simulator import simulate_fleet
 
-    try:
-        spec = FleetSpec(**config.fleet.spec_fields())
-    except ValueError as err:  # rules across fields the schema does not know (e.g. lots)
-        raise ConfigError(f"[fleet]: {err}") from None
-    return simulate_fleet(spec, seed=config.fleet.seed)
+    return simulate_fleet(config.fleet.spec(), seed=config.fleet.seed)
 
 
 def task_kind(fleet: Fleet) -> str:
@@ -245,7 +241,7 @@ def build_policy(config: RunConfig) -> tuple[AggregationPolicy, dict[str, Any]]:
 
 
 def engine_settings(config: RunConfig) -> dict[str, Any]:
-    """``[engine]`` as keyword arguments of the engine's EngineConfig (all it shares with it).
+    """``[engine]`` as keyword arguments of the engine's EngineConfig (its EngineSettings).
 
     The run loop adds the seed and the aggregation policy; ``checkpoint_every`` is an
     argument of the loop, not of the engine's config.

@@ -30,28 +30,29 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from pydantic.dataclasses import dataclass
 
+from fedcal.core.schema import (
+    MAX_CLIENTS,
+    MAX_ROUNDS,
+    Bool,
+    Float,
+    Int,
+    Name,
+    Seed,
+    Str,
+    checked,
+    message,
+    problem,
+)
 from fedcal.data.fleet import BAROMETRIC_FEATURES, BAROMETRIC_TARGET, CLIENT_COLUMN, SPLIT_COLUMN
+from fedcal.data.simulator import FleetSpec, parse_design
+from fedcal.engine.settings import EngineSettings
 
 
 class ConfigError(ValueError):
     """A configuration file or option that cannot be used; names the file and the field."""
 
 
-SCHEMA = ConfigDict(extra="forbid")
-# Typed scalars: no coercion ("3" is not a number, true is not 1), no NaN or infinity.
-Int = Annotated[int, Field(strict=True)]
-Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
-Bool = Annotated[bool, Field(strict=True)]
-Str = Annotated[str, Field(strict=True)]
-Name = Annotated[str, Field(strict=True, min_length=1, max_length=200)]
-Seed = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
-MAX_ROUNDS = 100_000  # 2 cores: ~1 round/s for the default fleet; more is a typo
-MAX_CLIENTS = 100_000
-
-
 def _design(value: str, where: str) -> str:
-    from fedcal.data.simulator import parse_design
-
     try:
         parse_design(value)
     except ValueError as err:
@@ -59,7 +60,7 @@ def _design(value: str, where: str) -> str:
     return value
 
 
-@dataclass(frozen=True, config=SCHEMA)
+@checked
 class DataConfig:
     path: Str = ""  # CSV/Parquet fleet; empty = the embedded simulator
     features: tuple[Name, ...] = Field(default=BAROMETRIC_FEATURES, min_length=1, max_length=64)
@@ -100,34 +101,18 @@ class DataConfig:
         }
 
 
-@dataclass(frozen=True, config=SCHEMA)
-class FleetConfig:
-    """Simulator settings (fedcal.data.simulator.FleetSpec); used when data.path is empty."""
+@checked
+class FleetConfig(FleetSpec):
+    """The simulator's settings (its FleetSpec) and the fleet seed; used when data.path is empty."""
 
     seed: Seed = 0
-    num_sensors: Int = Field(default=20, ge=1, le=MAX_CLIENTS)
-    family: Literal["quartz", "silicon"] = "quartz"
-    preset: Literal["nominal", "harsh"] = "nominal"
-    heterogeneity: Float = Field(default=1.0, ge=0.0, le=100.0)
-    num_lots: Int = Field(default=1, ge=1, le=MAX_CLIENTS)
-    test_design: Literal["cycle", "random"] = "cycle"
-    train_design: Str = "campaign"  # "campaign" (16 P x 6 T x 4 sweeps) or "PxT", e.g. "3x2"
-    num_reference: Int = Field(default=0, ge=0, le=MAX_CLIENTS)  # mixed fleet: reference units
-    num_new: Int = Field(default=0, ge=0, le=MAX_CLIENTS)  # + new units; 0, 0 = plain fleet
-    reference_design: Str = "campaign"
 
-    @model_validator(mode="after")
-    def _designs(self) -> FleetConfig:
-        _design(self.train_design, "train_design")
-        _design(self.reference_design, "reference_design")
-        return self
-
-    def spec_fields(self) -> dict[str, Any]:
-        """The fields :class:`fedcal.data.simulator.FleetSpec` takes (all but the seed)."""
-        return {k: v for k, v in asdict(self).items() if k != "seed"}
+    def spec(self) -> FleetSpec:
+        """The simulator's settings: every field but the seed."""
+        return FleetSpec(**{f.name: getattr(self, f.name) for f in fields(FleetSpec)})
 
 
-@dataclass(frozen=True, config=SCHEMA)
+@checked
 class ModelConfig:
     family: Literal["mlp", "basis", "classifier"] = "mlp"  # mlp: the seed's FCN
     hidden: tuple[Annotated[int, Field(strict=True, ge=1, le=4096)], ...] = Field(
@@ -149,31 +134,14 @@ class ModelConfig:
         return self
 
 
-@dataclass(frozen=True, config=SCHEMA)
-class EngineSection:
-    """The engine's settings for every run (fedcal.engine.simulation.EngineConfig)."""
+@checked
+class EngineSection(EngineSettings):
+    """The engine's settings (fedcal.engine.settings) and how often a run checkpoints."""
 
-    rounds: Int = Field(default=50, ge=1, le=MAX_ROUNDS)
-    participation: Float = Field(default=1.0, gt=0.0, le=1.0)
-    eval_every: Int = Field(default=1, ge=1, le=MAX_ROUNDS)
-    dtype: Literal["float32", "float64"] = "float32"
     checkpoint_every: Int = Field(default=10, ge=1, le=MAX_ROUNDS)
-    # Clients trained/evaluated at once (0 = all): bounds memory, same numbers.
-    chunk_size: Int = Field(default=0, ge=0, le=MAX_CLIENTS)
-    device: Name = "cpu"  # "cuda" / "cuda:N": where the chunks run
-
-    @model_validator(mode="after")
-    def _device(self) -> EngineSection:
-        from fedcal.engine.chunks import resolve_device  # torch only when a config is built
-
-        try:
-            resolve_device(self.device)
-        except ValueError as err:
-            raise ValueError(str(err)) from None
-        return self
 
 
-@dataclass(frozen=True, config=SCHEMA)
+@checked
 class TrainConfig:
     """The local recipe every method shares (a method's own recipe wins unless the user sets it)."""
 
@@ -187,7 +155,7 @@ class TrainConfig:
     grad_clip: Float = Field(default=0.0, ge=0.0, le=1e6)  # per-client L2 bound; 0 = off
 
 
-@dataclass(frozen=True, config=SCHEMA)
+@checked
 class AggregationSection:
     """Server-side screening, clipping and rule (fedcal.core.aggregation.AggregationPolicy)."""
 
@@ -199,7 +167,7 @@ class AggregationSection:
     krum_select: Int = Field(default=0, ge=0, le=MAX_CLIENTS)
 
 
-@dataclass(frozen=True, config=SCHEMA)
+@checked
 class PrivacySection:
     """Client-level DP (DP-FedAvg); off when epsilon = 0."""
 
@@ -208,7 +176,7 @@ class PrivacySection:
     clip: Float = Field(default=0.0, ge=0.0, le=1e6)  # fixed L2 bound on each client's update
 
 
-@dataclass(frozen=True, config=SCHEMA)
+@checked
 class RunSection:
     """``[run]``: what to run. Held on :class:`RunConfig` itself (cfg.methods, cfg.seeds …)."""
 
@@ -277,57 +245,8 @@ RECORD_KEYS = ("resolved", "train_points_sweep", "data_sha256")
 # ----------------------------------------------------------------------------
 # errors: one line, naming the file, the section and the field
 # ----------------------------------------------------------------------------
-def _message(err: dict[str, Any]) -> str:
-    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
-    got = f", got {value!r}" if not isinstance(value, dict) else ""
-    if kind == "int_type":
-        return f"expected an integer{got}"
-    if kind in ("float_type", "finite_number"):
-        return f"expected a finite number{got}"
-    if kind == "bool_type":
-        return f"expected true/false{got}"
-    if kind == "string_type":
-        return f"expected a string{got}"
-    if kind in ("tuple_type", "list_type"):
-        return f"expected a list{got}"
-    if kind in ("dict_type", "dataclass_type"):
-        return f"expected a table{got}"
-    if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')}{got}"
-    bounds = {
-        "greater_than": ">",
-        "greater_than_equal": ">=",
-        "less_than": "<",
-        "less_than_equal": "<=",
-    }
-    if kind in bounds:
-        limit = next(iter(ctx.values()))
-        return f"must be {bounds[kind]} {limit}{got}"
-    if kind == "string_too_short":
-        return f"must not be empty{got}"
-    if kind == "too_short":
-        return f"needs at least {ctx.get('min_length')} item(s){got}"
-    if kind == "too_long":
-        return f"takes at most {ctx.get('max_length')} item(s){got}"
-    if kind == "value_error":
-        return str(err["msg"]).removeprefix("Value error, ")
-    return f"{err['msg']}{got}"
-
-
 def _fail(err: ValidationError, where: str, section: str, known: list[str]) -> ConfigError:
-    first = err.errors()[0]
-    loc = [str(p) for p in first["loc"]]
-    msg = _message(first)
-    if first["type"] == "unexpected_keyword_argument" or first["type"] == "extra_forbidden":
-        msg = f"unknown field; known: {', '.join(known)}"
-    elif first["type"] == "value_error" and ":" in msg:  # a model validator names its field
-        name, _, rest = msg.partition(":")
-        loc, msg = [name], rest.strip()
-    name = ".".join(loc[:1] + [f"[{p}]" if p.isdigit() else p for p in loc[1:]])
-    name = name.replace(".[", "[")
-    more = len(err.errors()) - 1
-    tail = f" (and {more} more problem(s))" if more else ""
-    return ConfigError(f"{where} [{section}] {name}: {msg}{tail}".replace("]  ", "] "))
+    return ConfigError(f"{where} [{section}] {problem(err, known)}")
 
 
 def _validate(cls: type, values: dict[str, Any], where: str, section: str) -> Any:
@@ -425,7 +344,7 @@ def check_method_tables(tables: Any, where: str) -> dict[str, dict[str, Any]]:
                 adapter.validate_python(_tuples(value))
             except ValidationError as err:
                 raise ConfigError(
-                    f"{where} [{section}] {key}: {_message(err.errors()[0])}"
+                    f"{where} [{section}] {key}: {message(err.errors()[0])}"
                 ) from None
             if not _finite(value):
                 raise ConfigError(f"{where} [{section}] {key}: must be finite, got {value!r}")

@@ -83,7 +83,7 @@ def test_device_path_on_the_cpu_gives_the_same_numbers(make_fleet, monkeypatch):
 
 
 def test_bad_chunk_size_or_missing_device_is_refused():
-    with pytest.raises(ValueError, match="chunk_size must be >= 0"):
+    with pytest.raises(ValueError, match="chunk_size: must be >= 0"):
         EngineConfig(chunk_size=-1)
     with pytest.raises(ValueError, match="expected 'cpu', 'cuda' or 'cuda:N'"):
         EngineConfig(device="tpu")

@@ -143,12 +143,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import re
-from dataclasses import dataclass
 from functools import cache
+from typing import Annotated, Literal
 
 import numpy as np
 import pandas as pd
+from pydantic import Field, model_validator
 
+from fedcal.core.schema import MAX_CLIENTS, Float, Int, Str, checked
 from fedcal.data.fleet import (
     BAROMETRIC_FEATURES,
     BAROMETRIC_TARGET,
@@ -158,9 +160,6 @@ from fedcal.data.fleet import (
 )
 
 PSI_TO_HPA = 68.94757
-FAMILIES = ("quartz", "silicon")
-PRESETS = ("nominal", "harsh")
-TEST_DESIGNS = ("cycle", "random")
 CAMPAIGN = "campaign"
 ROLES = ("reference", "new")
 
@@ -234,66 +233,58 @@ def parse_design(design: str) -> tuple[int, int] | None:
     return p, t
 
 
-@dataclass(frozen=True)
+NonNegative = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0)]
+Hpa = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=1e4)]
+Count = Annotated[int, Field(strict=True, ge=0, le=MAX_CLIENTS)]
+
+
+@checked
 class FleetSpec:
     """Settings of a simulated fleet; defaults reproduce the seed's protocol.
 
     ``num_sensors`` sizes a plain fleet; a mixed fleet (``num_reference`` or
     ``num_new`` > 0) has ``num_reference + num_new`` units instead (see the
-    module doc, "Chamber designs").
+    module doc, "Chamber designs"). Every field is typed and range-checked
+    (:func:`fedcal.core.schema.checked`); the configuration's ``[fleet]`` is this
+    class plus the fleet seed.
     """
 
-    num_sensors: int = 20
-    pressure_levels_hpa: tuple[float, ...] = tuple(float(p) for p in range(50, 1551, 100))
-    temperature_plateaus_c: tuple[float, ...] = (-40.0, -20.0, 0.0, 20.0, 40.0, 60.0)
-    train_sweeps: int = 4
-    test_points_per_plateau: int = 10
-    test_design: str = "cycle"
-    family: str = "quartz"
-    preset: str = "nominal"
-    heterogeneity: float = 1.0
-    num_lots: int = 1
-    pressure_noise_hpa: float | None = None
-    hysteresis_hpa: tuple[float, float] | None = None
-    ripple_hpa: float | None = None
-    temperature_bias_c: float = 0.2
-    temperature_gain_std: float = 0.002
-    temperature_noise_c: float = 0.01
-    plateau_offset_c: float = 0.2
-    drift_hpa_per_year: float = 0.0
-    test_delay_years: float = 0.0
-    train_design: str = CAMPAIGN
-    num_reference: int = 0
-    num_new: int = 0
-    reference_design: str = CAMPAIGN
+    num_sensors: Int = Field(default=20, ge=1, le=MAX_CLIENTS)
+    pressure_levels_hpa: tuple[Hpa, ...] = Field(
+        default=tuple(float(p) for p in range(50, 1551, 100)), min_length=2, max_length=1000
+    )
+    temperature_plateaus_c: tuple[Float, ...] = Field(
+        default=(-40.0, -20.0, 0.0, 20.0, 40.0, 60.0), min_length=1, max_length=1000
+    )
+    train_sweeps: Int = Field(default=4, ge=0, le=1000)
+    test_points_per_plateau: Int = Field(default=10, ge=0, le=100_000)
+    test_design: Literal["cycle", "random"] = "cycle"
+    family: Literal["quartz", "silicon"] = "quartz"
+    preset: Literal["nominal", "harsh"] = "nominal"
+    heterogeneity: Float = Field(default=1.0, ge=0.0, le=100.0)
+    num_lots: Int = Field(default=1, ge=1, le=MAX_CLIENTS)
+    pressure_noise_hpa: Hpa | None = None  # None: the preset's
+    hysteresis_hpa: tuple[Hpa, Hpa] | None = None  # (lo, hi) half-amplitudes; None: preset's
+    ripple_hpa: Hpa | None = None
+    temperature_bias_c: Float = 0.2
+    temperature_gain_std: NonNegative = 0.002
+    temperature_noise_c: NonNegative = 0.01
+    plateau_offset_c: NonNegative = 0.2
+    drift_hpa_per_year: Float = 0.0
+    test_delay_years: NonNegative = 0.0
+    train_design: Str = CAMPAIGN  # "campaign" (16 P x 6 T x 4 sweeps) or "PxT", e.g. "3x2"
+    num_reference: Count = 0  # mixed fleet: reference units
+    num_new: Count = 0  # + new units; 0, 0 = plain fleet
+    reference_design: Str = CAMPAIGN
 
-    def __post_init__(self) -> None:
-        # Accept lists (a spec read back from JSON) and keep the frozen spec hashable.
-        for name in ("pressure_levels_hpa", "temperature_plateaus_c", "hysteresis_hpa"):
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, tuple(float(v) for v in value))
-        if self.family not in FAMILIES:
-            raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
-        if self.preset not in PRESETS:
-            raise ValueError(f"preset must be one of {PRESETS}, got {self.preset!r}")
-        if self.test_design not in TEST_DESIGNS:
-            raise ValueError(f"test_design must be one of {TEST_DESIGNS}, got {self.test_design!r}")
-        if self.num_sensors < 1 or self.num_lots < 1:
-            raise ValueError("num_sensors and num_lots must be >= 1")
-        if self.train_sweeps < 0 or self.test_points_per_plateau < 0:
-            raise ValueError("train_sweeps and test_points_per_plateau must be >= 0")
-        if len(self.pressure_levels_hpa) < 2 or len(self.temperature_plateaus_c) < 1:
-            raise ValueError("need at least 2 pressure levels and 1 temperature plateau")
-        if self.heterogeneity < 0:
-            raise ValueError("heterogeneity must be >= 0")
+    @model_validator(mode="after")
+    def _designs(self) -> FleetSpec:
         for name in ("train_design", "reference_design"):
             try:
                 parse_design(getattr(self, name))
             except ValueError as err:
                 raise ValueError(f"{name}: {err}") from None
-        if self.num_reference < 0 or self.num_new < 0:
-            raise ValueError("num_reference and num_new must be >= 0")
+        return self
 
     @property
     def mixed(self) -> bool:

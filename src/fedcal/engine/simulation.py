@@ -21,11 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pydantic import InstanceOf
 from torch import Tensor
 
 from fedcal.core.aggregation import PLAIN, AggregationPolicy, aggregate, finite_rows
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.data import ClientData, client_round_seed
+from fedcal.core.schema import Seed, checked
 from fedcal.core.tensorfile import TensorFileError, load_trees, save_trees
 from fedcal.core.tree import Tree, expand, gather, num_bytes, per_client, scatter, tree_map
 from fedcal.data.fleet import Fleet
@@ -39,6 +41,7 @@ from fedcal.engine.schedule import (
     result_row,
     train_seeds,
 )
+from fedcal.engine.settings import EngineSettings
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 AGGREGATION = 3  # seed purpose of the server's DP noise (clients use 0.., see core.data)
@@ -85,28 +88,15 @@ def prepare(fleet: Fleet, scaling: str = "auto", dtype: str = "float32") -> Flee
     )
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """How rounds are scheduled; nothing here is an algorithm's hyperparameter."""
+@checked
+class EngineConfig(EngineSettings):
+    """A simulator run's settings: :class:`EngineSettings` plus its seeds and server policy."""
 
-    rounds: int = 50
-    participation: float = 1.0  # fraction of clients drawn each round
-    eval_every: int = 1  # evaluate every k rounds (and always after the last)
-    seed: int = 0
-    dtype: str = "float32"
-    init_seed: int | None = None  # model init seed; defaults to ``seed``
+    seed: Seed = 0
+    init_seed: Seed | None = None  # model init seed; defaults to ``seed``
     # Server-side screening/clipping/robust rule/DP (fedcal.core.aggregation). PLAIN only
     # rejects non-finite replies; the experiment passes the configuration's policy.
-    aggregation: AggregationPolicy = PLAIN
-    # Clients trained and evaluated at once (0 = the whole cohort): bounds the memory of
-    # local training and evaluation; the numbers do not depend on it (fedcal.engine.chunks).
-    chunk_size: int = 0
-    device: str = "cpu"  # where chunks run ("cuda", "cuda:1"); the fleet's state stays on the host
-
-    def __post_init__(self) -> None:
-        if self.chunk_size < 0:
-            raise ValueError(f"chunk_size must be >= 0 (0 = whole cohort), got {self.chunk_size}")
-        chunks.resolve_device(self.device)
+    aggregation: InstanceOf[AggregationPolicy] = PLAIN
 
 
 @dataclass
@@ -159,8 +149,11 @@ def interval_metrics(
 def _fingerprint(algorithm: Algorithm, fleet: FleetTensors, config: EngineConfig) -> str:
     h = hashlib.sha256(repr(algorithm).encode())
     # Where and in how many chunks a run computes does not change its numbers: a run
-    # may resume with another chunk size or device.
-    schedule = {k: v for k, v in asdict(config).items() if k not in ("chunk_size", "device")}
+    # may resume with another chunk size or device. (Fields in their order of before
+    # EngineSettings: the fingerprints of existing checkpoints stay the same.)
+    full = asdict(config)
+    keys = ("rounds", "participation", "eval_every", "seed", "dtype", "init_seed", "aggregation")
+    schedule = {k: full[k] for k in keys}
     h.update(repr(schedule).encode())
     for t in (fleet.train.x, fleet.train.y, fleet.test.x, fleet.test.y):
         h.update(t.numpy().tobytes())
