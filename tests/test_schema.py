@@ -148,6 +148,18 @@ HOSTILE = [
     ("[methods.fedavg]\nbatch_size = 0\n", "[methods.fedavg] batch_size"),
     ("[methods.fedavg]\nmomentum = 5.0\n", "[methods.fedavg] momentum"),
     ("[methods.fedpoly_p3]\nprivate_terms = 'all'\n", "[methods.fedpoly_p3] private_terms"),
+    # a method's own ranges (its __post_init__), for every table: none of these runs here
+    ("[methods.aflcsem]\ncost_weight = 1.5\n", "[methods.aflcsem] cost_weight"),
+    ("[methods.fedala]\nrand_percent = 500\n", "[methods.fedala] rand_percent"),
+    ("[methods.ifca]\nclusters = 0\n", "[methods.ifca] clusters"),
+    ("[methods.layerchoice]\nholdout_every = 1\n", "[methods.layerchoice] holdout_every"),
+    ("[methods.polynomial]\nlevel_gap = 1.5\n", "[methods.polynomial] level_gap"),
+    ("[methods.fedgen]\nnum_bins = 0\n", "[methods.fedgen] num_bins"),
+    ("[methods.mine]\nbase = 'leastsq'\nridge = 0.0\n", "[methods.mine] ridge"),
+    (  # each value alone is fine, together they are not
+        "[methods.fedpoly]\nmax_orders = [2, 3]\nprivate_terms = [[3, 0]]\n",
+        "[methods.fedpoly] max_orders, private_terms",
+    ),
     ("methods = 3\n", "[methods]"),
     ("[methods]\nfedavg = 3\n", "[methods.fedavg]"),
     # the file's shape

@@ -2,8 +2,8 @@
 
 The one place that builds them, used by the experiment, the CLI, the exports and the
 Flower engine alike (so a method runs with the same values wherever it runs). It sits
-above data, models, core and algorithms and imports nothing of the engine or the
-experiment.
+above data, models, core and algorithms, below the experiment (which it never imports);
+of the engine it uses only ``prepare`` (:func:`validate_methods`: the task's inputs).
 
 An algorithm's parameters (:func:`method_settings`), lowest precedence first:
 
@@ -279,6 +279,29 @@ def check_methods(
             f"[run] methods: {', '.join(other)} is written for classification and cannot "
             f"run on this {task_kind} fleet"
         )
+    return names
+
+
+def validate_methods(config: RunConfig, fleet: Fleet) -> list[str]:
+    """Every method name and parameter, checked before anything trains.
+
+    Unknown names, unknown or invalid method parameters and methods that cannot
+    run on the configured model raise ConfigError (with ``all``, such methods
+    are skipped by the experiment instead, so only names are checked).
+    """
+    from fedcal.engine.simulation import prepare  # the task's inputs, as the engine scales them
+
+    names = check_methods(config.methods, config, task_kind(fleet))
+    check_fit(config, fleet)
+    try:
+        tensors = prepare(fleet, config.data.scaling, config.engine.dtype)
+    except ValueError as err:
+        raise ConfigError(f"[data] scaling: {err}") from None
+    if list(config.methods) != ["all"]:
+        task = build_task(config, tensors.train.x.shape[-1], fleet.meta, client_inputs(tensors))
+        for name in names:
+            build_algorithm(name, config, task)
+    build_policy(config)
     return names
 
 

@@ -200,40 +200,6 @@ def _default_out(kind: str, cfg: RunConfig, extra: object) -> Path:
     return Path("runs") / f"{kind}-{digest.hexdigest()[:8]}"
 
 
-def validate_methods(cfg: RunConfig, fleet) -> list[str]:
-    """Every method name and parameter, checked before anything trains.
-
-    Unknown names, unknown or invalid method parameters and methods that cannot
-    run on the configured model raise ConfigError (with ``all``, such methods
-    are skipped by the experiment instead, so only names are checked).
-    """
-    from fedcal.build import (
-        build_algorithm,
-        build_policy,
-        build_task,
-        check_fit,
-        check_methods,
-        client_inputs,
-        task_kind,
-    )
-    from fedcal.engine.simulation import prepare
-
-    names = check_methods(cfg.methods, cfg, task_kind(fleet))
-    check_fit(cfg, fleet)
-    try:
-        tensors = prepare(fleet, cfg.data.scaling, cfg.engine.dtype)
-    except ValueError as err:
-        raise ConfigError(f"[data] scaling: {err}") from None
-    if list(cfg.methods) == ["all"]:
-        build_policy(cfg)
-        return names
-    task = build_task(cfg, tensors.train.x.shape[-1], fleet.meta, client_inputs(tensors))
-    for name in names:
-        build_algorithm(name, cfg, task)
-    build_policy(cfg)
-    return names
-
-
 def progress_bar(quiet: bool) -> Progress:
     """Methods × seeds × budgets × rounds with ETA, on a terminal only (quiet in CI and pipes)."""
     columns = (  # counts and ETA first: a narrow terminal cuts the description, not them
@@ -267,7 +233,7 @@ def _experiment(
 ) -> None:
     import torch
 
-    from fedcal.build import load_data
+    from fedcal.build import load_data, validate_methods
     from fedcal.data.loader import FleetDataError
     from fedcal.experiment import run_experiment
     from fedcal.report.tables import aggregate

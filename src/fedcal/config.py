@@ -305,7 +305,8 @@ def check_method_tables(tables: Any, where: str) -> dict[str, dict[str, Any]]:
     variant and needs ``base = "<registered method>"`` (a registered name cannot be
     re-based: ``[methods.local] base = "fedavg"`` would run FedAvg under the name
     local). Recipe keys ([train]'s) are range-checked as in [train]; other numbers
-    must be finite and, where the method's default is not negative, not negative.
+    must be finite and, where the method's default is not negative, not negative; then
+    the method's own checks run (:func:`_own_checks`).
     """
     if not isinstance(tables, dict):
         raise ConfigError(f"{where} [methods]: must be a table of per-method tables")
@@ -360,8 +361,36 @@ def check_method_tables(tables: Any, where: str) -> dict[str, dict[str, Any]]:
                 raise ConfigError(
                     f"{where} [{section}] {key}: must be >= 0 (default {default!r}), got {value!r}"
                 )
+        _own_checks(registry[base], section, params, where)
         out[name] = dict(params)
     return out
+
+
+class _TaskNeeded(Exception):
+    """A method's own check that reads the task: it runs when the method is built."""
+
+
+class _NoTask:
+    def __getattr__(self, name: str) -> Any:
+        raise _TaskNeeded(name)
+
+
+def _own_checks(cls: type, section: str, params: dict[str, Any], where: str) -> None:
+    """The method's own ranges (its ``__post_init__``), for every table, run or not.
+
+    Each value alone, then all together; a check that needs the task (its model,
+    its head) stops the probe and is left to the build.
+    """
+    values = {k: v for k, v in params.items() if k != "base"}
+    probes = [([k], {k: v}) for k, v in values.items()] + [(list(values), values)]
+    for keys, probe in probes:
+        try:
+            cls(task=_NoTask(), **probe)
+        except _TaskNeeded:
+            pass
+        except (TypeError, ValueError) as err:
+            got = f", got {probe[keys[0]]!r}" if len(keys) == 1 and "got" not in str(err) else ""
+            raise ConfigError(f"{where} [{section}] {', '.join(keys)}: {err}{got}") from None
 
 
 # ----------------------------------------------------------------------------

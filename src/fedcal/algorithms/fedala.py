@@ -68,12 +68,12 @@ class FedALA(Algorithm):
     name = "fedala"
 
     def __post_init__(self) -> None:
-        if not 1 <= self.layer_idx <= len(self.task.model.layers()):
-            raise ValueError(f"layer_idx must be in 1..{len(self.task.model.layers())}")
         if not 0 < self.rand_percent <= 100:
             raise ValueError("rand_percent must be in (0, 100]")
         if self.max_start_epochs < 1 or self.num_pre_loss < 1:
             raise ValueError("max_start_epochs and num_pre_loss must be positive")
+        if not 1 <= self.layer_idx <= len(self.task.model.layers()):
+            raise ValueError(f"layer_idx must be in 1..{len(self.task.model.layers())}")
 
     @property
     def top(self) -> tuple[str, ...]:

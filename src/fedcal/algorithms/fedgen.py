@@ -98,10 +98,10 @@ class FedGen(Algorithm):
     reply_aggregation = "custom"  # the generator trains on each client's head
 
     def __post_init__(self) -> None:
-        if not isinstance(self.task.model, MLP) or self.task.head_layers < 1:
-            raise ValueError("fedgen needs an MLP with a head (task.head_layers >= 1)")
         if self.num_bins < 1 or self.samples_per_bin < 1:
             raise ValueError("num_bins and samples_per_bin must be >= 1")
+        if not isinstance(self.task.model, MLP) or self.task.head_layers < 1:
+            raise ValueError("fedgen needs an MLP with a head (task.head_layers >= 1)")
 
     # ---- labels: bins of the target ------------------------------------------
     def bin_centres(self, dtype: torch.dtype) -> Tensor:

@@ -85,13 +85,13 @@ class FedPoly(Algorithm):
         # A TOML config gives lists; terms are compared as tuples.
         object.__setattr__(self, "private_terms", tuple(tuple(t) for t in self.private_terms))
         object.__setattr__(self, "max_orders", tuple(self.max_orders))
-        if getattr(self.task.model, "in_features", 2) != 2:
-            raise ValueError("fedpoly calibrates two inputs (frequency, temperature)")
         bad = [
             t for t in self.private_terms if t[0] > self.max_orders[0] or t[1] > self.max_orders[1]
         ]
         if bad:
             raise ValueError(f"private terms {bad} exceed max_orders {self.max_orders}")
+        if getattr(self.task.model, "in_features", 2) != 2:
+            raise ValueError("fedpoly calibrates two inputs (frequency, temperature)")
 
     @property
     def shared_terms(self) -> tuple[tuple[int, int], ...]:

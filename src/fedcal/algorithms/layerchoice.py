@@ -60,7 +60,7 @@ class LayerChoice(Algorithm):
     uploads = ("model", "validation_losses")
 
     def __post_init__(self) -> None:
-        if self.force_k > self.num_layers or self.probe_rounds < 0 or self.holdout_every < 2:
+        if self.probe_rounds < 0 or self.holdout_every < 2 or self.force_k > self.num_layers:
             raise ValueError("need force_k <= layers, probe_rounds >= 0, holdout_every >= 2")
 
     # ---- candidates ---------------------------------------------------------

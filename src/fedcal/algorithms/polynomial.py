@@ -205,6 +205,8 @@ class PolynomialCalibration(Algorithm):
             object.__setattr__(self, "orders", tuple(int(o) for o in self.orders))
         if not self.max_orders or min(self.max_orders) < 1:
             raise ValueError("max_orders must be at least 1 for every input (every input is used)")
+        if not 0 < self.level_gap < 1 or self.tolerance < 0 or self.floor < 0:
+            raise ValueError("need 0 < level_gap < 1, tolerance ≥ 0 and floor ≥ 0")
         if len(self.max_orders) not in (1, self.num_inputs):
             raise ValueError(
                 f"max_orders has {len(self.max_orders)} entries but the data has "
@@ -217,8 +219,6 @@ class PolynomialCalibration(Algorithm):
                 )
             if any(not 1 <= o <= m for o, m in zip(self.orders, self.top_orders, strict=True)):
                 raise ValueError(f"orders {self.orders} must lie in 1…max_orders {self.top_orders}")
-        if not 0 < self.level_gap < 1 or self.tolerance < 0 or self.floor < 0:
-            raise ValueError("need 0 < level_gap < 1, tolerance ≥ 0 and floor ≥ 0")
 
     # ---- the basis and the candidate orders ------------------------------
     @property
