@@ -23,6 +23,7 @@ from fedcal.build import build_policy
 from fedcal.config import EngineSection, ModelConfig, RunConfig, TrainConfig
 from fedcal.core.data import TRAIN, client_round_seed
 from fedcal.core.tree import expand, flatten, gather
+from fedcal.data.digits import digits_fleet
 from fedcal.data.fleet import Fleet
 from fedcal.data.scaling import fit_scaler, scaler_from_moments
 from fedcal.engine.flower.client import (
@@ -321,6 +322,25 @@ def test_partial_participation_and_sparse_evaluation_follow_the_simulator(
     )
     res = simulate(build(config, method, 2), prepare(fleet, dtype="float64"), engine)
     _assert_same_as_simulator(fed, res, cfgs, 5)
+
+
+@pytest.mark.parametrize("method", ["fedproto", "feducs"])
+def test_a_classification_method_on_two_sites_equals_the_simulator(method, tmp_path) -> None:
+    """The class count travels in the site files and the handshake (build_task needs it)."""
+    digits = digits_fleet(domains=("original", "inverted", "noisy"), clients_per_domain=1)
+    frame = digits.frame.groupby(["client", "split"], sort=False).head(12)
+    fleet = Fleet(frame, digits.features, digits.target, digits.client_column, digits.meta)
+    config = replace(CONFIG, model=ModelConfig(family="classifier", hidden=(8,)))
+    sites = dict(zip(fleet.client_ids, ["lab-a", "lab-b", "lab-a"], strict=True))
+    cfgs = _node_cfgs(fleet, tmp_path, sites)
+    fed = Federation(config, method, seed=3)
+    run_in_process(fed, cfgs, run_id=7)
+    assert fed.rejected == {} and all(f == {} for f in fed.failed.values())
+    assert fed.algorithm.task.model.num_classes == 10
+    engine = EngineConfig(rounds=3, seed=3, dtype="float64", aggregation=POLICY)
+    res = simulate(build(config, method, 64, 10), prepare(fleet, dtype="float64"), engine)
+    assert "test_error_rate" in res.history[0]
+    _assert_same_as_simulator(fed, res, cfgs, 7)
 
 
 def test_federated_scaling_goes_through_the_handshake(make_fleet, tmp_path) -> None:

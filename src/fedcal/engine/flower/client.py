@@ -85,6 +85,7 @@ def answer_handshake(content: RecordDict, node_cfg: Mapping) -> RecordDict:
             "features": json.dumps(list(site.features)),
             "target": site.target,
             "classification": site.classification,
+            "num-classes": site.num_classes,
         }
         part = RecordDict({"info": ConfigRecord(info)})
         if moments:
@@ -172,7 +173,7 @@ def run_round(content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict
     site = load_for_node(node_cfg)
     config = config_from_json(str(ctl["config"]))
     scaler = Scaler.from_dict(json.loads(str(ctl["scaler"])))
-    alg = build(config, method, len(site.features))
+    alg = build(config, method, len(site.features), site.num_classes)
     # The node decides what leaves it, whatever the server asks (see policy.py): a refused
     # request trains nothing, sends nothing of the data and leaves the state untouched.
     refusal = NodePolicy.from_node_config(node_cfg).refusal(method, alg.name, type(alg).uploads)

@@ -56,6 +56,7 @@ class SiteData:
     classification: bool
     train: tuple[Rows, ...]  # per sensor, site order
     test: tuple[Rows, ...]
+    num_classes: int = 0  # a classification fleet's (what build_task needs); 0: regression
 
     @property
     def num_train(self) -> tuple[int, ...]:
@@ -128,6 +129,7 @@ def prepare_site_files(
             "features": list(fleet.features),
             "target": fleet.target,
             "classification": fleet.meta.get("task") == "classification",
+            "num_classes": int(fleet.meta.get("num_classes", 0)),  # 0: regression
         }
         arrays = {"header": np.asarray(json.dumps(header))}
         for split, rows in (("train", train), ("test", test)):
@@ -166,6 +168,7 @@ def load_site_file(path: str | Path) -> SiteData:
             classification=bool(header["classification"]),
             train=_split(f["x_train"], f["y_train"], f["train_counts"]),
             test=_split(f["x_test"], f["y_test"], f["test_counts"]),
+            num_classes=int(header.get("num_classes", 0)),
         )
 
 

@@ -230,7 +230,7 @@ class Federation:
                 + "; ".join([*self.refused.values(), *self.handshake_rejected.values()])
             )
         first = next(iter(usable.values()))[0][1]["info"]
-        keys = ("features", "target", "classification", "num-clients")
+        keys = ("features", "target", "classification", "num-classes", "num-clients")
         self.shape = {k: first[k] for k in keys}
         claimed: dict[int, int] = {}
         for nid, parts in usable.items():
@@ -264,7 +264,7 @@ class Federation:
         self.scaler = scaler_from_moments(
             features, target, moments, self.config.data.scaling, not classification
         )
-        self.algorithm = build(self.config, self.method, len(features))
+        self.algorithm = build(self.config, self.method, len(features), self.shape["num-classes"])
         self.num_features = len(features)
         from fedcal.build import build_policy
 

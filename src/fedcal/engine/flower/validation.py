@@ -201,6 +201,7 @@ HANDSHAKE_INFO = {
     "features": str,
     "target": str,
     "classification": bool,
+    "num-classes": int,
 }
 
 
@@ -221,6 +222,14 @@ def check_handshake(content: Any, moments: bool) -> str | None:
         return (
             f"handshake info client-index={info['client-index']} num-clients="
             f"{info['num-clients']} num-train={info['num-train']} is inconsistent"
+        )
+    if (
+        not 0 <= info["num-classes"] <= 10_000
+        or (info["num-classes"] > 0) != info["classification"]
+    ):
+        return (  # a class count sizes the model the server builds: bounded
+            f"handshake info num-classes={info['num-classes']} does not fit "
+            f"classification={info['classification']}"
         )
     try:
         features = json.loads(info["features"])

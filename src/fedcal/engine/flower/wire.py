@@ -282,8 +282,11 @@ def config_from_json(text: str, merge_with_default: bool = False) -> RunConfig:
     return from_json(text, "config-json")
 
 
-def build(config: RunConfig, method: str, num_features: int) -> Algorithm:
+def build(config: RunConfig, method: str, num_features: int, num_classes: int = 0) -> Algorithm:
     """The algorithm exactly as ``fedcal run`` builds it (:mod:`fedcal.build`).
+
+    ``num_classes`` > 0: a classification fleet's classes (site files carry them, the
+    handshake checks that all sites agree), so FedProto, FedLSA and FedUCS run too.
 
     A whitened model needs fleet-wide moments of the basis terms, which the
     Flower engine does not collect: refused with a clear message.
@@ -296,4 +299,5 @@ def build(config: RunConfig, method: str, num_features: int) -> Algorithm:
             "[model] whiten = true needs fleet-wide moments of the basis terms, which the "
             "Flower engine does not collect; use whiten = false (or the simulator)"
         )
-    return build_algorithm(method, config, build_task(config, num_features))
+    meta = {"task": "classification", "num_classes": num_classes} if num_classes else None
+    return build_algorithm(method, config, build_task(config, num_features, meta))
