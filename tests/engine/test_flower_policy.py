@@ -382,6 +382,10 @@ HANDSHAKE_CORRUPT = {
         lambda r: retag(r, "info", features="f,T"),
         "handshake info features='f,T' is not a JSON list of names",
     ),
+    "a class count sizes the server's model": (
+        lambda r: retag(r, "info", **{"num-classes": 10**9}),
+        "handshake info num-classes=1000000000 does not fit classification=False",
+    ),
 }
 
 

@@ -1,12 +1,7 @@
-"""Validated settings classes: typed fields, ranges, one-line errors (pydantic).
+"""Validated settings classes (pydantic): typed fields, ranges, one-line errors.
 
-The one definition of each group of settings lives with the layer that uses it
-(the simulator's :class:`~fedcal.data.simulator.FleetSpec`, the engine's
-:class:`~fedcal.engine.settings.EngineSettings`); the configuration schema
-(:mod:`fedcal.config`) extends them. :func:`checked` makes such a class a frozen
-pydantic dataclass whose constructor raises a one-line ``ValueError`` naming
-the class and the field; :func:`problem` words a pydantic error the same way
-for the configuration file's messages.
+Each group of settings is defined once, in the layer that uses it (the simulator's
+FleetSpec, the engine's EngineSettings); the configuration schema extends them.
 """
 
 from __future__ import annotations
