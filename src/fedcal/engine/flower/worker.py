@@ -213,14 +213,19 @@ def listen(node_cfg: Mapping[str, str]) -> socket.socket:
 def serve(node_cfg: Mapping[str, str], server: socket.socket | None = None) -> None:
     """Answer round messages for one site, one at a time, until killed.
 
-    Imports torch and the algorithms and reads the site's data once, before
-    the first message.
+    Imports torch, the engine and the algorithm builder and reads the site's
+    data once, before it listens (a message sent earlier finds no worker and
+    runs in its ClientApp).
     """
+    import importlib
+
     import torch
 
     from fedcal.engine.flower.nodes import load_for_node
 
     torch.set_num_threads(1)
+    for module in ("fedcal.build", "fedcal.engine.simulation"):  # run_round's lazy imports
+        importlib.import_module(module)
     load_for_node(node_cfg)  # fail early on a bad node config; warms the site-data cache
     server = listen(node_cfg) if server is None else server
     while True:
