@@ -11,7 +11,8 @@ and prints
     max_diff_vs_simulator: D  largest |difference| of any sensor's personalized model
                               (read from its site's state file) against ``simulate``
 
-plus the per-message times and the handshake. Example::
+plus the per-message times and the handshake. Each site runs a warm worker
+(:mod:`fedcal.engine.flower.worker`) unless ``--no-workers``. Example::
 
     python benchmarks/flower_scale.py --sensors 1000 --nodes 4 --rounds 3
 
@@ -54,6 +55,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     parser.add_argument("--keep", type=Path, default=None, help="keep the deployment here")
+    parser.add_argument(
+        "--no-workers",
+        action="store_true",
+        help="no warm site workers: every message imports torch and fedcal in its ClientApp",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
 
@@ -74,7 +80,12 @@ def main(argv: list[str] | None = None) -> None:
         for site, _, path in files:
             key, public = make_node_key(dep.root / "pki", f"key-{site}")
             dep.register(public)
-            dep.start_supernode(site, node_config(path, site, root / "state" / site), key)
+            state = root / "state" / site
+            socket = None if args.no_workers else state / "worker.sock"
+            cfg = node_config(path, site, state, worker_socket=socket)
+            if socket is not None:
+                dep.start_worker(site, cfg)
+            dep.start_supernode(site, cfg, key)
         for site, _, _ in files:
             dep.nodes[site].node_id()
         print(f"deployment up: {time.perf_counter() - t0:.1f} s", flush=True)
@@ -117,7 +128,10 @@ def main(argv: list[str] | None = None) -> None:
         rows = torch.tensor(saved["client_indices"])
         for k, v in flatten(saved["personal"]).items():
             diff = max(diff, float((v - personal[k].index_select(0, rows)).abs().max()))
-    print(f"sensors: {len(ids)}  nodes: {len(files)}  rounds: {args.rounds}  method: {args.method}")
+    print(
+        f"sensors: {len(ids)}  nodes: {len(files)}  rounds: {args.rounds}  method: {args.method}"
+        f"  workers: {not args.no_workers}"
+    )
     print(f"handshake_s: {result['timings']['handshake_s']:.1f}")
     print(f"message_s: {[round(m, 1) for m in messages]}")
     print(f"flwr_run_to_finished_s: {wall:.1f}  simulator_s: {sim_s:.1f}")

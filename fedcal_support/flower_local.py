@@ -6,6 +6,7 @@ lives under one root directory::
     root/cli/config.toml   FLWR_HOME of the flwr CLI (the SuperLink connection)
     root/superlink/        FLWR_HOME of flower-superlink
     root/node-<name>/      FLWR_HOME of each flower-supernode
+    root/worker-<name>/    working directory of a site's warm worker (if started)
     root/logs/<name>.log   output of every process started here
     root/pki/              CA, SuperLink certificate, SuperNode keys
 
@@ -81,6 +82,16 @@ def flower_env(flwr_home: Path, extra_path: str = "") -> dict[str, str]:
         NO_COLOR="1",
     )
     return env
+
+
+def _answers(path: Path) -> bool:
+    """Something listens on the Unix socket ``path``."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 # ----------------------------------------------------------------------------
@@ -282,6 +293,7 @@ class LocalDeployment:
     pki: dict[str, Path] = field(default_factory=dict)
     superlink: subprocess.Popen | None = None
     nodes: dict[str, SuperNode] = field(default_factory=dict)
+    workers: dict[str, subprocess.Popen] = field(default_factory=dict)
     _logs: list[IO] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -348,6 +360,27 @@ class LocalDeployment:
         self.nodes[name] = SuperNode(name, proc, log, offset)
         return self.nodes[name]
 
+    def start_worker(self, name: str, node_config: str) -> subprocess.Popen:
+        """Start (or restart) the warm worker of a site (:mod:`fedcal.engine.flower.worker`).
+
+        ``node_config`` is the site's SuperNode ``--node-config`` with a
+        ``worker-socket``; returns once the worker listens there.
+        """
+        from flwr.common.config import parse_config_args
+
+        socket_path = Path(str(parse_config_args([node_config])["worker-socket"]))
+        cmd = [sys.executable, "-m", "fedcal.engine.flower.worker", "--node-config", node_config]
+        proc, log = self._start(f"worker-{name}", cmd, self.root / f"worker-{name}")
+        self.workers[name] = proc
+        deadline = time.monotonic() + 120.0
+        while not _answers(socket_path):
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker {name} exited with {proc.returncode}; see {log}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {name} not listening on {socket_path} after 120 s")
+            time.sleep(0.1)
+        return proc
+
     # -- the flwr CLI ------------------------------------------------------------
     def flwr(self, *args: str, timeout: float = 180.0) -> dict:
         """Run ``flwr ... --format json`` and return its JSON answer (raises on failure)."""
@@ -394,6 +427,8 @@ class LocalDeployment:
     def stop(self) -> None:
         for node in self.nodes.values():
             stop_tree(node.proc)
+        for proc in self.workers.values():
+            stop_tree(proc)
         if self.superlink is not None:
             stop_tree(self.superlink)
         for fh in self._logs:

@@ -2,8 +2,9 @@
 
 One deployment (module fixture) serves every test; each test is one or more
 ``flwr run``s against it. Six sensors on three sites: lab-a (3 sensors), lab-b
-(2) and lab-h (1). The fault test kills and restarts a SuperNode, so it runs
-last. What is proved:
+(2) and lab-h (1); lab-a runs its messages on a warm site worker
+(:mod:`fedcal.engine.flower.worker`). The fault test kills and restarts a
+SuperNode, so it runs last. What is proved:
 
 * security: TLS everywhere (certificates made here), SuperNode authentication:
   registered keys connect with the id ``flwr supernode register`` returned;
@@ -32,7 +33,9 @@ Timings are printed (run with -s) and written to <tmp>/timings.json.
 from __future__ import annotations
 
 import json
+import shutil
 import signal
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,9 +114,13 @@ class Setup:
     extra_path: dict[str, str]
 
 
+WORKER_SITE = "lab-a"  # runs its messages on a warm site worker (a process of its own)
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, make_fleet):
     root = tmp_path_factory.mktemp("flower")
+    sockets = Path(tempfile.mkdtemp(prefix="fw-", dir="/tmp"))  # a socket path has ≤ 107 bytes
     fleet = make_fleet(num_clients=6, train=TRAIN_ROWS)
     files = prepare_site_files(fleet, root / "nodes", SITES)
     (root / "hostile").mkdir()
@@ -126,7 +133,10 @@ def setup(tmp_path_factory, make_fleet):
         for site, _, path in files:
             keys[site], public = make_node_key(dep.root / "pki", f"key-{site}")
             registered[site] = dep.register(public)
-            configs[site] = node_config(path, site, root / "state" / site)
+            socket = sockets / f"{site}.sock" if site == WORKER_SITE else None
+            configs[site] = node_config(path, site, root / "state" / site, worker_socket=socket)
+            if socket is not None:
+                dep.start_worker(site, configs[site])
             extra[site] = str(root / "hostile") if site == "lab-h" else ""
             dep.start_supernode(site, configs[site], keys[site], extra[site])
         # a node whose key was never registered (claims lab-a's data)
@@ -139,6 +149,7 @@ def setup(tmp_path_factory, make_fleet):
         yield Setup(dep, fleet, root, registered, keys, configs, extra)
     finally:
         dep.stop()
+        shutil.rmtree(sockets, ignore_errors=True)
         (root / "timings.json").write_text(json.dumps(TIMINGS, indent=1))
         print("\nflower timings:", json.dumps(TIMINGS, indent=1))
 
@@ -270,6 +281,13 @@ def test_flower_run_on_three_sites_equals_the_simulator(
         state = sensor_state(saved, sensor)
         for k, v in flatten(res.states).items():
             assert torch.allclose(state[k], v[i], rtol=0, atol=1e-9), (sensor, k)
+
+    # lab-a's messages ran on its worker, none fell back to its ClientApp
+    worker_log = (setup.dep.root / "logs" / f"worker-{WORKER_SITE}.log").read_text()
+    for t in range(ROUNDS + 1):
+        assert f"run {run_id} round {t}: answered in" in worker_log
+    node_log = setup.dep.nodes[WORKER_SITE].log.read_text()
+    assert "running the message in the ClientApp" not in node_log
 
     rounds = result["timings"]["rounds"]
     TIMINGS[method] = {

@@ -14,7 +14,9 @@ for all of them as one cohort; the server aggregates across sites per sensor.
 * :mod:`~fedcal.engine.flower.policy` / :mod:`~fedcal.engine.flower.validation`:
   what a node agrees to send, what the server accepts;
 * :mod:`~fedcal.engine.flower.server_app` / :mod:`~fedcal.engine.flower.client_app`
-  are the thin Flower ``ServerApp`` / ``ClientApp`` around them.
+  are the thin Flower ``ServerApp`` / ``ClientApp`` around them;
+* :mod:`~fedcal.engine.flower.worker` is an optional warm process per site that
+  runs its round messages for the ClientApp (torch and fedcal imported once).
 
 The schedule (cohorts, evaluation rounds, seeds, result rows) is
 :mod:`fedcal.engine.schedule`, shared with the simulator. Test support (a
@@ -22,5 +24,6 @@ local deployment, hostile clients) lives outside the package, in
 ``fedcal_support/`` of the repository.
 
 Nothing here imports Flower or torch at package import time: a ClientApp is a
-fresh process per message, so import time is paid every round.
+fresh process per message, so import time is paid every round (by the ClientApp
+only for what it runs itself: with a site worker, Flower's own modules).
 """

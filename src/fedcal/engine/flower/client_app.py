@@ -2,11 +2,13 @@
 
 Node config (``flower-supernode --node-config``, TOML values)::
 
-    data-path='/abs/lab-a.npz' site-id='lab-a' state-dir='/abs/state'
+    data-path='/abs/lab-a.npz' site-id='lab-a' state-dir='/abs/state' worker-socket='/abs/w.sock'
 
-See :mod:`fedcal.engine.flower.client` for what each message does. Heavy
-imports (torch, the algorithms) happen inside the handlers, after Flower has
-started the process, and only for round messages (the handshake needs NumPy).
+(``worker-socket`` optional: see :mod:`fedcal.engine.flower.worker`). See
+:mod:`fedcal.engine.flower.client` for what each message does. Heavy imports
+(torch, the algorithms) happen inside the handlers, after Flower has started
+the process, only for round messages (the handshake needs NumPy), and not at
+all when a warm site worker runs the message.
 """
 
 from __future__ import annotations
@@ -27,10 +29,14 @@ def handshake(msg: Message, context: Context) -> Message:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Round message: evaluate the previous round and/or train this one."""
-    from fedcal.engine.flower.client import run_round
+    """Round message: evaluate the previous round and/or train this one.
 
-    content = run_round(msg.content, context.node_config, context.run_id)
+    On the site's warm worker if the node config names one (``worker-socket``),
+    else in this process.
+    """
+    from fedcal.engine.flower.worker import run_round_here_or_on_worker
+
+    content = run_round_here_or_on_worker(msg.content, context.node_config, context.run_id)
     return Message(content, reply_to=msg)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -58,7 +59,7 @@ class SiteData:
     test: tuple[Rows, ...]
     num_classes: int = 0  # a classification fleet's (what build_task needs); 0: regression
 
-    @property
+    @cached_property
     def num_train(self) -> tuple[int, ...]:
         return tuple(len(x) for x, _ in self.train)
 
@@ -148,6 +149,8 @@ def _savez(path: Path, arrays: dict[str, np.ndarray]) -> None:
 
 
 def _split(x: np.ndarray, y: np.ndarray, counts: np.ndarray) -> tuple[Rows, ...]:
+    x.setflags(write=False)  # shared by every message of a warm worker: nobody may write
+    y.setflags(write=False)
     cut = np.cumsum(counts)[:-1]
     return tuple(zip(np.split(x, cut), np.split(y, cut), strict=True))
 
@@ -178,6 +181,7 @@ def node_config(
     state_dir: str | Path,
     allow_methods: str | None = None,
     allow_uploads: str | None = None,
+    worker_socket: str | Path | None = None,
 ) -> str:
     """The ``flower-supernode --node-config`` value for one site.
 
@@ -185,6 +189,8 @@ def node_config(
     literal strings (single quotes: no escapes, so any path without a quote works).
     ``allow_methods`` / ``allow_uploads``: the node's sharing policy
     (:mod:`fedcal.engine.flower.policy`); None leaves the default.
+    ``worker_socket``: the Unix socket of the site's warm worker
+    (:mod:`fedcal.engine.flower.worker`; start it with the same node config).
     """
     values = {
         "data-path": str(Path(data_path).resolve()),
@@ -195,10 +201,30 @@ def node_config(
         values["allow-methods"] = allow_methods
     if allow_uploads is not None:
         values["allow-uploads"] = allow_uploads
+    if worker_socket is not None:
+        values["worker-socket"] = str(Path(worker_socket).resolve())
     for key, value in values.items():
         if "'" in value or "\n" in value:
             raise ValueError(f"node config {key}={value!r}: quotes and newlines are not allowed")
     return " ".join(f"{k}='{v}'" for k, v in values.items())
+
+
+_SITE_CACHE: dict[str, tuple[tuple[int, int, int], SiteData]] = {}
+
+
+def _cached_site_file(path: str) -> SiteData:
+    """:func:`load_site_file`, read again only when the file changed (size, mtime, inode).
+
+    A ClientApp process reads a site file once anyway; a warm site worker
+    (:mod:`~fedcal.engine.flower.worker`) keeps the parsed rows between messages.
+    """
+    st = Path(path).stat()
+    key = (st.st_size, st.st_mtime_ns, st.st_ino)
+    hit = _SITE_CACHE.get(path)
+    if hit is None or hit[0] != key:
+        hit = (key, load_site_file(path))
+        _SITE_CACHE[path] = hit
+    return hit[1]
 
 
 def load_for_node(node_cfg: Mapping) -> SiteData:
@@ -209,7 +235,7 @@ def load_for_node(node_cfg: Mapping) -> SiteData:
             f"SuperNode started without {', '.join(missing)} in --node-config; start it with "
             "--node-config \"data-path='...' site-id='...' state-dir='...'\""
         )
-    site = load_site_file(str(node_cfg["data-path"]))
+    site = _cached_site_file(str(node_cfg["data-path"]))
     if site.site_id != str(node_cfg["site-id"]):
         raise ValueError(
             f"node config says site {node_cfg['site-id']!r}, "
