@@ -37,6 +37,11 @@ validation part):
   unit's parent unit, 21 components): per component a Gaussian posterior, the
   components weighted by their marginal likelihood of the unit's 6 points. Uses
   structure a federation would have to learn (which units share a parent).
+* ``gmm``: the same with a Gaussian mixture fitted to the library's coefficients
+  without labels (sklearn ``GaussianMixture``, K by BIC among 1, 5, 10, 21, 40).
+* ``kernel``: the mixture a 20 + 20 fleet could learn: one component N(c_ref, s²Σ)
+  per reference unit of the fleet (its dense truth ≈ a campaign fit), equal
+  weights, the bandwidth s by the evaluated units' summed evidence.
 
 Evaluated on the 20 new units of fleet seeds 0/1/2 (the fleets of
 ``benchmarks/fewpoint.py``, their 60 off-grid test points) and, for a tighter
@@ -44,6 +49,7 @@ estimate of the same quantity, on held-out library units (``--holdout``).
 
     python benchmarks/fewpoint_bound.py [--library 30000] [--fleet-seeds 0,1,2]
                                         [--design 3x2] [--holdout 5000] [--knn 1000]
+                                        [--only quad,cubic,abc,mlp,kernel,mixture,gmm]
 """
 
 from __future__ import annotations
