@@ -157,6 +157,46 @@ def test_bic_selects_among_phi_sub_bases_and_keeps_psi_in_every_candidate():
     torch.testing.assert_close(personal["coef"][:, -q:] != 0, torch.ones(12, q, dtype=torch.bool))
 
 
+def test_bic_can_choose_psi_too_none_for_no_directions_the_planted_shape_otherwise():
+    """branch_select: candidates = φ's 16 sub-bases × ψ ∈ {none, (0,0), (1,0), (2,0)}.
+
+    The planted hysteresis is a constant offset: the fleet's BIC takes ψ = (0, 0), the
+    exported prior has that one ψ term. With no direction known (b = 0) the ψ columns
+    are empty and BIC takes no ψ (same evidence, fewer parameters).
+    """
+    x, y, b, _, _, _ = planted()
+    alg = prior(branch_orders=(2, 0), select="bic", branch_select=True)
+    assert len(alg.candidates) == 16 * 4 and alg.masks.shape == (64, 16 + 3)
+    psi_sets = {tuple(map(tuple, alg.candidate_branch_terms(c))) for c in alg.candidates}
+    assert psi_sets == {(), ((0, 0),), ((0, 0), (1, 0)), ((0, 0), (1, 0), (2, 0))}
+    assert alg.candidates[-1] == {"orders": [3, 3], "branch_orders": [2, 0]}  # round 0: all
+    for k, cand in enumerate(alg.candidates):
+        q = len(alg.candidate_branch_terms(cand))
+        assert int(alg.masks[k, 16:].sum()) == q and list(alg.masks[k, 16 : 16 + q]) == [1.0] * q
+
+    server, _, personal = fit(alg, cohort(x, y, b), 20)
+    state = alg.export_state(server)
+    assert state["selection"]["chosen"] == {"orders": [3, 3], "branch_orders": [0, 0]}
+    assert state["branch_terms"] == [[0, 0]] and state["branch_term_names"] == ["b·1"]
+    assert len(state["mu"]) == 16 + 1 and abs(state["mu"][16] - 0.05) < 0.01
+    assert torch.all(personal["coef"][:, 17:] == 0)  # ψ terms outside the choice: not in it
+    # `fedcal calibrate` rebuilds the chosen model from the prior's selection record
+    from fedcal.build import build_algorithm, build_task
+    from fedcal.calibration import _config
+
+    params = {"orders": [3, 3], "select": "bic", "branch_orders": [2, 0], "branch_select": True}
+    doc = {"method": "fedprior_psi", "method_params": params, "selection": state["selection"]}
+    cfg = _config({**doc, "features": ["frequency_hz", "temperature_c"], "target": "p"})
+    rebuilt = build_algorithm("fedprior_psi", cfg, build_task(cfg, 2))
+    assert [list(t) for t in rebuilt.branch_terms] == state["branch_terms"]
+    assert [list(t) for t in rebuilt.terms] == state["terms"] and rebuilt.select == "none"
+
+    server, _, _ = fit(alg, cohort(x, y, torch.zeros_like(y)), 20)
+    state = alg.export_state(server)
+    assert state["selection"]["chosen"] == {"orders": [3, 3], "branch_orders": []}
+    assert "branch_terms" not in state and len(state["mu"]) == 16
+
+
 def test_bad_branch_orders_are_refused_in_one_line():
     with pytest.raises(ValueError, match=r"branch_orders \[2\] needs one order >= 0 per input"):
         prior(branch_orders=(2,))

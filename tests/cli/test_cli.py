@@ -1,5 +1,6 @@
 """The command line as a user and a script call it."""
 
+import numpy as np
 import pandas as pd
 import pytest
 from typer.testing import CliRunner
@@ -204,6 +205,24 @@ def test_flower_nodes_writes_one_file_per_site(tmp_path, files):
     sites.write_text("sensor_id,site\nS00,lab-a\n")
     result = runner.invoke(app, [*args[:4], str(tmp_path / "x"), "--sites", str(sites)])
     assert result.exit_code == 2 and "no site for sensor(s) S01, S02" in result.output
+
+
+def test_flower_nodes_carries_the_direction_column_into_the_site_files(tmp_path, files):
+    from fedcal.engine.flower.nodes import load_site_file
+
+    data, _ = files
+    frame = pd.read_csv(data)
+    frame["direction"] = np.where(np.arange(len(frame)) % 3 == 0, "Down", "up")
+    with_dir = tmp_path / "dir.csv"
+    frame.to_csv(with_dir, index=False)
+    out = tmp_path / "nodes"
+    result = runner.invoke(app, ["flower-nodes", "--data", str(with_dir), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    site = load_site_file(out / "S01.npz")
+    for split, signs in (("train", site.train_branch), ("test", site.test_branch)):
+        rows = frame[(frame["sensor_id"] == "S01") & (frame["split"] == split)]
+        want = np.where(rows["direction"] == "up", 1.0, -1.0)
+        assert signs is not None and signs[0].tolist() == want.tolist(), split
 
 
 def test_report_reprints_a_run_as_markdown(tmp_path, files):

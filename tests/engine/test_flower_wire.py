@@ -539,3 +539,71 @@ def test_fedprior_basis_selection_on_sites_equals_the_simulator(make_fleet, tmp_
     res = simulate(build(config, "fedprior_bic", 2), prepare(fleet, dtype="float64"), engine)
     assert res.server["cand"]["mu"].shape == (4, 4)  # (0,0), (0,1), (1,0), (1,1)
     _assert_same_as_simulator(fed, res, cfgs, 17)
+
+
+def _with_directions(fleet: Fleet, seed: int = 5) -> Fleet:
+    """The fleet with a chamber ``direction`` column and a hysteresis that depends on it.
+
+    Each row is "up" or "down" at random; a sensor reads ±(0.2…0.6) Hz off on the two
+    branches (a descending point reads high), so a branch term has something to learn.
+    """
+    rng = np.random.default_rng(seed)
+    frame = fleet.frame.copy()
+    up = rng.uniform(size=len(frame)) < 0.5
+    sensors = frame["sensor_id"].astype("category").cat.codes.to_numpy()
+    offset = rng.uniform(0.2, 0.6, sensors.max() + 1)[sensors]
+    frame["frequency_hz"] = frame["frequency_hz"] + np.where(up, -offset, offset)
+    frame["direction"] = np.where(up, "up", "DOWN")  # any case, as in a fleet file
+    return Fleet(frame)
+
+
+def test_fedprior_branch_on_sites_reads_the_direction_column_and_equals_the_simulator(
+    make_fleet, tmp_path
+) -> None:
+    """Site files carry each row's sweep sign; fedprior with a branch term (y = φᵀc + b·ψᵀh)
+    on three sites then gives the simulator's numbers, which differ from the same fleet's
+    without the column (the signs reach the algorithm, not only the file)."""
+    fleet = _with_directions(make_fleet(num_clients=6, train=TRAIN_ROWS))
+    params = {"orders": [1, 1], "init_noise": 0.1, "branch_orders": [1, 0], "base": "fedprior"}
+    config = replace(CONFIG, method_params={**CONFIG.method_params, "fedprior_dir": params})
+    cfgs = _node_cfgs(fleet, tmp_path, SITES)
+    want = {split: fleet.branch_signs(split) for split in ("train", "test")}
+    for cfg in cfgs.values():
+        site = load_for_node(cfg)
+        for split, got in (("train", site.train_branch), ("test", site.test_branch)):
+            assert got is not None and len(got) == len(site.sensor_ids)
+            for k, index in enumerate(site.client_indices):
+                assert got[k].tolist() == want[split][index].tolist(), (split, index)
+    assert {v for b in want["train"] for v in b.tolist()} == {-1.0, 1.0}
+
+    fed = Federation(config, "fedprior_dir", seed=4)
+    run_in_process(fed, cfgs, run_id=19)
+    assert fed.rejected == {} and all(f == {} for f in fed.failed.values())
+    engine = EngineConfig(rounds=3, seed=4, dtype="float64", aggregation=POLICY)
+    alg = build(config, "fedprior_dir", 2)
+    res = simulate(alg, prepare(fleet, dtype="float64"), engine)
+    assert res.server["mu"].shape == (4 + 2,)  # φ: 4 terms; ψ: b·1, b·P1(f)
+    _assert_same_as_simulator(fed, res, cfgs, 19)
+
+    plain = Fleet(fleet.frame.drop(columns="direction"))
+    blind = simulate(build(config, "fedprior_dir", 2), prepare(plain, dtype="float64"), engine)
+    assert not torch.allclose(blind.server["mu"], res.server["mu"], rtol=0, atol=1e-6)
+
+
+def test_a_site_file_without_directions_gives_no_branch_and_a_bad_one_is_refused(
+    make_fleet, tmp_path
+) -> None:
+    fleet = make_fleet(num_clients=2, train=[5, 4])
+    (_, _, path), _ = prepare_site_files(fleet, tmp_path / "plain")
+    site = load_site_file(path)
+    assert site.train_branch is None and site.test_branch is None
+
+    (_, _, path), _ = prepare_site_files(_with_directions(fleet), tmp_path / "dir")
+    with np.load(path, allow_pickle=False) as f:
+        arrays = {k: f[k] for k in f.files}
+    assert arrays["b_train"].shape == (5,)
+    arrays["b_train"] = arrays["b_train"] * 0.5  # not a sign
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, **arrays)
+    with pytest.raises(ValueError, match=r"bad\.npz: b_train must be one sign"):
+        load_site_file(bad)

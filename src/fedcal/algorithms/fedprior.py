@@ -89,7 +89,11 @@ prediction is the branch average and the hysteresis widens the interval:
     ŷ = φ(x)ᵀm_c,   Var = φ(x)ᵀV_cc φ(x) + σ² + ψ(x)ᵀ(m_h m_hᵀ + V_hh)ψ(x).
 
 Rows without a direction (b = 0) carry no branch term (today's model). With
-``select = "bic"`` the candidates are φ's sub-bases; ψ is in every candidate.
+``select = "bic"`` the candidates are φ's sub-bases; ψ is in every candidate,
+unless ``branch_select``: then the candidates are φ's sub-bases × ψ's options
+(no term, or any orders vector ≤ ``branch_orders``), and the fleet's BIC also
+decides whether and which direction term the data support (a fleet without
+directions gets none: its ψ columns are empty, same evidence, more parameters).
 Measured by helper "hyst" (benchmarks/fewpoint_direction.py) and here (README).
 
 Defaults (ours, measured on mixed fleets of 20 fully calibrated + 20 new
@@ -160,6 +164,9 @@ class FedPrior(Algorithm):
     select: str = "none"  # "bic": the sub-basis of highest fleet evidence (BIC); "none": all
     dp_max_rows: float = 384.0  # client-level DP: rows a unit may hold (public; the campaign)
     branch_orders: tuple[int, ...] = ()  # ψ: Legendre orders per input of b·ψ(x)ᵀh; () = off
+    # With select = "bic" and branch_orders: ψ chosen too, among no term and every orders
+    # vector ≤ branch_orders (candidates = φ's sub-bases × these); False: ψ in every candidate.
+    branch_select: bool = False
 
     name = "fedprior"
     # m_i is the unit's posterior mean (its calibration); the rest are sufficient statistics.
@@ -248,14 +255,35 @@ class FedPrior(Algorithm):
         if self._tensor_basis():
             grid = itertools.product(*(range(o + 1) for o in self.orders))
             out = [{"orders": list(o)} for o in grid]
-            return tuple(
-                sorted(out, key=lambda c: (math.prod(o + 1 for o in c["orders"]), c["orders"]))
-            )
-        return tuple({"degree": d} for d in range(self.degree + 1))
+            out = sorted(out, key=lambda c: (math.prod(o + 1 for o in c["orders"]), c["orders"]))
+        else:
+            out = [{"degree": d} for d in range(self.degree + 1)]
+        if not (self.branch_select and self.branch_orders):
+            return tuple(out)
+        # ψ options: none, then every orders vector ≤ branch_orders, smallest first; the
+        # product with φ's candidates is ordered by total size (ties: φ's order, then ψ's).
+        grid = itertools.product(*(range(o + 1) for o in self.branch_orders))
+        by_size = sorted((list(o) for o in grid), key=lambda o: (math.prod(a + 1 for a in o), o))
+        psi = [[], *by_size]
+        size = [len(self.candidate_terms(c)) for c in out]
+        both = [
+            (size[i] + (math.prod(a + 1 for a in b) if b else 0), i, j)
+            for i in range(len(out))
+            for j, b in enumerate(psi)
+        ]
+        return tuple({**out[i], "branch_orders": psi[j]} for _, i, j in sorted(both))
+
+    def candidate_branch_terms(self, candidate: dict[str, Any]) -> tuple[tuple[int, ...], ...]:
+        """ψ's terms of one candidate (all of :attr:`branch_terms` unless ψ is selected)."""
+        if "branch_orders" not in candidate:
+            return self.branch_terms
+        if not candidate["branch_orders"]:
+            return ()
+        return legendre_exponents(self.num_inputs, orders=candidate["branch_orders"])
 
     def candidate_terms(self, candidate: dict[str, Any]) -> tuple[tuple[int, ...], ...]:
         """The terms of one candidate, in its own basis order (constant first)."""
-        if not candidate:
+        if "orders" not in candidate and "degree" not in candidate:
             return self.terms
         if "orders" in candidate:
             return legendre_exponents(self.num_inputs, orders=candidate["orders"])
@@ -265,7 +293,8 @@ class FedPrior(Algorithm):
     def masks(self) -> Tensor:
         """(candidates, features): 1 where a candidate's basis holds a term of :attr:`terms`.
 
-        The direction term's ψ columns are in every candidate.
+        The direction term's ψ columns are in every candidate, unless ψ is selected
+        (``branch_select``): then those of the candidate's ψ.
         """
         q = len(self.branch_terms)
         out = torch.ones(len(self.candidates), len(self.terms) + q, dtype=F64)
@@ -273,6 +302,10 @@ class FedPrior(Algorithm):
             keep = set(self.candidate_terms(cand))
             out[k, : len(self.terms)] = torch.tensor(
                 [float(t in keep) for t in self.terms], dtype=F64
+            )
+            keep_psi = set(self.candidate_branch_terms(cand))
+            out[k, len(self.terms) :] = torch.tensor(
+                [float(t in keep_psi) for t in self.branch_terms], dtype=F64
             )
         return out
 
@@ -595,12 +628,20 @@ class FedPrior(Algorithm):
         terms = self.candidate_terms(self.candidates[int(server["choice"])])
         return terms, torch.tensor([self.terms.index(t) for t in terms])
 
+    def chosen_branch(self, server: Tree) -> tuple[tuple[int, ...], ...]:
+        """ψ's terms in use (all of :attr:`branch_terms` unless ψ is selected)."""
+        if self.select == "none":
+            return self.branch_terms
+        return self.candidate_branch_terms(self.candidates[int(server["choice"])])
+
     def chosen_features(self, server: Tree) -> tuple[list[str], Tensor]:
         """Names and indices (in the design) of the features in use: φ's chosen terms, then ψ's."""
         terms, idx = self.chosen(server)
-        p, q = len(self.terms), len(self.branch_terms)
-        names = [term_name(t) for t in terms] + [f"b·{term_name(t)}" for t in self.branch_terms]
-        return names, torch.cat([idx, torch.arange(p, p + q)])
+        psi = self.chosen_branch(server)
+        p = len(self.terms)
+        names = [term_name(t) for t in terms] + [f"b·{term_name(t)}" for t in psi]
+        psi_idx = torch.tensor([p + self.branch_terms.index(t) for t in psi], dtype=torch.long)
+        return names, torch.cat([idx, psi_idx])
 
     def export_state(self, server: Tree) -> dict[str, Any]:
         """The fleet prior as JSON-able data: what ``fedcal calibrate`` needs.
@@ -622,9 +663,10 @@ class FedPrior(Algorithm):
             "noise_prior_points": self.noise_prior_points,
             "identification": self.identification(server),
         }
-        if self.branch_orders:
-            state["branch_terms"] = [list(t) for t in self.branch_terms]
-            state["branch_term_names"] = [f"b·{term_name(t)}" for t in self.branch_terms]
+        psi = self.chosen_branch(server)
+        if psi:
+            state["branch_terms"] = [list(t) for t in psi]
+            state["branch_term_names"] = [f"b·{term_name(t)}" for t in psi]
         if self.select != "none":
             state["selection"] = {
                 "rule": self.select,

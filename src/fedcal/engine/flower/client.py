@@ -134,13 +134,15 @@ def sensor_state(saved: Mapping, sensor_id: str, tree: str = "state"):
 # ----------------------------------------------------------------------------
 # a round message
 # ----------------------------------------------------------------------------
-def _cohort_data(rows, scaler: Scaler, dtype, indices: tuple[int, ...]) -> ClientData:
+def _cohort_data(rows, scaler: Scaler, dtype, indices: tuple[int, ...], branch=None) -> ClientData:
     from dataclasses import replace
 
     from fedcal.core.data import ClientData
 
-    # The same NumPy ops on the same float64 rows as engine.simulation.prepare.
-    data = ClientData.from_arrays([(scaler.x(x), scaler.y(y)) for x, y in rows], dtype=dtype)
+    # The same NumPy ops on the same float64 rows as engine.simulation.prepare; ``branch``
+    # the rows' sweep signs from the site file (None without a direction column).
+    scaled = [(scaler.x(x), scaler.y(y)) for x, y in rows]
+    data = ClientData.from_arrays(scaled, dtype=dtype, branch=branch)
     return replace(data, index=indices)
 
 
@@ -220,10 +222,10 @@ def run_round(content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict
         pending, pending_round = None, [-1] * n
 
     parts: dict[int, dict] = {i: {} for i in indices}  # one RecordDict for all, at the end
-    train_data = _cohort_data(site.train, scaler, dtype, indices)
+    train_data = _cohort_data(site.train, scaler, dtype, indices, site.train_branch)
     # 2. Evaluate round t − 1: the broadcast of message t is the server after round t − 1.
     if eval_round >= 0:
-        test_data = _cohort_data(site.test, scaler, dtype, indices)
+        test_data = _cohort_data(site.test, scaler, dtype, indices, site.test_branch)
         seeds = personalize_seeds(seed, eval_round, indices)
         personal = alg.personalize(expand(down, n), state, train_data.with_seeds(seeds))
         test_err = errors(alg, personal, test_data, scaler)

@@ -5,7 +5,10 @@ test rows of each of its sensors exactly as
 :meth:`fedcal.data.fleet.Fleet.arrays` gives them (float64), concatenated in
 site order with per-sensor row counts, plus a JSON header: site id, sensor
 ids, their client indices (positions in the fleet, which fix their seeds),
-fleet size, feature and target names. The SuperNode is started with
+fleet size, feature and target names; and, when the fleet has a ``direction``
+column, each row's sweep sign (+1 up, −1 down: :meth:`Fleet.branch_signs`) in
+``b_train`` / ``b_test``, which the ClientApp passes on as ``ClientData.branch``
+(fedprior's ``branch_orders``). The SuperNode is started with
 ``--node-config`` naming the file, the site id and the state directory (see
 :func:`node_config`); the site id is checked against the header.
 
@@ -58,6 +61,9 @@ class SiteData:
     train: tuple[Rows, ...]  # per sensor, site order
     test: tuple[Rows, ...]
     num_classes: int = 0  # a classification fleet's (what build_task needs); 0: regression
+    # per sensor, each row's sweep sign (+1 up, −1 down); None without a direction column
+    train_branch: tuple[np.ndarray, ...] | None = None
+    test_branch: tuple[np.ndarray, ...] | None = None
 
     @cached_property
     def num_train(self) -> tuple[int, ...]:
@@ -119,6 +125,7 @@ def prepare_site_files(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     train, test = fleet.arrays("train"), fleet.arrays("test")
+    branch = {split: fleet.branch_signs(split) for split in ("train", "test")}
     written = []
     for (site, indices), name in zip(members.items(), names, strict=True):
         header = {
@@ -137,6 +144,8 @@ def prepare_site_files(
             arrays[f"x_{split}"] = np.concatenate([rows[i][0] for i in indices])
             arrays[f"y_{split}"] = np.concatenate([rows[i][1] for i in indices])
             arrays[f"{split}_counts"] = np.asarray([len(rows[i][0]) for i in indices], np.int64)
+            if branch[split] is not None:
+                arrays[f"b_{split}"] = np.concatenate([branch[split][i] for i in indices])
         path = out / f"{name}.npz"
         write_with(path, lambda tmp, arrays=arrays: _savez(tmp, arrays))
         written.append((site, tuple(header["sensor_ids"]), path))
@@ -155,12 +164,24 @@ def _split(x: np.ndarray, y: np.ndarray, counts: np.ndarray) -> tuple[Rows, ...]
     return tuple(zip(np.split(x, cut), np.split(y, cut), strict=True))
 
 
+def _split_branch(f, split: str, rows: tuple[Rows, ...], path) -> tuple[np.ndarray, ...] | None:
+    """Each sensor's sweep signs of one split, or None when the file carries none."""
+    if f"b_{split}" not in f.files:
+        return None
+    signs = f[f"b_{split}"]
+    if signs.shape != (sum(len(x) for x, _ in rows),) or not np.isin(signs, (-1.0, 1.0)).all():
+        raise ValueError(f"{path}: b_{split} must be one sign (+1 up, -1 down) per {split} row")
+    return tuple(np.split(signs, np.cumsum([len(x) for x, _ in rows])[:-1]))
+
+
 def load_site_file(path: str | Path) -> SiteData:
     """Read a site file written by :func:`prepare_site_files`."""
     with np.load(Path(path), allow_pickle=False) as f:
         header = json.loads(str(f["header"]))
         if header.get("format") != FORMAT:
             raise ValueError(f"{path}: not a fedcal site file (format {header.get('format')!r})")
+        train = _split(f["x_train"], f["y_train"], f["train_counts"])
+        test = _split(f["x_test"], f["y_test"], f["test_counts"])
         return SiteData(
             site_id=str(header["site_id"]),
             sensor_ids=tuple(map(str, header["sensor_ids"])),
@@ -169,9 +190,11 @@ def load_site_file(path: str | Path) -> SiteData:
             features=tuple(header["features"]),
             target=header["target"],
             classification=bool(header["classification"]),
-            train=_split(f["x_train"], f["y_train"], f["train_counts"]),
-            test=_split(f["x_test"], f["y_test"], f["test_counts"]),
+            train=train,
+            test=test,
             num_classes=int(header.get("num_classes", 0)),
+            train_branch=_split_branch(f, "train", train, path),
+            test_branch=_split_branch(f, "test", test, path),
         )
 
 

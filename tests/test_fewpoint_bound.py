@@ -1,0 +1,59 @@
+"""benchmarks/fewpoint_bound.py: its library is the simulator's physics; its Gaussian is Bayes."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from fedcal.config import load_config
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "fewpoint_bound.py"
+
+
+def bench():
+    if "fewpoint_bound" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("fewpoint_bound", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["fewpoint_bound"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["fewpoint_bound"]
+
+
+def test_library_physics_and_truth_match_the_simulated_fleet():
+    """The vectorized physics reproduces the fleet's own rows from its units' parameters
+    and noise draws; each unit's dense truth predicts its test points to the floor."""
+    b = bench()
+    new, prm, spec = b.fleet_units(load_config("fewpoint"), "3x2", 1)
+    assert new.f.shape == (20, 6) and new.test_f.shape == (20, 60)
+    assert b.check_library_physics(spec, prm, new, 1, "3x2") == 0.0
+    coords = b.Coordinates(float(new.test_f.min()) - 500.0, float(new.test_f.max()) + 500.0)
+    coef, fit_err = b.dense_truth(spec, prm, coords)
+    assert fit_err < 1e-3  # hPa, over the dense grid
+    floor = b.function_rmse(coef, new, coords)
+    # hysteresis of unknown branch (≤ 0.10 hPa), ripple (≤ 0.03) and noise (0.01)
+    assert 0.02 < floor.mean() < 0.06 and floor.max() < 0.12
+
+
+def test_gaussian_posterior_is_the_conditional_mean_of_the_joint_gaussian():
+    """μ + ΣΦᵀ(ΦΣΦᵀ + S_e)⁻¹(y − Φμ − m_e) against the joint Gaussian's conditional, by hand."""
+    b = bench()
+    rng = np.random.default_rng(0)
+    coords = b.Coordinates(30_000.0, 40_000.0)
+    f, t = rng.uniform(31_000, 39_000, (3, 6)), rng.uniform(-40, 60, (3, 6))
+    units = b.Units(f, t, rng.normal(800, 400, 6), f[:, :1], t[:, :1], np.zeros(1))
+    a = rng.standard_normal((30, 30))
+    mu, sigma = rng.standard_normal(30), a @ a.T / 30
+    m_e, s_e = 0.1 * rng.standard_normal(6), 0.05 * np.eye(6)
+    got, loglik = b.gaussian_posterior(units, coords, mu, sigma, m_e, s_e)
+    for i in range(3):
+        phi = coords.basis(f[i], t[i])
+        cov_yy = phi @ sigma @ phi.T + s_e
+        gain = sigma @ phi.T @ np.linalg.inv(cov_yy)
+        want = mu + gain @ (units.y - phi @ mu - m_e)
+        np.testing.assert_allclose(got[i], want, rtol=1e-8, atol=1e-8)
+        r = units.y - phi @ mu - m_e
+        ll = -0.5 * (r @ np.linalg.solve(cov_yy, r) + np.linalg.slogdet(cov_yy)[1])
+        assert abs(loglik[i] - (ll - 3 * np.log(2 * np.pi))) < 1e-8
