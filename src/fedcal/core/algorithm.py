@@ -83,6 +83,9 @@ def _with_recipe() -> type:
     return fields
 
 
+AlgorithmFields = _with_recipe()  # named here so that it pickles by reference
+
+
 class ChecksOptions(ABCMeta):
     """Constructing an algorithm checks its Literal fields and its recipe's ranges.
 
@@ -105,7 +108,7 @@ class ChecksOptions(ABCMeta):
 
 
 @dataclass(frozen=True)
-class Algorithm(_with_recipe(), metaclass=ChecksOptions):
+class Algorithm(AlgorithmFields, metaclass=ChecksOptions):
     """Base class with FedAvg-shaped defaults and the shared local-training helpers.
 
     Fields common to all algorithms: the task, and the local optimizer recipe
