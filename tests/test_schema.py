@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 
 import pytest
 from typer.testing import CliRunner
@@ -155,6 +156,11 @@ HOSTILE = [
     ("[methods.layerchoice]\nholdout_every = 1\n", "[methods.layerchoice] holdout_every"),
     ("[methods.polynomial]\nlevel_gap = 1.5\n", "[methods.polynomial] level_gap"),
     ("[methods.fedgen]\nnum_bins = 0\n", "[methods.fedgen] num_bins"),
+    # a proximal weight that pins the model to its anchor (fedcal.core.local)
+    ("[methods.fedprox]\nmu = 1e9\n", "[methods.fedprox] mu"),
+    ("[methods.ditto]\nlam = 1e9\n", "[methods.ditto] lam"),
+    ("[methods.pfedme]\nlam = 1e9\n", "[methods.pfedme] lam"),
+    ("[methods.prox2]\nbase = 'fedprox'\nmu = 2000.0\n", "[methods.prox2] mu"),
     ("[methods.mine]\nbase = 'leastsq'\nridge = 0.0\n", "[methods.mine] ridge"),
     (  # each value alone is fine, together they are not
         "[methods.fedpoly]\nmax_orders = [2, 3]\nprivate_terms = [[3, 0]]\n",
@@ -174,6 +180,8 @@ HOSTILE = [
     ("[methods.fedgmi]\nmagnitude = 'bogus'\n", "[methods.fedgmi]"),
     ("[data]\npath = 'builtin:humidity'\nscaling = 'physical'\n", "[data] scaling"),
     ("[run]\nmethods = ['fedlsa']\n", "[run] methods"),
+    ("[aggregation]\nscreen_factor = 0.5\n", "[aggregation] screen_factor"),
+    ("[aggregation]\nclip_factor = 0.5\n", "[aggregation] clip_factor"),
     ("[aggregation]\nrule = 'krum'\nkrum_byzantine = 15\n", "[aggregation] krum_byzantine"),
     ("[aggregation]\nrule = 'krum'\nkrum_select = 50\n", "[aggregation] krum_select"),
     ("[engine]\nparticipation = 0.01\n", "[engine] participation"),
@@ -370,16 +378,33 @@ def test_a_run_directory_records_and_rebuilds_the_values_used(tmp_path):
 # ----------------------------------------------------------------------------
 def test_each_group_of_settings_has_one_definition():
     """[fleet] is the simulator's FleetSpec plus the seed; [engine] the engine's settings plus
-    the checkpoint interval; both refuse a bad value in one line when built from Python too."""
+    the checkpoint interval; [train] the algorithms' Recipe; [aggregation] the policy's rules.
+    Each refuses a bad value in one line when built from Python too, and so does an algorithm
+    (its recipe's ranges, its proximal weight)."""
+    from fedcal.algorithms.ditto import Ditto
+    from fedcal.algorithms.fedavg import FedAvg
+    from fedcal.algorithms.fedprox import FedProx
+    from fedcal.algorithms.pfedme import PFedMe
     from fedcal.build import engine_settings
-    from fedcal.config import EngineSection, FleetConfig, TrainConfig
-    from fedcal.core.algorithm import Algorithm
+    from fedcal.config import SECTIONS, EngineSection, FleetConfig, TrainConfig
+    from fedcal.core.aggregation import AggregationPolicy, AggregationRules
+    from fedcal.core.algorithm import Algorithm, Recipe
     from fedcal.data.simulator import FleetSpec
     from fedcal.engine.settings import EngineSettings
     from fedcal.engine.simulation import EngineConfig
 
     names = lambda cls: [f.name for f in dataclasses.fields(cls)]  # noqa: E731
-    assert set(names(TrainConfig)) == set(names(Algorithm)) - {"task"}  # the contract's recipe
+    # [train] is the contract's Recipe; Algorithm's recipe fields are made from it
+    assert TrainConfig is Recipe and names(Algorithm) == ["task", *names(Recipe)]
+    shipped = {f.name: f.default for f in dataclasses.fields(Algorithm) if f.name != "task"}
+    assert shipped == dataclasses.asdict(Recipe())
+    hints = typing.get_type_hints(Algorithm)
+    assert {n: hints[n] for n in names(Recipe)} == typing.get_type_hints(Recipe)
+    # [aggregation] is the server's rules; the engine's policy is those rules plus DP
+    assert SECTIONS["aggregation"] is AggregationRules and issubclass(
+        AggregationPolicy, AggregationRules
+    )
+    assert names(AggregationPolicy) == [*names(AggregationRules), "dp_noise_multiplier", "dp_clip"]
     assert issubclass(FleetConfig, FleetSpec) and names(FleetConfig) == [*names(FleetSpec), "seed"]
     assert issubclass(EngineSection, EngineSettings) and issubclass(EngineConfig, EngineSettings)
     assert names(EngineSection) == [*names(EngineSettings), "checkpoint_every"]
@@ -395,6 +420,17 @@ def test_each_group_of_settings_has_one_definition():
         (lambda: EngineConfig(participation=float("nan")), "EngineConfig participation: "),
         (lambda: EngineConfig(seed=-1), "EngineConfig seed: must be >= 0, got -1"),
         (lambda: EngineSection(checkpoint_every=0), "EngineSection checkpoint_every: must be"),
+        (lambda: AggregationPolicy(trim_fraction=0.5), "AggregationPolicy trim_fraction: must"),
+        (lambda: AggregationPolicy(rule="mode"), "AggregationPolicy rule: must be one of"),
+        (lambda: AggregationPolicy(dp_noise_multiplier=1.0), "AggregationPolicy privacy: a noise"),
+        (lambda: Recipe(lr=0.0), "Recipe lr: must be > 0"),
+        (lambda: FedAvg(task=None, lr=-1.0), "fedavg lr: must be > 0.0, got -1.0"),
+        (lambda: FedAvg(task=None, batch_size=0), "fedavg batch_size: must be >= 1, got 0"),
+        (lambda: FedAvg(task=None, momentum=1.0), "fedavg momentum: must be < 1"),
+        (lambda: FedProx(task=None, mu=1e9), "mu: must be in [0, 1000], got 1000000000.0"),
+        (lambda: Ditto(task=None, lam=float("nan")), "lam: must be in [0, 1000], got nan"),
+        (lambda: PFedMe(task=None, lam=-1.0), "lam: must be in [0, 1e+06], got -1.0"),
+        (lambda: PFedMe(task=None, lam=1e7), "lam: must be in [0, 1e+06], got 10000000.0"),
     ]:
         with pytest.raises(ValueError) as err:
             make()

@@ -126,7 +126,7 @@ def _own_recipe(cls: type[Algorithm]) -> set[str]:
     own = set()
     for name in recipe:
         owner = next(k for k in cls.__mro__ if name in vars(k))
-        if owner is not Algorithm:
+        if owner not in Algorithm.__mro__:  # Algorithm takes its recipe from a base
             own.add(name)
     return own
 
@@ -226,12 +226,7 @@ def build_policy(config: RunConfig) -> tuple[AggregationPolicy, dict[str, Any]]:
         privacy = {**asdict(spent), "clip": p.clip, "accountant": "opacus RDP"}
     try:
         policy = AggregationPolicy(
-            rule=a.rule,
-            screen_factor=a.screen_factor,
-            clip_factor=a.clip_factor,
-            trim_fraction=a.trim_fraction,
-            krum_byzantine=a.krum_byzantine,
-            krum_select=a.krum_select,
+            **asdict(a),
             dp_noise_multiplier=sigma,
             dp_clip=p.clip if sigma else 0.0,
         )

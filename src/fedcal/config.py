@@ -30,8 +30,9 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from pydantic.dataclasses import dataclass
 
+from fedcal.core.aggregation import AggregationRules
+from fedcal.core.algorithm import Recipe
 from fedcal.core.schema import (
-    MAX_CLIENTS,
     MAX_ROUNDS,
     Bool,
     Float,
@@ -141,30 +142,12 @@ class EngineSection(EngineSettings):
     checkpoint_every: Int = Field(default=10, ge=1, le=MAX_ROUNDS)
 
 
-@checked
-class TrainConfig:
-    """The local recipe every method shares (a method's own recipe wins unless the user sets it)."""
+# [train] is the local recipe every method shares, defined once with the algorithm contract
+# (a method's own recipe wins unless the user sets it: RunConfig.recipe_overrides)
+TrainConfig = Recipe
 
-    lr: Float = Field(default=0.05, gt=0.0, le=10.0)
-    local_epochs: Int = Field(default=5, ge=0, le=10_000)
-    batch_size: Int = Field(default=32, ge=1, le=10_000_000)
-    optimizer: Literal["sgd", "adam"] = "sgd"
-    momentum: Float = Field(default=0.0, ge=0.0, lt=1.0)
-    weight_decay: Float = Field(default=0.0, ge=0.0, le=1.0)
-    sample_weighted: Bool = False
-    grad_clip: Float = Field(default=0.0, ge=0.0, le=1e6)  # per-client L2 bound; 0 = off
-
-
-@checked
-class AggregationSection:
-    """Server-side screening, clipping and rule (fedcal.core.aggregation.AggregationPolicy)."""
-
-    rule: Literal["mean", "median", "trimmed_mean", "krum"] = "mean"
-    screen_factor: Float = Field(default=10.0, ge=0.0, le=1e6)  # 0 = off
-    clip_factor: Float = Field(default=3.0, ge=0.0, le=1e6)  # 0 = off
-    trim_fraction: Float = Field(default=0.1, ge=0.0, lt=0.5)
-    krum_byzantine: Int = Field(default=1, ge=0, le=MAX_CLIENTS)
-    krum_select: Int = Field(default=0, ge=0, le=MAX_CLIENTS)
+# [aggregation] is the server's rules (screening, clipping, robust rule), defined in core
+AggregationSection = AggregationRules
 
 
 @checked
@@ -210,7 +193,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineSection = field(default_factory=EngineSection)
     train: TrainConfig = field(default_factory=TrainConfig)
-    aggregation: AggregationSection = field(default_factory=AggregationSection)
+    aggregation: AggregationRules = field(default_factory=AggregationRules)
     privacy: PrivacySection = field(default_factory=PrivacySection)
     method_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     # [train] keys the user set (file or command line), even to the shipped value: they win
@@ -234,7 +217,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "engine": EngineSection,
     "train": TrainConfig,
-    "aggregation": AggregationSection,
+    "aggregation": AggregationRules,
     "privacy": PrivacySection,
 }
 RUN_KEYS = tuple(f.name for f in fields(RunSection))  # fields of [run]

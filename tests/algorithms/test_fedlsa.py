@@ -154,10 +154,11 @@ def test_without_separation_the_anchor_loss_is_the_anchor_ce_alone():
 
 
 def test_clients_use_the_broadcast_anchors_as_hand_computed():
-    """lr = 0 and one full batch: the reported loss is L_CE + λ·L_COM at the start model.
-    Perturbing the broadcast anchors changes it by λ·ΔL_COM, recomputed row by row here:
+    """One full batch: the reported loss is L_CE + λ·L_COM at the start model (taken before
+    the one step; lr > 0 is the contract's range). Perturbing the broadcast anchors changes it
+    by λ·ΔL_COM, recomputed row by row here:
         com = mean_rows(-log(exp(a_y·h/τ) / Σ_j exp(a_j·h/τ)))"""
-    alg = make(lr=0.0, local_epochs=1, batch_size=64)
+    alg = make(lr=1e-9, local_epochs=1, batch_size=64)
     params = init()
     server = alg.server_init(params)
     data = cohort()

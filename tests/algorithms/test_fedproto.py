@@ -110,7 +110,7 @@ def test_regularizer_hand_computed():
     h = MODEL.embed(expand(params, 2), data.x)
 
     def reported(lam):
-        alg = make(lr=0.0, local_epochs=1, batch_size=64, lam=lam)
+        alg = make(lr=1e-9, local_epochs=1, batch_size=64, lam=lam)  # loss before the step
         down = expand({"model": params, "protos": protos.to(D64), "known": known.to(D64)}, 2)
         return alg.client_update(down, {"model": down["model"]}, data).metrics["train_loss"]
 

@@ -203,7 +203,7 @@ def test_custom_gets_no_clipping():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"rule": "mode"}, "aggregation rule 'mode'"),
+        ({"rule": "mode"}, "AggregationPolicy rule: must be one of"),
         ({"clip_factor": 0.5}, "clip_factor"),
         ({"trim_fraction": 0.5}, "trim_fraction"),
         ({"dp_noise_multiplier": 1.0}, "clip bound"),

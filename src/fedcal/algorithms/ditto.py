@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData
-from fedcal.core.local import Proximal
+from fedcal.core.local import Proximal, check_proximal_weight
 from fedcal.core.tree import Tree
 
 GLOBAL_STREAM, PERSONAL_STREAM = 0, 1
@@ -43,6 +43,9 @@ class Ditto(Algorithm):
     personal_epochs: int = 5
 
     name = "ditto"
+
+    def __post_init__(self) -> None:
+        check_proximal_weight("lam", self.lam)
 
     def client_init(self, down: Tree) -> Tree:
         return {"personal": down["model"]}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData
-from fedcal.core.local import Proximal
+from fedcal.core.local import Proximal, check_proximal_weight
 from fedcal.core.tree import Tree
 
 
@@ -30,6 +30,9 @@ class FedProx(Algorithm):
     mu: float = 0.01
 
     name = "fedprox"
+
+    def __post_init__(self) -> None:
+        check_proximal_weight("mu", self.mu)
 
     def client_update(self, down: Tree, state: Tree, data: ClientData) -> ClientResult:
         global_model = down["model"]

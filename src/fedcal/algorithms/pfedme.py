@@ -37,7 +37,7 @@ from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData, minibatches
-from fedcal.core.local import Proximal, run_steps
+from fedcal.core.local import Proximal, check_proximal_weight, run_steps
 from fedcal.core.tree import Tree, lerp
 
 
@@ -65,6 +65,11 @@ class PFedMe(Algorithm):
     server_beta: float = 1.0
 
     name = "pfedme"
+
+    def __post_init__(self) -> None:
+        # λ cancels in the outer step (λ(w − θ̂) ≈ ∇f): λ → ∞ is FedAvg, tested at 1e6; beyond,
+        # w − θ̂ = ∇f/λ falls below float32's resolution of w.
+        check_proximal_weight("lam", self.lam, limit=1e6)
 
     def client_init(self, down: Tree) -> Tree:
         return {"theta": down["model"]}

@@ -47,12 +47,13 @@ with a message (:func:`check_policy`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
 from torch import Tensor
 
+from fedcal.core.schema import MAX_CLIENTS, Float, Int, checked
 from fedcal.core.tree import Tree, flatten, unflatten
 
 Rule = Literal["mean", "median", "trimmed_mean", "krum"]
@@ -63,53 +64,61 @@ class AggregationError(ValueError):
     """A policy that cannot apply to an algorithm (raised before any training)."""
 
 
-@dataclass(frozen=True)
-class AggregationPolicy:
-    """How the server treats a round's replies (see the module docstring).
+@checked(error=AggregationError)
+class AggregationRules:
+    """How the server screens, clips and combines replies: the configuration's ``[aggregation]``.
 
     ``screen_factor`` / ``clip_factor``: multiples of the cohort's median update
     norm (0 turns the step off). ``trim_fraction``: share of clients cut at each
     end per coordinate. ``krum_byzantine`` (f) and ``krum_select`` (m, 0 = n − f).
+    Typed and range-checked (:func:`fedcal.core.schema.checked`): a bad value is a
+    one-line :class:`AggregationError`.
+    """
+
+    rule: Rule = "mean"
+    screen_factor: Float = Field(default=10.0, ge=0.0, le=1e6)
+    clip_factor: Float = Field(default=3.0, ge=0.0, le=1e6)
+    trim_fraction: Float = Field(default=0.1, ge=0.0, lt=0.5)
+    krum_byzantine: Int = Field(default=1, ge=0, le=MAX_CLIENTS)
+    krum_select: Int = Field(default=0, ge=0, le=MAX_CLIENTS)
+
+    @model_validator(mode="after")
+    def _multiples(self) -> AggregationRules:
+        # a factor is a multiple of the median norm: at or below 1 it would cut typical clients
+        if 0 < self.screen_factor <= 1:
+            raise ValueError(
+                f"screen_factor: must be > 1 (a multiple of the median norm) or 0 (off), "
+                f"got {self.screen_factor!r}"
+            )
+        if 0 < self.clip_factor < 1:
+            raise ValueError(
+                f"clip_factor: must be >= 1 (a multiple of the median norm) or 0 (off), "
+                f"got {self.clip_factor!r}"
+            )
+        return self
+
+
+@checked(error=AggregationError)
+class AggregationPolicy(AggregationRules):
+    """The server's rules (:class:`AggregationRules`) and client-level DP (see the module doc).
+
     ``dp_noise_multiplier`` σ > 0 switches on client-level DP with fixed clip
     ``dp_clip`` C; the noise std on the sum is σ·C.
     """
 
-    rule: Rule = "mean"
-    screen_factor: float = 10.0
-    clip_factor: float = 3.0
-    trim_fraction: float = 0.1
-    krum_byzantine: int = 1
-    krum_select: int = 0
-    dp_noise_multiplier: float = 0.0
-    dp_clip: float = 0.0
+    dp_noise_multiplier: Float = Field(default=0.0, ge=0.0)
+    dp_clip: Float = Field(default=0.0, ge=0.0, le=1e6)
 
-    def __post_init__(self) -> None:
-        if self.rule not in get_args(Rule):
-            raise AggregationError(
-                f"aggregation rule {self.rule!r}: expected one of {', '.join(get_args(Rule))}"
-            )
-        for name in ("screen_factor", "clip_factor", "dp_noise_multiplier", "dp_clip"):
-            value = getattr(self, name)
-            if not value >= 0 or value == float("inf"):
-                raise AggregationError(f"aggregation {name} = {value}: expected a finite ≥ 0")
-        if 0 < self.screen_factor <= 1 or 0 < self.clip_factor < 1:
-            raise AggregationError(
-                "aggregation screen_factor must be > 1 and clip_factor ≥ 1 (multiples of "
-                "the median norm; 0 = off)"
-            )
-        if not 0 <= self.trim_fraction < 0.5:
-            raise AggregationError(
-                f"aggregation trim_fraction = {self.trim_fraction}: expected 0 ≤ t < 0.5"
-            )
-        if self.krum_byzantine < 0 or self.krum_select < 0:
-            raise AggregationError("aggregation krum_byzantine and krum_select must be ≥ 0")
+    @model_validator(mode="after")
+    def _privacy(self) -> AggregationPolicy:
         if self.dp:
             if self.dp_clip <= 0:
-                raise AggregationError("privacy: a noise multiplier needs a clip bound > 0")
+                raise ValueError("privacy: a noise multiplier needs a clip bound > 0")
             if self.rule != "mean":
-                raise AggregationError(
+                raise ValueError(
                     f"privacy: DP noise is calibrated for the clipped mean, not rule {self.rule!r}"
                 )
+        return self
 
     @property
     def dp(self) -> bool:

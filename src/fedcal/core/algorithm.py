@@ -28,11 +28,13 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal, NamedTuple
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.data import ClientData, full_batch, minibatches
 from fedcal.core.local import GradClip, LossFn, Penalty, autograd_of, train
 from fedcal.core.optim import make_optimizer
+from fedcal.core.schema import Bool, Float, Int, checked
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree, weighted_mean
 
@@ -45,11 +47,50 @@ class ClientResult(NamedTuple):
     metrics: dict[str, Tensor]
 
 
-class ChecksOptions(ABCMeta):
-    """Constructing an algorithm checks its Literal fields (after its own ``__post_init__``).
+@checked
+class Recipe:
+    """The local optimizer recipe: the fields every algorithm has, and the configuration's [train].
 
-    In the metaclass, not in ``__post_init__``, so that a subclass's own
-    ``__post_init__`` cannot skip it by not calling ``super()``.
+    Names, types, defaults and ranges are declared here once; :class:`Algorithm`'s
+    recipe fields are made from them (:func:`_with_recipe`) and constructing an
+    algorithm checks its recipe values against these ranges (:class:`ChecksOptions`).
+    """
+
+    lr: Float = Field(default=0.05, gt=0.0, le=10.0)
+    local_epochs: Int = Field(default=5, ge=0, le=10_000)
+    batch_size: Int = Field(default=32, ge=1, le=10_000_000)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    momentum: Float = Field(default=0.0, ge=0.0, lt=1.0)
+    weight_decay: Float = Field(default=0.0, ge=0.0, le=1.0)
+    sample_weighted: Bool = False  # aggregation weights: sample counts (True) or uniform
+    grad_clip: Float = Field(default=0.0, ge=0.0, le=1e6)  # per-client L2 bound per step; 0 = off
+
+
+RECIPE = tuple(f.name for f in dataclasses.fields(Recipe))
+
+
+def _with_recipe() -> type:
+    """A plain frozen dataclass of ``task`` and :class:`Recipe`'s fields: Algorithm's base.
+
+    Plain types (the ranges stay in Recipe) and Recipe's defaults; algorithms stay
+    plain dataclasses.
+    """
+    hints = typing.get_type_hints(Recipe)  # Annotated[float, Field(...)] -> float
+    shipped = Recipe()
+    recipe = [(n, hints[n], dataclasses.field(default=getattr(shipped, n))) for n in RECIPE]
+    fields = dataclasses.make_dataclass("AlgorithmFields", [("task", Task), *recipe], frozen=True)
+    fields.__module__ = __name__
+    return fields
+
+
+AlgorithmFields = _with_recipe()  # named here so that it pickles by reference
+
+
+class ChecksOptions(ABCMeta):
+    """Constructing an algorithm checks its Literal fields and its recipe's ranges.
+
+    After its own ``__post_init__``; in the metaclass, not in ``__post_init__``, so
+    that a subclass's own ``__post_init__`` cannot skip it by not calling ``super()``.
     """
 
     def __call__(cls, *args, **kwargs):
@@ -59,27 +100,22 @@ class ChecksOptions(ABCMeta):
             if value not in choices:
                 allowed = ", ".join(repr(c) for c in choices)
                 raise ValueError(f"{cls.name}: {field} must be one of {allowed}; got {value!r}")
+        try:
+            Recipe(**{n: getattr(algorithm, n) for n in RECIPE})
+        except ValueError as err:
+            raise ValueError(f"{cls.name} {str(err).removeprefix('Recipe ')}") from None
         return algorithm
 
 
 @dataclass(frozen=True)
-class Algorithm(metaclass=ChecksOptions):
+class Algorithm(AlgorithmFields, metaclass=ChecksOptions):
     """Base class with FedAvg-shaped defaults and the shared local-training helpers.
 
     Fields common to all algorithms: the task, and the local optimizer recipe
-    (learning rate, epochs, batch size, momentum, weight decay). Subclasses add
-    their own hyperparameters as fields with defaults.
+    (:class:`Recipe`: learning rate, epochs, batch size, optimizer, momentum, weight
+    decay, sample weighting, gradient clip). Subclasses add their own
+    hyperparameters as fields with defaults.
     """
-
-    task: Task
-    lr: float = 0.05
-    local_epochs: int = 5
-    batch_size: int = 32
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    optimizer: Literal["sgd", "adam"] = "sgd"
-    sample_weighted: bool = False
-    grad_clip: float = 0.0  # per-client L2 bound on each local gradient step; 0 = off
 
     name: ClassVar[str] = "base"
     federated: ClassVar[bool] = True  # False: nothing leaves the client (a reference line)

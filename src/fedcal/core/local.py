@@ -74,6 +74,17 @@ def autograd_of(loss: LossFn) -> GradFn:
     return grad_fn
 
 
+# A proximal weight above this pins the model to its anchor; with lr·μ > 2 a plain gradient
+# step on the term alone already diverges (μ = 1e3 needs lr < 2e-3).
+MAX_PROXIMAL_WEIGHT = 1e3
+
+
+def check_proximal_weight(name: str, value: float, limit: float = MAX_PROXIMAL_WEIGHT) -> None:
+    """A proximal weight (FedProx μ, Ditto/pFedMe λ) in [0, ``limit``], or a one-line ValueError."""
+    if not 0.0 <= value <= limit:
+        raise ValueError(f"{name}: must be in [0, {limit:g}], got {value!r}")
+
+
 @dataclass(frozen=True)
 class Proximal:
     """The proximal term μ/2·‖w − anchor‖² per client, over the leaves of ``anchor``.

@@ -84,13 +84,16 @@ def problem(err: ValidationError, known: list[str]) -> str:
     return f"{name.replace('.[', '[')}: {msg}{tail}".lstrip(": ")
 
 
-def checked(cls: type) -> type:
+def checked(cls: type | None = None, *, error: type[ValueError] = ValueError) -> Any:
     """``cls`` as a frozen pydantic dataclass whose constructor fails in one line.
 
     ``FleetSpec(num_lots=0)`` raises ``ValueError("FleetSpec num_lots: must be >= 1,
-    got 0")``; validating a table through ``TypeAdapter(cls)`` (the configuration)
-    keeps pydantic's structured errors.
+    got 0")`` (``@checked(error=E)``: an ``E``, a subclass of ValueError); validating a
+    table through ``TypeAdapter(cls)`` (the configuration) keeps pydantic's structured
+    errors.
     """
+    if cls is None:
+        return functools.partial(checked, error=error)
     cls = dataclass(frozen=True, config=SCHEMA)(cls)
     init = cls.__init__
 
@@ -100,7 +103,7 @@ def checked(cls: type) -> type:
             init(self, *args, **kwargs)
         except ValidationError as err:
             known = [f.name for f in fields(type(self))]
-            raise ValueError(f"{type(self).__name__} {problem(err, known)}") from None
+            raise error(f"{type(self).__name__} {problem(err, known)}") from None
 
     cls.__init__ = __init__
     return cls
