@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from fedcal.core.data import Batches
 from fedcal.core.local import GradFn, value_and_grad
 from fedcal.core.tree import Tree
 
@@ -130,6 +131,17 @@ class Task:
             "mae": abs_err.sum((1, 2)) / n,
             "max_abs": abs_err.amax((1, 2)),
         }
+
+    def sgd_train(
+        self, params: Tree, batches: Batches, lr: float, wrt: Iterable[str] | None = None
+    ) -> tuple[Tree, Tensor] | None:
+        """The model's fused plain-SGD loop over ``batches`` (same numbers as
+        :func:`fedcal.core.local.train` with :class:`fedcal.core.optim.SGD`), or None
+        when the model has none or the loss is not the one it differentiates."""
+        fused = getattr(self.model, "sgd_train", None)
+        if fused is None or self.hand_gradient is None:
+            return None
+        return fused(params, batches, lr, wrt)
 
     def value_and_grad(
         self, params: Tree, x: Tensor, y: Tensor, w: Tensor, wrt: Iterable[str] | None = None

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fedcal.core.tree import Tree
+from fedcal.core.data import Batches
+from fedcal.core.tree import Tree, per_client
 
 
 def _tanh(z: Tensor) -> Tensor:
@@ -179,3 +180,42 @@ class MLP:
             grads = backprop(params, delta, hs, zs, span, wanted, DERIVATIVES[self.activation])
         order = [n for layer in self.layers() for n in layer if n in grads]
         return value, {n: grads[n] for n in order}
+
+    def sgd_train(
+        self, params: Tree, batches: Batches, lr: float, wrt: Iterable[str] | None = None
+    ) -> tuple[Tree, Tensor]:
+        """Plain SGD (no momentum, no weight decay) over a minibatch plan, fused.
+
+        The same numbers as :func:`fedcal.core.local.train` with
+        :meth:`mse_value_and_grad` and :class:`fedcal.core.optim.SGD` (tested to the
+        bit): p ← p − lr·∇p each step, a client without a batch keeping its
+        parameters; returns the new tree and each client's mean batch loss over its
+        own steps. Faster because the trained leaves are updated in place on one
+        private copy (no new tree, optimizer state or masked copy per step) and
+        the forward pass writes into buffers allocated once.
+        """
+        names = list(params) if wrt is None else [k for k in params if k in set(wrt)]
+        wanted = set(names)
+        live = {k: v.contiguous().clone() if k in wanted else v for k, v in params.items()}
+        layers = len(self.sizes) - 1
+        span = range(lowest_layer(wanted, layers), layers)
+        derivative = DERIVATIVES[self.activation]
+        total = torch.zeros(batches.active.shape[1], dtype=batches.x.dtype)
+        with torch.no_grad():
+            for s in range(batches.steps):
+                hs, zs = self._forward(live, batches.x[s])
+                value, delta = mse_and_output_grad(hs[-1], batches.y[s], batches.w[s])
+                grads = backprop(live, delta, hs, zs, span, wanted, derivative)
+                on = batches.active[s]
+                if batches.all_active[s]:
+                    for k in names:
+                        live[k].add_(grads[k], alpha=-lr)
+                else:
+                    # As SGD.update then run_steps' keep_active: d zeroed for idle
+                    # clients, and their old values kept whatever the step computed.
+                    for k in names:
+                        p, g = live[k], grads[k]
+                        moved = torch.add(p, per_client(on, g) * g, alpha=-lr)
+                        live[k] = torch.where(per_client(on, moved) > 0, moved, p)
+                total = total + torch.where(on > 0, value, 0.0)
+        return live, total / batches.active.sum(0).clamp_min(1.0)
