@@ -17,7 +17,7 @@ fleet's state and the server live. ``"cpu"`` (the default) copies nothing.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -127,6 +127,23 @@ class Assembly:
         return build(self.shape, ())
 
 
+def assemble(parts: Iterable[tuple[int, dict[str, Tree]]], size: int) -> dict[str, Tree]:
+    """``(first client, chunk's trees)`` pairs in order → the cohort's trees, each chunk
+    copied in as it arrives (:class:`Assembly`); a single chunk of all is returned as is."""
+    cohort = Assembly(size)
+    for start, part in parts:
+        if start == 0 and _clients(part) == size:
+            return part
+        cohort.add(part, start)
+        del part  # the chunk's outputs go before the next chunk's are made
+    return cohort.trees()
+
+
+def _clients(part: dict[str, Tree]) -> int | None:
+    first = next(_paths(part), None)
+    return None if first is None else first[1].shape[0]
+
+
 def _paths(tree: Mapping, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Tensor]]:
     for key, value in tree.items():
         if isinstance(value, Mapping):
@@ -160,16 +177,18 @@ def client_update(
     n = data.num_clients
     if is_host(device) and (chunk_size <= 0 or chunk_size >= n):
         return algorithm.client_update(expand(down, n), states, data)
-    cohort = Assembly(n)
-    for rows in spans(n, chunk_size):
-        part = on_device(
-            device,
-            lambda r=rows: algorithm.client_update(
-                expand(to_device(down, device), len(r)),
-                to_device(gather(states, r), device),
-                data_to(data.select(r), device),
-            )._asdict(),
+    parts = (
+        (
+            int(rows[0]),
+            on_device(
+                device,
+                lambda r=rows: algorithm.client_update(
+                    expand(to_device(down, device), len(r)),
+                    to_device(gather(states, r), device),
+                    data_to(data.select(r), device),
+                )._asdict(),
+            ),
         )
-        cohort.add(part, int(rows[0]))
-        del part  # the chunk's outputs go before the next chunk's are made
-    return ClientResult(**cohort.trees())
+        for rows in spans(n, chunk_size)
+    )
+    return ClientResult(**assemble(parts, n))

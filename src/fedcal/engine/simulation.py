@@ -404,8 +404,14 @@ def _evaluate(
             "ok": ok if ok.numel() else torch.ones(len(rows), dtype=torch.bool),
         }
 
-    out = chunks.concat(
-        [chunks.on_device(device, one_chunk, rows) for rows in chunks.spans(n, config.chunk_size)]
+    # Chunk by chunk into the fleet's tensors: the chunks' personal models never coexist
+    # with their concatenation.
+    out = chunks.assemble(
+        (
+            (int(rows[0]), chunks.on_device(device, one_chunk, rows))
+            for rows in chunks.spans(n, config.chunk_size)
+        ),
+        n,
     )
     test, train, model_ok = out["test"], out["train"], out["ok"]
     rows = [
