@@ -143,6 +143,22 @@ class Task:
             return None
         return fused(params, batches, lr, wrt)
 
+    def head_input(self, params: Tree, x: Tensor) -> Tensor | None:
+        """The input of a one-layer head under the body of ``params`` (the model's
+        ``head_input``), or None when the task cannot differentiate the head from it
+        (a deeper head, another loss, a model without the method)."""
+        fn = getattr(self.model, "head_input", None)
+        if self.head_layers != 1 or fn is None or self.hand_gradient is None:
+            return None
+        return fn(params, x)
+
+    def head_value_and_grad(
+        self, params: Tree, features: Tensor, y: Tensor, w: Tensor
+    ) -> tuple[Tensor, Tree]:
+        """``value_and_grad(params, x, y, w, self.head)`` from the head's input
+        ``features`` = ``head_input(params, x)``: the same numbers, the body not rerun."""
+        return self.model.head_value_and_grad(params, features, y, w)
+
     def value_and_grad(
         self, params: Tree, x: Tensor, y: Tensor, w: Tensor, wrt: Iterable[str] | None = None
     ) -> tuple[Tensor, Tree]:

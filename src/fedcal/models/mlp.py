@@ -139,8 +139,11 @@ class MLP:
         """params: client tree; x (clients, batch, in) → (clients, batch, out)."""
         return self._forward(params, x)[0][-1]
 
-    def _forward(self, params: Tree, x: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-        """Activations h_0 = x … h_L = output, and pre-activations z_1 … z_{L-1}."""
+    def _forward(
+        self, params: Tree, x: Tensor, body_only: bool = False
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Activations h_0 = x … h_L = output, and pre-activations z_1 … z_{L-1}
+        (``body_only``: up to h_{L-1}, the last layer's input)."""
         act = ACTIVATIONS[self.activation]
         # Without autograd, tanh runs in place on fresh buffers: the GEMM yields 2z
         # directly (scaling by 2 is exact) and 2σ(2z) − 1 needs no temporaries —
@@ -148,7 +151,7 @@ class MLP:
         fused_tanh = self.activation == "tanh" and not torch.is_grad_enabled()
         hs, zs = [x], []
         last = len(self.sizes) - 2
-        for k in range(last + 1):
+        for k in range(last if body_only else last + 1):
             w, b = params[f"l{k}.weight"], params[f"l{k}.bias"]
             if k < last and fused_tanh:
                 z2 = torch.baddbmm(b.unsqueeze(1), hs[-1], w.transpose(1, 2), beta=2.0, alpha=2.0)
@@ -161,6 +164,25 @@ class MLP:
                 z = act(z)
             hs.append(z)
         return hs, zs
+
+    def head_input(self, params: Tree, x: Tensor) -> Tensor:
+        """The last layer's input (clients, rows, width): the body's features of ``x``."""
+        with torch.no_grad():
+            return self._forward(params, x, body_only=True)[0][-1]
+
+    def head_value_and_grad(
+        self, params: Tree, features: Tensor, y: Tensor, w: Tensor
+    ) -> tuple[Tensor, Tree]:
+        """:meth:`mse_value_and_grad` with respect to the last layer only, from its input
+        ``features`` (:meth:`head_input`): the same numbers without the body's pass."""
+        last = len(self.sizes) - 2
+        names = {f"l{last}.weight", f"l{last}.bias"}
+        with torch.no_grad():
+            pred = _affine(params[f"l{last}.bias"], features, params[f"l{last}.weight"])
+            value, delta = mse_and_output_grad(pred, y, w)
+            hs = [features] * (last + 1)  # backprop reads only the last layer's input
+            grads = backprop(params, delta, hs, [], range(last, last + 1), names, None)
+        return value, {n: grads[n] for n in (f"l{last}.weight", f"l{last}.bias")}
 
     def mse_value_and_grad(
         self, params: Tree, x: Tensor, y: Tensor, w: Tensor, wrt: Iterable[str] | None = None
