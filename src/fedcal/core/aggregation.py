@@ -369,13 +369,16 @@ def aggregate(
         clip = accepted & (size > policy.clip_factor)
         factor = torch.where(clip, policy.clip_factor / size, torch.ones_like(size))
         metrics["clip_bound"] = float(policy.clip_factor * norms[accepted].median())
-    if clip is not None:
+    # No client clipped: every factor is 1, so the updates and replies stay as they are
+    # (the same numbers, without two fleet-sized copies).
+    if clip is not None and bool(clip.any()):
         for key, u in updates.items():
             shape = (n, *([1] * (u.dim() - 1)))
             updates[key] = u * factor.to(u.dtype).reshape(shape)
             processed[key] = torch.where(
                 clip.reshape(shape), (updates[key] + refs[key]).to(u.dtype), processed[key]
             )
+    if clip is not None:
         metrics["clipped"] = float(clip.sum())
 
     used = accepted
