@@ -192,3 +192,48 @@ def test_alpha_is_recorded_per_round_for_the_clients_that_trained(make_fleet):
             assert 0.0 <= row["alpha_mean"] <= 1.0 and row["train_loss"] >= 0.0
         else:
             assert row["alpha_mean"] != row["alpha_mean"]  # NaN: sat this round out
+
+
+@pytest.mark.parametrize("finetune_steps", [0, 2])
+def test_start_head_from_shared_features_equals_the_three_full_passes(finetune_steps, monkeypatch):
+    """The body's features computed once give the very numbers of fine-tuning and both
+    gradient passes each running the whole model (a client without rows included)."""
+    model = MLP(hidden=(6, 5))
+    alg = FedGMI(Task(model), finetune_steps=finetune_steps, finetune_lr=0.2)
+    gen = torch.Generator().manual_seed(8)
+    arrays = [
+        (torch.randn(n, 2, generator=gen).numpy(), torch.randn(n, 1, generator=gen).numpy())
+        for n in (9, 4, 0)
+    ]
+    data = ClientData.from_arrays(arrays, seeds=(1, 2, 3))
+    down = {"model": expand(model.init(gen, torch.float32), 3)}
+    state = {"model": {k: v + 0.1 for k, v in down["model"].items()}}
+    assert Task(model).head_input(down["model"], data.x) is not None  # the shared path runs
+    shared = alg.start_head(down, state, data)
+    monkeypatch.setattr(Task, "head_input", lambda self, params, x: None)
+    passes = alg.start_head(down, state, data)
+    for got, want in zip(shared, passes, strict=True):
+        assert list(got) == list(want)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    # The client without rows keeps its head through fine-tuning (its gradient is 0).
+    if finetune_steps:
+        monkeypatch.undo()
+        tuned = FedGMI(Task(model), finetune_steps=2, finetune_lr=0.2, interpolate=False)
+        phi_i = tuned.start_head(down, state, data)[0]
+        assert torch.equal(phi_i["l2.weight"][2], state["model"]["l2.weight"][2])
+        assert not torch.equal(phi_i["l2.weight"][0], state["model"]["l2.weight"][0])
+
+
+def test_head_gradient_from_features_equals_the_whole_models():
+    model = MLP(hidden=(7, 3))
+    gen = torch.Generator().manual_seed(9)
+    start = expand(model.init(gen), 2)
+    params = {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in start.items()}
+    x, y = torch.randn(2, 11, 2, generator=gen), torch.randn(2, 11, 1, generator=gen)
+    w = torch.ones(2, 11)
+    w[1, 6:] = 0
+    want = model.mse_value_and_grad(params, x, y, w, ("l2.weight", "l2.bias"))
+    got = model.head_value_and_grad(params, model.head_input(params, x), y, w)
+    assert torch.equal(got[0], want[0]) and list(got[1]) == list(want[1])
+    assert all(torch.equal(got[1][k], want[1][k]) for k in want[1])
+    assert Task(model, head_layers=2).head_input(params, x) is None  # a deeper head: no

@@ -267,3 +267,39 @@ def test_an_algorithm_may_refuse_rules_that_break_its_statistics():
     assert FedPrior.robust_rules == ("mean", "krum")
     with pytest.raises(AggregationError, match="fedprior: rule 'median' is refused"):
         check_policy(FedPrior.__new__(FedPrior), AggregationPolicy(rule="median"))
+
+
+def test_update_norms_in_blocks_of_clients_equal_the_whole_fleet_at_once():
+    from fedcal.core.aggregation import NORM_BLOCK, update_norms
+
+    gen = torch.Generator().manual_seed(5)
+    n = 2 * NORM_BLOCK + 3  # three blocks, the last partial
+    updates = {
+        "w": torch.randn(n, 16, 8, generator=gen) * torch.rand(n, 1, 1, generator=gen) * 100,
+        "b": torch.randn(n, 8, generator=gen),
+    }
+    updates["w"][7, 2, 3] = float("nan")
+    whole = sum(u.reshape(n, -1).double().pow(2).sum(1) for u in updates.values()).sqrt()
+    got = update_norms(updates, n)
+    assert torch.equal(got[~whole.isnan()], whole[~whole.isnan()])
+    assert got.isnan().tolist() == [i == 7 for i in range(n)]  # NaN stays with its client
+    # From the replies and their references, a block at a time: the same norms.
+    refs = {"w": torch.randn(16, 8, generator=gen), "b": torch.zeros(())}  # "b": no reference
+    replies = {"w": updates["w"] + refs["w"], "b": updates["b"]}
+    formed = {"w": replies["w"] - refs["w"], "b": replies["b"]}
+    assert torch.equal(
+        update_norms(replies, n, refs).nan_to_num(-1), update_norms(formed, n).nan_to_num(-1)
+    )
+
+
+def test_finite_rows_judges_each_client_in_every_block():
+    from fedcal.core.aggregation import NORM_BLOCK, finite_rows
+
+    n = 2 * NORM_BLOCK + 5
+    tree = {"a": {"w": torch.zeros(n, 3, 4)}, "b": torch.zeros(n), "i": torch.zeros(n, 2).long()}
+    bad = [0, NORM_BLOCK - 1, NORM_BLOCK, n - 1]
+    tree["a"]["w"][bad[0], 1, 2] = float("nan")
+    tree["a"]["w"][bad[1], 0, 0] = float("inf")
+    tree["b"][bad[2]] = float("-inf")
+    tree["a"]["w"][bad[3], 2, 3] = float("nan")
+    assert finite_rows(tree).tolist() == [i not in bad for i in range(n)]

@@ -33,3 +33,14 @@ def test_flatten_unflatten_and_bytes():
 def test_sq_norm_per_client():
     t = {"a": torch.tensor([[3.0], [0.0]]), "b": torch.tensor([[4.0, 0.0], [1.0, 1.0]])}
     assert torch.allclose(T.sq_norm(t), torch.tensor([25.0, 2.0]))
+
+
+def test_weighted_mean_with_unit_weights_equals_the_weighted_formula_to_the_bit():
+    gen = torch.Generator().manual_seed(4)
+    replies = {"w": torch.randn(300, 7, 5, generator=gen) * 1e3, "b": torch.randn(300, 2)}
+    ones = torch.ones(300, dtype=torch.float64)
+    got = T.weighted_mean(replies, ones)
+    for k, t in replies.items():
+        assert torch.equal(
+            got[k], (ones.to(t.dtype).reshape(-1, *[1] * (t.dim() - 1)) * t).sum(0) / 300
+        )

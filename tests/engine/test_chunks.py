@@ -110,3 +110,34 @@ def test_engine_section_takes_chunk_size_and_device(tmp_path):
     path.write_text('[engine]\ndevice = "gpu0"\n')
     with pytest.raises(ConfigError, match=r"big.toml \[engine\] device 'gpu0': expected"):
         load_config(path)
+
+
+def test_assembled_chunks_equal_their_concatenation_and_keep_one_tensor_where_shared():
+    a, b = torch.arange(6.0).reshape(3, 2), torch.arange(6.0, 10.0).reshape(2, 2)
+    c = b + 100  # in the second chunk the "state" is another tensor than the "reply"
+    parts = [
+        {"reply": {"m": a}, "state": {"m": a, "empty": {}}, "metrics": {"loss": a[:, 0]}},
+        {"reply": {"m": b}, "state": {"m": c, "empty": {}}, "metrics": {"loss": b[:, 0]}},
+    ]
+    cohort = chunks.Assembly(5)
+    cohort.add(parts[0], 0)
+    shared = cohort.trees()
+    assert shared["reply"]["m"] is shared["state"]["m"]  # one tensor while chunks share it
+    cohort.add(parts[1], 3)
+    out = cohort.trees()
+    assert torch.equal(out["reply"]["m"], torch.cat([a, b]))
+    assert torch.equal(out["state"]["m"], torch.cat([a, c]))  # split, the rows so far kept
+    assert torch.equal(out["metrics"]["loss"], torch.cat([a[:, 0], b[:, 0]]))
+    assert out["state"]["empty"] == {}
+
+
+def test_a_chunked_round_keeps_the_reply_and_the_state_one_tensor(make_fleet):
+    tensors = prepare(make_fleet(num_clients=len(COUNTS), train=COUNTS))
+    alg = REGISTRY["fedgmi"](Task(MLP(hidden=(8,))), local_epochs=1, batch_size=8)
+    down = alg.broadcast(alg.server_init(alg.task.model.init(torch.Generator(), torch.float32)))
+    states = alg.client_init(chunks.expand(down, len(COUNTS)))
+    whole = chunks.client_update(alg, down, states, tensors.train)
+    chunked = chunks.client_update(alg, down, states, tensors.train, chunk_size=3)
+    for k, leaf in chunked.reply["model"].items():
+        assert leaf is chunked.state["model"][k]  # FedGMI uploads its trained model
+        assert torch.equal(leaf, whole.reply["model"][k])

@@ -95,6 +95,7 @@ from fedcal.core.bayes import (
     regularize,
 )
 from fedcal.core.data import ClientData
+from fedcal.core.local import keep_active
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree, per_client, sq_norm, tree_map, weighted_mean
 
@@ -283,6 +284,11 @@ class FedGMI(Algorithm):
         head = self.task.head
         omega, phi_g = self.task.split(down["model"])
         phi_i = self.task.split(state["model"])[1]
+        # Steps 2–3 differentiate only the head, always under the body ω^t: when the task
+        # can, its features are computed once for the three passes (same numbers).
+        features = self.task.head_input(down["model"], data.x)
+        if features is not None:
+            return self.start_head_from(features, down["model"], phi_i, data)
         # Step 2: fine-tune the hybrid head (ω^t, φ_i^{t-1}).
         if self.finetune_steps:
             hybrid = self.full_batch_steps(
@@ -297,6 +303,39 @@ class FedGMI(Algorithm):
         _, grad_g = self.task.value_and_grad(down["model"], x, y, w, head)
         _, grad_i = self.task.value_and_grad(self.task.join(omega, phi_i), x, y, w, head)
         # Step 4: per-parameter interpolation.
+        alpha = interpolation_weights(
+            tree_map(torch.abs, grad_g),
+            tree_map(torch.abs, grad_i),
+            self.eps,
+            per_tensor=self.magnitude == "tensor",
+            joint=self.normalize == "joint",
+        )
+        return interpolate(phi_i, phi_g, alpha), alpha
+
+    def start_head_from(
+        self, features: Tensor, model: Tree, phi_i: Tree, data: ClientData
+    ) -> tuple[Tree, Tree]:
+        """:meth:`start_head` given the body ω^t's features of the local rows."""
+        y, w = data.y, data.mask
+        phi_g = self.task.split(model)[1]
+        # Step 2, as Algorithm.full_batch_steps: plain steps, a client without rows unmoved.
+        active = (data.count > 0).to(features.dtype)
+        everyone = bool(active.all())
+        for _ in range(self.finetune_steps):
+            _, grads = self.task.head_value_and_grad({**model, **phi_i}, features, y, w)
+            moved = {
+                k: torch.add(
+                    p,
+                    grads[k] if everyone else per_client(active, grads[k]) * grads[k],
+                    alpha=-self.finetune_lr,
+                )
+                for k, p in phi_i.items()
+            }
+            phi_i = moved if everyone else keep_active(moved, phi_i, active)
+        if not self.interpolate:
+            return phi_i, tree_map(torch.ones_like, phi_i)
+        _, grad_g = self.task.head_value_and_grad(model, features, y, w)
+        _, grad_i = self.task.head_value_and_grad({**model, **phi_i}, features, y, w)
         alpha = interpolation_weights(
             tree_map(torch.abs, grad_g),
             tree_map(torch.abs, grad_i),

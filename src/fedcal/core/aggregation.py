@@ -151,13 +151,14 @@ def check_policy(algorithm, policy: AggregationPolicy) -> None:
 
 
 def _updates(
-    broadcast: Tree, replies: Tree, kind: str = "mean"
+    broadcast: Tree, replies: Tree, kind: str = "mean", formed: bool = True
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Flat floating updates (clients, ...) and the reference each is relative to.
 
     A ``"sum"`` server adds its replies up: they are contributions, never model
     states, so every leaf is relative to zero even when the broadcast has a leaf
-    of the same name (e.g. fedprior's ``support``).
+    of the same name (e.g. fedprior's ``support``). Without ``formed`` the
+    "updates" are the replies themselves (reply − ref is left to the caller).
     """
     down = flatten(broadcast) if kind != "sum" else {}
     up = flatten(replies)
@@ -168,18 +169,40 @@ def _updates(
         ref = down.get(key)
         if ref is not None and tuple(ref.shape) == tuple(reply.shape[1:]):
             refs[key] = ref.to(reply.dtype)
-            updates[key] = reply - refs[key]
+            updates[key] = reply - refs[key] if formed else reply
         else:
             refs[key] = torch.zeros((), dtype=reply.dtype)
             updates[key] = reply
     return updates, refs
 
 
-def update_norms(updates: dict[str, Tensor], clients: int) -> Tensor:
-    """Per-client L2 norm over every update leaf (float64, NaN/inf propagate)."""
+NORM_BLOCK = 256  # clients whose temporaries (float64 squares, |x| of isfinite) exist at once
+
+
+def update_norms(
+    updates: dict[str, Tensor], clients: int, refs: dict[str, Tensor] | None = None
+) -> Tensor:
+    """Per-client L2 norm over every update leaf (float64, NaN/inf propagate).
+
+    Each client's sum is its own row's, so it is computed ``NORM_BLOCK`` clients at a
+    time (the same numbers): a float64 copy of a whole fleet's updates would be ~70 KB
+    per sensor for the seed's MLP, more than everything else a round holds. Given
+    ``refs``, ``updates`` are the replies and a leaf's update is reply − ref (as
+    :func:`_updates` makes it), formed a block at a time instead of for the fleet.
+    """
     norms = torch.zeros(clients, dtype=torch.float64)
-    for u in updates.values():
-        norms = norms + u.reshape(clients, -1).to(torch.float64).pow(2).sum(1)
+    for key, u in updates.items():
+        rows = u.reshape(clients, *u.shape[1:])
+        ref = None if refs is None or refs[key].dim() == 0 else refs[key]
+        squares = [
+            (rows[i : i + NORM_BLOCK] if ref is None else rows[i : i + NORM_BLOCK] - ref)
+            .reshape(min(NORM_BLOCK, clients - i), -1)
+            .to(torch.float64)
+            .pow(2)
+            .sum(1)
+            for i in range(0, clients, NORM_BLOCK)
+        ]
+        norms = norms + (torch.cat(squares) if squares else norms)
     return norms.sqrt()
 
 
@@ -188,9 +211,19 @@ def finite_rows(tree: Tree) -> Tensor:
     flat = [t for t in flatten(tree).values() if t.is_floating_point()]
     if not flat:
         return torch.ones(0, dtype=torch.bool)
-    ok = torch.ones(flat[0].shape[0], dtype=torch.bool)
+    n = flat[0].shape[0]
+    ok = torch.ones(n, dtype=torch.bool)
     for t in flat:
-        ok = ok & torch.isfinite(t.reshape(t.shape[0], -1)).all(1)
+        # A block of clients at a time: isfinite makes float temporaries (|x|) as large
+        # as its input, ~35 KB per sensor for the seed's MLP over a whole fleet.
+        rows = t.reshape(n, *t.shape[1:])
+        ok = ok & torch.cat(
+            [
+                torch.isfinite(rows[i : i + NORM_BLOCK].reshape(min(NORM_BLOCK, n - i), -1)).all(1)
+                for i in range(0, n, NORM_BLOCK)
+            ]
+            or [ok]
+        )
     return ok
 
 
@@ -281,7 +314,14 @@ def aggregate(
     """
     check_policy(algorithm, policy)
     kind = getattr(algorithm, "reply_aggregation", "mean")
-    updates, refs = _updates(broadcast, replies, kind)
+    # The plain mean needs the updates only for their norms: those are formed a block of
+    # clients at a time, never for the whole fleet at once (17 KB per sensor, seed MLP).
+    plain = not (policy.dp or policy.screen_factor > 0 or policy.clip_factor > 0)
+    plain = plain and policy.rule == "mean"
+    updates, refs = _updates(broadcast, replies, kind, formed=not plain)
+    replied = updates if plain else {}
+    if plain:
+        updates = {}
     n = int(weights.shape[0])
     weights = weights.to(torch.float64)
     if weight_cap is not None:
@@ -291,7 +331,7 @@ def aggregate(
     if finite.numel():
         accepted = accepted & finite
     nonfinite = int((~accepted).sum())
-    norms = update_norms(updates, n)
+    norms = update_norms(replied, n, refs) if plain else update_norms(updates, n)
     metrics: dict[str, float] = {"rejected_nonfinite": float(nonfinite)}
     median = norms[accepted].median() if accepted.any() else torch.tensor(float("nan"))
     # Leaves an algorithm declares unscreened (``unscreened_replies``, path prefixes) do not
@@ -306,7 +346,7 @@ def aggregate(
     else:
         metrics["rejected_norm"] = 0.0
     metrics["median_update_norm"] = float(median)
-    if not accepted.any() or not updates:
+    if not accepted.any() or not refs:
         metrics["accepted"] = float(accepted.sum())
         if not accepted.any():
             return server, accepted, metrics  # nothing trustworthy arrived: keep the model
@@ -338,13 +378,16 @@ def aggregate(
         clip = accepted & (size > policy.clip_factor)
         factor = torch.where(clip, policy.clip_factor / size, torch.ones_like(size))
         metrics["clip_bound"] = float(policy.clip_factor * norms[accepted].median())
-    if clip is not None:
+    # No client clipped: every factor is 1, so the updates and replies stay as they are
+    # (the same numbers, without two fleet-sized copies).
+    if clip is not None and bool(clip.any()):
         for key, u in updates.items():
             shape = (n, *([1] * (u.dim() - 1)))
             updates[key] = u * factor.to(u.dtype).reshape(shape)
             processed[key] = torch.where(
                 clip.reshape(shape), (updates[key] + refs[key]).to(u.dtype), processed[key]
             )
+    if clip is not None:
         metrics["clipped"] = float(clip.sum())
 
     used = accepted
@@ -405,7 +448,8 @@ def aggregate(
         for key, u in updates.items():
             processed[key] = (estimate[key] + refs[key]).to(u.dtype).expand(u.shape).clone()
 
-    sub = {key: v.index_select(0, idx) for key, v in processed.items()}
+    # Every client used: the replies themselves, not a copy (fleet-sized at 10,000 clients).
+    sub = processed if k == n else {key: v.index_select(0, idx) for key, v in processed.items()}
     metrics["accepted"] = float(k)
     new_server = algorithm.server_update(server, unflatten(sub), weights.index_select(0, idx))
     return new_server, accepted, metrics

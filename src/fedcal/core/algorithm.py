@@ -31,9 +31,9 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from fedcal.core.data import ClientData, full_batch, minibatches
+from fedcal.core.data import Batches, ClientData, full_batch, minibatches
 from fedcal.core.local import GradClip, LossFn, Penalty, autograd_of, train
-from fedcal.core.optim import make_optimizer
+from fedcal.core.optim import make_optimizer, plain_sgd_lr
 from fedcal.core.schema import Bool, Float, Int, checked
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree, weighted_mean
@@ -211,8 +211,13 @@ class Algorithm(AlgorithmFields, metaclass=ChecksOptions):
         batches = minibatches(
             data, self.local_epochs if epochs is None else epochs, self.batch_size, stream
         )
+        optimizer = self.make_optimizer(lr)
+        if loss is None and penalty is None:
+            fused = self.fused_sgd(params, batches, optimizer, wrt)
+            if fused is not None:
+                return fused
         grad_fn = self.task.value_and_grad if loss is None else autograd_of(loss)
-        return train(grad_fn, params, batches, self.make_optimizer(lr), wrt, penalty)
+        return train(grad_fn, params, batches, optimizer, wrt, penalty)
 
     def full_batch_steps(
         self,
@@ -223,13 +228,19 @@ class Algorithm(AlgorithmFields, metaclass=ChecksOptions):
         wrt: tuple[str, ...] | None = None,
     ) -> Tree:
         """``steps`` plain gradient steps on the whole local set (no momentum)."""
-        return train(
-            self.task.value_and_grad,
-            params,
-            full_batch(data, steps),
-            make_optimizer("sgd", lr),
-            wrt,
-        )[0]
+        batches, optimizer = full_batch(data, steps), make_optimizer("sgd", lr)
+        fused = self.fused_sgd(params, batches, optimizer, wrt)
+        if fused is not None:
+            return fused[0]
+        return train(self.task.value_and_grad, params, batches, optimizer, wrt)[0]
+
+    def fused_sgd(
+        self, params: Tree, batches: Batches, optimizer: object, wrt: tuple[str, ...] | None
+    ) -> tuple[Tree, Tensor] | None:
+        """:func:`train` on the task's loss by the model's fused SGD loop, when the
+        optimizer is plain SGD and the model has one (same numbers, fewer kernels); else None."""
+        lr = plain_sgd_lr(optimizer)
+        return None if lr is None else self.task.sgd_train(params, batches, lr, wrt)
 
     def local_loss(self, params: Tree, data: ClientData) -> Tensor:
         """Mean loss over each client's rows (clients,)."""

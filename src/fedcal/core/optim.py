@@ -98,6 +98,14 @@ class Adam:
         return tree_map(step, params, m, v), {"m": m, "v": v, "t": t}
 
 
+def plain_sgd_lr(optimizer: object) -> float | None:
+    """The learning rate of an :class:`SGD` without momentum or weight decay, else None
+    (what a model's fused SGD loop, e.g. ``MLP.sgd_train``, implements)."""
+    if type(optimizer) is SGD and not optimizer.momentum and not optimizer.weight_decay:
+        return optimizer.lr
+    return None
+
+
 def make_optimizer(name: str, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
     """``"sgd"`` (the seeds' choice) or ``"adam"``."""
     if name == "sgd":

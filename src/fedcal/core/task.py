@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from fedcal.core.data import Batches
 from fedcal.core.local import GradFn, value_and_grad
 from fedcal.core.tree import Tree
 
@@ -130,6 +131,33 @@ class Task:
             "mae": abs_err.sum((1, 2)) / n,
             "max_abs": abs_err.amax((1, 2)),
         }
+
+    def sgd_train(
+        self, params: Tree, batches: Batches, lr: float, wrt: Iterable[str] | None = None
+    ) -> tuple[Tree, Tensor] | None:
+        """The model's fused plain-SGD loop over ``batches`` (same numbers as
+        :func:`fedcal.core.local.train` with :class:`fedcal.core.optim.SGD`), or None
+        when the model has none or the loss is not the one it differentiates."""
+        fused = getattr(self.model, "sgd_train", None)
+        if fused is None or self.hand_gradient is None:
+            return None
+        return fused(params, batches, lr, wrt)
+
+    def head_input(self, params: Tree, x: Tensor) -> Tensor | None:
+        """The input of a one-layer head under the body of ``params`` (the model's
+        ``head_input``), or None when the task cannot differentiate the head from it
+        (a deeper head, another loss, a model without the method)."""
+        fn = getattr(self.model, "head_input", None)
+        if self.head_layers != 1 or fn is None or self.hand_gradient is None:
+            return None
+        return fn(params, x)
+
+    def head_value_and_grad(
+        self, params: Tree, features: Tensor, y: Tensor, w: Tensor
+    ) -> tuple[Tensor, Tree]:
+        """``value_and_grad(params, x, y, w, self.head)`` from the head's input
+        ``features`` = ``head_input(params, x)``: the same numbers, the body not rerun."""
+        return self.model.head_value_and_grad(params, features, y, w)
 
     def value_and_grad(
         self, params: Tree, x: Tensor, y: Tensor, w: Tensor, wrt: Iterable[str] | None = None

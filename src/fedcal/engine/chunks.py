@@ -17,7 +17,7 @@ fleet's state and the server live. ``"cpu"`` (the default) copies nothing.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import Tensor
@@ -77,6 +77,81 @@ def concat(parts: list[Tree]) -> Tree:
     return tree_map(lambda *ts: torch.cat(ts), parts[0], *parts[1:])
 
 
+class Assembly:
+    """A cohort's client trees filled in chunk by chunk (:func:`client_update`).
+
+    The cohort's tensors are allocated when the first chunk arrives and each chunk
+    is copied in and dropped, so the chunks' outputs never coexist with their
+    concatenation. Leaves that are one tensor in a chunk (a reply that is the new
+    private state) stay one tensor of the cohort while every chunk shares them.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.slots: dict[tuple[str, ...], Tensor] = {}  # a leaf's path → its cohort tensor
+        self.shape: dict[str, Tree] | None = None  # the first chunk's trees (their structure)
+
+    def add(self, part: dict[str, Tree], start: int) -> None:
+        leaves = dict(_paths(part))
+        if self.shape is None:
+            self.shape = tree_map(lambda t: None, part)
+            first: dict[int, Tensor] = {}
+            for path, t in leaves.items():
+                if id(t) not in first:
+                    first[id(t)] = t.new_empty((self.size, *t.shape[1:]))
+                self.slots[path] = first[id(t)]
+        written: dict[int, int] = {}  # cohort tensor → the chunk leaf copied into it
+        for path, t in leaves.items():
+            slot = self.slots[path]
+            owner = written.get(id(slot))
+            if owner is None:
+                slot.narrow(0, start, t.shape[0]).copy_(t)
+                written[id(slot)] = id(t)
+            elif owner != id(t):
+                # Shared so far but two tensors in this chunk: this path gets its own copy
+                # of the rows written so far (equal, they were one tensor) and this chunk's.
+                own = slot.clone()
+                own.narrow(0, start, t.shape[0]).copy_(t)
+                self.slots[path] = own
+                written[id(own)] = id(t)
+
+    def trees(self) -> dict[str, Tree]:
+        """The cohort's trees, shaped as the chunks' (empty sub-trees included)."""
+
+        def build(node: Mapping, path: tuple[str, ...]) -> Tree:
+            return {
+                k: build(v, (*path, k)) if isinstance(v, Mapping) else self.slots[(*path, k)]
+                for k, v in node.items()
+            }
+
+        return build(self.shape, ())
+
+
+def assemble(parts: Iterable[tuple[int, dict[str, Tree]]], size: int) -> dict[str, Tree]:
+    """``(first client, chunk's trees)`` pairs in order → the cohort's trees, each chunk
+    copied in as it arrives (:class:`Assembly`); a single chunk of all is returned as is."""
+    cohort = Assembly(size)
+    for start, part in parts:
+        if start == 0 and _clients(part) == size:
+            return part
+        cohort.add(part, start)
+        del part  # the chunk's outputs go before the next chunk's are made
+    return cohort.trees()
+
+
+def _clients(part: dict[str, Tree]) -> int | None:
+    first = next(_paths(part), None)
+    return None if first is None else first[1].shape[0]
+
+
+def _paths(tree: Mapping, prefix: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...], Tensor]]:
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            yield from _paths(value, (*prefix, key))
+        else:
+            yield (*prefix, key), value
+
+
 def on_device(device: torch.device, fn: Callable[..., Tree], *args: object) -> Tree:
     """``fn(*args)`` with tensors it creates placed on ``device``; results to the host."""
     if is_host(device):
@@ -102,15 +177,18 @@ def client_update(
     n = data.num_clients
     if is_host(device) and (chunk_size <= 0 or chunk_size >= n):
         return algorithm.client_update(expand(down, n), states, data)
-    parts = [
-        on_device(
-            device,
-            lambda r=rows: algorithm.client_update(
-                expand(to_device(down, device), len(r)),
-                to_device(gather(states, r), device),
-                data_to(data.select(r), device),
-            )._asdict(),
+    parts = (
+        (
+            int(rows[0]),
+            on_device(
+                device,
+                lambda r=rows: algorithm.client_update(
+                    expand(to_device(down, device), len(r)),
+                    to_device(gather(states, r), device),
+                    data_to(data.select(r), device),
+                )._asdict(),
+            ),
         )
         for rows in spans(n, chunk_size)
-    ]
-    return ClientResult(*(concat([p[k] for p in parts]) for k in ClientResult._fields))
+    )
+    return ClientResult(**assemble(parts, n))

@@ -263,10 +263,13 @@ def simulate(
     for t in range(start_round, config.rounds):
         idx = cohort(config.seed, t, n, config.participation)
         ids = idx.tolist()
-        data = fleet.train.select(idx).with_seeds(train_seeds(config.seed, t, ids))
-        down = algorithm.broadcast(server)
-        # The whole fleet in order (cohort() sorts): no gathered copy of every client's state.
+        # The whole fleet in order (cohort() sorts): no gathered copy of every client's
+        # state or data.
         everyone = len(ids) == n
+        data = (fleet.train if everyone else fleet.train.select(idx)).with_seeds(
+            train_seeds(config.seed, t, ids)
+        )
+        down = algorithm.broadcast(server)
         before = states if everyone else gather(states, idx)
         result = chunks.client_update(algorithm, down, before, data, config.chunk_size, device)
         state_ok = finite_rows(result.state)
@@ -280,12 +283,7 @@ def simulate(
             round_seed=client_round_seed(config.seed, t, 0, AGGREGATION),
             eligible=state_ok if state_ok.numel() else None,
         )
-        # Roll back the private state of every client whose reply was rejected.
-        kept = tree_map(
-            lambda new, old, ok=accepted: torch.where(per_client(ok, new), new, old.to(new.dtype)),
-            result.state,
-            before,
-        )
+        kept = _roll_back(result.state, before, accepted)
         states = (
             tree_map(lambda t, r: r.to(t.dtype), states, kept)
             if everyone
@@ -346,6 +344,17 @@ def simulate(
     )
 
 
+def _roll_back(new: Tree, old: Tree, accepted: Tensor) -> Tree:
+    """The new private state, with the old one of every client whose reply was rejected.
+
+    Nothing rejected (the common case): the new state itself, made contiguous, not a
+    copy of it — at 10,000 clients a fleet-sized copy is memory the chunks do not bound.
+    """
+    if bool(accepted.all()):
+        return tree_map(lambda t: t.contiguous(), new)
+    return tree_map(lambda n, o: torch.where(per_client(accepted, n), n, o.to(n.dtype)), new, old)
+
+
 def _evaluate(
     algorithm: Algorithm,
     fleet: FleetTensors,
@@ -388,8 +397,14 @@ def _evaluate(
             "ok": ok if ok.numel() else torch.ones(len(rows), dtype=torch.bool),
         }
 
-    out = chunks.concat(
-        [chunks.on_device(device, one_chunk, rows) for rows in chunks.spans(n, config.chunk_size)]
+    # Chunk by chunk into the fleet's tensors: the chunks' personal models never coexist
+    # with their concatenation.
+    out = chunks.assemble(
+        (
+            (int(rows[0]), chunks.on_device(device, one_chunk, rows))
+            for rows in chunks.spans(n, config.chunk_size)
+        ),
+        n,
     )
     test, train, model_ok = out["test"], out["train"], out["ok"]
     rows = [

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fedcal.core.tree import Tree
+from fedcal.core.data import Batches
+from fedcal.core.tree import Tree, per_client
 
 
 def _tanh(z: Tensor) -> Tensor:
@@ -138,8 +139,11 @@ class MLP:
         """params: client tree; x (clients, batch, in) → (clients, batch, out)."""
         return self._forward(params, x)[0][-1]
 
-    def _forward(self, params: Tree, x: Tensor) -> tuple[list[Tensor], list[Tensor]]:
-        """Activations h_0 = x … h_L = output, and pre-activations z_1 … z_{L-1}."""
+    def _forward(
+        self, params: Tree, x: Tensor, body_only: bool = False
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """Activations h_0 = x … h_L = output, and pre-activations z_1 … z_{L-1}
+        (``body_only``: up to h_{L-1}, the last layer's input)."""
         act = ACTIVATIONS[self.activation]
         # Without autograd, tanh runs in place on fresh buffers: the GEMM yields 2z
         # directly (scaling by 2 is exact) and 2σ(2z) − 1 needs no temporaries —
@@ -147,7 +151,7 @@ class MLP:
         fused_tanh = self.activation == "tanh" and not torch.is_grad_enabled()
         hs, zs = [x], []
         last = len(self.sizes) - 2
-        for k in range(last + 1):
+        for k in range(last if body_only else last + 1):
             w, b = params[f"l{k}.weight"], params[f"l{k}.bias"]
             if k < last and fused_tanh:
                 z2 = torch.baddbmm(b.unsqueeze(1), hs[-1], w.transpose(1, 2), beta=2.0, alpha=2.0)
@@ -160,6 +164,25 @@ class MLP:
                 z = act(z)
             hs.append(z)
         return hs, zs
+
+    def head_input(self, params: Tree, x: Tensor) -> Tensor:
+        """The last layer's input (clients, rows, width): the body's features of ``x``."""
+        with torch.no_grad():
+            return self._forward(params, x, body_only=True)[0][-1]
+
+    def head_value_and_grad(
+        self, params: Tree, features: Tensor, y: Tensor, w: Tensor
+    ) -> tuple[Tensor, Tree]:
+        """:meth:`mse_value_and_grad` with respect to the last layer only, from its input
+        ``features`` (:meth:`head_input`): the same numbers without the body's pass."""
+        last = len(self.sizes) - 2
+        names = {f"l{last}.weight", f"l{last}.bias"}
+        with torch.no_grad():
+            pred = _affine(params[f"l{last}.bias"], features, params[f"l{last}.weight"])
+            value, delta = mse_and_output_grad(pred, y, w)
+            hs = [features] * (last + 1)  # backprop reads only the last layer's input
+            grads = backprop(params, delta, hs, [], range(last, last + 1), names, None)
+        return value, {n: grads[n] for n in (f"l{last}.weight", f"l{last}.bias")}
 
     def mse_value_and_grad(
         self, params: Tree, x: Tensor, y: Tensor, w: Tensor, wrt: Iterable[str] | None = None
@@ -179,3 +202,114 @@ class MLP:
             grads = backprop(params, delta, hs, zs, span, wanted, DERIVATIVES[self.activation])
         order = [n for layer in self.layers() for n in layer if n in grads]
         return value, {n: grads[n] for n in order}
+
+    def sgd_train(
+        self, params: Tree, batches: Batches, lr: float, wrt: Iterable[str] | None = None
+    ) -> tuple[Tree, Tensor]:
+        """Plain SGD (no momentum, no weight decay) over a minibatch plan, fused.
+
+        The same numbers as :func:`fedcal.core.local.train` with
+        :meth:`mse_value_and_grad` and :class:`fedcal.core.optim.SGD` (tested to the
+        bit): p ← p − lr·∇p each step, a client without a batch keeping its
+        parameters; returns the new tree and each client's mean batch loss over its
+        own steps. Faster because the trained leaves are updated in place on one
+        private copy (no new tree, optimizer state or masked copy per step) and
+        the forward pass writes into buffers allocated once.
+        """
+        names = list(params) if wrt is None else [k for k in params if k in set(wrt)]
+        wanted = set(names)
+        live = {k: v.contiguous().clone() if k in wanted else v for k, v in params.items()}
+        layers = len(self.sizes) - 1
+        span = range(lowest_layer(wanted, layers), layers)
+        derivative = DERIVATIVES[self.activation]
+        active = batches.active
+        total = torch.zeros(active.shape[1], dtype=batches.x.dtype)
+        # The loss's per-row factors of every step at once (mse_and_output_grad's, element
+        # by element: the same numbers), and the steps' masks.
+        w = batches.w
+        denom = w.sum(2).clamp_min(1.0)
+        scale = (2.0 * w / (denom.unsqueeze(2) * batches.y.shape[-1])).unsqueeze(-1)
+        on = active > 0
+        fused = self.activation == "tanh" and active.shape[1] > 1
+        step = _TanhSteps(self, live, span, wanted, lr) if fused else None
+        with torch.no_grad():
+            for s in range(batches.steps):
+                if step is not None and batches.all_active[s]:
+                    total.add_(step(batches.x[s], batches.y[s], w[s], denom[s], scale[s]))
+                    continue
+                hs, zs = self._forward(live, batches.x[s])
+                resid = hs[-1] - batches.y[s]
+                value = (resid.pow(2).mean(-1) * w[s]).sum(1) / denom[s]
+                grads = backprop(live, resid * scale[s], hs, zs, span, wanted, derivative)
+                if batches.all_active[s]:
+                    for k in names:
+                        live[k].add_(grads[k], alpha=-lr)
+                    total.add_(value)
+                    continue
+                # As SGD.update then run_steps' keep_active: d zeroed for idle clients,
+                # and their old values kept whatever the step computed.
+                for k in names:
+                    p, g = live[k], grads[k]
+                    moved = torch.add(p, per_client(active[s], g) * g, alpha=-lr)
+                    p.copy_(torch.where(per_client(active[s], moved) > 0, moved, p))
+                total.add_(torch.where(on[s], value, 0.0))
+        return live, total / active.sum(0).clamp_min(1.0)
+
+
+class _TanhSteps:
+    """One plain SGD step of a tanh MLP on a cohort of ≥ 2 clients, all with a batch.
+
+    The very operations of ``MLP._forward`` (its in-place tanh), ``mse_and_output_grad``,
+    :func:`backprop` and ``SGD.update``, in the same order — so the same numbers — but
+    with the layers' transposed views made once, the activations written into buffers
+    reused from step to step, and each layer's parameters updated in place as soon as
+    the layer below no longer needs them.
+    """
+
+    def __init__(self, model: MLP, live: Tree, span: range, wanted: set[str], lr: float) -> None:
+        n = len(model.sizes) - 1
+        self.weights = [live[f"l{k}.weight"] for k in range(n)]
+        self.biases = [live[f"l{k}.bias"].unsqueeze(1) for k in range(n)]
+        self.w_t = [w.transpose(1, 2) for w in self.weights]
+        self.train_w = [f"l{k}.weight" in wanted for k in range(n)]
+        self.train_b = [f"l{k}.bias" in wanted for k in range(n)]
+        self.span, self.lr = span, lr
+        self.buffers: list[Tensor] | None = None
+        self.square: list[Tensor] | None = None
+
+    def __call__(self, x: Tensor, y: Tensor, w: Tensor, denom: Tensor, scale: Tensor) -> Tensor:
+        last = len(self.weights) - 1
+        if self.buffers is None or self.buffers[0].shape[1] != x.shape[1]:
+            c, rows = x.shape[0], x.shape[1]
+            widths = [self.weights[k].shape[1] for k in range(last)]
+            self.buffers = [x.new_empty(c, rows, d) for d in widths]
+            self.square = [x.new_empty(c, rows, d) for d in widths]
+        hs = [x]
+        for k in range(last):  # h = 2σ(2z) − 1, in place on the GEMM's 2z
+            z2 = torch.baddbmm(
+                self.biases[k], hs[-1], self.w_t[k], beta=2.0, alpha=2.0, out=self.buffers[k]
+            )
+            hs.append(z2.sigmoid_().mul_(2.0).sub_(1.0))
+        pred = torch.baddbmm(self.biases[last], hs[-1], self.w_t[last])
+        resid = pred - y
+        value = (resid.pow(2).mean(-1) * w).sum(1) / denom
+        delta = resid * scale
+        for k in reversed(self.span):
+            h = hs[k]
+            grad_w = grad_b = None
+            if self.train_w[k]:
+                grad_w = (
+                    torch.bmm(h.transpose(1, 2), delta).transpose(1, 2)
+                    if h.shape[-1] < delta.shape[-1]
+                    else torch.bmm(delta.transpose(1, 2), h)
+                )
+            if self.train_b[k]:
+                grad_b = delta.sum(1)
+            if k > self.span.start:  # δ of the layer below, through this layer's old weights
+                slope = torch.mul(h, h, out=self.square[k - 1]).neg_().add_(1.0)
+                delta = torch.bmm(delta, self.weights[k]).mul_(slope)
+            if grad_w is not None:
+                self.weights[k].add_(grad_w, alpha=-self.lr)
+            if grad_b is not None:
+                self.biases[k].squeeze(1).add_(grad_b, alpha=-self.lr)
+        return value
