@@ -302,7 +302,12 @@ class FedGMI(Algorithm):
         x, y, w = data.x, data.y, data.mask
         _, grad_g = self.task.value_and_grad(down["model"], x, y, w, head)
         _, grad_i = self.task.value_and_grad(self.task.join(omega, phi_i), x, y, w, head)
-        # Step 4: per-parameter interpolation.
+        return self.interpolate_head(phi_i, phi_g, grad_g, grad_i)
+
+    def interpolate_head(
+        self, phi_i: Tree, phi_g: Tree, grad_g: Tree, grad_i: Tree
+    ) -> tuple[Tree, Tree]:
+        """Step 4: per-parameter interpolation by the gradients' magnitudes (alg. 3.3)."""
         alpha = interpolation_weights(
             tree_map(torch.abs, grad_g),
             tree_map(torch.abs, grad_i),
@@ -336,14 +341,7 @@ class FedGMI(Algorithm):
             return phi_i, tree_map(torch.ones_like, phi_i)
         _, grad_g = self.task.head_value_and_grad(model, features, y, w)
         _, grad_i = self.task.head_value_and_grad({**model, **phi_i}, features, y, w)
-        alpha = interpolation_weights(
-            tree_map(torch.abs, grad_g),
-            tree_map(torch.abs, grad_i),
-            self.eps,
-            per_tensor=self.magnitude == "tensor",
-            joint=self.normalize == "joint",
-        )
-        return interpolate(phi_i, phi_g, alpha), alpha
+        return self.interpolate_head(phi_i, phi_g, grad_g, grad_i)
 
     def head_posterior(self, down: Tree, data: ClientData) -> tuple[Moments, Posterior]:
         """Steps 1–2 of the posterior rule: the head's moments and posterior under ω of ``down``."""
