@@ -689,6 +689,14 @@ def flower_nodes(
     state_dir: Annotated[
         Path, typer.Option("--state-dir", help="where each SuperNode keeps its state (per site)")
     ] = Path("flower-state"),
+    workers: Annotated[
+        bool,
+        typer.Option(
+            "--workers",
+            help="each site also runs a warm worker (its socket in the site's state directory): "
+            "no torch/fedcal import per round message; prints the worker's command",
+        ),
+    ] = False,
 ) -> None:
     """Write one data file per site for its Flower SuperNode; print each node's --node-config."""
     from fedcal.build import load_data
@@ -707,12 +715,22 @@ def flower_nodes(
         _fail(str(err))
     console.print(f"wrote {len(written)} site files to {out}; start one SuperNode per site with:")
     for site, sensors, path in written:
-        cfg_text = node_config(path, site, state_dir / site)
+        socket = state_dir / site / "worker.sock" if workers else None
+        try:
+            cfg_text = node_config(path, site, state_dir / site, worker_socket=socket)
+        except ValueError as err:
+            _fail(str(err))
         console.print(
             f'  {site} ({len(sensors)} sensors): --node-config "{cfg_text}"',
             highlight=False,
             soft_wrap=True,
         )
+        if workers:
+            console.print(
+                f'    worker: python -m fedcal.engine.flower.worker --node-config "{cfg_text}"',
+                highlight=False,
+                soft_wrap=True,
+            )
 
 
 @app.command()

@@ -207,6 +207,29 @@ def test_flower_nodes_writes_one_file_per_site(tmp_path, files):
     assert result.exit_code == 2 and "no site for sensor(s) S01, S02" in result.output
 
 
+def test_flower_nodes_with_workers_prints_each_sites_worker_command(tmp_path, files):
+    data, _ = files
+    out, state = tmp_path / "nodes", tmp_path / "st"
+    args = ["flower-nodes", "--data", str(data), "--out", str(out), "--state-dir", str(state)]
+    result = runner.invoke(app, [*args, "--workers"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    for site in ("S00", "S01", "S02"):
+        node = next(line for line in lines if line.strip().startswith(f"{site} ("))
+        cfg = node.split("--node-config ", 1)[1]
+        sock = state.resolve() / site / "worker.sock"
+        assert f"worker-socket='{sock}'" in cfg
+        # the worker is started with the very node config its SuperNode gets
+        worker = lines[lines.index(node) + 1].strip()
+        assert worker == f"worker: python -m fedcal.engine.flower.worker --node-config {cfg}"
+    plain = runner.invoke(app, args).output.splitlines()
+    assert not any(line.strip().startswith("worker:") or "worker-socket" in line for line in plain)
+    # a socket path beyond the Unix limit is refused before anything starts
+    deep = tmp_path / ("d" * 120)
+    result = runner.invoke(app, [*args[:-1], str(deep), "--workers"])
+    assert result.exit_code == 2 and "longer than 107 bytes" in " ".join(result.output.split())
+
+
 def test_flower_nodes_carries_the_direction_column_into_the_site_files(tmp_path, files):
     from fedcal.engine.flower.nodes import load_site_file
 

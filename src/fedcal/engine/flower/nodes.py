@@ -225,7 +225,10 @@ def node_config(
     if allow_uploads is not None:
         values["allow-uploads"] = allow_uploads
     if worker_socket is not None:
+        from fedcal.engine.flower.worker import check_socket_path
+
         values["worker-socket"] = str(Path(worker_socket).resolve())
+        check_socket_path(values["worker-socket"])
     for key, value in values.items():
         if "'" in value or "\n" in value:
             raise ValueError(f"node config {key}={value!r}: quotes and newlines are not allowed")

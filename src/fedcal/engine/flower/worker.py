@@ -80,7 +80,7 @@ def _recv(conn: socket.socket) -> bytes:
     return _recv_exact(conn, n)
 
 
-def _check_path(path: str) -> None:
+def check_socket_path(path: str) -> None:
     if len(os.fsencode(path)) > _MAX_PATH:
         raise ValueError(
             f"{SOCKET_KEY} {path!r} is longer than {_MAX_PATH} bytes (a Unix socket's limit); "
@@ -116,7 +116,7 @@ def ask(path: str, content: RecordDict, node_cfg: Mapping, run_id: int) -> Recor
     Raises :class:`WorkerUnavailable` if nothing listens on ``path`` (then the
     message was not run) and :class:`WorkerError` if the worker ran it and it failed.
     """
-    _check_path(path)
+    check_socket_path(path)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         try:
@@ -189,7 +189,7 @@ def listen(node_cfg: Mapping[str, str]) -> socket.socket:
     path = str(node_cfg.get(SOCKET_KEY, ""))
     if not path:
         raise KeyError(f"node config has no {SOCKET_KEY}: nowhere to listen")
-    _check_path(path)
+    check_socket_path(path)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
