@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+from pathlib import Path
 
 import torch
 
@@ -33,19 +35,16 @@ from fedcal.engine.simulation import interval_metrics, prepare
 from fedcal.experiment import load_data
 from fedcal.models.mlp import MLP
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fedcal_support/ (not shipped)
+from fedcal_support.rounds import run_rounds
+
 
 def subset(data: ClientData, idx: torch.Tensor) -> ClientData:
     return data.select(idx)
 
 
 def fit(alg: FedPrior, data: ClientData, rounds: int):
-    n = data.num_clients
-    server = alg.server_init({})
-    state = alg.client_init(expand(alg.broadcast(server), n))
-    for _ in range(rounds):
-        result = alg.client_update(expand(alg.broadcast(server), n), state, data)
-        state = result.state
-        server = alg.server_update(server, result.reply, data.count)
+    server, state, _, _ = run_rounds(alg, data, rounds)
     return server, state
 
 

@@ -13,8 +13,8 @@ from fedcal.algorithms.fedprior import FedPrior
 from fedcal.core.bayes import F64, moments, posterior, predictive_var
 from fedcal.core.data import ClientData
 from fedcal.core.task import Task
-from fedcal.core.tree import expand
 from fedcal.models.mlp import MLP
+from fedcal_support.rounds import run_rounds
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "fewpoint_direction.py"
 
@@ -53,13 +53,7 @@ def test_without_direction_term_the_em_is_fedpriors():
     data = ClientData.from_arrays(
         [(x[i].numpy(), y[i, :, None].numpy()) for i in range(len(x))], dtype=F64
     )
-    n = data.num_clients
-    server = alg.server_init({})
-    state = alg.client_init(expand(alg.broadcast(server), n))
-    for _ in range(8):
-        result = alg.client_update(expand(alg.broadcast(server), n), state, data)
-        state = result.state
-        server = alg.server_update(server, result.reply, data.count)
+    server = run_rounds(alg, data, 8).server
     torch.testing.assert_close(mu, server["mu"], rtol=1e-7, atol=1e-10)
     torch.testing.assert_close(sigma, server["sigma"], rtol=1e-6, atol=1e-12)
     torch.testing.assert_close(noise, server["noise_var"], rtol=1e-9, atol=0.0)

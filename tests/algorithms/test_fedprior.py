@@ -15,6 +15,7 @@ from fedcal.core.task import Task
 from fedcal.core.tree import expand
 from fedcal.models.basis import legendre_exponents, legendre_products
 from fedcal.models.mlp import MLP
+from fedcal_support.rounds import run_rounds
 
 
 def planted_fleet(
@@ -58,17 +59,8 @@ def planted_fleet(
 
 
 def run(alg: FedPrior, data: ClientData, rounds: int):
-    n = data.num_clients
-    server = alg.server_init({})
-    state = alg.client_init(expand(alg.broadcast(server), n))
-    logliks = []
-    for _ in range(rounds):
-        result = alg.client_update(expand(alg.broadcast(server), n), state, data)
-        state = result.state
-        server = alg.server_update(server, result.reply, data.count)
-        logliks.append(float(result.metrics["loglik"].sum()))
-    personal = alg.personalize(expand(alg.broadcast(server), n), state, data)
-    return server, state, personal, logliks
+    server, state, personal, metrics = run_rounds(alg, data, rounds)
+    return server, state, personal, [float(m["loglik"].sum()) for m in metrics]
 
 
 def make(**kw) -> FedPrior:

@@ -14,9 +14,9 @@ from fedcal.algorithms.fedprior import FedPrior
 from fedcal.core.bayes import F64, predictive_var
 from fedcal.core.data import ClientData
 from fedcal.core.task import Task
-from fedcal.core.tree import expand
 from fedcal.models.basis import legendre_exponents, legendre_products
 from fedcal.models.mlp import MLP
+from fedcal_support.rounds import run_rounds
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fewpoint_direction.py"
 PHI = (3, 3)
@@ -44,15 +44,7 @@ def cohort(x, y, b) -> ClientData:
 
 def fit(alg: FedPrior, data: ClientData, rounds: int):
     """The engine's loop, every unit each round: (server, states, personal)."""
-    n = data.num_clients
-    server = alg.server_init({})
-    state = alg.client_init(expand(alg.broadcast(server), n))
-    for _ in range(rounds):
-        result = alg.client_update(expand(alg.broadcast(server), n), state, data)
-        state = result.state
-        server = alg.server_update(server, result.reply, data.count)
-    personal = alg.personalize(expand(alg.broadcast(server), n), state, data)
-    return server, state, personal
+    return run_rounds(alg, data, rounds)[:3]
 
 
 def prior(**kw) -> FedPrior:
