@@ -94,8 +94,9 @@ from fedcal.core.bayes import (
     predictive_var,
     regularize,
 )
-from fedcal.core.data import ClientData
-from fedcal.core.local import keep_active
+from fedcal.core.data import ClientData, full_batch
+from fedcal.core.local import train
+from fedcal.core.optim import make_optimizer
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree, per_client, sq_norm, tree_map, weighted_mean
 
@@ -323,20 +324,19 @@ class FedGMI(Algorithm):
         """:meth:`start_head` given the body ω^t's features of the local rows."""
         y, w = data.y, data.mask
         phi_g = self.task.split(model)[1]
-        # Step 2, as Algorithm.full_batch_steps: plain steps, a client without rows unmoved.
-        active = (data.count > 0).to(features.dtype)
-        everyone = bool(active.all())
-        for _ in range(self.finetune_steps):
-            _, grads = self.task.head_value_and_grad({**model, **phi_i}, features, y, w)
-            moved = {
-                k: torch.add(
-                    p,
-                    grads[k] if everyone else per_client(active, grads[k]) * grads[k],
-                    alpha=-self.finetune_lr,
-                )
-                for k, p in phi_i.items()
-            }
-            phi_i = moved if everyone else keep_active(moved, phi_i, active)
+
+        def head_grad(params: Tree, _x: Tensor, y: Tensor, w: Tensor, _wrt) -> tuple[Tensor, Tree]:
+            return self.task.head_value_and_grad(params, features, y, w)
+
+        # Step 2, as Algorithm.full_batch_steps (the same loop), on the body's features.
+        tuned, _ = train(
+            head_grad,
+            {**model, **phi_i},
+            full_batch(data, self.finetune_steps),
+            make_optimizer("sgd", self.finetune_lr),
+            tuple(phi_i),
+        )
+        phi_i = {k: tuned[k] for k in phi_i}
         if not self.interpolate:
             return phi_i, tree_map(torch.ones_like, phi_i)
         _, grad_g = self.task.head_value_and_grad(model, features, y, w)
