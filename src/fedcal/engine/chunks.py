@@ -23,10 +23,8 @@ import torch
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
-from fedcal.core.data import ClientData
+from fedcal.core.data import HOST, ClientData
 from fedcal.core.tree import Tree, expand, gather, tree_map
-
-HOST = torch.device("cpu")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -68,13 +66,6 @@ def data_to(data: ClientData, device: torch.device) -> ClientData:
     return dataclasses.replace(
         data, x=data.x.to(device), y=data.y.to(device), count=data.count.to(device), branch=branch
     )
-
-
-def concat(parts: list[Tree]) -> Tree:
-    """Client trees of consecutive chunks → one client tree (clients axis first)."""
-    if len(parts) == 1:
-        return parts[0]
-    return tree_map(lambda *ts: torch.cat(ts), parts[0], *parts[1:])
 
 
 class Assembly:

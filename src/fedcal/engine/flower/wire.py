@@ -102,13 +102,6 @@ def client_row(tree: Mapping, index: int = 0) -> Tree:
     return tree_map(lambda t: t[index], tree)
 
 
-def as_cohort(tree: Mapping) -> Tree:
-    """A tree without clients axis → a client tree of one client."""
-    from fedcal.core.tree import tree_map
-
-    return tree_map(lambda t: t.unsqueeze(0), tree)
-
-
 def metrics_to_record(metrics: Mapping[str, Any]) -> MetricRecord:
     """``{name: float or (1,) tensor}`` → ``MetricRecord`` of Python floats."""
     from flwr.app import MetricRecord
