@@ -34,3 +34,14 @@ def test_resume_from_checkpoint_equals_a_straight_run(name, make_fleet, tmp_path
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), name
     pd.testing.assert_frame_equal(pd.DataFrame(straight.history), pd.DataFrame(resumed.history))
+    # a checkpoint of a finished run: nothing left to train, the last round evaluated again
+    again = simulate(alg, tensors, config, checkpoint=ckpt, checkpoint_every=1)
+    for run in (resumed, again):
+        c = flatten(run.personal)
+        assert c.keys() == a.keys() and all(torch.equal(a[k], c[k]) for k in a), name
+        pd.testing.assert_frame_equal(pd.DataFrame(straight.final), pd.DataFrame(run.final))
+    # the final table is the last evaluation's rows, without the per-round columns
+    last = pd.DataFrame([r for r in straight.history if r["round"] == config.rounds])
+    final = pd.DataFrame(straight.final)
+    pd.testing.assert_frame_equal(final, last[list(final.columns)].reset_index(drop=True))
+    assert "round" not in final.columns and "train_loss" not in final.columns

@@ -295,8 +295,13 @@ def simulate(
             bytes_up.append(num_bytes(result.reply, per_client_axis=True) * len(ids))
             bytes_down.append(num_bytes(down) * len(ids))
         last = t == config.rounds - 1
-        if evaluates(t, config.rounds, config.eval_every):
-            rows, summary, _ = _evaluate(algorithm, fleet, server, states, config, t, device)
+        if evaluates(t, config.rounds, config.eval_every):  # always after the last round
+            rows, summary, evaluated = _evaluate(
+                algorithm, fleet, server, states, config, t, device, keep_personal=last
+            )
+            if last:  # the final table: the evaluation's own columns, no round metrics
+                personal = evaluated
+                final = [{k: v for k, v in row.items() if k not in NOT_FINAL} for row in rows]
             # The round's client metrics (train loss, FedGMI's α, …) for those who trained.
             trained = {
                 name: dict(zip(ids, values.tolist(), strict=True))
@@ -324,10 +329,11 @@ def simulate(
                 rounds_log,
             )
     wall = time.perf_counter() - t0
-    rows, _, personal = _evaluate(
-        algorithm, fleet, server, states, config, config.rounds - 1, device, keep_personal=True
-    )
-    final = [{k: v for k, v in row.items() if k not in NOT_FINAL} for row in rows]
+    if start_round >= config.rounds:  # resumed after the last round: evaluate it here
+        rows, _, personal = _evaluate(
+            algorithm, fleet, server, states, config, config.rounds - 1, device, keep_personal=True
+        )
+        final = [{k: v for k, v in row.items() if k not in NOT_FINAL} for row in rows]
     for row in final:
         row["rejected_rounds"] = int(rejected[row["client_index"]])
     return RunResult(
