@@ -120,7 +120,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -142,26 +142,25 @@ from fedcal.core.privacy import Statistic
 from fedcal.core.tree import Tree
 from fedcal.models.basis import legendre_exponents, legendre_products
 
-BASES = ("auto", "tensor", "total")
-NOISE_MODELS = ("fleet", "sensor")
-SELECTIONS = ("none", "bic")
-
 
 @dataclass(frozen=True)
 class FedPrior(Algorithm):
     orders: tuple[int, ...] = (4, 3)  # tensor basis: highest Legendre order per input
-    basis: str = "auto"  # "tensor" (orders), "total" (degree), "auto": tensor if orders fit
+    # "tensor" (orders), "total" (degree), "auto": tensor if orders fit
+    basis: Literal["auto", "tensor", "total"] = "auto"
     degree: int = 2  # total-degree basis: every product of total order ≤ degree
     shrinkage_units: float = 2.0  # ν0: Σ ← (1 − λ)Σ̂ + λ diag(Σ̂), λ = ν0/(N + ν0)
     rank: int = 0  # > 0: Σ = W Wᵀ + D with this many factors; 0: full Σ
     floor: float = 1e-12  # eigenvalues of Σ ≥ floor (scaled units²)
-    noise: str = "fleet"  # "fleet": one σ²; "sensor": σ_i² shrunk toward the fleet's
+    # "fleet": one σ²; "sensor": σ_i² shrunk toward the fleet's
+    noise: Literal["fleet", "sensor"] = "fleet"
     noise_prior_points: float = 4.0  # ν of the per-sensor noise
     init_scale: float = 1.0  # prior std of every coefficient before any data (scaled units)
     init_noise: float = 0.1  # noise std before any data (scaled units)
     mean_scale: float = 10.0  # hyperprior N(0, s²) on μ (scaled units; inf: none)
     min_informed: float = 2.0  # a direction informed by fewer units is weakly identified
-    select: str = "none"  # "bic": the sub-basis of highest fleet evidence (BIC); "none": all
+    # "bic": the sub-basis of highest fleet evidence (BIC); "none": all
+    select: Literal["none", "bic"] = "none"
     dp_max_rows: float = 384.0  # client-level DP: rows a unit may hold (public; the campaign)
     branch_orders: tuple[int, ...] = ()  # ψ: Legendre orders per input of b·ψ(x)ᵀh; () = off
     # With select = "bic" and branch_orders: ψ chosen too, among no term and every orders
@@ -185,12 +184,6 @@ class FedPrior(Algorithm):
     def __post_init__(self) -> None:
         object.__setattr__(self, "orders", tuple(int(o) for o in self.orders))
         object.__setattr__(self, "branch_orders", tuple(int(o) for o in self.branch_orders))
-        if self.basis not in BASES:
-            raise ValueError(f"basis must be one of {BASES}, got {self.basis!r}")
-        if self.noise not in NOISE_MODELS:
-            raise ValueError(f"noise must be one of {NOISE_MODELS}, got {self.noise!r}")
-        if self.select not in SELECTIONS:
-            raise ValueError(f"select must be one of {SELECTIONS}, got {self.select!r}")
         if self.shrinkage_units < 0:
             raise ValueError(f"shrinkage_units must be >= 0, got {self.shrinkage_units}")
         if self.rank < 0:
