@@ -149,6 +149,8 @@ HOSTILE = [
     ("[methods.fedavg]\nbatch_size = 0\n", "[methods.fedavg] batch_size"),
     ("[methods.fedavg]\nmomentum = 5.0\n", "[methods.fedavg] momentum"),
     ("[methods.fedpoly_p3]\nprivate_terms = 'all'\n", "[methods.fedpoly_p3] private_terms"),
+    ("[methods.fedprior]\nselect = 'aic'\n", "[methods.fedprior] select"),
+    ("[methods.fedprior_fixed]\nnoise = 'unit'\n", "[methods.fedprior_fixed] noise"),
     # a method's own ranges (its __post_init__), for every table: none of these runs here
     ("[methods.aflcsem]\ncost_weight = 1.5\n", "[methods.aflcsem] cost_weight"),
     ("[methods.fedala]\nrand_percent = 500\n", "[methods.fedala] rand_percent"),
