@@ -120,6 +120,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal
 
 import numpy as np
@@ -210,7 +211,7 @@ class FedPrior(Algorithm):
         f = self.num_inputs
         return self.basis == "tensor" or (self.basis == "auto" and len(self.orders) == f)
 
-    @property
+    @cached_property  # built once per instance: the fields are frozen
     def terms(self) -> tuple[tuple[int, ...], ...]:
         """Exponent tuples of the basis functions (constant first)."""
         f = self.num_inputs
@@ -223,7 +224,7 @@ class FedPrior(Algorithm):
             return legendre_exponents(f, orders=self.orders)
         return legendre_exponents(f, degree=self.degree)
 
-    @property
+    @cached_property
     def branch_terms(self) -> tuple[tuple[int, ...], ...]:
         """Exponent tuples of ψ, the direction term's basis (empty when off)."""
         if not self.branch_orders:
@@ -235,7 +236,7 @@ class FedPrior(Algorithm):
         """Columns of the design: φ's terms, then ψ's (the prior is over both)."""
         return len(self.terms) + len(self.branch_terms)
 
-    @property
+    @cached_property
     def candidates(self) -> tuple[dict[str, Any], ...]:
         """The bases ``select = "bic"`` chooses from, as parameter overrides, smallest first.
 
@@ -282,7 +283,7 @@ class FedPrior(Algorithm):
             return legendre_exponents(self.num_inputs, orders=candidate["orders"])
         return legendre_exponents(self.num_inputs, degree=candidate["degree"])
 
-    @property
+    @cached_property
     def masks(self) -> Tensor:
         """(candidates, features): 1 where a candidate's basis holds a term of :attr:`terms`.
 
