@@ -47,6 +47,7 @@ with a message (:func:`check_policy`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Literal
 
 import torch
@@ -192,15 +193,10 @@ def update_norms(
     """
     norms = torch.zeros(clients, dtype=torch.float64)
     for key, u in updates.items():
-        rows = u.reshape(clients, *u.shape[1:])
         ref = None if refs is None or refs[key].dim() == 0 else refs[key]
         squares = [
-            (rows[i : i + NORM_BLOCK] if ref is None else rows[i : i + NORM_BLOCK] - ref)
-            .reshape(min(NORM_BLOCK, clients - i), -1)
-            .to(torch.float64)
-            .pow(2)
-            .sum(1)
-            for i in range(0, clients, NORM_BLOCK)
+            (b if ref is None else b - ref).reshape(len(b), -1).to(torch.float64).pow(2).sum(1)
+            for b in _client_blocks(u, clients)
         ]
         norms = norms + (torch.cat(squares) if squares else norms)
     return norms.sqrt()
@@ -216,15 +212,16 @@ def finite_rows(tree: Tree) -> Tensor:
     for t in flat:
         # A block of clients at a time: isfinite makes float temporaries (|x|) as large
         # as its input, ~35 KB per sensor for the seed's MLP over a whole fleet.
-        rows = t.reshape(n, *t.shape[1:])
-        ok = ok & torch.cat(
-            [
-                torch.isfinite(rows[i : i + NORM_BLOCK].reshape(min(NORM_BLOCK, n - i), -1)).all(1)
-                for i in range(0, n, NORM_BLOCK)
-            ]
-            or [ok]
-        )
+        blocks = [torch.isfinite(b.reshape(len(b), -1)).all(1) for b in _client_blocks(t, n)]
+        ok = ok & torch.cat(blocks or [ok])
     return ok
+
+
+def _client_blocks(t: Tensor, clients: int) -> Iterator[Tensor]:
+    """``t``'s rows ``NORM_BLOCK`` clients at a time (leading clients axis)."""
+    rows = t.reshape(clients, *t.shape[1:])
+    for i in range(0, clients, NORM_BLOCK):
+        yield rows[i : i + NORM_BLOCK]
 
 
 def relative_sizes(
