@@ -77,3 +77,19 @@ def test_a_task_with_its_own_loss_does_not_take_the_fused_loop():
     batches = full_batch(data)
     assert Huber(model).sgd_train(params, batches, 0.1) is None
     assert Task(model).sgd_train(params, batches, 0.1) is not None
+
+
+@pytest.mark.parametrize("wrt", [None, ("l1.weight", "l2.weight")])
+def test_fused_sgd_equals_the_generic_loop_at_the_seed_width(wrt):
+    # The seed's 2-64-64-1 at batch 32: the widths where torch's element-wise kernels run
+    # vectorized (the small test above mostly exercises their scalar tails).
+    model = MLP(hidden=(64, 64))
+    data = cohort([96, 96, 80, 64], torch.float32)
+    params = expand(model.init(torch.Generator().manual_seed(4), torch.float32), 4)
+    batches = minibatches(data, epochs=2, batch_size=32)
+    names = list(params) if wrt is None else list(wrt)
+    want, want_loss = train(model.mse_value_and_grad, params, batches, SGD(0.05), names)
+    got, got_loss = model.sgd_train(params, batches, 0.05, wrt)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.equal(got_loss, want_loss)
+    assert not torch.equal(got["l1.weight"], params["l1.weight"])  # it did train

@@ -33,6 +33,7 @@ from fedcal.core.tree import Tree, expand, gather, num_bytes, per_client, scatte
 from fedcal.data.fleet import Fleet
 from fedcal.data.scaling import Scaler, fit_scaler
 from fedcal.engine import chunks
+from fedcal.engine.memory import keep_freed_memory
 from fedcal.engine.schedule import (
     NOT_FINAL,
     cohort,
@@ -235,6 +236,7 @@ def simulate(
     rounds, and an existing checkpoint of the same algorithm, data and config
     is resumed from.
     """
+    keep_freed_memory()
     dtype = DTYPES[config.dtype]
     device = chunks.resolve_device(config.device)
     n = fleet.num_clients

@@ -24,10 +24,21 @@ def _tanh(z: Tensor) -> Tensor:
     return torch.sigmoid(2.0 * z).mul(2.0).sub(1.0)
 
 
+def _twice_less_one(s: Tensor, minus_one: Tensor | None = None) -> Tensor:
+    """2s − 1 in place, in one pass: 2s is exact, so the fused −1 + 2·s rounds once,
+    as ``s.mul_(2).sub_(1)`` does in two."""
+    minus_one = -_one(s) if minus_one is None else minus_one
+    return torch.add(minus_one, s, alpha=2.0, out=s)
+
+
+def _one(like: Tensor) -> Tensor:
+    return torch.ones((), dtype=like.dtype, device=like.device)
+
+
 ACTIVATIONS = {"tanh": _tanh, "relu": torch.relu, "silu": torch.nn.functional.silu}
 # Derivative of each activation written in terms of its input z and output h.
 DERIVATIVES = {
-    "tanh": lambda z, h: (h * h).neg_().add_(1.0),  # 1 − h², one temporary
+    "tanh": lambda z, h: torch.addcmul(_one(h), h, h, value=-1.0),  # 1 − h², one pass
     "relu": lambda z, h: (z > 0).to(h.dtype),
     "silu": lambda z, h: torch.sigmoid(z) * (1.0 + z * (1.0 - torch.sigmoid(z))),
 }
@@ -156,7 +167,7 @@ class MLP:
             if k < last and fused_tanh:
                 z2 = torch.baddbmm(b.unsqueeze(1), hs[-1], w.transpose(1, 2), beta=2.0, alpha=2.0)
                 zs.append(z2)  # not z: tanh's derivative reads only the output h
-                hs.append(torch.sigmoid_(z2).mul_(2.0).sub_(1.0))
+                hs.append(_twice_less_one(torch.sigmoid_(z2)))
                 continue
             z = _affine(b, hs[-1], w)
             if k < last:
@@ -231,20 +242,23 @@ class MLP:
         scale = (2.0 * w / (denom.unsqueeze(2) * batches.y.shape[-1])).unsqueeze(-1)
         on = active > 0
         fused = self.activation == "tanh" and active.shape[1] > 1
-        step = _TanhSteps(self, live, span, wanted, lr) if fused else None
+        step = _TanhSteps(self, live, span, wanted, lr, batches) if fused else None
+        xs, ys, ws, denoms, scales = (t.unbind(0) for t in (batches.x, batches.y, w, denom, scale))
+        values: list[Tensor | None] = []  # each step's loss; None: the fused step's, below
         with torch.no_grad():
             for s in range(batches.steps):
                 if step is not None and batches.all_active[s]:
-                    total.add_(step(batches.x[s], batches.y[s], w[s], denom[s], scale[s]))
+                    step(s, xs[s], ys[s], scales[s])
+                    values.append(None)
                     continue
-                hs, zs = self._forward(live, batches.x[s])
-                resid = hs[-1] - batches.y[s]
-                value = (resid.pow(2).mean(-1) * w[s]).sum(1) / denom[s]
-                grads = backprop(live, resid * scale[s], hs, zs, span, wanted, derivative)
+                hs, zs = self._forward(live, xs[s])
+                resid = hs[-1] - ys[s]
+                value = (resid.pow(2).mean(-1) * ws[s]).sum(1) / denoms[s]
+                grads = backprop(live, resid * scales[s], hs, zs, span, wanted, derivative)
                 if batches.all_active[s]:
                     for k in names:
                         live[k].add_(grads[k], alpha=-lr)
-                    total.add_(value)
+                    values.append(value)
                     continue
                 # As SGD.update then run_steps' keep_active: d zeroed for idle clients,
                 # and their old values kept whatever the step computed.
@@ -252,7 +266,12 @@ class MLP:
                     p, g = live[k], grads[k]
                     moved = torch.add(p, per_client(active[s], g) * g, alpha=-lr)
                     p.copy_(torch.where(per_client(active[s], moved) > 0, moved, p))
-                total.add_(torch.where(on[s], value, 0.0))
+                values.append(torch.where(on[s], value, 0.0))
+            # The fused steps' losses from their stored residuals, all steps at once (the
+            # same element-wise numbers), summed in step order as the generic loop does.
+            fused_values = step.losses(w, denom) if step is not None else None
+            for s, value in enumerate(values):
+                total.add_(fused_values[s] if value is None else value)
         return live, total / active.sum(0).clamp_min(1.0)
 
 
@@ -262,54 +281,77 @@ class _TanhSteps:
     The very operations of ``MLP._forward`` (its in-place tanh), ``mse_and_output_grad``,
     :func:`backprop` and ``SGD.update``, in the same order — so the same numbers — but
     with the layers' transposed views made once, the activations written into buffers
-    reused from step to step, and each layer's parameters updated in place as soon as
-    the layer below no longer needs them.
+    reused from step to step, each layer's parameters updated in place as soon as the
+    layer below no longer needs them, and the loss left for :meth:`losses` (it is only
+    reported: the step needs the residual, not its mean square).
     """
 
-    def __init__(self, model: MLP, live: Tree, span: range, wanted: set[str], lr: float) -> None:
+    def __init__(
+        self, model: MLP, live: Tree, span: range, wanted: set[str], lr: float, batches: Batches
+    ) -> None:
         n = len(model.sizes) - 1
-        self.weights = [live[f"l{k}.weight"] for k in range(n)]
-        self.biases = [live[f"l{k}.bias"].unsqueeze(1) for k in range(n)]
-        self.w_t = [w.transpose(1, 2) for w in self.weights]
-        self.train_w = [f"l{k}.weight" in wanted for k in range(n)]
-        self.train_b = [f"l{k}.bias" in wanted for k in range(n)]
-        self.span, self.lr = span, lr
-        self.buffers: list[Tensor] | None = None
-        self.square: list[Tensor] | None = None
-
-    def __call__(self, x: Tensor, y: Tensor, w: Tensor, denom: Tensor, scale: Tensor) -> Tensor:
-        last = len(self.weights) - 1
-        if self.buffers is None or self.buffers[0].shape[1] != x.shape[1]:
-            c, rows = x.shape[0], x.shape[1]
-            widths = [self.weights[k].shape[1] for k in range(last)]
-            self.buffers = [x.new_empty(c, rows, d) for d in widths]
-            self.square = [x.new_empty(c, rows, d) for d in widths]
-        hs = [x]
-        for k in range(last):  # h = 2σ(2z) − 1, in place on the GEMM's 2z
-            z2 = torch.baddbmm(
-                self.biases[k], hs[-1], self.w_t[k], beta=2.0, alpha=2.0, out=self.buffers[k]
+        weights = [live[f"l{k}.weight"] for k in range(n)]
+        biases = [live[f"l{k}.bias"] for k in range(n)]
+        self.lr = lr
+        self.forward = [
+            (b.unsqueeze(1), w.transpose(1, 2)) for w, b in zip(weights, biases, strict=True)
+        ]
+        # Residuals of every step (steps, clients, batch, out); rows of steps not run
+        # here stay 0 and are never read.
+        self.resid = batches.y.new_zeros(batches.y.shape)
+        self.one = _one(batches.x)
+        self.minus_one = -self.one
+        # Activation buffers h_1 … h_{L−1} and 1 − h² of each, reused from step to step.
+        c, rows = batches.x.shape[1], batches.x.shape[2]
+        self.hidden = [batches.x.new_empty(c, rows, w.shape[1]) for w in weights[:-1]]
+        square = [torch.empty_like(h) for h in self.hidden]
+        # The backward pass, top layer first: (weight if trained, bias if trained, the
+        # weight's gradient taken as (hᵀδ)ᵀ, the weight δ passes through to the layer
+        # below (None at the lowest trained layer) and that layer's 1 − h² buffer).
+        self.backward = [
+            (
+                weights[k] if f"l{k}.weight" in wanted else None,
+                biases[k] if f"l{k}.bias" in wanted else None,
+                (model.sizes[k] < model.sizes[k + 1]),
+                k,
+                weights[k] if k > span.start else None,
+                square[k - 1] if k > span.start else None,
             )
-            hs.append(z2.sigmoid_().mul_(2.0).sub_(1.0))
-        pred = torch.baddbmm(self.biases[last], hs[-1], self.w_t[last])
-        resid = pred - y
-        value = (resid.pow(2).mean(-1) * w).sum(1) / denom
-        delta = resid * scale
-        for k in reversed(self.span):
+            for k in reversed(span)
+        ]
+
+    def __call__(self, s: int, x: Tensor, y: Tensor, scale: Tensor) -> None:
+        hs = [x]
+        for (bias, w_t), out in zip(self.forward[:-1], self.hidden, strict=True):  # 2σ(2z) − 1
+            z2 = torch.baddbmm(bias, hs[-1], w_t, beta=2.0, alpha=2.0, out=out)
+            hs.append(_twice_less_one(z2.sigmoid_(), self.minus_one))
+        bias, w_t = self.forward[-1]
+        # pred − y, written where losses() will read it
+        delta = torch.baddbmm(bias, hs[-1], w_t, out=self.resid[s]).sub_(y) * scale
+        lr = -self.lr
+        for weight, bias, narrow, k, through, square in self.backward:
             h = hs[k]
             grad_w = grad_b = None
-            if self.train_w[k]:
+            if weight is not None:
                 grad_w = (
                     torch.bmm(h.transpose(1, 2), delta).transpose(1, 2)
-                    if h.shape[-1] < delta.shape[-1]
+                    if narrow
                     else torch.bmm(delta.transpose(1, 2), h)
                 )
-            if self.train_b[k]:
+            if bias is not None:
                 grad_b = delta.sum(1)
-            if k > self.span.start:  # δ of the layer below, through this layer's old weights
-                slope = torch.mul(h, h, out=self.square[k - 1]).neg_().add_(1.0)
-                delta = torch.bmm(delta, self.weights[k]).mul_(slope)
+            if through is not None:  # δ of the layer below, through this layer's old weights
+                slope = torch.addcmul(self.one, h, h, value=-1.0, out=square)
+                # A one-wide layer's δW is an outer product: the GEMM's numbers (one term
+                # per sum), by one element-wise pass instead of a batched GEMM call.
+                delta = delta * through if through.shape[1] == 1 else torch.bmm(delta, through)
+                delta.mul_(slope)
             if grad_w is not None:
-                self.weights[k].add_(grad_w, alpha=-self.lr)
+                weight.add_(grad_w, alpha=lr)
             if grad_b is not None:
-                self.biases[k].squeeze(1).add_(grad_b, alpha=-self.lr)
-        return value
+                bias.add_(grad_b, alpha=lr)
+
+    def losses(self, w: Tensor, denom: Tensor) -> Tensor:
+        """Every step's loss (steps, clients): ``mse_and_output_grad``'s value from the
+        stored residuals (steps not run here give 0)."""
+        return (self.resid.pow(2).mean(-1) * w).sum(2) / denom

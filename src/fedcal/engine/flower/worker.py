@@ -222,8 +222,10 @@ def serve(node_cfg: Mapping[str, str], server: socket.socket | None = None) -> N
     import torch
 
     from fedcal.engine.flower.nodes import load_for_node
+    from fedcal.engine.memory import keep_freed_memory
 
     torch.set_num_threads(1)
+    keep_freed_memory()  # a long-lived process, like the simulator's
     for module in ("fedcal.build", "fedcal.engine.simulation"):  # run_round's lazy imports
         importlib.import_module(module)
     load_for_node(node_cfg)  # fail early on a bad node config; warms the site-data cache
