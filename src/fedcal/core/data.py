@@ -29,14 +29,14 @@ def client_round_seed(
     evaluation-time personalization (e.g. fine-tuning steps).
     """
     seq = np.random.SeedSequence([int(run_seed), int(round_index), int(client_index), int(purpose)])
-    return int(seq.generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+    return int(seq.generate_state(1, dtype=np.uint64)[0]) >> 1  # a Python shift: no errstate
 
 
 def _generator(seed: int, stream: int) -> torch.Generator:
     # Streams let an algorithm draw several independent plans per round
     # (e.g. FedRep's head and body epochs) from one client seed.
     mixed = np.random.SeedSequence([seed, stream]).generate_state(1, dtype=np.uint64)[0]
-    return torch.Generator().manual_seed(int(mixed >> np.uint64(1)))
+    return torch.Generator().manual_seed(int(mixed) >> 1)
 
 
 def per_client_normal(

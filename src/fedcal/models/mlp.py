@@ -244,11 +244,12 @@ class MLP:
         fused = self.activation == "tanh" and active.shape[1] > 1
         step = _TanhSteps(self, live, span, wanted, lr, batches) if fused else None
         xs, ys, ws, denoms, scales = (t.unbind(0) for t in (batches.x, batches.y, w, denom, scale))
+        xs_t = batches.x.transpose(2, 3).unbind(0) if step is not None else None
         values: list[Tensor | None] = []  # each step's loss; None: the fused step's, below
         with torch.no_grad():
             for s in range(batches.steps):
                 if step is not None and batches.all_active[s]:
-                    step(s, xs[s], ys[s], scales[s])
+                    step(s, xs[s], xs_t[s], ys[s], scales[s])
                     values.append(None)
                     continue
                 hs, zs = self._forward(live, xs[s])
@@ -292,64 +293,73 @@ class _TanhSteps:
         n = len(model.sizes) - 1
         weights = [live[f"l{k}.weight"] for k in range(n)]
         biases = [live[f"l{k}.bias"] for k in range(n)]
-        self.lr = lr
+        self.lr = -lr
         self.forward = [
             (b.unsqueeze(1), w.transpose(1, 2)) for w, b in zip(weights, biases, strict=True)
         ]
-        # Residuals of every step (steps, clients, batch, out); rows of steps not run
-        # here stay 0 and are never read.
+        # Residuals of every step (steps, clients, batch, out), as views per step; rows of
+        # steps not run here stay 0 and are never read.
         self.resid = batches.y.new_zeros(batches.y.shape)
+        self.resid_at = self.resid.unbind(0)
         self.one = _one(batches.x)
         self.minus_one = -self.one
-        # Activation buffers h_1 … h_{L−1} and 1 − h² of each, reused from step to step.
+        # Buffers reused from step to step, so that their transposed views are made once:
+        # activations h_1 … h_{L−1}, δ = dL/dz of every layer, and 1 − h².
         c, rows = batches.x.shape[1], batches.x.shape[2]
         self.hidden = [batches.x.new_empty(c, rows, w.shape[1]) for w in weights[:-1]]
-        square = [torch.empty_like(h) for h in self.hidden]
-        # The backward pass, top layer first: (weight if trained, bias if trained, the
-        # weight's gradient taken as (hᵀδ)ᵀ, the weight δ passes through to the layer
-        # below (None at the lowest trained layer) and that layer's 1 − h² buffer).
+        deltas = [batches.x.new_empty(c, rows, w.shape[1]) for w in weights]
+        self.top = deltas[-1]
+        # The backward pass, top layer first, one entry per layer k:
+        # (k, δ_k, δ_kᵀ, W_k, W_kᵀ if its gradient is taken as (hᵀδ)ᵀ — a layer narrower
+        # at its input, where MKL's batched GEMM is faster with the narrow side on the
+        # left — train W_k?, b_k if trained, (δ_{k−1}, 1 − h_k²) below the lowest
+        # trained layer: None).
         self.backward = [
             (
-                weights[k] if f"l{k}.weight" in wanted else None,
-                biases[k] if f"l{k}.bias" in wanted else None,
-                (model.sizes[k] < model.sizes[k + 1]),
                 k,
-                weights[k] if k > span.start else None,
-                square[k - 1] if k > span.start else None,
+                deltas[k],
+                deltas[k].transpose(1, 2),
+                weights[k],
+                weights[k].transpose(1, 2) if model.sizes[k] < model.sizes[k + 1] else None,
+                f"l{k}.weight" in wanted,
+                biases[k] if f"l{k}.bias" in wanted else None,
+                (deltas[k - 1], torch.empty_like(deltas[k - 1])) if k > span.start else None,
             )
             for k in reversed(span)
         ]
+        self.hidden_t = [h.transpose(1, 2) for h in self.hidden]
 
-    def __call__(self, s: int, x: Tensor, y: Tensor, scale: Tensor) -> None:
-        hs = [x]
-        for (bias, w_t), out in zip(self.forward[:-1], self.hidden, strict=True):  # 2σ(2z) − 1
-            z2 = torch.baddbmm(bias, hs[-1], w_t, beta=2.0, alpha=2.0, out=out)
-            hs.append(_twice_less_one(z2.sigmoid_(), self.minus_one))
+    def __call__(self, s: int, x: Tensor, x_t: Tensor, y: Tensor, scale: Tensor) -> None:
+        """Step ``s`` on batch (x, y), ``x_t`` = xᵀ per client; ``scale`` from
+        ``mse_and_output_grad``: δ of the output = (pred − y)·scale."""
+        hs, hs_t = [x, *self.hidden], [x_t, *self.hidden_t]
+        for k, (bias, w_t) in enumerate(self.forward[:-1]):  # h = 2σ(2z) − 1 on the GEMM's 2z
+            z2 = torch.baddbmm(bias, hs[k], w_t, beta=2.0, alpha=2.0, out=hs[k + 1])
+            _twice_less_one(z2.sigmoid_(), self.minus_one)
         bias, w_t = self.forward[-1]
         # pred − y, written where losses() will read it
-        delta = torch.baddbmm(bias, hs[-1], w_t, out=self.resid[s]).sub_(y) * scale
-        lr = -self.lr
-        for weight, bias, narrow, k, through, square in self.backward:
+        resid = torch.baddbmm(bias, hs[-1], w_t, out=self.resid_at[s]).sub_(y)
+        torch.mul(resid, scale, out=self.top)
+        lr = self.lr
+        for k, delta, delta_t, weight, weight_t, train_w, bias, below in self.backward:
             h = hs[k]
-            grad_w = grad_b = None
-            if weight is not None:
-                grad_w = (
-                    torch.bmm(h.transpose(1, 2), delta).transpose(1, 2)
-                    if narrow
-                    else torch.bmm(delta.transpose(1, 2), h)
-                )
-            if bias is not None:
-                grad_b = delta.sum(1)
-            if through is not None:  # δ of the layer below, through this layer's old weights
+            if below is not None:  # δ of the layer below, through this layer's old weights
+                down, square = below
                 slope = torch.addcmul(self.one, h, h, value=-1.0, out=square)
-                # A one-wide layer's δW is an outer product: the GEMM's numbers (one term
-                # per sum), by one element-wise pass instead of a batched GEMM call.
-                delta = delta * through if through.shape[1] == 1 else torch.bmm(delta, through)
-                delta.mul_(slope)
-            if grad_w is not None:
-                weight.add_(grad_w, alpha=lr)
-            if grad_b is not None:
-                bias.add_(grad_b, alpha=lr)
+                if weight.shape[1] == 1:
+                    # A one-wide layer's δW is an outer product: the GEMM's numbers (one
+                    # term per sum), by one element-wise pass instead of a GEMM call.
+                    torch.mul(delta, weight, out=down)
+                else:
+                    torch.bmm(delta, weight, out=down)
+                down.mul_(slope)
+            if train_w:
+                if weight_t is not None:
+                    weight_t.add_(torch.bmm(hs_t[k], delta), alpha=lr)
+                else:
+                    weight.add_(torch.bmm(delta_t, h), alpha=lr)
+            if bias is not None:
+                bias.add_(delta.sum(1), alpha=lr)
 
     def losses(self, w: Tensor, denom: Tensor) -> Tensor:
         """Every step's loss (steps, clients): ``mse_and_output_grad``'s value from the
