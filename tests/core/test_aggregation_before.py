@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
@@ -29,6 +31,7 @@ from fedcal.core.aggregation import (
     finite_rows,
     krum_scores,
 )
+from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import client_round_seed
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree, expand, flatten, unflatten
@@ -170,6 +173,42 @@ def test_aggregate_equals_the_code_before(name, policy, dtype, make_fleet):
         assert exercised["rejected_norm"] > 0, name
         if getattr(alg, "reply_aggregation", "mean") == "mean":
             assert exercised["clipped"] > 0, name
+
+
+@dataclass(frozen=True)
+class Unscreened(Algorithm):
+    """A mean of ``model`` whose ``aux/`` replies do not judge a client (as fedprior's cand/)."""
+
+    name: ClassVar[str] = "toy_unscreened"
+    unscreened_replies: ClassVar[tuple[str, ...]] = ("aux/",)
+
+    def client_update(self, down, state, data):  # never called here
+        return ClientResult({}, {}, {})
+
+    def server_update(self, server, replies, weights):
+        return {"model": {"w": replies["model"]["w"].mean(0)}, "aux": replies["aux"]["v"].mean(0)}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_unscreened_leaves_of_a_mean_equal_the_code_before(policy):
+    """Client 1's unscreened leaf is 1000× the others' (kept); client 4's model 300× (out)."""
+    gen = torch.Generator().manual_seed(2)
+    server = {"model": {"w": torch.randn(3, 2, generator=gen, dtype=torch.float64)}}
+    w = server["model"]["w"] + 0.1 * torch.randn(CLIENTS, 3, 2, generator=gen, dtype=torch.float64)
+    aux = {"v": torch.randn(CLIENTS, 4, generator=gen, dtype=torch.float64)}
+    aux["v"][1] *= 1000.0
+    w[4] = server["model"]["w"] + 300 * (w[4] - server["model"]["w"])
+    w[6] = server["model"]["w"] + 4 * (w[6] - server["model"]["w"])
+    replies = {"model": {"w": w}, "aux": aux}
+    counts = torch.arange(1.0, CLIENTS + 1, dtype=torch.float64)
+    args = (Unscreened(task=None), server, server, replies, counts, POLICIES[policy], 5)
+    new, before = aggregate(*args), aggregate_before(*args)
+    assert torch.equal(new[1], before[1]) and new[2].keys() == before[2].keys()
+    assert all(same(new[2][k], before[2][k]) for k in before[2])
+    f_new, f_old = flatten(new[0]), flatten(before[0])
+    assert f_new.keys() == f_old.keys() and all(same(f_new[k], f_old[k]) for k in f_old)
+    if policy == "default":
+        assert new[1].tolist() == [i != 4 for i in range(CLIENTS)]
 
 
 # ---- the code before (commit 7be0e50), frozen: only the oracle of the test above --------

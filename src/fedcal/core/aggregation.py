@@ -369,7 +369,9 @@ def aggregate(
     exempt = tuple(getattr(algorithm, "unscreened_replies", ()))
     judged = [key for key in replied if not key.startswith(exempt)]
     if policy.screen_factor > 0 and not policy.dp and accepted.any() and judged:
-        if kind == "sum":  # per-leaf ratios (statistics in different units); replies = updates
+        if kind == "sum":
+            # Per-leaf ratios (statistics in different units), a whole leaf at a time; a sum's
+            # replies are its updates, so nothing is formed (statistics are small per unit).
             sizes = relative_sizes({k: replied[k] for k in judged}, accepted, kind, weights)
         else:
             sizes = _relative(_root_sum((squares[k] for k in judged), n), accepted)
