@@ -483,13 +483,13 @@ def aggregate(
 
     # Every client used: the replies themselves, not a copy (fleet-sized at 10,000 clients);
     # a leaf with clipped rows is copied once, its clipped rows rewritten in that copy.
-    keep = None if k == n else idx
+    rows = None if k == n else idx
     sub = {}
     for key, v in processed.items():
         if clipped and not rewritten and key in replied:
-            sub[key] = _clip_rows(v, refs.get(key), factor, clip, keep)
+            sub[key] = _clip_rows(v, refs.get(key), factor, clip, rows)
         else:
-            sub[key] = v if keep is None else v.index_select(0, keep)
+            sub[key] = v if rows is None else v.index_select(0, rows)
     metrics["accepted"] = float(k)
     new_server = algorithm.server_update(server, unflatten(sub), weights.index_select(0, idx))
     return new_server, accepted, metrics
