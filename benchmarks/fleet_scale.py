@@ -13,10 +13,13 @@ the fleet build's time (simulating the fleet + padding it into tensors).
 
 ``--chunk-size K`` trains and evaluates K sensors at a time (``[engine]
 chunk_size``; the numbers do not depend on it): memory stays bounded by K
-instead of growing with the fleet's activations.
+instead of growing with the fleet's activations. ``--policy`` is the server's
+aggregation policy: ``default`` (the shipped ``[aggregation]``: screening at 10×
+and clipping at 3× the median update norm) or ``plain`` (only non-finite
+replies rejected).
 
     python benchmarks/fleet_scale.py [--sizes 20,200,2000,10000] [--rounds 3]
-                                     [--chunk-size 0] [--threads 1]
+                                     [--chunk-size 0] [--threads 1] [--policy default]
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ import sys
 import time
 
 
-def one(size: int, rounds: int, chunk_size: int, threads: int) -> dict:
+def one(size: int, rounds: int, chunk_size: int, threads: int, policy: str) -> dict:
     import torch
 
     from fedcal.algorithms.fedgmi import FedGMI
+    from fedcal.core.aggregation import PLAIN, AggregationPolicy
     from fedcal.core.task import Task
     from fedcal.data.simulator import FleetSpec, simulate_fleet
     from fedcal.engine.simulation import EngineConfig, prepare, simulate
@@ -59,7 +63,10 @@ def one(size: int, rounds: int, chunk_size: int, threads: int) -> dict:
     peak_reset = _reset_peak_rss()
     alg = FedGMI(Task(MLP()), lr=0.05, local_epochs=5, batch_size=32)
     stamps: list[tuple[float, float]] = []
-    config = EngineConfig(rounds=rounds, seed=0, eval_every=1, chunk_size=chunk_size)
+    aggregation = AggregationPolicy() if policy == "default" else PLAIN
+    config = EngineConfig(
+        rounds=rounds, seed=0, eval_every=1, chunk_size=chunk_size, aggregation=aggregation
+    )
     start = (time.perf_counter(), time.process_time())
     result = simulate(
         alg,
@@ -122,12 +129,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chunk-size", type=int, default=0, help="0 = the whole fleet at once")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--policy",
+        choices=("default", "plain"),
+        default="default",
+        help="server aggregation: the shipped [aggregation] defaults, or PLAIN",
+    )
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.rounds, args.chunk_size, args.threads)))
+        print(json.dumps(one(args.one, args.rounds, args.chunk_size, args.threads, args.policy)))
         return
-    print(f"rounds={args.rounds} chunk_size={args.chunk_size} threads={args.threads}")
+    print(
+        f"rounds={args.rounds} chunk_size={args.chunk_size} threads={args.threads} "
+        f"policy={args.policy}"
+    )
     header = (
         "sensors",
         "round_s",
@@ -153,6 +169,8 @@ def main() -> None:
                 str(args.chunk_size),
                 "--threads",
                 str(args.threads),
+                "--policy",
+                args.policy,
             ],
             check=True,
             capture_output=True,

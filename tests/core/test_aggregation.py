@@ -8,6 +8,8 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from fedcal.core.aggregation import (
     PLAIN,
@@ -284,7 +286,7 @@ def test_update_norms_in_blocks_of_clients_equal_the_whole_fleet_at_once():
     assert torch.equal(got[~whole.isnan()], whole[~whole.isnan()])
     assert got.isnan().tolist() == [i == 7 for i in range(n)]  # NaN stays with its client
     # From the replies and their references, a block at a time: the same norms.
-    refs = {"w": torch.randn(16, 8, generator=gen), "b": torch.zeros(())}  # "b": no reference
+    refs = {"w": torch.randn(16, 8, generator=gen)}  # "b" absent: no reference
     replies = {"w": updates["w"] + refs["w"], "b": updates["b"]}
     formed = {"w": replies["w"] - refs["w"], "b": replies["b"]}
     assert torch.equal(
@@ -303,3 +305,103 @@ def test_finite_rows_judges_each_client_in_every_block():
     tree["b"][bad[2]] = float("-inf")
     tree["a"]["w"][bad[3], 2, 3] = float("nan")
     assert finite_rows(tree).tolist() == [i not in bad for i in range(n)]
+
+
+@dataclass(frozen=True)
+class ScalarAlg(MeanAlg):
+    """A model plus a scalar leaf ``scale`` broadcast and replied: both are averaged."""
+
+    name: ClassVar[str] = "toy_scalar"
+
+    def server_update(self, server, replies, weights):
+        return {"model": {"w": replies["model"]["w"].mean(0)}, "scale": replies["scale"].mean(0)}
+
+
+def test_a_scalar_leaf_is_measured_against_its_broadcast_value():
+    """A 0-dim leaf in broadcast and reply: its update is reply − broadcast, not the reply.
+
+    Updates (w; scale − 5): (1, 0; 0), (0, 1; 0), (0, 0; 1), (0, 0; 5) → norms 1, 1, 1, 5,
+    median (torch's lower middle) 1. Clip at 3 × 1: the last scale becomes 5 + 5·3/5 = 8,
+    so the mean scale is (5 + 5 + 6 + 8) / 4 = 6. Measured as |reply|, the norms would be
+    √26, √26, 6, 10 (median √26) and the last client not clipped (mean scale 6.5).
+    """
+    from fedcal.core.aggregation import update_norms
+
+    server = {"model": {"w": torch.zeros(2, dtype=F64)}, "scale": torch.tensor(5.0, dtype=F64)}
+    replies = {
+        "model": {"w": torch.tensor([[1.0, 0], [0, 1.0], [0, 0], [0, 0]], dtype=F64)},
+        "scale": torch.tensor([5.0, 5.0, 6.0, 10.0], dtype=F64),
+    }
+    for policy in (PLAIN, AggregationPolicy(), AggregationPolicy(rule="krum")):
+        new, accepted, m = aggregate(
+            ScalarAlg(task=None), server, server, replies, ONES4, policy, 0
+        )
+        assert accepted.all() and m["median_update_norm"] == 1.0, policy
+    new, _, m = aggregate(
+        ScalarAlg(task=None), server, server, replies, ONES4, AggregationPolicy(), 0
+    )
+    assert m["clipped"] == 1.0 and new["scale"].item() == 6.0
+    got = update_norms({"scale": replies["scale"]}, 4, {"scale": torch.tensor(5.0, dtype=F64)})
+    assert got.tolist() == [0.0, 0.0, 1.0, 5.0]
+
+
+class NewTensors(TorchDispatchMode):
+    """Records the size (numel) of every tensor an op allocates (views and in-place excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.sizes.append(t.numel())
+        return out
+
+
+@pytest.mark.parametrize("policy", [AggregationPolicy(), PLAIN, AggregationPolicy(clip_factor=1.5)])
+def test_the_mean_without_dp_forms_no_fleet_sized_update(policy):
+    """Default policy (screen + clip), PLAIN, clip only: nothing of the fleet's size is made,
+    except one copy of a leaf in which a client is clipped (its rows rewritten there)."""
+    from fedcal.core.aggregation import NORM_BLOCK
+
+    n = 3 * NORM_BLOCK + 10
+    gen = torch.Generator().manual_seed(3)
+    broadcast = {"model": {"w": torch.randn(8, 8, generator=gen), "b": torch.zeros(8)}}
+    replies = {
+        "model": {
+            "w": broadcast["model"]["w"] + 0.01 * torch.randn(n, 8, 8, generator=gen),
+            "b": 0.01 * torch.randn(n, 8, generator=gen),
+        }
+    }
+    block = NORM_BLOCK * 64  # the largest temporary allowed: one block of w's rows
+    for clipped in (None, 5):
+        if clipped is not None:
+            w = replies["model"]["w"].clone()
+            w[clipped] = broadcast["model"]["w"] + 5 * (w[clipped] - broadcast["model"]["w"])
+            replies = {"model": {**replies["model"], "w": w}}
+        probe = NewTensors()
+        with probe:
+            new, accepted, m = aggregate(
+                MeanAlg(task=None), broadcast, broadcast, replies, torch.ones(n), policy, 0
+            )
+        large = [s for s in probe.sizes if s > block]
+        shown = policy.clip_factor > 0 and clipped is not None
+        assert accepted.all() and m.get("clipped", 0.0) == float(shown)
+        assert large == ([n * 64] if shown else []), (policy, clipped, large)
+        # The aggregate is the mean of the replies, the clipped one brought to the bound.
+        ref = broadcast["model"]["w"]
+        dw, db = replies["model"]["w"] - ref, replies["model"]["b"]
+        norms = (dw.double().pow(2).sum((1, 2)) + db.double().pow(2).sum(1)).sqrt()
+        factor = torch.ones(n, dtype=F64)
+        if shown:
+            factor[clipped] = m["clip_bound"] / norms[clipped]
+        expected = ref + (dw.double() * factor.reshape(n, 1, 1)).mean(0)
+        assert torch.allclose(new["model"]["w"].double(), expected, atol=1e-6)
+        assert torch.allclose(new["model"]["b"].double(), (db * factor.reshape(n, 1)).mean(0))

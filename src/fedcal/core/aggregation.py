@@ -34,6 +34,13 @@ zero: its update is the leaf itself, so clipping scales a statistics reply as a
 whole — it down-weights that client consistently (e.g. Gram matrix and
 right-hand side together). Integer leaves are never modified.
 
+**Memory.** Each client's update norm is computed once per round, a block of
+clients at a time from its reply and the broadcast, and serves the median,
+screening and clipping. With the rule ``"mean"`` and no DP (the default policy,
+and PLAIN) the fleet's updates are never formed; a clipped client's rows are
+rewritten in one copy of each leaf, the other rows being their replies bit for bit.
+Multi-Krum, the coordinate-wise rules and DP form them (they need coordinates).
+
 **Where a coordinate-wise rule applies.** ``Algorithm.reply_aggregation`` says
 what ``server_update`` does with the replies: ``"mean"`` (a weighted mean of
 replies, possibly followed by server-side steps on that mean) or ``"sum"``
@@ -47,7 +54,7 @@ with a message (:func:`check_policy`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Literal
 
 import torch
@@ -151,33 +158,72 @@ def check_policy(algorithm, policy: AggregationPolicy) -> None:
         raise AggregationError(f"{name}: client-level DP needs a mean/sum server update")
 
 
-def _updates(
-    broadcast: Tree, replies: Tree, kind: str = "mean", formed: bool = True
+def _references(
+    broadcast: Tree, replies: Tree, kind: str = "mean"
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """Flat floating updates (clients, ...) and the reference each is relative to.
+    """The floating reply leaves (clients, ...) and the broadcast value of those that have one.
 
-    A ``"sum"`` server adds its replies up: they are contributions, never model
-    states, so every leaf is relative to zero even when the broadcast has a leaf
-    of the same name (e.g. fedprior's ``support``). Without ``formed`` the
-    "updates" are the replies themselves (reply − ref is left to the caller).
+    A leaf with a reference (same path and shape in the broadcast) is a model: its
+    update is reply − ref. A leaf absent from ``refs`` is relative to zero: its update
+    is the reply itself (a 0-dim broadcast leaf is a reference like any other). A
+    ``"sum"`` server adds its replies up: they are contributions, never model states,
+    so every leaf is relative to zero even when the broadcast has a leaf of the same
+    name (e.g. fedprior's ``support``).
     """
     down = flatten(broadcast) if kind != "sum" else {}
-    up = flatten(replies)
-    updates, refs = {}, {}
-    for key, reply in up.items():
+    replied, refs = {}, {}
+    for key, reply in flatten(replies).items():
         if not reply.is_floating_point():
             continue
+        replied[key] = reply
         ref = down.get(key)
         if ref is not None and tuple(ref.shape) == tuple(reply.shape[1:]):
             refs[key] = ref.to(reply.dtype)
-            updates[key] = reply - refs[key] if formed else reply
-        else:
-            refs[key] = torch.zeros((), dtype=reply.dtype)
-            updates[key] = reply
-    return updates, refs
+    return replied, refs
+
+
+def _formed_updates(replied: dict[str, Tensor], refs: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Every client's update at once (a fleet-sized copy of each model leaf).
+
+    Only the rules that need the updates' coordinates form them: Multi-Krum (pairwise
+    distances), the coordinate-wise median / trimmed mean and DP (noisy sums of the
+    clipped updates). A ``"mean"`` rule without DP needs only their norms.
+    """
+    return {key: r - refs[key] if key in refs else r for key, r in replied.items()}
 
 
 NORM_BLOCK = 256  # clients whose temporaries (float64 squares, |x| of isfinite) exist at once
+
+
+def _leaf_squares(
+    updates: dict[str, Tensor], clients: int, refs: dict[str, Tensor] | None = None
+) -> dict[str, Tensor]:
+    """Per leaf, each client's Σ of squared update coordinates, (clients,) float64.
+
+    Computed ``NORM_BLOCK`` clients at a time (each client's sum is its own row's):
+    a float64 copy of a whole fleet's updates would be ~70 KB per sensor for the
+    seed's MLP. Given ``refs``, ``updates`` are the replies and a leaf's update is
+    reply − ref (a leaf absent from ``refs`` is its own update), formed a block at a
+    time instead of for the fleet (:func:`_references`). NaN and ±inf propagate.
+    """
+    refs = refs or {}
+    out = {}
+    for key, u in updates.items():
+        ref = refs.get(key)
+        squares = [
+            (b if ref is None else b - ref).reshape(len(b), -1).to(torch.float64).pow(2).sum(1)
+            for b in _client_blocks(u, clients)
+        ]
+        out[key] = torch.cat(squares) if squares else torch.zeros(clients, dtype=torch.float64)
+    return out
+
+
+def _root_sum(squares: Iterable[Tensor], clients: int) -> Tensor:
+    """‖Δ_i‖ = √(Σ_l Σ (Δ_il)²): the leaves' squares added in order (same numbers every time)."""
+    total = torch.zeros(clients, dtype=torch.float64)
+    for s in squares:
+        total = total + s
+    return total.sqrt()
 
 
 def update_norms(
@@ -185,21 +231,10 @@ def update_norms(
 ) -> Tensor:
     """Per-client L2 norm over every update leaf (float64, NaN/inf propagate).
 
-    Each client's sum is its own row's, so it is computed ``NORM_BLOCK`` clients at a
-    time (the same numbers): a float64 copy of a whole fleet's updates would be ~70 KB
-    per sensor for the seed's MLP, more than everything else a round holds. Given
-    ``refs``, ``updates`` are the replies and a leaf's update is reply − ref (as
-    :func:`_updates` makes it), formed a block at a time instead of for the fleet.
+    Block-wise, and from the replies and their references if given: see
+    :func:`_leaf_squares`.
     """
-    norms = torch.zeros(clients, dtype=torch.float64)
-    for key, u in updates.items():
-        ref = None if refs is None or refs[key].dim() == 0 else refs[key]
-        squares = [
-            (b if ref is None else b - ref).reshape(len(b), -1).to(torch.float64).pow(2).sum(1)
-            for b in _client_blocks(u, clients)
-        ]
-        norms = norms + (torch.cat(squares) if squares else norms)
-    return norms.sqrt()
+    return _root_sum(_leaf_squares(updates, clients, refs).values(), clients)
 
 
 def finite_rows(tree: Tree) -> Tensor:
@@ -241,9 +276,7 @@ def relative_sizes(
     """
     n = int(accepted.shape[0])
     if kind != "sum":
-        norms = update_norms(updates, n)
-        median = norms[accepted].median()
-        return norms / median if median > 0 else torch.zeros_like(norms)
+        return _relative(update_norms(updates, n), accepted)
     per_row = None if rows is None else rows.to(torch.float64).clamp_min(1.0)
     ratio = torch.zeros(n, dtype=torch.float64)
     for u in updates.values():
@@ -259,6 +292,12 @@ def relative_sizes(
                 leaf = torch.minimum(leaf, scaled / scaled_median)
         ratio = torch.maximum(ratio, leaf)
     return ratio
+
+
+def _relative(norms: Tensor, accepted: Tensor) -> Tensor:
+    """‖Δ_i‖ / median_j ‖Δ_j‖ over the accepted clients (all 0 when that median is 0)."""
+    median = norms[accepted].median()
+    return norms / median if median > 0 else torch.zeros_like(norms)
 
 
 def krum_scores(flat: Tensor, byzantine: int) -> Tensor:
@@ -307,18 +346,11 @@ def aggregate(
     clients that passed screening — the engine keeps the previous private state
     of the others (Multi-Krum's unselected clients are accepted but left out of
     the aggregate) — and round metrics (rejections, the median norm, the clip
-    bound, σ).
+    bound, σ). Memory: see the module docstring.
     """
     check_policy(algorithm, policy)
     kind = getattr(algorithm, "reply_aggregation", "mean")
-    # The plain mean needs the updates only for their norms: those are formed a block of
-    # clients at a time, never for the whole fleet at once (17 KB per sensor, seed MLP).
-    plain = not (policy.dp or policy.screen_factor > 0 or policy.clip_factor > 0)
-    plain = plain and policy.rule == "mean"
-    updates, refs = _updates(broadcast, replies, kind, formed=not plain)
-    replied = updates if plain else {}
-    if plain:
-        updates = {}
+    replied, refs = _references(broadcast, replies, kind)
     n = int(weights.shape[0])
     weights = weights.to(torch.float64)
     if weight_cap is not None:
@@ -328,22 +360,28 @@ def aggregate(
     if finite.numel():
         accepted = accepted & finite
     nonfinite = int((~accepted).sum())
-    norms = update_norms(replied, n, refs) if plain else update_norms(updates, n)
+    squares = _leaf_squares(replied, n, refs)  # (clients,) per leaf: the round's only pass
+    norms = _root_sum(squares.values(), n)
     metrics: dict[str, float] = {"rejected_nonfinite": float(nonfinite)}
     median = norms[accepted].median() if accepted.any() else torch.tensor(float("nan"))
     # Leaves an algorithm declares unscreened (``unscreened_replies``, path prefixes) do not
     # judge a client in screening or Krum; they are still aggregated (or rejected) with it.
     exempt = tuple(getattr(algorithm, "unscreened_replies", ()))
-    judged = {k: u for k, u in updates.items() if not k.startswith(exempt)}
+    judged = [key for key in replied if not key.startswith(exempt)]
     if policy.screen_factor > 0 and not policy.dp and accepted.any() and judged:
-        sizes = relative_sizes(judged, accepted, kind, weights)
+        if kind == "sum":
+            # Per-leaf ratios (statistics in different units), a whole leaf at a time; a sum's
+            # replies are its updates, so nothing is formed (statistics are small per unit).
+            sizes = relative_sizes({k: replied[k] for k in judged}, accepted, kind, weights)
+        else:
+            sizes = _relative(_root_sum((squares[k] for k in judged), n), accepted)
         outlier = accepted & (sizes > policy.screen_factor)
         accepted = accepted & ~outlier
         metrics["rejected_norm"] = float(outlier.sum())
     else:
         metrics["rejected_norm"] = 0.0
     metrics["median_update_norm"] = float(median)
-    if not accepted.any() or not refs:
+    if not accepted.any() or not replied:
         metrics["accepted"] = float(accepted.sum())
         if not accepted.any():
             return server, accepted, metrics  # nothing trustworthy arrived: keep the model
@@ -371,30 +409,24 @@ def aggregate(
     elif policy.clip_factor > 0 and kind == "mean":
         # Statistics are not clipped: scaling a unit's Gram sum and its second moments by
         # one factor is no bounded contribution but a corrupted one (screening covers them).
-        size = relative_sizes(updates, accepted, kind)
+        size = _relative(norms, accepted)
         clip = accepted & (size > policy.clip_factor)
         factor = torch.where(clip, policy.clip_factor / size, torch.ones_like(size))
         metrics["clip_bound"] = float(policy.clip_factor * norms[accepted].median())
-    # No client clipped: every factor is 1, so the updates and replies stay as they are
-    # (the same numbers, without two fleet-sized copies).
-    if clip is not None and bool(clip.any()):
-        for key, u in updates.items():
-            shape = (n, *([1] * (u.dim() - 1)))
-            updates[key] = u * factor.to(u.dtype).reshape(shape)
-            processed[key] = torch.where(
-                clip.reshape(shape), (updates[key] + refs[key]).to(u.dtype), processed[key]
-            )
+    clipped = clip is not None and bool(clip.any())
     if clip is not None:
         metrics["clipped"] = float(clip.sum())
+    # Krum's distances, the coordinate rules and DP's sums need every update's coordinates:
+    # explicit choices that pay a fleet-sized copy; the mean without DP never forms them.
+    updates = _formed_updates(replied, refs) if policy.rule != "mean" or policy.dp else {}
+    if clipped:
+        for key, u in updates.items():
+            updates[key] = u * factor.to(u.dtype).reshape(n, *([1] * (u.dim() - 1)))
 
     used = accepted
     if policy.rule == "krum":
         idx = accepted.nonzero()[:, 0]
-        parts = [
-            u.index_select(0, idx).reshape(len(idx), -1).double()
-            for k, u in updates.items()
-            if k in judged
-        ]
+        parts = [updates[k].index_select(0, idx).reshape(len(idx), -1).double() for k in judged]
         if kind == "sum":  # statistics in different units: each leaf by its median norm
             parts = [p / p.norm(dim=1).median().clamp_min(1e-300) for p in parts]
         flat = torch.cat(parts, 1)
@@ -410,6 +442,7 @@ def aggregate(
 
     idx = used.nonzero()[:, 0]
     k = len(idx)
+    rewritten = False  # every update leaf replaced by the rule's estimate
     if per_statistic:
         from fedcal.core.privacy import private_sums
 
@@ -426,6 +459,7 @@ def aggregate(
         metrics["dp_noise_std"] = float(policy.dp_noise_multiplier * policy.dp_clip)
         for key, u in updates.items():  # the private sum replicated: k rows that sum to it
             processed[key] = (sums[key] / k).to(u.dtype).expand(u.shape).clone()
+        rewritten = True
     elif policy.rule in ("median", "trimmed_mean") or policy.dp:
         chosen = {key: u.index_select(0, idx) for key, u in updates.items()}
         if policy.dp:
@@ -443,10 +477,37 @@ def aggregate(
         # The estimate replicated over the accepted clients: their mean is the estimate,
         # their sum k × the estimate (see the module docstring).
         for key, u in updates.items():
-            processed[key] = (estimate[key] + refs[key]).to(u.dtype).expand(u.shape).clone()
+            value = estimate[key] + refs[key] if key in refs else estimate[key]
+            processed[key] = value.to(u.dtype).expand(u.shape).clone()
+        rewritten = True
 
-    # Every client used: the replies themselves, not a copy (fleet-sized at 10,000 clients).
-    sub = processed if k == n else {key: v.index_select(0, idx) for key, v in processed.items()}
+    # Every client used: the replies themselves, not a copy (fleet-sized at 10,000 clients);
+    # a leaf with clipped rows is copied once, its clipped rows rewritten in that copy.
+    rows = None if k == n else idx
+    sub = {}
+    for key, v in processed.items():
+        if clipped and not rewritten and key in replied:
+            sub[key] = _clip_rows(v, refs.get(key), factor, clip, rows)
+        else:
+            sub[key] = v if rows is None else v.index_select(0, rows)
     metrics["accepted"] = float(k)
     new_server = algorithm.server_update(server, unflatten(sub), weights.index_select(0, idx))
     return new_server, accepted, metrics
+
+
+def _clip_rows(
+    reply: Tensor, ref: Tensor | None, factor: Tensor, clip: Tensor, keep: Tensor | None
+) -> Tensor:
+    """``reply``'s rows ``keep`` (all if None), clipped rows as ref + factor·(reply − ref).
+
+    One new tensor (the copy the aggregate is given): the clipped rows are computed
+    alone and written into it; every other row is its reply, bit for bit.
+    """
+    out = reply.clone() if keep is None else reply.index_select(0, keep)
+    kept_clip = clip if keep is None else clip.index_select(0, keep)
+    at = kept_clip.nonzero()[:, 0]  # rows of ``out``
+    rows = at if keep is None else keep.index_select(0, at)  # the same rows, as clients
+    part = reply.index_select(0, rows)
+    scale = factor.index_select(0, rows).to(reply.dtype).reshape(-1, *([1] * (reply.dim() - 1)))
+    out[at] = part * scale if ref is None else (part - ref) * scale + ref
+    return out
