@@ -117,7 +117,6 @@ the fraction of units that cannot see a direction).
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -142,7 +141,7 @@ from fedcal.core.bayes import (
 from fedcal.core.data import ClientData
 from fedcal.core.privacy import Statistic
 from fedcal.core.tree import Tree
-from fedcal.models.basis import legendre_exponents, legendre_products
+from fedcal.models.basis import legendre_exponents, legendre_products, orders_by_size
 
 
 @dataclass(frozen=True)
@@ -248,18 +247,14 @@ class FedPrior(Algorithm):
         if self.select == "none":
             return ({},)
         if self._tensor_basis():
-            grid = itertools.product(*(range(o + 1) for o in self.orders))
-            out = [{"orders": list(o)} for o in grid]
-            out = sorted(out, key=lambda c: (math.prod(o + 1 for o in c["orders"]), c["orders"]))
+            out = [{"orders": list(o)} for o in orders_by_size(self.orders)]
         else:
             out = [{"degree": d} for d in range(self.degree + 1)]
         if not (self.branch_select and self.branch_orders):
             return tuple(out)
         # ψ options: none, then every orders vector ≤ branch_orders, smallest first; the
         # product with φ's candidates is ordered by total size (ties: φ's order, then ψ's).
-        grid = itertools.product(*(range(o + 1) for o in self.branch_orders))
-        by_size = sorted((list(o) for o in grid), key=lambda o: (math.prod(a + 1 for a in o), o))
-        psi = [[], *by_size]
+        psi = [[], *(list(o) for o in orders_by_size(self.branch_orders))]
         size = [len(self.candidate_terms(c)) for c in out]
         both = [
             (size[i] + (math.prod(a + 1 for a in b) if b else 0), i, j)
