@@ -59,9 +59,8 @@ def aggregate_prototypes(
     protos: (clients, C, L); counts: (clients, C); previous: (C, L); known: (C,)
     1 where a global prototype exists → new (C, L) and known (C,).
     """
-    mean, held = prototype_consensus(protos, counts)
-    new = torch.where(held.unsqueeze(-1), mean, previous)
-    return new, torch.maximum(known, held.to(known.dtype))
+    mean, held, known = prototype_consensus(protos, counts, known)
+    return torch.where(held, mean, previous), known
 
 
 @dataclass(frozen=True)

@@ -85,11 +85,10 @@ def coordinate(
     codebook: (C, D); known: (C,); codes: (clients, C, D) per-class mean codes;
     counts: (clients, C) → new codebook (C, D) and known (C,).
     """
-    consensus, held = prototype_consensus(codes, counts)
+    consensus, held, now_known = prototype_consensus(codes, counts, known)
     seen = (known > 0).unsqueeze(-1)
     stepped = torch.where(seen, (1.0 - rate) * codebook + rate * consensus, consensus)
-    new = torch.where(held.unsqueeze(-1), stepped, codebook)
-    return new, torch.maximum(known, held.to(known.dtype))
+    return torch.where(held, stepped, codebook), now_known
 
 
 @dataclass(frozen=True)

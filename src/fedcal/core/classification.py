@@ -49,15 +49,19 @@ def local_prototypes(
     return sums / counts.clamp_min(1.0).unsqueeze(-1), counts
 
 
-def prototype_consensus(protos: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+def prototype_consensus(
+    protos: Tensor, counts: Tensor, known: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
     """The count-weighted mean over clients of each class's prototype (FedProto eq. 6).
 
-    protos: (clients, C, L); counts: (clients, C) → mean (C, L), 0 for a class no
-    client holds, and held (C,) bool, whether any client holds it.
+    protos: (clients, C, L); counts: (clients, C); known: (C,) 1 where a class
+    already has a global prototype → mean (C, L), 0 for a class no client holds;
+    held (C, 1) bool, whether any client holds it; known (C,) updated with held.
     """
     total = counts.sum(0)
     mean = (counts.unsqueeze(-1) * protos).sum(0) / total.clamp_min(1.0).unsqueeze(-1)
-    return mean, total > 0
+    held = total > 0
+    return mean, held.unsqueeze(-1), torch.maximum(known, held.to(known.dtype))
 
 
 def prototype_distance(h: Tensor, labels: Tensor, protos: Tensor, known: Tensor) -> Tensor:
