@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedcal.algorithms.fedprior import FedPrior
+from fedcal.algorithms.fedprior import FedPrior, term_name
 from fedcal.core.bayes import F64, predictive_var
 from fedcal.core.data import ClientData
 from fedcal.core.task import Task
+from fedcal.core.tree import expand
 from fedcal.models.basis import legendre_exponents, legendre_products
 from fedcal.models.mlp import MLP
 from fedcal_support.rounds import run_rounds
@@ -187,6 +188,48 @@ def test_bic_can_choose_psi_too_none_for_no_directions_the_planted_shape_otherwi
     state = alg.export_state(server)
     assert state["selection"]["chosen"] == {"orders": [3, 3], "branch_orders": []}
     assert "branch_terms" not in state and len(state["mu"]) == 16
+
+
+def test_the_chosen_basis_read_from_the_mask_is_each_candidate_s_own():
+    """``chosen`` / ``chosen_branch`` / ``chosen_features`` (derived from the server's mask)
+    give, for every candidate, its own terms in its own order and their design indices."""
+    alg = prior(select="bic", branch_orders=(1, 1), branch_select=True)
+    p = len(alg.terms)
+    for k, cand in enumerate(alg.candidates):
+        server = {"mask": alg.masks[k], "choice": torch.tensor(k)}
+        terms, idx = alg.chosen(server)
+        assert terms == alg.candidate_terms(cand)
+        assert idx.tolist() == [alg.terms.index(t) for t in terms]
+        psi = alg.candidate_branch_terms(cand)
+        assert alg.chosen_branch(server) == psi
+        names, features = alg.chosen_features(server)
+        assert features.tolist() == idx.tolist() + [p + alg.branch_terms.index(t) for t in psi]
+        assert len(names) == len(features) and names[0] == "1"
+        assert names[len(terms) :] == [f"b·{n}" for n in map(term_name, psi)]
+    fixed = prior(branch_orders=(1, 0))  # no selection: the whole design, no mask needed
+    assert fixed.chosen({})[1].tolist() == list(range(len(fixed.terms)))
+    assert fixed.chosen_features({})[1].tolist() == list(range(fixed.num_features))
+
+
+def test_a_bic_reply_carries_the_full_gram_and_the_chosen_candidate_s_statistics():
+    """With selection the reply's top level is the chosen candidate's E-step (computed on its
+    own, equal to its entry in the batch to rounding) and ``gram`` is the whole design's."""
+    x, y, b, _, _, _ = planted(units=6, rows=20)
+    data = cohort(x, y, b)
+    alg = prior(select="bic", branch_orders=(1, 0))
+    server = fit(alg, data, 3)[0]
+    k = int(server["choice"])
+    down = expand(alg.broadcast(server), 6)
+    state = alg.client_init(down)
+    reply = alg.client_update(down, state, data).reply
+    design = alg.design(data.x, data.branch) * data.mask.unsqueeze(-1)
+    torch.testing.assert_close(reply["gram"], design.transpose(1, 2) @ design, rtol=1e-12, atol=0)
+    assert reply["n"].tolist() == [20.0] * 6
+    for key in ("mean", "second", "gls_gram", "gls_rhs", "rss", "support"):
+        torch.testing.assert_close(reply[key], reply["cand"][key][:, k], rtol=1e-10, atol=1e-12)
+    assert list(reply) == [
+        *("mean", "second", "gls_gram", "gls_rhs", "rss", "n", "gram", "support", "cand")
+    ]
 
 
 def test_bad_branch_orders_are_refused_in_one_line():

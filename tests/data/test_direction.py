@@ -61,6 +61,32 @@ def test_fleets_without_the_column_carry_no_branch_and_in_memory_frames_are_chec
         prepare(Fleet(pd.DataFrame(bad), meta={"source": "sim"}))
 
 
+def test_signs_align_with_arrays_per_client_including_a_client_without_rows():
+    """S2 has no test rows: both give it an empty entry, in ``client_ids`` order, and
+    rows keep their frame order; an unknown split is refused by both."""
+    frame = pd.DataFrame(
+        {
+            "sensor_id": ["S1", "S2", "S1", "S2", "S1"],
+            "frequency_hz": [1.0, 2.0, 3.0, 4.0, 5.0],
+            "temperature_c": [0.0] * 5,
+            "pressure_hpa": [10.0, 20.0, 30.0, 40.0, 50.0],
+            "split": ["train", "train", "test", "train", "test"],
+            "direction": ["up", "Down", "down", "up", "UP"],
+        }
+    )
+    fleet = Fleet(frame)
+    for split, signs, targets in (
+        ("train", [[1.0], [-1.0, 1.0]], [[10.0], [20.0, 40.0]]),
+        ("test", [[-1.0, 1.0], []], [[30.0, 50.0], []]),
+    ):
+        assert [s.tolist() for s in fleet.branch_signs(split)] == signs
+        assert [y[:, 0].tolist() for _, y in fleet.arrays(split)] == targets
+    assert fleet.arrays("test")[1][0].shape == (0, 2)
+    for method in (fleet.arrays, fleet.branch_signs):
+        with pytest.raises(ValueError, match="split must be one of"):
+            method("validation")
+
+
 def test_the_config_schema_validates_branch_orders():
     cfg = from_dict({"methods": {"fb": {"base": "fedprior", "branch_orders": [2, 0]}}}, "t.toml")
     assert tuple(cfg.method_params["fb"]["branch_orders"]) == (2, 0)

@@ -16,7 +16,7 @@ from fedcal.core.task import Task
 from fedcal.core.tree import expand, flatten, gather
 from fedcal.engine.simulation import prepare
 from fedcal.models import FAMILIES, build_model
-from fedcal.models.basis import Basis, legendre, whitened
+from fedcal.models.basis import Basis, legendre, orders_by_size, whitened
 
 F64 = torch.float64
 
@@ -51,6 +51,15 @@ def test_terms_are_products_in_documented_order():
     a1, a2, t1 = s3 * 0.5, s5 * -0.125, s3 * -0.3
     expected = torch.tensor([t1, a1, a1 * t1, a2, a2 * t1], dtype=F64)
     assert torch.allclose(model.polynomial_terms(x)[0, 0], expected, atol=1e-15)
+
+
+def test_orders_by_size_lists_the_grid_fewest_terms_first():
+    """Sizes Π(o_k + 1): (0,0) 1, (0,1) 2, (1,0) 2, (2,0) 3, (1,1) 4, (2,1) 6; ties by
+    lexicographic order. From 1: (1,1) 4, (1,2) 6, (2,1) 6, (3,1) 8, (2,2) 9, (3,2) 12."""
+    assert orders_by_size((2, 1)) == [(0, 0), (0, 1), (1, 0), (2, 0), (1, 1), (2, 1)]
+    assert orders_by_size((3, 2), lowest=1) == [(1, 1), (1, 2), (2, 1), (3, 1), (2, 2), (3, 2)]
+    assert orders_by_size((2,)) == [(0,), (1,), (2,)] and orders_by_size((0, 0)) == [(0, 0)]
+    assert orders_by_size((1, 2), lowest=3) == []
 
 
 def test_apply_matches_numpy_legendre_reference():

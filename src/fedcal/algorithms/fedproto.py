@@ -38,26 +38,17 @@ import torch
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
-from fedcal.core.classification import class_index, masked_cross_entropy
+from fedcal.core.classification import (
+    class_index,
+    local_prototypes,
+    masked_cross_entropy,
+    prototype_consensus,
+    prototype_distance,
+)
 from fedcal.core.data import ClientData
 from fedcal.core.local import LossFn
 from fedcal.core.tree import Tree
 from fedcal.models.classifier import require_embedding
-
-
-def local_prototypes(
-    h: Tensor, labels: Tensor, w: Tensor, num_classes: int
-) -> tuple[Tensor, Tensor]:
-    """Per-class mean embeddings and counts of a cohort (eq. 5).
-
-    h: (clients, rows, L); labels: (clients, rows) int64; w: (clients, rows)
-    0 on padding → prototypes (clients, C, L) (0 for absent classes) and
-    counts (clients, C).
-    """
-    onehot = torch.nn.functional.one_hot(labels, num_classes).to(h.dtype) * w.unsqueeze(-1)
-    counts = onehot.sum(1)
-    sums = onehot.transpose(1, 2) @ h
-    return sums / counts.clamp_min(1.0).unsqueeze(-1), counts
 
 
 def aggregate_prototypes(
@@ -68,10 +59,8 @@ def aggregate_prototypes(
     protos: (clients, C, L); counts: (clients, C); previous: (C, L); known: (C,)
     1 where a global prototype exists → new (C, L) and known (C,).
     """
-    total = counts.sum(0)
-    mean = (counts.unsqueeze(-1) * protos).sum(0) / total.clamp_min(1.0).unsqueeze(-1)
-    held = (total > 0).unsqueeze(-1)
-    return torch.where(held, mean, previous), torch.maximum(known, (total > 0).to(known.dtype))
+    mean, held, known = prototype_consensus(protos, counts, known)
+    return torch.where(held, mean, previous), known
 
 
 @dataclass(frozen=True)
@@ -118,10 +107,7 @@ class FedProto(Algorithm):
             h = model.embed(params, x)
             labels = class_index(y)
             ce = masked_cross_entropy(model.classify(params, h), labels, w)
-            onehot = torch.nn.functional.one_hot(labels, protos.shape[1]).to(h.dtype)
-            target = onehot @ protos  # C̄^(y) per row
-            has = (onehot @ known.unsqueeze(-1)).squeeze(-1)
-            dist = (h - target).pow(2).mean(-1) * has
+            dist = prototype_distance(h, labels, protos, known)
             return ce + self.lam * (dist * w).sum(1) / w.sum(1).clamp_min(1.0)
 
         return loss

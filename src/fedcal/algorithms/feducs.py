@@ -54,10 +54,14 @@ import torch
 from torch import Tensor
 
 from fedcal.algorithms.aflcsem import LAST_INTERVAL, RUNNING
-from fedcal.algorithms.fedproto import local_prototypes
 from fedcal.algorithms.fixedtau import FixedTau
 from fedcal.core.algorithm import ClientResult
-from fedcal.core.classification import class_index
+from fedcal.core.classification import (
+    class_index,
+    local_prototypes,
+    prototype_consensus,
+    prototype_distance,
+)
 from fedcal.core.data import ClientData
 from fedcal.core.local import GradFn, autograd_of
 from fedcal.core.tree import Tree
@@ -81,12 +85,10 @@ def coordinate(
     codebook: (C, D); known: (C,); codes: (clients, C, D) per-class mean codes;
     counts: (clients, C) → new codebook (C, D) and known (C,).
     """
-    total = counts.sum(0)
-    consensus = (counts.unsqueeze(-1) * codes).sum(0) / total.clamp_min(1.0).unsqueeze(-1)
-    held = (total > 0).unsqueeze(-1)
+    consensus, held, now_known = prototype_consensus(codes, counts, known)
     seen = (known > 0).unsqueeze(-1)
     stepped = torch.where(seen, (1.0 - rate) * codebook + rate * consensus, consensus)
-    return torch.where(held, stepped, codebook), torch.maximum(known, (total > 0).to(known.dtype))
+    return torch.where(held, stepped, codebook), now_known
 
 
 @dataclass(frozen=True)
@@ -132,10 +134,7 @@ class FedUCS(FixedTau):
 
         def loss(params: Tree, x: Tensor, y: Tensor, w: Tensor) -> Tensor:
             z = self.codes(params, x)
-            onehot = torch.nn.functional.one_hot(class_index(y), codebook.shape[1]).to(z.dtype)
-            target = onehot @ codebook  # K_y per row
-            has = (onehot @ known.unsqueeze(-1)).squeeze(-1)
-            dist = (z - target).pow(2).mean(-1) * has
+            dist = prototype_distance(z, class_index(y), codebook, known)  # codebook K_y per row
             reg = (dist * w).sum(1) / w.sum(1).clamp_min(1.0)
             return self.task.loss(params, x, y, w) + self.lam * reg
 

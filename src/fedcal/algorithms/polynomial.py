@@ -86,7 +86,6 @@ by which the simulator's frequency moves with temperature at one pressure.
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -96,7 +95,7 @@ from torch import Tensor
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree, leaves
-from fedcal.models.basis import legendre
+from fedcal.models.basis import legendre, orders_by_size
 
 F64 = torch.float64
 
@@ -245,8 +244,7 @@ class PolynomialCalibration(Algorithm):
         """Orders to choose from, fewest coefficients first (ties: lexicographic)."""
         if self.orders is not None:
             return [self.orders]
-        grid = itertools.product(*(range(1, m + 1) for m in self.top_orders))
-        return sorted(grid, key=lambda o: (math.prod(k + 1 for k in o), o))
+        return orders_by_size(self.top_orders, lowest=1)
 
     def term_mask(self, orders: tuple[int, ...]) -> Tensor:
         """(terms,) bool: which basis terms a surface of ``orders`` uses."""

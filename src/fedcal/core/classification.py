@@ -34,6 +34,48 @@ def masked_cross_entropy(logits: Tensor, labels: Tensor, w: Tensor) -> Tensor:
     return (nll * w).sum(1) / w.sum(1).clamp_min(1.0)
 
 
+def local_prototypes(
+    h: Tensor, labels: Tensor, w: Tensor, num_classes: int
+) -> tuple[Tensor, Tensor]:
+    """Per-class mean representations and counts of a cohort (FedProto eq. 5).
+
+    h: (clients, rows, L); labels: (clients, rows) int64; w: (clients, rows)
+    0 on padding → prototypes (clients, C, L) (0 for absent classes) and
+    counts (clients, C).
+    """
+    onehot = torch.nn.functional.one_hot(labels, num_classes).to(h.dtype) * w.unsqueeze(-1)
+    counts = onehot.sum(1)
+    sums = onehot.transpose(1, 2) @ h
+    return sums / counts.clamp_min(1.0).unsqueeze(-1), counts
+
+
+def prototype_consensus(
+    protos: Tensor, counts: Tensor, known: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The count-weighted mean over clients of each class's prototype (FedProto eq. 6).
+
+    protos: (clients, C, L); counts: (clients, C); known: (C,) 1 where a class
+    already has a global prototype → mean (C, L), 0 for a class no client holds;
+    held (C, 1) bool, whether any client holds it; known (C,) updated with held.
+    """
+    total = counts.sum(0)
+    mean = (counts.unsqueeze(-1) * protos).sum(0) / total.clamp_min(1.0).unsqueeze(-1)
+    held = total > 0
+    return mean, held.unsqueeze(-1), torch.maximum(known, held.to(known.dtype))
+
+
+def prototype_distance(h: Tensor, labels: Tensor, protos: Tensor, known: Tensor) -> Tensor:
+    """known_y·‖h − protos_y‖²/L per row (FedProto eq. 7's regularizer): (clients, rows).
+
+    h: (clients, rows, L); labels: (clients, rows) int64; protos: (clients, C, L);
+    known: (clients, C), 1 where class c has a prototype (rows of other classes get 0).
+    """
+    onehot = torch.nn.functional.one_hot(labels, protos.shape[1]).to(h.dtype)
+    target = onehot @ protos  # protos_y per row
+    has = (onehot @ known.unsqueeze(-1)).squeeze(-1)
+    return (h - target).pow(2).mean(-1) * has
+
+
 @dataclass(frozen=True)
 class ClassificationTask(Task):
     """A model returning logits, trained on cross-entropy and ranked by error rate."""

@@ -87,51 +87,51 @@ class Fleet:
             h.update(b"\x1e")
         return h.hexdigest()
 
-    def arrays(self, split: str) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Per client (in ``client_ids`` order): ``(x (n, F), y (n, 1))`` float64."""
+    def _split_rows(self, split: str) -> tuple[pd.DataFrame, list[np.ndarray | None]]:
+        """The rows of ``split``, and per client (``client_ids`` order) its positions in them.
+
+        None for a client without rows there. One grouping, then each client's rows
+        by position (in frame order): a DataFrame per client took ~1 ms each (14 s for
+        10,000 sensors), a mask per client O(clients × rows) (356 s).
+        """
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         rows = self.frame[self.frame[SPLIT_COLUMN] == split]
-        # One conversion of the columns, then each client's rows by position (in frame
-        # order): a DataFrame per client took ~1 ms each, 14 s for 10,000 sensors.
+        positions = rows.groupby(self.client_column, sort=False).indices
+        return rows, [positions.get(cid) for cid in self.client_ids]
+
+    def arrays(self, split: str) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per client (in ``client_ids`` order): ``(x (n, F), y (n, 1))`` float64."""
+        rows, where = self._split_rows(split)
         x_all = rows[list(self.features)].to_numpy(dtype=np.float64)
         y_all = rows[[self.target]].to_numpy(dtype=np.float64)
-        positions = rows.groupby(self.client_column, sort=False).indices
-        out = []
-        for cid in self.client_ids:
-            where = positions.get(cid)
-            if where is None:
-                out.append((np.zeros((0, len(self.features))), np.zeros((0, 1))))
-            else:
-                out.append((x_all[where], y_all[where]))
-        return out
+        empty = (np.zeros((0, len(self.features))), np.zeros((0, 1)))
+        return [empty if at is None else (x_all[at], y_all[at]) for at in where]
 
     def branch_signs(self, split: str) -> list[np.ndarray] | None:
         """Per client (``arrays`` order): each row's sweep sign, +1 "up", −1 "down".
 
         None without a ``direction`` column. Any other value is refused, naming
-        its sensor, row and the column.
+        its sensor, row and the column: the loader checked its files' values, but a
+        fleet built in memory (the simulator's, a user's frame) reaches here unchecked.
         """
         if DIRECTION_COLUMN not in self.frame.columns:
             return None
-        rows = self.frame[self.frame[SPLIT_COLUMN] == split]
+        rows, where = self._split_rows(split)
         text = rows[DIRECTION_COLUMN].astype(str).str.strip().str.lower()
         bad = ~text.isin(list(DIRECTION_SIGNS))
         if bad.any():
             at = bad.to_numpy().nonzero()[0][0]
             line = rows["source_line"].iloc[at] if "source_line" in rows.columns else None
-            where = f"line {line}" if line is not None else f"row {rows.index[at]}"
+            place = f"line {line}" if line is not None else f"row {rows.index[at]}"
             raise ValueError(
-                f"{self.meta.get('source', 'fleet')}: {where} (sensor "
+                f"{self.meta.get('source', 'fleet')}: {place} (sensor "
                 f"{rows[self.client_column].iloc[at]}): column {DIRECTION_COLUMN!r} must be "
                 f"'up' or 'down', got {rows[DIRECTION_COLUMN].iloc[at]!r}"
             )
         signs = text.map(DIRECTION_SIGNS).to_numpy(dtype=np.float64)
-        # Each client's rows by position, as in ``arrays`` (a mask per client was
-        # O(clients × rows): 356 s for 10,000 sensors).
-        positions = rows.groupby(self.client_column, sort=False).indices
         empty = np.zeros(0, dtype=np.float64)
-        return [signs[positions[cid]] if cid in positions else empty for cid in self.client_ids]
+        return [empty if at is None else signs[at] for at in where]
 
     def with_train_points(self, n: int | None, seed: int = 0) -> Fleet:
         """Keep at most ``n`` calibration points per sensor (test rows untouched).

@@ -138,6 +138,17 @@ def legendre_exponents(
     return tuple(sorted(terms, key=lambda t: (sum(t), tuple(-a for a in t))))
 
 
+def orders_by_size(top: Sequence[int], lowest: int = 0) -> list[tuple[int, ...]]:
+    """Every orders vector o with ``lowest`` ≤ o_k ≤ ``top[k]``, smallest basis first.
+
+    Size is the tensor-product basis's number of terms Π(o_k + 1); ties are
+    broken lexicographically. The candidate grid of a basis chosen by the data
+    (fedprior's ``select``, the per-sensor polynomial's orders).
+    """
+    grid = itertools.product(*(range(lowest, t + 1) for t in top))
+    return sorted(grid, key=lambda o: (math.prod(a + 1 for a in o), o))
+
+
 def legendre_products(x: Tensor, exponents: Sequence[Sequence[int]]) -> Tensor:
     """φ_k(x) = Π_j P̃_{a_kj}(x_j) for each exponent tuple: (..., rows, F) → (..., rows, terms).
 
