@@ -262,6 +262,26 @@ def _assert_same_as_simulator(fed: Federation, res, cfgs, run_id: int, rtol=1e-1
     np.testing.assert_allclose(
         flower[numeric].to_numpy(float), sim[numeric].to_numpy(float), rtol=rtol, atol=1e-9
     )
+    # The final tables (per_sensor.csv, result.json "final"): the same columns in the same
+    # order — the evaluation's and rejected_rounds, no per-round ones (train_loss, FedGMI's
+    # alpha_mean, …) — and the same values.
+    flower_final = pd.DataFrame(fed.final_rows()).sort_values("client_index")
+    sim_final = pd.DataFrame(res.final).sort_values("client_index")
+    assert list(flower_final.columns) == list(sim_final.columns)
+    assert not {"round", "train_loss", "alpha_mean"} & set(flower_final.columns)
+    last = flower[flower["round"] == fed.rounds][list(flower_final.columns)]
+    pd.testing.assert_frame_equal(  # the final table is the last evaluation, bit for bit
+        flower_final.reset_index(drop=True), last.reset_index(drop=True), check_exact=True
+    )
+    text = ["client", "status"]
+    assert flower_final[text].values.tolist() == sim_final[text].values.tolist()
+    numeric = [c for c in sim_final.columns if c not in text]
+    np.testing.assert_allclose(
+        flower_final[numeric].to_numpy(float),
+        sim_final[numeric].to_numpy(float),
+        rtol=rtol,
+        atol=1e-9,
+    )
     for k, v in flatten(res.server).items():
         assert torch.allclose(flatten(fed.server)[k], v, rtol=0, atol=1e-9), k
     personal, states = flatten(res.personal), flatten(res.states)

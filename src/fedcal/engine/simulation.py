@@ -35,9 +35,10 @@ from fedcal.data.scaling import Scaler, fit_scaler
 from fedcal.engine import chunks
 from fedcal.engine.evaluation import evaluate_cohort
 from fedcal.engine.schedule import (
-    NOT_FINAL,
     cohort,
     evaluates,
+    final_row,
+    history_row,
     personalize_seeds,
     result_row,
     train_seeds,
@@ -269,20 +270,21 @@ def simulate(
             rows, summary, evaluated = _evaluate(
                 algorithm, fleet, server, states, config, t, device, keep_personal=last
             )
-            if last:  # the final table: the evaluation's own columns, no round metrics
-                personal = evaluated
-                final = [{k: v for k, v in row.items() if k not in NOT_FINAL} for row in rows]
+            if last:
+                personal, last_rows = evaluated, rows
             # The round's client metrics (train loss, FedGMI's α, …) for those who trained.
-            trained = {
-                name: dict(zip(ids, values.tolist(), strict=True))
-                for name, values in result.metrics.items()
-            }
-            for row in rows:
-                row["round"] = t + 1
-                row["rejected_rounds"] = int(rejected[row["client_index"]])
-                for name, by_client in trained.items():
-                    row[name] = by_client.get(row["client_index"], float("nan"))
-            history.extend(rows)
+            values = {name: v.tolist() for name, v in result.metrics.items()}
+            trained = {i: {name: v[j] for name, v in values.items()} for j, i in enumerate(ids)}
+            history.extend(
+                history_row(
+                    row,
+                    t + 1,
+                    int(rejected[row["client_index"]]),
+                    trained.get(row["client_index"], {}),
+                    list(values),
+                )
+                for row in rows
+            )
             if on_round is not None:
                 on_round(t + 1, summary)
         if checkpoint is not None and (last or (t + 1) % checkpoint_every == 0):
@@ -300,12 +302,10 @@ def simulate(
             )
     wall = time.perf_counter() - t0
     if start_round >= config.rounds:  # resumed after the last round: evaluate it here
-        rows, _, personal = _evaluate(
+        last_rows, _, personal = _evaluate(
             algorithm, fleet, server, states, config, config.rounds - 1, device, keep_personal=True
         )
-        final = [{k: v for k, v in row.items() if k not in NOT_FINAL} for row in rows]
-    for row in final:
-        row["rejected_rounds"] = int(rejected[row["client_index"]])
+    final = [final_row(row, int(rejected[row["client_index"]])) for row in last_rows]
     return RunResult(
         history=history,
         final=final,
