@@ -37,7 +37,8 @@ from fedcal.core.task import Task
 from fedcal.core.tree import expand
 from fedcal.data.digits_partition import DigitsPartition, partition_digits
 from fedcal.data.simulator import FleetSpec, simulate_fleet
-from fedcal.engine.simulation import errors, prepare
+from fedcal.engine.evaluation import errors
+from fedcal.engine.simulation import prepare
 from fedcal.models.linear import SVMTask
 from fedcal.models.mlp import MLP
 

@@ -51,7 +51,8 @@ from fedcal.algorithms.fedprior import FedPrior
 from fedcal.config import load_config
 from fedcal.core.bayes import F64, data_support, m_step, moments, posterior, regularize
 from fedcal.data.fleet import SPLIT_COLUMN
-from fedcal.engine.simulation import interval_metrics, prepare
+from fedcal.engine.evaluation import interval_metrics
+from fedcal.engine.simulation import prepare
 from fedcal.experiment import load_data
 from fedcal.models.basis import legendre_exponents, legendre_products
 

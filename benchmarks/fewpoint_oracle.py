@@ -31,7 +31,8 @@ from fedcal.config import load_config
 from fedcal.core.data import ClientData
 from fedcal.core.task import Task
 from fedcal.core.tree import expand
-from fedcal.engine.simulation import interval_metrics, prepare
+from fedcal.engine.evaluation import interval_metrics
+from fedcal.engine.simulation import prepare
 from fedcal.experiment import load_data
 from fedcal.models.mlp import MLP
 

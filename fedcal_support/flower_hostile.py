@@ -1,9 +1,10 @@
 """A curious server and hostile clients against the Flower adapter, in one process.
 
-The real server side (:class:`~fedcal.engine.flower.server.Federation`) and
-the real client handler (:func:`~fedcal.engine.flower.client.run_round`)
-exchange Flower records directly; a ``tamper`` hook rewrites chosen sensors'
-parts of a reply the way a hostile SuperNode could. Used by the tests and by::
+The ServerApp's own round loop (:func:`~fedcal.engine.flower.loop.run_federation`,
+the real :class:`~fedcal.engine.flower.server.Federation`) reaches the real
+client handler (:func:`~fedcal.engine.flower.client.run_round`) through an
+in-process transport; a ``tamper`` hook rewrites chosen sensors' parts of a
+reply the way a hostile SuperNode could. Used by the tests and by::
 
     python -m fedcal_support.flower_hostile        # from the repository root: the README's figures
 
@@ -16,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from fedcal.engine.flower.loop import HANDSHAKE, run_federation
 
 if TYPE_CHECKING:
     from flwr.app import RecordDict
@@ -27,9 +31,61 @@ if TYPE_CHECKING:
     from fedcal.data.fleet import Fleet
     from fedcal.engine.flower.server import Federation
 
-HANDSHAKE = -1  # the round number ``tamper`` sees for handshake replies
 # tamper(t, client index, part) → the part a hostile site sends for that sensor instead
+# (t = HANDSHAKE for a handshake reply)
 Tamper = Callable[[int, int, "RecordDict"], "RecordDict"]
+
+
+@dataclass
+class InProcess:
+    """The round loop's transport without Flower processes: the client handlers called here.
+
+    ``tamper(t, index, part)`` may replace one sensor's part of a site's reply.
+    ``offline(t)``: node ids not connected at message ``t`` (a node that is
+    offline at round 0 and online later joins late, greeted by a handshake).
+    ``lost(t)``: node ids that run message ``t`` but whose reply never arrives
+    (a crash after the state was written). ``wire`` collects every reply as it
+    would go on the wire: ``(round, node id, serialized RecordDict)``.
+    """
+
+    node_cfgs: Mapping[int, Mapping]
+    run_id: int
+    tamper: Tamper | None = None
+    offline: Callable[[int], set[int]] | None = None
+    lost: Callable[[int], set[int]] | None = None
+    wire: list[tuple[int, int, bytes]] = field(default_factory=list)
+
+    def online(self, t: int, wait_for: int = 0) -> set[int]:
+        away = self.offline(max(t, 0)) if self.offline is not None else set()
+        return set(self.node_cfgs) - away
+
+    def exchange(
+        self, contents: Mapping[int, RecordDict], kind: str, t: int
+    ) -> tuple[dict[int, RecordDict], dict[int, str]]:
+        from fedcal.engine.flower.client import answer_handshake, run_round
+
+        if kind == "handshake":
+            return {
+                n: self._deliver(HANDSHAKE, n, answer_handshake(c, self.node_cfgs[n]))
+                for n, c in contents.items()
+            }, {}
+        replies = {
+            n: self._deliver(t, n, run_round(c, self.node_cfgs[n], self.run_id))
+            for n, c in contents.items()
+        }
+        gone = {n: "reply lost" for n in (self.lost(t) if self.lost else set()) if n in replies}
+        return {n: r for n, r in replies.items() if n not in gone}, gone
+
+    def _deliver(self, t: int, n: int, reply: RecordDict) -> RecordDict:
+        from flwr.common.serde import recorddict_to_proto
+
+        from fedcal.engine.flower.wire import join_parts, split_parts
+
+        if self.tamper is not None:
+            parts, common, _ = split_parts(reply)
+            reply = join_parts({i: self.tamper(t, i, p) for i, p in parts.items()}, common)
+        self.wire.append((t, n, recorddict_to_proto(reply).SerializeToString()))
+        return reply
 
 
 def run_in_process(
@@ -41,50 +97,12 @@ def run_in_process(
     offline: Callable[[int], set[int]] | None = None,
     lost: Callable[[int], set[int]] | None = None,
 ) -> list[tuple[int, int, bytes]]:
-    """The ServerApp's loop without transport, as :mod:`fedcal.engine.flower.server_app` runs it.
-
-    ``tamper(t, index, part)`` may replace one sensor's part of a site's reply.
-    ``offline(t)``: node ids not connected at message ``t`` (a node that is
-    offline at round 0 and online later joins late, greeted by a handshake as
-    the ServerApp does). ``lost(t)``: node ids that run message ``t`` but
-    whose reply never arrives (a crash after the state was written). Returns
-    every reply as it would go on the wire: ``(round, node id, serialized
-    RecordDict)``, appended to ``wire`` if given (so a run that fails keeps
-    what was received).
-    """
-    from flwr.common.serde import recorddict_to_proto
-
-    from fedcal.engine.flower.client import answer_handshake, run_round
-    from fedcal.engine.flower.wire import join_parts, split_parts
-
-    def deliver(t: int, n: int, reply: RecordDict) -> RecordDict:
-        if tamper is not None:
-            parts, common, _ = split_parts(reply)
-            reply = join_parts({i: tamper(t, i, p) for i, p in parts.items()}, common)
-        wire.append((t, n, recorddict_to_proto(reply).SerializeToString()))
-        return reply
-
-    def hello(nodes) -> dict:
-        return {
-            n: deliver(HANDSHAKE, n, answer_handshake(fed.handshake_content(), node_cfgs[n]))
-            for n in nodes
-        }
-
-    wire = [] if wire is None else wire
-    nodes = set(node_cfgs)
-    online = nodes - (offline(0) if offline else set())
-    fed.register(hello(sorted(online)))
-    for t in range(fed.rounds + 1):
-        online = nodes - (offline(t) if offline else set())
-        late = sorted(online - fed.known_nodes())
-        if late:
-            fed.admit(t, hello(late), online)
-        sent = fed.messages(t, online)
-        replies = {n: deliver(t, n, run_round(c, node_cfgs[n], run_id)) for n, c in sent.items()}
-        gone = {n: "reply lost" for n in (lost(t) if lost else set()) if n in replies}
-        replies = {n: r for n, r in replies.items() if n not in gone}
-        fed.absorb(t, sent, replies, gone)
-    return wire
+    """The ServerApp's round loop (:func:`~fedcal.engine.flower.loop.run_federation`) over
+    an :class:`InProcess` transport; returns the replies as they went on the wire,
+    appended to ``wire`` if given (so a run that fails keeps what was received)."""
+    transport = InProcess(node_cfgs, run_id, tamper, offline, lost, [] if wire is None else wire)
+    run_federation(fed, transport)
+    return transport.wire
 
 
 def node_cfgs(

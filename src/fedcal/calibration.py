@@ -38,7 +38,8 @@ from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree, expand
 from fedcal.data.fleet import Fleet
 from fedcal.data.scaling import Scaler
-from fedcal.engine.simulation import FleetTensors, RunResult, errors
+from fedcal.engine.evaluation import errors
+from fedcal.engine.simulation import FleetTensors, RunResult
 from fedcal.experiment import (
     MODEL_FILE,
     _write_csv,

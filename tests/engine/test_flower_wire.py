@@ -262,6 +262,26 @@ def _assert_same_as_simulator(fed: Federation, res, cfgs, run_id: int, rtol=1e-1
     np.testing.assert_allclose(
         flower[numeric].to_numpy(float), sim[numeric].to_numpy(float), rtol=rtol, atol=1e-9
     )
+    # The final tables (per_sensor.csv, result.json "final"): the same columns in the same
+    # order — the evaluation's and rejected_rounds, no per-round ones (train_loss, FedGMI's
+    # alpha_mean, …) — and the same values.
+    flower_final = pd.DataFrame(fed.final_rows()).sort_values("client_index")
+    sim_final = pd.DataFrame(res.final).sort_values("client_index")
+    assert list(flower_final.columns) == list(sim_final.columns)
+    assert not {"round", "train_loss", "alpha_mean"} & set(flower_final.columns)
+    last = flower[flower["round"] == fed.rounds][list(flower_final.columns)]
+    pd.testing.assert_frame_equal(  # the final table is the last evaluation, bit for bit
+        flower_final.reset_index(drop=True), last.reset_index(drop=True), check_exact=True
+    )
+    text = ["client", "status"]
+    assert flower_final[text].values.tolist() == sim_final[text].values.tolist()
+    numeric = [c for c in sim_final.columns if c not in text]
+    np.testing.assert_allclose(
+        flower_final[numeric].to_numpy(float),
+        sim_final[numeric].to_numpy(float),
+        rtol=rtol,
+        atol=1e-9,
+    )
     for k, v in flatten(res.server).items():
         assert torch.allclose(flatten(fed.server)[k], v, rtol=0, atol=1e-9), k
     personal, states = flatten(res.personal), flatten(res.states)
@@ -417,6 +437,99 @@ def test_a_lost_reply_rolls_the_sites_state_back(make_fleet, tmp_path) -> None:
     sim = _simulated_states(fleet, "fedper", 1)
     for k, v in sim.items():
         assert torch.allclose(flatten(saved["state"])[k], v[[0]], rtol=0, atol=1e-12), k
+
+
+class _InProcessGrid:
+    """The part of Flower's Grid the ServerApp's transport uses, answered in this process.
+
+    A pushed message gets an id (as Flower's in-memory Grid gives it) and is run at
+    once by the real handler: ``answer_handshake`` for a query, ``run_round`` for the
+    rest. The reply of a ``(group id, node)`` in ``lost`` never arrives.
+    """
+
+    def __init__(self, cfgs: dict, run_id: int, lost: set[tuple[str, int]] = frozenset()):
+        self.cfgs, self.run_id, self.lost = cfgs, run_id, lost
+        self.sent: list[tuple[str, str, int]] = []  # (message type, group id, node)
+        self.replies: dict = {}
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.cfgs)
+
+    def push_messages(self, messages) -> list[str]:
+        from flwr.app import Message, MessageType
+
+        ids = []
+        for msg in messages:
+            meta = msg.metadata
+            meta.__dict__["_message_id"] = mid = f"m{len(self.sent)}"
+            self.sent.append((meta.message_type, meta.group_id, meta.dst_node_id))
+            cfg = self.cfgs[meta.dst_node_id]
+            if meta.message_type == MessageType.QUERY:
+                content = answer_handshake(msg.content, cfg)
+            else:
+                content = run_round(msg.content, cfg, self.run_id)
+            if (meta.group_id, meta.dst_node_id) not in self.lost:
+                self.replies[mid] = Message(content, reply_to=msg)
+            ids.append(mid)
+        return ids
+
+    def pull_messages(self, ids) -> list:
+        return [self.replies.pop(i) for i in list(ids) if i in self.replies]
+
+
+def test_the_server_app_runs_the_same_loop_over_its_grid(make_fleet, tmp_path, monkeypatch):
+    """The ServerApp's transport (GridTransport: message types, groups, timeouts) under the
+    round loop the in-process harness runs: the same run, a reply that never comes
+    reported as a timeout where the harness reports it lost."""
+    from flwr.app import MessageType
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedcal.engine.flower.loop import run_federation
+    from fedcal.engine.flower.server_app import GridTransport
+
+    for name in ("_run_id", "_node_id", "_task_id"):  # set in a ServerApp process
+        monkeypatch.setattr(TaskIdentity, name, 1)
+    fleet = make_fleet(num_clients=6, train=TRAIN_ROWS)
+    cfgs = _node_cfgs(fleet, tmp_path / "grid", SITES)
+    victim = next(n for n, c in cfgs.items() if c["site-id"] == "lab-b")  # S00
+    grid = _InProcessGrid(cfgs, run_id=21, lost={("1", victim)})
+    fed = Federation(CONFIG, "fedgmi", seed=4)
+    transport = GridTransport(grid, ttl=60.0, timeout=0.2, poll=0.01, node_wait=1.0)
+    result = run_federation(fed, transport, {}, min_nodes=3)
+
+    sent: dict[tuple[str, str], list[int]] = {}
+    for kind, group, node in grid.sent:
+        sent.setdefault((kind, group), []).append(node)
+    nodes = sorted(cfgs)
+    assert {k: sorted(v) for k, v in sent.items()} == {
+        (MessageType.QUERY, "handshake"): nodes,
+        **{(MessageType.TRAIN, str(t)): nodes for t in range(3)},
+        (MessageType.EVALUATE, "3"): nodes,
+    }
+    assert result["failures"]["1"] == {0: "no reply within 0.2 s"}
+    assert [e["trained"] for e in result["participation"]][1] == [1, 2, 3, 4, 5]
+
+    ref = Federation(CONFIG, "fedgmi", seed=4)
+    run_in_process(
+        ref,
+        _node_cfgs(fleet, tmp_path / "ref", SITES),
+        21,
+        lost=lambda t: {victim} if t == 1 else set(),
+    )
+    assert ref.failed["1"] == {0: "reply lost"}
+    for got, want in ((result["history"], ref.history), (result["final"], ref.final_rows())):
+        pd.testing.assert_frame_equal(pd.DataFrame(got), pd.DataFrame(want), check_exact=True)
+    assert result["last_used"] == {str(i): r for i, r in sorted(ref.last_used.items())}
+    for k, v in flatten(ref.server).items():
+        assert torch.equal(flatten(fed.server)[k], v), k
+    with pytest.raises(RuntimeError, match="only 2 SuperNodes online, min-nodes is 4"):
+        run_federation(
+            Federation(CONFIG, "fedgmi"),
+            GridTransport(
+                _InProcessGrid(dict(list(cfgs.items())[:2]), run_id=22), 60.0, 0.2, 0.01, 0.05
+            ),
+            min_nodes=4,
+        )
 
 
 def test_a_site_that_joins_late_starts_from_the_current_global_state(make_fleet, tmp_path) -> None:

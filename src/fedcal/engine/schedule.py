@@ -4,23 +4,21 @@ Which clients train in round ``t`` (:func:`cohort`), which rounds are
 evaluated (:func:`evaluates`), the seeds each client draws
 (:func:`train_seeds`, :func:`personalize_seeds`; functions of run seed, round
 and client index only, so a client gets the same seeds whatever else runs
-beside it) and the shape of a result row (:func:`result_row`). Both engines
-call these, so a Flower run and a simulation cannot drift apart.
+beside it) and the shape of the result rows (:func:`result_row`,
+:func:`history_row`, :func:`final_row`). Both engines call these, so a Flower
+run and a simulation cannot drift apart.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from fedcal.core.data import PERSONALIZE, TRAIN, client_round_seed
-
-# Columns of a history row that are not computed per round (the final table drops them).
-NOT_FINAL = ("round", "train_loss")
 
 
 def cohort(seed: int, round_index: int, num_clients: int, participation: float) -> Tensor:
@@ -67,10 +65,26 @@ def result_row(
     return row
 
 
-def final_rows(history: list[dict], last_round: int) -> list[dict]:
-    """The rows of the last evaluation without the per-round columns (the ``final`` table)."""
-    return [
-        {k: v for k, v in row.items() if k not in NOT_FINAL}
-        for row in history
-        if row["round"] == last_round
-    ]
+def history_row(
+    evaluation: Mapping,
+    round_number: int,
+    rejected_rounds: int,
+    trained: Mapping[str, float],
+    names: Sequence[str],
+) -> dict:
+    """A client's row of the per-round history (``metrics.csv``).
+
+    Its evaluation row (:func:`result_row`) after round ``round_number`` (1-based), the
+    rounds its reply was rejected so far, and the round's client metrics ``names``
+    (train loss, FedGMI's α, …) from ``trained``: NaN for a client that sat the round out.
+    """
+    row = {**evaluation, "round": round_number, "rejected_rounds": rejected_rounds}
+    row.update({name: trained.get(name, float("nan")) for name in names})
+    return row
+
+
+def final_row(evaluation: Mapping, rejected_rounds: int) -> dict:
+    """A client's row of the final table (``per_sensor.csv``): its evaluation row after the
+    last round (:func:`result_row`) and the rounds its reply was rejected; no per-round
+    columns (round, the round's client metrics)."""
+    return {**evaluation, "rejected_rounds": rejected_rounds}

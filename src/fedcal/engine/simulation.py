@@ -33,11 +33,13 @@ from fedcal.core.tree import Tree, expand, gather, num_bytes, per_client, scatte
 from fedcal.data.fleet import Fleet
 from fedcal.data.scaling import Scaler, fit_scaler
 from fedcal.engine import chunks
+from fedcal.engine.evaluation import evaluate_cohort
 from fedcal.engine.memory import keep_freed_memory
 from fedcal.engine.schedule import (
-    NOT_FINAL,
     cohort,
     evaluates,
+    final_row,
+    history_row,
     personalize_seeds,
     result_row,
     train_seeds,
@@ -114,37 +116,6 @@ class RunResult:
     bytes_down_per_round: float
     rounds_done: int = 0
     extra: dict = field(default_factory=dict)
-
-
-def errors(
-    algorithm: Algorithm, params: Tree, data: ClientData, scaler: Scaler
-) -> dict[str, Tensor]:
-    """The task's per-client metrics of ``params`` on ``data`` (target units)."""
-    with torch.no_grad():
-        pred = algorithm.predict(params, data.x)
-        std = algorithm.predictive_std(params, data.x)
-    scale = torch.as_tensor(scaler.y_scale, dtype=pred.dtype, device=pred.device)
-    out = algorithm.task.metrics(pred, data.y, data.mask, scale)
-    if std is not None:
-        out.update(interval_metrics(pred, std, data.y, data.mask, scale))
-    return out
-
-
-def interval_metrics(
-    pred: Tensor, std: Tensor, y: Tensor, mask: Tensor, y_scale: Tensor
-) -> dict[str, Tensor]:
-    """Per-client calibration of predictive intervals (clients,).
-
-    ``coverage95``: the fraction of rows whose error lies inside the nominal 95 %
-    interval ±1.96 σ; ``pred_sd``: the mean predictive σ in the target's unit.
-    """
-    m = mask.unsqueeze(-1).to(pred.dtype)
-    n = (m.sum((1, 2))).clamp_min(1.0)
-    inside = ((pred - y).abs() <= 1.959964 * std).to(pred.dtype)
-    return {
-        "coverage95": (inside * m).sum((1, 2)) / n,
-        "pred_sd": (std * y_scale * m).sum((1, 2)) / n,
-    }
 
 
 def _fingerprint(algorithm: Algorithm, fleet: FleetTensors, config: EngineConfig) -> str:
@@ -301,20 +272,21 @@ def simulate(
             rows, summary, evaluated = _evaluate(
                 algorithm, fleet, server, states, config, t, device, keep_personal=last
             )
-            if last:  # the final table: the evaluation's own columns, no round metrics
-                personal = evaluated
-                final = [{k: v for k, v in row.items() if k not in NOT_FINAL} for row in rows]
+            if last:
+                personal, last_rows = evaluated, rows
             # The round's client metrics (train loss, FedGMI's α, …) for those who trained.
-            trained = {
-                name: dict(zip(ids, values.tolist(), strict=True))
-                for name, values in result.metrics.items()
-            }
-            for row in rows:
-                row["round"] = t + 1
-                row["rejected_rounds"] = int(rejected[row["client_index"]])
-                for name, by_client in trained.items():
-                    row[name] = by_client.get(row["client_index"], float("nan"))
-            history.extend(rows)
+            values = {name: v.tolist() for name, v in result.metrics.items()}
+            trained = {i: {name: v[j] for name, v in values.items()} for j, i in enumerate(ids)}
+            history.extend(
+                history_row(
+                    row,
+                    t + 1,
+                    int(rejected[row["client_index"]]),
+                    trained.get(row["client_index"], {}),
+                    list(values),
+                )
+                for row in rows
+            )
             if on_round is not None:
                 on_round(t + 1, summary)
         if checkpoint is not None and (last or (t + 1) % checkpoint_every == 0):
@@ -332,12 +304,10 @@ def simulate(
             )
     wall = time.perf_counter() - t0
     if start_round >= config.rounds:  # resumed after the last round: evaluate it here
-        rows, _, personal = _evaluate(
+        last_rows, _, personal = _evaluate(
             algorithm, fleet, server, states, config, config.rounds - 1, device, keep_personal=True
         )
-        final = [{k: v for k, v in row.items() if k not in NOT_FINAL} for row in rows]
-    for row in final:
-        row["rejected_rounds"] = int(rejected[row["client_index"]])
+    final = [final_row(row, int(rejected[row["client_index"]])) for row in last_rows]
     return RunResult(
         history=history,
         final=final,
@@ -386,24 +356,21 @@ def _evaluate(
     given = personal
 
     def one_chunk(rows: Tensor) -> Tree:
+        def mine(tree: Tree) -> Tree:
+            return chunks.to_device(tree if whole else gather(tree, rows), device)
+
         train = train_all if whole else train_all.select(rows)
         test = fleet.test if whole else fleet.test.select(rows)
-        train, test = chunks.data_to(train, device), chunks.data_to(test, device)
-        if given is not None:
-            models = chunks.to_device(given if whole else gather(given, rows), device)
-        else:
-            models = algorithm.personalize(
-                expand(chunks.to_device(down, device), len(rows)),
-                chunks.to_device(states if whole else gather(states, rows), device),
-                train,
-            )
-        ok = finite_rows(models)
-        return {
-            "personal": models if keep_personal else {},
-            "test": errors(algorithm, models, test, fleet.scaler),
-            "train": errors(algorithm, models, train, fleet.scaler),
-            "ok": ok if ok.numel() else torch.ones(len(rows), dtype=torch.bool),
-        }
+        out = evaluate_cohort(
+            algorithm,
+            chunks.to_device(down, device),
+            {} if given is not None else mine(states),
+            chunks.data_to(train, device),
+            chunks.data_to(test, device),
+            fleet.scaler,
+            None if given is None else mine(given),
+        )._asdict()
+        return out if keep_personal else {**out, "personal": {}}
 
     # Chunk by chunk into the fleet's tensors: the chunks' personal models never coexist
     # with their concatenation.
@@ -414,7 +381,7 @@ def _evaluate(
         ),
         n,
     )
-    test, train, model_ok = out["test"], out["train"], out["ok"]
+    test, train, model_ok = out["test"], out["train"], out["finite"]
     rows = [
         result_row(
             i,

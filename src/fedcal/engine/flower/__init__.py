@@ -13,13 +13,16 @@ for all of them as one cohort; the server aggregates across sites per sensor.
   messages, validation and aggregation; nodes that come and go);
 * :mod:`~fedcal.engine.flower.policy` / :mod:`~fedcal.engine.flower.validation`:
   what a node agrees to send, what the server accepts;
+* :mod:`~fedcal.engine.flower.loop` is the server's round loop over a transport
+  (the ServerApp's Grid; in tests, the client handler called in-process);
 * :mod:`~fedcal.engine.flower.server_app` / :mod:`~fedcal.engine.flower.client_app`
   are the thin Flower ``ServerApp`` / ``ClientApp`` around them;
 * :mod:`~fedcal.engine.flower.worker` is an optional warm process per site that
   runs its round messages for the ClientApp (torch and fedcal imported once).
 
 The schedule (cohorts, evaluation rounds, seeds, result rows) is
-:mod:`fedcal.engine.schedule`, shared with the simulator. Test support (a
+:mod:`fedcal.engine.schedule` and the evaluation step :mod:`fedcal.engine.evaluation`,
+both shared with the simulator. Test support (a
 local deployment, hostile clients) lives outside the package, in
 ``fedcal_support/`` of the repository.
 

@@ -165,8 +165,9 @@ def run_round(content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict
     from fedcal.core.aggregation import finite_rows
     from fedcal.core.tree import expand, gather, scatter
     from fedcal.data.scaling import Scaler
+    from fedcal.engine.evaluation import evaluate_cohort
     from fedcal.engine.schedule import personalize_seeds, train_seeds
-    from fedcal.engine.simulation import DTYPES, errors
+    from fedcal.engine.simulation import DTYPES
 
     torch.set_num_threads(1)
     ctl = content[CONTROL]
@@ -227,14 +228,12 @@ def run_round(content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict
     if eval_round >= 0:
         test_data = _cohort_data(site.test, scaler, dtype, indices, site.test_branch)
         seeds = personalize_seeds(seed, eval_round, indices)
-        personal = alg.personalize(expand(down, n), state, train_data.with_seeds(seeds))
-        test_err = errors(alg, personal, test_data, scaler)
-        train_err = errors(alg, personal, train_data, scaler)
-        finite = finite_rows(personal)
+        scored = evaluate_cohort(alg, down, state, train_data.with_seeds(seeds), test_data, scaler)
+        personal, finite = scored.personal, scored.finite
         evals = []
         for k, index in enumerate(indices):
-            row = {f"test_{name}": float(v[k]) for name, v in test_err.items()}
-            row.update({f"train_{name}": float(v[k]) for name, v in train_err.items()})
+            row = {f"test_{name}": float(v[k]) for name, v in scored.test.items()}
+            row.update({f"train_{name}": float(v[k]) for name, v in scored.train.items()})
             parts[index]["eval"] = metrics_to_record(row)
             evals.append(row)
         personal_round = eval_round
@@ -262,7 +261,7 @@ def run_round(content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict
         if index in state_ok:
             info["state-finite"] = state_ok[index]
         if eval_round >= 0:
-            info["personal-finite"] = bool(finite[k]) if finite.numel() else True
+            info["personal-finite"] = bool(finite[k])
         parts[index]["info"] = ConfigRecord(info)
     meta = {
         "run_id": int(run_id),

@@ -142,6 +142,7 @@ class Federation:
         self.rounds = self.rounds or self.config.engine.rounds
         self.dtype = self.dtype or self.config.engine.dtype
         self._train_metrics: dict[int, dict[int, dict]] = {}
+        self._final: list[dict] = []  # final_row of each client evaluated after the last round
         self.last_used: dict[int, int] = {}  # client index → last round its reply was used
         self.rejected_rounds: dict[int, int] = {}  # client index → rounds screened out
         self.num_clients = 0
@@ -389,7 +390,7 @@ class Federation:
             check_reply,
             expected_reply,
         )
-        from fedcal.engine.schedule import result_row
+        from fedcal.engine.schedule import final_row, history_row, result_row
         from fedcal.engine.simulation import AGGREGATION, DTYPES
 
         failures = dict(failures)
@@ -438,12 +439,12 @@ class Federation:
                 train = {k[6:]: v for k, v in metrics.items() if k.startswith("train_")}
                 finite = part["info"].get("personal-finite", True) is not False
                 row = result_row(index, m.sensor_id, test, train, finite)
-                row["round"] = eval_round + 1
-                row["rejected_rounds"] = self.rejected_rounds.get(index, 0)
-                mets = trained.get(index, {})
-                for name in names:  # as the simulator: NaN for clients that sat out
-                    row[name] = mets.get(name, float("nan"))
-                self.history.append(row)
+                rejected_rounds = self.rejected_rounds.get(index, 0)
+                self.history.append(
+                    history_row(row, eval_round + 1, rejected_rounds, trained.get(index, {}), names)
+                )
+                if eval_round == self.rounds - 1:
+                    self._final.append(final_row(row, rejected_rounds))
         if t >= self.rounds:
             if rejected:
                 self.rejected[str(t)] = rejected
@@ -511,10 +512,8 @@ class Federation:
         entry["bytes_up"] = num_bytes(stacked, per_client_axis=True) * len(done)
 
     def final_rows(self) -> list[dict]:
-        """The last evaluation per client (the simulator's ``final``)."""
-        from fedcal.engine.schedule import final_rows
-
-        return final_rows(self.history, self.rounds)
+        """The last evaluation per client (the simulator's ``final``, the same columns)."""
+        return list(self._final)
 
     def sensors(self) -> dict[str, str]:
         return {str(i): m.sensor_id for i, m in self.members.items()}

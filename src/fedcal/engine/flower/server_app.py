@@ -1,4 +1,6 @@
-"""The ServerApp: a round loop over the Message API (no Flower Strategy).
+"""The ServerApp: the round loop (:mod:`~fedcal.engine.flower.loop`) over the Message API.
+
+No Flower Strategy: :class:`GridTransport` carries the loop's messages through the Grid.
 
 Run config (declared in the Flower app's ``pyproject.toml``)::
 
@@ -33,13 +35,14 @@ from __future__ import annotations
 import json
 import time
 import traceback
-from logging import INFO, WARNING
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, Message, MessageType, RecordDict
-from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
+
+from fedcal.engine.flower.loop import HANDSHAKE, run_federation
 
 app = ServerApp()
 
@@ -124,12 +127,31 @@ def main(grid: Grid, context: Context) -> None:
         write_text(out / "result.json", text)
 
 
-def _report_members(fed, result: dict[str, Any]) -> None:
-    result["sensors"] = fed.sensors()
-    result["node_ids"] = {str(i): str(m.node_id) for i, m in fed.members.items()}
-    result["joined"] = dict(fed.joined)
-    result["handshake_refusals"] = fed.refused
-    result["handshake_rejected"] = fed.handshake_rejected
+@dataclass
+class GridTransport:
+    """The loop's transport in a deployment: Flower messages through the SuperLink's Grid."""
+
+    grid: Grid
+    ttl: float  # message time-to-live
+    timeout: float  # how long to wait for the replies to one message
+    poll: float
+    node_wait: float  # how long to wait for min-nodes before the first handshake
+
+    def online(self, t: int, wait_for: int = 0) -> set[int]:
+        if t == HANDSHAKE:
+            return set(wait_for_nodes(self.grid, wait_for, self.node_wait, self.poll))
+        return set(self.grid.get_node_ids())
+
+    def exchange(
+        self, contents: dict[int, RecordDict], kind: str, t: int
+    ) -> tuple[dict[int, RecordDict], dict[int, str]]:
+        if kind == "handshake":
+            message_type = MessageType.QUERY
+            group = "handshake" if t == HANDSHAKE else f"handshake-{t}"
+        else:
+            message_type = MessageType.TRAIN if kind == "train" else MessageType.EVALUATE
+            group = str(t)
+        return exchange(self.grid, contents, message_type, group, self.ttl, self.timeout, self.poll)
 
 
 def _run(grid: Grid, cfg: dict[str, Any], result: dict[str, Any], out: Path) -> None:
@@ -138,8 +160,6 @@ def _run(grid: Grid, cfg: dict[str, Any], result: dict[str, Any], out: Path) -> 
     from fedcal.engine.flower.server import Federation
 
     torch.set_num_threads(1)
-    ttl, timeout = float(cfg["message-ttl"]), float(cfg["reply-timeout"])
-    poll = float(cfg["poll-interval"])
     fed = Federation(
         load_run_config(cfg),
         method=str(cfg["method"]),
@@ -149,67 +169,14 @@ def _run(grid: Grid, cfg: dict[str, Any], result: dict[str, Any], out: Path) -> 
         min_replies=int(cfg["min-replies"]),
     )
     result.update(method=fed.method, seed=fed.seed, rounds=fed.rounds, dtype=fed.dtype)
-    timings: dict[str, Any] = {"rounds": []}
-    result["timings"] = timings
-
-    t0 = time.monotonic()
-    need = int(cfg["min-nodes"])
-    nodes = wait_for_nodes(grid, need, float(cfg["node-wait-timeout"]), poll)
-    if len(nodes) < need:
-        raise RuntimeError(f"only {len(nodes)} SuperNodes online, min-nodes is {need}")
-    contents = {n: fed.handshake_content() for n in nodes}
-    replies, failures = exchange(grid, contents, MessageType.QUERY, "handshake", ttl, timeout, poll)
-    if failures:
-        log(WARNING, "[fedcal] handshake failures: %s", failures)
-    result["handshake_failures"] = {str(k): v for k, v in failures.items()}
-    try:
-        fed.register(replies)
-    finally:
-        result["handshake_refusals"] = fed.refused
-        result["handshake_rejected"] = fed.handshake_rejected
-    if fed.refused or fed.handshake_rejected:
-        log(WARNING, "[fedcal] handshake: %s", {**fed.refused, **fed.handshake_rejected})
-    _report_members(fed, result)
-    timings["handshake_s"] = time.monotonic() - t0
-    log(INFO, "[fedcal] %s on %d sensors: %s", fed.method, len(fed.members), fed.sensors())
-
-    for t in range(fed.rounds + 1):
-        t_round = time.monotonic()
-        online = set(grid.get_node_ids())
-        late = {n: fed.handshake_content() for n in sorted(online - fed.known_nodes())}
-        if late:  # nodes that connected since: greet them, their sensors join now
-            replies, failures = exchange(
-                grid, late, MessageType.QUERY, f"handshake-{t}", ttl, timeout, poll
-            )
-            admitted = fed.admit(t, replies, online)
-            log(INFO, "[fedcal] round %d: nodes %s joined (%s failed)", t, admitted, failures)
-            _report_members(fed, result)
-        contents = fed.messages(t, online=online)
-        kind = MessageType.TRAIN if t < fed.rounds else MessageType.EVALUATE
-        replies, failures = exchange(grid, contents, kind, str(t), ttl, timeout, poll)
-        t_exchange = time.monotonic() - t_round
-        if failures:
-            log(WARNING, "[fedcal] round %d failures: %s", t, failures)
-        try:
-            fed.absorb(t, contents, replies, failures)
-        finally:  # a run that fails here still reports who refused or sent what
-            result["failures"] = fed.failed
-            result["dropped"] = fed.dropped
-            result["rejected"] = fed.rejected
-            result["participation"] = fed.log
-        for index, why in fed.failed.get(str(t), {}).items():
-            if why.startswith("node ") and " refused " in why:
-                log(WARNING, "[fedcal] round %d: client %s: %s", t, index, why)
-        for index, why in fed.rejected.get(str(t), {}).items():
-            log(WARNING, "[fedcal] round %d: reply of client %s rejected: %s", t, index, why)
-        timings["rounds"].append(
-            {"round": t, "exchange_s": t_exchange, "total_s": time.monotonic() - t_round}
-        )
-        result["history"] = fed.history
-        log(INFO, "[fedcal] message %d/%d done in %.1f s", t, fed.rounds, t_exchange)
-
-    result["final"] = fed.final_rows()
-    result["last_used"] = {str(i): r for i, r in sorted(fed.last_used.items())}
+    transport = GridTransport(
+        grid,
+        ttl=float(cfg["message-ttl"]),
+        timeout=float(cfg["reply-timeout"]),
+        poll=float(cfg["poll-interval"]),
+        node_wait=float(cfg["node-wait-timeout"]),
+    )
+    run_federation(fed, transport, result, min_nodes=int(cfg["min-nodes"]))
     from fedcal.core.tree import flatten
 
     server = {k: v.contiguous() for k, v in flatten(fed.server).items()}

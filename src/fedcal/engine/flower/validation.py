@@ -54,7 +54,7 @@ def _probe(algorithm: Algorithm, server: Tree, scaler: Scaler, features: int, dt
 
     from fedcal.core.data import ClientData
     from fedcal.core.tree import expand, flatten
-    from fedcal.engine.simulation import errors
+    from fedcal.engine.evaluation import evaluate_cohort
 
     gen = torch.Generator().manual_seed(rows)
     x = torch.rand(1, rows, features, generator=gen, dtype=torch.float64) * 2 - 1
@@ -63,11 +63,11 @@ def _probe(algorithm: Algorithm, server: Tree, scaler: Scaler, features: int, dt
     else:
         y = torch.rand(1, rows, 1, generator=gen, dtype=torch.float64) * 2 - 1
     data = ClientData(x.to(dtype), y.to(dtype), torch.tensor([rows]), (rows,), (0,))
-    down = expand(algorithm.broadcast(server), 1)
+    broadcast = algorithm.broadcast(server)
+    down = expand(broadcast, 1)
     state = algorithm.client_init(down)
     result = algorithm.client_update(down, state, data)
-    personal = algorithm.personalize(down, result.state, data)
-    names = list(errors(algorithm, personal, data, scaler))
+    names = list(evaluate_cohort(algorithm, broadcast, result.state, data, data, scaler).test)
     leaves = {
         k: (v.detach().numpy().dtype, tuple(v.shape[1:])) for k, v in flatten(result.reply).items()
     }

@@ -1,0 +1,92 @@
+"""The evaluation step, shared by the simulator and a Flower site.
+
+After round ``t`` each client's personal model is ``personalize(broadcast,
+state, train rows)`` with the client's personalize seeds of round ``t``
+(:func:`fedcal.engine.schedule.personalize_seeds`); it is scored on the
+client's test and train rows in the target's unit, and flagged when one of
+its floating leaves is not finite (the row's ``status`` then says
+"diverged", :func:`fedcal.engine.schedule.result_row`). The simulator runs
+this per chunk of its fleet, a Flower site once over its sensors: one
+function, so the two engines cannot score differently.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from fedcal.core.aggregation import finite_rows
+from fedcal.core.algorithm import Algorithm
+from fedcal.core.data import ClientData
+from fedcal.core.tree import Tree, expand
+from fedcal.data.scaling import Scaler
+
+
+class CohortEvaluation(NamedTuple):
+    """A cohort's evaluation: every leaf (and metric) has a leading clients axis."""
+
+    personal: Tree  # the personal models
+    test: dict[str, Tensor]  # the task's metrics on the test rows, (clients,) each
+    train: dict[str, Tensor]  # ... on the train rows
+    finite: Tensor  # (clients,) bool: the personal model is finite
+
+
+def evaluate_cohort(
+    algorithm: Algorithm,
+    down: Tree,
+    states: Tree,
+    train: ClientData,
+    test: ClientData,
+    scaler: Scaler,
+    personal: Tree | None = None,
+) -> CohortEvaluation:
+    """Personalize a cohort and score it on its test and train rows.
+
+    ``down`` is the server's broadcast (no clients axis), ``states`` the
+    cohort's private states and ``train`` its train rows carrying the
+    personalize seeds of the round evaluated. Given ``personal`` (the cohort's
+    personal models), scores those instead of personalizing.
+    """
+    n = train.num_clients
+    if personal is None:
+        personal = algorithm.personalize(expand(down, n), states, train)
+    finite = finite_rows(personal)
+    return CohortEvaluation(
+        personal,
+        errors(algorithm, personal, test, scaler),
+        errors(algorithm, personal, train, scaler),
+        finite if finite.numel() else torch.ones(n, dtype=torch.bool),  # no floating leaf
+    )
+
+
+def errors(
+    algorithm: Algorithm, params: Tree, data: ClientData, scaler: Scaler
+) -> dict[str, Tensor]:
+    """The task's per-client metrics of ``params`` on ``data`` (target units)."""
+    with torch.no_grad():
+        pred = algorithm.predict(params, data.x)
+        std = algorithm.predictive_std(params, data.x)
+    scale = torch.as_tensor(scaler.y_scale, dtype=pred.dtype, device=pred.device)
+    out = algorithm.task.metrics(pred, data.y, data.mask, scale)
+    if std is not None:
+        out.update(interval_metrics(pred, std, data.y, data.mask, scale))
+    return out
+
+
+def interval_metrics(
+    pred: Tensor, std: Tensor, y: Tensor, mask: Tensor, y_scale: Tensor
+) -> dict[str, Tensor]:
+    """Per-client calibration of predictive intervals (clients,).
+
+    ``coverage95``: the fraction of rows whose error lies inside the nominal 95 %
+    interval ±1.96 σ; ``pred_sd``: the mean predictive σ in the target's unit.
+    """
+    m = mask.unsqueeze(-1).to(pred.dtype)
+    n = (m.sum((1, 2))).clamp_min(1.0)
+    inside = ((pred - y).abs() <= 1.959964 * std).to(pred.dtype)
+    return {
+        "coverage95": (inside * m).sum((1, 2)) / n,
+        "pred_sd": (std * y_scale * m).sum((1, 2)) / n,
+    }
