@@ -9,7 +9,7 @@ alike. A round's replies (stacked ``(clients, ...)``) go through, in order:
    robust, scale-free test (Byzantine-robust FL commonly measures updates
    against the cohort median, e.g. Blanchard et al. 2017; Yin et al. 2018).
    For summed statistics the size is the largest per-leaf ratio to the median
-   (:func:`relative_sizes`): leaves in different units cannot hide each other.
+   (:func:`statistic_sizes`): leaves in different units cannot hide each other.
 2. **Update clipping** (adaptive): each update is scaled to at most
    ``clip_factor`` × the median update norm of the accepted clients
    (centred clipping as in Karimireddy et al. 2021, with the median as the
@@ -62,7 +62,7 @@ from pydantic import Field, model_validator
 from torch import Tensor
 
 from fedcal.core.schema import MAX_CLIENTS, Float, Int, checked
-from fedcal.core.tree import Tree, flatten, unflatten
+from fedcal.core.tree import Tree, flatten, per_client, unflatten
 
 Rule = Literal["mean", "median", "trimmed_mean", "krum"]
 ReplyAggregation = Literal["mean", "sum", "custom"]
@@ -226,17 +226,6 @@ def _root_sum(squares: Iterable[Tensor], clients: int) -> Tensor:
     return total.sqrt()
 
 
-def update_norms(
-    updates: dict[str, Tensor], clients: int, refs: dict[str, Tensor] | None = None
-) -> Tensor:
-    """Per-client L2 norm over every update leaf (float64, NaN/inf propagate).
-
-    Block-wise, and from the replies and their references if given: see
-    :func:`_leaf_squares`.
-    """
-    return _root_sum(_leaf_squares(updates, clients, refs).values(), clients)
-
-
 def finite_rows(tree: Tree) -> Tensor:
     """(clients,) bool: every floating leaf of a client tree is finite for that client."""
     flat = [t for t in flatten(tree).values() if t.is_floating_point()]
@@ -259,13 +248,13 @@ def _client_blocks(t: Tensor, clients: int) -> Iterator[Tensor]:
         yield rows[i : i + NORM_BLOCK]
 
 
-def relative_sizes(
-    updates: dict[str, Tensor], accepted: Tensor, kind: str, rows: Tensor | None = None
+def statistic_sizes(
+    updates: dict[str, Tensor], accepted: Tensor, rows: Tensor | None = None
 ) -> Tensor:
-    """Each client's update size relative to the accepted cohort's median, (clients,).
+    """Each client's summed statistics' size relative to the accepted cohort's, (clients,).
 
-    A model update is one vector: ‖Δ_i‖ / median_j ‖Δ_j‖. A ``"sum"`` reply is a set
-    of statistics in different units (a Gram matrix may be 10⁹ times its right-hand
+    (A model update is one vector, sized by :func:`_relative` of its norm.) A ``"sum"``
+    reply is a set of statistics in different units (a Gram matrix may be 10⁹ times its right-hand
     side, and a poisoned label moves only the latter): the size is the largest
     per-leaf ratio, max_l ‖Δ_il‖ / median_j ‖Δ_jl‖, so no leaf hides behind another.
     Statistics also grow with a client's rows (``rows``): a unit calibrated with 384
@@ -275,8 +264,6 @@ def relative_sizes(
     posterior mean) flag an honest unit of another size; a poisoned target grows both.
     """
     n = int(accepted.shape[0])
-    if kind != "sum":
-        return _relative(update_norms(updates, n), accepted)
     per_row = None if rows is None else rows.to(torch.float64).clamp_min(1.0)
     ratio = torch.zeros(n, dtype=torch.float64)
     for u in updates.values():
@@ -372,7 +359,7 @@ def aggregate(
         if kind == "sum":
             # Per-leaf ratios (statistics in different units), a whole leaf at a time; a sum's
             # replies are its updates, so nothing is formed (statistics are small per unit).
-            sizes = relative_sizes({k: replied[k] for k in judged}, accepted, kind, weights)
+            sizes = statistic_sizes({k: replied[k] for k in judged}, accepted, weights)
         else:
             sizes = _relative(_root_sum((squares[k] for k in judged), n), accepted)
         outlier = accepted & (sizes > policy.screen_factor)
@@ -421,7 +408,7 @@ def aggregate(
     updates = _formed_updates(replied, refs) if policy.rule != "mean" or policy.dp else {}
     if clipped:
         for key, u in updates.items():
-            updates[key] = u * factor.to(u.dtype).reshape(n, *([1] * (u.dim() - 1)))
+            updates[key] = u * per_client(factor.to(u.dtype), u)
 
     used = accepted
     if policy.rule == "krum":
@@ -508,6 +495,6 @@ def _clip_rows(
     at = kept_clip.nonzero()[:, 0]  # rows of ``out``
     rows = at if keep is None else keep.index_select(0, at)  # the same rows, as clients
     part = reply.index_select(0, rows)
-    scale = factor.index_select(0, rows).to(reply.dtype).reshape(-1, *([1] * (reply.dim() - 1)))
+    scale = per_client(factor.index_select(0, rows).to(reply.dtype), part)
     out[at] = part * scale if ref is None else (part - ref) * scale + ref
     return out

@@ -307,7 +307,10 @@ class _TanhSteps:
         # activations h_1 … h_{L−1}, δ = dL/dz of every layer, and 1 − h².
         c, rows = batches.x.shape[1], batches.x.shape[2]
         self.hidden = [batches.x.new_empty(c, rows, w.shape[1]) for w in weights[:-1]]
-        deltas = [batches.x.new_empty(c, rows, w.shape[1]) for w in weights]
+        deltas = [  # none below the lowest trained layer: δ stops there
+            batches.x.new_empty(c, rows, w.shape[1]) if k >= span.start else None
+            for k, w in enumerate(weights)
+        ]
         self.top = deltas[-1]
         # The backward pass, top layer first, one entry per layer k:
         # (k, δ_k, δ_kᵀ, W_k, W_kᵀ if its gradient is taken as (hᵀδ)ᵀ — a layer narrower
