@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 
 from fedcal.config import load_config
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "fewpoint_bound.py"
+from fedcal_support.scripts import benchmark
 
 
 def bench():
-    if "fewpoint_bound" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("fewpoint_bound", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["fewpoint_bound"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["fewpoint_bound"]
+    return benchmark("fewpoint_bound")
 
 
 def test_library_physics_and_truth_match_the_simulated_fleet():

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import torch
 
@@ -15,17 +11,11 @@ from fedcal.core.data import ClientData
 from fedcal.core.task import Task
 from fedcal.models.mlp import MLP
 from fedcal_support.rounds import run_rounds
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "fewpoint_direction.py"
+from fedcal_support.scripts import benchmark
 
 
 def bench():
-    if "fewpoint_direction" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("fewpoint_direction", SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["fewpoint_direction"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["fewpoint_direction"]
+    return benchmark("fewpoint_direction")
 
 
 def planted(seed: int = 0, units: int = 12, rows: int = 30, offset: float = 0.05):

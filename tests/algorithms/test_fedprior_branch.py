@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -18,8 +14,8 @@ from fedcal.core.tree import expand
 from fedcal.models.basis import legendre_exponents, legendre_products
 from fedcal.models.mlp import MLP
 from fedcal_support.rounds import run_rounds
+from fedcal_support.scripts import benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fewpoint_direction.py"
 PHI = (3, 3)
 
 
@@ -118,10 +114,7 @@ def test_prediction_is_the_mixture_of_the_two_branches():
 
 def test_the_em_is_the_reference_script_s_on_the_features_phi_and_b_psi():
     """hyst's benchmarks/fewpoint_direction.py fits the same model by hand: same prior."""
-    spec = importlib.util.spec_from_file_location("fewpoint_direction", SCRIPT)
-    ref = importlib.util.module_from_spec(spec)
-    sys.modules["fewpoint_direction"] = ref
-    spec.loader.exec_module(ref)
+    ref = benchmark("fewpoint_direction")
     x, y, b, _, _, _ = planted(seed=2)
     phi, psi = ref.bases(x, (2, 0))
     mu, sigma, noise, _ = ref.fit_prior(ref.features(phi, psi, b), y, torch.ones_like(y), 8)

@@ -6,12 +6,9 @@ case in a worker process with a time limit; its counts are the README table.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -19,17 +16,11 @@ import pytest
 
 from fedcal.data.fleet import Fleet
 from fedcal.data.loader import PARQUET_META_KEY, FleetDataError, load_fleet, save_fleet
-
-FUZZ = Path(__file__).resolve().parents[2] / "benchmarks" / "fuzz_files.py"
+from fedcal_support.scripts import benchmark
 
 
 def fuzz_module():
-    if "fuzz_files" not in sys.modules:  # registered first: its dataclasses look it up
-        spec = importlib.util.spec_from_file_location("fuzz_files", FUZZ)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["fuzz_files"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["fuzz_files"]
+    return benchmark("fuzz_files")
 
 
 @pytest.fixture(scope="module")
