@@ -59,6 +59,9 @@ def test_fleets_without_the_column_carry_no_branch_and_in_memory_frames_are_chec
     bad = frame.assign(direction=frame["direction"].where(frame.index != 5, "both"))
     with pytest.raises(ValueError, match=r"row 5 \(sensor S000\): column 'direction' must be"):
         prepare(Fleet(pd.DataFrame(bad), meta={"source": "sim"}))
+    missing = frame.assign(direction=frame["direction"].where(frame.index != 9, None))
+    with pytest.raises(ValueError, match=r"row 9 \(sensor S000\): .* got nan"):
+        prepare(Fleet(pd.DataFrame(missing)))
 
 
 def test_signs_align_with_arrays_per_client_including_a_client_without_rows():

@@ -118,10 +118,14 @@ class Fleet:
         if DIRECTION_COLUMN not in self.frame.columns:
             return None
         rows, where = self._split_rows(split)
-        text = rows[DIRECTION_COLUMN].astype(str).str.strip().str.lower()
-        bad = ~text.isin(list(DIRECTION_SIGNS))
+        # Each distinct value read once (a column of millions of rows holds a few).
+        codes, values = pd.factorize(rows[DIRECTION_COLUMN], use_na_sentinel=True)
+        text = pd.Index(values).astype(str).str.strip().str.lower()
+        by_value = np.array([DIRECTION_SIGNS.get(v, np.nan) for v in text], dtype=np.float64)
+        per_row = np.append(by_value, np.nan)[codes]  # code −1 (a missing value): NaN
+        bad = np.isnan(per_row)
         if bad.any():
-            at = bad.to_numpy().nonzero()[0][0]
+            at = bad.nonzero()[0][0]
             line = rows["source_line"].iloc[at] if "source_line" in rows.columns else None
             place = f"line {line}" if line is not None else f"row {rows.index[at]}"
             raise ValueError(
@@ -129,7 +133,7 @@ class Fleet:
                 f"{rows[self.client_column].iloc[at]}): column {DIRECTION_COLUMN!r} must be "
                 f"'up' or 'down', got {rows[DIRECTION_COLUMN].iloc[at]!r}"
             )
-        signs = text.map(DIRECTION_SIGNS).to_numpy(dtype=np.float64)
+        signs = per_row
         empty = np.zeros(0, dtype=np.float64)
         return [empty if at is None else signs[at] for at in where]
 
