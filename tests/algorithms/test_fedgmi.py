@@ -1,4 +1,4 @@
-"""FedGMI against hand-computed numbers and the invariants of shared/spec/flagship.md."""
+"""FedGMI against hand-computed numbers and the invariants of its seed (alg. 3.1–3.3)."""
 
 import pytest
 import torch

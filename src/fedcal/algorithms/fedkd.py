@@ -15,12 +15,12 @@ unlabeled set*. One round, client k with private model θ_k:
 
 The personal model is the private model θ_k.
 
-**The public set.** Calibration has a natural public unlabeled set (spec
-algorithms.md): the (frequency, temperature) operating grid without reference
+**The public set.** Calibration has a natural public unlabeled set (our
+choice): the (frequency, temperature) operating grid without reference
 pressures. It is built deterministically from hyperparameters, in scaled
 units: ``public_points`` values per input, evenly spaced over ``public_box``.
 Default: frequency 32.75–37.75 kHz (the quartz family's span from 0 to
-1550 hPa, spec sensor-fleet.md), i.e. [−0.05, 0.95] under the physical
+1550 hPa, docs/simulated-fleet.md), i.e. [−0.05, 0.95] under the physical
 scaling 28–38 kHz → [−1, 1]; temperature the six chamber plateaus −40…60 °C,
 i.e. six points over [−1, 1]. 11 × 6 = 66 public inputs.
 

@@ -1,8 +1,8 @@
 """FedLSA — learnable semantic anchors with hyperspherical contrast (seed 001).
 
 "Beyond Federated Prototype Learning: Learnable Semantic Anchors with
-Hyperspherical Contrast for Domain-Skewed Data", AAAI 2025. Read as in
-shared/spec/algorithms.md. Model Φ = ψ ∘ projector ∘ nor ∘ classifier
+Hyperspherical Contrast for Domain-Skewed Data", AAAI 2025, as read from
+the seed's code walk-through. Model Φ = ψ ∘ projector ∘ nor ∘ classifier
 (:class:`~fedcal.models.classifier.HypersphereClassifier`), h on the unit
 sphere of R^L, C classes.
 

@@ -4,7 +4,7 @@ Units of one design differ, but not arbitrarily: their calibration
 coefficients vary around a fleet mean along a few directions. The federation
 learns that distribution without pooling anyone's data, and a unit with a
 handful of chamber points is calibrated by placing itself in it
-(shared/spec/fleet-prior.md). The model is linear in its parameters:
+(empirical Bayes; docs/calibration-guide.md). The model is linear in its parameters:
 
     y_i = φ(x)ᵀ c_i + ε,   ε ~ N(0, σ_i²),   c_i ~ N(μ, Σ),
 
@@ -98,7 +98,7 @@ Measured by helper "hyst" (benchmarks/fewpoint_direction.py) and here (README).
 
 Defaults (ours, measured on mixed fleets of 20 fully calibrated + 20 new
 units, 3 fleet seeds, off-grid test points; README): Legendre orders (4, 3),
-the silicon-resonator calibration surface of shared/spec/sensor-fleet.md,
+the silicon-resonator calibration surface of docs/simulated-fleet.md,
 which also spans a quartz unit to the noise floor — (3, 3) gives the same
 errors, so the prior does not overfit the larger basis; ``select = "none"``
 here, ``"bic"`` in the shipped configuration (it picks (3, 3) on the mixed

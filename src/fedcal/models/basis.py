@@ -9,7 +9,7 @@ temperature-dependent coefficients,
     P = C(1 − D) + C·T0²·(2D − 1)·f² − C·D·T0⁴·f⁴,   C, D, T0 polynomials in T,
 
 and makers calibrate silicon resonators with a 2-D polynomial up to order
-(4, 3) (shared/spec/sensor-fleet.md). What differs between sensors is the
+(4, 3) (docs/simulated-fleet.md). What differs between sensors is the
 *coefficients*, not the form. So the model is
 
     features(x) = [ Q_ij(x) for (i, j) ≠ 0, i ≤ p_f, j ≤ p_T ]  ‖  h(x)
