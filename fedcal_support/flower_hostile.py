@@ -6,7 +6,7 @@ client handler (:func:`~fedcal.engine.flower.client.run_round`) through an
 in-process transport; a ``tamper`` hook rewrites chosen sensors' parts of a
 reply the way a hostile SuperNode could. Used by the tests and by::
 
-    python -m fedcal_support.flower_hostile        # from the repository root: the README's figures
+    python -m fedcal_support.flower_hostile        # from the repo root: docs/flower.md's figures
 
 which runs FedAvg (sample-weighted) on the first sensors of the embedded
 fleet for several fleet seeds: an honest run, each malformed reply of one
@@ -188,7 +188,7 @@ CORRUPTIONS: dict[str, Callable[[RecordDict], RecordDict]] = {
 
 
 # ----------------------------------------------------------------------------
-# the README's figures
+# the figures of docs/flower.md
 # ----------------------------------------------------------------------------
 def _final_rmse(fed: Federation) -> float:
     rows = [r["test_rmse"] for r in fed.history if r["round"] == fed.rounds]

@@ -1,7 +1,7 @@
 """Hostile files: special files, size limit, unit mistakes, checksummed Parquet, and the corpus.
 
 The corpus (benchmarks/fuzz_files.py, >= 200 mutated files) is loaded case by
-case in a worker process with a time limit; its counts are the README table.
+case in a worker process with a time limit; its counts are the table of docs/safety.md.
 """
 
 from __future__ import annotations

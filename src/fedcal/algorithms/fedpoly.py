@@ -32,7 +32,7 @@ sensitivity and their temperature dependence, the first non-linearity — and
 shared the other nine terms up to orders (3, 3). It needs more calibration
 points per sensor than private terms (7); with 6 points use 3 private terms
 (1, f, T). On the simulated fleet it reaches the noise floor with 12 points
-per sensor, where the per-sensor polynomial is 30× worse (README, sweep).
+per sensor, where the per-sensor polynomial is 30× worse (docs/results/fedpoly.md).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ that lean on them carry a wide predictive σ rather than a confident number,
 and the run reports them as weakly identified (:meth:`FedPrior.identification`,
 in the run's output and the exported prior). When every unit has fewer points
 than the basis has terms, lower the orders: the prior cannot be learned from
-such a fleet (measured in the README).
+such a fleet (measured in docs/results/fleet-prior.md).
 
 Complexity from the fleet's evidence (``select = "bic"``). The orders are an
 upper bound; every sub-basis (each input's order 0..its bound; for a
@@ -94,10 +94,11 @@ unless ``branch_select``: then the candidates are φ's sub-bases × ψ's options
 (no term, or any orders vector ≤ ``branch_orders``), and the fleet's BIC also
 decides whether and which direction term the data support (a fleet without
 directions gets none: its ψ columns are empty, same evidence, more parameters).
-Measured by helper "hyst" (benchmarks/fewpoint_direction.py) and here (README).
+Measured by helper "hyst" (benchmarks/fewpoint_direction.py) and here
+(docs/results/sweep-direction.md).
 
 Defaults (ours, measured on mixed fleets of 20 fully calibrated + 20 new
-units, 3 fleet seeds, off-grid test points; README): Legendre orders (4, 3),
+units, 3 fleet seeds, off-grid test points; docs/results/): Legendre orders (4, 3),
 the silicon-resonator calibration surface of docs/simulated-fleet.md,
 which also spans a quartz unit to the noise floor — (3, 3) gives the same
 errors, so the prior does not overfit the larger basis; ``select = "none"``

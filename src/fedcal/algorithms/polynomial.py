@@ -73,7 +73,7 @@ the fleet's feature order), ``coefficients``, ``dof`` (n − k; NaN if refused),
 ``saturated`` and ``refused`` (0/1).
 
 Defaults (ours, measured off the grid by ``benchmarks/polynomial_fewpoint.py``,
-see the README): orders up to 4 per input (the Digiquartz equation is close to
+docs/results/polynomial-off-grid.md): orders up to 4 per input (the Digiquartz equation is close to
 a quartic in frequency; calibration sheets carry cubic temperature terms);
 ``criterion="loo"`` (GCV was within ±7 % of it on the mean, worse on the worst
 sensor at 24 spread points; AICc was worse at 12 harsh points);
