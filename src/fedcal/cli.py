@@ -559,9 +559,9 @@ def export(
             }
         else:
             text = (
-                to_c_header(fleet, valid_range=ranges)
+                to_c_header(fleet, valid_range=ranges, method=method)
                 if fmt == "c"
-                else to_json(fleet, valid_range=ranges)
+                else to_json(fleet, valid_range=ranges, method=method)
             )
     except (FileNotFoundError, ValueError, ConfigError) as err:
         _fail(str(err))
@@ -575,6 +575,20 @@ def export(
     else:
         write_text(out, text)
         console.print(f"wrote {len(fleet.params)} sensors' models to {out}")
+        _print_footprint(fleet, method)
+
+
+def _print_footprint(fleet, method: str) -> None:
+    """The C header's constants per unit, for a model linear in a basis (docs/firmware.md)."""
+    from fedcal.report.linear_export import linear_form
+
+    form = linear_form(fleet, method)
+    if form is not None:
+        sigma = ", with σ" if form.has_std else ""
+        console.print(
+            f"footprint: {form.bytes_per_unit()} bytes of constants per unit "
+            f"({form.terms.shape[0]} basis terms{sigma})"
+        )
 
 
 @app.command()
