@@ -643,7 +643,21 @@ def calibrate(
     for _, row in table.iterrows():
         t.add_row(str(row["sensor_id"]), *[f"{row[c]:.4g}" for c in columns])
     console.print(t)
-    console.print(f"wrote {out}/coefficients.csv, per_sensor.csv and a run directory")
+    _print_findings(out)
+    console.print(f"wrote {out}/coefficients.csv, per_sensor.csv, units.csv and a run directory")
+
+
+def _print_findings(out: Path) -> None:
+    """The QA findings of a calibrate run (units.csv): units unlike the fleet, failed units."""
+    import pandas as pd
+
+    units = pd.read_csv(out / "units.csv", dtype={"sensor_id": str})
+    bad = units[units["status"] != "ok"]
+    for r in bad.itertuples():
+        why = f" (fleet distance d² {r.d2:.3g} > {r.d2_threshold:.3g})" * (r.status != "failed")
+        console.print(f"QA finding: {r.sensor_id}: {r.status}{why}", highlight=False)
+    if bad.empty:
+        console.print(f"QA: all {len(units)} unit(s) like the fleet (units.csv)")
 
 
 @app.command()
