@@ -258,3 +258,24 @@ def test_onnx_sigma_of_the_branch_variant_equals_predictive_std(runs, tmp_path):
     y, std = session.run(None, {"x": x})
     assert np.allclose(y[:, 0], fleet.predict(s, x)[:, 0], rtol=1e-12, atol=1e-9)
     assert np.allclose(std.ravel(), predictive_std(fleet, s, x).ravel(), rtol=1e-9)
+
+
+def test_a_nan_unit_is_nan_in_c_too(runs, tmp_path):
+    """A unit whose coefficients are NaN (a refused fit) is NaN in predict and in C."""
+    from dataclasses import replace
+
+    run, _, _ = runs
+    models = load_models(run, "polynomial")
+    bad = sorted(models.params)[1]
+    params = dict(models.params)
+    params[bad] = {**params[bad], "coef": torch.full_like(params[bad]["coef"], float("nan"))}
+    models = replace(models, params=params)
+    header = tmp_path / "cal.h"
+    ranges = read_valid_ranges(run, "polynomial")
+    header.write_text(to_c_header(models, valid_range=ranges, method="polynomial"))
+    x = np.array([[33_500.0, 10.0], [34_000.0, 30.0]], np.float32).astype(float)
+    idx = np.array([1, 1, 0, 0])
+    got = cheader.evaluate(cheader.build(header, tmp_path / "b"), idx, np.vstack([x, x]))
+    assert np.isnan(models.predict(bad, x)).all() and np.isnan(got[:2, :2]).all()
+    good = sorted(models.params)[0]
+    assert np.allclose(got[2:, 0], models.predict(good, x)[:, 0], rtol=0, atol=1e-9)
