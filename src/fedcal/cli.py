@@ -647,6 +647,27 @@ def calibrate(
     console.print(f"wrote {out}/coefficients.csv, per_sensor.csv, units.csv and a run directory")
 
 
+def _print_units(run_dir: Path) -> None:
+    """The per-unit table of a calibrate output (units.csv) and its QA findings."""
+    import pandas as pd
+
+    units = pd.read_csv(run_dir / "units.csv", dtype={"sensor_id": str})
+    points = ", ".join(map(str, sorted(set(units["points"].astype(int)))))
+    t = Table(
+        title=f"{len(units)} new unit(s); calibration points per unit: {points}",
+        title_justify="left",
+    )
+    columns = ["points", "status", "d2", "d2_threshold", "sigma_mean", "sigma_max", "resid_rms"]
+    t.add_column("sensor")
+    for c in columns:
+        t.add_column(c.replace("_", " "))
+    for _, row in units.iterrows():
+        cells = [row[c] if isinstance(row[c], str) else f"{row[c]:.4g}" for c in columns]
+        t.add_row(str(row["sensor_id"]), *cells)
+    console.print(t)
+    _print_findings(run_dir)
+
+
 def _print_findings(out: Path) -> None:
     """The QA findings of a calibrate run (units.csv): units unlike the fleet, failed units."""
     import pandas as pd
@@ -775,6 +796,11 @@ def report(
 
     from fedcal.report.tables import aggregate, table_columns, to_markdown
 
+    if (run_dir / "units.csv").exists():  # a `fedcal calibrate` output: one row per new unit
+        _print_units(run_dir)
+        if html is not None:
+            _write_html(run_dir, html, quiet=False)
+        return
     path = run_dir / "summary.csv"
     if not path.exists():
         _fail(f"{path} does not exist: not a fedcal run directory, or no run finished yet")

@@ -150,3 +150,13 @@ def test_the_html_report_of_a_calibrate_run_has_every_section(calibrated, tmp_pa
     assert np.allclose(shown, units["d2"].to_numpy(), rtol=1e-12)
     assert json.loads((out / "config.json").read_text())  # the config section's source
     torch.set_num_threads(1)
+
+
+def test_fedcal_report_of_a_calibrate_run_prints_its_units(calibrated):
+    _, out, _ = calibrated
+    result = runner.invoke(app, ["report", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "calibration points per unit: 6" in result.output
+    assert "calibration points per sensor: all" not in result.output
+    assert f"QA finding: {PLANTED}: unlike the fleet" in result.output
+    assert "QA finding: NEW-S000" not in result.output
