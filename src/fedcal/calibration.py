@@ -16,7 +16,11 @@ target's unit — with a direction term also h on the terms b·ψ, b = ±1
 up/down — where x0, x1, … are the inputs scaled by the prior's scaler and P_k
 the normalized Legendre polynomials; and its noise σ)
 and ``per_sensor.csv`` (points used, and test errors and interval coverage
-when the file marks rows as ``test``).
+when the file marks rows as ``test``), and the per-unit QA of
+:func:`unit_diagnostics`: ``units.csv`` (status, distance from the fleet,
+predictive σ over the prior's operating range, residuals at the calibration
+points) and ``calibration_points.csv`` (each calibration point's residual and σ),
+which ``fedcal report --html`` turns into a calibration report per unit.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ from fedcal.experiment import (
     valid_ranges,
 )
 
+QA_LEVEL = 0.999  # a unit beyond this χ² quantile of the fleet distance is flagged
+GRID_POINTS = 2000  # σ over the operating range: a tensor grid of about this many points
 RANGE_TOLERANCE = 0.05  # inputs may exceed the fleet's calibrated range by 5 % of its span
 NOISE_ITERATIONS = 25  # fixed-point iterations of a unit's own noise level (converged: tested)
 
@@ -192,6 +198,9 @@ def write(out: Path, prior: dict[str, Any], fleet: Fleet, result: Calibration) -
         for k, v in test.items():
             per_sensor[f"test_{k}"] = np.where(has_test, v.numpy(), np.nan)
     _write_csv(out / "per_sensor.csv", per_sensor)
+    units, points = unit_diagnostics(prior, result)
+    _write_csv(out / "units.csv", units)
+    _write_csv(out / "calibration_points.csv", points)
     # What the report and the exports read from a run directory: the valid input range of
     # each unit and a summary row.
     _write_text(run_dir / "valid_range.json", json.dumps(valid_ranges(fleet), indent=1))
@@ -208,3 +217,147 @@ def write(out: Path, prior: dict[str, Any], fleet: Fleet, result: Calibration) -
     row.update(wall_s=0.0, bytes_up_per_round=0.0, bytes_down_per_round=0.0)
     _write_csv(out / "summary.csv", pd.DataFrame([row]))
     return per_sensor
+
+
+def fleet_distance(
+    algorithm: FedPrior, server: Tree, noise_var: torch.Tensor, data: ClientData
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each unit's squared distance from the fleet d²_i and its degrees of freedom.
+
+    d²_i = (m_i − μ)ᵀ(Σ − V_i)⁺(m_i − μ): the Mahalanobis distance of the unit's
+    posterior mean m_i under the distribution it has when the unit is drawn from
+    the prior, N(μ, Σ − V_i) (V_i its posterior covariance). Computed in data
+    space, where it is well conditioned: with C_i = Φ_iΣΦ_iᵀ + σ_i²I = L Lᵀ,
+    e = L⁻¹(y_i − Φ_iμ) and A = L⁻¹Φ_i, m_i − μ = ΣΦ_iᵀL⁻ᵀe and Σ − V_i =
+    ΣΦ_iᵀC_i⁻¹Φ_iΣ, so d²_i = ‖P_A e‖² (P_A the projection on A's columns) and,
+    for a unit of the fleet, d²_i ~ χ² with rank(A) degrees of freedom (Φ_i of
+    full row rank: d²_i = eᵀe, the whitened residual of its points under the
+    prior predictive).
+    """
+    design = algorithm.design(data.x, data.branch).to(F64)
+    mu, sigma = server["mu"].to(F64), server["sigma"].to(F64)
+    resid = data.y[..., 0].to(F64) - design @ mu
+    d2 = np.full(design.shape[0], np.nan)
+    dof = np.zeros(design.shape[0], dtype=int)
+    for i in range(design.shape[0]):
+        rows = data.mask[i] > 0
+        phi, r = design[i][rows], resid[i][rows]
+        cov = phi @ sigma @ phi.T + noise_var[i].to(F64) * torch.eye(len(r), dtype=F64)
+        chol, info = torch.linalg.cholesky_ex(cov)
+        if int(info) or not torch.isfinite(r).all():
+            continue
+        e = torch.linalg.solve_triangular(chol, r.unsqueeze(-1), upper=False)[:, 0]
+        a = torch.linalg.solve_triangular(chol, phi, upper=False)
+        u, sv, _ = torch.linalg.svd(a, full_matrices=False)
+        rank = int((sv > 1e-10 * sv.max()).sum()) if len(sv) else 0
+        proj = u[:, :rank].T @ e
+        d2[i], dof[i] = float(proj @ proj), rank
+    return d2, dof
+
+
+def distance_threshold(
+    d2: np.ndarray, dof: np.ndarray, num_units: int | None, level: float = QA_LEVEL
+) -> tuple[np.ndarray, np.ndarray]:
+    """The QA threshold of d² and its p-value, per unit.
+
+    The prior's Σ is estimated from the fleet's N units, so a new unit's d² is
+    not χ²(dof) but Hotelling's prediction statistic: d² · N(N − d)/(d(N − 1)(N + 1))
+    ~ F(d, N − d) (d = dof). Threshold: the F quantile at ``level`` mapped back;
+    for large N it tends to the χ²(d) quantile (used when N is not recorded).
+    A fleet of N ≤ d units cannot judge a d-dimensional distance: NaN (not flagged).
+    Measured (fleet seed 2, 10 fully calibrated units, new units with a 3x2 design:
+    tests/report/test_calibration_report.py): a typical new unit reached d² = 38.5
+    with d = 6, above χ²(6)'s 99.9 % quantile 22.5 — χ² ignores that Σ was
+    estimated from 10 units; Hotelling's threshold is 750.
+    """
+    from scipy.stats import chi2, f
+
+    d = np.maximum(dof, 1).astype(float)
+    if num_units is None:
+        threshold = np.where(dof > 0, chi2.ppf(level, d), np.nan)
+        return threshold, np.where(dof > 0, chi2.sf(d2, d), np.nan)
+    n = float(num_units)
+    ok = (dof > 0) & (n > d)
+    den = np.where(ok, n - d, 1.0)
+    factor = d * (n - 1.0) * (n + 1.0) / (n * den)
+    threshold = np.where(ok, factor * f.ppf(level, d, den), np.nan)
+    p_value = np.where(ok, f.sf(d2 / factor, d, den), np.nan)
+    return threshold, p_value
+
+
+def operating_grid(prior: dict[str, Any], points: int = GRID_POINTS) -> np.ndarray:
+    """A tensor grid over the prior fleet's calibrated input range (raw units)."""
+    ranges = [prior["input_range"][c] for c in prior["features"]]
+    side = max(3, round(points ** (1 / len(ranges))))
+    axes = [np.linspace(lo, hi, side) for lo, hi in ranges]
+    return np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, len(ranges))
+
+
+def unit_diagnostics(
+    prior: dict[str, Any], result: Calibration
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Per unit: status, fleet distance, σ over the operating range, calibration residuals.
+
+    Returns (units, points): ``units`` one row per unit — ``d2`` and ``dof``
+    (:func:`fleet_distance`), ``d2_threshold`` (its quantile at
+    ``QA_LEVEL``: :func:`distance_threshold`), ``p_value``, ``unlike_fleet`` (d²
+    above the threshold: a QA finding), ``sigma_mean``/``sigma_max`` (predictive σ
+    over a grid of the prior's input range, target units), ``resid_rms``/``resid_max_abs`` at its
+    calibration points and ``status`` ("ok", "unlike the fleet", or "failed"
+    when its posterior is not finite); ``points`` one row per calibration point
+    with its prediction, residual (calibrated − reference) and σ.
+    """
+    alg, tensors, personal = result.algorithm, result.tensors, result.personal
+    scaler = tensors.scaler
+    y_scale = abs(float(np.asarray(scaler.y_scale).ravel()[0]))
+    train = tensors.train
+    d2, dof = fleet_distance(alg, result.server, personal["noise_var"], train)
+    threshold, p_value = distance_threshold(d2, dof, prior.get("num_units"))
+    grid = torch.as_tensor(scaler.x(operating_grid(prior)), dtype=F64)
+    n = tensors.num_clients
+    with torch.no_grad():
+        sigma = alg.predictive_std(personal, grid.expand(n, -1, -1))[..., 0].numpy() * y_scale
+        pred = scaler.y_inverse(alg.predict(personal, train.x.to(F64)).numpy().reshape(-1, 1))
+        pred_std = alg.predictive_std(personal, train.x.to(F64))[..., 0].numpy() * y_scale
+    pred = pred.reshape(n, -1)
+    ref = scaler.y_inverse(train.y[..., 0].double().numpy().reshape(-1, 1)).reshape(n, -1)
+    raw_x = (
+        train.x.double().numpy().reshape(-1, train.x.shape[-1]) * scaler.x_scale + scaler.x_offset
+    )
+    raw_x = raw_x.reshape(n, -1, train.x.shape[-1])
+    mask = train.mask.numpy() > 0
+    rows, units = [], []
+    finite = torch.isfinite(personal["coef"]).all(-1).numpy()
+    for i, sid in enumerate(tensors.client_ids):
+        m = mask[i]
+        res = pred[i][m] - ref[i][m]
+        for k in np.flatnonzero(m):
+            rows.append(
+                {
+                    "sensor_id": sid,
+                    **{c: raw_x[i, k, j] for j, c in enumerate(prior["features"])},
+                    prior["target"]: ref[i, k],
+                    "calibrated": pred[i, k],
+                    "residual": pred[i, k] - ref[i, k],
+                    "sigma": pred_std[i, k],
+                }
+            )
+        unlike = bool(np.isfinite(d2[i]) and d2[i] > threshold[i])
+        status = "failed" if not finite[i] else ("unlike the fleet" if unlike else "ok")
+        units.append(
+            {
+                "sensor_id": sid,
+                "points": int(m.sum()),
+                "status": status,
+                "d2": d2[i],
+                "dof": int(dof[i]),
+                "d2_threshold": threshold[i],
+                "p_value": p_value[i],
+                "unlike_fleet": unlike,
+                "sigma_mean": float(np.mean(sigma[i])),
+                "sigma_max": float(np.max(sigma[i])),
+                "resid_rms": float(np.sqrt(np.mean(res**2))) if len(res) else np.nan,
+                "resid_max_abs": float(np.max(np.abs(res))) if len(res) else np.nan,
+            }
+        )
+    return pd.DataFrame(units), pd.DataFrame(rows)

@@ -559,9 +559,9 @@ def export(
             }
         else:
             text = (
-                to_c_header(fleet, valid_range=ranges)
+                to_c_header(fleet, valid_range=ranges, method=method)
                 if fmt == "c"
-                else to_json(fleet, valid_range=ranges)
+                else to_json(fleet, valid_range=ranges, method=method)
             )
     except (FileNotFoundError, ValueError, ConfigError) as err:
         _fail(str(err))
@@ -575,6 +575,20 @@ def export(
     else:
         write_text(out, text)
         console.print(f"wrote {len(fleet.params)} sensors' models to {out}")
+        _print_footprint(fleet, method)
+
+
+def _print_footprint(fleet, method: str) -> None:
+    """The C header's constants per unit, for a model linear in a basis (docs/firmware.md)."""
+    from fedcal.report.linear_export import linear_form
+
+    form = linear_form(fleet, method)
+    if form is not None:
+        sigma = ", with σ" if form.has_std else ""
+        console.print(
+            f"footprint: {form.bytes_per_unit()} bytes of constants per unit "
+            f"({form.terms.shape[0]} basis terms{sigma})"
+        )
 
 
 @app.command()
@@ -629,7 +643,42 @@ def calibrate(
     for _, row in table.iterrows():
         t.add_row(str(row["sensor_id"]), *[f"{row[c]:.4g}" for c in columns])
     console.print(t)
-    console.print(f"wrote {out}/coefficients.csv, per_sensor.csv and a run directory")
+    _print_findings(out)
+    console.print(f"wrote {out}/coefficients.csv, per_sensor.csv, units.csv and a run directory")
+
+
+def _print_units(run_dir: Path) -> None:
+    """The per-unit table of a calibrate output (units.csv) and its QA findings."""
+    import pandas as pd
+
+    units = pd.read_csv(run_dir / "units.csv", dtype={"sensor_id": str})
+    points = ", ".join(map(str, sorted(set(units["points"].astype(int)))))
+    t = Table(
+        title=f"{len(units)} new unit(s); calibration points per unit: {points}",
+        title_justify="left",
+    )
+    columns = ["points", "status", "d2", "d2_threshold", "sigma_mean", "sigma_max", "resid_rms"]
+    t.add_column("sensor")
+    for c in columns:
+        t.add_column(c.replace("_", " "))
+    for _, row in units.iterrows():
+        cells = [row[c] if isinstance(row[c], str) else f"{row[c]:.4g}" for c in columns]
+        t.add_row(str(row["sensor_id"]), *cells)
+    console.print(t)
+    _print_findings(run_dir)
+
+
+def _print_findings(out: Path) -> None:
+    """The QA findings of a calibrate run (units.csv): units unlike the fleet, failed units."""
+    import pandas as pd
+
+    units = pd.read_csv(out / "units.csv", dtype={"sensor_id": str})
+    bad = units[units["status"] != "ok"]
+    for r in bad.itertuples():
+        why = f" (fleet distance d² {r.d2:.3g} > {r.d2_threshold:.3g})" * (r.status != "failed")
+        console.print(f"QA finding: {r.sensor_id}: {r.status}{why}", highlight=False)
+    if bad.empty:
+        console.print(f"QA: all {len(units)} unit(s) like the fleet (units.csv)")
 
 
 @app.command()
@@ -747,6 +796,11 @@ def report(
 
     from fedcal.report.tables import aggregate, table_columns, to_markdown
 
+    if (run_dir / "units.csv").exists():  # a `fedcal calibrate` output: one row per new unit
+        _print_units(run_dir)
+        if html is not None:
+            _write_html(run_dir, html, quiet=False)
+        return
     path = run_dir / "summary.csv"
     if not path.exists():
         _fail(f"{path} does not exist: not a fedcal run directory, or no run finished yet")

@@ -570,20 +570,41 @@ class FedPrior(Algorithm):
         return value.unsqueeze(-1).to(x.dtype)
 
     def predictive_std(self, params: Tree, x: Tensor) -> Tensor:
-        """√(φᵀV_cc φ + σ_i² [+ ψᵀ(m_h m_hᵀ + V_hh)ψ]) per row (clients, rows, 1), scaled.
+        """√(z(x)ᵀQ z(x) + s) per row (clients, rows, 1), scaled: :meth:`variance_form`."""
+        q, s = self.variance_form(params)
+        var = predictive_var(self.variance_design(x), q, s)
+        return var.sqrt().unsqueeze(-1).to(x.dtype)
 
-        The bracket is the direction term's share when b is unknown (module doc).
+    def variance_design(self, x: Tensor) -> Tensor:
+        """z(x) = [φ(x), ψ(x)] (clients, rows, features), float64: no sign b (unknown in use)."""
+        phi = legendre_products(x, self.terms)
+        if not self.branch_orders:
+            return phi
+        return torch.cat([phi, legendre_products(x, self.branch_terms)], -1)
+
+    def variance_form(self, params: Tree) -> tuple[Tensor, Tensor]:
+        """(Q, s): the predictive variance as z(x)ᵀQ z(x) + s, z = :meth:`variance_design`.
+
+        Q = blockdiag(V_cc, m_h m_hᵀ + V_hh) — the posterior covariance of c and,
+        with a direction term, E[h hᵀ] (b unknown: E[b] = 0, E[b²] = 1; module
+        doc) — and s = Σ of the unit's additive variances: every per-unit scalar
+        parameter named ``*_var`` (σ_i² = ``noise_var``; a further additive term
+        stored the same way is included). The single place of the predictive
+        variance: :meth:`predictive_std` and the firmware/JSON exports read it.
         """
         p = len(self.terms)
         cov = params["cov"].to(F64)
-        phi = legendre_products(x, self.terms)
-        var = predictive_var(phi, cov[..., :p, :p], params["noise_var"])
+        q = torch.zeros_like(cov)
+        q[..., :p, :p] = cov[..., :p, :p]
         if self.branch_orders:
             m_h = params["coef"][..., p:].to(F64)
-            second = m_h.unsqueeze(-1) * m_h.unsqueeze(-2) + cov[..., p:, p:]  # E[h hᵀ]
-            psi = legendre_products(x, self.branch_terms)
-            var = var + ((psi @ second) * psi).sum(-1)
-        return var.sqrt().unsqueeze(-1).to(x.dtype)
+            q[..., p:, p:] = m_h.unsqueeze(-1) * m_h.unsqueeze(-2) + cov[..., p:, p:]
+        batch = cov.shape[:-2]
+        s = torch.zeros(batch, dtype=F64)
+        for key, value in params.items():
+            if key.endswith("_var") and tuple(value.shape) == tuple(batch):
+                s = s + value.to(F64)
+        return q, s
 
     # ---- what a user keeps -----------------------------------------------------
     def identification(self, server: Tree) -> dict[str, Any]:

@@ -4,8 +4,10 @@ A run directory keeps, per (method, seed), ``model.safetensors``: every sensor's
 personalized parameters, the input/target scaling and the model settings.
 :func:`load_models` turns it back into a callable calibration; :func:`to_c_header`
 writes a dependency-free C header for MLP models (float32, one weight set per
-sensor and a small ``fedcal_calibrate`` routine); :func:`to_json` writes the
-same numbers for any other toolchain.
+sensor and a small ``fedcal_calibrate`` routine) and, for models linear in a
+basis (fedprior, polynomial, fedpoly, leastsq), the basis and each unit's
+coefficients and predictive-covariance factor (:mod:`fedcal.report.linear_export`);
+:func:`to_json` writes the same numbers for any other toolchain.
 """
 
 from __future__ import annotations
@@ -91,19 +93,30 @@ def load_models(
     )
 
 
-def to_json(fleet: CalibratedFleet, valid_range: dict | None = None) -> str:
+def to_json(fleet: CalibratedFleet, valid_range: dict | None = None, method: str = "") -> str:
     """All numbers needed to evaluate every sensor's model, as JSON.
 
     ``valid_range`` ({sensor: {column: [min, max]}}, the span of each sensor's
     calibration points) is written as ``valid_range``; outside it the model
     extrapolates. Every leaf of the personalized parameter tree is written, so a
     method whose tree holds a posterior (coefficients, covariance) exports it too.
+    A model linear in a basis gets ``model`` = its basis form (family
+    ``linear_basis``: terms, normalisation, formula, each unit's coefficients and
+    covariance factor; :func:`fedcal.report.linear_export.json_block`).
     """
+    from fedcal.report.linear_export import check_form, json_block, linear_form
+
+    form = linear_form(fleet, method)
+    model = fleet.model
+    if form is not None:
+        check_form(fleet, form, valid_range)
+        model = json_block(fleet, form)
     return json.dumps(
         {
+            "family": model.get("family"),
             "features": list(fleet.features),
             "target": fleet.target,
-            "model": fleet.model,
+            "model": model,
             "scaler": fleet.scaler.to_dict(),
             "valid_range": valid_range or {},
             "sensors": {
@@ -161,16 +174,34 @@ def to_c_header(
     fleet: CalibratedFleet,
     guard: str = "FEDCAL_CALIBRATION_H",
     valid_range: dict | None = None,
+    method: str = "",
 ) -> str:
-    """A C99 header evaluating each sensor's MLP; only for the ``mlp`` family.
+    """A C99 header evaluating each sensor's model: an MLP, or a model linear in a basis.
 
     With ``valid_range`` (see :func:`to_json`) it also carries each sensor's
-    calibrated input and output span and ``fedcal_in_range``.
+    calibrated input and output span and ``fedcal_in_range``. A linear-in-basis
+    model (:mod:`fedcal.report.linear_export`) also gets ``fedcal_calibrate_std``
+    when the method has a predictive σ; its form is checked against the model's
+    own predictions before it is written.
     """
+    from fedcal.report.linear_export import c_header, check_form, linear_form
+
+    form = linear_form(fleet, method)
+    if form is not None:
+        check_form(fleet, form, valid_range)
+        ranges = (
+            _c_range_lines(list(form.sensors), [*fleet.features, fleet.target], valid_range)
+            if valid_range
+            else []
+        )
+        return c_header(fleet, form, guard, ranges)
     if fleet.model.get("family") != "mlp" or not all(
         "l0.weight" in p for p in fleet.params.values()
     ):
-        raise ValueError("C export supports the 'mlp' model family; use JSON export for this model")
+        raise ValueError(
+            "C export supports the 'mlp' model family and models linear in a basis (fedprior, "
+            "polynomial, fedpoly, leastsq); use JSON or ONNX export for this model"
+        )
     activation = fleet.model.get("activation", "tanh")
     act_c = {"tanh": "tanhf(v)", "relu": "(v > 0.0f ? v : 0.0f)", "silu": "v / (1.0f + expf(-v))"}[
         activation

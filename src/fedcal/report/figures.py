@@ -254,3 +254,56 @@ def uncertainty_bands(
         az.set_ylabel("residual / σ")
         az.grid(True, alpha=0.3)
     return fig, coverage
+
+
+def unit_fleet_distance(units: pd.DataFrame) -> Figure:
+    """Each new unit's fleet distance d² against its QA threshold (flagged units in red)."""
+    fig, ax = plt.subplots(figsize=(8, 0.6 + 0.3 * len(units)), layout="constrained")
+    ratio = (units["d2"] / units["d2_threshold"]).to_numpy(float)
+    colors = ["crimson" if flag else "tab:blue" for flag in units["unlike_fleet"]]
+    y = np.arange(len(units))
+    ax.barh(y, np.where(np.isfinite(ratio), ratio, 0.0), color=colors)
+    ax.axvline(1.0, color="k", lw=1, ls="--")
+    ax.set_yticks(y, units["sensor_id"].astype(str))
+    ax.invert_yaxis()
+    ax.set_xscale("symlog", linthresh=1.0)
+    ax.set_xlabel("d² / threshold; right of the dashed line: unlike the fleet")
+    return fig
+
+
+def unit_sigma(units: pd.DataFrame, unit: str) -> Figure:
+    """Mean and maximum predictive σ of each unit over the operating range."""
+    fig, ax = plt.subplots(figsize=(8, 0.6 + 0.3 * len(units)), layout="constrained")
+    y = np.arange(len(units))
+    ax.barh(y - 0.2, units["sigma_mean"], height=0.4, label="mean σ")
+    ax.barh(y + 0.2, units["sigma_max"], height=0.4, label="max σ")
+    ax.set_yticks(y, units["sensor_id"].astype(str))
+    ax.invert_yaxis()
+    ax.set_xlabel(f"predictive σ over the fleet's operating range ({unit})")
+    ax.legend(loc="lower right")
+    return fig
+
+
+def unit_residuals(points: pd.DataFrame, target: str, unit: str) -> Figure:
+    """Residual (calibrated − reference) at every calibration point, ±2σ bars, per unit."""
+    fig, ax = plt.subplots(figsize=(8, 4), layout="constrained")
+    groups = list(points.groupby("sensor_id", sort=False))
+    span = float(points[target].max() - points[target].min()) or 1.0
+    for i, (sensor, rows) in enumerate(groups):
+        shift = (i - (len(groups) - 1) / 2) * 0.006 * span  # units side by side at a point
+        ax.errorbar(
+            rows[target] + shift,
+            rows["residual"],
+            yerr=2 * rows["sigma"],
+            fmt="o",
+            ms=3,
+            capsize=2,
+            color=_color(i),
+            label=str(sensor),
+        )
+    ax.axhline(0.0, color="k", lw=0.8)
+    ax.set_xlabel(f"{target} reference ({unit})")
+    ax.set_ylabel(f"calibrated − reference ({unit})")
+    if points["sensor_id"].nunique() <= 12:
+        ax.legend(fontsize=7, ncol=2)
+    return fig

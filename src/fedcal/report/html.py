@@ -15,6 +15,10 @@ does not apply says why instead):
 ``sweep``        calibration-point sweep (runs with several budgets);
 ``uncertainty``  ±2σ predictive bands (methods with ``predictive_std``);
 ``config``       the resolved configuration (config.json).
+
+The output of ``fedcal calibrate`` (new units against a stored fleet prior;
+it has ``units.csv``) gets a calibration report per unit instead
+(:func:`build_calibration_report`).
 """
 
 from __future__ import annotations
@@ -108,6 +112,8 @@ def summary_html(table: pd.DataFrame, unit: str) -> str:
 
 def build_report(run_dir: str | Path, out: str | Path, seed: int | None = None) -> Report:
     """Write the HTML report of ``run_dir`` to ``out`` (atomically) and say what it holds."""
+    if (Path(run_dir) / "units.csv").exists():
+        return build_calibration_report(run_dir, out)
     run = RunDir.open(run_dir)
     cfg = run.config
     out = Path(out)
@@ -248,6 +254,176 @@ def build_report(run_dir: str | Path, out: str | Path, seed: int | None = None) 
         '<section id="summary"><h2>Summary (mean ±std over seeds)</h2>',
         summary_html(table, unit),
         "</section>",
+    ]
+    body = [
+        f'<section id="{sid}"><h2>{html.escape(title)}</h2>{content}</section>'
+        for sid, title, content in sections
+    ]
+    text = "\n".join([*head, *body, "</body></html>", ""])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text(out, text)
+    return report
+
+
+def _frame_html(frame: pd.DataFrame, klass: str, digits: int = 4) -> str:
+    """A table of a DataFrame; numbers carry their exact value in ``data-value``."""
+    out = [f'<table class="{klass}"><tr>']
+    out += [f"<th>{html.escape(str(c))}</th>" for c in frame.columns]
+    out.append("</tr>")
+    for _, row in frame.iterrows():
+        out.append("<tr>")
+        for c in frame.columns:
+            v = row[c]
+            if isinstance(v, (float, np.floating)) and not isinstance(v, bool):
+                text = "nan" if math.isnan(v) else f"{v:.{digits}g}"
+                out.append(
+                    f'<td class="num" data-column="{html.escape(str(c))}" '
+                    f'data-value="{float(v)!r}">{text}</td>'
+                )
+            else:
+                out.append(f'<td data-column="{html.escape(str(c))}">{html.escape(str(v))}</td>')
+        out.append("</tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+def build_calibration_report(run_dir: str | Path, out: str | Path) -> Report:
+    """The report of a ``fedcal calibrate`` output: one calibration report per new unit.
+
+    Sections: ``units`` (status, distance from the fleet, σ, residuals, test
+    errors when held-out rows were given; units unlike the fleet are named as QA
+    findings), ``fleet-distance``, ``coefficients`` (with the basis they are
+    coefficients of), ``sigma`` (predictive σ over the prior's operating range),
+    ``residuals`` (at the calibration points), ``config``. Numbers from
+    ``units.csv``, ``coefficients.csv``, ``calibration_points.csv`` and
+    ``per_sensor.csv`` (:func:`fedcal.calibration.unit_diagnostics`).
+    """
+    from fedcal.calibration import QA_LEVEL
+
+    run_dir, out = Path(run_dir), Path(out)
+    report = Report(out)
+    units = pd.read_csv(run_dir / "units.csv", dtype={"sensor_id": str})
+    coef = pd.read_csv(run_dir / "coefficients.csv", dtype={"sensor_id": str})
+    points = pd.read_csv(run_dir / "calibration_points.csv", dtype={"sensor_id": str})
+    per_sensor = pd.read_csv(run_dir / "per_sensor.csv", dtype={"sensor_id": str})
+    prior_files = sorted(run_dir.glob("runs/*/prior.json"))
+    prior = json.loads(prior_files[0].read_text()) if prior_files else {}
+    target = prior.get("target", "target")
+    unit = target_unit(target)
+    sections: list[tuple[str, str, str]] = []
+
+    def figure(section: str, title: str, fig, caption: str, extra: str = "") -> None:
+        report.figures.append(section)
+        body = f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{_png(fig)}">'
+        body += f"<figcaption>{caption}</figcaption></figure>{extra}"
+        sections.append((section, title, body))
+
+    flagged = units[units["status"] != "ok"]
+    findings = (
+        "<p><b>QA findings:</b> "
+        + "; ".join(
+            f"{html.escape(r.sensor_id)}: {html.escape(r.status)} "
+            f"(d² = {r.d2:.3g} &gt; {r.d2_threshold:.3g})"
+            if r.status == "unlike the fleet"
+            else f"{html.escape(r.sensor_id)}: {html.escape(r.status)}"
+            for r in flagged.itertuples()
+        )
+        + "</p>"
+        if len(flagged)
+        else "<p>QA: every unit is like the fleet (no finding).</p>"
+    )
+    tests = [c for c in per_sensor.columns if c.startswith("test_")]
+    table = units.merge(per_sensor[["sensor_id", *tests]], on="sensor_id", how="left")
+    shown = ["sensor_id", "points", "status", "d2", "dof", "d2_threshold", "p_value"]
+    shown += ["sigma_mean", "sigma_max", "resid_rms", "resid_max_abs", *tests]
+    sections.append(
+        (
+            "units",
+            "New units",
+            findings
+            + _frame_html(table[shown], "units")
+            + f'<p class="note">d²: the unit\'s distance from the fleet — the Mahalanobis '
+            "distance of its coefficients' posterior mean under the fleet prior (its "
+            "distribution for a unit of the fleet, N(μ, Σ − V)); with Σ estimated from the "
+            "fleet's N units, d² of a unit of the fleet follows Hotelling's prediction law "
+            "(d²·N(N−dof)/(dof(N−1)(N+1)) ~ F(dof, N−dof)); above its "
+            f"{QA_LEVEL:.1%} quantile (d2_threshold) a unit is flagged as unlike the fleet. "
+            f"σ in {html.escape(unit)} over the fleet's operating range; residuals "
+            f"(calibrated − reference, {html.escape(unit)}) at the unit's calibration points.</p>",
+        )
+    )
+    figure(
+        "fleet-distance",
+        "Distance from the fleet",
+        figures.unit_fleet_distance(units),
+        f"Each unit's d² over its {QA_LEVEL:.1%} threshold; red: unlike the fleet.",
+    )
+    features = prior.get("features", [])
+    scaler = prior.get("scaler", {})
+    maps = (
+        ", ".join(
+            f"x{j} = ({html.escape(c)} − {scaler['x_offset'][j]:.6g}) / {scaler['x_scale'][j]:.6g}"
+            for j, c in enumerate(features)
+        )
+        if scaler
+        else ""
+    )
+    basis_text = (
+        f"<p>{html.escape(target)} = Σ_k c_k φ_k(x) in {html.escape(unit)}, with {maps}; "
+        "φ_k products of normalized Legendre polynomials P̃n = √(2n+1)·Pn of the scaled "
+        "inputs (each of unit mean square on [−1, 1]). So '1' is the unit's mean output "
+        "over the fleet's scaled input box, P1(x) terms its linear sensitivities, higher "
+        "orders the curvature; terms b·… are half the up/down sweep split. noise_sd: the "
+        f"unit's noise σ ({html.escape(unit)}).</p>"
+    )
+    sections.append(
+        (
+            "coefficients",
+            "Coefficients",
+            basis_text + _frame_html(coef, "coefficients", digits=6),
+        )
+    )
+    figure(
+        "sigma",
+        "Predictive σ over the operating range",
+        figures.unit_sigma(units, unit),
+        "Mean and maximum predictive σ (posterior + noise) of each unit over a grid of the "
+        "prior fleet's calibrated input range"
+        + (
+            ": "
+            + ", ".join(
+                f"{html.escape(c)} {lo:.6g}…{hi:.6g}"
+                for c, (lo, hi) in prior["input_range"].items()
+            )
+            if "input_range" in prior
+            else ""
+        )
+        + ".",
+    )
+    figure(
+        "residuals",
+        "Residuals at the calibration points",
+        figures.unit_residuals(points, target, unit),
+        "Calibrated − reference at each unit's own calibration points, with ±2σ bars.",
+        _frame_html(points, "points", digits=7),
+    )
+    config = json.loads((run_dir / "config.json").read_text())
+    config_text = "\n".join(
+        f"{key} = {json.dumps(value, sort_keys=True)}" for key, value in sorted(config.items())
+    )
+    sections.append(("config", "Resolved configuration", f"<pre>{html.escape(config_text)}</pre>"))
+    points_per_unit = sorted(set(units["points"].astype(int)))
+    head = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>fedcal calibration report: {html.escape(str(run_dir))}</title>",
+        f"<style>{STYLE}</style></head><body>",
+        f"<h1>fedcal calibration report: {html.escape(str(run_dir))}</h1>",
+        f"<p>{len(units)} new unit(s) calibrated against a fleet prior "
+        f"({html.escape(str(prior_files[0]) if prior_files else 'prior.json')}); calibration "
+        f"points per unit: {', '.join(map(str, points_per_unit))}; target "
+        f"{html.escape(target)}, inputs {html.escape(', '.join(features))}; "
+        f"{len(flagged)} QA finding(s).</p>",
     ]
     body = [
         f'<section id="{sid}"><h2>{html.escape(title)}</h2>{content}</section>'

@@ -1,0 +1,430 @@
+"""Firmware export of models linear in a basis: fedprior (± branch), polynomial, fedpoly, leastsq.
+
+Every such method predicts, per unit i and raw input x (F features),
+
+    z = (x − x_offset) / x_scale                       (the run's scaler)
+    u = z, or u_j = 2(z_j − lo_ij)/(hi_ij − lo_ij) − 1 (polynomial: its own calibrated span)
+    ŷ = y_offset + y_scale · Σ_t c_it φ_t(u)
+    φ_t(u) = Π_j P̃_{a_tj}(u_j)  (Legendre: P̃_n = √(2n+1)·P_n, Bonnet's recurrence)
+           or Π_j u_j^{a_tj}    (monomial: leastsq)
+
+and, for a method with a predictive distribution (fedprior),
+
+    σ(x) = |y_scale| · √(‖L_iᵀ φ(u)‖² + s_i),   L_i L_iᵀ = Q_i,
+
+with (Q_i, s_i) the unit's predictive covariance of the basis terms and its
+additive variance, read from the algorithm's one variance function
+(:meth:`fedcal.algorithms.fedprior.FedPrior.variance_form`), never rebuilt here.
+:func:`linear_form` extracts (terms, coefficients, input map, factor) per method;
+:func:`check_form` evaluates that form in NumPy and refuses it unless it equals
+the algorithm's own ``predict`` and ``predictive_std`` (so a change of the
+model that the form does not carry stops the export, not the firmware);
+:func:`c_header` writes the C99 header and :func:`json_block` the JSON.
+Precision choices (measured, docs/firmware.md): input scaling, the recurrence
+and the sums in double; coefficients stored as double; the factor and the
+additive variance as float.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedcal.core.tree import stack
+
+# C types of the stages, each overridable with -D at compile time (for the precision study).
+STAGES = {
+    "FEDCAL_SCALE_T": "double",  # (x − offset)/scale and the polynomial's unit map
+    "FEDCAL_BASIS_T": "double",  # the Legendre recurrence / monomial powers and products
+    "FEDCAL_SUM_T": "double",  # Σ c_t φ_t and the output scaling
+    "FEDCAL_COEF_T": "double",  # stored coefficients
+    "FEDCAL_STD_T": "float",  # stored factor L, additive variance, and the σ arithmetic
+}
+TYPE_BYTES = {"double": 8, "float": 4}
+
+
+@dataclass(frozen=True)
+class LinearForm:
+    """One run's models as basis terms and per-unit numbers (see the module docstring)."""
+
+    method: str
+    basis: str  # "legendre" or "monomial"
+    terms: np.ndarray  # (T, F) int exponents
+    coef: np.ndarray  # (S, T) scaled target units
+    lo: np.ndarray | None  # (S, F) polynomial's unit map (scaled inputs), else None
+    hi: np.ndarray | None
+    factor: np.ndarray | None  # (S, T, T) lower-triangular L_i with L_i L_iᵀ = Q_i
+    add_var: np.ndarray | None  # (S,) s_i
+    sensors: tuple[str, ...]
+
+    @property
+    def has_std(self) -> bool:
+        return self.factor is not None
+
+    def features(self, z: np.ndarray, unit: int) -> np.ndarray:
+        """φ(u) for scaled inputs z (rows, F) of unit ``unit`` → (rows, T), float64."""
+        u = np.asarray(z, float)
+        if self.lo is not None:
+            lo, hi = self.lo[unit], self.hi[unit]
+            span = np.where(hi > lo, hi - lo, 1.0)
+            u = 2.0 * (u - lo) / span - 1.0
+        top = int(self.terms.max(initial=0))
+        if self.basis == "monomial":
+            per = [u**n for n in range(top + 1)]
+        else:
+            per = [np.ones_like(u), u]
+            for n in range(1, top):
+                per.append(((2 * n + 1) * u * per[n] - n * per[n - 1]) / (n + 1))
+            per = [math.sqrt(2 * n + 1) * v for n, v in enumerate(per[: top + 1])]
+        out = np.ones((u.shape[0], len(self.terms)))
+        for t, term in enumerate(self.terms):
+            for j, a in enumerate(term):
+                out[:, t] *= per[a][:, j]
+        return out
+
+    def evaluate(self, z: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(ŷ, σ) in scaled target units at scaled inputs z (rows, F)."""
+        phi = self.features(z, unit)
+        mean = phi @ self.coef[unit]
+        if not self.has_std:
+            return mean, None
+        w = phi @ self.factor[unit]  # rows of Lᵀφ
+        return mean, np.sqrt((w * w).sum(1) + self.add_var[unit])
+
+    def bytes_per_unit(self, with_range: bool = True) -> int:
+        """Flash bytes of one unit's constants in the C header (not the sensor id string)."""
+        t, f = self.terms.shape
+        size = t * TYPE_BYTES[STAGES["FEDCAL_COEF_T"]]
+        if self.lo is not None:
+            size += 2 * f * TYPE_BYTES[STAGES["FEDCAL_SCALE_T"]]
+        if self.has_std:
+            size += (t * (t + 1) // 2 + 1) * TYPE_BYTES[STAGES["FEDCAL_STD_T"]]
+        if with_range:
+            size += (2 * f + 2) * 4  # x_min, x_max, y_min, y_max (float)
+        return size
+
+
+def _factor(q: np.ndarray) -> np.ndarray:
+    """Lower-triangular L with L Lᵀ = Q (Cholesky; a PSD Q that is singular gets a 1e-14
+    relative jitter on its diagonal — a change of σ² far below the 1 % the export keeps)."""
+    q = 0.5 * (q + q.T)
+    try:
+        return np.linalg.cholesky(q)
+    except np.linalg.LinAlgError:
+        jitter = 1e-14 * max(float(np.trace(q)), 1e-300)
+        return np.linalg.cholesky(q + jitter * np.eye(len(q)))
+
+
+def linear_form(fleet, method: str = "") -> LinearForm | None:
+    """The basis form of a run's models, or None when the method is not linear in a basis.
+
+    ``fleet`` is a :class:`fedcal.report.export.CalibratedFleet`.
+    """
+    from fedcal.algorithms.fedpoly import FedPoly
+    from fedcal.algorithms.fedprior import FedPrior
+    from fedcal.algorithms.leastsq import LeastSquares
+    from fedcal.algorithms.polynomial import PolynomialCalibration
+
+    alg = fleet.algorithm
+    sensors = tuple(sorted(fleet.params))
+    params = {k: v.to(torch.float64) for k, v in stack([fleet.params[s] for s in sensors]).items()}
+    lo = hi = factor = add_var = None
+    if isinstance(alg, FedPrior):
+        basis = "legendre"
+        terms = [*alg.terms, *alg.branch_terms]
+        p = len(alg.terms)
+        coef = np.zeros((len(sensors), len(terms)))
+        coef[:, :p] = params["coef"][:, :p].numpy()  # the branch average: h does not enter ŷ
+        q, s = alg.variance_form(params)
+        q, add_var = q.numpy(), s.numpy()
+    elif isinstance(alg, PolynomialCalibration):
+        basis, terms = "legendre", [tuple(t) for t in alg.exponents.tolist()]
+        coef = params["coef"].numpy()
+        lo, hi = params["lo"].numpy(), params["hi"].numpy()
+    elif isinstance(alg, FedPoly):
+        basis, terms = "legendre", [*alg.private_terms, *alg.shared_terms]
+        coef = torch.cat([params["private"], params["shared"]], -1).numpy()
+    elif isinstance(alg, LeastSquares):
+        basis, terms = "monomial", [tuple(t) for t in alg.exponents.tolist()]
+        coef = params["coef"].numpy()
+    else:
+        return None
+    # Terms no unit uses (a basis chosen by the fleet's evidence zeroes the others) are dropped.
+    used = np.any(coef != 0, 0) | np.isnan(coef).any(0)
+    if factor is None and add_var is not None:
+        used |= np.any(q != 0, (0, 1))
+        q = q[:, used][:, :, used]
+        factor = np.stack([_factor(qi) for qi in q])
+    return LinearForm(
+        method or getattr(alg, "name", ""),
+        basis,
+        np.asarray(terms, dtype=int)[used].reshape(-1, len(terms[0]) if terms else 0),
+        coef[:, used],
+        lo,
+        hi,
+        factor,
+        add_var,
+        sensors,
+    )
+
+
+def probe_points(fleet, valid_range: dict | None, sensor: str, rows: int = 64) -> np.ndarray:
+    """Raw inputs spread over a unit's calibrated span and 10 % beyond (or the scaler's range)."""
+    span = (valid_range or {}).get(sensor)
+    if span:
+        lo = np.array([span[c][0] for c in fleet.features], float)
+        hi = np.array([span[c][1] for c in fleet.features], float)
+    else:
+        lo, hi = (
+            fleet.scaler.x_offset - fleet.scaler.x_scale,
+            fleet.scaler.x_offset + fleet.scaler.x_scale,
+        )
+    u = np.random.default_rng(0).uniform(-0.1, 1.1, (rows, len(lo)))
+    return lo + u * (hi - lo)
+
+
+def check_form(fleet, form: LinearForm, valid_range: dict | None = None) -> None:
+    """Refuse a form that does not reproduce the algorithm's own predict / predictive_std.
+
+    Every unit at 64 probe points (its calibrated span and 10 % beyond), all units
+    in one batched call of the algorithm: ŷ to 1e-9 of the output scale, σ to 1e-9
+    relative (both float64); a unit whose model is NaN (a refused polynomial) must
+    be NaN in both.
+    """
+    s = fleet.scaler
+    params = {
+        k: v.to(torch.float64)
+        for k, v in stack([fleet.params[sid] for sid in form.sensors]).items()
+    }
+    z = np.stack([s.x(probe_points(fleet, valid_range, sid)) for sid in form.sensors])
+    zt = torch.as_tensor(z, dtype=torch.float64)
+    with torch.no_grad():
+        want = fleet.algorithm.predict(params, zt)[..., 0].double().numpy()
+        method = getattr(fleet.algorithm, "predictive_std", None)
+        want_std = method(params, zt) if method is not None else None
+    if (want_std is None) != (not form.has_std):
+        raise ValueError(f"{form.method}: the form and the model disagree on having a σ")
+    tol = 1e-9
+    for i, sensor in enumerate(form.sensors):
+        mean, std = form.evaluate(z[i], i)
+        if not np.allclose(mean, want[i], rtol=0, atol=tol, equal_nan=True):
+            gap = float(np.nanmax(np.abs(mean - want[i])) * np.abs(s.y_scale).max())
+            raise ValueError(
+                f"{form.method}: the exported basis form of sensor {sensor} differs from the "
+                f"model's predict by {gap:.3g}: not exported"
+            )
+        if std is not None:
+            ref = want_std[i, :, 0].double().numpy()
+            if not np.allclose(std, ref, rtol=tol, atol=0, equal_nan=True):
+                raise ValueError(
+                    f"{form.method}: the exported σ of sensor {sensor} differs from the model's "
+                    "predictive_std (a variance term outside variance_form?): not exported"
+                )
+
+
+def _lit(v: float, kind: str) -> str:
+    if not math.isfinite(v):
+        return "NAN" if math.isnan(v) else ("INFINITY" if v > 0 else "-INFINITY")
+    return f"{float(v):.17e}" if kind == "double" else f"{float(v):.9e}f"
+
+
+def _rows(values: np.ndarray, kind: str) -> str:
+    if values.ndim == 1:
+        return "{" + ", ".join(_lit(v, kind) for v in values) + "}"
+    return "{" + ",\n    ".join(_rows(v, kind) for v in values) + "}"
+
+
+def c_header(fleet, form: LinearForm, guard: str, range_lines: list[str]) -> str:
+    """The C99 header of a :class:`LinearForm` (API as the MLP header, plus σ)."""
+    s = fleet.scaler
+    t, f = form.terms.shape
+    top = int(form.terms.max(initial=0))
+    n_s = len(form.sensors)
+    packed = None
+    if form.has_std:
+        idx = np.tril_indices(t)
+        # Row-major packed lower triangle: L[r][c] for c ≤ r.
+        packed = np.stack([L[idx] for L in form.factor])
+    kind = "Legendre products P~a(u0)·P~b(u1)·…" if form.basis == "legendre" else "monomials"
+    lines = [
+        f"/* fedcal calibration ({form.method}): {n_s} units, {t} basis terms ({kind}).",
+        f" * inputs: {', '.join(fleet.features)}; output: {fleet.target}.",
+        f" * Footprint: {form.bytes_per_unit()} bytes of constants per unit. See docs/firmware.md.",
+        " * Generated by fedcal export; do not edit. */",
+        f"#ifndef {guard}",
+        f"#define {guard}",
+        "#include <math.h>",
+        *(f"#ifndef {name}\n#define {name} {ctype}\n#endif" for name, ctype in STAGES.items()),
+        f"#define FEDCAL_NUM_SENSORS {n_s}",
+        f"#define FEDCAL_NUM_INPUTS {f}",
+        f"#define FEDCAL_NUM_TERMS {t}",
+        f"#define FEDCAL_MAX_ORDER {top}",
+        f"#define FEDCAL_HAS_STD {int(form.has_std)}",
+        f"static const double fedcal_x_offset[FEDCAL_NUM_INPUTS] = {_rows(s.x_offset, 'double')};",
+        f"static const double fedcal_x_scale[FEDCAL_NUM_INPUTS] = {_rows(s.x_scale, 'double')};",
+        f"static const double fedcal_y_offset = {_lit(s.y_offset[0], 'double')};",
+        f"static const double fedcal_y_scale = {_lit(s.y_scale[0], 'double')};",
+        "static const char *const fedcal_sensor_ids[FEDCAL_NUM_SENSORS] = {"
+        + ", ".join(json.dumps(sid) for sid in form.sensors)
+        + "};",
+        "/* Exponents of each basis term, one per input. */",
+        "static const unsigned char fedcal_terms[FEDCAL_NUM_TERMS][FEDCAL_NUM_INPUTS] = {"
+        + ", ".join("{" + ", ".join(str(int(a)) for a in term) + "}" for term in form.terms)
+        + "};",
+        "/* Each unit's coefficients (scaled target units). */",
+        "static const FEDCAL_COEF_T fedcal_coef[FEDCAL_NUM_SENSORS][FEDCAL_NUM_TERMS] = "
+        f"{_rows(form.coef, 'double')};",
+    ]
+    if form.lo is not None:
+        lines += [
+            "/* Each unit's input span (scaled), mapped onto [-1, 1]. */",
+            "static const double fedcal_u_lo[FEDCAL_NUM_SENSORS][FEDCAL_NUM_INPUTS] = "
+            f"{_rows(form.lo, 'double')};",
+            "static const double fedcal_u_hi[FEDCAL_NUM_SENSORS][FEDCAL_NUM_INPUTS] = "
+            f"{_rows(form.hi, 'double')};",
+        ]
+    if form.has_std:
+        lines += [
+            "/* Each unit's factor L (packed lower triangle, row-major) of its predictive",
+            " * covariance of the basis terms, and its additive variance (scaled units). */",
+            "static const FEDCAL_STD_T fedcal_chol[FEDCAL_NUM_SENSORS]"
+            f"[FEDCAL_NUM_TERMS * (FEDCAL_NUM_TERMS + 1) / 2] = {_rows(packed, 'float')};",
+            "static const FEDCAL_STD_T fedcal_var_add[FEDCAL_NUM_SENSORS] = "
+            f"{_rows(form.add_var, 'float')};",
+        ]
+    lines += range_lines
+    if form.basis == "legendre":
+        norms = ", ".join(_lit(math.sqrt(2 * n + 1), "double") for n in range(top + 1))
+        per_input = [
+            f"static const double fedcal_norm[FEDCAL_MAX_ORDER + 1] = {{{norms}}};",
+            "/* p[n] = sqrt(2n+1) P_n(u), Bonnet: (n+1) P_{n+1} = (2n+1) u P_n - n P_{n-1}. */",
+            "static inline void fedcal_basis_1d(FEDCAL_BASIS_T u, FEDCAL_BASIS_T *p) {",
+            "    p[0] = (FEDCAL_BASIS_T)1;",
+            "    if (FEDCAL_MAX_ORDER >= 1) p[1] = u;",
+            "    for (int n = 1; n < FEDCAL_MAX_ORDER; ++n)",
+            "        p[n + 1] = ((FEDCAL_BASIS_T)(2 * n + 1) * u * p[n]"
+            " - (FEDCAL_BASIS_T)n * p[n - 1]) / (FEDCAL_BASIS_T)(n + 1);",
+            "    for (int n = 0; n <= FEDCAL_MAX_ORDER; ++n)",
+            "        p[n] *= (FEDCAL_BASIS_T)fedcal_norm[n];",
+            "}",
+        ]
+    else:
+        per_input = [
+            "/* p[n] = u^n. */",
+            "static inline void fedcal_basis_1d(FEDCAL_BASIS_T u, FEDCAL_BASIS_T *p) {",
+            "    p[0] = (FEDCAL_BASIS_T)1;",
+            "    for (int n = 1; n <= FEDCAL_MAX_ORDER; ++n) p[n] = p[n - 1] * u;",
+            "}",
+        ]
+    unit_map = (
+        [
+            "        FEDCAL_SCALE_T span = fedcal_u_hi[sensor][j] - fedcal_u_lo[sensor][j];",
+            "        if (!(span > 0)) span = 1;",
+            "        z = 2 * (z - fedcal_u_lo[sensor][j]) / span - 1;",
+        ]
+        if form.lo is not None
+        else []
+    )
+    lines += [
+        *per_input,
+        "/* The basis terms phi[t] of sensor `sensor` at raw inputs x. */",
+        "static inline void fedcal_features(int sensor, const float *x, FEDCAL_BASIS_T *phi) {",
+        "    FEDCAL_BASIS_T p[FEDCAL_NUM_INPUTS][FEDCAL_MAX_ORDER + 1];",
+        "    (void)sensor;",
+        "    for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) {",
+        "        FEDCAL_SCALE_T z = ((FEDCAL_SCALE_T)x[j] - (FEDCAL_SCALE_T)fedcal_x_offset[j])"
+        " / (FEDCAL_SCALE_T)fedcal_x_scale[j];",
+        *unit_map,
+        "        fedcal_basis_1d((FEDCAL_BASIS_T)z, p[j]);",
+        "    }",
+        "    for (int t = 0; t < FEDCAL_NUM_TERMS; ++t) {",
+        "        FEDCAL_BASIS_T v = 1;",
+        "        for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) v *= p[j][fedcal_terms[t][j]];",
+        "        phi[t] = v;",
+        "    }",
+        "}",
+        "/* Calibrated output (double) of sensor `sensor` (index into fedcal_sensor_ids). */",
+        "static inline double fedcal_calibrate_d(int sensor, const float *x) {",
+        "    FEDCAL_BASIS_T phi[FEDCAL_NUM_TERMS];",
+        "    FEDCAL_SUM_T y = 0;",
+        "    fedcal_features(sensor, x, phi);",
+        "    for (int t = 0; t < FEDCAL_NUM_TERMS; ++t)",
+        "        y += (FEDCAL_SUM_T)fedcal_coef[sensor][t] * (FEDCAL_SUM_T)phi[t];",
+        "    return (double)(y * (FEDCAL_SUM_T)fedcal_y_scale + (FEDCAL_SUM_T)fedcal_y_offset);",
+        "}",
+        "/* Calibrated output of sensor `sensor` (index into fedcal_sensor_ids), raw inputs x. */",
+        "static inline float fedcal_calibrate(int sensor, const float *x) {",
+        "    return (float)fedcal_calibrate_d(sensor, x);",
+        "}",
+    ]
+    if form.has_std:
+        lines += [
+            "/* Predictive standard deviation (posterior + noise) of fedcal_calibrate, in the",
+            " * output's unit: |y_scale| * sqrt(|L^T phi|^2 + var_add). */",
+            "static inline float fedcal_calibrate_std(int sensor, const float *x) {",
+            "    FEDCAL_BASIS_T phi[FEDCAL_NUM_TERMS];",
+            "    const FEDCAL_STD_T *L = fedcal_chol[sensor];",
+            "    FEDCAL_STD_T var = fedcal_var_add[sensor];",
+            "    fedcal_features(sensor, x, phi);",
+            "    for (int c = 0; c < FEDCAL_NUM_TERMS; ++c) {",
+            "        /* (L^T phi)_c = sum over rows r >= c of L[r][c] phi[r] */",
+            "        FEDCAL_STD_T w = 0;",
+            "        for (int r = c; r < FEDCAL_NUM_TERMS; ++r)",
+            "            w += L[r * (r + 1) / 2 + c] * (FEDCAL_STD_T)phi[r];",
+            "        var += w * w;",
+            "    }",
+            "    return (float)(fabs(fedcal_y_scale) * sqrt((double)var));",
+            "}",
+        ]
+    lines += [f"#endif /* {guard} */", ""]
+    return "\n".join(lines)
+
+
+def json_block(fleet, form: LinearForm) -> dict:
+    """The JSON ``model`` of a linear-in-basis run: everything that rebuilds ŷ and σ."""
+    s = fleet.scaler
+    out = {
+        "family": "linear_basis",
+        "method": form.method,
+        "basis": form.basis,
+        "normalization": (
+            "P~n(u) = sqrt(2n+1) * P_n(u), P_n the Legendre polynomials"
+            if form.basis == "legendre"
+            else "u^n"
+        ),
+        "formula": (
+            "z = (x - scaler.x_offset) / scaler.x_scale; "
+            + (
+                "u = 2 (z - unit.u_lo) / (unit.u_hi - unit.u_lo) - 1; "
+                if form.lo is not None
+                else "u = z; "
+            )
+            + "phi_t = prod_j basis_{terms[t][j]}(u_j); "
+            "y = scaler.y_offset + scaler.y_scale * sum_t unit.coef[t] * phi_t"
+            + (
+                "; sigma = |scaler.y_scale| * sqrt(|unit.cov_factor^T phi|^2 + unit.var_add)"
+                if form.has_std
+                else ""
+            )
+        ),
+        "terms": form.terms.tolist(),
+        "bytes_per_unit": form.bytes_per_unit(),
+        "x_offset": np.asarray(s.x_offset, float).tolist(),
+        "x_scale": np.asarray(s.x_scale, float).tolist(),
+        "y_offset": float(np.asarray(s.y_offset).ravel()[0]),
+        "y_scale": float(np.asarray(s.y_scale).ravel()[0]),
+        "units": {},
+    }
+    for i, sid in enumerate(form.sensors):
+        unit: dict = {"coef": form.coef[i].tolist()}
+        if form.lo is not None:
+            unit["u_lo"], unit["u_hi"] = form.lo[i].tolist(), form.hi[i].tolist()
+        if form.has_std:
+            unit["cov_factor"] = form.factor[i].tolist()
+            unit["var_add"] = float(form.add_var[i])
+        out["units"][sid] = unit
+    return out

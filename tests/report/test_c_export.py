@@ -1,0 +1,281 @@
+"""C export of every linear-in-basis model, compiled with the system C compiler.
+
+A fedprior run on a small mixed fleet (fully calibrated reference units + new
+units with a 3x2 design), the calibrate output of new units against its prior,
+and the polynomial/fedpoly/leastsq references: each exported header is compiled
+(gcc/cc, -Wall -Wextra -Werror; no compiler is a failure, not a skip) and every
+unit is evaluated at off-grid points inside its calibrated span and 10 % beyond,
+against ``fedcal predict``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from numpy.polynomial import legendre as npleg
+from typer.testing import CliRunner
+
+from fedcal.cli import app
+from fedcal.data.simulator import FleetSpec, simulate_fleet
+from fedcal.report.export import load_models, to_c_header, to_json
+from fedcal.report.rundir import predictive_std, read_valid_ranges
+from fedcal_support import cheader
+
+runner = CliRunner(env={"COLUMNS": "200"})
+METHODS = ["fedprior", "fedprior_branch", "polynomial", "fedpoly_p3", "leastsq"]
+COLS = ["sensor_id", "frequency_hz", "temperature_c", "pressure_hpa", "split", "direction"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(run directory of the fleet, directory of the calibrate output, new units' file)."""
+    root = tmp_path_factory.mktemp("cexport")
+    spec = FleetSpec(num_reference=6, num_new=4, train_design="3x2", test_design="random")
+    data = root / "fleet.csv"
+    simulate_fleet(spec, seed=1).frame.to_csv(data, index=False)
+    cfg = root / "c.toml"
+    cfg.write_text("[engine]\nrounds = 20\neval_every = 20\n")
+    run = root / "run"
+    args = ["run", "--data", str(data), "--methods", ",".join(METHODS), "--seeds", "1"]
+    result = runner.invoke(app, [*args, "--config", str(cfg), "--out", str(run), "--quiet"])
+    assert result.exit_code == 0, result.output
+    new = simulate_fleet(FleetSpec(num_sensors=3, train_design="3x2", test_design="random"), 7)
+    frame = new.frame.assign(sensor_id="NEW-" + new.frame["sensor_id"])
+    new_file = root / "new_units.csv"
+    frame[COLS[:-1]].to_csv(new_file, index=False)
+    cal = root / "cal"
+    args = ["calibrate", "--prior", str(run), "--data", str(new_file), "--out", str(cal)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return run, cal, new_file
+
+
+def probes(ranges: dict, sensors: list[str], rows: int = 60) -> tuple[np.ndarray, np.ndarray]:
+    """Sensor indices and float32-exact raw inputs: off-grid, in the span and 10 % beyond."""
+    rng = np.random.default_rng(5)
+    idx, xs = [], []
+    for i, s in enumerate(sensors):
+        lo = np.array([ranges[s]["frequency_hz"][0], ranges[s]["temperature_c"][0]])
+        hi = np.array([ranges[s]["frequency_hz"][1], ranges[s]["temperature_c"][1]])
+        xs.append((lo + rng.uniform(-0.1, 1.1, (rows, 2)) * (hi - lo)).astype(np.float32))
+        idx += [i] * rows
+    return np.array(idx), np.concatenate(xs).astype(float)
+
+
+def predict_cli(run, method, sensors, idx, x, tmp_path) -> np.ndarray:
+    """``fedcal predict`` on the probe rows."""
+    frame = pd.DataFrame(
+        {
+            "sensor_id": [sensors[i] for i in idx],
+            "frequency_hz": x[:, 0],
+            "temperature_c": x[:, 1],
+        }
+    )
+    inp, out = tmp_path / "readings.csv", tmp_path / "calibrated.csv"
+    frame.to_csv(inp, index=False, float_format="%.9g")
+    args = ["predict", str(run), "--method", method, "--data", str(inp), "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return pd.read_csv(out)["pressure_hpa_calibrated"].to_numpy()
+
+
+def export_and_compare(run, method, tmp_path):
+    header = tmp_path / "cal.h"
+    args = ["export", str(run), "--method", method, "--format", "c", "--out", str(header)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    fleet = load_models(run, method)
+    ranges = read_valid_ranges(run, method)
+    sensors = sorted(fleet.params)
+    idx, x = probes(ranges, sensors)
+    got = cheader.evaluate(cheader.build(header, tmp_path / "build"), idx, x)
+    want = predict_cli(run, method, sensors, idx, x, tmp_path)
+    assert np.isfinite(want).all()
+    # double output: equal to predict within 1e-4 hPa (measured: ~1e-12)
+    assert np.max(np.abs(got[:, 0] - want)) < 1e-4
+    # float output (the MLP header's API): predict rounded to float, ≤ half an ulp + 1e-4
+    half_ulp = np.spacing(np.abs(want).astype(np.float32)).astype(float) / 2
+    assert np.all(np.abs(got[:, 1] - want) <= half_ulp + 1e-4)
+    # the range guard: inside the unit's calibrated span (float comparisons, as in C)
+    lo = np.array([[ranges[s][c][0] for c in fleet.features] for s in sensors], np.float32)
+    hi = np.array([[ranges[s][c][1] for c in fleet.features] for s in sensors], np.float32)
+    xf = x.astype(np.float32)
+    inside = np.all((xf >= lo[idx]) & (xf <= hi[idx]), 1)
+    assert 0 < inside.sum() < len(x)  # both cases are exercised
+    assert np.array_equal(got[:, 3], inside.astype(float))
+    return fleet, sensors, idx, x, got, result.output, header
+
+
+@pytest.mark.parametrize("method", ["fedprior", "fedprior_branch"])
+def test_fedprior_header_equals_predict_and_its_sigma(runs, tmp_path, method):
+    run, _, _ = runs
+    fleet, sensors, idx, x, got, output, header = export_and_compare(run, method, tmp_path)
+    for i, s in enumerate(sensors):
+        rows = idx == i
+        want = predictive_std(fleet, s, x[rows]).ravel()
+        assert np.max(np.abs(got[rows, 2] / want - 1)) < 0.01
+    text = header.read_text()
+    assert "fedcal_calibrate_std" in text and "#define FEDCAL_HAS_STD 1" in text
+    assert "footprint:" in output and "bytes of constants per unit" in output
+
+
+def test_the_branch_header_averages_the_branches_and_widens_sigma(runs, tmp_path):
+    """fedprior_branch's C σ includes the direction term: wider than φᵀVφ + σ² alone."""
+    run, _, _ = runs
+    fleet, sensors, idx, x, got, _, _ = export_and_compare(run, "fedprior_branch", tmp_path)
+    alg = fleet.algorithm
+    assert alg.branch_terms  # the variant has a direction term
+    for i, s in enumerate(sensors):
+        rows = idx == i
+        p = fleet.params[s]
+        z = torch.as_tensor(fleet.scaler.x(x[rows]), dtype=torch.float64).unsqueeze(0)
+        phi = alg.variance_design(z)[0, :, : len(alg.terms)]
+        c = p["cov"][: len(alg.terms), : len(alg.terms)]
+        without = ((phi @ c) * phi).sum(-1) + p["noise_var"]
+        sigma_c = got[rows, 2] / abs(float(fleet.scaler.y_scale[0]))
+        assert np.all(sigma_c**2 > without.numpy() * (1 + 1e-6))
+        # the mean is φᵀm_c, the branch average (no h)
+        mean = (phi @ p["coef"][: len(alg.terms)]).numpy()
+        assert np.allclose(got[rows, 0], fleet.scaler.y_inverse(mean[:, None])[:, 0], atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["polynomial", "fedpoly_p3", "leastsq"])
+def test_reference_headers_equal_predict(runs, tmp_path, method):
+    run, _, _ = runs
+    *_, got, _, header = export_and_compare(run, method, tmp_path)
+    assert np.isnan(got[:, 2]).all()  # no predictive σ for these methods
+    assert "fedcal_calibrate_std" not in header.read_text()
+
+
+def test_calibrate_output_exports_to_c(runs, tmp_path):
+    _, cal, _ = runs
+    fleet, sensors, idx, x, got, _, _ = export_and_compare(cal, "fedprior", tmp_path)
+    assert sensors == ["NEW-S000", "NEW-S001", "NEW-S002"]
+    for i, s in enumerate(sensors):
+        rows = idx == i
+        want = predictive_std(fleet, s, x[rows]).ravel()
+        assert np.max(np.abs(got[rows, 2] / want - 1)) < 0.01
+
+
+def test_footprint_is_the_header_s_own_sizeof(runs, tmp_path):
+    """The printed bytes per unit = sizeof of one unit's rows of the header's tables."""
+    run, _, _ = runs
+    fleet = load_models(run, "fedprior_branch")
+    header = tmp_path / "cal.h"
+    ranges = read_valid_ranges(run, "fedprior_branch")
+    header.write_text(to_c_header(fleet, valid_range=ranges, method="fedprior_branch"))
+    main = tmp_path / "size.c"
+    main.write_text(
+        '#include <stdio.h>\n#include "cal.h"\nint main(void) {\n'
+        '  printf("%zu %d\\n", sizeof fedcal_coef[0] + sizeof fedcal_chol[0]'
+        " + sizeof fedcal_var_add[0] + sizeof fedcal_x_min[0] + sizeof fedcal_x_max[0]"
+        " + sizeof fedcal_y_min[0] + sizeof fedcal_y_max[0], FEDCAL_NUM_TERMS);\n"
+        "  return fedcal_calibrate(0, fedcal_x_min[0]) > 0 ? 0 : 0;\n}\n"
+    )
+    import subprocess
+
+    exe = tmp_path / "size"
+    cmd = [cheader.compiler(), "-std=c99", "-Wall", "-Werror", str(main), "-o", str(exe), "-lm"]
+    subprocess.run(cmd, check=True)
+    size, terms = map(
+        int, subprocess.run([str(exe)], capture_output=True, text=True).stdout.split()
+    )
+    from fedcal.report.linear_export import linear_form
+
+    form = linear_form(fleet, "fedprior_branch")
+    assert form.bytes_per_unit() == size
+    # by hand: T double coefficients, T(T+1)/2 + 1 float factor entries, 2·2 + 2 float ranges
+    assert size == 8 * terms + 4 * (terms * (terms + 1) // 2 + 1) + 4 * 6
+
+
+def test_json_names_the_family_and_rebuilds_predictions(runs):
+    """A reader with only the JSON (and NumPy's Legendre module) gets predict's ŷ and σ."""
+    run, _, _ = runs
+    for method in ("fedprior_branch", "polynomial", "leastsq"):
+        fleet = load_models(run, method)
+        doc = json.loads(to_json(fleet, method=method))
+        model = doc["model"]
+        assert doc["family"] == model["family"] == "linear_basis" and model["method"] == method
+        terms = np.array(model["terms"])
+        s = sorted(fleet.params)[1]
+        unit = model["units"][s]
+        x = np.array([[33_500.0, -5.0], [36_000.0, 30.0], [34_200.0, 55.0]])
+        u = (x - np.array(model["x_offset"])) / np.array(model["x_scale"])
+        if "u_lo" in unit:
+            lo, hi = np.array(unit["u_lo"]), np.array(unit["u_hi"])
+            u = 2 * (u - lo) / (hi - lo) - 1
+        if model["basis"] == "legendre":
+
+            def one(a, v):
+                return np.sqrt(2 * a + 1) * npleg.legval(v, [0] * a + [1])
+        else:
+
+            def one(a, v):
+                return v**a
+
+        phi = np.stack([one(t[0], u[:, 0]) * one(t[1], u[:, 1]) for t in terms], 1)
+        y = model["y_offset"] + model["y_scale"] * phi @ np.array(unit["coef"])
+        assert np.allclose(y, fleet.predict(s, x)[:, 0], rtol=0, atol=1e-8)
+        if method.startswith("fedprior"):
+            w = phi @ np.array(unit["cov_factor"])
+            sigma = abs(model["y_scale"]) * np.sqrt((w * w).sum(1) + unit["var_add"])
+            assert np.allclose(sigma, predictive_std(fleet, s, x).ravel(), rtol=1e-9)
+        else:
+            assert "cov_factor" not in unit
+    # fedprior's JSON used to say "mlp" (the task's unused model settings)
+    assert json.loads(to_json(load_models(run, "fedprior")))["family"] == "linear_basis"
+
+
+def test_export_refuses_a_sigma_it_cannot_reproduce(runs, monkeypatch):
+    """A variance term outside variance_form (a second formula) stops the export."""
+    run, _, _ = runs
+    fleet = load_models(run, "fedprior")
+    cls = type(fleet.algorithm)
+    original = cls.predictive_std
+
+    def widened(self, params, x):
+        return original(self, params, x) * 1.01
+
+    monkeypatch.setattr(cls, "predictive_std", widened)
+    with pytest.raises(ValueError, match="predictive_std"):
+        to_c_header(fleet, method="fedprior")
+
+
+def test_onnx_sigma_of_the_branch_variant_equals_predictive_std(runs, tmp_path):
+    import onnxruntime as ort
+
+    from fedcal.report.onnx_export import to_onnx
+
+    run, _, _ = runs
+    fleet = load_models(run, "fedprior_branch")
+    x = np.array([[33_500.0, -5.0], [36_000.0, 30.0]])
+    s = sorted(fleet.params)[-1]  # a new unit
+    session = ort.InferenceSession(to_onnx(fleet, s), providers=["CPUExecutionProvider"])
+    y, std = session.run(None, {"x": x})
+    assert np.allclose(y[:, 0], fleet.predict(s, x)[:, 0], rtol=1e-12, atol=1e-9)
+    assert np.allclose(std.ravel(), predictive_std(fleet, s, x).ravel(), rtol=1e-9)
+
+
+def test_a_nan_unit_is_nan_in_c_too(runs, tmp_path):
+    """A unit whose coefficients are NaN (a refused fit) is NaN in predict and in C."""
+    from dataclasses import replace
+
+    run, _, _ = runs
+    models = load_models(run, "polynomial")
+    bad = sorted(models.params)[1]
+    params = dict(models.params)
+    params[bad] = {**params[bad], "coef": torch.full_like(params[bad]["coef"], float("nan"))}
+    models = replace(models, params=params)
+    header = tmp_path / "cal.h"
+    ranges = read_valid_ranges(run, "polynomial")
+    header.write_text(to_c_header(models, valid_range=ranges, method="polynomial"))
+    x = np.array([[33_500.0, 10.0], [34_000.0, 30.0]], np.float32).astype(float)
+    idx = np.array([1, 1, 0, 0])
+    got = cheader.evaluate(cheader.build(header, tmp_path / "b"), idx, np.vstack([x, x]))
+    assert np.isnan(models.predict(bad, x)).all() and np.isnan(got[:2, :2]).all()
+    good = sorted(models.params)[0]
+    assert np.allclose(got[2:, 0], models.predict(good, x)[:, 0], rtol=0, atol=1e-9)
