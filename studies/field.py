@@ -113,8 +113,8 @@ def main() -> None:
                     time=TIME_COLUMN,
                 ).replace("'", '"')
                 (where / "run.toml").write_text(config)
-                cmd = [sys.executable, "-c", "from fedcal.cli import app; app()", "compare", "--config"]
-                cmd += [str(where / "run.toml"), "--out", str(where / "run"), "-q"]
+                cmd = [sys.executable, "-c", "from fedcal.cli import app; app()", "compare"]
+                cmd += ["--config", str(where / "run.toml"), "--out", str(where / "run"), "-q"]
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 (where / "stderr.txt").write_text(done.stdout + done.stderr)
                 for method in METHODS:

@@ -96,6 +96,24 @@ decides whether and which direction term the data support (a fleet without
 directions gets none: its ψ columns are empty, same evidence, more parameters).
 Measured by helper "hyst" (benchmarks/fewpoint_direction.py) and here (README).
 
+Field networks (issue 26). ``basis = "auto"`` is the tensor basis of ``orders`` for the
+barometer's (frequency, temperature) and, for any other named features, the total-degree
+basis (the build sets it: :func:`fedcal.build._generic_basis`), its degree chosen by the
+fleet's BIC among 0..``degree`` under ``select = "bic"``. A basis of more than
+:data:`~fedcal.models.basis.MAX_TERMS` terms is refused in one line. Every Cholesky
+factorization goes through :func:`~fedcal.core.bayes.safe_cholesky` (jitter, then an
+eigenvalue floor, reported per unit and round as the ``jitter`` metric and in one printed
+line), so a near-singular Gram (collinear features, thousands of rows, σ² → 0) cannot end
+the run. Extrapolation guard: the server keeps the fleet's input support, each input's
+mean ± :data:`~fedcal.models.basis.SUPPORT_STDS` standard deviations from the summed Gram
+(:meth:`FedPrior._input_box`), widened per unit to its own training range; beyond it the
+prediction is ψ(x)ᵀm with ψ the basis continued along its tangent plane at the nearest
+point of the box (:func:`~fedcal.models.basis.linearized_products`): linear growth, not
+the d-th power. The predictive variance there is ψᵀVψ + σ² + (φ(x)ᵀm − ψ(x)ᵀm)², the last
+term a one-σ model-form allowance (what the polynomial and its linearization disagree
+by); such rows are flagged (:meth:`FedPrior.beyond_support`, ``beyond_support`` in
+per_sensor.csv and the summary).
+
 Defaults (ours, measured on mixed fleets of 20 fully calibrated + 20 new
 units, 3 fleet seeds, off-grid test points; README): Legendre orders (4, 3),
 the silicon-resonator calibration surface of shared/spec/sensor-fleet.md,
