@@ -109,3 +109,24 @@ def test_extrapolation_is_linearized_flagged_and_widens_sigma():
     gap = (quad[:, 1, 0] - pred[:, 1]).abs()
     assert (std[:, 1] >= gap * 0.999).all()  # the model-form term: at least the gap
     assert (std[:, 0] < 0.1).all()  # inside: unchanged, small
+
+
+def test_the_barometer_orders_apply_to_the_barometer_only():
+    """[methods.fedprior] orders = [4, 3] are the barometer's surface: on any other named
+    features 'auto' becomes the total-degree basis (BIC over degrees 0..2), unless the
+    user asks for the tensor."""
+    from fedcal.build import build_algorithm, method_settings
+    from fedcal.config import load_config, override
+
+    base = load_config(None)
+    generic = override(base, {"data": {"features": ["pm25_raw", "rh"], "target": "pm25_ref"}})
+    for cfg, want in ((base, "auto"), (generic, "total")):
+        _, values = method_settings("fedprior", cfg)
+        assert values.get("basis", "auto") == want
+    alg = build_algorithm("fedprior", generic, Task(MLP(in_features=2)))
+    assert alg.terms == legendre_exponents(2, degree=2)
+    assert [c["degree"] for c in alg.candidates] == [0, 1, 2]
+    tensor = override(generic, {"methods": {"fedprior": {"basis": "tensor"}}})
+    assert build_algorithm("fedprior", tensor, Task(MLP(in_features=2))).terms == (
+        legendre_exponents(2, orders=(4, 3))
+    )
