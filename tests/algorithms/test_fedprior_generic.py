@@ -130,3 +130,15 @@ def test_the_barometer_orders_apply_to_the_barometer_only():
     assert build_algorithm("fedprior", tensor, Task(MLP(in_features=2))).terms == (
         legendre_exponents(2, orders=(4, 3))
     )
+
+
+def test_the_run_states_the_jitter_in_one_line():
+    import pandas as pd
+
+    from fedcal.experiment import jitter_note
+
+    jitter = pd.Series([0.0, 1e-10, 0.0, 1e-8])
+    note = jitter_note(jitter, float(jitter.max()))
+    assert "relative jitter up to 1e-08" in note and "2 unit-round(s)" in note
+    assert "\n" not in note
+    assert "eigenvalue floor" in jitter_note(pd.Series([1.0]), 1.0)
