@@ -28,7 +28,7 @@ from fedcal.core.aggregation import AggregationError, AggregationPolicy
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.classification import ClassificationTask
 from fedcal.core.task import Task
-from fedcal.data.fleet import Fleet
+from fedcal.data.fleet import BAROMETRIC_FEATURES, Fleet
 from fedcal.models import build_model
 from fedcal.models.basis import Basis, whitened
 
@@ -56,6 +56,8 @@ def load_data(config: RunConfig) -> Fleet:
             test_fraction=d.test_fraction,
             seed=d.split_seed,
             physical_bounds=d.loader_bounds(),
+            time_column=d.time_column or None,
+            split_by=d.split_by,
         )
     from fedcal.data.simulator import simulate_fleet
 
@@ -158,7 +160,24 @@ def method_settings(name: str, config: RunConfig) -> tuple[type[Algorithm], dict
             f"{name} takes: {', '.join(sorted(known))}"
         )
     values.update(own)
+    _generic_basis(cls, values, config)
     return cls, values
+
+
+def _generic_basis(cls: type[Algorithm], values: dict[str, Any], config: RunConfig) -> None:
+    """A fleet prior's ``basis = "auto"`` on features other than the barometer's: total degree.
+
+    The shipped ``orders = [4, 3]`` are the barometer's (frequency, temperature) surface; on
+    any other two named features they were taken as a tensor basis too (issue 26). For other
+    features "auto" is the total-degree basis, its degree chosen by the fleet's BIC
+    (``select``) among 0..``degree``. ``basis = "tensor"`` keeps the orders.
+    """
+    fields_of = {f.name: f.default for f in fields(cls)}
+    if "basis" not in fields_of or "orders" not in fields_of:
+        return
+    barometric = tuple(config.data.features) == BAROMETRIC_FEATURES
+    if not barometric and values.get("basis", fields_of["basis"]) == "auto":
+        values["basis"] = "total"
 
 
 def method_values(name: str, config: RunConfig) -> dict[str, Any]:

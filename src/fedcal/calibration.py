@@ -40,7 +40,7 @@ from fedcal.config import DataConfig, RunConfig, from_dict
 from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree, expand
-from fedcal.data.fleet import Fleet
+from fedcal.data.fleet import SPLIT_COLUMN, Fleet
 from fedcal.data.scaling import Scaler
 from fedcal.engine.evaluation import errors
 from fedcal.engine.simulation import FleetTensors, RunResult
@@ -100,10 +100,15 @@ def _config(prior: dict[str, Any]) -> RunConfig:
 
 
 def check_inputs(prior: dict[str, Any], fleet: Fleet, source: str) -> None:
-    """Refuse units calibrated outside the range the fleet's prior was learned over."""
+    """Refuse units calibrated outside the range the fleet's prior was learned over.
+
+    Only calibration (train) rows are judged: a unit's held-out rows beyond the range are
+    scored with the extrapolation guard (linearized, ``beyond_support`` in per_sensor.csv).
+    """
+    calibration_rows = fleet.frame[fleet.frame[SPLIT_COLUMN] == "train"]
     for c, (lo, hi) in prior["input_range"].items():
         slack = RANGE_TOLERANCE * (hi - lo)
-        for sensor, rows in fleet.frame.groupby(fleet.client_column, sort=False):
+        for sensor, rows in calibration_rows.groupby(fleet.client_column, sort=False):
             values = rows[c].to_numpy(float)
             if values.min() < lo - slack or values.max() > hi + slack:
                 raise ValueError(
@@ -153,6 +158,9 @@ def calibrate(prior: dict[str, Any], fleet: Fleet, source: str = "data") -> Cali
         "sigma": torch.tensor(prior["sigma"], dtype=F64),
         "noise_var": torch.tensor(prior["noise_var"], dtype=F64),
     }
+    # The fleet's calibrated input range (scaled) is the prior's support for the guard.
+    span = np.array([prior["input_range"][c] for c in prior["features"]], dtype=float).T
+    server["box"] = torch.tensor(scaler.x(span), dtype=F64)
     n = tensors.num_clients
     down = expand(algorithm.broadcast(server), n)
     state = algorithm.client_init(down)

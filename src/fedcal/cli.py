@@ -143,6 +143,8 @@ def _resolve(
     fleet_seeds: str | None = None,
     device: str | None = None,
     chunk_size: int | None = None,
+    time_column: str | None = None,
+    split_by: str | None = None,
 ) -> RunConfig:
     """The configuration file with the command line's options on top, validated like the file.
 
@@ -167,6 +169,8 @@ def _resolve(
         ("--data", "data", "path", None if data is None else str(data)),
         ("--features", "data", "features", _csv_list(features)),
         ("--target", "data", "target", target),
+        ("--time-column", "data", "time_column", time_column),
+        ("--split-by", "data", "split_by", split_by),
         ("--methods", "run", "methods", _csv_list(methods)),
         ("--seeds", "run", "seeds", seeds),
         ("--rounds", "engine", "rounds", rounds),
@@ -190,6 +194,10 @@ def _resolve(
             values[key] = list(value) if isinstance(value, tuple) else value
     for section, (names, values) in given.items():
         cfg = override(cfg, {section: values}, "/".join(names))
+    if data is not None and fleet_seeds is None and cfg.fleet_seeds:
+        # A shipped config's sweep regenerates its built-in fleet; a user's file is one fleet
+        # (e.g. `--config generic --data my.csv` runs generic's methods on the file).
+        cfg = override(cfg, {"run": {"fleet_seeds": []}}, "--data")
     return cfg
 
 
@@ -367,6 +375,13 @@ ChunkOpt = Annotated[
     int | None,
     typer.Option("--chunk-size", help="clients trained at once (0 = all); bounds memory"),
 ]
+TimeColumnOpt = Annotated[
+    str | None, typer.Option("--time-column", help="column of each row's time (number or date)")
+]
+SplitByOpt = Annotated[
+    str | None,
+    typer.Option("--split-by", help="random, or time: each sensor's last test fraction is test"),
+]
 HtmlOpt = Annotated[
     Path | None, typer.Option("--html", help="also write the HTML report to this file")
 ]
@@ -400,6 +415,8 @@ def train(
     quiet: QuietOpt = False,
     device: DeviceOpt = None,
     chunk_size: ChunkOpt = None,
+    time_column: TimeColumnOpt = None,
+    split_by: SplitByOpt = None,
 ) -> None:
     """``fedcal run`` and ``fedcal compare``: one definition (compare also shows bytes sent)."""
     kind = ctx.info_name or "run"
@@ -417,6 +434,8 @@ def train(
             fleet_seeds,
             device,
             chunk_size,
+            time_column,
+            split_by,
         )
         points = (
             tuple(_int_list(train_points, "--train-points"))

@@ -77,6 +77,10 @@ class DataConfig:
     physical_bounds: dict[Name, tuple[Annotated[float, Field(strict=True)], ...]] = field(
         default_factory=dict
     )
+    # Optional time of each row (a number or a date); "time": each sensor's last test_fraction
+    # of its time is its test period (fedcal.data.loader.time_split), "random": seeded rows.
+    time_column: Str = ""
+    split_by: Literal["random", "time"] = "random"
 
     @model_validator(mode="after")
     def _consistent(self) -> DataConfig:
@@ -84,6 +88,10 @@ class DataConfig:
             raise ValueError(f"features: a column is named twice in {list(self.features)}")
         if self.target in self.features:
             raise ValueError(f"target: {self.target!r} is also a feature")
+        if self.split_by == "time" and not self.time_column:
+            raise ValueError("split_by: 'time' needs a time_column")
+        if self.time_column and self.time_column in (*self.features, self.target):
+            raise ValueError(f"time_column: {self.time_column!r} is also a feature or the target")
         for col, bounds in self.physical_bounds.items():
             if len(bounds) != 2 or any(math.isnan(b) for b in bounds) or bounds[0] >= bounds[1]:
                 raise ValueError(

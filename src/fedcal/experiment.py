@@ -332,6 +332,15 @@ def identification_note(state: dict[str, Any]) -> str:
     )
 
 
+def jitter_note(jitter: pd.Series, worst: float) -> str:
+    """One line when a near-singular Gram needed jitter or an eigenvalue floor (core.bayes)."""
+    what = "an eigenvalue floor" if worst >= 1.0 else f"a relative jitter up to {worst:.0e}"
+    return (
+        f"near-singular Gram matrices (collinear features?) needed {what} in "
+        f"{int((jitter > 0).sum())} unit-round(s) (metrics.csv column 'jitter')"
+    )
+
+
 def run_experiment(
     config: RunConfig,
     fleet: Fleet,
@@ -482,6 +491,12 @@ def run_experiment(
                         row["weak_directions"] = exported["identification"]["weak_directions"]
                     if note and on_note is not None:
                         on_note(method, note)
+                own_note = getattr(algorithm, "note", "")  # e.g. a basis reduced to fit its limit
+                if own_note and on_note is not None:
+                    on_note(method, own_note)
+                if on_note is not None and "jitter" in history and (history["jitter"] > 0).any():
+                    worst = float(history["jitter"].max())
+                    on_note(method, jitter_note(history["jitter"], worst))
                 _write_text(done, json.dumps(row, indent=2))
                 (run_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
                 rows.append(row)

@@ -117,3 +117,22 @@ def test_a_prior_file_that_is_not_one_is_refused(tmp_path):
         calibration.load_prior(bogus)
     with pytest.raises(FileNotFoundError, match="no fleet prior"):
         calibration.find_prior(tmp_path)
+
+
+def test_test_rows_beyond_the_fleet_range_are_flagged_not_refused(trained):
+    """Issue 26: a unit's held-out rows may leave the prior's range (the future drifts);
+    they are scored with the extrapolation guard and counted, the unit is calibrated."""
+    root, run, _, frame = trained
+    test = frame["split"] == "test"
+    drifted = frame.copy()
+    drifted.loc[test, "frequency_hz"] = drifted.loc[test, "frequency_hz"] * 1.2
+    drifted_file = root / "drifted.csv"
+    drifted.to_csv(drifted_file, index=False)
+    out = root / "drifted"
+    result = runner.invoke(
+        app, ["calibrate", "--prior", str(run), "--data", str(drifted_file), "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    per_sensor = pd.read_csv(out / "per_sensor.csv")
+    assert (per_sensor["test_beyond_support"] == 1.0).all()  # every test row is beyond
+    assert np.isfinite(per_sensor["test_rmse"]).all()

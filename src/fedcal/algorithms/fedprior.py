@@ -97,6 +97,24 @@ directions gets none: its ψ columns are empty, same evidence, more parameters).
 Measured by helper "hyst" (benchmarks/fewpoint_direction.py) and here
 (docs/results/sweep-direction.md).
 
+Field networks (issue 26). ``basis = "auto"`` is the tensor basis of ``orders`` for the
+barometer's (frequency, temperature) and, for any other named features, the total-degree
+basis (the build sets it: :func:`fedcal.build._generic_basis`), its degree chosen by the
+fleet's BIC among 0..``degree`` under ``select = "bic"``. A basis of more than
+:data:`~fedcal.models.basis.MAX_TERMS` terms is refused in one line. Every Cholesky
+factorization goes through :func:`~fedcal.core.bayes.safe_cholesky` (jitter, then an
+eigenvalue floor, reported per unit and round as the ``jitter`` metric and in one printed
+line), so a near-singular Gram (collinear features, thousands of rows, σ² → 0) cannot end
+the run. Extrapolation guard: the server keeps the fleet's input support, each input's
+mean ± :data:`~fedcal.models.basis.SUPPORT_STDS` standard deviations from the summed Gram
+(:meth:`FedPrior._input_box`), widened per unit to its own training range; beyond it the
+prediction is ψ(x)ᵀm with ψ the basis continued along its tangent plane at the nearest
+point of the box (:func:`~fedcal.models.basis.linearized_products`): linear growth, not
+the d-th power. The predictive variance there is ψᵀVψ + σ² + (φ(x)ᵀm − ψ(x)ᵀm)², the last
+term a one-σ model-form allowance (what the polynomial and its linearization disagree
+by); such rows are flagged (:meth:`FedPrior.beyond_support`, ``beyond_support`` in
+per_sensor.csv and the summary).
+
 Defaults (ours, measured on mixed fleets of 20 fully calibrated + 20 new
 units, 3 fleet seeds, off-grid test points; docs/results/): Legendre orders (4, 3),
 the silicon-resonator calibration surface of docs/simulated-fleet.md,
@@ -138,11 +156,18 @@ from fedcal.core.bayes import (
     posterior,
     predictive_var,
     regularize,
+    safe_cholesky,
 )
 from fedcal.core.data import ClientData
 from fedcal.core.privacy import Statistic
 from fedcal.core.tree import Tree
-from fedcal.models.basis import legendre_exponents, legendre_products, orders_by_size
+from fedcal.models.basis import (
+    SUPPORT_STDS,
+    legendre_exponents,
+    legendre_products,
+    linearized_products,
+    orders_by_size,
+)
 
 
 @dataclass(frozen=True)
@@ -323,11 +348,12 @@ class FedPrior(Algorithm):
             "support": torch.zeros(p, p, dtype=F64),
         }
         if self.select == "none":
-            return start
+            return {**start, "box": self._open_box()}
         k = len(self.candidates)
         # Round 0 screens with the largest candidate (the basis asked for), as without selection.
         return {
             **start,
+            "box": self._open_box(),
             "mask": self.masks[-1].clone(),
             "choice": torch.tensor(k - 1),
             "scores": torch.zeros(k, dtype=F64),
@@ -336,6 +362,8 @@ class FedPrior(Algorithm):
 
     def broadcast(self, server: Tree) -> Tree:
         down = {k: server[k] for k in ("mu", "sigma", "noise_var")}
+        if "box" in server:  # the fleet's input support (extrapolation guard)
+            down["box"] = server["box"]
         if self.select != "none":
             down["mask"] = server["mask"]
             down["cand"] = {k: server["cand"][k] for k in ("mu", "sigma", "noise_var")}
@@ -383,7 +411,10 @@ class FedPrior(Algorithm):
                 cand_own if self.noise == "sensor" else state["cand_noise_var"]
             )
         fit_mse = post.rss / full.n.clamp_min(1.0)
-        return ClientResult(reply, new_state, {"train_loss": fit_mse, "loglik": post.loglik})
+        # jitter: the relative jitter a near-singular factorization needed (0: none; 1: an
+        # eigenvalue floor), per unit and round in the run's metrics (core.bayes.safe_cholesky).
+        metrics = {"train_loss": fit_mse, "loglik": post.loglik, "jitter": post.jitter}
+        return ClientResult(reply, new_state, metrics)
 
     def _e_step_sums(self, post: Posterior, gram: Tensor, noise: Tensor) -> Tree:
         """A unit's terms of the M-step sums (module doc, step 1): m_i, m_i m_iᵀ + V_i, the
@@ -461,7 +492,13 @@ class FedPrior(Algorithm):
         metric = total["gram"] / total["n"].clamp_min(1.0)
         if self.select == "none":
             mu, sigma, noise_var = self._prior_update(server["mu"], total, count, metric)
-            return {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
+            return {
+                "mu": mu,
+                "sigma": sigma,
+                "noise_var": noise_var,
+                "support": total["support"],
+                "box": self._input_box(total["gram"]),
+            }
         cand = {k: v[order].sum(0) for k, v in replies["cand"].items()}
         masks = self.masks
         new: dict[str, list[Tensor]] = {"mu": [], "sigma": [], "noise_var": []}
@@ -482,6 +519,7 @@ class FedPrior(Algorithm):
         choice = int(torch.argmax(scores))  # ties: the smaller candidate (listed first)
         return {
             **{key: v[choice] for key, v in stacked.items()},
+            "box": self._input_box(total["gram"]),
             "mask": masks[choice],
             "choice": torch.tensor(choice),
             "scores": scores,
@@ -526,7 +564,7 @@ class FedPrior(Algorithm):
                 "(the fedprior_fixed variant)"
             )
         p = self.num_features
-        chol = torch.linalg.cholesky(down["sigma"].to(F64))
+        chol = safe_cholesky(down["sigma"].to(F64))[0]
         mu, rows, s = down["mu"].to(F64), float(self.dp_max_rows), self.init_scale
         z = 2.0 * p**0.5
         second = (z * s) ** 2 + p * s * s
@@ -560,19 +598,89 @@ class FedPrior(Algorithm):
         if "mask" in down:  # terms outside the chosen basis are not in the model (0, no σ)
             m = down["mask"]
             coef, cov = coef * m, cov * m.unsqueeze(-1) * m.unsqueeze(-2)
-        return {"coef": coef, "cov": cov, "noise_var": self._noise(down, state)}
+        out = {"coef": coef, "cov": cov, "noise_var": self._noise(down, state)}
+        return {**out, "box": self._unit_box(down.get("box"), data)}
+
+    # ---- the extrapolation guard (models.basis.linearized_products) ------------------
+    def _open_box(self) -> Tensor:
+        """(2, inputs): no support known yet (round 0): nothing is extrapolation."""
+        inf = torch.full((self.num_inputs,), math.inf, dtype=F64)
+        return torch.stack([-inf, inf])
+
+    def _input_box(self, gram: Tensor) -> Tensor:
+        """The fleet's input support (2, inputs) from its summed Gram Σ_i Φ_iᵀΦ_i.
+
+        Row/column 0 is the constant term and e_j the term P̃_1(x_j) = √3·x_j, so
+        G[0,0] = Σn, G[0,e_j] = √3·Σx_j and G[e_j,e_j] = 3·Σx_j²: each input's fleet mean
+        m_j and standard deviation s_j, from the sums the federation already adds (no
+        unit's rows, nor its own range, leave it). The box is m_j ± SUPPORT_STDS·s_j; an
+        input without a linear term stays open.
+        """
+        box = self._open_box()
+        n = gram[0, 0]
+        if not float(n) > 0:
+            return box
+        for j in range(self.num_inputs):
+            e_j = tuple(int(k == j) for k in range(self.num_inputs))
+            if e_j not in self.terms:
+                continue
+            k = self.terms.index(e_j)
+            mean = gram[0, k] / (math.sqrt(3.0) * n)
+            std = (gram[k, k] / (3.0 * n) - mean * mean).clamp_min(0.0).sqrt()
+            box[0, j], box[1, j] = mean - SUPPORT_STDS * std, mean + SUPPORT_STDS * std
+        return box
+
+    def _unit_box(self, fleet_box: Tensor | None, data: ClientData) -> Tensor:
+        """(clients, 2, inputs): the fleet's box widened to each unit's own training range.
+
+        Without a fleet box (a prior applied by ``fedcal calibrate`` to new units, a model
+        saved before the guard): the unit's own range.
+        """
+        real = data.mask.unsqueeze(-1) > 0
+        x = data.x.to(F64)
+        lo = torch.where(real, x, math.inf).amin(1)
+        hi = torch.where(real, x, -math.inf).amax(1)
+        if fleet_box is None:
+            return torch.stack([lo, hi], 1)
+        fleet_box = fleet_box.to(F64).expand(x.shape[0], 2, x.shape[-1])
+        return torch.stack(
+            [torch.minimum(lo, fleet_box[:, 0]), torch.maximum(hi, fleet_box[:, 1])], 1
+        )
+
+    def _guarded(self, params: Tree, x: Tensor, terms) -> tuple[Tensor, Tensor]:
+        """(ψ(x), beyond) of ``terms``: the basis linearized beyond the unit's box, per row."""
+        if "box" not in params:
+            phi = legendre_products(x, terms)
+            return phi, torch.zeros(phi.shape[:-1], dtype=torch.bool)
+        box = params["box"].to(F64)
+        return linearized_products(x, terms, box[:, 0].unsqueeze(1), box[:, 1].unsqueeze(1))
+
+    def beyond_support(self, params: Tree, x: Tensor) -> Tensor:
+        """(clients, rows) bool: rows outside the unit's support box (linearized, flagged)."""
+        return self._guarded(params, x, self.terms)[1]
 
     def predict(self, params: Tree, x: Tensor) -> Tensor:
-        """φ(x)ᵀm_c: with a direction term, the branch average (the field's b is unknown)."""
+        """ψ(x)ᵀm_c (ψ = φ inside the support box, its tangent-plane continuation beyond):
+        with a direction term, the branch average (the field's b is unknown)."""
         p = len(self.terms)
-        phi = legendre_products(x, self.terms)
+        phi, _ = self._guarded(params, x, self.terms)
         value = (phi * params["coef"][..., :p].to(F64).unsqueeze(1)).sum(-1)
         return value.unsqueeze(-1).to(x.dtype)
 
     def predictive_std(self, params: Tree, x: Tensor) -> Tensor:
-        """√(z(x)ᵀQ z(x) + s) per row (clients, rows, 1), scaled: :meth:`variance_form`."""
+        """√(z(x)ᵀQ z(x) + s [+ g(x)²]) per row (clients, rows, 1), scaled.
+
+        z, Q, s: :meth:`variance_form`. Beyond the unit's support box the prediction is
+        the basis's tangent-plane continuation (:meth:`predict`); the gap g(x) between
+        the polynomial and that continuation is added as model-form variance there.
+        """
         q, s = self.variance_form(params)
         var = predictive_var(self.variance_design(x), q, s)
+        phi, beyond = self._guarded(params, x, self.terms)
+        if bool(beyond.any()):  # beyond the support: + (polynomial − linearized)² (model form)
+            coef = params["coef"][..., : len(self.terms)].to(F64).unsqueeze(1)
+            gap = ((legendre_products(x, self.terms) - phi) * coef).sum(-1)
+            var = var + torch.where(beyond, gap * gap, 0.0)
         return var.sqrt().unsqueeze(-1).to(x.dtype)
 
     def variance_design(self, x: Tensor) -> Tensor:

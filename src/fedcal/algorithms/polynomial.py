@@ -95,9 +95,18 @@ from torch import Tensor
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree, leaves
-from fedcal.models.basis import legendre, orders_by_size
+from fedcal.models.basis import (
+    MAX_TERMS,
+    basis_size,
+    legendre,
+    linearized_products,
+    orders_by_size,
+)
 
 F64 = torch.float64
+# Beyond a sensor's calibrated range by more than this fraction of the span (per side),
+# the surface is linearized (predict): the 5 % of `fedcal calibrate`'s range check.
+RANGE_MARGIN = 0.05
 
 
 def input_range(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -211,6 +220,12 @@ class PolynomialCalibration(Algorithm):
                 f"max_orders has {len(self.max_orders)} entries but the data has "
                 f"{self.num_inputs} inputs: give one order per input, or one for all"
             )
+        if basis_size(self.num_inputs, [1] * self.num_inputs) > MAX_TERMS:
+            raise ValueError(
+                f"polynomial: {self.num_inputs} inputs need at least 2^{self.num_inputs} "
+                f"coefficients (order 1 in every input), more than the {MAX_TERMS} allowed; "
+                "use fewer features or a total-degree method (fedprior, leastsq)"
+            )
         if self.orders is not None:
             if len(self.orders) != self.num_inputs:
                 raise ValueError(
@@ -231,8 +246,38 @@ class PolynomialCalibration(Algorithm):
         return int(width)
 
     @property
-    def top_orders(self) -> tuple[int, ...]:
+    def asked_orders(self) -> tuple[int, ...]:
+        """``max_orders`` with one entry per input (as configured)."""
         return self.max_orders * self.num_inputs if len(self.max_orders) == 1 else self.max_orders
+
+    @property
+    def top_orders(self) -> tuple[int, ...]:
+        """The highest orders used: ``max_orders``, reduced until the basis fits MAX_TERMS.
+
+        The tensor basis has Π(o_k + 1) terms: order 4 over 8 inputs is 390,625 (a
+        19.5 TB design for a real network). The largest order is lowered first (ties: the
+        last input, so the first-named input keeps the most) until the basis holds at most
+        :data:`~fedcal.models.basis.MAX_TERMS` terms; :attr:`note` says so in one line.
+        Orders 1 everywhere (2^F terms) beyond it
+        are refused at construction.
+        """
+        top = list(self.asked_orders)
+        while basis_size(len(top), top) > MAX_TERMS and max(top) > 1:
+            k = max(range(len(top)), key=lambda j: (top[j], j))
+            top[k] -= 1
+        return tuple(top)
+
+    @property
+    def note(self) -> str:
+        """One line when the orders were reduced to fit the basis-size limit (else empty)."""
+        if self.top_orders == self.asked_orders:
+            return ""
+        return (
+            f"max_orders {list(self.asked_orders)} over {self.num_inputs} inputs is a basis of "
+            f"{basis_size(self.num_inputs, self.asked_orders):,} terms; reduced to orders "
+            f"{list(self.top_orders)} ({basis_size(self.num_inputs, self.top_orders)} terms, "
+            f"limit {MAX_TERMS})"
+        )
 
     @property
     def exponents(self) -> Tensor:
@@ -407,7 +452,24 @@ class PolynomialCalibration(Algorithm):
         return {key: state[key] for key in ("coef", "orders", "lo", "hi")}
 
     def predict(self, params: Tree, x: Tensor) -> Tensor:
-        """Σ a_α Π_k L̃_{α_k}(u_k) per client: (clients, rows, 1) in the dtype of ``x``."""
+        """Σ a_α Π_k L̃_{α_k}(u_k) per client: (clients, rows, 1) in the dtype of ``x``.
+
+        Beyond the sensor's calibrated box widened by ``RANGE_MARGIN`` of each input's span
+        on each side (|u_k| > 1.1) the surface continues along its
+        tangent plane at the box's edge (:func:`~fedcal.models.basis.linearized_products`),
+        not as an order-4 polynomial; those rows are :meth:`beyond_support`.
+        """
         u = to_unit_interval(x.to(F64), params["lo"], params["hi"])
         design = tensor_design(u, self.exponents)
+        beyond = (u.abs() > 1.0 + 2 * RANGE_MARGIN).any(-1)
+        if bool(beyond.any()):
+            terms = [tuple(t) for t in self.exponents.tolist()]
+            edge = torch.full((u.shape[-1],), 1.0 + 2 * RANGE_MARGIN, dtype=F64)
+            guarded, _ = linearized_products(u, terms, -edge, edge)
+            design = torch.where(beyond.unsqueeze(-1), guarded, design)
         return (design * params["coef"].unsqueeze(1)).sum(-1, keepdim=True).to(x.dtype)
+
+    def beyond_support(self, params: Tree, x: Tensor) -> Tensor:
+        """(clients, rows) bool: rows outside the sensor's calibrated box (linearized)."""
+        u = to_unit_interval(x.to(F64), params["lo"], params["hi"])
+        return (u.abs() > 1.0 + 2 * RANGE_MARGIN).any(-1)

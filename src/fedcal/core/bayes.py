@@ -75,6 +75,51 @@ class Posterior(NamedTuple):
     gls_rhs: Tensor
     rss: Tensor
     loglik: Tensor
+    jitter: Tensor | None = None  # (c,) relative jitter :func:`safe_cholesky` added (0: none)
+
+
+#: Relative jitters tried in turn by :func:`safe_cholesky` (times the largest diagonal entry).
+JITTERS = (1e-12, 1e-10, 1e-8, 1e-6, 1e-4)
+
+
+def safe_cholesky(a: Tensor) -> tuple[Tensor, Tensor]:
+    """Cholesky factor of a symmetric positive semi-definite batch (…, p, p) that cannot fail.
+
+    Near-singular Gram matrices (collinear features, many rows, a tiny noise
+    level) lose positive definiteness to rounding. A matrix whose factorization
+    fails gets the smallest jitter ε·max_k a_kk·I of :data:`JITTERS` that
+    factors; if none does, its eigenvalues are floored at 10⁻⁴·λ_max (an
+    eigenvalue floor). Returns the factor and, per matrix, the relative jitter
+    used (0: none; 1: the eigenvalue floor), which the caller reports.
+    """
+    a = 0.5 * (a + a.transpose(-2, -1))
+    chol, info = torch.linalg.cholesky_ex(a)
+    used = torch.zeros(info.shape, dtype=a.dtype)
+    if not bool((info != 0).any()):
+        return chol, used
+    eye = torch.eye(a.shape[-1], dtype=a.dtype)
+    finite = torch.isfinite(a).all(-1).all(-1)  # a non-finite matrix stays NaN (diverged)
+    a = torch.where(finite[..., None, None], a, eye)
+    scale = torch.diagonal(a, dim1=-2, dim2=-1).abs().amax(-1).clamp_min(1e-300)
+    for eps in JITTERS:
+        bad = info != 0
+        if not bool(bad.any()):
+            break
+        trial, trial_info = torch.linalg.cholesky_ex(a + (eps * scale)[..., None, None] * eye)
+        fixed = bad & (trial_info == 0)
+        chol = torch.where(fixed[..., None, None], trial, chol)
+        used = torch.where(fixed, torch.full_like(used, eps), used)
+        info = torch.where(fixed, torch.zeros_like(info), info)
+    bad = info != 0
+    if bool(bad.any()):
+        vals, vecs = torch.linalg.eigh(a)
+        vals = vals.clamp_min(1e-4 * vals.amax(-1, keepdim=True).clamp_min(1e-300))
+        floored = (vecs * vals.unsqueeze(-2)) @ vecs.transpose(-2, -1)
+        trial = torch.linalg.cholesky(0.5 * (floored + floored.transpose(-2, -1)))
+        chol = torch.where(bad[..., None, None], trial, chol)
+        used = torch.where(bad, torch.ones_like(used), used)
+    chol = torch.where(finite[..., None, None], chol, torch.nan)
+    return chol, used
 
 
 def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Posterior:
@@ -92,12 +137,12 @@ def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Poste
     mu = mu.to(F64).expand(c, p)
     sigma = sigma.to(F64).expand(c, p, p)
     s2 = noise_var.to(F64).reshape(c, 1, 1)
-    chol = torch.linalg.cholesky(sigma)  # L
+    chol, jitter_sigma = safe_cholesky(sigma)  # L (never fails: see safe_cholesky)
     eye = torch.eye(p, dtype=F64)
     lg = chol.transpose(1, 2) @ gram @ chol / s2
     b = 0.5 * (lg + lg.transpose(1, 2))  # B = LᵀGL/σ², symmetric by construction
     a = eye + b
-    a_chol = torch.linalg.cholesky(a)
+    a_chol, jitter_a = safe_cholesky(a)
     resid_rhs = rhs - (gram @ mu.unsqueeze(-1))[..., 0]  # Φᵀ(y − Φμ)
     g = (chol.transpose(1, 2) @ resid_rhs.unsqueeze(-1)) / s2
     z = torch.cholesky_solve(g, a_chol)
@@ -128,7 +173,8 @@ def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Poste
     loglik = -0.5 * (
         n * torch.log(2 * math.pi * s2f) + logdet_a + quad / s2f - (g * z).sum((-2, -1))
     )
-    return Posterior(mean, cov, gls_gram, gls_rhs[..., 0], rss, loglik)
+    jitter = torch.maximum(jitter_sigma, jitter_a)
+    return Posterior(mean, cov, gls_gram, gls_rhs[..., 0], rss, loglik, jitter)
 
 
 def data_support(gram: Tensor, noise_var: Tensor, scale: float) -> Tensor:
@@ -143,7 +189,13 @@ def data_support(gram: Tensor, noise_var: Tensor, scale: float) -> Tensor:
     p = gram.shape[-1]
     eye = torch.eye(p, dtype=F64)
     a = eye + scale**2 * gram.to(F64) / noise_var.to(F64).reshape(-1, 1, 1)
-    return eye - torch.linalg.inv(0.5 * (a + a.transpose(1, 2)))
+    a = 0.5 * (a + a.transpose(1, 2))
+    inv, info = torch.linalg.inv_ex(a)
+    bad = (info != 0) & torch.isfinite(a).all(-1).all(-1)
+    if bool(bad.any()):  # numerically singular (σ² → 0): the same map by eigenvalues, exact
+        vals, vecs = torch.linalg.eigh(a[bad])
+        inv[bad] = (vecs / vals.clamp_min(1.0).unsqueeze(-2)) @ vecs.transpose(-2, -1)
+    return eye - inv
 
 
 def predictive_var(design: Tensor, cov: Tensor, noise_var: Tensor) -> Tensor:
@@ -188,7 +240,7 @@ def regularize(
     if metric is not None:
         m = 0.5 * (metric + metric.T).to(F64)
         m = m + 1e-6 * torch.diagonal(m).abs().max().clamp_min(1e-300) * torch.eye(p, dtype=F64)
-        r = torch.linalg.cholesky(m).T  # M = Rᵀ R
+        r = safe_cholesky(m)[0].T  # M = Rᵀ R
         r_inv = torch.linalg.solve_triangular(r, torch.eye(p, dtype=F64), upper=True)
         cov = r_inv @ _shrink_and_factor(r @ cov @ r.T, shrinkage, rank, fa_iters) @ r_inv.T
     else:

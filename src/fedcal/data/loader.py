@@ -531,6 +531,54 @@ def _parse_ids(raw: _Raw, col: str, label: str) -> tuple[list[str], FleetDataErr
     return ids.tolist(), None
 
 
+def parse_times(raw: _Raw, col: str, label: str) -> tuple[np.ndarray, FleetDataError | None]:
+    """The time column as float64 seconds: numbers as given (any unit, e.g. hours or
+    Unix seconds), or dates/timestamps (ISO 8601 and what pandas reads) as seconds since
+    1970-01-01 UTC. Missing or unreadable cells are refused, naming their rows."""
+    series = raw.frame[col]
+    numbers = pd.to_numeric(series, errors="coerce")
+    if numbers.notna().all():
+        return numbers.to_numpy(dtype=np.float64), None
+    text, missing = _strings(raw, col)
+    stamps = pd.to_datetime(pd.Series(text), errors="coerce", utc=True, format="mixed")
+    bad = np.flatnonzero(stamps.isna().to_numpy() | missing)
+    if len(bad):
+        items = [(int(raw.rows[i]), "missing" if missing[i] else repr(text[i])) for i in bad]
+        msg = "unreadable time (a number or a date such as 2024-05-01T13:00) at "
+        return np.zeros(len(text)), FleetDataError(
+            label, msg + _listing(items, raw.kind), [r for r, _ in items], col
+        )
+    seconds = (stamps - pd.Timestamp(0, tz="UTC")) / pd.Timedelta(seconds=1)
+    return seconds.to_numpy(dtype=np.float64), None
+
+
+def time_split(ids: Sequence[str], times: np.ndarray, test_fraction: float) -> np.ndarray:
+    """Per sensor: the rows in the last ``test_fraction`` of its own time span are test.
+
+    A sensor observed from t0 to t1 is tested on t > t1 − f·(t1 − t0) (f =
+    ``test_fraction``; 0.25: the last quarter of its time) and calibrated on what
+    came before — the future is predicted from the past, as in the field. At
+    least one test row (its latest) and one train row (its earliest) for a sensor
+    with two or more distinct times.
+    """
+    ids = np.asarray(ids, dtype=object)
+    times = np.asarray(times, dtype=np.float64)
+    split = np.full(len(ids), "train", dtype=object)
+    if test_fraction <= 0:
+        return split
+    codes, _ = pd.factorize(ids)
+    for code in range(codes.max() + 1 if len(codes) else 0):
+        idx = np.flatnonzero(codes == code)
+        t = times[idx]
+        t0, t1 = t.min(), t.max()
+        test = t > t1 - test_fraction * (t1 - t0)
+        if t1 > t0:
+            test |= t == t1  # at least the latest row
+            test &= t > t0  # never the earliest
+        split[idx[test]] = "test"
+    return split
+
+
 def _parse_split(raw: _Raw, col: str, label: str) -> tuple[np.ndarray, FleetDataError | None]:
     text, _ = _strings(raw, col)
     out = np.array([t.lower() for t in text], dtype=object)
@@ -836,8 +884,17 @@ def load_fleet(
     min_test_points: int = 1,
     physical_bounds: Mapping[str, tuple[float | None, float | None] | Bounds | None] | None = None,
     max_bytes: int | None = None,
+    time_column: str | None = None,
+    split_by: str = "random",
 ) -> Fleet:
     """Read and validate a fleet file (``.csv``, ``.parquet`` or ``.pq``).
+
+    ``time_column`` (optional) names each row's time, a number or a date
+    (:func:`parse_times`; kept in the frame as float seconds or the file's number):
+    rows of one sensor identical in inputs and target but at distinct times are data,
+    not duplicates. ``split_by = "time"`` (needs ``time_column``; a file without a
+    split column) tests each sensor on the last ``test_fraction`` of its time span
+    (:func:`time_split`), ``"random"`` on a seeded random subset.
 
     ``features``/``target`` default to the barometric schema. If the file has
     no ``split_column`` (or ``split_column`` is ``None``), each sensor's points
@@ -870,7 +927,14 @@ def load_fleet(
     )
     numeric = [*features, target]
     raw, label, bounds, plausible = _read_guarded(path, numeric, physical_bounds, max_bytes)
-    _check_columns(raw, label, [client_column, *numeric], split_column)
+    if split_by not in ("random", "time"):
+        raise ValueError(f"split_by must be 'random' or 'time', got {split_by!r}")
+    if split_by == "time" and not time_column:
+        raise ValueError("split_by = 'time' needs a time column (--time-column)")
+    if time_column and time_column in (client_column, *numeric, SPLIT_COLUMN, SOURCE_LINE):
+        raise ValueError(f"time column {time_column!r} is also the sensor, a feature or reserved")
+    timed = [time_column] if time_column else []
+    _check_columns(raw, label, [client_column, *numeric, *timed], split_column)
     use_file_split = split_column is not None and split_column in raw.frame.columns
 
     errors: list[FleetDataError] = []
@@ -884,6 +948,10 @@ def load_fleet(
     if use_file_split:
         split, err = _parse_split(raw, split_column, label)
         errors += [err] if err else []
+    times = None
+    if time_column:
+        times, err = parse_times(raw, time_column, label)
+        errors += [err] if err else []
     direction = None
     if DIRECTION_COLUMN in raw.frame.columns and DIRECTION_COLUMN not in (
         client_column,
@@ -894,11 +962,15 @@ def load_fleet(
     _raise_first(errors, label)
 
     _check_values(raw, label, values, bounds, plausible)
-    _check_duplicates(raw, label, client_column, ids, values)
+    keyed = values if times is None else {**values, time_column: times}  # distinct times: data
+    _check_duplicates(raw, label, client_column, ids, keyed)
 
     order = list(pd.unique(pd.Series(ids)))
     if use_file_split:
         how = f"split from column {split_column!r}"
+    elif split_by == "time":
+        split = time_split(ids, times, float(test_fraction))
+        how = f"time split, the last {test_fraction} of each sensor's time is test"
     else:
         split = _seeded_split(ids, float(test_fraction), int(seed))
         how = f"seeded split, test_fraction={test_fraction}, seed={seed}"
@@ -910,6 +982,8 @@ def load_fleet(
         for col in frame.columns:
             if col not in (client_column, *numeric, split_column, SPLIT_COLUMN, SOURCE_LINE):
                 frame[col] = _infer_text_column(frame[col].tolist())
+    if times is not None:
+        frame[time_column] = times
     if direction is not None:
         frame[DIRECTION_COLUMN] = pd.Series(direction, dtype="str", index=frame.index)
     frame[client_column] = pd.Series(ids, dtype="str")
@@ -923,6 +997,10 @@ def load_fleet(
     meta = {"source": label, "split": "file" if use_file_split else "seeded"}
     if not use_file_split:
         meta.update(test_fraction=float(test_fraction), split_seed=int(seed))
+        if split_by == "time":
+            meta.update(split="time")
+    if time_column:
+        meta["time_column"] = time_column
     return Fleet(frame, features, target, client_column, meta)
 
 

@@ -113,29 +113,64 @@ def legendre(x: Tensor, order: int) -> list[Tensor]:
     return [math.sqrt(2 * n + 1) * v for n, v in enumerate(values)]
 
 
-def legendre_exponents(
+#: The most terms a Legendre-product basis may have: a fleet prior's p × p covariance and
+#: every unit's p × p Gram must stay small (500 terms: 2 MB a matrix). 8 inputs at total
+#: degree 4 (495 terms) fit; an order-4 tensor over 8 inputs (390,625 terms) is refused.
+MAX_TERMS = 500
+
+
+def basis_size(
     num_inputs: int, orders: Sequence[int] | None = None, degree: int | None = None
+) -> int:
+    """Terms of the tensor basis Π(o_k + 1), or of the total-degree basis C(F + d, d)."""
+    if orders is not None:
+        return math.prod(int(o) + 1 for o in orders)
+    return math.comb(num_inputs + int(degree), int(degree))
+
+
+def legendre_exponents(
+    num_inputs: int,
+    orders: Sequence[int] | None = None,
+    degree: int | None = None,
+    max_terms: int = MAX_TERMS,
 ) -> tuple[tuple[int, ...], ...]:
     """The terms of a Legendre-product basis as exponent tuples, constant term first.
 
     ``orders`` (one per input): the tensor product, every (a_1..a_F) with a_k ≤
     orders[k]; ``degree``: the total-degree basis, every term with Σ a_k ≤ degree
     (for many inputs, where the tensor product grows as Π(orders+1)).
-    Ordered by total degree, then lexicographically.
+    Ordered by total degree, then lexicographically. A basis of more than
+    ``max_terms`` terms is refused in one line before anything is enumerated.
     """
     if (orders is None) == (degree is None):
         raise ValueError("give either orders (one per input) or a total degree")
     if orders is not None:
         if len(orders) != num_inputs or any(o < 0 for o in orders):
             raise ValueError(f"orders needs one order >= 0 per input ({num_inputs}), got {orders}")
-        terms = itertools.product(*(range(o + 1) for o in orders))
-    else:
-        if degree < 0:
-            raise ValueError(f"degree must be >= 0, got {degree}")
-        terms = (
-            t for t in itertools.product(range(degree + 1), repeat=num_inputs) if sum(t) <= degree
+    elif degree < 0:
+        raise ValueError(f"degree must be >= 0, got {degree}")
+    size = basis_size(num_inputs, orders, degree)
+    if size > max_terms:
+        what = f"orders {list(orders)}" if orders is not None else f"total degree {degree}"
+        raise ValueError(
+            f"a Legendre basis of {what} over {num_inputs} inputs has {size:,} terms, more "
+            f"than the {max_terms} a fleet's data can support; lower the orders or the degree"
         )
+    if orders is not None:
+        terms = list(itertools.product(*(range(o + 1) for o in orders)))
+    else:
+        terms = list(_total_degree(num_inputs, degree))
     return tuple(sorted(terms, key=lambda t: (sum(t), tuple(-a for a in t))))
+
+
+def _total_degree(num_inputs: int, degree: int) -> Iterable[tuple[int, ...]]:
+    """Every exponent tuple of length ``num_inputs`` with sum ≤ ``degree`` (no full grid)."""
+    if num_inputs == 0:
+        yield ()
+        return
+    for a in range(degree + 1):
+        for rest in _total_degree(num_inputs - 1, degree - a):
+            yield (a, *rest)
 
 
 def orders_by_size(top: Sequence[int], lowest: int = 0) -> list[tuple[int, ...]]:
@@ -169,6 +204,62 @@ def legendre_products(x: Tensor, exponents: Sequence[Sequence[int]]) -> Tensor:
                 col = col * values[j][a]
         cols.append(col)
     return torch.stack(cols, dim=-1)
+
+
+def legendre_derivatives(x: Tensor, order: int) -> list[Tensor]:
+    """d/dx √(2n+1)·P_n(x) for n = 0..order: P'_{n+1} = P'_{n−1} + (2n+1)·P_n (P'_0 = 0)."""
+    values = legendre(x, order)  # normalized: P_n = values[n] / √(2n+1)
+    plain = [v / math.sqrt(2 * n + 1) for n, v in enumerate(values)]
+    ders = [torch.zeros_like(x)]
+    if order >= 1:
+        ders.append(torch.ones_like(x))
+    for n in range(1, order):
+        ders.append(ders[n - 1] + (2 * n + 1) * plain[n])
+    return [math.sqrt(2 * n + 1) * d for n, d in enumerate(ders)]
+
+
+#: How far beyond the fleet's inputs a prior's surface is trusted: its mean ± this many
+#: standard deviations per input (with each unit's own range). Beyond: linearized.
+SUPPORT_STDS = 2.5
+
+
+def linearized_products(
+    x: Tensor, exponents: Sequence[Sequence[int]], lo: Tensor, hi: Tensor
+) -> tuple[Tensor, Tensor]:
+    """The extrapolation guard: ψ(x) = φ(x̄) + J_φ(x̄)·(x − x̄), x̄ = clamp(x, lo, hi).
+
+    Inside the support box [lo, hi] (per input; ``lo``/``hi`` broadcast against x's
+    leading axes, e.g. (clients, 1, F)) ψ = φ (:func:`legendre_products`) exactly;
+    beyond it the surface continues along its tangent plane at the nearest point of
+    the box (a first-order Taylor expansion), so a degree-d polynomial grows linearly
+    away from the data instead of as the d-th power. ψ is linear in the
+    coefficients, so a posterior's predictive variance ψᵀVψ stays exact for the
+    guarded prediction. Returns (ψ (..., rows, terms), outside (..., rows) bool).
+    """
+    x = x.to(torch.float64)
+    inner = torch.maximum(torch.minimum(x, hi.to(x.dtype)), lo.to(x.dtype))
+    step = x - inner
+    outside = (step != 0).any(-1)
+    phi = legendre_products(inner, exponents)
+    if not bool(outside.any()) or not exponents:
+        return phi, outside
+    num_inputs = x.shape[-1]
+    tops = [max(t[j] for t in exponents) for j in range(num_inputs)]
+    values = [legendre(inner[..., j], tops[j]) for j in range(num_inputs)]
+    ders = [legendre_derivatives(inner[..., j], tops[j]) for j in range(num_inputs)]
+    cols = []
+    for term in exponents:
+        slope = torch.zeros_like(inner[..., 0])
+        for j, a in enumerate(term):
+            if not a:
+                continue
+            part = ders[j][a] * step[..., j]
+            for k, b in enumerate(term):
+                if k != j and b:
+                    part = part * values[k][b]
+            slope = slope + part
+        cols.append(slope)
+    return phi + torch.stack(cols, dim=-1), outside
 
 
 @dataclass(frozen=True)
@@ -216,6 +307,11 @@ class Basis:
             )
         if any(p < 0 for p in self.poly_orders):
             raise ValueError("polynomial orders must be >= 0")
+        if basis_size(self.in_features, self.poly_orders) > MAX_TERMS:
+            raise ValueError(
+                f"poly_orders {list(self.poly_orders)}: "
+                f"{basis_size(self.in_features, self.poly_orders):,} terms, more than {MAX_TERMS}"
+            )
 
     # ---- structure ----------------------------------------------------
     @property
