@@ -467,7 +467,7 @@ def _lists(value: Any) -> Any:
 
 
 def to_json(cfg: RunConfig) -> str:
-    """The layout as JSON (sorted keys): what Flower messages and run directories carry."""
+    """The layout as JSON (sorted keys): run directories and the ServerApp's config-json."""
     return json.dumps(to_layout(cfg), sort_keys=True)
 
 
