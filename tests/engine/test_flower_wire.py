@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from fedcal.algorithms import REGISTRY
-from fedcal.apps.flower_server import build, federation
+from fedcal.apps.flower_server import algorithm_spec, build, federation
 from fedcal.build import build_policy
 from fedcal.config import EngineSection, ModelConfig, RunConfig, TrainConfig
 from fedcal.core.data import TRAIN, client_round_seed
@@ -99,6 +99,56 @@ def test_codec_round_trip_is_bit_exact() -> None:
         w = flatten(back)[k]
         assert w.dtype == v.dtype and w.shape == v.shape, k
         assert w.numpy().tobytes() == v.contiguous().numpy().tobytes(), k
+
+
+def test_the_spec_rebuilds_every_method_as_the_configuration_builds_it() -> None:
+    """The handshake's JSON → AlgorithmSpec → Algorithm equals fedcal.build's, field for field
+    (types too: a tuple stays a tuple, a list a list), and the model starts from the same
+    parameters; a spec that is not one is refused in one line."""
+    import dataclasses
+
+    from fedcal.config import load_config
+    from fedcal.engine.flower.spec import AlgorithmSpec
+
+    for config in (CONFIG, load_config(None)):  # the shipped default has list-valued params
+        names = [*REGRESSION, *(v for v in config.method_params if v not in REGISTRY)]
+        for name in names:
+            want = build(config, name, 2)
+            spec = AlgorithmSpec.from_json(algorithm_spec(config, name).to_json())
+            assert spec.method == name and spec.algorithm == want.name
+            got = spec.build(2)
+            assert type(got) is type(want)
+            for f in dataclasses.fields(want):
+                if f.name != "task":
+                    a, b = getattr(got, f.name), getattr(want, f.name)
+                    assert a == b and type(a) is type(b), (name, f.name, a, b)
+            pa, pb = (a.task.model.init(torch.Generator().manual_seed(0)) for a in (got, want))
+            for k, v in flatten(pb).items():
+                assert torch.equal(flatten(pa)[k], v), (name, k)
+    odd = AlgorithmSpec("v", "fedpoly", {"private_terms": ((0, 0), (1, 0)), "x": [[1], (2,)]})
+    back = AlgorithmSpec.from_json(odd.to_json())
+    assert back == odd and type(back.params["private_terms"][1]) is tuple
+    assert [type(v) for v in back.params["x"]] == [list, tuple]
+    with pytest.raises(ValueError, match="not an algorithm specification"):
+        AlgorithmSpec.from_json('{"method": "fedavg"}')
+
+
+def test_the_algorithm_travels_once_in_the_handshake_not_in_round_messages(
+    make_fleet, tmp_path
+) -> None:
+    fleet = make_fleet(num_clients=3, train=[9, 7, 8])
+    cfgs = _node_cfgs(fleet, tmp_path, {"S00": "a", "S01": "b", "S02": "b"})
+    fed = federation(CONFIG, "fedgmi", seed=4)
+    hello = fed.handshake_content()["fedcal"]
+    assert sorted(hello) == ["algorithm", "dtype", "scaling", "seed"]
+    fed.register({n: answer_handshake(fed.handshake_content(), c, 5) for n, c in cfgs.items()})
+    for content in fed.messages(0).values():
+        assert sorted(content["fedcal"]) == [
+            "accepted-index", "accepted-round", "eval-round", "round", "scaler", "train"
+        ]  # fmt: skip
+    node, cfg = next(iter(cfgs.items()))
+    with pytest.raises(RuntimeError, match="no run file; the site got a round message before"):
+        run_round(fed.messages(0)[node], cfg, run_id=6)  # a run whose handshake it never got
 
 
 def test_site_parts_travel_stacked_and_come_back_bit_exact() -> None:
