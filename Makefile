@@ -25,8 +25,9 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/fleet_scale.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks studies fedcal_support
+	$(BIN)/ruff format --check src tests benchmarks studies fedcal_support
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -34,12 +34,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # fedcal_support/ (not shipped)
 
-from fedcal.config import default_config  # noqa: E402
+from fedcal.apps.flower_server import build  # noqa: E402
+from fedcal.config import default_config, to_json  # noqa: E402
 from fedcal.core.tree import flatten  # noqa: E402
 from fedcal.data.simulator import FleetSpec, simulate_fleet  # noqa: E402
 from fedcal.engine.flower.client import load_state, state_path  # noqa: E402
 from fedcal.engine.flower.nodes import node_config, prepare_site_files  # noqa: E402
-from fedcal.engine.flower.wire import build, config_to_json  # noqa: E402
 from fedcal.engine.simulation import EngineConfig, prepare, simulate  # noqa: E402
 from fedcal.experiment import build_policy  # noqa: E402
 from fedcal_support.flower_local import LocalDeployment, make_node_key  # noqa: E402
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
             "seed": args.seed,
             "rounds": args.rounds,
             "dtype": args.dtype,
-            "config-json": config_to_json(config),
+            "config-json": to_json(config),
             "out-dir": str(root / "out"),
             "min-nodes": len(files),
             "min-replies": len(ids),

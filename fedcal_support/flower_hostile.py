@@ -66,7 +66,7 @@ class InProcess:
 
         if kind == "handshake":
             return {
-                n: self._deliver(HANDSHAKE, n, answer_handshake(c, self.node_cfgs[n]))
+                n: self._deliver(HANDSHAKE, n, answer_handshake(c, self.node_cfgs[n], self.run_id))
                 for n, c in contents.items()
             }, {}
         replies = {
@@ -219,9 +219,9 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
+    from fedcal.apps.flower_server import federation
     from fedcal.config import default_config
     from fedcal.data.simulator import FleetSpec, simulate_fleet
-    from fedcal.engine.flower.server import Federation
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sensors", type=int, default=5)
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             runs, completed = {}, set()
             for i, (name, tamper) in enumerate(cases.items()):
-                fed = Federation(config, "fedavg", seed=0, min_replies=1)
+                fed = federation(config, "fedavg", seed=0, min_replies=1)
                 try:
                     run_in_process(
                         fed, node_cfgs(fleet, Path(tmp) / str(i)), run_id=i, tamper=tamper
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
             # a curious server: centralized, default nodes, then nodes that allow raw rows
             for allow in (None, {i: {"allow_uploads": "*"} for i in range(args.sensors)}):
                 root = Path(tmp) / ("curious" if allow is None else "consent")
-                fed = Federation(config, "centralized", seed=0, min_replies=1)
+                fed = federation(config, "centralized", seed=0, min_replies=1)
                 wire: list = []
                 try:
                     run_in_process(fed, node_cfgs(fleet, root, allow), run_id=99, wire=wire)

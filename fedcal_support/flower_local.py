@@ -440,3 +440,11 @@ class LocalDeployment:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def sensor_state(saved: dict, sensor_id: str, tree: str = "state") -> dict:
+    """One sensor's row of a tree of a loaded site state (``client.load_state``), flat."""
+    from fedcal.core.tree import flatten
+
+    k = list(saved["sensor_ids"]).index(sensor_id)
+    return {name: t[k] for name, t in flatten(saved[tree]).items()}

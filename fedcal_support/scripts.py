@@ -1,21 +1,21 @@
-"""Load a script of ``benchmarks/`` as a module, so tests can check its pieces."""
+"""The one command-line shape of benchmarks/ and studies/: seeds are a list, ``0,1,2``."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
-
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+import argparse
 
 
-def benchmark(name: str) -> ModuleType:
-    """``benchmarks/<name>.py``, imported once per process under its own name (registered
-    before it runs: its dataclasses look their module up in ``sys.modules``)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+def seed_list(text: str) -> list[int]:
+    """``--seeds`` / ``--fleet-seeds``: distinct non-negative integers, comma-separated.
+
+    An argparse ``type``: anything else is a one-line error naming the value.
+    """
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seeds like 0,1,2, got {text!r}") from None
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(
+            f"expected distinct non-negative seeds like 0,1,2, got {text!r}"
+        )
+    return seeds

@@ -42,3 +42,16 @@ def test_bad_files_name_the_file_and_field(tmp_path, text, needle):
 def test_missing_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config("/nonexistent/x.toml")
+
+
+def test_config_json_round_trip():
+    from dataclasses import replace
+
+    from fedcal.config import ModelConfig, from_json, to_json
+
+    base = default_config()
+    params = {"fedgmi": {"finetune_steps": 3}, "ditto": {"lam": 0.5}}
+    cfg = replace(base, method_params=params)
+    assert from_json(to_json(cfg)) == cfg
+    partial = from_json('{"train": {"lr": 0.2}}')  # over the shipped default
+    assert partial.train.lr == 0.2 and partial.model == ModelConfig()

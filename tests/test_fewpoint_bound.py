@@ -1,15 +1,16 @@
-"""benchmarks/fewpoint_bound.py: its library is the simulator's physics; its Gaussian is Bayes."""
+"""fedcal_support/fewpoint_library.py (studies/fewpoint_bound.py): the simulator's physics; its
+Gaussian is Bayes."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from fedcal.config import load_config
-from fedcal_support.scripts import benchmark
+from fedcal_support import fewpoint_library
 
 
 def bench():
-    return benchmark("fewpoint_bound")
+    return fewpoint_library
 
 
 def test_library_physics_and_truth_match_the_simulated_fleet():

@@ -1,4 +1,5 @@
-"""benchmarks/fewpoint_direction.py: its EM is fedprior's; its prediction is the branch mixture."""
+"""fedcal_support/direction_reference.py (studies/fewpoint_direction.py): its EM is fedprior's;
+its prediction is the branch mixture."""
 
 from __future__ import annotations
 
@@ -10,12 +11,12 @@ from fedcal.core.bayes import F64, moments, posterior, predictive_var
 from fedcal.core.data import ClientData
 from fedcal.core.task import Task
 from fedcal.models.mlp import MLP
+from fedcal_support import direction_reference
 from fedcal_support.rounds import run_rounds
-from fedcal_support.scripts import benchmark
 
 
 def bench():
-    return benchmark("fewpoint_direction")
+    return direction_reference
 
 
 def planted(seed: int = 0, units: int = 12, rows: int = 30, offset: float = 0.05):

@@ -1,1 +1,1 @@
-"""fedcal's Flower app: thin entry points into :mod:`fedcal.engine.flower`."""
+"""fedcal's Flower app: entry points into :mod:`fedcal.apps` (engine: :mod:`fedcal.engine.flower`)."""

@@ -1,5 +1,5 @@
-"""ClientApp component (see fedcal.engine.flower.client_app)."""
+"""ClientApp component (see fedcal.apps.flower_client)."""
 
-from fedcal.engine.flower.client_app import app
+from fedcal.apps.flower_client import app
 
 __all__ = ["app"]

@@ -1,5 +1,5 @@
-"""ServerApp component (see fedcal.engine.flower.server_app)."""
+"""ServerApp component (see fedcal.apps.flower_server)."""
 
-from fedcal.engine.flower.server_app import app
+from fedcal.apps.flower_server import app
 
 __all__ = ["app"]

@@ -475,7 +475,7 @@ def _lists(value: Any) -> Any:
 
 
 def to_json(cfg: RunConfig) -> str:
-    """The layout as JSON (sorted keys): what Flower messages and run directories carry."""
+    """The layout as JSON (sorted keys): run directories and the ServerApp's config-json."""
     return json.dumps(to_layout(cfg), sort_keys=True)
 
 
@@ -572,11 +572,6 @@ def from_dict(raw: dict[str, Any], where: str = "config") -> RunConfig:
     return apply(RunConfig(), raw, where)
 
 
-def merge(base: RunConfig, user: RunConfig, raw: dict[str, Any]) -> RunConfig:
-    """``base`` with the fields that ``raw`` (the user's parsed file) sets."""
-    return apply(base, raw, "config")
-
-
 def check_design(design: Any, where: str) -> str:
     """A chamber design name ("campaign" or "PxT"), or a one-line ConfigError naming ``where``."""
     if not isinstance(design, str):
@@ -585,14 +580,3 @@ def check_design(design: Any, where: str) -> str:
         return _design(design, where)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-
-
-def check_fleet_seeds(seeds: Any, where: str) -> tuple[int, ...]:
-    """Fleet seeds: distinct non-negative integers, or a one-line ConfigError."""
-    if not isinstance(seeds, list | tuple) or not all(
-        isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in seeds
-    ):
-        raise ConfigError(f"{where}: expected a list of non-negative integers, got {seeds!r}")
-    if len(set(seeds)) != len(seeds):
-        raise ConfigError(f"{where}: repeated fleet seed in {list(seeds)!r}")
-    return tuple(seeds)

@@ -13,8 +13,8 @@ from fedcal.core.task import Task
 from fedcal.core.tree import expand
 from fedcal.models.basis import legendre_exponents, legendre_products
 from fedcal.models.mlp import MLP
+from fedcal_support import direction_reference
 from fedcal_support.rounds import run_rounds
-from fedcal_support.scripts import benchmark
 
 PHI = (3, 3)
 
@@ -113,8 +113,8 @@ def test_prediction_is_the_mixture_of_the_two_branches():
 
 
 def test_the_em_is_the_reference_script_s_on_the_features_phi_and_b_psi():
-    """hyst's benchmarks/fewpoint_direction.py fits the same model by hand: same prior."""
-    ref = benchmark("fewpoint_direction")
+    """fedcal_support/direction_reference.py fits the same model by hand: same prior."""
+    ref = direction_reference
     x, y, b, _, _, _ = planted(seed=2)
     phi, psi = ref.bases(x, (2, 0))
     mu, sigma, noise, _ = ref.fit_prior(ref.features(phi, psi, b), y, torch.ones_like(y), 8)

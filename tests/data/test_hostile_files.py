@@ -1,6 +1,6 @@
 """Hostile files: special files, size limit, unit mistakes, checksummed Parquet, and the corpus.
 
-The corpus (benchmarks/fuzz_files.py, >= 200 mutated files) is loaded case by
+The corpus (fedcal_support/fuzz_files.py, >= 200 mutated files) is loaded case by
 case in a worker process with a time limit; its counts are the table of docs/safety.md.
 """
 
@@ -16,11 +16,11 @@ import pytest
 
 from fedcal.data.fleet import Fleet
 from fedcal.data.loader import PARQUET_META_KEY, FleetDataError, load_fleet, save_fleet
-from fedcal_support.scripts import benchmark
+from fedcal_support import fuzz_files
 
 
 def fuzz_module():
-    return benchmark("fuzz_files")
+    return fuzz_files
 
 
 @pytest.fixture(scope="module")

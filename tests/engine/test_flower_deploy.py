@@ -46,17 +46,16 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
+from fedcal.apps.flower_server import build, federation
 from fedcal.build import build_policy
-from fedcal.config import EngineSection, ModelConfig, RunConfig, TrainConfig
+from fedcal.config import EngineSection, ModelConfig, RunConfig, TrainConfig, to_json
 from fedcal.core.tree import flatten
 from fedcal.data.fleet import Fleet
-from fedcal.engine.flower.client import load_state, sensor_state, state_path
+from fedcal.engine.flower.client import load_state, state_path
 from fedcal.engine.flower.nodes import node_config, prepare_site_files
-from fedcal.engine.flower.server import Federation
-from fedcal.engine.flower.wire import build, config_to_json
 from fedcal.engine.simulation import EngineConfig, prepare, simulate
 from fedcal_support.flower_hostile import arrays, node_cfgs, run_in_process, with_arrays
-from fedcal_support.flower_local import LocalDeployment, make_node_key, stop_tree
+from fedcal_support.flower_local import LocalDeployment, make_node_key, sensor_state, stop_tree
 
 APP = Path(__file__).resolve().parents[2] / "flower"
 ROUNDS, SEED = 2, 3
@@ -87,8 +86,9 @@ def _hostile(content, node_cfg, run_id):
     from flwr.app import Array, ArrayRecord
 
     reply = _honest(content, node_cfg, run_id)
-    ctl = content["fedcal"]
-    if str(ctl["method"]) != "fedper" or int(ctl["round"]) != 1:
+    run = client.run_path(node_cfg["state-dir"], node_cfg["site-id"], run_id)
+    method = client.load_run(run)[0].method  # the run's method, as the handshake said
+    if method != "fedper" or int(content["fedcal"]["round"]) != 1:
         return reply
     parts, common, _ = split_parts(reply)
     for part in parts.values():
@@ -160,7 +160,7 @@ def _submit(setup: Setup, name: str, **overrides) -> int:
         "seed": SEED,
         "rounds": ROUNDS,
         "dtype": "float64",
-        "config-json": config_to_json(CONFIG),
+        "config-json": to_json(CONFIG),
         "out-dir": str(setup.root / "out" / name),
         "min-nodes": 3,
         "min-replies": 6,
@@ -219,7 +219,7 @@ def _in_process(
 
     ``absent``: (site id, message rounds at which that site is offline).
     """
-    fed = Federation(CONFIG, method, seed=SEED, rounds=rounds, dtype="float64")
+    fed = federation(CONFIG, method, seed=SEED, rounds=rounds, dtype="float64")
     cfgs = node_cfgs(setup.fleet, tmp, sites=SITES)
     offline = None
     if absent is not None:

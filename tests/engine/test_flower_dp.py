@@ -7,10 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from fedcal.apps.flower_server import build, federation
 from fedcal.build import build_policy
 from fedcal.config import PrivacySection
-from fedcal.engine.flower.server import Federation
-from fedcal.engine.flower.wire import build
 from fedcal.engine.simulation import EngineConfig, prepare, simulate
 from fedcal_support.flower_hostile import run_in_process
 
@@ -26,7 +25,7 @@ def test_fedprior_under_dp_on_flower_equals_the_simulator(epsilon, make_fleet, t
     assert policy.dp and spent["noise_multiplier"] > 0
     fleet = make_fleet(num_clients=6, train=TRAIN_ROWS)
     cfgs = _node_cfgs(fleet, tmp_path, SITES)
-    fed = Federation(config, "fedprior", seed=4)
+    fed = federation(config, "fedprior", seed=4)
     run_in_process(fed, cfgs, run_id=3)
     assert fed.rejected == {} and all(f == {} for f in fed.failed.values())
     res = simulate(

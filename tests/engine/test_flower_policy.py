@@ -26,6 +26,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from fedcal.algorithms import REGISTRY
+from fedcal.apps.flower_server import build, federation
 from fedcal.config import EngineSection, ModelConfig, RunConfig, TrainConfig
 from fedcal.core.tree import flatten
 from fedcal.data.fleet import Fleet
@@ -33,7 +34,7 @@ from fedcal.engine.flower.client import answer_handshake, load_state, state_path
 from fedcal.engine.flower.policy import UPLOAD_KINDS, NodePolicy, PolicyError
 from fedcal.engine.flower.server import Federation
 from fedcal.engine.flower.validation import ROWS, expected_reply
-from fedcal.engine.flower.wire import build, split_parts
+from fedcal.engine.flower.wire import split_parts
 from fedcal.engine.simulation import DTYPES
 from fedcal_support.flower_hostile import (
     CORRUPTIONS,
@@ -182,7 +183,7 @@ def test_reply_rows_follow_the_declared_row_count() -> None:
 def test_curious_server_gets_no_raw_rows_from_default_nodes(make_fleet, tmp_path) -> None:
     fleet = make_fleet(num_clients=3, train=[13, 7, 10])
     cfgs = _node_cfgs(fleet, tmp_path)
-    fed = Federation(CONFIG, "centralized", seed=4)
+    fed = federation(CONFIG, "centralized", seed=4)
     wire: list = []
     with pytest.raises(RuntimeError, match="round 0: 0 of 3 clients trained") as err:
         run_in_process(fed, cfgs, run_id=1, wire=wire)
@@ -204,7 +205,7 @@ def test_a_renamed_variant_is_judged_by_its_algorithm(make_fleet, tmp_path) -> N
     fleet = make_fleet(num_clients=2, train=[8, 7])
     cfgs = _node_cfgs(fleet, tmp_path, {0: {"allow_methods": "fedavg,innocent"}, 1: {}})
     config = replace(CONFIG, method_params={"innocent": {"base": "centralized"}})
-    fed = Federation(config, "innocent", seed=1)
+    fed = federation(config, "innocent", seed=1)
     with pytest.raises(RuntimeError, match="round 0: 0 of 2"):
         _run(fed, cfgs, run_id=2)
     assert fed.failed["0"][0].endswith(
@@ -217,7 +218,7 @@ def test_a_renamed_variant_is_judged_by_its_algorithm(make_fleet, tmp_path) -> N
 def test_a_node_that_allows_raw_rows_is_served_and_only_it(make_fleet, tmp_path) -> None:
     fleet = make_fleet(num_clients=3, train=[13, 7, 10])
     cfgs = _node_cfgs(fleet, tmp_path, {1: {"allow_uploads": "raw_rows,model"}})
-    fed = Federation(CONFIG, "centralized", seed=4, min_replies=1)
+    fed = federation(CONFIG, "centralized", seed=4, min_replies=1)
     wire = _run(fed, cfgs, run_id=3)
     assert [e["trained"] for e in fed.log] == [[1], [1], [1]]
     assert set(fed.failed["0"]) == {0, 2}
@@ -237,8 +238,8 @@ def test_a_node_refuses_its_scaling_sums_when_statistics_are_not_allowed(
     fleet = make_fleet(num_clients=2, train=[8, 7])
     config = replace(CONFIG, data=replace(CONFIG.data, scaling="federated"))
     cfgs = _node_cfgs(fleet, tmp_path, {0: {"allow_uploads": "model"}})
-    fed = Federation(config, "fedavg", seed=1)
-    replies = {n: answer_handshake(fed.handshake_content(), c) for n, c in cfgs.items()}
+    fed = federation(config, "fedavg", seed=1)
+    replies = {n: answer_handshake(fed.handshake_content(), c, 1) for n, c in cfgs.items()}
     refused = replies[_node_of(cfgs, 0)]
     assert list(refused) == ["refused"] and "moments" in split_parts(replies[101])[0][1]
     with pytest.raises(RuntimeError, match="only 1 answered the handshake; node 100 refused"):
@@ -283,7 +284,7 @@ def test_malformed_reply_drops_that_node_for_that_round_only(case, make_fleet, t
         return reply
 
     cfgs = _node_cfgs(fleet, tmp_path / "a")
-    fed = Federation(config, "fedavg", seed=4, min_replies=2)
+    fed = federation(config, "fedavg", seed=4, min_replies=2)
     _run(fed, cfgs, run_id=21, tamper=hostile)
     states = _states(cfgs, 21)
     assert [e["trained"] for e in fed.log] == [[0, 1, 2], [0, 2], [0, 1, 2]]
@@ -293,7 +294,7 @@ def test_malformed_reply_drops_that_node_for_that_round_only(case, make_fleet, t
     assert not fed.dropped and all(f == {} for f in fed.failed.values())
 
     cfgs = _node_cfgs(fleet, tmp_path / "b")
-    ref = Federation(config, "fedavg", seed=4, min_replies=2)
+    ref = federation(config, "fedavg", seed=4, min_replies=2)
     _run(ref, cfgs, run_id=22, tamper=absent)
     ref_states = _states(cfgs, 22)
     assert [e["trained"] for e in ref.log] == [[0, 1, 2], [0, 2], [0, 1, 2]]
@@ -317,10 +318,10 @@ def test_a_later_claim_of_1e9_rows_is_capped_at_the_handshake_count(
     def boast(t, i, reply):
         return _retag(reply, "info", **{"num-train": 10**9}) if "reply" in reply else reply
 
-    honest = Federation(config, "fedavg", seed=4)
+    honest = federation(config, "fedavg", seed=4)
     _run(honest, _node_cfgs(fleet, tmp_path / "h"), run_id=31)
     cfgs = _node_cfgs(fleet, tmp_path / "b")
-    fed = Federation(config, "fedavg", seed=4)
+    fed = federation(config, "fedavg", seed=4)
     _run(fed, cfgs, run_id=32, tamper=lambda t, i, r: boast(t, i, r) if i == 2 else r)
     assert fed.rejected == {} and [e["trained"] for e in fed.log] == [[0, 1, 2]] * 3
     for k, v in flatten(honest.server).items():
@@ -332,7 +333,7 @@ def test_a_later_claim_of_1e9_rows_is_capped_at_the_handshake_count(
 
     monkeypatch.setattr(validation, "capped_weight", lambda declared, claimed: float(claimed))
     cfgs = _node_cfgs(fleet, tmp_path / "u")
-    naive = Federation(config, "fedavg", seed=4)
+    naive = federation(config, "fedavg", seed=4)
     _run(
         naive,
         cfgs,
@@ -356,7 +357,7 @@ def test_honest_replies_of_every_shape_pass_and_ragged_rows_are_checked(
         a = _arrays(reply)
         return _with_reply(reply, {**a, "x": np.concatenate([a["x"], a["x"][:1]])})
 
-    fed = Federation(CONFIG, "centralized", seed=4)
+    fed = federation(CONFIG, "centralized", seed=4)
     _run(fed, cfgs, run_id=41, tamper=pad)
     assert [e["trained"] for e in fed.log] == [[0, 1]] * 3
     assert all(
@@ -395,7 +396,7 @@ def test_malformed_handshake_leaves_that_node_out(case, make_fleet, tmp_path) ->
     corrupt, reason = HANDSHAKE_CORRUPT[case]
     cfgs = _node_cfgs(fleet, tmp_path)
     bad = _node_of(cfgs, 1)
-    fed = Federation(CONFIG, "fedavg", seed=4)
+    fed = federation(CONFIG, "fedavg", seed=4)
     run_in_process(fed, cfgs, 51, lambda t, i, r: corrupt(r) if (t, i) == (-1, 1) else r)
     assert fed.handshake_rejected == {str(bad): f"node {bad}: {reason}"}
     assert sorted(m.client_index for m in fed.members.values()) == [0, 2]
@@ -418,7 +419,7 @@ def test_malformed_scaling_sums_are_rejected(make_fleet, tmp_path) -> None:
         out["moments"] = ArrayRecord({k: Array(v) for k, v in sums.items()})
         return out
 
-    fed = Federation(config, "fedavg", seed=4)
+    fed = federation(config, "fedavg", seed=4)
     with pytest.raises(RuntimeError, match=f"only 2 answered the handshake; node {bad}: scaling"):
         run_in_process(fed, cfgs, 52, poison)
     assert fed.handshake_rejected == {
@@ -448,7 +449,7 @@ def test_a_reply_screened_out_by_the_server_is_rolled_back_on_its_site(
     runs = {}
     for name, tamper in (("screened", scaled), ("absent", absent), ("honest", None)):
         cfgs = _node_cfgs(fleet, tmp_path / name)
-        runs[name] = Federation(CONFIG, "fedper", seed=4)
+        runs[name] = federation(CONFIG, "fedper", seed=4)
         _run(runs[name], cfgs, run_id=61, tamper=tamper)
         runs[name].states = _states(cfgs, 61)
     fed, ref, honest = runs["screened"], runs["absent"], runs["honest"]

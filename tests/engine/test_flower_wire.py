@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from fedcal.algorithms import REGISTRY
+from fedcal.apps.flower_server import algorithm_spec, build, federation
 from fedcal.build import build_policy
 from fedcal.config import EngineSection, ModelConfig, RunConfig, TrainConfig
 from fedcal.core.data import TRAIN, client_round_seed
@@ -26,13 +27,7 @@ from fedcal.core.tree import expand, flatten, gather
 from fedcal.data.digits import digits_fleet
 from fedcal.data.fleet import Fleet
 from fedcal.data.scaling import fit_scaler, scaler_from_moments
-from fedcal.engine.flower.client import (
-    answer_handshake,
-    load_state,
-    run_round,
-    sensor_state,
-    state_path,
-)
+from fedcal.engine.flower.client import answer_handshake, load_state, run_round, state_path
 from fedcal.engine.flower.nodes import (
     load_for_node,
     load_site_file,
@@ -41,17 +36,10 @@ from fedcal.engine.flower.nodes import (
     read_site_map,
 )
 from fedcal.engine.flower.server import Federation
-from fedcal.engine.flower.wire import (
-    build,
-    config_from_json,
-    config_to_json,
-    join_parts,
-    record_to_tree,
-    split_parts,
-    tree_to_record,
-)
+from fedcal.engine.flower.wire import join_parts, record_to_tree, split_parts, tree_to_record
 from fedcal.engine.simulation import EngineConfig, prepare, simulate
 from fedcal_support.flower_hostile import run_in_process
+from fedcal_support.flower_local import sensor_state
 
 REGRESSION = sorted(n for n, c in REGISTRY.items() if c.task_kind == "regression")
 CONFIG = RunConfig(
@@ -113,11 +101,54 @@ def test_codec_round_trip_is_bit_exact() -> None:
         assert w.numpy().tobytes() == v.contiguous().numpy().tobytes(), k
 
 
-def test_config_json_round_trip() -> None:
-    cfg = replace(CONFIG, method_params={"fedgmi": {"finetune_steps": 3}, "ditto": {"lam": 0.5}})
-    assert config_from_json(config_to_json(cfg)) == cfg
-    partial = config_from_json('{"train": {"lr": 0.2}}', merge_with_default=True)
-    assert partial.train.lr == 0.2 and partial.model == ModelConfig()
+def test_the_spec_rebuilds_every_method_as_the_configuration_builds_it() -> None:
+    """The handshake's JSON → AlgorithmSpec → Algorithm equals fedcal.build's, field for field
+    (types too: a tuple stays a tuple, a list a list), and the model starts from the same
+    parameters; a spec that is not one is refused in one line."""
+    import dataclasses
+
+    from fedcal.config import load_config
+    from fedcal.engine.flower.spec import AlgorithmSpec
+
+    for config in (CONFIG, load_config(None)):  # the shipped default has list-valued params
+        names = [*REGRESSION, *(v for v in config.method_params if v not in REGISTRY)]
+        for name in names:
+            want = build(config, name, 2)
+            spec = AlgorithmSpec.from_json(algorithm_spec(config, name).to_json())
+            assert spec.method == name and spec.algorithm == want.name
+            got = spec.build(2)
+            assert type(got) is type(want)
+            for f in dataclasses.fields(want):
+                if f.name != "task":
+                    a, b = getattr(got, f.name), getattr(want, f.name)
+                    assert a == b and type(a) is type(b), (name, f.name, a, b)
+            pa, pb = (a.task.model.init(torch.Generator().manual_seed(0)) for a in (got, want))
+            for k, v in flatten(pb).items():
+                assert torch.equal(flatten(pa)[k], v), (name, k)
+    odd = AlgorithmSpec("v", "fedpoly", {"private_terms": ((0, 0), (1, 0)), "x": [[1], (2,)]})
+    back = AlgorithmSpec.from_json(odd.to_json())
+    assert back == odd and type(back.params["private_terms"][1]) is tuple
+    assert [type(v) for v in back.params["x"]] == [list, tuple]
+    with pytest.raises(ValueError, match="not an algorithm specification"):
+        AlgorithmSpec.from_json('{"method": "fedavg"}')
+
+
+def test_the_algorithm_travels_once_in_the_handshake_not_in_round_messages(
+    make_fleet, tmp_path
+) -> None:
+    fleet = make_fleet(num_clients=3, train=[9, 7, 8])
+    cfgs = _node_cfgs(fleet, tmp_path, {"S00": "a", "S01": "b", "S02": "b"})
+    fed = federation(CONFIG, "fedgmi", seed=4)
+    hello = fed.handshake_content()["fedcal"]
+    assert sorted(hello) == ["algorithm", "dtype", "scaling", "seed"]
+    fed.register({n: answer_handshake(fed.handshake_content(), c, 5) for n, c in cfgs.items()})
+    for content in fed.messages(0).values():
+        assert sorted(content["fedcal"]) == [
+            "accepted-index", "accepted-round", "eval-round", "round", "scaler", "train"
+        ]  # fmt: skip
+    node, cfg = next(iter(cfgs.items()))
+    with pytest.raises(RuntimeError, match="no run file; the site got a round message before"):
+        run_round(fed.messages(0)[node], cfg, run_id=6)  # a run whose handshake it never got
 
 
 def test_site_parts_travel_stacked_and_come_back_bit_exact() -> None:
@@ -215,8 +246,8 @@ def test_scaler_from_moments_equals_fit_scaler(make_fleet, tmp_path, mode) -> No
 def test_a_site_round_equals_its_rows_of_the_simulator_cohort(make_fleet, tmp_path) -> None:
     fleet = make_fleet(num_clients=3, train=[13, 7, 10])
     cfgs = _node_cfgs(fleet, tmp_path, {"S00": "a", "S01": "b", "S02": "b"})
-    fed = Federation(CONFIG, "fedgmi", seed=4)
-    fed.register({n: answer_handshake(fed.handshake_content(), c) for n, c in cfgs.items()})
+    fed = federation(CONFIG, "fedgmi", seed=4)
+    fed.register({n: answer_handshake(fed.handshake_content(), c, 3) for n, c in cfgs.items()})
     node = next(n for n, c in cfgs.items() if c["site-id"] == "b")
     assert fed.sites()[node] == [1, 2]
     reply = run_round(fed.messages(0)[node], cfgs[node], run_id=3)
@@ -308,7 +339,7 @@ def test_every_regression_algorithm_on_three_sites_equals_the_simulator(
     # centralized*: nodes that agreed to share their rows (the default refuses, tested below)
     raw = "raw_rows" in REGISTRY[method].uploads
     cfgs = _node_cfgs(fleet, tmp_path, SITES, **({"allow_uploads": "*"} if raw else {}))
-    fed = Federation(CONFIG, method, seed=4)
+    fed = federation(CONFIG, method, seed=4)
     run_in_process(fed, cfgs, run_id=11)
     assert sorted(len(v) for v in fed.sites().values()) == [1, 2, 3]
     assert fed.rejected == {} and all(f == {} for f in fed.failed.values())
@@ -333,7 +364,7 @@ def test_partial_participation_and_sparse_evaluation_follow_the_simulator(
         CONFIG, engine=EngineSection(rounds=4, dtype="float64", participation=0.5, eval_every=3)
     )
     cfgs = _node_cfgs(fleet, tmp_path, SITES)
-    fed = Federation(config, method, seed=2)
+    fed = federation(config, method, seed=2)
     run_in_process(fed, cfgs, run_id=5)
     assert [len(e["trained"]) for e in fed.log] == [3, 3, 3, 3]
     assert sorted({r["round"] for r in fed.history}) == [3, 4]
@@ -353,7 +384,7 @@ def test_a_classification_method_on_two_sites_equals_the_simulator(method, tmp_p
     config = replace(CONFIG, model=ModelConfig(family="classifier", hidden=(8,)))
     sites = dict(zip(fleet.client_ids, ["lab-a", "lab-b", "lab-a"], strict=True))
     cfgs = _node_cfgs(fleet, tmp_path, sites)
-    fed = Federation(config, method, seed=3)
+    fed = federation(config, method, seed=3)
     run_in_process(fed, cfgs, run_id=7)
     assert fed.rejected == {} and all(f == {} for f in fed.failed.values())
     assert fed.algorithm.task.model.num_classes == 10
@@ -367,7 +398,7 @@ def test_federated_scaling_goes_through_the_handshake(make_fleet, tmp_path) -> N
     fleet = make_fleet(num_clients=6, train=TRAIN_ROWS)
     config = replace(CONFIG, data=replace(CONFIG.data, scaling="federated"))
     cfgs = _node_cfgs(fleet, tmp_path, SITES)
-    fed = Federation(config, "fedavg", seed=1, rounds=2)
+    fed = federation(config, "fedavg", seed=1, rounds=2)
     run_in_process(fed, cfgs, run_id=2)
     tensors = prepare(fleet, scaling="federated", dtype="float64")
     assert fed.scaler.x_offset.tobytes() == tensors.scaler.x_offset.tobytes()
@@ -401,7 +432,7 @@ def test_a_site_offline_for_a_round_takes_part_again_in_the_next(make_fleet, tmp
             seen.update(load_state(path))
         return {victim} if t == 1 else set()
 
-    fed = Federation(CONFIG, "fedper", seed=0, min_replies=4)
+    fed = federation(CONFIG, "fedper", seed=0, min_replies=4)
     run_in_process(fed, cfgs, run_id=9, offline=offline)
     assert [e["trained"] for e in fed.log] == [[0, 1, 2, 3, 4, 5], [0, 2, 3, 5], [0, 1, 2, 3, 4, 5]]
     # its round-0 update waited for the verdict: it is the simulator's state after round 0
@@ -416,7 +447,7 @@ def test_a_site_offline_for_a_round_takes_part_again_in_the_next(make_fleet, tmp
     # with min-replies 5, the same absence stops the run with a clear message
     with pytest.raises(RuntimeError, match="round 1: 4 of 6 clients trained, at least 5 required"):
         run_in_process(
-            Federation(CONFIG, "fedper", min_replies=5),
+            federation(CONFIG, "fedper", min_replies=5),
             cfgs,
             run_id=10,
             offline=lambda t: {victim} if t == 1 else set(),
@@ -428,7 +459,7 @@ def test_a_lost_reply_rolls_the_sites_state_back(make_fleet, tmp_path) -> None:
     fleet = make_fleet(num_clients=6, train=TRAIN_ROWS)
     cfgs = _node_cfgs(fleet, tmp_path, SITES)
     victim = next(n for n, c in cfgs.items() if c["site-id"] == "lab-b")  # S00
-    fed = Federation(CONFIG, "fedper", seed=0, rounds=2)
+    fed = federation(CONFIG, "fedper", seed=0, rounds=2)
     run_in_process(fed, cfgs, run_id=8, lost=lambda t: {victim} if t == 1 else set())
     assert fed.failed["1"] == {0: "reply lost"}
     assert [e["trained"] for e in fed.log] == [[0, 1, 2, 3, 4, 5], [1, 2, 3, 4, 5]]
@@ -465,7 +496,7 @@ class _InProcessGrid:
             self.sent.append((meta.message_type, meta.group_id, meta.dst_node_id))
             cfg = self.cfgs[meta.dst_node_id]
             if meta.message_type == MessageType.QUERY:
-                content = answer_handshake(msg.content, cfg)
+                content = answer_handshake(msg.content, cfg, self.run_id)
             else:
                 content = run_round(msg.content, cfg, self.run_id)
             if (meta.group_id, meta.dst_node_id) not in self.lost:
@@ -484,8 +515,8 @@ def test_the_server_app_runs_the_same_loop_over_its_grid(make_fleet, tmp_path, m
     from flwr.app import MessageType
     from flwr.supercore.task_identity import TaskIdentity
 
+    from fedcal.engine.flower.grid import GridTransport
     from fedcal.engine.flower.loop import run_federation
-    from fedcal.engine.flower.server_app import GridTransport
 
     for name in ("_run_id", "_node_id", "_task_id"):  # set in a ServerApp process
         monkeypatch.setattr(TaskIdentity, name, 1)
@@ -493,7 +524,7 @@ def test_the_server_app_runs_the_same_loop_over_its_grid(make_fleet, tmp_path, m
     cfgs = _node_cfgs(fleet, tmp_path / "grid", SITES)
     victim = next(n for n, c in cfgs.items() if c["site-id"] == "lab-b")  # S00
     grid = _InProcessGrid(cfgs, run_id=21, lost={("1", victim)})
-    fed = Federation(CONFIG, "fedgmi", seed=4)
+    fed = federation(CONFIG, "fedgmi", seed=4)
     transport = GridTransport(grid, ttl=60.0, timeout=0.2, poll=0.01, node_wait=1.0)
     result = run_federation(fed, transport, {}, min_nodes=3)
 
@@ -509,7 +540,7 @@ def test_the_server_app_runs_the_same_loop_over_its_grid(make_fleet, tmp_path, m
     assert result["failures"]["1"] == {0: "no reply within 0.2 s"}
     assert [e["trained"] for e in result["participation"]][1] == [1, 2, 3, 4, 5]
 
-    ref = Federation(CONFIG, "fedgmi", seed=4)
+    ref = federation(CONFIG, "fedgmi", seed=4)
     run_in_process(
         ref,
         _node_cfgs(fleet, tmp_path / "ref", SITES),
@@ -524,7 +555,7 @@ def test_the_server_app_runs_the_same_loop_over_its_grid(make_fleet, tmp_path, m
         assert torch.equal(flatten(fed.server)[k], v), k
     with pytest.raises(RuntimeError, match="only 2 SuperNodes online, min-nodes is 4"):
         run_federation(
-            Federation(CONFIG, "fedgmi"),
+            federation(CONFIG, "fedgmi"),
             GridTransport(
                 _InProcessGrid(dict(list(cfgs.items())[:2]), run_id=22), 60.0, 0.2, 0.01, 0.05
             ),
@@ -543,7 +574,7 @@ def test_a_site_that_joins_late_starts_from_the_current_global_state(make_fleet,
             snapshot["down"] = fed.algorithm.broadcast(fed.server)
         return {late} if t < 2 else set()
 
-    fed = Federation(CONFIG, "fedper", seed=0)
+    fed = federation(CONFIG, "fedper", seed=0)
     run_in_process(fed, cfgs, run_id=6, offline=offline)
     assert fed.joined == {**{str(n): 0 for n in cfgs if n != late}, str(late): 2}
     assert [e["trained"] for e in fed.log] == [[0, 1, 4], [0, 1, 4], [0, 1, 2, 3, 4, 5]]
@@ -566,7 +597,7 @@ def test_a_node_claiming_an_online_sites_sensors_is_refused(make_fleet, tmp_path
     cfgs = _node_cfgs(fleet, tmp_path)
     twin = dict(next(iter(cfgs.values())))  # a second node with the same site file
     twin["state-dir"] = str(tmp_path / "twin")
-    fed = Federation(CONFIG, "fedavg", seed=0, rounds=2)
+    fed = federation(CONFIG, "fedavg", seed=0, rounds=2)
     run_in_process(fed, {**cfgs, 1: twin}, run_id=3, offline=lambda t: {1} if t == 0 else set())
     assert "claimed by node 1 and node" in fed.handshake_rejected["1"]
     assert all(m.node_id != 1 for m in fed.members.values())
@@ -576,7 +607,7 @@ def test_float32_runs_match_the_simulator_too(make_fleet, tmp_path) -> None:
     fleet = make_fleet(num_clients=3, train=[13, 7, 10])
     config = replace(CONFIG, engine=replace(CONFIG.engine, dtype="float32"))
     cfgs = _node_cfgs(fleet, tmp_path)
-    fed = Federation(config, "fedgmi", seed=4)
+    fed = federation(config, "fedgmi", seed=4)
     run_in_process(fed, cfgs, run_id=12)
     assert all(v.dtype == torch.float32 for v in flatten(fed.server).values())
     engine = EngineConfig(rounds=3, seed=4, dtype="float32", aggregation=POLICY)
@@ -598,7 +629,7 @@ def test_fedgmi_posterior_variants_equal_the_simulator(extra, make_fleet, tmp_pa
     config = replace(CONFIG, method_params={**CONFIG.method_params, "fedgmi_posterior": variant})
     fleet = make_fleet(num_clients=3, train=[13, 7, 10])
     cfgs = _node_cfgs(fleet, tmp_path)
-    fed = Federation(config, "fedgmi_posterior", seed=4)
+    fed = federation(config, "fedgmi_posterior", seed=4)
     run_in_process(fed, cfgs, run_id=13)
     engine = EngineConfig(rounds=3, seed=4, dtype="float64", aggregation=POLICY)
     res = simulate(build(config, "fedgmi_posterior", 2), prepare(fleet, dtype="float64"), engine)
@@ -645,7 +676,7 @@ def test_fedprior_basis_selection_on_sites_equals_the_simulator(make_fleet, tmp_
     config = replace(CONFIG, method_params={**CONFIG.method_params, "fedprior_bic": variant})
     fleet = make_fleet(num_clients=6, train=TRAIN_ROWS)
     cfgs = _node_cfgs(fleet, tmp_path, SITES)
-    fed = Federation(config, "fedprior_bic", seed=4)
+    fed = federation(config, "fedprior_bic", seed=4)
     run_in_process(fed, cfgs, run_id=17)
     assert fed.rejected == {} and all(f == {} for f in fed.failed.values())
     engine = EngineConfig(rounds=3, seed=4, dtype="float64", aggregation=POLICY)
@@ -689,7 +720,7 @@ def test_fedprior_branch_on_sites_reads_the_direction_column_and_equals_the_simu
                 assert got[k].tolist() == want[split][index].tolist(), (split, index)
     assert {v for b in want["train"] for v in b.tolist()} == {-1.0, 1.0}
 
-    fed = Federation(config, "fedprior_dir", seed=4)
+    fed = federation(config, "fedprior_dir", seed=4)
     run_in_process(fed, cfgs, run_id=19)
     assert fed.rejected == {} and all(f == {} for f in fed.failed.values())
     engine = EngineConfig(rounds=3, seed=4, dtype="float64", aggregation=POLICY)

@@ -23,12 +23,14 @@ import numpy as np
 import pytest
 import torch
 
+from fedcal.apps.flower_server import federation
 from fedcal.config import EngineSection, ModelConfig, RunConfig, TrainConfig
 from fedcal.engine.flower import worker
 from fedcal.engine.flower.client import answer_handshake, load_state, run_round, state_path
 from fedcal.engine.flower.nodes import load_for_node, node_config, prepare_site_files
+from fedcal.engine.flower.protocol import WorkerError, WorkerUnavailable, ask, plain, to_bytes
 from fedcal.engine.flower.server import Federation
-from fedcal.engine.flower.worker import WorkerError, ask, listen, run_round_here_or_on_worker
+from fedcal.engine.flower.worker import listen, run_round_here_or_on_worker
 
 CONFIG = RunConfig(
     model=ModelConfig(hidden=(6, 5)),
@@ -54,7 +56,7 @@ def _cfgs(fleet, root: Path, sockets: Path | None) -> dict[int, dict[str, str]]:
     for k, (site, _, path) in enumerate(prepare_site_files(fleet, root / "nodes", SITES)):
         sock = None if sockets is None else sockets / f"{site}.sock"
         text = node_config(path, site, root / "state", worker_socket=sock)
-        cfgs[100 + k] = worker._plain(parse_config_args([text]))
+        cfgs[100 + k] = plain(parse_config_args([text]))
     return cfgs
 
 
@@ -67,13 +69,13 @@ def _start(cfg: dict[str, str]) -> threading.Thread:
 
 def _run(fleet, cfgs, handler) -> tuple[Federation, list[bytes]]:
     """A run as the ServerApp drives it; ``handler`` answers each round message of a site."""
-    fed = Federation(CONFIG, "fedgmi", seed=1, min_replies=1)
-    fed.register({n: answer_handshake(fed.handshake_content(), c) for n, c in cfgs.items()})
+    fed = federation(CONFIG, "fedgmi", seed=1, min_replies=1)
+    fed.register({n: answer_handshake(fed.handshake_content(), c, RUN_ID) for n, c in cfgs.items()})
     wire = []
     for t in range(fed.rounds + 1):
         sent = fed.messages(t, set(cfgs))
         replies = {n: handler(c, cfgs[n], RUN_ID) for n, c in sent.items()}
-        wire += [worker._to_bytes(replies[n]) for n in sorted(replies)]
+        wire += [to_bytes(replies[n]) for n in sorted(replies)]
         fed.absorb(t, sent, replies, {})
     return fed, wire
 
@@ -106,10 +108,11 @@ def test_a_worker_refuses_another_node_config_and_survives_a_failing_message(
     cfgs = _cfgs(fleet, tmp_path, short_dir)
     node, cfg = next(iter(cfgs.items()))
     _start(cfg)
-    fed = Federation(CONFIG, "fedgmi", seed=1, min_replies=1)
-    fed.register({n: answer_handshake(fed.handshake_content(), c) for n, c in cfgs.items()})
+    fed = federation(CONFIG, "fedgmi", seed=1, min_replies=1)
+    fed.register({n: answer_handshake(fed.handshake_content(), c, RUN_ID) for n, c in cfgs.items()})
     sent = fed.messages(0, set(cfgs))
     other = {**cfg, "state-dir": str(tmp_path / "elsewhere")}
+    answer_handshake(fed.handshake_content(), other, RUN_ID)  # the run, as another node has it
     with pytest.raises(WorkerError, match="this worker serves node config"):
         ask(cfg["worker-socket"], sent[node], other, RUN_ID)
     # another site's message names sensors this site does not have: run_round's own error
@@ -118,7 +121,7 @@ def test_a_worker_refuses_another_node_config_and_survives_a_failing_message(
         ask(cfg["worker-socket"], sent[stranger], cfg, RUN_ID)
     assert not state_path(cfg["state-dir"], cfg["site-id"], RUN_ID).exists()
     reply = ask(cfg["worker-socket"], sent[node], cfg, RUN_ID)  # still serving
-    assert worker._to_bytes(reply) == worker._to_bytes(run_round(sent[node], other, RUN_ID))
+    assert to_bytes(reply) == to_bytes(run_round(sent[node], other, RUN_ID))
 
 
 def test_without_a_worker_the_clientapp_runs_the_message_itself(
@@ -129,7 +132,7 @@ def test_without_a_worker_the_clientapp_runs_the_message_itself(
     fed_b, wire_b = _run(fleet, cfgs, run_round_here_or_on_worker)
     fed_a, wire_a = _run(fleet, _cfgs(fleet, tmp_path / "ref", None), run_round)
     assert wire_a == wire_b and fed_a.history == fed_b.history
-    with pytest.raises(worker.WorkerUnavailable, match="no site worker on"):
+    with pytest.raises(WorkerUnavailable, match="no site worker on"):
         ask(cfgs[100]["worker-socket"], fed_a.messages(0, set(cfgs))[100], cfgs[100], RUN_ID)
 
 

@@ -94,7 +94,7 @@ unless ``branch_select``: then the candidates are φ's sub-bases × ψ's options
 (no term, or any orders vector ≤ ``branch_orders``), and the fleet's BIC also
 decides whether and which direction term the data support (a fleet without
 directions gets none: its ψ columns are empty, same evidence, more parameters).
-Measured by helper "hyst" (benchmarks/fewpoint_direction.py) and here
+Measured by helper "hyst" (studies/fewpoint_direction.py) and here
 (docs/results/sweep-direction.md).
 
 Field networks (issue 26). ``basis = "auto"`` is the tensor basis of ``orders`` for the
@@ -199,7 +199,7 @@ class FedPrior(Algorithm):
     uploads = ("model", "statistics")
 
     reply_aggregation = "sum"  # sums of per-unit sufficient statistics
-    # Measured (benchmarks/poisoning.py): a coordinate-wise median of the second moments
+    # Measured (studies/poisoning.py): a coordinate-wise median of the second moments
     # is not positive definite (Cholesky fails) and a trimmed mean costs 24× on a clean
     # fleet; screening, clipping and Krum keep the statistics whole.
     robust_rules = ("mean", "krum")

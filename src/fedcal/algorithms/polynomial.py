@@ -72,7 +72,7 @@ fleet's read ``nan``, never a number. Per sensor and round the client metrics
 the fleet's feature order), ``coefficients``, ``dof`` (n − k; NaN if refused),
 ``saturated`` and ``refused`` (0/1).
 
-Defaults (ours, measured off the grid by ``benchmarks/polynomial_fewpoint.py``,
+Defaults (ours, measured off the grid by ``studies/polynomial_fewpoint.py``,
 docs/results/polynomial-off-grid.md): orders up to 4 per input (the Digiquartz equation is close to
 a quartic in frequency; calibration sheets carry cubic temperature terms);
 ``criterion="loo"`` (GCV was within ±7 % of it on the mean, worse on the worst

@@ -382,7 +382,8 @@ def _family_pool(family: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return pool, ids, sigma
 
 
-def _param_names(family: str) -> tuple[str, ...]:
+def param_names(family: str) -> tuple[str, ...]:
+    """The coefficient names of a sensor family's frequency model (columns of sensor_parameters)."""
     return QUARTZ_PARAMS if family == "quartz" else SILICON_PARAMS
 
 
@@ -391,9 +392,9 @@ def _pool_response(family: str) -> np.ndarray:
     """Each parent unit's frequencies on a coarse (P, T) grid, (K, 9): its behaviour."""
     pool, _, _ = _family_pool(family)
     p, t = np.meshgrid([50.0, 800.0, 1550.0], [-40.0, 10.0, 60.0])
-    names = _param_names(family)
+    names = param_names(family)
     return np.stack(
-        [_frequency(family, p.ravel(), t.ravel(), dict(zip(names, u, strict=True))) for u in pool]
+        [frequency(family, p.ravel(), t.ravel(), dict(zip(names, u, strict=True))) for u in pool]
     )
 
 
@@ -449,7 +450,8 @@ def silicon_frequency(pressure_hpa, temperature_c, coeffs) -> np.ndarray:
     return coeffs["f0_hz"] * poly
 
 
-def _frequency(family: str, pressure_hpa, temperature_c, coeffs) -> np.ndarray:
+def frequency(family: str, pressure_hpa, temperature_c, coeffs) -> np.ndarray:
+    """The family's resonator frequency (Hz) at (P, T), coefficients by :func:`param_names`."""
     if family == "quartz":
         return quartz_frequency(pressure_hpa, temperature_c, coeffs)
     return silicon_frequency(pressure_hpa, temperature_c, coeffs)
@@ -484,7 +486,7 @@ def sensor_parameters(spec: FleetSpec = FleetSpec(), seed: int = 0) -> pd.DataFr
     """
     _check_seed(seed)
     pool, ids, sigma = _family_pool(spec.family)
-    names = _param_names(spec.family)
+    names = param_names(spec.family)
     ref = pool.mean(axis=0)
     k_units, d = pool.shape
     parents = _rng(seed, _S_PARENTS).permutation(k_units)
@@ -665,6 +667,22 @@ def _dir(up: bool) -> str:
 # The fleet
 
 
+def noise_draws(seed: int, sensor: int, is_test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sensor ``sensor``'s standard normal draws (z_p, z_t), one per row of its plan.
+
+    ``simulate_fleet`` reads pressure noise ``noise_hpa · z_p`` and temperature noise
+    ``temperature_noise_c · z_t``. Train and test rows (``is_test``) draw from separate
+    streams (z_p then z_t in each), so the training data do not depend on the test design.
+    """
+    n = len(is_test)
+    z_p, z_t = np.empty(n), np.empty(n)
+    for k, rows in enumerate((~is_test, is_test)):
+        noise = _rng(seed, _S_NOISE, sensor, k)
+        z_p[rows] = noise.standard_normal(int(rows.sum()))
+        z_t[rows] = noise.standard_normal(int(rows.sum()))
+    return z_p, z_t
+
+
 def simulate_fleet(spec: FleetSpec = FleetSpec(), seed: int = 0) -> Fleet:
     """Simulate ``spec.sensor_count`` sensors through their chamber designs.
 
@@ -673,7 +691,7 @@ def simulate_fleet(spec: FleetSpec = FleetSpec(), seed: int = 0) -> Fleet:
     """
     _check_seed(seed)
     params = sensor_parameters(spec, seed)
-    names = _param_names(spec.family)
+    names = param_names(spec.family)
     levels = np.asarray(spec.pressure_levels_hpa, dtype=float)
     p_min, p_max = levels.min(), levels.max()
     designs = {spec.design(i) for i in range(spec.sensor_count)}
@@ -697,19 +715,13 @@ def simulate_fleet(spec: FleetSpec = FleetSpec(), seed: int = 0) -> Fleet:
         p_true, t_true, sign, is_test, split, sweep, direction = by_design[spec.design(i)]
         shape_h = np.sin(np.pi * np.clip((p_true - p_min) / (p_max - p_min), 0.0, 1.0))
         n = len(p_true)
-        # Separate noise streams for train and test rows: the training data do
-        # not depend on the test design.
-        z_p, z_t = np.empty(n), np.empty(n)
-        for k, rows in enumerate((~is_test, is_test)):
-            noise = _rng(seed, _S_NOISE, i, k)
-            z_p[rows] = noise.standard_normal(int(rows.sum()))
-            z_t[rows] = noise.standard_normal(int(rows.sum()))
+        z_p, z_t = noise_draws(seed, i, is_test)
         hyst = sign * prm["hysteresis_hpa"] * shape_h
         ripple = _ripple(p_true, t_true, prm)
         drift = np.where(is_test, prm["drift_hpa_per_year"] * spec.test_delay_years, 0.0)
         p_eff = p_true + hyst + ripple + drift + spec.noise_hpa * z_p
         coeffs = {k: float(prm[k]) for k in names}
-        freq = _frequency(spec.family, p_eff, t_true, coeffs)
+        freq = frequency(spec.family, p_eff, t_true, coeffs)
         t_read = (
             t_true * (1.0 + prm["temperature_gain"])
             + prm["temperature_bias_c"]

@@ -1,8 +1,11 @@
 """The client side of the Flower adapter: a site runs the client step for all its sensors at once.
 
 A SuperNode serves a site (:mod:`~fedcal.engine.flower.nodes`): any number of
-sensors. Round message ``t`` (see :mod:`~fedcal.engine.flower.server`) asks the
-site to
+sensors. The handshake brings the run once — the algorithm's specification
+(:mod:`~fedcal.engine.flower.spec`), the seed and the dtype — and the site keeps it
+in ``<state-dir>/<site>-run<id>.json``; every round message builds the algorithm
+from that file, so the round messages carry only the round. Round message
+``t`` (see :mod:`~fedcal.engine.flower.server`) asks the site to
 
 1. commit or roll back its last training round: the message says, per
    sensor, the last round whose reply the server used; a sensor whose pending
@@ -40,11 +43,10 @@ from typing import TYPE_CHECKING, Any
 from fedcal.data.scaling import needs_moments
 from fedcal.engine.flower.nodes import SiteData, load_for_node, safe_name
 from fedcal.engine.flower.policy import NodePolicy
+from fedcal.engine.flower.spec import AlgorithmSpec
 from fedcal.engine.flower.wire import (
     CONTROL,
-    build,
     client_row,
-    config_from_json,
     join_parts,
     metrics_to_record,
     record_to_tree,
@@ -58,16 +60,29 @@ if TYPE_CHECKING:
     from fedcal.data.scaling import Scaler
 
 STATE_FORMAT = "fedcal-site-state/1"
+RUN_FORMAT = "fedcal-site-run/1"
 _TREES = ("state", "pending", "personal")  # stacked (site sensors, ...); the last two optional
 
 
-def answer_handshake(content: RecordDict, node_cfg: Mapping) -> RecordDict:
-    """Per sensor: identity, train-row count and (only if scaling needs them) its sums."""
+def answer_handshake(content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict:
+    """Per sensor: identity, train-row count and (only if scaling needs them) its sums.
+
+    The handshake brings the run: the algorithm's specification, the seed and the
+    dtype. The site keeps them in its run file (:func:`run_path`) for the round
+    messages of this run, which do not repeat them.
+    """
     from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
     site = load_for_node(node_cfg)
+    ctl = content[CONTROL]
+    run = {
+        "format": RUN_FORMAT,
+        "algorithm": AlgorithmSpec.from_json(str(ctl["algorithm"])).to_json(),
+        "seed": int(ctl["seed"]),
+        "dtype": str(ctl["dtype"]),
+    }
     policy = NodePolicy.from_node_config(node_cfg)  # a misconfigured node fails here, early
-    mode = str(content[CONTROL]["scaling"])
+    mode = str(ctl["scaling"])
     moments = needs_moments(site.features, site.target, mode, not site.classification)
     if moments and policy.refuses_kind("statistics"):
         why = (
@@ -91,12 +106,37 @@ def answer_handshake(content: RecordDict, node_cfg: Mapping) -> RecordDict:
         if moments:
             part["moments"] = ArrayRecord({n: Array(v) for n, v in site.moments(k).items()})
         parts[index] = part
+    save_run(run_path(node_cfg["state-dir"], site.site_id, run_id), run)
     return join_parts(parts, {"site": ConfigRecord({"site-id": site.site_id})})
 
 
 # ----------------------------------------------------------------------------
-# the site's state file
+# the site's run file (from the handshake) and state file (after every message)
 # ----------------------------------------------------------------------------
+def run_path(state_dir: str | Path, site_id: str, run_id: int) -> Path:
+    return Path(state_dir) / f"{safe_name(site_id)}-run{run_id}.json"
+
+
+def save_run(path: Path, run: Mapping[str, Any]) -> None:
+    from fedcal.core.atomic import write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, json.dumps(run, sort_keys=True))
+
+
+def load_run(path: Path) -> tuple[AlgorithmSpec, int, str]:
+    """``(algorithm spec, seed, dtype)`` of a run, as its handshake told the site."""
+    try:
+        run = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RuntimeError(
+            f"{path}: no run file; the site got a round message before this run's handshake"
+        ) from None
+    if not isinstance(run, dict) or run.get("format") != RUN_FORMAT:
+        raise ValueError(f"{path}: not a fedcal site run file")
+    return AlgorithmSpec.from_json(run["algorithm"]), int(run["seed"]), str(run["dtype"])
+
+
 def state_path(state_dir: str | Path, site_id: str, run_id: int) -> Path:
     return Path(state_dir) / f"{safe_name(site_id)}-run{run_id}.safetensors"
 
@@ -121,14 +161,6 @@ def load_state(path: str | Path) -> dict:
     if meta.get("format") != STATE_FORMAT:
         raise ValueError(f"{path}: not a fedcal site state file")
     return {**meta, **{k: trees.get(k) for k in _TREES}}
-
-
-def sensor_state(saved: Mapping, sensor_id: str, tree: str = "state"):
-    """One sensor's row of a tree of a loaded site state (flat dict of tensors)."""
-    from fedcal.core.tree import flatten
-
-    k = list(saved["sensor_ids"]).index(sensor_id)
-    return {name: t[k] for name, t in flatten(saved[tree]).items()}
 
 
 # ----------------------------------------------------------------------------
@@ -172,11 +204,11 @@ def run_round(content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict
     torch.set_num_threads(1)
     ctl = content[CONTROL]
     t, eval_round = int(ctl["round"]), int(ctl["eval-round"])
-    method, seed, dtype = str(ctl["method"]), int(ctl["seed"]), DTYPES[str(ctl["dtype"])]
     site = load_for_node(node_cfg)
-    config = config_from_json(str(ctl["config"]))
+    spec, seed, dtype = load_run(run_path(node_cfg["state-dir"], site.site_id, run_id))
+    method, dtype = spec.method, DTYPES[dtype]
     scaler = Scaler.from_dict(json.loads(str(ctl["scaler"])))
-    alg = build(config, method, len(site.features), site.num_classes)
+    alg = spec.build(len(site.features), site.num_classes)
     # The node decides what leaves it, whatever the server asks (see policy.py): a refused
     # request trains nothing, sends nothing of the data and leaves the state untouched.
     refusal = NodePolicy.from_node_config(node_cfg).refusal(method, alg.name, type(alg).uploads)

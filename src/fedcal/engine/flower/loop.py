@@ -4,7 +4,7 @@ The first handshake, then per message ``t = 0 … rounds``: greet the nodes
 that connected since (a late handshake), send round message ``t`` to the
 online sites, fold their replies in. The loop reaches the sites through a
 :class:`Transport`: the ServerApp's is the SuperLink's Grid
-(:mod:`~fedcal.engine.flower.server_app`); the tests' calls the client
+(:mod:`~fedcal.engine.flower.grid`); the tests' calls the client
 handler in-process and may tamper with its replies
 (``fedcal_support/flower_hostile.py``). Both run this very loop, so the
 hostile-node tests exercise the ServerApp's own protections.
@@ -52,7 +52,7 @@ def run_federation(
     """Run ``fed`` over ``transport``: the handshake, then messages ``0 … fed.rounds``.
 
     ``result`` (returned) is filled as the run goes, in ``result.json``'s layout
-    (:mod:`~fedcal.engine.flower.server_app`): members and the round each node
+    (:mod:`fedcal.apps.flower_server`): members and the round each node
     joined at, handshake failures, refusals and rejections, per round the failures,
     dropped nodes, rejected replies and who trained, the history, timings, and at
     the end the final table and the last round each client's reply was used. A run

@@ -38,6 +38,7 @@ import numpy as np
 
 from fedcal.core.atomic import write_with
 from fedcal.data.scaling import client_moments
+from fedcal.engine.flower.protocol import check_socket_path
 
 if TYPE_CHECKING:
     from fedcal.data.fleet import Fleet
@@ -225,8 +226,6 @@ def node_config(
     if allow_uploads is not None:
         values["allow-uploads"] = allow_uploads
     if worker_socket is not None:
-        from fedcal.engine.flower.worker import check_socket_path
-
         values["worker-socket"] = str(Path(worker_socket).resolve())
         check_socket_path(values["worker-socket"])
     for key, value in values.items():

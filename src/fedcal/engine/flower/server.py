@@ -33,21 +33,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fedcal.data.scaling import needs_moments, scaler_from_moments
-from fedcal.engine.flower.wire import (
-    CONTROL,
-    build,
-    config_to_json,
-    split_parts,
-    to_numpy,
-    tree_to_record,
-)
+from fedcal.engine.flower.wire import CONTROL, split_parts, to_numpy, tree_to_record
 
 if TYPE_CHECKING:
     from flwr.app import RecordDict
 
-    from fedcal.config import RunConfig
+    from fedcal.core.aggregation import AggregationPolicy
     from fedcal.core.algorithm import Algorithm
     from fedcal.core.tree import Tree
+    from fedcal.engine.flower.spec import AlgorithmSpec
 
 
 def aggregate(
@@ -118,13 +112,20 @@ class Federation:
 
     Transport-free: the ServerApp delivers what :meth:`messages` returns and
     hands the replies to :meth:`absorb`; tests can do the same in-process.
+    It runs a built algorithm: ``spec`` (sent to every site in the handshake) and
+    the aggregation ``policy``; the schedule is the simulator's
+    (:class:`fedcal.engine.settings.EngineSettings`' fields). The application
+    that reads a configuration builds them (:mod:`fedcal.apps.flower_server`).
     """
 
-    config: RunConfig
-    method: str
+    spec: AlgorithmSpec
+    policy: AggregationPolicy
+    scaling: str  # the data's scaling mode (fedcal.data.scaling)
     seed: int = 0
-    rounds: int = 0  # 0: config.engine.rounds
-    dtype: str = ""  # "": config.engine.dtype
+    rounds: int = 50
+    dtype: str = "float32"
+    eval_every: int = 1
+    participation: float = 1.0
     min_replies: int = 1  # fewer train replies in a round → the run fails
     members: dict[int, Member] = field(default_factory=dict)  # by client index
     history: list[dict] = field(default_factory=list)
@@ -139,8 +140,6 @@ class Federation:
     joined: dict[str, int] = field(default_factory=dict)  # node id → round it joined at
 
     def __post_init__(self) -> None:
-        self.rounds = self.rounds or self.config.engine.rounds
-        self.dtype = self.dtype or self.config.engine.dtype
         self._train_metrics: dict[int, dict[int, dict]] = {}
         self._final: list[dict] = []  # final_row of each client evaluated after the last round
         self.last_used: dict[int, int] = {}  # client index → last round its reply was used
@@ -150,14 +149,23 @@ class Federation:
         self.shape: dict[str, Any] = {}
         self.server = None
         self.algorithm = None
-        self.policy = None
         self.scaler = None
+
+    @property
+    def method(self) -> str:
+        return self.spec.method
 
     # -- handshake ----------------------------------------------------------
     def handshake_content(self) -> RecordDict:
         from flwr.app import ConfigRecord, RecordDict
 
-        return RecordDict({CONTROL: ConfigRecord({"scaling": self.config.data.scaling})})
+        ctl = {
+            "scaling": self.scaling,
+            "algorithm": self.spec.to_json(),
+            "seed": self.seed,
+            "dtype": self.dtype,
+        }
+        return RecordDict({CONTROL: ConfigRecord(ctl)})
 
     def known_nodes(self) -> set[int]:
         """Nodes that answered a handshake (members, refusing or rejected ones)."""
@@ -250,7 +258,7 @@ class Federation:
         features = tuple(json.loads(str(self.shape["features"])))
         target, classification = str(self.shape["target"]), bool(self.shape["classification"])
         moments = []
-        if needs_moments(features, target, self.config.data.scaling, not classification):
+        if needs_moments(features, target, self.scaling, not classification):
             if len(self.members) < self.num_clients:
                 raise RuntimeError(
                     f"scaling needs federated statistics of all {self.num_clients} clients, "
@@ -263,13 +271,10 @@ class Federation:
                 rec = parts[index]["moments"]
                 moments.append({k: to_numpy(rec[k]) for k in rec})
         self.scaler = scaler_from_moments(
-            features, target, moments, self.config.data.scaling, not classification
+            features, target, moments, self.scaling, not classification
         )
-        self.algorithm = build(self.config, self.method, len(features), self.shape["num-classes"])
+        self.algorithm = self.spec.build(len(features), self.shape["num-classes"])
         self.num_features = len(features)
-        from fedcal.build import build_policy
-
-        self.policy = build_policy(self.config)[0]
         gen = torch.Generator().manual_seed(self.seed)
         params = self.algorithm.task.model.init(gen, DTYPES[self.dtype])
         self.server = self.algorithm.server_init(params)
@@ -298,14 +303,14 @@ class Federation:
             target, regression = str(info["target"]), not bool(info["classification"])
         except Exception:  # the info check reports it
             return False
-        return needs_moments(features, target, self.config.data.scaling, regression)
+        return needs_moments(features, target, self.scaling, regression)
 
     # -- rounds ---------------------------------------------------------------
     def evaluates(self, t: int) -> bool:
         """Whether round ``t`` (0-based) is evaluated (as the simulator decides)."""
         from fedcal.engine.schedule import evaluates
 
-        return evaluates(t, self.rounds, self.config.engine.eval_every)
+        return evaluates(t, self.rounds, self.eval_every)
 
     def eval_round(self, t: int) -> int:
         """The round message ``t`` evaluates (-1: none)."""
@@ -314,7 +319,7 @@ class Federation:
     def cohort(self, t: int) -> list[int]:
         from fedcal.engine.schedule import cohort
 
-        return cohort(self.seed, t, self.num_clients, self.config.engine.participation).tolist()
+        return cohort(self.seed, t, self.num_clients, self.participation).tolist()
 
     def sites(self) -> dict[int, list[int]]:
         """Node id → client indices of the sensors it serves (sorted)."""
@@ -333,10 +338,6 @@ class Federation:
         common = {
             "round": t,
             "eval-round": eval_round,
-            "method": self.method,
-            "seed": self.seed,
-            "dtype": self.dtype,
-            "config": config_to_json(self.config),
             "scaler": json.dumps(self.scaler.to_dict()),
         }
         out = {}

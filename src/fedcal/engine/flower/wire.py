@@ -6,7 +6,7 @@ and whose values are NumPy arrays serialized by ``np.save``: dtype, shape and
 every bit of every value survive the trip, so float64 runs stay exact. Key
 order is kept, because tree functions iterate in key order.
 
-Small structured values (the run configuration, the scaler) travel as JSON
+Small structured values (the algorithm's specification, the scaler) travel as JSON
 strings inside a ``ConfigRecord``; per-client metrics as ``MetricRecord``.
 
 A site serves many sensors in one message. Its reply holds one *part* per
@@ -29,8 +29,6 @@ import numpy as np
 if TYPE_CHECKING:  # Flower and torch are imported lazily (ClientApp start-up time)
     from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
-    from fedcal.config import RunConfig
-    from fedcal.core.algorithm import Algorithm
     from fedcal.core.tree import Tree
 
 SEP = "/"  # the separator of fedcal.core.tree.flatten
@@ -256,41 +254,3 @@ def split_parts(content: RecordDict) -> tuple[dict[int, RecordDict], dict[str, A
         parts.setdefault(int(head), {})[name] = record
     parts.update(grouped)
     return {i: RecordDict(p) for i, p in parts.items()}, common, bad
-
-
-# ----------------------------------------------------------------------------
-# configuration and algorithm
-# ----------------------------------------------------------------------------
-def config_to_json(config: RunConfig) -> str:
-    """A RunConfig as the JSON of its TOML layout (:func:`fedcal.config.to_json`)."""
-    from fedcal.config import to_json
-
-    return to_json(config)
-
-
-def config_from_json(text: str, merge_with_default: bool = False) -> RunConfig:
-    """Inverse of :func:`config_to_json` (:func:`fedcal.config.from_json`): over the default."""
-    from fedcal.config import from_json
-
-    return from_json(text, "config-json")
-
-
-def build(config: RunConfig, method: str, num_features: int, num_classes: int = 0) -> Algorithm:
-    """The algorithm exactly as ``fedcal run`` builds it (:mod:`fedcal.build`).
-
-    ``num_classes`` > 0: a classification fleet's classes (site files carry them, the
-    handshake checks that all sites agree), so FedProto, FedLSA and FedUCS run too.
-
-    A whitened model needs fleet-wide moments of the basis terms, which the
-    Flower engine does not collect: refused with a clear message.
-    """
-    from fedcal.build import build_algorithm, build_task
-    from fedcal.config import ConfigError
-
-    if getattr(config.model, "whiten", False):
-        raise ConfigError(
-            "[model] whiten = true needs fleet-wide moments of the basis terms, which the "
-            "Flower engine does not collect; use whiten = false (or the simulator)"
-        )
-    meta = {"task": "classification", "num_classes": num_classes} if num_classes else None
-    return build_algorithm(method, config, build_task(config, num_features, meta))

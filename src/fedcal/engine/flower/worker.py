@@ -3,7 +3,7 @@
 Flower 1.41 starts a fresh ``flwr-clientapp`` process for every message (its
 SuperExec runs one task per process; warm executors exist only for Kubernetes
 and not for ClientApps). Importing torch and fedcal in that process was most
-of a round's fixed cost (measured in README, "Run across machines"). A site
+of a round's fixed cost (measured in docs/flower.md). A site
 may instead run one worker next to its SuperNode::
 
     python -m fedcal.engine.flower.worker --node-config "data-path='...' site-id='...' \\
@@ -26,10 +26,8 @@ verdict rolls it back). If the socket does not answer (no worker, or it died)
 the ClientApp runs the message itself, as without a worker, and logs a
 warning. A worker refuses a message whose node config differs from its own.
 
-Wire: each frame is an 8-byte big-endian length and the bytes; a request is a
-JSON header frame (node config, run id) and the message content (Flower's
-protobuf serialization of the RecordDict, bit exact); the reply is a status
-frame (``ok`` or ``error``) and the reply content or the error text.
+The socket protocol (frames, the ClientApp's :func:`~fedcal.engine.flower.protocol.ask`)
+is :mod:`~fedcal.engine.flower.protocol`.
 """
 
 from __future__ import annotations
@@ -38,101 +36,25 @@ import argparse
 import json
 import os
 import socket
-import struct
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fedcal.engine.flower.protocol import (
+    SOCKET_KEY,
+    WorkerUnavailable,
+    ask,
+    check_socket_path,
+    from_bytes,
+    plain,
+    recv_frame,
+    send_frame,
+    to_bytes,
+)
+
 if TYPE_CHECKING:
     from flwr.app import RecordDict
-
-SOCKET_KEY = "worker-socket"
-_LEN = struct.Struct(">Q")
-_MAX_PATH = 107  # sockaddr_un.sun_path holds 108 bytes with the terminating NUL
-
-
-class WorkerUnavailable(ConnectionError):
-    """Nothing answers on the worker socket (no worker started, or it died)."""
-
-
-class WorkerError(RuntimeError):
-    """The worker ran the message and it failed (its error text, as run_round raised it)."""
-
-
-def _send(conn: socket.socket, data: bytes) -> None:
-    conn.sendall(_LEN.pack(len(data)) + data)
-
-
-def _recv_exact(conn: socket.socket, n: int) -> bytes:
-    chunks, left = [], n
-    while left:
-        chunk = conn.recv(min(left, 1 << 20))
-        if not chunk:
-            raise ConnectionError("worker socket closed mid-frame")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def _recv(conn: socket.socket) -> bytes:
-    (n,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
-    return _recv_exact(conn, n)
-
-
-def check_socket_path(path: str) -> None:
-    if len(os.fsencode(path)) > _MAX_PATH:
-        raise ValueError(
-            f"{SOCKET_KEY} {path!r} is longer than {_MAX_PATH} bytes (a Unix socket's limit); "
-            "pick a shorter path"
-        )
-
-
-def _plain(node_cfg: Mapping) -> dict[str, str]:
-    return {str(k): str(v) for k, v in node_cfg.items()}
-
-
-def _to_bytes(content: RecordDict) -> bytes:
-    from flwr.common.serde import recorddict_to_proto
-
-    return recorddict_to_proto(content).SerializeToString()
-
-
-def _from_bytes(data: bytes) -> RecordDict:
-    from flwr.common.serde import recorddict_from_proto
-    from flwr.proto.recorddict_pb2 import RecordDict as RecordDictProto
-
-    proto = RecordDictProto()
-    proto.ParseFromString(data)
-    return recorddict_from_proto(proto)
-
-
-# ----------------------------------------------------------------------------
-# the ClientApp's side
-# ----------------------------------------------------------------------------
-def ask(path: str, content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict:
-    """Run a round message on the site's worker; its reply content.
-
-    Raises :class:`WorkerUnavailable` if nothing listens on ``path`` (then the
-    message was not run) and :class:`WorkerError` if the worker ran it and it failed.
-    """
-    check_socket_path(path)
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        try:
-            conn.connect(path)
-        except OSError as err:  # missing file, refused: no worker
-            raise WorkerUnavailable(f"no site worker on {path}: {err}") from err
-        header = {"node_config": _plain(node_cfg), "run_id": int(run_id)}
-        _send(conn, json.dumps(header).encode())
-        _send(conn, _to_bytes(content))
-        status = _recv(conn).decode()
-        body = _recv(conn)
-    finally:
-        conn.close()
-    if status != "ok":
-        raise WorkerError(f"site worker on {path}: {body.decode(errors='replace')}")
-    return _from_bytes(body)
 
 
 def run_round_here_or_on_worker(content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict:
@@ -159,29 +81,29 @@ def _answer(conn: socket.socket, node_cfg: Mapping[str, str]) -> None:
     from fedcal.engine.flower.client import run_round
     from fedcal.engine.flower.wire import CONTROL
 
-    header = json.loads(_recv(conn))
-    content = _recv(conn)
-    if header.get("node_config") != _plain(node_cfg):
+    header = json.loads(recv_frame(conn))
+    content = recv_frame(conn)
+    if header.get("node_config") != plain(node_cfg):
         why = (
-            f"this worker serves node config {_plain(node_cfg)}, the message came with "
+            f"this worker serves node config {plain(node_cfg)}, the message came with "
             f"{header.get('node_config')}"
         )
-        _send(conn, b"error")
-        _send(conn, why.encode())
+        send_frame(conn, b"error")
+        send_frame(conn, why.encode())
         return
     run_id, t0 = int(header["run_id"]), time.perf_counter()
     try:
-        message = _from_bytes(content)
-        reply = _to_bytes(run_round(message, node_cfg, run_id))
+        message = from_bytes(content)
+        reply = to_bytes(run_round(message, node_cfg, run_id))
     except Exception as err:  # the ClientApp reports it as the message's error
         print(f"run {run_id}: failed: {type(err).__name__}: {err}", flush=True)
-        _send(conn, b"error")
-        _send(conn, f"{type(err).__name__}: {err}".encode())
+        send_frame(conn, b"error")
+        send_frame(conn, f"{type(err).__name__}: {err}".encode())
         return
     t = message[CONTROL]["round"]
     print(f"run {run_id} round {t}: answered in {time.perf_counter() - t0:.2f} s", flush=True)
-    _send(conn, b"ok")
-    _send(conn, reply)
+    send_frame(conn, b"ok")
+    send_frame(conn, reply)
 
 
 def listen(node_cfg: Mapping[str, str]) -> socket.socket:
@@ -213,7 +135,7 @@ def listen(node_cfg: Mapping[str, str]) -> socket.socket:
 def serve(node_cfg: Mapping[str, str], server: socket.socket | None = None) -> None:
     """Answer round messages for one site, one at a time, until killed.
 
-    Imports torch, the engine and the algorithm builder and reads the site's
+    Imports torch, the engine and the algorithms and reads the site's
     data once, before it listens (a message sent earlier finds no worker and
     runs in its ClientApp).
     """
@@ -226,7 +148,7 @@ def serve(node_cfg: Mapping[str, str], server: socket.socket | None = None) -> N
 
     torch.set_num_threads(1)
     keep_freed_memory()  # a long-lived process, like the simulator's
-    for module in ("fedcal.build", "fedcal.engine.simulation"):  # run_round's lazy imports
+    for module in ("fedcal.algorithms", "fedcal.engine.simulation"):  # run_round's lazy imports
         importlib.import_module(module)
     load_for_node(node_cfg)  # fail early on a bad node config; warms the site-data cache
     server = listen(node_cfg) if server is None else server
@@ -248,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--node-config", required=True, help="the SuperNode's --node-config")
     args = parser.parse_args(argv)
-    node_cfg = _plain(parse_config_args([args.node_config]))
+    node_cfg = plain(parse_config_args([args.node_config]))
     print(f"fedcal site worker for {node_cfg.get('site-id')} on {node_cfg.get(SOCKET_KEY)}")
     serve(node_cfg)
 

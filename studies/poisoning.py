@@ -15,19 +15,23 @@ the behaviour before screening existed), ``default`` (the shipped
 median update norm), ``median``, ``trimmed_mean`` (10 % each end) and ``krum``
 (Multi-Krum, f = 1), the last three on top of the default screening/clipping.
 
-    python benchmarks/poisoning.py [--methods fedgmi,fedper] [--seeds 3] [--rounds 30]
+    python studies/poisoning.py [--methods fedgmi,fedper] [--seeds 0,1,2] [--rounds 30]
         [--rules plain,default,median,trimmed_mean,krum]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fedcal_support/ (not shipped)
 
 from fedcal.config import default_config
 from fedcal.core.aggregation import PLAIN
@@ -40,6 +44,7 @@ from fedcal.experiment import (
     load_data,
     one_line,
 )
+from fedcal_support.scripts import seed_list
 
 POISONS = {
     "clean": None,
@@ -67,7 +72,7 @@ def poison(fleet, name: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--methods", default="fedgmi,fedper")
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seeds", type=seed_list, default=[0, 1, 2], help="training seeds")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--rules", default="plain,default,median,trimmed_mean,krum")
     ap.add_argument(
@@ -93,7 +98,8 @@ def main() -> None:
     poisoned_rules = (args.poisoned_rules or args.rules).split(",")
     print(
         f"recipe: lr {cfg.train.lr}, batch {cfg.train.batch_size}, grad_clip "
-        f"{cfg.train.grad_clip}, {args.rounds} rounds, {args.seeds} seeds; sensor {VICTIM} poisoned"
+        f"{cfg.train.grad_clip}, {args.rounds} rounds, training seeds {args.seeds}; "
+        f"sensor {VICTIM} poisoned"
     )
     records = []
     failures: set[str] = set()
@@ -106,7 +112,7 @@ def main() -> None:
             for rule, policy in policies.items():
                 if pname != "clean" and rule not in poisoned_rules:
                     continue
-                for seed in range(args.seeds):
+                for seed in args.seeds:
                     engine = EngineConfig(
                         rounds=args.rounds, eval_every=args.rounds, seed=seed, aggregation=policy
                     )

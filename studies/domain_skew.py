@@ -23,23 +23,28 @@ per run, E_s = 50 gave 89.6 % at 12 s (``--anchor-steps 500`` restores it).
 ``FedAvg lr 0.05`` is a control: FedLSA's L_COM works on logits scaled by
 1/τ = 10, which speeds early training the way a larger step would.
 
-    python benchmarks/domain_skew.py [--rounds 100] [--early 30] [--anchor-steps 50]
+    python studies/domain_skew.py [--rounds 100] [--early 30] [--anchor-steps 50]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fedcal_support/ (not shipped)
 
 from fedcal.algorithms import REGISTRY
 from fedcal.core.classification import ClassificationTask
 from fedcal.data.digits import DOMAINS, digits_fleet
 from fedcal.engine.simulation import EngineConfig, prepare, simulate
 from fedcal.models.classifier import HypersphereClassifier
+from fedcal_support.scripts import seed_list
 
 RECIPE = dict(lr=0.01, momentum=0.9, batch_size=64, local_epochs=5, sample_weighted=True)
 
@@ -62,7 +67,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--early", type=int, default=30, help="also report after this round")
     parser.add_argument("--anchor-steps", type=int, default=50, help="E_s (seed: 500)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=seed_list, default=[0, 1, 2])
     parser.add_argument("--clients-per-domain", type=int, default=2)
     parser.add_argument("--only", nargs="*", default=None, help="run only these method labels")
     args = parser.parse_args()

@@ -15,13 +15,14 @@ does the mean over fleet seeds it enters. Methods the configuration lists
 but this tree does not register (e.g. ``fedprior`` before it is merged) are
 named and skipped.
 
-    python benchmarks/fewpoint.py [--out runs/fewpoint-bench] [--methods a,b]
+    python studies/fewpoint.py [--out runs/fewpoint-bench] [--methods a,b]
                                   [--designs 3x2,4x3,6x4] [--fleet-seeds 0,1,2] [--rounds 50]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -30,8 +31,11 @@ import numpy as np
 import pandas as pd
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fedcal_support/ (not shipped)
+
 from fedcal.config import load_config
 from fedcal.experiment import check_methods, load_data, run_experiment
+from fedcal_support.scripts import seed_list
 
 
 def _strict_mean(values: pd.Series) -> float:
@@ -79,7 +83,7 @@ def main() -> None:
     parser.add_argument("--config", default="fewpoint")
     parser.add_argument("--methods", default=None, help="comma separated (default: the config's)")
     parser.add_argument("--designs", default=None)
-    parser.add_argument("--fleet-seeds", default=None)
+    parser.add_argument("--fleet-seeds", type=seed_list, default=None)
     parser.add_argument("--rounds", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -90,7 +94,7 @@ def main() -> None:
     if args.designs:
         cfg = replace(cfg, designs=tuple(args.designs.split(",")))
     if args.fleet_seeds:
-        cfg = replace(cfg, fleet_seeds=tuple(int(s) for s in args.fleet_seeds.split(",")))
+        cfg = replace(cfg, fleet_seeds=tuple(args.fleet_seeds))
     if args.rounds:
         cfg = replace(cfg, engine=replace(cfg.engine, rounds=args.rounds))
     runnable = []

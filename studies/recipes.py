@@ -15,13 +15,14 @@ Every registered regression method runs with the shipped default configuration
 RMSE mean/worst, diverged sensors, rejected replies and failures — a
 divergence or a failure is printed as such, never as a number.
 
-    python benchmarks/recipes.py [--seeds 3] [--rounds 50] [--grad-clip 1.0] [--lr 0.1]
+    python studies/recipes.py [--seeds 0,1,2] [--rounds 50] [--grad-clip 1.0] [--lr 0.1]
         [--methods all] [--aggregation mean] [--clip-factor 3] [--fleet-seed 0]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from dataclasses import replace
@@ -31,9 +32,12 @@ import numpy as np
 import pandas as pd
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fedcal_support/ (not shipped)
+
 from fedcal.config import default_config
 from fedcal.data.fleet import Fleet
 from fedcal.experiment import run_experiment
+from fedcal_support.scripts import seed_list
 
 FEATURES = ("raw_ugm3", "temp_c", "rh_pct")
 TARGET = "pm25_ugm3"
@@ -69,13 +73,15 @@ def generic_fleet(
         frame,
         features=FEATURES,
         target=TARGET,
-        meta={"source": f"benchmarks/recipes.py generic_fleet(seed={seed})"},
+        meta={"source": f"studies/recipes.py generic_fleet(seed={seed})"},
     )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument(
+        "--seeds", type=seed_list, default=[0, 1, 2], help="training seeds 0..n-1 (the run's)"
+    )
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--sensors", type=int, default=30)
     ap.add_argument("--train", type=int, default=24)
@@ -88,6 +94,8 @@ def main() -> None:
     ap.add_argument("--screen-factor", type=float, default=None)
     ap.add_argument("--eval-every", type=int, default=10)
     args = ap.parse_args()
+    if args.seeds != list(range(len(args.seeds))):
+        ap.error(f"--seeds {args.seeds}: an experiment runs training seeds 0..n-1, e.g. 0,1,2")
     torch.set_num_threads(1)
 
     cfg = default_config()
@@ -105,7 +113,7 @@ def main() -> None:
         agg = replace(agg, screen_factor=args.screen_factor)
     cfg = replace(
         cfg,
-        seeds=args.seeds,
+        seeds=len(args.seeds),
         train=train,
         aggregation=agg,
         data=replace(cfg.data, features=FEATURES, target=TARGET),
@@ -116,7 +124,8 @@ def main() -> None:
         f"recipe: lr {cfg.train.lr}, batch {cfg.train.batch_size}, grad_clip "
         f"{cfg.train.grad_clip}, aggregation {cfg.aggregation.rule} (clip ×"
         f"{cfg.aggregation.clip_factor}, screen ×{cfg.aggregation.screen_factor}), "
-        f"{args.rounds} rounds, {args.seeds} seeds, {args.sensors} sensors × {args.train} points"
+        f"{args.rounds} rounds, training seeds {args.seeds}, "
+        f"{args.sensors} sensors × {args.train} points"
     )
     failures: list[str] = []
     t0 = time.perf_counter()

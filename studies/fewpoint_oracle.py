@@ -13,7 +13,7 @@ If the oracle is no better than fedprior, the gap to a target is the model
 class and the design (what a unit's few points can show), not the estimate of
 Σ from 20 units.
 
-    python benchmarks/fewpoint_oracle.py [--designs 3x2,4x3] [--fleet-seeds 0,1,2]
+    python studies/fewpoint_oracle.py [--designs 3x2,4x3] [--fleet-seeds 0,1,2]
                                          [--oracle-units 500] [--orders 4,3]
 """
 
@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fedcal_support/ (not shipped)
+
 from fedcal.algorithms.fedprior import FedPrior
 from fedcal.config import load_config
 from fedcal.core.data import ClientData
@@ -35,9 +37,8 @@ from fedcal.engine.evaluation import interval_metrics
 from fedcal.engine.simulation import prepare
 from fedcal.experiment import load_data
 from fedcal.models.mlp import MLP
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fedcal_support/ (not shipped)
 from fedcal_support.rounds import run_rounds
+from fedcal_support.scripts import seed_list
 
 
 def subset(data: ClientData, idx: torch.Tensor) -> ClientData:
@@ -66,7 +67,7 @@ def evaluate(alg: FedPrior, server, train: ClientData, test: ClientData, y_scale
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--designs", default="3x2,4x3")
-    ap.add_argument("--fleet-seeds", default="0,1,2")
+    ap.add_argument("--fleet-seeds", type=seed_list, default=[0, 1, 2])
     ap.add_argument("--oracle-units", type=int, default=500)
     ap.add_argument("--orders", default="4,3")
     ap.add_argument("--rounds", type=int, default=50)
@@ -79,7 +80,7 @@ def main() -> None:
     print("| design | fleet seed | fedprior (20+20): mean / worst / cov95 | oracle: the same |")
     print("|---|---:|---|---|")
     for design in args.designs.split(","):
-        for fs in (int(s) for s in args.fleet_seeds.split(",")):
+        for fs in args.fleet_seeds:
             f = dataclasses.replace(
                 cfg.fleet, seed=fs, train_design=design, num_reference=args.oracle_units
             )

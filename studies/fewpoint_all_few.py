@@ -8,7 +8,7 @@ interval, and for fedprior the basis it used (with ``select = "bic"``: the
 one the fleet's evidence chose). Runs go into a run directory like ``fedcal
 compare`` (resumable).
 
-    python benchmarks/fewpoint_all_few.py [--methods fedprior,fedprior_fixed] [--points 12]
+    python studies/fewpoint_all_few.py [--methods fedprior,fedprior_fixed] [--points 12]
                                           [--fleet-seeds 0,1,2] [--out runs/all-few]
 """
 
@@ -17,19 +17,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fedcal_support/ (not shipped)
+
 from fedcal.config import load_config
 from fedcal.experiment import load_data, run_experiment
+from fedcal_support.scripts import seed_list
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--methods", default="fedprior,fedprior_fixed")
     ap.add_argument("--points", type=int, default=12)
-    ap.add_argument("--fleet-seeds", default="0,1,2")
+    ap.add_argument("--fleet-seeds", type=seed_list, default=[0, 1, 2])
     ap.add_argument("--out", type=Path, default=Path("runs/all-few"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -39,7 +43,7 @@ def main() -> None:
         cfg,
         methods=tuple(methods),
         seeds=1,
-        fleet_seeds=tuple(int(s) for s in args.fleet_seeds.split(",")),
+        fleet_seeds=tuple(args.fleet_seeds),
         fleet=dataclasses.replace(cfg.fleet, test_design="random"),
     )
     summary = run_experiment(cfg, load_data(cfg), args.out, methods, train_points=(args.points,))

@@ -13,16 +13,20 @@ q 0…3 with fewer coefficients than a training fold's rows, the smallest within
 fixed orders. Prints, per design and rule, the mean over seeds of the fleet's
 mean and worst-sensor RMSE (hPa) off the grid, and the orders chosen.
 
-    python benchmarks/polynomial_fewpoint.py [--seeds 0,1,2] [--sensors 20]
+    python studies/polynomial_fewpoint.py [--fleet-seeds 0,1,2] [--sensors 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fedcal_support/ (not shipped)
 
 from fedcal.algorithms.polynomial import PolynomialCalibration
 from fedcal.core.task import Task
@@ -30,6 +34,7 @@ from fedcal.data.fleet import SPLIT_COLUMN, Fleet
 from fedcal.data.simulator import FleetSpec, simulate_fleet
 from fedcal.engine.simulation import prepare
 from fedcal.models.mlp import MLP
+from fedcal_support.scripts import seed_list
 
 GRIDS = {"3x2": (3, 2), "4x3": (4, 3), "6x4": (6, 4)}
 SPREAD = (6, 12, 24)
@@ -146,12 +151,12 @@ def fixed_f_only(train, test, c, p):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--fleet-seeds", type=seed_list, default=[0, 1, 2])
     parser.add_argument("--sensors", type=int, default=20)
     parser.add_argument("--preset", default="nominal")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = args.fleet_seeds
     rules: list = ["loo+auto", "gcv+auto", "aicc+auto", "loo+grid", "loo+last_resort"]
     rules += ["loo+never"]
     rules += ["old", (2, 1), (3, 2), (3, 3)]

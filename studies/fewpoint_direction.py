@@ -25,7 +25,8 @@ itself (no direction term: its EM, defaults and prediction). The EM is
 fedprior's, one round after another with core/bayes.py's functions (E-step
 :func:`posterior`, ECME :func:`m_step`, :func:`regularize` with ν0 pseudo-units
 of shrinkage in the fleet's design metric, weakly informed directions reset),
-closed form, no engine. The fleet BIC Σ_i log p(y_i) − ½ d log N (d = p +
+closed form, no engine (``fedcal_support/direction_reference.py``, shared with the
+tests). The fleet BIC Σ_i log p(y_i) − ½ d log N (d = p +
 p(p+1)/2 + 1, p the number of features) of each model is printed: the choice
 between ψ bases that uses no test data.
 
@@ -33,7 +34,7 @@ Also printed ("dir known"): the same posterior predicting with the test
 point's true direction, φᵀm_c + d ψᵀm_h — the ceiling if the field knew the
 branch it is on.
 
-    python benchmarks/fewpoint_direction.py [--designs 3x2,4x3,6x4] [--fleet-seeds 0,1,2]
+    python studies/fewpoint_direction.py [--designs 3x2,4x3,6x4] [--fleet-seeds 0,1,2]
                                             [--psi none,0-0,1-0,2-0] [--rounds 50]
 """
 
@@ -41,27 +42,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from fedcal.algorithms.fedprior import FedPrior
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fedcal_support/ (not shipped)
+
 from fedcal.config import load_config
-from fedcal.core.bayes import F64, data_support, m_step, moments, posterior, regularize
+from fedcal.core.bayes import F64
 from fedcal.data.fleet import SPLIT_COLUMN
 from fedcal.engine.evaluation import interval_metrics
 from fedcal.engine.simulation import prepare
 from fedcal.experiment import load_data
-from fedcal.models.basis import legendre_exponents, legendre_products
-
-PHI_ORDERS = (3, 3)
-DEFAULTS = FedPrior.__dataclass_fields__  # fedprior's shrinkage, floor, start, hyperprior
-
-
-def default(name: str):
-    return DEFAULTS[name].default
+from fedcal_support.direction_reference import (
+    PHI_ORDERS,
+    bases,
+    features,
+    fit_prior,
+    predict,
+)
+from fedcal_support.scripts import seed_list
 
 
 def branch_signs(fleet, split: str, rows: int) -> Tensor:
@@ -77,90 +80,6 @@ def branch_signs(fleet, split: str, rows: int) -> Tensor:
             raise ValueError(f"unit {cid}: direction must be 'up' or 'down', got {got!r}")
         out[i, : len(direction)] = np.where(direction == "up", 1.0, -1.0)
     return torch.as_tensor(out, dtype=F64)
-
-
-def bases(x: Tensor, psi: tuple | None) -> tuple[Tensor, Tensor]:
-    """φ(x) (clients, rows, p) and ψ(x) (clients, rows, q; q = 0 when ``psi`` is None)."""
-    phi = legendre_products(x, legendre_exponents(2, orders=PHI_ORDERS))
-    if psi is None:
-        return phi, phi[..., :0]
-    return phi, legendre_products(x, legendre_exponents(2, orders=psi))
-
-
-def features(phi: Tensor, psi: Tensor, d: Tensor) -> Tensor:
-    """The candidate model's design [φ(x), d·ψ(x)] (clients, rows, p + q)."""
-    return torch.cat([phi, psi * d.unsqueeze(-1)], -1)
-
-
-def fit_prior(
-    design: Tensor, y: Tensor, mask: Tensor, rounds: int
-) -> tuple[Tensor, Tensor, Tensor, float]:
-    """fedprior's EM (select = "none", one fleet noise) on given features: (μ, Σ, σ², BIC).
-
-    Round: E-step :func:`posterior` per unit under the broadcast prior; M-step
-    :func:`m_step` (GLS mean with the N(0, s²) hyperprior), Σ̂ shrunk toward its
-    diagonal in the fleet's design metric by λ = ν0/(N + ν0) and floored
-    (:func:`regularize`); directions informed by fewer than ``min_informed``
-    units keep the vague start; σ² = Σ r_i / Σ n_i (FedPrior._prior_update). BIC: the
-    fleet's Σ_i log p(y_i) at the result − ½ d log N, d = p + p(p + 1)/2 + 1.
-    """
-    stats = moments(design, y, mask)
-    c, p = stats.rhs.shape
-    init_scale = default("init_scale")
-    mu = torch.zeros(p, dtype=F64)
-    sigma = init_scale**2 * torch.eye(p, dtype=F64)
-    noise = torch.tensor(default("init_noise") ** 2, dtype=F64)
-    count = torch.tensor(float(c), dtype=F64)
-    metric = stats.gram.sum(0) / stats.n.sum()
-    lam = default("shrinkage_units") / (c + default("shrinkage_units"))
-    for _ in range(rounds):
-        noise_c = noise.expand(c)
-        post = posterior(stats, mu, sigma, noise_c)
-        second = post.mean.unsqueeze(-1) * post.mean.unsqueeze(-2) + post.cov
-        support = data_support(stats.gram, noise_c, init_scale).sum(0)
-        new_mu, sigma_hat = m_step(
-            post.gls_gram.sum(0),
-            post.gls_rhs.sum(0),
-            post.mean.sum(0),
-            second.sum(0),
-            count,
-            mu,
-            default("mean_scale"),
-        )
-        new_sigma = regularize(sigma_hat, lam, default("floor"), None, metric)
-        vals, vecs = torch.linalg.eigh(0.5 * (support + support.T))
-        weak = vecs[:, vals < default("min_informed")]
-        if weak.shape[1]:
-            proj_weak = weak @ weak.T
-            proj_seen = torch.eye(p, dtype=F64) - proj_weak
-            new_sigma = proj_seen @ new_sigma @ proj_seen + init_scale**2 * proj_weak
-            new_mu = proj_seen @ new_mu + proj_weak @ mu
-        mu, sigma = new_mu, new_sigma
-        noise = post.rss.sum() / stats.n.sum()
-    loglik = posterior(stats, mu, sigma, noise.expand(c)).loglik.sum()
-    bic = float(loglik) - 0.5 * (p + p * (p + 1) / 2 + 1) * math.log(c)
-    return mu, sigma, noise, bic
-
-
-def predict(
-    mu: Tensor, sigma: Tensor, noise: Tensor, train: tuple, phi: Tensor, psi: Tensor, d: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Branch-averaged mean φᵀm_c and variance φᵀV_ccφ + σ² + ψᵀ(m_h m_hᵀ + V_hh)ψ.
-
-    ``train`` = (features, y, mask) of the units; ``phi``, ``psi`` the test rows'
-    bases, ``d`` their true directions, used only by the third output: the
-    direction-known mean φᵀm_c + d ψᵀm_h.
-    """
-    design, y, mask = train
-    c, p = design.shape[0], phi.shape[-1]
-    post = posterior(moments(design, y, mask), mu, sigma, noise.expand(c))
-    mean_c, cov_cc = post.mean[:, :p], post.cov[:, :p, :p]
-    mean_h, cov_hh = post.mean[:, p:], post.cov[:, p:, p:]
-    pred = (phi * mean_c.unsqueeze(1)).sum(-1)
-    second_h = mean_h.unsqueeze(-1) * mean_h.unsqueeze(-2) + cov_hh  # E[h hᵀ]
-    var = ((phi @ cov_cc) * phi).sum(-1) + noise + ((psi @ second_h) * psi).sum(-1)
-    known = pred + d * (psi * mean_h.unsqueeze(1)).sum(-1)
-    return pred, var, known
 
 
 def scores(pred: Tensor, var: Tensor, y: Tensor, mask: Tensor, y_scale: Tensor):
@@ -219,14 +138,14 @@ def label(psi) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--designs", default="3x2,4x3,6x4")
-    ap.add_argument("--fleet-seeds", default="0,1,2")
+    ap.add_argument("--fleet-seeds", type=seed_list, default=[0, 1, 2])
     ap.add_argument("--psi", default="none,0-0,1-0,2-0")
     ap.add_argument("--rounds", type=int, default=50)
     args = ap.parse_args()
     torch.set_num_threads(1)
     cfg = load_config("fewpoint")
     psis = [parse_psi(s) for s in args.psi.split(",")]
-    seeds = [int(s) for s in args.fleet_seeds.split(",")]
+    seeds = args.fleet_seeds
     print(
         f"φ Legendre {PHI_ORDERS}; {args.rounds} EM rounds; σ = fleet noise, RMSE in hPa;"
         " per fleet seed, then the mean over seeds (BIC: the model the fleet BIC picks)"

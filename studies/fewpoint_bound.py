@@ -5,10 +5,11 @@ basis. This benchmark estimates E[true pressure at an off-grid test point | the
 unit's chamber points] with regressors trained on a large library of units drawn
 from the simulator's own generative distribution: the same family, preset, lot
 settings and chamber (the fleet seed's design plateaus and their temperature
-offsets) as the mixed fleets of ``benchmarks/fewpoint.py``, but other units
+offsets) as the mixed fleets of ``studies/fewpoint.py``, but other units
 (parameters from another seed, so no evaluated unit is in the library).
 
-Per library unit: what the design measures (the simulator's physics: noise,
+The library (``fedcal_support/fewpoint_library.py``, shared with its tests) holds,
+per library unit: what the design measures (the simulator's physics: noise,
 the ascending branch's hysteresis, ripple, the temperature reading's bias, gain
 and noise) and its noise-free truth, the inverse map P = g(f, T_read) fitted on a
 dense (P, T) grid in a Legendre (5, 4) basis in fixed (f, T_read) coordinates
@@ -44,10 +45,10 @@ validation part):
   weights, the bandwidth s by the evaluated units' summed evidence.
 
 Evaluated on the 20 new units of fleet seeds 0/1/2 (the fleets of
-``benchmarks/fewpoint.py``, their 60 off-grid test points) and, for a tighter
+``studies/fewpoint.py``, their 60 off-grid test points) and, for a tighter
 estimate of the same quantity, on held-out library units (``--holdout``).
 
-    python benchmarks/fewpoint_bound.py [--library 30000] [--fleet-seeds 0,1,2]
+    python studies/fewpoint_bound.py [--library 30000] [--fleet-seeds 0,1,2]
                                         [--design 3x2] [--holdout 5000] [--knn 1000]
                                         [--only quad,cubic,abc,mlp,kernel,mixture,gmm]
 """
@@ -56,229 +57,33 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
-from numpy.polynomial.legendre import legvander2d
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fedcal_support/ (not shipped)
 
 from fedcal.config import load_config
-from fedcal.data.simulator import (
-    FleetSpec,
-    _frequency,
-    _param_names,
-    measurement_plan,
-    sensor_parameters,
+from fedcal.data.simulator import sensor_parameters
+from fedcal_support.fewpoint_library import (
+    GRID_P,
+    LIBRARY_SEED_OFFSET,
+    ORDERS,
+    Coordinates,
+    Units,
+    check_library_physics,
+    dense_truth,
+    draw_library,
+    fleet_units,
+    frequency,
+    function_rmse,
+    gaussian_fit,
+    gaussian_posterior,
 )
-from fedcal.experiment import load_data
-
-ORDERS = (5, 4)  # Legendre orders in (f, T_read) of the dense truth
-LIBRARY_SEED_OFFSET = 1000  # library units: parameters from seed 1000 + fleet seed
-T_BOX = (-42.0, 62.0)  # temperature-reading coordinates (°C) -> [-1, 1]
-GRID_P = np.linspace(40.0, 1560.0, 39)  # dense truth grid, a little beyond the range
-GRID_T = np.linspace(-41.0, 61.0, 35)
-
-
-# ---------------------------------------------------------------------------
-# The library: the simulator's physics, vectorized over units
-
-
-def ripple(p: np.ndarray, t: np.ndarray, prm) -> np.ndarray:
-    """simulator._ripple for many units: (units, rows)."""
-    nu = np.stack(prm["ripple_nu"].to_numpy())[:, None, :]
-    mu = np.stack(prm["ripple_mu"].to_numpy())[:, None, :]
-    ph = np.stack(prm["ripple_phase"].to_numpy())[:, None, :]
-    w = np.stack(prm["ripple_weight"].to_numpy())[:, None, :]
-    arg = 2.0 * np.pi * (nu * p[..., None] / 1600.0 + mu * (t[..., None] + 40.0) / 100.0) + ph
-    total = (w * np.sin(arg)).sum(-1)
-    return prm["ripple_amp_hpa"].to_numpy()[:, None] * total / w.sum(-1)
-
-
-def observe(spec: FleetSpec, prm, p_true, t_true, sign, z_p, z_t) -> tuple[np.ndarray, ...]:
-    """What units read at chamber points (P, T_true, branch sign): (frequency, T_read).
-
-    ``sign``: +1 descending, −1 ascending (simulator convention); ``z_p``, ``z_t``:
-    standard normal draws (units, rows). Same formulas as simulator.simulate_fleet.
-    """
-    levels = np.asarray(spec.pressure_levels_hpa, dtype=float)
-    p_min, p_max = levels.min(), levels.max()
-    shape_h = np.sin(np.pi * np.clip((p_true - p_min) / (p_max - p_min), 0.0, 1.0))
-    hyst = sign * prm["hysteresis_hpa"].to_numpy()[:, None] * shape_h
-    p_eff = p_true + hyst + ripple(p_true, t_true, prm) + spec.noise_hpa * z_p
-    freq = frequency(spec, prm, p_eff, np.broadcast_to(t_true, p_eff.shape))
-    t_read = (
-        t_true * (1.0 + prm["temperature_gain"].to_numpy()[:, None])
-        + prm["temperature_bias_c"].to_numpy()[:, None]
-        + spec.temperature_noise_c * z_t
-    )
-    return freq, t_read
-
-
-def frequency(spec: FleetSpec, prm, p, t) -> np.ndarray:
-    coeffs = {k: prm[k].to_numpy(float)[:, None] for k in _param_names(spec.family)}
-    return _frequency(spec.family, p, t, coeffs)
-
-
-class Coordinates:
-    """Fixed affine map of (f, T_read) to [-1, 1]² (frequency box from the library)."""
-
-    def __init__(self, f_lo: float, f_hi: float):
-        self.f0, self.fs = 0.5 * (f_lo + f_hi), 0.5 * (f_hi - f_lo)
-        self.t0, self.ts = 0.5 * (T_BOX[0] + T_BOX[1]), 0.5 * (T_BOX[1] - T_BOX[0])
-
-    def basis(self, f: np.ndarray, t: np.ndarray) -> np.ndarray:
-        return legvander2d((f - self.f0) / self.fs, (t - self.t0) / self.ts, ORDERS)
-
-
-def dense_truth(spec: FleetSpec, prm, coords: Coordinates) -> tuple[np.ndarray, float]:
-    """Each unit's noise-free inverse map P = g(f, T_read) on the basis: (coefficients, max error).
-
-    Branch average: no hysteresis, no ripple, no noise; the reading's bias and gain kept.
-    """
-    pp, tt = np.meshgrid(GRID_P, GRID_T, indexing="ij")
-    pp, tt = pp.ravel(), tt.ravel()
-    out, worst = [], 0.0
-    for lo in range(0, len(prm), 400):
-        part = prm.iloc[lo : lo + 400]
-        f = frequency(spec, part, pp[None, :], tt[None, :])
-        t_read = (
-            tt[None, :] * (1.0 + part["temperature_gain"].to_numpy()[:, None])
-            + part["temperature_bias_c"].to_numpy()[:, None]
-        )
-        phi = torch.as_tensor(coords.basis(f, t_read))
-        target = torch.as_tensor(np.broadcast_to(pp, f.shape).copy()).unsqueeze(-1)
-        c = torch.linalg.lstsq(phi, target, driver="gelsd").solution[..., 0]
-        worst = max(worst, float((phi @ c.unsqueeze(-1) - target).abs().max()))
-        out.append(c.numpy())
-    return np.concatenate(out), worst
-
-
-@dataclasses.dataclass
-class Units:
-    """Units as a method sees them (readings) and as the benchmark judges them."""
-
-    f: np.ndarray  # (units, 6) measured frequencies at the design's points
-    t: np.ndarray  # (units, 6) measured temperatures there
-    y: np.ndarray  # (6,) the chamber's reference pressures (the same for every unit)
-    test_f: np.ndarray  # (units, 60) measured frequency at the test points
-    test_t: np.ndarray  # (units, 60)
-    test_p: np.ndarray  # (60,) true pressures of the test points
-    coef: np.ndarray | None = None  # (units, 30) dense truth (None for the fleet's units
-    parent: np.ndarray | None = None  # until computed from their true parameters)
-
-    def readings(self) -> np.ndarray:
-        return np.concatenate([self.f, self.t], axis=1)
-
-    def take(self, idx) -> Units:
-        return Units(
-            self.f[idx],
-            self.t[idx],
-            self.y,
-            self.test_f[idx],
-            self.test_t[idx],
-            self.test_p,
-            None if self.coef is None else self.coef[idx],
-            None if self.parent is None else self.parent[idx],
-        )
-
-
-def draw_library(spec: FleetSpec, fleet_seed: int, design: str, n: int) -> tuple[Units, object]:
-    """``n`` units of the spec's distribution through the fleet seed's chamber (design + tests)."""
-    lib_spec = dataclasses.replace(spec, num_sensors=n, num_reference=0, num_new=0)
-    prm = sensor_parameters(lib_spec, LIBRARY_SEED_OFFSET + fleet_seed)
-    plan = measurement_plan(spec, fleet_seed, design)
-    tr, te = plan[plan["split"] == "train"], plan[plan["split"] == "test"]
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([fleet_seed, 77])))
-    out = []
-    for rows in (tr, te):
-        p = rows["pressure_hpa"].to_numpy(float)[None, :]
-        t = rows["temperature_true_c"].to_numpy(float)[None, :]
-        sign = np.where(rows["direction"].to_numpy() == "down", 1.0, -1.0)[None, :]
-        z_p = rng.standard_normal((n, p.shape[1]))
-        z_t = rng.standard_normal((n, p.shape[1]))
-        out.append(observe(spec, prm, p, t, sign, z_p, z_t))
-    (f, t_read), (tf, tt) = out
-    units = Units(
-        f, t_read, tr["pressure_hpa"].to_numpy(float), tf, tt, te["pressure_hpa"].to_numpy(float)
-    )
-    units.parent = prm["parent"].to_numpy()
-    return units, prm
-
-
-def fleet_units(cfg, design: str, fleet_seed: int) -> tuple[Units, object, FleetSpec]:
-    """The new units of one fleet of ``benchmarks/fewpoint.py`` (the frame's own rows)."""
-    f = dataclasses.replace(cfg.fleet, seed=fleet_seed, train_design=design)
-    fleet = load_data(dataclasses.replace(cfg, fleet=f))
-    spec = FleetSpec(**fleet.meta["spec"])
-    frame = fleet.frame[fleet.frame["role"] == "new"]
-    ids = list(dict.fromkeys(frame[fleet.client_column]))
-    tr = frame[frame["split"] == "train"]
-    te = frame[frame["split"] == "test"]
-
-    def grid(rows, col):
-        return np.stack([rows.loc[rows[fleet.client_column] == i, col].to_numpy() for i in ids])
-
-    y = grid(tr, "pressure_hpa")
-    p_test = grid(te, "pressure_hpa")
-    assert (y == y[0]).all() and (p_test == p_test[0]).all()  # one chamber, the same points
-    units = Units(
-        grid(tr, "frequency_hz"),
-        grid(tr, "temperature_c"),
-        y[0],
-        grid(te, "frequency_hz"),
-        grid(te, "temperature_c"),
-        p_test[0],
-    )
-    prm = sensor_parameters(spec, fleet_seed).loc[ids]
-    units.parent = prm["parent"].to_numpy()
-    return units, prm, spec
-
-
-def check_library_physics(spec, prm, units: Units, fleet_seed: int, design: str) -> float:
-    """Max |Δf| (Hz) of the vectorized physics against the fleet's own frame, same noise draws."""
-    from fedcal.data.simulator import _S_NOISE, _rng
-
-    plan = measurement_plan(spec, fleet_seed, design)
-    tr = plan[plan["split"] == "train"]
-    n = len(tr)
-    first = spec.num_reference  # new units' sensor index
-    z = [_rng(fleet_seed, _S_NOISE, first + k, 0) for k in range(len(prm))]
-    z_p = np.stack([g.standard_normal(n) for g in z])  # the simulator draws z_p, then z_t
-    z_t = np.stack([g.standard_normal(n) for g in z])
-    p = tr["pressure_hpa"].to_numpy(float)[None, :]
-    t = tr["temperature_true_c"].to_numpy(float)[None, :]
-    sign = np.where(tr["direction"].to_numpy() == "down", 1.0, -1.0)[None, :]
-    f, t_read = observe(spec, prm, p, t, sign, z_p, z_t)
-    return float(max(np.abs(f - units.f).max(), 1e3 * np.abs(t_read - units.t).max()))
-
-
-# ---------------------------------------------------------------------------
-# Estimators of a unit's coefficients from its readings
-
-
-def gaussian_fit(lib: Units, coords: Coordinates):
-    """(μ, Σ) of the coefficients and (m_e, S_e) of the 6 residuals y − Φc, from the library."""
-    phi = coords.basis(lib.f, lib.t)  # (units, 6, 30)
-    resid = lib.y[None, :] - np.einsum("urk,uk->ur", phi, lib.coef)
-    return (
-        lib.coef.mean(0),
-        np.cov(lib.coef, rowvar=False),
-        resid.mean(0),
-        np.cov(resid, rowvar=False),
-    )
-
-
-def gaussian_posterior(units: Units, coords: Coordinates, mu, sigma, m_e, s_e):
-    """Posterior mean and log marginal likelihood under c ~ N(μ, Σ), y = Φc + e, e ~ N(m_e, S_e)."""
-    phi = coords.basis(units.f, units.t)
-    gram = phi @ sigma @ phi.transpose(0, 2, 1) + s_e  # (units, 6, 6)
-    r = units.y[None, :] - phi @ mu - m_e
-    chol = np.linalg.cholesky(gram)
-    alpha = np.linalg.solve(gram, r[..., None])[..., 0]
-    mean = mu + np.einsum("kj,urj,ur->uk", sigma, phi, alpha)
-    logdet = 2.0 * np.log(np.diagonal(chol, axis1=1, axis2=2)).sum(-1)
-    loglik = -0.5 * ((r * alpha).sum(-1) + logdet + len(m_e) * np.log(2 * np.pi))
-    return mean, loglik
+from fedcal_support.scripts import seed_list
 
 
 class Standardizer:
@@ -293,13 +98,6 @@ def poly_features(z: np.ndarray, degree: int) -> np.ndarray:
     from sklearn.preprocessing import PolynomialFeatures
 
     return PolynomialFeatures(degree, include_bias=True).fit_transform(z)
-
-
-def function_rmse(coef_hat: np.ndarray, units: Units, coords: Coordinates) -> np.ndarray:
-    """Per-unit RMSE (hPa) of the predicted pressure at the unit's 60 test points."""
-    phi = coords.basis(units.test_f, units.test_t)
-    pred = np.einsum("urk,uk->ur", phi, coef_hat)
-    return np.sqrt(((pred - units.test_p[None, :]) ** 2).mean(1))
 
 
 def ridge_residual(z_fit, r_fit, z_val, r_val, metric, degree):
@@ -529,7 +327,7 @@ NAMES = ("truth", "gauss", "quad", "cubic", "abc", "mlp", "kernel", "mixture", "
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--design", default="3x2")
-    ap.add_argument("--fleet-seeds", default="0,1,2")
+    ap.add_argument("--fleet-seeds", type=seed_list, default=[0, 1, 2])
     ap.add_argument("--library", type=int, default=30000, help="library units (fit + validation)")
     ap.add_argument("--holdout", type=int, default=5000, help="held-out library units")
     ap.add_argument("--knn", type=int, default=1000)
@@ -538,7 +336,7 @@ def main() -> None:
     only = None if args.only is None else set(args.only.split(","))
     torch.set_num_threads(1)
     cfg = load_config("fewpoint")
-    seeds = [int(s) for s in args.fleet_seeds.split(",")]
+    seeds = args.fleet_seeds
     print(
         f"design {args.design}; library {args.library} units (80 % fit, 20 % validation) +"
         f" {args.holdout} held out, parameters from seed {LIBRARY_SEED_OFFSET} + fleet seed;"

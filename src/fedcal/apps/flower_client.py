@@ -1,4 +1,4 @@
-"""The ClientApp: one SuperNode serves a site (any number of sensors); any registered algorithm.
+"""The Flower ClientApp: one SuperNode serves a site (any number of sensors); any algorithm.
 
 Node config (``flower-supernode --node-config``, TOML values)::
 
@@ -21,10 +21,10 @@ app = ClientApp()
 
 @app.query()
 def handshake(msg: Message, context: Context) -> Message:
-    """Per sensor of the site: identity, train-row count and (if scaling needs them) its sums."""
+    """The run's algorithm (kept by the site); per sensor: identity, row count (and sums)."""
     from fedcal.engine.flower.client import answer_handshake
 
-    return Message(answer_handshake(msg.content, context.node_config), reply_to=msg)
+    return Message(answer_handshake(msg.content, context.node_config, context.run_id), reply_to=msg)
 
 
 @app.train()

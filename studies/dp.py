@@ -19,7 +19,7 @@ Printed: σ and the ε actually spent, the mean and worst test RMSE (hPa) over
 fleet seeds × training seeds, diverged sensors, failures with their reason;
 and, without DP, the median update norm of round 1 and the last round.
 
-    python benchmarks/dp.py [--methods fedgmi] [--seeds 3] [--rounds 20] [--clip 0.5]
+    python studies/dp.py [--methods fedgmi] [--seeds 0,1,2] [--rounds 20] [--clip 0.5]
         [--epsilons 1,4,8] [--config fewpoint --designs 3x2,4x3 --fleet-seeds 0,1,2]
 """
 
@@ -27,12 +27,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fedcal_support/ (not shipped)
 
 from fedcal.config import default_config, load_config
 from fedcal.engine.simulation import EngineConfig, prepare, simulate
@@ -44,6 +48,7 @@ from fedcal.experiment import (
     load_data,
     one_line,
 )
+from fedcal_support.scripts import seed_list
 
 
 def _cell(values: list[float]) -> str:
@@ -57,14 +62,14 @@ def _cell(values: list[float]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--methods", default="fedgmi")
-    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seeds", type=seed_list, default=[0, 1, 2], help="training seeds")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--clip", type=float, default=0.5)
     ap.add_argument("--epsilons", default="1,4,8")
     ap.add_argument("--delta", type=float, default=1e-5)
     ap.add_argument("--config", default=None, help="a shipped name (fewpoint) or a TOML file")
     ap.add_argument("--designs", default=None, help="[fleet] train_design values (mixed fleets)")
-    ap.add_argument("--fleet-seeds", default=None, help="[fleet] seed values")
+    ap.add_argument("--fleet-seeds", type=seed_list, default=None, help="[fleet] seeds")
     ap.add_argument("--per-run", action="store_true", help="print every run's RMSE mean too")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -72,9 +77,7 @@ def main() -> None:
     cfg = load_config(args.config) if args.config else default_config()
     cfg = replace(cfg, engine=replace(cfg.engine, rounds=args.rounds, eval_every=args.rounds))
     designs = args.designs.split(",") if args.designs else [cfg.fleet.train_design]
-    fleet_seeds = (
-        [int(s) for s in args.fleet_seeds.split(",")] if args.fleet_seeds else [cfg.fleet.seed]
-    )
+    fleet_seeds = args.fleet_seeds if args.fleet_seeds else [cfg.fleet.seed]
     fleets = {}
     for design in designs:
         for fs in fleet_seeds:
@@ -87,7 +90,8 @@ def main() -> None:
     print(
         f"config {args.config or 'default'}, designs {designs}, fleet seeds {fleet_seeds}; "
         f"recipe: lr {cfg.train.lr}, batch {cfg.train.batch_size}, grad_clip "
-        f"{cfg.train.grad_clip}, {args.rounds} rounds, {args.seeds} seeds, C = {args.clip}, "
+        f"{cfg.train.grad_clip}, {args.rounds} rounds, training seeds {args.seeds}, "
+        f"C = {args.clip}, "
         f"δ = {args.delta}"
     )
     print(
@@ -107,7 +111,7 @@ def main() -> None:
                     c, fleet, tensors, task = fleets[design, fs]
                     algorithm = build_algorithm(method, c, task)
                     roles = fleet.roles
-                    for seed in range(args.seeds):
+                    for seed in args.seeds:
                         engine = EngineConfig(
                             rounds=args.rounds,
                             eval_every=args.rounds,
@@ -132,7 +136,7 @@ def main() -> None:
                         diverged += int((final["status"] == "diverged").sum())
                         log = result.extra["aggregation"]
                         norms.append((log[0]["median_update_norm"], log[-1]["median_update_norm"]))
-                runs = len(fleet_seeds) * args.seeds
+                runs = len(fleet_seeds) * len(args.seeds)
                 head = f"| {method} | {design} | {label} |"
                 if failed:
                     print(

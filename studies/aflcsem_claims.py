@@ -17,7 +17,7 @@ affords as many local steps as budget 15 on the default 20 sensors).
 chose (not the initial τ = 1 of algorithm 2 line 1, nor the last interval the
 budget cut short). Runtime: ~3–4 minutes on one core.
 
-    .venv/bin/python benchmarks/aflcsem_claims.py
+    .venv/bin/python studies/aflcsem_claims.py
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ traceback rather than swapping the machine). Outcomes:
   the file does not carry (a bit flip in a CSV digit, °F read as °C) and are
   reported on their own row.
 
-    python benchmarks/fuzz_files.py [--out DIR] [--seed 0] [--timeout 20]
+    python -m fedcal_support.fuzz_files [--out DIR] [--seed 0] [--timeout 20]   # from the repo root
 
 The test suite runs the same corpus (tests/data/test_hostile_files.py).
 """

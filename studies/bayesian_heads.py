@@ -1,6 +1,6 @@
 """Bayesian heads for the FCN (issue 10, item 3): FedGMI's posterior head vs the seed's rule.
 
-    python benchmarks/bayesian_heads.py [--fleet-seeds 0,1,2] [--out runs/bayesian_heads]
+    python studies/bayesian_heads.py [--fleet-seeds 0,1,2] [--out runs/bayesian_heads]
 
 For each fleet seed, the default configuration (seed protocol, FCN 2-64-64-1,
 3 training seeds, evaluated every 10 rounds) runs fedgmi (alg. 3.3),
@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fedcal_support/ (not shipped)
 
 from fedcal.algorithms.fedgmi import head_design
 from fedcal.config import default_config
@@ -33,6 +36,7 @@ from fedcal.core.bayes import F64, moments, posterior
 from fedcal.core.tree import stack
 from fedcal.engine.simulation import prepare
 from fedcal.experiment import build_task, client_inputs, load_data, run_experiment
+from fedcal_support.scripts import seed_list
 
 METHODS = [
     "polynomial",
@@ -69,11 +73,11 @@ def fmt(values: list[float]) -> str:
 def main() -> None:
     torch.set_num_threads(1)
     ap = argparse.ArgumentParser()
-    ap.add_argument("--fleet-seeds", default="0")
+    ap.add_argument("--fleet-seeds", type=seed_list, default=[0])
     ap.add_argument("--out", default="runs/bayesian_heads")
     args = ap.parse_args()
     base = default_config()
-    for fleet_seed in [int(s) for s in args.fleet_seeds.split(",")]:
+    for fleet_seed in args.fleet_seeds:
         cfg = replace(
             base,
             fleet=replace(base.fleet, seed=fleet_seed),

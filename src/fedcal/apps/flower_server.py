@@ -1,6 +1,12 @@
-"""The ServerApp: the round loop (:mod:`~fedcal.engine.flower.loop`) over the Message API.
+"""The Flower ServerApp: a fedcal configuration → a built algorithm → the engine's round loop.
 
-No Flower Strategy: :class:`GridTransport` carries the loop's messages through the Grid.
+The application layer of a Flower deployment: it reads the run configuration
+(:mod:`fedcal.config`), builds what the run needs (:mod:`fedcal.build`: the
+method's field values, the aggregation policy) and hands the engine a built
+algorithm — :class:`~fedcal.engine.flower.spec.AlgorithmSpec` and the policy — to
+run with :func:`~fedcal.engine.flower.loop.run_federation` over the Grid
+(:class:`~fedcal.engine.flower.grid.GridTransport`). The engine never reads the
+configuration; the sites get the algorithm's specification once, in the handshake.
 
 Run config (declared in the Flower app's ``pyproject.toml``)::
 
@@ -9,7 +15,7 @@ Run config (declared in the Flower app's ``pyproject.toml``)::
     rounds        0 = the config's engine.rounds
     dtype         "" = the config's engine.dtype
     config-path   fedcal TOML file on the SuperLink machine ("" = shipped default)
-    config-json   a fedcal config as JSON (TOML layout) merged into the default; beats config-path
+    config-json   a fedcal config as JSON (TOML layout) over the default; beats config-path
     out-dir       where result.json and server.pt are written ("" = working directory)
     min-nodes     SuperNodes that must be online before the handshake
     min-replies   clients that must train in a round, else the run fails
@@ -33,77 +39,91 @@ format, who trained in each round, failures and refusals (``failures``,
 from __future__ import annotations
 
 import json
-import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flwr.app import Context, Message, MessageType, RecordDict
+from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedcal.engine.flower.loop import HANDSHAKE, run_federation
+from fedcal.build import build_algorithm, build_policy, build_task, method_settings
+from fedcal.config import ConfigError, RunConfig, default_config, from_json, load_config
+from fedcal.engine.flower.grid import GridTransport
+from fedcal.engine.flower.loop import run_federation
+from fedcal.engine.flower.server import Federation
+from fedcal.engine.flower.spec import AlgorithmSpec, ModelSpec
+
+if TYPE_CHECKING:
+    from fedcal.core.algorithm import Algorithm
 
 app = ServerApp()
 
 
-def wait_for_nodes(grid: Grid, count: int, timeout: float, poll: float) -> list[int]:
-    """Online node ids once at least ``count`` are connected (or when ``timeout`` expires)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        nodes = sorted(grid.get_node_ids())
-        if len(nodes) >= count or time.monotonic() >= deadline:
-            return nodes
-        time.sleep(poll)
-
-
-def exchange(
-    grid: Grid,
-    contents: dict[int, RecordDict],
-    kind: str,
-    group: str,
-    ttl: float,
-    timeout: float,
-    poll: float,
-) -> tuple[dict[int, RecordDict], dict[int, str]]:
-    """Send one message per node and collect replies until all arrived or ``timeout``.
-
-    Replies are matched by ``reply_to_message_id``: error replies made by the
-    SuperLink (e.g. a node that stopped sending heartbeats) come from node 1.
-    """
-    nodes = list(contents)
-    messages = [Message(contents[n], n, kind, group_id=group, ttl=ttl) for n in nodes]
-    ids = list(grid.push_messages(messages))
-    pending = {mid: n for mid, n in zip(ids, nodes, strict=True) if mid}
-    failures = {n: "push failed" for mid, n in zip(ids, nodes, strict=True) if not mid}
-    replies: dict[int, RecordDict] = {}
-    deadline = time.monotonic() + timeout
-    while pending:
-        for rep in grid.pull_messages(list(pending)):
-            node = pending.pop(rep.metadata.reply_to_message_id, None)
-            if node is None:
-                continue
-            if rep.has_error():
-                failures[node] = f"error {rep.error.code}: {rep.error.reason}"
-            else:
-                replies[node] = rep.content
-        if pending and time.monotonic() >= deadline:
-            failures.update({n: f"no reply within {timeout:g} s" for n in pending.values()})
-            break
-        if pending:
-            time.sleep(poll)
-    return replies, failures
-
-
-def load_run_config(cfg: dict[str, Any]):
+def load_run_config(cfg: dict[str, Any]) -> RunConfig:
     """The fedcal RunConfig a run uses: config-json, else config-path, else the default."""
-    from fedcal.config import default_config, from_json, load_config
-
     if str(cfg.get("config-json", "")):
         return from_json(str(cfg["config-json"]), "config-json")
     if str(cfg.get("config-path", "")):
         return load_config(str(cfg["config-path"]))
     return default_config()
+
+
+def _refuse_whiten(config: RunConfig) -> None:
+    if config.model.whiten:
+        raise ConfigError(
+            "[model] whiten = true needs fleet-wide moments of the basis terms, which the "
+            "Flower engine does not collect; use whiten = false (or the simulator)"
+        )
+
+
+def algorithm_spec(config: RunConfig, method: str) -> AlgorithmSpec:
+    """``method`` as ``fedcal run`` builds it (:func:`fedcal.build.method_settings`), as data.
+
+    A whitened model needs fleet-wide moments of the basis terms, which the
+    Flower engine does not collect: refused with a clear message.
+    """
+    _refuse_whiten(config)
+    cls, values = method_settings(method, config)
+    m = config.model
+    model = ModelSpec(m.family, tuple(m.hidden), m.activation, tuple(m.poly_orders), m.head_layers)
+    return AlgorithmSpec(method, cls.name, values, model)
+
+
+def build(config: RunConfig, method: str, num_features: int, num_classes: int = 0) -> Algorithm:
+    """The algorithm exactly as ``fedcal run`` builds it (:mod:`fedcal.build`).
+
+    ``num_classes`` > 0: a classification fleet's classes. What a Flower run's
+    :meth:`AlgorithmSpec.build <fedcal.engine.flower.spec.AlgorithmSpec.build>` must equal.
+    """
+    _refuse_whiten(config)
+    meta = {"task": "classification", "num_classes": num_classes} if num_classes else None
+    return build_algorithm(method, config, build_task(config, num_features, meta))
+
+
+def federation(
+    config: RunConfig,
+    method: str,
+    seed: int = 0,
+    rounds: int = 0,
+    dtype: str = "",
+    min_replies: int = 1,
+) -> Federation:
+    """The server's side of a run of ``method`` under ``config``.
+
+    ``rounds`` 0 and ``dtype`` "": the configuration's ``[engine]`` values.
+    """
+    e = config.engine
+    return Federation(
+        algorithm_spec(config, method),
+        build_policy(config)[0],
+        config.data.scaling,
+        seed=seed,
+        rounds=rounds or e.rounds,
+        dtype=dtype or e.dtype,
+        eval_every=e.eval_every,
+        participation=e.participation,
+        min_replies=min_replies,
+    )
 
 
 @app.main()
@@ -127,40 +147,11 @@ def main(grid: Grid, context: Context) -> None:
         write_text(out / "result.json", text)
 
 
-@dataclass
-class GridTransport:
-    """The loop's transport in a deployment: Flower messages through the SuperLink's Grid."""
-
-    grid: Grid
-    ttl: float  # message time-to-live
-    timeout: float  # how long to wait for the replies to one message
-    poll: float
-    node_wait: float  # how long to wait for min-nodes before the first handshake
-
-    def online(self, t: int, wait_for: int = 0) -> set[int]:
-        if t == HANDSHAKE:
-            return set(wait_for_nodes(self.grid, wait_for, self.node_wait, self.poll))
-        return set(self.grid.get_node_ids())
-
-    def exchange(
-        self, contents: dict[int, RecordDict], kind: str, t: int
-    ) -> tuple[dict[int, RecordDict], dict[int, str]]:
-        if kind == "handshake":
-            message_type = MessageType.QUERY
-            group = "handshake" if t == HANDSHAKE else f"handshake-{t}"
-        else:
-            message_type = MessageType.TRAIN if kind == "train" else MessageType.EVALUATE
-            group = str(t)
-        return exchange(self.grid, contents, message_type, group, self.ttl, self.timeout, self.poll)
-
-
 def _run(grid: Grid, cfg: dict[str, Any], result: dict[str, Any], out: Path) -> None:
     import torch
 
-    from fedcal.engine.flower.server import Federation
-
     torch.set_num_threads(1)
-    fed = Federation(
+    fed = federation(
         load_run_config(cfg),
         method=str(cfg["method"]),
         seed=int(cfg["seed"]),
