@@ -119,6 +119,13 @@ def test_unconverged_by_hand():
     assert UNCONVERGED_TOL == 1e-3
     # a rising train error is not "still improving"
     assert sensor_statuses(FINAL, history(1.0, 1.2), [], {}, 50, "rmse")[0] == ["ok"]
+    # a unit whose train error is ≈ 0 (it interpolates its points) is judged on the fleet's
+    # scale: 1e-4 → 0.9e-4 is 1 %/round of itself but 1e-6 of the fleet median (1.0)
+    final = pd.DataFrame([{"client_index": i, "client": f"S{i}", "status": "ok"} for i in range(3)])
+    rows = [(0, 40, 1.0), (0, 50, 1.0), (1, 40, 1.0), (1, 50, 0.9), (2, 40, 1e-4), (2, 50, 0.9e-4)]
+    hist = pd.DataFrame(rows, columns=["client_index", "round", "train_rmse"])
+    status, _ = sensor_statuses(final, hist, [], {}, 50, "rmse")
+    assert status == ["ok", "unconverged", "ok"]
     # the configured tolerance: 1 never flags
     status, _ = sensor_statuses(FINAL, history(1.0, 0.5), [], {}, 50, "rmse", tolerance=1.0)
     assert status == ["ok"]

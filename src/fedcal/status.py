@@ -19,7 +19,9 @@ applies, in this order:
 ``unconverged``
     its train error was still falling at the end: between the last two evaluated
     rounds t₁ < t₂ it fell by more than ``UNCONVERGED_TOL`` (relative) per round,
-    (e₁ − e₂) / e₁ / (t₂ − t₁) > UNCONVERGED_TOL. Needs two evaluated rounds.
+    (e₁ − e₂) / max(e₁, ẽ₁) / (t₂ − t₁) > UNCONVERGED_TOL, with ẽ₁ the fleet's median
+    train error at t₁: a unit that interpolates its few points (train error ≈ 0) is
+    not "still improving" because 1e-5 hPa moves by 1 %. Needs two evaluated rounds.
 ``ok``
     none of the above.
 
@@ -55,18 +57,27 @@ def final_window(rounds: int) -> int:
 
 
 def still_improving(history: pd.DataFrame, column: str) -> dict[int, float]:
-    """Per client index, the relative fall per round of ``column`` between its last two
-    evaluated rounds (only clients with two finite, positive values)."""
+    """Per client index, the fall per round of ``column`` between its last two evaluated
+    rounds, relative to max(its value, the fleet's median value) at the first of them
+    (only clients with two finite values and a positive scale)."""
     if history.empty or column not in history.columns or "round" not in history.columns:
         return {}
-    out: dict[int, float] = {}
+    pairs: dict[int, tuple[float, float, float, float]] = {}
     for client, rows in history.groupby("client_index", sort=False):
         rows = rows.sort_values("round")
         if len(rows) < 2:
             continue
         (t1, e1), (t2, e2) = rows[["round", column]].to_numpy(float)[-2:]
-        if np.isfinite(e1) and np.isfinite(e2) and e1 > 0 and t2 > t1:
-            out[int(client)] = (e1 - e2) / e1 / (t2 - t1)
+        if np.isfinite(e1) and np.isfinite(e2) and t2 > t1:
+            pairs[int(client)] = (t1, e1, t2, e2)
+    if not pairs:
+        return {}
+    fleet = float(np.median([e1 for _, e1, _, _ in pairs.values()]))
+    out: dict[int, float] = {}
+    for client, (t1, e1, t2, e2) in pairs.items():
+        scale = max(e1, fleet)
+        if scale > 0:
+            out[client] = (e1 - e2) / scale / (t2 - t1)
     return out
 
 
