@@ -126,6 +126,11 @@ def test_unconverged_by_hand():
     hist = pd.DataFrame(rows, columns=["client_index", "round", "train_rmse"])
     status, _ = sensor_statuses(final, hist, [], {}, 50, "rmse")
     assert status == ["ok", "unconverged", "ok"]
+    # accuracy: its error rate 1 − accuracy is judged (0.90 → 0.95 is still improving)
+    acc = pd.DataFrame({"client_index": [0, 0], "round": [40, 50], "train_accuracy": [0.9, 0.95]})
+    assert sensor_statuses(FINAL, acc, [], {}, 50, "accuracy")[0] == ["unconverged"]
+    acc["train_accuracy"] = [0.95, 0.9]
+    assert sensor_statuses(FINAL, acc, [], {}, 50, "accuracy")[0] == ["ok"]
     # the configured tolerance: 1 never flags
     status, _ = sensor_statuses(FINAL, history(1.0, 0.5), [], {}, 50, "rmse", tolerance=1.0)
     assert status == ["ok"]

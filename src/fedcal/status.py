@@ -48,6 +48,7 @@ COUNT_COLUMNS = {
     "refused": "refused",
 }
 REJECTED_WINDOW = 0.1  # "final rounds": the last 10 % of the rounds (at least one)
+HIGHER_IS_BETTER = ("accuracy",)  # metrics whose error is 1 − metric (convergence)
 UNCONVERGED_TOL = 1e-3  # relative fall of the train error per round that is "still improving"
 
 
@@ -105,7 +106,10 @@ def sensor_statuses(
     for r in rejections:
         if int(r["round"]) >= first_final:
             late[int(r["client_index"])] = r  # the last one
-    falling = still_improving(history, f"train_{metric}")
+    column = f"train_{metric}"
+    if metric in HIGHER_IS_BETTER and column in history.columns:  # judge its error rate
+        history = history.assign(**{column: 1.0 - history[column]})
+    falling = still_improving(history, column)
     statuses, reasons = [], []
     for _, row in final.iterrows():
         i = int(row["client_index"])
