@@ -290,4 +290,7 @@ def to_markdown(table: pd.DataFrame, columns: list[tuple[str, str]]) -> str:
             else:
                 cells = [cell(row, c) for c, _ in columns]
             lines.append(f"| {row['method']} | " + " | ".join(cells) + " |")
+        notes = excluded_note(part)  # which statuses the "excl." column counts
+        if notes:
+            lines += ["", *(f"excl. {line}  " for line in notes)]
     return "\n".join(lines)
