@@ -121,9 +121,12 @@ def sensor_statuses(
         elif i in late:
             r = late[i]
             ratio = float(r.get("ratio", float("nan")))
-            size = f" (size {ratio:.3g} > {float(r['threshold']):g})" if ratio == ratio else ""
-            status = "rejected"
-            why = f"reply screened out in round {int(r['round'])}: {r['reason']}{size}"
+            what = (
+                f"size {ratio:.3g} > threshold {float(r['threshold']):g}"
+                if r["reason"] == "size" and ratio == ratio
+                else str(r["reason"])
+            )
+            status, why = "rejected", f"reply screened out in round {int(r['round'])}: {what}"
         elif flag.get("weak"):
             status, why = "weak", "leans on directions the fleet's data do not determine"
         elif falling.get(i, 0.0) > tol:
