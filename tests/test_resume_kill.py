@@ -28,7 +28,8 @@ cfg = default_config()
 cfg = replace(cfg, seeds=1,
               engine=replace(cfg.engine, rounds=int(sys.argv[3]), checkpoint_every=1),
               model=replace(cfg.model, hidden=(8, 8)),
-              train=replace(cfg.train, local_epochs=1))
+              train=replace(cfg.train, local_epochs=1),
+              unconverged_tol=1.0)  # every sensor ok: the summary's means are numbers to compare
 run_experiment(cfg, load_fleet(sys.argv[1]), sys.argv[2], ["fedgmi"])
 """
 ROUNDS = 80

@@ -285,6 +285,10 @@ def _experiment(
                 noted.add((method, note))
                 err_console.print(f"note ({method}): {escape(note)}")
 
+        def on_status(label: str, note: str) -> None:  # sensors not ok, rejections
+            if not quiet:
+                err_console.print(f"status ({escape(label)}): {escape(note)}", soft_wrap=True)
+
         failures: list[str] = []
 
         def on_fail(label: str, reason: str) -> None:
@@ -302,6 +306,7 @@ def _experiment(
                 on_skip=on_skip,
                 on_fail=on_fail,
                 on_note=on_note,
+                on_status=on_status,
             )
         except ConfigError as err:
             _fail(str(err))
@@ -339,10 +344,12 @@ def _write_html(run_dir: Path, html: Path, quiet: bool) -> None:
 
 
 def _print_table(table, unit: str, show_bytes: bool) -> None:
-    from fedcal.report.tables import rich_tables, table_columns
+    from fedcal.report.tables import excluded_note, rich_tables, table_columns
 
     for t in rich_tables(table, table_columns(table, unit, show_bytes), unit):
         console.print(t)
+    for line in excluded_note(table):  # which statuses the "excl." column counts
+        console.print(f"excl. {escape(line)}", soft_wrap=True)
 
 
 OutOpt = Annotated[
@@ -714,26 +721,38 @@ def predict(
     train_points: Annotated[
         int, typer.Option("--train-points", help="which point budget (0 = all)")
     ] = 0,
+    strict: Annotated[
+        bool, typer.Option("--strict", help="refuse readings beyond the calibrated range")
+    ] = False,
 ) -> None:
-    """Calibrate raw readings with each sensor's personalized model."""
+    """Calibrate raw readings with each sensor's personalized model.
+
+    Adds <target>_calibrated, <target>_std (when the method has a predictive σ) and
+    in_range: readings beyond the sensor's calibrated span by more than 5 % of it are
+    flagged in_range = False (refused with --strict), never silently extrapolated.
+    """
 
     from fedcal.core.atomic import write_text
     from fedcal.data.loader import load_readings
-    from fedcal.report.export import load_models
+    from fedcal.report.export import calibrate_frame, load_models
+    from fedcal.report.rundir import read_valid_ranges
 
     try:
         fleet = load_models(run_dir, method, seed, train_points)
         # The loader's guards: regular file, size limit, checksums, finite plausible values.
         frame = load_readings(data, fleet.features, "sensor_id")
-        column = f"{fleet.target}_calibrated"
-        frame[column] = float("nan")
-        for sensor, rows in frame.groupby("sensor_id", sort=False):
-            x = rows[list(fleet.features)].to_numpy(float)
-            frame.loc[rows.index, column] = fleet.predict(str(sensor), x)[:, 0]
+        ranges = read_valid_ranges(run_dir, method, seed, train_points)
+        frame = calibrate_frame(fleet, frame, ranges, strict)
     except (FileNotFoundError, ValueError, KeyError, ConfigError) as err:
         _fail(str(err))
     write_text(out, frame.to_csv(index=False))
+    outside = int((~frame["in_range"]).sum())
     console.print(f"wrote {len(frame)} calibrated rows to {out}")
+    if outside:  # extrapolated values are flagged, and said
+        err_console.print(
+            f"[bold yellow]warning[/] {outside} row(s) beyond the calibrated range "
+            "(in_range = False): extrapolated, not calibrated"
+        )
 
 
 @app.command("flower-nodes")

@@ -175,6 +175,9 @@ class RunSection:
     seeds: Int = Field(default=3, ge=1, le=1000)
     designs: tuple[Str, ...] = Field(default=(), max_length=100)  # sweep of [fleet] train_design
     fleet_seeds: tuple[Seed, ...] = Field(default=(), max_length=1000)  # sweep of [fleet] seed
+    # A sensor whose train error still falls by more than this (relative, per round) at the
+    # end is "unconverged" and left out of the means (fedcal.status); 1 = never.
+    unconverged_tol: Float = Field(default=1e-3, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _distinct(self) -> RunSection:
@@ -196,6 +199,7 @@ class RunConfig:
     seeds: int = 3
     designs: tuple[str, ...] = ()
     fleet_seeds: tuple[int, ...] = ()
+    unconverged_tol: float = 1e-3
     data: DataConfig = field(default_factory=DataConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -69,8 +69,12 @@ from fedcal.engine.simulation import (
     prepare,
     simulate,
 )
+from fedcal.status import counts as status_counts
+from fedcal.status import sensor_statuses
 
-HIGHER_IS_BETTER = {"accuracy"}  # every other metric is an error: its worst sensor is the max
+# Metrics whose worst sensor is the minimum: accuracy, and the coverage of nominal 95 %
+# intervals (worst = farthest below nominal). Every other metric is an error (worst = max).
+HIGHER_IS_BETTER = {"accuracy", "coverage95"}
 
 SUMMARY_COLUMNS = [
     "method",
@@ -87,7 +91,13 @@ SUMMARY_COLUMNS = [
     "wall_s",
     "bytes_up_per_round",
     "bytes_down_per_round",
+    "sensors",
+    "excluded",
+    "weak",
+    "unconverged",
+    "rejected_sensors",
     "diverged",
+    "refused",
     "rejected",
     "failed",
 ]
@@ -163,15 +173,25 @@ def summary_row(
     fs: float,
     task: Task,
     roles: dict[str, str] | None = None,
+    statuses: list[str] | None = None,
 ) -> dict[str, Any]:
-    """One summary row: each test metric's mean and worst over sensors.
+    """One summary row: each test metric's mean and worst over the ``ok`` sensors.
 
-    With ``roles`` (sensor id → role, e.g. a mixed fleet's "reference"/"new")
-    the row also gets ``<metric>_mean_<role>`` and ``<metric>_worst_<role>``
-    over that role's sensors. Any non-finite sensor value makes its mean and
-    worst NaN (see :func:`fleet_stat`).
+    ``statuses`` (one per final row, :mod:`fedcal.status`; default: the engine's
+    ok/diverged) decide which sensors count: the others are excluded from every mean
+    and worst value and counted per status (``excluded``, ``weak``, …). With ``roles``
+    (sensor id → role, e.g. a mixed fleet's "reference"/"new") the row also gets
+    ``<metric>_mean_<role>`` and ``<metric>_worst_<role>`` over that role's ok sensors,
+    and ``excluded_<role>``. A non-finite value of an ok sensor (e.g. a coverage the
+    method declines to state) makes that metric's mean and worst NaN
+    (:func:`fleet_stat`); no ok sensor at all: every error is NaN.
     """
     final = pd.DataFrame(result.final)
+    status = pd.Series(
+        statuses if statuses is not None else final.get("status", pd.Series(["ok"] * len(final))),
+        index=final.index,
+    ).astype(str)
+    ok = status == "ok"
     row: dict[str, Any] = {"method": method, "seed": seed, "train_points": train_points}
     groups: dict[str, pd.Series] = {}
     if roles is not None:
@@ -181,17 +201,19 @@ def summary_row(
         if col.startswith("test_"):
             name = col.removeprefix("test_")
             for how in ("mean", "worst"):
-                row[f"{name}_{how}"] = fleet_stat(final[col], how, name)
+                row[f"{name}_{how}"] = fleet_stat(final.loc[ok, col], how, name)
             for role, rows in groups.items():
                 for how in ("mean", "worst"):
-                    row[f"{name}_{how}_{role}"] = fleet_stat(final.loc[rows, col], how, name)
+                    row[f"{name}_{how}_{role}"] = fleet_stat(final.loc[rows & ok, col], how, name)
     if task.kind == "regression":
         row["rmse_mean_pct_fs"] = 100.0 * row["rmse_mean"] / fs
         row["max_abs_worst_pct_fs"] = 100.0 * row["max_abs_worst"] / fs
     row["wall_s"] = result.wall_s
     row["bytes_up_per_round"] = result.bytes_up_per_round
     row["bytes_down_per_round"] = result.bytes_down_per_round
-    row["diverged"] = int((final["status"] == "diverged").sum()) if "status" in final else 0
+    row.update(status_counts(status))
+    for role, rows in groups.items():
+        row[f"excluded_{role}"] = int((rows & ~ok).sum())
     row["rejected"] = int(final["rejected_rounds"].sum()) if "rejected_rounds" in final else 0
     row["failed"] = 0
     return row
@@ -318,6 +340,81 @@ def export_state(
     }
 
 
+REJECTION_COLUMNS = ["round", "client_index", "client", "reason", "ratio", "threshold"]
+
+
+def judge_sensors(
+    algorithm: Algorithm,
+    result: RunResult,
+    tensors: FleetTensors,
+    history: pd.DataFrame,
+    metric: str,
+    tolerance: float | None = None,
+) -> tuple[list[str], list[str], pd.DataFrame]:
+    """Each final row's (status, reason) (:func:`fedcal.status.sensor_statuses`) and the
+    run's rejections as a table (round, client, reason, measured ratio, threshold).
+
+    The algorithm's own flags (``client_status``: weak, refused) are taken at each
+    sensor's test inputs, where its errors are measured.
+    """
+    with torch.no_grad():
+        flags = algorithm.client_status(
+            result.server, result.personal, tensors.test.x.to(torch.float64), tensors.test.mask
+        )
+    flags = {k: v.cpu().numpy() for k, v in flags.items()}
+    rejections = pd.DataFrame(result.extra.get("rejections", []))
+    if rejections.empty:
+        rejections = pd.DataFrame(columns=REJECTION_COLUMNS)
+    else:
+        ids = list(tensors.client_ids)
+        rejections.insert(2, "client", [ids[int(i)] for i in rejections["client_index"]])
+    statuses, reasons = sensor_statuses(
+        pd.DataFrame(result.final),
+        history,
+        result.extra.get("rejections", []),
+        flags,
+        result.rounds_done,
+        metric,
+        tolerance,
+    )
+    return statuses, reasons, rejections
+
+
+def status_notes(final: pd.DataFrame, rejections: pd.DataFrame, limit: int = 10) -> list[str]:
+    """What the run output says about a finished run's sensors: one line per status that is
+    not ok (how many, which), and one per rejected client (rounds, reason, ratio vs
+    threshold), at most ``limit`` clients named (the rest are in rejections.csv)."""
+    notes = []
+    status = final["status"].astype(str)
+    for name in ("refused", "diverged", "rejected", "weak", "unconverged"):
+        which = final.loc[status == name, "client"].astype(str).tolist()
+        if which:
+            shown = ", ".join(which[:limit]) + (
+                f" and {len(which) - limit} more" * (len(which) > limit)
+            )
+            notes.append(
+                f"{len(which)} of {len(final)} sensor(s) {name}, excluded from the means: {shown}"
+                " (status_reason in per_sensor.csv)"
+            )
+    if not rejections.empty:
+        groups = list(rejections.groupby("client", sort=False))
+        for client, rows in groups[:limit]:
+            last = rows.iloc[-1]
+            rounds = rows["round"].astype(int)
+            size = (
+                f": size {float(last['ratio']):.3g} > threshold {float(last['threshold']):g}"
+                if last["reason"] == "size"
+                else f": {last['reason']}"
+            )
+            notes.append(
+                f"server rejected {client}'s reply in {len(rows)} round(s) "
+                f"({rounds.min()}–{rounds.max()}){size}"
+            )
+        if len(groups) > limit:
+            notes.append(f"… and {len(groups) - limit} more client(s) rejected (rejections.csv)")
+    return notes
+
+
 def identification_note(state: dict[str, Any]) -> str:
     """A one-line warning when the fleet's data leave directions of a prior unlearned."""
     ident = state.get("identification") or {}
@@ -351,6 +448,7 @@ def run_experiment(
     on_skip: Callable[[str, str], None] | None = None,
     on_fail: Callable[[str, str], None] | None = None,
     on_note: Callable[[str, str], None] | None = None,
+    on_status: Callable[[str, str], None] | None = None,
 ) -> pd.DataFrame:
     """Run every (fleet variant, train_points, method, seed); return (and write) the summary.
 
@@ -365,7 +463,13 @@ def run_experiment(
     Summary rows count each run's ``diverged`` sensors (non-finite personalized
     model) and ``rejected`` replies; fleet means are NaN when a sensor diverged.
     What a user must know about a finished run (e.g. a fleet prior that the data do
-    not identify) goes to ``on_note(method, message)``.
+    not identify) goes to ``on_note(method, message)``; which sensors are not ``ok``
+    and every client the server rejected (round, reason, ratio vs threshold) to
+    ``on_status(run label, message)`` (:func:`status_notes`). Each sensor's status
+    (:mod:`fedcal.status`) is in per_sensor.csv with its reason, every rejection in
+    the run's rejections.csv; summary means are over ok sensors, with the others
+    counted (``excluded``, ``weak``, ``unconverged``, ``rejected_sensors``,
+    ``diverged``, ``refused``).
     """
     expand_all = list(methods) == ["all"]
     methods = check_methods(methods, config, task_kind(fleet))
@@ -459,7 +563,12 @@ def run_experiment(
                 history.insert(1, "seed", seed)
                 _write_csv(run_dir / "metrics.csv", history)
                 _write_csv(run_dir / "aggregation.csv", pd.DataFrame(result.extra["aggregation"]))
+                statuses, reasons, rejections = judge_sensors(
+                    algorithm, result, tensors, history, task.primary_metric, config.unconverged_tol
+                )
+                _write_csv(run_dir / "rejections.csv", rejections)
                 final = pd.DataFrame(result.final)
+                final["status"], final["status_reason"] = statuses, reasons
                 final.insert(0, "method", method)
                 final.insert(1, "seed", seed)
                 if roles is not None:  # mixed fleets: each sensor's role beside its id
@@ -479,7 +588,13 @@ def run_experiment(
                 if task.kind == "regression":
                     ranges = json.dumps(valid_ranges(subset), indent=1)
                     _write_text(run_dir / "valid_range.json", ranges)
-                row = {**labels, **summary_row(method, seed, tp, result, fs, task, roles)}
+                row = {
+                    **labels,
+                    **summary_row(method, seed, tp, result, fs, task, roles, statuses),
+                }
+                if on_status is not None:
+                    for note in status_notes(final, rejections):
+                        on_status(label, note)
                 if privacy:
                     row["epsilon"] = privacy["epsilon"]
                     row["noise_multiplier"] = privacy["noise_multiplier"]

@@ -410,3 +410,126 @@ def test_the_mean_without_dp_forms_no_fleet_sized_update(policy):
         expected = ref + (dw.double() * factor.reshape(n, 1, 1)).mean(0)
         assert torch.allclose(new["model"]["w"].double(), expected, atol=1e-6)
         assert torch.allclose(new["model"]["b"].double(), (db * factor.reshape(n, 1)).mean(0))
+
+
+def _sum_round(name: str, train: list[int]):
+    """One round of a registered "sum" algorithm on a toy fleet: (alg, server, down, replies,
+    counts)."""
+    from fedcal.algorithms import REGISTRY
+    from fedcal.core.data import client_round_seed
+    from fedcal.core.task import Task
+    from fedcal.core.tree import expand
+    from fedcal.engine.simulation import prepare
+    from fedcal.models.mlp import MLP
+    from tests.conftest import toy_fleet
+
+    fleet = prepare(toy_fleet(num_clients=len(train), train=train), dtype="float64")
+    alg = REGISTRY[name](Task(MLP(hidden=(5, 4))))
+    server = alg.server_init(alg.task.model.init(torch.Generator().manual_seed(0), F64))
+    down = alg.broadcast(server)
+    n = len(train)
+    data = fleet.train.with_seeds(tuple(client_round_seed(0, 0, c) for c in range(n)))
+    reply = alg.client_update(expand(down, n), alg.client_init(expand(down, n)), data)
+    return alg, server, down, reply.reply, data.count.to(F64)
+
+
+def _times(replies: dict, client: int, factor: float) -> dict:
+    from fedcal.core.tree import flatten, unflatten
+
+    out = {}
+    for key, leaf in flatten(replies).items():
+        leaf = leaf.clone()
+        if leaf.is_floating_point():
+            leaf[client] = leaf[client] * factor
+        out[key] = leaf
+    return unflatten(out)
+
+
+@pytest.mark.parametrize("name", ["fedpoly", "fedprior"])
+def test_mixed_384_and_6_row_fleet_keeps_every_honest_unit_and_rejects_a_x1000_one(name):
+    """Issue 20: 4 reference units (384 rows) and 4 new ones (6 rows), real replies.
+
+    fedpoly's 6-row units project to sums of ≈ 1e-9 (7 private terms, 6 points): judged
+    against the plain median the reference units were 10⁹ times too large and rejected."""
+    train = [384] * 4 + [6] * 4
+    alg, server, down, replies, counts = _sum_round(name, train)
+    screen = AggregationPolicy()  # the default: screen at 10× the cohort's scale
+    record: list = []
+    _, accepted, _ = aggregate(alg, server, down, replies, counts, screen, 0, record=record)
+    assert accepted.all() and record == []
+    for client in (0, 5):  # a reference unit, a new unit
+        poisoned = _times(replies, client, 1000.0)
+        record = []
+        _, accepted, _ = aggregate(alg, server, down, poisoned, counts, screen, 0, record=record)
+        if name == "fedpoly" and client == 5:
+            # a 6-point unit's fedpoly sums are ≈ 0 (no residual degree of freedom): ×1000
+            # leaves them ≈ 0, they move nothing, and nothing is rejected
+            assert accepted.all()
+            continue
+        assert accepted.tolist() == [i != client for i in range(8)], (name, client)
+        assert [r["client"] for r in record] == [client]
+        assert record[0]["reason"] == "size" and record[0]["threshold"] == 10.0
+        assert record[0]["ratio"] > 100.0
+
+
+def test_the_old_rule_rejected_the_reference_units_of_a_mixed_fleet():
+    """The cause, shown: with a single row count (the old plain-median rule) the fedpoly
+    reference units are 10⁹ × the median and all rejected; with their counts all pass."""
+    alg, server, down, replies, counts = _sum_round("fedpoly", [384] * 4 + [6] * 4)
+    screen = AggregationPolicy()
+    _, accepted, _ = aggregate(alg, server, down, replies, torch.ones(8, dtype=F64), screen, 0)
+    assert accepted.tolist() == [False] * 4 + [True] * 4
+    _, accepted, _ = aggregate(alg, server, down, replies, counts, screen, 0)
+    assert accepted.all()
+
+
+def test_a_sensor_with_100x_the_rows_passes_and_a_x1000_sensor_does_not():
+    """Planted statistics of 9 sensors; sensor 0 has 100× the rows of the others."""
+    rows = torch.tensor([600.0] + [6.0] * 8, dtype=F64)
+    rng = np.random.default_rng(0)
+    jitter = torch.tensor(rng.uniform(0.8, 1.25, (9, 3)), dtype=F64)
+    replies = {
+        "gram": rows.unsqueeze(1) * jitter,  # grows with n
+        "mean": jitter.flip(0),  # does not (a posterior mean)
+        "rss": rows.sqrt().unsqueeze(1) * jitter[:, :1],  # grows slower than n
+    }
+    server = {k: torch.zeros(v.shape[1:], dtype=F64) for k, v in replies.items()}
+    screen = AggregationPolicy(screen_factor=10.0, clip_factor=0.0)
+    _, accepted, _ = aggregate(SumAlg(task=None), server, server, replies, rows, screen, 0)
+    assert accepted.all()
+    for client in (0, 3):
+        poisoned = {k: v.clone() for k, v in replies.items()}
+        for v in poisoned.values():
+            v[client] *= 1000.0
+        record: list = []
+        _, accepted, _ = aggregate(
+            SumAlg(task=None), server, server, poisoned, rows, screen, 0, record=record
+        )
+        assert accepted.tolist() == [i != client for i in range(9)], client
+        assert record[0]["client"] == client and record[0]["ratio"] > 100.0
+
+
+def test_a_non_finite_rejection_is_recorded_with_its_reason():
+    record: list = []
+    run(MeanAlg, rows([1.0, 2.0], [float("nan"), 0.0], [3.0, 4.0]), PLAIN, record=record)
+    assert record == [
+        {"client": 1, "reason": "non-finite reply", "ratio": record[0]["ratio"], "threshold": 0.0}
+    ]
+    assert np.isnan(record[0]["ratio"])
+
+
+def test_weighted_median_of_others_against_brute_force():
+    from fedcal.core.aggregation import weighted_median_of_others
+
+    rng = np.random.default_rng(1)
+    for n in (2, 3, 5, 8):
+        values = torch.tensor(rng.integers(0, 6, n).astype(float), dtype=F64)
+        weights = torch.tensor(rng.integers(1, 50, n).astype(float), dtype=F64)
+        got = weighted_median_of_others(values, weights)
+        for i in range(n):
+            keep = [j for j in range(n) if j != i]
+            v, w = values[keep], weights[keep]
+            order = v.argsort(stable=True)
+            cum = w[order].cumsum(0)
+            expected = v[order][int((cum >= 0.5 * cum[-1]).nonzero()[0])]
+            assert got[i] == expected, (n, i)

@@ -128,7 +128,8 @@ def test_summary_numbers_equal_summary_csv(compare_run):
         else:
             assert cell["text"] == fmt_pm(values.mean(), values.std())
         checked += 1
-    assert checked == 3 * 2 * 8  # methods × budgets × columns (6 errors, wall s, up kB)
+    # methods × budgets × columns (6 errors, wall s, excluded sensors, up kB)
+    assert checked == 3 * 2 * 9
 
 
 def test_a_diverged_seed_is_shown_as_diverged(compare_run, tmp_path):
@@ -142,7 +143,8 @@ def test_a_diverged_seed_is_shown_as_diverged(compare_run, tmp_path):
     summary.to_csv(copy / "summary.csv", index=False)
     build_report(copy, tmp_path / "r.html")
     cells = [c for c in parse(tmp_path / "r.html").cells if c["method"] == "fedgmi"]
-    errors = [c for c in cells if not c["column"].startswith(("wall", "bytes"))]
+    # costs and the count of excluded sensors stay numbers
+    errors = [c for c in cells if not c["column"].startswith(("wall", "bytes", "excluded"))]
     assert errors and all(c["text"] == "diverged" and "diverged" in c["klass"] for c in errors)
     assert all(math.isnan(c["value"]) for c in errors)
     assert "2 (1 diverged)" in (tmp_path / "r.html").read_text()

@@ -169,6 +169,8 @@ from fedcal.models.basis import (
     orders_by_size,
 )
 
+WEAK_SHARE = 0.5  # a unit is "weak" when weak directions carry more of its σ² (client_status)
+
 
 @dataclass(frozen=True)
 class FedPrior(Algorithm):
@@ -743,6 +745,43 @@ class FedPrior(Algorithm):
             "weak_terms": sorted(set(weak)),
             "weak_directions": directions,
         }
+
+    def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
+        """A unit is "weak" when its predictions at ``x`` lean on weakly identified directions.
+
+        With W the orthonormal weak directions of the chosen basis (eigenvectors of the
+        summed ``support`` below ``min_informed``, as :meth:`identification`), the share
+        of the unit's predictive variance that comes from its coefficients along W,
+
+            s_i = Σ_rows (φᵀW)(WᵀV_iW)(Wᵀφ) / Σ_rows (φᵀV_iφ + σ_i²),
+
+        is the part of its prediction's uncertainty that the fleet's data did not learn
+        (the vague ``init_scale`` prior). The unit is weak when s_i > ``WEAK_SHARE``
+        (one half): its number is mostly the starting prior's, not a calibration. A
+        unit whose own points determine W has a small V_i along W and is not weak.
+        """
+        n = x.shape[0]
+        _, idx = self.chosen_features(server)
+        support = server["support"][idx][:, idx]
+        none = torch.zeros(n, dtype=torch.bool)
+        if not torch.any(support != 0):
+            return {"weak": none}
+        vals, vecs = torch.linalg.eigh(0.5 * (support + support.T))
+        weak_in_chosen = vecs[:, vals < self.min_informed]
+        if not weak_in_chosen.shape[1]:
+            return {"weak": none}
+        p = len(self.terms)
+        full = torch.zeros(server["support"].shape[0], weak_in_chosen.shape[1], dtype=F64)
+        full[idx] = weak_in_chosen
+        w = full[:p]  # φ's coordinates (a direction term's share is not in predict)
+        phi = legendre_products(x.to(F64), self.terms)  # (clients, rows, p)
+        cov = personal["cov"].to(F64)[..., :p, :p]
+        a = phi @ w  # (clients, rows, k)
+        weak_var = ((a @ (w.T @ cov @ w)) * a).sum(-1)
+        total = predictive_var(phi, cov, personal["noise_var"].reshape(n))
+        m = mask.to(F64)
+        share = (weak_var * m).sum(1) / (total * m).sum(1).clamp_min(1e-300)
+        return {"weak": share > WEAK_SHARE}
 
     def chosen_features(self, server: Tree) -> tuple[list[str], Tensor]:
         """Names and indices (in the design) of the features in use: φ's chosen terms, then ψ's.

@@ -60,6 +60,7 @@ class LeastSquares(Algorithm):
 
     name = "leastsq"
     uploads = ("statistics",)  # pooled: Gram sums; per sensor nothing leaves the client
+    one_shot = True  # closed form: later rounds repeat round 1 (module doc)
 
     @property
     def federated(self) -> bool:  # type: ignore[override]

@@ -205,6 +205,7 @@ class PolynomialCalibration(Algorithm):
     name = "polynomial"
     uploads = ()
     federated = False
+    one_shot = True  # step 5: a fitted sensor keeps its fit; one round suffices
 
     def __post_init__(self) -> None:
         # A TOML config gives lists; orders are compared as tuples.
@@ -443,13 +444,25 @@ class PolynomialCalibration(Algorithm):
             metrics[f"order_{k}"] = new_state["orders"][:, k].to(dtype)
         for key in ("coefficients", "dof", "saturated", "refused"):
             metrics[key] = new_state[key].to(dtype)
+        # The state stays finite: a non-finite state is rolled back by the engine, and a
+        # refused sensor then kept its zero initial coefficients and was scored as a number
+        # (the fleet mean). Its refusal lives in "refused"; personalize makes it NaN again.
+        new_state = {k: torch.nan_to_num(v, nan=0.0) for k, v in new_state.items()}
         return ClientResult({}, new_state, metrics)
 
     def server_update(self, server: Tree, replies: Tree, weights: Tensor) -> Tree:
         return server  # nothing is uploaded
 
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
-        return {key: state[key] for key in ("coef", "orders", "lo", "hi")}
+        """The fitted surface; a refused sensor's coefficients are NaN (never a number)."""
+        out = {key: state[key] for key in ("coef", "orders", "lo", "hi")}
+        refused = (state["refused"] > 0.5).unsqueeze(-1)
+        out["coef"] = torch.where(refused, torch.nan, out["coef"])
+        return out
+
+    def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
+        """A refused sensor (module doc: too few points for any surface) is "refused"."""
+        return {"refused": ~torch.isfinite(personal["coef"]).all(-1)}
 
     def predict(self, params: Tree, x: Tensor) -> Tensor:
         """Σ a_α Π_k L̃_{α_k}(u_k) per client: (clients, rows, 1) in the dtype of ``x``.

@@ -8,8 +8,10 @@ alike. A round's replies (stacked ``(clients, ...)``) go through, in order:
    norm exceeds ``screen_factor`` × the median norm of the finite replies: a
    robust, scale-free test (Byzantine-robust FL commonly measures updates
    against the cohort median, e.g. Blanchard et al. 2017; Yin et al. 2018).
-   For summed statistics the size is the largest per-leaf ratio to the median
-   (:func:`statistic_sizes`): leaves in different units cannot hide each other.
+   For summed statistics the size is the largest per-leaf ratio, judged as it is and
+   per declared row and against the median over clients and over rows
+   (:func:`statistic_sizes`): leaves in different units cannot hide each other, and
+   an honest unit with 100× the rows of the others is not an outlier.
 2. **Update clipping** (adaptive): each update is scaled to at most
    ``clip_factor`` × the median update norm of the accepted clients
    (centred clipping as in Karimireddy et al. 2021, with the median as the
@@ -254,31 +256,84 @@ def statistic_sizes(
     """Each client's summed statistics' size relative to the accepted cohort's, (clients,).
 
     (A model update is one vector, sized by :func:`_relative` of its norm.) A ``"sum"``
-    reply is a set of statistics in different units (a Gram matrix may be 10⁹ times its right-hand
-    side, and a poisoned label moves only the latter): the size is the largest
-    per-leaf ratio, max_l ‖Δ_il‖ / median_j ‖Δ_jl‖, so no leaf hides behind another.
-    Statistics also grow with a client's rows (``rows``): a unit calibrated with 384
-    points is not an outlier among units with 6. A leaf counts as outlying only if it
-    is so both as it is and per row (‖Δ_il‖/n_i against the median of the same), so
-    neither the leaves that grow with n (Gram sums) nor those that do not (a
-    posterior mean) flag an honest unit of another size; a poisoned target grows both.
+    reply is a set of statistics in different units (a Gram matrix may be 10⁹ times its
+    right-hand side, and a poisoned label moves only the latter): the size is the largest
+    per-leaf ratio, max_l r_il, so no leaf hides behind another.
+
+    Statistics also grow with a client's rows n_i (``rows``, the declared counts): a unit
+    calibrated with 384 points is not an outlier among units with 6. Per leaf, with
+    a_il = ‖Δ_il‖ (as it is) and b_il = a_il / n_i (per row)::
+
+        r_il = min( a_il / ref_i(a_l), b_il / ref_i(b_l) ),
+        ref_i(v) = the scale of v among the others: client i must exceed both the
+                   median over the clients and the median over the *other* clients'
+                   rows (each other client's value weighted by its n_j,
+                   :func:`weighted_median_of_others`),
+
+    so neither the leaves that grow with n (Gram sums) nor those that do not (a posterior
+    mean) flag an honest unit of another size, while a poisoned target grows both. The
+    rows-weighted median keeps data-rich units from being judged against units whose
+    statistics carry no information (fedpoly's 6-point units project to ≈ 0 sums: the
+    plain median was ≈ 1e-9 and all 20 reference units of a mixed fleet were rejected in
+    every round); leaving client i out of its own scale keeps a client that holds most of
+    the rows from setting the scale it is judged by. A client is missed only if the others
+    are corrupt too (half of the units, or half of the others' rows). Without ``rows``, or
+    when every client has the same count, this is the plain median ratio of before. A
+    scale ≤ 0 does not judge.
     """
     n = int(accepted.shape[0])
-    per_row = None if rows is None else rows.to(torch.float64).clamp_min(1.0)
+    counts = None if rows is None else rows.to(torch.float64).clamp_min(1.0)
+    uniform = counts is None or bool((counts[accepted] == counts[accepted][0]).all())
     ratio = torch.zeros(n, dtype=torch.float64)
     for u in updates.values():
         norms = u.reshape(n, -1).to(torch.float64).norm(dim=1)
-        median = norms[accepted].median()
-        if median <= 0:
+        if uniform:
+            median = norms[accepted].median()
+            if median > 0:
+                ratio = torch.maximum(ratio, norms / median)
             continue
-        leaf = norms / median
-        if per_row is not None:
-            scaled = norms / per_row
-            scaled_median = scaled[accepted].median()
-            if scaled_median > 0:
-                leaf = torch.minimum(leaf, scaled / scaled_median)
-        ratio = torch.maximum(ratio, leaf)
+        leaf = torch.minimum(
+            _scaled_ratio(norms, accepted, counts), _scaled_ratio(norms / counts, accepted, counts)
+        )
+        ratio = torch.maximum(ratio, torch.where(torch.isinf(leaf), 0.0, leaf))
     return ratio
+
+
+def weighted_median_of_others(values: Tensor, weights: Tensor) -> Tensor:
+    """For each i, the lower weighted median of the values of every j ≠ i, (clients,).
+
+    The smallest value whose cumulative weight (i left out) reaches half of the others'
+    total. O(n log n): one sort and two binary searches per client. NaN for a single client.
+    """
+    n = values.shape[0]
+    if n < 2:
+        return torch.full_like(values, float("nan"))
+    order = values.argsort(stable=True)
+    v, w = values[order], weights[order]
+    cum = w.cumsum(0)
+    half = 0.5 * (cum[-1] - w)  # half of the others' total, per sorted position
+    pos = torch.arange(n)
+    # Before i's position the cumulative weights are the others' already; after it they
+    # are cum − w_i, i.e. the first j > pos with cum_j ≥ half + w_i.
+    before = torch.searchsorted(cum, half)
+    after = torch.searchsorted(cum, half + w).clamp_max(n - 1)
+    sorted_median = torch.where(before < pos, v[before.clamp_max(n - 1)], v[after])
+    out = torch.empty_like(values)
+    out[order] = sorted_median
+    return out
+
+
+def _scaled_ratio(values: Tensor, accepted: Tensor, counts: Tensor) -> Tensor:
+    """values / scale as in :func:`statistic_sizes`: the ratio to the accepted clients' plain
+    median and to the others' rows-weighted median, whichever is smaller (inf: no scale)."""
+    out = torch.full_like(values, float("inf"))
+    median = values[accepted].median()
+    if median > 0:
+        out = values / median
+    others = torch.full_like(values, float("nan"))
+    others[accepted] = weighted_median_of_others(values[accepted], counts[accepted])
+    by_rows = torch.where(others > 0, values / others, float("inf"))
+    return torch.minimum(out, by_rows)
 
 
 def _relative(norms: Tensor, accepted: Tensor) -> Tensor:
@@ -323,6 +378,7 @@ def aggregate(
     *,
     eligible: Tensor | None = None,
     weight_cap: Tensor | None = None,
+    record: list[dict] | None = None,
 ) -> tuple[Tree, Tensor, dict[str, float]]:
     """Screen, clip, combine (and noise) a round's replies; return the new server.
 
@@ -333,7 +389,11 @@ def aggregate(
     clients that passed screening — the engine keeps the previous private state
     of the others (Multi-Krum's unselected clients are accepted but left out of
     the aggregate) — and round metrics (rejections, the median norm, the clip
-    bound, σ). Memory: see the module docstring.
+    bound, σ). Given ``record``, one entry per rejected client is appended to it:
+    ``{"client": its position in the cohort, "reason": "non-finite reply" | "size",
+    "ratio": its measured size (:func:`statistic_sizes` or the median-norm ratio),
+    "threshold": screen_factor}``, the reason a user is shown. Memory: see the module
+    docstring.
     """
     check_policy(algorithm, policy)
     kind = getattr(algorithm, "reply_aggregation", "mean")
@@ -347,6 +407,10 @@ def aggregate(
     if finite.numel():
         accepted = accepted & finite
     nonfinite = int((~accepted).sum())
+    if record is not None:
+        reason = "non-finite reply" if eligible is None else "non-finite reply or state"
+        for i in (~accepted).nonzero()[:, 0].tolist():
+            record.append({"client": i, "reason": reason, "ratio": float("nan"), "threshold": 0.0})
     squares = _leaf_squares(replied, n, refs)  # (clients,) per leaf: the round's only pass
     norms = _root_sum(squares.values(), n)
     metrics: dict[str, float] = {"rejected_nonfinite": float(nonfinite)}
@@ -364,6 +428,16 @@ def aggregate(
             sizes = _relative(_root_sum((squares[k] for k in judged), n), accepted)
         outlier = accepted & (sizes > policy.screen_factor)
         accepted = accepted & ~outlier
+        if record is not None:
+            for i in outlier.nonzero()[:, 0].tolist():
+                record.append(
+                    {
+                        "client": i,
+                        "reason": "size",
+                        "ratio": float(sizes[i]),
+                        "threshold": float(policy.screen_factor),
+                    }
+                )
         metrics["rejected_norm"] = float(outlier.sum())
     else:
         metrics["rejected_norm"] = 0.0

@@ -130,6 +130,10 @@ class Algorithm(AlgorithmFields, metaclass=ChecksOptions):
     reply_aggregation: ClassVar[str] = "mean"
     # Server rules this algorithm accepts (see fedcal.core.aggregation.check_policy).
     robust_rules: ClassVar[tuple[str, ...]] = ("mean", "median", "trimmed_mean", "krum")
+    # Closed form: round 1 computes every model and later rounds repeat it exactly (a
+    # per-sensor least-squares fit). The engine runs one round for it, whatever [engine]
+    # rounds says: the same numbers (tested), 1/50 of the time at the default 50 rounds.
+    one_shot: ClassVar[bool] = False
 
     # ---- the contract -------------------------------------------------
     def server_init(self, params: Tree) -> Tree:
@@ -170,6 +174,22 @@ class Algorithm(AlgorithmFields, metaclass=ChecksOptions):
         Only methods with a probabilistic model have one (e.g. fedprior's posterior).
         """
         return None
+
+    def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
+        """What the method itself knows about each client's model: ``{flag: (clients,) bool}``.
+
+        ``personal`` are the clients' final models, ``x`` (clients, rows, features) the
+        inputs they are evaluated at (scaled; ``mask`` marks real rows). Flags:
+
+        * ``"weak"``: its predictions there lean on directions of the model that the
+          fleet's data do not determine (fedprior: its weakly identified directions);
+        * ``"refused"``: the method declined to calibrate the client (e.g. the polynomial
+          on points that cannot support a surface); what it predicts is no calibration.
+
+        A flag not returned is False for every client. The experiment turns these flags,
+        rejections and convergence into each sensor's status (docs/statuses.md).
+        """
+        return {}
 
     def export_state(self, server: Tree) -> dict | None:
         """The trained server state as JSON-able data a user can reuse, or None.

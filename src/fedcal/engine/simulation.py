@@ -162,28 +162,34 @@ def save_checkpoint(
     history: list[dict],
     rejected: Tensor,
     rounds_log: list[dict],
+    rejections: list[dict] | None = None,
 ) -> None:
     """Tensors and JSON only (no pickle), checksummed, written atomically.
 
     ``rejected`` counts, per client, the rounds its reply was rejected; ``rounds_log``
-    is the aggregation's per-round record.
+    is the aggregation's per-round record, ``rejections`` each rejection with its reason.
     """
     save_trees(
         path,
         {"server": server, "states": states, "rejected": {"rounds": rejected}},
         {"fingerprint": fingerprint, "round": round_done, "elapsed": elapsed},
-        {"history": history, "aggregation": rounds_log},
+        {"history": history, "aggregation": rounds_log, "rejections": rejections or []},
     )
 
 
 def load_checkpoint(path: Path, fingerprint: str) -> tuple:
-    """``(server, states, history, round, elapsed, rejected, rounds_log)`` of this very run."""
+    """``(server, states, history, round, elapsed, rejected, rounds_log, rejections)`` of this
+    very run (a checkpoint of before rejections were recorded: none)."""
     try:
         trees, meta, blobs = load_trees(path)
         same = meta["fingerprint"] == fingerprint
         saved = (trees["server"], trees["states"], list(blobs["history"]))
         round_done, elapsed = int(meta["round"]), float(meta["elapsed"])
-        extra = (trees["rejected"]["rounds"], list(blobs["aggregation"]))
+        extra = (
+            trees["rejected"]["rounds"],
+            list(blobs["aggregation"]),
+            list(blobs.get("rejections", [])),
+        )
     except TensorFileError as e:
         raise CheckpointError(path, e.problem) from None
     except (KeyError, TypeError, ValueError) as e:
@@ -201,13 +207,16 @@ def simulate(
     checkpoint: Path | None = None,
     checkpoint_every: int = 10,
 ) -> RunResult:
-    """Run ``config.rounds`` rounds of ``algorithm`` on ``fleet``.
+    """Run ``config.rounds`` rounds of ``algorithm`` on ``fleet`` (one if it is one-shot).
 
     With ``checkpoint`` the state is saved there every ``checkpoint_every``
     rounds, and an existing checkpoint of the same algorithm, data and config
     is resumed from.
     """
     keep_freed_memory()
+    # A closed-form method (Algorithm.one_shot) is done after one round: later rounds
+    # would repeat it exactly, so they are not run.
+    rounds = 1 if algorithm.one_shot else config.rounds
     dtype = DTYPES[config.dtype]
     device = chunks.resolve_device(config.device)
     n = fleet.num_clients
@@ -223,17 +232,18 @@ def simulate(
     start_round, elapsed = 0, 0.0
     fingerprint = _fingerprint(algorithm, fleet, config)
     if checkpoint is not None and Path(checkpoint).exists():
-        server, states, history, start_round, elapsed, rejected, rounds_log = load_checkpoint(
-            Path(checkpoint), fingerprint
+        (server, states, history, start_round, elapsed, rejected, rounds_log, rejections) = (
+            load_checkpoint(Path(checkpoint), fingerprint)
         )
     else:
         rejected = torch.zeros(n, dtype=torch.int64)  # rounds each client's reply was rejected
         rounds_log: list[dict] = []
+        rejections: list[dict] = []  # every rejection: round, client, reason, ratio, threshold
 
     counts = fleet.train.count.to(torch.float64)
     bytes_up, bytes_down = [], []
     t0 = time.perf_counter() - elapsed
-    for t in range(start_round, config.rounds):
+    for t in range(start_round, rounds):
         idx = cohort(config.seed, t, n, config.participation)
         ids = idx.tolist()
         # The whole fleet in order (cohort() sorts): no gathered copy of every client's
@@ -246,6 +256,7 @@ def simulate(
         before = states if everyone else gather(states, idx)
         result = chunks.client_update(algorithm, down, before, data, config.chunk_size, device)
         state_ok = finite_rows(result.state)
+        record: list[dict] = []
         server, accepted, agg = aggregate(
             algorithm,
             server,
@@ -255,6 +266,15 @@ def simulate(
             config.aggregation,
             round_seed=client_round_seed(config.seed, t, 0, AGGREGATION),
             eligible=state_ok if state_ok.numel() else None,
+            record=record,
+        )
+        rejections.extend(
+            {
+                "round": t + 1,
+                "client_index": ids[r["client"]],
+                **{k: r[k] for k in r if k != "client"},
+            }
+            for r in record
         )
         kept = _roll_back(result.state, before, accepted)
         states = (
@@ -267,8 +287,8 @@ def simulate(
         if algorithm.federated:  # a non-federated reference line communicates nothing
             bytes_up.append(num_bytes(result.reply, per_client_axis=True) * len(ids))
             bytes_down.append(num_bytes(down) * len(ids))
-        last = t == config.rounds - 1
-        if evaluates(t, config.rounds, config.eval_every):  # always after the last round
+        last = t == rounds - 1
+        if evaluates(t, rounds, config.eval_every):  # always after the last round
             rows, summary, evaluated = _evaluate(
                 algorithm, fleet, server, states, config, t, device, keep_personal=last
             )
@@ -301,11 +321,12 @@ def simulate(
                 history,
                 rejected,
                 rounds_log,
+                rejections,
             )
     wall = time.perf_counter() - t0
-    if start_round >= config.rounds:  # resumed after the last round: evaluate it here
+    if start_round >= rounds:  # resumed after the last round: evaluate it here
         last_rows, _, personal = _evaluate(
-            algorithm, fleet, server, states, config, config.rounds - 1, device, keep_personal=True
+            algorithm, fleet, server, states, config, rounds - 1, device, keep_personal=True
         )
     final = [final_row(row, int(rejected[row["client_index"]])) for row in last_rows]
     return RunResult(
@@ -317,8 +338,8 @@ def simulate(
         wall_s=wall,
         bytes_up_per_round=float(np.mean(bytes_up)) if bytes_up else 0.0,
         bytes_down_per_round=float(np.mean(bytes_down)) if bytes_down else 0.0,
-        rounds_done=config.rounds,
-        extra={"aggregation": rounds_log},
+        rounds_done=rounds,
+        extra={"aggregation": rounds_log, "rejections": rejections},
     )
 
 

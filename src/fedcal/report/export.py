@@ -49,6 +49,82 @@ class CalibratedFleet:
             y = self.algorithm.predict(params, x)[0].double().numpy()
         return self.scaler.y_inverse(y)
 
+    def predict_std(self, sensor: str, x_raw: np.ndarray) -> np.ndarray | None:
+        """The predictive σ of :meth:`predict` in the target's unit (rows, targets): the
+        method's ``Algorithm.predictive_std`` × the target scale; None without one."""
+        params = stack([self.params[sensor]])
+        dtype = next(iter(params.values())).dtype
+        x = torch.as_tensor(self.scaler.x(np.asarray(x_raw, float)), dtype=dtype).unsqueeze(0)
+        with torch.no_grad():
+            std = self.algorithm.predictive_std(params, x)
+        if std is None:
+            return None
+        return std[0].double().numpy() * np.abs(np.asarray(self.scaler.y_scale, float))
+
+
+RANGE_MARGIN = 0.05  # inputs up to 5 % of a sensor's calibrated span beyond it are in range
+
+
+class OutOfRangeError(ValueError):
+    """A reading beyond its sensor's calibrated range (``fedcal predict --strict``)."""
+
+
+def in_range(x_raw: np.ndarray, span: dict, features: tuple[str, ...]) -> np.ndarray:
+    """(rows,) bool: every input within the sensor's calibrated span widened by
+    ``RANGE_MARGIN`` × its width on each side, lo − m·w ≤ x ≤ hi + m·w (w = hi − lo)."""
+    x = np.asarray(x_raw, float)
+    ok = np.ones(len(x), dtype=bool)
+    for j, column in enumerate(features):
+        lo, hi = (float(v) for v in span[column])
+        margin = RANGE_MARGIN * (hi - lo)
+        ok &= (x[:, j] >= lo - margin) & (x[:, j] <= hi + margin)
+    return ok
+
+
+def calibrate_frame(
+    fleet: CalibratedFleet,
+    frame,
+    valid_range: dict,
+    strict: bool = False,
+    sensor_column="sensor_id",
+):
+    """``frame``'s readings calibrated per sensor: ``<target>_calibrated``, ``<target>_std``
+    (when the method has a predictive σ) and ``in_range`` (:func:`in_range` of the
+    sensor's calibrated span in ``valid_range``). With ``strict`` a reading out of range is
+    refused (:class:`OutOfRangeError` naming its row, sensor, input and range) instead of
+    flagged. Returns the frame with those columns (a copy)."""
+    frame = frame.copy()
+    column, std_column = f"{fleet.target}_calibrated", f"{fleet.target}_std"
+    frame[column] = np.nan
+    frame["in_range"] = False
+    for sensor, rows in frame.groupby(sensor_column, sort=False):
+        sensor = str(sensor)
+        x = rows[list(fleet.features)].to_numpy(float)
+        frame.loc[rows.index, column] = fleet.predict(sensor, x)[:, 0]
+        std = fleet.predict_std(sensor, x)
+        if std is not None:
+            if std_column not in frame:
+                frame[std_column] = np.nan
+            frame.loc[rows.index, std_column] = std[:, 0]
+        span = valid_range.get(sensor)
+        if span is None:
+            raise KeyError(f"sensor {sensor!r} has no calibrated range in this run")
+        inside = in_range(x, span, fleet.features)
+        frame.loc[rows.index, "in_range"] = inside
+        if strict and not inside.all():
+            k = int(np.argmin(inside))
+            row = rows.index[k]
+            beyond = [
+                f"{c}={x[k, j]:g} (calibrated {span[c][0]:g}..{span[c][1]:g})"
+                for j, c in enumerate(fleet.features)
+                if not in_range(x[k : k + 1, j : j + 1], {c: span[c]}, (c,))[0]
+            ]
+            raise OutOfRangeError(
+                f"data row {row + 1} (sensor {sensor}): {', '.join(beyond)} is beyond the "
+                f"calibrated range by more than {100 * RANGE_MARGIN:g} % of its span (--strict)"
+            )
+    return frame
+
 
 def load_models(
     run_dir: str | Path, method: str, seed: int = 0, train_points: int = 0

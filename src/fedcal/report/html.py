@@ -37,7 +37,14 @@ import pandas as pd
 from fedcal.core.atomic import write_text
 from fedcal.report import figures
 from fedcal.report.rundir import RunDir, residuals, temperature_column
-from fedcal.report.tables import aggregate, cell, sections_of, table_columns, target_unit
+from fedcal.report.tables import (
+    aggregate,
+    cell,
+    excluded_note,
+    sections_of,
+    table_columns,
+    target_unit,
+)
 
 MAX_DETAIL_METHODS = 6  # residual and map panels: the best methods, one row each
 MAX_ROUND_METHODS = 10  # lines in the error-against-round figure
@@ -98,7 +105,8 @@ def summary_html(table: pd.DataFrame, unit: str) -> str:
             for c, _ in columns:
                 mean, std = float(row[c]), float(row.get(f"{c}_std", math.nan))
                 text = cell(row, c)
-                klass = "num diverged" if math.isnan(mean) else "num"
+                # NaN: diverged, or no ok sensor ("n/a"), or a coverage not stated ("—")
+                klass = "num diverged" if text == "diverged" else "num"
                 out.append(
                     f'<td class="{klass}" data-column="{c}" data-value="{mean!r}" '
                     f'data-std="{std!r}">{html.escape(text)}</td>'
@@ -107,6 +115,8 @@ def summary_html(table: pd.DataFrame, unit: str) -> str:
             seeds = f"{int(row['seeds'])}" + (f" ({bad} diverged)" if bad else "")
             out.append(f'<td class="num">{seeds}</td></tr>')
         out.append("</table>")
+        # which statuses the "excl." column counts: sensors left out of the means
+        out += [f'<p class="note">{html.escape(line)}</p>' for line in excluded_note(part)]
     return "\n".join(out)
 
 

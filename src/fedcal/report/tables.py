@@ -3,7 +3,10 @@
 A seed whose run diverged (a NaN metric, or ``status`` other than ``ok`` where
 summary.csv has that column) makes the method's mean NaN, which every
 renderer prints as ``diverged`` — never as a number averaged over the seeds
-that happened to survive.
+that happened to survive. Within a run, fleet means are over the sensors whose
+status is ``ok`` (:mod:`fedcal.status`); the table says how many were excluded
+("excl.", and :func:`excluded_note` per status), and a run with no ok sensor has
+no number ("n/a"). A coverage the method declines to state (NaN) is "—".
 """
 
 from __future__ import annotations
@@ -61,8 +64,9 @@ def aggregate(summary: pd.DataFrame) -> pd.DataFrame:
     bad = summary[headline].isna().any(axis=1)
     if "status" in summary.columns:
         bad |= summary["status"].fillna(DIVERGED).astype(str) != "ok"
-    # cost columns stay meaningful for a diverged run; error metrics do not
-    errors = [c for c in metrics if not c.startswith(("wall_s", "bytes_"))]
+    # cost columns and sensor counts stay meaningful for a diverged run; error metrics do not
+    counts = ("sensors", "excluded", "rejected", "failed", *STATUS_COUNTS)
+    errors = [c for c in metrics if not c.startswith(("wall_s", "bytes_")) and c not in counts]
     summary[errors] = summary[errors].astype(float).mask(bad, np.nan)
     summary["diverged_seeds"] = bad.astype(int)
     order = {m: i for i, m in enumerate(pd.unique(summary["method"]))}
@@ -125,7 +129,10 @@ def table_columns(
 ) -> list[tuple[str, str]]:
     """``(column, header)`` pairs to show; the short set fits a 100-column terminal.
 
-    ``full`` adds MAE and max|err| in % of full scale (Markdown and HTML have room).
+    ``full`` adds MAE and max|err| in % of full scale (Markdown and HTML have room). The
+    terminal's set makes room for coverage ("mean/min" in one cell) and the count of
+    excluded sensors: with coverage it leaves out %FS, in a mixed fleet max|err| and %FS
+    (the new units' columns instead); the HTML report and Markdown show every column.
     """
     u = f" ({unit})" if unit and full else ""  # terminal tables name the unit in the title
     if "rmse_mean" in table.columns:
@@ -135,8 +142,13 @@ def table_columns(
         ]
         if full:
             cols.append(("mae_mean", f"MAE mean{u}"))
-        cols += [("max_abs_worst", f"max|err| worst{u}"), ("rmse_mean_pct_fs", "RMSE %FS")]
-        if not full and "rmse_mean_new" in table.columns:  # mixed fleet: the new units
+        mixed = not full and "rmse_mean_new" in table.columns
+        coverage = "coverage95_mean" in table.columns
+        if full or not mixed:  # a mixed fleet's terminal table shows the new units instead
+            cols.append(("max_abs_worst", f"max|err| worst{u}"))
+        if full or not (mixed or coverage):  # %FS gives way to coverage (in the HTML report)
+            cols.append(("rmse_mean_pct_fs", "RMSE %FS"))
+        if mixed:  # mixed fleet: the new units
             cols += [("rmse_mean_new", "RMSE new"), ("rmse_worst_new", "worst new")]
         if full:
             cols.append(("max_abs_worst_pct_fs", "max|err| %FS"))
@@ -152,8 +164,15 @@ def table_columns(
             for c in table.columns
             if c.endswith(("_mean", "_worst")) and not c.endswith("_std")
         ]
+    if "coverage95_mean" in table.columns:  # nominal 95 % intervals: share of test points inside
+        if full:
+            cols += [("coverage95_mean", "cov95 mean"), ("coverage95_worst", "cov95 worst")]
+        else:  # one cell "mean/worst" (worst = the lowest sensor's)
+            cols.append((COVERAGE, "cov95 mean/min"))
     cols.append(("wall_s", "wall s"))
-    if "diverged" in table.columns and (table["diverged"].fillna(0) > 0).any():
+    if "excluded" in table.columns:
+        cols.append(("excluded", "excl."))  # sensors not ok (mean count over seeds)
+    elif "diverged" in table.columns and (table["diverged"].fillna(0) > 0).any():
         cols.append(("diverged", "diverged sensors"))  # mean count over seeds
     if show_bytes:
         cols.append(("bytes_up_per_round", "up kB/round"))
@@ -161,17 +180,77 @@ def table_columns(
 
 
 # shown as the mean alone: %FS is RMSE / full scale (its spread is RMSE's), costs vary little
-MEAN_ONLY = ("rmse_mean_pct_fs", "max_abs_worst_pct_fs", "wall_s", "diverged")
+MEAN_ONLY = (
+    "rmse_mean_pct_fs",
+    "max_abs_worst_pct_fs",
+    "wall_s",
+    "diverged",
+    "excluded",
+    "coverage95_mean",
+    "coverage95_worst",
+)
+DECLINED = "—"  # a coverage the method does not state (no interval), not a failure
+NONE_OK = "n/a"  # every sensor of the run excluded: no number to show ("excl." says so)
+# the summary's count per status other than ok (fedcal.status.COUNT_COLUMNS)
+STATUS_COUNTS = {
+    "weak": "weak",
+    "unconverged": "unconverged",
+    "rejected_sensors": "rejected",
+    "diverged": "diverged",
+    "refused": "refused",
+}
 
 
-def cell(row: pd.Series, column: str) -> str:
-    """One table cell: mean ±std (mean only for %FS and costs), bytes in kB, NaN ``diverged``."""
+COVERAGE = "coverage95"  # the terminal's one coverage cell: "mean/min" over sensors
+# terminal cells shown as the mean alone (worst values, the new units' mean): room at 100 columns
+SHORT = ("rmse_worst", "max_abs_worst", "rmse_worst_new", "rmse_mean_new")
+
+
+def cell(row: pd.Series, column: str, short: bool = False) -> str:
+    """One table cell: mean ±std (mean only for %FS, coverage, counts and costs, and with
+    ``short`` — the terminal — for worst values), bytes in kB; NaN is ``diverged``,
+    ``n/a`` when no sensor was ok, ``—`` for a coverage the method does not state."""
+    if column == COVERAGE:
+        mean, worst = row["coverage95_mean"], row.get("coverage95_worst", float("nan"))
+        if mean != mean:
+            return DECLINED
+        return f"{fmt_num(mean, 2)}/{fmt_num(worst, 2) if worst == worst else DECLINED}"
     mean, std = row[column], row.get(f"{column}_std", float("nan"))
     if column.startswith("bytes_"):
         return fmt_num(mean / 1e3)
-    if column in MEAN_ONLY:
+    missing = mean is None or (isinstance(mean, float) and math.isnan(mean))
+    if missing and column.startswith("coverage95"):
+        return DECLINED
+    if missing and column not in ("wall_s", "excluded") and _none_ok(row):
+        return NONE_OK
+    if column in MEAN_ONLY or (short and column in SHORT):
         return fmt_num(mean)
     return fmt_pm(mean, std)
+
+
+def _none_ok(row: pd.Series) -> bool:
+    """Every sensor of the row's runs was excluded (its summary counts say so)."""
+    sensors, excluded = row.get("sensors", float("nan")), row.get("excluded", float("nan"))
+    return bool(sensors == sensors and excluded == excluded and sensors > 0 and excluded >= sensors)
+
+
+def excluded_note(table: pd.DataFrame) -> list[str]:
+    """One line per method with excluded sensors: how many per status (mean over seeds)."""
+    lines = []
+    present = {c: name for c, name in STATUS_COUNTS.items() if c in table.columns}
+    if not present or "excluded" not in table.columns:
+        return lines
+    for _, row in table.iterrows():
+        if not row.get("excluded", 0) > 0:
+            continue
+        parts = [f"{fmt_num(row[c])} {name}" for c, name in present.items() if row[c] > 0]
+        where = f" ({row['train_points'] or 'all'} pts)" if "train_points" in row else ""
+        total = fmt_num(row.get("sensors", float("nan")))
+        lines.append(
+            f"{row['method']}{where}: {fmt_num(row['excluded'])} of {total} sensors "
+            f"excluded from the means: {', '.join(parts)}"
+        )
+    return lines
 
 
 def rich_tables(table: pd.DataFrame, columns: list[tuple[str, str]], unit: str = "") -> list[Table]:
@@ -191,7 +270,7 @@ def rich_tables(table: pd.DataFrame, columns: list[tuple[str, str]], unit: str =
             if row.get("failed", 0) >= 1:  # every seed raised: no numbers to show
                 t.add_row(str(row["method"]), *["failed"] * len(columns))
                 continue
-            t.add_row(str(row["method"]), *[cell(row, c) for c, _ in columns])
+            t.add_row(str(row["method"]), *[cell(row, c, short=True) for c, _ in columns])
         out.append(t)
     return out
 
@@ -206,6 +285,12 @@ def to_markdown(table: pd.DataFrame, columns: list[tuple[str, str]]) -> str:
         lines.append("| method | " + " | ".join(h.replace("|", "\\|") for _, h in columns) + " |")
         lines.append("|---|" + "---:|" * len(columns))
         for _, row in part.iterrows():
-            cells = [cell(row, c) for c, _ in columns]
+            if row.get("failed", 0) >= 1:  # every seed raised: no numbers, and no "diverged"
+                cells = ["failed"] * len(columns)
+            else:
+                cells = [cell(row, c) for c, _ in columns]
             lines.append(f"| {row['method']} | " + " | ".join(cells) + " |")
+        notes = excluded_note(part)  # which statuses the "excl." column counts
+        if notes:
+            lines += ["", *(f"excl. {line}  " for line in notes)]
     return "\n".join(lines)

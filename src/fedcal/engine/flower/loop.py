@@ -111,6 +111,17 @@ def run_federation(
                 log(WARNING, "[fedcal] round %d: client %s: %s", t, index, why)
         for index, why in fed.rejected.get(str(t), {}).items():
             log(WARNING, "[fedcal] round %d: reply of client %s rejected: %s", t, index, why)
+        entry = fed.log[-1] if fed.log and fed.log[-1].get("round") == t else {}
+        for r in entry.get("screening", []):  # screened out by the server's aggregation
+            log(
+                WARNING,
+                "[fedcal] round %d: reply of client %s screened out: %s (ratio %.3g, threshold %g)",
+                t,
+                r["client"],
+                r["reason"],
+                r["ratio"],
+                r["threshold"],
+            )
         timings["rounds"].append(
             {"round": t, "exchange_s": t_exchange, "total_s": time.monotonic() - t_round}
         )

@@ -52,6 +52,7 @@ def aggregate(
     policy,
     round_seed: int,
     eligible=None,
+    record: list | None = None,
 ) -> tuple[Tree, object, dict]:
     """The one step where (validated) replies stacked ``(clients, …)`` become the next server.
 
@@ -60,13 +61,22 @@ def aggregate(
     ``[privacy]`` policy, then the algorithm's ``server_update``, with the capped
     row counts as weights and the simulator's seed for the noise — so a Flower
     run equals the simulator's. ``eligible``: clients whose new private state is
-    finite (the simulator rejects the others). Returns ``(server, accepted, metrics)``.
+    finite (the simulator rejects the others). ``record`` receives each rejection's
+    reason (see the core function). Returns ``(server, accepted, metrics)``.
     """
     from fedcal.core.aggregation import aggregate as aggregate_replies
 
     down = algorithm.broadcast(server)
     return aggregate_replies(
-        algorithm, server, down, replies, weights, policy, round_seed, eligible=eligible
+        algorithm,
+        server,
+        down,
+        replies,
+        weights,
+        policy,
+        round_seed,
+        eligible=eligible,
+        record=record,
     )
 
 
@@ -274,6 +284,8 @@ class Federation:
             features, target, moments, self.scaling, not classification
         )
         self.algorithm = self.spec.build(len(features), self.shape["num-classes"])
+        if self.algorithm.one_shot:  # closed form: one round, as the simulator runs it
+            self.rounds = 1
         self.num_features = len(features)
         gen = torch.Generator().manual_seed(self.seed)
         params = self.algorithm.task.model.init(gen, DTYPES[self.dtype])
@@ -498,10 +510,16 @@ class Federation:
             [parts[i]["info"].get("state-finite", True) is not False for i in done]
         )
         seed = client_round_seed(self.seed, t, 0, AGGREGATION)
+        record: list[dict] = []
         self.server, accepted, agg = aggregate(
-            self.algorithm, self.server, stacked, weights, self.policy, seed, eligible
+            self.algorithm, self.server, stacked, weights, self.policy, seed, eligible, record
         )
         entry["aggregation"] = agg
+        if record:  # why each reply was screened out: client, reason, ratio vs threshold
+            entry["screening"] = [
+                {**{k: v for k, v in r.items() if k != "client"}, "client": done[r["client"]]}
+                for r in record
+            ]
         screened = [i for i, ok in zip(done, accepted.tolist(), strict=True) if not ok]
         for i, ok in zip(done, accepted.tolist(), strict=True):
             if ok:  # its site commits this round's state at the next message

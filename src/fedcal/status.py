@@ -1,0 +1,151 @@
+"""Each sensor's status after a run: ok, weak, rejected, unconverged, diverged or refused.
+
+A number in a table is only worth something if the sensor's model is a calibration.
+After a run each sensor gets one status (docs/statuses.md), by the first rule that
+applies, in this order:
+
+``refused``
+    the method declined to calibrate it (``Algorithm.client_status`` flag
+    ``"refused"``; e.g. the polynomial on points that support no surface).
+``diverged``
+    its personal model or its test error is not finite (the engine's row status).
+``rejected``
+    the server screened its reply out in one of the final rounds: the last
+    ``max(1, ceil(REJECTED_WINDOW × rounds))`` rounds run (its model then rests on
+    a state the federation did not accept).
+``weak``
+    its predictions lean on directions the fleet's data do not determine
+    (``client_status`` flag ``"weak"``; fedprior: the weakly identified directions).
+``unconverged``
+    its train error was still falling at the end: between the last two evaluated
+    rounds t₁ < t₂ it fell by more than ``UNCONVERGED_TOL`` (relative) per round,
+    (e₁ − e₂) / max(e₁, ẽ₁) / (t₂ − t₁) > UNCONVERGED_TOL, with ẽ₁ the fleet's median
+    train error at t₁: a unit that interpolates its few points (train error ≈ 0) is
+    not "still improving" because 1e-5 hPa moves by 1 %. Needs two evaluated rounds.
+``ok``
+    none of the above.
+
+A method that crashed has no sensors: its summary row says ``failed``, never
+``diverged``. Fleet means and worst values are taken over the ``ok`` sensors only,
+and the summary counts the others per status (:func:`counts`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+STATUSES = ("ok", "weak", "unconverged", "rejected", "diverged", "refused")
+# the summary's count column of each status other than ok ("diverged" as before)
+COUNT_COLUMNS = {
+    "weak": "weak",
+    "unconverged": "unconverged",
+    "rejected": "rejected_sensors",
+    "diverged": "diverged",
+    "refused": "refused",
+}
+REJECTED_WINDOW = 0.1  # "final rounds": the last 10 % of the rounds (at least one)
+HIGHER_IS_BETTER = ("accuracy",)  # metrics whose error is 1 − metric (convergence)
+UNCONVERGED_TOL = 1e-3  # relative fall of the train error per round that is "still improving"
+
+
+def final_window(rounds: int) -> int:
+    """How many of the last rounds count as "final" for a rejection."""
+    return max(1, math.ceil(REJECTED_WINDOW * rounds))
+
+
+def still_improving(history: pd.DataFrame, column: str) -> dict[int, float]:
+    """Per client index, the fall per round of ``column`` between its last two evaluated
+    rounds, relative to max(its value, the fleet's median value) at the first of them
+    (only clients with two finite values and a positive scale)."""
+    if history.empty or column not in history.columns or "round" not in history.columns:
+        return {}
+    pairs: dict[int, tuple[float, float, float, float]] = {}
+    for client, rows in history.groupby("client_index", sort=False):
+        rows = rows.sort_values("round")
+        if len(rows) < 2:
+            continue
+        (t1, e1), (t2, e2) = rows[["round", column]].to_numpy(float)[-2:]
+        if np.isfinite(e1) and np.isfinite(e2) and t2 > t1:
+            pairs[int(client)] = (t1, e1, t2, e2)
+    if not pairs:
+        return {}
+    fleet = float(np.median([e1 for _, e1, _, _ in pairs.values()]))
+    out: dict[int, float] = {}
+    for client, (t1, e1, t2, e2) in pairs.items():
+        scale = max(e1, fleet)
+        if scale > 0:
+            out[client] = (e1 - e2) / scale / (t2 - t1)
+    return out
+
+
+def sensor_statuses(
+    final: pd.DataFrame,
+    history: pd.DataFrame,
+    rejections: Sequence[Mapping],
+    flags: Mapping[str, np.ndarray],
+    rounds: int,
+    metric: str,
+    tolerance: float | None = None,
+) -> tuple[list[str], list[str]]:
+    """(status, reason) of each row of ``final`` (the engine's final rows, in order).
+
+    ``history`` are the per-round rows (``metrics.csv``), ``rejections`` the engine's
+    record (round, client_index, reason, ratio, threshold), ``flags`` the algorithm's
+    ``client_status`` (clients,) bool arrays in client-index order, ``rounds`` the rounds
+    run, ``metric`` the task's primary metric (its train error judges convergence),
+    ``tolerance`` the relative fall per round that is "still improving" (default
+    :data:`UNCONVERGED_TOL`; ``[run] unconverged_tol``; 1 never flags).
+    """
+    tol = UNCONVERGED_TOL if tolerance is None else float(tolerance)
+    first_final = rounds - final_window(rounds) + 1
+    late: dict[int, Mapping] = {}
+    for r in rejections:
+        if int(r["round"]) >= first_final:
+            late[int(r["client_index"])] = r  # the last one
+    column = f"train_{metric}"
+    if metric in HIGHER_IS_BETTER and column in history.columns:  # judge its error rate
+        history = history.assign(**{column: 1.0 - history[column]})
+    falling = still_improving(history, column)
+    statuses, reasons = [], []
+    for _, row in final.iterrows():
+        i = int(row["client_index"])
+        flag = {name: bool(np.asarray(v)[i]) for name, v in flags.items()}
+        if flag.get("refused"):
+            status, why = "refused", "the method declined to calibrate this sensor"
+        elif row.get("status", "ok") != "ok":
+            status, why = "diverged", "non-finite model or test error"
+        elif i in late:
+            r = late[i]
+            ratio = float(r.get("ratio", float("nan")))
+            what = (
+                f"size {ratio:.3g} > threshold {float(r['threshold']):g}"
+                if r["reason"] == "size" and ratio == ratio
+                else str(r["reason"])
+            )
+            status, why = "rejected", f"reply screened out in round {int(r['round'])}: {what}"
+        elif flag.get("weak"):
+            status, why = "weak", "leans on directions the fleet's data do not determine"
+        elif falling.get(i, 0.0) > tol:
+            status = "unconverged"
+            why = (
+                f"train {metric} still falling {100 * falling[i]:.2g} %/round at the end "
+                f"(tolerance {100 * tol:g} %)"
+            )
+        else:
+            status, why = "ok", ""
+        statuses.append(status)
+        reasons.append(why)
+    return statuses, reasons
+
+
+def counts(statuses: pd.Series) -> dict[str, int]:
+    """The summary's counts: sensors, excluded (not ok) and one column per other status."""
+    values = statuses.astype(str)
+    out = {"sensors": len(values), "excluded": int((values != "ok").sum())}
+    for status, column in COUNT_COLUMNS.items():
+        out[column] = int((values == status).sum())
+    return out
