@@ -607,9 +607,7 @@ def plan_design(
     return optimize(planner(prior, chamber, quantile), plateaus, points, start)
 
 
-def cheapest(
-    plan: Planner, spec: float, max_plateaus: int = 4, max_points: int = 24
-) -> list[Plan]:
+def cheapest(plan: Planner, spec: float, max_plateaus: int = 4, max_points: int = 24) -> list[Plan]:
     """Per K ≤ ``max_plateaus``, the fewest points N ≤ ``max_points`` whose optimized design
     meets the spec (√J ≤ spec and the units' RMSE quantile ≤ spec), cheapest first.
 
@@ -648,12 +646,22 @@ def unit_base(plan: Planner, x: Tensor, b: Tensor, y: Tensor, params: Tree) -> B
     """A unit's points and its actual posterior (``calibration.calibrate``'s personal model,
     one unit) as the base the next points add to."""
     p = len(plan.algorithm.terms)
-    return Base(x, b, y, params["coef"][0].to(F64), params["cov"][0, p:, p:].to(F64),
-                params["noise_var"].reshape(-1)[0].to(F64))
+    return Base(
+        x,
+        b,
+        y,
+        params["coef"][0].to(F64),
+        params["cov"][0, p:, p:].to(F64),
+        params["noise_var"].reshape(-1)[0].to(F64),
+    )
 
 
 def next_points(
-    plan: Planner, base: Base, params: Tree, spec: float, count: int = 1,
+    plan: Planner,
+    base: Base,
+    params: Tree,
+    spec: float,
+    count: int = 1,
     current: float | None = None,
 ) -> NextStep:
     """Whether the unit meets ``spec`` (its actual posterior's RMS predictive σ over the
@@ -663,8 +671,13 @@ def next_points(
     plateau_minutes. Candidate points' responses are the unit's own posterior mean's."""
     var = plan.algorithm.predictive_std(params, plan.field.unsqueeze(0))[0, :, 0].to(F64) ** 2
     now = Expected(
-        float(var.mean()) ** 0.5 * plan.y_scale, float(var.max()) ** 0.5 * plan.y_scale,
-        float("nan"), float("nan"), 0.0, 0, int(base.x.shape[0]),
+        float(var.mean()) ** 0.5 * plan.y_scale,
+        float(var.max()) ** 0.5 * plan.y_scale,
+        float("nan"),
+        float("nan"),
+        0.0,
+        0,
+        int(base.x.shape[0]),
     )
     if now.rms <= spec:
         return NextStep(now, True, ())
@@ -700,3 +713,50 @@ def next_points(
 def _as_design(points: list[tuple[float, float, str]]) -> Design:
     temps = tuple(dict.fromkeys(t for _, t, _ in points))
     return Design(temps, tuple((temps.index(t), p, s) for p, t, s in points))
+
+
+def unit_next(
+    plan: Planner, fleet: Any, spec: float, count: int = 1, source: str = "unit"
+) -> NextStep:
+    """Sequential mode for the one unit of ``fleet`` (its calibration points so far): its
+    actual posterior under the prior (:func:`fedcal.calibration.calibrate`), whether it
+    meets ``spec``, and else its next ``count`` points (:func:`next_points`). The current
+    plateau is the set point nearest its last point's temperature."""
+    from fedcal.calibration import calibrate
+
+    if fleet.num_clients != 1:
+        raise ValueError(f"{source}: holds {fleet.num_clients} units; --next takes one unit")
+    result = calibrate(plan.prior, fleet, source)
+    train = result.tensors.train
+    n = int(train.count[0])
+    branch = train.branch[0, :n] if train.branch is not None else torch.zeros(n, dtype=F64)
+    base = unit_base(
+        plan, train.x[0, :n].to(F64), branch.to(F64), train.y[0, :n, 0].to(F64), result.personal
+    )
+    rows = fleet.frame[fleet.frame["split"] == "train"]
+    last = float(rows[plan.prior["features"][plan.temperature]].iloc[-1])
+    current = _snap(np.array([last]), plan.chamber.temperatures)[0]
+    return next_points(plan, base, result.personal, spec, count, current)
+
+
+def compare(plan: Planner, designs: dict[str, Design], spec: float | None = None) -> pd.DataFrame:
+    """One row per named design: plateaus, points, chamber minutes, expected RMS σ, worst σ
+    over the range, mean and quantile unit RMSE (target units), and whether it meets
+    ``spec``."""
+    rows = []
+    for name, d in designs.items():
+        e = evaluate(plan, d)
+        row = {
+            "design": name,
+            "plateaus": e.plateaus,
+            "points": e.points,
+            "minutes": e.minutes,
+            "rms_sd": e.rms,
+            "worst_sd": e.worst,
+            "mean_rmse": e.mean_rmse,
+            f"q{round(100 * plan.quantile)}_rmse": e.quantile_rmse,
+        }
+        if spec is not None:
+            row["meets_spec"] = meets(e, spec)
+        rows.append(row)
+    return pd.DataFrame(rows)
