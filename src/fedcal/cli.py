@@ -821,16 +821,23 @@ def plan(
         if next_:
             if unit is None or spec is None:
                 _fail("--next needs --unit FILE and --spec")
-            fleet = load_fleet(unit, doc["features"], doc["target"], test_fraction=0.0,
-                               min_train_points=1, min_test_points=0)
+            fleet = load_fleet(
+                unit,
+                doc["features"],
+                doc["target"],
+                test_fraction=0.0,
+                min_train_points=1,
+                min_test_points=0,
+            )
             step = planning.unit_next(planner, fleet, spec, count, str(unit))
             console.print(
                 f"unit now: RMS σ {step.now.rms:.4g} {unit_name}, worst σ {step.now.worst:.4g} "
                 f"over the range → {'meets' if step.done else 'does not meet'} spec {spec:g}"
             )
             for p, t, d, after, minutes in step.steps:
-                console.print(f"next: {p:g} hPa at {t:g} °C, {d}: RMS σ → {after:.4g} "
-                              f"({minutes:g} min)")
+                console.print(
+                    f"next: {p:g} hPa at {t:g} °C, {d}: RMS σ → {after:.4g} ({minutes:g} min)"
+                )
             if step.steps:
                 frame = planning._as_design([s[:3] for s in step.steps]).frame()
                 if out is not None:
@@ -842,8 +849,10 @@ def plan(
         elif spec is not None:
             found = planning.cheapest(planner, spec, max_plateaus, max_points)
             if not found:
-                _fail(f"no design of ≤ {max_plateaus} plateaus and ≤ {max_points} points "
-                      f"meets {spec:g}")
+                _fail(
+                    f"no design of ≤ {max_plateaus} plateaus and ≤ {max_points} points "
+                    f"meets {spec:g}"
+                )
             best = {"planned": found[0].design}
         else:
             _fail("give --plateaus and --points, or --spec, or --unit with --next")

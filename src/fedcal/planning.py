@@ -479,7 +479,7 @@ def _moves(plan: Planner, d: Design) -> list[Design]:
     for k in range(d.plateaus):
         for t in ch.temperatures:
             if t not in d.temperatures:
-                out.append(Design(d.temperatures[:k] + (t,) + d.temperatures[k + 1 :], d.points))
+                out.append(Design((*d.temperatures[:k], t, *d.temperatures[k + 1 :]), d.points))
     per = np.bincount([k for k, _, _ in d.points], minlength=d.plateaus)
     for j, (k0, p0, s0) in enumerate(d.points):
         for k in range(d.plateaus):
@@ -488,7 +488,7 @@ def _moves(plan: Planner, d: Design) -> list[Design]:
             for p in ch.pressures:
                 for s in ch.directions:
                     if (k, p, s) != (k0, p0, s0):
-                        pts = d.points[:j] + ((k, p, s),) + d.points[j + 1 :]
+                        pts = (*d.points[:j], (k, p, s), *d.points[j + 1 :])
                         out.append(Design(d.temperatures, pts))
     return out
 
@@ -518,7 +518,7 @@ def greedy(plan: Planner, plateaus: int, points: int, base: Base | None = None) 
         cands = []
         if not must_open:
             cands += [
-                Design(d.temperatures, d.points + ((k, p, s),))
+                Design(d.temperatures, (*d.points, (k, p, s)))
                 for k in range(d.plateaus)
                 for p in ch.pressures
                 for s in ch.directions
@@ -526,7 +526,7 @@ def greedy(plan: Planner, plateaus: int, points: int, base: Base | None = None) 
         if d.plateaus < plateaus:
             k = d.plateaus
             cands += [
-                Design(d.temperatures + (t,), d.points + ((k, p, s),))
+                Design((*d.temperatures, t), (*d.points, (k, p, s)))
                 for t in ch.temperatures
                 if t not in d.temperatures
                 for p in ch.pressures
@@ -694,7 +694,7 @@ def next_points(
                 for s in ch.directions:
                     cands.append((p, t, s))
                     costs.append(ch.point_minutes + (0.0 if same else ch.plateau_minutes))
-        designs = [_as_design(chosen + [c]) for c in cands]
+        designs = [_as_design([*chosen, c]) for c in cands]
         x, b, cnt = _pack(own, designs)
         params_c = posteriors(plan, x, b, cnt, base)
         field = plan.field.expand(len(designs), *plan.field.shape)
