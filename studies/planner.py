@@ -49,7 +49,12 @@ GRIDS = {(2, 6): "3x2", (3, 12): "4x3"}  # the fixed grid of the same K plateaus
 
 
 def learn_prior(cfg, seed: int, methods: tuple[str, ...], out: Path) -> dict[str, dict]:
-    """The fleet priors of the reference units only (``fedcal run`` on them)."""
+    """The fleet priors of the reference units only (``fedcal run`` on them); a prior
+    already in ``out`` (an earlier call) is read back."""
+    try:
+        return {m: calibration.load_prior(calibration.find_prior(out, m, 0, 0)) for m in methods}
+    except FileNotFoundError:
+        pass
     fleet_cfg = replace(cfg.fleet, num_new=0, seed=seed)
     run_cfg = replace(cfg, fleet=fleet_cfg, methods=methods, designs=(), fleet_seeds=(), seeds=1)
     run_experiment(run_cfg, load_data(run_cfg), out, methods)

@@ -32,12 +32,18 @@ The direction still matters: a point swept up sees c + h along ψ, one swept
 down c − h, and the joint prior splits them; what h adds in the field does
 not shrink with the design (its sign is unknown there).
 
+R is the chamber's pressure range × the temperature range the fleet was
+calibrated over (the prior's ``input_range``), whatever set points the
+chamber can reach.
+
 Why I-optimality: the figure a user is judged by is the RMSE over the range
 (√J is its expected value's root); D-optimality would spend points on
 coefficients that barely move the prediction inside R. The worst case over
 the range, max_x s(x), is reported beside it (a minimax design would chase the
 corners, where the range is rarely used). J is evaluated on a regular (P, T)
-grid of R (:data:`GRID`); the response input (frequency) of a chamber point
+Gauss–Legendre product rule of R (:data:`QUADRATURE` nodes in P × T, exact for
+polynomials of degree < 2·nodes in each; the worst case on a regular grid,
+:data:`GRID`); the response input (frequency) of a chamber point
 (P, T) is the one the prior-mean unit gives there (φ(x)ᵀμ_c = P solved by
 bisection), so a design needs no unit's data.
 
@@ -71,7 +77,7 @@ Chamber time: K·plateau_minutes + N·point_minutes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -88,7 +94,8 @@ from fedcal.data.fleet import DIRECTION_SIGNS
 from fedcal.data.scaling import Scaler
 
 DESIGN_COLUMNS = ("pressure_hpa", "temperature_c", "direction")
-GRID = (21, 11)  # (pressures, temperatures) of the regular grid J is averaged over
+GRID = (21, 11)  # (pressures, temperatures) of the regular grid the worst σ is taken on
+QUADRATURE = (8, 6)  # Gauss–Legendre nodes (pressures, temperatures) J is integrated with
 QUANTILE_DRAWS = 4000  # draws of the units' MSE distribution (fixed seed)
 DEFAULT_PRESSURES = tuple(float(p) for p in range(50, 1551, 100))  # the campaign's levels
 MAX_PASSES = 100  # exchange passes (each applies one improving move; measured: < 20 used)
@@ -187,8 +194,13 @@ class Planner:
     chamber: Chamber
     response: int  # index of the response input (frequency), inverted from the target
     temperature: int  # index of the temperature input
-    field: Tensor  # (G, inputs) scaled points of the operating range
+    field: Tensor  # (G, inputs) scaled quadrature nodes of the operating range
+    weights: Tensor  # (G,) their weights (sum 1): J = Σ_g w_g E_y s²(x_g)
+    grid: Tensor  # (G', inputs) scaled regular grid of the range (the worst σ)
     quantile: float
+    # (P, T) → (row, scaled inputs) of chamber points solved so far, and those rows stacked
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
+    table: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def y_scale(self) -> float:
@@ -241,12 +253,17 @@ def _inputs(prior: dict[str, Any]) -> tuple[int, int]:
 
 
 def planner(
-    prior: dict[str, Any], chamber: Chamber | None = None, quantile: float = 0.95
+    prior: dict[str, Any],
+    chamber: Chamber | None = None,
+    quantile: float = 0.95,
+    temperature_range: tuple[float, float] | None = None,
 ) -> Planner:
     """Everything a design is scored with: the prior's algorithm and the range's grid.
 
-    The operating range R is [min, max] of the chamber's pressures × [min, max]
-    of its feasible set points.
+    The operating range R is [min, max] of the chamber's pressures × the
+    temperature range the fleet was calibrated over (the prior's ``input_range``;
+    or ``temperature_range``): limiting the set points does not shrink where
+    the unit will be used.
     """
     algorithm = prior_algorithm(prior)
     chamber = chamber or default_chamber(prior)
@@ -267,12 +284,26 @@ def planner(
         response,
         temperature,
         torch.zeros(0, 2, dtype=F64),
+        torch.zeros(0, dtype=F64),
+        torch.zeros(0, 2, dtype=F64),
         quantile,
     )
-    p = np.linspace(chamber.pressures[0], chamber.pressures[-1], GRID[0])
-    t = np.linspace(chamber.temperatures[0], chamber.temperatures[-1], GRID[1])
-    pp, tt = np.meshgrid(p, t, indexing="ij")
-    return replace(base, field=features(base, pp.ravel(), tt.ravel()))
+    p_lo, p_hi = chamber.pressures[0], chamber.pressures[-1]
+    t_lo, t_hi = temperature_range or prior["input_range"][prior["features"][temperature]]
+    pp, tt = np.meshgrid(
+        np.linspace(p_lo, p_hi, GRID[0]), np.linspace(t_lo, t_hi, GRID[1]), indexing="ij"
+    )
+    (pn, pw), (tn, tw) = (np.polynomial.legendre.leggauss(n) for n in QUADRATURE)
+    qp, qt = np.meshgrid(
+        p_lo + (p_hi - p_lo) * (pn + 1) / 2, t_lo + (t_hi - t_lo) * (tn + 1) / 2, indexing="ij"
+    )
+    weights = torch.as_tensor(np.outer(pw, tw).ravel() / 4.0, dtype=F64)
+    return replace(
+        base,
+        field=features(base, qp.ravel(), qt.ravel()),
+        weights=weights,
+        grid=features(base, pp.ravel(), tt.ravel()),
+    )
 
 
 def features(
@@ -371,46 +402,57 @@ def posteriors(plan: Planner, x: Tensor, b: Tensor, count: Tensor, base: Base) -
 
 
 def _pack(plan: Planner, designs: list[Design]) -> tuple[Tensor, Tensor, Tensor]:
+    """Designs → padded (x (C, n, 2), b (C, n), count (C,)); each chamber point's inputs
+    solved once per planner (its cache)."""
+    cache = plan.cache
+    need = {(p, d.temperatures[k]) for d in designs for k, p, _ in d.points} - cache.keys()
+    if need:
+        keys = sorted(need)
+        got = features(plan, np.array([k[0] for k in keys]), np.array([k[1] for k in keys]))
+        for i, key in enumerate(keys):
+            cache[key] = (len(cache), got[i])
+        plan.table.clear()
+    if not plan.table:  # the cached inputs as one tensor, row = the cache's index
+        plan.table.append(torch.stack([v for _, v in sorted(cache.values(), key=lambda r: r[0])]))
     rows = max([d.size for d in designs] + [1])
-    x = torch.zeros(len(designs), rows, 2, dtype=F64)
-    b = torch.zeros(len(designs), rows, dtype=F64)
-    count = torch.zeros(len(designs), dtype=torch.int64)
-    cache: dict[tuple[float, float], Tensor] = {}
-    need = {(p, d.temperatures[k]) for d in designs for k, p, _ in d.points}
-    missing = [key for key in need if key not in cache]
-    if missing:
-        got = features(plan, np.array([m[0] for m in missing]), np.array([m[1] for m in missing]))
-        cache.update({key: got[i] for i, key in enumerate(missing)})
+    idx = np.zeros((len(designs), rows), dtype=np.int64)
+    sign = np.zeros((len(designs), rows))
+    count = np.zeros(len(designs), dtype=np.int64)
     for i, d in enumerate(designs):
-        for j, (k, p, s) in enumerate(d.points):
-            x[i, j] = cache[(p, d.temperatures[k])]
-            b[i, j] = DIRECTION_SIGNS[s]
-        count[i] = d.size
-    return x, b, count
+        n = d.size
+        idx[i, :n] = [cache[(p, d.temperatures[k])][0] for k, p, _ in d.points]
+        sign[i, :n] = [DIRECTION_SIGNS[s] for _, _, s in d.points]
+        count[i] = n
+    mask = torch.as_tensor(np.arange(rows)[None, :] < count[:, None], dtype=F64)
+    x = plan.table[0][torch.as_tensor(idx)] * mask.unsqueeze(-1)
+    return x, torch.as_tensor(sign, dtype=F64), torch.as_tensor(count)
 
 
-def expected_variance(plan: Planner, designs: list[Design], base: Base | None = None) -> Tensor:
-    """E_y s²(x | D) on the range's grid, (designs, G), in scaled units² (module doc)."""
+def expected_variance(
+    plan: Planner, designs: list[Design], base: Base | None = None, at: Tensor | None = None
+) -> Tensor:
+    """E_y s²(x | D) at the quadrature nodes (or ``at``), (designs, G), scaled units²."""
     base = base or prior_base(plan)
+    at = plan.field if at is None else at
     out = []
     for start in range(0, len(designs), BATCH):
         part = designs[start : start + BATCH]
         params = posteriors(plan, *_pack(plan, part), base)
-        field = plan.field.expand(len(part), *plan.field.shape)
+        field = at.expand(len(part), *at.shape)
         out.append(plan.algorithm.predictive_std(params, field)[..., 0].to(F64) ** 2)
     return torch.cat(out)
 
 
 def criterion(plan: Planner, designs: list[Design], base: Base | None = None) -> Tensor:
     """J(D) = E_{x∼U(R)} E_y s²(x | D) per design, scaled units² (module doc)."""
-    return expected_variance(plan, designs, base).mean(-1)
+    return expected_variance(plan, designs, base) @ plan.weights
 
 
 def evaluate(plan: Planner, design: Design, base: Base | None = None) -> Expected:
     """A design's expected RMS σ, worst σ, mean and quantile unit RMSE, chamber time."""
     base = base or prior_base(plan)
-    var = expected_variance(plan, [design], base)[0]
-    j = float(var.mean())
+    j = float(expected_variance(plan, [design], base)[0] @ plan.weights)
+    worst = float(expected_variance(plan, [design], base, plan.grid)[0].max())
     params = posteriors(plan, *_pack(plan, [design]), base)
     # Units' MSE: a quadratic form of (e_c, h) ~ N((0, m_h), C), shifted to mean J (module doc).
     alg = plan.algorithm
@@ -426,13 +468,13 @@ def evaluate(plan: Planner, design: Design, base: Base | None = None) -> Expecte
     errs = []
     for sign in (1.0, -1.0):  # the field's unknown sweep, ±1 with equal odds
         rows = alg.design(plan.field.unsqueeze(0), torch.full((1, g), sign, dtype=F64))[0]
-        errs.append(((z @ rows.T) ** 2).mean(-1))
+        errs.append(((z @ rows.T) ** 2) @ plan.weights)
     quad = 0.5 * (errs[0] + errs[1])
     mse = (j + quad - quad.mean()).clamp_min(0.0)
     rmse = mse.sqrt() * plan.y_scale
     return Expected(
         rms=j**0.5 * plan.y_scale,
-        worst=float(var.max()) ** 0.5 * plan.y_scale,
+        worst=worst**0.5 * plan.y_scale,
         mean_rmse=float(rmse.mean()),
         quantile_rmse=float(torch.quantile(rmse, plan.quantile)),
         minutes=plan.chamber.minutes(design.plateaus, design.size),
@@ -554,9 +596,10 @@ def optimize(plan: Planner, plateaus: int, points: int, start: Design | None = N
     if start is None:
         start = _even_start(ch, plateaus, points)
     check_design(ch, start, plateaus, points)
+    # Exchange from the better of the two starts (greedy, the grid): J never exceeds it.
     starts = [start, greedy(plan, plateaus, points)]
-    done = [exchange(plan, s) for s in starts]
-    best = min(done, key=lambda r: r[1])[0]
+    values = criterion(plan, starts)
+    best = exchange(plan, starts[int(torch.argmin(values))])[0]
     return Plan(best, evaluate(plan, best), start, evaluate(plan, start))
 
 
@@ -669,10 +712,12 @@ def next_points(
     chamber minute: a point on the current plateau (set point ``current``, the unit's last
     temperature snapped to the chamber) costs point_minutes, one on a new plateau also
     plateau_minutes. Candidate points' responses are the unit's own posterior mean's."""
-    var = plan.algorithm.predictive_std(params, plan.field.unsqueeze(0))[0, :, 0].to(F64) ** 2
+    std = plan.algorithm.predictive_std
+    var = std(params, plan.field.unsqueeze(0))[0, :, 0].to(F64) ** 2 @ plan.weights
+    worst = std(params, plan.grid.unsqueeze(0))[0, :, 0].to(F64).max()
     now = Expected(
-        float(var.mean()) ** 0.5 * plan.y_scale,
-        float(var.max()) ** 0.5 * plan.y_scale,
+        float(var) ** 0.5 * plan.y_scale,
+        float(worst) * plan.y_scale,
         float("nan"),
         float("nan"),
         0.0,
@@ -682,8 +727,9 @@ def next_points(
     if now.rms <= spec:
         return NextStep(now, True, ())
     ch = plan.chamber
-    own = replace(plan, server={**plan.server, "mu": base.coef})  # invert with the unit's coef
-    value = float(var.mean())
+    # the unit's own coefficients solve its candidate points' inputs (a cache of its own)
+    own = replace(plan, server={**plan.server, "mu": base.coef}, cache={}, table=[])
+    value = float(var)
     chosen: list[tuple[float, float, str]] = []
     steps = []
     for _ in range(count):
@@ -698,7 +744,7 @@ def next_points(
         x, b, cnt = _pack(own, designs)
         params_c = posteriors(plan, x, b, cnt, base)
         field = plan.field.expand(len(designs), *plan.field.shape)
-        j = (plan.algorithm.predictive_std(params_c, field)[..., 0].to(F64) ** 2).mean(-1)
+        j = (std(params_c, field)[..., 0].to(F64) ** 2) @ plan.weights
         gain = (value - j) / torch.tensor(costs, dtype=F64)
         i = int(torch.argmax(gain))
         chosen.append(cands[i])
