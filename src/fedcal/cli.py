@@ -861,12 +861,8 @@ def plan(
             best["planned"].frame().to_csv(out, index=False)
     except (FileNotFoundError, ValueError, ConfigError, FleetDataError) as err:
         _fail(str(err))
-    t = Table(title=f"expected over the range ({unit_name})", title_justify="left")
-    for c in table.columns:
-        t.add_column(c.replace("_", " "))
-    for _, row in table.iterrows():
-        t.add_row(*[f"{v:.4g}" if isinstance(v, float) else str(v) for v in row])
-    console.print(t)
+    console.print(f"expected over the range ({unit_name}; sd: predictive σ, rmse: over units)")
+    console.out(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"), highlight=False)
     if out is not None:
         console.print(f"wrote {out} ({best['planned'].size} points)")
 
