@@ -97,11 +97,17 @@ def main() -> None:
         help="diagnostic: every pair of set points on this °C grid, 6 points (planner's "
         "pressures), scored on the new units (the best 2-plateau placement in hindsight)",
     )
+    parser.add_argument(
+        "--figure", type=Path, default=None, help="PNG: predictive σ over (P, T), planned vs 3x2"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     cfg = load_config("fewpoint")
     if args.scan_step:
         scan(cfg, args)
+        return
+    if args.figure:
+        figure(cfg, args)
         return
     methods = tuple(args.methods.split(","))
     budgets = [tuple(int(v) for v in b.split("x")) for b in args.budgets.split(",")]
@@ -214,6 +220,39 @@ def scan(cfg, args) -> None:
             f"{chosen.t_low:g}/{chosen.t_high:g} °C {chosen.rmse_mean:.3f} / "
             f"{chosen.rmse_worst:.3f}; Spearman(forecast, actual) {rho:.2f} over {len(part)} pairs"
         )
+
+
+def figure(cfg, args) -> None:
+    """Expected predictive σ over the (P, T) plane: the planned 6-point design vs 3×2
+    (first fleet seed, first method), with the chamber points marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seed = int(args.fleet_seeds.split(",")[0])
+    method = args.methods.split(",")[0]
+    prior = learn_prior(cfg, seed, (method,), args.out / f"prior_seed{seed}")[method]
+    plan = planning.planner(prior)
+    designs = {
+        "planned (6 points, 2 plateaus)": planning.optimize(plan, 2, 6).design,
+        "grid 3x2": planning.grid_design(plan.chamber, 3, 2),
+    }
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True, constrained_layout=True)
+    maps = {name: planning.sigma_map(plan, d) for name, d in designs.items()}
+    levels = np.linspace(0.0, max(float(m["sigma"].max()) for m in maps.values()), 13)
+    for ax, (name, d) in zip(axes, designs.items(), strict=True):
+        grid = maps[name].pivot(index="temperature_c", columns="pressure_hpa", values="sigma")
+        im = ax.contourf(grid.columns, grid.index, grid.to_numpy(), levels=levels)
+        pts = d.frame()
+        ax.scatter(pts["pressure_hpa"], pts["temperature_c"], c="w", edgecolors="k")
+        e = planning.evaluate(plan, d)
+        ax.set_title(f"{name}\nRMS σ {e.rms:.3f}, worst {e.worst:.3f} hPa", fontsize=10)
+        ax.set_xlabel("pressure (hPa)")
+    axes[0].set_ylabel("temperature (°C)")
+    fig.colorbar(im, ax=axes, label="expected predictive σ (hPa)")
+    fig.savefig(args.figure, dpi=110)
+    print(f"wrote {args.figure} ({method}, fleet seed {seed})")
 
 
 def _strict(values: pd.Series) -> float:

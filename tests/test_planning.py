@@ -262,3 +262,22 @@ def test_simulator_points_design_measures_the_given_points():
     with pytest.raises(ValueError, match="design_points"):
         FleetSpec(train_design="points")
     torch.set_num_threads(1)
+
+
+def test_sigma_map_is_the_predictive_sd_on_the_regular_grid():
+    plan = planning.planner(tiny_prior(), CHAMBER)
+    d = planning.Design((-40.0, 60.0), ((0, 50.0, "up"), (1, 1550.0, "up")))
+    m = planning.sigma_map(plan, d)
+    assert len(m) == planning.GRID[0] * planning.GRID[1]
+    phi_d = np.array(
+        [
+            hand_phi(*map(np.array, hand_x(50.0, -40.0))),
+            hand_phi(*map(np.array, hand_x(1550.0, 60.0))),
+        ]
+    )
+    v = np.linalg.inv(phi_d.T @ phi_d / NOISE + np.linalg.inv(SIGMA_C))
+    f = hand_phi(*hand_x(m["pressure_hpa"].to_numpy(), m["temperature_c"].to_numpy()))
+    want = np.sqrt(np.einsum("gi,ij,gj->g", f, v, f) + NOISE) * 800.0
+    np.testing.assert_allclose(m["sigma"].to_numpy(), want, rtol=1e-9)
+    assert m["temperature_c"].min() == pytest.approx(-40.0)
+    assert m["pressure_hpa"].max() == pytest.approx(1550.0)

@@ -806,3 +806,22 @@ def compare(plan: Planner, designs: dict[str, Design], spec: float | None = None
             row["meets_spec"] = meets(e, spec)
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+def sigma_map(plan: Planner, design: Design) -> pd.DataFrame:
+    """The design's expected predictive σ (target units) on the range's regular grid:
+    columns ``pressure_hpa``, ``temperature_c``, ``sigma`` (for a figure of the plane)."""
+    var = expected_variance(plan, [design], at=plan.grid)[0]
+    raw = np.zeros((plan.grid.shape[0], 2))
+    raw[:, plan.temperature] = plan.grid[:, plan.temperature].numpy()
+    temps = raw[:, plan.temperature] * plan.scaler.x_scale[plan.temperature]
+    temps = temps + plan.scaler.x_offset[plan.temperature]
+    p_lo, p_hi = plan.chamber.pressures[0], plan.chamber.pressures[-1]
+    pressures = np.repeat(np.linspace(p_lo, p_hi, GRID[0]), GRID[1])
+    return pd.DataFrame(
+        {
+            "pressure_hpa": pressures,
+            "temperature_c": temps,
+            "sigma": var.sqrt().numpy() * plan.y_scale,
+        }
+    )
