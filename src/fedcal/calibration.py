@@ -369,3 +369,20 @@ def unit_diagnostics(
             }
         )
     return pd.DataFrame(units), pd.DataFrame(rows)
+
+
+def prior_algorithm(prior: dict[str, Any]) -> FedPrior:
+    """The fedprior algorithm a stored prior was learned with (its chosen basis, fixed).
+
+    What :func:`calibrate` builds, for readers of a prior that have no units'
+    data yet (``fedcal plan``): same configuration, same basis check.
+    """
+    cfg = _config(prior)
+    algorithm = build_algorithm(prior["method"], cfg, build_task(cfg, len(prior["features"])))
+    if not isinstance(algorithm, FedPrior):
+        raise ValueError(f"prior method {prior['method']!r} is not a fedprior method")
+    if [list(t) for t in algorithm.terms] != prior["terms"] or [
+        list(t) for t in algorithm.branch_terms
+    ] != prior.get("branch_terms", []):
+        raise ValueError("prior.json: its basis terms do not match its method parameters")
+    return algorithm

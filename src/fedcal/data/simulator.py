@@ -117,6 +117,9 @@ points: P pressure levels evenly spread over the calibrated range
 each of T temperature plateaus, also evenly spread and including both ends of
 the range (``linspace(min plateau, max plateau, T)``; T = 1: the middle of the
 range), one ascending sweep per plateau, plateaus cold to hot — P·T rows.
+``"points"``: the explicit points of ``design_points`` (pressure, set point,
+sweep direction), e.g. a design planned by ``fedcal plan``, measured in the
+given order; plateaus are its distinct set points.
 The physics is the campaign's: each plateau's true temperature is its setpoint
 plus N(0, ``plateau_offset_c``²) (its own chamber run, shared by every unit of
 that design: stream ``(seed, design)``), and the ascending sweep carries the
@@ -213,6 +216,8 @@ _NUM_POOL_UNITS = 21
 # Stream purposes (first element of a SeedSequence spawn key).
 _S_PARENTS, _S_LOT, _S_LOT_ASSIGN, _S_CHAMBER, _S_RANDOM_TEST, _S_SENSOR, _S_NOISE = range(7)
 _S_DESIGN_CHAMBER = 7
+_S_POINTS_CHAMBER = 8
+POINTS = "points"  # train_design: the explicit chamber points of ``design_points``
 
 _DESIGN_PATTERN = re.compile(r"(\d+)x(\d+)")
 
@@ -276,10 +281,19 @@ class FleetSpec:
     num_reference: Count = 0  # mixed fleet: reference units
     num_new: Count = 0  # + new units; 0, 0 = plain fleet
     reference_design: Str = CAMPAIGN
+    # train_design = "points": each unit's chamber points (pressure hPa, set point °C, sweep
+    # "up"/"down") in measurement order, e.g. a `fedcal plan` design.csv (module doc).
+    design_points: tuple[tuple[Hpa, Float, Literal["up", "down"]], ...] = Field(
+        default=(), max_length=100_000
+    )
 
     @model_validator(mode="after")
     def _designs(self) -> FleetSpec:
         for name in ("train_design", "reference_design"):
+            if getattr(self, name) == POINTS:
+                if not self.design_points:
+                    raise ValueError(f"{name}: 'points' needs design_points (none given)")
+                continue
             try:
                 parse_design(getattr(self, name))
             except ValueError as err:
@@ -566,11 +580,14 @@ def measurement_plan(
     campaign's whatever the design.
     """
     _check_seed(seed)
-    grid = parse_design(spec.train_design if design is None else design)
+    design = spec.train_design if design is None else design
     campaign = _campaign_plan(spec, seed)
-    if grid is None:
+    if design == POINTS:
+        train = _points_plan(spec, seed)
+    elif (grid := parse_design(design)) is None:
         return campaign
-    train = _grid_plan(spec, seed, *grid)
+    else:
+        train = _grid_plan(spec, seed, *grid)
     test = campaign[campaign["split"] == "test"]
     return pd.concat([train, test], ignore_index=True)
 
@@ -601,6 +618,35 @@ def _grid_plan(spec: FleetSpec, seed: int, num_levels: int, num_plateaus: int) -
             "plateau": np.repeat(np.arange(num_plateaus, dtype=np.int64), num_levels),
             "sweep": np.zeros(n, dtype=np.int64),
             "direction": np.full(n, "up", dtype=object),
+            "split": np.full(n, "train", dtype=object),
+        }
+    )
+
+
+def _points_plan(spec: FleetSpec, seed: int) -> pd.DataFrame:
+    """Training rows of the explicit design ``design_points``, in the given order.
+
+    Plateaus are the distinct set points in order of first appearance; each one's true
+    temperature is its set point plus N(0, ``plateau_offset_c``²) from its own stream
+    (seed, plateau index), shared by every unit of the design (one chamber run).
+    """
+    pressure = np.array([p for p, _, _ in spec.design_points], dtype=float)
+    setpoint = np.array([t for _, t, _ in spec.design_points], dtype=float)
+    plateaus, index = np.unique(setpoint, return_inverse=True)
+    first = [int(np.flatnonzero(index == k)[0]) for k in range(len(plateaus))]
+    order = np.argsort(first)  # plateau numbers in order of first appearance
+    rank = np.empty(len(plateaus), dtype=np.int64)
+    rank[order] = np.arange(len(plateaus))
+    offsets = spec.plateau_offset_c * _rng(seed, _S_POINTS_CHAMBER).standard_normal(len(plateaus))
+    plateau = rank[index]
+    n = len(pressure)
+    return pd.DataFrame(
+        {
+            "pressure_hpa": pressure,
+            "temperature_true_c": setpoint + offsets[plateau],
+            "plateau": plateau.astype(np.int64),
+            "sweep": np.zeros(n, dtype=np.int64),
+            "direction": np.array([d for _, _, d in spec.design_points], dtype=object),
             "split": np.full(n, "train", dtype=object),
         }
     )

@@ -1,0 +1,827 @@
+"""Choose a new unit's chamber points from the fleet prior (``fedcal plan``).
+
+A fleet prior N(μ, Σ) over a unit's coefficients, with noise σ², is a
+Gaussian linear model (:mod:`fedcal.algorithms.fedprior`). For such a model
+the posterior covariance of a unit measured at the design D (its points'
+features Φ_D, rows [φ(x), b·ψ(x)], b = +1 up, −1 down)
+
+    V(D) = (Φ_Dᵀ Φ_D / σ² + Σ⁻¹)⁻¹
+
+does not depend on the readings: before a unit enters the chamber, the prior
+says how well each candidate design will calibrate it.
+
+Criterion (I-optimality, integrated predictive variance). A calibrated unit
+is used over its operating range R (the chamber's pressure range × the
+temperature range the fleet was calibrated over), at a point x uniform over R
+with an unknown sweep direction. Its expected squared error there is the
+expected predictive variance
+
+    J(D) = E_{x∼U(R)} E_y[ s²(x | D, y) ],
+    s²(x | D, y) = φ(x)ᵀ V_cc φ(x) + σ² + ψ(x)ᵀ (m_h m_hᵀ + V_hh) ψ(x)
+
+(fedprior's predictive variance with the direction term, m_h the posterior
+mean of the hysteresis coefficients). Averaged over the readings the unit
+will give, E_y[m_h m_hᵀ + V_hh] = μ_h μ_hᵀ + Σ_hh (law of total variance), so
+E_y s² is fedprior's own :meth:`~fedcal.algorithms.fedprior.FedPrior.predictive_std`
+evaluated at the posterior of the design (computed by
+:meth:`~fedcal.algorithms.fedprior.FedPrior.personalize` on readings equal to
+the prior mean, which leave the mean at μ) with the h-block of its covariance
+set to the prior's Σ_hh. This module never writes the variance formula
+itself: any term the algorithm adds to its predictive variance flows in.
+The direction still matters: a point swept up sees c + h along ψ, one swept
+down c − h, and the joint prior splits them; what h adds in the field does
+not shrink with the design (its sign is unknown there).
+
+R is the chamber's pressure range × the temperature range the fleet was
+calibrated over (the prior's ``input_range``), whatever set points the
+chamber can reach.
+
+Why I-optimality: the figure a user is judged by is the RMSE over the range
+(√J is its expected value's root); D-optimality would spend points on
+coefficients that barely move the prediction inside R. The worst case over
+the range, max_x s(x), is reported beside it (a minimax design would chase the
+corners, where the range is rarely used). J is evaluated on a regular (P, T)
+Gauss–Legendre product rule of R (:data:`QUADRATURE` nodes in P × T, exact for
+polynomials of degree < 2·nodes in each; the worst case on a regular grid,
+:data:`GRID`); the response input (frequency) of a chamber point
+(P, T) is the one the prior-mean unit gives there (φ(x)ᵀμ_c = P solved by
+bisection), so a design needs no unit's data.
+
+Over the fleet's units. Under a Gaussian prior with one fleet noise level the
+predictive variance is the same for every unit; units differ in their actual
+error. A unit's mean squared error over R is
+
+    MSE = E_x[(φᵀ e_c)² + (ψᵀh)²] + (the rest of s²),   (e_c, h) ∼ N((0, μ_h), C)
+
+with e_c = c − m_c its posterior error and C the covariance above (V_cc, V_ch
+and Σ_hh): a quadratic form of a Gaussian. Its distribution is drawn
+(:data:`QUANTILE_DRAWS` fixed-seed draws) and shifted so that its mean is J
+exactly; the design's figures are then E[√MSE] (the fleet's mean RMSE) and
+its ``quantile`` (default 0.95, the 95th percentile: the "worst" of 20
+units). With ``noise = "sensor"`` the stored prior does not hold the spread of
+the units' noise levels, so every unit is given the fleet's σ² (said, not
+hidden).
+
+Optimizer. A design is K plateau temperatures (from the chamber's feasible
+set points) and N points (a plateau, a pressure step, a direction), every
+plateau at least one point. Greedy construction (add the point that lowers J
+most; a new plateau is opened while fewer than K are) then a best-improvement
+exchange (Fedorov 1972): each pass evaluates, in one batch, every move of one
+plateau to another set point and of one point to another (plateau, pressure,
+direction), and applies the best if it lowers J. Exchange starts from the
+greedy design and from the standard grid (and from a given start); the best
+is returned, so the result is never worse than any start.
+
+Chamber time: K·plateau_minutes + N·point_minutes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from fedcal.algorithms.fedprior import FedPrior
+from fedcal.calibration import prior_algorithm
+from fedcal.core.bayes import F64
+from fedcal.core.data import ClientData
+from fedcal.core.tree import Tree, expand
+from fedcal.data.fleet import DIRECTION_SIGNS
+from fedcal.data.scaling import Scaler
+
+DESIGN_COLUMNS = ("pressure_hpa", "temperature_c", "direction")
+GRID = (21, 11)  # (pressures, temperatures) of the regular grid the worst σ is taken on
+QUADRATURE = (8, 6)  # Gauss–Legendre nodes (pressures, temperatures) J is integrated with
+QUANTILE_DRAWS = 4000  # draws of the units' MSE distribution (fixed seed)
+DEFAULT_PRESSURES = tuple(float(p) for p in range(50, 1551, 100))  # the campaign's levels
+MAX_PASSES = 100  # exchange passes (each applies one improving move; measured: < 20 used)
+BATCH = 512  # designs per batched posterior
+
+
+@dataclass(frozen=True)
+class Chamber:
+    """What the chamber can do: feasible set points, pressure steps, sweeps, and its time."""
+
+    temperatures: tuple[float, ...]  # feasible plateau set points (°C), ascending
+    pressures: tuple[float, ...]  # feasible pressure steps (hPa), ascending
+    directions: tuple[str, ...] = ("up", "down")
+    plateau_minutes: float = 90.0
+    point_minutes: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name in ("temperatures", "pressures"):
+            values = tuple(sorted(float(v) for v in getattr(self, name)))
+            if not values:
+                raise ValueError(f"chamber: no feasible {name}")
+            object.__setattr__(self, name, values)
+        bad = [d for d in self.directions if d not in DIRECTION_SIGNS]
+        if bad or not self.directions:
+            raise ValueError(f"chamber: directions must be 'up'/'down', got {bad}")
+
+    def minutes(self, plateaus: int, points: int) -> float:
+        return plateaus * self.plateau_minutes + points * self.point_minutes
+
+
+@dataclass(frozen=True)
+class Design:
+    """K plateau set points and N points (plateau index, pressure, direction)."""
+
+    temperatures: tuple[float, ...]
+    points: tuple[tuple[int, float, str], ...]
+
+    @property
+    def plateaus(self) -> int:
+        return len(self.temperatures)
+
+    @property
+    def size(self) -> int:
+        return len(self.points)
+
+    def frame(self) -> pd.DataFrame:
+        """design.csv: plateaus cold to hot; per plateau the up sweep, then the down sweep."""
+        rows = []
+        for k in np.argsort(self.temperatures, kind="stable"):
+            mine = [(p, d) for j, p, d in self.points if j == k]
+            up = sorted(p for p, d in mine if d == "up")
+            down = sorted((p for p, d in mine if d == "down"), reverse=True)
+            t = self.temperatures[k]
+            rows += [(p, t, "up") for p in up] + [(p, t, "down") for p in down]
+        return pd.DataFrame(rows, columns=list(DESIGN_COLUMNS))
+
+    @staticmethod
+    def from_frame(frame: pd.DataFrame, source: str = "design") -> Design:
+        missing = [c for c in DESIGN_COLUMNS if c not in frame.columns]
+        if missing:
+            raise ValueError(f"{source}: missing column(s) {', '.join(missing)}")
+        temps: list[float] = []
+        points = []
+        for i, row in enumerate(frame.itertuples(index=False), start=2):
+            t, p = float(row.temperature_c), float(row.pressure_hpa)
+            d = str(row.direction).strip().lower()
+            if d not in DIRECTION_SIGNS or not (np.isfinite(t) and np.isfinite(p)):
+                raise ValueError(f"{source}: line {i}: bad point ({p}, {t}, {row.direction!r})")
+            if t not in temps:
+                temps.append(t)
+            points.append((temps.index(t), p, d))
+        return Design(tuple(temps), tuple(points))
+
+
+@dataclass(frozen=True)
+class Expected:
+    """A design's expected figures over the operating range (target units, e.g. hPa)."""
+
+    rms: float  # √J: root of the range-averaged expected predictive variance
+    worst: float  # max over the range of the predictive σ
+    mean_rmse: float  # E over units of a unit's RMSE over the range
+    quantile_rmse: float  # that RMSE's quantile over units (default 95th percentile)
+    minutes: float  # chamber time
+    plateaus: int
+    points: int
+
+
+@dataclass(frozen=True)
+class Planner:
+    """A stored prior made ready to score designs (see :func:`planner`)."""
+
+    prior: dict[str, Any]
+    algorithm: FedPrior
+    server: Tree  # μ, Σ, σ² as the algorithm broadcasts them
+    scaler: Scaler
+    chamber: Chamber
+    response: int  # index of the response input (frequency), inverted from the target
+    temperature: int  # index of the temperature input
+    field: Tensor  # (G, inputs) scaled quadrature nodes of the operating range
+    weights: Tensor  # (G,) their weights (sum 1): J = Σ_g w_g E_y s²(x_g)
+    grid: Tensor  # (G', inputs) scaled regular grid of the range (the worst σ)
+    quantile: float
+    # (P, T) → (row, scaled inputs) of chamber points solved so far, and those rows stacked
+    cache: dict = field(default_factory=dict, compare=False, repr=False)
+    table: list = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def y_scale(self) -> float:
+        return float(np.asarray(self.scaler.y_scale).ravel()[0])
+
+
+def default_chamber(
+    prior: dict[str, Any],
+    t_min: float | None = None,
+    t_max: float | None = None,
+    t_step: float = 5.0,
+    pressures: tuple[float, ...] | None = None,
+    plateau_minutes: float = 90.0,
+    point_minutes: float = 5.0,
+    directions: tuple[str, ...] | None = None,
+) -> Chamber:
+    """Set points every ``t_step`` within the limits (default: the prior's calibrated
+    temperature range, snapped inward to the step); pressure steps (default the
+    campaign's 50…1550 hPa by 100); both sweeps if the prior has a direction term."""
+    _, temp = _inputs(prior)
+    lo, hi = prior["input_range"][prior["features"][temp]]
+    if t_step <= 0:
+        raise ValueError(f"--t-step must be > 0, got {t_step}")
+    t_min = float(np.ceil(lo / t_step - 1e-9) * t_step) if t_min is None else float(t_min)
+    t_max = float(np.floor(hi / t_step + 1e-9) * t_step) if t_max is None else float(t_max)
+    if t_max < t_min:
+        raise ValueError(f"temperature limits {t_min}…{t_max} °C are empty")
+    temps = np.arange(t_min, t_max + 1e-9, t_step)
+    if directions is None:
+        directions = ("up", "down") if prior.get("branch_terms") else ("up",)
+    return Chamber(
+        tuple(float(t) for t in temps),
+        tuple(pressures) if pressures else DEFAULT_PRESSURES,
+        tuple(directions),
+        plateau_minutes,
+        point_minutes,
+    )
+
+
+def _inputs(prior: dict[str, Any]) -> tuple[int, int]:
+    """(response, temperature) input indices; the target is what the chamber sets (P)."""
+    names = list(prior["features"])
+    temps = [i for i, n in enumerate(names) if "temp" in n.lower()]
+    if len(names) != 2 or len(temps) != 1:
+        raise ValueError(
+            f"plan needs a prior over (response, temperature) inputs, got {names}: "
+            "a chamber sets the target and a temperature"
+        )
+    return 1 - temps[0], temps[0]
+
+
+def planner(
+    prior: dict[str, Any],
+    chamber: Chamber | None = None,
+    quantile: float = 0.95,
+    temperature_range: tuple[float, float] | None = None,
+) -> Planner:
+    """Everything a design is scored with: the prior's algorithm and the range's grid.
+
+    The operating range R is [min, max] of the chamber's pressures × the
+    temperature range the fleet was calibrated over (the prior's ``input_range``;
+    or ``temperature_range``): limiting the set points does not shrink where
+    the unit will be used.
+    """
+    algorithm = prior_algorithm(prior)
+    chamber = chamber or default_chamber(prior)
+    if not 0.0 < quantile < 1.0:
+        raise ValueError(f"quantile must be in (0, 1), got {quantile}")
+    response, temperature = _inputs(prior)
+    server = {
+        "mu": torch.tensor(prior["mu"], dtype=F64),
+        "sigma": torch.tensor(prior["sigma"], dtype=F64),
+        "noise_var": torch.tensor(prior["noise_var"], dtype=F64),
+    }
+    base = Planner(
+        prior,
+        algorithm,
+        server,
+        Scaler.from_dict(prior["scaler"]),
+        chamber,
+        response,
+        temperature,
+        torch.zeros(0, 2, dtype=F64),
+        torch.zeros(0, dtype=F64),
+        torch.zeros(0, 2, dtype=F64),
+        quantile,
+    )
+    p_lo, p_hi = chamber.pressures[0], chamber.pressures[-1]
+    t_lo, t_hi = temperature_range or prior["input_range"][prior["features"][temperature]]
+    pp, tt = np.meshgrid(
+        np.linspace(p_lo, p_hi, GRID[0]), np.linspace(t_lo, t_hi, GRID[1]), indexing="ij"
+    )
+    (pn, pw), (tn, tw) = (np.polynomial.legendre.leggauss(n) for n in QUADRATURE)
+    qp, qt = np.meshgrid(
+        p_lo + (p_hi - p_lo) * (pn + 1) / 2, t_lo + (t_hi - t_lo) * (tn + 1) / 2, indexing="ij"
+    )
+    weights = torch.as_tensor(np.outer(pw, tw).ravel() / 4.0, dtype=F64)
+    return replace(
+        base,
+        field=features(base, qp.ravel(), qt.ravel()),
+        weights=weights,
+        grid=features(base, pp.ravel(), tt.ravel()),
+    )
+
+
+def features(
+    plan: Planner, pressure: np.ndarray, temperature: np.ndarray, coef: Tensor | None = None
+) -> Tensor:
+    """Scaled inputs (n, 2) of chamber points (P, T): the response the unit with
+    coefficients ``coef`` (default the prior mean μ) gives there.
+
+    Solves φ(r, T)ᵀ coef_c = P for the scaled response r by bisection over the
+    prior's calibrated response range ±5 % (the model is monotone in its
+    response there; a target outside it takes the nearer end).
+    """
+    pressure = np.asarray(pressure, float).ravel()
+    temperature = np.asarray(temperature, float).ravel()
+    n = len(pressure)
+    raw = np.zeros((n, 2))
+    raw[:, plan.temperature] = temperature
+    scaled_t = plan.scaler.x(raw)[:, plan.temperature]
+    target = torch.as_tensor(plan.scaler.y(pressure.reshape(-1, 1))[:, 0], dtype=F64)
+    name = plan.prior["features"][plan.response]
+    lo, hi = plan.prior["input_range"][name]
+    span = hi - lo
+    ends = np.zeros((2, 2))
+    ends[:, plan.response] = [lo - 0.05 * span, hi + 0.05 * span]
+    a, b = plan.scaler.x(ends)[:, plan.response]
+    coef = plan.server["mu"] if coef is None else coef
+    params = {"coef": coef.reshape(1, -1)}
+
+    def value(r: Tensor) -> Tensor:
+        x = torch.zeros(1, n, 2, dtype=F64)
+        x[0, :, plan.response] = r
+        x[0, :, plan.temperature] = torch.as_tensor(scaled_t, dtype=F64)
+        return plan.algorithm.predict(params, x)[0, :, 0]
+
+    lo_r = torch.full((n,), float(a), dtype=F64)
+    hi_r = torch.full((n,), float(b), dtype=F64)
+    rising = value(hi_r) >= value(lo_r)
+    for _ in range(60):  # 2⁻⁶⁰ of the bracket: exact in float64
+        mid = 0.5 * (lo_r + hi_r)
+        above = (value(mid) >= target) == rising
+        hi_r = torch.where(above, mid, hi_r)
+        lo_r = torch.where(above, lo_r, mid)
+    x = torch.zeros(n, 2, dtype=F64)
+    x[:, plan.response] = 0.5 * (lo_r + hi_r)
+    x[:, plan.temperature] = torch.as_tensor(scaled_t, dtype=F64)
+    return x
+
+
+@dataclass(frozen=True)
+class Base:
+    """What a design adds to: a unit's existing points (rows with readings) and its
+    current belief about h (the prior's, or the unit's posterior). Empty: a new unit."""
+
+    x: Tensor  # (n0, 2) scaled
+    b: Tensor  # (n0,)
+    y: Tensor  # (n0,) scaled readings
+    coef: Tensor  # (p,) current mean of the coefficients
+    cov_h: Tensor  # (q, q) current covariance of h (empty without a direction term)
+    noise_var: Tensor  # the unit's noise variance (scalar)
+
+
+def prior_base(plan: Planner) -> Base:
+    p = len(plan.algorithm.terms)
+    return Base(
+        torch.zeros(0, 2, dtype=F64),
+        torch.zeros(0, dtype=F64),
+        torch.zeros(0, dtype=F64),
+        plan.server["mu"],
+        plan.server["sigma"][p:, p:],
+        plan.server["noise_var"],
+    )
+
+
+def posteriors(plan: Planner, x: Tensor, b: Tensor, count: Tensor, base: Base) -> Tree:
+    """Each design's expected posterior (module doc): fedprior's personalize on the base
+    rows plus the design's rows read at the current mean, h-block of the covariance set
+    to the current belief's. ``x`` (C, n, 2), ``b`` (C, n), ``count`` (C,)."""
+    alg = plan.algorithm
+    c = x.shape[0]
+    n0 = base.x.shape[0]
+    xs = torch.cat([base.x.expand(c, n0, 2), x], 1)
+    bs = torch.cat([base.b.expand(c, n0), b], 1)
+    mean = (alg.design(x, b) @ base.coef.to(F64).unsqueeze(-1))[..., 0]
+    ys = torch.cat([base.y.expand(c, n0), mean], 1)
+    data = ClientData(xs, ys.unsqueeze(-1), count + n0, (0,) * c, (), bs)
+    down = expand(alg.broadcast(plan.server), c)
+    state = alg.client_init(down)
+    state["noise_var"] = base.noise_var.to(F64).expand(c).clone()
+    params = alg.personalize(down, state, data)
+    p = len(alg.terms)
+    if alg.branch_orders:  # E_y[m_h m_hᵀ + V_hh] = current m_h m_hᵀ + current Cov(h)
+        cov = params["cov"].clone()
+        cov[:, p:, p:] = base.cov_h
+        params = {**params, "cov": cov, "coef": base.coef.to(F64).expand(c, -1).clone()}
+    return params
+
+
+def _pack(plan: Planner, designs: list[Design]) -> tuple[Tensor, Tensor, Tensor]:
+    """Designs → padded (x (C, n, 2), b (C, n), count (C,)); each chamber point's inputs
+    solved once per planner (its cache)."""
+    cache = plan.cache
+    need = {(p, d.temperatures[k]) for d in designs for k, p, _ in d.points} - cache.keys()
+    if need:
+        keys = sorted(need)
+        got = features(plan, np.array([k[0] for k in keys]), np.array([k[1] for k in keys]))
+        for i, key in enumerate(keys):
+            cache[key] = (len(cache), got[i])
+        plan.table.clear()
+    if not plan.table:  # the cached inputs as one tensor, row = the cache's index
+        plan.table.append(torch.stack([v for _, v in sorted(cache.values(), key=lambda r: r[0])]))
+    rows = max([d.size for d in designs] + [1])
+    idx = np.zeros((len(designs), rows), dtype=np.int64)
+    sign = np.zeros((len(designs), rows))
+    count = np.zeros(len(designs), dtype=np.int64)
+    for i, d in enumerate(designs):
+        n = d.size
+        idx[i, :n] = [cache[(p, d.temperatures[k])][0] for k, p, _ in d.points]
+        sign[i, :n] = [DIRECTION_SIGNS[s] for _, _, s in d.points]
+        count[i] = n
+    mask = torch.as_tensor(np.arange(rows)[None, :] < count[:, None], dtype=F64)
+    x = plan.table[0][torch.as_tensor(idx)] * mask.unsqueeze(-1)
+    return x, torch.as_tensor(sign, dtype=F64), torch.as_tensor(count)
+
+
+def expected_variance(
+    plan: Planner, designs: list[Design], base: Base | None = None, at: Tensor | None = None
+) -> Tensor:
+    """E_y s²(x | D) at the quadrature nodes (or ``at``), (designs, G), scaled units²."""
+    base = base or prior_base(plan)
+    at = plan.field if at is None else at
+    out = []
+    for start in range(0, len(designs), BATCH):
+        part = designs[start : start + BATCH]
+        params = posteriors(plan, *_pack(plan, part), base)
+        field = at.expand(len(part), *at.shape)
+        out.append(plan.algorithm.predictive_std(params, field)[..., 0].to(F64) ** 2)
+    return torch.cat(out)
+
+
+def criterion(plan: Planner, designs: list[Design], base: Base | None = None) -> Tensor:
+    """J(D) = E_{x∼U(R)} E_y s²(x | D) per design, scaled units² (module doc)."""
+    return expected_variance(plan, designs, base) @ plan.weights
+
+
+def evaluate(plan: Planner, design: Design, base: Base | None = None) -> Expected:
+    """A design's expected RMS σ, worst σ, mean and quantile unit RMSE, chamber time."""
+    base = base or prior_base(plan)
+    j = float(expected_variance(plan, [design], base)[0] @ plan.weights)
+    worst = float(expected_variance(plan, [design], base, plan.grid)[0].max())
+    params = posteriors(plan, *_pack(plan, [design]), base)
+    # Units' MSE: a quadratic form of (e_c, h) ~ N((0, m_h), C), shifted to mean J (module doc).
+    alg = plan.algorithm
+    p = len(alg.terms)
+    cov = params["cov"][0]
+    shift = torch.zeros(cov.shape[0], dtype=F64)
+    shift[p:] = base.coef[p:].to(F64)
+    vals, vecs = torch.linalg.eigh(0.5 * (cov + cov.T))
+    root = vecs * vals.clamp_min(0.0).sqrt()
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(QUANTILE_DRAWS, cov.shape[0], generator=gen, dtype=F64) @ root.T + shift
+    g = plan.field.shape[0]
+    errs = []
+    for sign in (1.0, -1.0):  # the field's unknown sweep, ±1 with equal odds
+        rows = alg.design(plan.field.unsqueeze(0), torch.full((1, g), sign, dtype=F64))[0]
+        errs.append(((z @ rows.T) ** 2) @ plan.weights)
+    quad = 0.5 * (errs[0] + errs[1])
+    mse = (j + quad - quad.mean()).clamp_min(0.0)
+    rmse = mse.sqrt() * plan.y_scale
+    return Expected(
+        rms=j**0.5 * plan.y_scale,
+        worst=worst**0.5 * plan.y_scale,
+        mean_rmse=float(rmse.mean()),
+        quantile_rmse=float(torch.quantile(rmse, plan.quantile)),
+        minutes=plan.chamber.minutes(design.plateaus, design.size),
+        plateaus=design.plateaus,
+        points=design.size,
+    )
+
+
+# ---- standard grids ---------------------------------------------------------------
+def _snap(values: np.ndarray, feasible: tuple[float, ...]) -> list[float]:
+    grid = np.asarray(feasible)
+    return [float(grid[np.argmin(np.abs(grid - v))]) for v in values]
+
+
+def grid_design(
+    chamber: Chamber, pressures: int, plateaus: int, sweeps: tuple[str, ...] = ("up",)
+) -> Design:
+    """The standard PxT grid: P pressures and T set points evenly spread, ends included
+    (T = 1: the middle), snapped to the chamber's steps; one sweep per entry of ``sweeps``."""
+    p_lo, p_hi = chamber.pressures[0], chamber.pressures[-1]
+    t_lo, t_hi = chamber.temperatures[0], chamber.temperatures[-1]
+    ps = _snap(np.linspace(p_lo, p_hi, pressures), chamber.pressures)
+    ts = np.array([(t_lo + t_hi) / 2]) if plateaus == 1 else np.linspace(t_lo, t_hi, plateaus)
+    temps = tuple(dict.fromkeys(_snap(ts, chamber.temperatures)))
+    points = tuple((k, p, s) for k in range(len(temps)) for s in sweeps for p in ps)
+    return Design(temps, points)
+
+
+def standard_grids(chamber: Chamber) -> dict[str, Design]:
+    """3×2, 2×3, 4×3 (one up sweep each) and the full campaign (every step and set point
+    of the simulator's protocol: 16 pressures × 6 plateaus × up, down, up, down)."""
+    out = {f"{p}x{t}": grid_design(chamber, p, t) for p, t in ((3, 2), (2, 3), (4, 3))}
+    campaign = grid_design(chamber, len(chamber.pressures), 6, ("up", "down", "up", "down"))
+    out["campaign"] = campaign
+    return out
+
+
+# ---- the optimizer ----------------------------------------------------------------
+def _moves(plan: Planner, d: Design) -> list[Design]:
+    """Every design one exchange away: one plateau to another free set point, or one point
+    to another (plateau, pressure, direction) that leaves no plateau empty."""
+    ch = plan.chamber
+    out = []
+    for k in range(d.plateaus):
+        for t in ch.temperatures:
+            if t not in d.temperatures:
+                out.append(Design((*d.temperatures[:k], t, *d.temperatures[k + 1 :]), d.points))
+    per = np.bincount([k for k, _, _ in d.points], minlength=d.plateaus)
+    for j, (k0, p0, s0) in enumerate(d.points):
+        for k in range(d.plateaus):
+            if k != k0 and per[k0] == 1:
+                continue
+            for p in ch.pressures:
+                for s in ch.directions:
+                    if (k, p, s) != (k0, p0, s0):
+                        pts = (*d.points[:j], (k, p, s), *d.points[j + 1 :])
+                        out.append(Design(d.temperatures, pts))
+    return out
+
+
+def exchange(plan: Planner, start: Design, base: Base | None = None) -> tuple[Design, float]:
+    """Best-improvement exchange from ``start``; never returns a worse design (module doc)."""
+    best, value = start, float(criterion(plan, [start], base)[0])
+    for _ in range(MAX_PASSES):
+        moves = _moves(plan, best)
+        if not moves:
+            break
+        scores = criterion(plan, moves, base)
+        i = int(torch.argmin(scores))
+        if not float(scores[i]) < value * (1.0 - 1e-9):
+            break
+        best, value = moves[i], float(scores[i])
+    return best, value
+
+
+def greedy(plan: Planner, plateaus: int, points: int, base: Base | None = None) -> Design:
+    """Add the point that lowers J most, N times; a new plateau may be opened (any free set
+    point) while fewer than K are open, and must be when the remaining points require it."""
+    ch = plan.chamber
+    d = Design((), ())
+    for step in range(points):
+        must_open = points - step == plateaus - d.plateaus
+        cands = []
+        if not must_open:
+            cands += [
+                Design(d.temperatures, (*d.points, (k, p, s)))
+                for k in range(d.plateaus)
+                for p in ch.pressures
+                for s in ch.directions
+            ]
+        if d.plateaus < plateaus:
+            k = d.plateaus
+            cands += [
+                Design((*d.temperatures, t), (*d.points, (k, p, s)))
+                for t in ch.temperatures
+                if t not in d.temperatures
+                for p in ch.pressures
+                for s in ch.directions
+            ]
+        d = cands[int(torch.argmin(criterion(plan, cands, base)))]
+    return d
+
+
+@dataclass(frozen=True)
+class Plan:
+    design: Design
+    expected: Expected
+    start: Design  # the standard grid (or given start) the optimizer had to beat
+    start_expected: Expected
+
+
+def optimize(plan: Planner, plateaus: int, points: int, start: Design | None = None) -> Plan:
+    """The design of K plateaus and N points minimizing J (module doc)."""
+    ch = plan.chamber
+    if plateaus < 1 or points < plateaus:
+        raise ValueError(f"need 1 <= plateaus <= points, got {plateaus} plateaus, {points} points")
+    if plateaus > len(ch.temperatures):
+        raise ValueError(f"{plateaus} plateaus but only {len(ch.temperatures)} feasible set points")
+    if start is None:
+        start = _even_start(ch, plateaus, points)
+    check_design(ch, start, plateaus, points)
+    # Exchange from the better of the two starts (greedy, the grid): J never exceeds it.
+    starts = [start, greedy(plan, plateaus, points)]
+    values = criterion(plan, starts)
+    best = exchange(plan, starts[int(torch.argmin(values))])[0]
+    return Plan(best, evaluate(plan, best), start, evaluate(plan, start))
+
+
+def _even_start(ch: Chamber, plateaus: int, points: int) -> Design:
+    """The standard grid when N is a multiple of K; else its points shared out evenly."""
+    temps = grid_design(ch, 2, plateaus).temperatures
+    if len(temps) < plateaus:  # snapping merged set points: take the next free ones
+        free = [t for t in ch.temperatures if t not in temps]
+        temps = temps + tuple(free[: plateaus - len(temps)])
+    counts = [points // plateaus + (k < points % plateaus) for k in range(plateaus)]
+    pts = []
+    for k, n in enumerate(counts):
+        ps = _snap(np.linspace(ch.pressures[0], ch.pressures[-1], n), ch.pressures)
+        if n == 1:
+            ps = _snap(np.array([(ch.pressures[0] + ch.pressures[-1]) / 2]), ch.pressures)
+        pts += [(k, p, ch.directions[0]) for p in ps]
+    return Design(tuple(temps), tuple(pts))
+
+
+def check_design(ch: Chamber, d: Design, plateaus: int | None = None, points: int | None = None):
+    """Refuse a design outside the chamber (set points, pressures, directions) or of the
+    wrong size, naming the offending value."""
+    if plateaus is not None and d.plateaus != plateaus:
+        raise ValueError(f"design has {d.plateaus} plateaus, expected {plateaus}")
+    if points is not None and d.size != points:
+        raise ValueError(f"design has {d.size} points, expected {points}")
+    for t in d.temperatures:
+        if not ch.temperatures[0] - 1e-9 <= t <= ch.temperatures[-1] + 1e-9:
+            raise ValueError(f"set point {t} °C outside the chamber's limits")
+    for k, p, s in d.points:
+        if not (0 <= k < d.plateaus) or p not in ch.pressures or s not in ch.directions:
+            raise ValueError(f"point ({p} hPa, plateau {k}, {s}) is not a feasible chamber point")
+    if set(range(d.plateaus)) - {k for k, _, _ in d.points}:
+        raise ValueError("design has a plateau without points")
+
+
+def plan_design(
+    prior: dict[str, Any],
+    plateaus: int,
+    points: int,
+    *,
+    chamber: Chamber | None = None,
+    start: Design | None = None,
+    quantile: float = 0.95,
+) -> Plan:
+    """From Python (what ``FleetPrior.plan`` wires to): the optimized design of K plateaus
+    and N points for a new unit under the stored ``prior`` (a loaded prior.json)."""
+    return optimize(planner(prior, chamber, quantile), plateaus, points, start)
+
+
+def cheapest(plan: Planner, spec: float, max_plateaus: int = 4, max_points: int = 24) -> list[Plan]:
+    """Per K ≤ ``max_plateaus``, the fewest points N ≤ ``max_points`` whose optimized design
+    meets the spec (√J ≤ spec and the units' RMSE quantile ≤ spec), cheapest first.
+
+    N is found by bisection: J of the optimized design falls with N (a design of N + 1
+    points contains one of N). Returns the meeting plans sorted by chamber time.
+    """
+    out = []
+    for k in range(1, min(max_plateaus, len(plan.chamber.temperatures)) + 1):
+        lo, hi = k, max_points
+        best = None
+        while lo <= hi:
+            n = (lo + hi) // 2
+            result = optimize(plan, k, n)
+            if meets(result.expected, spec):
+                best, hi = result, n - 1
+            else:
+                lo = n + 1
+        if best is not None:
+            out.append(best)
+    return sorted(out, key=lambda r: (r.expected.minutes, r.expected.quantile_rmse))
+
+
+def meets(e: Expected, spec: float) -> bool:
+    return e.rms <= spec and e.quantile_rmse <= spec
+
+
+# ---- sequential mode --------------------------------------------------------------
+@dataclass(frozen=True)
+class NextStep:
+    now: Expected  # the unit as it is (its actual posterior)
+    done: bool  # its predicted RMS σ over the range meets the spec
+    steps: tuple[tuple[float, float, str, float, float], ...]  # (P, T, dir, RMS σ after, min)
+
+
+def unit_base(plan: Planner, x: Tensor, b: Tensor, y: Tensor, params: Tree) -> Base:
+    """A unit's points and its actual posterior (``calibration.calibrate``'s personal model,
+    one unit) as the base the next points add to."""
+    p = len(plan.algorithm.terms)
+    return Base(
+        x,
+        b,
+        y,
+        params["coef"][0].to(F64),
+        params["cov"][0, p:, p:].to(F64),
+        params["noise_var"].reshape(-1)[0].to(F64),
+    )
+
+
+def next_points(
+    plan: Planner,
+    base: Base,
+    params: Tree,
+    spec: float,
+    count: int = 1,
+    current: float | None = None,
+) -> NextStep:
+    """Whether the unit meets ``spec`` (its actual posterior's RMS predictive σ over the
+    range), and if not the next ``count`` points, chosen greedily by the reduction of J per
+    chamber minute: a point on the current plateau (set point ``current``, the unit's last
+    temperature snapped to the chamber) costs point_minutes, one on a new plateau also
+    plateau_minutes. Candidate points' responses are the unit's own posterior mean's."""
+    std = plan.algorithm.predictive_std
+    var = std(params, plan.field.unsqueeze(0))[0, :, 0].to(F64) ** 2 @ plan.weights
+    worst = std(params, plan.grid.unsqueeze(0))[0, :, 0].to(F64).max()
+    now = Expected(
+        float(var) ** 0.5 * plan.y_scale,
+        float(worst) * plan.y_scale,
+        float("nan"),
+        float("nan"),
+        0.0,
+        0,
+        int(base.x.shape[0]),
+    )
+    if now.rms <= spec:
+        return NextStep(now, True, ())
+    ch = plan.chamber
+    # the unit's own coefficients solve its candidate points' inputs (a cache of its own)
+    own = replace(plan, server={**plan.server, "mu": base.coef}, cache={}, table=[])
+    value = float(var)
+    chosen: list[tuple[float, float, str]] = []
+    steps = []
+    for _ in range(count):
+        cands, costs = [], []
+        for t in ch.temperatures:
+            same = current is not None and abs(t - current) < 1e-9
+            for p in ch.pressures:
+                for s in ch.directions:
+                    cands.append((p, t, s))
+                    costs.append(ch.point_minutes + (0.0 if same else ch.plateau_minutes))
+        designs = [_as_design([*chosen, c]) for c in cands]
+        x, b, cnt = _pack(own, designs)
+        params_c = posteriors(plan, x, b, cnt, base)
+        field = plan.field.expand(len(designs), *plan.field.shape)
+        j = (std(params_c, field)[..., 0].to(F64) ** 2) @ plan.weights
+        gain = (value - j) / torch.tensor(costs, dtype=F64)
+        i = int(torch.argmax(gain))
+        chosen.append(cands[i])
+        value = float(j[i])
+        current = cands[i][1]
+        steps.append((*cands[i], value**0.5 * plan.y_scale, costs[i]))
+        if value**0.5 * plan.y_scale <= spec:
+            break
+    return NextStep(now, False, tuple(steps))
+
+
+def _as_design(points: list[tuple[float, float, str]]) -> Design:
+    temps = tuple(dict.fromkeys(t for _, t, _ in points))
+    return Design(temps, tuple((temps.index(t), p, s) for p, t, s in points))
+
+
+def unit_next(
+    plan: Planner, fleet: Any, spec: float, count: int = 1, source: str = "unit"
+) -> NextStep:
+    """Sequential mode for the one unit of ``fleet`` (its calibration points so far): its
+    actual posterior under the prior (:func:`fedcal.calibration.calibrate`), whether it
+    meets ``spec``, and else its next ``count`` points (:func:`next_points`). The current
+    plateau is the set point nearest its last point's temperature."""
+    from fedcal.calibration import calibrate
+
+    if fleet.num_clients != 1:
+        raise ValueError(f"{source}: holds {fleet.num_clients} units; --next takes one unit")
+    result = calibrate(plan.prior, fleet, source)
+    train = result.tensors.train
+    n = int(train.count[0])
+    branch = train.branch[0, :n] if train.branch is not None else torch.zeros(n, dtype=F64)
+    base = unit_base(
+        plan, train.x[0, :n].to(F64), branch.to(F64), train.y[0, :n, 0].to(F64), result.personal
+    )
+    rows = fleet.frame[fleet.frame["split"] == "train"]
+    last = float(rows[plan.prior["features"][plan.temperature]].iloc[-1])
+    current = _snap(np.array([last]), plan.chamber.temperatures)[0]
+    return next_points(plan, base, result.personal, spec, count, current)
+
+
+def compare(plan: Planner, designs: dict[str, Design], spec: float | None = None) -> pd.DataFrame:
+    """One row per named design: plateaus, points, chamber minutes, expected RMS σ, worst σ
+    over the range, mean and quantile unit RMSE (target units), and whether it meets
+    ``spec``."""
+    rows = []
+    for name, d in designs.items():
+        e = evaluate(plan, d)
+        row = {
+            "design": name,
+            "plateaus": e.plateaus,
+            "points": e.points,
+            "minutes": e.minutes,
+            "rms_sd": e.rms,
+            "worst_sd": e.worst,
+            "mean_rmse": e.mean_rmse,
+            f"q{round(100 * plan.quantile)}_rmse": e.quantile_rmse,
+        }
+        if spec is not None:
+            row["meets_spec"] = meets(e, spec)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def sigma_map(plan: Planner, design: Design) -> pd.DataFrame:
+    """The design's expected predictive σ (target units) on the range's regular grid:
+    columns ``pressure_hpa``, ``temperature_c``, ``sigma`` (for a figure of the plane)."""
+    var = expected_variance(plan, [design], at=plan.grid)[0]
+    raw = np.zeros((plan.grid.shape[0], 2))
+    raw[:, plan.temperature] = plan.grid[:, plan.temperature].numpy()
+    temps = raw[:, plan.temperature] * plan.scaler.x_scale[plan.temperature]
+    temps = temps + plan.scaler.x_offset[plan.temperature]
+    p_lo, p_hi = plan.chamber.pressures[0], plan.chamber.pressures[-1]
+    pressures = np.repeat(np.linspace(p_lo, p_hi, GRID[0]), GRID[1])
+    return pd.DataFrame(
+        {
+            "pressure_hpa": pressures,
+            "temperature_c": temps,
+            "sigma": var.sqrt().numpy() * plan.y_scale,
+        }
+    )
