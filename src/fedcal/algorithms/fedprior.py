@@ -236,6 +236,11 @@ class FedPrior(Algorithm):
         """Columns of the design: φ's terms, then ψ's (the prior is over both)."""
         return len(self.terms) + len(self.branch_terms)
 
+    def personal_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One sensor's :meth:`personalize` tree: shapes a loaded model file must have."""
+        p = self.num_features
+        return {"coef": (p,), "cov": (p, p), "noise_var": ()}
+
     @cached_property
     def candidates(self) -> tuple[dict[str, Any], ...]:
         """The bases ``select = "bic"`` chooses from, as parameter overrides, smallest first.
