@@ -146,6 +146,10 @@ from fedcal.models.basis import legendre_exponents, legendre_products, orders_by
 
 @dataclass(frozen=True)
 class FedPrior(Algorithm):
+    @property
+    def uses_local_epochs(self) -> bool:  # closed form (EM)
+        return False
+
     orders: tuple[int, ...] = (4, 3)  # tensor basis: highest Legendre order per input
     # "tensor" (orders), "total" (degree), "auto": tensor if orders fit
     basis: Literal["auto", "tensor", "total"] = "auto"

@@ -131,6 +131,11 @@ class Algorithm(AlgorithmFields, metaclass=ChecksOptions):
     # Server rules this algorithm accepts (see fedcal.core.aggregation.check_policy).
     robust_rules: ClassVar[tuple[str, ...]] = ("mean", "median", "trimmed_mean", "krum")
 
+    @property
+    def uses_local_epochs(self) -> bool:
+        """Whether it learns by ``local_epochs`` of SGD (then 0 is refused); closed forms: no."""
+        return True
+
     # ---- the contract -------------------------------------------------
     def server_init(self, params: Tree) -> Tree:
         """Server state from freshly initialised model parameters."""
