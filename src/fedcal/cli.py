@@ -760,17 +760,20 @@ def report(
         cfg = run.config
     except (OSError, ValueError, ConfigError) as err:
         _fail(str(err))
+    if html is not None:  # first: a run file it refuses leaves one line, no table above it
+        import torch
+
+        torch.set_num_threads(1)
+        try:  # the run's tables and models, read through the same guards
+            _write_html(run_dir, html, quiet=False)
+        except (OSError, ValueError, ConfigError) as err:
+            _fail(str(err))
     unit = target_unit(cfg.data.target)
     if markdown:
         columns = table_columns(table, unit, True, full=True)
         console.out(to_markdown(table, columns), highlight=False)
     else:
         _print_table(table, unit, True)
-    if html is not None:
-        import torch
-
-        torch.set_num_threads(1)
-        _write_html(run_dir, html, quiet=False)
 
 
 def _check_out(
