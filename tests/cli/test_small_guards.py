@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from fedcal.build import build_algorithm, build_task
 from fedcal.cli import app
 from fedcal.config import ConfigError, default_config, override
-from fedcal.core.paths import PathError, safe_name
+from fedcal.core.paths import PathError, mapped_name, safe_name
 from fedcal.data.loader import FleetDataError, load_fleet, save_fleet
 from fedcal.engine.flower.validation import implausible_metrics
 
@@ -144,3 +144,12 @@ def test_safe_name_refuses_what_could_leave_a_folder(name):
 @pytest.mark.parametrize("name", ["S001", "fedgmi_posterior", "NEW-S000", "капля", "sensor 7"])
 def test_safe_name_keeps_ordinary_names(name):
     assert safe_name(name) == name
+
+
+@pytest.mark.parametrize(
+    ("site", "stem"),
+    [("site-A", "site-A"), ("lab 3/bay.7", "lab_3_bay.7"), ("..", "__"), ("", "_"), (".", "_")],
+)
+def test_site_ids_map_to_safe_file_stems(site, stem):
+    assert mapped_name(site) == stem
+    assert safe_name(mapped_name(site)) == stem

@@ -247,3 +247,15 @@ def run_folders_of(path: str | Path) -> list[Path]:
     if path.parent.parent.name == RUNS_SUBDIR:
         folders.append(path.parent.parent.parent)
     return folders
+
+
+def mapped_name(name: str) -> str:
+    """``name`` mapped to a safe file-name stem, for ids that must not be refused (Flower sites).
+
+    Letters, digits, ``-``, ``_`` and ``.`` are kept, anything else becomes ``_``, a
+    ``..`` becomes ``__`` and an empty or ``.`` name ``_``; the result always passes
+    :func:`safe_name` (up to its length limit). Many-to-one: callers check that the
+    names they write do not collide.
+    """
+    out = "".join(c if c.isalnum() or c in "-_." else "_" for c in name).replace("..", "__")
+    return "_" if out in ("", ".") else out
