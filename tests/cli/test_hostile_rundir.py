@@ -83,7 +83,7 @@ def commands(case: Path) -> dict[str, list[str]]:
         "export_onnx": ["export", run, "--method", "fedgmi", "--format", "onnx",
                         "--out", str(out / "onnx")],
         "report": ["report", run, "--markdown"],
-        "report_html": ["report", run, "--html", str(out / "r.html")],
+        "report_html": ["report", run, "--html", str(out / "html" / "r.html")],  # a new dir
         "calibrate": ["calibrate", "--prior", run, "--data", str(case / "new_units.csv"),
                       "--out", str(out / "new")],
     }  # fmt: skip
@@ -379,6 +379,7 @@ def test_the_intact_run_serves_every_command(pristine, tmp_path):
         assert result.exit_code == 0, f"{name}: {result.output}"
     assert len(list((case / "out" / "onnx").glob("*.onnx"))) == 4
     assert (case / "out" / "new" / "coefficients.csv").exists()
+    assert (case / "out" / "html" / "r.html").stat().st_size > 10_000
 
 
 def test_the_corpus_covers_every_slot_and_mutation():
