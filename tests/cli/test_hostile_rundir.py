@@ -21,6 +21,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -35,6 +37,7 @@ from fedcal.cli import app
 from fedcal.core.tensorfile import load_trees, save_trees
 from fedcal.data.simulator import FleetSpec, simulate_fleet
 
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 TIME_LIMIT = 20.0  # seconds per command; a refused file takes well under one
 HUGE = 2 * 1024**3 + 1  # one byte over the default size limit (a sparse file: no disk used)
 runner = CliRunner(env={"COLUMNS": "1000"})  # wide: a message must not wrap
@@ -488,3 +491,21 @@ def test_a_hostile_config_file_is_refused_quickly(mutation, tmp_path):
         result, _ = invoke(args)
         assert_refused(result, args)
     assert snapshot(tmp_path) == before
+
+
+def test_a_real_process_refuses_a_fifo_model_in_one_line(pristine, tmp_path):
+    """The console entry (not the in-process runner): exit 2, one line on stderr, no trace."""
+    case = case_dir(pristine, tmp_path)
+    fifo(case / "run" / GMI / "model.safetensors")
+    before = snapshot(case)
+    env = {**os.environ, "PYTHONPATH": SRC, "COLUMNS": "1000"}
+    env.pop("FEDCAL_DEBUG", None)
+    cmd = [sys.executable, "-c", "from fedcal.cli import app; app()"]
+    done = subprocess.run(
+        [*cmd, *commands(case)["predict_mlp"]], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "named pipe" in lines[0] and "Traceback" not in done.stderr
+    assert done.stdout == "" and snapshot(case) == before
