@@ -611,7 +611,7 @@ def calibrate(
     torch.set_num_threads(1)
     try:
         path = calibration.find_prior(prior, method, seed, train_points)
-        check_dir_output(out, "--out", run_folders_of(path), [data])
+        check_dir_output(out, "--out", run_folders_of(path), [data, path])
         doc = calibration.load_prior(path)
         fleet = load_fleet(
             data,

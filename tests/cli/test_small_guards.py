@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from fedcal.build import build_algorithm, build_task
 from fedcal.cli import app
 from fedcal.config import ConfigError, default_config, override
-from fedcal.core.paths import PathError, mapped_name, safe_name
+from fedcal.core.paths import PathError, check_dir_output, mapped_name, run_folders_of, safe_name
 from fedcal.data.loader import FleetDataError, load_fleet, save_fleet
 from fedcal.engine.flower.validation import implausible_metrics
 
@@ -153,3 +153,20 @@ def test_safe_name_keeps_ordinary_names(name):
 def test_site_ids_map_to_safe_file_stems(site, stem):
     assert mapped_name(site) == stem
     assert safe_name(mapped_name(site)) == stem
+
+
+def test_run_folders_of_a_prior(tmp_path):
+    inside = tmp_path / "run" / "runs" / "fedprior_tp0_seed0" / "prior.json"
+    assert run_folders_of(inside) == [inside.parent, tmp_path / "run"]
+    assert run_folders_of(tmp_path / "priors" / "prior.json") == []  # on its own: the file
+
+
+def test_a_calibrate_output_may_sit_next_to_a_standalone_prior_but_not_hold_it(tmp_path):
+    prior = tmp_path / "priors" / "prior.json"
+    prior.parent.mkdir()
+    prior.write_text("{}")
+    check_dir_output(tmp_path / "priors" / "new", "--out", run_folders_of(prior), [prior])
+    with pytest.raises(PathError, match="holds the input"):
+        check_dir_output(tmp_path / "priors", "--out", run_folders_of(prior), [prior])
+    with pytest.raises(PathError, match="holds the input"):
+        check_dir_output(tmp_path, "--out", run_folders_of(prior), [prior])

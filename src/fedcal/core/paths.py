@@ -241,12 +241,15 @@ def check_dir_output(
 
 
 def run_folders_of(path: str | Path) -> list[Path]:
-    """The folders a file of a run belongs to: its own, and the run folder above ``runs/``."""
+    """The run folders a file belongs to: ``<run>/runs/<name>/file`` → both; else none.
+
+    A file outside a run folder (a prior.json kept on its own) is protected as an
+    input file (``check_dir_output(inputs=…)``), not its whole folder.
+    """
     path = Path(path)
-    folders = [path.parent]
     if path.parent.parent.name == RUNS_SUBDIR:
-        folders.append(path.parent.parent.parent)
-    return folders
+        return [path.parent, path.parent.parent.parent]
+    return []
 
 
 def mapped_name(name: str) -> str:
