@@ -197,9 +197,15 @@ def build_algorithm(name: str, config: RunConfig, task: Task) -> Algorithm:
     """
     cls, values = method_settings(name, config)
     try:
-        return cls(task=task, **values)
+        algorithm = cls(task=task, **values)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"[methods.{name}]: {err}") from None
+    if algorithm.local_epochs == 0 and algorithm.uses_local_epochs:
+        raise ConfigError(
+            f"[methods.{name}] local_epochs: 0 would train nothing ({name} learns by local "
+            "epochs); use >= 1"
+        )
+    return algorithm
 
 
 def build_recorded(

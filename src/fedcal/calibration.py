@@ -39,6 +39,8 @@ from fedcal.build import build_algorithm, build_task, run_record
 from fedcal.config import DataConfig, RunConfig, from_dict
 from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData
+from fedcal.core.paths import read_json, safe_name
+from fedcal.core.runfiles import check_prior
 from fedcal.core.tree import Tree, expand
 from fedcal.data.fleet import SPLIT_COLUMN, Fleet
 from fedcal.data.scaling import Scaler
@@ -63,9 +65,10 @@ NOISE_ITERATIONS = 25  # fixed-point iterations of a unit's own noise level (con
 def find_prior(path: str | Path, method: str = "fedprior", seed: int = 0, train_points: int = 0):
     """``prior.json`` itself, or the one of ``method``/``seed`` in a run directory."""
     path = Path(path)
-    if path.is_file():
+    if path.exists() and not path.is_dir():  # a FIFO or device too: load_prior refuses it
         return path
-    candidate = path / "runs" / f"{method}_tp{train_points}_seed{seed}" / "prior.json"
+    folder = f"{safe_name(method, '--method')}_tp{train_points}_seed{seed}"
+    candidate = path / "runs" / folder / "prior.json"
     if not candidate.exists():
         found = sorted(p.parent.name for p in path.glob("runs/*/prior.json"))
         hint = f"; runs with a prior: {', '.join(found)}" if found else ""
@@ -74,16 +77,16 @@ def find_prior(path: str | Path, method: str = "fedprior", seed: int = 0, train_
 
 
 def load_prior(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not a fleet prior (invalid JSON: {err})") from None
-    missing = [
-        k for k in ("mu", "sigma", "noise_var", "terms", "features", "scaler") if k not in doc
-    ]
-    if doc.get("kind") != "fedprior" or missing:
-        raise ValueError(f"{path}: not a fedprior fleet prior (missing {', '.join(missing)})")
-    return doc
+    """The prior.json at ``path``: a regular file, strict JSON, checked by its schema.
+
+    Non-finite numbers, wrong lengths, a Σ that is not positive definite or a
+    method name that is no safe file name are one-line errors naming the field
+    (:func:`fedcal.core.runfiles.check_prior`).
+    """
+    doc = read_json(path, allow_nan=True)  # a diverged candidate's score may be NaN
+    if not isinstance(doc, dict) or doc.get("kind") != "fedprior":
+        raise ValueError(f"{path}: not a fedprior fleet prior (kind is not 'fedprior')")
+    return check_prior(path, doc)
 
 
 def _config(prior: dict[str, Any]) -> RunConfig:

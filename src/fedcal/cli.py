@@ -53,7 +53,6 @@ from fedcal.config import (
     ConfigError,
     RunConfig,
     check_design,
-    from_json,
     load_config,
     override,
 )
@@ -453,7 +452,8 @@ def train(
         )
         for p in points:
             override(cfg, {"data": {"train_points": p}}, "--train-points")
-    except ConfigError as err:
+        _check_run_out(out, html, [Path(p) for p in (cfg.data.path, config) if p])
+    except (ConfigError, ValueError) as err:
         _fail(str(err))
     source = str(config) if config is not None else "configuration (default + options)"
     _experiment(cfg, out, points, kind, kind == "compare", quiet=quiet, html=html, source=source)
@@ -569,6 +569,7 @@ def export(
     Every format carries each sensor's valid range: the span of its calibration points.
     """
     from fedcal.core.atomic import write_bytes, write_text
+    from fedcal.core.paths import safe_name
     from fedcal.report.export import load_models, to_c_header, to_json
     from fedcal.report.rundir import read_valid_ranges
 
@@ -577,13 +578,15 @@ def export(
     if fmt == "onnx" and out is None:
         _fail("--format onnx writes one file per sensor: give a directory with --out")
     try:
+        _check_out(out, run_dir, directory=fmt == "onnx")
         fleet = load_models(run_dir, method, seed, train_points)
         ranges = read_valid_ranges(run_dir, method, seed, train_points)
         if fmt == "onnx":
             from fedcal.report.onnx_export import to_onnx
 
-            files = {
-                sid: to_onnx(fleet, sid, method, ranges.get(sid)) for sid in sorted(fleet.params)
+            files = {  # a sensor id names a file: only through the sanitizer (core/paths.py)
+                safe_name(sid, "sensor id"): to_onnx(fleet, sid, method, ranges.get(sid))
+                for sid in sorted(fleet.params)
             }
         else:
             text = (
@@ -644,11 +647,13 @@ def calibrate(
     import torch
 
     from fedcal import calibration
+    from fedcal.core.paths import check_dir_output, run_folders_of
     from fedcal.data.loader import FleetDataError, load_fleet
 
     torch.set_num_threads(1)
     try:
         path = calibration.find_prior(prior, method, seed, train_points)
+        check_dir_output(out, "--out", run_folders_of(path), [data, path])
         doc = calibration.load_prior(path)
         fleet = load_fleet(
             data,
@@ -740,6 +745,7 @@ def predict(
     from fedcal.report.rundir import read_valid_ranges
 
     try:
+        _check_out(out, run_dir, inputs=[data])
         fleet = load_models(run_dir, method, seed, train_points)
         # The loader's guards: regular file, size limit, checksums, finite plausible values.
         frame = load_readings(data, fleet.features, "sensor_id")
@@ -832,34 +838,72 @@ def report(
     ] = None,
 ) -> None:
     """Print the mean ± std table of a run directory; with --html, write the full report."""
-    import pandas as pd
-
+    from fedcal.report.rundir import RunDir
     from fedcal.report.tables import aggregate, table_columns, to_markdown
 
     if (run_dir / "units.csv").exists():  # a `fedcal calibrate` output: one row per new unit
-        _print_units(run_dir)
-        if html is not None:
-            _write_html(run_dir, html, quiet=False)
+        try:
+            if html is not None:
+                _check_out(html, run_dir, option="--html")
+            _print_units(run_dir)
+            if html is not None:
+                _write_html(run_dir, html, quiet=False)
+        except (OSError, ValueError, ConfigError) as err:
+            _fail(str(err))
         return
-    path = run_dir / "summary.csv"
-    if not path.exists():
-        _fail(f"{path} does not exist: not a fedcal run directory, or no run finished yet")
-    table = aggregate(pd.read_csv(path))
-    try:
-        cfg = from_json((run_dir / "config.json").read_text(), str(run_dir / "config.json"))
-    except (OSError, ConfigError) as err:
-        _fail(f"{run_dir / 'config.json'}: not a readable fedcal run configuration ({err})")
+    try:  # the run folder's guards: regular files, size limits, checked tables and JSON
+        if html is not None:
+            _check_out(html, run_dir, option="--html")
+        run = RunDir.open(run_dir)
+        table = aggregate(run.summary)
+        cfg = run.config
+    except (OSError, ValueError, ConfigError) as err:
+        _fail(str(err))
+    if html is not None:  # first: a run file it refuses leaves one line, no table above it
+        import torch
+
+        torch.set_num_threads(1)
+        try:  # the run's tables and models, read through the same guards
+            _write_html(run_dir, html, quiet=False)
+        except (OSError, ValueError, ConfigError) as err:
+            _fail(str(err))
     unit = target_unit(cfg.data.target)
     if markdown:
         columns = table_columns(table, unit, True, full=True)
         console.out(to_markdown(table, columns), highlight=False)
     else:
         _print_table(table, unit, True)
-    if html is not None:
-        import torch
 
-        torch.set_num_threads(1)
-        _write_html(run_dir, html, quiet=False)
+
+def _check_out(
+    out: Path | None,
+    run_dir: Path,
+    inputs: list[Path] = (),
+    directory: bool = False,
+    option: str = "--out",
+) -> None:
+    """Refuse an output that is an input or a file of the run folder read (core/paths.py)."""
+    from fedcal.core.paths import check_dir_output, check_file_output
+
+    if out is None:
+        return
+    if directory:
+        check_dir_output(out, option, [run_dir], contain=False)
+    else:
+        check_file_output(out, option, inputs, [run_dir])
+        if option == "--out" and not out.parent.is_dir():  # (the HTML report makes its own)
+            raise FileNotFoundError(f"{option} {out}: the directory {out.parent} does not exist")
+
+
+def _check_run_out(out: Path | None, html: Path | None, inputs: list[Path]) -> None:
+    """run/compare: --html is no input, and no input is a file the run folder writes."""
+    from fedcal.core.paths import PathError, check_file_output, run_owned
+
+    if html is not None:
+        check_file_output(html, "--html", inputs, [out] if out is not None else [])
+    for src in inputs if out is not None else ():
+        if Path(src).exists() and run_owned(src, out):
+            raise PathError(f"--out {out}: the run would overwrite its input {src}")
 
 
 @app.command()

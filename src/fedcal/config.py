@@ -32,6 +32,7 @@ from pydantic.dataclasses import dataclass
 
 from fedcal.core.aggregation import AggregationRules
 from fedcal.core.algorithm import Recipe
+from fedcal.core.paths import PathError, read_text, safe_name
 from fedcal.core.schema import (
     MAX_ROUNDS,
     Bool,
@@ -429,6 +430,7 @@ def apply(base: RunConfig, raw: Any, where: str) -> RunConfig:
             raise ConfigError(f"{where} [methods]: must be a table of per-method tables")
         params = {k: dict(v) for k, v in base.method_params.items()}
         for method, values in tables.items():
+            _method_name(method, f"{where} [methods]")
             if not isinstance(values, dict):
                 raise ConfigError(f"{where} [methods.{method}]: expected a table, got {values!r}")
             params[method] = {**params.get(method, {}), **values}
@@ -437,6 +439,8 @@ def apply(base: RunConfig, raw: Any, where: str) -> RunConfig:
         updates["method_params"] = params
     cfg = dataclasses.replace(base, **updates)
     if "run" in raw or "methods" in raw:
+        for m in cfg.methods:  # a method name becomes a run folder's name
+            _method_name(m, f"{where} [run] methods")
         registry = _registry()
         unknown = [
             m
@@ -510,15 +514,23 @@ def from_json(text: str | dict, where: str = "config-json") -> RunConfig:
 # ----------------------------------------------------------------------------
 # files
 # ----------------------------------------------------------------------------
-def _read_toml(path: Path, name: str) -> dict[str, Any]:
+def _method_name(name: Any, where: str) -> None:
+    """A method name is a run folder's name: one safe file-name component (core/paths.py)."""
     try:
-        return tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {name} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {name} is a directory") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{name}: not a text (UTF-8) file") from None
+        safe_name(name, "method name")
+    except PathError as err:
+        raise ConfigError(f"{where}: {err}") from None
+
+
+def _read_toml(path: Path, name: str) -> dict[str, Any]:
+    if not path.exists() and not path.is_symlink():
+        raise ConfigError(f"config file {name} does not exist")
+    if path.is_dir():
+        raise ConfigError(f"config file {name} is a directory")
+    try:  # a regular file within the size limit: a FIFO or /dev/zero is refused unread
+        return tomllib.loads(read_text(path))
+    except PathError as err:
+        raise ConfigError(f"config file {err}") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{name}: not valid TOML: {err}") from None
 

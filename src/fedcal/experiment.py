@@ -57,6 +57,7 @@ from fedcal.config import ConfigError, RunConfig
 from fedcal.core.aggregation import AggregationError, check_policy
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.atomic import write_text
+from fedcal.core.paths import read_json
 from fedcal.core.task import Task
 from fedcal.core.tensorfile import TensorFileError, load_trees, save_trees
 from fedcal.core.tree import flatten, unstack
@@ -631,17 +632,20 @@ def _data_digest(variants: list[tuple[dict[str, Any], Fleet]]) -> str:
 
 def _numbers_config(resolved: dict) -> dict:
     """The configuration without what cannot change the numbers ([engine] chunk_size and
-    device), so a run may resume in other chunks or on another device."""
+    device, and [data] path: the data's content is compared by its digest), so a run may
+    resume in other chunks, on another device, or with the same data by another path."""
     engine = {
         k: v for k, v in resolved.get("engine", {}).items() if k not in ("chunk_size", "device")
     }
-    return {**resolved, "engine": engine}
+    data = resolved.get("data", {})
+    data = {k: v for k, v in data.items() if k != "path"} if isinstance(data, dict) else data
+    return {**resolved, "engine": engine, "data": data}
 
 
 def _check_same_run(config_path: Path, resolved: dict, digest: str, out: Path) -> None:
     """Refuse a run directory holding another configuration or made from other data."""
     try:
-        saved = json.loads(config_path.read_text())
+        saved = read_json(config_path, allow_nan=True)  # guarded: no FIFO, size limit
         saved_digest = saved.pop("data_sha256", None)
     except (OSError, ValueError, AttributeError) as e:
         raise RunDirectoryError(
@@ -662,7 +666,7 @@ def _check_same_run(config_path: Path, resolved: dict, digest: str, out: Path) -
 
 def _read_done(done: Path, out: Path) -> dict[str, Any]:
     try:
-        row = json.loads(done.read_text())
+        row = read_json(done, allow_nan=True)
         if not isinstance(row, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:

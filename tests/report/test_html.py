@@ -184,8 +184,8 @@ def test_uncertainty_bands_from_predictive_std(compare_run, tmp_path, monkeypatc
     _, run, _, _ = compare_run
     real = rundir.load_models
 
-    def with_std(run_dir, method, seed=0, train_points=0):
-        fleet = real(run_dir, method, seed, train_points)
+    def with_std(run_dir, method, seed=0, train_points=0, **options):
+        fleet = real(run_dir, method, seed, train_points, **options)
         if method != "polynomial":
             return fleet
         algorithm = fleet.algorithm

@@ -132,6 +132,10 @@ def optimal_tau(
 class AFLCSEM(Algorithm):
     """See the module docstring for every default's origin."""
 
+    @property
+    def uses_local_epochs(self) -> bool:  # τ local steps, not epochs
+        return False
+
     budget: float = 15.0
     cost_weight: float = 0.5  # S
     time_per_sample: tuple[float, float] = (2e-5, 5e-6)  # c_i ~ N(mean, std²)

@@ -227,6 +227,10 @@ def finite_posterior(stats: Moments, mu: Tensor, sigma: Tensor, noise_var: Tenso
 
 @dataclass(frozen=True)
 class FedGMI(Algorithm):
+    @property
+    def uses_local_epochs(self) -> bool:  # the posterior head is closed form
+        return not self.bayesian
+
     finetune_steps: int = 1
     finetune_lr: float = 0.05
     eps: float = 1e-8

@@ -64,6 +64,10 @@ def legendre_design(x: Tensor, terms: tuple[tuple[int, int], ...]) -> Tensor:
 
 @dataclass(frozen=True)
 class FedPoly(Algorithm):
+    @property
+    def uses_local_epochs(self) -> bool:  # closed form
+        return False
+
     private_terms: tuple[tuple[int, int], ...] = (
         (0, 0),
         (1, 0),

@@ -174,6 +174,10 @@ WEAK_SHARE = 0.5  # a unit is "weak" when weak directions carry more of its σ²
 
 @dataclass(frozen=True)
 class FedPrior(Algorithm):
+    @property
+    def uses_local_epochs(self) -> bool:  # closed form (EM)
+        return False
+
     orders: tuple[int, ...] = (4, 3)  # tensor basis: highest Legendre order per input
     # "tensor" (orders), "total" (degree), "auto": tensor if orders fit
     basis: Literal["auto", "tensor", "total"] = "auto"
@@ -263,6 +267,11 @@ class FedPrior(Algorithm):
     def num_features(self) -> int:
         """Columns of the design: φ's terms, then ψ's (the prior is over both)."""
         return len(self.terms) + len(self.branch_terms)
+
+    def personal_shapes(self) -> dict[str, tuple[int, ...]]:
+        """One sensor's :meth:`personalize` tree: shapes a loaded model file must have."""
+        p = self.num_features
+        return {"coef": (p,), "cov": (p, p), "noise_var": ()}
 
     @cached_property
     def candidates(self) -> tuple[dict[str, Any], ...]:

@@ -54,6 +54,10 @@ def monomial_design(x: Tensor, exponents: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class LeastSquares(Algorithm):
+    @property
+    def uses_local_epochs(self) -> bool:  # closed form
+        return False
+
     degree: int = 2
     pooled: bool = False
     ridge: float = 1e-8  # λ, relative to the number of points (numerical safety)

@@ -193,6 +193,10 @@ def lebesgue_constant(fit: LeastSquares, probe: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class PolynomialCalibration(Algorithm):
+    @property
+    def uses_local_epochs(self) -> bool:  # closed form
+        return False
+
     max_orders: tuple[int, ...] = (4,)  # per input, or one value for every input
     orders: tuple[int, ...] | None = None  # fixed orders instead of steps 1–3
     criterion: Literal["loo", "gcv", "aicc"] = "loo"

@@ -135,6 +135,11 @@ class Algorithm(AlgorithmFields, metaclass=ChecksOptions):
     # rounds says: the same numbers (tested), 1/50 of the time at the default 50 rounds.
     one_shot: ClassVar[bool] = False
 
+    @property
+    def uses_local_epochs(self) -> bool:
+        """Whether it learns by ``local_epochs`` of SGD (then 0 is refused); closed forms: no."""
+        return True
+
     # ---- the contract -------------------------------------------------
     def server_init(self, params: Tree) -> Tree:
         """Server state from freshly initialised model parameters."""

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from fedcal.core.atomic import write_bytes
+from fedcal.core.paths import PathError, read_regular
 from fedcal.core.tree import Tree
 
 FORMAT = "fedcal-trees/1"
@@ -106,10 +107,10 @@ def load_trees(path: str | Path) -> tuple[dict[str, Tree], dict[str, Any], dict[
     from safetensors.torch import load
 
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise TensorFileError(path, f"cannot read: {e.strerror or e}") from None
+    try:  # a regular file within the size limit: a FIFO or /dev/zero is refused unread
+        data = read_regular(path)
+    except PathError as e:
+        raise TensorFileError(path, str(e).removeprefix(f"{path}: ")) from None
     try:
         flat = load(data)
         # load() has validated the header: 8 bytes of length, then JSON.
@@ -137,4 +138,29 @@ def load_trees(path: str | Path) -> tuple[dict[str, Tree], dict[str, Any], dict[
         }
     except (KeyError, TypeError, AttributeError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TensorFileError(path, f"corrupt metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(info["meta"], dict):
+        raise TensorFileError(path, "corrupt metadata (meta is not a JSON object)")
     return trees, info["meta"], blobs
+
+
+def check_finite(path: str | Path, trees: Mapping[str, Tree], what: str = "") -> None:
+    """Refuse a tree with a NaN or infinite value, naming the file and the field.
+
+    ``what`` prefixes each top-level key in the message (``"sensor "``).
+    """
+
+    def walk(tree: Mapping, name: str) -> None:
+        for key, value in tree.items():
+            field = f"{name}/{key}" if name else f"{what}{key!r}"
+            if isinstance(value, Mapping):
+                walk(value, field)
+            elif (
+                isinstance(value, Tensor)
+                and value.is_floating_point()
+                and not bool(torch.isfinite(value).all())
+            ):
+                raise TensorFileError(
+                    path, f"{field} holds NaN or infinite values (a diverged or tampered model)"
+                )
+
+    walk(trees, "")

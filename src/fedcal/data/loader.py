@@ -94,9 +94,10 @@ MAX_BYTES_ENV = "FEDCAL_MAX_FILE_BYTES"
 MAX_ABS_VALUE = 1e15  # beyond any sensor reading in any unit; 1e308 overflows scaling
 PARQUET_META_KEY = b"fedcal"  # key-value metadata written by save_fleet
 
-_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
+# ASCII digits only: float() would also read "３３０００" (full-width) or Arabic-Indic digits
+_NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
 _NON_FINITE = re.compile(r"[+-]?(?:nan|inf|infinity)", re.IGNORECASE)
-_INTEGER = re.compile(r"[+-]?(?:0|[1-9]\d*)")
+_INTEGER = re.compile(r"[+-]?(?:0|[1-9]\d*)", re.ASCII)
 
 
 class FleetDataError(ValueError):
@@ -172,6 +173,7 @@ class Plausible:
     unit: str
     hints: tuple[tuple[float, float, str], ...] = ()
     reach: tuple[float, str] | None = None
+    spread: float | None = None  # no value beyond ×/÷ this of the column's median
 
     def hint(self, v: float) -> str:
         return next((text for lo, hi, text in self.hints if lo <= v < hi), "")
@@ -186,7 +188,11 @@ PLAUSIBLE_RANGES: dict[str, Plausible] = {
         # kPa (<= 200 for a 2000 hPa range), psi (<= 29), inHg (<= 59) never reach 250.
         (250.0, "is it in kPa or psi? a barometric calibration reaches ambient (~1013 hPa)"),
     ),
-    "frequency_hz": Plausible(100.0, 1e9, "Hz", ((0.0, 100.0, "is it in kHz? (1 kHz = 1000 Hz)"),)),
+    # A resonator is pulled by a few % over its range (quartz 32.8–37.6 kHz): one row ten
+    # times the fleet's median (33 MHz among 33 kHz) is a unit mistake or a corrupt cell.
+    "frequency_hz": Plausible(
+        100.0, 1e9, "Hz", ((0.0, 100.0, "is it in kHz? (1 kHz = 1000 Hz)"),), spread=10.0
+    ),
     "temperature_c": Plausible(
         -100.0, 250.0, "°C", ((250.0, 800.0, "is it in kelvin? (°C = K − 273.15)"),)
     ),
@@ -425,6 +431,11 @@ def _read_parquet(path: Path, label: str, max_bytes: int) -> _Raw:
     else:
         frame = frame.reset_index(drop=True)
     frame.columns = [str(c) for c in frame.columns]
+    repeated = sorted({c for c in frame.columns if list(frame.columns).count(c) > 1})
+    if repeated:  # a column name twice: which one is the data?
+        raise FleetDataError(
+            label, f"duplicate column names in the schema: {', '.join(map(repr, repeated))}"
+        )
     if len(frame) == 0:
         raise FleetDataError(label, "no data rows (the table has 0 records)")
     return _Raw(frame, np.arange(len(frame), dtype=np.int64), "record", False)
@@ -465,6 +476,10 @@ def _parse_numbers(raw: _Raw, col: str, label: str) -> tuple[np.ndarray, FleetDa
     dtype = s.dtype
     if not raw.text and pd.api.types.is_bool_dtype(dtype):
         return out, FleetDataError(label, "has boolean values; expected numbers", [], col)
+    if not raw.text and dtype == np.float16:  # 11 bits: 33 kHz is stored to ±16 Hz
+        return out, FleetDataError(
+            label, "is stored as float16 (3 significant digits); store float32 or float64", [], col
+        )
     if not raw.text and pd.api.types.is_numeric_dtype(dtype):
         out = s.to_numpy(dtype=np.float64, na_value=np.nan)
         for i in np.flatnonzero(~np.isfinite(out)):
@@ -746,6 +761,20 @@ def _check_plausible(raw, label, values, ranges: Mapping[str, Plausible]) -> Non
                 + "; if they are right, pass physical_bounds for this column"
             )
             raise FleetDataError(label, text, [r for r, _ in items], col)
+        median = float(np.median(v)) if len(v) else 0.0
+        if r.spread is not None and median > 0:
+            far = np.flatnonzero((v > median * r.spread) | (v < median / r.spread))
+            if len(far):
+                items = [(int(raw.rows[i]), _fmt(v[i])) for i in far]
+                raise FleetDataError(
+                    label,
+                    f"values more than {r.spread:g}× away from the column's median "
+                    f"{_fmt(median)} {r.unit} at " + _listing(items, raw.kind) + " — a unit "
+                    "mistake or a corrupt value? if they are right, pass physical_bounds "
+                    "for this column",
+                    [r for r, _ in items],
+                    col,
+                )
         if r.reach is not None and len(v) and v.max() < r.reach[0]:
             raise FleetDataError(
                 label,

@@ -21,7 +21,7 @@ import torch
 
 from fedcal.config import ConfigError, from_json
 from fedcal.core.algorithm import Algorithm
-from fedcal.core.tree import Tree, stack
+from fedcal.core.tree import Tree, flatten, stack
 from fedcal.data.scaling import Scaler
 
 
@@ -127,19 +127,28 @@ def calibrate_frame(
 
 
 def load_models(
-    run_dir: str | Path, method: str, seed: int = 0, train_points: int = 0
+    run_dir: str | Path,
+    method: str,
+    seed: int = 0,
+    train_points: int = 0,
+    drop_diverged: bool = False,
 ) -> CalibratedFleet:
     """Read ``runs/<method>_tp<N>_seed<S>/model.safetensors`` of a run directory.
 
     Tensors and JSON only: the model is rebuilt from the run's ``config.json``
     (nothing is unpickled, so a planted file cannot run code). A damaged or
-    foreign file is a ``ValueError`` naming it.
+    foreign file is a ``ValueError`` naming it; so is a NaN or infinite parameter
+    (naming the sensor and field), unless ``drop_diverged`` leaves such sensors out
+    (the report, which shows a diverged sensor as diverged).
     """
     from fedcal.build import build_recorded
+    from fedcal.core.paths import read_json, safe_name
+    from fedcal.core.runfiles import check_model_meta
+    from fedcal.core.tensorfile import TensorFileError, check_finite
     from fedcal.experiment import MODEL_FILE, load_model_file
 
     run_dir = Path(run_dir)
-    folder = run_dir / "runs" / f"{method}_tp{train_points}_seed{seed}"
+    folder = run_dir / "runs" / f"{safe_name(method, 'method')}_tp{train_points}_seed{seed}"
     path = folder / MODEL_FILE
     if not path.exists():
         if (folder / "model.pt").exists():
@@ -151,14 +160,31 @@ def load_models(
             f"no model for method {method!r}, seed {seed} in {run_dir} ({path} missing)"
         )
     config_path = run_dir / "config.json"
+    record = read_json(config_path)  # guarded: a regular file, strict JSON (core/paths.py)
     try:
-        record = json.loads(config_path.read_text())
         cfg = from_json(record, str(config_path))
-    except (OSError, json.JSONDecodeError, ConfigError) as e:
+    except (OSError, ValueError, ConfigError) as e:
         raise ValueError(f"{config_path}: unreadable or not a fedcal run config ({e})") from None
     task, params, meta = load_model_file(path, cfg)
-    recorded = ((record.get("resolved") or {}).get("methods") or {}).get(method)
+    check_model_meta(path, meta, len(cfg.data.features))
+    for sensor in list(params):
+        try:
+            check_finite(path, {sensor: params[sensor]}, "sensor ")
+        except TensorFileError:
+            if not drop_diverged:
+                raise
+            del params[sensor]
+    resolved = record.get("resolved")
+    methods = resolved.get("methods") if isinstance(resolved, dict) else None
+    recorded = methods.get(method) if isinstance(methods, dict) else None
+    if recorded is not None and not isinstance(recorded, dict):
+        raise ValueError(f"{config_path}: resolved.methods.{method}: expected an object")
     algorithm = build_recorded(method, cfg, task, recorded)
+    expected = getattr(algorithm, "personal_shapes", lambda: None)()
+    for sensor, tree in params.items() if expected is not None else ():
+        got = {k: tuple(v.shape) for k, v in flatten(tree).items()}
+        if got != expected:
+            raise TensorFileError(path, f"parameters of sensor {sensor!r} do not fit the model")
     return CalibratedFleet(
         algorithm,
         params,

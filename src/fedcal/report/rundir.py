@@ -8,7 +8,8 @@ models compute on the run's own held-out points (model.pt via
 
 from __future__ import annotations
 
-import json
+import csv
+import io
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,8 @@ import pandas as pd
 import torch
 
 from fedcal.config import RunConfig, from_json
+from fedcal.core.paths import PathError, read_json, read_text, safe_name
+from fedcal.core.runfiles import RunFileError, check_valid_ranges
 from fedcal.core.tree import stack
 from fedcal.data.fleet import SPLIT_COLUMN, Fleet
 from fedcal.report.export import CalibratedFleet, load_models
@@ -25,6 +28,49 @@ from fedcal.report.export import CalibratedFleet, load_models
 def _run_config(raw: dict) -> RunConfig:
     """The RunConfig of a run directory's config.json (:func:`fedcal.config.from_json`)."""
     return from_json(raw, "config.json")
+
+
+SUMMARY_COLUMNS = ("method", "seed", "train_points")
+
+
+def read_table(path: Path, required: tuple[str, ...] = ()) -> pd.DataFrame:
+    """A CSV of a run folder through the guarded reader (regular file, size limit).
+
+    ``required`` columns must be there; anything else is a RunFileError naming the file.
+    """
+    text = read_text(path)
+    widths = [(i, len(r)) for i, r in enumerate(csv.reader(io.StringIO(text)), 1) if r]
+    for line, width in widths[1:]:
+        if width != widths[0][1]:  # pandas would fill a cut row with NaN: a "diverged" run
+            raise RunFileError(
+                f"{path}: line {line} has {width} fields, the header {widths[0][1]}: "
+                "truncated or edited"
+            )
+    try:
+        frame = pd.read_csv(io.StringIO(text))
+    except (ValueError, pd.errors.ParserError) as e:  # EmptyDataError is a ValueError
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise RunFileError(f"{path}: not a readable CSV table ({first})") from None
+    missing = [c for c in required if c not in frame.columns]
+    if missing:
+        raise RunFileError(f"{path}: missing column(s) {', '.join(missing)}")
+    if required and len(frame) == 0:
+        raise RunFileError(f"{path}: no rows")
+    return frame
+
+
+def check_summary(path: Path, frame: pd.DataFrame) -> pd.DataFrame:
+    """summary.csv's keys usable: whole non-negative seeds and budgets, safe method names."""
+    for col in ("seed", "train_points"):
+        values = pd.to_numeric(frame[col], errors="coerce")
+        if not (values.notna().all() and (values >= 0).all() and (values % 1 == 0).all()):
+            raise RunFileError(f"{path}: {col}: expected whole numbers >= 0")
+    for method in frame["method"]:
+        try:
+            safe_name(method, "method")
+        except PathError as e:
+            raise RunFileError(f"{path}: {e}") from None
+    return frame
 
 
 @dataclass(frozen=True)
@@ -44,8 +90,11 @@ class RunDir:
             raise FileNotFoundError(
                 f"{summary_path} does not exist: not a fedcal run directory, or no run finished yet"
             )
-        raw = json.loads((path / "config.json").read_text())
-        return RunDir(path, raw, _run_config(raw), pd.read_csv(summary_path))
+        raw = read_json(path / "config.json")
+        if not isinstance(raw, dict):
+            raise RunFileError(f"{path / 'config.json'}: expected a JSON object")
+        summary = check_summary(summary_path, read_table(summary_path, SUMMARY_COLUMNS))
+        return RunDir(path, raw, _run_config(raw), summary)
 
     @property
     def methods(self) -> list[str]:
@@ -56,14 +105,14 @@ class RunDir:
         return sorted(int(t) for t in pd.unique(self.summary["train_points"]))
 
     def run_path(self, method: str, train_points: int, seed: int) -> Path:
-        return self.path / "runs" / f"{method}_tp{train_points}_seed{seed}"
+        return self.path / "runs" / f"{safe_name(method, 'method')}_tp{train_points}_seed{seed}"
 
     def _concat(self, name: str, train_points: int) -> pd.DataFrame:
         frames = []
         for row in self.summary.query("train_points == @train_points").itertuples():
             f = self.run_path(row.method, train_points, int(row.seed)) / name
             if f.exists():
-                frames.append(pd.read_csv(f))
+                frames.append(read_table(f))
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
     def per_sensor(self, train_points: int) -> pd.DataFrame:
@@ -143,12 +192,16 @@ def residuals(run: RunDir, fleet: Fleet, method: str, train_points: int, seed: i
 
     ``std`` is NaN for methods without a predictive distribution.
     """
-    models = load_models(run.path, method, seed, train_points)
+    models = load_models(run.path, method, seed, train_points, drop_diverged=True)
     test = fleet.frame[fleet.frame[SPLIT_COLUMN] == "test"]
     parts = []
     for sensor, rows in test.groupby(fleet.client_column, sort=False):
         x = rows[list(fleet.features)].to_numpy(float)
         part = rows[[fleet.client_column, *fleet.features, fleet.target]].copy()
+        if str(sensor) not in models.params:  # diverged: nothing to draw
+            part["predicted"], part["std"] = np.nan, np.nan
+            parts.append(part)
+            continue
         part["predicted"] = models.predict(str(sensor), x)[:, 0]
         std = predictive_std(models, str(sensor), x)
         part["std"] = np.nan if std is None else std
@@ -166,9 +219,10 @@ def read_valid_ranges(
     From the run's ``valid_range.json``; a run written before that file existed
     gets it recomputed from its fleet (the simulator, or the data file).
     """
-    path = Path(run_dir) / "runs" / f"{method}_tp{train_points}_seed{seed}" / "valid_range.json"
+    folder = f"{safe_name(method, 'method')}_tp{train_points}_seed{seed}"
+    path = Path(run_dir) / "runs" / folder / "valid_range.json"
     if path.exists():
-        return json.loads(path.read_text())
+        return check_valid_ranges(path, read_json(path))
     from fedcal.experiment import valid_ranges
 
     run = RunDir.open(run_dir)

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fedcal.core.atomic import write_with
+from fedcal.core.paths import mapped_name
 from fedcal.data.scaling import client_moments
 from fedcal.engine.flower.protocol import check_socket_path
 
@@ -77,7 +78,8 @@ class SiteData:
 
 
 def safe_name(name: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    """A site id as a file-name stem (:func:`fedcal.core.paths.mapped_name`)."""
+    return mapped_name(name)
 
 
 def read_site_map(path: str | Path, client_column: str = "sensor_id") -> dict[str, str]:

@@ -402,6 +402,7 @@ class Federation:
             check_info,
             check_reply,
             expected_reply,
+            implausible_metrics,
         )
         from fedcal.engine.schedule import final_row, history_row, result_row
         from fedcal.engine.simulation import AGGREGATION, DTYPES
@@ -451,6 +452,10 @@ class Federation:
                 test = {k[5:]: v for k, v in metrics.items() if k.startswith("test_")}
                 train = {k[6:]: v for k, v in metrics.items() if k.startswith("train_")}
                 finite = part["info"].get("personal-finite", True) is not False
+                why = implausible_metrics(metrics, finite)
+                if why is not None:  # errors, coverage, σ are >= 0; a finite model's are finite
+                    rejected[index] = why
+                    continue
                 row = result_row(index, m.sensor_id, test, train, finite)
                 rejected_rounds = self.rejected_rounds.get(index, 0)
                 self.history.append(

@@ -23,6 +23,8 @@ The dummy run shares nothing with real clients and touches no server state.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -114,6 +116,18 @@ def _metric_problem(record: Any, names: frozenset[str], what: str) -> str | None
         return f"{what} names {sorted(got - names)} not expected, lacks {sorted(names - got)}"
     bad = [k for k, v in record.items() if isinstance(v, bool) or not isinstance(v, int | float)]
     return f"{what} {bad} are not numbers" if bad else None
+
+
+def implausible_metrics(metrics: Mapping[str, float], model_finite: bool) -> str | None:
+    """Why evaluation metrics cannot be honest: a negative value (every metric is an error,
+    a coverage or a σ), or a non-finite test metric from a client whose model is finite."""
+    negative = sorted(k for k, v in metrics.items() if v < 0)
+    if negative:
+        return f"evaluation metrics {negative} are negative"
+    bad = sorted(k for k, v in metrics.items() if k.startswith("test_") and not math.isfinite(v))
+    if model_finite and bad:
+        return f"evaluation metrics {bad} are not finite though the model is"
+    return None
 
 
 def check_eval(content: Any, spec: ReplySpec) -> str | None:

@@ -1,0 +1,159 @@
+"""Schemas of the JSON a run folder holds: checked at load, before any number is used.
+
+``prior.json`` (the fleet prior of ``fedcal calibrate``), ``valid_range.json``
+(each sensor's calibrated span) and the metadata of ``model.safetensors`` (its
+scaler and sensor ids) are written by fedcal but read back from a folder anyone
+may have edited. Each is validated with pydantic (typed, finite numbers, no
+coercion) and then for what the types cannot say: lengths that agree, a
+covariance that is symmetric positive definite, a positive noise level, spans
+with min ≤ max. A problem is a :class:`RunFileError`: one line naming the file
+and the field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fedcal.core.paths import safe_name
+from fedcal.core.schema import message
+
+Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # "0.1" is no number
+Positive = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
+Text = Annotated[str, Field(strict=True, min_length=1, max_length=200)]
+MAX_TERMS = 4096  # a basis of more terms than this is no fedcal prior
+
+
+class RunFileError(ValueError):
+    """A run-folder file that cannot be used; ``str()`` is ``"<file>: <field>: <problem>"``."""
+
+
+def _fail(path: str | Path, err: ValidationError) -> RunFileError:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    more = len(err.errors()) - 1
+    tail = f" (and {more} more problem(s))" if more else ""
+    return RunFileError(f"{path}: {loc}: {message(first)}{tail}")
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+
+class ScalerDoc(_Doc):
+    x_offset: list[Finite] = Field(min_length=1)
+    x_scale: list[Finite] = Field(min_length=1)
+    y_offset: list[Finite] = Field(min_length=1, max_length=1)
+    y_scale: list[Finite] = Field(min_length=1, max_length=1)
+    sources: dict[str, str] = Field(default_factory=dict)
+
+
+class PriorDoc(_Doc):
+    kind: Literal["fedprior"]
+    method: Text
+    method_params: dict[str, Any]
+    # what rebuilds the basis: read when present, so typed here (no coercion)
+    selection: dict[str, Any] | None = None
+    features: list[Text] = Field(min_length=1)
+    target: Text
+    terms: list[list[Annotated[int, Field(strict=True, ge=0)]]] = Field(
+        min_length=1, max_length=MAX_TERMS
+    )
+    branch_terms: list[list[Annotated[int, Field(strict=True, ge=0)]]] = Field(
+        default_factory=list, max_length=MAX_TERMS
+    )
+    mu: list[Finite]
+    sigma: list[list[Finite]]
+    noise_var: Positive
+    scaler: ScalerDoc
+    input_range: dict[str, list[Finite]]
+
+
+def _check_scaler(path: str | Path, scaler: ScalerDoc, features: int, where: str) -> None:
+    if len(scaler.x_offset) != features or len(scaler.x_scale) != features:
+        raise RunFileError(
+            f"{path}: {where}.x_offset/x_scale: {len(scaler.x_offset)}/{len(scaler.x_scale)} "
+            f"values for {features} feature(s)"
+        )
+    if any(s == 0 for s in [*scaler.x_scale, *scaler.y_scale]):
+        raise RunFileError(f"{path}: {where}: a scale of 0 (division by zero)")
+
+
+def _check_span(path: str | Path, field: str, span: list[float]) -> None:
+    if len(span) != 2 or span[0] > span[1]:
+        raise RunFileError(f"{path}: {field}: expected [min, max] with min <= max, got {span!r}")
+
+
+def check_prior(path: str | Path, raw: Any) -> dict[str, Any]:
+    """``raw`` (the parsed prior.json) if it is a usable fleet prior, else a RunFileError.
+
+    Σ must be symmetric positive definite: the posterior of a new unit inverts it
+    (:meth:`fedcal.algorithms.fedprior.FedPrior.personalize`).
+    """
+    if not isinstance(raw, dict):
+        raise RunFileError(f"{path}: not a fleet prior (expected a JSON object)")
+    try:
+        doc = PriorDoc.model_validate(raw)
+    except ValidationError as err:
+        raise _fail(path, err) from None
+    try:
+        safe_name(doc.method, f"{path}: method")
+    except ValueError as err:
+        raise RunFileError(str(err)) from None
+    p = len(doc.terms) + len(doc.branch_terms)
+    if len(doc.mu) != p:
+        raise RunFileError(f"{path}: mu: {len(doc.mu)} values for {p} basis term(s)")
+    if len(doc.sigma) != p or any(len(row) != p for row in doc.sigma):
+        raise RunFileError(f"{path}: sigma: expected a {p}×{p} matrix")
+    sigma = np.asarray(doc.sigma, float)
+    scale = float(np.abs(sigma).max()) or 1.0
+    if not np.allclose(sigma, sigma.T, rtol=0.0, atol=1e-9 * scale):
+        raise RunFileError(f"{path}: sigma: not symmetric")
+    if float(np.linalg.eigvalsh(sigma).min()) <= 0.0:
+        raise RunFileError(f"{path}: sigma: not positive definite")
+    nf = len(doc.features)
+    if any(len(t) != nf for t in [*doc.terms, *doc.branch_terms]):
+        raise RunFileError(f"{path}: terms: each term needs one exponent per feature ({nf})")
+    _check_scaler(path, doc.scaler, nf, "scaler")
+    unknown = sorted(set(doc.input_range) - set(doc.features))
+    if unknown:
+        raise RunFileError(f"{path}: input_range: unknown column(s) {', '.join(unknown)}")
+    for col, span in doc.input_range.items():
+        _check_span(path, f"input_range.{col}", span)
+    return raw
+
+
+def check_valid_ranges(path: str | Path, raw: Any) -> dict[str, dict[str, list[float]]]:
+    """``raw`` (the parsed valid_range.json: {sensor: {column: [min, max]}}), checked."""
+    if not isinstance(raw, dict):
+        raise RunFileError(f"{path}: expected a JSON object {{sensor: {{column: [min, max]}}}}")
+    for sensor, columns in raw.items():
+        if not isinstance(columns, dict):
+            raise RunFileError(f"{path}: {sensor}: expected an object {{column: [min, max]}}")
+        for col, span in columns.items():
+            field = f"{sensor}.{col}"
+            if not (
+                isinstance(span, list)
+                and all(isinstance(v, int | float) and not isinstance(v, bool) for v in span)
+                and np.isfinite(np.asarray(span, float)).all()
+            ):
+                raise RunFileError(f"{path}: {field}: expected two finite numbers, got {span!r}")
+            _check_span(path, field, span)
+    return raw
+
+
+def check_model_meta(path: str | Path, meta: dict[str, Any], features: int) -> None:
+    """The metadata of a model file: its scaler and its sensor ids (unique, named safely)."""
+    try:
+        scaler = ScalerDoc.model_validate(meta.get("scaler"))
+    except ValidationError as err:
+        raise _fail(path, err) from None
+    _check_scaler(path, scaler, features, "scaler")
+    ids = meta.get("client_ids")
+    if not isinstance(ids, list) or not all(isinstance(i, str) and i for i in ids):
+        raise RunFileError(f"{path}: client_ids: expected a list of sensor ids")
+    if len(set(ids)) != len(ids):
+        raise RunFileError(f"{path}: client_ids: a sensor id appears twice")
