@@ -143,6 +143,7 @@ def _resolve(
     fleet_seeds: str | None = None,
     device: str | None = None,
     chunk_size: int | None = None,
+    sensor_column: str | None = None,
 ) -> RunConfig:
     """The configuration file with the command line's options on top, validated like the file.
 
@@ -167,6 +168,7 @@ def _resolve(
         ("--data", "data", "path", None if data is None else str(data)),
         ("--features", "data", "features", _csv_list(features)),
         ("--target", "data", "target", target),
+        ("--sensor-column", "data", "client_column", sensor_column),
         ("--methods", "run", "methods", _csv_list(methods)),
         ("--seeds", "run", "seeds", seeds),
         ("--rounds", "engine", "rounds", rounds),
@@ -347,6 +349,13 @@ FeaturesOpt = Annotated[
     str | None, typer.Option("--features", help="input columns, comma separated")
 ]
 TargetOpt = Annotated[str | None, typer.Option("--target", help="target column")]
+SensorOpt = Annotated[
+    str | None,
+    typer.Option("--sensor-column", help="column of sensor ids (default: the run's, or sensor_id)"),
+]
+MethodOpt = Annotated[
+    str | None, typer.Option("--method", help="which method (default: the run's only one)")
+]
 MethodsOpt = Annotated[str | None, typer.Option("--methods", help="comma separated, or 'all'")]
 SeedsOpt = Annotated[int | None, typer.Option("--seeds", help="number of training seeds")]
 RoundsOpt = Annotated[int | None, typer.Option("--rounds", help="federated rounds")]
@@ -400,6 +409,7 @@ def train(
     quiet: QuietOpt = False,
     device: DeviceOpt = None,
     chunk_size: ChunkOpt = None,
+    sensor_column: SensorOpt = None,
 ) -> None:
     """``fedcal run`` and ``fedcal compare``: one definition (compare also shows bytes sent)."""
     kind = ctx.info_name or "run"
@@ -417,6 +427,7 @@ def train(
             fleet_seeds,
             device,
             chunk_size,
+            sensor_column,
         )
         points = (
             tuple(_int_list(train_points, "--train-points"))
@@ -520,7 +531,7 @@ def methods(config: ConfigOpt = None) -> None:
 @app.command()
 def export(
     run_dir: Annotated[Path, typer.Argument(help="a run directory of fedcal run/compare")],
-    method: Annotated[str, typer.Option(help="which method's models")] = "fedgmi",
+    method: MethodOpt = None,
     seed: Annotated[int, typer.Option(help="which training seed")] = 0,
     train_points: Annotated[
         int, typer.Option("--train-points", help="which point budget (0 = all)")
@@ -541,7 +552,7 @@ def export(
     Every format carries each sensor's valid range: the span of its calibration points.
     """
     from fedcal.core.atomic import write_bytes, write_text
-    from fedcal.report.export import load_models, to_c_header, to_json
+    from fedcal.report.export import choose_method, load_models, to_c_header, to_json
     from fedcal.report.rundir import read_valid_ranges
 
     if fmt not in ("c", "json", "onnx"):
@@ -549,6 +560,7 @@ def export(
     if fmt == "onnx" and out is None:
         _fail("--format onnx writes one file per sensor: give a directory with --out")
     try:
+        method = choose_method(run_dir, method)
         fleet = load_models(run_dir, method, seed, train_points)
         ranges = read_valid_ranges(run_dir, method, seed, train_points)
         if fmt == "onnx":
@@ -592,35 +604,26 @@ def calibrate(
     train_points: Annotated[
         int, typer.Option("--train-points", help="which point budget of the run (0 = all)")
     ] = 0,
+    sensor_column: SensorOpt = None,
 ) -> None:
     """Calibrate new units from a few points each, against a trained fleet prior.
 
     Every row of --data is a calibration point unless the file has a split column
     (rows marked 'test' are then held out and scored). Writes coefficients.csv,
     per_sensor.csv and a run directory that `fedcal export`/`predict` read.
+    The same code as the Python API: FleetPrior.load(...).calibrate(data).save(out).
     """
-    import torch
+    from fedcal.api import FleetPrior
+    from fedcal.calibration import find_prior
+    from fedcal.data.loader import FleetDataError
 
-    from fedcal import calibration
-    from fedcal.data.loader import FleetDataError, load_fleet
-
-    torch.set_num_threads(1)
     try:
-        path = calibration.find_prior(prior, method, seed, train_points)
-        doc = calibration.load_prior(path)
-        fleet = load_fleet(
-            data,
-            features=doc["features"],
-            target=doc["target"],
-            test_fraction=0.0,
-            min_train_points=1,
-            min_test_points=0,
-        )
-        result = calibration.calibrate(doc, fleet, str(data))
-        table = calibration.write(out, doc, fleet, result)
+        path = find_prior(prior, method, seed, train_points)
+        units = FleetPrior.load(path).calibrate(data, sensor_column)
+        table = units.save(out)
     except (FileNotFoundError, ValueError, ConfigError, FleetDataError) as err:
         _fail(str(err))
-    unit = target_unit(doc["target"])
+    unit = target_unit(units.prior["target"])
     t = Table(title=f"{len(table)} unit(s) calibrated against {path}", title_justify="left")
     columns = [c for c in table.columns if c != "sensor_id"]
     t.add_column("sensor")
@@ -641,27 +644,31 @@ def predict(
     out: Annotated[
         Path, typer.Option("--out", help="CSV to write: the input rows plus the calibrated target")
     ],
-    method: Annotated[str, typer.Option(help="which method's models")] = "fedgmi",
+    method: MethodOpt = None,
     seed: Annotated[int, typer.Option(help="which training seed")] = 0,
     train_points: Annotated[
         int, typer.Option("--train-points", help="which point budget (0 = all)")
     ] = 0,
+    sensor_column: SensorOpt = None,
 ) -> None:
-    """Calibrate raw readings with each sensor's personalized model."""
+    """Calibrate raw readings with each sensor's personalized model.
+
+    Adds <target>_calibrated and, for a method with a predictive σ (fedprior), <target>_std.
+    """
 
     from fedcal.core.atomic import write_text
     from fedcal.data.loader import load_readings
-    from fedcal.report.export import load_models
+    from fedcal.report.export import choose_method, load_models
 
     try:
-        fleet = load_models(run_dir, method, seed, train_points)
+        fleet = load_models(run_dir, choose_method(run_dir, method), seed, train_points)
+        column = sensor_column or fleet.sensor_column
         # The loader's guards: regular file, size limit, checksums, finite plausible values.
-        frame = load_readings(data, fleet.features, "sensor_id")
-        column = f"{fleet.target}_calibrated"
-        frame[column] = float("nan")
-        for sensor, rows in frame.groupby("sensor_id", sort=False):
-            x = rows[list(fleet.features)].to_numpy(float)
-            frame.loc[rows.index, column] = fleet.predict(str(sensor), x)[:, 0]
+        frame = load_readings(data, fleet.features, column)
+        mean, std = fleet.predict_rows(frame, column)  # the Python API's path too
+        frame[f"{fleet.target}_calibrated"] = mean
+        if std is not None:
+            frame[f"{fleet.target}_std"] = std
     except (FileNotFoundError, ValueError, KeyError, ConfigError) as err:
         _fail(str(err))
     write_text(out, frame.to_csv(index=False))

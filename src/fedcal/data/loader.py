@@ -430,6 +430,20 @@ def _read_parquet(path: Path, label: str, max_bytes: int) -> _Raw:
     return _Raw(frame, np.arange(len(frame), dtype=np.int64), "record", False)
 
 
+def _frame_raw(frame: pd.DataFrame) -> _Raw:
+    """A DataFrame given to the Python API, read like a Parquet table (rows by position)."""
+    label = "DataFrame"
+    if not isinstance(frame.index, pd.RangeIndex) and any(n is not None for n in frame.index.names):
+        frame = frame.reset_index()  # a named index is data (e.g. the sensor id)
+    else:
+        frame = frame.reset_index(drop=True)
+    frame = frame.copy()
+    frame.columns = [str(c) for c in frame.columns]
+    if len(frame) == 0:
+        raise FleetDataError(label, "no data rows (the table has 0 rows)")
+    return _Raw(frame, np.arange(len(frame), dtype=np.int64), "row", False)
+
+
 # --------------------------------------------------------------------------- parsing cells
 
 
@@ -816,6 +830,8 @@ def _read_guarded(path, numeric: list[str], physical_bounds, max_bytes):
         for c in numeric
         if c in PLAUSIBLE_RANGES and c not in (physical_bounds or {})
     }
+    if isinstance(path, pd.DataFrame):  # the Python API: the same guards on a table in memory
+        return _frame_raw(path), "DataFrame", bounds, plausible
     limit = max_file_bytes() if max_bytes is None else int(max_bytes)
     label = str(path)
     p = Path(path)
@@ -825,7 +841,7 @@ def _read_guarded(path, numeric: list[str], physical_bounds, max_bytes):
 
 
 def load_fleet(
-    path: str | Path,
+    path: str | Path | pd.DataFrame,
     features: Sequence[str] | None = None,
     target: str | None = None,
     client_column: str = CLIENT_COLUMN,
@@ -837,7 +853,10 @@ def load_fleet(
     physical_bounds: Mapping[str, tuple[float | None, float | None] | Bounds | None] | None = None,
     max_bytes: int | None = None,
 ) -> Fleet:
-    """Read and validate a fleet file (``.csv``, ``.parquet`` or ``.pq``).
+    """Read and validate a fleet file (``.csv``, ``.parquet`` or ``.pq``), or a DataFrame.
+
+    A DataFrame (the Python API, :mod:`fedcal.api`) goes through the same checks as a
+    Parquet table; messages then name ``DataFrame`` and rows by position (0-based).
 
     ``features``/``target`` default to the barometric schema. If the file has
     no ``split_column`` (or ``split_column`` is ``None``), each sensor's points
@@ -927,7 +946,7 @@ def load_fleet(
 
 
 def load_readings(
-    path: str | Path,
+    path: str | Path | pd.DataFrame,
     features: Sequence[str],
     client_column: str = CLIENT_COLUMN,
     physical_bounds: Mapping[str, tuple[float | None, float | None] | Bounds | None] | None = None,

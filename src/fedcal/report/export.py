@@ -33,9 +33,20 @@ class CalibratedFleet:
     features: tuple[str, ...]
     target: str
     model: dict
+    sensor_column: str = "sensor_id"  # the run's column of sensor ids ([data] client_column)
 
     def predict(self, sensor: str, x_raw: np.ndarray) -> np.ndarray:
         """Calibrated target values for raw readings ``x_raw`` (rows, features) of ``sensor``."""
+        return self.predict_with_std(sensor, x_raw)[0]
+
+    def predict_with_std(
+        self, sensor: str, x_raw: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """(calibrated values, predictive σ or None) in the target's unit, rows × 1 each.
+
+        σ is the method's own (``algorithm.predictive_std``, e.g. fedprior's posterior
+        and noise); None for a method without one.
+        """
         if sensor not in self.params:
             raise KeyError(
                 f"sensor {sensor!r} is not in this run; known: {', '.join(sorted(self.params))}"
@@ -45,7 +56,47 @@ class CalibratedFleet:
         x = torch.as_tensor(self.scaler.x(np.asarray(x_raw, float)), dtype=dtype).unsqueeze(0)
         with torch.no_grad():
             y = self.algorithm.predict(params, x)[0].double().numpy()
-        return self.scaler.y_inverse(y)
+            std = self.algorithm.predictive_std(params, x)
+        scale = np.asarray(self.scaler.y_scale, float)
+        sd = None if std is None else std[0].double().numpy() * np.abs(scale)
+        return self.scaler.y_inverse(y), sd
+
+    def predict_rows(self, frame, sensor_column: str | None = None):
+        """(mean, σ or None): one value per row of ``frame`` (its sensor column, features).
+
+        The one prediction path of ``fedcal predict`` and ``fedcal.api.CalibratedUnits.predict``.
+        """
+        column = sensor_column or self.sensor_column
+        mean = np.full(len(frame), np.nan)
+        sd: np.ndarray | None = np.full(len(frame), np.nan)
+        x_all = frame[list(self.features)].to_numpy(float)
+        for sensor, rows in frame.groupby(column, sort=False).indices.items():
+            m, s = self.predict_with_std(str(sensor), x_all[rows])
+            mean[rows] = m[:, 0]
+            if s is None:
+                sd = None
+            elif sd is not None:
+                sd[rows] = s[:, 0]
+        return mean, sd
+
+
+def choose_method(run_dir: str | Path, method: str | None) -> str:
+    """``method``, or the run's only method; several and none named: a one-line error.
+
+    The run's methods are those of its ``config.json`` (``[run] methods``).
+    """
+    if method:
+        return method
+    path = Path(run_dir) / "config.json"
+    try:
+        methods = list(json.loads(path.read_text())["run"]["methods"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a readable fedcal run configuration ({e})") from None
+    if len(methods) == 1:
+        return methods[0]
+    raise ValueError(
+        f"{run_dir} has {len(methods)} methods; choose one with --method: {', '.join(methods)}"
+    )
 
 
 def load_models(
@@ -88,6 +139,7 @@ def load_models(
         cfg.data.features,
         cfg.data.target,
         meta["model"],
+        cfg.data.client_column,
     )
 
 
