@@ -198,3 +198,37 @@ def test_unfitted_prior_is_refused():
 def test_docstring_examples_run():
     result = doctest.testmod(api, raise_on_error=False, verbose=False)
     assert result.attempted >= 5 and result.failed == 0
+
+
+def test_export_and_predict_take_the_only_method_or_refuse_listing_them(fleet, cli_run, tmp_path):
+    root = fleet[0]
+    _, cal, _ = cli_run
+    json_out = tmp_path / "only.json"
+    result = runner.invoke(app, ["export", str(cal), "--format", "json", "--out", str(json_out)])
+    assert result.exit_code == 0, result.output  # the calibrate output's only method: fedprior
+    two = tmp_path / "two"
+    args = ["run", "--data", str(root / "reference.csv"), "--methods", "polynomial,fedprior"]
+    result = runner.invoke(app, [*args, "--seeds", "1", "--rounds", "3", "--out", str(two)])
+    assert result.exit_code == 0, result.output
+    for command in (
+        ["export", str(two), "--format", "json"],
+        ["predict", str(two), "--data", str(root / "readings.csv"), "--out", str(tmp_path / "p")],
+    ):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 2
+        message = " ".join(result.output.split())
+        assert "has 2 methods; choose one with --method: polynomial, fedprior" in message
+    result = runner.invoke(app, ["export", str(two), "--method", "polynomial", "--format", "json"])
+    assert result.exit_code == 0, result.output
+
+
+def test_unit_guards_work_on_the_user_s_own_column_names(fleet):
+    """t_c in kelvin, f_hz in kHz: refused with the unit guess, as for the standard names."""
+    _, reference, _, _, _ = fleet
+    rename = {"sensor_id": "unit", "frequency_hz": "f_hz", "temperature_c": "t_c"}
+    own = reference.rename(columns=rename)
+    prior = FleetPrior(features=("f_hz", "t_c"), sensor_column="unit")
+    with pytest.raises(ValueError, match="kelvin"):
+        prior.fit(own.assign(t_c=own["t_c"] + 273.15))
+    with pytest.raises(ValueError, match="kHz"):
+        prior.fit(own.assign(f_hz=own["f_hz"] / 1000.0))

@@ -462,6 +462,9 @@ def simulate(
     test_design: Annotated[
         str, typer.Option(help="cycle (seed protocol) or random (off-grid)")
     ] = "cycle",
+    train_design: Annotated[
+        str, typer.Option(help="calibration points: campaign (384) or PxT, e.g. 3x2 (6 points)")
+    ] = "campaign",
 ) -> None:
     """Write a simulated fleet (the embedded default) to a file."""
     from fedcal.data.loader import save_fleet
@@ -474,6 +477,7 @@ def simulate(
             family=family,
             num_lots=lots,
             test_design=test_design,
+            train_design=train_design,
         )
         fleet = simulate_fleet(spec, seed=seed)
         save_fleet(fleet, out)
@@ -514,17 +518,24 @@ def methods(config: ConfigOpt = None) -> None:
         highlight=False,
         markup=False,
     )
-    t = Table(
-        caption="the values a run uses; * set by the configuration ([methods.<name>]); "
-        "a recipe value shown differs from [train]: the method's own"
+    t = Table(  # narrow columns and a legend: readable at 80 columns, parameters wrap
+        caption=escape(
+            "fed: federated (y/n); task: reg = regression, cls = classification. "
+            "The values a run uses; * set by the configuration ([methods.<name>]); "
+            "a recipe value shown differs from [train]: the method's own"
+        ),
+        caption_justify="left",
+        pad_edge=False,
     )
     t.add_column("method", no_wrap=True)
-    t.add_column("variant of")
-    t.add_column("federated")
-    t.add_column("task")
-    t.add_column("parameters used")
+    t.add_column("fed", no_wrap=True)
+    t.add_column("task", no_wrap=True)
+    t.add_column("parameters used", ratio=1, overflow="fold")
+    short = {"regression": "reg", "classification": "cls"}
     for name, base, cls, params in rows:
-        t.add_row(name, base, "yes" if cls.federated else "no", cls.task_kind, params)
+        label = f"{name}\n(of {base})" if base else name  # a variant: its base below
+        kind = short.get(cls.task_kind, cls.task_kind)
+        t.add_row(label, "y" if cls.federated else "n", kind, escape(params))
     console.print(t)
 
 

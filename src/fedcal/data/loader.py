@@ -39,7 +39,9 @@ A barometric file in the wrong unit is physically possible but wrong, so the
 known barometric columns also have plausible ranges (:data:`PLAUSIBLE_RANGES`)
 whose messages guess the unit mistake: pressure above 2000 hPa ("is it in
 Pa?") or never reaching 250 hPa ("is it in kPa or psi?"), frequency below
-100 Hz ("is it in kHz?"), temperature above 250 °C ("is it in kelvin?"). A
+100 Hz ("is it in kHz?"), temperature above 250 °C ("is it in kelvin?"); a
+column named with its unit (``f_hz``, ``t_c``, ``p_hpa``) is guarded like the
+known column of that unit. A
 ``physical_bounds`` entry for a column replaces its plausible range too.
 Any feature or target beyond ±1e15 (e.g. ``1e308``) is refused whatever the
 column: no sensor reads that, and it overflows scaling.
@@ -191,6 +193,21 @@ PLAUSIBLE_RANGES: dict[str, Plausible] = {
         -100.0, 250.0, "°C", ((250.0, 800.0, "is it in kelvin? (°C = K − 273.15)"),)
     ),
 }
+
+
+# a column's own name for its unit (``f_hz``, ``t_c``, ``p_hpa``): the known column of that unit
+UNIT_SUFFIXES = {"hpa": "pressure_hpa", "hz": "frequency_hz", "c": "temperature_c"}
+
+
+def plausible_range(column: str) -> Plausible | None:
+    """The plausible range of a known column, or of one named with its unit (``t_c``: °C).
+
+    So the unit guesses (kHz, kelvin, Pa) also guard a user's own names for the columns.
+    """
+    if column in PLAUSIBLE_RANGES:
+        return PLAUSIBLE_RANGES[column]
+    unit = column.rsplit("_", 1)[-1].lower() if "_" in column else ""
+    return PLAUSIBLE_RANGES.get(UNIT_SUFFIXES.get(unit, ""))
 
 
 # --------------------------------------------------------------------------- messages
@@ -826,9 +843,9 @@ def _read_guarded(path, numeric: list[str], physical_bounds, max_bytes):
     ``numeric``. A user's own bounds for a column replace its plausible range as well."""
     bounds = _resolve_bounds(numeric, physical_bounds)
     plausible = {
-        c: PLAUSIBLE_RANGES[c]
+        c: p
         for c in numeric
-        if c in PLAUSIBLE_RANGES and c not in (physical_bounds or {})
+        if (p := plausible_range(c)) is not None and c not in (physical_bounds or {})
     }
     if isinstance(path, pd.DataFrame):  # the Python API: the same guards on a table in memory
         return _frame_raw(path), "DataFrame", bounds, plausible
