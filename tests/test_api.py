@@ -138,7 +138,13 @@ def test_custom_sensor_column_end_to_end(fleet, tmp_path):
     mean = units.predict(readings.rename(columns=rename))
     assert units.coefficients["sensor_id"].tolist() == sorted(set(new_train["sensor_id"]))
 
-    prior.save(tmp_path / "run")
+    ref_file = tmp_path / "reference.csv"
+    reference.rename(columns=rename).to_csv(ref_file, index=False)
+    args = ["run", "--data", str(ref_file), "--features", "f_hz,t_c", "--sensor-column", "unit"]
+    args += ["--methods", "fedprior", "--seeds", "1", "--config", str(root / "config.toml")]
+    result = runner.invoke(app, [*args, "--out", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    assert FleetPrior.load(tmp_path / "run").prior_ == prior.prior_  # the CLI's own prior
     new_file, read_file = tmp_path / "new.csv", tmp_path / "readings.csv"
     new_train.rename(columns=rename).to_csv(new_file, index=False)
     readings.rename(columns=rename).to_csv(read_file, index=False)

@@ -9,9 +9,13 @@ Stable interface (scripts call it)::
     fedcal compare [the same options: one definition; compare also shows bytes sent]
     fedcal simulate --out fleet.parquet
     fedcal methods [--config FILE]
-    fedcal export RUN_DIR --method fedgmi [--seed 0] [--format c|json|onnx] --out FILE|DIR
+    fedcal export RUN_DIR [--method M] [--seed 0] [--format c|json|onnx] --out FILE|DIR
     fedcal report RUN_DIR [--markdown] [--html FILE]
-    fedcal calibrate --prior RUN_DIR --data new_units.csv --out DIR
+    fedcal calibrate --prior RUN_DIR --data new_units.csv --out DIR [--sensor-column COL]
+    fedcal predict RUN_DIR --data readings.csv --out calibrated.csv [--method M]
+
+export and predict take the run's only method (several: --method names one);
+every command reads sensor ids from the run's column (--sensor-column: another).
 
 run and compare also take --quiet (no progress bar, no table), --html FILE
 (write the HTML report when done) and --aggregation RULE. The progress bar
