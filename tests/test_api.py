@@ -104,6 +104,10 @@ def test_save_writes_the_run_folder_the_cli_writes_and_load_reads_it(
     ]
     assert runner.invoke(app, args).exit_code == 0
     assert FleetPrior.load(saved).prior_ == prior.prior_
+    # a loaded prior saves the run folder it was loaded from, byte for byte
+    copy = FleetPrior.load(run).save(tmp_path / "copy")
+    for name in cli_files:
+        assert (copy / name).read_bytes() == (run / name).read_bytes()
 
 
 def test_coefficients_reproduce_the_predictions(fleet, fitted):

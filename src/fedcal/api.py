@@ -173,11 +173,7 @@ class FleetPrior(BaseEstimator):
             method=doc["method"],
         )
         prior.prior_ = doc
-        folder = path.parent.parent.parent
-        is_run = (folder / "config.json").is_file() and path.parent.parent.name == "runs"
-        prior.files_ = (
-            _read_dir(folder, path.parent) if is_run else {"prior.json": path.read_bytes()}
-        )
+        prior.source_ = path  # save() copies its run folder (read then, not held in memory)
         return prior
 
     def save(self, out: str | Path) -> Path:
@@ -191,7 +187,13 @@ class FleetPrior(BaseEstimator):
 
         self._check_fitted()
         out = Path(out)
-        for name, blob in self.files_.items():
+        files = getattr(self, "files_", None)
+        if files is None:  # loaded: the stored run folder, or the bare prior.json
+            path = self.source_
+            folder = path.parent.parent.parent
+            is_run = (folder / "config.json").is_file() and path.parent.parent.name == "runs"
+            files = _read_dir(folder, path.parent) if is_run else {"prior.json": path.read_bytes()}
+        for name, blob in files.items():
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             write_bytes(out / name, blob)
         return out
