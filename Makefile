@@ -1,17 +1,25 @@
 # fedcal — the two set-up commands:
-#   make run    install (first time); compare the per-sensor polynomial, fedcal's best method and
-#               FedGMI on the embedded default fleet; write the HTML report and print its path
+#   make run    install (first time); on a simulated mixed fleet (20 fully calibrated reference
+#               units + 20 new units with 6 chamber points each) compare each unit's own
+#               polynomial, fedcal's fleet prior (with its interval coverage) and FedGMI (the
+#               seed's method), new and reference units apart; write the HTML report
 #   make test   install (first time) and run the test suite
+# The seed's protocol instead: .venv/bin/fedcal run --config seed
+# torch's CPU-only build (a smaller download, no CUDA libraries), on a machine with internet:
+#   make run TORCH_INDEX=https://download.pytorch.org/whl/cpu
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TORCH_INDEX ?=
 
 .PHONY: run test bench lint clean
 
 $(STAMP): pyproject.toml
+	@echo "fedcal: installing into $(VENV) (first time: a few minutes; torch is the largest download)"
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -e ".[dev,flower]"
+	$(if $(TORCH_INDEX),$(BIN)/pip install --progress-bar on --index-url $(TORCH_INDEX) torch)
+	$(BIN)/pip install --progress-bar on -e ".[dev,flower]"
 	touch $(STAMP)
 
 run: $(STAMP)

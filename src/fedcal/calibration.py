@@ -42,7 +42,7 @@ from fedcal.core.data import ClientData
 from fedcal.core.paths import read_json, safe_name
 from fedcal.core.runfiles import check_prior
 from fedcal.core.tree import Tree, expand
-from fedcal.data.fleet import SPLIT_COLUMN, Fleet
+from fedcal.data.fleet import CLIENT_COLUMN, SPLIT_COLUMN, Fleet
 from fedcal.data.scaling import Scaler
 from fedcal.engine.evaluation import errors
 from fedcal.engine.simulation import FleetTensors, RunResult
@@ -98,7 +98,11 @@ def _config(prior: dict[str, Any]) -> RunConfig:
     if method != "fedprior":
         params["base"] = "fedprior"
     cfg = from_dict({"methods": {method: params}}, "prior.json")
-    data = DataConfig(features=tuple(prior["features"]), target=prior["target"])
+    data = DataConfig(
+        features=tuple(prior["features"]),
+        target=prior["target"],
+        client_column=prior.get("sensor_column", CLIENT_COLUMN),
+    )
     return replace(cfg, data=data, methods=(method,), seeds=1)
 
 
@@ -173,6 +177,26 @@ def calibrate(prior: dict[str, Any], fleet: Fleet, source: str = "data") -> Cali
     return Calibration(algorithm, tensors, personal, server)
 
 
+def coefficient_table(prior: dict[str, Any], result: Calibration) -> pd.DataFrame:
+    """``coefficients.csv``: per unit its points, noise σ and coefficients (module docstring).
+
+    y = Σ_k c_k φ_k(z) in the target's unit, z = (x − x_offset) / x_scale (the prior's
+    scaler), φ_k = Π_j P̃_{a_kj}(z_j) with P̃_a = √(2a+1)·P_a; the term '1' carries the offset.
+    """
+    names = prior.get("term_names") or [str(t) for t in prior["terms"]]
+    names = names + prior.get("branch_term_names", [])  # b·ψ: half the up−down split
+    scaler = result.tensors.scaler
+    y_scale = float(np.asarray(scaler.y_scale).ravel()[0])
+    # In the target's unit: y = offset + scale·Σ c_k φ_k, and φ_0 = 1 carries the offset.
+    coef = result.personal["coef"].numpy() * y_scale
+    coef[:, 0] += float(np.asarray(scaler.y_offset).ravel()[0])
+    table = pd.DataFrame(coef, columns=names)
+    table.insert(0, "sensor_id", list(result.tensors.client_ids))
+    table.insert(1, "points", result.tensors.train.count.numpy())
+    table.insert(2, "noise_sd", np.sqrt(result.personal["noise_var"].numpy()) * y_scale)
+    return table
+
+
 def write(out: Path, prior: dict[str, Any], fleet: Fleet, result: Calibration) -> pd.DataFrame:
     """A run directory for the new units; returns the per-unit table."""
     out = Path(out)
@@ -188,18 +212,7 @@ def write(out: Path, prior: dict[str, Any], fleet: Fleet, result: Calibration) -
         run_dir / MODEL_FILE, run, result.tensors, cfg, result.algorithm, method, 0, fleet.meta
     )
 
-    ids = result.tensors.client_ids
-    names = prior.get("term_names") or [str(t) for t in prior["terms"]]
-    names = names + prior.get("branch_term_names", [])  # b·ψ: half the up−down split
-    scaler = result.tensors.scaler
-    y_scale = float(np.asarray(scaler.y_scale).ravel()[0])
-    # In the target's unit: y = offset + scale·Σ c_k φ_k, and φ_0 = 1 carries the offset.
-    coef = result.personal["coef"].numpy() * y_scale
-    coef[:, 0] += float(np.asarray(scaler.y_offset).ravel()[0])
-    table = pd.DataFrame(coef, columns=names)
-    table.insert(0, "sensor_id", ids)
-    table.insert(1, "points", result.tensors.train.count.numpy())
-    table.insert(2, "noise_sd", np.sqrt(result.personal["noise_var"].numpy()) * y_scale)
+    table = coefficient_table(prior, result)
     _write_csv(out / "coefficients.csv", table)
 
     per_sensor = table[["sensor_id", "points", "noise_sd"]].copy()

@@ -9,11 +9,15 @@ Stable interface (scripts call it)::
     fedcal compare [the same options: one definition; compare also shows bytes sent]
     fedcal simulate --out fleet.parquet
     fedcal methods [--config FILE]
-    fedcal export RUN_DIR --method fedgmi [--seed 0] [--format c|json|onnx] --out FILE|DIR
+    fedcal export RUN_DIR [--method M] [--seed 0] [--format c|json|onnx] --out FILE|DIR
     fedcal report RUN_DIR [--markdown] [--html FILE]
-    fedcal calibrate --prior RUN_DIR --data new_units.csv --out DIR
     fedcal plan --prior RUN_DIR --plateaus K --points N --out design.csv [--spec S]
     fedcal plan --prior RUN_DIR --unit unit.csv --next [--spec S] [--count N]
+    fedcal calibrate --prior RUN_DIR --data new_units.csv --out DIR [--sensor-column COL]
+    fedcal predict RUN_DIR --data readings.csv --out calibrated.csv [--method M]
+
+export and predict take the run's only method (several: --method names one);
+every command reads sensor ids from the run's column (--sensor-column: another).
 
 run and compare also take --quiet (no progress bar, no table), --html FILE
 (write the HTML report when done) and --aggregation RULE. The progress bar
@@ -146,6 +150,7 @@ def _resolve(
     chunk_size: int | None = None,
     time_column: str | None = None,
     split_by: str | None = None,
+    sensor_column: str | None = None,
 ) -> RunConfig:
     """The configuration file with the command line's options on top, validated like the file.
 
@@ -172,6 +177,7 @@ def _resolve(
         ("--target", "data", "target", target),
         ("--time-column", "data", "time_column", time_column),
         ("--split-by", "data", "split_by", split_by),
+        ("--sensor-column", "data", "client_column", sensor_column),
         ("--methods", "run", "methods", _csv_list(methods)),
         ("--seeds", "run", "seeds", seeds),
         ("--rounds", "engine", "rounds", rounds),
@@ -363,6 +369,13 @@ FeaturesOpt = Annotated[
     str | None, typer.Option("--features", help="input columns, comma separated")
 ]
 TargetOpt = Annotated[str | None, typer.Option("--target", help="target column")]
+SensorOpt = Annotated[
+    str | None,
+    typer.Option("--sensor-column", help="column of sensor ids (default: the run's, or sensor_id)"),
+]
+MethodOpt = Annotated[
+    str | None, typer.Option("--method", help="which method (default: the run's only one)")
+]
 MethodsOpt = Annotated[str | None, typer.Option("--methods", help="comma separated, or 'all'")]
 SeedsOpt = Annotated[int | None, typer.Option("--seeds", help="number of training seeds")]
 RoundsOpt = Annotated[int | None, typer.Option("--rounds", help="federated rounds")]
@@ -425,6 +438,7 @@ def train(
     chunk_size: ChunkOpt = None,
     time_column: TimeColumnOpt = None,
     split_by: SplitByOpt = None,
+    sensor_column: SensorOpt = None,
 ) -> None:
     """``fedcal run`` and ``fedcal compare``: one definition (compare also shows bytes sent)."""
     kind = ctx.info_name or "run"
@@ -444,6 +458,7 @@ def train(
             chunk_size,
             time_column,
             split_by,
+            sensor_column,
         )
         points = (
             tuple(_int_list(train_points, "--train-points"))
@@ -479,6 +494,9 @@ def simulate(
     test_design: Annotated[
         str, typer.Option(help="cycle (seed protocol) or random (off-grid)")
     ] = "cycle",
+    train_design: Annotated[
+        str, typer.Option(help="calibration points: campaign (384) or PxT, e.g. 3x2 (6 points)")
+    ] = "campaign",
 ) -> None:
     """Write a simulated fleet (the embedded default) to a file."""
     from fedcal.data.loader import save_fleet
@@ -491,6 +509,7 @@ def simulate(
             family=family,
             num_lots=lots,
             test_design=test_design,
+            train_design=train_design,
         )
         fleet = simulate_fleet(spec, seed=seed)
         save_fleet(fleet, out)
@@ -531,24 +550,31 @@ def methods(config: ConfigOpt = None) -> None:
         highlight=False,
         markup=False,
     )
-    t = Table(
-        caption="the values a run uses; * set by the configuration ([methods.<name>]); "
-        "a recipe value shown differs from [train]: the method's own"
+    t = Table(  # narrow columns and a legend: readable at 80 columns, parameters wrap
+        caption=escape(
+            "fed: federated (y/n); task: reg = regression, cls = classification. "
+            "The values a run uses; * set by the configuration ([methods.<name>]); "
+            "a recipe value shown differs from [train]: the method's own"
+        ),
+        caption_justify="left",
+        pad_edge=False,
     )
     t.add_column("method", no_wrap=True)
-    t.add_column("variant of")
-    t.add_column("federated")
-    t.add_column("task")
-    t.add_column("parameters used")
+    t.add_column("fed", no_wrap=True)
+    t.add_column("task", no_wrap=True)
+    t.add_column("parameters used", ratio=1, overflow="fold")
+    short = {"regression": "reg", "classification": "cls"}
     for name, base, cls, params in rows:
-        t.add_row(name, base, "yes" if cls.federated else "no", cls.task_kind, params)
+        label = f"{name}\n(of {base})" if base else name  # a variant: its base below
+        kind = short.get(cls.task_kind, cls.task_kind)
+        t.add_row(label, "y" if cls.federated else "n", kind, escape(params))
     console.print(t)
 
 
 @app.command()
 def export(
     run_dir: Annotated[Path, typer.Argument(help="a run directory of fedcal run/compare")],
-    method: Annotated[str, typer.Option(help="which method's models")] = "fedgmi",
+    method: MethodOpt = None,
     seed: Annotated[int, typer.Option(help="which training seed")] = 0,
     train_points: Annotated[
         int, typer.Option("--train-points", help="which point budget (0 = all)")
@@ -570,7 +596,7 @@ def export(
     """
     from fedcal.core.atomic import write_bytes, write_text
     from fedcal.core.paths import safe_name
-    from fedcal.report.export import load_models, to_c_header, to_json
+    from fedcal.report.export import choose_method, load_models, to_c_header, to_json
     from fedcal.report.rundir import read_valid_ranges
 
     if fmt not in ("c", "json", "onnx"):
@@ -579,6 +605,7 @@ def export(
         _fail("--format onnx writes one file per sensor: give a directory with --out")
     try:
         _check_out(out, run_dir, directory=fmt == "onnx")
+        method = choose_method(run_dir, method)
         fleet = load_models(run_dir, method, seed, train_points)
         ranges = read_valid_ranges(run_dir, method, seed, train_points)
         if fmt == "onnx":
@@ -637,37 +664,31 @@ def calibrate(
     train_points: Annotated[
         int, typer.Option("--train-points", help="which point budget of the run (0 = all)")
     ] = 0,
+    sensor_column: SensorOpt = None,
 ) -> None:
     """Calibrate new units from a few points each, against a trained fleet prior.
 
     Every row of --data is a calibration point unless the file has a split column
     (rows marked 'test' are then held out and scored). Writes coefficients.csv,
     per_sensor.csv and a run directory that `fedcal export`/`predict` read.
+    The same code as the Python API: FleetPrior.load(...).calibrate(data).save(out).
     """
     import torch
 
-    from fedcal import calibration
+    from fedcal.api import FleetPrior
+    from fedcal.calibration import find_prior
     from fedcal.core.paths import check_dir_output, run_folders_of
-    from fedcal.data.loader import FleetDataError, load_fleet
+    from fedcal.data.loader import FleetDataError
 
     torch.set_num_threads(1)
     try:
-        path = calibration.find_prior(prior, method, seed, train_points)
+        path = find_prior(prior, method, seed, train_points)
         check_dir_output(out, "--out", run_folders_of(path), [data, path])
-        doc = calibration.load_prior(path)
-        fleet = load_fleet(
-            data,
-            features=doc["features"],
-            target=doc["target"],
-            test_fraction=0.0,
-            min_train_points=1,
-            min_test_points=0,
-        )
-        result = calibration.calibrate(doc, fleet, str(data))
-        table = calibration.write(out, doc, fleet, result)
+        units = FleetPrior.load(path).calibrate(data, sensor_column)
+        table = units.save(out)
     except (FileNotFoundError, ValueError, ConfigError, FleetDataError) as err:
         _fail(str(err))
-    unit = target_unit(doc["target"])
+    unit = target_unit(units.prior["target"])
     t = Table(title=f"{len(table)} unit(s) calibrated against {path}", title_justify="left")
     columns = [c for c in table.columns if c != "sensor_id"]
     t.add_column("sensor")
@@ -723,7 +744,7 @@ def predict(
     out: Annotated[
         Path, typer.Option("--out", help="CSV to write: the input rows plus the calibrated target")
     ],
-    method: Annotated[str, typer.Option(help="which method's models")] = "fedgmi",
+    method: MethodOpt = None,
     seed: Annotated[int, typer.Option(help="which training seed")] = 0,
     train_points: Annotated[
         int, typer.Option("--train-points", help="which point budget (0 = all)")
@@ -731,6 +752,7 @@ def predict(
     strict: Annotated[
         bool, typer.Option("--strict", help="refuse readings beyond the calibrated range")
     ] = False,
+    sensor_column: SensorOpt = None,
 ) -> None:
     """Calibrate raw readings with each sensor's personalized model.
 
@@ -741,16 +763,19 @@ def predict(
 
     from fedcal.core.atomic import write_text
     from fedcal.data.loader import load_readings
-    from fedcal.report.export import calibrate_frame, load_models
+    from fedcal.report.export import calibrate_frame, choose_method, load_models
     from fedcal.report.rundir import read_valid_ranges
 
     try:
         _check_out(out, run_dir, inputs=[data])
+        method = choose_method(run_dir, method)
         fleet = load_models(run_dir, method, seed, train_points)
+        column = sensor_column or fleet.sensor_column
         # The loader's guards: regular file, size limit, checksums, finite plausible values.
-        frame = load_readings(data, fleet.features, "sensor_id")
+        frame = load_readings(data, fleet.features, column)
         ranges = read_valid_ranges(run_dir, method, seed, train_points)
-        frame = calibrate_frame(fleet, frame, ranges, strict)
+        # <target>_calibrated and _std through the Python API's path, and in_range
+        frame = calibrate_frame(fleet, frame, ranges, strict, column)
     except (FileNotFoundError, ValueError, KeyError, ConfigError) as err:
         _fail(str(err))
     write_text(out, frame.to_csv(index=False))

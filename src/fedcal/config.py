@@ -561,7 +561,7 @@ def default_config() -> RunConfig:
 
 
 # fedcal/configs/<name>.toml, usable as --config <name>
-SHIPPED = ("physics", "digits", "fewpoint", "generic", "quickstart")
+SHIPPED = ("physics", "digits", "fewpoint", "generic", "quickstart", "seed", "default")
 
 
 def load_config(path: str | Path | None) -> RunConfig:

@@ -335,6 +335,7 @@ def export_state(
         },
         "features": names,
         "target": fleet.target,
+        "sensor_column": fleet.client_column,  # calibrate/predict read new units' ids from it
         "scaler": tensors.scaler.to_dict(),
         "input_range": {c: [float(train[c].min()), float(train[c].max())] for c in names},
         "num_units": fleet.num_clients,

@@ -73,7 +73,9 @@ def test_methods_shows_the_values_a_run_uses(tmp_path):
     assert "lr=" not in rows["fedavg"]  # fedavg runs the shared recipe
     # a variant inherits its base's table and shows its own change
     joint = rows["fedgmi_joint"]
-    assert "│ fedgmi " in joint and "finetune_steps=4*" in joint and "normalize='joint'*" in joint
+    assert "finetune_steps=4*" in joint and "normalize='joint'*" in joint
+    lines = output.splitlines()
+    assert lines[lines.index(joint) + 1].startswith("│(of fedgmi) ")  # its base, below its name
     # the shipped default's recipe (lr 0.1), not the class default (0.05), is what runs
     default = wide.invoke(app, ["methods"]).output
     assert default.startswith("local recipe ([train]) of every method without its own: lr=0.1,")
@@ -121,3 +123,16 @@ def test_interrupt_exits_130_and_nothing_is_printed_as_a_result(files, tmp_path,
     data, cfg = files
     result = runner.invoke(app, run_args(data, cfg, "local", tmp_path / "i"))
     assert result.exit_code == 130 and "RMSE" not in result.output
+
+
+def test_methods_is_readable_at_80_columns():
+    """Nothing cut: every method's whole name, every line within 80 columns, a legend."""
+    from fedcal.algorithms import REGISTRY
+
+    narrow = CliRunner(env={"COLUMNS": "80"})
+    output = narrow.invoke(app, ["methods"]).output
+    lines = output.splitlines()
+    assert max(len(line) for line in lines) <= 80 and "…" not in output
+    names = {line.split("│")[1].strip() for line in lines if line.startswith("│")}
+    assert set(REGISTRY) <= names
+    assert "fed: federated (y/n); task: reg = regression" in " ".join(output.split())

@@ -39,7 +39,9 @@ A barometric file in the wrong unit is physically possible but wrong, so the
 known barometric columns also have plausible ranges (:data:`PLAUSIBLE_RANGES`)
 whose messages guess the unit mistake: pressure above 2000 hPa ("is it in
 Pa?") or never reaching 250 hPa ("is it in kPa or psi?"), frequency below
-100 Hz ("is it in kHz?"), temperature above 250 °C ("is it in kelvin?"). A
+100 Hz ("is it in kHz?"), temperature above 250 °C ("is it in kelvin?"); a
+column named with its unit (``f_hz``, ``t_c``, ``p_hpa``) is guarded like the
+known column of that unit. A
 ``physical_bounds`` entry for a column replaces its plausible range too.
 Any feature or target beyond ±1e15 (e.g. ``1e308``) is refused whatever the
 column: no sensor reads that, and it overflows scaling.
@@ -197,6 +199,21 @@ PLAUSIBLE_RANGES: dict[str, Plausible] = {
         -100.0, 250.0, "°C", ((250.0, 800.0, "is it in kelvin? (°C = K − 273.15)"),)
     ),
 }
+
+
+# a column's own name for its unit (``f_hz``, ``t_c``, ``p_hpa``): the known column of that unit
+UNIT_SUFFIXES = {"hpa": "pressure_hpa", "hz": "frequency_hz", "c": "temperature_c"}
+
+
+def plausible_range(column: str) -> Plausible | None:
+    """The plausible range of a known column, or of one named with its unit (``t_c``: °C).
+
+    So the unit guesses (kHz, kelvin, Pa) also guard a user's own names for the columns.
+    """
+    if column in PLAUSIBLE_RANGES:
+        return PLAUSIBLE_RANGES[column]
+    unit = column.rsplit("_", 1)[-1].lower() if "_" in column else ""
+    return PLAUSIBLE_RANGES.get(UNIT_SUFFIXES.get(unit, ""))
 
 
 # --------------------------------------------------------------------------- messages
@@ -439,6 +456,20 @@ def _read_parquet(path: Path, label: str, max_bytes: int) -> _Raw:
     if len(frame) == 0:
         raise FleetDataError(label, "no data rows (the table has 0 records)")
     return _Raw(frame, np.arange(len(frame), dtype=np.int64), "record", False)
+
+
+def _frame_raw(frame: pd.DataFrame) -> _Raw:
+    """A DataFrame given to the Python API, read like a Parquet table (rows by position)."""
+    label = "DataFrame"
+    if not isinstance(frame.index, pd.RangeIndex) and any(n is not None for n in frame.index.names):
+        frame = frame.reset_index()  # a named index is data (e.g. the sensor id)
+    else:
+        frame = frame.reset_index(drop=True)
+    frame = frame.copy()
+    frame.columns = [str(c) for c in frame.columns]
+    if len(frame) == 0:
+        raise FleetDataError(label, "no data rows (the table has 0 rows)")
+    return _Raw(frame, np.arange(len(frame), dtype=np.int64), "row", False)
 
 
 # --------------------------------------------------------------------------- parsing cells
@@ -889,10 +920,12 @@ def _read_guarded(path, numeric: list[str], physical_bounds, max_bytes):
     ``numeric``. A user's own bounds for a column replace its plausible range as well."""
     bounds = _resolve_bounds(numeric, physical_bounds)
     plausible = {
-        c: PLAUSIBLE_RANGES[c]
+        c: p
         for c in numeric
-        if c in PLAUSIBLE_RANGES and c not in (physical_bounds or {})
+        if (p := plausible_range(c)) is not None and c not in (physical_bounds or {})
     }
+    if isinstance(path, pd.DataFrame):  # the Python API: the same guards on a table in memory
+        return _frame_raw(path), "DataFrame", bounds, plausible
     limit = max_file_bytes() if max_bytes is None else int(max_bytes)
     label = str(path)
     p = Path(path)
@@ -902,7 +935,7 @@ def _read_guarded(path, numeric: list[str], physical_bounds, max_bytes):
 
 
 def load_fleet(
-    path: str | Path,
+    path: str | Path | pd.DataFrame,
     features: Sequence[str] | None = None,
     target: str | None = None,
     client_column: str = CLIENT_COLUMN,
@@ -916,7 +949,10 @@ def load_fleet(
     time_column: str | None = None,
     split_by: str = "random",
 ) -> Fleet:
-    """Read and validate a fleet file (``.csv``, ``.parquet`` or ``.pq``).
+    """Read and validate a fleet file (``.csv``, ``.parquet`` or ``.pq``), or a DataFrame.
+
+    A DataFrame (the Python API, :mod:`fedcal.api`) goes through the same checks as a
+    Parquet table; messages then name ``DataFrame`` and rows by position (0-based).
 
     ``time_column`` (optional) names each row's time, a number or a date
     (:func:`parse_times`; kept in the frame as float seconds or the file's number):
@@ -1034,7 +1070,7 @@ def load_fleet(
 
 
 def load_readings(
-    path: str | Path,
+    path: str | Path | pd.DataFrame,
     features: Sequence[str],
     client_column: str = CLIENT_COLUMN,
     physical_bounds: Mapping[str, tuple[float | None, float | None] | Bounds | None] | None = None,

@@ -21,6 +21,7 @@ import torch
 
 from fedcal.config import ConfigError, from_json
 from fedcal.core.algorithm import Algorithm
+from fedcal.core.paths import read_json
 from fedcal.core.tree import Tree, flatten, stack
 from fedcal.data.scaling import Scaler
 
@@ -35,9 +36,20 @@ class CalibratedFleet:
     features: tuple[str, ...]
     target: str
     model: dict
+    sensor_column: str = "sensor_id"  # the run's column of sensor ids ([data] client_column)
 
     def predict(self, sensor: str, x_raw: np.ndarray) -> np.ndarray:
         """Calibrated target values for raw readings ``x_raw`` (rows, features) of ``sensor``."""
+        return self.predict_with_std(sensor, x_raw)[0]
+
+    def predict_with_std(
+        self, sensor: str, x_raw: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """(calibrated values, predictive σ or None) in the target's unit, rows × 1 each.
+
+        σ is the method's own (``algorithm.predictive_std``, e.g. fedprior's posterior
+        and noise); None for a method without one.
+        """
         if sensor not in self.params:
             raise KeyError(
                 f"sensor {sensor!r} is not in this run; known: {', '.join(sorted(self.params))}"
@@ -47,19 +59,47 @@ class CalibratedFleet:
         x = torch.as_tensor(self.scaler.x(np.asarray(x_raw, float)), dtype=dtype).unsqueeze(0)
         with torch.no_grad():
             y = self.algorithm.predict(params, x)[0].double().numpy()
-        return self.scaler.y_inverse(y)
-
-    def predict_std(self, sensor: str, x_raw: np.ndarray) -> np.ndarray | None:
-        """The predictive σ of :meth:`predict` in the target's unit (rows, targets): the
-        method's ``Algorithm.predictive_std`` × the target scale; None without one."""
-        params = stack([self.params[sensor]])
-        dtype = next(iter(params.values())).dtype
-        x = torch.as_tensor(self.scaler.x(np.asarray(x_raw, float)), dtype=dtype).unsqueeze(0)
-        with torch.no_grad():
             std = self.algorithm.predictive_std(params, x)
-        if std is None:
-            return None
-        return std[0].double().numpy() * np.abs(np.asarray(self.scaler.y_scale, float))
+        scale = np.asarray(self.scaler.y_scale, float)
+        sd = None if std is None else std[0].double().numpy() * np.abs(scale)
+        return self.scaler.y_inverse(y), sd
+
+    def predict_rows(self, frame, sensor_column: str | None = None):
+        """(mean, σ or None): one value per row of ``frame`` (its sensor column, features).
+
+        The one prediction path of ``fedcal predict`` and ``fedcal.api.CalibratedUnits.predict``.
+        """
+        column = sensor_column or self.sensor_column
+        mean = np.full(len(frame), np.nan)
+        sd: np.ndarray | None = np.full(len(frame), np.nan)
+        x_all = frame[list(self.features)].to_numpy(float)
+        for sensor, rows in frame.groupby(column, sort=False).indices.items():
+            m, s = self.predict_with_std(str(sensor), x_all[rows])
+            mean[rows] = m[:, 0]
+            if s is None:
+                sd = None
+            elif sd is not None:
+                sd[rows] = s[:, 0]
+        return mean, sd
+
+
+def choose_method(run_dir: str | Path, method: str | None) -> str:
+    """``method``, or the run's only method; several and none named: a one-line error.
+
+    The run's methods are those of its ``config.json`` (``[run] methods``).
+    """
+    if method:
+        return method
+    path = Path(run_dir) / "config.json"
+    try:  # read under the run folder's guards (regular file, size limit)
+        methods = list(read_json(path)["run"]["methods"])
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a readable fedcal run configuration ({e})") from None
+    if len(methods) == 1:
+        return methods[0]
+    raise ValueError(
+        f"{run_dir} has {len(methods)} methods; choose one with --method: {', '.join(methods)}"
+    )
 
 
 RANGE_MARGIN = 0.05  # inputs up to 5 % of a sensor's calibrated span beyond it are in range
@@ -86,7 +126,7 @@ def calibrate_frame(
     frame,
     valid_range: dict,
     strict: bool = False,
-    sensor_column="sensor_id",
+    sensor_column: str | None = None,
 ):
     """``frame``'s readings calibrated per sensor: ``<target>_calibrated``, ``<target>_std``
     (when the method has a predictive σ) and ``in_range`` (:func:`in_range` of the
@@ -94,18 +134,15 @@ def calibrate_frame(
     refused (:class:`OutOfRangeError` naming its row, sensor, input and range) instead of
     flagged. Returns the frame with those columns (a copy)."""
     frame = frame.copy()
-    column, std_column = f"{fleet.target}_calibrated", f"{fleet.target}_std"
-    frame[column] = np.nan
+    sensor_column = sensor_column or fleet.sensor_column
+    mean, std = fleet.predict_rows(frame, sensor_column)  # the one prediction path
+    frame[f"{fleet.target}_calibrated"] = mean
+    if std is not None:
+        frame[f"{fleet.target}_std"] = std
     frame["in_range"] = False
     for sensor, rows in frame.groupby(sensor_column, sort=False):
         sensor = str(sensor)
         x = rows[list(fleet.features)].to_numpy(float)
-        frame.loc[rows.index, column] = fleet.predict(sensor, x)[:, 0]
-        std = fleet.predict_std(sensor, x)
-        if std is not None:
-            if std_column not in frame:
-                frame[std_column] = np.nan
-            frame.loc[rows.index, std_column] = std[:, 0]
         span = valid_range.get(sensor)
         if span is None:
             raise KeyError(f"sensor {sensor!r} has no calibrated range in this run")
@@ -192,6 +229,7 @@ def load_models(
         cfg.data.features,
         cfg.data.target,
         meta["model"],
+        cfg.data.client_column,
     )
 
 

@@ -135,7 +135,10 @@ def table_columns(
     (the new units' columns instead); the HTML report and Markdown show every column.
     """
     u = f" ({unit})" if unit and full else ""  # terminal tables name the unit in the title
-    if "rmse_mean" in table.columns:
+    if not full and "rmse_mean_new" in table.columns:  # mixed fleet: new and reference units
+        cols = [(f"{m}_{r}", f"{h} {r[:3]}") for r, ms in MIXED for m, h in ms]
+        cols = [c for c in cols if c[0] in table.columns]
+    elif "rmse_mean" in table.columns:
         cols = [
             ("rmse_mean", f"RMSE mean{u}"),
             ("rmse_worst", f"RMSE worst{u}"),
@@ -158,6 +161,8 @@ def table_columns(
                         (f"rmse_mean_{role}", f"RMSE mean {role}{u}"),
                         (f"rmse_worst_{role}", f"RMSE worst {role}{u}"),
                     ]
+                    if f"coverage95_mean_{role}" in table.columns:  # fedprior's 95 % interval
+                        cols.append((f"coverage95_mean_{role}", f"95 % coverage {role}"))
     else:
         cols = [
             (c, c.replace("_", " "))
@@ -178,6 +183,11 @@ def table_columns(
         cols.append(("bytes_up_per_round", "up kB/round"))
     return cols
 
+
+# a mixed fleet's terminal columns, per role ("new", "ref"): errors and interval coverage
+_ROLE = (("rmse_mean", "RMSE"), ("rmse_worst", "worst"), ("coverage95_mean", "cov95"))
+MIXED = (("new", _ROLE), ("reference", (_ROLE[0], _ROLE[2])))  # 80 columns: no ref worst
+NO_INTERVAL = "–"  # a method without a predictive σ has no coverage (not a divergence)
 
 # shown as the mean alone: %FS is RMSE / full scale (its spread is RMSE's), costs vary little
 MEAN_ONLY = (
@@ -216,6 +226,8 @@ def cell(row: pd.Series, column: str, short: bool = False) -> str:
             return DECLINED
         return f"{fmt_num(mean, 2)}/{fmt_num(worst, 2) if worst == worst else DECLINED}"
     mean, std = row[column], row.get(f"{column}_std", float("nan"))
+    if column.startswith("coverage95") and pd.isna(mean) and not row.get("diverged_seeds", 0):
+        return NO_INTERVAL
     if column.startswith("bytes_"):
         return fmt_num(mean / 1e3)
     missing = mean is None or (isinstance(mean, float) and math.isnan(mean))
@@ -254,23 +266,41 @@ def excluded_note(table: pd.DataFrame) -> list[str]:
 
 
 def rich_tables(table: pd.DataFrame, columns: list[tuple[str, str]], unit: str = "") -> list[Table]:
-    """One rich table per point budget; cells never wrap or get cut (method names whole)."""
+    """One rich table per point budget; nothing is cut: a narrow terminal wraps cells."""
     out = []
     for title, part in sections_of(table):
         if unit:
             title += f"; errors on held-out points in {unit}, mean ±std over seeds"
         t = Table(title=title, title_justify="left", pad_edge=False)
-        # no_wrap + ellipsis: a table too wide would show "…" (tested never to happen)
-        t.add_column("method", no_wrap=True, overflow="ellipsis")
-        for _, header in columns:
+        rows = [
+            [str(row["method"])]
+            + (
+                ["failed"] * len(columns)  # every seed raised: no numbers to show
+                if row.get("failed", 0) >= 1
+                else [cell(row, c, short=True) for c, _ in columns]
+            )
+            for _, row in part.iterrows()
+        ]
+
+        heads = ["method", *(h for _, h in columns)]
+
+        def widest_word(j: int, cells=(*rows, heads)) -> int:  # wrap at spaces, never in a word
+            return max(len(w) for r in cells for w in r[j].split() or [""])
+
+        # a narrow terminal wraps "12.9 ±0.3" after the mean; nothing is cut to "…"
+        t.add_column("method", no_wrap=True, min_width=widest_word(0))
+        for j, (_, header) in enumerate(columns, 1):
             # two-line headers ("RMSE" over "mean"): the numbers, not the words, set the width
             two_lines = "\n".join(header.rsplit(" ", 1))
-            t.add_column(two_lines, justify="right", no_wrap=True, overflow="ellipsis")
-        for _, row in part.iterrows():
-            if row.get("failed", 0) >= 1:  # every seed raised: no numbers to show
-                t.add_row(str(row["method"]), *["failed"] * len(columns))
-                continue
-            t.add_row(str(row["method"]), *[cell(row, c, short=True) for c, _ in columns])
+            t.add_column(two_lines, justify="right", min_width=widest_word(j), overflow="fold")
+        for r in rows:
+            t.add_row(*r)
+        if any(c.endswith(("_new", "_reference")) for c, _ in columns):  # the mixed-fleet legend
+            t.caption = (
+                "new: units calibrated with few points; ref: fully calibrated reference units; "
+                f"cov95: share of held-out points inside the 95 % interval ({NO_INTERVAL}: no σ)"
+            )
+            t.caption_justify = "left"
         out.append(t)
     return out
 

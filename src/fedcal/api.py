@@ -1,0 +1,353 @@
+"""The Python API: learn a fleet prior from reference units, calibrate new units, ship them.
+
+scikit-learn's conventions (the estimator is a :class:`sklearn.base.BaseEstimator`: its
+settings are constructor arguments, ``fit`` returns it, what it learned ends in ``_``).
+The command line runs through the same code: ``fedcal calibrate`` is
+:meth:`FleetPrior.load` → :meth:`FleetPrior.calibrate` → :meth:`CalibratedUnits.save`,
+``fedcal predict`` is :meth:`fedcal.report.export.CalibratedFleet.predict_rows`, which
+:meth:`CalibratedUnits.predict` calls too.
+
+>>> from fedcal import FleetPrior
+>>> from fedcal.data.simulator import FleetSpec, simulate_fleet
+>>> spec = FleetSpec(num_reference=6, num_new=2, train_design="3x2", test_design="random")
+>>> frame = simulate_fleet(spec, seed=0).frame
+>>> reference, new = frame[frame.role == "reference"], frame[frame.role == "new"]
+>>> prior = FleetPrior(rounds=10).fit(reference)      # federated fedprior over 6 units
+>>> units = prior.calibrate(new[new.split == "train"])  # 6 chamber points per new unit
+>>> test = new[new.split == "test"]
+>>> mean, std = units.predict(test, return_std=True)  # hPa, one per row
+>>> bool(abs(mean - test.pressure_hpa).max() < 1.0) and bool((std > 0).all())
+True
+>>> list(units.coefficients.columns[:4])
+['sensor_id', 'points', 'noise_sd', '1']
+
+The coefficients (:attr:`CalibratedUnits.coefficients`) are in the target's unit (hPa for
+``pressure_hpa``) on dimensionless basis functions: y = Σ_k c_k φ_k(z) with
+z_j = (x_j − offset_j) / scale_j (:attr:`CalibratedUnits.input_scaling`, the prior's
+scaler) and φ_k = Π_j P̃_{a_kj}(z_j), P̃_a = √(2a+1)·P_a the normalized Legendre
+polynomial of order a; a column named ``P2(frequency_hz)·P1(temperature_c)`` is
+φ = P̃_2(z_f)·P̃_1(z_T), and ``1`` (φ = 1) carries the offset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from sklearn.base import BaseEstimator
+
+from fedcal.data.fleet import BAROMETRIC_FEATURES, BAROMETRIC_TARGET, CLIENT_COLUMN
+
+__all__ = ["CalibratedUnits", "FleetPrior", "NotFittedError"]
+
+Data = pd.DataFrame | str | Path
+
+
+class NotFittedError(ValueError):
+    """A :class:`FleetPrior` used before ``fit`` or ``load``."""
+
+
+def _read_dir(folder: Path, run: Path) -> dict[str, bytes]:
+    """The run-folder files of one run: the top-level files and ``runs/<run>/*``."""
+    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    for p in sorted(run.iterdir()):
+        if p.is_file():
+            files[str(p.relative_to(folder))] = p.read_bytes()
+    return files
+
+
+class FleetPrior(BaseEstimator):
+    """The fleet prior N(μ, Σ) of a fedprior method, learned by federation or loaded.
+
+    ``fit`` runs the method through fedcal's engine (the simulated federation, one
+    client per unit of the DataFrame) exactly as ``fedcal run --methods fedprior
+    --seeds 1`` would on the same data; the run directory it writes is kept in
+    memory (:meth:`save` writes it out).
+
+    Parameters: ``features``/``target``/``sensor_column`` name the DataFrame's columns
+    (default: the barometric schema); ``method`` a fedprior method of the
+    configuration (``fedprior``, ``fedprior_branch``, ...); ``config`` a TOML file or a
+    shipped configuration name whose settings apply (default: the shipped default);
+    ``rounds`` the federated rounds (default: the configuration's).
+    """
+
+    def __init__(
+        self,
+        features: tuple[str, ...] | list[str] = BAROMETRIC_FEATURES,
+        target: str = BAROMETRIC_TARGET,
+        sensor_column: str = CLIENT_COLUMN,
+        method: str = "fedprior",
+        config: str | Path | None = None,
+        rounds: int | None = None,
+    ) -> None:
+        self.features = features
+        self.target = target
+        self.sensor_column = sensor_column
+        self.method = method
+        self.config = config
+        self.rounds = rounds
+
+    # ---- learning ------------------------------------------------------------------
+    def _run_config(self):
+        from fedcal.config import load_config, override
+
+        cfg = load_config(self.config)
+        layout: dict[str, Any] = {
+            "data": {
+                "path": "DataFrame",  # provenance: fleet.json names the source too
+                "features": list(self.features),
+                "target": self.target,
+                "client_column": self.sensor_column,
+            },
+            "run": {"methods": [self.method], "seeds": 1, "designs": [], "fleet_seeds": []},
+        }
+        if self.rounds is not None:
+            layout["engine"] = {"rounds": int(self.rounds)}
+        return override(cfg, layout, "FleetPrior")
+
+    def fit(self, X: Data, y: None = None) -> FleetPrior:
+        """Learn the prior from reference units: a DataFrame (or CSV/Parquet path).
+
+        One row per calibration point: the sensor column, the features and the target.
+        A ``split`` column marks held-out rows (``test``, scored in :attr:`summary_`);
+        without one a seeded share is held out, as ``fedcal run`` does. ``y`` is unused
+        (the target is a column of ``X``, scikit-learn's convention for grouped data).
+        """
+        import torch
+
+        from fedcal.build import validate_methods
+        from fedcal.calibration import find_prior, load_prior
+        from fedcal.data.loader import load_fleet
+        from fedcal.experiment import run_experiment
+
+        torch.set_num_threads(1)
+        cfg = self._run_config()
+        d = cfg.data
+        fleet = load_fleet(
+            X,
+            features=d.features,
+            target=d.target,
+            client_column=d.client_column,
+            split_column=d.split_column,
+            test_fraction=d.test_fraction,
+            seed=d.split_seed,
+            physical_bounds=d.loader_bounds(),
+        )
+        validate_methods(cfg, fleet)
+        failures: list[str] = []
+        with tempfile.TemporaryDirectory(prefix="fedcal-prior-") as tmp:
+            out = Path(tmp)
+            summary = run_experiment(
+                cfg,
+                fleet,
+                out,
+                cfg.methods,
+                (d.train_points,),
+                on_fail=lambda label, why: failures.append(f"{label}: {why}"),
+            )
+            if failures:
+                raise RuntimeError(f"fitting the fleet prior failed: {failures[0]}")
+            path = find_prior(out, self.method, 0, d.train_points)
+            self.prior_ = load_prior(path)
+            self.files_ = _read_dir(out, path.parent)
+        self.summary_ = summary
+        return self
+
+    @classmethod
+    def load(
+        cls, run_dir: str | Path, method: str = "fedprior", seed: int = 0, train_points: int = 0
+    ) -> FleetPrior:
+        """A stored prior: a run directory of ``fedcal run`` or :meth:`save`, or a prior.json."""
+        from fedcal.calibration import find_prior, load_prior
+
+        path = find_prior(run_dir, method, seed, train_points)
+        doc = load_prior(path)
+        prior = cls(
+            features=tuple(doc["features"]),
+            target=doc["target"],
+            sensor_column=doc.get("sensor_column", CLIENT_COLUMN),
+            method=doc["method"],
+        )
+        prior.prior_ = doc
+        prior.source_ = path  # save() copies its run folder (read then, not held in memory)
+        return prior
+
+    def save(self, out: str | Path) -> Path:
+        """Write the run folder (config.json, fleet.json, summary.csv, runs/<run>/...).
+
+        The files ``fedcal run`` writes for this method, byte for byte; ``fedcal calibrate
+        --prior DIR`` and :meth:`load` read it. A prior loaded from a bare prior.json
+        saves that file alone.
+        """
+        from fedcal.core.atomic import write_bytes
+
+        self._check_fitted()
+        out = Path(out)
+        files = getattr(self, "files_", None)
+        if files is None:  # loaded: the stored run folder, or the bare prior.json
+            path = self.source_
+            folder = path.parent.parent.parent
+            is_run = (folder / "config.json").is_file() and path.parent.parent.name == "runs"
+            files = _read_dir(folder, path.parent) if is_run else {"prior.json": path.read_bytes()}
+        for name, blob in files.items():
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            write_bytes(out / name, blob)
+        return out
+
+    def _check_fitted(self) -> None:
+        if not hasattr(self, "prior_"):
+            raise NotFittedError("this FleetPrior is not fitted: call fit(reference) or load()")
+
+    # ---- calibrating new units -----------------------------------------------------
+    def calibrate(self, X: Data, sensor_column: str | None = None) -> CalibratedUnits:
+        """Each new unit's posterior under the prior, from its few calibration points.
+
+        ``X``: a DataFrame (or CSV/Parquet path) with the sensor column, the prior's
+        features and target. Every row is a calibration point unless a ``split`` column
+        marks rows ``test`` (then held out and scored). The closed form of
+        :func:`fedcal.calibration.calibrate`; nothing of the reference fleet is needed.
+        """
+        import torch
+
+        from fedcal import calibration
+        from fedcal.data.loader import load_fleet
+
+        self._check_fitted()
+        torch.set_num_threads(1)
+        doc = self.prior_
+        fleet = load_fleet(
+            X,
+            features=doc["features"],
+            target=doc["target"],
+            client_column=sensor_column or doc.get("sensor_column", self.sensor_column),
+            test_fraction=0.0,
+            min_train_points=1,
+            min_test_points=0,
+        )
+        source = "DataFrame" if isinstance(X, pd.DataFrame) else str(X)
+        result = calibration.calibrate(doc, fleet, source)
+        return CalibratedUnits(doc, fleet, result)
+
+
+@dataclasses.dataclass(frozen=True)
+class CalibratedUnits:
+    """New units calibrated against a fleet prior: predict, export, save.
+
+    ``prior``: the prior's document (prior.json); ``fleet``: the units' calibration
+    points; ``result``: their posteriors (:class:`fedcal.calibration.Calibration`).
+    """
+
+    prior: dict[str, Any]
+    fleet: Any  # fedcal.data.fleet.Fleet
+    result: Any  # fedcal.calibration.Calibration
+
+    @property
+    def sensor_ids(self) -> list[str]:
+        return list(self.result.tensors.client_ids)
+
+    @property
+    def models(self):
+        """The units as a :class:`fedcal.report.export.CalibratedFleet` (what exports read).
+
+        The same object ``fedcal predict``/``export`` rebuild from the saved run directory.
+        """
+        from fedcal.core.tree import unstack
+        from fedcal.report.export import CalibratedFleet
+
+        per_unit = unstack(self.result.personal)
+        cfg = _prior_config(self.prior)
+        return CalibratedFleet(
+            self.result.algorithm,
+            dict(zip(self.sensor_ids, per_unit, strict=True)),
+            self.result.tensors.scaler,
+            tuple(self.prior["features"]),
+            self.prior["target"],
+            dataclasses.asdict(cfg.model),
+            self.fleet.client_column,
+        )
+
+    def predict(
+        self, X: Data, return_std: bool = False
+    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        """Calibrated target for each row of ``X`` (sensor column + features), in its unit.
+
+        With ``return_std``: also the predictive σ (posterior of the unit's coefficients
+        and its noise level). Rows keep ``X``'s order; a sensor not calibrated here is a
+        KeyError naming it.
+        """
+        from fedcal.data.loader import load_readings
+
+        models = self.models
+        frame = load_readings(X, models.features, models.sensor_column)
+        mean, std = models.predict_rows(frame)
+        return (mean, std) if return_std else mean
+
+    @property
+    def coefficients(self) -> pd.DataFrame:
+        """One row per unit: ``sensor_id``, ``points``, ``noise_sd`` and the coefficients.
+
+        In the target's unit on the normalized Legendre basis of the scaled inputs (module
+        docstring; :attr:`input_scaling` gives the scaling); the same table as the
+        ``coefficients.csv`` of ``fedcal calibrate``.
+        """
+        from fedcal.calibration import coefficient_table
+
+        return coefficient_table(self.prior, self.result)
+
+    @property
+    def input_scaling(self) -> pd.DataFrame:
+        """Per feature, ``offset`` and ``scale``: the basis reads z = (x − offset) / scale."""
+        s = self.result.tensors.scaler
+        return pd.DataFrame(
+            {"offset": np.asarray(s.x_offset, float), "scale": np.asarray(s.x_scale, float)},
+            index=pd.Index(self.prior["features"], name="feature"),
+        )
+
+    @property
+    def valid_range(self) -> dict[str, dict[str, list[float]]]:
+        """Per unit, the span of its calibration points (inputs and target)."""
+        from fedcal.experiment import valid_ranges
+
+        return valid_ranges(self.fleet)
+
+    def to_c_header(self, path: str | Path) -> Path:
+        """Write the C header of ``fedcal export --format c`` (``report.export.to_c_header``)."""
+        from fedcal.core.atomic import write_text
+        from fedcal.report.export import to_c_header
+
+        write_text(Path(path), to_c_header(self.models, valid_range=self.valid_range))
+        return Path(path)
+
+    def to_onnx(self, out: str | Path) -> list[Path]:
+        """One ``<sensor>.onnx`` per unit in ``out`` (``fedcal export --format onnx``)."""
+        from fedcal.core.atomic import write_bytes
+        from fedcal.report.onnx_export import to_onnx
+
+        models, ranges = self.models, self.valid_range
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        for sid in sorted(models.params):
+            blob = to_onnx(models, sid, self.prior["method"], ranges.get(sid))
+            write_bytes(out / f"{sid}.onnx", blob)
+            written.append(out / f"{sid}.onnx")
+        return written
+
+    def save(self, out: str | Path) -> pd.DataFrame:
+        """The run directory of ``fedcal calibrate`` (coefficients.csv, per_sensor.csv, ...).
+
+        Returns the per-unit table (points, noise σ, test errors when rows were held out).
+        """
+        from fedcal import calibration
+
+        return calibration.write(Path(out), self.prior, self.fleet, self.result)
+
+
+def _prior_config(prior: dict[str, Any]):
+    from fedcal.calibration import _config
+
+    return _config(prior)
