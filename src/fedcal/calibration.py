@@ -376,6 +376,7 @@ def unit_diagnostics(
                 "d2": d2[i],
                 "dof": int(dof[i]),
                 "d2_threshold": threshold[i],
+                "qa_level": QA_LEVEL,
                 "p_value": p_value[i],
                 "unlike_fleet": unlike,
                 "sigma_mean": float(np.mean(sigma[i])),

@@ -271,7 +271,8 @@ class FedPrior(Algorithm):
     def personal_shapes(self) -> dict[str, tuple[int, ...]]:
         """One sensor's :meth:`personalize` tree: shapes a loaded model file must have."""
         p = self.num_features
-        return {"coef": (p,), "cov": (p, p), "noise_var": ()}
+        # box: the unit's input support (lo, hi per input), the extrapolation guard's
+        return {"coef": (p,), "cov": (p, p), "noise_var": (), "box": (2, self.num_inputs)}
 
     @cached_property
     def candidates(self) -> tuple[dict[str, Any], ...]:
@@ -688,7 +689,8 @@ class FedPrior(Algorithm):
         q, s = self.variance_form(params)
         var = predictive_var(self.variance_design(x), q, s)
         phi, beyond = self._guarded(params, x, self.terms)
-        if bool(beyond.any()):  # beyond the support: + (polynomial − linearized)² (model form)
+        # beyond the support: + (polynomial − linearized)² (model form); traced: always
+        if torch.jit.is_tracing() or bool(beyond.any()):
             coef = params["coef"][..., : len(self.terms)].to(F64).unsqueeze(1)
             gap = ((legendre_products(x, self.terms) - phi) * coef).sum(-1)
             var = var + torch.where(beyond, gap * gap, 0.0)

@@ -479,7 +479,7 @@ class PolynomialCalibration(Algorithm):
         u = to_unit_interval(x.to(F64), params["lo"], params["hi"])
         design = tensor_design(u, self.exponents)
         beyond = (u.abs() > 1.0 + 2 * RANGE_MARGIN).any(-1)
-        if bool(beyond.any()):
+        if torch.jit.is_tracing() or bool(beyond.any()):  # traced (ONNX): both branches
             terms = [tuple(t) for t in self.exponents.tolist()]
             edge = torch.full((u.shape[-1],), 1.0 + 2 * RANGE_MARGIN, dtype=F64)
             guarded, _ = linearized_products(u, terms, -edge, edge)

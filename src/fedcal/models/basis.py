@@ -241,7 +241,8 @@ def linearized_products(
     step = x - inner
     outside = (step != 0).any(-1)
     phi = legendre_products(inner, exponents)
-    if not bool(outside.any()) or not exponents:
+    # (a traced graph, e.g. the ONNX export, keeps the general form: exact inside too)
+    if not exponents or (not torch.jit.is_tracing() and not bool(outside.any())):
         return phi, outside
     num_inputs = x.shape[-1]
     tops = [max(t[j] for t in exponents) for j in range(num_inputs)]

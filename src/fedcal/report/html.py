@@ -308,11 +308,10 @@ def build_calibration_report(run_dir: str | Path, out: str | Path) -> Report:
     ``units.csv``, ``coefficients.csv``, ``calibration_points.csv`` and
     ``per_sensor.csv`` (:func:`fedcal.calibration.unit_diagnostics`).
     """
-    from fedcal.calibration import QA_LEVEL
-
     run_dir, out = Path(run_dir), Path(out)
     report = Report(out)
     units = pd.read_csv(run_dir / "units.csv", dtype={"sensor_id": str})
+    qa_level = float(units["qa_level"].iloc[0]) if len(units) else float("nan")  # as flagged
     coef = pd.read_csv(run_dir / "coefficients.csv", dtype={"sensor_id": str})
     points = pd.read_csv(run_dir / "calibration_points.csv", dtype={"sensor_id": str})
     per_sensor = pd.read_csv(run_dir / "per_sensor.csv", dtype={"sensor_id": str})
@@ -357,7 +356,7 @@ def build_calibration_report(run_dir: str | Path, out: str | Path) -> Report:
             "distribution for a unit of the fleet, N(μ, Σ − V)); with Σ estimated from the "
             "fleet's N units, d² of a unit of the fleet follows Hotelling's prediction law "
             "(d²·N(N−dof)/(dof(N−1)(N+1)) ~ F(dof, N−dof)); above its "
-            f"{QA_LEVEL:.1%} quantile (d2_threshold) a unit is flagged as unlike the fleet. "
+            f"{qa_level:.1%} quantile (d2_threshold) a unit is flagged as unlike the fleet. "
             f"σ in {html.escape(unit)} over the fleet's operating range; residuals "
             f"(calibrated − reference, {html.escape(unit)}) at the unit's calibration points.</p>",
         )
@@ -366,7 +365,7 @@ def build_calibration_report(run_dir: str | Path, out: str | Path) -> Report:
         "fleet-distance",
         "Distance from the fleet",
         figures.unit_fleet_distance(units),
-        f"Each unit's d² over its {QA_LEVEL:.1%} threshold; red: unlike the fleet.",
+        f"Each unit's d² over its {qa_level:.1%} threshold; red: unlike the fleet.",
     )
     features = prior.get("features", [])
     scaler = prior.get("scaler", {})
