@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fedcal.algorithms.fedprior import FedPrior
+from fedcal.algorithms.fedprior import DECLINE, FedPrior
 from fedcal.build import build_algorithm, build_task, run_record
 from fedcal.config import DataConfig, RunConfig, from_dict
 from fedcal.core.bayes import F64
@@ -147,6 +147,11 @@ def calibrate(prior: dict[str, Any], fleet: Fleet, source: str = "data") -> Cali
         "sigma": torch.tensor(prior["sigma"], dtype=F64),
         "noise_var": torch.tensor(prior["noise_var"], dtype=F64),
     }
+    if "interval" in prior:  # the fleet's hold-out (fedprior "Intervals"): τ², probe, decline
+        iv = prior["interval"]
+        for key, name in (("disc_var", "discrepancy_var"), ("probe_n", "probe_rows")):
+            server[key] = torch.tensor(float(iv[name]), dtype=F64)
+        server["declined"] = torch.tensor(float(iv["declined"]), dtype=F64)
     n = tensors.num_clients
     down = expand(algorithm.broadcast(server), n)
     state = algorithm.client_init(down)
@@ -154,6 +159,17 @@ def calibrate(prior: dict[str, Any], fleet: Fleet, source: str = "data") -> Cali
         state = algorithm.client_update(down, state, tensors.train).state
     personal = algorithm.personalize(down, state, tensors.train)
     return Calibration(algorithm, tensors, personal, server)
+
+
+def declined_note(prior: dict[str, Any], result: Calibration) -> str:
+    """One line: why some units calibrated from this prior get no interval ("" if none)."""
+    declined = result.personal.get("declined")
+    if declined is None or not bool((declined > 0).any()):
+        return ""
+    iv = prior["interval"]
+    return iv.get("reason") or DECLINE[4].format(
+        n=int(iv["probe_rows"]) or result.algorithm.probe_rows
+    )
 
 
 def write(out: Path, prior: dict[str, Any], fleet: Fleet, result: Calibration) -> pd.DataFrame:
@@ -201,6 +217,8 @@ def write(out: Path, prior: dict[str, Any], fleet: Fleet, result: Calibration) -
             name = col.removeprefix("test_")
             row[f"{name}_mean"] = fleet_stat(per_sensor[col], "mean", name)
             row[f"{name}_worst"] = fleet_stat(per_sensor[col], "worst", name)
+    if declined_note(prior, result):
+        row["coverage_note"] = declined_note(prior, result)  # why some units have no interval
     if "rmse_mean" in row:
         fs = full_scale(fleet)
         row["rmse_mean_pct_fs"] = 100.0 * row["rmse_mean"] / fs

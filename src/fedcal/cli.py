@@ -629,6 +629,8 @@ def calibrate(
     for _, row in table.iterrows():
         t.add_row(str(row["sensor_id"]), *[f"{row[c]:.4g}" for c in columns])
     console.print(t)
+    if calibration.declined_note(doc, result):  # coverage empty: say why, in one line
+        console.print(f"[yellow]{calibration.declined_note(doc, result)}[/]")
     console.print(f"wrote {out}/coefficients.csv, per_sensor.csv and a run directory")
 
 

@@ -482,6 +482,11 @@ def run_experiment(
                         row["weak_directions"] = exported["identification"]["weak_directions"]
                     if note and on_note is not None:
                         on_note(method, note)
+                    reason = (exported.get("interval") or {}).get("reason", "")
+                    if reason:  # no interval stated: coverage is empty (NaN), and why
+                        row["coverage_note"] = reason
+                        if on_note is not None:
+                            on_note(method, reason)
                 _write_text(done, json.dumps(row, indent=2))
                 (run_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
                 rows.append(row)
