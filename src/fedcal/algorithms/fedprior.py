@@ -120,7 +120,8 @@ I2. **A discrepancy variance from a design-matched hold-out.** Every unit with a
     rows with the variance v the model states. It uploads, for each τ² of a fixed
     grid (:data:`TAU_GRID`), how many held-out rows satisfy |y − ŷ| ≤ 1.96 √(v + τ²),
     and how many rows it held out (sums only). The server takes the smallest τ²
-    whose pooled held-out coverage reaches ``coverage_target`` (0.95): a
+    whose pooled held-out coverage reaches ``coverage_target`` (0.95; linear
+    between the two grid values around it): a
     coverage-calibrated additive discrepancy variance, that holds whatever the
     error's shape (model form, hysteresis of a one-direction sweep, ripple).
 I3. **Units that get it, and the decline.** A unit with fewer than 2K rows (the
@@ -128,7 +129,8 @@ I3. **Units that get it, and the decline.** A unit with fewer than 2K rows (the
     a unit with more has τ² = 0 (its own points see what the probe cannot). The
     discrepancy at a K-row design is identified only by units with more rows: if
     none held out (every unit is of the probe's size), or no τ² of the grid covers,
-    or Σ ν < 1, the run states no interval for those units —
+    or Σ ν < 1, or the basis in use has weakly identified directions (see
+    Identification; for every unit then), the run states no interval for those units —
     :meth:`predictive_std` is NaN there, coverage is empty, the prediction stands —
     and says why in one line (:meth:`interval_note`, ``prior.json``'s
     ``interval.reason``, the summary's ``coverage_note``). A unit calibrated later
@@ -656,11 +658,22 @@ class FedPrior(Algorithm):
             if held == 0:
                 code = 2
             else:
-                covered = iv["inside"].sum(0) / held >= self.coverage_target
+                share = iv["inside"].sum(0) / held  # held-out coverage at each τ² of the grid
+                covered = share >= self.coverage_target
                 if bool(covered.any()):
-                    out["disc_var"] = TAU_GRID[int(torch.nonzero(covered)[0, 0])].clone()
+                    g = int(torch.nonzero(covered)[0, 0])
+                    out["disc_var"] = TAU_GRID[g].clone()
+                    if g > 0:  # linear between the grid's neighbours, to the target share
+                        w = (self.coverage_target - share[g - 1]) / (share[g] - share[g - 1])
+                        out["disc_var"] = TAU_GRID[g - 1] + w * (TAU_GRID[g] - TAU_GRID[g - 1])
                 else:
                     code = 3
+        # Directions of the basis in use that too few units' points determine (the
+        # identification rule): an interval along them would be the vague start's.
+        used = torch.nonzero(server["mask"] if "mask" in server else self.masks[-1])[:, 0]
+        support = total["support"][used][:, used]
+        if bool((torch.linalg.eigvalsh(0.5 * (support + support.T)) < self.min_informed).any()):
+            code = 5
         if float(total["dof"]) < 1.0:
             code = 1
         out["declined"] = torch.tensor(float(code), dtype=F64)
@@ -751,7 +764,8 @@ class FedPrior(Algorithm):
             unknown = (n < probe) | ((probe == 0) & (n <= self.probe_rows))
             code = down["declined"]
             out["disc_var"] = torch.where(small, down["disc_var"].to(F64), 0.0)
-            out["declined"] = ((code == 1) | (small & (code > 1)) | unknown).to(F64)
+            fleet_wide = (code == 1) | (code == 5)
+            out["declined"] = (fleet_wide | (small & (code > 1)) | unknown).to(F64)
         return out
 
     def predict(self, params: Tree, x: Tensor) -> Tensor:
@@ -901,6 +915,8 @@ DECLINE = {
     "held-out points of the units with more points than the smallest design ({n} points)",
     4: "no interval for units with fewer points than the fleet's smallest design ({n} points; "
     "none: no unit had at most probe_rows): their model error was not learned",
+    5: "no interval: the fleet's points do not identify every direction of the basis in use "
+    "(see the weak terms): an interval along them would be the vague start's, not learned",
 }
 
 
