@@ -595,12 +595,13 @@ class FedPrior(Algorithm):
         """A unit's design-matched hold-out (step I2): its uploads to the interval's sums.
 
         A unit with at least twice the probe's rows keeps, for each probe row, its own
-        nearest row (scaled inputs; a row of the opposite sweep direction only if no
-        other), fits its posterior under the broadcast prior from those rows alone, and
+        nearest row (by position in its own span, :func:`_unit_span`; a row of the
+        opposite sweep direction only if no other), fits its posterior under the
+        broadcast prior from those rows alone, and
         counts, for each τ² of :data:`TAU_GRID`, the other rows whose error lies within
         ±1.96 √(v + τ²) (v the predictive variance the fit states). Every unit with at
-        most ``probe_rows`` rows also uploads its scaled inputs and directions (the
-        server's candidate probe: chamber set points, no targets).
+        most ``probe_rows`` rows also uploads its inputs' span positions and directions
+        (the server's candidate probe: chamber set points, no targets).
         """
         x, y, mask = data.x.to(F64), data.y[..., 0].to(F64), data.mask.to(F64)
         c, rows = mask.shape
