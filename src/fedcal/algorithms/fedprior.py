@@ -596,7 +596,8 @@ class FedPrior(Algorithm):
 
         A unit with at least twice the probe's rows keeps, for each probe row, its own
         nearest row (by position in its own span, :func:`_unit_span`; a row of the
-        opposite sweep direction only if no other), fits its posterior under the
+        opposite sweep direction only if no other; without directions, its first visit of
+        that set point), fits its posterior under the
         broadcast prior from those rows alone, and
         counts, for each τ² of :data:`TAU_GRID`, the other rows whose error lies within
         ±1.96 √(v + τ²) (v the predictive variance the fit states). Every unit with at
@@ -612,8 +613,15 @@ class FedPrior(Algorithm):
         dist = torch.cdist(px, u) + 1e3 * ((pb.unsqueeze(-1) * branch.unsqueeze(-2)) < 0)
         dist = dist.masked_fill(mask.unsqueeze(1) == 0, math.inf)
         able = ((data.count.to(F64) >= 2 * pn) & (pn > 0)).to(F64).unsqueeze(1)
+        nearest = dist.argmin(-1)
+        if data.branch is None:
+            # No sweep directions: a probe design is one pass, so at each set point (rows
+            # within 2 % of the span of the nearest) the unit's first visit is kept, not
+            # whichever of its passes reads closest (that mixes branches of a hysteresis).
+            near = dist <= dist.min(-1, keepdim=True).values + 0.02
+            nearest = near.to(torch.int8).argmax(-1)  # the first such row in measured order
         keep = torch.zeros(c, rows, dtype=F64).scatter_reduce(
-            1, dist.argmin(-1), valid, "amax", include_self=True
+            1, nearest, valid, "amax", include_self=True
         )
         keep, held = keep * able, mask * (1 - keep) * able
         sub = moments(self.design(x, data.branch), y, keep)
