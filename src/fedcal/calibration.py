@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fedcal.algorithms.fedprior import FedPrior
+from fedcal.algorithms.fedprior import DECLINE, FedPrior
 from fedcal.build import build_algorithm, build_task, run_record
 from fedcal.config import DataConfig, RunConfig, from_dict
 from fedcal.core.bayes import F64
@@ -168,6 +168,11 @@ def calibrate(prior: dict[str, Any], fleet: Fleet, source: str = "data") -> Cali
     # The fleet's calibrated input range (scaled) is the prior's support for the guard.
     span = np.array([prior["input_range"][c] for c in prior["features"]], dtype=float).T
     server["box"] = torch.tensor(scaler.x(span), dtype=F64)
+    if "interval" in prior:  # the fleet's hold-out (fedprior "Intervals"): τ², probe, decline
+        iv = prior["interval"]
+        for key, name in (("disc_var", "discrepancy_var"), ("probe_n", "probe_rows")):
+            server[key] = torch.tensor(float(iv[name]), dtype=F64)
+        server["declined"] = torch.tensor(float(iv["declined"]), dtype=F64)
     n = tensors.num_clients
     down = expand(algorithm.broadcast(server), n)
     state = algorithm.client_init(down)
@@ -195,6 +200,17 @@ def coefficient_table(prior: dict[str, Any], result: Calibration) -> pd.DataFram
     table.insert(1, "points", result.tensors.train.count.numpy())
     table.insert(2, "noise_sd", np.sqrt(result.personal["noise_var"].numpy()) * y_scale)
     return table
+
+
+def declined_note(prior: dict[str, Any], result: Calibration) -> str:
+    """One line: why some units calibrated from this prior get no interval ("" if none)."""
+    declined = result.personal.get("declined")
+    if declined is None or not bool((declined > 0).any()):
+        return ""
+    iv = prior["interval"]
+    return iv.get("reason") or DECLINE[4].format(
+        n=int(iv["probe_rows"]) or result.algorithm.probe_rows
+    )
 
 
 def write(out: Path, prior: dict[str, Any], fleet: Fleet, result: Calibration) -> pd.DataFrame:
@@ -234,6 +250,8 @@ def write(out: Path, prior: dict[str, Any], fleet: Fleet, result: Calibration) -
             name = col.removeprefix("test_")
             row[f"{name}_mean"] = fleet_stat(per_sensor[col], "mean", name)
             row[f"{name}_worst"] = fleet_stat(per_sensor[col], "worst", name)
+    if declined_note(prior, result):
+        row["coverage_note"] = declined_note(prior, result)  # why some units have no interval
     if "rmse_mean" in row:
         fs = full_scale(fleet)
         row["rmse_mean_pct_fs"] = 100.0 * row["rmse_mean"] / fs

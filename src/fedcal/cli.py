@@ -697,6 +697,11 @@ def calibrate(
     for _, row in table.iterrows():
         t.add_row(str(row["sensor_id"]), *[f"{row[c]:.4g}" for c in columns])
     console.print(t)
+    from fedcal.calibration import declined_note
+
+    note = declined_note(units.prior, units.result)
+    if note:  # coverage empty: say why, in one line
+        console.print(f"[yellow]{note}[/]")
     _print_findings(out)
     console.print(f"wrote {out}/coefficients.csv, per_sensor.csv, units.csv and a run directory")
 

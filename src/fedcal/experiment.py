@@ -608,6 +608,11 @@ def run_experiment(
                         row["weak_directions"] = exported["identification"]["weak_directions"]
                     if note and on_note is not None:
                         on_note(method, note)
+                    reason = (exported.get("interval") or {}).get("reason", "")
+                    if reason:  # no interval stated: coverage is empty (NaN), and why
+                        row["coverage_note"] = reason
+                        if on_note is not None:
+                            on_note(method, reason)
                 own_note = getattr(algorithm, "note", "")  # e.g. a basis reduced to fit its limit
                 if own_note and on_note is not None:
                     on_note(method, own_note)

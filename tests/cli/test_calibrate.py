@@ -20,10 +20,12 @@ runner = CliRunner(env={"COLUMNS": "200"})
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A fedprior run on 12 fully calibrated units, and 3 new units with 3x2 designs."""
+    """A fedprior run on 12 fully calibrated units + 4 units with a 3x2 design (the fleet
+    learns the model error of that design: fedprior's "Intervals"), and 3 new 3x2 units."""
     root = tmp_path_factory.mktemp("calibrate")
     fleet_file = root / "fleet.csv"
-    simulate_fleet(FleetSpec(num_sensors=12), seed=3).frame.to_csv(fleet_file, index=False)
+    spec = FleetSpec(num_reference=12, num_new=4, train_design="3x2")
+    simulate_fleet(spec, seed=3).frame.to_csv(fleet_file, index=False)
     cfg = root / "prior.toml"
     cfg.write_text("[engine]\nrounds = 30\neval_every = 30\n")
     out = root / "fleet_run"
@@ -136,3 +138,26 @@ def test_test_rows_beyond_the_fleet_range_are_flagged_not_refused(trained):
     per_sensor = pd.read_csv(out / "per_sensor.csv")
     assert (per_sensor["test_beyond_support"] == 1.0).all()  # every test row is beyond
     assert np.isfinite(per_sensor["test_rmse"]).all()
+
+
+def test_calibrate_states_the_federation_s_sigma_for_the_same_unit(trained):
+    """The fleet's own 3x2 units calibrated again from prior.json: the same predictive σ
+    (the discrepancy term included) and coverage as in the federation's run."""
+    root, run, _, _ = trained
+    fleet = pd.read_csv(root / "fleet.csv")
+    own = fleet[fleet["sensor_id"].isin(["S012", "S013", "S014", "S015"])]
+    cols = ["sensor_id", "frequency_hz", "temperature_c", "pressure_hpa", "split"]
+    own_file = root / "own_units.csv"
+    own[cols].to_csv(own_file, index=False)
+    out = root / "own"
+    args = ["calibrate", "--prior", str(run), "--data", str(own_file), "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    again = pd.read_csv(out / "per_sensor.csv").set_index("sensor_id")
+    fed = pd.read_csv(run / "runs" / "fedprior_tp0_seed0" / "per_sensor.csv")
+    fed = fed.set_index("client").loc[again.index]
+    doc = json.loads((run / "runs" / "fedprior_tp0_seed0" / "prior.json").read_text())
+    assert doc["interval"]["discrepancy_var"] > 0 and doc["interval"]["probe_rows"] == 6
+    # the run evaluates in float32 (the engine's dtype), calibrate in float64
+    np.testing.assert_allclose(again["test_pred_sd"], fed["test_pred_sd"], rtol=1e-6)
+    np.testing.assert_allclose(again["test_coverage95"], fed["test_coverage95"], atol=1 / 60)

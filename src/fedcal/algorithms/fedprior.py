@@ -31,7 +31,8 @@ One round is one ECME iteration (:mod:`fedcal.core.bayes`):
    (1/N) Σ_i E[(c_i − μ)(c_i − μ)ᵀ], then shrunk toward its diagonal by
    ``shrinkage``, optionally factored as ``rank`` factors plus a diagonal, and
    its eigenvalues floored (:func:`fedcal.core.bayes.regularize`);
-   σ² = Σ_i r_i / Σ_i n_i. Only sums over clients enter, in a canonical order.
+   σ² = Σ_i r_i / Σ_i n_i (with ``interval = "calibrated"``: on residual degrees of
+   freedom, I1 below). Only sums over clients enter, in a canonical order.
 3. **Personal model** (``personalize``): the posterior mean m_i, which is a
    precision-weighted interpolation between the unit's own least-squares fit
    and the fleet mean, with its covariance V_i: every prediction carries the
@@ -114,6 +115,47 @@ the d-th power. The predictive variance there is ψᵀVψ + σ² + (φ(x)ᵀm �
 term a one-σ model-form allowance (what the polynomial and its linearization disagree
 by); such rows are flagged (:meth:`FedPrior.beyond_support`, ``beyond_support`` in
 per_sensor.csv and the summary).
+
+Intervals (``interval = "calibrated"``, issue 20). The model's own interval
+φᵀV_iφ + σ² holds only if the basis is the truth and σ² is estimated. Neither
+holds in a few-point fleet: a basis that fills a unit's points leaves zero
+residuals (σ² collapses), and a design with K temperature plateaus cannot see
+the curvature between them, which is then in no term of the variance (measured:
+1.3 % coverage at 3×2 points, 20 % at 4×3; 83–88 % for new units of mixed
+fleets, whose one-direction sweep carries the other branch's error). So:
+
+I1. **Noise on residual degrees of freedom** (a restricted-likelihood type
+    update): unit i uploads ν_i = n_i − tr(G_i V_i)/σ_i² (its points minus the
+    effective parameters its posterior spends) and f_i = ‖y_i − Φ_i m_i‖²;
+    σ² = Σ_i f_i / Σ_i ν_i. A unit whose basis saturates its points has ν_i ≈ 0
+    and contributes no noise information; with Σ ν < 1 σ² is kept and the run
+    declines (no interval).
+I2. **A discrepancy variance from a design-matched hold-out.** Every unit with at
+    most ``probe_rows`` rows uploads its inputs as positions in its own span
+    (set points, no targets; with the sweep direction); the server broadcasts the
+    smallest such design, the *probe* (K rows). A unit with at least 2K rows
+    emulates it: it keeps, per probe row, its own nearest row, fits its posterior
+    under the current prior from those K rows alone, and predicts all its other
+    rows with the variance v the model states. It uploads, for each τ² of a fixed
+    grid (:data:`TAU_GRID`), how many held-out rows satisfy |y − ŷ| ≤ 1.96 √(v + τ²),
+    and how many rows it held out (sums only). The server takes the smallest τ²
+    whose pooled held-out coverage reaches ``coverage_target`` (0.95; linear
+    between the two grid values around it): a
+    coverage-calibrated additive discrepancy variance, that holds whatever the
+    error's shape (model form, hysteresis of a one-direction sweep, ripple).
+I3. **Units that get it, and the decline.** A unit with fewer than 2K rows (the
+    probe's class) predicts with variance φᵀV_iφ + σ_i² (+ the direction term) + τ²;
+    a unit with more has τ² = 0 (its own points see what the probe cannot). The
+    discrepancy at a K-row design is identified only by units with more rows: if
+    none held out (every unit is of the probe's size), or no τ² of the grid covers,
+    or Σ ν < 1, or the basis in use has weakly identified directions (see
+    Identification; for every unit then), the run states no interval for those units —
+    :meth:`predictive_std` is NaN there, coverage is empty, the prediction stands —
+    and says why in one line (:meth:`interval_note`, ``prior.json``'s
+    ``interval.reason``, the summary's ``coverage_note``). A unit calibrated later
+    from ``prior.json`` (``fedcal calibrate``) gets the same τ² by the same rule,
+    and none (declined) if it has fewer rows than the probe (or the fleet had no
+    unit of at most ``probe_rows`` rows): its model error was never learned.
 
 Defaults (ours, measured on mixed fleets of 20 fully calibrated + 20 new
 units, 3 fleet seeds, off-grid test points; docs/results/): Legendre orders (4, 3),
@@ -199,6 +241,12 @@ class FedPrior(Algorithm):
     # With select = "bic" and branch_orders: ψ chosen too, among no term and every orders
     # vector ≤ branch_orders (candidates = φ's sub-bases × these); False: ψ in every candidate.
     branch_select: bool = False
+    # "posterior": φᵀVφ + σ², σ² = Σr/Σn (the model's own interval); "calibrated": σ² on residual
+    # degrees of freedom, + a discrepancy variance learned by design-matched hold-out, or no
+    # interval where the fleet cannot learn one (module doc, "Intervals").
+    interval: Literal["posterior", "calibrated"] = "posterior"
+    probe_rows: int = 32  # a unit with at most this many rows may be the hold-out's probe design
+    coverage_target: float = 0.95  # τ² is the smallest that covers this share of held-out rows
 
     name = "fedprior"
     # m_i is the unit's posterior mean (its calibration); the rest are sufficient statistics.
@@ -212,7 +260,7 @@ class FedPrior(Algorithm):
     # With select = "bic" every candidate's statistics travel under "cand/"; the server
     # judges a client (screening, Krum) by the chosen candidate's statistics only: a
     # sub-basis that misfits the fleet has large statistics for honest units too.
-    unscreened_replies = ("cand/",)
+    unscreened_replies = ("cand/", "interval/")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "orders", tuple(int(o) for o in self.orders))
@@ -223,6 +271,8 @@ class FedPrior(Algorithm):
             raise ValueError(f"rank must be >= 0, got {self.rank}")
         if not (self.floor > 0 and self.init_scale > 0 and self.init_noise > 0):
             raise ValueError("floor, init_scale and init_noise must be > 0")
+        if self.probe_rows < 1:
+            raise ValueError(f"probe_rows must be >= 1, got {self.probe_rows}")
         if self.noise_prior_points <= 0:
             raise ValueError(f"noise_prior_points must be > 0, got {self.noise_prior_points}")
         self.terms  # noqa: B018 — validate the basis against the model's inputs now
@@ -272,7 +322,10 @@ class FedPrior(Algorithm):
         """One sensor's :meth:`personalize` tree: shapes a loaded model file must have."""
         p = self.num_features
         # box: the unit's input support (lo, hi per input), the extrapolation guard's
-        return {"coef": (p,), "cov": (p, p), "noise_var": (), "box": (2, self.num_inputs)}
+        shapes = {"coef": (p,), "cov": (p, p), "noise_var": (), "box": (2, self.num_inputs)}
+        if self.interval == "calibrated":  # τ_i² and whether the unit's interval is declined
+            shapes.update(disc_var=(), declined=())
+        return shapes
 
     @cached_property
     def candidates(self) -> tuple[dict[str, Any], ...]:
@@ -359,23 +412,27 @@ class FedPrior(Algorithm):
             "noise_var": torch.tensor(self.init_noise**2, dtype=F64),
             "support": torch.zeros(p, p, dtype=F64),
         }
+        if self.interval == "calibrated":
+            start.update(self._interval_init())
         if self.select == "none":
             return {**start, "box": self._open_box()}
         k = len(self.candidates)
         # Round 0 screens with the largest candidate (the basis asked for), as without selection.
+        fleet_keys = ("mu", "sigma", "noise_var", "support")
         return {
             **start,
             "box": self._open_box(),
             "mask": self.masks[-1].clone(),
             "choice": torch.tensor(k - 1),
             "scores": torch.zeros(k, dtype=F64),
-            "cand": {key: v.expand(k, *v.shape).clone() for key, v in start.items()},
+            "cand": {key: start[key].expand(k, *start[key].shape).clone() for key in fleet_keys},
         }
 
     def broadcast(self, server: Tree) -> Tree:
         down = {k: server[k] for k in ("mu", "sigma", "noise_var")}
         if "box" in server:  # the fleet's input support (extrapolation guard)
             down["box"] = server["box"]
+        down.update({k: server[k] for k in INTERVAL_KEYS if k in server})
         if self.select != "none":
             down["mask"] = server["mask"]
             down["cand"] = {k: server["cand"][k] for k in ("mu", "sigma", "noise_var")}
@@ -411,10 +468,18 @@ class FedPrior(Algorithm):
         # always this round's); with one fleet σ² the batched one differs in the last bits
         # (measured: taking it from the batch saved 4 % of a client update).
         stats, post = self._posterior(down, state, full)
-        chosen = self._e_step_sums(post, stats.gram, self._noise(down, state))
+        reml = full.n if self.interval == "calibrated" else None
+        chosen = self._e_step_sums(post, stats.gram, self._noise(down, state), reml)
         # The reply's leaf order is part of its wire format (and of DP's noise draws).
         reply = {key: chosen[key] for key in ("mean", "second", "gls_gram", "gls_rhs", "rss")}
         reply.update(n=full.n, gram=full.gram, support=chosen["support"])
+        if self.interval == "calibrated" and "probe_x" in down:
+            # Unscreened ("interval/"): a unit's residual terms scale with its rows.
+            reply["interval"] = {
+                "dof": chosen["dof"],
+                "fit": chosen["fit"],
+                **self._heldout(down, state, data),
+            }
         own = self._sensor_noise(post.rss, full.n, down["noise_var"])
         new_state = {"noise_var": own if self.noise == "sensor" else state["noise_var"]}
         if self.select != "none":
@@ -428,7 +493,9 @@ class FedPrior(Algorithm):
         metrics = {"train_loss": fit_mse, "loglik": post.loglik, "jitter": post.jitter}
         return ClientResult(reply, new_state, metrics)
 
-    def _e_step_sums(self, post: Posterior, gram: Tensor, noise: Tensor) -> Tree:
+    def _e_step_sums(
+        self, post: Posterior, gram: Tensor, noise: Tensor, n: Tensor | None = None
+    ) -> Tree:
         """A unit's terms of the M-step sums (module doc, step 1): m_i, m_i m_iᵀ + V_i, the
         GLS terms, the expected RSS, its log-evidence and its data support."""
         return {
@@ -439,6 +506,7 @@ class FedPrior(Algorithm):
             "rss": post.rss,
             "loglik": post.loglik,
             "support": data_support(gram, noise, self.init_scale),
+            **({} if n is None else _residual_terms(post, gram, noise, n)),
         }
 
     def _candidates_e_step(self, down: Tree, state: Tree, full: Moments):
@@ -463,11 +531,15 @@ class FedPrior(Algorithm):
         noise = state["cand_noise_var"] if self.noise == "sensor" else cand["noise_var"]
         noise = noise.reshape(-1)
         post = posterior(stats, cand["mu"].reshape(-1, p), cand["sigma"].reshape(-1, p, p), noise)
-        out = self._e_step_sums(post, stats.gram, noise)
+        out = self._e_step_sums(
+            post, stats.gram, noise, stats.n if self.interval == "calibrated" else None
+        )
         own = self._sensor_noise(post.rss, stats.n, cand["noise_var"].reshape(-1))
         return {key: v.reshape(c, k, *v.shape[1:]) for key, v in out.items()}, own.reshape(c, k)
 
-    def _prior_update(self, old_mu: Tensor, total: dict, count: Tensor, metric: Tensor):
+    def _prior_update(
+        self, old_mu: Tensor, total: dict, count: Tensor, metric: Tensor, old_noise: Tensor
+    ):
         """One M-step from client sums: (μ, Σ, σ², support) (module doc, step 2)."""
         mu, sigma_hat = m_step(
             total["gls_gram"],
@@ -493,24 +565,27 @@ class FedPrior(Algorithm):
             sigma = proj_seen @ sigma @ proj_seen + self.init_scale**2 * proj_weak
             mu = proj_seen @ mu + proj_weak @ old_mu
         noise_var = total["rss"] / total["n"].clamp_min(1.0)
+        if "dof" in total:  # σ² = Σ‖y − Φm‖² / Σ(n − tr(GV)/σ²); none left: kept, declined
+            dof = total["dof"]
+            noise_var = torch.where(dof >= 1.0, total["fit"] / dof.clamp_min(1.0), old_noise)
         return mu, sigma, noise_var
 
     def server_update(self, server: Tree, replies: Tree, weights: Tensor) -> Tree:
         # Every unit counts once (a hierarchical model's units are its samples);
         # sums in a canonical order so the rounding does not depend on arrival order.
         order = torch.from_numpy(np.lexsort(replies["mean"].numpy().T[::-1]).copy())
-        total = {k: v[order].sum(0) for k, v in replies.items() if k != "cand"}
+        total = {k: v[order].sum(0) for k, v in replies.items() if k not in ("cand", "interval")}
+        if "interval" in replies:  # the restricted noise update's sums (module doc, I1)
+            total.update({k: replies["interval"][k][order].sum(0) for k in ("dof", "fit")})
         count = torch.tensor(float(replies["mean"].shape[0]), dtype=F64)
         metric = total["gram"] / total["n"].clamp_min(1.0)
         if self.select == "none":
-            mu, sigma, noise_var = self._prior_update(server["mu"], total, count, metric)
-            return {
-                "mu": mu,
-                "sigma": sigma,
-                "noise_var": noise_var,
-                "support": total["support"],
-                "box": self._input_box(total["gram"]),
-            }
+            mu, sigma, noise_var = self._prior_update(
+                server["mu"], total, count, metric, server["noise_var"]
+            )
+            new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
+            new["box"] = self._input_box(total["gram"])
+            return {**new, **self._interval_update(server, replies, order, total)}
         cand = {k: v[order].sum(0) for k, v in replies["cand"].items()}
         masks = self.masks
         new: dict[str, list[Tensor]] = {"mu": [], "sigma": [], "noise_var": []}
@@ -519,7 +594,11 @@ class FedPrior(Algorithm):
             part["n"] = total["n"]
             m = masks[k]
             out = self._prior_update(
-                server["cand"]["mu"][k], part, count, metric * m.unsqueeze(0) * m.unsqueeze(1)
+                server["cand"]["mu"][k],
+                part,
+                count,
+                metric * m.unsqueeze(0) * m.unsqueeze(1),
+                server["cand"]["noise_var"][k],
             )
             for key, v in zip(("mu", "sigma", "noise_var"), out, strict=True):
                 new[key].append(v)
@@ -536,6 +615,7 @@ class FedPrior(Algorithm):
             "choice": torch.tensor(choice),
             "scores": scores,
             "cand": stacked,
+            **self._interval_update(server, replies, order, total),
         }
 
     def _prior_parameters(self, masks: Tensor) -> Tensor:
@@ -547,6 +627,124 @@ class FedPrior(Algorithm):
         else:
             cov = p * (p + 1) / 2
         return p + cov + 1
+
+    # ---- intervals that hold, or none (module doc, "Intervals") ----------------
+    def _interval_init(self) -> Tree:
+        zero = torch.tensor(0.0, dtype=F64)
+        return {
+            "probe_x": torch.zeros(self.probe_rows, self.num_inputs, dtype=F64),
+            "probe_b": torch.zeros(self.probe_rows, dtype=F64),
+            "probe_n": zero.clone(),  # rows of the probe design; 0: none (yet)
+            "disc_var": zero.clone(),  # τ², scaled units²
+            "declined": zero.clone(),  # 0 an interval; else a DECLINE code
+            "dof": zero.clone(),  # the fleet's residual degrees of freedom Σ_i ν_i
+        }
+
+    def _heldout(self, down: Tree, state: Tree, data: ClientData) -> Tree:
+        """A unit's design-matched hold-out (step I2): its uploads to the interval's sums.
+
+        A unit with at least twice the probe's rows keeps, for each probe row, its own
+        nearest row (by position in its own span, :func:`_unit_span`; a row of the
+        opposite sweep direction only if no other; without directions, its first visit of
+        that set point), fits its posterior under the
+        broadcast prior from those rows alone, and
+        counts, for each τ² of :data:`TAU_GRID`, the other rows whose error lies within
+        ±1.96 √(v + τ²) (v the predictive variance the fit states). Every unit with at
+        most ``probe_rows`` rows also uploads its inputs' span positions and directions
+        (the server's candidate probe: chamber set points, no targets).
+        """
+        x, y, mask = data.x.to(F64), data.y[..., 0].to(F64), data.mask.to(F64)
+        c, rows = mask.shape
+        branch = torch.zeros(c, rows, dtype=F64) if data.branch is None else data.branch.to(F64)
+        px, pb, pn = down["probe_x"].to(F64), down["probe_b"].to(F64), down["probe_n"].to(F64)
+        valid = (torch.arange(px.shape[1]).unsqueeze(0) < pn.unsqueeze(1)).to(F64)
+        u = _unit_span(x, mask)  # positions within the unit's own calibrated span
+        dist = torch.cdist(px, u) + 1e3 * ((pb.unsqueeze(-1) * branch.unsqueeze(-2)) < 0)
+        dist = dist.masked_fill(mask.unsqueeze(1) == 0, math.inf)
+        able = ((data.count.to(F64) >= 2 * pn) & (pn > 0)).to(F64).unsqueeze(1)
+        nearest = dist.argmin(-1)
+        if data.branch is None:
+            # No sweep directions: a probe design is one pass, so at each set point (rows
+            # within 2 % of the span of the nearest) the unit's first visit is kept, not
+            # whichever of its passes reads closest (that mixes branches of a hysteresis).
+            near = dist <= dist.min(-1, keepdim=True).values + 0.02
+            nearest = near.to(torch.int8).argmax(-1)  # the first such row in measured order
+        keep = torch.zeros(c, rows, dtype=F64).scatter_reduce(
+            1, nearest, valid, "amax", include_self=True
+        )
+        keep, held = keep * able, mask * (1 - keep) * able
+        sub = moments(self.design(x, data.branch), y, keep)
+        stats = _masked(sub, down["mask"]) if "mask" in down else sub
+        noise = self._noise(down, state)
+        post = posterior(stats, down["mu"], down["sigma"], noise)
+        coef, cov = post.mean, post.cov
+        if "mask" in down:  # as in personalize: terms outside the chosen basis are not in it
+            m = down["mask"]
+            coef, cov = coef * m, cov * m.unsqueeze(-1) * m.unsqueeze(-2)
+        mean, var = self._mean_var(coef, cov, noise, x)
+        err2 = (y - mean).square().unsqueeze(-1)
+        inside = err2 <= 1.959964**2 * (var.unsqueeze(-1) + TAU_GRID)
+        n = data.count.to(F64)
+        own = (n <= self.probe_rows).to(F64)
+        r = min(rows, self.probe_rows)
+        probe_x = torch.zeros(c, self.probe_rows, x.shape[-1], dtype=F64)
+        probe_x[:, :r] = u[:, :r] * own.reshape(-1, 1, 1)
+        probe_b = torch.zeros(c, self.probe_rows, dtype=F64)
+        probe_b[:, :r] = branch[:, :r] * own.unsqueeze(1)
+        return {
+            "x": probe_x,
+            "b": probe_b,
+            "n": n * own,
+            "inside": (inside.to(F64) * held.unsqueeze(-1)).sum(1),
+            "held": held.sum(1),
+        }
+
+    def _interval_update(self, server: Tree, replies: Tree, order: Tensor, total: dict) -> Tree:
+        """The server's step I3: the probe, τ² from the hold-out sums, and whether to decline."""
+        if self.interval != "calibrated":
+            return {}
+        iv = {k: v[order] for k, v in replies["interval"].items()}
+        out = self._interval_init()
+        small = iv["n"] > 0
+        if bool(small.any()):  # the smallest design (ties: canonical order) is the probe
+            j = int(torch.argmin(torch.where(small, iv["n"], math.inf)))
+            out.update(probe_x=iv["x"][j], probe_b=iv["b"][j], probe_n=iv["n"][j])
+        out["dof"] = total["dof"]
+        code = 0
+        if float(server["probe_n"]) > 0:  # the units held out against this probe
+            held = float(iv["held"].sum())
+            if held == 0:
+                code = 2
+            else:
+                share = iv["inside"].sum(0) / held  # held-out coverage at each τ² of the grid
+                covered = share >= self.coverage_target
+                if bool(covered.any()):
+                    g = int(torch.nonzero(covered)[0, 0])
+                    out["disc_var"] = TAU_GRID[g].clone()
+                    if g > 0:  # linear between the grid's neighbours, to the target share
+                        w = (self.coverage_target - share[g - 1]) / (share[g] - share[g - 1])
+                        out["disc_var"] = TAU_GRID[g - 1] + w * (TAU_GRID[g] - TAU_GRID[g - 1])
+                else:
+                    code = 3
+        # Directions of the basis in use that too few units' points determine (the
+        # identification rule): an interval along them would be the vague start's.
+        used = torch.nonzero(server["mask"] if "mask" in server else self.masks[-1])[:, 0]
+        support = total["support"][used][:, used]
+        if bool((torch.linalg.eigvalsh(0.5 * (support + support.T)) < self.min_informed).any()):
+            code = 5
+        if float(total["dof"]) < 1.0:
+            code = 1
+        out["declined"] = torch.tensor(float(code), dtype=F64)
+        return out
+
+    def interval_note(self, server: Tree) -> str:
+        """One line: why the run states no interval for (some) units; "" when it states them."""
+        if self.interval != "calibrated":
+            return ""
+        code = int(server["declined"])
+        if not code:
+            return ""
+        return DECLINE[code].format(n=int(server["probe_n"]), dof=float(server["dof"]))
 
     def dp_statistics(self, down: Tree) -> dict[str, Statistic]:
         """Client-level DP: each uploaded statistic's public map and bound (core/privacy).
@@ -569,6 +767,11 @@ class FedPrior(Algorithm):
         Legendre terms of inputs in [−1, 1], ‖Φ_iᵀΦ_i‖_F ≤ n_i p; the support's
         eigenvalues lie in [0, 1).
         """
+        if self.interval != "posterior":
+            raise ValueError(
+                "fedprior: client-level DP covers interval = 'posterior' only (the hold-out "
+                "uploads a unit's inputs)"
+            )
         if self.select != "none":
             # Every candidate's statistics would need their own noise (20× the sensitivity).
             raise ValueError(
@@ -611,7 +814,18 @@ class FedPrior(Algorithm):
             m = down["mask"]
             coef, cov = coef * m, cov * m.unsqueeze(-1) * m.unsqueeze(-2)
         out = {"coef": coef, "cov": cov, "noise_var": self._noise(down, state)}
-        return {**out, "box": self._unit_box(down.get("box"), data)}
+        if "disc_var" in down:  # τ² for units of the probe's size; declined: no interval
+            n, probe = data.count.to(F64), down["probe_n"].to(F64)
+            small = n < 2 * probe
+            # A unit smaller than any design the fleet held out for (only a unit calibrated
+            # later from prior.json can be): its model error was never learned.
+            unknown = (n < probe) | ((probe == 0) & (n <= self.probe_rows))
+            code = down["declined"]
+            out["disc_var"] = torch.where(small, down["disc_var"].to(F64), 0.0)
+            fleet_wide = (code == 1) | (code == 5)
+            out["declined"] = (fleet_wide | (small & (code > 1)) | unknown).to(F64)
+        out["box"] = self._unit_box(down.get("box"), data)
+        return out
 
     # ---- the extrapolation guard (models.basis.linearized_products) ------------------
     def _open_box(self) -> Tensor:
@@ -724,8 +938,19 @@ class FedPrior(Algorithm):
         s = torch.zeros(batch, dtype=F64)
         for key, value in params.items():
             if key.endswith("_var") and tuple(value.shape) == tuple(batch):
-                s = s + value.to(F64)
+                s = s + value.to(F64)  # σ_i², and τ_i² (disc_var) with a calibrated interval
+        if "declined" in params:  # no interval stated for this unit (module doc, "Intervals")
+            s = torch.where(params["declined"].to(F64) > 0, math.nan, s)
         return q, s
+
+    def _mean_var(self, coef: Tensor, cov: Tensor, noise: Tensor, x: Tensor):
+        """φᵀm_c and the predictive variance of :meth:`variance_form` per row (clients, rows)
+        for a posterior (coef, cov) and noise σ_i²: the hold-out's predictions (I2)."""
+        coef, p = coef.to(F64), len(self.terms)
+        mean = (legendre_products(x, self.terms) * coef[..., :p].unsqueeze(1)).sum(-1)
+        noise = noise.to(F64).expand(cov.shape[:-2])  # one σ² per unit (a fleet's: broadcast)
+        q, s = self.variance_form({"coef": coef, "cov": cov, "noise_var": noise})
+        return mean, predictive_var(self.variance_design(x), q, s)
 
     # ---- what a user keeps -----------------------------------------------------
     def identification(self, server: Tree) -> dict[str, Any]:
@@ -841,6 +1066,15 @@ class FedPrior(Algorithm):
             "noise_prior_points": self.noise_prior_points,
             "identification": self.identification(server),
         }
+        if self.interval == "calibrated":
+            state["interval"] = {
+                "rule": "calibrated",
+                "discrepancy_var": float(server["disc_var"]),
+                "probe_rows": float(server["probe_n"]),
+                "residual_dof": float(server["dof"]),
+                "declined": int(server["declined"]),
+                "reason": self.interval_note(server),
+            }
         psi = self.chosen_branch(server)
         if psi:
             state["branch_terms"] = [list(t) for t in psi]
@@ -853,6 +1087,46 @@ class FedPrior(Algorithm):
                 "scores": [round(float(v), 3) for v in server["scores"]],
             }
         return state
+
+
+# τ² candidates of the hold-out (scaled units²: the target is scaled to O(1)): 0, then 10 per
+# decade from 1e-12 to 1e2 (steps of 12 % in σ).
+TAU_GRID = torch.cat([torch.zeros(1, dtype=F64), torch.logspace(-12, 2, 141, dtype=F64)])
+# What the broadcast carries for the interval (the server also keeps "dof").
+INTERVAL_KEYS = ("probe_x", "probe_b", "probe_n", "disc_var", "declined")
+DECLINE = {
+    1: "no interval: no unit has residual degrees of freedom (Σ ν = {dof:.2g}): every unit's "
+    "basis fits its points exactly, so the noise level cannot be estimated",
+    2: "no interval: no unit has at least twice the points of the smallest design ({n} "
+    "points), so the model error between its points cannot be learned from this fleet",
+    3: "no interval: even the largest discrepancy variance did not cover 95 % of the "
+    "held-out points of the units with more points than the smallest design ({n} points)",
+    4: "no interval for units with fewer points than the fleet's smallest design ({n} points; "
+    "none: no unit had at most probe_rows): their model error was not learned",
+    5: "no interval: the fleet's points do not identify every direction of the basis in use "
+    "(see the weak terms): an interval along them would be the vague start's, not learned",
+}
+
+
+def _unit_span(x: Tensor, mask: Tensor) -> Tensor:
+    """Each row's inputs as positions in [0, 1] of its unit's own span (min to max per input).
+
+    A chamber design is a pattern over a unit's calibrated range (its ends included); units
+    of one fleet read different input values there (each resonator its own frequencies), so
+    the hold-out matches designs by these positions, not by raw inputs.
+    """
+    m = mask.unsqueeze(-1) > 0
+    lo = torch.where(m, x, math.inf).amin(1, keepdim=True)
+    hi = torch.where(m, x, -math.inf).amax(1, keepdim=True)
+    return torch.where(m, (x - lo) / (hi - lo).clamp_min(1e-12), 0.0)
+
+
+def _residual_terms(post: Posterior, gram: Tensor, noise: Tensor, n: Tensor) -> Tree:
+    """Residual degrees of freedom n_i − tr(G_i V_i)/σ_i² and the fit ‖y_i − Φ_i m_i‖²
+    (= E‖y_i − Φ_i c_i‖² − tr(G_i V_i)): the restricted noise update's terms (module doc,
+    "Intervals")."""
+    spent = (gram * post.cov).sum((-2, -1))
+    return {"dof": (n - spent / noise).clamp_min(0.0), "fit": (post.rss - spent).clamp_min(0.0)}
 
 
 def _masked(stats: Moments, mask: Tensor) -> Moments:

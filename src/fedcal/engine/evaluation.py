@@ -87,11 +87,15 @@ def interval_metrics(
 
     ``coverage95``: the fraction of rows whose error lies inside the nominal 95 %
     interval ±1.96 σ; ``pred_sd``: the mean predictive σ in the target's unit.
+    A client whose σ is NaN on a row (the method states no interval, e.g. fedprior's
+    declined intervals) gets NaN for both: no interval, not an empty one.
     """
     m = mask.unsqueeze(-1).to(pred.dtype)
     n = (m.sum((1, 2))).clamp_min(1.0)
     inside = ((pred - y).abs() <= 1.959964 * std).to(pred.dtype)
+    stated = ~(torch.isnan(std) & (m > 0)).any(2).any(1)
+    nan = torch.tensor(float("nan"), dtype=pred.dtype)
     return {
-        "coverage95": (inside * m).sum((1, 2)) / n,
-        "pred_sd": (std * y_scale * m).sum((1, 2)) / n,
+        "coverage95": torch.where(stated, (inside * m).sum((1, 2)) / n, nan),
+        "pred_sd": torch.where(stated, (torch.nan_to_num(std) * y_scale * m).sum((1, 2)) / n, nan),
     }

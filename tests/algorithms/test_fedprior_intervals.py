@@ -1,0 +1,161 @@
+"""fedprior's calibrated intervals (issue 20): residual-dof noise, the design-matched
+hold-out's discrepancy variance, and the decline, on planted fleets."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fedcal.algorithms.fedprior import FedPrior
+from fedcal.core.bayes import F64, moments, posterior
+from fedcal.core.data import ClientData
+from fedcal.core.task import Task
+from fedcal.core.tree import expand
+from fedcal.engine.evaluation import interval_metrics
+from fedcal.models.basis import legendre_exponents, legendre_products
+from fedcal.models.mlp import MLP
+from fedcal_support.rounds import run_rounds
+
+TEST_ROWS = 100
+
+
+def grid_fleet(refs: int, new: int, seed: int, curvature: float = 0.0, new_levels=(3, 2)):
+    """Units of the hierarchical model on the (1, 1) basis, + ``curvature``·g_i·P2(x1), g_i ~ N(1,
+    0.3²), a term the basis lacks. Reference units: a 6 × 6 grid of inputs; new units: a
+    ``new_levels`` grid (2 levels of x1 see no curvature). Test: random inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    terms = legendre_exponents(2, orders=(1, 1))
+    mu = torch.tensor([0.5, 1.0, -0.3, 0.1], dtype=F64)
+    sd = torch.tensor([0.2, 0.1, 0.05, 0.02], dtype=F64)
+
+    def grid(a: int, b: int) -> torch.Tensor:
+        u, v = torch.linspace(-1, 1, a, dtype=F64), torch.linspace(-1, 1, b, dtype=F64)
+        return torch.cartesian_prod(u, v)
+
+    train, test = [], []
+    for i in range(refs + new):
+        c = mu + sd * torch.randn(4, generator=gen, dtype=F64)
+        g = 1.0 + 0.3 * torch.randn((), generator=gen, dtype=F64)
+        x_tr = grid(6, 6) if i < refs else grid(*new_levels)
+        x_te = 2 * torch.rand(TEST_ROWS, 2, generator=gen, dtype=F64) - 1
+        for store, x in ((train, x_tr), (test, x_te)):
+            p2 = 0.5 * (3 * x[:, 1] ** 2 - 1)
+            y = legendre_products(x, terms) @ c + curvature * g * p2
+            y = y + 0.01 * torch.randn(len(x), generator=gen, dtype=F64)
+            store.append((x.numpy(), y.unsqueeze(-1).numpy()))
+    seeds = tuple(range(refs + new))
+    return ClientData.from_arrays(train, seeds, F64), ClientData.from_arrays(test, seeds, F64)
+
+
+def make(**kw) -> FedPrior:
+    return FedPrior(Task(MLP()), orders=(1, 1), **kw)
+
+
+def coverage(alg: FedPrior, personal, test: ClientData, units: slice) -> torch.Tensor:
+    pred, std = alg.predict(personal, test.x), alg.predictive_std(personal, test.x)
+    one = torch.ones((), dtype=F64)
+    return interval_metrics(pred, std, test.y, test.mask, one)["coverage95"][units]
+
+
+def band(units: int) -> float:
+    """4 binomial sd of a 95 % coverage over units × TEST_ROWS rows (chance passes 1 in 10⁴)."""
+    return 4 * math.sqrt(0.95 * 0.05 / (units * TEST_ROWS))
+
+
+def test_well_specified_fleet_covers_95_percent_and_needs_no_discrepancy():
+    train, test = grid_fleet(30, 60, seed=0)
+    alg = make(interval="calibrated")
+    server, _, personal, _ = run_rounds(alg, train, 20)
+    assert int(server["probe_n"]) == 6 and int(server["declined"]) == 0
+    # the noise on residual degrees of freedom: 30 × (36 − 4) + 60 × (6 − ≤4) > 900 left
+    assert float(server["dof"]) > 900
+    assert abs(float(server["noise_var"].sqrt()) - 0.01) < 0.001
+    cov = float(coverage(alg, personal, test, slice(30, 90)).mean())
+    assert abs(cov - 0.95) <= band(60) + 0.01, cov
+
+
+def test_misspecified_fleet_learns_the_discrepancy_and_coverage_recovers():
+    """The new units' two levels of x1 cannot see the curvature the basis lacks; the reference
+    units' 6 levels can. Without the hold-out the intervals under-cover; with it they hold."""
+    train, test = grid_fleet(30, 60, seed=1, curvature=0.2)
+    new = slice(30, 90)
+    plain = make()
+    _, _, personal, _ = run_rounds(plain, train, 20)
+    before = float(coverage(plain, personal, test, new).mean())
+    alg = make(interval="calibrated")
+    server, _, personal, _ = run_rounds(alg, train, 20)
+    after = float(coverage(alg, personal, test, new).mean())
+    assert before < 0.85, before
+    assert float(server["disc_var"]) > 0
+    assert abs(after - 0.95) <= band(60) + 0.02, after
+    # reference units get no discrepancy term (they have ≥ 2× the probe's rows)
+    assert torch.all(personal["disc_var"][:30] == 0) and torch.all(personal["disc_var"][new] > 0)
+
+
+def test_a_fleet_of_few_point_units_only_declines_with_its_reason():
+    train, test = grid_fleet(0, 40, seed=2, curvature=0.2)
+    alg = make(interval="calibrated")
+    server, _, personal, _ = run_rounds(alg, train, 10)
+    assert int(server["declined"]) == 2
+    assert "no unit has at least twice the points of the smallest design (6 points)" in (
+        alg.interval_note(server)
+    )
+    std = alg.predictive_std(personal, test.x)
+    assert torch.isnan(std).all()
+    assert torch.isnan(coverage(alg, personal, test, slice(0, 40))).all()
+    # declined is not diverged: every leaf of the personal model is finite
+    assert all(torch.isfinite(v).all() for v in personal.values())
+    # the mean prediction is still stated
+    assert torch.isfinite(alg.predict(personal, test.x)).all()
+
+
+def test_noise_on_residual_degrees_of_freedom_and_the_decline_without_any():
+    """σ² = Σ‖y − Φm‖² / Σ(n − tr(GV)/σ²), by hand from one round's posteriors; a fleet with
+    Σ ν < 1 (every basis fits its points) keeps its σ² and declines."""
+    train, _ = grid_fleet(10, 10, seed=3, curvature=0.1)
+    alg = make(interval="calibrated")
+    server, _, _, _ = run_rounds(alg, train, 5)
+    down = expand(alg.broadcast(server), train.num_clients)
+    result = alg.client_update(down, alg.client_init(down), train)
+    # by hand: the posterior's fit and the trace of its hat matrix
+    stats = moments(alg.design(train.x), train.y[..., 0], train.mask)
+    post = posterior(stats, server["mu"], server["sigma"], down["noise_var"])
+    spent = torch.einsum("cij,cij->c", stats.gram, post.cov) / server["noise_var"]
+    fit = (
+        (train.y[..., 0] - (alg.design(train.x) @ post.mean.unsqueeze(-1))[..., 0]) ** 2
+        * train.mask
+    ).sum(1)
+    new = alg.server_update(server, result.reply, torch.ones(train.num_clients))
+    expected = fit.sum() / (stats.n - spent).sum()
+    torch.testing.assert_close(new["noise_var"], expected, rtol=1e-8, atol=0)
+    # no residual degrees of freedom: the σ² is kept, and the run declines (code 1)
+    reply = {**result.reply, "interval": {**result.reply["interval"]}}
+    reply["interval"]["dof"] = torch.full((train.num_clients,), 0.01, dtype=F64)
+    new = alg.server_update(server, reply, torch.ones(train.num_clients))
+    assert int(new["declined"]) == 1
+    torch.testing.assert_close(new["noise_var"], server["noise_var"])
+    assert alg.interval_note(new).startswith("no interval: no unit has residual degrees")
+
+
+def test_a_later_unit_gets_the_federation_s_sigma_from_the_exported_state():
+    """What prior.json stores rebuilds the same σ for the same unit (calibrate's path)."""
+    train, test = grid_fleet(30, 20, seed=4, curvature=0.2)
+    alg = make(interval="calibrated")
+    server, _, personal, _ = run_rounds(alg, train, 15)
+    doc = alg.export_state(server)["interval"]
+    stored = {k: server[k] for k in ("mu", "sigma", "noise_var")}
+    stored.update(
+        disc_var=torch.tensor(doc["discrepancy_var"], dtype=F64),
+        probe_n=torch.tensor(doc["probe_rows"], dtype=F64),
+        declined=torch.tensor(float(doc["declined"]), dtype=F64),
+    )
+    down = expand(alg.broadcast(stored), train.num_clients)
+    again = alg.personalize(down, alg.client_init(down), train)
+    torch.testing.assert_close(
+        alg.predictive_std(again, test.x), alg.predictive_std(personal, test.x), rtol=1e-12, atol=0
+    )
+    # a unit smaller than the fleet's smallest design: no interval
+    small = ClientData.from_arrays([(test.x[0, :3].numpy(), test.y[0, :3].numpy())], (0,), F64)
+    one = alg.personalize(expand(alg.broadcast(stored), 1), alg.client_init(down), small)
+    assert float(one["declined"][0]) == 1.0
