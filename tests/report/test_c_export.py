@@ -193,8 +193,8 @@ def test_footprint_is_the_header_s_own_sizeof(runs, tmp_path):
     form = linear_form(fleet, "fedprior_branch")
     assert form.bytes_per_unit() == size
     # by hand: T double coefficients, T(T+1)/2 + 1 float factor entries, 2·2 + 2 float ranges,
-    # the guard's support box: 2·2 doubles
-    assert size == 8 * terms + 4 * (terms * (terms + 1) // 2 + 1) + 4 * 6 + 8 * 4
+    # the guard's support box: 2·2 floats
+    assert size == 8 * terms + 4 * (terms * (terms + 1) // 2 + 1) + 4 * 6 + 4 * 4
     # the polynomial's guard box is the same for every unit (|u_j| <= 1.1): none per unit
     poly_fleet = load_models(run, "polynomial")
     poly = linear_form(poly_fleet, "polynomial")
@@ -285,15 +285,20 @@ def test_export_refuses_a_sigma_it_cannot_reproduce(runs, monkeypatch):
         to_c_header(fleet, method="fedprior")
 
 
-def test_onnx_sigma_of_the_branch_variant_equals_predictive_std(runs, tmp_path):
+def test_onnx_of_the_branch_variant_equals_predict_and_sigma_beyond_the_box(runs, tmp_path):
     import onnxruntime as ort
 
     from fedcal.report.onnx_export import to_onnx
 
     run, _, _ = runs
     fleet = load_models(run, "fedprior_branch")
-    x = np.array([[33_500.0, -5.0], [36_000.0, 30.0]])
+    x = np.array([[33_500.0, -5.0], [36_000.0, 30.0], [39_000.0, 80.0], [29_000.0, -40.0]])
     s = sorted(fleet.params)[-1]  # a new unit
+    # the last two rows are beyond its support box: the traced graph must hold the guard
+    params = {k: v.double() for k, v in fleet.params[s].items()}
+    z = torch.as_tensor(fleet.scaler.x(x), dtype=torch.float64).unsqueeze(0)
+    beyond = fleet.algorithm.beyond_support({k: v[None] for k, v in params.items()}, z)[0]
+    assert beyond.tolist() == [False, False, True, True]
     session = ort.InferenceSession(to_onnx(fleet, s), providers=["CPUExecutionProvider"])
     y, std = session.run(None, {"x": x})
     assert np.allclose(y[:, 0], fleet.predict(s, x)[:, 0], rtol=1e-12, atol=1e-9)

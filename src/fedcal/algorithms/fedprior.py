@@ -163,6 +163,7 @@ from fedcal.core.privacy import Statistic
 from fedcal.core.tree import Tree
 from fedcal.models.basis import (
     SUPPORT_STDS,
+    any_beyond,
     legendre_exponents,
     legendre_products,
     linearized_products,
@@ -677,7 +678,7 @@ class FedPrior(Algorithm):
         q, s = self.variance_form(params)
         var = predictive_var(self.variance_design(x), q, s)
         phi, beyond = self._guarded(params, x, self.terms)
-        if bool(beyond.any()):  # beyond the support: + (polynomial − linearized)² (model form)
+        if any_beyond(beyond):  # beyond the support: + (polynomial − linearized)² (model form)
             coef = params["coef"][..., : len(self.terms)].to(F64).unsqueeze(1)
             gap = ((legendre_products(x, self.terms) - phi) * coef).sum(-1)
             var = var + torch.where(beyond, gap * gap, 0.0)

@@ -28,8 +28,8 @@ the algorithm's own ``predict`` and ``predictive_std`` (so a change of the
 model that the form does not carry stops the export, not the firmware);
 :func:`c_header` writes the C99 header and :func:`json_block` the JSON.
 Precision choices (measured, docs/firmware.md): input scaling, the recurrence
-and the sums in double; coefficients and the support box stored as double; the
-factor and the additive variance as float.
+and the sums in double; coefficients stored as double; the factor, the additive
+variance and a per-unit support box as float (the polynomial's one box: double).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ STAGES = {
     "FEDCAL_BASIS_T": "double",  # the Legendre recurrence / monomial powers and products
     "FEDCAL_SUM_T": "double",  # Σ c_t φ_t and the output scaling
     "FEDCAL_COEF_T": "double",  # stored coefficients
-    "FEDCAL_BOX_T": "double",  # stored support box of the extrapolation guard
+    "FEDCAL_BOX_T": "float",  # stored per-unit support box of the extrapolation guard
     "FEDCAL_STD_T": "float",  # stored factor L, additive variance, and the σ arithmetic
 }
 TYPE_BYTES = {"double": 8, "float": 4}
@@ -367,13 +367,15 @@ def c_header(fleet, form: LinearForm, guard: str, range_lines: list[str]) -> str
     if guarded:
         rows_box = n_s if form.box_per_unit else 1
         where = "each unit's" if form.box_per_unit else "every unit's (one box)"
+        # per unit: FEDCAL_BOX_T (float; measured, docs/firmware.md); one shared box: double
+        box_t = "FEDCAL_BOX_T" if form.box_per_unit else "double"
         lines += [
             f"/* Extrapolation guard: {where} support box in the basis's coordinates u;",
             " * beyond it the basis continues along its tangent plane at the nearest point. */",
             f"#define FEDCAL_BOX_UNITS {rows_box}",
-            "static const FEDCAL_BOX_T fedcal_box_lo[FEDCAL_BOX_UNITS][FEDCAL_NUM_INPUTS] = "
+            f"static const {box_t} fedcal_box_lo[FEDCAL_BOX_UNITS][FEDCAL_NUM_INPUTS] = "
             f"{_rows(form.box_lo, 'double')};",
-            "static const FEDCAL_BOX_T fedcal_box_hi[FEDCAL_BOX_UNITS][FEDCAL_NUM_INPUTS] = "
+            f"static const {box_t} fedcal_box_hi[FEDCAL_BOX_UNITS][FEDCAL_NUM_INPUTS] = "
             f"{_rows(form.box_hi, 'double')};",
         ]
     lines += range_lines
