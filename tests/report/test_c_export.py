@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from fedcal.cli import app
 from fedcal.data.simulator import FleetSpec, simulate_fleet
+from fedcal.models.basis import linearized_products
 from fedcal.report.export import load_models, to_c_header, to_json
 from fedcal.report.rundir import predictive_std, read_valid_ranges
 from fedcal_support import cheader
@@ -138,8 +139,10 @@ def test_the_branch_header_averages_the_branches_and_widens_sigma(runs, tmp_path
         without = ((phi @ c) * phi).sum(-1) + p["noise_var"]
         sigma_c = got[rows, 2] / abs(float(fleet.scaler.y_scale[0]))
         assert np.all(sigma_c**2 > without.numpy() * (1 + 1e-6))
-        # the mean is φᵀm_c, the branch average (no h)
-        mean = (phi @ p["coef"][: len(alg.terms)]).numpy()
+        # the mean is ψᵀm_c, the branch average (no h), ψ = φ guarded beyond the unit's box
+        box = p["box"].to(torch.float64)
+        psi, _ = linearized_products(z, alg.terms, box[0], box[1])
+        mean = (psi[0] @ p["coef"][: len(alg.terms)].double()).numpy()
         assert np.allclose(got[rows, 0], fleet.scaler.y_inverse(mean[:, None])[:, 0], atol=1e-6)
 
 
@@ -173,7 +176,8 @@ def test_footprint_is_the_header_s_own_sizeof(runs, tmp_path):
         '#include <stdio.h>\n#include "cal.h"\nint main(void) {\n'
         '  printf("%zu %d\\n", sizeof fedcal_coef[0] + sizeof fedcal_chol[0]'
         " + sizeof fedcal_var_add[0] + sizeof fedcal_x_min[0] + sizeof fedcal_x_max[0]"
-        " + sizeof fedcal_y_min[0] + sizeof fedcal_y_max[0], FEDCAL_NUM_TERMS);\n"
+        " + sizeof fedcal_y_min[0] + sizeof fedcal_y_max[0]"
+        " + sizeof fedcal_box_lo[0] + sizeof fedcal_box_hi[0], FEDCAL_NUM_TERMS);\n"
         "  return fedcal_calibrate(0, fedcal_x_min[0]) > 0 ? 0 : 0;\n}\n"
     )
     import subprocess
@@ -188,12 +192,19 @@ def test_footprint_is_the_header_s_own_sizeof(runs, tmp_path):
 
     form = linear_form(fleet, "fedprior_branch")
     assert form.bytes_per_unit() == size
-    # by hand: T double coefficients, T(T+1)/2 + 1 float factor entries, 2·2 + 2 float ranges
-    assert size == 8 * terms + 4 * (terms * (terms + 1) // 2 + 1) + 4 * 6
+    # by hand: T double coefficients, T(T+1)/2 + 1 float factor entries, 2·2 + 2 float ranges,
+    # the guard's support box: 2·2 floats
+    assert size == 8 * terms + 4 * (terms * (terms + 1) // 2 + 1) + 4 * 6 + 4 * 4
+    # the polynomial's guard box is the same for every unit (|u_j| <= 1.1): none per unit
+    poly_fleet = load_models(run, "polynomial")
+    poly = linear_form(poly_fleet, "polynomial")
+    assert poly.bytes_per_unit() == 8 * len(poly.terms) + 8 * 4 + 4 * 6
+    assert "#define FEDCAL_BOX_UNITS 1\n" in to_c_header(poly_fleet, method="polynomial")
 
 
 def test_json_names_the_family_and_rebuilds_predictions(runs):
-    """A reader with only the JSON (and NumPy's Legendre module) gets predict's ŷ and σ."""
+    """A reader with only the JSON (and NumPy's Legendre module) gets predict's ŷ and σ,
+    beyond each unit's support box too (the extrapolation guard's tangent plane)."""
     run, _, _ = runs
     for method in ("fedprior_branch", "polynomial", "leastsq"):
         fleet = load_models(run, method)
@@ -203,27 +214,56 @@ def test_json_names_the_family_and_rebuilds_predictions(runs):
         terms = np.array(model["terms"])
         s = sorted(fleet.params)[1]
         unit = model["units"][s]
-        x = np.array([[33_500.0, -5.0], [36_000.0, 30.0], [34_200.0, 55.0]])
+        x = np.array(
+            [[33_500.0, -5.0], [36_000.0, 30.0], [34_200.0, 55.0], [39_000.0, 80.0],
+             [29_000.0, -40.0], [35_000.0, 95.0]]
+        )  # fmt: skip
         u = (x - np.array(model["x_offset"])) / np.array(model["x_scale"])
         if "u_lo" in unit:
             lo, hi = np.array(unit["u_lo"]), np.array(unit["u_hi"])
             u = 2 * (u - lo) / (hi - lo) - 1
         if model["basis"] == "legendre":
 
-            def one(a, v):
-                return np.sqrt(2 * a + 1) * npleg.legval(v, [0] * a + [1])
+            def one(a, v, der=0):
+                return np.sqrt(2 * a + 1) * npleg.legval(v, npleg.legder([0] * a + [1], der))
         else:
 
-            def one(a, v):
+            def one(a, v, der=0):
+                assert der == 0  # leastsq has no guard
                 return v**a
 
-        phi = np.stack([one(t[0], u[:, 0]) * one(t[1], u[:, 1]) for t in terms], 1)
-        y = model["y_offset"] + model["y_scale"] * phi @ np.array(unit["coef"])
+        def basis(v, terms=terms, one=one):
+            return np.stack([one(t[0], v[:, 0]) * one(t[1], v[:, 1]) for t in terms], 1)
+
+        phi = basis(u)
+        psi = phi
+        if method != "leastsq":  # fedprior and the polynomial carry the guard's box
+            lo = np.array([-np.inf if v is None else v for v in unit["box_lo"]])
+            hi = np.array([np.inf if v is None else v for v in unit["box_hi"]])
+            ub = np.clip(u, lo, hi)
+            beyond = (ub != u).any(1)
+            assert beyond.any() and not beyond.all()  # both cases are exercised
+            d = u - ub
+            slope = np.stack(
+                [
+                    one(t[0], ub[:, 0], 1) * one(t[1], ub[:, 1]) * d[:, 0]
+                    + one(t[0], ub[:, 0]) * one(t[1], ub[:, 1], 1) * d[:, 1]
+                    for t in terms
+                ],
+                1,
+            )
+            psi = basis(ub) + slope
+        else:
+            assert "box_lo" not in unit
+        coef = np.array(unit["coef"])
+        y = model["y_offset"] + model["y_scale"] * psi @ coef
         assert np.allclose(y, fleet.predict(s, x)[:, 0], rtol=0, atol=1e-8)
         if method.startswith("fedprior"):
             w = phi @ np.array(unit["cov_factor"])
-            sigma = abs(model["y_scale"]) * np.sqrt((w * w).sum(1) + unit["var_add"])
+            g = (phi - psi) @ coef
+            sigma = abs(model["y_scale"]) * np.sqrt((w * w).sum(1) + unit["var_add"] + g * g)
             assert np.allclose(sigma, predictive_std(fleet, s, x).ravel(), rtol=1e-9)
+            assert np.all(g[~beyond] == 0) and np.all(np.abs(g[beyond]) > 0)
         else:
             assert "cov_factor" not in unit
     # fedprior's JSON used to say "mlp" (the task's unused model settings)
@@ -245,15 +285,20 @@ def test_export_refuses_a_sigma_it_cannot_reproduce(runs, monkeypatch):
         to_c_header(fleet, method="fedprior")
 
 
-def test_onnx_sigma_of_the_branch_variant_equals_predictive_std(runs, tmp_path):
+def test_onnx_of_the_branch_variant_equals_predict_and_sigma_beyond_the_box(runs, tmp_path):
     import onnxruntime as ort
 
     from fedcal.report.onnx_export import to_onnx
 
     run, _, _ = runs
     fleet = load_models(run, "fedprior_branch")
-    x = np.array([[33_500.0, -5.0], [36_000.0, 30.0]])
+    x = np.array([[33_500.0, -5.0], [36_000.0, 30.0], [39_000.0, 80.0], [29_000.0, -40.0]])
     s = sorted(fleet.params)[-1]  # a new unit
+    # the last two rows are beyond its support box: the traced graph must hold the guard
+    params = {k: v.double() for k, v in fleet.params[s].items()}
+    z = torch.as_tensor(fleet.scaler.x(x), dtype=torch.float64).unsqueeze(0)
+    beyond = fleet.algorithm.beyond_support({k: v[None] for k, v in params.items()}, z)[0]
+    assert beyond.tolist() == [False, False, True, True]
     session = ort.InferenceSession(to_onnx(fleet, s), providers=["CPUExecutionProvider"])
     y, std = session.run(None, {"x": x})
     assert np.allclose(y[:, 0], fleet.predict(s, x)[:, 0], rtol=1e-12, atol=1e-9)

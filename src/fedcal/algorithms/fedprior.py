@@ -205,6 +205,7 @@ from fedcal.core.privacy import Statistic
 from fedcal.core.tree import Tree
 from fedcal.models.basis import (
     SUPPORT_STDS,
+    any_beyond,
     legendre_exponents,
     legendre_products,
     linearized_products,
@@ -903,8 +904,7 @@ class FedPrior(Algorithm):
         q, s = self.variance_form(params)
         var = predictive_var(self.variance_design(x), q, s)
         phi, beyond = self._guarded(params, x, self.terms)
-        # beyond the support: + (polynomial − linearized)² (model form); traced: always
-        if torch.jit.is_tracing() or bool(beyond.any()):
+        if any_beyond(beyond):  # beyond the support: + (polynomial − linearized)² (model form)
             coef = params["coef"][..., : len(self.terms)].to(F64).unsqueeze(1)
             gap = ((legendre_products(x, self.terms) - phi) * coef).sum(-1)
             var = var + torch.where(beyond, gap * gap, 0.0)

@@ -97,6 +97,7 @@ from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree, leaves
 from fedcal.models.basis import (
     MAX_TERMS,
+    any_beyond,
     basis_size,
     legendre,
     linearized_products,
@@ -479,7 +480,7 @@ class PolynomialCalibration(Algorithm):
         u = to_unit_interval(x.to(F64), params["lo"], params["hi"])
         design = tensor_design(u, self.exponents)
         beyond = (u.abs() > 1.0 + 2 * RANGE_MARGIN).any(-1)
-        if torch.jit.is_tracing() or bool(beyond.any()):  # traced (ONNX): both branches
+        if any_beyond(beyond):
             terms = [tuple(t) for t in self.exponents.tolist()]
             edge = torch.full((u.shape[-1],), 1.0 + 2 * RANGE_MARGIN, dtype=F64)
             guarded, _ = linearized_products(u, terms, -edge, edge)

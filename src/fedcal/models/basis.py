@@ -223,6 +223,16 @@ def legendre_derivatives(x: Tensor, order: int) -> list[Tensor]:
 SUPPORT_STDS = 2.5
 
 
+def any_beyond(mask: Tensor) -> bool:
+    """Whether any row lies beyond the support box: always True while tracing (ONNX export).
+
+    The guard's branches are skipped when no row needs them (a saving only: inside the
+    box the tangent step is 0 and the model-form gap 0, so the result is the same). A
+    traced graph records one path for every later input, so it must hold the guard.
+    """
+    return torch.jit.is_tracing() or bool(mask.any())
+
+
 def linearized_products(
     x: Tensor, exponents: Sequence[Sequence[int]], lo: Tensor, hi: Tensor
 ) -> tuple[Tensor, Tensor]:
@@ -241,8 +251,7 @@ def linearized_products(
     step = x - inner
     outside = (step != 0).any(-1)
     phi = legendre_products(inner, exponents)
-    # (a traced graph, e.g. the ONNX export, keeps the general form: exact inside too)
-    if not exponents or (not torch.jit.is_tracing() and not bool(outside.any())):
+    if not any_beyond(outside) or not exponents:
         return phi, outside
     num_inputs = x.shape[-1]
     tops = [max(t[j] for t in exponents) for j in range(num_inputs)]

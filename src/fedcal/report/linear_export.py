@@ -4,13 +4,20 @@ Every such method predicts, per unit i and raw input x (F features),
 
     z = (x − x_offset) / x_scale                       (the run's scaler)
     u = z, or u_j = 2(z_j − lo_ij)/(hi_ij − lo_ij) − 1 (polynomial: its own calibrated span)
-    ŷ = y_offset + y_scale · Σ_t c_it φ_t(u)
+    ŷ = y_offset + y_scale · Σ_t c_it ψ_t(u)
     φ_t(u) = Π_j P̃_{a_tj}(u_j)  (Legendre: P̃_n = √(2n+1)·P_n, Bonnet's recurrence)
            or Π_j u_j^{a_tj}    (monomial: leastsq)
+    ψ_t(u) = φ_t(ū) + Σ_j ∂φ_t/∂u_j(ū)·(u_j − ū_j),  ū = clamp(u, box_lo_i, box_hi_i)
 
-and, for a method with a predictive distribution (fedprior),
+ψ is the extrapolation guard (:func:`fedcal.models.basis.linearized_products`):
+ψ = φ inside the unit's support box, its tangent plane at the nearest point of
+the box beyond it. fedprior's box is per unit (its ``box`` parameter, scaled
+inputs); the polynomial's is |u_j| ≤ 1 + 2·RANGE_MARGIN for every unit; fedpoly
+and leastsq have no guard (ψ = φ). For a method with a predictive distribution
+(fedprior),
 
-    σ(x) = |y_scale| · √(‖L_iᵀ φ(u)‖² + s_i),   L_i L_iᵀ = Q_i,
+    σ(x) = |y_scale| · √(‖L_iᵀ φ(u)‖² + s_i + g(u)²),   L_i L_iᵀ = Q_i,
+    g(u) = Σ_t c_it (φ_t(u) − ψ_t(u))                  (0 inside the box),
 
 with (Q_i, s_i) the unit's predictive covariance of the basis terms and its
 additive variance, read from the algorithm's one variance function
@@ -21,8 +28,8 @@ the algorithm's own ``predict`` and ``predictive_std`` (so a change of the
 model that the form does not carry stops the export, not the firmware);
 :func:`c_header` writes the C99 header and :func:`json_block` the JSON.
 Precision choices (measured, docs/firmware.md): input scaling, the recurrence
-and the sums in double; coefficients stored as double; the factor and the
-additive variance as float.
+and the sums in double; coefficients stored as double; the factor, the additive
+variance and a per-unit support box as float (the polynomial's one box: double).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ STAGES = {
     "FEDCAL_BASIS_T": "double",  # the Legendre recurrence / monomial powers and products
     "FEDCAL_SUM_T": "double",  # Σ c_t φ_t and the output scaling
     "FEDCAL_COEF_T": "double",  # stored coefficients
+    "FEDCAL_BOX_T": "float",  # stored per-unit support box of the extrapolation guard
     "FEDCAL_STD_T": "float",  # stored factor L, additive variance, and the σ arithmetic
 }
 TYPE_BYTES = {"double": 8, "float": 4}
@@ -60,40 +68,89 @@ class LinearForm:
     factor: np.ndarray | None  # (S, T, T) lower-triangular L_i with L_i L_iᵀ = Q_i
     add_var: np.ndarray | None  # (S,) s_i
     sensors: tuple[str, ...]
+    # The extrapolation guard's support box (S, F) in the basis's coordinates u (±inf: open),
+    # or None (no guard). ``box_per_unit`` False: one box for every unit (the polynomial's).
+    box_lo: np.ndarray | None = None
+    box_hi: np.ndarray | None = None
+    box_per_unit: bool = True
 
     @property
     def has_std(self) -> bool:
         return self.factor is not None
 
-    def features(self, z: np.ndarray, unit: int) -> np.ndarray:
-        """φ(u) for scaled inputs z (rows, F) of unit ``unit`` → (rows, T), float64."""
+    def unit_inputs(self, z: np.ndarray, unit: int) -> np.ndarray:
+        """u: scaled inputs z (rows, F) in the basis's coordinates (the polynomial's map)."""
         u = np.asarray(z, float)
         if self.lo is not None:
             lo, hi = self.lo[unit], self.hi[unit]
             span = np.where(hi > lo, hi - lo, 1.0)
             u = 2.0 * (u - lo) / span - 1.0
+        return u
+
+    def _per_input(self, u: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """Per input order n: the basis values and their derivatives d/du (rows, F) each.
+
+        Legendre: Bonnet (n+1)P_{n+1} = (2n+1)uP_n − nP_{n−1} and
+        P'_{n+1} = P'_{n−1} + (2n+1)P_n on the plain P_n, then ×√(2n+1) for both.
+        """
         top = int(self.terms.max(initial=0))
         if self.basis == "monomial":
             per = [u**n for n in range(top + 1)]
-        else:
-            per = [np.ones_like(u), u]
-            for n in range(1, top):
-                per.append(((2 * n + 1) * u * per[n] - n * per[n - 1]) / (n + 1))
-            per = [math.sqrt(2 * n + 1) * v for n, v in enumerate(per[: top + 1])]
-        out = np.ones((u.shape[0], len(self.terms)))
+            der = [n * u ** max(n - 1, 0) for n in range(top + 1)]
+            return per, der
+        per, der = [np.ones_like(u), u], [np.zeros_like(u), np.ones_like(u)]
+        for n in range(1, top):
+            per.append(((2 * n + 1) * u * per[n] - n * per[n - 1]) / (n + 1))
+            der.append(der[n - 1] + (2 * n + 1) * per[n])
+        norm = [math.sqrt(2 * n + 1) for n in range(top + 1)]
+        per, der = per[: top + 1], der[: top + 1]  # order 0: drop the seeded P_1
+        return (
+            [c * v for c, v in zip(norm, per, strict=True)],
+            [c * d for c, d in zip(norm, der, strict=True)],
+        )
+
+    def features(self, z: np.ndarray, unit: int) -> np.ndarray:
+        """φ(u) for scaled inputs z (rows, F) of unit ``unit`` → (rows, T), float64."""
+        per, _ = self._per_input(self.unit_inputs(z, unit))
+        return self._products(per, None, None)
+
+    def guarded(self, z: np.ndarray, unit: int) -> np.ndarray:
+        """ψ(u) = φ(ū) + J_φ(ū)(u − ū), ū = clamp(u, box): φ inside the box (rows, T)."""
+        u = self.unit_inputs(z, unit)
+        if self.box_lo is None:
+            return self.features(z, unit)
+        row = unit if self.box_per_unit else 0
+        inner = np.minimum(np.maximum(u, self.box_lo[row]), self.box_hi[row])
+        per, der = self._per_input(inner)
+        return self._products(per, der, u - inner)
+
+    def _products(self, per, der, step) -> np.ndarray:
+        """Π_j v_{a_tj} per term, plus Σ_j step_j·v'_{a_tj}·Π_{k≠j} v_{a_tk} when ``der``."""
+        rows = per[0].shape[0]
+        out = np.ones((rows, len(self.terms)))
         for t, term in enumerate(self.terms):
             for j, a in enumerate(term):
                 out[:, t] *= per[a][:, j]
+            if der is None:
+                continue
+            for j, a in enumerate(term):
+                part = der[a][:, j] * step[:, j]
+                for k, b in enumerate(term):
+                    if k != j:
+                        part = part * per[b][:, k]
+                out[:, t] += part
         return out
 
     def evaluate(self, z: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(ŷ, σ) in scaled target units at scaled inputs z (rows, F)."""
-        phi = self.features(z, unit)
-        mean = phi @ self.coef[unit]
+        psi = self.guarded(z, unit)
+        mean = psi @ self.coef[unit]
         if not self.has_std:
             return mean, None
+        phi = self.features(z, unit)
         w = phi @ self.factor[unit]  # rows of Lᵀφ
-        return mean, np.sqrt((w * w).sum(1) + self.add_var[unit])
+        gap = phi @ self.coef[unit] - mean  # g: the polynomial minus its continuation
+        return mean, np.sqrt((w * w).sum(1) + self.add_var[unit] + gap * gap)
 
     def bytes_per_unit(self, with_range: bool = True) -> int:
         """Flash bytes of one unit's constants in the C header (not the sensor id string)."""
@@ -101,6 +158,8 @@ class LinearForm:
         size = t * TYPE_BYTES[STAGES["FEDCAL_COEF_T"]]
         if self.lo is not None:
             size += 2 * f * TYPE_BYTES[STAGES["FEDCAL_SCALE_T"]]
+        if self.box_lo is not None and self.box_per_unit:
+            size += 2 * f * TYPE_BYTES[STAGES["FEDCAL_BOX_T"]]
         if self.has_std:
             size += (t * (t + 1) // 2 + 1) * TYPE_BYTES[STAGES["FEDCAL_STD_T"]]
         if with_range:
@@ -127,12 +186,13 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
     from fedcal.algorithms.fedpoly import FedPoly
     from fedcal.algorithms.fedprior import FedPrior
     from fedcal.algorithms.leastsq import LeastSquares
-    from fedcal.algorithms.polynomial import PolynomialCalibration
+    from fedcal.algorithms.polynomial import RANGE_MARGIN, PolynomialCalibration
 
     alg = fleet.algorithm
     sensors = tuple(sorted(fleet.params))
     params = {k: v.to(torch.float64) for k, v in stack([fleet.params[s] for s in sensors]).items()}
-    lo = hi = factor = add_var = None
+    lo = hi = factor = add_var = box_lo = box_hi = None
+    per_unit = True
     if isinstance(alg, FedPrior):
         basis = "legendre"
         terms = [*alg.terms, *alg.branch_terms]
@@ -141,10 +201,14 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
         coef[:, :p] = params["coef"][:, :p].numpy()  # the branch average: h does not enter ŷ
         q, s = alg.variance_form(params)
         q, add_var = q.numpy(), s.numpy()
+        if "box" in params:  # the guard's box (scaled inputs); a model saved before: none
+            box_lo, box_hi = params["box"][:, 0].numpy(), params["box"][:, 1].numpy()
     elif isinstance(alg, PolynomialCalibration):
         basis, terms = "legendre", [tuple(t) for t in alg.exponents.tolist()]
         coef = params["coef"].numpy()
         lo, hi = params["lo"].numpy(), params["hi"].numpy()
+        edge = np.full((1, lo.shape[-1]), 1.0 + 2 * RANGE_MARGIN)  # in u: every unit's box
+        box_lo, box_hi, per_unit = -edge, edge, False
     elif isinstance(alg, FedPoly):
         basis, terms = "legendre", [*alg.private_terms, *alg.shared_terms]
         coef = torch.cat([params["private"], params["shared"]], -1).numpy()
@@ -169,6 +233,9 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
         factor,
         add_var,
         sensors,
+        box_lo,
+        box_hi,
+        per_unit,
     )
 
 
@@ -296,26 +363,59 @@ def c_header(fleet, form: LinearForm, guard: str, range_lines: list[str]) -> str
             "static const FEDCAL_STD_T fedcal_var_add[FEDCAL_NUM_SENSORS] = "
             f"{_rows(form.add_var, 'float')};",
         ]
+    guarded = form.box_lo is not None
+    if guarded:
+        rows_box = n_s if form.box_per_unit else 1
+        where = "each unit's" if form.box_per_unit else "every unit's (one box)"
+        # per unit: FEDCAL_BOX_T (float; measured, docs/firmware.md); one shared box: double
+        box_t = "FEDCAL_BOX_T" if form.box_per_unit else "double"
+        lines += [
+            f"/* Extrapolation guard: {where} support box in the basis's coordinates u;",
+            " * beyond it the basis continues along its tangent plane at the nearest point. */",
+            f"#define FEDCAL_BOX_UNITS {rows_box}",
+            f"static const {box_t} fedcal_box_lo[FEDCAL_BOX_UNITS][FEDCAL_NUM_INPUTS] = "
+            f"{_rows(form.box_lo, 'double')};",
+            f"static const {box_t} fedcal_box_hi[FEDCAL_BOX_UNITS][FEDCAL_NUM_INPUTS] = "
+            f"{_rows(form.box_hi, 'double')};",
+        ]
     lines += range_lines
     if form.basis == "legendre":
         norms = ", ".join(_lit(math.sqrt(2 * n + 1), "double") for n in range(top + 1))
         per_input = [
             f"static const double fedcal_norm[FEDCAL_MAX_ORDER + 1] = {{{norms}}};",
-            "/* p[n] = sqrt(2n+1) P_n(u), Bonnet: (n+1) P_{n+1} = (2n+1) u P_n - n P_{n-1}. */",
-            "static inline void fedcal_basis_1d(FEDCAL_BASIS_T u, FEDCAL_BASIS_T *p) {",
+            "/* p[n] = sqrt(2n+1) P_n(u), Bonnet: (n+1) P_{n+1} = (2n+1) u P_n - n P_{n-1}.",
+            " * dp[n] = d p[n]/du (when dp is not NULL). Differentiating Bonnet:",
+            " *   (n+1) P'_{n+1} = (2n+1) (P_n + u P'_n) - n P'_{n-1},",
+            " * and u P'_n - P'_{n-1} = n P_n (from the generating function",
+            " * (1 - 2ut + t^2)^(-1/2) = sum_n P_n(u) t^n), so (n+1) P'_{n+1} =",
+            " * (2n+1)(n+1) P_n + (n+1) P'_{n-1}, i.e.",
+            " *   P'_{n+1} = P'_{n-1} + (2n+1) P_n,   P'_0 = 0, P'_1 = 1;",
+            " * the normalization is a constant factor: dp[n] = sqrt(2n+1) P'_n(u). */",
+            "static inline void fedcal_basis_1d(FEDCAL_BASIS_T u, FEDCAL_BASIS_T *p,"
+            " FEDCAL_BASIS_T *dp) {",
             "    p[0] = (FEDCAL_BASIS_T)1;",
-            "    if (FEDCAL_MAX_ORDER >= 1) p[1] = u;",
-            "    for (int n = 1; n < FEDCAL_MAX_ORDER; ++n)",
+            "    if (dp) dp[0] = (FEDCAL_BASIS_T)0;",
+            "    if (FEDCAL_MAX_ORDER >= 1) {",
+            "        p[1] = u;",
+            "        if (dp) dp[1] = (FEDCAL_BASIS_T)1;",
+            "    }",
+            "    for (int n = 1; n < FEDCAL_MAX_ORDER; ++n) {",
             "        p[n + 1] = ((FEDCAL_BASIS_T)(2 * n + 1) * u * p[n]"
             " - (FEDCAL_BASIS_T)n * p[n - 1]) / (FEDCAL_BASIS_T)(n + 1);",
-            "    for (int n = 0; n <= FEDCAL_MAX_ORDER; ++n)",
+            "        if (dp) dp[n + 1] = dp[n - 1] + (FEDCAL_BASIS_T)(2 * n + 1) * p[n];",
+            "    }",
+            "    for (int n = 0; n <= FEDCAL_MAX_ORDER; ++n) {",
             "        p[n] *= (FEDCAL_BASIS_T)fedcal_norm[n];",
+            "        if (dp) dp[n] *= (FEDCAL_BASIS_T)fedcal_norm[n];",
+            "    }",
             "}",
         ]
     else:
         per_input = [
-            "/* p[n] = u^n. */",
-            "static inline void fedcal_basis_1d(FEDCAL_BASIS_T u, FEDCAL_BASIS_T *p) {",
+            "/* p[n] = u^n (no extrapolation guard: dp is never used). */",
+            "static inline void fedcal_basis_1d(FEDCAL_BASIS_T u, FEDCAL_BASIS_T *p,"
+            " FEDCAL_BASIS_T *dp) {",
+            "    (void)dp;",
             "    p[0] = (FEDCAL_BASIS_T)1;",
             "    for (int n = 1; n <= FEDCAL_MAX_ORDER; ++n) p[n] = p[n - 1] * u;",
             "}",
@@ -329,31 +429,82 @@ def c_header(fleet, form: LinearForm, guard: str, range_lines: list[str]) -> str
         if form.lo is not None
         else []
     )
+    box_row = "sensor" if form.box_per_unit else "0"
+    if guarded:
+        clamp = [
+            f"        FEDCAL_SCALE_T lo = (FEDCAL_SCALE_T)fedcal_box_lo[{box_row}][j];",
+            f"        FEDCAL_SCALE_T hi = (FEDCAL_SCALE_T)fedcal_box_hi[{box_row}][j];",
+            "        FEDCAL_SCALE_T zc = z < lo ? lo : (z > hi ? hi : z); /* clamp; NaN stays */",
+            "        step[j] = (FEDCAL_BASIS_T)(z - zc);",
+            "        if (phi) fedcal_basis_1d((FEDCAL_BASIS_T)z, p[j], 0);",
+            "        fedcal_basis_1d((FEDCAL_BASIS_T)zc, q[j], dq[j]);",
+        ]
+        products = [
+            "        if (phi) {",
+            "            FEDCAL_BASIS_T v = 1;",
+            "            for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) v *= p[j][a[j]];",
+            "            phi[t] = v;",
+            "        }",
+            "        /* psi_t = prod_j q_j + sum_j step_j dq_j prod_{k != j} q_k (tangent) */",
+            "        FEDCAL_BASIS_T v = 1, slope = 0;",
+            "        for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) {",
+            "            FEDCAL_BASIS_T part = dq[j][a[j]] * step[j];",
+            "            v *= q[j][a[j]];",
+            "            for (int k = 0; k < FEDCAL_NUM_INPUTS; ++k)",
+            "                if (k != j) part *= q[k][a[k]];",
+            "            slope += part;",
+            "        }",
+            "        psi[t] = v + slope;",
+        ]
+        decl = [
+            "    FEDCAL_BASIS_T p[FEDCAL_NUM_INPUTS][FEDCAL_MAX_ORDER + 1];",
+            "    FEDCAL_BASIS_T q[FEDCAL_NUM_INPUTS][FEDCAL_MAX_ORDER + 1];",
+            "    FEDCAL_BASIS_T dq[FEDCAL_NUM_INPUTS][FEDCAL_MAX_ORDER + 1];",
+            "    FEDCAL_BASIS_T step[FEDCAL_NUM_INPUTS];",
+        ]
+        doc = [
+            "/* The basis terms of sensor `sensor` at raw inputs x: phi[t] = phi_t(u) (skipped",
+            " * when phi is NULL) and the guarded psi[t] = phi_t(ub) + sum_j d phi_t/du_j(ub)",
+            " * (u_j - ub_j), ub = clamp(u, box_lo, box_hi): psi = phi inside the box. */",
+        ]
+    else:
+        clamp = ["        fedcal_basis_1d((FEDCAL_BASIS_T)z, p[j], 0);"]
+        products = [
+            "        FEDCAL_BASIS_T v = 1;",
+            "        for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) v *= p[j][a[j]];",
+            "        if (phi) phi[t] = v;",
+            "        psi[t] = v;",
+        ]
+        decl = ["    FEDCAL_BASIS_T p[FEDCAL_NUM_INPUTS][FEDCAL_MAX_ORDER + 1];"]
+        doc = [
+            "/* The basis terms phi[t] of sensor `sensor` at raw inputs x (no extrapolation",
+            " * guard in this method: psi = phi; phi may be NULL). */",
+        ]
     lines += [
         *per_input,
-        "/* The basis terms phi[t] of sensor `sensor` at raw inputs x. */",
-        "static inline void fedcal_features(int sensor, const float *x, FEDCAL_BASIS_T *phi) {",
-        "    FEDCAL_BASIS_T p[FEDCAL_NUM_INPUTS][FEDCAL_MAX_ORDER + 1];",
+        *doc,
+        "static inline void fedcal_features(int sensor, const float *x, FEDCAL_BASIS_T *phi,"
+        " FEDCAL_BASIS_T *psi) {",
+        *decl,
         "    (void)sensor;",
         "    for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) {",
         "        FEDCAL_SCALE_T z = ((FEDCAL_SCALE_T)x[j] - (FEDCAL_SCALE_T)fedcal_x_offset[j])"
         " / (FEDCAL_SCALE_T)fedcal_x_scale[j];",
         *unit_map,
-        "        fedcal_basis_1d((FEDCAL_BASIS_T)z, p[j]);",
+        *clamp,
         "    }",
         "    for (int t = 0; t < FEDCAL_NUM_TERMS; ++t) {",
-        "        FEDCAL_BASIS_T v = 1;",
-        "        for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) v *= p[j][fedcal_terms[t][j]];",
-        "        phi[t] = v;",
+        "        const unsigned char *a = fedcal_terms[t];",
+        *products,
         "    }",
         "}",
         "/* Calibrated output (double) of sensor `sensor` (index into fedcal_sensor_ids). */",
         "static inline double fedcal_calibrate_d(int sensor, const float *x) {",
-        "    FEDCAL_BASIS_T phi[FEDCAL_NUM_TERMS];",
+        "    FEDCAL_BASIS_T psi[FEDCAL_NUM_TERMS];",
         "    FEDCAL_SUM_T y = 0;",
-        "    fedcal_features(sensor, x, phi);",
+        "    fedcal_features(sensor, x, 0, psi);",
         "    for (int t = 0; t < FEDCAL_NUM_TERMS; ++t)",
-        "        y += (FEDCAL_SUM_T)fedcal_coef[sensor][t] * (FEDCAL_SUM_T)phi[t];",
+        "        y += (FEDCAL_SUM_T)fedcal_coef[sensor][t] * (FEDCAL_SUM_T)psi[t];",
         "    return (double)(y * (FEDCAL_SUM_T)fedcal_y_scale + (FEDCAL_SUM_T)fedcal_y_offset);",
         "}",
         "/* Calibrated output of sensor `sensor` (index into fedcal_sensor_ids), raw inputs x. */",
@@ -363,20 +514,28 @@ def c_header(fleet, form: LinearForm, guard: str, range_lines: list[str]) -> str
     ]
     if form.has_std:
         lines += [
-            "/* Predictive standard deviation (posterior + noise) of fedcal_calibrate, in the",
-            " * output's unit: |y_scale| * sqrt(|L^T phi|^2 + var_add). */",
+            "/* Predictive standard deviation (posterior + noise + model form beyond the box) of",
+            " * fedcal_calibrate, in the output's unit:",
+            " * |y_scale| * sqrt(|L^T phi|^2 + var_add + g^2), phi unguarded, and",
+            " * g = sum_t c_t (phi_t - psi_t) (the polynomial minus its tangent-plane",
+            " * continuation; 0 inside the support box). */",
             "static inline float fedcal_calibrate_std(int sensor, const float *x) {",
-            "    FEDCAL_BASIS_T phi[FEDCAL_NUM_TERMS];",
+            "    FEDCAL_BASIS_T phi[FEDCAL_NUM_TERMS], psi[FEDCAL_NUM_TERMS];",
             "    const FEDCAL_STD_T *L = fedcal_chol[sensor];",
             "    FEDCAL_STD_T var = fedcal_var_add[sensor];",
-            "    fedcal_features(sensor, x, phi);",
+            "    FEDCAL_SUM_T y_phi = 0, y_psi = 0, g;",
+            "    fedcal_features(sensor, x, phi, psi);",
             "    for (int c = 0; c < FEDCAL_NUM_TERMS; ++c) {",
             "        /* (L^T phi)_c = sum over rows r >= c of L[r][c] phi[r] */",
             "        FEDCAL_STD_T w = 0;",
             "        for (int r = c; r < FEDCAL_NUM_TERMS; ++r)",
             "            w += L[r * (r + 1) / 2 + c] * (FEDCAL_STD_T)phi[r];",
             "        var += w * w;",
+            "        y_phi += (FEDCAL_SUM_T)fedcal_coef[sensor][c] * (FEDCAL_SUM_T)phi[c];",
+            "        y_psi += (FEDCAL_SUM_T)fedcal_coef[sensor][c] * (FEDCAL_SUM_T)psi[c];",
             "    }",
+            "    g = y_phi - y_psi;",
+            "    var += (FEDCAL_STD_T)(g * g);",
             "    return (float)(fabs(fedcal_y_scale) * sqrt((double)var));",
             "}",
         ]
@@ -403,10 +562,19 @@ def json_block(fleet, form: LinearForm) -> dict:
                 if form.lo is not None
                 else "u = z; "
             )
-            + "phi_t = prod_j basis_{terms[t][j]}(u_j); "
-            "y = scaler.y_offset + scaler.y_scale * sum_t unit.coef[t] * phi_t"
+            + "phi_t(u) = prod_j basis_{terms[t][j]}(u_j); "
             + (
-                "; sigma = |scaler.y_scale| * sqrt(|unit.cov_factor^T phi|^2 + unit.var_add)"
+                "ub = clamp(u, unit.box_lo, unit.box_hi) (null: no bound); "
+                "psi_t = phi_t(ub) + sum_j (u_j - ub_j) * basis'_{terms[t][j]}(ub_j) "
+                "* prod_{k != j} basis_{terms[t][k]}(ub_k) "
+                "(basis' = d/du: P'_{n+1} = P'_{n-1} + (2n+1) P_n, times sqrt(2n+1)); "
+                if form.box_lo is not None
+                else "psi_t = phi_t(u); "
+            )
+            + "y = scaler.y_offset + scaler.y_scale * sum_t unit.coef[t] * psi_t"
+            + (
+                "; g = sum_t unit.coef[t] * (phi_t(u) - psi_t); sigma = |scaler.y_scale| * "
+                "sqrt(|unit.cov_factor^T phi(u)|^2 + unit.var_add + g^2)"
                 if form.has_std
                 else ""
             )
@@ -423,6 +591,10 @@ def json_block(fleet, form: LinearForm) -> dict:
         unit: dict = {"coef": form.coef[i].tolist()}
         if form.lo is not None:
             unit["u_lo"], unit["u_hi"] = form.lo[i].tolist(), form.hi[i].tolist()
+        if form.box_lo is not None:
+            row = i if form.box_per_unit else 0
+            unit["box_lo"] = [None if math.isinf(v) else v for v in form.box_lo[row].tolist()]
+            unit["box_hi"] = [None if math.isinf(v) else v for v in form.box_hi[row].tolist()]
         if form.has_std:
             unit["cov_factor"] = form.factor[i].tolist()
             unit["var_add"] = float(form.add_var[i])
