@@ -27,7 +27,9 @@ def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("predict_range")
     cfg = default_config()
     cfg = replace(cfg, seeds=1, engine=replace(cfg.engine, rounds=3), unconverged_tol=1.0)
-    fleet = toy_fleet(num_clients=3, train=30)
+    # 40 points a unit: no unit is a few-point probe design, so fedprior states its σ
+    # (30 each would be a fleet of probes only, whose intervals it declines)
+    fleet = toy_fleet(num_clients=3, train=40)
     run_experiment(cfg, fleet, root / "run", ["fedprior", "local"])
     readings = fleet.frame[fleet.frame["split"] == "test"].drop(columns=["pressure_hpa", "split"])
     far = pd.DataFrame([{"sensor_id": "S01", "frequency_hz": 39_000.0, "temperature_c": 20.0}])

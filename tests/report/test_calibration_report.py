@@ -34,7 +34,10 @@ PLANTED = "NEW-S002"
 def calibrated(tmp_path_factory):
     root = tmp_path_factory.mktemp("calreport")
     data = root / "fleet.csv"
-    simulate_fleet(FleetSpec(num_sensors=10), seed=2).frame.to_csv(data, index=False)
+    # + 4 units of the new units' 3x2 design: the fleet learns that design's model error,
+    # so the new units get an interval (fedprior "Intervals"; without them it is declined)
+    spec = FleetSpec(num_reference=10, num_new=4, train_design="3x2")
+    simulate_fleet(spec, seed=2).frame.to_csv(data, index=False)
     cfg = root / "c.toml"
     cfg.write_text("[engine]\nrounds = 20\neval_every = 20\n")
     run = root / "run"
@@ -64,13 +67,13 @@ def test_the_planted_unit_is_flagged_and_the_typical_ones_are_not(calibrated):
     assert bool(units.loc[PLANTED, "unlike_fleet"])
     typical = units.drop(PLANTED)
     assert (typical["status"] == "ok").all() and not typical["unlike_fleet"].any()
-    # 6 points, full row rank: dof 6; Σ from the fleet's N = 10 units: Hotelling's
-    # prediction threshold 6·9·11/(10·4)·F⁻¹(0.999; 6, 4), by hand with scipy's F
+    # 6 points, full row rank: dof 6; Σ from the fleet's N = 14 units: Hotelling's
+    # prediction threshold 6·13·15/(14·8)·F⁻¹(0.999; 6, 8), by hand with scipy's F
     assert (units["dof"] == 6).all()
-    threshold = 6 * 9 * 11 / (10 * 4) * f_dist.ppf(0.999, 6, 4)
+    threshold = 6 * 13 * 15 / (14 * 8) * f_dist.ppf(0.999, 6, 8)
     assert np.allclose(units["d2_threshold"], threshold)
     assert units.loc[PLANTED, "d2"] > threshold > typical["d2"].max()
-    p = f_dist.sf(units["d2"] / (6 * 9 * 11 / (10 * 4)), 6, 4)
+    p = f_dist.sf(units["d2"] / (6 * 13 * 15 / (14 * 8)), 6, 8)
     assert np.allclose(units["p_value"], p)
     assert f"QA finding: {PLANTED}: unlike the fleet" in output
     assert "QA finding: NEW-S000" not in output and "QA finding: NEW-S001" not in output
