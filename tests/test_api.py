@@ -21,12 +21,14 @@ CONFIG = "[engine]\nrounds = 15\neval_every = 15\n"
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    """A mixed fleet: 8 fully calibrated reference units, 3 new units with a 3x2 design."""
+    """A mixed fleet: 8 fully calibrated units + 3 of a 3x2 design in the prior, 3 new 3x2 units."""
     root = tmp_path_factory.mktemp("api")
-    spec = FleetSpec(num_reference=8, num_new=3, train_design="3x2", test_design="random")
+    spec = FleetSpec(num_reference=8, num_new=6, train_design="3x2", test_design="random")
     frame = simulate_fleet(spec, seed=4).frame
-    reference = frame[frame.role == "reference"][COLS].reset_index(drop=True)
-    new = frame[frame.role == "new"]
+    # the prior's fleet: 8 calibrated units + 3 units of the new units' 3x2 design (the
+    # fleet learns that design's model error, so new units get an interval)
+    reference = frame[frame.sensor_id <= "S010"][COLS].reset_index(drop=True)
+    new = frame[frame.sensor_id > "S010"]
     new_train = new[new.split == "train"][COLS].reset_index(drop=True)
     readings = new[new.split == "test"][COLS[:3]].reset_index(drop=True)
     truth = new[new.split == "test"]["pressure_hpa"].to_numpy()
@@ -68,6 +70,7 @@ def test_fit_calibrate_predict_equals_the_command_line(fleet, cli_run, fitted):
     prior, units = fitted
     mean, std = units.predict(readings, return_std=True)
     assert np.array_equal(mean, cli_pred["pressure_hpa_calibrated"].to_numpy())
+    assert np.isfinite(std).all()  # an interval is stated for every new unit
     assert np.array_equal(std, cli_pred["pressure_hpa_std"].to_numpy())
     assert np.array_equal(units.predict(readings), mean)  # return_std=False: the mean alone
     # the prior itself, and the coefficients table, are the CLI's

@@ -9,17 +9,23 @@ The command line runs through the same code: ``fedcal calibrate`` is
 
 >>> from fedcal import FleetPrior
 >>> from fedcal.data.simulator import FleetSpec, simulate_fleet
->>> spec = FleetSpec(num_reference=6, num_new=2, train_design="3x2", test_design="random")
->>> frame = simulate_fleet(spec, seed=0).frame
->>> reference, new = frame[frame.role == "reference"], frame[frame.role == "new"]
->>> prior = FleetPrior(rounds=10).fit(reference)      # federated fedprior over 6 units
->>> units = prior.calibrate(new[new.split == "train"])  # 6 chamber points per new unit
+>>> spec = FleetSpec(num_reference=6, num_new=4, train_design="3x2", test_design="random")
+>>> frame = simulate_fleet(spec, seed=0).frame       # S000-S005 full campaign, S006-S009 3x2
+>>> fleet = frame[frame.sensor_id <= "S007"]  # 6 calibrated + 2 units of the 3x2 design
+>>> new = frame[frame.sensor_id > "S007"]     # new units, 6 chamber points each
+>>> prior = FleetPrior(rounds=10).fit(fleet)        # federated fedprior over 8 units
+>>> units = prior.calibrate(new[new.split == "train"])
 >>> test = new[new.split == "test"]
 >>> mean, std = units.predict(test, return_std=True)  # hPa, one per row
 >>> bool(abs(mean - test.pressure_hpa).max() < 1.0) and bool((std > 0).all())
 True
 >>> list(units.coefficients.columns[:4])
 ['sensor_id', 'points', 'noise_sd', '1']
+
+The fleet includes units of the new units' chamber design: from them the federation learns
+that design's model error, which every interval of a new unit includes. A prior learned on
+fully calibrated units alone calibrates new units just as well, but states no interval for
+them (σ NaN, with a one-line reason): fedprior's "Intervals" (docs/uncertainty.md).
 
 The coefficients (:attr:`CalibratedUnits.coefficients`) are in the target's unit (hPa for
 ``pressure_hpa``) on dimensionless basis functions: y = Σ_k c_k φ_k(z) with
