@@ -45,6 +45,7 @@ def test_quick_tour_runs_as_written(tmp_path):
     calibrated = pd.read_csv(work / "calibrated.csv")
     assert len(calibrated) == len(readings) == 180
     assert (calibrated["pressure_hpa_std"] > 0).all()
+    assert "fedcal_calibrate_std" in (work / "calibration.h").read_text()  # the C header
     truth = pd.read_csv(work / "new_fleet.csv").query("split == 'test'")["pressure_hpa"]
     err = calibrated["pressure_hpa_calibrated"].to_numpy() - truth.to_numpy()
     assert float(abs(err).max()) < 2.0  # 6 points per unit, off-grid readings, hPa
