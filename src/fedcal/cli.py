@@ -973,11 +973,14 @@ def plan(
     import torch
 
     from fedcal import calibration, planning
+    from fedcal.core.atomic import write_text
     from fedcal.data.loader import FleetDataError, load_fleet
 
     torch.set_num_threads(1)
     try:
-        doc = calibration.load_prior(calibration.find_prior(prior, method, seed, 0))
+        path = calibration.find_prior(prior, method, seed, 0)
+        _check_out(out, path.parent, inputs=[path, *([unit] if unit else [])])
+        doc = calibration.load_prior(path)
         steps = tuple(float(v) for v in pressures.split(",")) if pressures else None
         chamber = planning.default_chamber(
             doc, t_min, t_max, t_step, steps, plateau_minutes, point_minutes
@@ -1007,7 +1010,7 @@ def plan(
             if step.steps:
                 frame = planning._as_design([s[:3] for s in step.steps]).frame()
                 if out is not None:
-                    frame.to_csv(out, index=False)
+                    write_text(out, frame.to_csv(index=False))  # atomic
             return
         if plateaus is not None and points is not None:
             result = planning.optimize(planner, plateaus, points)
@@ -1024,7 +1027,7 @@ def plan(
             _fail("give --plateaus and --points, or --spec, or --unit with --next")
         table = planning.compare(planner, {**best, **planning.standard_grids(chamber)}, spec)
         if out is not None:
-            best["planned"].frame().to_csv(out, index=False)
+            write_text(out, best["planned"].frame().to_csv(index=False))  # atomic
     except (FileNotFoundError, ValueError, ConfigError, FleetDataError) as err:
         _fail(str(err))
     console.print(f"expected over the range ({unit_name}; sd: predictive σ, rmse: over units)")
