@@ -131,11 +131,13 @@ def table_columns(
 
     ``full`` adds MAE and max|err| in % of full scale (Markdown and HTML have room). The
     terminal's set makes room for coverage ("mean/min" in one cell) and the count of
-    excluded sensors: with coverage it leaves out %FS, in a mixed fleet max|err| and %FS
-    (the new units' columns instead); the HTML report and Markdown show every column.
+    excluded sensors: with coverage it leaves out %FS; a mixed fleet shows the new and the
+    reference units' errors and coverage instead; the HTML report and Markdown show every
+    column.
     """
     u = f" ({unit})" if unit and full else ""  # terminal tables name the unit in the title
-    if not full and "rmse_mean_new" in table.columns:  # mixed fleet: new and reference units
+    mixed = not full and "rmse_mean_new" in table.columns
+    if mixed:  # mixed fleet: new and reference units, each with its coverage
         cols = [(f"{m}_{r}", f"{h} {r[:3]}") for r, ms in MIXED for m, h in ms]
         cols = [c for c in cols if c[0] in table.columns]
     elif "rmse_mean" in table.columns:
@@ -145,14 +147,9 @@ def table_columns(
         ]
         if full:
             cols.append(("mae_mean", f"MAE mean{u}"))
-        mixed = not full and "rmse_mean_new" in table.columns
-        coverage = "coverage95_mean" in table.columns
-        if full or not mixed:  # a mixed fleet's terminal table shows the new units instead
-            cols.append(("max_abs_worst", f"max|err| worst{u}"))
-        if full or not (mixed or coverage):  # %FS gives way to coverage (in the HTML report)
+        cols.append(("max_abs_worst", f"max|err| worst{u}"))
+        if full or "coverage95_mean" not in table.columns:  # %FS gives way to coverage
             cols.append(("rmse_mean_pct_fs", "RMSE %FS"))
-        if mixed:  # mixed fleet: the new units
-            cols += [("rmse_mean_new", "RMSE new"), ("rmse_worst_new", "worst new")]
         if full:
             cols.append(("max_abs_worst_pct_fs", "max|err| %FS"))
             for role in ("new", "reference"):  # mixed fleets: the same per role
@@ -169,7 +166,7 @@ def table_columns(
             for c in table.columns
             if c.endswith(("_mean", "_worst")) and not c.endswith("_std")
         ]
-    if "coverage95_mean" in table.columns:  # nominal 95 % intervals: share of test points inside
+    if "coverage95_mean" in table.columns and not mixed:  # (a mixed fleet's: per role above)
         if full:
             cols += [("coverage95_mean", "cov95 mean"), ("coverage95_worst", "cov95 worst")]
         else:  # one cell "mean/worst" (worst = the lowest sensor's)
@@ -179,7 +176,7 @@ def table_columns(
         cols.append(("excluded", "excl."))  # sensors not ok (mean count over seeds)
     elif "diverged" in table.columns and (table["diverged"].fillna(0) > 0).any():
         cols.append(("diverged", "diverged sensors"))  # mean count over seeds
-    if show_bytes:
+    if show_bytes and not mixed:  # (a mixed fleet's terminal table has no room: HTML has it)
         cols.append(("bytes_up_per_round", "up kB/round"))
     return cols
 
