@@ -76,20 +76,23 @@ def safe_name(name: object, what: str = "name") -> str:
     return name
 
 
-def max_file_bytes() -> int:
-    """The size limit: ``$FEDCAL_MAX_FILE_BYTES`` if set, else :data:`DEFAULT_MAX_BYTES`."""
-    text = os.environ.get(MAX_BYTES_ENV, "").strip()
+def byte_limit(env: str, default: int) -> int:
+    """A size limit in bytes: ``$env`` if set (a positive whole number), else ``default``."""
+    text = os.environ.get(env, "").strip()
     if not text:
-        return DEFAULT_MAX_BYTES
+        return default
     try:
         value = int(text)
     except ValueError:
-        raise ValueError(
-            f"${MAX_BYTES_ENV} must be a whole number of bytes, got {text!r}"
-        ) from None
+        raise ValueError(f"${env} must be a whole number of bytes, got {text!r}") from None
     if value <= 0:
-        raise ValueError(f"${MAX_BYTES_ENV} must be positive, got {value}")
+        raise ValueError(f"${env} must be positive, got {value}")
     return value
+
+
+def max_file_bytes() -> int:
+    """A run-folder file's size limit: ``$FEDCAL_MAX_RUN_FILE_BYTES``, else 2 GiB."""
+    return byte_limit(MAX_BYTES_ENV, DEFAULT_MAX_BYTES)
 
 
 def read_regular(path: str | Path, max_bytes: int | None = None) -> bytes:

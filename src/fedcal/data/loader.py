@@ -76,6 +76,7 @@ import numpy as np
 import pandas as pd
 
 from fedcal.core.atomic import write_with
+from fedcal.core.paths import byte_limit
 from fedcal.data.fleet import (
     BAROMETRIC_FEATURES,
     BAROMETRIC_TARGET,
@@ -267,18 +268,7 @@ _FILE_KINDS = {
 
 def max_file_bytes() -> int:
     """The size limit: ``$FEDCAL_MAX_FILE_BYTES`` if set, else :data:`DEFAULT_MAX_BYTES`."""
-    text = os.environ.get(MAX_BYTES_ENV, "").strip()
-    if not text:
-        return DEFAULT_MAX_BYTES
-    try:
-        value = int(text)
-    except ValueError:
-        raise ValueError(
-            f"${MAX_BYTES_ENV} must be a whole number of bytes, got {text!r}"
-        ) from None
-    if value <= 0:
-        raise ValueError(f"${MAX_BYTES_ENV} must be positive, got {value}")
-    return value
+    return byte_limit(MAX_BYTES_ENV, DEFAULT_MAX_BYTES)
 
 
 def _open_regular(path: Path, label: str, max_bytes: int) -> int:
