@@ -125,24 +125,13 @@ class FleetPrior(BaseEstimator):
         """
         import torch
 
-        from fedcal.build import validate_methods
+        from fedcal.build import load_configured, validate_methods
         from fedcal.calibration import find_prior, load_prior
-        from fedcal.data.loader import load_fleet
         from fedcal.experiment import run_experiment
 
         torch.set_num_threads(1)
         cfg = self._run_config()
-        d = cfg.data
-        fleet = load_fleet(
-            X,
-            features=d.features,
-            target=d.target,
-            client_column=d.client_column,
-            split_column=d.split_column,
-            test_fraction=d.test_fraction,
-            seed=d.split_seed,
-            physical_bounds=d.loader_bounds(),
-        )
+        fleet = load_configured(cfg, X)  # as `fedcal run --data` reads a file
         validate_methods(cfg, fleet)
         failures: list[str] = []
         with tempfile.TemporaryDirectory(prefix="fedcal-prior-") as tmp:
@@ -152,12 +141,12 @@ class FleetPrior(BaseEstimator):
                 fleet,
                 out,
                 cfg.methods,
-                (d.train_points,),
+                (cfg.data.train_points,),
                 on_fail=lambda label, why: failures.append(f"{label}: {why}"),
             )
             if failures:
                 raise RuntimeError(f"fitting the fleet prior failed: {failures[0]}")
-            path = find_prior(out, self.method, 0, d.train_points)
+            path = find_prior(out, self.method, 0, cfg.data.train_points)
             self.prior_ = load_prior(path)
             self.files_ = _read_dir(out, path.parent)
         self.summary_ = summary

@@ -45,23 +45,29 @@ def load_data(config: RunConfig) -> Fleet:
 
         return humidity_fleet(HumiditySpec(num_units=config.fleet.num_sensors), config.fleet.seed)
     if d.path:
-        from fedcal.data.loader import load_fleet
-
-        return load_fleet(
-            d.path,
-            features=d.features,
-            target=d.target,
-            client_column=d.client_column,
-            split_column=d.split_column,
-            test_fraction=d.test_fraction,
-            seed=d.split_seed,
-            physical_bounds=d.loader_bounds(),
-            time_column=d.time_column or None,
-            split_by=d.split_by,
-        )
+        return load_configured(config, d.path)
     from fedcal.data.simulator import simulate_fleet
 
     return simulate_fleet(config.fleet.spec(), seed=config.fleet.seed)
+
+
+def load_configured(config: RunConfig, source) -> Fleet:
+    """A fleet file or DataFrame ``source`` read as ``[data]`` says (columns, split, guards)."""
+    from fedcal.data.loader import load_fleet
+
+    d = config.data
+    return load_fleet(
+        source,
+        features=d.features,
+        target=d.target,
+        client_column=d.client_column,
+        split_column=d.split_column,
+        test_fraction=d.test_fraction,
+        seed=d.split_seed,
+        physical_bounds=d.loader_bounds(),
+        time_column=d.time_column or None,
+        split_by=d.split_by,
+    )
 
 
 def task_kind(fleet: Fleet) -> str:
