@@ -245,3 +245,18 @@ def test_unit_guards_work_on_the_user_s_own_column_names(fleet):
         prior.fit(own.assign(t_c=own["t_c"] + 273.15))
     with pytest.raises(ValueError, match="kHz"):
         prior.fit(own.assign(f_hz=own["f_hz"] / 1000.0))
+
+
+def test_plan_equals_the_command_line(cli_run, fitted, tmp_path):
+    """FleetPrior.plan is `fedcal plan --plateaus K --points N`: the same design.csv."""
+    run = cli_run[0]
+    prior, _ = fitted
+    plan = prior.plan(2, 4)
+    out = tmp_path / "design.csv"
+    args = ["plan", "--prior", str(run), "--plateaus", "2", "--points", "4", "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    pd.testing.assert_frame_equal(plan.design.frame(), pd.read_csv(out), check_dtype=False)
+    assert list(pd.read_csv(out).columns) == ["pressure_hpa", "temperature_c", "direction"]
+    assert plan.design.plateaus == 2 and plan.design.size == 4
+    assert plan.expected.rms <= plan.start_expected.rms  # never worse than the standard grid

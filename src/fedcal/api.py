@@ -198,6 +198,22 @@ class FleetPrior(BaseEstimator):
             raise NotFittedError("this FleetPrior is not fitted: call fit(reference) or load()")
 
     # ---- calibrating new units -----------------------------------------------------
+    def plan(self, plateaus: int, points: int, chamber: Any = None) -> Any:
+        """A new unit's chamber design of ``plateaus`` set points and ``points`` points.
+
+        The design minimizing the expected predictive variance over the operating range
+        under this prior (:func:`fedcal.planning.plan_design`; ``chamber`` a
+        :class:`fedcal.planning.Chamber`, default: the prior's temperature range and the
+        standard pressure steps). Returns the :class:`fedcal.planning.Plan`:
+        ``plan.design.frame()`` is design.csv (``pressure_hpa, temperature_c,
+        direction``) and ``plan.expected`` / ``plan.start_expected`` its expected figures
+        and the standard grid's. The same as ``fedcal plan --plateaus K --points N``.
+        """
+        from fedcal.planning import plan_design
+
+        self._check_fitted()
+        return plan_design(self.prior_, plateaus, points, chamber=chamber)
+
     def calibrate(self, X: Data, sensor_column: str | None = None) -> CalibratedUnits:
         """Each new unit's posterior under the prior, from its few calibration points.
 
