@@ -103,6 +103,8 @@ def test_local_epochs_zero_is_refused_by_the_cli_before_training(tmp_path, make_
         ({"test_rmse": math.nan, "train_rmse": 0.1}, False, None),  # a diverged model: shown so
         ({"test_rmse": 0.1, "train_rmse": math.inf}, True, None),  # train error may overflow
         ({"test_rmse": 0.0, "test_coverage95": 1.0}, True, None),
+        # a declined interval (fedprior "Intervals"): NaN coverage and σ, finite errors
+        ({"test_rmse": 0.1, "test_coverage95": math.nan, "test_pred_sd": math.nan}, True, None),
     ],
 )
 def test_implausible_flower_metrics_are_rejected(metrics, finite, problem):
