@@ -239,6 +239,21 @@ def test_cli_plan_writes_only_the_physical_columns(tmp_path):
     assert set(frame["direction"]) <= {"up", "down"}
 
 
+def test_cli_plan_refuses_an_out_that_is_a_file_of_the_prior_s_run_folder(tmp_path):
+    """design.csv never replaces the prior it was planned from, nor a run folder's files."""
+    run = tmp_path / "run"
+    (run / "runs" / "fedprior_tp0_seed0").mkdir(parents=True)
+    prior = run / "runs" / "fedprior_tp0_seed0" / "prior.json"
+    prior.write_text(json.dumps(tiny_prior(True)))
+    (run / "config.json").write_text("{}")
+    before = prior.read_bytes()
+    for out in (prior, run / "config.json", run / "runs" / "fedprior_tp0_seed0" / "x.csv"):
+        args = ["plan", "--prior", str(prior), "--plateaus", "2", "--points", "3"]
+        result = CliRunner().invoke(app, [*args, "--out", str(out), "--t-step", "50"])
+        assert result.exit_code == 2, (out, result.output)
+    assert prior.read_bytes() == before and (run / "config.json").read_text() == "{}"
+
+
 def test_simulator_points_design_measures_the_given_points():
     pts = ((50.0, -20.0, "up"), (1550.0, -20.0, "up"), (800.0, 45.0, "down"))
     base = dict(num_reference=1, num_new=2, test_design="random")

@@ -160,14 +160,7 @@ def calibrate(prior: dict[str, Any], fleet: Fleet, source: str = "data") -> Cali
     tensors = FleetTensors(
         scaled("train"), scaled("test"), scaler, tuple(map(str, fleet.client_ids))
     )
-    server = {
-        "mu": torch.tensor(prior["mu"], dtype=F64),
-        "sigma": torch.tensor(prior["sigma"], dtype=F64),
-        "noise_var": torch.tensor(prior["noise_var"], dtype=F64),
-    }
-    # The fleet's calibrated input range (scaled) is the prior's support for the guard.
-    span = np.array([prior["input_range"][c] for c in prior["features"]], dtype=float).T
-    server["box"] = torch.tensor(scaler.x(span), dtype=F64)
+    server = prior_server(prior, scaler)
     if "interval" in prior:  # the fleet's hold-out (fedprior "Intervals"): τ², probe, decline
         iv = prior["interval"]
         for key, name in (("disc_var", "discrepancy_var"), ("probe_n", "probe_rows")):
@@ -404,6 +397,22 @@ def unit_diagnostics(
             }
         )
     return pd.DataFrame(units), pd.DataFrame(rows)
+
+
+def prior_server(prior: dict[str, Any], scaler: Scaler) -> Tree:
+    """The server state a stored prior gives a new unit: (μ, Σ, σ²) and the support box.
+
+    The box is the fleet's calibrated input range (scaled): inside it no prediction is
+    extrapolated (the guard of :meth:`FedPrior.predict`). What ``calibrate`` and the
+    planner (:mod:`fedcal.planning`) broadcast.
+    """
+    span = np.array([prior["input_range"][c] for c in prior["features"]], dtype=float).T
+    return {
+        "mu": torch.tensor(prior["mu"], dtype=F64),
+        "sigma": torch.tensor(prior["sigma"], dtype=F64),
+        "noise_var": torch.tensor(prior["noise_var"], dtype=F64),
+        "box": torch.tensor(scaler.x(span), dtype=F64),
+    }
 
 
 def prior_algorithm(prior: dict[str, Any]) -> FedPrior:

@@ -974,12 +974,14 @@ def plan(
 
     from fedcal import calibration, planning
     from fedcal.core.atomic import write_text
+    from fedcal.core.paths import check_file_output, run_folders_of
     from fedcal.data.loader import FleetDataError, load_fleet
 
     torch.set_num_threads(1)
     try:
         path = calibration.find_prior(prior, method, seed, 0)
-        _check_out(out, path.parent, inputs=[path, *([unit] if unit else [])])
+        if out is not None:  # not one of its inputs, nor a file of the prior's run folders
+            check_file_output(out, "--out", [path, *([unit] if unit else [])], run_folders_of(path))
         doc = calibration.load_prior(path)
         steps = tuple(float(v) for v in pressures.split(",")) if pressures else None
         chamber = planning.default_chamber(

@@ -77,6 +77,7 @@ Chamber time: K·plateau_minutes + N·point_minutes.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -86,7 +87,7 @@ import torch
 from torch import Tensor
 
 from fedcal.algorithms.fedprior import FedPrior
-from fedcal.calibration import prior_algorithm
+from fedcal.calibration import prior_algorithm, prior_server
 from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree, expand
@@ -270,16 +271,15 @@ def planner(
     if not 0.0 < quantile < 1.0:
         raise ValueError(f"quantile must be in (0, 1), got {quantile}")
     response, temperature = _inputs(prior)
-    server = {
-        "mu": torch.tensor(prior["mu"], dtype=F64),
-        "sigma": torch.tensor(prior["sigma"], dtype=F64),
-        "noise_var": torch.tensor(prior["noise_var"], dtype=F64),
-    }
+    scaler = Scaler.from_dict(prior["scaler"])
+    # μ, Σ, σ² and the fleet's support box, as `calibrate` gives a new unit: a design's
+    # own span is no extrapolation boundary inside the operating range
+    server = prior_server(prior, scaler)
     base = Planner(
         prior,
         algorithm,
         server,
-        Scaler.from_dict(prior["scaler"]),
+        scaler,
         chamber,
         response,
         temperature,
@@ -724,6 +724,11 @@ def next_points(
         0,
         int(base.x.shape[0]),
     )
+    if not math.isfinite(now.rms):  # the prior states no interval for this unit's design
+        raise ValueError(
+            "the prior states no predictive σ for this unit (its interval is declined: "
+            "see the prior's interval reason), so no next point can be chosen by it"
+        )
     if now.rms <= spec:
         return NextStep(now, True, ())
     ch = plan.chamber
