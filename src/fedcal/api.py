@@ -46,6 +46,7 @@ import numpy as np
 import pandas as pd
 from sklearn.base import BaseEstimator
 
+from fedcal.core.paths import read_regular, safe_name
 from fedcal.data.fleet import BAROMETRIC_FEATURES, BAROMETRIC_TARGET, CLIENT_COLUMN
 
 __all__ = ["CalibratedUnits", "FleetPrior", "NotFittedError"]
@@ -59,10 +60,11 @@ class NotFittedError(ValueError):
 
 def _read_dir(folder: Path, run: Path) -> dict[str, bytes]:
     """The run-folder files of one run: the top-level files and ``runs/<run>/*``."""
-    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    # read under the run folder's guards (regular files only, size limit): core/paths.py
+    files = {p.name: read_regular(p) for p in folder.iterdir() if p.is_file()}
     for p in sorted(run.iterdir()):
         if p.is_file():
-            files[str(p.relative_to(folder))] = p.read_bytes()
+            files[str(p.relative_to(folder))] = read_regular(p)
     return files
 
 
@@ -344,8 +346,9 @@ class CalibratedUnits:
         written = []
         for sid in sorted(models.params):
             blob = to_onnx(models, sid, self.prior["method"], ranges.get(sid))
-            write_bytes(out / f"{sid}.onnx", blob)
-            written.append(out / f"{sid}.onnx")
+            path = out / f"{safe_name(sid, 'sensor id')}.onnx"  # an id names a file: sanitized
+            write_bytes(path, blob)
+            written.append(path)
         return written
 
     def save(self, out: str | Path) -> pd.DataFrame:

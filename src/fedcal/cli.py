@@ -872,6 +872,8 @@ def report(
     from fedcal.report.tables import aggregate, table_columns, to_markdown
 
     if (run_dir / "units.csv").exists():  # a `fedcal calibrate` output: one row per new unit
+        if markdown:
+            _fail("--markdown: a calibrate output's units table prints as a table only")
         try:
             if html is not None:
                 _check_out(html, run_dir, option="--html")

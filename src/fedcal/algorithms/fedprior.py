@@ -111,9 +111,11 @@ mean ± :data:`~fedcal.models.basis.SUPPORT_STDS` standard deviations from the s
 (:meth:`FedPrior._input_box`), widened per unit to its own training range; beyond it the
 prediction is ψ(x)ᵀm with ψ the basis continued along its tangent plane at the nearest
 point of the box (:func:`~fedcal.models.basis.linearized_products`): linear growth, not
-the d-th power. The predictive variance there is ψᵀVψ + σ² + (φ(x)ᵀm − ψ(x)ᵀm)², the last
-term a one-σ model-form allowance (what the polynomial and its linearization disagree
-by); such rows are flagged (:meth:`FedPrior.beyond_support`, ``beyond_support`` in
+the d-th power. The predictive variance there is φᵀVφ + σ² + (φ(x)ᵀm − ψ(x)ᵀm)²: the
+posterior term on the unguarded basis (wider than ψᵀVψ: the coefficients' uncertainty is
+not linearized away, and the firmware export evaluates one form) and a one-σ model-form
+allowance (what the polynomial and its linearization disagree by); such rows are
+flagged (:meth:`FedPrior.beyond_support`, ``beyond_support`` in
 per_sensor.csv and the summary).
 
 Intervals (``interval = "calibrated"``, issue 20). The model's own interval
@@ -860,8 +862,9 @@ class FedPrior(Algorithm):
     def _unit_box(self, fleet_box: Tensor | None, data: ClientData) -> Tensor:
         """(clients, 2, inputs): the fleet's box widened to each unit's own training range.
 
-        Without a fleet box (a prior applied by ``fedcal calibrate`` to new units, a model
-        saved before the guard): the unit's own range.
+        Without a fleet box (a model saved before the guard): the unit's own range.
+        ``fedcal calibrate`` and the planner broadcast the prior's calibrated input range
+        (:func:`fedcal.calibration.prior_server`), not the federation's mean ± sd box.
         """
         real = data.mask.unsqueeze(-1) > 0
         x = data.x.to(F64)
