@@ -168,6 +168,7 @@ def _run(grid: Grid, cfg: dict[str, Any], result: dict[str, Any], out: Path) -> 
         node_wait=float(cfg["node-wait-timeout"]),
     )
     run_federation(fed, transport, result, min_nodes=int(cfg["min-nodes"]))
+    result["rounds"] = fed.rounds  # as run: a one-shot (closed-form) method runs one
     from fedcal.core.tree import flatten
 
     server = {k: v.contiguous() for k, v in flatten(fed.server).items()}
