@@ -708,9 +708,9 @@ def calibrate(
 
 def _print_units(run_dir: Path) -> None:
     """The per-unit table of a calibrate output (units.csv) and its QA findings."""
-    import pandas as pd
+    from fedcal.report.rundir import read_table
 
-    units = pd.read_csv(run_dir / "units.csv", dtype={"sensor_id": str})
+    units = read_table(run_dir / "units.csv", dtype={"sensor_id": str})  # guarded
     points = ", ".join(map(str, sorted(set(units["points"].astype(int)))))
     t = Table(
         title=f"{len(units)} new unit(s); calibration points per unit: {points}",
@@ -729,9 +729,9 @@ def _print_units(run_dir: Path) -> None:
 
 def _print_findings(out: Path) -> None:
     """The QA findings of a calibrate run (units.csv): units unlike the fleet, failed units."""
-    import pandas as pd
+    from fedcal.report.rundir import read_table
 
-    units = pd.read_csv(out / "units.csv", dtype={"sensor_id": str})
+    units = read_table(out / "units.csv", dtype={"sensor_id": str})  # guarded
     bad = units[units["status"] != "ok"]
     for r in bad.itertuples():
         why = f" (fleet distance d² {r.d2:.3g} > {r.d2_threshold:.3g})" * (r.status != "failed")

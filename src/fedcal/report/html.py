@@ -35,8 +35,9 @@ import numpy as np
 import pandas as pd
 
 from fedcal.core.atomic import write_text
+from fedcal.core.paths import read_json
 from fedcal.report import figures
-from fedcal.report.rundir import RunDir, residuals, temperature_column
+from fedcal.report.rundir import RunDir, read_table, residuals, temperature_column
 from fedcal.report.tables import (
     aggregate,
     cell,
@@ -310,13 +311,14 @@ def build_calibration_report(run_dir: str | Path, out: str | Path) -> Report:
     """
     run_dir, out = Path(run_dir), Path(out)
     report = Report(out)
-    units = pd.read_csv(run_dir / "units.csv", dtype={"sensor_id": str})
+    ids = {"sensor_id": str}  # ids like "007" stay text
+    units = read_table(run_dir / "units.csv", dtype=ids)
     qa_level = float(units["qa_level"].iloc[0]) if len(units) else float("nan")  # as flagged
-    coef = pd.read_csv(run_dir / "coefficients.csv", dtype={"sensor_id": str})
-    points = pd.read_csv(run_dir / "calibration_points.csv", dtype={"sensor_id": str})
-    per_sensor = pd.read_csv(run_dir / "per_sensor.csv", dtype={"sensor_id": str})
+    coef = read_table(run_dir / "coefficients.csv", dtype=ids)
+    points = read_table(run_dir / "calibration_points.csv", dtype=ids)
+    per_sensor = read_table(run_dir / "per_sensor.csv", dtype=ids)
     prior_files = sorted(run_dir.glob("runs/*/prior.json"))
-    prior = json.loads(prior_files[0].read_text()) if prior_files else {}
+    prior = read_json(prior_files[0], allow_nan=True) if prior_files else {}
     target = prior.get("target", "target")
     unit = target_unit(target)
     sections: list[tuple[str, str, str]] = []
@@ -416,7 +418,7 @@ def build_calibration_report(run_dir: str | Path, out: str | Path) -> Report:
         "Calibrated − reference at each unit's own calibration points, with ±2σ bars.",
         _frame_html(points, "points", digits=7),
     )
-    config = json.loads((run_dir / "config.json").read_text())
+    config = read_json(run_dir / "config.json")
     config_text = "\n".join(
         f"{key} = {json.dumps(value, sort_keys=True)}" for key, value in sorted(config.items())
     )

@@ -33,7 +33,9 @@ def _run_config(raw: dict) -> RunConfig:
 SUMMARY_COLUMNS = ("method", "seed", "train_points")
 
 
-def read_table(path: Path, required: tuple[str, ...] = ()) -> pd.DataFrame:
+def read_table(
+    path: Path, required: tuple[str, ...] = (), dtype: dict | None = None
+) -> pd.DataFrame:
     """A CSV of a run folder through the guarded reader (regular file, size limit).
 
     ``required`` columns must be there; anything else is a RunFileError naming the file.
@@ -47,7 +49,7 @@ def read_table(path: Path, required: tuple[str, ...] = ()) -> pd.DataFrame:
                 "truncated or edited"
             )
     try:
-        frame = pd.read_csv(io.StringIO(text))
+        frame = pd.read_csv(io.StringIO(text), dtype=dtype)
     except (ValueError, pd.errors.ParserError) as e:  # EmptyDataError is a ValueError
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise RunFileError(f"{path}: not a readable CSV table ({first})") from None
