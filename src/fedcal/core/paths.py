@@ -39,7 +39,7 @@ MAX_BYTES_ENV = "FEDCAL_MAX_RUN_FILE_BYTES"
 RUN_FILES = ("config.json", "summary.csv", "fleet.json")
 RUNS_SUBDIR = "runs"
 
-_FILE_KINDS = {
+FILE_KINDS = {  # what a path is when it is no regular file (data and run files)
     stat.S_IFIFO: "a named pipe (FIFO)",
     stat.S_IFCHR: "a character device",
     stat.S_IFBLK: "a block device",
@@ -115,7 +115,7 @@ def read_regular(path: str | Path, max_bytes: int | None = None) -> bytes:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            kind = FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
             raise PathError(f"{path}: not a regular file ({kind})")
         if st.st_size > limit:
             raise PathError(

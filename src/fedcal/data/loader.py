@@ -76,7 +76,7 @@ import numpy as np
 import pandas as pd
 
 from fedcal.core.atomic import write_with
-from fedcal.core.paths import byte_limit
+from fedcal.core.paths import FILE_KINDS, byte_limit
 from fedcal.data.fleet import (
     BAROMETRIC_FEATURES,
     BAROMETRIC_TARGET,
@@ -257,15 +257,6 @@ def _file_format(path: Path, label: str) -> str:
     )
 
 
-_FILE_KINDS = {
-    stat.S_IFIFO: "a named pipe (FIFO)",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFDIR: "a directory",
-    stat.S_IFSOCK: "a socket",
-}
-
-
 def max_file_bytes() -> int:
     """The size limit: ``$FEDCAL_MAX_FILE_BYTES`` if set, else :data:`DEFAULT_MAX_BYTES`."""
     return byte_limit(MAX_BYTES_ENV, DEFAULT_MAX_BYTES)
@@ -288,7 +279,7 @@ def _open_regular(path: Path, label: str, max_bytes: int) -> int:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
+            kind = FILE_KINDS.get(stat.S_IFMT(st.st_mode), "not a regular file")
             raise FleetDataError(label, f"not a regular file ({kind}); give a CSV or Parquet file")
         if st.st_size > max_bytes:
             raise FleetDataError(

@@ -266,13 +266,7 @@ def build_report(run_dir: str | Path, out: str | Path, seed: int | None = None) 
         summary_html(table, unit),
         "</section>",
     ]
-    body = [
-        f'<section id="{sid}"><h2>{html.escape(title)}</h2>{content}</section>'
-        for sid, title, content in sections
-    ]
-    text = "\n".join([*head, *body, "</body></html>", ""])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text(out, text)
+    _write_page(out, head, sections)
     return report
 
 
@@ -436,11 +430,15 @@ def build_calibration_report(run_dir: str | Path, out: str | Path) -> Report:
         f"{html.escape(target)}, inputs {html.escape(', '.join(features))}; "
         f"{len(flagged)} QA finding(s).</p>",
     ]
+    _write_page(out, head, sections)
+    return report
+
+
+def _write_page(out: Path, head: list[str], sections: list[tuple[str, str, str]]) -> None:
+    """The page: its head, then one <section> per (id, title, HTML content), atomically."""
     body = [
         f'<section id="{sid}"><h2>{html.escape(title)}</h2>{content}</section>'
         for sid, title, content in sections
     ]
-    text = "\n".join([*head, *body, "</body></html>", ""])
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_text(out, text)
-    return report
+    write_text(out, "\n".join([*head, *body, "</body></html>", ""]))
