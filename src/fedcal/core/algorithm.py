@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import typing
 from abc import ABCMeta, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar, Literal, NamedTuple
 
@@ -130,6 +131,17 @@ class Algorithm(AlgorithmFields, metaclass=ChecksOptions):
     reply_aggregation: ClassVar[str] = "mean"
     # Server rules this algorithm accepts (see fedcal.core.aggregation.check_policy).
     robust_rules: ClassVar[tuple[str, ...]] = ("mean", "median", "trimmed_mean", "krum")
+    # Reply path prefixes that do not judge a client in screening and Krum (fedprior's
+    # candidate statistics); they are still aggregated, or rejected, with the client.
+    unscreened_replies: ClassVar[tuple[str, ...]] = ()
+    # Optional hooks: None here, a method on the algorithms that have one.
+    # dp_statistics(down) -> {reply path: fedcal.core.privacy.Statistic}: a "sum" server's
+    # statistics, each with its public map and bound, so client-level DP clips and noises
+    # them one by one (core/stages.private_statistics); None: one joint clip bound.
+    dp_statistics: ClassVar[Callable[[Tree], dict] | None] = None
+    # beyond_support(params, x) -> (clients, rows) bool: rows the model's extrapolation
+    # guard treats as outside the client's calibrated range (reported by evaluation).
+    beyond_support: ClassVar[Callable[[Tree, Tensor], Tensor] | None] = None
     # Closed form: round 1 computes every model and later rounds repeat it exactly (a
     # per-sensor least-squares fit). The engine runs one round for it, whatever [engine]
     # rounds says: the same numbers (tested), 1/50 of the time at the default 50 rounds.

@@ -72,10 +72,10 @@ def errors(
     out = algorithm.task.metrics(pred, data.y, data.mask, scale)
     if std is not None:
         out.update(interval_metrics(pred, std, data.y, data.mask, scale))
-    beyond = getattr(algorithm, "beyond_support", None)
-    if beyond is not None:  # the fraction of rows the extrapolation guard linearized
+    if algorithm.beyond_support is not None:  # the fraction of rows the guard linearized
         with torch.no_grad():
-            flagged = beyond(params, data.x).to(pred.dtype) * data.mask.to(pred.dtype)
+            beyond = algorithm.beyond_support(params, data.x)
+        flagged = beyond.to(pred.dtype) * data.mask.to(pred.dtype)
         out["beyond_support"] = flagged.sum(1) / data.mask.sum(1).clamp_min(1.0).to(pred.dtype)
     return out
 
