@@ -1,0 +1,592 @@
+"""The server's aggregation stages: small pure functions over one round's cohort.
+
+:func:`fedcal.core.aggregation.aggregate` composes them per policy, as Optax
+composes gradient transforms (:func:`fedcal.core.aggregation.chain`). Every stage
+has one signature, ``stage(cohort, round) -> cohort``: a :class:`Cohort` (the
+replies stacked ``(clients, ...)``, the weights, who is accepted and used, the
+metrics and rejections so far) in, a new one out; :class:`Round` holds what the
+stage may read but not change (the broadcast, which leaves are models, the seed).
+A stage never writes into the tensors it is given.
+
+The stages, in the order a chain runs them:
+
+* :func:`reject_nonfinite` and :func:`measure` (every round): a client with a
+  non-finite reply leaf is rejected; each client's update norm ‖Δ_i‖ is computed
+  once, a block of clients at a time.
+* :func:`screen`: a client whose size exceeds ``factor`` × the cohort's scale is
+  rejected (:func:`statistic_sizes` for summed statistics).
+* :func:`form_updates`: every client's update Δ_i, a fleet-sized copy, for the
+  stages that need coordinates (Krum, the coordinate rules, DP).
+* :func:`clip_adaptive` / :func:`clip_to_bound`: one factor min(1, bound/‖Δ_i‖) per
+  client. On the replies it is pending until the rows are taken (:meth:`Cohort.rows`),
+  so a clipped leaf is copied once.
+* :func:`krum` / :func:`coordinate`: the robust rule (Multi-Krum selection, the
+  coordinate-wise median or trimmed mean replicated over the used clients).
+* :func:`gaussian_noise` / :func:`private_statistics`: client-level DP on the sum.
+
+A stage that reads each client's reply (not only the cohort's sum) says so
+(:attr:`Stage.per_client`): under secure aggregation the server sees only sums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from fedcal.core.tree import Tree, flatten, per_client
+
+NORM_BLOCK = 256  # clients whose temporaries (float64 squares, |x| of isfinite) exist at once
+
+
+@dataclass(frozen=True)
+class Round:
+    """What every stage of a round may read: fixed before the first stage runs.
+
+    ``floating``: the floating reply leaves (integer leaves are never modified);
+    ``refs``: the broadcast value of the model leaves among them (update = reply − ref;
+    a leaf absent is relative to zero, see :func:`references`); ``judged``: the leaves
+    that judge a client in screening and Krum (``Algorithm.unscreened_replies`` left
+    out); ``kind``: ``Algorithm.reply_aggregation``; ``seed``: the round's noise seed;
+    ``state_checked``: the engine also rejected clients with a non-finite new state.
+    """
+
+    kind: str
+    floating: tuple[str, ...]
+    refs: dict[str, Tensor]
+    judged: tuple[str, ...]
+    broadcast: Tree
+    seed: int
+    state_checked: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        broadcast: Tree,
+        replies: dict[str, Tensor],
+        kind: str = "mean",
+        unscreened: tuple[str, ...] = (),
+        seed: int = 0,
+        state_checked: bool = False,
+    ) -> Round:
+        """The round of these (flat) replies; ``unscreened``: path prefixes not judged."""
+        floating, refs = references(broadcast, replies, kind)
+        judged = tuple(key for key in floating if not key.startswith(tuple(unscreened)))
+        return cls(kind, floating, refs, judged, broadcast, seed, state_checked)
+
+
+@dataclass(frozen=True)
+class Cohort:
+    """One round's replies on their way to the server update (what the stages pass on).
+
+    ``replies``: flat ``{path: (clients, ...)}``, every leaf; ``weights``: (clients,)
+    float64; ``accepted``: passed the checks so far (the engine keeps the previous
+    private state of the others); ``selected``: Krum's choice among them (None: all
+    accepted are used); ``norms`` / ``squares``: ‖Δ_i‖ and each leaf's Σ Δ² (after
+    :func:`measure`); ``updates``: the formed Δ_i of the floating leaves (after
+    :func:`form_updates`, clipped with them); ``factor`` / ``clip``: the clip pending
+    on the replies' ``clip`` rows; ``rewritten``: the replies already hold the rule's
+    estimate (the pending clip is in it). ``metrics`` and ``rejections`` accumulate.
+    """
+
+    replies: dict[str, Tensor]
+    weights: Tensor
+    accepted: Tensor
+    selected: Tensor | None = None
+    norms: Tensor | None = None
+    squares: dict[str, Tensor] | None = None
+    updates: dict[str, Tensor] | None = None
+    factor: Tensor | None = None
+    clip: Tensor | None = None
+    rewritten: bool = False
+    metrics: dict[str, float] = field(default_factory=dict)
+    rejections: tuple[dict, ...] = ()
+
+    @property
+    def used(self) -> Tensor:
+        """(clients,) bool: the clients whose replies enter the server update."""
+        return self.accepted if self.selected is None else self.selected
+
+    def but(self, metrics: dict[str, float] | None = None, **changes) -> Cohort:
+        """A copy with ``changes`` and ``metrics`` added to the metrics (never in place)."""
+        return dataclasses.replace(self, metrics={**self.metrics, **(metrics or {})}, **changes)
+
+    def rows(self, rnd: Round) -> tuple[dict[str, Tensor], Tensor]:
+        """The used clients' replies (pending clip applied) and weights: the server's input.
+
+        Every client used: the replies themselves, not a copy (fleet-sized at 10,000
+        clients); a leaf with clipped rows is copied once, those rows rewritten in it.
+        """
+        idx = self.used.nonzero()[:, 0]
+        keep = None if len(idx) == len(self.accepted) else idx
+        pending = self.clip is not None and bool(self.clip.any()) and not self.rewritten
+        out = {}
+        for key, v in self.replies.items():
+            if pending and key in rnd.floating:
+                out[key] = _clip_rows(v, rnd.refs.get(key), self.factor, self.clip, keep)
+            else:
+                out[key] = v if keep is None else v.index_select(0, keep)
+        return out, self.weights.index_select(0, idx)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A named step of the chain: ``apply(cohort, round) -> cohort``.
+
+    ``per_client``: it reads each client's reply, not only the cohort's sum (so it
+    cannot run where the server sees only sums, e.g. under secure aggregation).
+    """
+
+    name: str
+    apply: Callable[[Cohort, Round], Cohort]
+    per_client: bool = True
+
+    def __call__(self, cohort: Cohort, rnd: Round) -> Cohort:
+        return self.apply(cohort, rnd)
+
+
+def run(stages: Iterable[Stage], cohort: Cohort, rnd: Round) -> Cohort:
+    """The stages applied in order (each to the cohort the previous one returned)."""
+    for stage in stages:
+        cohort = stage(cohort, rnd)
+    return cohort
+
+
+def _idle(cohort: Cohort, rnd: Round) -> bool:
+    """Nothing for a clip or rule stage to do: no accepted client, or no floating leaf."""
+    return not rnd.floating or not bool(cohort.accepted.any())
+
+
+# ---- the stages ----------------------------------------------------------------------------
+
+
+def reject_nonfinite(cohort: Cohort, rnd: Round) -> Cohort:
+    """Reject a client any of whose floating reply values is NaN or ±inf (the first check).
+
+    Rejections (and clients the engine already rejected) are recorded with the reason
+    ``"non-finite reply"`` (``"… or state"`` when the engine checked the states too).
+    """
+    finite = finite_rows(cohort.replies)
+    accepted = cohort.accepted & finite if finite.numel() else cohort.accepted
+    reason = "non-finite reply or state" if rnd.state_checked else "non-finite reply"
+    records = tuple(
+        {"client": i, "reason": reason, "ratio": float("nan"), "threshold": 0.0}
+        for i in (~accepted).nonzero()[:, 0].tolist()
+    )
+    return cohort.but(
+        {"rejected_nonfinite": float((~accepted).sum())},
+        accepted=accepted,
+        rejections=cohort.rejections + records,
+    )
+
+
+def measure(cohort: Cohort, rnd: Round) -> Cohort:
+    """‖Δ_i‖ = √(Σ_l Σ (Δ_il)²) of every client, and their median over the accepted.
+
+    The round's only pass over the replies for norms (:func:`leaf_squares`, a block of
+    clients at a time): screening and clipping reuse them. The median is reported as
+    ``median_update_norm`` (NaN when no client is accepted).
+    """
+    n = len(cohort.accepted)
+    squares = leaf_squares({k: cohort.replies[k] for k in rnd.floating}, n, rnd.refs)
+    norms = root_sum(squares.values(), n)
+    accepted = cohort.accepted
+    median = norms[accepted].median() if accepted.any() else torch.tensor(float("nan"))
+    return cohort.but({"median_update_norm": float(median)}, norms=norms, squares=squares)
+
+
+def screen(cohort: Cohort, rnd: Round, factor: float) -> Cohort:
+    """Reject a client whose size exceeds ``factor`` × the accepted cohort's scale.
+
+    A model update's size is ‖Δ_i‖ over the judged leaves / their median (Blanchard
+    et al. 2017; Yin et al. 2018); summed statistics are sized leaf by leaf and per
+    declared row (:func:`statistic_sizes`, ``weights`` are the rows). Each rejection is
+    recorded as ``{"client", "reason": "size", "ratio": its size, "threshold": factor}``.
+    """
+    accepted = cohort.accepted
+    if not accepted.any() or not rnd.judged:
+        return cohort.but({"rejected_norm": 0.0})
+    n = len(accepted)
+    if rnd.kind == "sum":
+        # Per-leaf ratios (statistics in different units), a whole leaf at a time; a sum's
+        # replies are its updates, so nothing is formed (statistics are small per unit).
+        judged = {k: cohort.replies[k] for k in rnd.judged}
+        sizes = statistic_sizes(judged, accepted, cohort.weights)
+    else:
+        sizes = relative(root_sum((cohort.squares[k] for k in rnd.judged), n), accepted)
+    outlier = accepted & (sizes > factor)
+    records = tuple(
+        {"client": i, "reason": "size", "ratio": float(sizes[i]), "threshold": float(factor)}
+        for i in outlier.nonzero()[:, 0].tolist()
+    )
+    return cohort.but(
+        {"rejected_norm": float(outlier.sum())},
+        accepted=accepted & ~outlier,
+        rejections=cohort.rejections + records,
+    )
+
+
+def form_updates(cohort: Cohort, rnd: Round) -> Cohort:
+    """Every client's update Δ_i = reply − ref (or the reply): a fleet-sized copy per leaf.
+
+    Only the stages that need coordinates ask for it: Krum (pairwise distances), the
+    coordinate rules and DP (noisy sums of the clipped updates). Linear in the replies.
+    """
+    if _idle(cohort, rnd):
+        return cohort
+    updates = {}
+    for key in rnd.floating:
+        reply = cohort.replies[key]
+        updates[key] = reply - rnd.refs[key] if key in rnd.refs else reply
+    return cohort.but(updates=updates)
+
+
+def clip_adaptive(cohort: Cohort, rnd: Round, factor: float) -> Cohort:
+    """Scale each update to at most ``factor`` × the accepted clients' median ‖Δ‖.
+
+    Centred clipping (Karimireddy et al. 2021) with the median as the reference scale;
+    one factor per client, min(1, factor / (‖Δ_i‖ / median)). Reports the bound
+    (``clip_bound``) and how many were clipped.
+    """
+    if _idle(cohort, rnd):
+        return cohort
+    size = relative(cohort.norms, cohort.accepted)
+    clip = cohort.accepted & (size > factor)
+    scale = torch.where(clip, factor / size, torch.ones_like(size))
+    bound = float(factor * cohort.norms[cohort.accepted].median())
+    return _clipped(cohort, clip, scale, bound)
+
+
+def clip_to_bound(cohort: Cohort, rnd: Round, bound: float) -> Cohort:
+    """Scale each update to at most the fixed L2 ``bound`` C (DP-FedAvg, McMahan et al. 2018)."""
+    if _idle(cohort, rnd):
+        return cohort
+    c = torch.tensor(bound, dtype=torch.float64)
+    norms = cohort.norms
+    clip = cohort.accepted & (norms > c)
+    scale = torch.where(clip, c / norms.clamp_min(1e-300), torch.ones_like(norms))
+    return _clipped(cohort, clip, scale, float(c))
+
+
+def _clipped(cohort: Cohort, clip: Tensor, factor: Tensor, bound: float) -> Cohort:
+    """The formed updates scaled now; the replies' scaling pending (:meth:`Cohort.rows`)."""
+    updates = cohort.updates
+    if updates is not None and bool(clip.any()):
+        updates = {k: u * per_client(factor.to(u.dtype), u) for k, u in updates.items()}
+    metrics = {"clip_bound": bound, "clipped": float(clip.sum())}
+    return cohort.but(metrics, updates=updates, factor=factor, clip=clip)
+
+
+def krum(cohort: Cohort, rnd: Round, byzantine: int, select: int) -> Cohort:
+    """Multi-Krum (Blanchard et al. 2017): use the m accepted clients of lowest score s(i).
+
+    s(i) over the judged leaves of the formed updates (:func:`krum_scores`; for summed
+    statistics each leaf divided by its median norm, as they are in different units).
+    m = ``select`` or n − f. Not selected is not rejected: the client keeps its private
+    progress (an honest but atypical sensor would otherwise be frozen round after round).
+    """
+    if _idle(cohort, rnd):
+        return cohort
+    accepted = cohort.accepted
+    idx = accepted.nonzero()[:, 0]
+    updates = cohort.updates
+    parts = [updates[k].index_select(0, idx).reshape(len(idx), -1).double() for k in rnd.judged]
+    if rnd.kind == "sum":  # statistics in different units: each leaf by its median norm
+        parts = [p / p.norm(dim=1).median().clamp_min(1e-300) for p in parts]
+    scores = krum_scores(torch.cat(parts, 1), byzantine)
+    m = select or max(1, len(idx) - byzantine)
+    keep = idx[scores.argsort(stable=True)[: min(m, len(idx))]]
+    selected = torch.zeros(len(accepted), dtype=torch.bool)
+    selected[keep] = True
+    return cohort.but({"krum_dropped": float((accepted & ~selected).sum())}, selected=selected)
+
+
+def coordinate(cohort: Cohort, rnd: Round, rule: str, trim: float) -> Cohort:
+    """The coordinate-wise median or trimmed mean (Yin et al. 2018) of the used updates.
+
+    Replicated over the cohort: the used clients' mean is the estimate, their sum k ×
+    the estimate (a robust mean or sum, see :mod:`fedcal.core.aggregation`).
+    """
+    if _idle(cohort, rnd):
+        return cohort
+    chosen = _chosen(cohort)
+    return _replicated(cohort, rnd, coordinate_rule(chosen, rule, trim))
+
+
+def gaussian_noise(cohort: Cohort, rnd: Round, multiplier: float, bound: float) -> Cohort:
+    """DP-FedAvg (McMahan et al. 2018): (Σ clipped Δ_i + N(0, σ²C²·I)) / k, uniform weights.
+
+    The noise is drawn leaf by leaf from a generator seeded by the round; the noisy
+    mean replaces every used reply (replicated) and the weights become uniform.
+    """
+    if _idle(cohort, rnd):
+        return cohort
+    chosen, k = _chosen(cohort), int(cohort.used.sum())
+    gen = torch.Generator().manual_seed(int(rnd.seed) % (2**63))
+    std = multiplier * bound
+    estimate = {}
+    for key, u in chosen.items():
+        noise = torch.randn(u.shape[1:], generator=gen, dtype=torch.float64)
+        estimate[key] = (u.sum(0) + (std * noise).to(u.dtype)) / k
+    out = _replicated(cohort, rnd, estimate)
+    return out.but({"dp_noise_std": float(std)}, weights=torch.ones_like(cohort.weights))
+
+
+def private_statistics(
+    cohort: Cohort,
+    rnd: Round,
+    statistics: Callable[[Tree], dict],
+    multiplier: float,
+    scale: float,
+) -> Cohort:
+    """Declared summed statistics clipped, noised and projected one by one (DP).
+
+    :func:`fedcal.core.privacy.private_sums` with the algorithm's declaration
+    (``Algorithm.dp_statistics(broadcast)``); ``scale`` (the policy's C) scales the
+    declared bounds. The private sum replaces the used replies (k rows that sum to it).
+    """
+    from fedcal.core.privacy import private_sums
+
+    if _idle(cohort, rnd):
+        return cohort
+    chosen, k = _chosen(cohort), int(cohort.used.sum())
+    gen = torch.Generator().manual_seed(int(rnd.seed) % (2**63))
+    sums, dp_metrics = private_sums(chosen, statistics(rnd.broadcast), multiplier, gen, scale=scale)
+    replies = dict(cohort.replies)
+    for key, u in cohort.updates.items():
+        replies[key] = (sums[key] / k).to(u.dtype).expand(u.shape).clone()
+    metrics = {**dp_metrics, "dp_noise_std": float(multiplier * scale)}
+    return cohort.but(metrics, replies=replies, rewritten=True)
+
+
+def _chosen(cohort: Cohort) -> dict[str, Tensor]:
+    """The used clients' formed updates (k, ...)."""
+    idx = cohort.used.nonzero()[:, 0]
+    return {key: u.index_select(0, idx) for key, u in cohort.updates.items()}
+
+
+def _replicated(cohort: Cohort, rnd: Round, estimate: dict[str, Tensor]) -> Cohort:
+    """Every floating reply replaced by the estimate (+ its reference), one row per client."""
+    replies = dict(cohort.replies)
+    for key, u in cohort.updates.items():
+        value = estimate[key] + rnd.refs[key] if key in rnd.refs else estimate[key]
+        replies[key] = value.to(u.dtype).expand(u.shape).clone()
+    return cohort.but(replies=replies, rewritten=True)
+
+
+# ---- the measurements the stages share -----------------------------------------------------
+
+
+def references(
+    broadcast: Tree, replies: dict[str, Tensor], kind: str = "mean"
+) -> tuple[tuple[str, ...], dict[str, Tensor]]:
+    """The floating reply leaves' paths and the broadcast value of those that have one.
+
+    A leaf with a reference (same path and shape in the broadcast) is a model: its
+    update is reply − ref. A leaf absent from ``refs`` is relative to zero: its update
+    is the reply itself (a 0-dim broadcast leaf is a reference like any other). A
+    ``"sum"`` server adds its replies up: they are contributions, never model states,
+    so every leaf is relative to zero even when the broadcast has a leaf of the same
+    name (e.g. fedprior's ``support``).
+    """
+    down = flatten(broadcast) if kind != "sum" else {}
+    floating, refs = [], {}
+    for key, reply in replies.items():
+        if not reply.is_floating_point():
+            continue
+        floating.append(key)
+        ref = down.get(key)
+        if ref is not None and tuple(ref.shape) == tuple(reply.shape[1:]):
+            refs[key] = ref.to(reply.dtype)
+    return tuple(floating), refs
+
+
+def leaf_squares(
+    updates: dict[str, Tensor], clients: int, refs: dict[str, Tensor] | None = None
+) -> dict[str, Tensor]:
+    """Per leaf, each client's Σ of squared update coordinates, (clients,) float64.
+
+    Computed ``NORM_BLOCK`` clients at a time (each client's sum is its own row's):
+    a float64 copy of a whole fleet's updates would be ~70 KB per sensor for the
+    seed's MLP. Given ``refs``, ``updates`` are the replies and a leaf's update is
+    reply − ref (a leaf absent from ``refs`` is its own update), formed a block at a
+    time instead of for the fleet (:func:`references`). NaN and ±inf propagate.
+    """
+    refs = refs or {}
+    out = {}
+    for key, u in updates.items():
+        ref = refs.get(key)
+        squares = [
+            (b if ref is None else b - ref).reshape(len(b), -1).to(torch.float64).pow(2).sum(1)
+            for b in _client_blocks(u, clients)
+        ]
+        out[key] = torch.cat(squares) if squares else torch.zeros(clients, dtype=torch.float64)
+    return out
+
+
+def root_sum(squares: Iterable[Tensor], clients: int) -> Tensor:
+    """‖Δ_i‖ = √(Σ_l Σ (Δ_il)²): the leaves' squares added in order (same numbers every time)."""
+    total = torch.zeros(clients, dtype=torch.float64)
+    for s in squares:
+        total = total + s
+    return total.sqrt()
+
+
+def finite_rows(tree: Tree) -> Tensor:
+    """(clients,) bool: every floating leaf of a client tree is finite for that client."""
+    flat = [t for t in flatten(tree).values() if t.is_floating_point()]
+    if not flat:
+        return torch.ones(0, dtype=torch.bool)
+    n = flat[0].shape[0]
+    ok = torch.ones(n, dtype=torch.bool)
+    for t in flat:
+        # A block of clients at a time: isfinite makes float temporaries (|x|) as large
+        # as its input, ~35 KB per sensor for the seed's MLP over a whole fleet.
+        blocks = [torch.isfinite(b.reshape(len(b), -1)).all(1) for b in _client_blocks(t, n)]
+        ok = ok & torch.cat(blocks or [ok])
+    return ok
+
+
+def _client_blocks(t: Tensor, clients: int) -> Iterator[Tensor]:
+    """``t``'s rows ``NORM_BLOCK`` clients at a time (leading clients axis)."""
+    rows = t.reshape(clients, *t.shape[1:])
+    for i in range(0, clients, NORM_BLOCK):
+        yield rows[i : i + NORM_BLOCK]
+
+
+def statistic_sizes(
+    updates: dict[str, Tensor], accepted: Tensor, rows: Tensor | None = None
+) -> Tensor:
+    """Each client's summed statistics' size relative to the accepted cohort's, (clients,).
+
+    (A model update is one vector, sized by :func:`relative` of its norm.) A ``"sum"``
+    reply is a set of statistics in different units (a Gram matrix may be 10⁹ times its
+    right-hand side, and a poisoned label moves only the latter): the size is the largest
+    per-leaf ratio, max_l r_il, so no leaf hides behind another.
+
+    Statistics also grow with a client's rows n_i (``rows``, the declared counts): a unit
+    calibrated with 384 points is not an outlier among units with 6. Per leaf, with
+    a_il = ‖Δ_il‖ (as it is) and b_il = a_il / n_i (per row)::
+
+        r_il = min( a_il / ref_i(a_l), b_il / ref_i(b_l) ),
+        ref_i(v) = the scale of v among the others: client i must exceed both the
+                   median over the clients and the median over the *other* clients'
+                   rows (each other client's value weighted by its n_j,
+                   :func:`weighted_median_of_others`),
+
+    so neither the leaves that grow with n (Gram sums) nor those that do not (a posterior
+    mean) flag an honest unit of another size, while a poisoned target grows both. The
+    rows-weighted median keeps data-rich units from being judged against units whose
+    statistics carry no information (fedpoly's 6-point units project to ≈ 0 sums: the
+    plain median was ≈ 1e-9 and all 20 reference units of a mixed fleet were rejected in
+    every round); leaving client i out of its own scale keeps a client that holds most of
+    the rows from setting the scale it is judged by. A client is missed only if the others
+    are corrupt too (half of the units, or half of the others' rows). Without ``rows``, or
+    when every client has the same count, this is the plain median ratio of before. A
+    scale ≤ 0 does not judge.
+    """
+    n = int(accepted.shape[0])
+    counts = None if rows is None else rows.to(torch.float64).clamp_min(1.0)
+    uniform = counts is None or bool((counts[accepted] == counts[accepted][0]).all())
+    ratio = torch.zeros(n, dtype=torch.float64)
+    for u in updates.values():
+        norms = u.reshape(n, -1).to(torch.float64).norm(dim=1)
+        if uniform:
+            median = norms[accepted].median()
+            if median > 0:
+                ratio = torch.maximum(ratio, norms / median)
+            continue
+        leaf = torch.minimum(
+            _scaled_ratio(norms, accepted, counts), _scaled_ratio(norms / counts, accepted, counts)
+        )
+        ratio = torch.maximum(ratio, torch.where(torch.isinf(leaf), 0.0, leaf))
+    return ratio
+
+
+def weighted_median_of_others(values: Tensor, weights: Tensor) -> Tensor:
+    """For each i, the lower weighted median of the values of every j ≠ i, (clients,).
+
+    The smallest value whose cumulative weight (i left out) reaches half of the others'
+    total. O(n log n): one sort and two binary searches per client. NaN for a single client.
+    """
+    n = values.shape[0]
+    if n < 2:
+        return torch.full_like(values, float("nan"))
+    order = values.argsort(stable=True)
+    v, w = values[order], weights[order]
+    cum = w.cumsum(0)
+    half = 0.5 * (cum[-1] - w)  # half of the others' total, per sorted position
+    pos = torch.arange(n)
+    # Before i's position the cumulative weights are the others' already; after it they
+    # are cum − w_i, i.e. the first j > pos with cum_j ≥ half + w_i.
+    before = torch.searchsorted(cum, half)
+    after = torch.searchsorted(cum, half + w).clamp_max(n - 1)
+    sorted_median = torch.where(before < pos, v[before.clamp_max(n - 1)], v[after])
+    out = torch.empty_like(values)
+    out[order] = sorted_median
+    return out
+
+
+def _scaled_ratio(values: Tensor, accepted: Tensor, counts: Tensor) -> Tensor:
+    """values / scale as in :func:`statistic_sizes`: the ratio to the accepted clients' plain
+    median and to the others' rows-weighted median, whichever is smaller (inf: no scale)."""
+    out = torch.full_like(values, float("inf"))
+    median = values[accepted].median()
+    if median > 0:
+        out = values / median
+    others = torch.full_like(values, float("nan"))
+    others[accepted] = weighted_median_of_others(values[accepted], counts[accepted])
+    by_rows = torch.where(others > 0, values / others, float("inf"))
+    return torch.minimum(out, by_rows)
+
+
+def relative(norms: Tensor, accepted: Tensor) -> Tensor:
+    """‖Δ_i‖ / median_j ‖Δ_j‖ over the accepted clients (all 0 when that median is 0)."""
+    median = norms[accepted].median()
+    return norms / median if median > 0 else torch.zeros_like(norms)
+
+
+def krum_scores(flat: Tensor, byzantine: int) -> Tensor:
+    """Krum's s(i) = Σ of squared distances to the n − f − 2 nearest other updates."""
+    n = flat.shape[0]
+    dist = torch.cdist(flat, flat).pow(2)
+    dist = dist + torch.diag(torch.full((n,), float("inf"), dtype=flat.dtype))
+    k = max(1, min(n - 1, n - byzantine - 2))
+    return dist.topk(k, dim=1, largest=False).values.sum(1)
+
+
+def coordinate_rule(updates: dict[str, Tensor], rule: str, trim: float) -> dict[str, Tensor]:
+    """Coordinate-wise median or trimmed mean over the clients axis (no clients axis left)."""
+    out = {}
+    for key, u in updates.items():
+        if rule == "median":
+            # Mean of the two middle values for an even cohort (torch.median takes the lower).
+            s = u.sort(0).values
+            n = s.shape[0]
+            out[key] = 0.5 * (s[(n - 1) // 2] + s[n // 2])
+        else:
+            n = u.shape[0]
+            cut = int(trim * n)
+            out[key] = u.sort(0).values[cut : n - cut].mean(0)
+    return out
+
+
+def _clip_rows(
+    reply: Tensor, ref: Tensor | None, factor: Tensor, clip: Tensor, keep: Tensor | None
+) -> Tensor:
+    """``reply``'s rows ``keep`` (all if None), clipped rows as ref + factor·(reply − ref).
+
+    One new tensor (the copy the aggregate is given): the clipped rows are computed
+    alone and written into it; every other row is its reply, bit for bit.
+    """
+    out = reply.clone() if keep is None else reply.index_select(0, keep)
+    kept_clip = clip if keep is None else clip.index_select(0, keep)
+    at = kept_clip.nonzero()[:, 0]  # rows of ``out``
+    rows = at if keep is None else keep.index_select(0, at)  # the same rows, as clients
+    part = reply.index_select(0, rows)
+    scale = per_client(factor.index_select(0, rows).to(reply.dtype), part)
+    out[at] = part * scale if ref is None else (part - ref) * scale + ref
+    return out
