@@ -192,17 +192,17 @@ def check_policy(algorithm: Algorithm, policy: AggregationPolicy) -> None:
         raise AggregationError(f"{name}: client-level DP needs a mean/sum server update")
 
 
-def _guards() -> list[Stage]:
-    """The stages every round runs, whatever the policy (PLAIN too)."""
-    return [Stage("reject_nonfinite", stages.reject_nonfinite), Stage("measure", stages.measure)]
+GUARDS = (Stage("reject_nonfinite", stages.reject_nonfinite), Stage("measure", stages.measure))
+"""The stages every round runs first, whatever the policy (PLAIN too)."""
 
 
 def policy_stages(policy: AggregationPolicy, algorithm: Algorithm) -> list[Stage]:
     """The policy's stages for this algorithm, in order: screen → clip → rule → noise.
 
-    Screening before clipping (a rejected client must not set the clip's median, and a
-    clipped outlier would pass unseen); the rule on the clipped updates; DP noise last,
-    on the sum of what the rule keeps (its sensitivity is the clip bound). Stages that
+    Screening before clipping (a rejected client must not set the clip's median, and an
+    outlier clipped first would look typical and never be rejected); the rule on the
+    clipped updates; DP noise last, on the sum of what the rule keeps (its sensitivity
+    is the clip bound). Stages that
     cannot apply are left out: DP replaces screening and the adaptive clip by its fixed
     bound; only a ``"mean"`` server is clipped adaptively; a ``"sum"`` server that declares
     its statistics (``dp_statistics``) is clipped and noised statistic by statistic.
@@ -245,7 +245,7 @@ def policy_stages(policy: AggregationPolicy, algorithm: Algorithm) -> list[Stage
 def chain(policy: AggregationPolicy, algorithm: Algorithm) -> tuple[Stage, ...]:
     """The whole chain a round's replies go through (checked against the algorithm first)."""
     check_policy(algorithm, policy)
-    return (*_guards(), *policy_stages(policy, algorithm))
+    return (*GUARDS, *policy_stages(policy, algorithm))
 
 
 def check_sums_only(algorithm: Algorithm, policy: AggregationPolicy) -> None:
