@@ -79,7 +79,9 @@ def test_the_non_finite_check_rejects_exactly_the_planted_clients_and_says_why()
     cohort, rnd = start(state_checked=True)
     cohort = cohort.but(accepted=torch.tensor([True, True, True, False]))
     out = stages.reject_nonfinite(cohort, rnd)
-    assert [(r["client"], r["reason"]) for r in out.rejections] == [(3, "non-finite reply or state")]
+    assert [(r["client"], r["reason"]) for r in out.rejections] == [
+        (3, "non-finite reply or state")
+    ]
 
 
 def test_measure_gives_the_norms_of_the_table_and_their_median():
@@ -236,7 +238,9 @@ def test_gaussian_noise_has_the_declared_scale_over_many_seeded_draws():
     # Seeded: the same round draws the same noise, another round other noise.
     again = stages.gaussian_noise(cohort, rnd, multiplier=2.0, bound=0.5)
     assert torch.equal(again.rows(rnd)[0]["model/w"], rows["model/w"])
-    other = stages.gaussian_noise(cohort, dataclasses.replace(rnd, seed=7), multiplier=2.0, bound=0.5)
+    other = stages.gaussian_noise(
+        cohort, dataclasses.replace(rnd, seed=7), multiplier=2.0, bound=0.5
+    )
     assert not torch.equal(other.rows(rnd)[0]["model/w"], rows["model/w"])
 
 
