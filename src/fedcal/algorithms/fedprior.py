@@ -120,14 +120,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
-from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked, term_name
+from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
+from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
+from fedcal.algorithms.fedprior_status import PriorStatus
 from fedcal.algorithms.fedprior_support import SupportBox
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.bayes import (
@@ -151,11 +153,9 @@ from fedcal.models.basis import (
     legendre_products,
 )
 
-WEAK_SHARE = 0.5  # a unit is "weak" when weak directions carry more of its σ² (client_status)
-
 
 @dataclass(frozen=True)
-class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, Algorithm):
+class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, Algorithm):
     @property
     def uses_local_epochs(self) -> bool:  # closed form (EM)
         return False
@@ -613,112 +613,3 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, Algorithm):
         noise = noise.to(F64).expand(cov.shape[:-2])  # one σ² per unit (a fleet's: broadcast)
         q, s = self.variance_form({"coef": coef, "cov": cov, "noise_var": noise})
         return mean, predictive_var(self.variance_design(x), q, s)
-
-    # ---- what a user keeps -----------------------------------------------------
-    def identification(self, server: Tree) -> dict[str, Any]:
-        """How many units' data informed each direction of the basis, and which are weak.
-
-        ``support`` is Σ_i of each unit's :func:`~fedcal.core.bayes.data_support`
-        (last round): its eigenvalues are effective counts of units whose own
-        points determine a direction. A direction informed by fewer than
-        ``min_informed`` units is weakly identified: the prior there is not
-        learned but the vague ``init_scale``; it is named by the basis terms that
-        load on it (at least half the largest loading). With ``select = "bic"``:
-        the chosen basis's terms only.
-        """
-        names, idx = self.chosen_features(server)
-        support = server["support"][idx][:, idx]
-        if not torch.any(support != 0):
-            return {"informed_units": [], "weak_terms": [], "weak_directions": 0}
-        vals, vecs = torch.linalg.eigh(0.5 * (support + support.T))
-        weak, directions = [], 0
-        for k in range(len(vals)):
-            if vals[k] < self.min_informed:
-                directions += 1
-                loading = vecs[:, k].abs()
-                big = torch.nonzero(loading >= 0.5 * loading.max())[:, 0].tolist()
-                weak += [names[j] for j in big]
-        return {
-            "informed_units": [round(float(v), 3) for v in vals],
-            "weak_terms": sorted(set(weak)),
-            "weak_directions": directions,
-        }
-
-    def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
-        """A unit is "weak" when its predictions at ``x`` lean on weakly identified directions.
-
-        With W the orthonormal weak directions of the chosen basis (eigenvectors of the
-        summed ``support`` below ``min_informed``, as :meth:`identification`), the share
-        of the unit's predictive variance that comes from its coefficients along W,
-
-            s_i = Σ_rows (φᵀW)(WᵀV_iW)(Wᵀφ) / Σ_rows (φᵀV_iφ + σ_i²),
-
-        is the part of its prediction's uncertainty that the fleet's data did not learn
-        (the vague ``init_scale`` prior). The unit is weak when s_i > ``WEAK_SHARE``
-        (one half): its number is mostly the starting prior's, not a calibration. A
-        unit whose own points determine W has a small V_i along W and is not weak.
-        """
-        n = x.shape[0]
-        _, idx = self.chosen_features(server)
-        support = server["support"][idx][:, idx]
-        none = torch.zeros(n, dtype=torch.bool)
-        if not torch.any(support != 0):
-            return {"weak": none}
-        vals, vecs = torch.linalg.eigh(0.5 * (support + support.T))
-        weak_in_chosen = vecs[:, vals < self.min_informed]
-        if not weak_in_chosen.shape[1]:
-            return {"weak": none}
-        p = len(self.terms)
-        full = torch.zeros(server["support"].shape[0], weak_in_chosen.shape[1], dtype=F64)
-        full[idx] = weak_in_chosen
-        w = full[:p]  # φ's coordinates (a direction term's share is not in predict)
-        phi = legendre_products(x.to(F64), self.terms)  # (clients, rows, p)
-        cov = personal["cov"].to(F64)[..., :p, :p]
-        a = phi @ w  # (clients, rows, k)
-        weak_var = ((a @ (w.T @ cov @ w)) * a).sum(-1)
-        total = predictive_var(phi, cov, personal["noise_var"].reshape(n))
-        m = mask.to(F64)
-        share = (weak_var * m).sum(1) / (total * m).sum(1).clamp_min(1e-300)
-        return {"weak": share > WEAK_SHARE}
-
-    def export_state(self, server: Tree) -> dict[str, Any]:
-        """The fleet prior as JSON-able data: what ``fedcal calibrate`` needs.
-
-        With ``select = "bic"`` it is the chosen basis's prior (its own terms), and
-        ``selection`` records the choice (parameters that rebuild that basis) and
-        every candidate's score.
-        """
-        terms, _ = self.chosen(server)
-        _, idx = self.chosen_features(server)  # μ and Σ over (c, h) jointly
-        state = {
-            "kind": "fedprior",
-            "terms": [list(t) for t in terms],
-            "term_names": [term_name(t) for t in terms],
-            "mu": server["mu"][idx].tolist(),
-            "sigma": server["sigma"][idx][:, idx].tolist(),
-            "noise_var": float(server["noise_var"]),
-            "noise": self.noise,
-            "noise_prior_points": self.noise_prior_points,
-            "identification": self.identification(server),
-        }
-        if self.interval == "calibrated":
-            state["interval"] = {
-                "rule": "calibrated",
-                "discrepancy_var": float(server["disc_var"]),
-                "probe_rows": float(server["probe_n"]),
-                "residual_dof": float(server["dof"]),
-                "declined": int(server["declined"]),
-                "reason": self.interval_note(server),
-            }
-        psi = self.chosen_branch(server)
-        if psi:
-            state["branch_terms"] = [list(t) for t in psi]
-            state["branch_term_names"] = [f"b·{term_name(t)}" for t in psi]
-        if self.select != "none":
-            state["selection"] = {
-                "rule": self.select,
-                "chosen": self.candidates[int(server["choice"])],
-                "candidates": list(self.candidates),
-                "scores": [round(float(v), 3) for v in server["scores"]],
-            }
-        return state
