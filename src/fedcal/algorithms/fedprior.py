@@ -604,12 +604,3 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
         if "declined" in params:  # no interval stated for this unit (module doc, "Intervals")
             s = torch.where(params["declined"].to(F64) > 0, math.nan, s)
         return q, s
-
-    def _mean_var(self, coef: Tensor, cov: Tensor, noise: Tensor, x: Tensor):
-        """φᵀm_c and the predictive variance of :meth:`variance_form` per row (clients, rows)
-        for a posterior (coef, cov) and noise σ_i²: the hold-out's predictions (I2)."""
-        coef, p = coef.to(F64), len(self.terms)
-        mean = (legendre_products(x, self.terms) * coef[..., :p].unsqueeze(1)).sum(-1)
-        noise = noise.to(F64).expand(cov.shape[:-2])  # one σ² per unit (a fleet's: broadcast)
-        q, s = self.variance_form({"coef": coef, "cov": cov, "noise_var": noise})
-        return mean, predictive_var(self.variance_design(x), q, s)

@@ -58,9 +58,10 @@ import torch
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_select import _masked
-from fedcal.core.bayes import F64, Posterior, moments, posterior
+from fedcal.core.bayes import F64, Posterior, moments, posterior, predictive_var
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree
+from fedcal.models.basis import legendre_products
 
 # τ² candidates of the hold-out (scaled units²: the target is scaled to O(1)): 0, then 10 per
 # decade from 1e-12 to 1e2 (steps of 12 % in σ).
@@ -178,6 +179,15 @@ class CalibratedInterval:
             "inside": (inside.to(F64) * held.unsqueeze(-1)).sum(1),
             "held": held.sum(1),
         }
+
+    def _mean_var(self, coef: Tensor, cov: Tensor, noise: Tensor, x: Tensor):
+        """φᵀm_c and the predictive variance of :meth:`variance_form` per row (clients, rows)
+        for a posterior (coef, cov) and noise σ_i²: the hold-out's predictions (I2)."""
+        coef, p = coef.to(F64), len(self.terms)
+        mean = (legendre_products(x, self.terms) * coef[..., :p].unsqueeze(1)).sum(-1)
+        noise = noise.to(F64).expand(cov.shape[:-2])  # one σ² per unit (a fleet's: broadcast)
+        q, s = self.variance_form({"coef": coef, "cov": cov, "noise_var": noise})
+        return mean, predictive_var(self.variance_design(x), q, s)
 
     def _interval_update(self, server: Tree, replies: Tree, order: Tensor, total: dict) -> Tree:
         """The server's step I3: the probe, τ² from the hold-out sums, and whether to decline."""
