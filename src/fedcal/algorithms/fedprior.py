@@ -386,6 +386,67 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
             **({} if n is None else _residual_terms(post, gram, noise, n)),
         }
 
+    def dp_statistics(self, down: Tree) -> dict[str, Statistic]:
+        """Client-level DP: each uploaded statistic's public map and bound (core/privacy).
+
+        Maps come from the broadcast only (Σ = L Lᵀ, μ, σ²) and the vague start s
+        (``init_scale``). The GLS terms in the prior's whitened coordinates are
+        bounded by construction: Lᵀ gls_gram_i L = A_i⁻¹B_i has eigenvalues in [0, 1)
+        and Lᵀ gls_rhs_i = z̄_i = L⁻¹(m_i − μ), bounded by 2√p (twice a prior draw's
+        typical norm). The posterior mean and second moment are taken about μ in the
+        units of the vague start — not whitened by the current Σ, which under noise
+        would feed back round after round — with ‖m_i − μ‖ ≤ 2√p s and
+        ‖E[(c_i − μ)(c_i − μ)ᵀ]‖_F ≤ (2√p s)² + p s². Directions the noise hides
+        are not learned: there Σ̂ takes the vague start s², and the support counts no
+        informed unit, so the server keeps μ and s² there (its weak-direction rule).
+        rss_i/σ² ≈ n_i ≤ ``dp_max_rows`` (bound 1.5×, by the broadcast σ²: a fixed
+        scale would drown the RSS of good units in noise), and the noisy Σ rss at most
+        the vague start's noise variance × Σ n (σ² never vaguer than the start) and at
+        least 10⁻⁸ of it (σ ≥ 10⁻⁴ of the start: without this floor, noise draws that
+        sent σ² toward 0 made new units' posterior Cholesky fail at ε = 1); with
+        Legendre terms of inputs in [−1, 1], ‖Φ_iᵀΦ_i‖_F ≤ n_i p; the support's
+        eigenvalues lie in [0, 1).
+        """
+        if self.interval != "posterior":
+            raise ValueError(
+                "fedprior: client-level DP covers interval = 'posterior' only (the hold-out "
+                "uploads a unit's inputs)"
+            )
+        if self.select != "none":
+            # Every candidate's statistics would need their own noise (20× the sensitivity).
+            raise ValueError(
+                "fedprior: client-level DP covers a fixed basis only; set select = 'none' "
+                "(the fedprior_fixed variant)"
+            )
+        p = self.num_features
+        chol = safe_cholesky(down["sigma"].to(F64))[0]
+        mu, rows, s = down["mu"].to(F64), float(self.dp_max_rows), self.init_scale
+        z = 2.0 * p**0.5
+        second = (z * s) ** 2 + p * s * s
+        noise_var = down["noise_var"].to(F64)
+        return {
+            "mean": Statistic(z * s, "vector", center=mu),
+            "second": Statistic(
+                second, "second_moment", center=mu, first="mean", noise_floor=True, unresolved=s * s
+            ),
+            "gls_gram": Statistic(p**0.5, "psd", chol.T, maximum=1.0, noise_floor=True),
+            "gls_rhs": Statistic(z, "vector", chol.T),
+            "rss": Statistic(
+                1.5 * rows,
+                "positive",
+                1.0 / noise_var,
+                minimum=1.0,
+                ratio=(
+                    "n",
+                    (1e-4 * self.init_noise) ** 2 / noise_var,
+                    self.init_noise**2 / noise_var,
+                ),
+            ),
+            "n": Statistic(rows, "positive", minimum=1.0, maximum=rows),
+            "gram": Statistic(rows * p, "psd", minimum=1e-9 * rows, noise_floor=True),
+            "support": Statistic(p**0.5, "psd", maximum=1.0, noise_floor=True, unresolved=0.0),
+        }
+
     def _prior_update(
         self, old_mu: Tensor, total: dict, count: Tensor, metric: Tensor, old_noise: Tensor
     ):
@@ -465,67 +526,6 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
             "scores": scores,
             "cand": stacked,
             **self._interval_update(server, replies, order, total),
-        }
-
-    def dp_statistics(self, down: Tree) -> dict[str, Statistic]:
-        """Client-level DP: each uploaded statistic's public map and bound (core/privacy).
-
-        Maps come from the broadcast only (Σ = L Lᵀ, μ, σ²) and the vague start s
-        (``init_scale``). The GLS terms in the prior's whitened coordinates are
-        bounded by construction: Lᵀ gls_gram_i L = A_i⁻¹B_i has eigenvalues in [0, 1)
-        and Lᵀ gls_rhs_i = z̄_i = L⁻¹(m_i − μ), bounded by 2√p (twice a prior draw's
-        typical norm). The posterior mean and second moment are taken about μ in the
-        units of the vague start — not whitened by the current Σ, which under noise
-        would feed back round after round — with ‖m_i − μ‖ ≤ 2√p s and
-        ‖E[(c_i − μ)(c_i − μ)ᵀ]‖_F ≤ (2√p s)² + p s². Directions the noise hides
-        are not learned: there Σ̂ takes the vague start s², and the support counts no
-        informed unit, so the server keeps μ and s² there (its weak-direction rule).
-        rss_i/σ² ≈ n_i ≤ ``dp_max_rows`` (bound 1.5×, by the broadcast σ²: a fixed
-        scale would drown the RSS of good units in noise), and the noisy Σ rss at most
-        the vague start's noise variance × Σ n (σ² never vaguer than the start) and at
-        least 10⁻⁸ of it (σ ≥ 10⁻⁴ of the start: without this floor, noise draws that
-        sent σ² toward 0 made new units' posterior Cholesky fail at ε = 1); with
-        Legendre terms of inputs in [−1, 1], ‖Φ_iᵀΦ_i‖_F ≤ n_i p; the support's
-        eigenvalues lie in [0, 1).
-        """
-        if self.interval != "posterior":
-            raise ValueError(
-                "fedprior: client-level DP covers interval = 'posterior' only (the hold-out "
-                "uploads a unit's inputs)"
-            )
-        if self.select != "none":
-            # Every candidate's statistics would need their own noise (20× the sensitivity).
-            raise ValueError(
-                "fedprior: client-level DP covers a fixed basis only; set select = 'none' "
-                "(the fedprior_fixed variant)"
-            )
-        p = self.num_features
-        chol = safe_cholesky(down["sigma"].to(F64))[0]
-        mu, rows, s = down["mu"].to(F64), float(self.dp_max_rows), self.init_scale
-        z = 2.0 * p**0.5
-        second = (z * s) ** 2 + p * s * s
-        noise_var = down["noise_var"].to(F64)
-        return {
-            "mean": Statistic(z * s, "vector", center=mu),
-            "second": Statistic(
-                second, "second_moment", center=mu, first="mean", noise_floor=True, unresolved=s * s
-            ),
-            "gls_gram": Statistic(p**0.5, "psd", chol.T, maximum=1.0, noise_floor=True),
-            "gls_rhs": Statistic(z, "vector", chol.T),
-            "rss": Statistic(
-                1.5 * rows,
-                "positive",
-                1.0 / noise_var,
-                minimum=1.0,
-                ratio=(
-                    "n",
-                    (1e-4 * self.init_noise) ** 2 / noise_var,
-                    self.init_noise**2 / noise_var,
-                ),
-            ),
-            "n": Statistic(rows, "positive", minimum=1.0, maximum=rows),
-            "gram": Statistic(rows * p, "psd", minimum=1e-9 * rows, noise_floor=True),
-            "support": Statistic(p**0.5, "psd", maximum=1.0, noise_floor=True, unresolved=0.0),
         }
 
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
