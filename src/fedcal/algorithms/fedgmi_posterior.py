@@ -127,6 +127,8 @@ class FedGMIPosterior(FedGMI):
     interpolation: Literal["posterior"] = "posterior"
 
     name = "fedgmi_bayes"
+    # The body, m_i (the unit's head) and the M-step's sums: m_i m_iᵀ + V_i, RSS, n, Gram.
+    uploads = ("model", "statistics")
 
     def __post_init__(self) -> None:
         super().__post_init__()
