@@ -32,7 +32,8 @@ One round is one ECME iteration (:mod:`fedcal.core.bayes`):
    ``shrinkage``, optionally factored as ``rank`` factors plus a diagonal, and
    its eigenvalues floored (:func:`fedcal.core.bayes.regularize`);
    σ² = Σ_i r_i / Σ_i n_i (with ``interval = "calibrated"``: on residual degrees of
-   freedom, I1 below). Only sums over clients enter, in a canonical order.
+   freedom, I1 of :mod:`~fedcal.algorithms.fedprior_interval`). Only sums over clients
+   enter, in a canonical order.
 3. **Personal model** (``personalize``): the posterior mean m_i, which is a
    precision-weighted interpolation between the unit's own least-squares fit
    and the fleet mean, with its covariance V_i: every prediction carries the
@@ -95,6 +96,12 @@ tangent plane beyond it): :mod:`fedcal.algorithms.fedprior_support`.
 Intervals (``interval = "calibrated"``, issue 20): the noise on residual degrees of freedom,
 a discrepancy variance learned by a design-matched hold-out, or no interval where the fleet
 cannot learn one (:mod:`fedcal.algorithms.fedprior_interval`, steps I1–I3).
+
+One idea per file: this module is the model and its federated EM (with the DP bounds of the
+statistics the E-step uploads, :meth:`FedPrior.dp_statistics`); :class:`FedPrior` adds the
+mixins of the evidence selection (``fedprior_select``), the calibrated interval
+(``fedprior_interval``), the support box (``fedprior_support``) and what a user keeps —
+identification, each unit's status, the exported prior (``fedprior_status``).
 
 Defaults (ours, measured on mixed fleets of 20 fully calibrated + 20 new
 units, 3 fleet seeds, off-grid test points; docs/results/): Legendre orders (4, 3),
