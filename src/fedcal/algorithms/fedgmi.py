@@ -36,10 +36,10 @@ large, keep the local value"): α_j = 1 − g_{i,j}/(g_{i,j} + g_{g,j} + ε·L).
 Variant (ours, issue 10): ``interpolation="posterior"``, the Bayesian head — its own
 algorithm, :class:`~fedcal.algorithms.fedgmi_posterior.FedGMIPosterior` (registered as
 ``fedgmi_bayes``). ``FedGMI(..., interpolation="posterior")`` builds that class
-(:meth:`FedGMI.__new__`), so the shipped variants ``fedgmi_posterior`` and
-``fedgmi_posterior_frozen`` stay tables of ``fedgmi``. Both read the split model's head as
-the coefficients of a linear model of the body's features (:func:`head_design`,
-:func:`head_vector`, :func:`head_tree`), defined here.
+(:meth:`FedGMI.built_class`, which ``FedGMI.__new__`` and the build use), so the shipped
+variants ``fedgmi_posterior`` and ``fedgmi_posterior_frozen`` stay tables of ``fedgmi``.
+Both read the split model's head as the coefficients of a linear model of the body's
+features (:func:`head_design`, :func:`head_vector`, :func:`head_tree`), defined here.
 """
 
 from __future__ import annotations
@@ -167,15 +167,19 @@ class FedGMI(Algorithm):
 
     name = "fedgmi"
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> FedGMI:
+    @classmethod
+    def built_class(cls, settings: dict[str, Any]) -> type[Algorithm]:
         """``FedGMI(..., interpolation=rule)`` of a rule with its own algorithm builds that one.
 
         The Bayesian head (``"posterior"``, :mod:`fedcal.algorithms.fedgmi_posterior`) registers
         itself in :data:`HEAD_RULES` when the package loads (it imports every module).
         """
-        if cls is FedGMI:
-            cls = HEAD_RULES.get(kwargs.get("interpolation", "gradient"), cls)
-        return super().__new__(cls)
+        if cls is not FedGMI:
+            return cls
+        return HEAD_RULES.get(settings.get("interpolation", "gradient"), cls)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> FedGMI:
+        return super().__new__(cls.built_class(kwargs))
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.prior_shrinkage <= 1.0:
