@@ -167,7 +167,7 @@ def method_settings(name: str, config: RunConfig) -> tuple[type[Algorithm], dict
         )
     values.update(own)
     _generic_basis(cls, values, config)
-    return cls, values
+    return cls.built_class(values), values
 
 
 def _generic_basis(cls: type[Algorithm], values: dict[str, Any], config: RunConfig) -> None:

@@ -34,7 +34,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fedcal.algorithms.fedprior import DECLINE, FedPrior
+from fedcal.algorithms.fedprior import FedPrior
+from fedcal.algorithms.fedprior_interval import DECLINE
 from fedcal.build import build_algorithm, build_task, run_record
 from fedcal.config import DataConfig, RunConfig, from_dict
 from fedcal.core.bayes import F64

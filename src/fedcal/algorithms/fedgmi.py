@@ -33,72 +33,30 @@ drags them toward the fleet mean. Dividing both by one norm keeps the
 magnitude comparison the seed's text describes ("if the global gradient is
 large, keep the local value"): α_j = 1 − g_{i,j}/(g_{i,j} + g_{g,j} + ε·L).
 
-Variant (ours, issue 10): ``interpolation="posterior"``, the Bayesian head
-(config variants ``fedgmi_posterior``, ``fedgmi_posterior_frozen``). The head
-is linear in the body's features: y = Φ_i c_i + ε, Φ_i = [h_ω(x), 1]
-(n_i × (d+1)), ε ~ N(0, σ²), under a fleet prior c_i ~ N(μ_h, Σ_h). Per
-round, client i (FedRep-style):
-
-1. features h_{ω^t}(x) of its rows under the received body ω^t;
-2. the head posterior N(m_i, V_i) (:func:`fedcal.core.bayes.posterior`),
-
-       m_i = (G_i/σ² + Σ_h⁻¹)⁻¹ (G_i ĉ_i/σ² + Σ_h⁻¹ μ_h),   G_i = Φ_iᵀΦ_i, ĉ_i = G_i⁻¹Φ_iᵀy_i:
-
-   a precision-weighted interpolation between the fleet head μ_h and the
-   sensor's own least-squares head ĉ_i — per direction of head space, the
-   principled form of alg. 3.3's per-parameter α (Σ_h → ∞ gives ĉ_i, Σ_h → 0
-   gives μ_h); the personal head is m_i;
-3. the body alone is trained for E epochs with the head fixed at m_i; the
-   client uploads the body and the head statistics of the server's M-step —
-   computed with the features of step 1, under the broadcast ω^t: that is the
-   one body every client shares, so all clients' heads live in the same
-   coordinates (after local body training each client's features differ);
-4. server: ω^{t+1} = mean of the bodies; (μ_h, Σ_h, σ²) by one EM step,
-   μ_h = (1/N) Σ_i m_i, Σ_h = (1/N) Σ_i (m_i m_iᵀ + V_i) − μ_h μ_hᵀ, Σ_h
-   regularized as fedprior's (:func:`fedcal.core.bayes.regularize`: shrinkage
-   toward its diagonal in the fleet's feature metric, optional factors,
-   eigenvalue floor); σ² = Σ_i E‖y_i − Φ_i c_i‖² / Σ_i n_i. Not fedprior's
-   ECME (GLS) mean: its Φᵀ C⁻¹ Φ = (G − G L A⁻¹ Lᵀ G / σ²) / σ² cancels
-   catastrophically when the features are nearly collinear (tanh features: the
-   smallest eigenvalue of G is ~1e-13 of the largest) and σ² ≪ Σ_h — measured
-   on the default fleet in round 0: 0.5 % error and negative eigenvalues, μ_h
-   thrown to norm 1e6, the Cholesky factorization failing in round 2. EM uses
-   only m_i and V_i, which the whitened posterior computes stably.
-
-The personal model is (ω^{t+1}, m_i) with m_i recomputed under ω^{t+1} and
-the latest prior (``evaluate="global_body"``, as ``fedgmi_posterior`` sets
-it), which carries V_i and σ² for a predictive σ; or the client's last
-locally trained (ω_i, m_i) (``evaluate="local"``). ``local_epochs = 0``
-never trains the body (``fedgmi_posterior_frozen``): the heads alone, on the
-initial body's random features. ``finetune_*``,
-``magnitude``, ``normalize``, ``interpolate`` and ``upload`` are the gradient
-rule's and unused here.
+Variant (ours, issue 10): ``interpolation="posterior"``, the Bayesian head — its own
+algorithm, :class:`~fedcal.algorithms.fedgmi_posterior.FedGMIPosterior` (registered as
+``fedgmi_bayes``). ``FedGMI(..., interpolation="posterior")`` builds that class
+(:meth:`FedGMI.built_class`, which ``FedGMI.__new__`` and the build use), so the shipped
+variants ``fedgmi_posterior`` and ``fedgmi_posterior_frozen`` stay tables of ``fedgmi``.
+Both read the split model's head as the coefficients of a linear model of the body's
+features (:func:`head_design`, :func:`head_vector`, :func:`head_tree`), defined here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
-from fedcal.core.bayes import (
-    F64,
-    Moments,
-    Posterior,
-    moments,
-    posterior,
-    predictive_var,
-    regularize,
-)
+from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData, full_batch
 from fedcal.core.local import train
 from fedcal.core.optim import make_optimizer
 from fedcal.core.task import Task
-from fedcal.core.tree import Tree, per_client, sq_norm, tree_map, weighted_mean
+from fedcal.core.tree import Tree, per_client, sq_norm, tree_map
 
 
 def interpolation_weights(
@@ -188,49 +146,8 @@ def head_tree(task: Task, coef: Tensor, dtype: torch.dtype) -> Tree:
     }
 
 
-def finite_posterior(stats: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Posterior:
-    """:func:`fedcal.core.bayes.posterior` for a cohort (``mu`` (c, p), ``sigma`` (c, p, p),
-    ``noise_var`` (c,)), NaN for a client whose inputs are not finite.
-
-    A body that diverged gives non-finite features, and a Cholesky factorization of
-    them would stop the whole cohort; the divergence is reported as NaN instead.
-    """
-    c, p = stats.rhs.shape
-    mu, sigma, noise_var = mu.to(F64), sigma.to(F64), noise_var.to(F64)
-    ok = (
-        stats.gram.isfinite().all(-1).all(-1)
-        & stats.rhs.isfinite().all(-1)
-        & stats.yy.isfinite()
-        & mu.isfinite().all(-1)
-        & sigma.isfinite().all(-1).all(-1)
-        & noise_var.isfinite()
-        & (noise_var > 0)
-    )
-    ok2, ok3 = ok.reshape(c, 1), ok.reshape(c, 1, 1)
-    eye = torch.eye(p, dtype=F64)
-    safe = Moments(
-        torch.where(ok3, stats.gram, 0.0),
-        torch.where(ok2, stats.rhs, 0.0),
-        torch.where(ok, stats.yy, 0.0),
-        stats.n,
-    )
-    post = posterior(
-        safe,
-        torch.where(ok2, mu, 0.0),
-        torch.where(ok3, sigma, eye),
-        torch.where(ok, noise_var, 1.0),
-    )
-    return Posterior(
-        *(torch.where(ok.reshape(c, *[1] * (t.dim() - 1)), t, torch.nan) for t in post)
-    )
-
-
 @dataclass(frozen=True)
 class FedGMI(Algorithm):
-    @property
-    def uses_local_epochs(self) -> bool:  # the posterior head is closed form
-        return not self.bayesian
-
     finetune_steps: int = 1
     finetune_lr: float = 0.05
     eps: float = 1e-8
@@ -240,7 +157,8 @@ class FedGMI(Algorithm):
     evaluate: Literal["local", "global_body"] = "local"  # seed: θ̂_i | (ω^{t+1}, φ_i)
     normalize: Literal["separate", "joint"] = "separate"  # seed: L_g, L_i | ours: one norm
     interpolation: Literal["gradient", "posterior"] = "gradient"  # seed alg. 3.3 | ours
-    # The head prior of interpolation="posterior" (see the module doc):
+    # The head prior of interpolation="posterior" (fedgmi_posterior.py; fields of fedgmi so
+    # that its variants are tables of fedgmi):
     prior_shrinkage: float = 0.05  # λ: Σ_h ← (1 − λ)Σ̂ + λ diag(Σ̂), in the feature metric
     prior_rank: int = 0  # > 0: Σ_h = W Wᵀ + D with this many factors; 0: full
     prior_floor: float = 1e-9  # eigenvalues of Σ_h ≥ floor · their mean
@@ -249,6 +167,20 @@ class FedGMI(Algorithm):
 
     name = "fedgmi"
 
+    @classmethod
+    def built_class(cls, settings: dict[str, Any]) -> type[Algorithm]:
+        """``FedGMI(..., interpolation=rule)`` of a rule with its own algorithm builds that one.
+
+        The Bayesian head (``"posterior"``, :mod:`fedcal.algorithms.fedgmi_posterior`) registers
+        itself in :data:`HEAD_RULES` when the package loads (it imports every module).
+        """
+        if cls is not FedGMI:
+            return cls
+        return HEAD_RULES.get(settings.get("interpolation", "gradient"), cls)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> FedGMI:
+        return super().__new__(cls.built_class(kwargs))
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.prior_shrinkage <= 1.0:
             raise ValueError(f"prior_shrinkage must be in [0, 1], got {self.prior_shrinkage}")
@@ -256,29 +188,6 @@ class FedGMI(Algorithm):
             raise ValueError(f"prior_rank must be >= 0, got {self.prior_rank}")
         if not (self.prior_floor > 0 and self.prior_init_scale > 0 and self.prior_init_noise > 0):
             raise ValueError("prior_floor, prior_init_scale and prior_init_noise must be > 0")
-        if self.interpolation == "posterior":
-            head_names(self.task)
-
-    @property
-    def bayesian(self) -> bool:
-        return self.interpolation == "posterior"
-
-    def server_init(self, params: Tree) -> Tree:
-        if not self.bayesian:
-            return super().server_init(params)
-        w_name, b_name = head_names(self.task)
-        if params[w_name].dim() != 2 or params[w_name].shape[0] != 1 or params[b_name].numel() != 1:
-            raise ValueError(
-                "interpolation='posterior' needs a head with one output; "
-                f"{w_name} has shape {tuple(params[w_name].shape)}"
-            )
-        mu = head_vector(self.task, {k: v.unsqueeze(0) for k, v in params.items()})[0]
-        return {
-            "model": params,
-            "head_mu": mu,
-            "head_sigma": self.prior_init_scale**2 * torch.eye(mu.shape[0], dtype=F64),
-            "noise_var": torch.tensor(self.prior_init_noise**2, dtype=F64),
-        }
 
     def client_init(self, down: Tree) -> Tree:
         # Round 0: φ_i^{-1} = φ^0.
@@ -347,17 +256,7 @@ class FedGMI(Algorithm):
         _, grad_i = self.task.head_value_and_grad({**model, **phi_i}, features, y, w)
         return self.interpolate_head(phi_i, phi_g, grad_g, grad_i)
 
-    def head_posterior(self, down: Tree, data: ClientData) -> tuple[Moments, Posterior]:
-        """Steps 1–2 of the posterior rule: the head's moments and posterior under ω of ``down``."""
-        design = head_design(self.task, down["model"], data.x)
-        stats = moments(design, data.y[..., 0], data.mask)
-        return stats, finite_posterior(
-            stats, down["head_mu"], down["head_sigma"], down["noise_var"]
-        )
-
     def client_update(self, down: Tree, state: Tree, data: ClientData) -> ClientResult:
-        if self.bayesian:
-            return self.posterior_update(down, data)
         phi_hat, alpha = self.start_head(down, state, data)
         # Step 5: train the whole model from (ω^t, φ̂_i).
         trained, loss = self.local_train(self.task.join(down["model"], phi_hat), data)
@@ -369,77 +268,12 @@ class FedGMI(Algorithm):
             {"model": reply}, {"model": trained}, {"train_loss": loss, "alpha_mean": alpha_mean}
         )
 
-    def posterior_update(self, down: Tree, data: ClientData) -> ClientResult:
-        """Steps 1–3 of the posterior rule: head m_i, body trained under it, M-step terms."""
-        stats, post = self.head_posterior(down, data)
-        start = self.task.join(down["model"], head_tree(self.task, post.mean, data.x.dtype))
-        if self.local_epochs and self.task.body:
-            trained, loss = self.local_train(start, data, wrt=self.task.body)
-        else:  # no body, or it stays where it started: report the head's fit instead
-            trained, loss = start, (post.rss / stats.n.clamp_min(1.0)).to(data.x.dtype)
-        reply = {
-            "model": self.task.split(trained)[0],
-            "mean": post.mean,
-            "second": post.mean.unsqueeze(-1) * post.mean.unsqueeze(-2) + post.cov,
-            "rss": post.rss,
-            "n": stats.n,
-            "gram": stats.gram,
-        }
-        return ClientResult(reply, {"model": trained}, {"train_loss": loss, "loglik": post.loglik})
-
-    def posterior_server_update(self, server: Tree, replies: Tree, weights: Tensor) -> Tree:
-        """Step 4: body = mean of the bodies; (μ_h, Σ_h, σ²) by EM, Σ_h regularized."""
-        body = weighted_mean(replies["model"], self.weights(weights))
-        # Every unit counts once in the prior; sums in a canonical order (arrival-order free).
-        order = torch.from_numpy(np.lexsort(replies["mean"].numpy().T[::-1]).copy())
-        stats = {k: v[order].sum(0) for k, v in replies.items() if k != "model"}
-        count = float(replies["mean"].shape[0])
-        # EM's M-step, μ_h = mean of m_i (not fedprior's GLS mean: see the module doc).
-        mu = stats["mean"] / count
-        sigma_hat = stats["second"] / count - torch.outer(mu, mu)
-        metric = stats["gram"] / stats["n"].clamp_min(1.0)  # the fleet's mean ΦᵀΦ per point
-        # A diverged client makes the sums non-finite: the prior is then NaN (and so is
-        # every head next round, reported as divergence) instead of a failed factorization.
-        finite = sigma_hat.isfinite().all() & metric.isfinite().all()
-        eye = torch.eye(mu.shape[0], dtype=F64)
-        sigma = regularize(
-            torch.where(finite, sigma_hat, eye),
-            self.prior_shrinkage,
-            self.prior_floor,
-            self.prior_rank or None,
-            torch.where(finite, metric, eye),
-        )
-        sigma = torch.where(finite, sigma, torch.nan)
-        dtype = server["model"][head_names(self.task)[0]].dtype
-        head = {k: v[0] for k, v in head_tree(self.task, mu.unsqueeze(0), dtype).items()}
-        return {
-            "model": {**server["model"], **body, **head},
-            "head_mu": mu,
-            "head_sigma": sigma,
-            "noise_var": stats["rss"] / stats["n"].clamp_min(1.0),
-        }
-
-    def server_update(self, server: Tree, replies: Tree, weights: Tensor) -> Tree:
-        if self.bayesian:
-            return self.posterior_server_update(server, replies, weights)
-        # With upload="body" the head is not uploaded: the global head keeps its value.
-        return super().server_update(server, replies, weights)
-
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
         if self.evaluate == "local":
             return state["model"]
-        if self.bayesian:
-            # (ω^{t+1}, m_i) with m_i under ω^{t+1}'s features and the latest prior.
-            _, post = self.head_posterior(down, data)
-            noise = down["noise_var"].expand(post.mean.shape[0])
-            head = head_tree(self.task, post.mean, data.x.dtype)
-            return {**down["model"], **head, "head_cov": post.cov, "noise_var": noise}
         return self.task.join(down["model"], state["model"])
 
-    def predictive_std(self, params: Tree, x: Tensor) -> Tensor | None:
-        """√(Φ(x) V_i Φ(x)ᵀ + σ²) per row (clients, rows, 1) when the model carries V_i."""
-        if "head_cov" not in params:
-            return None
-        design = head_design(self.task, params, x)
-        var = predictive_var(design, params["head_cov"], params["noise_var"])
-        return var.sqrt().unsqueeze(-1).to(x.dtype)
+
+# Head rules with an algorithm of their own (rule → class), filled by their modules:
+# fedgmi_posterior.py registers "posterior".
+HEAD_RULES: dict[str, type[FedGMI]] = {}

@@ -152,6 +152,12 @@ class Algorithm(AlgorithmFields, metaclass=ChecksOptions):
         """Whether it learns by ``local_epochs`` of SGD (then 0 is refused); closed forms: no."""
         return True
 
+    @classmethod
+    def built_class(cls, settings: dict[str, typing.Any]) -> type[Algorithm]:
+        """The class ``cls(task, **settings)`` builds: ``cls``, unless a setting selects an
+        algorithm of its own (FedGMI's ``interpolation = "posterior"``: fedgmi_bayes)."""
+        return cls
+
     # ---- the contract -------------------------------------------------
     def server_init(self, params: Tree) -> Tree:
         """Server state from freshly initialised model parameters."""

@@ -1,0 +1,237 @@
+"""The fleet prior's predictive intervals that hold, or none (``interval = "calibrated"``).
+
+Intervals (``interval = "calibrated"``, issue 20). The model's own interval
+φᵀV_iφ + σ² holds only if the basis is the truth and σ² is estimated. Neither
+holds in a few-point fleet: a basis that fills a unit's points leaves zero
+residuals (σ² collapses), and a design with K temperature plateaus cannot see
+the curvature between them, which is then in no term of the variance (measured:
+1.3 % coverage at 3×2 points, 20 % at 4×3; 83–88 % for new units of mixed
+fleets, whose one-direction sweep carries the other branch's error). So:
+
+I1. **Noise on residual degrees of freedom** (a restricted-likelihood type
+    update): unit i uploads ν_i = n_i − tr(G_i V_i)/σ_i² (its points minus the
+    effective parameters its posterior spends) and f_i = ‖y_i − Φ_i m_i‖²;
+    σ² = Σ_i f_i / Σ_i ν_i. A unit whose basis saturates its points has ν_i ≈ 0
+    and contributes no noise information; with Σ ν < 1 σ² is kept and the run
+    declines (no interval).
+I2. **A discrepancy variance from a design-matched hold-out.** Every unit with at
+    most ``probe_rows`` rows uploads its inputs as positions in its own span
+    (set points, no targets; with the sweep direction); the server broadcasts the
+    smallest such design, the *probe* (K rows). A unit with at least 2K rows
+    emulates it: it keeps, per probe row, its own nearest row, fits its posterior
+    under the current prior from those K rows alone, and predicts all its other
+    rows with the variance v the model states. It uploads, for each τ² of a fixed
+    grid (:data:`TAU_GRID`), how many held-out rows satisfy |y − ŷ| ≤ 1.96 √(v + τ²),
+    and how many rows it held out (sums only). The server takes the smallest τ²
+    whose pooled held-out coverage reaches ``coverage_target`` (0.95; linear
+    between the two grid values around it): a
+    coverage-calibrated additive discrepancy variance, that holds whatever the
+    error's shape (model form, hysteresis of a one-direction sweep, ripple).
+I3. **Units that get it, and the decline.** A unit with fewer than 2K rows (the
+    probe's class) predicts with variance φᵀV_iφ + σ_i² (+ the direction term) + τ²;
+    a unit with more has τ² = 0 (its own points see what the probe cannot). The
+    discrepancy at a K-row design is identified only by units with more rows: if
+    none held out (every unit is of the probe's size), or no τ² of the grid covers,
+    or Σ ν < 1, or the basis in use has weakly identified directions (see
+    Identification; for every unit then), the run states no interval for those units —
+    :meth:`predictive_std` is NaN there, coverage is empty, the prediction stands —
+    and says why in one line (:meth:`interval_note`, ``prior.json``'s
+    ``interval.reason``, the summary's ``coverage_note``). A unit calibrated later
+    from ``prior.json`` (``fedcal calibrate``) gets the same τ² by the same rule,
+    and none (declined) if it has fewer rows than the probe (or the fleet had no
+    unit of at most ``probe_rows`` rows): its model error was never learned.
+
+:class:`CalibratedInterval` is a mixin of :class:`~fedcal.algorithms.fedprior.FedPrior`: the
+server's interval state (:meth:`~CalibratedInterval._interval_init`), a unit's hold-out
+uploads (I2, :meth:`~CalibratedInterval._heldout`), the server's step I3
+(:meth:`~CalibratedInterval._interval_update`) and the one line a declined run prints
+(:meth:`~CalibratedInterval.interval_note`). The residual terms of I1 are computed in the
+E-step (:func:`_residual_terms`); a unit's τ² and whether it is declined are set in
+``FedPrior.personalize``, and enter its predictive variance through ``variance_form``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from fedcal.algorithms.fedprior_select import _masked
+from fedcal.core.bayes import F64, Posterior, moments, posterior, predictive_var
+from fedcal.core.data import ClientData
+from fedcal.core.tree import Tree
+from fedcal.models.basis import legendre_products
+
+# τ² candidates of the hold-out (scaled units²: the target is scaled to O(1)): 0, then 10 per
+# decade from 1e-12 to 1e2 (steps of 12 % in σ).
+TAU_GRID = torch.cat([torch.zeros(1, dtype=F64), torch.logspace(-12, 2, 141, dtype=F64)])
+
+
+# What the broadcast carries for the interval (the server also keeps "dof").
+INTERVAL_KEYS = ("probe_x", "probe_b", "probe_n", "disc_var", "declined")
+
+
+DECLINE = {
+    1: "no interval: no unit has residual degrees of freedom (Σ ν = {dof:.2g}): every unit's "
+    "basis fits its points exactly, so the noise level cannot be estimated",
+    2: "no interval: no unit has at least twice the points of the smallest design ({n} "
+    "points), so the model error between its points cannot be learned from this fleet",
+    3: "no interval: even the largest discrepancy variance did not cover 95 % of the "
+    "held-out points of the units with more points than the smallest design ({n} points)",
+    4: "no interval for units with fewer points than the fleet's smallest design ({n} points; "
+    "none: no unit had at most probe_rows): their model error was not learned",
+    5: "no interval: the fleet's points do not identify every direction of the basis in use "
+    "(see the weak terms): an interval along them would be the vague start's, not learned",
+}
+
+
+def _unit_span(x: Tensor, mask: Tensor) -> Tensor:
+    """Each row's inputs as positions in [0, 1] of its unit's own span (min to max per input).
+
+    A chamber design is a pattern over a unit's calibrated range (its ends included); units
+    of one fleet read different input values there (each resonator its own frequencies), so
+    the hold-out matches designs by these positions, not by raw inputs.
+    """
+    m = mask.unsqueeze(-1) > 0
+    lo = torch.where(m, x, math.inf).amin(1, keepdim=True)
+    hi = torch.where(m, x, -math.inf).amax(1, keepdim=True)
+    return torch.where(m, (x - lo) / (hi - lo).clamp_min(1e-12), 0.0)
+
+
+def _residual_terms(post: Posterior, gram: Tensor, noise: Tensor, n: Tensor) -> Tree:
+    """Residual degrees of freedom n_i − tr(G_i V_i)/σ_i² and the fit ‖y_i − Φ_i m_i‖²
+    (= E‖y_i − Φ_i c_i‖² − tr(G_i V_i)): the restricted noise update's terms (module doc,
+    "Intervals")."""
+    spent = (gram * post.cov).sum((-2, -1))
+    return {"dof": (n - spent / noise).clamp_min(0.0), "fit": (post.rss - spent).clamp_min(0.0)}
+
+
+class CalibratedInterval:
+    """Steps I2 and I3 of the calibrated interval (module doc)."""
+
+    def _interval_init(self) -> Tree:
+        zero = torch.tensor(0.0, dtype=F64)
+        return {
+            "probe_x": torch.zeros(self.probe_rows, self.num_inputs, dtype=F64),
+            "probe_b": torch.zeros(self.probe_rows, dtype=F64),
+            "probe_n": zero.clone(),  # rows of the probe design; 0: none (yet)
+            "disc_var": zero.clone(),  # τ², scaled units²
+            "declined": zero.clone(),  # 0 an interval; else a DECLINE code
+            "dof": zero.clone(),  # the fleet's residual degrees of freedom Σ_i ν_i
+        }
+
+    def _heldout(self, down: Tree, state: Tree, data: ClientData) -> Tree:
+        """A unit's design-matched hold-out (step I2): its uploads to the interval's sums.
+
+        A unit with at least twice the probe's rows keeps, for each probe row, its own
+        nearest row (by position in its own span, :func:`_unit_span`; a row of the
+        opposite sweep direction only if no other; without directions, its first visit of
+        that set point), fits its posterior under the
+        broadcast prior from those rows alone, and
+        counts, for each τ² of :data:`TAU_GRID`, the other rows whose error lies within
+        ±1.96 √(v + τ²) (v the predictive variance the fit states). Every unit with at
+        most ``probe_rows`` rows also uploads its inputs' span positions and directions
+        (the server's candidate probe: chamber set points, no targets).
+        """
+        x, y, mask = data.x.to(F64), data.y[..., 0].to(F64), data.mask.to(F64)
+        c, rows = mask.shape
+        branch = torch.zeros(c, rows, dtype=F64) if data.branch is None else data.branch.to(F64)
+        px, pb, pn = down["probe_x"].to(F64), down["probe_b"].to(F64), down["probe_n"].to(F64)
+        valid = (torch.arange(px.shape[1]).unsqueeze(0) < pn.unsqueeze(1)).to(F64)
+        u = _unit_span(x, mask)  # positions within the unit's own calibrated span
+        dist = torch.cdist(px, u) + 1e3 * ((pb.unsqueeze(-1) * branch.unsqueeze(-2)) < 0)
+        dist = dist.masked_fill(mask.unsqueeze(1) == 0, math.inf)
+        able = ((data.count.to(F64) >= 2 * pn) & (pn > 0)).to(F64).unsqueeze(1)
+        nearest = dist.argmin(-1)
+        if data.branch is None:
+            # No sweep directions: a probe design is one pass, so at each set point (rows
+            # within 2 % of the span of the nearest) the unit's first visit is kept, not
+            # whichever of its passes reads closest (that mixes branches of a hysteresis).
+            near = dist <= dist.min(-1, keepdim=True).values + 0.02
+            nearest = near.to(torch.int8).argmax(-1)  # the first such row in measured order
+        keep = torch.zeros(c, rows, dtype=F64).scatter_reduce(
+            1, nearest, valid, "amax", include_self=True
+        )
+        keep, held = keep * able, mask * (1 - keep) * able
+        sub = moments(self.design(x, data.branch), y, keep)
+        stats = _masked(sub, down["mask"]) if "mask" in down else sub
+        noise = self._noise(down, state)
+        post = posterior(stats, down["mu"], down["sigma"], noise)
+        coef, cov = post.mean, post.cov
+        if "mask" in down:  # as in personalize: terms outside the chosen basis are not in it
+            m = down["mask"]
+            coef, cov = coef * m, cov * m.unsqueeze(-1) * m.unsqueeze(-2)
+        mean, var = self._mean_var(coef, cov, noise, x)
+        err2 = (y - mean).square().unsqueeze(-1)
+        inside = err2 <= 1.959964**2 * (var.unsqueeze(-1) + TAU_GRID)
+        n = data.count.to(F64)
+        own = (n <= self.probe_rows).to(F64)
+        r = min(rows, self.probe_rows)
+        probe_x = torch.zeros(c, self.probe_rows, x.shape[-1], dtype=F64)
+        probe_x[:, :r] = u[:, :r] * own.reshape(-1, 1, 1)
+        probe_b = torch.zeros(c, self.probe_rows, dtype=F64)
+        probe_b[:, :r] = branch[:, :r] * own.unsqueeze(1)
+        return {
+            "x": probe_x,
+            "b": probe_b,
+            "n": n * own,
+            "inside": (inside.to(F64) * held.unsqueeze(-1)).sum(1),
+            "held": held.sum(1),
+        }
+
+    def _mean_var(self, coef: Tensor, cov: Tensor, noise: Tensor, x: Tensor):
+        """φᵀm_c and the predictive variance of :meth:`variance_form` per row (clients, rows)
+        for a posterior (coef, cov) and noise σ_i²: the hold-out's predictions (I2)."""
+        coef, p = coef.to(F64), len(self.terms)
+        mean = (legendre_products(x, self.terms) * coef[..., :p].unsqueeze(1)).sum(-1)
+        noise = noise.to(F64).expand(cov.shape[:-2])  # one σ² per unit (a fleet's: broadcast)
+        q, s = self.variance_form({"coef": coef, "cov": cov, "noise_var": noise})
+        return mean, predictive_var(self.variance_design(x), q, s)
+
+    def _interval_update(self, server: Tree, replies: Tree, order: Tensor, total: dict) -> Tree:
+        """The server's step I3: the probe, τ² from the hold-out sums, and whether to decline."""
+        if self.interval != "calibrated":
+            return {}
+        iv = {k: v[order] for k, v in replies["interval"].items()}
+        out = self._interval_init()
+        small = iv["n"] > 0
+        if bool(small.any()):  # the smallest design (ties: canonical order) is the probe
+            j = int(torch.argmin(torch.where(small, iv["n"], math.inf)))
+            out.update(probe_x=iv["x"][j], probe_b=iv["b"][j], probe_n=iv["n"][j])
+        out["dof"] = total["dof"]
+        code = 0
+        if float(server["probe_n"]) > 0:  # the units held out against this probe
+            held = float(iv["held"].sum())
+            if held == 0:
+                code = 2
+            else:
+                share = iv["inside"].sum(0) / held  # held-out coverage at each τ² of the grid
+                covered = share >= self.coverage_target
+                if bool(covered.any()):
+                    g = int(torch.nonzero(covered)[0, 0])
+                    out["disc_var"] = TAU_GRID[g].clone()
+                    if g > 0:  # linear between the grid's neighbours, to the target share
+                        w = (self.coverage_target - share[g - 1]) / (share[g] - share[g - 1])
+                        out["disc_var"] = TAU_GRID[g - 1] + w * (TAU_GRID[g] - TAU_GRID[g - 1])
+                else:
+                    code = 3
+        # Directions of the basis in use that too few units' points determine (the
+        # identification rule): an interval along them would be the vague start's.
+        used = torch.nonzero(server["mask"] if "mask" in server else self.masks[-1])[:, 0]
+        support = total["support"][used][:, used]
+        if bool((torch.linalg.eigvalsh(0.5 * (support + support.T)) < self.min_informed).any()):
+            code = 5
+        if float(total["dof"]) < 1.0:
+            code = 1
+        out["declined"] = torch.tensor(float(code), dtype=F64)
+        return out
+
+    def interval_note(self, server: Tree) -> str:
+        """One line: why the run states no interval for (some) units; "" when it states them."""
+        if self.interval != "calibrated":
+            return ""
+        code = int(server["declined"])
+        if not code:
+            return ""
+        return DECLINE[code].format(n=int(server["probe_n"]), dof=float(server["dof"]))

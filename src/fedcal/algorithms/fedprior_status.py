@@ -1,0 +1,144 @@
+"""What a user keeps of a fleet prior: identification, each unit's status, the exported prior.
+
+:class:`PriorStatus` is a mixin of :class:`~fedcal.algorithms.fedprior.FedPrior`:
+
+* :meth:`~PriorStatus.identification`: how many units' points determine each direction of
+  the basis in use, and the weakly identified terms (the module doc of
+  :mod:`fedcal.algorithms.fedprior`, "Identification");
+* :meth:`~PriorStatus.client_status`: a unit is "weak" when its predictions lean on those
+  directions (docs/statuses.md);
+* :meth:`~PriorStatus.export_state`: the fleet prior as JSON-able data, what ``fedcal
+  calibrate`` reads back (:func:`fedcal.calibration.load_prior`); the run adds its context
+  (features, scaler, input range: :func:`fedcal.experiment.export_state`) and writes it as
+  ``prior.json``. The hook of the algorithm contract (:meth:`fedcal.core.algorithm.Algorithm.
+  export_state`), so it lives with the algorithm: the report layer, above it, only reads it.
+
+It reads the basis in use from :class:`~fedcal.algorithms.fedprior_select.EvidenceSelection`
+and the interval's state from :class:`~fedcal.algorithms.fedprior_interval.CalibratedInterval`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fedcal.algorithms.fedprior_select import term_name
+from fedcal.core.bayes import F64, predictive_var
+from fedcal.core.tree import Tree
+from fedcal.models.basis import legendre_products
+
+WEAK_SHARE = 0.5  # a unit is "weak" when weak directions carry more of its σ² (client_status)
+
+
+class PriorStatus:
+    """Identification, client status and the exported prior (module doc)."""
+
+    def identification(self, server: Tree) -> dict[str, Any]:
+        """How many units' data informed each direction of the basis, and which are weak.
+
+        ``support`` is Σ_i of each unit's :func:`~fedcal.core.bayes.data_support`
+        (last round): its eigenvalues are effective counts of units whose own
+        points determine a direction. A direction informed by fewer than
+        ``min_informed`` units is weakly identified: the prior there is not
+        learned but the vague ``init_scale``; it is named by the basis terms that
+        load on it (at least half the largest loading). With ``select = "bic"``:
+        the chosen basis's terms only.
+        """
+        names, idx = self.chosen_features(server)
+        support = server["support"][idx][:, idx]
+        if not torch.any(support != 0):
+            return {"informed_units": [], "weak_terms": [], "weak_directions": 0}
+        vals, vecs = torch.linalg.eigh(0.5 * (support + support.T))
+        weak, directions = [], 0
+        for k in range(len(vals)):
+            if vals[k] < self.min_informed:
+                directions += 1
+                loading = vecs[:, k].abs()
+                big = torch.nonzero(loading >= 0.5 * loading.max())[:, 0].tolist()
+                weak += [names[j] for j in big]
+        return {
+            "informed_units": [round(float(v), 3) for v in vals],
+            "weak_terms": sorted(set(weak)),
+            "weak_directions": directions,
+        }
+
+    def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
+        """A unit is "weak" when its predictions at ``x`` lean on weakly identified directions.
+
+        With W the orthonormal weak directions of the chosen basis (eigenvectors of the
+        summed ``support`` below ``min_informed``, as :meth:`identification`), the share
+        of the unit's predictive variance that comes from its coefficients along W,
+
+            s_i = Σ_rows (φᵀW)(WᵀV_iW)(Wᵀφ) / Σ_rows (φᵀV_iφ + σ_i²),
+
+        is the part of its prediction's uncertainty that the fleet's data did not learn
+        (the vague ``init_scale`` prior). The unit is weak when s_i > ``WEAK_SHARE``
+        (one half): its number is mostly the starting prior's, not a calibration. A
+        unit whose own points determine W has a small V_i along W and is not weak.
+        """
+        n = x.shape[0]
+        _, idx = self.chosen_features(server)
+        support = server["support"][idx][:, idx]
+        none = torch.zeros(n, dtype=torch.bool)
+        if not torch.any(support != 0):
+            return {"weak": none}
+        vals, vecs = torch.linalg.eigh(0.5 * (support + support.T))
+        weak_in_chosen = vecs[:, vals < self.min_informed]
+        if not weak_in_chosen.shape[1]:
+            return {"weak": none}
+        p = len(self.terms)
+        full = torch.zeros(server["support"].shape[0], weak_in_chosen.shape[1], dtype=F64)
+        full[idx] = weak_in_chosen
+        w = full[:p]  # φ's coordinates (a direction term's share is not in predict)
+        phi = legendre_products(x.to(F64), self.terms)  # (clients, rows, p)
+        cov = personal["cov"].to(F64)[..., :p, :p]
+        a = phi @ w  # (clients, rows, k)
+        weak_var = ((a @ (w.T @ cov @ w)) * a).sum(-1)
+        total = predictive_var(phi, cov, personal["noise_var"].reshape(n))
+        m = mask.to(F64)
+        share = (weak_var * m).sum(1) / (total * m).sum(1).clamp_min(1e-300)
+        return {"weak": share > WEAK_SHARE}
+
+    def export_state(self, server: Tree) -> dict[str, Any]:
+        """The fleet prior as JSON-able data: what ``fedcal calibrate`` needs.
+
+        With ``select = "bic"`` it is the chosen basis's prior (its own terms), and
+        ``selection`` records the choice (parameters that rebuild that basis) and
+        every candidate's score.
+        """
+        terms, _ = self.chosen(server)
+        _, idx = self.chosen_features(server)  # μ and Σ over (c, h) jointly
+        state = {
+            "kind": "fedprior",
+            "terms": [list(t) for t in terms],
+            "term_names": [term_name(t) for t in terms],
+            "mu": server["mu"][idx].tolist(),
+            "sigma": server["sigma"][idx][:, idx].tolist(),
+            "noise_var": float(server["noise_var"]),
+            "noise": self.noise,
+            "noise_prior_points": self.noise_prior_points,
+            "identification": self.identification(server),
+        }
+        if self.interval == "calibrated":
+            state["interval"] = {
+                "rule": "calibrated",
+                "discrepancy_var": float(server["disc_var"]),
+                "probe_rows": float(server["probe_n"]),
+                "residual_dof": float(server["dof"]),
+                "declined": int(server["declined"]),
+                "reason": self.interval_note(server),
+            }
+        psi = self.chosen_branch(server)
+        if psi:
+            state["branch_terms"] = [list(t) for t in psi]
+            state["branch_term_names"] = [f"b·{term_name(t)}" for t in psi]
+        if self.select != "none":
+            state["selection"] = {
+                "rule": self.select,
+                "chosen": self.candidates[int(server["choice"])],
+                "candidates": list(self.candidates),
+                "scores": [round(float(v), 3) for v in server["scores"]],
+            }
+        return state
