@@ -171,6 +171,7 @@ def test_secagg_plus_ring_and_run_config() -> None:
     )
     assert got.range_of("gram") == 4096 and got.range_of("cand/mean") == 2
     assert got.range_of("mean") == 8
+    assert got.range_of("cand/gls_gram") == got.range_of("gls_gram") == 2.0**36  # the default
     with pytest.raises(ValueError, match="not name=number"):
         SecureAggregation.parse_ranges("gram:3")
     # entries beyond their range are clipped and counted; the rest round to the nearest q

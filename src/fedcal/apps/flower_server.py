@@ -23,7 +23,8 @@ Run config (declared in the Flower app's ``pyproject.toml``)::
     secure-aggregation   true: the summed statistics of fedprior / fedpoly go through
                   SecAgg+ (:mod:`fedcal.engine.flower.secagg`); the server sees only sums
     secagg-range  clipping bound R of every statistic's entries (quantum R·2⁻⁴⁴)
-    secagg-ranges per-statistic bounds, "gram=4096,cand/=100" (a name or a prefix/)
+    secagg-ranges per-statistic bounds, "gram=4096,cand/=100" (a name, its last part or a
+                  prefix/), over the defaults (gls_gram = 2³⁶)
     secagg-shares neighbours per site incl. itself (SecAgg+ ring; 0: all sites)
     secagg-threshold  share of a site's neighbours whose key shares reconstruct its secrets
 
@@ -157,7 +158,10 @@ def secure_settings(cfg: dict[str, Any]) -> SecureAggregation | None:
     default = SecureAggregation()
     return SecureAggregation(
         range=float(cfg.get("secagg-range", default.range)),
-        ranges=SecureAggregation.parse_ranges(str(cfg.get("secagg-ranges", ""))),
+        ranges={
+            **default.ranges,
+            **SecureAggregation.parse_ranges(str(cfg.get("secagg-ranges", ""))),
+        },
         shares=int(cfg.get("secagg-shares", default.shares)),
         threshold=float(cfg.get("secagg-threshold", default.threshold)),
     )
