@@ -29,11 +29,11 @@ from fedcal.core.aggregation import AggregationRules
 from fedcal.core.tree import flatten
 from fedcal.engine.flower.loop import run_federation
 from fedcal.engine.flower.secagg import (
-    BITS,
     SECAGG,
     Layout,
     SecureAggregation,
     SecureAggregationError,
+    decode,
     encode,
     neighbours,
 )
@@ -51,14 +51,15 @@ SITES = {"S00": "lab-b", "S01": "lab-a", "S02": "lab-c", "S03": "lab-c", "S04": 
 SITES |= {"S05": "lab-c"}
 TRAIN_ROWS = [13, 7, 10, 9, 12, 8]
 # Ranges these toy sensors stay inside (fedprior's GLS terms grow as σ² shrinks: 137 here)
+# and 40 fraction bits, so that the rounding (q = R·2⁻⁴⁰) is visible above float64's
 RANGES = SecureAggregation(
-    range=64.0, ranges={"gram": 1024, "n": 1024, "gls_gram": 65536, "gls_rhs": 4096}
+    range=64.0, ranges={"gram": 1024, "n": 1024, "gls_gram": 65536, "gls_rhs": 4096}, bits=40
 )
 
 
-def _run(fleet, root, method, secure=None, lost=None):
+def _run(fleet, root, method, secure=None, lost=None, rounds=0):
     cfgs = node_cfgs(fleet, root, sites=SITES)
-    fed = federation(CONFIG, method, seed=4, secure=secure)
+    fed = federation(CONFIG, method, seed=4, secure=secure, rounds=rounds)
     wire: list = []
     transport = InProcess(cfgs, 11, lost=lost, wire=wire)
     run_federation(fed, transport)
@@ -89,12 +90,13 @@ def test_secure_run_equals_the_plain_run_within_the_quantization_bound(
     method, fleet, tmp_path
 ) -> None:
     plain, _, plain_wire = _run(fleet, tmp_path / "plain", method)
-    secure, _, secure_wire = _run(fleet, tmp_path / "secure", method, RANGES)
+    secure, _, secure_wire = _run(fleet, tmp_path / "secure", method, SecureAggregation())
+    coarse, _, _ = _run(fleet, tmp_path / "coarse", method, RANGES, rounds=1)
     assert [e["trained"] for e in secure.log] == [list(range(6))] * ROUNDS
 
     # Round 0 starts from the same server state: the secure sum is the plain sum of the six
-    # sensors' statistics, up to fixed point (N·q/2 per entry, q = range·2⁻⁴⁴) and float64.
-    got = secure.secure_sums[0]
+    # sensors' statistics, up to fixed point (N·q/2 per entry, q = range·2⁻⁴⁰) and float64.
+    got = coarse.secure_sums[0]
     assert got.count == 6 and got.clipped == 0 and got.dropped == []
     per_sensor: dict[str, list[np.ndarray]] = {}
     for rep in _replies(plain_wire, 0).values():
@@ -106,7 +108,7 @@ def test_secure_run_equals_the_plain_run_within_the_quantization_bound(
     worst = 0.0
     for k, values in per_sensor.items():
         exact = np.sum(values, axis=0)
-        q = RANGES.range_of(k) * 2.0**-BITS
+        q = RANGES.range_of(k) * 2.0**-RANGES.bits
         bound = 6 * q / 2 + 4 * np.finfo(float).eps * np.sum(np.abs(values), axis=0)
         assert got.bound[k] == pytest.approx(6 * q / 2)
         err = np.abs(got.sums[k] - exact)
@@ -127,14 +129,15 @@ def test_secure_run_equals_the_plain_run_within_the_quantization_bound(
         ).view(np.uint64)
         assert masked.shape == own.shape and (masked != own).mean() > 0.99
 
-    # The whole run: the same numbers up to the propagated rounding (nothing was clipped).
+    # The whole run with the default encoding (84 fraction bits: below float64's spacing,
+    # so what differs is the order of the float additions): the plain run's numbers.
     assert all(out.clipped == 0 for out in secure.secure_sums.values())
     a, b = flatten(plain.server), flatten(secure.server)
     for k in a:
-        assert torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-8), k
+        assert torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-12), k
     rows = {(r["round"], r["client"]): r["test_rmse"] for r in plain.history}
     for r in secure.history:
-        assert r["test_rmse"] == pytest.approx(rows[(r["round"], r["client"])], rel=1e-6)
+        assert r["test_rmse"] == pytest.approx(rows[(r["round"], r["client"])], rel=1e-9)
 
 
 def test_a_site_dropped_within_the_threshold_is_unmasked_away_and_the_round_completes(
@@ -144,7 +147,7 @@ def test_a_site_dropped_within_the_threshold_is_unmasked_away_and_the_round_comp
     lab_b = next(n for n, c in cfgs.items() if c["site-id"] == "lab-b")  # sensor 0's site
     lost = lambda t: {lab_b} if t == 1 else set()  # noqa: E731 — its round-1 reply is lost
     plain, _, _ = _run(fleet, tmp_path / "plain", "fedprior", lost=lost)
-    secure, _, _ = _run(fleet, tmp_path / "secure", "fedprior", RANGES, lost=lost)
+    secure, _, _ = _run(fleet, tmp_path / "secure", "fedprior", SecureAggregation(), lost=lost)
     entry = secure.log[1]
     assert entry["secure"]["dropped_sites"] == [lab_b]
     assert entry["trained"] == [1, 2, 3, 4, 5] == plain.log[1]["trained"]
@@ -152,10 +155,10 @@ def test_a_site_dropped_within_the_threshold_is_unmasked_away_and_the_round_comp
     assert secure.last_used[0] == 0  # its round-1 state is rolled back, as in the plain run
     a, b = flatten(plain.server), flatten(secure.server)
     for k in a:
-        assert torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-8), k
+        assert torch.allclose(a[k], b[k], rtol=1e-9, atol=1e-12), k
 
     # All three sites' shares needed: losing one reply leaves the sum masked; the run says so.
-    strict = replace(RANGES, threshold=1.0)
+    strict = SecureAggregation(threshold=1.0)
     with pytest.raises(SecureAggregationError, match="threshold 3") as err:
         _run(fleet, tmp_path / "strict", "fedprior", strict, lost=lost)
     assert "\n" not in str(err.value)
@@ -175,11 +178,16 @@ def test_secagg_plus_ring_and_run_config() -> None:
     with pytest.raises(ValueError, match="not name=number"):
         SecureAggregation.parse_ranges("gram:3")
     # entries beyond their range are clipped and counted; the rest round to the nearest q
-    layout = Layout.of({"a": (3,)}, SecureAggregation(range=2.0))
-    q = 2.0 * 2.0**-BITS
+    # (a range is rounded up to a power of two: 1.5 → 2)
+    layout = Layout.of({"a": (3,)}, SecureAggregation(range=1.5, bits=60))
+    q = 2.0 * 2.0**-60
     total = encode(layout, [{"a": np.array([2.5, -7.0, 0.3])}, {"a": np.array([1.0, 0, q / 3])}])
     assert total[:2].tolist() == [2, 2]  # two sensors, two clipped entries
-    assert total[2:].tolist() == [round(3.0 / q), round(-2.0 / q), round(0.3 / q)]
+    hi, lo = total[2:5].astype(object), total[5:].astype(object)
+    e = [h * 2**42 + low for h, low in zip(hi, lo, strict=True)]
+    assert e == [3 * 2**59, -(2**60), int(0.3 * 2**59)]  # 2 + 1, −2, 0.3 (+ q/3 → 0), over q
+    sums, count, clipped = decode(layout, total.view(np.uint64))
+    assert (count, clipped) == (2, 2) and sums["a"].tolist() == [3.0, -2.0, 0.3]
 
 
 @pytest.mark.parametrize(

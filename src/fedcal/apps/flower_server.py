@@ -22,9 +22,10 @@ Run config (declared in the Flower app's ``pyproject.toml``)::
     node-wait-timeout, reply-timeout, poll-interval, message-ttl   (seconds)
     secure-aggregation   true: the summed statistics of fedprior / fedpoly go through
                   SecAgg+ (:mod:`fedcal.engine.flower.secagg`); the server sees only sums
-    secagg-range  clipping bound R of every statistic's entries (quantum R·2⁻⁴⁴)
+    secagg-range  clipping bound R of every statistic's entries (quantum R·2^-bits)
     secagg-ranges per-statistic bounds, "gram=4096,cand/=100" (a name, its last part or a
                   prefix/), over the defaults (gls_gram = 2³⁶)
+    secagg-bits   fraction bits b of the fixed point (1 … 84; quantum q = R·2⁻ᵇ)
     secagg-shares neighbours per site incl. itself (SecAgg+ ring; 0: all sites)
     secagg-threshold  share of a site's neighbours whose key shares reconstruct its secrets
 
@@ -164,6 +165,7 @@ def secure_settings(cfg: dict[str, Any]) -> SecureAggregation | None:
         },
         shares=int(cfg.get("secagg-shares", default.shares)),
         threshold=float(cfg.get("secagg-threshold", default.threshold)),
+        bits=int(cfg.get("secagg-bits", default.bits)),
     )
 
 

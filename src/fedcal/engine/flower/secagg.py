@@ -35,12 +35,15 @@ are Flower's (``flwr.common.secure_aggregation.crypto``,
 (``cryptography``) from the full 256-bit keys, added mod 2⁶⁴.
 
 **Fixed-point encoding.** Every entry x of a statistic with range R (its
-clipping bound, per statistic: :class:`SecureAggregation`) is clipped to
-[−R, R] and rounded to the nearest multiple of the quantum q = R·2⁻⁴⁴:
-enc(x) = round(clip(x)/q), a signed 64-bit integer. The sum of N sensors'
-entries is exact in integers while N·2⁴⁴ < 2⁶² (N ≤ 2¹⁸ = 262,144 sensors, checked), so
-the decoded sum differs from the float sum of the clipped entries by at most
-N·q/2 (:func:`quantization_bound`; plus float64 rounding, ~2⁻⁵² relative).
+clipping bound, per statistic: :class:`SecureAggregation`; rounded up to a power
+of two) is clipped to [−R, R] and rounded to the nearest multiple of the quantum
+q = R·2⁻ᵇ (b = ``bits``, 84 by default): e = round(clip(x)/q), an integer of up to
+85 bits carried in two 64-bit limbs (:class:`Layout`). The limbs' sums over
+N ≤ 2²⁰ sensors are exact (checked), so the decoded sum differs from the sum of
+the clipped entries by at most N·q/2 (:func:`quantization_bound`) before its one
+float64 rounding. With b = 84, q is below the float64 spacing of every entry
+above R·2⁻³¹: the encoding of such an entry is exact, and the secure sum is the
+exact sum rounded once (a plain float sum rounds at every addition).
 Entries beyond R are clipped (a bias, not a rounding): each site adds how many
 it clipped to the secure sum, and the run reports the fleet's total.
 
@@ -70,11 +73,12 @@ if TYPE_CHECKING:
     from flwr.app import RecordDict
 
 SECAGG = "secagg"  # the record name of the protocol's messages and replies
-BITS = 44  # fraction bits: the quantum is R·2⁻⁴⁴
-MAX_SENSORS = 1 << (62 - BITS)  # N·2⁴⁴ < 2⁶³ (one bit to spare): 262,144 sensors
+MAX_BITS = 84  # fraction bits at most: e = round(x/q), |e| ≤ 2⁸⁴, in two 64-bit limbs
+LIMB = 2.0**42  # e = hi·2⁴² + lo: |hi|, lo ≤ 2⁴² per sensor
+MAX_SENSORS = 1 << 20  # N·2⁴² < 2⁶³ for both limbs' sums: 1,048,576 sensors
 # fedprior's GLS Gram Φᵀ C⁻¹ Φ grows as n/σ² (measured up to 7.4e7 on the default fleet,
 # 384 points, fleet seeds 0 and 1; its other statistics stay below 1e4): 2³⁶ ≈ 6.9e10,
-# quantum 2⁻⁸. Every other statistic: ``range`` 2²⁰, quantum 2⁻²⁴ ≈ 6e-8.
+# quantum 2⁻⁴⁸. Every other statistic: ``range`` 2²⁰, quantum 2⁻⁶⁴ (84 fraction bits).
 DEFAULT_RANGES: dict[str, float] = {"gls_gram": 2.0**36}
 
 
@@ -92,6 +96,7 @@ class SecureAggregation:
 
     range: float = 2.0**20
     ranges: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_RANGES))
+    bits: int = MAX_BITS  # fraction bits: q = R·2^-bits
     shares: int = 0
     threshold: float = 0.5
 
@@ -101,6 +106,8 @@ class SecureAggregation:
             raise ValueError(f"secagg-range: every range must be > 0 and finite, got {bad}")
         if self.shares < 0 or self.shares == 1 or self.shares == 2:
             raise ValueError(f"secagg-shares: 0 (all sites) or >= 3, got {self.shares}")
+        if not 1 <= self.bits <= MAX_BITS:
+            raise ValueError(f"secagg-bits: 1 … {MAX_BITS} fraction bits, got {self.bits}")
         if not 0 < self.threshold <= 1:
             raise ValueError(f"secagg-threshold: a fraction in (0, 1], got {self.threshold}")
 
@@ -122,7 +129,10 @@ class SecureAggregation:
 
     def range_of(self, name: str) -> float:
         """The range of one leaf: its own entry, its last component's, the longest prefix
-        entry's, else ``range``."""
+        entry's, else ``range``; rounded up to a power of two."""
+        return 2.0 ** math.ceil(math.log2(self._range_of(name)))  # a power of two: exact x/q
+
+    def _range_of(self, name: str) -> float:
         for key in (name, name.rsplit("/", 1)[-1]):
             if key in self.ranges:
                 return float(self.ranges[key])
@@ -135,7 +145,7 @@ class SecureAggregation:
             "ranges": dict(self.ranges),
             "shares": self.shares,
             "threshold": self.threshold,
-            "fraction_bits": BITS,
+            "fraction_bits": self.bits,
         }
 
 
@@ -178,9 +188,15 @@ def disabled(policy) -> list[str]:
 # ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Layout:
-    """The summed vector: leaves (name, shape, range) in the reply's order."""
+    """The summed vector: leaves (name, shape, range) in the reply's order, fraction bits.
+
+    The vector is ``[count, clipped, hi limbs…, lo limbs…]`` (int64): each entry's
+    integer e = round(x/q) travels as e = hi·2⁴² + lo, 0 ≤ lo < 2⁴², so up to 84
+    fraction bits fit two 64-bit words and the sum of 2²⁰ sensors is exact.
+    """
 
     leaves: tuple[tuple[str, tuple[int, ...], float], ...]
+    bits: int = 84
 
     @classmethod
     def of(cls, shapes: Mapping[str, tuple[int, ...]], settings: SecureAggregation) -> Layout:
@@ -190,35 +206,43 @@ class Layout:
                 f"secure aggregation: reply leaves {bad} change shape with a unit's rows; "
                 "only fixed-size statistics can be summed"
             )
-        return cls(tuple((k, tuple(s), settings.range_of(k)) for k, s in shapes.items()))
+        leaves = tuple((k, tuple(s), settings.range_of(k)) for k, s in shapes.items())
+        return cls(leaves, settings.bits)
 
     def to_json(self) -> str:
-        return json.dumps([[k, list(s), r] for k, s, r in self.leaves])
+        return json.dumps(
+            {"bits": self.bits, "leaves": [[k, list(s), r] for k, s, r in self.leaves]}
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Layout:
-        return cls(
-            tuple((str(k), tuple(int(d) for d in s), float(r)) for k, s, r in json.loads(text))
-        )
+        raw = json.loads(text)
+        leaves = tuple((str(k), tuple(int(d) for d in s), float(r)) for k, s, r in raw["leaves"])
+        return cls(leaves, int(raw["bits"]))
+
+    @property
+    def entries(self) -> int:
+        return sum(math.prod(s) for _, s, _ in self.leaves)
 
     @property
     def size(self) -> int:
-        return 2 + sum(math.prod(s) for _, s, _ in self.leaves)
+        return 2 + 2 * self.entries
 
     def quanta(self) -> np.ndarray:
-        """q per entry of the vector (1 for the count and clipped entries)."""
-        parts = [np.ones(2)]
-        parts += [np.full(math.prod(s), r * 2.0**-BITS) for _, s, r in self.leaves]
-        return np.concatenate(parts)
+        """q = R·2^-bits per statistic entry (a power of two: x/q is exact in float64)."""
+        parts = [np.full(math.prod(s), r * 2.0**-self.bits) for _, s, r in self.leaves]
+        return np.concatenate(parts) if parts else np.zeros(0)
 
 
 def encode(layout: Layout, replies: list[Mapping[str, np.ndarray]]) -> np.ndarray:
-    """Σ over sensors of enc(x) (int64), with the sensor count and clipped entries first."""
-    q = layout.quanta()[2:]
+    """Σ over sensors of enc(x) as int64 limbs, with the sensor count and clipped entries
+    first (see :class:`Layout`)."""
+    q = layout.quanta()
     bound = np.concatenate([np.full(math.prod(s), r) for _, s, r in layout.leaves])
+    e = layout.entries
     total = np.zeros(layout.size, dtype=np.int64)
+    names = [k for k, _, _ in layout.leaves]
     for reply in replies:
-        names = [k for k, _, _ in layout.leaves]
         if list(reply) != names:
             raise ValueError(f"secure aggregation: reply leaves {list(reply)}, layout {names}")
         flat = []
@@ -232,15 +256,22 @@ def encode(layout: Layout, replies: list[Mapping[str, np.ndarray]]) -> np.ndarra
         x = np.concatenate(flat) if flat else np.zeros(0)
         total[0] += 1
         total[1] += int((np.abs(x) > bound).sum())
-        total[2:] += np.rint(np.clip(x, -bound, bound) / q).astype(np.int64)
+        # |v| ≤ 2^bits ≤ 2^84, an integer in float64; hi·2⁴² and v − hi·2⁴² are exact
+        v = np.rint(np.clip(x, -bound, bound) / q)
+        hi = np.floor(v / LIMB)
+        total[2 : 2 + e] += hi.astype(np.int64)
+        total[2 + e :] += (v - hi * LIMB).astype(np.int64)
     return total
 
 
 def decode(layout: Layout, total: np.ndarray) -> tuple[dict[str, np.ndarray], int, int]:
-    """(sums by leaf, float64; sensor count; clipped entries) of an unmasked vector."""
+    """(sums by leaf, float64; sensor count; clipped entries) of an unmasked vector: the
+    exact integer sum, rounded once to float64."""
     signed = total.view(np.int64)
-    x = signed.astype(np.float64) * layout.quanta()
-    out, at = {}, 2
+    e = layout.entries
+    exact = signed[2 : 2 + e].astype(object) * int(LIMB) + signed[2 + e :].astype(object)
+    x = np.array([float(v) for v in exact], dtype=np.float64) * layout.quanta()
+    out, at = {}, 0
     for name, shape, _ in layout.leaves:
         n = math.prod(shape)
         out[name] = x[at : at + n].reshape(shape)
@@ -250,8 +281,8 @@ def decode(layout: Layout, total: np.ndarray) -> tuple[dict[str, np.ndarray], in
 
 def quantization_bound(layout: Layout, sensors: int) -> dict[str, float]:
     """Largest |decoded − exact| per entry of each leaf's sum over ``sensors`` (clipped
-    entries aside): N·q/2, before float64 rounding."""
-    return {name: sensors * r * 2.0**-BITS / 2 for name, _, r in layout.leaves}
+    entries aside): N·q/2, before the one float64 rounding of the result."""
+    return {name: sensors * r * 2.0**-layout.bits / 2 for name, _, r in layout.leaves}
 
 
 # ----------------------------------------------------------------------------
