@@ -15,9 +15,11 @@ Two settings, one printed table each, with the ratio SecAgg+ / plain:
 The fleet is the embedded simulator's (``--sensors-per-site`` units per site),
 the configuration the shipped default with ``method = fedprior`` and
 ``interval = "posterior"`` (the calibrated interval is refused under SecAgg+). Per round:
-the mean wall time of the training messages (the server's side, message sent
-to replies absorbed; the last message only evaluates and is not counted), the
-bytes uploaded, and the largest difference of the final server state. Example::
+the mean wall time of the training messages (the server's side: from the round's
+start to the last reply, the sites' work and every protocol step included; the
+last message only evaluates and is not counted), the
+bytes uploaded (the statistics' records only: keys and shares are not counted), and the
+largest difference of the final server state (per leaf, relative to its largest entry). Example::
 
     python benchmarks/flower_secagg.py --sites 4 16 --rounds 3
     python benchmarks/flower_secagg.py --mode deploy --sites 4 --rounds 2
@@ -153,7 +155,12 @@ def main(argv: list[str] | None = None) -> None:
             if any(clipped):
                 print(f"  {k} sites: {sum(clipped)} entries clipped to the range")
         a, b = runs["plain"]["server"], runs["secagg"]["server"]
-        diff = max(float((a[n].double() - b[n].double()).abs().max()) for n in a)
+        # largest difference of a server leaf, relative to that leaf's largest entry
+        diff = max(
+            float((a[n].double() - b[n].double()).abs().max() / a[n].double().abs().max())
+            for n in a
+            if a[n].numel() and float(a[n].double().abs().max()) > 0
+        )
         print(
             f"{k:5d}  {row['plain']:13.2f}  {row['secagg']:14.2f}  "
             f"{row['secagg'] / row['plain']:5.2f}  {row['plain_bytes']:13.0f}  "
