@@ -13,6 +13,9 @@ SuperNode, so it runs last. What is proved:
   simulator's numbers (float64, atol 1e-9): per-round per-sensor metrics, the
   final server tree, each sensor's personalized model and private state (read
   from its site's state file);
+* secure aggregation: fedprior with SecAgg+ (``secure-aggregation = true``) sums
+  the three sites' masked statistics each round and equals the plain run up to
+  the fixed point's rounding;
 * a curious server: a run of ``centralized`` (raw rows) is refused by every
   site (default node config), fails with their messages in result.json, and
   no site trains or writes state for it;
@@ -69,6 +72,7 @@ CONFIG = RunConfig(
 # The server step of a real run: the [aggregation] policy of the config (screen, clip).
 POLICY = build_policy(CONFIG)[0]
 METHODS = ("fedgmi", "fedprior", "clustered")
+SECURE = "fedprior-secagg"  # the fedprior run with secure-aggregation = true
 SITES = {"S00": "lab-a", "S01": "lab-b", "S02": "lab-a", "S03": "lab-h", "S04": "lab-a"}
 SITES |= {"S05": "lab-b"}
 TRAIN_ROWS = [13, 7, 10, 9, 12, 8]
@@ -185,6 +189,8 @@ def equivalence_runs(setup: Setup) -> dict[str, tuple[dict, dict, float]]:
     """
     t0 = time.monotonic()
     ids = {m: _submit(setup, m, method=m) for m in METHODS}
+    # fedprior's statistics through SecAgg+ (fedcal.engine.flower.secagg), side by side
+    ids[SECURE] = _submit(setup, SECURE, method="fedprior", **{"secure-aggregation": True})
     done = {}
     for method, run_id in ids.items():
         status = setup.dep.wait(run_id, timeout=600)
@@ -295,6 +301,34 @@ def test_flower_run_on_three_sites_equals_the_simulator(
         "handshake_s": round(result["timings"]["handshake_s"], 1),
         "message_s": [round(r["exchange_s"], 1) for r in rounds],
         "simulator_s": round(sim_wall, 3),
+    }
+
+
+def test_secure_aggregation_over_tls_and_node_auth(setup: Setup, equivalence_runs) -> None:
+    """fedprior with SecAgg+ on the deployment: every round sums all three sites' masked
+    vectors (lab-a's statistics computed on its worker), nothing is clipped, and the run
+    gives the plain run's numbers up to the fixed point's rounding (docs/flower.md)."""
+    status, result, wall = equivalence_runs[SECURE]
+    assert status["status"] == "finished:completed", (status, result.get("traceback"))
+    assert result["status"] == "ok"
+    assert "norm screening (screen_factor = 10)" in result["secure_aggregation"]["disabled"]
+    sites = sorted(setup.registered.values())
+    for entry in result["participation"]:
+        assert entry["trained"] == list(range(6))
+        assert entry["secure"]["sites"] == sites and entry["secure"]["dropped_sites"] == []
+        assert entry["secure"]["clipped_entries"] == 0
+    _, plain, _ = equivalence_runs["fedprior"]
+    want = {(r["round"], r["client"]): r["test_rmse"] for r in plain["history"]}
+    assert len(result["history"]) == len(want) == 6 * ROUNDS
+    for r in result["history"]:
+        assert r["test_rmse"] == pytest.approx(want[(r["round"], r["client"])], rel=1e-6)
+    a = torch.load(setup.root / "out" / "fedprior" / "server.pt")
+    b = torch.load(setup.root / "out" / SECURE / "server.pt")
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=1e-6, atol=1e-8), k
+    TIMINGS[SECURE] = {
+        "submitted_to_finished_s": round(wall, 1),
+        "message_s": [round(r["exchange_s"], 1) for r in result["timings"]["rounds"]],
     }
 
 
