@@ -19,7 +19,8 @@ the mean wall time of the training messages (the server's side: from the round's
 start to the last reply, the sites' work and every protocol step included; the
 last message only evaluates and is not counted), the
 bytes uploaded (the statistics' records only: keys and shares are not counted), and the
-largest difference of the final server state (per leaf, relative to its largest entry). Example::
+largest difference of the final server state (per leaf, relative to its largest
+entry). Example::
 
     python benchmarks/flower_secagg.py --sites 4 16 --rounds 3
     python benchmarks/flower_secagg.py --mode deploy --sites 4 --rounds 2
@@ -133,9 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         f"sensors/site: {args.sensors_per_site}  range: {args.range:g}  fleet seed: "
         f"{args.fleet_seed}"
     )
-    print(
-        "sites  plain_s/round  secagg_s/round  ratio  plain_B/round  secagg_B/round  max|Δserver|"
-    )
+    print("sites  plain_s/round  secagg_s/round  ratio  plain_B/round  secagg_B/round  rel_Δserver")
     for k in args.sites:
         fleet, sites = _fleet(k, args.sensors_per_site, args.fleet_seed)
         root = Path(tempfile.mkdtemp(prefix=f"secagg-bench-{k}-"))
