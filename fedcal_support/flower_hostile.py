@@ -63,16 +63,25 @@ class InProcess:
         self, contents: Mapping[int, RecordDict], kind: str, t: int
     ) -> tuple[dict[int, RecordDict], dict[int, str]]:
         from fedcal.engine.flower.client import answer_handshake, run_round
+        from fedcal.engine.flower.secagg import SECAGG, site_round, site_stage
 
+        if kind == SECAGG:  # a step of secure aggregation: keys and shares, not data
+            cfgs = self.node_cfgs
+            return {n: site_stage(c, cfgs[n], self.run_id, n) for n, c in contents.items()}, {}
         if kind == "handshake":
             return {
                 n: self._deliver(HANDSHAKE, n, answer_handshake(c, self.node_cfgs[n], self.run_id))
                 for n, c in contents.items()
             }, {}
-        replies = {
-            n: self._deliver(t, n, run_round(c, self.node_cfgs[n], self.run_id))
-            for n, c in contents.items()
-        }
+
+        def run(c, cfg):
+            return (
+                site_round(c, cfg, self.run_id, run_round)
+                if SECAGG in c
+                else run_round(c, cfg, self.run_id)
+            )
+
+        replies = {n: self._deliver(t, n, run(c, self.node_cfgs[n])) for n, c in contents.items()}
         gone = {n: "reply lost" for n in (self.lost(t) if self.lost else set()) if n in replies}
         return {n: r for n, r in replies.items() if n not in gone}, gone
 

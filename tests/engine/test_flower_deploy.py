@@ -13,6 +13,9 @@ SuperNode, so it runs last. What is proved:
   simulator's numbers (float64, atol 1e-9): per-round per-sensor metrics, the
   final server tree, each sensor's personalized model and private state (read
   from its site's state file);
+* secure aggregation: fedprior with SecAgg+ (``secure-aggregation = true``) sums
+  the three sites' masked statistics each round and gives the simulator's
+  numbers (rtol 1e-9: the float summation order differs);
 * a curious server: a run of ``centralized`` (raw rows) is refused by every
   site (default node config), fails with their messages in result.json, and
   no site trains or writes state for it;
@@ -69,6 +72,7 @@ CONFIG = RunConfig(
 # The server step of a real run: the [aggregation] policy of the config (screen, clip).
 POLICY = build_policy(CONFIG)[0]
 METHODS = ("fedgmi", "fedprior", "clustered")
+SECURE = "fedprior-secagg"  # the fedprior run with secure-aggregation = true
 SITES = {"S00": "lab-a", "S01": "lab-b", "S02": "lab-a", "S03": "lab-h", "S04": "lab-a"}
 SITES |= {"S05": "lab-b"}
 TRAIN_ROWS = [13, 7, 10, 9, 12, 8]
@@ -295,6 +299,36 @@ def test_flower_run_on_three_sites_equals_the_simulator(
         "handshake_s": round(result["timings"]["handshake_s"], 1),
         "message_s": [round(r["exchange_s"], 1) for r in rounds],
         "simulator_s": round(sim_wall, 3),
+    }
+
+
+def test_secure_aggregation_over_tls_and_node_auth(setup: Setup) -> None:
+    """fedprior with SecAgg+ on the deployment: every round sums all three sites' masked
+    vectors (lab-a's statistics computed on its worker), nothing is clipped, and the run
+    gives the simulator's numbers up to the float summation order (docs/flower.md)."""
+    t0 = time.monotonic()
+    run_id = _submit(setup, SECURE, method="fedprior", **{"secure-aggregation": True})
+    status = setup.dep.wait(run_id, timeout=600)
+    result = _result(setup, SECURE)
+    assert status["status"] == "finished:completed", (status, result.get("traceback"))
+    assert result["status"] == "ok"
+    assert "norm screening (screen_factor = 10)" in result["secure_aggregation"]["disabled"]
+    sites = sorted(setup.registered.values())
+    for entry in result["participation"]:
+        assert entry["trained"] == list(range(6))
+        assert entry["secure"]["sites"] == sites and entry["secure"]["dropped_sites"] == []
+        assert entry["secure"]["clipped_entries"] == 0
+    res, _ = _simulate(setup, "fedprior")
+    want = {(r["round"], r["client"]): r["test_rmse"] for r in res.history}
+    assert len(result["history"]) == len(want) == 6 * ROUNDS
+    for r in result["history"]:
+        assert r["test_rmse"] == pytest.approx(want[(r["round"], r["client"])], rel=1e-9)
+    server = torch.load(setup.root / "out" / SECURE / "server.pt")
+    for k, v in flatten(res.server).items():
+        assert torch.allclose(server[k].double(), v.double(), rtol=1e-9, atol=1e-12), k
+    TIMINGS[SECURE] = {
+        "flwr_run_to_finished_s": round(time.monotonic() - t0, 1),
+        "message_s": [round(r["exchange_s"], 1) for r in result["timings"]["rounds"]],
     }
 
 

@@ -21,7 +21,18 @@ app = ClientApp()
 
 @app.query()
 def handshake(msg: Message, context: Context) -> Message:
-    """The run's algorithm (kept by the site); per sensor: identity, row count (and sums)."""
+    """The run's algorithm (kept by the site); per sensor: identity, row count (and sums).
+
+    Or a step of secure aggregation (:mod:`fedcal.engine.flower.secagg`): keys, shares.
+    """
+    from fedcal.engine.flower.secagg import SECAGG
+
+    if SECAGG in msg.content:
+        from fedcal.engine.flower.secagg import site_stage
+
+        node = msg.metadata.dst_node_id
+        content = site_stage(msg.content, context.node_config, context.run_id, node)
+        return Message(content, reply_to=msg)
     from fedcal.engine.flower.client import answer_handshake
 
     return Message(answer_handshake(msg.content, context.node_config, context.run_id), reply_to=msg)
@@ -34,8 +45,16 @@ def train(msg: Message, context: Context) -> Message:
     On the site's warm worker if the node config names one (``worker-socket``),
     else in this process.
     """
+    from fedcal.engine.flower.secagg import SECAGG
     from fedcal.engine.flower.worker import run_round_here_or_on_worker
 
+    if SECAGG in msg.content:  # the statistics leave only inside the masked sum
+        from fedcal.engine.flower.secagg import site_round
+
+        content = site_round(
+            msg.content, context.node_config, context.run_id, run_round_here_or_on_worker
+        )
+        return Message(content, reply_to=msg)
     content = run_round_here_or_on_worker(msg.content, context.node_config, context.run_id)
     return Message(content, reply_to=msg)
 

@@ -20,6 +20,14 @@ Run config (declared in the Flower app's ``pyproject.toml``)::
     min-nodes     SuperNodes that must be online before the handshake
     min-replies   clients that must train in a round, else the run fails
     node-wait-timeout, reply-timeout, poll-interval, message-ttl   (seconds)
+    secure-aggregation   true: the summed statistics of fedprior / fedpoly go through
+                  SecAgg+ (:mod:`fedcal.engine.flower.secagg`); the server sees only sums
+    secagg-range  clipping bound R of every statistic's entries (quantum R·2^-bits)
+    secagg-ranges per-statistic bounds, "gram=4096,cand/=100" (a name, its last part or a
+                  prefix/), over the defaults (gls_gram = 2³⁶)
+    secagg-bits   fraction bits b of the fixed point (1 … 84; quantum q = R·2⁻ᵇ)
+    secagg-shares neighbours per site incl. itself (SecAgg+ ring; 0: all sites)
+    secagg-threshold  share of a site's neighbours whose key shares reconstruct its secrets
 
 A SuperNode that fails or does not answer within ``reply-timeout`` sits out
 that round and is asked again the next (its state is on its disk); one that
@@ -41,6 +49,7 @@ from __future__ import annotations
 import json
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from flwr.app import Context
@@ -50,6 +59,7 @@ from fedcal.build import build_algorithm, build_policy, build_task, method_setti
 from fedcal.config import ConfigError, RunConfig, default_config, from_json, load_config
 from fedcal.engine.flower.grid import GridTransport
 from fedcal.engine.flower.loop import run_federation
+from fedcal.engine.flower.secagg import SecureAggregation
 from fedcal.engine.flower.server import Federation
 from fedcal.engine.flower.spec import AlgorithmSpec, ModelSpec
 
@@ -107,12 +117,27 @@ def federation(
     rounds: int = 0,
     dtype: str = "",
     min_replies: int = 1,
+    secure: SecureAggregation | None = None,
 ) -> Federation:
     """The server's side of a run of ``method`` under ``config``.
 
     ``rounds`` 0 and ``dtype`` "": the configuration's ``[engine]`` values.
+    ``secure``: SecAgg+ settings; a method or policy that cannot run under it is
+    refused here, in one line (:func:`fedcal.engine.flower.secagg.refusal`).
     """
     e = config.engine
+    if secure is not None:
+        from fedcal.engine.flower.secagg import refusal
+
+        cls, values = method_settings(method, config)  # the algorithm's declarations only
+        declared = SimpleNamespace(
+            name=cls.name,
+            reply_aggregation=getattr(cls, "reply_aggregation", "mean"),
+            interval=values.get("interval", "posterior"),
+        )
+        why = refusal(declared, build_policy(config)[0])
+        if why is not None:
+            raise ConfigError(why)
     return Federation(
         algorithm_spec(config, method),
         build_policy(config)[0],
@@ -123,6 +148,24 @@ def federation(
         eval_every=e.eval_every,
         participation=e.participation,
         min_replies=min_replies,
+        secure=secure,
+    )
+
+
+def secure_settings(cfg: dict[str, Any]) -> SecureAggregation | None:
+    """The run config's SecAgg+ settings (None: ``secure-aggregation`` false or absent)."""
+    if not bool(cfg.get("secure-aggregation", False)):
+        return None
+    default = SecureAggregation()
+    return SecureAggregation(
+        range=float(cfg.get("secagg-range", default.range)),
+        ranges={
+            **default.ranges,
+            **SecureAggregation.parse_ranges(str(cfg.get("secagg-ranges", ""))),
+        },
+        shares=int(cfg.get("secagg-shares", default.shares)),
+        threshold=float(cfg.get("secagg-threshold", default.threshold)),
+        bits=int(cfg.get("secagg-bits", default.bits)),
     )
 
 
@@ -158,6 +201,7 @@ def _run(grid: Grid, cfg: dict[str, Any], result: dict[str, Any], out: Path) -> 
         rounds=int(cfg["rounds"]),
         dtype=str(cfg["dtype"]),
         min_replies=int(cfg["min-replies"]),
+        secure=secure_settings(cfg),
     )
     result.update(method=fed.method, seed=fed.seed, rounds=fed.rounds, dtype=fed.dtype)
     transport = GridTransport(

@@ -87,6 +87,8 @@ class GridTransport:
         if kind == "handshake":
             message_type = MessageType.QUERY
             group = "handshake" if t == HANDSHAKE else f"handshake-{t}"
+        elif kind == "secagg":  # a step of secure aggregation (fedcal.engine.flower.secagg)
+            message_type, group = MessageType.QUERY, f"secagg-{t}"
         else:
             message_type = MessageType.TRAIN if kind == "train" else MessageType.EVALUATE
             group = str(t)

@@ -95,7 +95,10 @@ def run_federation(
             _report_members(fed, result)
         contents = fed.messages(t, online=online)
         kind = "train" if t < fed.rounds else "evaluate"
-        replies, failures = transport.exchange(contents, kind, t)
+        if fed.secure is not None and kind == "train":
+            replies, failures = _secure_round(fed, transport, contents, t, result)
+        else:
+            replies, failures = transport.exchange(contents, kind, t)
         t_exchange = time.monotonic() - t_round
         if failures:
             log(WARNING, "[fedcal] round %d failures: %s", t, failures)
@@ -131,6 +134,36 @@ def run_federation(
     result["final"] = fed.final_rows()
     result["last_used"] = {str(i): r for i, r in sorted(fed.last_used.items())}
     return result
+
+
+def _secure_round(
+    fed: Federation, transport: Transport, contents: Mapping[int, RecordDict], t: int, result
+) -> tuple[dict[int, RecordDict], dict[int, str]]:
+    """Message ``t`` through SecAgg+ (:mod:`~fedcal.engine.flower.secagg`): the server
+    keeps only the unmasked sum (``fed.secure_sum``) for :meth:`Federation.absorb`."""
+    from flwr.common.logger import log
+
+    from fedcal.engine.flower.secagg import disabled, secure_exchange
+
+    if "secure_aggregation" not in result:
+        off = disabled(fed.policy)
+        result["secure_aggregation"] = {**fed.secure.describe(), "disabled": off}
+        log(INFO, "[fedcal] secure aggregation (SecAgg+) on; disabled: %s", "; ".join(off))
+    fed.secure_sum = None
+    replies, failures, fed.secure_sum = secure_exchange(
+        fed.secure, fed.secure_layout(), transport, contents, t
+    )
+    out = fed.secure_sum
+    log(
+        INFO,
+        "[fedcal] round %d: secure sum of %d sensors from sites %s (dropped %s, clipped %d)",
+        t,
+        out.count,
+        sorted(out.included),
+        out.dropped,
+        out.clipped,
+    )
+    return replies, failures
 
 
 def _report_members(fed: Federation, result: dict[str, Any]) -> None:

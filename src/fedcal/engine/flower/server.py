@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from fedcal.core.aggregation import AggregationPolicy
     from fedcal.core.algorithm import Algorithm
     from fedcal.core.tree import Tree
+    from fedcal.engine.flower.secagg import Layout, SecureAggregation, SecureSum
     from fedcal.engine.flower.spec import AlgorithmSpec
 
 
@@ -137,6 +138,8 @@ class Federation:
     eval_every: int = 1
     participation: float = 1.0
     min_replies: int = 1  # fewer train replies in a round → the run fails
+    # SecAgg+ of the summed statistics (fedcal.engine.flower.secagg); None: plain replies
+    secure: SecureAggregation | None = None
     members: dict[int, Member] = field(default_factory=dict)  # by client index
     history: list[dict] = field(default_factory=list)
     log: list[dict] = field(default_factory=list)
@@ -160,6 +163,8 @@ class Federation:
         self.server = None
         self.algorithm = None
         self.scaler = None
+        self.secure_sum: SecureSum | None = None  # the round's unmasked sum (secure runs)
+        self.secure_sums: dict[int, SecureSum] = {}  # by round: what the server learned
 
     @property
     def method(self) -> str:
@@ -284,6 +289,12 @@ class Federation:
             features, target, moments, self.scaling, not classification
         )
         self.algorithm = self.spec.build(len(features), self.shape["num-classes"])
+        if self.secure is not None:
+            from fedcal.engine.flower.secagg import refusal
+
+            why = refusal(self.algorithm, self.policy)
+            if why is not None:
+                raise RuntimeError(why)
         if self.algorithm.one_shot:  # closed form: one round, as the simulator runs it
             self.rounds = 1
         self.num_features = len(features)
@@ -366,6 +377,75 @@ class Federation:
                 }
                 out[nid] = RecordDict({CONTROL: ConfigRecord(ctl), "down": down})
         return out
+
+    def secure_layout(self) -> Layout:
+        """The summed vector of this round's statistics (secure runs): the honest reply's
+        leaves and shapes (:func:`~fedcal.engine.flower.validation.expected_reply`)."""
+        from fedcal.engine.flower.secagg import MAX_SENSORS, Layout
+        from fedcal.engine.flower.validation import expected_reply
+        from fedcal.engine.simulation import DTYPES
+
+        if len(self.members) > MAX_SENSORS:
+            raise RuntimeError(
+                f"secure aggregation sums at most {MAX_SENSORS} sensors exactly in 64 bits; "
+                f"this run has {len(self.members)}"
+            )
+        spec = expected_reply(
+            self.algorithm, self.server, self.scaler, self.num_features, DTYPES[self.dtype]
+        )
+        return Layout.of({k: shape for k, (_, shape) in spec.leaves.items()}, self.secure)
+
+    def _absorb_secure(self, t: int, entry: dict[str, Any], parts: Mapping, claimed) -> list[int]:
+        """Round ``t``'s update from the unmasked sum alone (secure runs); the sensors in it.
+
+        The algorithm's ``server_update`` reads sums and the count of units only
+        (``reply_aggregation = "sum"``), so it is given the sum as one row and N − 1
+        rows of zeros: the same sums, the same N. Screening, robust rules and per-reply
+        checks need each reply and do not run (:func:`fedcal.engine.flower.secagg.disabled`).
+        """
+        import numpy as np
+        import torch
+
+        from fedcal.core.tree import unflatten
+
+        out = self.secure_sum
+        if out is None:
+            raise RuntimeError(f"round {t}: a secure run without its secure sum")
+        self.secure_sums[t] = out
+        sites = self.sites()
+        done = []
+        for nid, indices in out.included.items():
+            bad = [i for i in indices if i not in sites.get(nid, []) or i not in claimed]
+            if bad:
+                raise RuntimeError(f"round {t}: site {nid} summed sensors {bad} it was not asked")
+            done.extend(indices)
+        done = sorted(done)
+        if len(done) != out.count:
+            raise RuntimeError(
+                f"round {t}: the secure sum counts {out.count} sensors, the sites name {len(done)}"
+            )
+        entry["trained"] = done
+        entry["secure"] = {
+            "sites": sorted(out.included),
+            "dropped_sites": out.dropped,
+            "clipped_entries": out.clipped,
+            "quantization_bound": out.bound,
+        }
+        bad = [k for k, v in out.sums.items() if not np.isfinite(v).all()]
+        if bad or not done:
+            return []
+        stacked = {}
+        for key, v in out.sums.items():
+            rows = torch.zeros((len(done), *v.shape), dtype=torch.float64)
+            rows[0] = torch.from_numpy(v)
+            stacked[key] = rows
+        weights = torch.ones(len(done), dtype=torch.float64)
+        self.server = self.algorithm.server_update(self.server, unflatten(stacked), weights)
+        entry["aggregation"] = {"accepted": float(len(done)), "clipped_entries": float(out.clipped)}
+        entry["bytes_up"] = out.bytes_up
+        for i in done:
+            self.last_used[i] = t
+        return done
 
     def _parts(self, nid: int, rep: RecordDict) -> tuple[dict[int, RecordDict], str | None]:
         """A site's reply as parts for its own sensors, or why the whole reply is unusable."""
@@ -468,6 +548,16 @@ class Federation:
                 self.rejected[str(t)] = rejected
             return
         asked = sorted(i for n in sent for i in sent[n][CONTROL]["train"])
+        if self.secure is not None:
+            entry: dict[str, Any] = {"round": t, "asked": asked}
+            if rejected:
+                self.rejected[str(t)] = rejected
+                entry["rejected"] = {str(i): why for i, why in sorted(rejected.items())}
+            self.log.append(entry)
+            done = self._absorb_secure(t, entry, parts, claimed)
+            self._check_replies(t, done, rejected)
+            self._train_metrics[t] = {i: dict(parts[i]["train"]) for i in done if i in parts}
+            return
         # a site pads its cohort to its longest sensor (see validation.check_reply)
         longest = {n: max(self.members[i].num_train for i in ix) for n, ix in sites.items()}
         uploads: dict[int, Tree] = {}
@@ -487,22 +577,7 @@ class Federation:
             self.rejected[str(t)] = rejected
             entry["rejected"] = {str(i): why for i, why in sorted(rejected.items())}
         self.log.append(entry)
-        # Required: min-replies out of the round's cohort, counting members that are
-        # offline, dropped or not yet joined as missing.
-        planned = [i for i in self.cohort(t) if i in self.members]
-        required = max(1, min(self.min_replies, len(planned)))
-        if len(done) < required:
-            missing = {
-                self.members[i].sensor_id: self.failed[str(t)].get(
-                    i, rejected.get(i, "offline or dropped")
-                )
-                for i in planned
-                if i not in uploads
-            }
-            raise RuntimeError(
-                f"round {t}: {len(done)} of {len(planned)} clients trained, at least "
-                f"{required} required (min-replies); failed: {missing}"
-            )
+        self._check_replies(t, done, rejected)
         if not done:
             return
         self._train_metrics[t] = {i: dict(parts[i]["train"]) for i in done}
@@ -534,6 +609,24 @@ class Federation:
         if screened:
             entry["screened"] = screened
         entry["bytes_up"] = num_bytes(stacked, per_client_axis=True) * len(done)
+
+    def _check_replies(self, t: int, done: list[int], rejected: Mapping[int, str]) -> None:
+        """Required: min-replies out of the round's cohort, counting members that are
+        offline, dropped or not yet joined as missing."""
+        planned = [i for i in self.cohort(t) if i in self.members]
+        required = max(1, min(self.min_replies, len(planned)))
+        if len(done) < required:
+            missing = {
+                self.members[i].sensor_id: self.failed[str(t)].get(
+                    i, rejected.get(i, "offline or dropped")
+                )
+                for i in planned
+                if i not in done
+            }
+            raise RuntimeError(
+                f"round {t}: {len(done)} of {len(planned)} clients trained, at least "
+                f"{required} required (min-replies); failed: {missing}"
+            )
 
     def final_rows(self) -> list[dict]:
         """The last evaluation per client (the simulator's ``final``, the same columns)."""

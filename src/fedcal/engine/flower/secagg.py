@@ -1,0 +1,698 @@
+"""Secure aggregation (SecAgg+) of summed statistics on the Flower path.
+
+fedprior and fedpoly upload sums (``reply_aggregation = "sum"``): the server's
+update reads only Σ_i over the round's units of each statistic and their count.
+With secure aggregation on, the server learns exactly those sums and never a
+site's own statistics. The protocol is SecAgg+ (Bell et al., CCS 2020), as
+Flower 1.41's ``secaggplus_mod`` / ``SecAggPlusWorkflow`` run it, in four
+exchanges per training round among the sites that train in it:
+
+1. **setup**: each site makes two key pairs (ECDH, Flower's primitives): pk1
+   for the pairwise masks, pk2 for encrypting key shares; the server relays
+   the public keys of each site's neighbours (a ring of ``shares`` sites, the
+   site in its middle; all sites when ``shares`` is 0).
+2. **share keys**: each site draws a self-mask seed b, splits b and its sk1 into
+   Shamir shares (``threshold`` of them reconstruct), and sends each neighbour
+   its shares encrypted under their ECDH(sk2, pk2) key (Fernet).
+3. **collect** (the round's train message): the site trains, encodes each of its
+   sensors' statistics in fixed point (below), sums them, and uploads
+   ``y = Σ_sensors enc(x) + PRG(b) + Σ_{neighbour j} ±PRG(ECDH(sk1, pk1_j))`` mod 2⁶⁴
+   (+ when its node id is larger than j's, − when smaller: the pairs cancel in
+   the sum). Per-sensor statistics are not in the reply.
+4. **unmask**: the server tells each surviving site which neighbours' vectors
+   arrived (active) and which did not (dead); a site returns its share of each
+   active neighbour's b and of each dead neighbour's sk1, never both for one
+   site. With ``threshold`` shares the server removes every active site's
+   self-mask and the pairwise masks a dead site left in its neighbours' vectors.
+   A site that dropped after step 2 is thus tolerated as long as every
+   secret keeps ``threshold`` shares among the survivors.
+
+Written here (not Flower's mod and workflow, which drive the legacy Strategy
+API with one clipping range for all parameters and stochastic rounding from
+NumPy's global generator): the key agreement, encryption and Shamir sharing
+are Flower's (``flwr.common.secure_aggregation.crypto``,
+``flwr.supercore.primitives.asymmetric``); the masks are ChaCha20 key streams
+(``cryptography``) from the full 256-bit keys, added mod 2⁶⁴.
+
+**Fixed-point encoding.** Every entry x of a statistic with range R (its
+clipping bound, per statistic: :class:`SecureAggregation`; rounded up to a power
+of two) is clipped to [−R, R] and rounded to the nearest multiple of the quantum
+q = R·2⁻ᵇ (b = ``bits``, 84 by default): e = round(clip(x)/q), an integer of up to
+85 bits carried in two 64-bit limbs (:class:`Layout`). The limbs' sums over
+N ≤ 2²⁰ sensors are exact (checked), so the decoded sum differs from the sum of
+the clipped entries by at most N·q/2 (:func:`quantization_bound`) before its one
+float64 rounding. With b = 84, q is below the float64 spacing of every entry
+above R·2⁻³¹: the encoding of such an entry is exact, and the secure sum is the
+exact sum rounded once (a plain float sum rounds at every addition).
+Entries beyond R are clipped (a bias, not a rounding): each site adds how many
+it clipped to the secure sum, and the run reports the fleet's total.
+
+What cannot run under it: a server stage that needs each site's (or unit's)
+reply — norm screening, robust rules (median, trimmed mean, Krum), per-reply
+rejection, client-level DP noise calibrated on per-unit clipping — and
+statistics that are not sums (fedprior's ``interval = "calibrated"`` picks one
+unit's design as the probe). :func:`refusal` names them; screening is
+disabled (said in the run's output) rather than refused, since it is on by
+default.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from flwr.app import RecordDict
+
+SECAGG = "secagg"  # the record name of the protocol's messages and replies
+MAX_BITS = 84  # fraction bits at most: e = round(x/q), |e| ≤ 2⁸⁴, in two 64-bit limbs
+LIMB = 2.0**42  # e = hi·2⁴² + lo: |hi|, lo ≤ 2⁴² per sensor
+MAX_SENSORS = 1 << 20  # N·2⁴² < 2⁶³ for both limbs' sums: 1,048,576 sensors
+# fedprior's GLS Gram Φᵀ C⁻¹ Φ grows as n/σ² (measured up to 7.4e7 on the default fleet,
+# 384 points, fleet seeds 0 and 1; its other statistics stay below 1e4): 2³⁶ ≈ 6.9e10,
+# quantum 2⁻⁴⁸. Every other statistic: ``range`` 2²⁰, quantum 2⁻⁶⁴ (84 fraction bits).
+DEFAULT_RANGES: dict[str, float] = {"gls_gram": 2.0**36}
+
+
+@dataclass(frozen=True)
+class SecureAggregation:
+    """SecAgg+ settings (Flower run config ``secure-aggregation`` and ``secagg-*``).
+
+    ``range``: the clipping bound R of every statistic's entries (the algorithm's
+    scaled units), unless ``ranges`` names the leaf (``"cand/loglik"``), its last
+    component (``"gls_gram"`` for ``"cand/gls_gram"`` too) or a prefix (``"cand/"``);
+    default :data:`DEFAULT_RANGES`. ``shares``: each site's neighbours including
+    itself (SecAgg+'s ring; 0: every site, i.e. SecAgg); ``threshold``: the share of
+    them needed to reconstruct a secret (at least 2).
+    """
+
+    range: float = 2.0**20
+    ranges: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_RANGES))
+    bits: int = MAX_BITS  # fraction bits: q = R·2^-bits
+    shares: int = 0
+    threshold: float = 0.5
+
+    def __post_init__(self) -> None:
+        bad = {k: v for k, v in {"": self.range, **self.ranges}.items() if not v > 0}
+        if bad or not math.isfinite(self.range):
+            raise ValueError(f"secagg-range: every range must be > 0 and finite, got {bad}")
+        if self.shares < 0 or self.shares == 1 or self.shares == 2:
+            raise ValueError(f"secagg-shares: 0 (all sites) or >= 3, got {self.shares}")
+        if not 1 <= self.bits <= MAX_BITS:
+            raise ValueError(f"secagg-bits: 1 … {MAX_BITS} fraction bits, got {self.bits}")
+        if not 0 < self.threshold <= 1:
+            raise ValueError(f"secagg-threshold: a fraction in (0, 1], got {self.threshold}")
+
+    @classmethod
+    def parse_ranges(cls, text: str) -> dict[str, float]:
+        """``"gram=4096,cand/=100"`` → {"gram": 4096.0, "cand/": 100.0}."""
+        out = {}
+        for item in (s.strip() for s in text.split(",")):
+            if not item:
+                continue
+            name, sep, value = item.partition("=")
+            try:
+                out[name.strip()] = float(value)
+            except ValueError:
+                sep = ""
+            if not sep or not name.strip():
+                raise ValueError(f"secagg-ranges: {item!r} is not name=number")
+        return out
+
+    def range_of(self, name: str) -> float:
+        """The range of one leaf: its own entry, its last component's, the longest prefix
+        entry's, else ``range``; rounded up to a power of two."""
+        return 2.0 ** math.ceil(math.log2(self._range_of(name)))  # a power of two: exact x/q
+
+    def _range_of(self, name: str) -> float:
+        for key in (name, name.rsplit("/", 1)[-1]):
+            if key in self.ranges:
+                return float(self.ranges[key])
+        prefixes = [p for p in self.ranges if p.endswith("/") and name.startswith(p)]
+        return float(self.ranges[max(prefixes, key=len)]) if prefixes else float(self.range)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "range": self.range,
+            "ranges": dict(self.ranges),
+            "shares": self.shares,
+            "threshold": self.threshold,
+            "fraction_bits": self.bits,
+        }
+
+
+def refusal(algorithm, policy) -> str | None:
+    """Why this algorithm under this ``[aggregation]`` policy cannot run under SecAgg+."""
+    name = getattr(algorithm, "name", type(algorithm).__name__)
+    if getattr(algorithm, "reply_aggregation", "mean") != "sum":
+        return (
+            f"secure aggregation: {name} does not upload sums (reply_aggregation "
+            f"{getattr(algorithm, 'reply_aggregation', 'mean')!r}); only fedprior and fedpoly do"
+        )
+    if getattr(algorithm, "interval", "posterior") == "calibrated":
+        return (
+            f"secure aggregation: {name} with interval = 'calibrated' uploads a unit's design "
+            "(the probe is one unit's, not a sum); use interval = 'posterior'"
+        )
+    if policy.rule != "mean":
+        return (
+            f"secure aggregation: rule {policy.rule!r} needs each site's reply; the server "
+            "sees only the sum (use rule = 'mean')"
+        )
+    if policy.dp:
+        return (
+            "secure aggregation: client-level DP clips and noises per unit at the server, "
+            "which sees only the sum (turn one of them off)"
+        )
+    return None
+
+
+def disabled(policy) -> list[str]:
+    """The policy's server stages that a secure run skips (said in its output)."""
+    out = []
+    if policy.screen_factor > 0:
+        out.append(f"norm screening (screen_factor = {policy.screen_factor:g})")
+    return [*out, "per-reply checks of shapes, dtypes and finiteness (each site checks its own)"]
+
+
+# ----------------------------------------------------------------------------
+# fixed point
+# ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """The summed vector: leaves (name, shape, range) in the reply's order, fraction bits.
+
+    The vector is ``[count, clipped, hi limbs…, lo limbs…]`` (int64): each entry's
+    integer e = round(x/q) travels as e = hi·2⁴² + lo, 0 ≤ lo < 2⁴², so up to 84
+    fraction bits fit two 64-bit words and the sum of 2²⁰ sensors is exact.
+    """
+
+    leaves: tuple[tuple[str, tuple[int, ...], float], ...]
+    bits: int = 84
+
+    @classmethod
+    def of(cls, shapes: Mapping[str, tuple[int, ...]], settings: SecureAggregation) -> Layout:
+        bad = [k for k, s in shapes.items() if any(d < 0 for d in s)]
+        if bad:
+            raise ValueError(
+                f"secure aggregation: reply leaves {bad} change shape with a unit's rows; "
+                "only fixed-size statistics can be summed"
+            )
+        leaves = tuple((k, tuple(s), settings.range_of(k)) for k, s in shapes.items())
+        return cls(leaves, settings.bits)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"bits": self.bits, "leaves": [[k, list(s), r] for k, s, r in self.leaves]}
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Layout:
+        raw = json.loads(text)
+        leaves = tuple((str(k), tuple(int(d) for d in s), float(r)) for k, s, r in raw["leaves"])
+        return cls(leaves, int(raw["bits"]))
+
+    @property
+    def entries(self) -> int:
+        return sum(math.prod(s) for _, s, _ in self.leaves)
+
+    @property
+    def size(self) -> int:
+        return 2 + 2 * self.entries
+
+    def quanta(self) -> np.ndarray:
+        """q = R·2^-bits per statistic entry (a power of two: x/q is exact in float64)."""
+        parts = [np.full(math.prod(s), r * 2.0**-self.bits) for _, s, r in self.leaves]
+        return np.concatenate(parts) if parts else np.zeros(0)
+
+
+def encode(layout: Layout, replies: list[Mapping[str, np.ndarray]]) -> np.ndarray:
+    """Σ over sensors of enc(x) as int64 limbs, with the sensor count and clipped entries
+    first (see :class:`Layout`)."""
+    q = layout.quanta()
+    bound = np.concatenate([np.full(math.prod(s), r) for _, s, r in layout.leaves])
+    e = layout.entries
+    total = np.zeros(layout.size, dtype=np.int64)
+    names = [k for k, _, _ in layout.leaves]
+    for reply in replies:
+        if list(reply) != names:
+            raise ValueError(f"secure aggregation: reply leaves {list(reply)}, layout {names}")
+        flat = []
+        for name, shape, _ in layout.leaves:
+            a = np.asarray(reply[name], dtype=np.float64)
+            if a.shape != shape:
+                raise ValueError(
+                    f"secure aggregation: leaf {name} has shape {a.shape}, not {shape}"
+                )
+            flat.append(a.reshape(-1))
+        x = np.concatenate(flat) if flat else np.zeros(0)
+        total[0] += 1
+        total[1] += int((np.abs(x) > bound).sum())
+        # |v| ≤ 2^bits ≤ 2^84, an integer in float64; hi·2⁴² and v − hi·2⁴² are exact
+        v = np.rint(np.clip(x, -bound, bound) / q)
+        hi = np.floor(v / LIMB)
+        total[2 : 2 + e] += hi.astype(np.int64)
+        total[2 + e :] += (v - hi * LIMB).astype(np.int64)
+    return total
+
+
+def decode(layout: Layout, total: np.ndarray) -> tuple[dict[str, np.ndarray], int, int]:
+    """(sums by leaf, float64; sensor count; clipped entries) of an unmasked vector: the
+    exact integer sum, rounded once to float64."""
+    signed = total.view(np.int64)
+    e = layout.entries
+    exact = signed[2 : 2 + e].astype(object) * int(LIMB) + signed[2 + e :].astype(object)
+    x = np.array([float(v) for v in exact], dtype=np.float64) * layout.quanta()
+    out, at = {}, 0
+    for name, shape, _ in layout.leaves:
+        n = math.prod(shape)
+        out[name] = x[at : at + n].reshape(shape)
+        at += n
+    return out, int(signed[0]), int(signed[1])
+
+
+def quantization_bound(layout: Layout, sensors: int) -> dict[str, float]:
+    """Largest |decoded − exact| per entry of each leaf's sum over ``sensors`` (clipped
+    entries aside): N·q/2, before the one float64 rounding of the result."""
+    return {name: sensors * r * 2.0**-layout.bits / 2 for name, _, r in layout.leaves}
+
+
+# ----------------------------------------------------------------------------
+# masks and keys
+# ----------------------------------------------------------------------------
+def prg(key: bytes, n: int) -> np.ndarray:
+    """n uniform 64-bit words: the ChaCha20 key stream of a 32-byte key (nonce 0)."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+    enc = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
+    return np.frombuffer(enc.update(bytes(8 * n)), dtype="<u8").astype(np.uint64)
+
+
+def _pair_key(sk1: bytes, pk1: bytes) -> bytes:
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
+    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+
+    key = generate_shared_key(bytes_to_private_key(sk1), bytes_to_public_key(pk1))
+    return base64.urlsafe_b64decode(key)
+
+
+def _fernet_key(sk2: bytes, pk2: bytes) -> bytes:
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key
+    from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+
+    return generate_shared_key(bytes_to_private_key(sk2), bytes_to_public_key(pk2))
+
+
+def pair_mask(me: int, other: int, key: bytes, n: int) -> np.ndarray:
+    """The pairwise mask ``me`` adds (its id larger) or subtracts: they cancel in the sum."""
+    mask = prg(key, n)
+    return mask if me > other else (np.uint64(0) - mask)
+
+
+def neighbours(nodes: list[int], shares: int) -> dict[int, list[int]]:
+    """SecAgg+'s ring: each node with the ``shares // 2`` nodes on each side (itself included)."""
+    nodes = sorted(nodes)
+    k = len(nodes) if shares == 0 or shares >= len(nodes) else shares | 1  # odd: symmetric
+    half = k // 2
+    out = {}
+    for i, n in enumerate(nodes):
+        ring = (
+            {nodes[(i + d) % len(nodes)] for d in range(-half, half + 1)}
+            if k < len(nodes)
+            else set(nodes)
+        )
+        out[n] = sorted(ring)
+    return out
+
+
+def threshold_of(settings: SecureAggregation, group: int) -> int:
+    """Shares needed to reconstruct a secret among a group of ``group`` neighbours."""
+    return max(2, min(group, math.ceil(settings.threshold * group)))
+
+
+# ----------------------------------------------------------------------------
+# the site's side
+# ----------------------------------------------------------------------------
+def _secrets_path(node_cfg: Mapping, run_id: int) -> Path:
+    from fedcal.engine.flower.nodes import safe_name
+
+    site = safe_name(str(node_cfg["site-id"]))
+    return Path(str(node_cfg["state-dir"])) / f"{site}-run{run_id}-secagg.json"
+
+
+def _save(path: Path, secrets: dict) -> None:
+    from fedcal.core.atomic import write_text
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({k: v.hex() if isinstance(v, bytes) else v for k, v in secrets.items()})
+    old = os.umask(0o177)  # the site's secrets: readable by its own user only
+    try:
+        write_text(path, text)
+    finally:
+        os.umask(old)
+
+
+def _load(path: Path, t: int, stage: str) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise RuntimeError(f"secure aggregation: {stage} of round {t} before its setup") from None
+    if raw.get("round") != t:
+        raise RuntimeError(
+            f"secure aggregation: {stage} of round {t}, setup was round {raw.get('round')}"
+        )
+    hexed = ("sk1", "pk1", "sk2", "pk2", "seed")
+    return {k: bytes.fromhex(v) if k in hexed else v for k, v in raw.items()}
+
+
+def site_stage(content: RecordDict, node_cfg: Mapping, run_id: int, node_id: int) -> RecordDict:
+    """A site's answer to a setup, share-keys or unmask message (step 1, 2 or 4)."""
+    from flwr.app import ConfigRecord, RecordDict
+    from flwr.common.secure_aggregation.crypto.shamir import create_shares
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import encrypt
+    from flwr.supercore.primitives.asymmetric import (
+        generate_key_pairs,
+        private_key_to_bytes,
+        public_key_to_bytes,
+    )
+
+    cfg = content[SECAGG]
+    stage, t = str(cfg["stage"]), int(cfg["round"])
+    path = _secrets_path(node_cfg, run_id)
+    if stage == "setup":
+        (sk1, pk1), (sk2, pk2) = generate_key_pairs(), generate_key_pairs()
+        s = {
+            "round": t,
+            "me": node_id,
+            "threshold": int(cfg["threshold"]),
+            "neighbours": [int(n) for n in cfg["neighbours"]],
+            "sk1": private_key_to_bytes(sk1),
+            "pk1": public_key_to_bytes(pk1),
+            "sk2": private_key_to_bytes(sk2),
+            "pk2": public_key_to_bytes(pk2),
+        }
+        _save(path, s)
+        return RecordDict({SECAGG: ConfigRecord({"pk1": s["pk1"], "pk2": s["pk2"]})})
+    s = _load(path, t, stage)
+    if stage == "share":
+        ids = [int(n) for n in cfg["ids"]]
+        keys = dict(zip(ids, zip(cfg["pk1"], cfg["pk2"], strict=True), strict=True))
+        if keys.get(s["me"]) != (s["pk1"], s["pk2"]):
+            raise ValueError("secure aggregation: the server relayed a wrong key for this site")
+        if not set(ids) <= set(s["neighbours"]):
+            raise ValueError(
+                "secure aggregation: keys of sites that are not this site's neighbours"
+            )
+        if len(ids) < s["threshold"]:
+            raise ValueError(
+                f"secure aggregation: {len(ids)} neighbours, threshold {s['threshold']}"
+            )
+        if len({k for pair in keys.values() for k in pair}) != 2 * len(keys):
+            raise ValueError("secure aggregation: two sites relayed with the same public key")
+        seed = os.urandom(32)
+        seed_shares = create_shares(seed, s["threshold"], len(ids))
+        sk1_shares = create_shares(s["sk1"], s["threshold"], len(ids))
+        dsts, ctxts, held = [], [], {}
+        for n, b, k in zip(ids, seed_shares, sk1_shares, strict=True):
+            if n == s["me"]:
+                held[str(n)] = [b.hex(), k.hex()]
+                continue
+            plain = json.dumps({"src": s["me"], "dst": n, "b": b.hex(), "sk1": k.hex()}).encode()
+            dsts.append(n)
+            ctxts.append(encrypt(_fernet_key(s["sk2"], keys[n][1]), plain))
+        s.update(
+            seed=seed, keys={str(n): [a.hex(), b.hex()] for n, (a, b) in keys.items()}, held=held
+        )
+        _save(path, s)
+        return RecordDict({SECAGG: ConfigRecord({"dsts": dsts, "ctxts": ctxts})})
+    if stage == "unmask":
+        active = [int(n) for n in cfg["active"]]
+        dead = [int(n) for n in cfg["dead"]]
+        if set(active) & set(dead):
+            raise ValueError(
+                f"secure aggregation: {sorted(set(active) & set(dead))} both active and dead"
+            )
+        if len(active) < s["threshold"]:
+            raise ValueError(
+                f"secure aggregation: {len(active)} active neighbours, threshold {s['threshold']}"
+            )
+        held = s.get("held", {})
+        missing = [n for n in active + dead if str(n) not in held]
+        if missing:
+            raise ValueError(f"secure aggregation: holds no share of sites {missing}")
+        shares = [bytes.fromhex(held[str(n)][0]) for n in active]
+        shares += [bytes.fromhex(held[str(n)][1]) for n in dead]
+        path.unlink(missing_ok=True)  # the round is over for this site
+        return RecordDict({SECAGG: ConfigRecord({"ids": active + dead, "shares": shares})})
+    raise ValueError(f"secure aggregation: unknown stage {stage!r}")
+
+
+def site_round(content: RecordDict, node_cfg: Mapping, run_id: int, run) -> RecordDict:
+    """Step 3: the round message run by ``run`` (the site's round handler), its sensors'
+    statistics replaced by their masked fixed-point sum.
+
+    A sensor whose statistics or new private state are not finite is left out of the
+    sum (as the server leaves such a reply out in a plain run); the others' indices
+    travel in the clear (the server knows whom it asked to train).
+    """
+    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt
+
+    from fedcal.engine.flower.wire import join_parts, split_parts, to_numpy
+
+    cfg = content[SECAGG]
+    t = int(cfg["round"])
+    s = _load(_secrets_path(node_cfg, run_id), t, "collect")
+    if "seed" not in s:
+        raise RuntimeError(f"secure aggregation: collect of round {t} before its key shares")
+    keys = {int(n): (bytes.fromhex(a), bytes.fromhex(b)) for n, (a, b) in s["keys"].items()}
+    held = dict(s["held"])
+    sources = [int(n) for n in cfg["srcs"]]
+    for src, ctxt in zip(sources, cfg["ctxts"], strict=True):
+        shared = json.loads(decrypt(_fernet_key(s["sk2"], keys[src][1]), ctxt))
+        if shared["src"] != src or shared["dst"] != s["me"]:
+            raise ValueError(f"secure aggregation: a share from {shared['src']} relayed as {src}'s")
+        held[str(src)] = [shared["b"], shared["sk1"]]
+    if len(sources) + 1 < s["threshold"]:
+        raise ValueError(
+            f"secure aggregation: {len(sources)} neighbours left, threshold {s['threshold']}"
+        )
+    inner = RecordDict({k: v for k, v in content.items() if k != SECAGG})
+    reply = run(inner, node_cfg, run_id)
+    if "refused" in reply:
+        return reply
+    layout = Layout.from_json(str(cfg["layout"]))
+    parts, common, _ = split_parts(reply)
+    included, stats = [], []
+    for index in sorted(parts):
+        part = parts[index]
+        if "reply" not in part:
+            continue
+        leaves = {k: to_numpy(v) for k, v in part["reply"].items()}
+        finite = all(np.isfinite(v).all() for v in leaves.values())
+        if finite and part["info"].get("state-finite", True) is not False:
+            included.append(int(index))
+            stats.append(leaves)
+        del part["reply"]  # the statistics leave the site only inside the masked sum
+    vector = encode(layout, stats).view(np.uint64)
+    with np.errstate(over="ignore"):
+        vector = vector + prg(s["seed"], layout.size)
+        for src in sources:  # the neighbours that shared keys with this site
+            vector = vector + pair_mask(
+                s["me"], src, _pair_key(s["sk1"], keys[src][0]), layout.size
+            )
+    s["held"] = held
+    _save(_secrets_path(node_cfg, run_id), s)
+    common = dict(common)
+    common[SECAGG] = ConfigRecord({"included": included, "round": t})
+    common[f"{SECAGG}-masked"] = ArrayRecord({"y": Array(np.ascontiguousarray(vector))})
+    return join_parts(parts, common)
+
+
+# ----------------------------------------------------------------------------
+# the server's side
+# ----------------------------------------------------------------------------
+@dataclass
+class SecureSum:
+    """What the server learns in one secure round: the sums and who is in them."""
+
+    sums: dict[str, np.ndarray]
+    count: int  # sensors in the sum
+    clipped: int  # entries clipped to their range, fleet total
+    included: dict[int, list[int]]  # node id → its sensors in the sum
+    dropped: list[int]  # sites that shared keys but whose vector never arrived (unmasked away)
+    bound: dict[str, float]  # quantization_bound of each leaf
+    bytes_up: int  # masked vectors received
+
+
+class SecureAggregationError(RuntimeError):
+    """A round whose sum cannot be recovered (too few sites or shares)."""
+
+
+def _relay(transport, stage_msgs, t):
+    """One protocol step over the round loop's transport (a query message per site)."""
+    return transport.exchange(stage_msgs, SECAGG, t)
+
+
+def _message(values: dict) -> RecordDict:
+    from flwr.app import ConfigRecord, RecordDict
+
+    return RecordDict({SECAGG: ConfigRecord(values)})
+
+
+def secure_exchange(
+    settings: SecureAggregation,
+    layout: Layout,
+    transport,
+    contents: Mapping[int, RecordDict],
+    t: int,
+) -> tuple[dict[int, RecordDict], dict[int, str], SecureSum]:
+    """Round ``t``'s train messages through SecAgg+ (steps 1–4) among the sites that train.
+
+    Returns the replies (per-sensor parts without statistics), the failures (a site
+    that failed a step sits the round out), and the unmasked :class:`SecureSum`.
+    """
+    from flwr.common.secure_aggregation.crypto.shamir import combine_shares
+
+    from fedcal.engine.flower.wire import CONTROL, to_numpy
+
+    training = sorted(n for n, c in contents.items() if list(c[CONTROL]["train"]))
+    others = {n: c for n, c in contents.items() if n not in training}
+    if len(training) < 2:
+        raise SecureAggregationError(
+            f"round {t}: secure aggregation needs at least 2 sites training, got {len(training)}"
+        )
+    ring = neighbours(training, settings.shares)
+    thr = {n: threshold_of(settings, len(ring[n])) for n in training}
+    failures: dict[int, str] = {}
+
+    def alive(group: set[int], step: str) -> None:
+        for n in sorted(group):
+            have = len(set(ring[n]) & group)
+            if have < thr[n]:
+                raise SecureAggregationError(
+                    f"round {t}: secure aggregation {step}: site {n} has {have} live neighbours, "
+                    f"threshold {thr[n]}; failed: {failures}"
+                )
+
+    # 1. setup: public keys
+    msgs = {
+        n: _message({"stage": "setup", "round": t, "threshold": thr[n], "neighbours": ring[n]})
+        for n in training
+    }
+    replies, failed = _relay(transport, msgs, t)
+    failures.update({n: f"secure aggregation setup: {why}" for n, why in failed.items()})
+    pks = {n: (bytes(r[SECAGG]["pk1"]), bytes(r[SECAGG]["pk2"])) for n, r in replies.items()}
+    u1 = set(pks)
+    alive(u1, "setup")
+    # 2. share keys: each site's encrypted shares for its neighbours
+    msgs = {}
+    for n in sorted(u1):
+        ids = [m for m in ring[n] if m in u1]
+        msgs[n] = _message(
+            {
+                "stage": "share",
+                "round": t,
+                "ids": ids,
+                "pk1": [pks[m][0] for m in ids],
+                "pk2": [pks[m][1] for m in ids],
+            }
+        )
+    replies, failed = _relay(transport, msgs, t)
+    failures.update({n: f"secure aggregation share-keys: {why}" for n, why in failed.items()})
+    u2 = set(replies)
+    alive(u2, "share-keys")
+    inbox: dict[int, tuple[list[int], list[bytes]]] = {n: ([], []) for n in u2}
+    for src, rep in replies.items():
+        for dst, ctxt in zip(rep[SECAGG]["dsts"], rep[SECAGG]["ctxts"], strict=True):
+            if int(dst) in u2 and int(dst) in ring[src]:
+                inbox[int(dst)][0].append(src)
+                inbox[int(dst)][1].append(bytes(ctxt))
+    # 3. collect: the train message with the ciphertexts addressed to the site
+    from flwr.app import ConfigRecord, RecordDict
+
+    msgs = dict(others)
+    for n in sorted(u2):
+        rec = {"stage": "collect", "round": t, "srcs": inbox[n][0], "ctxts": inbox[n][1]}
+        rec["layout"] = layout.to_json()
+        msgs[n] = RecordDict({**dict(contents[n].items()), SECAGG: ConfigRecord(rec)})
+    for n in training:
+        if n not in u2 and n not in failures:
+            failures[n] = "secure aggregation: left out before its key shares"
+    replies, failed = transport.exchange(msgs, "train", t)
+    failures.update(failed)
+    masked: dict[int, np.ndarray] = {}
+    included: dict[int, list[int]] = {}
+    for n in sorted(u2):
+        rep = replies.get(n)
+        if rep is None or "refused" in rep:
+            continue
+        try:
+            y = to_numpy(rep[f"{SECAGG}-masked"]["y"])
+            inc = [int(i) for i in rep[SECAGG]["included"]]
+        except KeyError:
+            failures[n] = "secure aggregation: reply without a masked vector"
+            replies.pop(n)
+            continue
+        if y.dtype != np.uint64 or y.shape != (layout.size,):
+            failures[n] = (
+                f"secure aggregation: masked vector {y.dtype}{y.shape}, not uint64({layout.size},)"
+            )
+            replies.pop(n)
+            continue
+        masked[n], included[n] = y, inc
+    u3 = set(masked)
+    alive(u3, "collect")
+    # 4. unmask: shares of active sites' seeds and of dropped sites' sk1
+    msgs = {}
+    for n in sorted(u3):
+        near = [m for m in ring[n] if m in u2]
+        active = [m for m in near if m in u3]
+        dead = [m for m in near if m not in u3]
+        msgs[n] = _message({"stage": "unmask", "round": t, "active": active, "dead": dead})
+    answers, failed = _relay(transport, msgs, t)
+    shares: dict[int, list[bytes]] = {n: [] for n in u2}
+    for rep in answers.values():
+        for owner, share in zip(rep[SECAGG]["ids"], rep[SECAGG]["shares"], strict=True):
+            if int(owner) in shares:
+                shares[int(owner)].append(bytes(share))
+    with np.errstate(over="ignore"):
+        total = np.zeros(layout.size, dtype=np.uint64)
+        for y in masked.values():
+            total = total + y
+        for n in sorted(u2):
+            if len(shares[n]) < thr[n]:
+                raise SecureAggregationError(
+                    f"round {t}: secure aggregation unmask: {len(shares[n])} shares of site {n}'s "
+                    f"secret, threshold {thr[n]}; failed: {failed}"
+                )
+            secret = combine_shares(shares[n])
+            if n in u3:  # an active site: remove its self-mask
+                total = total - prg(secret, layout.size)
+            else:  # a dropped site: remove the pairwise masks its live neighbours added
+                for m in ring[n]:
+                    if m in u3 and m != n:
+                        total = total - pair_mask(m, n, _pair_key(secret, pks[m][0]), layout.size)
+    sums, count, clipped = decode(layout, total)
+    for rep in replies.values():  # the protocol's records are not the run's business
+        for key in (SECAGG, f"{SECAGG}-masked"):
+            if key in rep:
+                del rep[key]
+    outcome = SecureSum(
+        sums,
+        count,
+        clipped,
+        included,
+        sorted(u2 - u3),
+        quantization_bound(layout, count),
+        sum(int(y.nbytes) for y in masked.values()),
+    )
+    return replies, failures, outcome
