@@ -194,6 +194,7 @@ from fedcal.core.bayes import (
     F64,
     Moments,
     Posterior,
+    count_within,
     data_support,
     m_step,
     moments,
@@ -685,8 +686,8 @@ class FedPrior(Algorithm):
             m = down["mask"]
             coef, cov = coef * m, cov * m.unsqueeze(-1) * m.unsqueeze(-2)
         mean, var = self._mean_var(coef, cov, noise, x)
-        err2 = (y - mean).square().unsqueeze(-1)
-        inside = err2 <= 1.959964**2 * (var.unsqueeze(-1) + TAU_GRID)
+        # Held rows within ±1.96√(v + τ²), per τ² of the grid (by bisection: no rows × grid).
+        inside = count_within((y - mean).square(), var, TAU_GRID, held, 1.959964)
         n = data.count.to(F64)
         own = (n <= self.probe_rows).to(F64)
         r = min(rows, self.probe_rows)
@@ -698,7 +699,7 @@ class FedPrior(Algorithm):
             "x": probe_x,
             "b": probe_b,
             "n": n * own,
-            "inside": (inside.to(F64) * held.unsqueeze(-1)).sum(1),
+            "inside": inside,
             "held": held.sum(1),
         }
 
