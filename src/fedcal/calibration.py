@@ -60,7 +60,8 @@ QA_LEVEL = 0.999  # a unit beyond this χ² quantile of the fleet distance is fl
 GRID_POINTS = 2000  # σ over the operating range: a tensor grid of about this many points
 RANGE_TOLERANCE = 0.05  # inputs may exceed the fleet's calibrated range by 5 % of its span
 NOISE_ITERATIONS = 25  # fixed-point iterations of a unit's own noise level (converged: tested)
-DISTANCE_CHUNK = 4096  # units per batched solve of the fleet distance and σ grid (memory bound)
+DISTANCE_CHUNK = 4096  # units per batched solve of the fleet distance (memory bound)
+GRID_CHUNK = 256  # units per σ grid evaluation: (units, grid, features) float64, ~60 MB
 
 
 def find_prior(path: str | Path, method: str = "fedprior", seed: int = 0, train_points: int = 0):
@@ -402,7 +403,7 @@ def unit_diagnostics(
             np.concatenate(
                 [
                     grid_sigma(alg, gather(personal, rows), grid)
-                    for rows in torch.arange(n).split(DISTANCE_CHUNK)
+                    for rows in torch.arange(n).split(GRID_CHUNK)
                 ]
             ).reshape(n, -1)
             * y_scale
