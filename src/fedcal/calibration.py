@@ -38,11 +38,11 @@ from fedcal.algorithms.fedprior import FedPrior
 from fedcal.algorithms.fedprior_interval import DECLINE
 from fedcal.build import build_algorithm, build_task, run_record
 from fedcal.config import DataConfig, RunConfig, from_dict
-from fedcal.core.bayes import F64
+from fedcal.core.bayes import F64, predictive_var
 from fedcal.core.data import ClientData
 from fedcal.core.paths import read_json, safe_name
 from fedcal.core.runfiles import check_prior
-from fedcal.core.tree import Tree, expand
+from fedcal.core.tree import Tree, expand, gather
 from fedcal.data.fleet import CLIENT_COLUMN, SPLIT_COLUMN, Fleet
 from fedcal.data.scaling import Scaler
 from fedcal.engine.evaluation import errors
@@ -61,6 +61,8 @@ QA_LEVEL = 0.999  # a unit beyond this χ² quantile of the fleet distance is fl
 GRID_POINTS = 2000  # σ over the operating range: a tensor grid of about this many points
 RANGE_TOLERANCE = 0.05  # inputs may exceed the fleet's calibrated range by 5 % of its span
 NOISE_ITERATIONS = 25  # fixed-point iterations of a unit's own noise level (converged: tested)
+DISTANCE_CHUNK = 4096  # units per batched solve of the fleet distance (memory bound)
+GRID_CHUNK = 256  # units per σ grid evaluation: (units, grid, features) float64, ~60 MB
 
 
 def find_prior(path: str | Path, method: str = "fedprior", seed: int = 0, train_points: int = 0):
@@ -114,16 +116,19 @@ def check_inputs(prior: dict[str, Any], fleet: Fleet, source: str) -> None:
     scored with the extrapolation guard (linearized, ``beyond_support`` in per_sensor.csv).
     """
     calibration_rows = fleet.frame[fleet.frame[SPLIT_COLUMN] == "train"]
+    # Every sensor's span at once (one grouped min/max per column, not a loop over sensors).
+    groups = calibration_rows.groupby(fleet.client_column, sort=False)
     for c, (lo, hi) in prior["input_range"].items():
         slack = RANGE_TOLERANCE * (hi - lo)
-        for sensor, rows in calibration_rows.groupby(fleet.client_column, sort=False):
-            values = rows[c].to_numpy(float)
-            if values.min() < lo - slack or values.max() > hi + slack:
-                raise ValueError(
-                    f"{source}: sensor {sensor}: {c} spans {values.min():.6g}…{values.max():.6g}, "
-                    f"outside the prior fleet's calibrated range {lo:.6g}…{hi:.6g} (±5 %): "
-                    "this prior cannot calibrate it"
-                )
+        span = groups[c].agg(["min", "max"])
+        bad = span[(span["min"] < lo - slack) | (span["max"] > hi + slack)]
+        if len(bad):  # the first such sensor in the file's order
+            sensor, (low, high) = bad.index[0], bad.iloc[0]
+            raise ValueError(
+                f"{source}: sensor {sensor}: {c} spans {low:.6g}…{high:.6g}, "
+                f"outside the prior fleet's calibrated range {lo:.6g}…{hi:.6g} (±5 %): "
+                "this prior cannot calibrate it"
+            )
 
 
 @dataclass(frozen=True)
@@ -169,11 +174,30 @@ def calibrate(prior: dict[str, Any], fleet: Fleet, source: str = "data") -> Cali
         server["declined"] = torch.tensor(float(iv["declined"]), dtype=F64)
     n = tensors.num_clients
     down = expand(algorithm.broadcast(server), n)
-    state = algorithm.client_init(down)
-    for _ in range(NOISE_ITERATIONS):  # the unit's own noise level under the fixed prior
-        state = algorithm.client_update(down, state, tensors.train).state
+    state = own_noise(algorithm, down, algorithm.client_init(down), tensors.train)
     personal = algorithm.personalize(down, state, tensors.train)
     return Calibration(algorithm, tensors, personal, server)
+
+
+def own_noise(algorithm: FedPrior, down: Tree, state: Tree, data: ClientData) -> Tree:
+    """The unit's noise level under the fixed prior: NOISE_ITERATIONS steps of the
+    federation's fixed point σ_i² = (r_i + νσ²)/(n_i + ν) (:meth:`FedPrior.client_update`).
+
+    Only the state of ``client_update`` is used here, so only its posterior and noise step
+    are computed, on moments formed once: the same operations on the same inputs as
+    ``client_update``'s (the same bits, tested), without the M-step terms it also uploads.
+    """
+    if algorithm.select != "none":  # candidates' noise levels too: the whole client step
+        for _ in range(NOISE_ITERATIONS):
+            state = algorithm.client_update(down, state, data).state
+        return state
+    full = algorithm._moments(data)
+    for _ in range(NOISE_ITERATIONS):
+        if algorithm.noise != "sensor":  # one fleet σ²: the state does not move
+            break
+        _, post = algorithm._posterior(down, state, full)
+        state = {**state, "noise_var": algorithm._sensor_noise(post.rss, full.n, down["noise_var"])}
+    return state
 
 
 def coefficient_table(prior: dict[str, Any], result: Calibration) -> pd.DataFrame:
@@ -270,24 +294,30 @@ def fleet_distance(
     full row rank: d²_i = eᵀe, the whitened residual of its points under the
     prior predictive).
     """
-    design = algorithm.design(data.x, data.branch).to(F64)
     mu, sigma = server["mu"].to(F64), server["sigma"].to(F64)
-    resid = data.y[..., 0].to(F64) - design @ mu
-    d2 = np.full(design.shape[0], np.nan)
-    dof = np.zeros(design.shape[0], dtype=int)
-    for i in range(design.shape[0]):
-        rows = data.mask[i] > 0
-        phi, r = design[i][rows], resid[i][rows]
-        cov = phi @ sigma @ phi.T + noise_var[i].to(F64) * torch.eye(len(r), dtype=F64)
+    d2 = np.full(data.num_clients, np.nan)
+    dof = np.zeros(data.num_clients, dtype=int)
+    # Batched over units, DISTANCE_CHUNK at a time: a unit's padding rows get Φ = 0, r = 0
+    # and variance 1, so C_i is block-diagonal (its own block, then I), e and A are zero
+    # there and A's extra singular values are 0 (below the rank threshold): the unit's d².
+    for rows in torch.arange(data.num_clients).split(DISTANCE_CHUNK):
+        part = data.select(rows)
+        real = (part.mask > 0).to(F64)
+        design = algorithm.design(part.x, part.branch).to(F64) * real.unsqueeze(-1)
+        resid = (part.y[..., 0].to(F64) - design @ mu) * real
+        noise = noise_var.index_select(0, rows).to(F64).unsqueeze(-1)
+        cov = design @ sigma @ design.mT + torch.diag_embed(torch.where(real > 0, noise, 1.0))
         chol, info = torch.linalg.cholesky_ex(cov)
-        if int(info) or not torch.isfinite(r).all():
-            continue
-        e = torch.linalg.solve_triangular(chol, r.unsqueeze(-1), upper=False)[:, 0]
-        a = torch.linalg.solve_triangular(chol, phi, upper=False)
+        e = torch.linalg.solve_triangular(chol, resid.unsqueeze(-1), upper=False)[..., 0]
+        a = torch.linalg.solve_triangular(chol, design, upper=False)
         u, sv, _ = torch.linalg.svd(a, full_matrices=False)
-        rank = int((sv > 1e-10 * sv.max()).sum()) if len(sv) else 0
-        proj = u[:, :rank].T @ e
-        d2[i], dof[i] = float(proj @ proj), rank
+        top = sv.amax(-1, keepdim=True)
+        kept = sv > 1e-10 * top
+        proj = (u.mT @ e.unsqueeze(-1))[..., 0] * kept
+        ok = (info == 0) & torch.isfinite(resid).all(-1)
+        idx = rows.numpy()[ok.numpy()]
+        d2[idx] = proj.square().sum(-1)[ok].numpy()
+        dof[idx] = kept.sum(-1)[ok].numpy()
     return d2, dof
 
 
@@ -329,6 +359,24 @@ def operating_grid(prior: dict[str, Any], points: int = GRID_POINTS) -> np.ndarr
     return np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, len(ranges))
 
 
+def grid_sigma(alg: FedPrior, personal: Tree, grid: torch.Tensor) -> np.ndarray:
+    """Predictive σ of each unit (scaled) at every point of the shared ``grid``: (units, grid).
+
+    :meth:`FedPrior.predictive_std` at ``grid`` for every unit. The grid lies in the prior's
+    input range, inside every unit's support box (:func:`prior_server`), so no point is
+    extrapolated and the design z(grid) is every unit's: it is formed once, not per unit
+    (the same numbers; a unit whose box does not hold the grid takes the general path).
+    """
+    box = personal["box"].to(F64)
+    inside = ((grid >= box[:, :1]) & (grid <= box[:, 1:])).all()
+    n = box.shape[0]
+    if not bool(inside):
+        return alg.predictive_std(personal, grid.expand(n, -1, -1))[..., 0].numpy()
+    q, s = alg.variance_form(personal)
+    design = alg.variance_design(grid.unsqueeze(0)).expand(n, -1, -1)
+    return predictive_var(design, q, s).sqrt().numpy()
+
+
 def unit_diagnostics(
     prior: dict[str, Any], result: Calibration
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -352,7 +400,15 @@ def unit_diagnostics(
     grid = torch.as_tensor(scaler.x(operating_grid(prior)), dtype=F64)
     n = tensors.num_clients
     with torch.no_grad():
-        sigma = alg.predictive_std(personal, grid.expand(n, -1, -1))[..., 0].numpy() * y_scale
+        sigma = (
+            np.concatenate(
+                [
+                    grid_sigma(alg, gather(personal, rows), grid)
+                    for rows in torch.arange(n).split(GRID_CHUNK)
+                ]
+            ).reshape(n, -1)
+            * y_scale
+        )
         pred = scaler.y_inverse(alg.predict(personal, train.x.to(F64)).numpy().reshape(-1, 1))
         pred_std = alg.predictive_std(personal, train.x.to(F64))[..., 0].numpy() * y_scale
     pred = pred.reshape(n, -1)
@@ -362,22 +418,11 @@ def unit_diagnostics(
     )
     raw_x = raw_x.reshape(n, -1, train.x.shape[-1])
     mask = train.mask.numpy() > 0
-    rows, units = [], []
+    units = []
     finite = torch.isfinite(personal["coef"]).all(-1).numpy()
     for i, sid in enumerate(tensors.client_ids):
         m = mask[i]
         res = pred[i][m] - ref[i][m]
-        for k in np.flatnonzero(m):
-            rows.append(
-                {
-                    "sensor_id": sid,
-                    **{c: raw_x[i, k, j] for j, c in enumerate(prior["features"])},
-                    prior["target"]: ref[i, k],
-                    "calibrated": pred[i, k],
-                    "residual": pred[i, k] - ref[i, k],
-                    "sigma": pred_std[i, k],
-                }
-            )
         unlike = bool(np.isfinite(d2[i]) and d2[i] > threshold[i])
         status = "failed" if not finite[i] else ("unlike the fleet" if unlike else "ok")
         units.append(
@@ -397,7 +442,17 @@ def unit_diagnostics(
                 "resid_max_abs": float(np.max(np.abs(res))) if len(res) else np.nan,
             }
         )
-    return pd.DataFrame(units), pd.DataFrame(rows)
+    # One row per calibration point, unit by unit in row order (the columns at once).
+    unit, row = np.nonzero(mask)
+    if not len(unit):
+        return pd.DataFrame(units), pd.DataFrame([])
+    points = {"sensor_id": np.asarray(tensors.client_ids, dtype=object)[unit]}
+    points.update({c: raw_x[unit, row, j] for j, c in enumerate(prior["features"])})
+    points[prior["target"]] = ref[unit, row]
+    points["calibrated"] = pred[unit, row]
+    points["residual"] = pred[unit, row] - ref[unit, row]
+    points["sigma"] = pred_std[unit, row]
+    return pd.DataFrame(units), pd.DataFrame(points)
 
 
 def prior_server(prior: dict[str, Any], scaler: Scaler) -> Tree:

@@ -58,7 +58,7 @@ import torch
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_select import _masked
-from fedcal.core.bayes import F64, Posterior, moments, posterior, predictive_var
+from fedcal.core.bayes import F64, Posterior, count_within, moments, posterior, predictive_var
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree
 from fedcal.models.basis import legendre_products
@@ -163,8 +163,8 @@ class CalibratedInterval:
             m = down["mask"]
             coef, cov = coef * m, cov * m.unsqueeze(-1) * m.unsqueeze(-2)
         mean, var = self._mean_var(coef, cov, noise, x)
-        err2 = (y - mean).square().unsqueeze(-1)
-        inside = err2 <= 1.959964**2 * (var.unsqueeze(-1) + TAU_GRID)
+        # Held rows within ±1.96√(v + τ²), per τ² of the grid (by bisection: no rows × grid).
+        inside = count_within((y - mean).square(), var, TAU_GRID, held, 1.959964)
         n = data.count.to(F64)
         own = (n <= self.probe_rows).to(F64)
         r = min(rows, self.probe_rows)
@@ -176,7 +176,7 @@ class CalibratedInterval:
             "x": probe_x,
             "b": probe_b,
             "n": n * own,
-            "inside": (inside.to(F64) * held.unsqueeze(-1)).sum(1),
+            "inside": inside,
             "held": held.sum(1),
         }
 

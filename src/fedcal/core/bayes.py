@@ -310,3 +310,27 @@ def m_step(
     outer = torch.outer(mu_new, mean_bar)
     sigma = sum_second / num_clients - outer - outer.T + torch.outer(mu_new, mu_new)
     return mu_new, 0.5 * (sigma + sigma.T)
+
+
+def count_within(err2: Tensor, var: Tensor, grid: Tensor, weight: Tensor, z: float) -> Tensor:
+    """Σ_rows w · [err² ≤ z²·(v + τ_k)] for each τ_k of the ascending ``grid``: (c, grid).
+
+    ``err2``, ``var``, ``weight`` (c, rows). The predicate is monotone in τ, so each row's
+    first τ_k that holds it is found by bisection (⌈log₂ K⌉ evaluations of the very same
+    predicate, not K) and the counts are a cumulative sum of the rows' weights at those
+    indices: O(c·rows·log K) instead of a (c, rows, K) tensor. Equal to the dense count
+    when the weights are 0/1 (exact integer sums; NaN rows hold for no τ, as there).
+    """
+    k = grid.shape[0]
+    z2 = z**2
+    lo = torch.zeros(err2.shape, dtype=torch.int64)  # first index that may hold
+    hi = torch.full(err2.shape, k, dtype=torch.int64)  # k: held by no τ
+    while bool((lo < hi).any()):
+        mid = (lo + hi) // 2
+        holds = err2 <= z2 * (var + grid[mid.clamp_max(k - 1)])
+        active = lo < hi
+        hi = torch.where(active & holds, mid, hi)
+        lo = torch.where(active & ~holds, mid + 1, lo)
+    counts = torch.zeros(err2.shape[0], k + 1, dtype=weight.dtype)
+    counts.scatter_add_(1, lo, weight)
+    return counts[:, :k].cumsum(1)

@@ -1,0 +1,193 @@
+"""The fleet prior at a manufacturer's scale: 1,000 → 10,000 → 100,000 units.
+
+Three steps per fleet size, each in its own process (its peak memory is its own):
+
+* ``simulate`` — ``simulate_fleet`` (seed protocol, 384 + 60 rows a unit) and
+  ``save_fleet`` to Parquet: what ``fedcal simulate --sensors N`` does;
+* ``fedprior`` — the shipped default ``fedprior`` (default.toml) trained by the
+  engine for ``--rounds`` EM rounds on that fleet (simulated in the process, not read
+  from a file), ``--chunk-size`` units per client step and evaluation; seconds per
+  round (mean of the rounds after the first, wall and CPU);
+* ``calibrate`` — a prior learned from ``--prior-units`` units (3 rounds), then N new
+  units with a 3x2 chamber design (6 points each, fleet seed 1) calibrated against it
+  through the Python API (``FleetPrior.calibrate``, the code of ``fedcal calibrate``):
+  units/s of the posterior solves (reading the file included) and of the whole command
+  (with writing its run directory: coefficients, units.csv, calibration_points.csv, …).
+
+Peak memory: ``ru_maxrss`` of the step's own process (``resource.getrusage(RUSAGE_SELF)``
+read at its end: the process's high-water mark of resident memory, torch's buffers
+included — tracemalloc would miss them). A step may be given ``--mem-limit-gb``
+of address space (RLIMIT_AS): beyond it, it stops with a MemoryError, reported as
+such, instead of the kernel's OOM killer ending it (or a neighbour).
+
+    python benchmarks/prior_scale.py [--sizes 1000,10000,100000]
+                                     [--steps simulate,fedprior,calibrate]
+                                     [--rounds 3] [--chunk-size 1000] [--prior-units 300]
+                                     [--mem-limit-gb 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def step_simulate(size: int, tmp: Path, args) -> dict:
+    from fedcal.data.loader import save_fleet
+    from fedcal.data.simulator import FleetSpec, simulate_fleet
+
+    t0 = time.perf_counter()
+    fleet = simulate_fleet(FleetSpec(num_sensors=size), seed=0)
+    t1 = time.perf_counter()
+    save_fleet(fleet, tmp / "fleet.parquet")
+    t2 = time.perf_counter()
+    return {
+        "simulate_s": t1 - t0,
+        "write_s": t2 - t1,
+        "file_mb": (tmp / "fleet.parquet").stat().st_size / 2**20,
+    }
+
+
+def _train(size: int, rounds: int, chunk_size: int, seed: int = 0, train_design="campaign"):
+    """The default fedprior trained on a simulated fleet: (algorithm, result, tensors, fleet,
+    per-round wall and CPU seconds, build seconds)."""
+    import itertools
+
+    from fedcal.build import build_algorithm, build_task, client_inputs
+    from fedcal.config import load_config
+    from fedcal.data.simulator import FleetSpec, simulate_fleet
+    from fedcal.engine.simulation import EngineConfig, prepare, simulate
+
+    t0 = time.perf_counter()
+    fleet = simulate_fleet(FleetSpec(num_sensors=size, train_design=train_design), seed=seed)
+    config = load_config(None)
+    tensors = prepare(fleet, config.data.scaling, config.engine.dtype)
+    task = build_task(config, tensors.train.x.shape[-1], fleet.meta, client_inputs(tensors))
+    algorithm = build_algorithm("fedprior", config, task)
+    build_s = time.perf_counter() - t0
+    stamps: list[tuple[float, float]] = []
+    engine = EngineConfig(rounds=rounds, seed=0, eval_every=1, chunk_size=chunk_size)
+    start = (time.perf_counter(), time.process_time())
+    result = simulate(
+        algorithm,
+        tensors,
+        engine,
+        on_round=lambda t, s: stamps.append((time.perf_counter(), time.process_time())),
+    )
+    marks = [start, *stamps]
+    wall = [b[0] - a[0] for a, b in itertools.pairwise(marks)]
+    cpu = [b[1] - a[1] for a, b in itertools.pairwise(marks)]
+    return algorithm, result, tensors, fleet, wall, cpu, build_s
+
+
+def step_fedprior(size: int, tmp: Path, args) -> dict:
+    _, _, _, _, wall, cpu, build_s = _train(size, args.rounds, args.chunk_size)
+    steady = slice(1, None) if len(wall) > 1 else slice(None)
+    return {
+        "build_s": build_s,
+        "first_round_s": wall[0],
+        "round_s": sum(wall[steady]) / len(wall[steady]),
+        "round_cpu_s": sum(cpu[steady]) / len(cpu[steady]),
+    }
+
+
+def step_calibrate(size: int, tmp: Path, args) -> dict:
+    from fedcal.api import FleetPrior
+    from fedcal.data.loader import save_fleet
+    from fedcal.data.simulator import FleetSpec, simulate_fleet
+    from fedcal.experiment import export_state
+
+    algorithm, result, tensors, fleet, *_ = _train(args.prior_units, 3, args.chunk_size)
+    prior = export_state(algorithm, result.server, fleet, tensors, "fedprior")
+    (tmp / "prior.json").write_text(json.dumps(prior, indent=1))
+    new = simulate_fleet(FleetSpec(num_sensors=size, train_design="3x2"), seed=1)
+    save_fleet(new, tmp / "new.parquet")
+    del new
+    loaded = FleetPrior.load(tmp / "prior.json")
+    t0, c0 = time.perf_counter(), time.process_time()
+    units = loaded.calibrate(tmp / "new.parquet")
+    t1, c1 = time.perf_counter(), time.process_time()
+    units.save(tmp / "out")
+    t2, c2 = time.perf_counter(), time.process_time()
+    return {
+        "calibrate_s": t1 - t0,
+        "calibrate_units_per_s": size / (t1 - t0),
+        "calibrate_units_per_cpu_s": size / (c1 - c0),
+        "with_save_units_per_s": size / (t2 - t0),
+        "with_save_units_per_cpu_s": size / (c2 - c0),
+    }
+
+
+STEPS = {"simulate": step_simulate, "fedprior": step_fedprior, "calibrate": step_calibrate}
+
+
+def one(size: int, step: str, args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.mem_limit_gb > 0:
+        limit = int(args.mem_limit_gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    with tempfile.TemporaryDirectory(prefix="prior_scale_") as tmp:
+        try:
+            out = STEPS[step](size, Path(tmp), args)
+        except MemoryError:
+            out = {"error": f"MemoryError beyond {args.mem_limit_gb:g} GB of address space"}
+    return {"units": size, "step": step, "peak_rss_mb": _peak_mb(), **out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="1000,10000,100000")
+    parser.add_argument("--steps", default="simulate,fedprior,calibrate")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--chunk-size", type=int, default=1000, help="0 = the whole fleet")
+    parser.add_argument("--prior-units", type=int, default=300)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--mem-limit-gb", type=float, default=12.0, help="0 = no limit")
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--step", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one, args.step, args)))
+        return
+    print(
+        f"rounds={args.rounds} chunk_size={args.chunk_size} threads={args.threads} "
+        f"prior_units={args.prior_units} mem_limit_gb={args.mem_limit_gb:g}"
+    )
+    print(f"load at start: {os.getloadavg()[0]:.2f} (1-min), cores: {os.cpu_count()}")
+    passed = [a for a in sys.argv[1:]]
+    for size in (int(s) for s in args.sizes.split(",")):
+        for step in args.steps.split(","):
+            proc = subprocess.run(
+                [sys.executable, __file__, *passed, "--one", str(size), "--step", step],
+                capture_output=True,
+                text=True,
+            )
+            lines = proc.stdout.strip().splitlines()
+            if proc.returncode or not lines:
+                tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+                print(f"{size:>7} {step:<9} FAILED (exit {proc.returncode}): {tail}")
+                continue
+            r = json.loads(lines[-1])
+            figures = " ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in r.items()
+                if k not in ("units", "step")
+            )
+            print(f"{size:>7} {step:<9} {figures}  (load {os.getloadavg()[0]:.2f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
