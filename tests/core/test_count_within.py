@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fedcal.algorithms.fedprior import TAU_GRID
+from fedcal.algorithms.fedprior_interval import TAU_GRID
 from fedcal.core.bayes import count_within
 
 Z = 1.959964
