@@ -441,6 +441,18 @@ def aggregate(
         metrics["rejected_norm"] = float(outlier.sum())
     else:
         metrics["rejected_norm"] = 0.0
+    # ---- issue 21: the algorithm's own consistency check of each upload that passed the
+    # size screen (fedprior's statistics against their declared rows, core/robust.py);
+    # None: the algorithm checks nothing (fedprior with robust = "off").
+    check = getattr(algorithm, "inconsistent_replies", None)
+    bad = check(server, replies, weights, accepted) if check is not None else None
+    if bad is not None:
+        for i, why in sorted(bad.items()):
+            accepted[i] = False
+            if record is not None:
+                record.append({"client": i, "reason": why, "ratio": float("nan"), "threshold": 0.0})
+        metrics["rejected_inconsistent"] = float(len(bad))
+    # ----
     metrics["median_update_norm"] = float(median)
     if not accepted.any() or not replied:
         metrics["accepted"] = float(accepted.sum())
@@ -553,6 +565,26 @@ def aggregate(
             sub[key] = v if rows is None else v.index_select(0, rows)
     metrics["accepted"] = float(k)
     new_server = algorithm.server_update(server, unflatten(sub), weights.index_select(0, idx))
+    # ---- issue 21: clients the algorithm's M-step down-weighted (fedprior, core/robust.py),
+    # reported like a rejection once their weight is below one half.
+    weigh = getattr(algorithm, "outlier_weights", None)
+    robust = weigh(server, unflatten(sub)) if weigh is not None else None
+    if robust is not None:
+        low = (robust.weights < 0.5).nonzero()[:, 0].tolist()
+        metrics["downweighted"] = float(len(low))
+        for j in low if record is not None else ():
+            record.append(
+                {
+                    "client": int(idx[j]),
+                    "reason": (
+                        f"prior outlier: distance {float(robust.distances[j]):.3g} > cut-off "
+                        f"{robust.cutoff:.3g}, M-step weight {float(robust.weights[j]):.2g}"
+                    ),
+                    "ratio": float(robust.distances[j]),
+                    "threshold": robust.cutoff,
+                }
+            )
+    # ----
     return new_server, accepted, metrics
 
 
