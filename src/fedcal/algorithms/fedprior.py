@@ -33,6 +33,10 @@ One round is one ECME iteration (:mod:`fedcal.core.bayes`):
    its eigenvalues floored (:func:`fedcal.core.bayes.regularize`);
    σ² = Σ_i r_i / Σ_i n_i (with ``interval = "calibrated"``: on residual degrees of
    freedom, I1 below). Only sums over clients enter, in a canonical order.
+   With ``robust = "full"`` (issue 21, :mod:`fedcal.core.robust`) an upload that
+   contradicts its declared count or the broadcast prior is rejected by the aggregation,
+   and each unit's terms enter the sums times a weight from its leave-one-out distance to
+   the other units (1 inside the cut-off; docs/safety.md).
 3. **Personal model** (``personalize``): the posterior mean m_i, which is a
    precision-weighted interpolation between the unit's own least-squares fit
    and the fleet mean, with its covariance V_i: every prediction carries the
