@@ -14,7 +14,8 @@ Two settings, one printed table each, with the ratio SecAgg+ / plain:
 
 The fleet is the embedded simulator's (``--sensors-per-site`` units per site),
 the configuration the shipped default with ``method = fedprior`` and
-``interval = "posterior"`` (the calibrated interval is refused under SecAgg+). Per round:
+``interval = "posterior"`` and ``robust = "off"`` (the calibrated interval and the
+robust M-step are refused under SecAgg+). Per round:
 the mean wall time of the training messages (the server's side: from the round's
 start to the last reply, the sites' work and every protocol step included; the
 last message only evaluates and is not counted), the
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     # probe is one unit's design, not a sum (docs/flower.md)
     params = {**base.method_params, "fedprior": {**base.method_params.get("fedprior", {})}}
     params["fedprior"]["interval"] = "posterior"
+    params["fedprior"]["robust"] = "off"  # per-unit checks need each reply: refused
     config = replace(
         base,
         engine=replace(base.engine, rounds=args.rounds, dtype="float64"),

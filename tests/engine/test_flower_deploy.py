@@ -40,7 +40,7 @@ import shutil
 import signal
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -197,11 +197,11 @@ def equivalence_runs(setup: Setup) -> dict[str, tuple[dict, dict, float]]:
     return done
 
 
-def _simulate(setup: Setup, method: str, rounds: int = ROUNDS):
+def _simulate(setup: Setup, method: str, rounds: int = ROUNDS, config: RunConfig = CONFIG):
     tensors = prepare(setup.fleet, dtype="float64")
     engine = EngineConfig(rounds=rounds, seed=SEED, dtype="float64", aggregation=POLICY)
     t0 = time.perf_counter()
-    res = simulate(build(CONFIG, method, 2), tensors, engine)
+    res = simulate(build(config, method, 2), tensors, engine)
     return res, time.perf_counter() - t0
 
 
@@ -307,7 +307,11 @@ def test_secure_aggregation_over_tls_and_node_auth(setup: Setup) -> None:
     vectors (lab-a's statistics computed on its worker), nothing is clipped, and the run
     gives the simulator's numbers up to the float summation order (docs/flower.md)."""
     t0 = time.monotonic()
-    run_id = _submit(setup, SECURE, method="fedprior", **{"secure-aggregation": True})
+    # robust = "off": its per-unit checks need each reply (refused under SecAgg+)
+    secure = {**CONFIG.method_params["fedprior"], "robust": "off"}
+    config = replace(CONFIG, method_params={"fedprior": secure})
+    overrides = {"secure-aggregation": True, "config-json": to_json(config)}
+    run_id = _submit(setup, SECURE, method="fedprior", **overrides)
     status = setup.dep.wait(run_id, timeout=600)
     result = _result(setup, SECURE)
     assert status["status"] == "finished:completed", (status, result.get("traceback"))
@@ -318,7 +322,7 @@ def test_secure_aggregation_over_tls_and_node_auth(setup: Setup) -> None:
         assert entry["trained"] == list(range(6))
         assert entry["secure"]["sites"] == sites and entry["secure"]["dropped_sites"] == []
         assert entry["secure"]["clipped_entries"] == 0
-    res, _ = _simulate(setup, "fedprior")
+    res, _ = _simulate(setup, "fedprior", config=config)
     want = {(r["round"], r["client"]): r["test_rmse"] for r in res.history}
     assert len(result["history"]) == len(want) == 6 * ROUNDS
     for r in result["history"]:

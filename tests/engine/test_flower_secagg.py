@@ -45,7 +45,7 @@ CONFIG = RunConfig(
     model=ModelConfig(hidden=(6, 5)),
     train=TrainConfig(lr=0.1, local_epochs=2, batch_size=4),
     engine=EngineSection(rounds=ROUNDS, dtype="float64"),
-    method_params={"fedprior": {"orders": [1, 1], "init_noise": 0.1}},
+    method_params={"fedprior": {"orders": [1, 1], "init_noise": 0.1, "robust": "off"}},
 )
 SITES = {"S00": "lab-b", "S01": "lab-a", "S02": "lab-c", "S03": "lab-c", "S04": "lab-a"}
 SITES |= {"S05": "lab-c"}
@@ -195,6 +195,7 @@ def test_secagg_plus_ring_and_run_config() -> None:
     [
         ("fedavg", {}, {}, "fedavg does not upload sums"),
         ("fedprior", {"interval": "calibrated"}, {}, "interval = 'calibrated'"),
+        ("fedprior", {"robust": "full"}, {}, "robust = 'full'"),
         ("fedprior", {}, {"rule": "krum"}, "rule 'krum' needs each site's reply"),
     ],
 )

@@ -34,6 +34,10 @@ One round is one ECME iteration (:mod:`fedcal.core.bayes`):
    σ² = Σ_i r_i / Σ_i n_i (with ``interval = "calibrated"``: on residual degrees of
    freedom, I1 of :mod:`~fedcal.algorithms.fedprior_interval`). Only sums over clients
    enter, in a canonical order.
+   With ``robust = "full"`` (issue 21, :mod:`fedcal.core.robust`) an upload that
+   contradicts its declared count or the broadcast prior is rejected by the aggregation,
+   and each unit's terms enter the sums times a weight from its leave-one-out distance to
+   the other units (1 inside the cut-off; docs/safety.md).
 3. **Personal model** (``personalize``): the posterior mean m_i, which is a
    precision-weighted interpolation between the unit's own least-squares fit
    and the fleet mean, with its covariance V_i: every prediction carries the
@@ -153,7 +157,8 @@ from fedcal.core.bayes import (
 )
 from fedcal.core.data import ClientData
 from fedcal.core.privacy import Statistic
-from fedcal.core.tree import Tree
+from fedcal.core.robust import OutlierWeights, inconsistencies, loo_distances, outlier_weights
+from fedcal.core.tree import Tree, flatten, per_client
 from fedcal.models.basis import (
     any_beyond,
     legendre_exponents,
@@ -194,6 +199,10 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
     interval: Literal["posterior", "calibrated"] = "posterior"
     probe_rows: int = 32  # a unit with at most this many rows may be the hold-out's probe design
     coverage_target: float = 0.95  # τ² is the smallest that covers this share of held-out rows
+    # Issue 21 (core/robust.py): "full" rejects uploads inconsistent with their declared count
+    # and down-weights units far from the others' prior in the M-step; "check": the first
+    # only; "off": neither (the plain sums; what secure aggregation would leave).
+    robust: Literal["off", "check", "full"] = "full"
 
     name = "fedprior"
     # m_i is the unit's posterior mean (its calibration); the rest are sufficient statistics.
@@ -220,6 +229,8 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
             raise ValueError("floor, init_scale and init_noise must be > 0")
         if self.probe_rows < 1:
             raise ValueError(f"probe_rows must be >= 1, got {self.probe_rows}")
+        if self.robust not in ("off", "check", "full"):
+            raise ValueError(f"robust must be 'off', 'check' or 'full', got {self.robust!r}")
         if self.noise_prior_points <= 0:
             raise ValueError(f"noise_prior_points must be > 0, got {self.noise_prior_points}")
         self.terms  # noqa: B018 — validate the basis against the model's inputs now
@@ -491,10 +502,15 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
         # Every unit counts once (a hierarchical model's units are its samples);
         # sums in a canonical order so the rounding does not depend on arrival order.
         order = torch.from_numpy(np.lexsort(replies["mean"].numpy().T[::-1]).copy())
+        robust = self.outlier_weights(server, replies)
+        if robust is not None and bool((robust.weights != 1).any()):  # all 1: the plain sums
+            replies = _weighted(replies, robust.weights)
         total = {k: v[order].sum(0) for k, v in replies.items() if k not in ("cand", "interval")}
         if "interval" in replies:  # the restricted noise update's sums (module doc, I1)
             total.update({k: replies["interval"][k][order].sum(0) for k in ("dof", "fit")})
         count = torch.tensor(float(replies["mean"].shape[0]), dtype=F64)
+        if robust is not None:  # Σ w_i units (exactly N when every weight is 1)
+            count = robust.weights[order].sum() if bool((robust.weights != 1).any()) else count
         metric = total["gram"] / total["n"].clamp_min(1.0)
         if self.select == "none":
             mu, sigma, noise_var = self._prior_update(
@@ -534,6 +550,55 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
             "cand": stacked,
             **self._interval_update(server, replies, order, total),
         }
+
+    # ---- hostile uploads (issue 21; core/robust.py) -------------------------------
+    def inconsistent_replies(
+        self, server: Tree, replies: Tree, weights: Tensor, accepted: Tensor
+    ) -> dict[int, str] | None:
+        """Clients whose upload contradicts its declared row count or the broadcast prior
+        (:func:`fedcal.core.robust.inconsistencies`, every candidate's statistics too): the
+        aggregation rejects them with this reason; None when off. Needs each client's own
+        upload."""
+        if self.robust == "off":
+            return None
+        idx = accepted.nonzero()[:, 0]
+        if not len(idx):
+            return {}
+        sub = {k: v.index_select(0, idx) for k, v in flatten(replies).items()}
+        keys = ("mean", "second", "gls_gram", "gls_rhs", "rss")
+        main = {k: sub[k] for k in (*keys, "n", "gram")}
+        whys = inconsistencies(main, server["mu"], server["sigma"], weights.index_select(0, idx))
+        if self.select != "none":
+            for k in range(self.masks.shape[0]):
+                cand = {key: sub[f"cand/{key}"][:, k] for key in keys}
+                mu, sigma = server["cand"]["mu"][k], server["cand"]["sigma"][k]
+                for j, why in enumerate(inconsistencies(cand, mu, sigma)):
+                    if why is not None and whys[j] is None:
+                        whys[j] = f"candidate {k}: {why}"
+        if "interval/dof" in sub:  # residual degrees of freedom ≤ rows, squared residuals ≥ 0
+            dof, fit, n = sub["interval/dof"], sub["interval/fit"], sub["n"]
+            wrong = ~((fit >= 0) & (dof <= n * (1 + 1e-9)))
+            for j in wrong.nonzero()[:, 0].tolist():
+                if whys[j] is None:
+                    d, f = float(dof[j]), float(fit[j])
+                    whys[j] = f"residual terms impossible (dof {d:.3g}, fit {f:.3g})"
+        return {int(idx[j]): why for j, why in enumerate(whys) if why is not None}
+
+    def outlier_weights(self, server: Tree, replies: Tree) -> OutlierWeights | None:
+        """Each client's M-step weight from its leave-one-out distance to the others' prior
+        (:func:`fedcal.core.robust.loo_distances`, in the chosen basis's coordinates: the
+        sub-basis model's own); None when off or when the clients are at most the basis's
+        terms + 2 (too few to judge each against the others). Needs each client's own upload."""
+        if self.robust != "full":
+            return None
+        # the chosen basis's coordinates only: the others hold the prior itself (no data)
+        used = torch.nonzero(server["mask"])[:, 0] if "mask" in server else slice(None)
+        mean = replies["mean"][:, used]
+        c, p = mean.shape
+        if c - 1 <= p + 1:  # the others' moments cannot name a law for δ: not judged
+            return None
+        dist = loo_distances(mean, replies["second"][:, used][:, :, used])
+        return outlier_weights(dist, p, c - 1)
 
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
         _, post = self._posterior(down, state, self._moments(data))
@@ -611,3 +676,20 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
         if "declined" in params:  # no interval stated for this unit (module doc, "Intervals")
             s = torch.where(params["declined"].to(F64) > 0, math.nan, s)
         return q, s
+
+
+def _weighted(replies: Tree, w: Tensor) -> Tree:
+    """Each client's statistics times its M-step weight w_i (core/robust.py); the interval's
+    probe design (inputs, rows) is not a statistic and is kept."""
+    out: dict = {}
+    for key, v in replies.items():
+        if key == "interval":
+            out[key] = {
+                k: u * per_client(w.to(u.dtype), u) if k in ("dof", "fit", "held", "inside") else u
+                for k, u in v.items()
+            }
+        elif isinstance(v, dict):
+            out[key] = {k: u * per_client(w.to(u.dtype), u) for k, u in v.items()}
+        else:
+            out[key] = v * per_client(w.to(v.dtype), v)
+    return out

@@ -307,6 +307,12 @@ def aggregate(
     the reason a user is shown. Memory: see the module docstring.
     """
     steps = chain(policy, algorithm)
+    if algorithm.inconsistent_replies is not None:  # after the size screen (or the guards)
+        names = [s.name for s in steps]
+        at = names.index("screen") + 1 if "screen" in names else len(GUARDS)
+        check = partial(algorithm.inconsistent_replies, server)
+        consistency = Stage("consistency", partial(stages.reject_inconsistent, check=check))
+        steps = (*steps[:at], consistency, *steps[at:])
     flat = flatten(replies)
     # Leaves an algorithm declares unscreened (``unscreened_replies``, path prefixes) do not
     # judge a client in screening or Krum; they are still aggregated (or rejected) with it.
@@ -332,4 +338,37 @@ def aggregate(
     rows, used_weights = cohort.rows(rnd)
     metrics["accepted"] = float(len(used_weights))
     new_server = algorithm.server_update(server, unflatten(rows), used_weights)
+    if algorithm.outlier_weights is not None:
+        _record_downweighted(algorithm, server, rows, cohort.used, metrics, record)
     return new_server, cohort.accepted, metrics
+
+
+def _record_downweighted(
+    algorithm: Algorithm,
+    server: Tree,
+    rows: dict[str, Tensor],
+    used: Tensor,
+    metrics: dict[str, float],
+    record: list[dict] | None,
+) -> None:
+    """Report the used clients the algorithm's M-step weighted below one half (issue 21,
+    fedprior's outlier weights, :mod:`fedcal.core.robust`) like a rejection, with the
+    distance and cut-off as its reason; they are still aggregated with that weight."""
+    robust = algorithm.outlier_weights(server, unflatten(rows))
+    if robust is None:
+        return
+    idx = used.nonzero()[:, 0]
+    low = (robust.weights < 0.5).nonzero()[:, 0].tolist()
+    metrics["downweighted"] = float(len(low))
+    for j in low if record is not None else ():
+        record.append(
+            {
+                "client": int(idx[j]),
+                "reason": (
+                    f"prior outlier: distance {float(robust.distances[j]):.3g} > cut-off "
+                    f"{robust.cutoff:.3g}, M-step weight {float(robust.weights[j]):.2g}"
+                ),
+                "ratio": float(robust.distances[j]),
+                "threshold": robust.cutoff,
+            }
+        )

@@ -26,7 +26,7 @@ import typing
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import torch
 from pydantic import Field
@@ -142,6 +142,13 @@ class Algorithm(AlgorithmFields, metaclass=ChecksOptions):
     # beyond_support(params, x) -> (clients, rows) bool: rows the model's extrapolation
     # guard treats as outside the client's calibrated range (reported by evaluation).
     beyond_support: ClassVar[Callable[[Tree, Tensor], Tensor] | None] = None
+    # inconsistent_replies(server, replies, weights, accepted) -> {client: reason} | None:
+    # uploads that contradict their declared row count or the broadcast model (issue 21,
+    # core/robust.py); the aggregation rejects them after screening. Needs each reply.
+    inconsistent_replies: ClassVar[Callable[..., dict[int, str] | None] | None] = None
+    # outlier_weights(server, replies) -> core.robust.OutlierWeights | None: the M-step
+    # weight of each used client (fedprior); those below 1/2 are reported as rejections.
+    outlier_weights: ClassVar[Callable[..., Any] | None] = None
     # Closed form: round 1 computes every model and later rounds repeat it exactly (a
     # per-sensor least-squares fit). The engine runs one round for it, whatever [engine]
     # rounds says: the same numbers (tested), 1/50 of the time at the default 50 rounds.

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from fedcal.core.tree import Tree, flatten, per_client
+from fedcal.core.tree import Tree, flatten, per_client, unflatten
 
 NORM_BLOCK = 256  # clients whose temporaries (float64 squares, |x| of isfinite) exist at once
 
@@ -226,6 +226,31 @@ def screen(cohort: Cohort, rnd: Round, factor: float) -> Cohort:
         {"rejected_norm": float(outlier.sum())},
         accepted=accepted & ~outlier,
         rejections=cohort.rejections + records,
+    )
+
+
+def reject_inconsistent(
+    cohort: Cohort, rnd: Round, check: Callable[[Tree, Tensor, Tensor], dict[int, str] | None]
+) -> Cohort:
+    """Reject the accepted clients whose upload the algorithm finds inconsistent (issue 21).
+
+    ``check(replies, weights, accepted)`` is the algorithm's ``inconsistent_replies`` bound
+    to the server state (e.g. fedprior's statistics against their declared rows and the
+    broadcast prior, :mod:`fedcal.core.robust`): ``{client: reason}``, or None when the
+    algorithm checks nothing. Each rejection is recorded with its reason.
+    """
+    bad = check(unflatten(cohort.replies), cohort.weights, cohort.accepted)
+    if bad is None:
+        return cohort
+    accepted = cohort.accepted.clone()
+    records = []
+    for i, why in sorted(bad.items()):
+        accepted[i] = False
+        records.append({"client": i, "reason": why, "ratio": float("nan"), "threshold": 0.0})
+    return cohort.but(
+        {"rejected_inconsistent": float(len(bad))},
+        accepted=accepted,
+        rejections=cohort.rejections + tuple(records),
     )
 
 

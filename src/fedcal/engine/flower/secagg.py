@@ -162,6 +162,12 @@ def refusal(algorithm, policy) -> str | None:
             f"secure aggregation: {name} with interval = 'calibrated' uploads a unit's design "
             "(the probe is one unit's, not a sum); use interval = 'posterior'"
         )
+    if getattr(algorithm, "robust", "off") != "off":
+        return (
+            f"secure aggregation: {name} with robust = {algorithm.robust!r} checks each unit's "
+            "upload and weighs it by its distance to the others, which needs each reply; the "
+            "server sees only the sum (use robust = 'off': no defence against a hostile site)"
+        )
     if policy.rule != "mean":
         return (
             f"secure aggregation: rule {policy.rule!r} needs each site's reply; the server "

@@ -1,0 +1,268 @@
+"""A fleet prior that one hostile site or unit cannot steer: checks and weights (issue 21).
+
+The fleet prior's M-step (:mod:`fedcal.core.bayes`, :mod:`fedcal.algorithms.fedprior`) sums
+each unit's E-step terms: its posterior mean m_i, second moment S_i = m_i m_iᵀ + V_i, the GLS
+terms Φ_iᵀC_i⁻¹Φ_i and Φ_iᵀC_i⁻¹(y_i − Φ_iμ), an expected residual sum of squares r_i, its
+row count n_i and Gram G_i = Φ_iᵀΦ_i. A site that scales these by a factor passes any test of
+size (a unit with more rows has larger sums) and, unchecked, moves the prior of every other
+unit. Two defences, both pure functions of one round's per-unit uploads:
+
+1. **Internal consistency** (:func:`inconsistencies`). Whatever a unit's data, its E-step
+   under the broadcast prior N(μ, Σ) obeys identities a scaled or forged upload breaks.
+   With Σ = L Lᵀ, V_i = S_i − m_i m_iᵀ and the whitened W_i = L⁻¹V_iL⁻ᵀ, H_i = LᵀΦ_iᵀC_i⁻¹Φ_iL:
+
+   a. n_i equals the rows the unit declared (the server's count, capped at the handshake);
+   b. G_i is positive semi-definite and, φ_0 ≡ 1 being the basis's first function, G_00 = n_i;
+   c. r_i ≥ 0;
+   d. 0 ⪯ W_i ⪯ I: the posterior covariance is PSD and never wider than the prior;
+   e. H_i + W_i = I (Woodbury: A⁻¹B + A⁻¹ = I with A = I + B, B = LᵀG_iL/σ_i²);
+   f. L⁻¹(m_i − μ) = Lᵀ Φ_iᵀC_i⁻¹(y_i − Φ_iμ) (both are A⁻¹g, :func:`fedcal.core.bayes.posterior`).
+
+   Scaling every statistic by f ≠ 1 gives W' = fV + (f − f²) m mᵀ (not PSD for f > 1 once
+   m mᵀ outweighs V, not below I for f < 1) and H' + W' − I = (f − 1)(…) ≠ 0: rejected at
+   any factor a rounding could not produce. Each is judged in whitened, per-unit units
+   (scale-free: a unit with 100× the rows is checked exactly as one with 6).
+
+2. **Outlyingness under the others' prior** (:func:`loo_distances`, :func:`outlier_weights`).
+   A unit whose data are wrong but self-consistent (a flipped reference, p → 1600 − p)
+   passes 1. It is judged by where its posterior lies in the distribution the *other*
+   units imply: with the others' moments c₋ᵢ = mean_j≠i m_j, R₋ᵢ = mean_j≠i S_j − c₋ᵢc₋ᵢᵀ,
+
+       δ_i = E[(c_i − c₋ᵢ)ᵀ R₋ᵢ⁻¹ (c_i − c₋ᵢ)] = tr(R₋ᵢ⁻¹ (S_i − m_i c₋ᵢᵀ − c₋ᵢ m_iᵀ + c₋ᵢc₋ᵢᵀ)),
+
+   a per-unit quantity (a data-rich unit's δ is that of its coefficients, not of its row
+   count). Leaving the unit out matters: one unit in N inflates a moment estimate that
+   includes it until its own distance is at most ≈ N (masking), and M-estimators of scatter
+   break down at 1/(p + 1) (Maronna 1976), one unit of 20 for p = 16. Under the model δ_i
+   follows Hotelling's leave-one-out law (a scaled F; χ²_p when the others are too few to
+   name one, :func:`reference_quantiles`). The cut-off is its 0.999 quantile times
+   max(1, median δ / its median) (a consistency factor, so a fleet whose spread is not
+   Gaussian is judged against itself), and the M-step weight is w_i = min(1, (k/δ_i)²):
+   1 for every unit inside, and a redescending weight outside whose pull on Σ,
+   w_i δ_i = k²/δ_i, vanishes as the unit moves away (a Huber weight k/δ_i would leave it
+   a constant pull, which EM's iteration amplifies).
+
+Both need each unit's own upload; under secure aggregation (the server sees only sums)
+neither applies and the M-step is the plain sum (docs/safety.md says so).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from scipy.stats import chi2
+from scipy.stats import f as f_dist
+from torch import Tensor
+
+from fedcal.core.bayes import F64, safe_cholesky
+
+#: Tolerances of the consistency checks, in whitened units (a consistent upload's rounding
+#: error is ≤ 1e-9 of the prior's scale at the condition numbers the EM produces; measured
+#: on the default and mixed fleets, docs/safety.md). A scaled upload misses by O(f − 1).
+WHITENED_TOL = 1e-4
+#: Relative tolerance of G's PSD test and of G_00 = n (rows are counted exactly).
+GRAM_TOL = 1e-9
+#: χ²_p quantile of the outlyingness cut-off (module doc, 2).
+CUTOFF_QUANTILE = 0.999
+#: Units per block of the leave-one-out distances (memory: block × p² float64).
+BLOCK = 4096
+
+
+def _sym(a: Tensor) -> Tensor:
+    return 0.5 * (a + a.transpose(-2, -1))
+
+
+def _whiten(sigma: Tensor) -> tuple[Tensor, Tensor]:
+    """(L, L⁻¹) of Σ = L Lᵀ (batched; :func:`safe_cholesky`)."""
+    chol = safe_cholesky(_sym(sigma.to(F64)))[0]
+    eye = torch.eye(sigma.shape[-1], dtype=F64).expand_as(chol)
+    return chol, torch.linalg.solve_triangular(chol, eye, upper=False)
+
+
+def whitened_tolerance(sigma: Tensor) -> Tensor:
+    """Tolerance of the whitened checks for a prior Σ (…, p, p): :data:`WHITENED_TOL` plus
+    10³·ε·cond(Σ) (whitening by an ill-conditioned L amplifies rounding by its condition)."""
+    vals = torch.linalg.eigvalsh(_sym(sigma.to(F64)))
+    cond = vals[..., -1].abs() / vals[..., 0].clamp_min(1e-300)
+    return WHITENED_TOL + 1e3 * torch.finfo(F64).eps * cond
+
+
+def whitened_gaps(stats: dict[str, Tensor], mu: Tensor, sigma: Tensor) -> dict[str, Tensor]:
+    """The measured sides of checks c–f (module doc, 1), batched over leading dims.
+
+    ``stats``: ``mean`` (…, p), ``second``, ``gls_gram`` (…, p, p), ``gls_rhs`` (…, p),
+    ``rss`` (…); ``mu`` (…, p) and ``sigma`` (…, p, p) broadcast against them. Returns
+    ``w_low``/``w_high`` (extreme eigenvalues of W), ``h_low``/``h_high`` (of H),
+    ``woodbury`` ‖H + W − I‖₂, ``rhs`` the mean/GLS gap and ``rss`` (…,) each.
+    """
+    m = stats["mean"].to(F64)
+    p = m.shape[-1]
+    chol, inv = _whiten(sigma)
+    tr = chol.transpose(-2, -1)
+    v = _sym(stats["second"].to(F64) - m.unsqueeze(-1) * m.unsqueeze(-2))
+    w = _sym(inv @ v @ inv.transpose(-2, -1))
+    h = _sym(tr @ stats["gls_gram"].to(F64) @ chol)
+    z = (inv @ (m - mu.to(F64)).unsqueeze(-1))[..., 0]
+    e = z - (tr @ stats["gls_rhs"].to(F64).unsqueeze(-1))[..., 0]
+    w_eig, h_eig = torch.linalg.eigvalsh(w), torch.linalg.eigvalsh(h)
+    return {
+        "w_low": w_eig[..., 0],
+        "w_high": w_eig[..., -1],
+        "h_low": h_eig[..., 0],
+        "h_high": h_eig[..., -1],
+        "woodbury": torch.linalg.matrix_norm(h + w - torch.eye(p, dtype=F64), ord=2),
+        "rhs": e.norm(dim=-1) / (1.0 + z.norm(dim=-1)),
+        "rss": stats["rss"].to(F64),
+    }
+
+
+def inconsistencies(
+    stats: dict[str, Tensor],
+    mu: Tensor,
+    sigma: Tensor,
+    declared: Tensor | None = None,
+    constant_first: bool = True,
+) -> list[str | None]:
+    """Per unit, why its E-step upload cannot be what its declared data give (module doc, 1).
+
+    ``stats``: ``mean`` (c, p), ``second`` (c, p, p), ``gls_gram`` (c, p, p), ``gls_rhs``
+    (c, p), ``rss`` (c,), and optionally ``n`` (c,) and ``gram`` (c, q, q) (the full design's
+    Gram). ``mu`` (p,), ``sigma`` (p, p): the prior the E-step was computed under.
+    ``declared`` (c,): the rows the server counts for each unit. Returns one entry per
+    unit: None (consistent) or the first failed check, in one line with the measured value.
+    """
+    g = whitened_gaps(stats, mu, sigma)
+    tol = float(whitened_tolerance(sigma))
+    bad = (
+        ~(g["rss"] >= 0)
+        | (g["w_low"] < -tol)
+        | (g["w_high"] > 1 + tol)
+        | (g["h_low"] < -tol)
+        | (g["h_high"] > 1 + tol)
+        | (g["woodbury"] > tol)
+        | (g["rhs"] > tol)
+        | ~torch.isfinite(g["woodbury"])
+    )
+    n, gram = stats.get("n"), stats.get("gram")
+    if n is not None and declared is not None:
+        bad |= n.to(F64) != declared.to(F64)
+    out: list[str | None] = [None] * len(bad)
+    if gram is not None:
+        for i, why in gram_problems(gram, n, constant_first).items():
+            out[i] = why
+    for i in bad.nonzero()[:, 0].tolist():
+        if out[i] is not None:
+            continue
+        one = {k: float(v[i]) for k, v in g.items()}
+        if n is not None and declared is not None and float(n[i]) != float(declared[i]):
+            out[i] = (
+                f"declares {float(n[i]):g} rows in its statistics, {float(declared[i]):g} counted"
+            )
+        elif not one["rss"] >= 0:
+            out[i] = f"negative residual sum of squares {one['rss']:.3g}"
+        elif one["w_low"] < -tol:
+            out[i] = (
+                "posterior covariance S − m mᵀ not positive semi-definite "
+                f"(whitened eigenvalue {one['w_low']:.3g})"
+            )
+        elif one["w_high"] > 1 + tol:
+            out[i] = f"posterior wider than the prior (whitened eigenvalue {one['w_high']:.3g})"
+        elif one["h_low"] < -tol or one["h_high"] > 1 + tol:
+            out[i] = (
+                f"GLS Gram outside [0, Σ⁻¹] (whitened eigenvalues {one['h_low']:.3g}…"
+                f"{one['h_high']:.3g})"
+            )
+        elif one["woodbury"] > tol or one["woodbury"] != one["woodbury"]:
+            out[i] = f"GLS Gram and posterior covariance disagree (gap {one['woodbury']:.3g})"
+        else:
+            out[i] = f"posterior mean and GLS right-hand side disagree (gap {one['rhs']:.3g})"
+    return out
+
+
+def gram_problems(gram: Tensor, n: Tensor | None, constant_first: bool) -> dict[int, str]:
+    """Units whose G = ΦᵀΦ (c, q, q) cannot be one (not PSD, or G_00 ≠ n with φ_0 ≡ 1): why."""
+    g = _sym(gram.to(F64))
+    scale = torch.diagonal(g, dim1=-2, dim2=-1).abs().amax(-1).clamp_min(1e-300)
+    low = torch.linalg.eigvalsh(g)[..., 0]
+    not_psd = ~(low >= -GRAM_TOL * scale)
+    off = torch.zeros_like(not_psd)
+    if constant_first and n is not None:
+        rows = n.to(F64)
+        off = ~((g[..., 0, 0] - rows).abs() <= GRAM_TOL * rows.clamp_min(1.0))
+    out: dict[int, str] = {}
+    for i in (not_psd | off).nonzero()[:, 0].tolist():
+        if bool(not_psd[i]):
+            out[i] = f"Gram matrix not positive semi-definite (eigenvalue {float(low[i]):.3g})"
+        else:
+            out[i] = (
+                f"Gram's constant term {float(g[i, 0, 0]):.6g} is not its row count {float(n[i]):g}"
+            )
+    return out
+
+
+def loo_distances(mean: Tensor, second: Tensor) -> Tensor:
+    """δ_i of each unit against the moments of the others (module doc, 2): (c,) float64.
+
+    ``mean`` (c, p) posterior means m_i, ``second`` (c, p, p) S_i = m_i m_iᵀ + V_i. Needs
+    c ≥ 2. R₋ᵢ is factored by :func:`safe_cholesky` (never fails; a degenerate one is
+    floored).
+    """
+    m = mean.to(F64)
+    s = second.to(F64)
+    c = m.shape[0]
+    if c < 2:
+        return torch.zeros(c, dtype=F64)
+    total_m, total_s = m.sum(0), s.sum(0)
+    out = []
+    for lo in range(0, c, BLOCK):
+        mb, sb = m[lo : lo + BLOCK], s[lo : lo + BLOCK]
+        centre = (total_m - mb) / (c - 1)
+        scatter = _sym((total_s - sb) / (c - 1) - centre.unsqueeze(-1) * centre.unsqueeze(-2))
+        d = mb - centre
+        own = _sym(sb - mb.unsqueeze(-1) * mb.unsqueeze(-2)) + d.unsqueeze(-1) * d.unsqueeze(-2)
+        chol = safe_cholesky(scatter)[0]
+        out.append(torch.diagonal(torch.cholesky_solve(own, chol), dim1=-2, dim2=-1).sum(-1))
+    return torch.cat(out)
+
+
+@dataclass(frozen=True)
+class OutlierWeights:
+    """The M-step weights w_i, the distances δ_i they come from and the cut-off k."""
+
+    weights: Tensor
+    distances: Tensor
+    cutoff: float
+
+
+def reference_quantiles(dim: int, others: int | None = None) -> tuple[float, float]:
+    """(0.999 quantile, median) of δ for a unit drawn like the others (module doc, 2).
+
+    With ``others`` = n units estimating the moments it is judged by and n > dim + 1:
+    Hotelling's leave-one-out law δ ~ (n + 1)/n · dim(n − 1)/(n − dim) · F(dim, n − dim)
+    (a unit of a small fleet lies far from the others' estimate by chance); else χ²_dim.
+    """
+    if others is not None and others > dim + 1:
+        n = float(others)
+        scale = (n + 1) / n * dim * (n - 1) / (n - dim)
+        return (
+            scale * float(f_dist.ppf(CUTOFF_QUANTILE, dim, n - dim)),
+            scale * float(f_dist.median(dim, n - dim)),
+        )
+    return float(chi2.ppf(CUTOFF_QUANTILE, dim)), float(chi2.median(dim))
+
+
+def outlier_weights(distances: Tensor, dim: int, others: int | None = None) -> OutlierWeights:
+    """w_i = min(1, (k/δ_i)²), k = q · max(1, median δ / m) (module doc, 2).
+
+    q, m: the 0.999 quantile and median of :func:`reference_quantiles` (``others``: the
+    units each δ_i is judged against, c − 1). A non-finite δ_i gets weight 0.
+    """
+    d = distances.to(F64)
+    finite = torch.isfinite(d)
+    med = float(d[finite].median()) if bool(finite.any()) else float("nan")
+    q, m = reference_quantiles(dim, others)
+    k = q * (max(1.0, med / m) if med == med else 1.0)
+    w = torch.where(d > k, (k / d.clamp_min(1e-300)) ** 2, torch.ones_like(d))
+    w = torch.where(finite, w, torch.zeros_like(d))
+    return OutlierWeights(w, d, k)
