@@ -46,6 +46,7 @@ format, who trained in each round, failures and refusals (``failures``,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import traceback
 from pathlib import Path
@@ -130,10 +131,12 @@ def federation(
         from fedcal.engine.flower.secagg import refusal
 
         cls, values = method_settings(method, config)  # the algorithm's declarations only
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
         declared = SimpleNamespace(
             name=cls.name,
             reply_aggregation=getattr(cls, "reply_aggregation", "mean"),
-            interval=values.get("interval", "posterior"),
+            interval=values.get("interval", defaults.get("interval", "posterior")),
+            robust=values.get("robust", defaults.get("robust", "off")),
         )
         why = refusal(declared, build_policy(config)[0])
         if why is not None:
