@@ -78,10 +78,11 @@ rule's and unused here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
@@ -231,9 +232,9 @@ class FedGMI(Algorithm):
     def uses_local_epochs(self) -> bool:  # the posterior head is closed form
         return not self.bayesian
 
-    finetune_steps: int = 1
-    finetune_lr: float = 0.05
-    eps: float = 1e-8
+    finetune_steps: Annotated[int, Field(ge=0)] = 1
+    finetune_lr: Annotated[float, Field(ge=0.0)] = 0.05
+    eps: Annotated[float, Field(ge=0.0)] = 1e-8
     magnitude: Literal["element", "tensor"] = "element"  # seed | ablation
     interpolate: bool = True
     upload: Literal["full", "body"] = "full"  # seed | ablation
@@ -241,23 +242,19 @@ class FedGMI(Algorithm):
     normalize: Literal["separate", "joint"] = "separate"  # seed: L_g, L_i | ours: one norm
     interpolation: Literal["gradient", "posterior"] = "gradient"  # seed alg. 3.3 | ours
     # The head prior of interpolation="posterior" (see the module doc):
-    prior_shrinkage: float = 0.05  # λ: Σ_h ← (1 − λ)Σ̂ + λ diag(Σ̂), in the feature metric
-    prior_rank: int = 0  # > 0: Σ_h = W Wᵀ + D with this many factors; 0: full
-    prior_floor: float = 1e-9  # eigenvalues of Σ_h ≥ floor · their mean
-    prior_init_scale: float = 1.0  # prior std of every head coefficient before any data
-    prior_init_noise: float = 1e-2  # noise std before any data (scaled units)
+    # λ: Σ_h ← (1 − λ)Σ̂ + λ diag(Σ̂), in the feature metric
+    prior_shrinkage: Annotated[float, Field(ge=0.0, le=1.0)] = 0.05
+    prior_rank: Annotated[int, Field(ge=0)] = 0  # > 0: Σ_h = W Wᵀ + D, this many factors; 0: full
+    prior_floor: Annotated[float, Field(gt=0.0)] = 1e-9  # eigenvalues of Σ_h ≥ floor · their mean
+    # prior std of every head coefficient, and the noise std, before any data (scaled units)
+    prior_init_scale: Annotated[float, Field(gt=0.0)] = 1.0
+    prior_init_noise: Annotated[float, Field(gt=0.0)] = 1e-2
 
     name = "fedgmi"
 
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.prior_shrinkage <= 1.0:
-            raise ValueError(f"prior_shrinkage must be in [0, 1], got {self.prior_shrinkage}")
-        if self.prior_rank < 0:
-            raise ValueError(f"prior_rank must be >= 0, got {self.prior_rank}")
-        if not (self.prior_floor > 0 and self.prior_init_scale > 0 and self.prior_init_noise > 0):
-            raise ValueError("prior_floor, prior_init_scale and prior_init_noise must be > 0")
+    def check_task(self, task: Task) -> None:
         if self.interpolation == "posterior":
-            head_names(self.task)
+            head_names(task)
 
     @property
     def bayesian(self) -> bool:
