@@ -31,7 +31,7 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, model_vali
 from pydantic.dataclasses import dataclass
 
 from fedcal.core.aggregation import AggregationRules
-from fedcal.core.algorithm import Recipe
+from fedcal.core.algorithm import Recipe, SettingError, check_settings, setting_types
 from fedcal.core.paths import PathError, read_text, safe_name
 from fedcal.core.schema import (
     MAX_ROUNDS,
@@ -42,12 +42,13 @@ from fedcal.core.schema import (
     Seed,
     Str,
     checked,
-    message,
     problem,
 )
+from fedcal.core.task import Task
 from fedcal.data.fleet import BAROMETRIC_FEATURES, BAROMETRIC_TARGET, CLIENT_COLUMN, SPLIT_COLUMN
 from fedcal.data.simulator import FleetSpec, parse_design
 from fedcal.engine.settings import EngineSettings
+from fedcal.models import build_model
 
 
 class ConfigError(ValueError):
@@ -274,18 +275,6 @@ def _tuples(value: Any) -> Any:
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-@functools.cache
-def _param_types(cls: type) -> dict[str, tuple[TypeAdapter, Any]]:
-    import typing
-
-    hints = typing.get_type_hints(cls)
-    return {
-        f.name: (TypeAdapter(hints[f.name], config=ConfigDict(strict=True)), f.default)
-        for f in fields(cls)
-        if f.name != "task"
-    }
-
-
 def _finite(value: Any) -> bool:
     if isinstance(value, float):
         return math.isfinite(value)
@@ -294,20 +283,23 @@ def _finite(value: Any) -> bool:
     return True
 
 
-def check_method_tables(tables: Any, where: str) -> dict[str, dict[str, Any]]:
-    """``[methods.<name>]`` tables: known names and bases, known parameters of the right type.
+def check_method_tables(
+    tables: Any, where: str, task: Task | None = None
+) -> dict[str, dict[str, Any]]:
+    """``[methods.<name>]`` tables: known names and bases, each parameter in its declared range.
 
     A table named after a registered method sets its parameters; any other name is a
     variant and needs ``base = "<registered method>"`` (a registered name cannot be
     re-based: ``[methods.local] base = "fedavg"`` would run FedAvg under the name
-    local). Recipe keys ([train]'s) are range-checked as in [train]; other numbers
-    must be finite and, where the method's default is not negative, not negative; then
-    the method's own checks run (:func:`_own_checks`).
+    local). Each value is checked against the type and range its method declares for it
+    (:func:`fedcal.core.algorithm.check_settings`; a configuration's numbers are also
+    finite); then, given the ``task`` the configuration describes (:func:`described_task`),
+    the method is built on it, which runs its task checks
+    (:meth:`fedcal.core.algorithm.Algorithm.check_task`).
     """
     if not isinstance(tables, dict):
         raise ConfigError(f"{where} [methods]: must be a table of per-method tables")
     registry = _registry()
-    recipe = {f.name for f in fields(TrainConfig)}
     out: dict[str, dict[str, Any]] = {}
     for name, params in tables.items():
         section = f"methods.{name}"
@@ -327,66 +319,58 @@ def check_method_tables(tables: Any, where: str) -> dict[str, dict[str, Any]]:
                 f"{where} [{section}] base: {name!r} is a registered method and cannot be "
                 f"re-based on {base!r}; name the variant differently"
             )
-        types = _param_types(registry[base])
-        for key, value in params.items():
-            if key == "base":
-                continue
+        cls = registry[base]
+        types = setting_types(cls)
+        values = {k: v for k, v in params.items() if k != "base"}
+        for key, value in values.items():
             if key not in types:
                 raise ConfigError(
                     f"{where} [{section}] {key}: unknown parameter of {base}; "
                     f"known: {', '.join(sorted(types))}"
                 )
-            adapter, default = types[key]
             try:
-                adapter.validate_python(_tuples(value))
-            except ValidationError as err:
-                raise ConfigError(
-                    f"{where} [{section}] {key}: {message(err.errors()[0])}"
-                ) from None
+                check_settings(cls, {key: value})
+            except SettingError as err:
+                raise ConfigError(f"{where} [{section}] {err.field}: {err.problem}") from None
             if not _finite(value):
                 raise ConfigError(f"{where} [{section}] {key}: must be finite, got {value!r}")
-            if key in recipe:
-                _validate(TrainConfig, {key: value}, where, section)
-            elif (
-                isinstance(value, int | float)
-                and not isinstance(value, bool)
-                and isinstance(default, int | float)
-                and default >= 0
-                and value < 0
-            ):
-                raise ConfigError(
-                    f"{where} [{section}] {key}: must be >= 0 (default {default!r}), got {value!r}"
-                )
-        _own_checks(registry[base], section, params, where)
+        if task is not None and cls.task_kind == task.kind:
+            _task_checks(cls, values, task, f"{where} [{section}]")
         out[name] = dict(params)
     return out
 
 
-class _TaskNeeded(Exception):
-    """A method's own check that reads the task: it runs when the method is built."""
+def _task_checks(cls: type, values: dict[str, Any], task: Task, where: str) -> None:
+    """The method built on ``task`` with ``values``: its :meth:`check_task` runs."""
+    try:
+        cls(task=task, **values)
+    except SettingError as err:
+        raise ConfigError(f"{where} {err.field}: {err.problem}") from None
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{where}: {err}") from None
 
 
-class _NoTask:
-    def __getattr__(self, name: str) -> Any:
-        raise _TaskNeeded(name)
+def described_task(cfg: RunConfig) -> Task | None:
+    """The task the configuration describes, for the methods' task checks at load.
 
-
-def _own_checks(cls: type, section: str, params: dict[str, Any], where: str) -> None:
-    """The method's own ranges (its ``__post_init__``), for every table, run or not.
-
-    Each value alone, then all together; a check that needs the task (its model,
-    its head) stops the probe and is left to the build.
+    A regression on the simulator (the barometer's inputs) or on a file (``[data]
+    features``), with ``[model]``'s model; None where only the fleet tells (a built-in
+    data set's inputs and kind) or ``[model]`` cannot be built (the build reports that).
+    Only shapes matter: a whitened basis has its plain basis's.
     """
-    values = {k: v for k, v in params.items() if k != "base"}
-    probes = [([k], {k: v}) for k, v in values.items()] + [(list(values), values)]
-    for keys, probe in probes:
-        try:
-            cls(task=_NoTask(), **probe)
-        except _TaskNeeded:
-            pass
-        except (TypeError, ValueError) as err:
-            got = f", got {probe[keys[0]]!r}" if len(keys) == 1 and "got" not in str(err) else ""
-            raise ConfigError(f"{where} [{section}] {', '.join(keys)}: {err}{got}") from None
+    d, m = cfg.data, cfg.model
+    if d.path.startswith("builtin:") or m.family == "classifier":
+        return None
+    inputs = len(d.features) if d.path else len(BAROMETRIC_FEATURES)
+    if m.family == "basis" and len(m.poly_orders) != inputs:
+        return None
+    try:
+        model = build_model(m.family, inputs, 1, m.hidden, m.activation, m.poly_orders)
+        task = Task(model, head_layers=m.head_layers)
+        task.head  # noqa: B018 — head_layers against the model's layers
+    except ValueError:
+        return None
+    return task
 
 
 # ----------------------------------------------------------------------------
@@ -434,10 +418,13 @@ def apply(base: RunConfig, raw: Any, where: str) -> RunConfig:
             if not isinstance(values, dict):
                 raise ConfigError(f"{where} [methods.{method}]: expected a table, got {values!r}")
             params[method] = {**params.get(method, {}), **values}
-        # each table as it will be used (a variant's base may come from the default)
-        check_method_tables({m: params[m] for m in tables}, where)
         updates["method_params"] = params
     cfg = dataclasses.replace(base, **updates)
+    if "methods" in raw:
+        # each table as it will be used (a variant's base may come from the default), on
+        # the task this configuration describes
+        tables = {m: cfg.method_params[m] for m in raw["methods"]}
+        check_method_tables(tables, where, described_task(cfg))
     if "run" in raw or "methods" in raw:
         for m in cfg.methods:  # a method name becomes a run folder's name
             _method_name(m, f"{where} [run] methods")

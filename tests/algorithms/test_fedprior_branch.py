@@ -226,5 +226,7 @@ def test_a_bic_reply_carries_the_full_gram_and_the_chosen_candidate_s_statistics
 
 
 def test_bad_branch_orders_are_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"branch_orders \[2\] needs one order >= 0 per input"):
+    with pytest.raises(
+        ValueError, match=r"^fedprior branch_orders: \[2\] needs one order >= 0 per input"
+    ):
         prior(branch_orders=(2,))

@@ -62,9 +62,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
@@ -136,31 +138,23 @@ class AFLCSEM(Algorithm):
     def uses_local_epochs(self) -> bool:  # τ local steps, not epochs
         return False
 
-    budget: float = 15.0
-    cost_weight: float = 0.5  # S
+    budget: Annotated[float, Field(gt=0.0)] = 15.0
+    cost_weight: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5  # S
     time_per_sample: tuple[float, float] = (2e-5, 5e-6)  # c_i ~ N(mean, std²)
     energy_per_sample: tuple[float, float] = (2e-5, 5e-6)  # e_i ~ N(mean, std²)
     # A real fleet's measured (c_i, e_i), by client index; empty = draw them as above.
     participant_costs: tuple[tuple[float, float], ...] = ()
-    aggregation_time: float = 0.05  # c
-    aggregation_energy: float = 0.05  # e
-    phi: float = 0.025
-    tau_max: int = 100
-    search_growth: int = 10  # γ
-    initial_tau: int = 1
+    aggregation_time: Annotated[float, Field(ge=0.0)] = 0.05  # c
+    aggregation_energy: Annotated[float, Field(ge=0.0)] = 0.05  # e
+    phi: Annotated[float, Field(gt=0.0)] = 0.025
+    tau_max: Annotated[int, Field(ge=1)] = 100
+    search_growth: Annotated[int, Field(ge=1)] = 10  # γ
+    initial_tau: Annotated[int, Field(ge=1)] = 1
 
     name = "aflcsem"
     uploads = ("model", "gradients", "costs")  # F_i, ∇F_i, ρ_i, β_i; Q_i, c_i, e_i
 
     reply_aggregation = "custom"  # losses and τ-control statistics, not a plain mean
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.cost_weight <= 1.0:
-            raise ValueError("cost_weight S must lie in [0, 1]")
-        if self.tau_max < 1 or self.initial_tau < 1 or self.search_growth < 1:
-            raise ValueError("tau_max, initial_tau and search_growth must be >= 1")
-        if self.budget <= 0 or self.phi <= 0:
-            raise ValueError("budget and phi must be > 0")
 
     # ---- costs ----------------------------------------------------------
     @property

@@ -24,8 +24,10 @@ own optimizer state. With α fixed at 0 the method is FedAvg.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
@@ -43,8 +45,8 @@ def mix(personal: Tree, global_: Tree, alpha: Tensor) -> Tree:
 
 @dataclass(frozen=True)
 class APFL(Algorithm):
-    alpha_init: float = 0.5
-    alpha_lr: float | None = None  # None: the local learning rate
+    alpha_init: Annotated[float, Field(ge=0.0)] = 0.5
+    alpha_lr: Annotated[float, Field(ge=0.0)] | None = None  # None: the local learning rate
 
     name = "apfl"
 

@@ -31,8 +31,10 @@ experiments), τ = 10 (the seed's fixed-τ baseline).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.algorithms.aflcsem import AFLCSEM, STOPPED
@@ -56,16 +58,11 @@ def staleness_weights(count: int, alpha: float, exponent: float) -> Tensor:
 
 @dataclass(frozen=True)
 class AsyncFL(AFLCSEM):
-    initial_tau: int = 10
-    mixing: float = 0.6  # α
-    staleness_exponent: float = 0.5  # a
+    initial_tau: Annotated[int, Field(ge=1)] = 10
+    mixing: Annotated[float, Field(gt=0.0, le=1.0)] = 0.6  # α
+    staleness_exponent: Annotated[float, Field(ge=0.0)] = 0.5  # a
 
     name = "asyncfl"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 < self.mixing <= 1.0 or self.staleness_exponent < 0:
-            raise ValueError("mixing must lie in (0, 1] and staleness_exponent be >= 0")
 
     def server_init(self, params: Tree) -> Tree:
         return {**super().server_init(params), "clock": torch.zeros((), dtype=torch.float64)}

@@ -28,9 +28,11 @@ rows (default 5 — ours: one round's worth of local epochs, the same budget
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
@@ -95,7 +97,7 @@ class Centralized(Algorithm):
 
 @dataclass(frozen=True)
 class CentralizedFinetune(Centralized):
-    finetune_epochs: int = 5
+    finetune_epochs: Annotated[int, Field(ge=0)] = 5
 
     name = "centralized_ft"
 

@@ -44,14 +44,16 @@ of keys.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData
+from fedcal.core.task import Task
 from fedcal.core.tree import Tree, tree_map, weighted_mean
 
 Similarity = Literal["principal_angles", "matched_cosine"]
@@ -142,25 +144,23 @@ class ClusteredLayered(Algorithm):
     (ours, = local_epochs); label_capacity bounds the cohort size kept for
     inspection."""
 
-    num_groups: int = 2
-    rank: int = 3
+    num_groups: Annotated[int, Field(ge=1)] = 2
+    rank: Annotated[int, Field(ge=1)] = 3
     similarity: Similarity = "principal_angles"
     group_weighting: Literal["uniform", "samples"] = "uniform"
     kmedoids_method: Literal["pam", "fasterpam"] = "pam"
-    cluster_seed: int = 0
-    finetune_epochs: int = 5
+    cluster_seed: Annotated[int, Field(ge=0)] = 0
+    finetune_epochs: Annotated[int, Field(ge=0)] = 5
     sample_weighted: bool = True
-    label_capacity: int = 1024
+    label_capacity: Annotated[int, Field(ge=0)] = 1024
 
     name = "clustered"
     uploads = ("model", "update_directions")  # SVD directions of Δ_i
 
     reply_aggregation = "custom"  # clustering of the replies
 
-    def __post_init__(self) -> None:
-        if self.num_groups < 1 or self.rank < 1:
-            raise ValueError("num_groups and rank must be >= 1")
-        if not self.task.body:
+    def check_task(self, task: Task) -> None:
+        if not task.body:
             raise ValueError(
                 "clustered needs shared base layers, but every layer of this model is head"
             )

@@ -28,10 +28,13 @@ The two solvers draw independent minibatch orders (streams 0 and 1).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import Field
 
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData
-from fedcal.core.local import Proximal, check_proximal_weight
+from fedcal.core.local import Proximal, ProximalWeight
 from fedcal.core.tree import Tree
 
 GLOBAL_STREAM, PERSONAL_STREAM = 0, 1
@@ -39,13 +42,10 @@ GLOBAL_STREAM, PERSONAL_STREAM = 0, 1
 
 @dataclass(frozen=True)
 class Ditto(Algorithm):
-    lam: float = 0.1
-    personal_epochs: int = 5
+    lam: ProximalWeight = 0.1
+    personal_epochs: Annotated[int, Field(ge=0)] = 5
 
     name = "ditto"
-
-    def __post_init__(self) -> None:
-        check_proximal_weight("lam", self.lam)
 
     def client_init(self, down: Tree) -> Tree:
         return {"personal": down["model"]}

@@ -42,14 +42,16 @@ newest global model into the local one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
-from fedcal.core.algorithm import Algorithm, ClientResult
+from fedcal.core.algorithm import Algorithm, ClientResult, SettingError
 from fedcal.core.data import ClientData, minibatches, sample_rows
 from fedcal.core.local import run_steps
+from fedcal.core.task import Task
 from fedcal.core.tree import Tree, leaves, per_client, select, tree_map
 
 TRAIN_STREAM, SAMPLE_STREAM, WEIGHT_STREAM = 0, 2, 3
@@ -57,23 +59,20 @@ TRAIN_STREAM, SAMPLE_STREAM, WEIGHT_STREAM = 0, 2, 3
 
 @dataclass(frozen=True)
 class FedALA(Algorithm):
-    rand_percent: float = 80.0
-    layer_idx: int = 1
-    eta: float = 1.0
-    threshold: float = 0.01
-    num_pre_loss: int = 10
-    max_start_epochs: int = 20
+    rand_percent: Annotated[float, Field(gt=0.0, le=100.0)] = 80.0
+    layer_idx: Annotated[int, Field(ge=1)] = 1  # ≤ the model's layers (check_task)
+    eta: Annotated[float, Field(ge=0.0)] = 1.0
+    threshold: Annotated[float, Field(ge=0.0)] = 0.01
+    num_pre_loss: Annotated[int, Field(ge=1)] = 10
+    max_start_epochs: Annotated[int, Field(ge=1)] = 20
     evaluate: Literal["local", "ala"] = "local"
 
     name = "fedala"
 
-    def __post_init__(self) -> None:
-        if not 0 < self.rand_percent <= 100:
-            raise ValueError("rand_percent must be in (0, 100]")
-        if self.max_start_epochs < 1 or self.num_pre_loss < 1:
-            raise ValueError("max_start_epochs and num_pre_loss must be positive")
-        if not 1 <= self.layer_idx <= len(self.task.model.layers()):
-            raise ValueError(f"layer_idx must be in 1..{len(self.task.model.layers())}")
+    def check_task(self, task: Task) -> None:
+        layers = len(task.model.layers())
+        if self.layer_idx > layers:
+            raise SettingError("layer_idx", f"must be in 1..{layers}, got {self.layer_idx}")
 
     @property
     def top(self) -> tuple[str, ...]:

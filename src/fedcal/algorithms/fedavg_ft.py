@@ -17,7 +17,9 @@ Defaults (ours): 5 fine-tuning epochs, one round's worth of local training
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
+
+from pydantic import Field
 
 from fedcal.algorithms.fedavg import FedAvg
 from fedcal.core.data import ClientData
@@ -26,9 +28,9 @@ from fedcal.core.tree import Tree
 
 @dataclass(frozen=True)
 class FedAvgFinetune(FedAvg):
-    finetune_epochs: int = 5
+    finetune_epochs: Annotated[int, Field(ge=0)] = 5
     finetune: Literal["all", "head"] = "all"
-    finetune_lr: float | None = None
+    finetune_lr: Annotated[float, Field(ge=0.0)] | None = None
 
     name = "fedavg_ft"
 

@@ -19,7 +19,9 @@ heterogeneous round-to-round direction.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
@@ -29,8 +31,8 @@ from fedcal.core.tree import Tree, sub, tree_map, zeros_like
 
 @dataclass(frozen=True)
 class FedAvgM(Algorithm):
-    server_momentum: float = 0.9
-    server_lr: float = 0.1
+    server_momentum: Annotated[float, Field(ge=0.0)] = 0.9
+    server_lr: Annotated[float, Field(ge=0.0)] = 0.1
 
     name = "fedavgm"
 

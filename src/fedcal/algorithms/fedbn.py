@@ -28,6 +28,7 @@ from torch import Tensor
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData, minibatches
 from fedcal.core.local import run_steps, value_and_grad
+from fedcal.core.task import Task
 from fedcal.core.tree import Tree, drop, expand, select
 from fedcal.models.mlp import MLP
 from fedcal.models.mlp_bn import MLPBN
@@ -42,8 +43,10 @@ class FedBN(Algorithm):
         if isinstance(model, MLP):
             # FedBN needs BN layers: the BN variant of the given architecture, same task.
             object.__setattr__(self, "task", replace(self.task, model=MLPBN.from_mlp(model)))
-        elif not isinstance(model, MLPBN):
-            raise ValueError(f"FedBN needs an MLP or MLPBN model, got {type(model).__name__}")
+
+    def check_task(self, task: Task) -> None:
+        if not isinstance(task.model, MLPBN):
+            raise ValueError(f"FedBN needs an MLP or MLPBN model, got {type(task.model).__name__}")
 
     @property
     def bn_model(self) -> MLPBN:

@@ -55,15 +55,17 @@ rounds, seed 0) w = 1 diverged, w = 0.1 gave 19.3 hPa, w = 0.01 16.9 hPa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData, per_client_normal
 from fedcal.core.local import value_and_grad
 from fedcal.core.optim import Adam
+from fedcal.core.task import Task
 from fedcal.core.tree import Tree, expand, tree_map
 from fedcal.models.mlp import ACTIVATIONS, MLP
 from fedcal.models.split import apply_head, feature_size
@@ -80,27 +82,25 @@ def diversity(features: Tensor, noise: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class FedGen(Algorithm):
-    gen_weight: float = 0.01
-    num_bins: int = 16
+    gen_weight: Annotated[float, Field(ge=0.0)] = 0.01
+    num_bins: Annotated[int, Field(ge=1)] = 16
     target_range: tuple[float, float] = (-1.0, 1.0)
-    noise_dim: int = 8
-    gen_hidden: int = 32
-    samples_per_bin: int = 4
-    gen_steps: int = 10
-    gen_lr: float = 1e-3
-    diversity_weight: float = 1.0
+    noise_dim: Annotated[int, Field(ge=0)] = 8
+    gen_hidden: Annotated[int, Field(ge=0)] = 32
+    samples_per_bin: Annotated[int, Field(ge=1)] = 4
+    gen_steps: Annotated[int, Field(ge=0)] = 10
+    gen_lr: Annotated[float, Field(ge=0.0)] = 1e-3
+    diversity_weight: Annotated[float, Field(ge=0.0)] = 1.0
     head: Literal["personal", "shared"] = "personal"  # ours | the paper: FedAvg + generator
-    seed: int = 0
+    seed: Annotated[int, Field(ge=0)] = 0
 
     name = "fedgen"
     uploads = ("model", "label_counts")  # label_counts: the pressure-bin histogram
 
     reply_aggregation = "custom"  # the generator trains on each client's head
 
-    def __post_init__(self) -> None:
-        if self.num_bins < 1 or self.samples_per_bin < 1:
-            raise ValueError("num_bins and samples_per_bin must be >= 1")
-        if not isinstance(self.task.model, MLP) or self.task.head_layers < 1:
+    def check_task(self, task: Task) -> None:
+        if not isinstance(task.model, MLP) or task.head_layers < 1:
             raise ValueError("fedgen needs an MLP with a head (task.head_layers >= 1)")
 
     # ---- labels: bins of the target ------------------------------------------

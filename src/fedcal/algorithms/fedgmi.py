@@ -45,9 +45,10 @@ features (:func:`head_design`, :func:`head_vector`, :func:`head_tree`), defined 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
@@ -148,22 +149,23 @@ def head_tree(task: Task, coef: Tensor, dtype: torch.dtype) -> Tree:
 
 @dataclass(frozen=True)
 class FedGMI(Algorithm):
-    finetune_steps: int = 1
-    finetune_lr: float = 0.05
-    eps: float = 1e-8
+    finetune_steps: Annotated[int, Field(ge=0)] = 1
+    finetune_lr: Annotated[float, Field(ge=0.0)] = 0.05
+    eps: Annotated[float, Field(ge=0.0)] = 1e-8
     magnitude: Literal["element", "tensor"] = "element"  # seed | ablation
     interpolate: bool = True
     upload: Literal["full", "body"] = "full"  # seed | ablation
     evaluate: Literal["local", "global_body"] = "local"  # seed: θ̂_i | (ω^{t+1}, φ_i)
     normalize: Literal["separate", "joint"] = "separate"  # seed: L_g, L_i | ours: one norm
     interpolation: Literal["gradient", "posterior"] = "gradient"  # seed alg. 3.3 | ours
-    # The head prior of interpolation="posterior" (fedgmi_posterior.py; fields of fedgmi so
-    # that its variants are tables of fedgmi):
-    prior_shrinkage: float = 0.05  # λ: Σ_h ← (1 − λ)Σ̂ + λ diag(Σ̂), in the feature metric
-    prior_rank: int = 0  # > 0: Σ_h = W Wᵀ + D with this many factors; 0: full
-    prior_floor: float = 1e-9  # eigenvalues of Σ_h ≥ floor · their mean
-    prior_init_scale: float = 1.0  # prior std of every head coefficient before any data
-    prior_init_noise: float = 1e-2  # noise std before any data (scaled units)
+    # The head prior of interpolation="posterior" (see the module doc):
+    # λ: Σ_h ← (1 − λ)Σ̂ + λ diag(Σ̂), in the feature metric
+    prior_shrinkage: Annotated[float, Field(ge=0.0, le=1.0)] = 0.05
+    prior_rank: Annotated[int, Field(ge=0)] = 0  # > 0: Σ_h = W Wᵀ + D, this many factors; 0: full
+    prior_floor: Annotated[float, Field(gt=0.0)] = 1e-9  # eigenvalues of Σ_h ≥ floor · their mean
+    # prior std of every head coefficient, and the noise std, before any data (scaled units)
+    prior_init_scale: Annotated[float, Field(gt=0.0)] = 1.0
+    prior_init_noise: Annotated[float, Field(gt=0.0)] = 1e-2
 
     name = "fedgmi"
 
@@ -180,14 +182,6 @@ class FedGMI(Algorithm):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> FedGMI:
         return super().__new__(cls.built_class(kwargs))
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.prior_shrinkage <= 1.0:
-            raise ValueError(f"prior_shrinkage must be in [0, 1], got {self.prior_shrinkage}")
-        if self.prior_rank < 0:
-            raise ValueError(f"prior_rank must be >= 0, got {self.prior_rank}")
-        if not (self.prior_floor > 0 and self.prior_init_scale > 0 and self.prior_init_noise > 0):
-            raise ValueError("prior_floor, prior_init_scale and prior_init_noise must be > 0")
 
     def client_init(self, down: Tree) -> Tree:
         # Round 0: φ_i^{-1} = φ^0.

@@ -76,6 +76,7 @@ from fedcal.core.bayes import (
     regularize,
 )
 from fedcal.core.data import ClientData
+from fedcal.core.task import Task
 from fedcal.core.tree import Tree, weighted_mean
 
 
@@ -130,9 +131,9 @@ class FedGMIPosterior(FedGMI):
     # The body, m_i (the unit's head) and the M-step's sums: m_i m_iᵀ + V_i, RSS, n, Gram.
     uploads = ("model", "statistics")
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        head_names(self.task)
+    def check_task(self, task: Task) -> None:
+        super().check_task(task)
+        head_names(task)  # a head to read as linear coefficients
 
     def server_init(self, params: Tree) -> Tree:
         w_name, b_name = head_names(self.task)

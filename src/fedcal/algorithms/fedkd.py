@@ -52,13 +52,15 @@ what is implemented), grid as above.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
-from fedcal.core.algorithm import Algorithm, ClientResult
+from fedcal.core.algorithm import Algorithm, ClientResult, SettingError
 from fedcal.core.data import ClientData
+from fedcal.core.task import Task
 from fedcal.core.tree import Tree, expand, weighted_mean
 from fedcal.models.mlp import MLP
 from fedcal.models.split import body_features
@@ -66,22 +68,25 @@ from fedcal.models.split import body_features
 
 @dataclass(frozen=True)
 class FedKD(Algorithm):
-    kd_weight: float = 1.0
+    kd_weight: Annotated[float, Field(ge=0.0)] = 1.0
     share: Literal["logits", "both"] = "logits"  # FedMD: predictions only | + body parameters
     distill: Literal["features", "output"] = "features"  # body representation (ours) | FedMD
     public_box: tuple[tuple[float, float], ...] = ((-0.05, 0.95), (-1.0, 1.0))
-    public_points: tuple[int, ...] = (11, 6)
+    public_points: tuple[Annotated[int, Field(ge=1)], ...] = (11, 6)
 
     name = "fedkd"
     uploads = ("public_outputs", "model")  # model: only with share="both"
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.task.model, MLP):
+    def check_task(self, task: Task) -> None:
+        if not isinstance(task.model, MLP):
             raise ValueError("fedkd needs an MLP (its body features are distilled)")
-        if len(self.public_box) != self.task.model.in_features or len(self.public_points) != len(
+        if len(self.public_box) != task.model.in_features or len(self.public_points) != len(
             self.public_box
         ):
-            raise ValueError("public_box and public_points need one entry per input feature")
+            raise SettingError(
+                "public_box, public_points",
+                f"need one entry per input feature ({task.model.in_features})",
+            )
 
     # ---- the public unlabeled set and what is shared about it -------------
     def public_inputs(self, dtype: torch.dtype) -> Tensor:

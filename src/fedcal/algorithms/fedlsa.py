@@ -45,14 +45,17 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.classification import class_index, masked_cross_entropy
 from fedcal.core.data import ClientData
 from fedcal.core.local import LossFn
+from fedcal.core.task import Task
 from fedcal.core.tree import Tree, zeros_like
 from fedcal.models.classifier import normalize, require_embedding
 from fedcal.models.mlp import MLP
@@ -92,21 +95,22 @@ class FedLSA(Algorithm):
     batch_size: int = 64
     local_epochs: int = 5
     sample_weighted: bool = True
-    lam: float = 0.5  # λ, weight of L_COM (eq. 10)
-    tau: float = 0.1  # τ, temperature of eqs. 4 and 8
-    alpha: float = 0.4  # α, weight of L_SEP (eq. 5)
-    anchor_steps: int = 500  # E_s
-    anchor_lr: float = 1e-3
+    lam: Annotated[float, Field(ge=0.0)] = 0.5  # λ, weight of L_COM (eq. 10)
+    tau: Annotated[float, Field(gt=0.0)] = 0.1  # τ, temperature of eqs. 4 and 8
+    alpha: Annotated[float, Field(ge=0.0)] = 0.4  # α, weight of L_SEP (eq. 5)
+    anchor_steps: Annotated[int, Field(ge=0)] = 500  # E_s
+    anchor_lr: Annotated[float, Field(ge=0.0)] = 1e-3
     use_com: bool = True
     use_sep: bool = True
     tune_global_classifier: bool = False
-    anchor_seed: int | None = None  # None: derived from the initial model parameters
+    # None: derived from the initial model parameters
+    anchor_seed: Annotated[int, Field(ge=0)] | None = None
 
     name = "fedlsa"
     task_kind = "classification"
 
-    def __post_init__(self) -> None:
-        require_embedding(self.task.model, self.name)
+    def check_task(self, task: Task) -> None:
+        require_embedding(task.model, self.name)
 
     @property
     def classifier(self) -> tuple[str, ...]:

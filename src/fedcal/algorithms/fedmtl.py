@@ -49,13 +49,16 @@ the head); ``head_epochs`` = ``local_epochs`` when 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData, minibatches
 from fedcal.core.local import train
+from fedcal.core.task import Task
 from fedcal.core.tree import Tree, per_client, sq_norm, sub, tree_map
 
 HEAD_STREAM = 1  # batches of the personal-head epochs, independent of the FedAvg epochs
@@ -98,15 +101,13 @@ class PullToward:
 
 @dataclass(frozen=True)
 class FedMTL(Algorithm):
-    lam: float = 0.1
-    head_epochs: int = 0  # 0: the same as local_epochs
+    lam: Annotated[float, Field(ge=0.0)] = 0.1
+    head_epochs: Annotated[int, Field(ge=0)] = 0  # 0: the same as local_epochs
 
     name = "fedmtl"
 
-    def __post_init__(self) -> None:
-        if self.lam < 0:
-            raise ValueError("lam must be >= 0")
-        if not self.task.head:
+    def check_task(self, task: Task) -> None:
+        if not task.head:
             raise ValueError("fedmtl needs a head (task.head_layers >= 1)")
 
     def client_init(self, down: Tree) -> Tree:

@@ -38,13 +38,16 @@ per sensor, where the per-sensor polynomial is 30× worse (docs/results/fedpoly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import Tensor
 
-from fedcal.core.algorithm import Algorithm, ClientResult
+from fedcal.core.algorithm import Algorithm, ClientResult, SettingError
 from fedcal.core.data import ClientData
+from fedcal.core.task import Task
 from fedcal.core.tree import Tree, leaves
 from fedcal.models.basis import legendre
 
@@ -68,7 +71,7 @@ class FedPoly(Algorithm):
     def uses_local_epochs(self) -> bool:  # closed form
         return False
 
-    private_terms: tuple[tuple[int, int], ...] = (
+    private_terms: tuple[tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]], ...] = (
         (0, 0),
         (1, 0),
         (0, 1),
@@ -77,8 +80,10 @@ class FedPoly(Algorithm):
         (0, 2),
         (2, 1),
     )
-    max_orders: tuple[int, int] = (3, 3)  # shared = every other product up to these orders
-    ridge: float = 1e-6  # ε: keeps an under-determined sensor (fewer points than terms) well-posed
+    # shared = every other product up to these orders
+    max_orders: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]] = (3, 3)
+    # ε: keeps an under-determined sensor (fewer points than terms) well-posed
+    ridge: Annotated[float, Field(ge=0.0)] = 1e-6
 
     name = "fedpoly"
     uploads = ("statistics",)  # Gram matrix A_i and r_i of the projected design
@@ -89,12 +94,16 @@ class FedPoly(Algorithm):
         # A TOML config gives lists; terms are compared as tuples.
         object.__setattr__(self, "private_terms", tuple(tuple(t) for t in self.private_terms))
         object.__setattr__(self, "max_orders", tuple(self.max_orders))
+
+    def check_task(self, task: Task) -> None:
         bad = [
             t for t in self.private_terms if t[0] > self.max_orders[0] or t[1] > self.max_orders[1]
         ]
         if bad:
-            raise ValueError(f"private terms {bad} exceed max_orders {self.max_orders}")
-        if getattr(self.task.model, "in_features", 2) != 2:
+            raise SettingError(
+                "max_orders, private_terms", f"terms {bad} exceed max_orders {self.max_orders}"
+            )
+        if getattr(task.model, "in_features", 2) != 2:
             raise ValueError("fedpoly calibrates two inputs (frequency, temperature)")
 
     @property

@@ -131,10 +131,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
@@ -142,7 +143,7 @@ from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
 from fedcal.algorithms.fedprior_status import PriorStatus
 from fedcal.algorithms.fedprior_support import SupportBox
-from fedcal.core.algorithm import Algorithm, ClientResult
+from fedcal.core.algorithm import Algorithm, ClientResult, SettingError
 from fedcal.core.bayes import (
     F64,
     Moments,
@@ -158,6 +159,7 @@ from fedcal.core.bayes import (
 from fedcal.core.data import ClientData
 from fedcal.core.privacy import Statistic
 from fedcal.core.robust import OutlierWeights, inconsistencies, loo_distances, outlier_weights
+from fedcal.core.task import Task
 from fedcal.core.tree import Tree, flatten, per_client
 from fedcal.models.basis import (
     any_beyond,
@@ -172,24 +174,31 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
     def uses_local_epochs(self) -> bool:  # closed form (EM)
         return False
 
-    orders: tuple[int, ...] = (4, 3)  # tensor basis: highest Legendre order per input
+    # tensor basis: highest Legendre order per input
+    orders: tuple[Annotated[int, Field(ge=0)], ...] = (4, 3)
     # "tensor" (orders), "total" (degree), "auto": tensor if orders fit
     basis: Literal["auto", "tensor", "total"] = "auto"
-    degree: int = 2  # total-degree basis: every product of total order ≤ degree
-    shrinkage_units: float = 2.0  # ν0: Σ ← (1 − λ)Σ̂ + λ diag(Σ̂), λ = ν0/(N + ν0)
-    rank: int = 0  # > 0: Σ = W Wᵀ + D with this many factors; 0: full Σ
-    floor: float = 1e-12  # eigenvalues of Σ ≥ floor (scaled units²)
+    degree: Annotated[int, Field(ge=0)] = 2  # total-degree basis: every product of order ≤ degree
+    # ν0: Σ ← (1 − λ)Σ̂ + λ diag(Σ̂), λ = ν0/(N + ν0)
+    shrinkage_units: Annotated[float, Field(ge=0.0)] = 2.0
+    rank: Annotated[int, Field(ge=0)] = 0  # > 0: Σ = W Wᵀ + D with this many factors; 0: full Σ
+    floor: Annotated[float, Field(gt=0.0)] = 1e-12  # eigenvalues of Σ ≥ floor (scaled units²)
     # "fleet": one σ²; "sensor": σ_i² shrunk toward the fleet's
     noise: Literal["fleet", "sensor"] = "fleet"
-    noise_prior_points: float = 4.0  # ν of the per-sensor noise
-    init_scale: float = 1.0  # prior std of every coefficient before any data (scaled units)
-    init_noise: float = 0.1  # noise std before any data (scaled units)
-    mean_scale: float = 10.0  # hyperprior N(0, s²) on μ (scaled units; inf: none)
-    min_informed: float = 2.0  # a direction informed by fewer units is weakly identified
+    noise_prior_points: Annotated[float, Field(gt=0.0)] = 4.0  # ν of the per-sensor noise
+    # prior std of every coefficient, and the noise std, before any data (scaled units)
+    init_scale: Annotated[float, Field(gt=0.0)] = 1.0
+    init_noise: Annotated[float, Field(gt=0.0)] = 0.1
+    # hyperprior N(0, s²) on μ (scaled units; inf: none)
+    mean_scale: Annotated[float, Field(ge=0.0)] = 10.0
+    # a direction informed by fewer units is weakly identified
+    min_informed: Annotated[float, Field(ge=0.0)] = 2.0
     # "bic": the sub-basis of highest fleet evidence (BIC); "none": all
     select: Literal["none", "bic"] = "none"
-    dp_max_rows: float = 384.0  # client-level DP: rows a unit may hold (public; the campaign)
-    branch_orders: tuple[int, ...] = ()  # ψ: Legendre orders per input of b·ψ(x)ᵀh; () = off
+    # client-level DP: rows a unit may hold (public; the campaign)
+    dp_max_rows: Annotated[float, Field(ge=0.0)] = 384.0
+    # ψ: Legendre orders per input of b·ψ(x)ᵀh; () = off
+    branch_orders: tuple[Annotated[int, Field(ge=0)], ...] = ()
     # With select = "bic" and branch_orders: ψ chosen too, among no term and every orders
     # vector ≤ branch_orders (candidates = φ's sub-bases × these); False: ψ in every candidate.
     branch_select: bool = False
@@ -197,8 +206,10 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
     # degrees of freedom, + a discrepancy variance learned by design-matched hold-out, or no
     # interval where the fleet cannot learn one (module doc, "Intervals").
     interval: Literal["posterior", "calibrated"] = "posterior"
-    probe_rows: int = 32  # a unit with at most this many rows may be the hold-out's probe design
-    coverage_target: float = 0.95  # τ² is the smallest that covers this share of held-out rows
+    # a unit with at most this many rows may be the hold-out's probe design
+    probe_rows: Annotated[int, Field(ge=1)] = 32
+    # τ² is the smallest that covers this share of held-out rows
+    coverage_target: Annotated[float, Field(ge=0.0, le=1.0)] = 0.95
     # Issue 21 (core/robust.py): "full" rejects uploads inconsistent with their declared count
     # and down-weights units far from the others' prior in the M-step; "check": the first
     # only; "off": neither (the plain sums; what secure aggregation would leave).
@@ -221,25 +232,14 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
     def __post_init__(self) -> None:
         object.__setattr__(self, "orders", tuple(int(o) for o in self.orders))
         object.__setattr__(self, "branch_orders", tuple(int(o) for o in self.branch_orders))
-        if self.shrinkage_units < 0:
-            raise ValueError(f"shrinkage_units must be >= 0, got {self.shrinkage_units}")
-        if self.rank < 0:
-            raise ValueError(f"rank must be >= 0, got {self.rank}")
-        if not (self.floor > 0 and self.init_scale > 0 and self.init_noise > 0):
-            raise ValueError("floor, init_scale and init_noise must be > 0")
-        if self.probe_rows < 1:
-            raise ValueError(f"probe_rows must be >= 1, got {self.probe_rows}")
-        if self.robust not in ("off", "check", "full"):
-            raise ValueError(f"robust must be 'off', 'check' or 'full', got {self.robust!r}")
-        if self.noise_prior_points <= 0:
-            raise ValueError(f"noise_prior_points must be > 0, got {self.noise_prior_points}")
-        self.terms  # noqa: B018 — validate the basis against the model's inputs now
-        if self.branch_orders and (
-            len(self.branch_orders) != self.num_inputs or min(self.branch_orders) < 0
-        ):
-            raise ValueError(
-                f"branch_orders {list(self.branch_orders)} needs one order >= 0 per input "
-                f"({self.num_inputs} inputs), or [] for no direction term"
+
+    def check_task(self, task: Task) -> None:
+        self.terms  # noqa: B018 — the basis against the model's inputs
+        if self.branch_orders and len(self.branch_orders) != self.num_inputs:
+            raise SettingError(
+                "branch_orders",
+                f"{list(self.branch_orders)} needs one order >= 0 per input "
+                f"({self.num_inputs} inputs), or [] for no direction term",
             )
 
     # ---- the basis ---------------------------------------------------------

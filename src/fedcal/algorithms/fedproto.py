@@ -33,8 +33,10 @@ terms — the FedProto paper uses lr 0.01, momentum 0.5, 1 local epoch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
@@ -47,6 +49,7 @@ from fedcal.core.classification import (
 )
 from fedcal.core.data import ClientData
 from fedcal.core.local import LossFn
+from fedcal.core.task import Task
 from fedcal.core.tree import Tree
 from fedcal.models.classifier import require_embedding
 
@@ -70,7 +73,7 @@ class FedProto(Algorithm):
     batch_size: int = 64
     local_epochs: int = 5
     sample_weighted: bool = True  # FedAvg weights n_m/n (used with share_model)
-    lam: float = 1.0  # λ, weight of the prototype regularizer (eq. 7)
+    lam: Annotated[float, Field(ge=0.0)] = 1.0  # λ, weight of the prototype regularizer (eq. 7)
     share_model: bool = False  # True: FedAvg + prototypes, as FedLSA's benchmark runs it
 
     name = "fedproto"
@@ -79,8 +82,8 @@ class FedProto(Algorithm):
     reply_aggregation = "custom"  # count-weighted prototypes
     task_kind = "classification"
 
-    def __post_init__(self) -> None:
-        require_embedding(self.task.model, self.name)
+    def check_task(self, task: Task) -> None:
+        require_embedding(task.model, self.name)
 
     def server_init(self, params: Tree) -> Tree:
         c, dim = self.task.model.num_classes, self.task.model.embed_dim

@@ -21,18 +21,15 @@ from dataclasses import dataclass
 
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData
-from fedcal.core.local import Proximal, check_proximal_weight
+from fedcal.core.local import Proximal, ProximalWeight
 from fedcal.core.tree import Tree
 
 
 @dataclass(frozen=True)
 class FedProx(Algorithm):
-    mu: float = 0.01
+    mu: ProximalWeight = 0.01
 
     name = "fedprox"
-
-    def __post_init__(self) -> None:
-        check_proximal_weight("mu", self.mu)
 
     def client_update(self, down: Tree, state: Tree, data: ClientData) -> ClientResult:
         global_model = down["model"]

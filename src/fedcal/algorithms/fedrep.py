@@ -29,10 +29,13 @@ mismatch it (default fleet, seed 2, 50 rounds: 131 hPa stored, 33 hPa refit).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
+
+from pydantic import Field
 
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData
+from fedcal.core.task import Task
 from fedcal.core.tree import Tree
 
 HEAD_STREAM, BODY_STREAM = 0, 1
@@ -40,14 +43,14 @@ HEAD_STREAM, BODY_STREAM = 0, 1
 
 @dataclass(frozen=True)
 class FedRep(Algorithm):
-    head_epochs: int = 10
-    body_epochs: int = 1
+    head_epochs: Annotated[int, Field(ge=0)] = 10
+    body_epochs: Annotated[int, Field(ge=0)] = 1
     evaluate: Literal["stored", "refit"] = "stored"  # "stored": the paper's
 
     name = "fedrep"
 
-    def __post_init__(self) -> None:
-        if not self.task.body:
+    def check_task(self, task: Task) -> None:
+        if not task.body:
             raise ValueError(
                 "fedrep needs shared base layers, but every layer of this model is head"
             )

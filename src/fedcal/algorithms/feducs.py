@@ -49,8 +49,10 @@ Defaults (ours; none is known from the paper): λ = 1 (FedProto's), κ = 0.5.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.algorithms.aflcsem import LAST_INTERVAL, RUNNING
@@ -95,17 +97,12 @@ def coordinate(
 class FedUCS(FixedTau):
     """See the module docstring: which parts are the paper's and which are our reading."""
 
-    lam: float = 1.0  # λ, weight of the coding-space regularizer (UCS-1)
-    coordinator_rate: float = 0.5  # κ, the coordinator's step (UCS-3)
+    lam: Annotated[float, Field(ge=0.0)] = 1.0  # λ, weight of the coding-space term (UCS-1)
+    coordinator_rate: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5  # κ, coordinator step (UCS-3)
 
     name = "feducs"
     task_kind = "classification"
     uploads = ("model", "gradients", "costs", "prototypes", "label_counts")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.lam < 0 or not 0.0 < self.coordinator_rate <= 1.0:
-            raise ValueError("feducs: lam must be >= 0 and coordinator_rate lie in (0, 1]")
 
     def codes(self, params: Tree, x: Tensor) -> Tensor:
         """z(x): (clients, rows, D) — the embedding, or the scores of a model without one."""

@@ -11,6 +11,9 @@ comparison at equal budget isolates the control of τ.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
+
+from pydantic import Field
 
 from fedcal.algorithms.aflcsem import AFLCSEM
 from fedcal.core.tree import Tree
@@ -20,7 +23,7 @@ from fedcal.core.tree import Tree
 class FixedTau(AFLCSEM):
     """``initial_tau`` is the fixed τ (seed: 10)."""
 
-    initial_tau: int = 10
+    initial_tau: Annotated[int, Field(ge=1)] = 10
 
     name = "fixedtau"
 

@@ -37,8 +37,10 @@ rounds (a tenth of a default 50-round run).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
@@ -48,19 +50,15 @@ from fedcal.core.tree import Tree, tree_map, weighted_mean
 
 @dataclass(frozen=True)
 class IFCA(Algorithm):
-    clusters: int = 2
-    init_spread: float = 0.1
-    init_seed: int = 0
-    warmup_rounds: int = 5
+    clusters: Annotated[int, Field(ge=1)] = 2
+    init_spread: Annotated[float, Field(ge=0.0)] = 0.1
+    init_seed: Annotated[int, Field(ge=0)] = 0
+    warmup_rounds: Annotated[int, Field(ge=0)] = 5
 
     name = "ifca"
     uploads = ("model", "cluster_choice")
 
     reply_aggregation = "custom"  # per-cluster means by assignment
-
-    def __post_init__(self) -> None:
-        if self.clusters < 1 or self.warmup_rounds < 0:
-            raise ValueError("clusters must be >= 1 and warmup_rounds >= 0")
 
     def server_init(self, params: Tree) -> Tree:
         start = self.split(params) if self.warmup_rounds == 0 else self.copies(params)

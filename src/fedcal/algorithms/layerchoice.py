@@ -41,27 +41,33 @@ task's ``head_layers`` split.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
-from fedcal.core.algorithm import Algorithm, ClientResult
+from fedcal.core.algorithm import Algorithm, ClientResult, SettingError
 from fedcal.core.data import ClientData
+from fedcal.core.task import Task
 from fedcal.core.tree import Tree, weighted_mean
 
 
 @dataclass(frozen=True)
 class LayerChoice(Algorithm):
-    probe_rounds: int = 10
-    holdout_every: int = 5
-    force_k: int = -1  # ≥ 0: no probe, FedPer with this many private top layers
+    probe_rounds: Annotated[int, Field(ge=0)] = 10
+    holdout_every: Annotated[int, Field(ge=2)] = 5
+    force_k: Annotated[int, Field(ge=-1)] = -1  # ≥ 0: no probe, FedPer with this many top layers
 
     name = "layerchoice"
     uploads = ("model", "validation_losses")
 
-    def __post_init__(self) -> None:
-        if self.probe_rounds < 0 or self.holdout_every < 2 or self.force_k > self.num_layers:
-            raise ValueError("need force_k <= layers, probe_rounds >= 0, holdout_every >= 2")
+    def check_task(self, task: Task) -> None:
+        layers = len(task.model.layers())
+        if self.force_k > layers:
+            raise SettingError(
+                "force_k", f"must be <= the model's {layers} layers, got {self.force_k}"
+            )
 
     # ---- candidates ---------------------------------------------------------
     @property

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
@@ -58,9 +60,9 @@ class LeastSquares(Algorithm):
     def uses_local_epochs(self) -> bool:  # closed form
         return False
 
-    degree: int = 2
+    degree: Annotated[int, Field(ge=0)] = 2
     pooled: bool = False
-    ridge: float = 1e-8  # λ, relative to the number of points (numerical safety)
+    ridge: Annotated[float, Field(gt=0.0)] = 1e-8  # λ, relative to the number of points (safety)
 
     name = "leastsq"
     uploads = ("statistics",)  # pooled: Gram sums; per sensor nothing leaves the client
@@ -70,12 +72,6 @@ class LeastSquares(Algorithm):
     def federated(self) -> bool:  # type: ignore[override]
         """Pooled uploads sufficient statistics; a per-sensor fit communicates nothing."""
         return self.pooled
-
-    def __post_init__(self) -> None:
-        if self.degree < 0:
-            raise ValueError(f"degree must be >= 0, got {self.degree}")
-        if self.ridge <= 0:
-            raise ValueError(f"ridge must be > 0, got {self.ridge}")
 
     @property
     def exponents(self) -> Tensor:

@@ -32,8 +32,10 @@ frequency bands to experts; a deeper gate is one switch away.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Annotated
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
@@ -46,16 +48,12 @@ from fedcal.models.moe import EXPERTS, GATE, MixtureOfExperts, prefixed, unprefi
 
 @dataclass(frozen=True)
 class MoE(Algorithm):
-    num_experts: int = 4
-    gate_hidden: int = 0
-    expert_seed: int = 1
-    gate_seed: int = 0
+    num_experts: Annotated[int, Field(ge=1)] = 4
+    gate_hidden: Annotated[int, Field(ge=0)] = 0
+    expert_seed: Annotated[int, Field(ge=0)] = 1
+    gate_seed: Annotated[int, Field(ge=0)] = 0
 
     name = "moe"
-
-    def __post_init__(self) -> None:
-        if self.num_experts < 1 or self.gate_hidden < 0:
-            raise ValueError("num_experts must be >= 1 and gate_hidden >= 0")
 
     @property
     def mixture(self) -> MixtureOfExperts:

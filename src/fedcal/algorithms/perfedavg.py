@@ -33,9 +33,10 @@ more local steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
@@ -87,9 +88,9 @@ def meta_gradient(
 @dataclass(frozen=True)
 class PerFedAvg(Algorithm):
     variant: Literal["hf", "fo"] = "hf"  # Hessian-free (exact HVP) | first-order
-    alpha: float = 0.01
-    beta: float | None = None  # outer step size; None: the local SGD rate ``lr``
-    personal_steps: int = 1
+    alpha: Annotated[float, Field(ge=0.0)] = 0.01
+    beta: Annotated[float, Field(ge=0.0)] | None = None  # outer step; None: the local SGD ``lr``
+    personal_steps: Annotated[int, Field(ge=0)] = 1
 
     name = "perfedavg"
 

@@ -31,13 +31,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData, minibatches
-from fedcal.core.local import Proximal, check_proximal_weight, run_steps
+from fedcal.core.local import Proximal, run_steps
 from fedcal.core.tree import Tree, lerp
 
 
@@ -59,17 +61,14 @@ def solve_inner(
 
 @dataclass(frozen=True)
 class PFedMe(Algorithm):
-    lam: float = 15.0
-    inner_steps: int = 5
-    personal_lr: float = 0.05
-    server_beta: float = 1.0
+    # λ cancels in the outer step (λ(w − θ̂) ≈ ∇f): λ → ∞ is FedAvg, tested at 1e6; beyond,
+    # w − θ̂ = ∇f/λ falls below float32's resolution of w.
+    lam: Annotated[float, Field(ge=0.0, le=1e6)] = 15.0
+    inner_steps: Annotated[int, Field(ge=0)] = 5
+    personal_lr: Annotated[float, Field(ge=0.0)] = 0.05
+    server_beta: Annotated[float, Field(ge=0.0)] = 1.0
 
     name = "pfedme"
-
-    def __post_init__(self) -> None:
-        # λ cancels in the outer step (λ(w − θ̂) ≈ ∇f): λ → ∞ is FedAvg, tested at 1e6; beyond,
-        # w − θ̂ = ∇f/λ falls below float32's resolution of w.
-        check_proximal_weight("lam", self.lam, limit=1e6)
 
     def client_init(self, down: Tree) -> Tree:
         return {"theta": down["model"]}

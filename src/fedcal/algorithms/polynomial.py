@@ -87,13 +87,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
-from fedcal.core.algorithm import Algorithm, ClientResult
+from fedcal.core.algorithm import Algorithm, ClientResult, SettingError
 from fedcal.core.data import ClientData
+from fedcal.core.task import Task
 from fedcal.core.tree import Tree, leaves
 from fedcal.models.basis import (
     MAX_TERMS,
@@ -198,14 +200,16 @@ class PolynomialCalibration(Algorithm):
     def uses_local_epochs(self) -> bool:  # closed form
         return False
 
-    max_orders: tuple[int, ...] = (4,)  # per input, or one value for every input
-    orders: tuple[int, ...] | None = None  # fixed orders instead of steps 1–3
+    # per input, or one value for every input (every input is used: at least 1)
+    max_orders: Annotated[tuple[Annotated[int, Field(ge=1)], ...], Field(min_length=1)] = (4,)
+    # fixed orders instead of steps 1–3 (each in 1…max_orders: check_task)
+    orders: tuple[Annotated[int, Field(ge=1)], ...] | None = None
     criterion: Literal["loo", "gcv", "aicc"] = "loo"
     saturate: Literal["auto", "grid", "last_resort", "never"] = "auto"
-    tolerance: float = 0.0
-    floor: float = 1e-9
-    level_gap: float = 0.05
-    rcond: float = 1e-10
+    tolerance: Annotated[float, Field(ge=0.0)] = 0.0
+    floor: Annotated[float, Field(ge=0.0)] = 1e-9
+    level_gap: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.05
+    rcond: Annotated[float, Field(ge=0.0)] = 1e-10
 
     name = "polynomial"
     uploads = ()
@@ -217,14 +221,13 @@ class PolynomialCalibration(Algorithm):
         object.__setattr__(self, "max_orders", tuple(int(o) for o in self.max_orders))
         if self.orders is not None:
             object.__setattr__(self, "orders", tuple(int(o) for o in self.orders))
-        if not self.max_orders or min(self.max_orders) < 1:
-            raise ValueError("max_orders must be at least 1 for every input (every input is used)")
-        if not 0 < self.level_gap < 1 or self.tolerance < 0 or self.floor < 0:
-            raise ValueError("need 0 < level_gap < 1, tolerance ≥ 0 and floor ≥ 0")
+
+    def check_task(self, task: Task) -> None:
         if len(self.max_orders) not in (1, self.num_inputs):
-            raise ValueError(
-                f"max_orders has {len(self.max_orders)} entries but the data has "
-                f"{self.num_inputs} inputs: give one order per input, or one for all"
+            raise SettingError(
+                "max_orders",
+                f"{len(self.max_orders)} entries but the data has {self.num_inputs} inputs: "
+                "give one order per input, or one for all",
             )
         if basis_size(self.num_inputs, [1] * self.num_inputs) > MAX_TERMS:
             raise ValueError(
@@ -234,11 +237,13 @@ class PolynomialCalibration(Algorithm):
             )
         if self.orders is not None:
             if len(self.orders) != self.num_inputs:
-                raise ValueError(
-                    f"orders {self.orders} must give one order per input ({self.num_inputs})"
+                raise SettingError(
+                    "orders", f"{self.orders} must give one order per input ({self.num_inputs})"
                 )
-            if any(not 1 <= o <= m for o, m in zip(self.orders, self.top_orders, strict=True)):
-                raise ValueError(f"orders {self.orders} must lie in 1…max_orders {self.top_orders}")
+            if any(o > m for o, m in zip(self.orders, self.top_orders, strict=True)):
+                raise SettingError(
+                    "orders", f"{self.orders} must lie in 1…max_orders {self.top_orders}"
+                )
 
     # ---- the basis and the candidate orders ------------------------------
     @property

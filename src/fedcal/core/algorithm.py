@@ -13,29 +13,35 @@ single client, with the same numbers. One round is::
 and each client's model is ``alg.personalize(expand(down), private, data)``.
 Nothing here knows how clients are scheduled or where they run.
 
-A field typed ``Literal[...]`` is a string option, checked against its choices
-once for every algorithm when it is constructed (:class:`ChecksOptions`), so
-no algorithm checks its options by hand.
+Settings are checked in one place. Each field declares its type and range once, as an
+annotated type (``Annotated[float, Field(ge=0)]``, ``Literal[...]`` for a choice; the
+recipe's in :class:`Recipe`); checks that need the task (the model's inputs, its layers)
+or several fields together go in one hook, :meth:`Algorithm.check_task`. Both run when an
+algorithm is constructed (:class:`ChecksSettings`: the fields before ``__post_init__``,
+the hook after it, whatever that does) and when the configuration loads
+(:func:`check_settings`, and the hook with the task the configuration describes).
+``__post_init__`` derives values only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import typing
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 import torch
-from pydantic import Field
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from torch import Tensor
 
 from fedcal.core.data import Batches, ClientData, full_batch, minibatches
 from fedcal.core.local import GradClip, LossFn, Penalty, autograd_of, train
 from fedcal.core.optim import make_optimizer, plain_sgd_lr
-from fedcal.core.schema import Bool, Float, Int, checked
+from fedcal.core.schema import Bool, Float, Int, checked, message
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree, weighted_mean
 
@@ -53,18 +59,20 @@ class Recipe:
     """The local optimizer recipe: the fields every algorithm has, and the configuration's [train].
 
     Names, types, defaults and ranges are declared here once; :class:`Algorithm`'s
-    recipe fields are made from them (:func:`_with_recipe`) and constructing an
-    algorithm checks its recipe values against these ranges (:class:`ChecksOptions`).
+    recipe fields are made from them (:func:`_with_recipe`), and every algorithm's recipe
+    values are checked against these ranges (:func:`setting_types`), even where a method
+    sets its own default (FedLSA's ``lr: float = 0.01``).
     """
 
-    lr: Float = Field(default=0.05, gt=0.0, le=10.0)
-    local_epochs: Int = Field(default=5, ge=0, le=10_000)
-    batch_size: Int = Field(default=32, ge=1, le=10_000_000)
+    lr: Annotated[Float, Field(gt=0.0, le=10.0)] = 0.05
+    local_epochs: Annotated[Int, Field(ge=0, le=10_000)] = 5
+    batch_size: Annotated[Int, Field(ge=1, le=10_000_000)] = 32
     optimizer: Literal["sgd", "adam"] = "sgd"
-    momentum: Float = Field(default=0.0, ge=0.0, lt=1.0)
-    weight_decay: Float = Field(default=0.0, ge=0.0, le=1.0)
+    momentum: Annotated[Float, Field(ge=0.0, lt=1.0)] = 0.0
+    weight_decay: Annotated[Float, Field(ge=0.0, le=1.0)] = 0.0
     sample_weighted: Bool = False  # aggregation weights: sample counts (True) or uniform
-    grad_clip: Float = Field(default=0.0, ge=0.0, le=1e6)  # per-client L2 bound per step; 0 = off
+    # per-client L2 bound per step; 0 = off
+    grad_clip: Annotated[Float, Field(ge=0.0, le=1e6)] = 0.0
 
 
 RECIPE = tuple(f.name for f in dataclasses.fields(Recipe))
@@ -87,35 +95,92 @@ def _with_recipe() -> type:
 AlgorithmFields = _with_recipe()  # named here so that it pickles by reference
 
 
-class ChecksOptions(ABCMeta):
-    """Constructing an algorithm checks its Literal fields and its recipe's ranges.
+class SettingError(ValueError):
+    """A method's setting outside its declared range, or unusable with the task.
 
-    After its own ``__post_init__``; in the metaclass, not in ``__post_init__``, so
-    that a subclass's own ``__post_init__`` cannot skip it by not calling ``super()``.
+    One line naming the field (``"rank: must be >= 0, got -1"``); constructing an
+    algorithm adds the method's name (``"fedprior rank: ..."``), the configuration the
+    file and table (``"my.toml [methods.fedprior] rank: ..."``).
+    """
+
+    def __init__(self, field: str, problem: str, method: str = "") -> None:
+        super().__init__(f"{method} {field}: {problem}" if method else f"{field}: {problem}")
+        self.field, self.problem = field, problem
+
+
+_STRICT = ConfigDict(strict=True, arbitrary_types_allowed=True)
+
+
+@functools.cache
+def setting_types(cls: type) -> dict[str, TypeAdapter]:
+    """Each setting of an algorithm class with its declared type and range: ``{field: adapter}``.
+
+    From the fields' annotations (``Annotated[float, Field(gt=0)]``, ``Literal[...]``);
+    recipe fields from :class:`Recipe`, whatever type a subclass re-declares them with.
+    Strict: ``"3"`` is not a number and ``true`` not 1 (lists are read as tuples).
+    """
+    hints = typing.get_type_hints(cls, include_extras=True)
+    recipe = typing.get_type_hints(Recipe, include_extras=True)
+    return {
+        f.name: TypeAdapter(recipe[f.name] if f.name in recipe else hints[f.name], config=_STRICT)
+        for f in dataclasses.fields(cls)
+        if f.name != "task"
+    }
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def check_settings(cls: type, values: dict[str, Any]) -> None:
+    """Each of ``values`` against its field's declared type and range, or a SettingError.
+
+    Unknown names are left to the caller (the constructor's TypeError, the
+    configuration's "unknown parameter").
+    """
+    types = setting_types(cls)
+    for name, value in values.items():
+        if name in types:
+            try:
+                types[name].validate_python(_tuples(value))
+            except ValidationError as err:
+                raise SettingError(name, message(err.errors()[0])) from None
+
+
+@functools.cache
+def _signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.__init__)
+
+
+class ChecksSettings(ABCMeta):
+    """Constructing an algorithm checks its settings: declared ranges, then the task hook.
+
+    The given values against their declared types before ``__post_init__`` (which then
+    only derives values), :meth:`Algorithm.check_task` after it. In the metaclass, not
+    in ``__post_init__``, so that no subclass's ``__post_init__`` can skip either.
     """
 
     def __call__(cls, *args, **kwargs):
-        algorithm = super().__call__(*args, **kwargs)
-        for field, choices in options(cls).items():
-            value = getattr(algorithm, field)
-            if value not in choices:
-                allowed = ", ".join(repr(c) for c in choices)
-                raise ValueError(f"{cls.name}: {field} must be one of {allowed}; got {value!r}")
+        given = _signature(cls).bind(None, *args, **kwargs).arguments
         try:
-            Recipe(**{n: getattr(algorithm, n) for n in RECIPE})
-        except ValueError as err:
-            raise ValueError(f"{cls.name} {str(err).removeprefix('Recipe ')}") from None
+            check_settings(cls, {k: v for k, v in list(given.items())[1:] if k != "task"})
+            algorithm = super().__call__(*args, **kwargs)
+            algorithm.check_task(algorithm.task)
+        except SettingError as err:
+            raise SettingError(err.field, err.problem, cls.name) from None
         return algorithm
 
 
 @dataclass(frozen=True)
-class Algorithm(AlgorithmFields, metaclass=ChecksOptions):
+class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
     """Base class with FedAvg-shaped defaults and the shared local-training helpers.
 
     Fields common to all algorithms: the task, and the local optimizer recipe
     (:class:`Recipe`: learning rate, epochs, batch size, optimizer, momentum, weight
     decay, sample weighting, gradient clip). Subclasses add their own
-    hyperparameters as fields with defaults.
+    hyperparameters as fields with defaults, each typed with its range
+    (``lam: Annotated[float, Field(ge=0)] = 0.1``), and put checks that need the task
+    in :meth:`check_task`.
     """
 
     name: ClassVar[str] = "base"
@@ -153,6 +218,14 @@ class Algorithm(AlgorithmFields, metaclass=ChecksOptions):
     # per-sensor least-squares fit). The engine runs one round for it, whatever [engine]
     # rounds says: the same numbers (tested), 1/50 of the time at the default 50 rounds.
     one_shot: ClassVar[bool] = False
+
+    def check_task(self, task: Task) -> None:
+        """Settings against the task (the model's inputs, its layers) or against each other.
+
+        Raise :class:`SettingError` naming the field. Run after every construction (after
+        ``__post_init__``) and at configuration load with the task the configuration
+        describes, so a check here is never skipped. The base: nothing to check.
+        """
 
     @property
     def uses_local_epochs(self) -> bool:

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+from pydantic import Field
 from torch import Tensor
 
 from fedcal.core.data import Batches
@@ -79,10 +81,8 @@ def autograd_of(loss: LossFn) -> GradFn:
 MAX_PROXIMAL_WEIGHT = 1e3
 
 
-def check_proximal_weight(name: str, value: float, limit: float = MAX_PROXIMAL_WEIGHT) -> None:
-    """A proximal weight (FedProx μ, Ditto/pFedMe λ) in [0, ``limit``], or a one-line ValueError."""
-    if not 0.0 <= value <= limit:
-        raise ValueError(f"{name}: must be in [0, {limit:g}], got {value!r}")
+# A proximal weight's declared range (FedProx μ, Ditto λ; see fedcal.core.algorithm)
+ProximalWeight = Annotated[float, Field(ge=0.0, le=MAX_PROXIMAL_WEIGHT)]
 
 
 @dataclass(frozen=True)
