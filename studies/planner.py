@@ -11,8 +11,8 @@ Per fleet seed (default 0, 1, 2) of the shipped ``fewpoint`` fleet:
    and states no interval for a few-point unit (coverage NaN, declined);
 2. a design of K plateaus and N points is planned from that prior.json only
    (:func:`fedcal.planning.plan_design`; never from the simulator's truth);
-3. 20 further new units of the same fleet seed (sensors 40–59 with a probe, 20–39
-   without: never in the federation) are simulated measured at the planned design
+3. 20 further new units of the same fleet seed (sensors 40–59, also with
+   ``--probe none``: never in the federation) are simulated measured at the planned design
    (the simulator's ``train_design = "points"``) and at the fixed
    PxT grid of the same N and K, calibrated against the prior
    (:func:`fedcal.calibration.calibrate`, as ``fedcal calibrate``), and scored
@@ -280,8 +280,9 @@ def _prior_dir(args, seed: int) -> Path:
 
 
 def _skip(args) -> int:
-    """Units of the prior's federation to skip before the scored new units."""
-    return 0 if args.probe == "none" else PROBE_UNITS
+    """New units skipped before the scored ones: the probe units of the prior's federation
+    (also without a probe, so that both priors are scored on the same units)."""
+    return PROBE_UNITS
 
 
 def _strict(values: pd.Series) -> float:
