@@ -196,6 +196,8 @@ from fedcal.core.bayes import (
     Posterior,
     data_support,
     m_step,
+    mixture_halfwidth,
+    mixture_mass,
     moments,
     posterior,
     predictive_var,
@@ -652,7 +654,9 @@ class FedPrior(Algorithm):
         that set point), fits its posterior under the
         broadcast prior from those rows alone, and
         counts, for each τ² of :data:`TAU_GRID`, the other rows whose error lies within
-        ±1.96 √(v + τ²) (v the predictive variance the fit states). Every unit with at
+        ±1.96 √(v + τ²) (v the predictive variance the fit states; with a direction term
+        the sweep mixture's interval of the same variance, as :meth:`interval_halfwidth`
+        states it). Every unit with at
         most ``probe_rows`` rows also uploads its inputs' span positions and directions
         (the server's candidate probe: chamber set points, no targets).
         """
@@ -687,6 +691,11 @@ class FedPrior(Algorithm):
         mean, var = self._mean_var(coef, cov, noise, x)
         err2 = (y - mean).square().unsqueeze(-1)
         inside = err2 <= 1.959964**2 * (var.unsqueeze(-1) + TAU_GRID)
+        if self.branch_orders:  # the stated interval is the sweep mixture's (interval_halfwidth)
+            h = coef[..., len(self.terms) :].unsqueeze(1)
+            shift = (legendre_products(x, self.branch_terms) * h).sum(-1).unsqueeze(-1)
+            sd = (var.unsqueeze(-1) - shift * shift + TAU_GRID).clamp_min(0.0).sqrt()
+            inside = mixture_mass(err2.sqrt(), shift, sd) <= 0.95
         n = data.count.to(F64)
         own = (n <= self.probe_rows).to(F64)
         r = min(rows, self.probe_rows)
@@ -912,6 +921,25 @@ class FedPrior(Algorithm):
             gap = ((legendre_products(x, self.terms) - phi) * coef).sum(-1)
             var = var + torch.where(beyond, gap * gap, 0.0)
         return var.sqrt().unsqueeze(-1).to(x.dtype)
+
+    def interval_halfwidth(self, params: Tree, x: Tensor) -> Tensor:
+        """The central 95 % interval's half-width per row (clients, rows, 1), scaled.
+
+        Without a direction term 1.96 σ. With one, the field's sweep b = ±1 is unknown
+        (equal odds), so the error of the branch-average prediction is the mixture
+        ½N(ψᵀm_h, s²) + ½N(−ψᵀm_h, s²), s² = σ(x)² − (ψᵀm_h)² (:meth:`predictive_std`'s
+        variance less the direction term's mean part); its interval
+        (:func:`~fedcal.core.bayes.mixture_halfwidth`) is narrower than 1.96 σ, which
+        treats ±ψᵀm_h as Gaussian.
+        """
+        std = self.predictive_std(params, x).to(F64)
+        if not self.branch_orders:
+            return (1.959964 * std).to(x.dtype)
+        p = len(self.terms)
+        psi = legendre_products(x, self.branch_terms)
+        m = (psi * params["coef"][..., p:].to(F64).unsqueeze(1)).sum(-1).unsqueeze(-1)
+        s = (std * std - m * m).clamp_min(0.0).sqrt()
+        return mixture_halfwidth(m, s).to(x.dtype)
 
     def variance_design(self, x: Tensor) -> Tensor:
         """z(x) = [φ(x), ψ(x)] (clients, rows, features), float64: no sign b (unknown in use)."""
