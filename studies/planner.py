@@ -3,12 +3,17 @@
 Per fleet seed (default 0, 1, 2) of the shipped ``fewpoint`` fleet:
 
 1. the fleet prior is learned by the federation on the 20 reference units
-   (full campaign), exactly as ``fedcal run`` does (``run_experiment``, its
-   prior.json), for each prior method (default fedprior and fedprior_branch);
+   (full campaign) and, with ``--probe 3x2`` (the default), 20 units calibrated at
+   that few-point grid, exactly as ``fedcal run`` does (``run_experiment``, its
+   prior.json), for each prior method (default fedprior and fedprior_branch). The
+   few-point units are the probe class of the interval's hold-out (fedprior
+   "Intervals"): without them (``--probe none``) the prior learns no discrepancy τ²
+   and states no interval for a few-point unit (coverage NaN, declined);
 2. a design of K plateaus and N points is planned from that prior.json only
    (:func:`fedcal.planning.plan_design`; never from the simulator's truth);
-3. the 20 new units of the same fleet seed are simulated measured at the
-   planned design (the simulator's ``train_design = "points"``) and at the fixed
+3. 20 further new units of the same fleet seed (sensors 40–59, also with
+   ``--probe none``: never in the federation) are simulated measured at the planned design
+   (the simulator's ``train_design = "points"``) and at the fixed
    PxT grid of the same N and K, calibrated against the prior
    (:func:`fedcal.calibration.calibrate`, as ``fedcal calibrate``), and scored
    on the same 60 off-grid points (P ~ U(50, 1550) hPa, T ~ U(−40, 60) °C,
@@ -46,27 +51,37 @@ from fedcal.engine.evaluation import errors
 from fedcal.experiment import run_experiment
 
 GRIDS = {(2, 6): "3x2", (3, 12): "4x3"}  # the fixed grid of the same K plateaus, N points
+PROBE_UNITS = 20  # few-point units in the prior's federation (the hold-out's probe class)
 
 
-def learn_prior(cfg, seed: int, methods: tuple[str, ...], out: Path) -> dict[str, dict]:
-    """The fleet priors of the reference units only (``fedcal run`` on them); a prior
-    already in ``out`` (an earlier call) is read back."""
+def learn_prior(
+    cfg, seed: int, methods: tuple[str, ...], out: Path, probe: str = "none"
+) -> dict[str, dict]:
+    """The fleet priors of the reference units (+ 20 units at the ``probe`` grid) as
+    ``fedcal run`` learns them; a prior already in ``out`` (an earlier call) is read back."""
     try:
         return {m: calibration.load_prior(calibration.find_prior(out, m, 0, 0)) for m in methods}
     except FileNotFoundError:
         pass
-    fleet_cfg = replace(cfg.fleet, num_new=0, seed=seed)
+    few = 0 if probe == "none" else PROBE_UNITS
+    fleet_cfg = replace(cfg.fleet, num_new=few, seed=seed)
+    if few:
+        fleet_cfg = replace(fleet_cfg, train_design=probe)
     run_cfg = replace(cfg, fleet=fleet_cfg, methods=methods, designs=(), fleet_seeds=(), seeds=1)
     run_experiment(run_cfg, load_data(run_cfg), out, methods)
     return {m: calibration.load_prior(calibration.find_prior(out, m, 0, 0)) for m in methods}
 
 
-def new_units(cfg, seed: int, design: str, points: tuple = ()) -> Fleet:
-    """The fleet's 20 new units measured at ``design`` (a PxT grid or explicit points)."""
-    spec = replace(cfg.fleet, seed=seed).spec()
+def new_units(cfg, seed: int, design: str, points: tuple = (), skip: int = 0) -> Fleet:
+    """20 new units measured at ``design`` (a PxT grid or explicit points): the fleet's
+    sensors after the reference units and the ``skip`` units that are in the prior's
+    federation (the simulator's sensor i does not depend on how many follow it)."""
+    spec = replace(cfg.fleet, seed=seed, num_new=cfg.fleet.num_new + skip).spec()
     spec = replace(spec, train_design=design, design_points=points)
     fleet = simulate_fleet(spec, seed)
-    frame = fleet.frame[fleet.frame["role"] == "new"].reset_index(drop=True)
+    new = fleet.frame[fleet.frame["role"] == "new"]
+    ids = list(dict.fromkeys(new[fleet.client_column]))[skip:]
+    frame = new[new[fleet.client_column].isin(ids)].reset_index(drop=True)
     return replace(fleet, frame=frame)
 
 
@@ -91,6 +106,11 @@ def main() -> None:
     parser.add_argument("--methods", default="fedprior,fedprior_branch")
     parser.add_argument("--budgets", default="2x6,3x12", help="KxN: plateaus x points")
     parser.add_argument(
+        "--probe",
+        default="3x2",
+        help="PxT grid of the 20 few-point units in the prior's federation, or 'none'",
+    )
+    parser.add_argument(
         "--scan-step",
         type=float,
         default=0.0,
@@ -114,7 +134,7 @@ def main() -> None:
     rows = []
     t0 = time.perf_counter()
     for seed in (int(s) for s in args.fleet_seeds.split(",")):
-        priors = learn_prior(cfg, seed, methods, args.out / f"prior_seed{seed}")
+        priors = learn_prior(cfg, seed, methods, _prior_dir(args, seed), args.probe)
         for method, prior in priors.items():
             plan = planning.planner(prior)
             for k, n in budgets:
@@ -128,7 +148,7 @@ def main() -> None:
                     g = planning.grid_design(plan.chamber, n // k, k)
                     designs[f"grid {grid}"] = (grid, (), planning.evaluate(plan, g))
                 for name, (design, points, expected) in designs.items():
-                    got = score(prior, new_units(cfg, seed, design, points))
+                    got = score(prior, new_units(cfg, seed, design, points, _skip(args)))
                     rows.append(
                         {
                             "method": method,
@@ -185,7 +205,7 @@ def scan(cfg, args) -> None:
     rows = []
     for seed in (int(s) for s in args.fleet_seeds.split(",")):
         priors = learn_prior(
-            cfg, seed, tuple(args.methods.split(",")), args.out / f"prior_seed{seed}"
+            cfg, seed, tuple(args.methods.split(",")), _prior_dir(args, seed), args.probe
         )
         for method, prior in priors.items():
             full = planning.default_chamber(prior)
@@ -195,7 +215,7 @@ def scan(cfg, args) -> None:
                 result = planning.optimize(planning.planner(prior, chamber), 2, 6)
                 frame = result.design.frame()
                 pts = tuple((float(p), float(t), str(d)) for p, t, d in frame.to_numpy())
-                got = score(prior, new_units(cfg, seed, POINTS, pts))
+                got = score(prior, new_units(cfg, seed, POINTS, pts, _skip(args)))
                 rows.append(
                     {
                         "method": method,
@@ -232,7 +252,7 @@ def figure(cfg, args) -> None:
 
     seed = int(args.fleet_seeds.split(",")[0])
     method = args.methods.split(",")[0]
-    prior = learn_prior(cfg, seed, (method,), args.out / f"prior_seed{seed}")[method]
+    prior = learn_prior(cfg, seed, (method,), _prior_dir(args, seed), args.probe)[method]
     plan = planning.planner(prior)
     designs = {
         "planned (6 points, 2 plateaus)": planning.optimize(plan, 2, 6).design,
@@ -253,6 +273,16 @@ def figure(cfg, args) -> None:
     fig.colorbar(im, ax=axes, label="expected predictive σ (hPa)")
     fig.savefig(args.figure, dpi=110)
     print(f"wrote {args.figure} ({method}, fleet seed {seed})")
+
+
+def _prior_dir(args, seed: int) -> Path:
+    return args.out / (f"prior_seed{seed}" + ("" if args.probe == "none" else f"_{args.probe}"))
+
+
+def _skip(args) -> int:
+    """New units skipped before the scored ones: the probe units of the prior's federation
+    (also without a probe, so that both priors are scored on the same units)."""
+    return PROBE_UNITS
 
 
 def _strict(values: pd.Series) -> float:

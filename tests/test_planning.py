@@ -296,3 +296,34 @@ def test_sigma_map_is_the_predictive_sd_on_the_regular_grid():
     np.testing.assert_allclose(m["sigma"].to_numpy(), want, rtol=1e-9)
     assert m["temperature_c"].min() == pytest.approx(-40.0)
     assert m["pressure_hpa"].max() == pytest.approx(1550.0)
+
+
+def test_criterion_includes_the_prior_s_discrepancy_variance_as_calibrate_does():
+    """With a calibrated interval in prior.json, J adds τ² for designs of fewer than twice
+    the probe's points (none from twice on), as fedprior's stated σ does; a design smaller
+    than the probe is scored with τ² but flagged declined (the model states no σ for it)."""
+    tau2, probe = 3e-4, 2
+    prior = tiny_prior()
+    prior["interval"] = {
+        "rule": "calibrated",
+        "discrepancy_var": tau2,
+        "probe_rows": float(probe),
+        "residual_dof": 10.0,
+        "declined": 0,
+        "reason": "",
+    }
+    plan = planning.planner(prior, CHAMBER)
+    two = planning.Design((-40.0, 60.0), ((0, 50.0, "up"), (1, 1550.0, "up")))
+    four = planning.Design(
+        (-40.0, 60.0), tuple((k, p, "up") for k in (0, 1) for p in (50.0, 1550.0))
+    )
+    one = planning.Design((10.0,), ((0, 800.0, "up"),))
+    got = planning.criterion(plan, [one, two, four]).numpy()
+    want = [hand_j(one, CHAMBER, False) + tau2, hand_j(two, CHAMBER, False) + tau2]
+    want.append(hand_j(four, CHAMBER, False))
+    np.testing.assert_allclose(got, want, rtol=1e-9)
+    assert planning.evaluate(plan, one).declined
+    assert not planning.evaluate(plan, two).declined
+    # the same σ a unit of that design gets from calibrate's path (fedprior's predictive_std)
+    params = planning.posteriors(plan, *planning._pack(plan, [two]), planning.prior_base(plan))
+    assert float(params["disc_var"][0]) == pytest.approx(tau2)

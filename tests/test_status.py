@@ -14,8 +14,8 @@ from rich.console import Console
 
 from fedcal.config import default_config
 from fedcal.data.fleet import Fleet
-from fedcal.experiment import fleet_stat, run_experiment
-from fedcal.status import UNCONVERGED_TOL, sensor_statuses
+from fedcal.experiment import fleet_stat, prepare, run_experiment
+from fedcal.status import OWN_FIT_FACTOR, UNCONVERGED_TOL, own_fit_rmse, sensor_statuses
 
 COLUMNS = ["sensor_id", "frequency_hz", "temperature_c", "pressure_hpa", "split"]
 
@@ -144,7 +144,15 @@ def test_a_short_sgd_run_is_unconverged_and_excluded(tmp_path, make_fleet):
         index="client_index", columns="round", values="train_rmse"
     )
     falling = (last[2] - last[3]) / last[2]  # per round (consecutive evaluations)
-    expected = np.where(falling > UNCONVERGED_TOL, "unconverged", "ok")
+    # the other rule: final train RMSE > 10 × the unit's own least-squares fit's (scaled ×
+    # y_scale), fleet median as the floor
+    cfg = config(rounds=3)
+    tensors = prepare(make_fleet(num_clients=3), cfg.data.scaling, cfg.engine.dtype)
+    scale = float(np.asarray(tensors.scaler.y_scale).ravel()[0])
+    own = own_fit_rmse(tensors.train.x, tensors.train.y[..., :1], tensors.train.mask).numpy()
+    own = np.maximum(own * scale, np.median(own * scale))
+    far = last[3].to_numpy() > OWN_FIT_FACTOR * own
+    expected = np.where((falling > UNCONVERGED_TOL) | far, "unconverged", "ok")
     assert per_sensor["status"].tolist() == expected.tolist()
     assert summary.iloc[0]["unconverged"] == (expected == "unconverged").sum()
 
@@ -283,3 +291,42 @@ def test_a_one_shot_method_runs_one_round_with_the_same_numbers(make_fleet):
     last = [{k: v for k, v in r.items() if k != "round"} for r in many.history[-3:]]
     assert [{k: v for k, v in r.items() if k != "round"} for r in one.history] == last
     assert one.final == many.final
+
+
+# ---- unconverged: far above the unit's own fit ------------------------------------------
+def test_own_fit_rmse_equals_numpy_least_squares():
+    """The own fit: total degree 3 on a 1-input unit of 20 points (4 terms ≤ 10) equals
+    numpy's cubic least squares; 2 inputs and 6 points: degree 1 (3 terms); 5 points: none."""
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, 20)
+    y = np.sin(3 * x) + 0.1 * rng.normal(size=20)
+    want = np.sqrt(np.mean((np.polyval(np.polyfit(x, y, 3), x) - y) ** 2))
+    mask = torch.ones(1, 20)
+    got = own_fit_rmse(torch.tensor(x).reshape(1, 20, 1), torch.tensor(y).reshape(1, 20), mask)
+    assert float(got[0]) == pytest.approx(want, rel=1e-9)
+    # 2 inputs, padded rows: 6 points → a plane (3 terms); 5 points → no check (NaN)
+    x2 = torch.tensor(rng.uniform(-1, 1, (2, 7, 2)))
+    y2 = torch.tensor(rng.normal(size=(2, 7)))
+    m2 = torch.tensor([[1.0] * 6 + [0.0], [1.0] * 5 + [0.0, 0.0]])
+    got2 = own_fit_rmse(x2, y2, m2)
+    a = np.c_[np.ones(6), x2[0, :6].numpy()]
+    res = y2[0, :6].numpy() - a @ np.linalg.lstsq(a, y2[0, :6].numpy(), rcond=None)[0]
+    assert float(got2[0]) == pytest.approx(np.sqrt(np.mean(res**2)), rel=1e-9)
+    assert math.isnan(float(got2[1]))
+
+
+def test_unconverged_when_far_above_its_own_fit_by_hand():
+    final = pd.DataFrame([{"client_index": i, "client": f"S{i}", "status": "ok"} for i in range(4)])
+    flat = pd.DataFrame(
+        {"client_index": [0, 0, 1, 1, 2, 2, 3, 3], "round": [40, 50] * 4, "train_rmse": [1.0] * 8}
+    )
+    # (final train error, own fit's): 15.2 vs 0.107 (the issue's S11) → unconverged; 0.5 vs
+    # 0.1 → ok; an own fit that interpolates (1e-6) is judged on the fleet median (0.1);
+    # no own fit (NaN) → no check
+    own = {0: (15.2, 0.107), 1: (0.5, 0.1), 2: (0.5, 1e-6), 3: (50.0, math.nan)}
+    status, why = sensor_statuses(final, flat, [], {}, 50, "rmse", own_fit=own)
+    assert status == ["unconverged", "ok", "ok", "ok"]
+    assert "142× its own least-squares fit's 0.107" in why[0] and OWN_FIT_FACTOR == 10.0
+    # the tolerance 1 turns it off too
+    status, _ = sensor_statuses(final, flat, [], {}, 50, "rmse", 1.0, own_fit=own)
+    assert status == ["ok"] * 4

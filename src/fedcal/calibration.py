@@ -167,11 +167,6 @@ def calibrate(prior: dict[str, Any], fleet: Fleet, source: str = "data") -> Cali
         scaled("train"), scaled("test"), scaler, tuple(map(str, fleet.client_ids))
     )
     server = prior_server(prior, scaler)
-    if "interval" in prior:  # the fleet's hold-out (fedprior "Intervals"): τ², probe, decline
-        iv = prior["interval"]
-        for key, name in (("disc_var", "discrepancy_var"), ("probe_n", "probe_rows")):
-            server[key] = torch.tensor(float(iv[name]), dtype=F64)
-        server["declined"] = torch.tensor(float(iv["declined"]), dtype=F64)
     n = tensors.num_clients
     down = expand(algorithm.broadcast(server), n)
     state = own_noise(algorithm, down, algorithm.client_init(down), tensors.train)
@@ -459,16 +454,24 @@ def prior_server(prior: dict[str, Any], scaler: Scaler) -> Tree:
     """The server state a stored prior gives a new unit: (μ, Σ, σ²) and the support box.
 
     The box is the fleet's calibrated input range (scaled): inside it no prediction is
-    extrapolated (the guard of :meth:`FedPrior.predict`). What ``calibrate`` and the
-    planner (:mod:`fedcal.planning`) broadcast.
+    extrapolated (the guard of :meth:`FedPrior.predict`). With a calibrated interval the
+    fleet's hold-out result too (fedprior "Intervals", I2–I3): τ², the probe's size and the
+    decline code, so a new unit gets the σ the federation gives a unit of its design. What
+    ``calibrate`` and the planner (:mod:`fedcal.planning`) broadcast.
     """
     span = np.array([prior["input_range"][c] for c in prior["features"]], dtype=float).T
-    return {
+    server = {
         "mu": torch.tensor(prior["mu"], dtype=F64),
         "sigma": torch.tensor(prior["sigma"], dtype=F64),
         "noise_var": torch.tensor(prior["noise_var"], dtype=F64),
         "box": torch.tensor(scaler.x(span), dtype=F64),
     }
+    if "interval" in prior:
+        iv = prior["interval"]
+        for key, name in (("disc_var", "discrepancy_var"), ("probe_n", "probe_rows")):
+            server[key] = torch.tensor(float(iv[name]), dtype=F64)
+        server["declined"] = torch.tensor(float(iv["declined"]), dtype=F64)
+    return server
 
 
 def prior_algorithm(prior: dict[str, Any]) -> FedPrior:

@@ -62,6 +62,7 @@ from fedcal.core.task import Task
 from fedcal.core.tensorfile import TensorFileError, load_trees, save_trees
 from fedcal.core.tree import flatten, unstack
 from fedcal.data.fleet import SPLIT_COLUMN, Fleet
+from fedcal.engine.evaluation import errors
 from fedcal.engine.simulation import (
     CheckpointError,
     EngineConfig,
@@ -71,7 +72,7 @@ from fedcal.engine.simulation import (
     simulate,
 )
 from fedcal.status import counts as status_counts
-from fedcal.status import sensor_statuses
+from fedcal.status import own_fit_rmse, sensor_statuses
 
 # Metrics whose worst sensor is the minimum: accuracy, and the coverage of nominal 95 %
 # intervals (worst = farthest below nominal). Every other metric is an error (worst = max).
@@ -378,8 +379,25 @@ def judge_sensors(
         result.rounds_done,
         metric,
         tolerance,
+        _own_fit(algorithm, result, tensors, metric),
     )
     return statuses, reasons, rejections
+
+
+def _own_fit(
+    algorithm: Algorithm, result: RunResult, tensors: FleetTensors, metric: str
+) -> dict[int, tuple[float, float]] | None:
+    """Per client (final train RMSE, its own least-squares fit's), target units, for the
+    status's factor rule (:func:`fedcal.status.own_fit_rmse`); None for a one-round
+    method or a metric other than RMSE."""
+    if metric != "rmse" or result.rounds_done <= 1:
+        return None
+    train = tensors.train
+    with torch.no_grad():
+        got = errors(algorithm, result.personal, train, tensors.scaler)["rmse"].double()
+    scale = float(np.asarray(tensors.scaler.y_scale, dtype=float).ravel()[0])
+    own = own_fit_rmse(train.x, train.y[..., :1], train.mask) * scale
+    return {i: (float(got[i]), float(own[i])) for i in range(len(own))}
 
 
 def status_notes(final: pd.DataFrame, rejections: pd.DataFrame, limit: int = 10) -> list[str]:

@@ -17,10 +17,15 @@ with an unknown sweep direction. Its expected squared error there is the
 expected predictive variance
 
     J(D) = E_{x∼U(R)} E_y[ s²(x | D, y) ],
-    s²(x | D, y) = φ(x)ᵀ V_cc φ(x) + σ² + ψ(x)ᵀ (m_h m_hᵀ + V_hh) ψ(x)
+    s²(x | D, y) = φ(x)ᵀ V_cc φ(x) + σ² + τ²(D) + ψ(x)ᵀ (m_h m_hᵀ + V_hh) ψ(x)
 
 (fedprior's predictive variance with the direction term, m_h the posterior
-mean of the hysteresis coefficients). Averaged over the readings the unit
+mean of the hysteresis coefficients, and with ``interval = "calibrated"`` the
+discrepancy τ² the fleet's hold-out learned for designs of fewer than twice the
+probe's points, 0 for larger ones: fedprior "Intervals", I2–I3). A design
+smaller than the probe gets no stated interval from the model (declined); the
+criterion still scores it with the probe's τ² (the greedy construction passes
+through such designs) and :class:`Expected` says ``declined``. Averaged over the readings the unit
 will give, E_y[m_h m_hᵀ + V_hh] = μ_h μ_hᵀ + Σ_hh (law of total variance), so
 E_y s² is fedprior's own :meth:`~fedcal.algorithms.fedprior.FedPrior.predictive_std`
 evaluated at the posterior of the design (computed by
@@ -182,6 +187,7 @@ class Expected:
     minutes: float  # chamber time
     plateaus: int
     points: int
+    declined: bool = False  # the prior states no interval for a unit of this design
 
 
 @dataclass(frozen=True)
@@ -393,6 +399,9 @@ def posteriors(plan: Planner, x: Tensor, b: Tensor, count: Tensor, base: Base) -
     state = alg.client_init(down)
     state["noise_var"] = base.noise_var.to(F64).expand(c).clone()
     params = alg.personalize(down, state, data)
+    # A declined interval (NaN σ) is kept aside: J still scores the design with τ² (module doc).
+    if "declined" in params:
+        params["interval_declined"] = params.pop("declined")
     p = len(alg.terms)
     if alg.branch_orders:  # E_y[m_h m_hᵀ + V_hh] = current m_h m_hᵀ + current Cov(h)
         cov = params["cov"].clone()
@@ -454,6 +463,7 @@ def evaluate(plan: Planner, design: Design, base: Base | None = None) -> Expecte
     j = float(expected_variance(plan, [design], base)[0] @ plan.weights)
     worst = float(expected_variance(plan, [design], base, plan.grid)[0].max())
     params = posteriors(plan, *_pack(plan, [design]), base)
+    declined = bool(params.get("interval_declined", torch.zeros(1))[0] > 0)
     # Units' MSE: a quadratic form of (e_c, h) ~ N((0, m_h), C), shifted to mean J (module doc).
     alg = plan.algorithm
     p = len(alg.terms)
@@ -480,6 +490,7 @@ def evaluate(plan: Planner, design: Design, base: Base | None = None) -> Expecte
         minutes=plan.chamber.minutes(design.plateaus, design.size),
         plateaus=design.plateaus,
         points=design.size,
+        declined=declined,
     )
 
 
@@ -809,6 +820,8 @@ def compare(plan: Planner, designs: dict[str, Design], spec: float | None = None
         }
         if spec is not None:
             row["meets_spec"] = meets(e, spec)
+        if "interval" in plan.prior:  # whether a unit of this design gets a stated interval
+            row["interval"] = "declined" if e.declined else "stated"
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -22,6 +22,14 @@ applies, in this order:
     (e₁ − e₂) / max(e₁, ẽ₁) / (t₂ − t₁) > UNCONVERGED_TOL, with ẽ₁ the fleet's median
     train error at t₁: a unit that interpolates its few points (train error ≈ 0) is
     not "still improving" because 1e-5 hPa moves by 1 %. Needs two evaluated rounds.
+    Also (a method trained over more than one round, a regression metric): its final
+    train error is more than ``OWN_FIT_FACTOR`` (10) times its own fit's,
+    e_i > OWN_FIT_FACTOR · max(f_i, f̃), with f_i the train RMSE of the unit's own
+    least-squares fit on a tensor Legendre basis of total degree ≤ 3, the largest
+    degree with at most half as many terms as the unit has points (:func:`own_fit_rmse`;
+    no such degree: no check), and f̃ the fleet's median f: training left the unit far
+    from what its own points support (e.g. an FCN stuck at 15 hPa where a polynomial
+    fits 0.1). ``unconverged_tol`` = 1 turns both checks off.
 ``ok``
     none of the above.
 
@@ -32,11 +40,15 @@ and the summary counts the others per status (:func:`counts`).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
+import torch
+
+from fedcal.models.basis import legendre_products
 
 STATUSES = ("ok", "weak", "unconverged", "rejected", "diverged", "refused")
 # the summary's count column of each status other than ok ("diverged" as before)
@@ -50,6 +62,43 @@ COUNT_COLUMNS = {
 REJECTED_WINDOW = 0.1  # "final rounds": the last 10 % of the rounds (at least one)
 HIGHER_IS_BETTER = ("accuracy",)  # metrics whose error is 1 − metric (convergence)
 UNCONVERGED_TOL = 1e-3  # relative fall of the train error per round that is "still improving"
+OWN_FIT_FACTOR = 10.0  # train error this many times the unit's own least-squares fit's
+OWN_FIT_DEGREES = (3, 2, 1)  # own fit: the highest total degree with terms ≤ points / 2
+OWN_FIT_CHUNK = 1024  # units per batched solve (memory: chunk × rows × terms)
+
+
+def own_fit_rmse(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(clients,) train RMSE (scaled units) of each unit's own least-squares fit, NaN where
+    no degree leaves residual information.
+
+    x (clients, rows, inputs) scaled, y (clients, rows[, 1]), mask (clients, rows). Basis:
+    φ = tensor Legendre products of total degree ≤ d (:func:`legendre_products`), d the
+    first of :data:`OWN_FIT_DEGREES` with p(d) ≤ n_i / 2 (at least as many residual degrees
+    of freedom as terms); RMSE = √(‖y − Φĉ‖² / n_i) with ĉ the minimum-norm solution.
+    """
+    x, m = x.to(torch.float64), mask.to(torch.float64)
+    y = y.to(torch.float64).reshape(m.shape)
+    n = m.sum(1)
+    out = torch.full(n.shape, math.nan, dtype=torch.float64)
+    done = torch.zeros(n.shape, dtype=torch.bool)
+    for d in OWN_FIT_DEGREES:
+        terms = legendre_exponents_total(x.shape[-1], d)
+        use = (~done) & (n >= 2 * len(terms))
+        for idx in torch.nonzero(use).flatten().split(OWN_FIT_CHUNK):
+            w = m[idx].unsqueeze(-1)
+            phi = legendre_products(x[idx], terms) * w
+            target = (y[idx] * m[idx]).unsqueeze(-1)
+            coef = torch.linalg.lstsq(phi, target, driver="gelsd").solution
+            resid = ((phi @ coef - target).squeeze(-1) ** 2).sum(1)
+            out[idx] = (resid / n[idx]).sqrt()
+        done |= use
+    return out
+
+
+def legendre_exponents_total(num_inputs: int, degree: int) -> list[tuple[int, ...]]:
+    """Exponent tuples of total degree ≤ ``degree`` over ``num_inputs`` inputs."""
+    grid = itertools.product(range(degree + 1), repeat=num_inputs)
+    return sorted((t for t in grid if sum(t) <= degree), key=lambda t: (sum(t), t))
 
 
 def final_window(rounds: int) -> int:
@@ -90,6 +139,7 @@ def sensor_statuses(
     rounds: int,
     metric: str,
     tolerance: float | None = None,
+    own_fit: Mapping[int, tuple[float, float]] | None = None,
 ) -> tuple[list[str], list[str]]:
     """(status, reason) of each row of ``final`` (the engine's final rows, in order).
 
@@ -98,7 +148,9 @@ def sensor_statuses(
     ``client_status`` (clients,) bool arrays in client-index order, ``rounds`` the rounds
     run, ``metric`` the task's primary metric (its train error judges convergence),
     ``tolerance`` the relative fall per round that is "still improving" (default
-    :data:`UNCONVERGED_TOL`; ``[run] unconverged_tol``; 1 never flags).
+    :data:`UNCONVERGED_TOL`; ``[run] unconverged_tol``; 1 never flags), ``own_fit`` per
+    client index (its final train error, its own fit's train error) in the metric's
+    unit, for the factor rule (module doc; None: not applied).
     """
     tol = UNCONVERGED_TOL if tolerance is None else float(tolerance)
     first_final = rounds - final_window(rounds) + 1
@@ -110,6 +162,14 @@ def sensor_statuses(
     if metric in HIGHER_IS_BETTER and column in history.columns:  # judge its error rate
         history = history.assign(**{column: 1.0 - history[column]})
     falling = still_improving(history, column)
+    far = {}
+    if own_fit and tol < 1.0:  # e_i > OWN_FIT_FACTOR · max(f_i, median f)
+        fits = [f for _, f in own_fit.values() if np.isfinite(f)]
+        floor = float(np.median(fits)) if fits else math.nan
+        for i, (e, f) in own_fit.items():
+            scale = max(f, floor) if np.isfinite(f) else math.nan
+            if np.isfinite(e) and scale > 0 and e > OWN_FIT_FACTOR * scale:
+                far[i] = (e, f)
     statuses, reasons = [], []
     for _, row in final.iterrows():
         i = int(row["client_index"])
@@ -134,6 +194,13 @@ def sensor_statuses(
             why = (
                 f"train {metric} still falling {100 * falling[i]:.2g} %/round at the end "
                 f"(tolerance {100 * tol:g} %)"
+            )
+        elif i in far:
+            e, f = far[i]
+            status = "unconverged"
+            why = (
+                f"train {metric} {e:.3g} is {e / f:.3g}× its own least-squares fit's {f:.3g} "
+                f"(factor {OWN_FIT_FACTOR:g})"
             )
         else:
             status, why = "ok", ""

@@ -101,3 +101,41 @@ def test_bad_parameters_are_refused():
         LeastSquares(Task(MLP()), degree=-1)
     with pytest.raises(ValueError, match="ridge"):
         LeastSquares(Task(MLP()), ridge=0.0)
+
+
+def test_per_sensor_fit_is_weak_where_its_points_do_not_determine_a_direction():
+    """Degree 2 in 2 inputs (1, a, b, a², ab, b²). Sensor 0: two values of b (a chamber with
+    two temperatures): b² − (b₁ + b₂)b + b₁b₂ = 0 on its points, so u ∝ (b₁b₂, 0, −(b₁+b₂),
+    0, 0, 1) is undetermined and its projector is uuᵀ; at test points off its two levels
+    the design has a share along u → weak. Sensor 1: 20 random points → nothing undetermined."""
+    gen = torch.Generator().manual_seed(0)
+    b1, b2 = -0.6, 0.8
+    x0 = torch.stack(
+        [2 * torch.rand(8, generator=gen, dtype=F64) - 1, torch.tensor([b1, b2] * 4, dtype=F64)], -1
+    )
+    x1 = 2 * torch.rand(8, 2, generator=gen, dtype=F64) - 1
+    extra = 2 * torch.rand(12, 2, generator=gen, dtype=F64) - 1
+    x = torch.zeros(2, 20, 2, dtype=F64)
+    x[0, :8], x[1, :8], x[1, 8:] = x0, x1, extra
+    y = torch.randn(2, 20, 1, generator=gen, dtype=F64)
+    data = ClientData(x, y, torch.tensor([8, 20]), (0, 1))
+    alg = LeastSquares(Task(MLP(in_features=2)), degree=2)
+    assert total_degree_exponents(2, 2).tolist() == [[0, 0], [1, 0], [0, 1], [2, 0], [1, 1], [0, 2]]
+    personal, _ = fit(alg, data)
+    u = torch.tensor([b1 * b2, 0.0, -(b1 + b2), 0.0, 0.0, 1.0], dtype=F64)
+    u = u / u.norm()
+    assert torch.allclose(personal["null"][0], torch.outer(u, u), atol=1e-8)
+    assert torch.allclose(personal["null"][1], torch.zeros(6, 6, dtype=F64), atol=1e-12)
+    test = 2 * torch.rand(2, 10, 2, generator=gen, dtype=F64) - 1
+    flags = alg.client_status({}, personal, test, torch.ones(2, 10))
+    assert flags["weak"].tolist() == [True, False]
+    # at the sensor's own two temperature levels u is orthogonal to the design: not weak
+    on_grid = test.clone()
+    on_grid[0, :, 1] = torch.tensor([b1, b2] * 5, dtype=F64)
+    assert alg.client_status({}, personal, on_grid, torch.ones(2, 10))["weak"].tolist() == [
+        False,
+        False,
+    ]
+    # a pooled fit states no per-sensor weakness
+    pooled = LeastSquares(Task(MLP(in_features=2)), degree=2, pooled=True)
+    assert pooled.client_status({}, fit(pooled, data)[0], test, torch.ones(2, 10)) == {}

@@ -150,6 +150,7 @@ from fedcal.core.bayes import (
     Posterior,
     data_support,
     m_step,
+    mixture_halfwidth,
     moments,
     posterior,
     predictive_var,
@@ -643,6 +644,25 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
             gap = ((legendre_products(x, self.terms) - phi) * coef).sum(-1)
             var = var + torch.where(beyond, gap * gap, 0.0)
         return var.sqrt().unsqueeze(-1).to(x.dtype)
+
+    def interval_halfwidth(self, params: Tree, x: Tensor) -> Tensor:
+        """The central 95 % interval's half-width per row (clients, rows, 1), scaled.
+
+        Without a direction term 1.96 σ. With one, the field's sweep b = ±1 is unknown
+        (equal odds), so the error of the branch-average prediction is the mixture
+        ½N(ψᵀm_h, s²) + ½N(−ψᵀm_h, s²), s² = σ(x)² − (ψᵀm_h)² (:meth:`predictive_std`'s
+        variance less the direction term's mean part); its interval
+        (:func:`~fedcal.core.bayes.mixture_halfwidth`) is narrower than 1.96 σ, which
+        treats ±ψᵀm_h as Gaussian.
+        """
+        std = self.predictive_std(params, x).to(F64)
+        if not self.branch_orders:
+            return (1.959964 * std).to(x.dtype)
+        p = len(self.terms)
+        psi = legendre_products(x, self.branch_terms)
+        m = (psi * params["coef"][..., p:].to(F64).unsqueeze(1)).sum(-1).unsqueeze(-1)
+        s = (std * std - m * m).clamp_min(0.0).sqrt()
+        return mixture_halfwidth(m, s).to(x.dtype)
 
     def variance_design(self, x: Tensor) -> Tensor:
         """z(x) = [φ(x), ψ(x)] (clients, rows, features), float64: no sign b (unknown in use)."""

@@ -58,7 +58,15 @@ import torch
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_select import _masked
-from fedcal.core.bayes import F64, Posterior, count_within, moments, posterior, predictive_var
+from fedcal.core.bayes import (
+    F64,
+    Posterior,
+    count_within,
+    mixture_mass,
+    moments,
+    posterior,
+    predictive_var,
+)
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree
 from fedcal.models.basis import legendre_products
@@ -130,7 +138,9 @@ class CalibratedInterval:
         that set point), fits its posterior under the
         broadcast prior from those rows alone, and
         counts, for each τ² of :data:`TAU_GRID`, the other rows whose error lies within
-        ±1.96 √(v + τ²) (v the predictive variance the fit states). Every unit with at
+        ±1.96 √(v + τ²) (v the predictive variance the fit states; with a direction term
+        the sweep mixture's interval of the same variance, as :meth:`interval_halfwidth`
+        states it). Every unit with at
         most ``probe_rows`` rows also uploads its inputs' span positions and directions
         (the server's candidate probe: chamber set points, no targets).
         """
@@ -163,8 +173,15 @@ class CalibratedInterval:
             m = down["mask"]
             coef, cov = coef * m, cov * m.unsqueeze(-1) * m.unsqueeze(-2)
         mean, var = self._mean_var(coef, cov, noise, x)
-        # Held rows within ±1.96√(v + τ²), per τ² of the grid (by bisection: no rows × grid).
-        inside = count_within((y - mean).square(), var, TAU_GRID, held, 1.959964)
+        if self.branch_orders:  # the stated interval is the sweep mixture's (interval_halfwidth)
+            err = (y - mean).abs().unsqueeze(-1)
+            h = coef[..., len(self.terms) :].unsqueeze(1)
+            shift = (legendre_products(x, self.branch_terms) * h).sum(-1).unsqueeze(-1)
+            sd = (var.unsqueeze(-1) - shift * shift + TAU_GRID).clamp_min(0.0).sqrt()
+            within = mixture_mass(err, shift, sd) <= 0.95
+            inside = (within.to(F64) * held.unsqueeze(-1)).sum(1)
+        else:  # held rows within ±1.96√(v + τ²) per τ² of the grid (bisection: no rows × grid)
+            inside = count_within((y - mean).square(), var, TAU_GRID, held, 1.959964)
         n = data.count.to(F64)
         own = (n <= self.probe_rows).to(F64)
         r = min(rows, self.probe_rows)

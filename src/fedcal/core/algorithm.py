@@ -278,6 +278,12 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
         """
         return None
 
+    def interval_halfwidth(self, params: Tree, x: Tensor) -> Tensor | None:
+        """Half-width of the stated central 95 % predictive interval (clients, rows, targets),
+        or None. A Gaussian predictive: 1.96 × :meth:`predictive_std`."""
+        std = self.predictive_std(params, x)
+        return None if std is None else 1.959964 * std
+
     def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
         """What the method itself knows about each client's model: ``{flag: (clients,) bool}``.
 

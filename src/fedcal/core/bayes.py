@@ -204,6 +204,31 @@ def predictive_var(design: Tensor, cov: Tensor, noise_var: Tensor) -> Tensor:
     return ((design @ cov.to(F64)) * design).sum(-1) + noise_var.to(F64).unsqueeze(-1)
 
 
+def mixture_mass(width: Tensor, shift: Tensor, sd: Tensor) -> Tensor:
+    """P(|e| ≤ w) for e ~ ½N(m, s²) + ½N(−m, s²) (:func:`mixture_halfwidth`'s equation):
+    increasing in w, so |e| is inside the mixture's ``level`` interval iff its mass ≤ level."""
+    w, m, s = width.to(F64), shift.to(F64).abs(), sd.to(F64).clamp_min(1e-300)
+    cdf = torch.special.ndtr
+    return 0.5 * (cdf((w - m) / s) - cdf((-w - m) / s) + cdf((w + m) / s) - cdf((-w + m) / s))
+
+
+def mixture_halfwidth(shift: Tensor, sd: Tensor, level: float = 0.95) -> Tensor:
+    """Half-width w of the central ``level`` interval of ½N(m, s²) + ½N(−m, s²) around 0.
+
+    P(|e| ≤ w) = ½[Φ((w−m)/s) − Φ((−w−m)/s) + Φ((w+m)/s) − Φ((−w+m)/s)] = level, solved
+    by bisection on [0, |m| + 6s] (60 halvings); m = 0 gives z·s (the Gaussian's). NaN in
+    either input gives NaN. The error of a prediction made without knowing a binary sign
+    (fedprior's sweep direction b = ±1) has this law.
+    """
+    m, s = shift.to(F64).abs(), sd.to(F64).clamp_min(1e-300)
+    lo, hi = torch.zeros_like(m), m + 6.0 * s
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        low = mixture_mass(mid, m, s) < level
+        lo, hi = torch.where(low, mid, lo), torch.where(low, hi, mid)
+    return torch.where(torch.isnan(shift) | torch.isnan(sd), math.nan, 0.5 * (lo + hi))
+
+
 def regularize(
     cov: Tensor,
     shrinkage: float,

@@ -68,10 +68,11 @@ def errors(
     with torch.no_grad():
         pred = algorithm.predict(params, data.x)
         std = algorithm.predictive_std(params, data.x)
+        half = algorithm.interval_halfwidth(params, data.x) if std is not None else None
     scale = torch.as_tensor(scaler.y_scale, dtype=pred.dtype, device=pred.device)
     out = algorithm.task.metrics(pred, data.y, data.mask, scale)
     if std is not None:
-        out.update(interval_metrics(pred, std, data.y, data.mask, scale))
+        out.update(interval_metrics(pred, std, data.y, data.mask, scale, half))
     if algorithm.beyond_support is not None:  # the fraction of rows the guard linearized
         with torch.no_grad():
             beyond = algorithm.beyond_support(params, data.x)
@@ -81,18 +82,25 @@ def errors(
 
 
 def interval_metrics(
-    pred: Tensor, std: Tensor, y: Tensor, mask: Tensor, y_scale: Tensor
+    pred: Tensor,
+    std: Tensor,
+    y: Tensor,
+    mask: Tensor,
+    y_scale: Tensor,
+    halfwidth: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Per-client calibration of predictive intervals (clients,).
 
-    ``coverage95``: the fraction of rows whose error lies inside the nominal 95 %
-    interval ±1.96 σ; ``pred_sd``: the mean predictive σ in the target's unit.
+    ``coverage95``: the fraction of rows whose error lies inside the method's stated 95 %
+    interval, ± ``halfwidth`` (:meth:`Algorithm.interval_halfwidth`; default ±1.96 σ);
+    ``pred_sd``: the mean predictive σ in the target's unit.
     A client whose σ is NaN on a row (the method states no interval, e.g. fedprior's
     declined intervals) gets NaN for both: no interval, not an empty one.
     """
     m = mask.unsqueeze(-1).to(pred.dtype)
     n = (m.sum((1, 2))).clamp_min(1.0)
-    inside = ((pred - y).abs() <= 1.959964 * std).to(pred.dtype)
+    half = 1.959964 * std if halfwidth is None else halfwidth
+    inside = ((pred - y).abs() <= half).to(pred.dtype)
     stated = ~(torch.isnan(std) & (m > 0)).any(2).any(1)
     nan = torch.tensor(float("nan"), dtype=pred.dtype)
     return {
