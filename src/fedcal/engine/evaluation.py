@@ -67,7 +67,8 @@ def errors(
     """The task's per-client metrics of ``params`` on ``data`` (target units)."""
     with torch.no_grad():
         pred = algorithm.predict(params, data.x)
-        std = algorithm.predictive_std(params, data.x)
+        timed = getattr(algorithm, "predictive_std_timed", None)  # σ at each row's time
+        std = timed(params, data) if timed else algorithm.predictive_std(params, data.x)
     scale = torch.as_tensor(scaler.y_scale, dtype=pred.dtype, device=pred.device)
     out = algorithm.task.metrics(pred, data.y, data.mask, scale)
     if std is not None:
