@@ -95,7 +95,7 @@ def _config(prior: dict[str, Any]) -> RunConfig:
     params = {k: v for k, v in prior["method_params"].items()}
     if "selection" in prior:  # the fleet chose a sub-basis by its evidence: that basis, fixed
         params.update(prior["selection"]["chosen"], select="none")
-    if method != "fedprior":
+    if method not in ("fedprior", "fedprior_drift"):  # registered: no base (a variant: fedprior)
         params["base"] = "fedprior"
     cfg = from_dict({"methods": {method: params}}, "prior.json")
     data = DataConfig(
@@ -155,7 +155,9 @@ def calibrate(prior: dict[str, Any], fleet: Fleet, source: str = "data") -> Cali
     def scaled(split: str) -> ClientData:
         arrays = [(scaler.x(x), scaler.y(y)) for x, y in fleet.arrays(split)]
         # A prior with a direction term reads the file's sweep directions (none: b = 0).
-        return ClientData.from_arrays(arrays, dtype=F64, branch=fleet.branch_signs(split))
+        return ClientData.from_arrays(
+            arrays, dtype=F64, branch=fleet.branch_signs(split), time=fleet.row_times(split)
+        )
 
     tensors = FleetTensors(
         scaled("train"), scaled("test"), scaler, tuple(map(str, fleet.client_ids))
@@ -396,7 +398,12 @@ def unit_diagnostics(
                 "resid_max_abs": float(np.max(np.abs(res))) if len(res) else np.nan,
             }
         )
-    return pd.DataFrame(units), pd.DataFrame(rows)
+    table = pd.DataFrame(units)
+    unit_columns = getattr(alg, "unit_columns", None)  # fedprior_drift: recalibrate_at
+    if unit_columns is not None:
+        with torch.no_grad():
+            table = table.assign(**unit_columns(personal, train))
+    return table, pd.DataFrame(rows)
 
 
 def prior_server(prior: dict[str, Any], scaler: Scaler) -> Tree:
@@ -407,12 +414,19 @@ def prior_server(prior: dict[str, Any], scaler: Scaler) -> Tree:
     planner (:mod:`fedcal.planning`) broadcast.
     """
     span = np.array([prior["input_range"][c] for c in prior["features"]], dtype=float).T
-    return {
+    server = {
         "mu": torch.tensor(prior["mu"], dtype=F64),
         "sigma": torch.tensor(prior["sigma"], dtype=F64),
         "noise_var": torch.tensor(prior["noise_var"], dtype=F64),
         "box": torch.tensor(scaler.x(span), dtype=F64),
     }
+    if "drift" in prior:  # fedprior_drift: the fleet's drift variance and time scale
+        drift = prior["drift"]
+        server["drift"] = {
+            "q": torch.tensor(float(drift["q"]), dtype=F64),
+            "scale": torch.tensor(float(drift["time_scale"]), dtype=F64),
+        }
+    return server
 
 
 def prior_algorithm(prior: dict[str, Any]) -> FedPrior:
