@@ -425,6 +425,7 @@ def prior_server(prior: dict[str, Any], scaler: Scaler) -> Tree:
         server["drift"] = {
             "q": torch.tensor(float(drift["q"]), dtype=F64),
             "scale": torch.tensor(float(drift["time_scale"]), dtype=F64),
+            "seen": torch.tensor(drift["seen"], dtype=F64),
         }
     return server
 

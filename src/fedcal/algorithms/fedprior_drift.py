@@ -10,10 +10,12 @@ point t_i (:class:`~fedcal.algorithms.fedprior.FedPrior`'s prior holds there):
     Cov(w_i(t), w_i(t')) = q · min(t_i − t, t_i − t') · Σ_d / T       (t, t' ≤ t_i),
     c_i(t) for t > t_i:   Var c_i(t) = V_i + q · (t − t_i) · Σ_d / T,
 
-with Σ_d the fleet prior Σ on the basis in use (the drift moves a unit along the directions
-the fleet's units differ in), T the fleet's time scale (the mean of the units' calibration
-spans, from the sums the server adds) and q ≥ 0 one dimensionless drift variance: over one
-mean calibration span a unit drifts by q times the fleet's spread. q is learned by the
+with Σ_d = Π Σ Π the fleet prior Σ on the basis in use, Π the projection onto the directions
+the fleet's data identify (fedprior's identification rule; along a weakly identified
+direction Σ is the vague start, not a spread to drift along): the drift moves a unit along
+the directions the fleet's units differ in, T the fleet's time scale (the mean of the units'
+calibration spans, from the sums the server adds) and q ≥ 0 one dimensionless drift variance:
+over one mean calibration span a unit drifts by q times the fleet's spread. q is learned by the
 federation from every unit's time-stamped rows.
 
 E-step (the Kalman smoother's answer, in closed form). A unit's rows are grouped into
@@ -123,19 +125,23 @@ class FedPriorDrift(FedPrior):
         ok = real.any(1)
         return torch.where(ok, last, 0.0), torch.where(ok, last - first, 0.0)
 
-    def _drift_mask(self, down: Tree) -> Tensor:
-        """(features,): the coordinates that drift — φ's terms of the basis in use."""
+    def _drift_map(self, down: Tree) -> Tensor:
+        """(…, features, features): the map onto the coordinates that drift — φ's terms of
+        the basis in use, on the directions the fleet's data identify (``seen``: along a
+        weakly identified direction Σ is the vague start's, not a spread to drift along)."""
         p = len(self.terms)
         m = torch.zeros(self.num_features, dtype=F64)
         m[:p] = 1.0
         if "mask" in down:
             m = m * down["mask"].to(F64).reshape(-1, self.num_features)[0]
-        return m
+        seen = down["drift"].get("seen")
+        seen = torch.eye(len(m), dtype=F64) if seen is None else seen.to(F64)
+        return m.unsqueeze(-1) * seen
 
     def _drift_cov(self, down: Tree) -> Tensor:
         """Σ_d (clients, features, features): the broadcast Σ on the drifting coordinates."""
-        m = self._drift_mask(down)
-        return down["sigma"].to(F64) * m.unsqueeze(-1) * m.unsqueeze(-2)
+        a = self._drift_map(down)
+        return a @ down["sigma"].to(F64) @ a.transpose(-2, -1)
 
     # ---- the whitened moments (module doc, E-step) -------------------------------------
     def _drift_parts(self, down: Tree, data: ClientData) -> Tree:
@@ -162,8 +168,7 @@ class FedPriorDrift(FedPrior):
         tau_b = tau_b.clamp_min(0.0) + 1e-9 * (torch.arange(nb, dtype=F64) + 1)
         t_min = torch.minimum(tau_b.unsqueeze(-1), tau_b.unsqueeze(-2))
         l_t = safe_cholesky(t_min)[0]  # (c, B, B)
-        l_s = safe_cholesky(down["sigma"].to(F64))[0] * self._drift_mask(down).unsqueeze(-1)
-        l_s = l_s.expand(c, p, p)
+        l_s = (self._drift_map(down) @ safe_cholesky(down["sigma"].to(F64))[0]).expand(c, p, p)
         wd = design * mask.unsqueeze(-1)
         g_b = torch.einsum("crb,cri,crj->cbij", onehot, wd, wd)  # bins' Grams (c, B, p, p)
         h_b = torch.einsum("crb,cri,cr->cbi", onehot, wd, data.y[..., 0].to(F64) * mask)
@@ -218,13 +223,18 @@ class FedPriorDrift(FedPrior):
     # ---- the contract -----------------------------------------------------------------
     def server_init(self, params: Tree) -> Tree:
         zero = torch.tensor(0.0, dtype=F64)
-        drift = {"q": zero.clone(), "scale": zero.clone(), "loglik": torch.zeros_like(DRIFT_GRID)}
+        drift = {
+            "q": zero.clone(),
+            "scale": zero.clone(),
+            "seen": torch.eye(self.num_features, dtype=F64),
+            "loglik": torch.zeros_like(DRIFT_GRID),
+        }
         return {**super().server_init(params), "drift": drift}
 
     def broadcast(self, server: Tree) -> Tree:
         return {
             **super().broadcast(server),
-            "drift": {k: server["drift"][k] for k in ("q", "scale")},
+            "drift": {k: server["drift"][k] for k in ("q", "scale", "seen")},
         }
 
     def client_update(self, down: Tree, state: Tree, data: ClientData) -> ClientResult:
@@ -274,8 +284,19 @@ class FedPriorDrift(FedPrior):
         scale = drift["span"][order].sum(0) / max(count, 1.0)
         if float(old["scale"]) > 0:
             scale = old["scale"].clone()  # the time scale is fixed once known
-        new["drift"] = {"q": q, "scale": scale.to(F64), "loglik": loglik}
+        new["drift"] = {"q": q, "scale": scale.to(F64), "seen": self._seen(new), "loglik": loglik}
         return new
+
+    def _seen(self, server: Tree) -> Tensor:
+        """The projection onto the directions of the basis in use that at least
+        ``min_informed`` units' data determine (fedprior's identification rule)."""
+        _, idx = self.chosen_features(server)
+        support = server["support"][idx][:, idx]
+        vals, vecs = torch.linalg.eigh(0.5 * (support + support.T))
+        keep = vecs[:, vals >= self.min_informed]
+        seen = torch.zeros(self.num_features, self.num_features, dtype=F64)
+        seen[idx.unsqueeze(1), idx.unsqueeze(0)] = keep @ keep.T
+        return seen
 
     def personal_shapes(self) -> dict[str, tuple[int, ...]]:
         p = self.num_features
@@ -330,6 +351,7 @@ class FedPriorDrift(FedPrior):
 
     def export_state(self, server: Tree) -> dict:
         state = super().export_state(server)
+        _, idx = self.chosen_features(server)
         q, scale = float(server["drift"]["q"]), float(server["drift"]["scale"])
         state["drift"] = {
             "model": "random walk of the coefficients, variance q·|t − t_i|·Σ/T",
@@ -337,6 +359,7 @@ class FedPriorDrift(FedPrior):
             "time_scale": scale,
             "rate_per_time": q / scale if scale > 0 else 0.0,
             "recalibrate_ratio": self.recalibrate_ratio,
+            "seen": server["drift"]["seen"][idx][:, idx].tolist(),  # Π on the exported basis
         }
         if scale <= 0:
             state["drift"]["note"] = NO_TIME
