@@ -39,7 +39,7 @@ NETWORKS = {  # name: (spec, features)
         FieldSpec(extra_channels=5).features(),
     ),
 }
-METHODS = ("fedprior", "fedprior_sensor", "persensor_lin", "pooled_lin")
+METHODS = ("fedprior_drift", "fedprior", "persensor_lin", "pooled_lin")
 BASELINES = ("persensor_lin", "pooled_lin")
 
 CONFIG = """\
@@ -107,12 +107,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--methods", default=",".join(METHODS), help="e.g. persensor_quad")
+    parser.add_argument("--features", default="2,3,8", help="networks by feature count")
+    parser.add_argument("--colocations", default="full,short")
     args = parser.parse_args()
+    wanted = {int(f) for f in args.features.split(",")}
+    colocations = [c == "short" for c in args.colocations.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]
     methods = args.methods.split(",")
     rows = []
     for net, (spec, features) in NETWORKS.items():
-        for short in (False, True):
+        if len(features) not in wanted:
+            continue
+        for short in colocations:
             for seed in seeds:
                 where = args.out / f"{len(features)}f-{'short' if short else 'full'}-{seed}"
                 where.mkdir(parents=True, exist_ok=True)

@@ -216,12 +216,16 @@ class FleetPrior(BaseEstimator):
         self._check_fitted()
         return plan_design(self.prior_, plateaus, points, chamber=chamber)
 
-    def calibrate(self, X: Data, sensor_column: str | None = None) -> CalibratedUnits:
+    def calibrate(
+        self, X: Data, sensor_column: str | None = None, time_column: str | None = None
+    ) -> CalibratedUnits:
         """Each new unit's posterior under the prior, from its few calibration points.
 
         ``X``: a DataFrame (or CSV/Parquet path) with the sensor column, the prior's
         features and target. Every row is a calibration point unless a ``split`` column
-        marks rows ``test`` (then held out and scored). The closed form of
+        marks rows ``test`` (then held out and scored). ``time_column``: each row's time
+        (a fedprior_drift prior: the walk since each unit's last point widens σ, and
+        units.csv gains ``recalibrate_at``). The closed form of
         :func:`fedcal.calibration.calibrate`; nothing of the reference fleet is needed.
         """
         import torch
@@ -240,6 +244,7 @@ class FleetPrior(BaseEstimator):
             test_fraction=0.0,
             min_train_points=1,
             min_test_points=0,
+            time_column=time_column,
         )
         source = "DataFrame" if isinstance(X, pd.DataFrame) else str(X)
         result = calibration.calibrate(doc, fleet, source)

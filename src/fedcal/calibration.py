@@ -98,7 +98,7 @@ def _config(prior: dict[str, Any]) -> RunConfig:
     params = {k: v for k, v in prior["method_params"].items()}
     if "selection" in prior:  # the fleet chose a sub-basis by its evidence: that basis, fixed
         params.update(prior["selection"]["chosen"], select="none")
-    if method != "fedprior":
+    if method not in ("fedprior", "fedprior_drift"):  # registered: no base (a variant: fedprior)
         params["base"] = "fedprior"
     cfg = from_dict({"methods": {method: params}}, "prior.json")
     data = DataConfig(
@@ -161,7 +161,9 @@ def calibrate(prior: dict[str, Any], fleet: Fleet, source: str = "data") -> Cali
     def scaled(split: str) -> ClientData:
         arrays = [(scaler.x(x), scaler.y(y)) for x, y in fleet.arrays(split)]
         # A prior with a direction term reads the file's sweep directions (none: b = 0).
-        return ClientData.from_arrays(arrays, dtype=F64, branch=fleet.branch_signs(split))
+        return ClientData.from_arrays(
+            arrays, dtype=F64, branch=fleet.branch_signs(split), time=fleet.row_times(split)
+        )
 
     tensors = FleetTensors(
         scaled("train"), scaled("test"), scaler, tuple(map(str, fleet.client_ids))
@@ -437,17 +439,22 @@ def unit_diagnostics(
                 "resid_max_abs": float(np.max(np.abs(res))) if len(res) else np.nan,
             }
         )
+    table = pd.DataFrame(units)
+    unit_columns = getattr(alg, "unit_columns", None)  # fedprior_drift: recalibrate_at
+    if unit_columns is not None:
+        with torch.no_grad():
+            table = table.assign(**unit_columns(personal, train))
     # One row per calibration point, unit by unit in row order (the columns at once).
     unit, row = np.nonzero(mask)
     if not len(unit):
-        return pd.DataFrame(units), pd.DataFrame([])
+        return table, pd.DataFrame([])
     points = {"sensor_id": np.asarray(tensors.client_ids, dtype=object)[unit]}
     points.update({c: raw_x[unit, row, j] for j, c in enumerate(prior["features"])})
     points[prior["target"]] = ref[unit, row]
     points["calibrated"] = pred[unit, row]
     points["residual"] = pred[unit, row] - ref[unit, row]
     points["sigma"] = pred_std[unit, row]
-    return pd.DataFrame(units), pd.DataFrame(points)
+    return table, pd.DataFrame(points)
 
 
 def prior_server(prior: dict[str, Any], scaler: Scaler) -> Tree:
@@ -471,6 +478,13 @@ def prior_server(prior: dict[str, Any], scaler: Scaler) -> Tree:
         for key, name in (("disc_var", "discrepancy_var"), ("probe_n", "probe_rows")):
             server[key] = torch.tensor(float(iv[name]), dtype=F64)
         server["declined"] = torch.tensor(float(iv["declined"]), dtype=F64)
+    if "drift" in prior:  # fedprior_drift: the fleet's drift variance and time scale
+        drift = prior["drift"]
+        server["drift"] = {
+            "q": torch.tensor(float(drift["q"]), dtype=F64),
+            "scale": torch.tensor(float(drift["time_scale"]), dtype=F64),
+            "seen": torch.tensor(drift["seen"], dtype=F64),
+        }
     return server
 
 

@@ -665,6 +665,7 @@ def calibrate(
         int, typer.Option("--train-points", help="which point budget of the run (0 = all)")
     ] = 0,
     sensor_column: SensorOpt = None,
+    time_column: TimeColumnOpt = None,
 ) -> None:
     """Calibrate new units from a few points each, against a trained fleet prior.
 
@@ -684,7 +685,7 @@ def calibrate(
     try:
         path = find_prior(prior, method, seed, train_points)
         check_dir_output(out, "--out", run_folders_of(path), [data, path])
-        units = FleetPrior.load(path).calibrate(data, sensor_column)
+        units = FleetPrior.load(path).calibrate(data, sensor_column, time_column)
         table = units.save(out)
     except (FileNotFoundError, ValueError, ConfigError, FleetDataError) as err:
         _fail(str(err))

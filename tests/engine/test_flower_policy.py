@@ -85,6 +85,7 @@ KEY_KIND = {
     "rss": "statistics",
     "n": "statistics",
     "support": "statistics",
+    "drift": "statistics",  # fedprior_drift: its log-evidence per drift variance, its time span
     "key": None,  # the client's round seed: a function of (run seed, round, index)
     "seed": None,
 }

@@ -357,8 +357,12 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
         nu = self.noise_prior_points
         return (rss + nu * fleet) / (n + nu)
 
+    def _client_moments(self, down: Tree, data: ClientData) -> Moments:
+        """The moments the E-step uses (fedprior_drift whitens them by its drift)."""
+        return self._moments(data)
+
     def client_update(self, down: Tree, state: Tree, data: ClientData) -> ClientResult:
-        full = self._moments(data)  # once: every candidate's moments are masks of these
+        full = self._client_moments(down, data)  # once: candidates' moments are masks of these
         # With selection the chosen candidate's E-step is also in the batch below, but is
         # computed on its own: with noise = "sensor" its σ_i² is last round's choice's (not
         # always this round's); with one fleet σ² the batched one differs in the last bits
@@ -602,7 +606,7 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
         return outlier_weights(dist, p, c - 1)
 
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
-        _, post = self._posterior(down, state, self._moments(data))
+        _, post = self._posterior(down, state, self._client_moments(down, data))
         coef, cov = post.mean, post.cov
         if "mask" in down:  # terms outside the chosen basis are not in the model (0, no σ)
             m = down["mask"]

@@ -78,6 +78,10 @@ class ClientData:
     # descending ("down"), 0 unknown or padding; None when the data carry no direction.
     # Only methods with a direction term read it (fedprior's ``branch_orders``).
     branch: Tensor | None = None
+    # (clients, rows) float64 time of each row (the data's time column: seconds since 1970 for
+    # dates, else the file's number; 0 for padding); None without a time column. Only
+    # methods with a time model read it (fedprior_drift).
+    time: Tensor | None = None
 
     @property
     def num_clients(self) -> int:
@@ -98,10 +102,13 @@ class ClientData:
             tuple(self.seeds[i] for i in idx),
             tuple(self.index[i] for i in idx) if self.index else (),
             self.branch.index_select(0, index) if self.branch is not None else None,
+            self.time.index_select(0, index) if self.time is not None else None,
         )
 
     def with_seeds(self, seeds: tuple[int, ...]) -> ClientData:
-        return ClientData(self.x, self.y, self.count, tuple(seeds), self.index, self.branch)
+        return ClientData(
+            self.x, self.y, self.count, tuple(seeds), self.index, self.branch, self.time
+        )
 
     @staticmethod
     def from_arrays(
@@ -109,10 +116,13 @@ class ClientData:
         seeds: tuple[int, ...] | None = None,
         dtype: torch.dtype = torch.float32,
         branch: list[np.ndarray] | None = None,
+        time: list[np.ndarray] | None = None,
     ) -> ClientData:
         """Pad per-client ``(x (n, F), y (n, T))`` arrays into one cohort.
 
-        ``branch``: per client, each row's sweep-direction sign (n,) (see :attr:`branch`).
+        ``branch``: per client, each row's sweep-direction sign (n,) (see :attr:`branch`);
+        ``time``: per client, each row's time (n,), kept in float64 whatever ``dtype``
+        (seconds since 1970 need it).
         """
         counts = [len(x) for x, _ in arrays]
         rows = max(max(counts, default=0), 1)
@@ -127,6 +137,11 @@ class ClientData:
             signs = torch.zeros(len(arrays), rows, dtype=dtype)
             for i, bi in enumerate(branch):
                 signs[i, : len(bi)] = torch.as_tensor(np.asarray(bi, dtype=np.float64), dtype=dtype)
+        times = None
+        if time is not None:
+            times = torch.zeros(len(arrays), rows, dtype=torch.float64)
+            for i, ti in enumerate(time):
+                times[i, : len(ti)] = torch.as_tensor(np.asarray(ti, dtype=np.float64))
         return ClientData(
             torch.as_tensor(x, dtype=dtype),
             torch.as_tensor(y, dtype=dtype),
@@ -134,6 +149,7 @@ class ClientData:
             tuple(seeds) if seeds is not None else (0,) * len(arrays),
             tuple(range(len(arrays))),
             signs,
+            times,
         )
 
 

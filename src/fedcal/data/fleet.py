@@ -108,6 +108,18 @@ class Fleet:
         empty = (np.zeros((0, len(self.features))), np.zeros((0, 1)))
         return [empty if at is None else (x_all[at], y_all[at]) for at in where]
 
+    def row_times(self, split: str) -> list[np.ndarray] | None:
+        """Per client (``arrays`` order): each row's time, float64; None without a time
+        column (``meta["time_column"]``, kept by the loader as seconds since 1970 for
+        dates, else the file's number)."""
+        col = self.meta.get("time_column")
+        if not col or col not in self.frame.columns:
+            return None
+        rows, where = self._split_rows(split)
+        t = rows[col].to_numpy(dtype=np.float64)
+        empty = np.zeros(0, dtype=np.float64)
+        return [empty if at is None else t[at] for at in where]
+
     def branch_signs(self, split: str) -> list[np.ndarray] | None:
         """Per client (``arrays`` order): each row's sweep sign, +1 "up", −1 "down".
 

@@ -63,8 +63,14 @@ def to_device(tree: Tree, device: torch.device) -> Tree:
 
 def data_to(data: ClientData, device: torch.device) -> ClientData:
     branch = None if data.branch is None else data.branch.to(device)
+    time = None if data.time is None else data.time.to(device)
     return dataclasses.replace(
-        data, x=data.x.to(device), y=data.y.to(device), count=data.count.to(device), branch=branch
+        data,
+        x=data.x.to(device),
+        y=data.y.to(device),
+        count=data.count.to(device),
+        branch=branch,
+        time=time,
     )
 
 

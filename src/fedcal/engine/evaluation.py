@@ -67,8 +67,12 @@ def errors(
     """The task's per-client metrics of ``params`` on ``data`` (target units)."""
     with torch.no_grad():
         pred = algorithm.predict(params, data.x)
-        std = algorithm.predictive_std(params, data.x)
-        half = algorithm.interval_halfwidth(params, data.x) if std is not None else None
+        timed = getattr(algorithm, "predictive_std_timed", None)  # σ at each row's time
+        if timed:  # fedprior_drift: ±1.96 σ(t) (its σ grows with time since calibration)
+            std, half = timed(params, data), None
+        else:
+            std = algorithm.predictive_std(params, data.x)
+            half = algorithm.interval_halfwidth(params, data.x) if std is not None else None
     scale = torch.as_tensor(scaler.y_scale, dtype=pred.dtype, device=pred.device)
     out = algorithm.task.metrics(pred, data.y, data.mask, scale)
     if std is not None:

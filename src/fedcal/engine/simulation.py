@@ -79,6 +79,7 @@ def prepare(fleet: Fleet, scaling: str = "auto", dtype: str = "float32") -> Flee
             [(scaler.x(x), scaler.y(y)) for x, y in arrays],
             dtype=torch_dtype,
             branch=fleet.branch_signs(split),  # None without a direction column
+            time=fleet.row_times(split),  # None without a time column
         )
 
     unit = fleet.target.rsplit("_", 1)[-1] if "_" in fleet.target else ""
@@ -131,6 +132,8 @@ def _fingerprint(algorithm: Algorithm, fleet: FleetTensors, config: EngineConfig
         h.update(t.numpy().tobytes())
     if fleet.train.branch is not None:  # sweep directions change fedprior_branch's data
         h.update(fleet.train.branch.numpy().tobytes())
+    if fleet.train.time is not None:  # row times change fedprior_drift's data
+        h.update(fleet.train.time.numpy().tobytes())
     return h.hexdigest()
 
 

@@ -1,0 +1,235 @@
+"""fedprior_drift (issue 26): a fleet prior whose units' coefficients walk in time."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from fedcal.algorithms.fedprior import FedPrior
+from fedcal.algorithms.fedprior_drift import NO_TIME, FedPriorDrift
+from fedcal.core.bayes import F64, moments
+from fedcal.core.data import ClientData
+from fedcal.core.task import Task
+from fedcal.data.loader import load_fleet
+from fedcal.engine.simulation import prepare
+from fedcal.models.mlp import MLP
+from fedcal_support.rounds import run_rounds
+
+MU = np.array([0.2, 1.0])
+SD = 0.3  # planted Σ = SD² I (scaled units)
+NOISE = 0.05
+
+
+def make(cls=FedPriorDrift, **kw):
+    return cls(Task(MLP(in_features=1)), **{"basis": "total", "degree": 1, **kw})
+
+
+def planted(q: float, units: int = 30, rows: int = 40, future: int = 30, seed: int = 0):
+    """Units whose coefficients at their last calibration time t_i are N(MU, SD² I) and walk
+    from there, backward over the calibration rows (times in [0, 1]) and forward over the
+    future test rows (times in (1, 1.5]), with increments N(0, q·dt·SD² I): the model of
+    fedprior_drift exactly, with the walk at every row (not binned)."""
+    rng = np.random.default_rng(seed)
+    alg = make()
+    train, test, t_train, t_test = [], [], [], []
+    for _ in range(units):
+        t = np.sort(rng.uniform(0, 1, rows))
+        tf = np.sort(rng.uniform(1, 1.5, future))
+        x = rng.uniform(-1, 1, rows + future)
+        phi = alg.design(torch.tensor(x).reshape(1, -1, 1)).numpy()[0]
+        c_ref = MU + SD * rng.standard_normal(2)
+        coef = np.zeros((rows + future, 2))
+        c, prev = c_ref.copy(), t[-1]
+        for r in range(rows - 1, -1, -1):
+            c = c + SD * math.sqrt(q * (prev - t[r])) * rng.standard_normal(2)
+            coef[r], prev = c, t[r]
+        c, prev = c_ref.copy(), t[-1]
+        for r in range(future):
+            c = c + SD * math.sqrt(q * (tf[r] - prev)) * rng.standard_normal(2)
+            coef[rows + r], prev = c, tf[r]
+        y = (phi * coef).sum(1) + NOISE * rng.standard_normal(rows + future)
+        train.append((x[:rows, None], y[:rows, None]))
+        test.append((x[rows:, None], y[rows:, None]))
+        t_train.append(t)
+        t_test.append(tf)
+    seeds = tuple(range(units))
+    return (
+        ClientData.from_arrays(train, seeds, F64, time=t_train),
+        ClientData.from_arrays(test, seeds, F64, time=t_test),
+    )
+
+
+def coverage(pred, std, data) -> float:
+    inside = ((pred - data.y).abs() <= 1.959964 * std) & (data.mask.unsqueeze(-1) > 0)
+    return float(inside.sum() / data.mask.sum())
+
+
+@pytest.fixture(scope="module")
+def drifting():
+    train, test = planted(q=0.5)
+    alg = make()
+    return alg, train, test, run_rounds(alg, train, 12)
+
+
+def test_the_planted_drift_variance_is_recovered(drifting):
+    _, _, _, (server, _, personal, _) = drifting
+    # Learned drift covariance per unit time, rate · Σ̂, against the planted q · SD² I: within
+    # a factor 1.6 (q = 0 or the largest grid value would be 0 or 20× off).
+    rate = float(personal["drift_rate"][0])
+    learned = rate * torch.diagonal(server["sigma"]).sum()
+    planted_trace = 0.5 * 2 * SD**2
+    assert 1 / 1.6 < float(learned) / planted_trace < 1.6
+    assert float(server["drift"]["q"]) > 0
+    # The fleet evidence of the chosen q beats q = 0 by far more than the test's threshold.
+    ll = server["drift"]["loglik"]
+    assert float(ll.max() - ll[0]) > 100
+
+
+def test_sigma_grows_with_time_since_calibration_as_planted(drifting):
+    alg, _, test, (server, _, personal, _) = drifting
+    x = test.x[:, :1].expand(-1, 4, -1)
+    t_ref = personal["t_ref"].unsqueeze(1)
+    at = ClientData(x, x[..., :1], torch.full((x.shape[0],), 4), test.seeds)
+    dts = torch.tensor([0.0, 0.1, 0.2, 0.4], dtype=F64)
+    times = ClientData(at.x, at.y, at.count, at.seeds, time=t_ref + dts)
+    var = alg.predictive_std_timed(personal, times)[..., 0] ** 2
+    var0 = alg.predictive_std(personal, x)[..., 0] ** 2
+    torch.testing.assert_close(var[:, 0], var0[:, 0])  # at t_i: fedprior's variance form
+    growth = var - var[:, :1]
+    # A random walk: the variance grows linearly in t − t_i, by rate · φᵀΣφ per unit time.
+    torch.testing.assert_close(growth[:, 2], 2 * growth[:, 1], rtol=1e-9, atol=1e-15)
+    torch.testing.assert_close(growth[:, 3], 4 * growth[:, 1], rtol=1e-9, atol=1e-15)
+    phi = alg.design(x)[:, 0]
+    spread = ((phi @ server["sigma"]) * phi).sum(-1)
+    want = personal["drift_rate"] * 0.1 * spread
+    torch.testing.assert_close(growth[:, 1], want, rtol=1e-9, atol=1e-15)
+    # ... and as planted: q · dt · SD² ‖φ‖², within the recovery's tolerance.
+    planted_growth = 0.5 * 0.1 * SD**2 * (phi * phi).sum(-1)
+    ratio = float(growth[:, 1].mean() / planted_growth.mean())
+    assert 1 / 1.6 < ratio < 1.6
+
+
+def test_future_intervals_cover_with_drift_and_not_without(drifting):
+    alg, train, test, (_, _, personal, _) = drifting
+    pred = alg.predict(personal, test.x)
+    ours = coverage(pred, alg.predictive_std_timed(personal, test), test)
+    assert 0.90 <= ours <= 0.98
+    base = make(FedPrior)
+    _, _, personal0, _ = run_rounds(base, train, 12)
+    theirs = coverage(base.predict(personal0, test.x), base.predictive_std(personal0, test.x), test)
+    # fedprior's intervals ignore the walk since calibration (measured 0.863 against 0.946)
+    assert theirs < min(0.9, ours - 0.05)
+    # The posterior weighs recent points more: the drift fit predicts the future better.
+    err = ((pred - test.y) ** 2 * test.mask.unsqueeze(-1)).sum()
+    err0 = ((base.predict(personal0, test.x) - test.y) ** 2 * test.mask.unsqueeze(-1)).sum()
+    assert float(err) < 0.8 * float(err0)
+
+
+def test_recalibrate_at_is_when_the_mean_sigma_reaches_the_ratio(drifting):
+    alg, train, _, (_, _, personal, _) = drifting
+    when = torch.as_tensor(alg.unit_columns(personal, train)["recalibrate_at"])
+    assert bool((when > personal["t_ref"]).all())
+    # At that time the row-averaged predictive variance over the unit's calibration inputs
+    # is ratio² times its value at t_i.
+    at = ClientData(
+        train.x,
+        train.y,
+        train.count,
+        train.seeds,
+        time=when.unsqueeze(1).expand(-1, train.x.shape[1]),
+    )
+    m = train.mask
+    v = ((alg.predictive_std_timed(personal, at)[..., 0] ** 2) * m).sum(1) / m.sum(1)
+    v0 = ((alg.predictive_std(personal, train.x)[..., 0] ** 2) * m).sum(1) / m.sum(1)
+    torch.testing.assert_close(v, alg.recalibrate_ratio**2 * v0, rtol=1e-9, atol=0)
+
+
+def test_without_drift_the_estimate_is_zero_and_predictions_are_fedpriors():
+    train, test = planted(q=0.0, units=20, seed=3)
+    alg, base = make(select="bic"), make(FedPrior, select="bic")
+    server, _, personal, _ = run_rounds(alg, train, 10)
+    _, _, personal0, _ = run_rounds(base, train, 10)
+    assert float(server["drift"]["q"]) == 0.0
+    assert math.isnan(float(alg.unit_columns(personal, train)["recalibrate_at"][0]))  # never
+    for key in ("coef", "cov", "noise_var"):
+        assert torch.equal(personal[key], personal0[key])
+    assert torch.equal(alg.predict(personal, test.x), base.predict(personal0, test.x))
+    assert torch.equal(
+        alg.predictive_std_timed(personal, test), base.predictive_std(personal0, test.x)
+    )
+
+
+@pytest.mark.parametrize("bins", [1, 5])
+def test_whitened_moments_equal_the_dense_covariance(bins):
+    """Against R̄ = I + Z P Zᵀ/σ² built row by row: one bin (every row shares the walk at the
+    rows' mean age) and one bin per row (times 0..4: the exact random walk)."""
+    alg = make(drift_bins=bins)
+    rng = np.random.default_rng(1)
+    n = 5
+    x = torch.tensor(rng.uniform(-1, 1, (1, n, 1)))
+    y = torch.tensor(rng.normal(size=(1, n, 1)))
+    t = torch.arange(n, dtype=F64).unsqueeze(0)
+    data = ClientData(x, y, torch.tensor([n]), (0,), time=t)
+    sigma = torch.tensor([[0.5, 0.1], [0.1, 0.3]], dtype=F64).unsqueeze(0)
+    noise, q = torch.tensor([0.2], dtype=F64), 0.7
+    down = {"sigma": sigma, "drift": {"scale": torch.tensor([1.0], dtype=F64)}}
+    got, logdet = alg._whiten(alg._drift_parts(down, data), torch.tensor([[q]]), noise)
+    phi = alg.design(x)[0]
+    tau = (t[0, -1] - t[0]) if bins == n else torch.full((n,), float((t[0, -1] - t[0]).mean()))
+    k = torch.minimum(tau.unsqueeze(0), tau.unsqueeze(1)) * (phi @ sigma[0] @ phi.T)
+    r = torch.eye(n, dtype=F64) + q * k / noise
+    r_inv = torch.linalg.inv(r)
+    want = moments(phi.unsqueeze(0), y[..., 0], torch.ones(1, n))
+    torch.testing.assert_close(got.gram[0, 0], phi.T @ r_inv @ phi, rtol=1e-7, atol=1e-8)
+    torch.testing.assert_close(got.rhs[0, 0], phi.T @ r_inv @ y[0, :, 0], rtol=1e-7, atol=1e-8)
+    torch.testing.assert_close(got.yy[0, 0], y[0, :, 0] @ r_inv @ y[0, :, 0], rtol=1e-7, atol=1e-8)
+    assert float(got.n[0, 0]) == float(want.n[0]) == n
+    torch.testing.assert_close(logdet[0, 0], torch.logdet(r), rtol=1e-7, atol=1e-8)
+
+
+def test_without_a_time_column_it_is_fedprior_exactly():
+    train, test = planted(q=0.5, units=12, rows=20, future=5)
+    bare, bare_test = (ClientData(d.x, d.y, d.count, d.seeds) for d in (train, test))
+    alg, base = make(select="bic"), make(FedPrior, select="bic")
+    server, _, personal, _ = run_rounds(alg, bare, 6)
+    server0, _, personal0, _ = run_rounds(base, bare, 6)
+    assert float(server["drift"]["q"]) == 0.0 and float(server["drift"]["scale"]) == 0.0
+    for key in ("mu", "sigma", "noise_var"):
+        assert torch.equal(server[key], server0[key])
+    for key in ("coef", "cov", "noise_var"):
+        assert torch.equal(personal[key], personal0[key])
+    assert torch.equal(
+        alg.predictive_std_timed(personal, bare_test), base.predictive_std(personal0, test.x)
+    )
+    assert alg.export_state(server)["drift"]["note"] == NO_TIME
+
+
+def test_a_time_split_carries_each_rows_time_into_the_tensors(tmp_path):
+    rows = []
+    for unit, start in (("a", 0), ("b", 5)):
+        for day in range(8):
+            rows.append((unit, f"2024-03-{start + day + 1:02d}T00:00:00Z", day * 0.1, 1.0 + day))
+    frame = pd.DataFrame(rows, columns=["sensor_id", "time", "raw", "ref"])
+    frame.to_csv(tmp_path / "f.csv", index=False)
+    fleet = load_fleet(
+        tmp_path / "f.csv",
+        features=["raw"],
+        target="ref",
+        time_column="time",
+        split_by="time",
+        test_fraction=0.25,
+    )
+    tensors = prepare(fleet, dtype="float32")
+    train, test = tensors.train, tensors.test
+    assert train.time.dtype == F64 and test.time.dtype == F64  # seconds since 1970 need it
+    day = 86400.0
+    for i, start in enumerate((0, 5)):
+        t0 = pd.Timestamp(f"2024-03-{start + 1:02d}", tz="UTC").timestamp()
+        n_tr, n_te = int(train.count[i]), int(test.count[i])
+        assert n_tr + n_te == 8 and n_te == 2  # the last quarter of its own span is test
+        assert train.time[i, :n_tr].tolist() == [t0 + d * day for d in range(6)]
+        assert test.time[i, :n_te].tolist() == [t0 + d * day for d in (6, 7)]
