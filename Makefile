@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/fedcal run --config quickstart --out runs/default --html runs/default/report.html
 
+# One worker per core (pytest-xdist); a file's tests stay in one worker (module fixtures
+# such as the Flower deployment are built once).
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_speed.py

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -10,6 +12,15 @@ import torch
 from fedcal.data.fleet import Fleet
 
 torch.set_num_threads(1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest-xdist's workers run with COLUMNS=80 set: a rich Console built at import
+    (fedcal.cli's, imported at collection, after this) would fix its width to it, and
+    tests that invoke the CLI with a wide terminal (CliRunner(env={"COLUMNS": ...})) would
+    see wrapped tables. Unset, the width is read at each print, as in one process."""
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
 
 
 def toy_fleet(
