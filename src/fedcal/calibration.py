@@ -188,7 +188,7 @@ def own_noise(algorithm: FedPrior, down: Tree, state: Tree, data: ClientData) ->
         for _ in range(NOISE_ITERATIONS):
             state = algorithm.client_update(down, state, data).state
         return state
-    full = algorithm._moments(data)
+    full = algorithm._client_moments(down, data)  # fedprior_drift: whitened by its q
     for _ in range(NOISE_ITERATIONS):
         if algorithm.noise != "sensor":  # one fleet σ²: the state does not move
             break

@@ -233,3 +233,28 @@ def test_a_time_split_carries_each_rows_time_into_the_tensors(tmp_path):
         assert n_tr + n_te == 8 and n_te == 2  # the last quarter of its own span is test
         assert train.time[i, :n_tr].tolist() == [t0 + d * day for d in range(6)]
         assert test.time[i, :n_te].tolist() == [t0 + d * day for d in (6, 7)]
+
+
+def test_calibrate_noise_fixed_point_uses_the_drift_whitened_moments():
+    """`fedcal calibrate`'s own-noise fixed point (calibration.own_noise) under a drift prior
+    with per-unit noise and a fixed basis equals the federation's client steps, which whiten
+    the moments by the broadcast q (FedPriorDrift._client_moments), not the static ones."""
+    from fedcal import calibration
+    from fedcal.core.tree import expand
+
+    train, _ = planted(q=0.5, units=6, rows=20, future=2, seed=1)
+    alg = make(noise="sensor")
+    server = alg.server_init({})
+    sigma = SD**2 * torch.eye(2, dtype=F64)
+    drift = {**server["drift"], "q": torch.tensor(0.5, dtype=F64)}
+    drift["scale"] = torch.tensor(1.0, dtype=F64)
+    server = {**server, "mu": torch.tensor(MU), "sigma": sigma, "drift": drift}
+    server["noise_var"] = torch.tensor(NOISE**2, dtype=F64)
+    down = expand(alg.broadcast(server), train.num_clients)
+    state = alg.client_init(down)
+    for _ in range(calibration.NOISE_ITERATIONS):
+        state = alg.client_update(down, state, train).state
+    fast = calibration.own_noise(alg, down, alg.client_init(down), train)
+    static = FedPrior._client_moments(alg, down, train)
+    assert not torch.equal(alg._client_moments(down, train).gram, static.gram)  # q whitens
+    assert torch.equal(fast["noise_var"], state["noise_var"])
