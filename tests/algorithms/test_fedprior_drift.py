@@ -258,3 +258,32 @@ def test_calibrate_noise_fixed_point_uses_the_drift_whitened_moments():
     static = FedPrior._client_moments(alg, down, train)
     assert not torch.equal(alg._client_moments(down, train).gram, static.gram)  # q whitens
     assert torch.equal(fast["noise_var"], state["noise_var"])
+
+
+def test_a_downweighted_unit_s_drift_evidence_is_weighted_like_its_statistics():
+    """robust = "full": a unit the M-step down-weights (issue 21) enters q's evidence with the
+    same weight w_i, so a far-off unit claiming overwhelming evidence for the largest q does
+    not set the fleet's drift (no drift planted: q stays 0)."""
+    from fedcal.core.tree import expand
+
+    train, _ = planted(q=0.0, units=8, rows=20, future=2, seed=2)
+    alg = make()
+    rounds = run_rounds(alg, train, 2)
+    server = rounds.server
+    assert float(server["drift"]["scale"]) > 0 and float(server["drift"]["q"]) == 0.0
+    down = expand(alg.broadcast(server), 8)
+    reply = alg.client_update(down, rounds.states, train).reply
+    offset = torch.tensor([50.0, -50.0], dtype=F64)  # unit 0 far from the others' prior
+    mean = reply["mean"].clone()
+    second = reply["second"] - mean[0].outer(mean[0]) * torch.eye(8)[:, :1, None]
+    mean[0] += offset
+    second[0] += mean[0].outer(mean[0])
+    loglik = reply["drift"]["loglik"].clone()
+    loglik[0, -1] += 1e6  # and overwhelming evidence for the grid's largest q
+    hostile = {**reply, "mean": mean, "second": second, "drift": {**reply["drift"]}}
+    hostile["drift"]["loglik"] = loglik
+    w = alg.outlier_weights(server, hostile).weights
+    assert float(w[0]) < 1e-3 and bool((w[1:] == 1).all())
+    new = alg.server_update(server, hostile, train.count)
+    torch.testing.assert_close(new["drift"]["loglik"], (loglik * w.unsqueeze(1)).sum(0))
+    assert float(new["drift"]["q"]) == 0.0

@@ -263,13 +263,16 @@ class FedPriorDrift(FedPrior):
 
     def server_update(self, server: Tree, replies: Tree, weights: Tensor) -> Tree:
         drift = replies["drift"]
-        new = super().server_update(
-            server, {k: v for k, v in replies.items() if k != "drift"}, weights
-        )
+        stats = {k: v for k, v in replies.items() if k != "drift"}
+        new = super().server_update(server, stats, weights)
         # The canonical order of fedprior's sums: the rounding cannot depend on arrival order.
         order = torch.from_numpy(np.lexsort(replies["mean"].numpy().T[::-1]).copy())
         count = float(replies["mean"].shape[0])
-        loglik = drift["loglik"][order].sum(0)
+        loglik = drift["loglik"]
+        robust = self.outlier_weights(server, stats)  # q's evidence weighted like the M-step's
+        if robust is not None and bool((robust.weights != 1).any()):
+            loglik = loglik * robust.weights.unsqueeze(1)
+        loglik = loglik[order].sum(0)
         old = server["drift"]
         q = torch.tensor(0.0, dtype=F64)
         if float(old["scale"]) > 0:  # the grid was evaluated this round
