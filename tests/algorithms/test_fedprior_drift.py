@@ -287,3 +287,40 @@ def test_a_downweighted_unit_s_drift_evidence_is_weighted_like_its_statistics():
     new = alg.server_update(server, hostile, train.count)
     torch.testing.assert_close(new["drift"]["loglik"], (loglik * w.unsqueeze(1)).sum(0))
     assert float(new["drift"]["q"]) == 0.0
+
+
+def test_evaluation_states_the_sweep_mixture_interval_at_the_rows_time():
+    """With a direction term the evaluated coverage is of the interval fedprior states (the
+    sweep mixture's, b = ±1 unknown) for the σ at each row's time (predictive_std_timed):
+    not ±1.96 σ(t), which treats ±ψᵀm_h as Gaussian and over-covers."""
+    import dataclasses
+
+    from fedcal.core.bayes import mixture_halfwidth
+    from fedcal.core.tree import expand
+    from fedcal.data.scaling import Scaler
+    from fedcal.engine.evaluation import errors
+
+    train, test = planted(q=0.5, units=6, rows=20, future=20, seed=3)
+    alg = make(branch_orders=(0,))
+    rounds = run_rounds(alg, train, 2)
+    down = expand(alg.broadcast(rounds.server), 6)
+    params = alg.personalize(down, rounds.states, train)
+    params["coef"] = params["coef"].clone()
+    params["coef"][:, -1] = 0.3  # a direction term ψᵀm_h = 0.3 (ψ ≡ 1)
+    params["drift_rate"] = torch.full((6,), 0.5)  # and a drift: σ grows after t_i
+    params["cov"] = params["cov"].clone()
+    params["cov"][:, -1, -1] = 1e-4  # h known: the interval's width is the shift's and σ(t)'s
+    # errors spread over [0, 1]: the rows between the two intervals' edges decide
+    spread = torch.linspace(0.0, 1.0, test.y.shape[1], dtype=F64).reshape(1, -1, 1)
+    test = dataclasses.replace(test, y=alg.predict(params, test.x) + spread)
+    std = alg.predictive_std_timed(params, test)
+    shift = torch.full_like(std, 0.3, dtype=F64)
+    half = mixture_halfwidth(shift, (std.to(F64) ** 2 - 0.09).clamp_min(0.0).sqrt())
+    err = (alg.predict(params, test.x) - test.y).abs()
+    m = test.mask.unsqueeze(-1) > 0
+    want = ((err <= half) & m).sum((1, 2)) / m.sum((1, 2))
+    gaussian = ((err <= 1.959964 * std) & m).sum((1, 2)) / m.sum((1, 2))
+    assert not torch.equal(want, gaussian)  # the two intervals differ on these rows
+    unit = Scaler(np.zeros(1), np.ones(1), np.zeros(1), np.ones(1), {})
+    got = errors(alg, params, test, unit)["coverage95"]
+    torch.testing.assert_close(got, want.to(got.dtype))

@@ -649,7 +649,7 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
             var = var + torch.where(beyond, gap * gap, 0.0)
         return var.sqrt().unsqueeze(-1).to(x.dtype)
 
-    def interval_halfwidth(self, params: Tree, x: Tensor) -> Tensor:
+    def interval_halfwidth(self, params: Tree, x: Tensor, std: Tensor | None = None) -> Tensor:
         """The central 95 % interval's half-width per row (clients, rows, 1), scaled.
 
         Without a direction term 1.96 σ. With one, the field's sweep b = ±1 is unknown
@@ -657,9 +657,10 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
         ½N(ψᵀm_h, s²) + ½N(−ψᵀm_h, s²), s² = σ(x)² − (ψᵀm_h)² (:meth:`predictive_std`'s
         variance less the direction term's mean part); its interval
         (:func:`~fedcal.core.bayes.mixture_halfwidth`) is narrower than 1.96 σ, which
-        treats ±ψᵀm_h as Gaussian.
+        treats ±ψᵀm_h as Gaussian. ``std``: σ(x) if given (fedprior_drift's σ at each row's
+        time), else :meth:`predictive_std`.
         """
-        std = self.predictive_std(params, x).to(F64)
+        std = (self.predictive_std(params, x) if std is None else std).to(F64)
         if not self.branch_orders:
             return (1.959964 * std).to(x.dtype)
         p = len(self.terms)

@@ -278,10 +278,13 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
         """
         return None
 
-    def interval_halfwidth(self, params: Tree, x: Tensor) -> Tensor | None:
+    def interval_halfwidth(
+        self, params: Tree, x: Tensor, std: Tensor | None = None
+    ) -> Tensor | None:
         """Half-width of the stated central 95 % predictive interval (clients, rows, targets),
-        or None. A Gaussian predictive: 1.96 × :meth:`predictive_std`."""
-        std = self.predictive_std(params, x)
+        or None. A Gaussian predictive: 1.96 × σ, σ = ``std`` (e.g. a σ at each row's time)
+        or :meth:`predictive_std`."""
+        std = self.predictive_std(params, x) if std is None else std
         return None if std is None else 1.959964 * std
 
     def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:

@@ -68,11 +68,10 @@ def errors(
     with torch.no_grad():
         pred = algorithm.predict(params, data.x)
         timed = getattr(algorithm, "predictive_std_timed", None)  # σ at each row's time
-        if timed:  # fedprior_drift: ±1.96 σ(t) (its σ grows with time since calibration)
-            std, half = timed(params, data), None
-        else:
-            std = algorithm.predictive_std(params, data.x)
-            half = algorithm.interval_halfwidth(params, data.x) if std is not None else None
+        # fedprior_drift: its σ grows with time since calibration; the interval is stated for
+        # that σ(t) as for σ (±1.96 σ(t), or the sweep mixture's with a direction term)
+        std = timed(params, data) if timed else algorithm.predictive_std(params, data.x)
+        half = algorithm.interval_halfwidth(params, data.x, std) if std is not None else None
     scale = torch.as_tensor(scaler.y_scale, dtype=pred.dtype, device=pred.device)
     out = algorithm.task.metrics(pred, data.y, data.mask, scale)
     if std is not None:
