@@ -324,3 +324,24 @@ def test_evaluation_states_the_sweep_mixture_interval_at_the_rows_time():
     unit = Scaler(np.zeros(1), np.ones(1), np.zeros(1), np.ones(1), {})
     got = errors(alg, params, test, unit)["coverage95"]
     torch.testing.assert_close(got, want.to(got.dtype))
+
+
+def test_honest_uploads_under_a_learned_drift_pass_the_consistency_check():
+    """robust = "full" (the default) checks each upload (issue 21): with q > 0 the E-step's
+    Gram is whitened (its constant term below the row count), which is no inconsistency;
+    every honest unit passes, while a unit whose row count disagrees is still rejected."""
+    from fedcal.core.tree import expand
+
+    train, _ = planted(q=0.5, units=8, rows=20, future=2, seed=1)
+    alg = make()
+    rounds = run_rounds(alg, train, 3)
+    assert float(rounds.server["drift"]["q"]) > 0
+    down = expand(alg.broadcast(rounds.server), 8)
+    reply = alg.client_update(down, rounds.states, train).reply
+    assert (reply["gram"][:, 0, 0] < reply["n"] - 1).all()  # whitened
+    everyone = torch.ones(8, dtype=torch.bool)
+    assert alg.inconsistent_replies(rounds.server, reply, train.count, everyone) == {}
+    declared = train.count.clone()
+    declared[3] = 40
+    bad = alg.inconsistent_replies(rounds.server, reply, declared, everyone)
+    assert list(bad) == [3] and "declares 20 rows" in bad[3]

@@ -572,7 +572,13 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
         sub = {k: v.index_select(0, idx) for k, v in flatten(replies).items()}
         keys = ("mean", "second", "gls_gram", "gls_rhs", "rss")
         main = {k: sub[k] for k in (*keys, "n", "gram")}
-        whys = inconsistencies(main, server["mu"], server["sigma"], weights.index_select(0, idx))
+        whys = inconsistencies(
+            main,
+            server["mu"],
+            server["sigma"],
+            weights.index_select(0, idx),
+            constant_first=self._gram_counts_rows(server),
+        )
         if self.select != "none":
             for k in range(self.masks.shape[0]):
                 cand = {key: sub[f"cand/{key}"][:, k] for key in keys}
@@ -588,6 +594,11 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
                     d, f = float(dof[j]), float(fit[j])
                     whys[j] = f"residual terms impossible (dof {d:.3g}, fit {f:.3g})"
         return {int(idx[j]): why for j, why in enumerate(whys) if why is not None}
+
+    def _gram_counts_rows(self, server: Tree) -> bool:
+        """Whether the uploaded Gram is the design's ΦᵀΦ, whose constant term is the unit's
+        row count (a consistency check); fedprior_drift's whitened Gram is not."""
+        return True
 
     def outlier_weights(self, server: Tree, replies: Tree) -> OutlierWeights | None:
         """Each client's M-step weight from its leave-one-out distance to the others' prior

@@ -310,6 +310,11 @@ class FedPriorDrift(FedPrior):
         out.update(t_ref=t_ref, drift_rate=rate.expand_as(t_ref), drift_cov=self._drift_cov(down))
         return out
 
+    def _gram_counts_rows(self, server: Tree) -> bool:
+        # With q > 0 the E-step's Gram is whitened, G̃ = ΦᵀR̄⁻¹Φ: its constant term 1ᵀR̄⁻¹1 is
+        # below n (still PSD, and the GLS identities still hold, so those are checked).
+        return not float(server["drift"]["q"]) > 0
+
     def dp_statistics(self, down: Tree):
         raise ValueError("fedprior_drift: client-level DP is not covered (use fedprior)")
 
