@@ -139,6 +139,7 @@ from pydantic import Field
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
+from fedcal.algorithms.fedprior_robust import RobustUploads, _weighted
 from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
 from fedcal.algorithms.fedprior_status import PriorStatus
@@ -159,9 +160,8 @@ from fedcal.core.bayes import (
 )
 from fedcal.core.data import ClientData
 from fedcal.core.privacy import Statistic
-from fedcal.core.robust import OutlierWeights, inconsistencies, loo_distances, outlier_weights
 from fedcal.core.task import Task
-from fedcal.core.tree import Tree, flatten, per_client
+from fedcal.core.tree import Tree
 from fedcal.models.basis import (
     any_beyond,
     legendre_exponents,
@@ -170,7 +170,9 @@ from fedcal.models.basis import (
 
 
 @dataclass(frozen=True)
-class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, Algorithm):
+class FedPrior(
+    EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, RobustUploads, Algorithm
+):
     @property
     def uses_local_epochs(self) -> bool:  # closed form (EM)
         return False
@@ -556,66 +558,6 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
             **self._interval_update(server, replies, order, total),
         }
 
-    # ---- hostile uploads (issue 21; core/robust.py) -------------------------------
-    def inconsistent_replies(
-        self, server: Tree, replies: Tree, weights: Tensor, accepted: Tensor
-    ) -> dict[int, str] | None:
-        """Clients whose upload contradicts its declared row count or the broadcast prior
-        (:func:`fedcal.core.robust.inconsistencies`, every candidate's statistics too): the
-        aggregation rejects them with this reason; None when off. Needs each client's own
-        upload."""
-        if self.robust == "off":
-            return None
-        idx = accepted.nonzero()[:, 0]
-        if not len(idx):
-            return {}
-        sub = {k: v.index_select(0, idx) for k, v in flatten(replies).items()}
-        keys = ("mean", "second", "gls_gram", "gls_rhs", "rss")
-        main = {k: sub[k] for k in (*keys, "n", "gram")}
-        whys = inconsistencies(
-            main,
-            server["mu"],
-            server["sigma"],
-            weights.index_select(0, idx),
-            constant_first=self._gram_counts_rows(server),
-        )
-        if self.select != "none":
-            for k in range(self.masks.shape[0]):
-                cand = {key: sub[f"cand/{key}"][:, k] for key in keys}
-                mu, sigma = server["cand"]["mu"][k], server["cand"]["sigma"][k]
-                for j, why in enumerate(inconsistencies(cand, mu, sigma)):
-                    if why is not None and whys[j] is None:
-                        whys[j] = f"candidate {k}: {why}"
-        if "interval/dof" in sub:  # residual degrees of freedom ≤ rows, squared residuals ≥ 0
-            dof, fit, n = sub["interval/dof"], sub["interval/fit"], sub["n"]
-            wrong = ~((fit >= 0) & (dof <= n * (1 + 1e-9)))
-            for j in wrong.nonzero()[:, 0].tolist():
-                if whys[j] is None:
-                    d, f = float(dof[j]), float(fit[j])
-                    whys[j] = f"residual terms impossible (dof {d:.3g}, fit {f:.3g})"
-        return {int(idx[j]): why for j, why in enumerate(whys) if why is not None}
-
-    def _gram_counts_rows(self, server: Tree) -> bool:
-        """Whether the uploaded Gram is the design's ΦᵀΦ, whose constant term is the unit's
-        row count (a consistency check); fedprior_drift's whitened Gram is not."""
-        return True
-
-    def outlier_weights(self, server: Tree, replies: Tree) -> OutlierWeights | None:
-        """Each client's M-step weight from its leave-one-out distance to the others' prior
-        (:func:`fedcal.core.robust.loo_distances`, in the chosen basis's coordinates: the
-        sub-basis model's own); None when off or when the clients are at most the basis's
-        terms + 2 (too few to judge each against the others). Needs each client's own upload."""
-        if self.robust != "full":
-            return None
-        # the chosen basis's coordinates only: the others hold the prior itself (no data)
-        used = torch.nonzero(server["mask"])[:, 0] if "mask" in server else slice(None)
-        mean = replies["mean"][:, used]
-        c, p = mean.shape
-        if c - 1 <= p + 1:  # the others' moments cannot name a law for δ: not judged
-            return None
-        dist = loo_distances(mean, replies["second"][:, used][:, :, used])
-        return outlier_weights(dist, p, c - 1)
-
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
         _, post = self._posterior(down, state, self._client_moments(down, data))
         coef, cov = post.mean, post.cov
@@ -712,20 +654,3 @@ class FedPrior(EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, A
         if "declined" in params:  # no interval stated for this unit (module doc, "Intervals")
             s = torch.where(params["declined"].to(F64) > 0, math.nan, s)
         return q, s
-
-
-def _weighted(replies: Tree, w: Tensor) -> Tree:
-    """Each client's statistics times its M-step weight w_i (core/robust.py); the interval's
-    probe design (inputs, rows) is not a statistic and is kept."""
-    out: dict = {}
-    for key, v in replies.items():
-        if key == "interval":
-            out[key] = {
-                k: u * per_client(w.to(u.dtype), u) if k in ("dof", "fit", "held", "inside") else u
-                for k, u in v.items()
-            }
-        elif isinstance(v, dict):
-            out[key] = {k: u * per_client(w.to(u.dtype), u) for k, u in v.items()}
-        else:
-            out[key] = v * per_client(w.to(v.dtype), v)
-    return out
