@@ -440,10 +440,9 @@ def unit_diagnostics(
             }
         )
     table = pd.DataFrame(units)
-    unit_columns = getattr(alg, "unit_columns", None)  # fedprior_drift: recalibrate_at
-    if unit_columns is not None:
+    if alg.unit_columns is not None:  # fedprior_drift: recalibrate_at
         with torch.no_grad():
-            table = table.assign(**unit_columns(personal, train))
+            table = table.assign(**alg.unit_columns(personal, train))
     # One row per calibration point, unit by unit in row order (the columns at once).
     unit, row = np.nonzero(mask)
     if not len(unit):

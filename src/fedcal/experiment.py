@@ -591,10 +591,9 @@ def run_experiment(
                 final["status"], final["status_reason"] = statuses, reasons
                 final.insert(0, "method", method)
                 final.insert(1, "seed", seed)
-                unit_columns = getattr(algorithm, "unit_columns", None)  # e.g. recalibrate_at
-                if unit_columns is not None:
+                if algorithm.unit_columns is not None:  # e.g. recalibrate_at
                     with torch.no_grad():
-                        extra = unit_columns(result.personal, tensors.train)
+                        extra = algorithm.unit_columns(result.personal, tensors.train)
                     for name, values in extra.items():
                         final[name] = np.asarray(values)[final["client_index"].to_numpy(int)]
                 if roles is not None:  # mixed fleets: each sensor's role beside its id

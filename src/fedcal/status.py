@@ -40,7 +40,6 @@ and the summary counts the others per status (:func:`counts`).
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -48,7 +47,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from fedcal.models.basis import legendre_products
+from fedcal.models.basis import legendre_exponents, legendre_products
 
 STATUSES = ("ok", "weak", "unconverged", "rejected", "diverged", "refused")
 # the summary's count column of each status other than ok ("diverged" as before)
@@ -82,7 +81,10 @@ def own_fit_rmse(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.
     out = torch.full(n.shape, math.nan, dtype=torch.float64)
     done = torch.zeros(n.shape, dtype=torch.bool)
     for d in OWN_FIT_DEGREES:
-        terms = legendre_exponents_total(x.shape[-1], d)
+        try:
+            terms = legendre_exponents(x.shape[-1], degree=d)
+        except ValueError:  # more terms than any basis may hold: no unit has 2p rows
+            break
         use = (~done) & (n >= 2 * len(terms))
         for idx in torch.nonzero(use).flatten().split(OWN_FIT_CHUNK):
             w = m[idx].unsqueeze(-1)
@@ -93,12 +95,6 @@ def own_fit_rmse(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.
             out[idx] = (resid / n[idx]).sqrt()
         done |= use
     return out
-
-
-def legendre_exponents_total(num_inputs: int, degree: int) -> list[tuple[int, ...]]:
-    """Exponent tuples of total degree ≤ ``degree`` over ``num_inputs`` inputs."""
-    grid = itertools.product(range(degree + 1), repeat=num_inputs)
-    return sorted((t for t in grid if sum(t) <= degree), key=lambda t: (sum(t), t))
 
 
 def final_window(rounds: int) -> int:

@@ -30,7 +30,6 @@ from fedcal.core.aggregation import (
     AggregationPolicy,
     aggregate,
     chain,
-    check_sums_only,
 )
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.privacy import Statistic, private_sums
@@ -318,16 +317,6 @@ def test_the_chain_of_each_policy(alg, policy, names):
 def test_a_refused_policy_builds_no_chain():
     with pytest.raises(AggregationError, match="toy_custom: rule 'median'"):
         chain(AggregationPolicy(rule="median"), Custom(task=None))
-
-
-def test_stages_that_need_each_reply_are_refused_where_the_server_sees_only_sums():
-    check_sums_only(Mean(task=None), PLAIN)
-    with pytest.raises(AggregationError, match=r"stage\(s\) screen, clip need each client's"):
-        check_sums_only(Mean(task=None), AggregationPolicy())
-    with pytest.raises(AggregationError, match=r"stage\(s\) clip need"):  # DP's fixed clip
-        check_sums_only(Mean(task=None), AggregationPolicy(**DP))
-    with pytest.raises(AggregationError, match="private_statistics"):
-        check_sums_only(Declares(task=None), AggregationPolicy(**DP))
 
 
 def test_the_whole_chain_by_hand():

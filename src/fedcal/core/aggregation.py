@@ -90,7 +90,6 @@ __all__ = [  # with the stages' shared measurements, importable from here as bef
     "aggregate",
     "chain",
     "check_policy",
-    "check_sums_only",
     "coordinate_rule",
     "finite_rows",
     "krum_scores",
@@ -246,24 +245,6 @@ def chain(policy: AggregationPolicy, algorithm: Algorithm) -> tuple[Stage, ...]:
     """The whole chain a round's replies go through (checked against the algorithm first)."""
     check_policy(algorithm, policy)
     return (*GUARDS, *policy_stages(policy, algorithm))
-
-
-def check_sums_only(algorithm: Algorithm, policy: AggregationPolicy) -> None:
-    """Refuse a policy whose stages read each client's reply where the server sees only sums.
-
-    Under secure aggregation the server receives the cohort's sum: screening, clipping,
-    Krum, the coordinate rules and per-statistic DP need the individual replies
-    (:attr:`Stage.per_client`); forming updates and Gaussian noise on the sum do not.
-    The guards (non-finite check, norms) are left to the caller: over a sum they can
-    judge only the sum.
-    """
-    needs = [s.name for s in policy_stages(policy, algorithm) if s.per_client]
-    if needs:
-        raise AggregationError(
-            f"{algorithm.name}: under secure aggregation the server sees only the sum of the "
-            f"replies, but stage(s) {', '.join(needs)} need each client's reply "
-            "(screen_factor = 0, clip_factor = 0, rule = 'mean' and no DP need none)"
-        )
 
 
 def _columns(metrics: dict[str, float]) -> dict[str, float]:

@@ -207,6 +207,13 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
     # beyond_support(params, x) -> (clients, rows) bool: rows the model's extrapolation
     # guard treats as outside the client's calibrated range (reported by evaluation).
     beyond_support: ClassVar[Callable[[Tree, Tensor], Tensor] | None] = None
+    # predictive_std_timed(params, data) -> (clients, rows, 1): σ at each row's time, for a
+    # model whose uncertainty grows after calibration (fedprior_drift); evaluation uses it
+    # instead of predictive_std.
+    predictive_std_timed: ClassVar[Callable[[Tree, Any], Tensor] | None] = None
+    # unit_columns(personal, train) -> {column: (clients,) values}: extra per-unit outputs
+    # (fedprior_drift's recalibrate_at), written to per_sensor.csv and units.csv.
+    unit_columns: ClassVar[Callable[[Tree, Any], dict] | None] = None
     # inconsistent_replies(server, replies, weights, accepted) -> {client: reason} | None:
     # uploads that contradict their declared row count or the broadcast model (issue 21,
     # core/robust.py); the aggregation rejects them after screening. Needs each reply.

@@ -67,7 +67,7 @@ def errors(
     """The task's per-client metrics of ``params`` on ``data`` (target units)."""
     with torch.no_grad():
         pred = algorithm.predict(params, data.x)
-        timed = getattr(algorithm, "predictive_std_timed", None)  # σ at each row's time
+        timed = algorithm.predictive_std_timed  # σ at each row's time, or None
         # fedprior_drift: its σ grows with time since calibration; the interval is stated for
         # that σ(t) as for σ (±1.96 σ(t), or the sweep mixture's with a direction term)
         std = timed(params, data) if timed else algorithm.predictive_std(params, data.x)
