@@ -300,7 +300,10 @@ def test_onnx_of_the_branch_variant_equals_predict_and_sigma_beyond_the_box(runs
     beyond = fleet.algorithm.beyond_support({k: v[None] for k, v in params.items()}, z)[0]
     assert beyond.tolist() == [False, False, True, True]
     session = ort.InferenceSession(to_onnx(fleet, s), providers=["CPUExecutionProvider"])
-    y, std = session.run(None, {"x": x})
+    names = ["pressure_hpa", "pressure_hpa_std", "beyond_support"]  # no valid range given
+    assert [o.name for o in session.get_outputs()] == names
+    y, std, flag = session.run(None, {"x": x})
+    assert flag.tolist() == [False, False, True, True]
     assert np.allclose(y[:, 0], fleet.predict(s, x)[:, 0], rtol=1e-12, atol=1e-9)
     assert np.allclose(std.ravel(), predictive_std(fleet, s, x).ravel(), rtol=1e-9)
 
@@ -324,3 +327,86 @@ def test_a_nan_unit_is_nan_in_c_too(runs, tmp_path):
     assert np.isnan(models.predict(bad, x)).all() and np.isnan(got[:2, :2]).all()
     good = sorted(models.params)[0]
     assert np.allclose(got[2:, 0], models.predict(good, x)[:, 0], rtol=0, atol=1e-9)
+
+
+def edge_rows(fleet, sensor: str, span: dict) -> np.ndarray:
+    """Raw inputs probing both flags' edges for ``sensor`` (rows, 2), float64.
+
+    Inside (the span's middle); exactly on ``fedcal predict``'s in-range bounds (lo − 5 % w,
+    hi + 5 % w: inside, ≤) and one ulp outward (outside); far beyond; and around each
+    finite side of the unit's support box (raw value of the box's edge, with relative steps
+    of ±1e-12 … ±1e-6, so that rounding to the run's dtype falls on both sides of it).
+    """
+    from fedcal.report.export import range_bounds
+
+    lower, upper = range_bounds(span, fleet.features)
+    mid = (lower + upper) / 2
+    rows = [mid, mid + 1.5 * (upper - mid), mid - 1.5 * (upper - mid)]
+    for j in range(2):
+        for edge, out in ((lower[j], -np.inf), (upper[j], np.inf)):
+            for v in (edge, np.nextafter(edge, out)):
+                rows.append(np.where(np.arange(2) == j, v, mid))
+    params = fleet.params[sensor]
+    if "box" in params:  # fedprior: the unit's box (2, F) in scaled inputs
+        box = params["box"].double().numpy()
+    else:  # polynomial: |u| ≤ 1 + 2·RANGE_MARGIN in the unit's own span lo..hi
+        lo, hi = params["lo"].double().numpy(), params["hi"].double().numpy()
+        box = lo + (np.array([[-0.1], [2.1]]) / 2) * (hi - lo)
+    raw = box * fleet.scaler.x_scale + fleet.scaler.x_offset  # (2, F)
+    steps = np.concatenate([[0.0], np.outer([1, -1], 10.0 ** -np.arange(6, 13)).ravel()])
+    for j in range(2):
+        for edge in raw[:, j][np.isfinite(raw[:, j])]:
+            for step in steps:
+                rows.append(np.where(np.arange(2) == j, edge * (1 + step), mid))
+    return np.array(rows)
+
+
+@pytest.mark.parametrize("method", ["fedprior", "fedprior_branch", "polynomial"])
+def test_onnx_flags_equal_predict_in_range_and_the_guard(runs, tmp_path, method):
+    """The ONNX in_range output is ``fedcal predict``'s in_range column and its
+    beyond_support output the method's own guard decision, row for row, on rows inside,
+    exactly on the edges and beyond; the value and σ outputs stay as before."""
+    import onnxruntime as ort
+
+    from fedcal.report.onnx_export import to_onnx
+
+    run, _, _ = runs
+    fleet = load_models(run, method)
+    ranges = read_valid_ranges(run, method)
+    s = sorted(fleet.params)[-1]  # a new unit: its support box is wider than its span
+    x = edge_rows(fleet, s, ranges[s])
+    frame = pd.DataFrame({"sensor_id": s, "frequency_hz": x[:, 0], "temperature_c": x[:, 1]})
+    inp, out = tmp_path / "readings.csv", tmp_path / "calibrated.csv"
+    frame.to_csv(inp, index=False, float_format="%.17g")
+    args = ["predict", str(run), "--method", method, "--data", str(inp), "--out", str(out)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    written = pd.read_csv(out)
+    # the CSV carried every probe exactly (so the edge rows are on the edge)
+    assert np.array_equal(written[["frequency_hz", "temperature_c"]].to_numpy(), x)
+    session = ort.InferenceSession(
+        to_onnx(fleet, s, method, ranges[s]), providers=["CPUExecutionProvider"]
+    )
+    names = ["pressure_hpa", "pressure_hpa_std", "in_range", "beyond_support"]
+    if method == "polynomial":
+        names.remove("pressure_hpa_std")
+    assert [o.name for o in session.get_outputs()] == names
+    got = dict(zip(names, session.run(None, {"x": x}), strict=True))
+    assert got["in_range"].dtype == bool and got["in_range"].shape == (len(x),)
+    assert got["in_range"].tolist() == written["in_range"].tolist()
+    # hand-known: the middle, the four bounds themselves are inside; far and one ulp out not
+    assert got["in_range"][:11].tolist() == [True, False, False] + [True, False] * 4
+    # the guard as fedcal's predict evaluates it (run's parameters, inputs in its dtype)
+    params = {k: v.unsqueeze(0) for k, v in fleet.params[s].items()}
+    dtype = next(iter(params.values())).dtype
+    z = torch.as_tensor(fleet.scaler.x(x), dtype=dtype).unsqueeze(0)
+    want = fleet.algorithm.beyond_support(params, z)[0].numpy()
+    assert got["beyond_support"].tolist() == want.tolist()
+    near_box = want[11:]  # both decisions occur around the box's edges
+    assert near_box.any() and not near_box.all()
+    if method != "polynomial":  # the box is the guard's, not the in-range span
+        assert (got["beyond_support"] != ~got["in_range"]).any()
+    assert np.allclose(got["pressure_hpa"][:, 0], fleet.predict(s, x)[:, 0], rtol=1e-12)
+    if "pressure_hpa_std" in got:
+        sd = predictive_std(fleet, s, x).ravel()
+        assert np.allclose(got["pressure_hpa_std"].ravel(), sd, rtol=1e-9)

@@ -9,13 +9,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from fedcal.algorithms.polynomial import PolynomialCalibration
 from fedcal.cli import app
 from fedcal.data.loader import load_fleet
 from fedcal.experiment import valid_ranges
-from fedcal.report.export import load_models
+from fedcal.report.export import in_range, load_models
 from fedcal.report.onnx_export import to_onnx
 from fedcal.report.rundir import predictive_std
 
@@ -49,6 +50,8 @@ def test_onnx_equals_fedcal_predictions(compare_run, tmp_path, method):
     result = runner.invoke(app, [*args, "--out", str(out)])
     assert result.exit_code == 0, result.output
     fleet = load_models(run, method, 0, 24)
+    guarded = fleet.algorithm.beyond_support is not None
+    assert guarded == (method == "polynomial")
     assert sorted(p.name for p in out.iterdir()) == [f"{s}.onnx" for s in sorted(fleet.params)]
     expected_ranges = valid_ranges(load_fleet(data).with_train_points(24))
     exact = as_float64(fleet)
@@ -61,6 +64,17 @@ def test_onnx_equals_fedcal_predictions(compare_run, tmp_path, method):
         x = probe_inputs(expected_ranges[sensor])
         got = run_onnx(out / f"{sensor}.onnx", x)
         assert got.shape == (50, 1) and got.dtype == np.float64
+        # every export with a valid range flags in_range; only a guarded method beyond_support
+        session = ort.InferenceSession(str(out / f"{sensor}.onnx"))
+        names = ["pressure_hpa", "in_range"] + (["beyond_support"] if guarded else [])
+        assert [o.name for o in session.get_outputs()] == names
+        flags = session.run(None, {"x": x})[1:]
+        inside = in_range(x, expected_ranges[sensor], fleet.features)
+        assert flags[0].tolist() == inside.tolist() and 0 < inside.sum() < len(x)
+        if guarded:
+            z = torch.as_tensor(fleet.scaler.x(x)).unsqueeze(0)
+            params = {k: v.unsqueeze(0) for k, v in fleet.params[sensor].items()}
+            assert flags[1].tolist() == fleet.algorithm.beyond_support(params, z)[0].tolist()
         want = exact.predict(sensor, x)
         assert np.max(np.abs(got - want) / np.abs(want)) <= 1e-6
         # against fedcal's own (float32) path: float32 rounding of a 1600 hPa full scale
@@ -164,8 +178,9 @@ def test_onnx_exports_predictive_std_where_the_method_has_one(compare_run):
     ranges = json.loads((run / "runs" / "polynomial_tp24_seed0" / "valid_range.json").read_text())
     x = probe_inputs(ranges["S01"])
     session = ort.InferenceSession(to_onnx(fleet, "S01", "polynomial"))
-    assert [o.name for o in session.get_outputs()] == ["pressure_hpa", "pressure_hpa_std"]
-    y, std = session.run(None, {"x": x})
+    names = ["pressure_hpa", "pressure_hpa_std", "beyond_support"]  # no valid range given
+    assert [o.name for o in session.get_outputs()] == names
+    y, std, _ = session.run(None, {"x": x})
     assert np.max(np.abs(y - fleet.predict("S01", x)) / np.abs(y)) <= 1e-6
     want = predictive_std(fleet, "S01", x)
     assert want is not None and np.ptp(want) > 0

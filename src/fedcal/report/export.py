@@ -109,16 +109,25 @@ class OutOfRangeError(ValueError):
     """A reading beyond its sensor's calibrated range (``fedcal predict --strict``)."""
 
 
+def range_bounds(span: dict, features: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(lower, upper) per input, float64: the calibrated span widened by ``RANGE_MARGIN``
+    × its width on each side, lo − m·w and hi + m·w (w = hi − lo). The one formula of
+    :func:`in_range` and of the ONNX export's ``in_range`` output."""
+    bounds = []
+    for column in features:
+        lo, hi = (float(v) for v in span[column])
+        margin = RANGE_MARGIN * (hi - lo)
+        bounds.append((lo - margin, hi + margin))
+    lower, upper = np.array(bounds, dtype=np.float64).reshape(-1, 2).T
+    return lower, upper
+
+
 def in_range(x_raw: np.ndarray, span: dict, features: tuple[str, ...]) -> np.ndarray:
     """(rows,) bool: every input within the sensor's calibrated span widened by
     ``RANGE_MARGIN`` × its width on each side, lo − m·w ≤ x ≤ hi + m·w (w = hi − lo)."""
     x = np.asarray(x_raw, float)
-    ok = np.ones(len(x), dtype=bool)
-    for j, column in enumerate(features):
-        lo, hi = (float(v) for v in span[column])
-        margin = RANGE_MARGIN * (hi - lo)
-        ok &= (x[:, j] >= lo - margin) & (x[:, j] <= hi + margin)
-    return ok
+    lower, upper = range_bounds(span, features)
+    return ((x >= lower) & (x <= upper)).all(axis=1)
 
 
 def calibrate_frame(
