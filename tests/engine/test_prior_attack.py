@@ -4,7 +4,7 @@ One site of 12 scales every statistic of its fedprior upload (not its row count 
 fedcal_support/prior_attack.py) by 1.5, 3 or 10, or holds a unit whose training targets
 are flipped (p → 1600 − p). The honest sensors' mean test RMSE stays within 5 % of the
 clean run, and the server's record names the attacker (and no honest unit) in the last
-round. The grid runs in the simulator; one case runs through the Flower round loop
+round. The grid runs in the simulator, and again through the Flower round loop
 (in-process, the real client handler), which calls the same aggregation.
 """
 
@@ -83,9 +83,12 @@ def test_without_the_robust_m_step_the_same_site_does_harm(toy, clean):
     assert honest_ratio(pd.DataFrame(res.final), clean[0]) > 1.5
 
 
-def test_a_flower_site_scaling_its_upload_is_rejected_and_the_others_keep_their_errors(
+def test_a_flower_site_scaling_its_upload_or_flipping_its_unit_is_contained_and_reported(
     make_fleet, tmp_path
 ):
+    """Through the Flower round loop (in process, the real client handler): one site scales
+    its upload by 1.5, 3 or 10, or holds a unit with flipped targets; the honest sensors
+    keep their clean errors within 5 % and every round's record names the attacker only."""
     pytest.importorskip("flwr")
     import numpy as np
     from flwr.app import Array, ArrayRecord, RecordDict
@@ -98,27 +101,41 @@ def test_a_flower_site_scaling_its_upload_is_rejected_and_the_others_keep_their_
         method_params=CONFIG.method_params,
     )
 
-    def hostile(t, i, part):
-        if i != ATTACKER or "reply" not in part:
-            return part
-        out = RecordDict({k: v for k, v in part.items() if k != "reply"})
-        scaled = scale_arrays(arrays(part), 1.5)
-        out["reply"] = ArrayRecord({k: Array(np.asarray(v)) for k, v in scaled.items()})
-        return out
+    def scaling(factor):
+        def hostile(t, i, part):
+            if i != ATTACKER or "reply" not in part:
+                return part
+            out = RecordDict({k: v for k, v in part.items() if k != "reply"})
+            scaled = scale_arrays(arrays(part), factor)
+            out["reply"] = ArrayRecord({k: Array(np.asarray(v)) for k, v in scaled.items()})
+            return out
+
+        return hostile
 
     fleet = make_fleet(num_clients=8, train=24)
+    cases = {"clean": (fleet, None), "flip": (flipped(fleet, f"S{ATTACKER:02d}"), None)}
+    cases |= {f"x{f:g}": (fleet, scaling(f)) for f in (1.5, 3.0, 10.0)}
     runs = {}
-    for name, tamper in (("clean", None), ("x1.5", hostile)):
+    for name, (data, tamper) in cases.items():
         fed = federation(config, "fedprior", seed=0)
-        run_in_process(fed, node_cfgs(fleet, tmp_path / name), run_id=5, tamper=tamper)
+        run_in_process(fed, node_cfgs(data, tmp_path / name), run_id=5, tamper=tamper)
         runs[name] = fed
-    assert all(f.rejected == {} for f in runs.values())  # well-formed replies, both runs
-    final = {k: pd.DataFrame(f.final_rows()) for k, f in runs.items()}
-    assert honest_ratio(final["x1.5"], final["clean"]) == pytest.approx(1.0, abs=0.05)
-    # every round's screening record names the attacker, and only it, with the reason
-    log = runs["x1.5"].log
-    screened = [[r["client"] for r in e.get("screening", [])] for e in log if "trained" in e]
-    assert screened == [[ATTACKER]] * rounds
-    reasons = [r["reason"] for e in log for r in e.get("screening", [])]
-    assert all(r.startswith("posterior covariance S − m mᵀ") for r in reasons), reasons
+    assert all(f.rejected == {} for f in runs.values())  # well-formed replies, every run
     assert all("screening" not in e for e in runs["clean"].log)
+    final = {k: pd.DataFrame(f.final_rows()) for k, f in runs.items()}
+    for name in ("x1.5", "x3", "x10", "flip"):
+        assert honest_ratio(final[name], final["clean"]) == pytest.approx(1.0, abs=0.05), name
+        log = runs[name].log
+        named = [[r["client"] for r in e.get("screening", [])] for e in log if "trained" in e]
+        assert named[-1] == [ATTACKER], (name, named)  # the last round: the attacker only
+        assert all(set(n) <= {ATTACKER} for n in named), (name, named)
+    # the scaled uploads are inconsistent from the first round (×10 may be caught by size)
+    for name in ("x1.5", "x3", "x10"):
+        reasons = [r["reason"] for e in runs[name].log for r in e.get("screening", [])]
+        assert len(reasons) == rounds, (name, reasons)
+        assert all(
+            r.startswith("posterior covariance S − m mᵀ") or (name == "x10" and r == "size")
+            for r in reasons
+        ), (name, reasons)
+    flip = [r["reason"] for e in runs["flip"].log for r in e.get("screening", [])]
+    assert flip and all(r.startswith("prior outlier: distance") for r in flip), flip
