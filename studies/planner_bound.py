@@ -19,8 +19,15 @@ the held-out units (mean, 95th percentile, worst of all), and the worst unit of 
 sets of held-out units (median and 90th percentile over the sets: comparable to the
 worst of a 20-unit study).
 
+With ``--oracle-search FIT,SEARCH`` each planned design is also improved under the exact
+Gaussian itself (:func:`oracle_search`, a coordinate exchange by simulation) and scored
+the same way: is the planner's design, chosen from the 20 + 20 prior, where the oracle
+prior would put it? Results and commands: docs/planner.md, "The limit at 6 points on 2
+plateaus".
+
     python studies/planner_bound.py [--out runs/planner] [--fleet-seeds 0,1,2]
                                     [--budgets 2x6,3x6,2x12] [--library 16000] [--holdout 2000]
+                                    [--oracle-search 1000,500]
 """
 
 from __future__ import annotations
