@@ -164,7 +164,11 @@ def draw_library(spec: FleetSpec, fleet_seed: int, design: str, n: int) -> tuple
 def fleet_units(cfg, design: str, fleet_seed: int) -> tuple[Units, object, FleetSpec]:
     """The new units of one fleet of ``studies/fewpoint.py`` (the frame's own rows)."""
     f = dataclasses.replace(cfg.fleet, seed=fleet_seed, train_design=design)
-    fleet = load_data(dataclasses.replace(cfg, fleet=f))
+    return frame_units(load_data(dataclasses.replace(cfg, fleet=f)), fleet_seed)
+
+
+def frame_units(fleet, fleet_seed: int) -> tuple[Units, object, FleetSpec]:
+    """The new units of a simulated fleet (its frame's rows, e.g. a subset of them) as Units."""
     spec = FleetSpec(**fleet.meta["spec"])
     frame = fleet.frame[fleet.frame["role"] == "new"]
     ids = list(dict.fromkeys(frame[fleet.client_column]))
@@ -190,12 +194,16 @@ def fleet_units(cfg, design: str, fleet_seed: int) -> tuple[Units, object, Fleet
     return units, prm, spec
 
 
-def check_library_physics(spec, prm, units: Units, fleet_seed: int, design: str) -> float:
-    """Max |Δf| (Hz) of the vectorized physics against the fleet's own frame, same noise draws."""
+def check_library_physics(
+    spec, prm, units: Units, fleet_seed: int, design: str, first: int | None = None
+) -> float:
+    """Max |Δf| (Hz) of the vectorized physics against the fleet's own frame, same noise draws.
+
+    ``first``: the sensor index of ``units``' first unit (default the first new unit)."""
     plan = measurement_plan(spec, fleet_seed, design)
     is_test = (plan["split"] == "test").to_numpy()
     tr = plan[~is_test]
-    first = spec.num_reference  # new units' sensor index
+    first = spec.num_reference if first is None else first  # units' first sensor index
     z = [noise_draws(fleet_seed, first + k, is_test) for k in range(len(prm))]
     z_p = np.stack([zp[~is_test] for zp, _ in z])  # the train rows' draws
     z_t = np.stack([zt[~is_test] for _, zt in z])

@@ -48,3 +48,29 @@ def test_gaussian_posterior_is_the_conditional_mean_of_the_joint_gaussian():
         r = units.y - phi @ mu - m_e
         ll = -0.5 * (r @ np.linalg.solve(cov_yy, r) + np.linalg.slogdet(cov_yy)[1])
         assert abs(loglik[i] - (ll - 3 * np.log(2 * np.pi))) < 1e-8
+
+
+def test_explicit_points_of_later_units_match_with_their_sensor_offset():
+    """frame_units/check_library_physics on units after the first new ones, at explicit
+    points with both sweeps (studies/planner_bound.py's case): exact with the units' own
+    first sensor index, and not with the default one (the noise draws are per sensor)."""
+    import dataclasses
+
+    from fedcal.data.simulator import POINTS, simulate_fleet
+
+    b = bench()
+    cfg = load_config("fewpoint")
+    pts = ((50.0, -20.0, "up"), (1550.0, -20.0, "down"), (750.0, 40.0, "down"))
+    spec = dataclasses.replace(
+        dataclasses.replace(cfg.fleet, seed=2, num_reference=2, num_new=5).spec(),
+        train_design=POINTS,
+        design_points=pts,
+    )
+    fleet = simulate_fleet(spec, 2)
+    new = fleet.frame[fleet.frame["role"] == "new"]
+    later = list(dict.fromkeys(new[fleet.client_column]))[3:]
+    fleet = dataclasses.replace(fleet, frame=new[new[fleet.client_column].isin(later)])
+    units, prm, got_spec = b.frame_units(fleet, 2)
+    assert units.f.shape == (2, 3) and list(prm.index) == later
+    assert b.check_library_physics(got_spec, prm, units, 2, POINTS, first=2 + 3) == 0.0
+    assert b.check_library_physics(got_spec, prm, units, 2, POINTS) > 1e-3
