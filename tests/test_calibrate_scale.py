@@ -104,3 +104,28 @@ def test_range_check_names_the_first_unit_outside(setup):
     with pytest.raises(ValueError, match=r"sensor S001: temperature_c spans .* outside"):
         calibration.check_inputs(prior, moved, "new.csv")
     calibration.check_inputs(prior, fleet, "new.csv")  # the units as simulated: inside
+
+
+def test_grid_summary_equals_the_dense_grid_and_the_closed_form_mean(setup):
+    """Mean and max of σ from the low-rank grid form equal the dense grid's (predictive_std
+    at every point) within rounding, and the mean of σ² is s + tr(Q M) (M the grid's mean
+    of z zᵀ, formed once): the truncated SVD dropped nothing but rounding."""
+    prior, _, result = setup
+    alg = result.algorithm
+    grid = torch.as_tensor(result.tensors.scaler.x(calibration.operating_grid(prior)), dtype=F64)
+    n = result.tensors.num_clients
+    personal = {k: v for k, v in result.personal.items() if k != "declined"}
+    dense = alg.predictive_std(personal, grid.expand(n, -1, -1))[..., 0].double().numpy()
+    form = calibration.grid_form(alg, grid)
+    p = alg.variance_design(grid[:1].unsqueeze(0)).shape[-1]
+    assert form.left.shape[0] == p * (p + 1) // 2 and 0 < form.right.shape[1] < p * (p + 1) // 2
+    mean, top = calibration.grid_sigma_summary(alg, personal, grid, form)
+    np.testing.assert_allclose(mean, dense.mean(-1), rtol=1e-12)
+    np.testing.assert_allclose(top, dense.max(-1), rtol=1e-12)
+    q, s = alg.variance_form(personal)
+    closed = s + (q * form.moment).sum((-2, -1))  # tr(Q M), Q and M symmetric
+    np.testing.assert_allclose(closed.numpy(), (dense**2).mean(-1), rtol=1e-12)
+    # A declined unit (no interval): σ is NaN over the whole grid, as predictive_std says.
+    mean, top = calibration.grid_sigma_summary(alg, result.personal, grid, form)
+    declined = result.personal["declined"].numpy() > 0
+    assert declined.any() and np.isnan(mean[declined]).all() and np.isnan(top[declined]).all()

@@ -160,10 +160,14 @@ def valid_ranges(fleet: Fleet) -> dict[str, Any]:
     """
     train = fleet.frame[fleet.frame[SPLIT_COLUMN] == "train"]
     columns = [*fleet.features, fleet.target]
-    spans = train.groupby(fleet.client_column, sort=False)[columns].agg(["min", "max"])
+    groups = train.groupby(fleet.client_column, sort=False)[columns]
+    # Column-wise (two arrays), not a row lookup per sensor: 100,000 sensors take a second.
+    low, high = groups.min(), groups.max()
+    names = [str(s) for s in low.index]
+    low, high = low.to_numpy(float).tolist(), high.to_numpy(float).tolist()
     return {
-        str(sensor): {c: [float(row[(c, "min")]), float(row[(c, "max")])] for c in columns}
-        for sensor, row in spans.iterrows()
+        sensor: {c: [lo[j], hi[j]] for j, c in enumerate(columns)}
+        for sensor, lo, hi in zip(names, low, high, strict=True)
     }
 
 

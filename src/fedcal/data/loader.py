@@ -541,8 +541,18 @@ def _strings(raw: _Raw, col: str) -> tuple[np.ndarray, np.ndarray]:
     """Stripped str of each cell (``""`` where missing) and the missing mask."""
     series = raw.frame[col]
     missing = series.isna().to_numpy()
+    if series.dtype != object:  # typed (e.g. Arrow strings): each distinct value once
+        codes, uniques = pd.factorize(series, use_na_sentinel=True)  # missing: code −1
+        text = np.array([str(u).strip() for u in uniques] + [""], dtype=object)
+        return text[codes], missing
     text = series.astype(object).where(~missing, "").map(str).str.strip()
     return text.to_numpy(dtype=object), missing
+
+
+def _lower(text: np.ndarray) -> np.ndarray:
+    """``text`` (str cells) lowercased, each distinct value once (a column holds a few)."""
+    codes, uniques = pd.factorize(text)
+    return np.array([u.lower() for u in uniques] + [""], dtype=object)[codes]
 
 
 def _parse_ids(raw: _Raw, col: str, label: str) -> tuple[list[str], FleetDataError | None]:
@@ -608,7 +618,7 @@ def time_split(ids: Sequence[str], times: np.ndarray, test_fraction: float) -> n
 
 def _parse_split(raw: _Raw, col: str, label: str) -> tuple[np.ndarray, FleetDataError | None]:
     text, _ = _strings(raw, col)
-    out = np.array([t.lower() for t in text], dtype=object)
+    out = _lower(text)
     wrong = np.flatnonzero(~np.isin(out, SPLITS))
     if len(wrong):
         cells = raw.frame[col]
@@ -630,7 +640,7 @@ def _parse_split(raw: _Raw, col: str, label: str) -> tuple[np.ndarray, FleetData
 def _parse_direction(raw: _Raw, label: str) -> tuple[np.ndarray, FleetDataError | None]:
     """The optional sweep-direction column: "up" or "down" (any case), lowercased."""
     text, _ = _strings(raw, DIRECTION_COLUMN)
-    out = np.array([t.lower() for t in text], dtype=object)
+    out = _lower(text)
     wrong = np.flatnonzero(~np.isin(out, list(DIRECTION_SIGNS)))
     if len(wrong):
         cells = raw.frame[DIRECTION_COLUMN]
@@ -854,8 +864,14 @@ def _seeded_split(ids: list[str], test_fraction: float, seed: int):
 
 
 def _check_counts(raw, label, client_column, ids, order, split, mins, how) -> None:
-    table = pd.crosstab(pd.Series(ids, name="id"), pd.Series(split, name="split"))
-    table = table.reindex(index=order, columns=list(SPLITS), fill_value=0)
+    # Points per sensor and split, counted on integer codes (a crosstab took 1.4 s at 10,000).
+    codes, uniques = pd.factorize(np.asarray(ids, dtype=object))
+    at = pd.Index(uniques).get_indexer(list(order))
+    split = np.asarray(split, dtype=object)
+    table = {}
+    for name in SPLITS:
+        counts = np.bincount(codes[split == name], minlength=len(uniques))
+        table[name] = pd.Series(np.where(at >= 0, counts[at], 0), index=list(order))
     problems: list[str] = []
     short_ids: set[str] = set()
     for name, need in mins.items():
