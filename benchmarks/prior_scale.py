@@ -11,8 +11,11 @@ Three steps per fleet size, each in its own process (its peak memory is its own)
 * ``calibrate`` — a prior learned from ``--prior-units`` units (3 rounds), then N new
   units with a 3x2 chamber design (6 points each, fleet seed 1) calibrated against it
   through the Python API (``FleetPrior.calibrate``, the code of ``fedcal calibrate``):
-  units/s of the posterior solves (reading the file included) and of the whole command
-  (with writing its run directory: coefficients, units.csv, calibration_points.csv, …).
+  units/s of the posterior solves alone (the fleet in memory), of ``calibrate`` (reading
+  and checking the file included) and of the whole command (with writing its run
+  directory: coefficients, units.csv, calibration_points.csv, …). The new units' file
+  holds their 6 chamber points each; ``--held-out`` adds the simulator's 60 test rows a
+  unit, scored in per_sensor.csv (the protocol of the first measurements).
 
 Peak memory: ``ru_maxrss`` of the step's own process (``resource.getrusage(RUSAGE_SELF)``
 read at its end: the process's high-water mark of resident memory, torch's buffers
@@ -23,6 +26,7 @@ such, instead of the kernel's OOM killer ending it (or a neighbour).
     python benchmarks/prior_scale.py [--sizes 1000,10000,100000]
                                      [--steps simulate,fedprior,calibrate]
                                      [--rounds 3] [--chunk-size 1000] [--prior-units 300]
+                                     [--held-out]
                                      [--mem-limit-gb 12]
 """
 
@@ -103,6 +107,7 @@ def step_fedprior(size: int, tmp: Path, args) -> dict:
 
 
 def step_calibrate(size: int, tmp: Path, args) -> dict:
+    from fedcal import calibration
     from fedcal.api import FleetPrior
     from fedcal.data.loader import save_fleet
     from fedcal.data.simulator import FleetSpec, simulate_fleet
@@ -112,7 +117,16 @@ def step_calibrate(size: int, tmp: Path, args) -> dict:
     prior = export_state(algorithm, result.server, fleet, tensors, "fedprior")
     (tmp / "prior.json").write_text(json.dumps(prior, indent=1))
     new = simulate_fleet(FleetSpec(num_sensors=size, train_design="3x2"), seed=1)
+    if not args.held_out:  # a new unit's file: its chamber points only
+        new = type(new)(
+            new.frame[new.frame["split"] == "train"].reset_index(drop=True),
+            new.features,
+            new.target,
+            new.client_column,
+            new.meta,
+        )
     save_fleet(new, tmp / "new.parquet")
+    rows = len(new.frame)
     del new
     loaded = FleetPrior.load(tmp / "prior.json")
     t0, c0 = time.perf_counter(), time.process_time()
@@ -120,7 +134,13 @@ def step_calibrate(size: int, tmp: Path, args) -> dict:
     t1, c1 = time.perf_counter(), time.process_time()
     units.save(tmp / "out")
     t2, c2 = time.perf_counter(), time.process_time()
+    # The solves alone, on the fleet already read (the file's read and checks excluded).
+    calibration.calibrate(loaded.prior_, units.fleet)
+    t3, c3 = time.perf_counter(), time.process_time()
     return {
+        "rows": rows,
+        "solves_units_per_s": size / (t3 - t2),
+        "solves_units_per_cpu_s": size / (c3 - c2),
         "calibrate_s": t1 - t0,
         "calibrate_units_per_s": size / (t1 - t0),
         "calibrate_units_per_cpu_s": size / (c1 - c0),
@@ -154,6 +174,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chunk-size", type=int, default=1000, help="0 = the whole fleet")
     parser.add_argument("--prior-units", type=int, default=300)
+    parser.add_argument(
+        "--held-out",
+        action="store_true",
+        help="calibrate: the new units' file also holds 60 test rows a unit (scored)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--mem-limit-gb", type=float, default=12.0, help="0 = no limit")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
