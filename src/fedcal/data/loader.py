@@ -68,7 +68,7 @@ import os
 import re
 import stat
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -1152,3 +1152,104 @@ def save_fleet(fleet: Fleet, path: str | Path) -> None:
                 pq.write_table(table, fh, write_page_checksum=True)
 
     write_with(p, write)
+
+
+def save_chunks(
+    frames: Iterable[pd.DataFrame], path: str | Path, client_column: str = CLIENT_COLUMN
+) -> tuple[int, int]:
+    """Write a fleet table given as consecutive parts (e.g. sensors 0–999, 1000–1999, …),
+    atomically, holding one part at a time: what :func:`save_fleet` writes for their
+    concatenation. Returns (rows, sensors).
+
+    CSV: each part appended (the header once). Parquet: one row group per part
+    (``pyarrow.parquet.ParquetWriter``); the metadata :func:`save_fleet` stores (rows,
+    rows per sensor, the digest of :func:`_frame_digest`) needs the whole table, column
+    after column, so the row groups go to a scratch file first, are digested column by
+    column and row group by row group (:func:`_streamed_record`: the digest's bytes in
+    the same order), then copied with that metadata into the file (page checksums on).
+    """
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix not in CSV_SUFFIXES + PARQUET_SUFFIXES:
+        supported = ", ".join(CSV_SUFFIXES + PARQUET_SUFFIXES)
+        raise ValueError(f"{p}: unsupported file type {p.suffix!r}; supported: {supported}")
+    sizes = {"rows": 0}
+    sensors: set[str] = set()
+
+    def parts() -> Iterable[pd.DataFrame]:
+        for frame in frames:
+            frame = frame.drop(columns=[SOURCE_LINE], errors="ignore").reset_index(drop=True)
+            sizes["rows"] += len(frame)
+            if client_column in frame.columns:
+                sensors.update(frame[client_column].astype(str).unique())
+            yield frame
+
+    if suffix in CSV_SUFFIXES:
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "x", newline="", encoding="utf-8") as fh:
+                for k, frame in enumerate(parts()):
+                    frame.to_csv(fh, index=False, header=k == 0, lineterminator="\n")
+
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        def write(tmp: Path) -> None:
+            scratch = tmp.with_name(tmp.name + ".rows")
+            try:
+                writer = None
+                for frame in parts():
+                    table = pa.Table.from_pandas(frame, preserve_index=False)
+                    if writer is None:
+                        writer = pq.ParquetWriter(scratch, table.schema)
+                    writer.write_table(table.cast(writer.schema))
+                if writer is None:
+                    raise ValueError(f"{p}: no rows to write")
+                writer.close()
+                source = pq.ParquetFile(scratch)
+                record = json.dumps(_streamed_record(source, client_column)).encode()
+                schema = source.schema_arrow
+                schema = schema.with_metadata({**(schema.metadata or {}), PARQUET_META_KEY: record})
+                with (
+                    open(tmp, "xb") as fh,
+                    pq.ParquetWriter(fh, schema, write_page_checksum=True) as out,
+                ):
+                    for g in range(source.num_row_groups):
+                        out.write_table(source.read_row_group(g).cast(schema))
+            finally:
+                scratch.unlink(missing_ok=True)
+
+    write_with(p, write)
+    return sizes["rows"], len(sensors)
+
+
+def _streamed_record(source, client_column: str | None) -> dict:
+    """:func:`_parquet_record` of a Parquet file's table, read one column of one row group
+    at a time: the digest hashes the same bytes in the same order (each column in full,
+    its text cells joined by ``\\x1f`` across row groups too), rows per sensor summed."""
+    names = source.schema_arrow.names
+    h = hashlib.sha256(json.dumps([str(c) for c in names]).encode())
+    counts: dict[str, int] = {}
+    rows = 0
+    for col in names:
+        joined = False  # a text cell written before: the next one is preceded by \x1f
+        for g in range(source.num_row_groups):
+            values = source.read_row_group(g, columns=[col]).to_pandas()[col]
+            if col == names[0]:
+                rows += len(values)
+            if pd.api.types.is_numeric_dtype(values) and not pd.api.types.is_bool_dtype(values):
+                h.update(values.to_numpy(dtype="float64", na_value=np.nan).tobytes())
+            elif len(values):
+                text = "\x1f".join(map(str, values.tolist()))
+                h.update((("\x1f" if joined else "") + text).encode("utf-8", "surrogatepass"))
+                joined = True
+            if col == client_column:
+                for k, v in values.astype(str).value_counts().items():
+                    counts[str(k)] = counts.get(str(k), 0) + int(v)
+        h.update(b"\x1e")
+    record: dict = {"version": 1, "rows": rows, "sha256": h.hexdigest()}
+    if client_column is not None and client_column in names:
+        record["client_column"] = client_column
+        record["rows_per_sensor"] = counts
+    return record

@@ -146,6 +146,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import re
+from collections.abc import Iterator
 from functools import cache
 from typing import Annotated, Literal
 
@@ -737,6 +738,46 @@ def simulate_fleet(spec: FleetSpec = FleetSpec(), seed: int = 0) -> Fleet:
     """
     _check_seed(seed)
     params = sensor_parameters(spec, seed)
+    (frame,) = simulate_chunks(spec, seed, chunk_size=0, params=params)
+    return Fleet(
+        frame=frame,
+        features=BAROMETRIC_FEATURES,
+        target=BAROMETRIC_TARGET,
+        client_column=CLIENT_COLUMN,
+        meta=simulated_meta(spec, seed, params),
+    )
+
+
+def simulated_meta(spec: FleetSpec, seed: int, params: pd.DataFrame | None = None) -> dict:
+    """The provenance :func:`simulate_fleet` puts in its fleet's ``meta`` (``params``: the
+    :func:`sensor_parameters` of ``spec`` and ``seed``, if already drawn)."""
+    params = sensor_parameters(spec, seed) if params is None else params
+    meta = {
+        "source": "simulator",
+        "spec": dataclasses.asdict(spec),
+        "seed": int(seed),
+        "lots": {sid: int(lot) for sid, lot in params["lot"].items()},
+    }
+    if spec.mixed:
+        meta["roles"] = {sid: spec.role(i) for i, sid in enumerate(params.index)}
+    return meta
+
+
+def simulate_chunks(
+    spec: FleetSpec = FleetSpec(),
+    seed: int = 0,
+    chunk_size: int = 0,
+    params: pd.DataFrame | None = None,
+) -> Iterator[pd.DataFrame]:
+    """:func:`simulate_fleet`'s frame, ``chunk_size`` sensors at a time (0: one frame).
+
+    The frames, concatenated, are :func:`simulate_fleet`'s frame to the bit: each sensor
+    is drawn from its own seeded streams (:func:`noise_draws`) whatever the chunking.
+    Only one chunk's rows are in memory at a time (``fedcal simulate`` at 100,000 units).
+    ``params``: :func:`sensor_parameters` of ``spec`` and ``seed``, if already drawn.
+    """
+    _check_seed(seed)
+    params = sensor_parameters(spec, seed) if params is None else params
     names = param_names(spec.family)
     levels = np.asarray(spec.pressure_levels_hpa, dtype=float)
     p_min, p_max = levels.min(), levels.max()
@@ -744,7 +785,6 @@ def simulate_fleet(spec: FleetSpec = FleetSpec(), seed: int = 0) -> Fleet:
     plans = {d: measurement_plan(spec, seed, d) for d in designs}
 
     # Columns gathered as arrays and framed once: a DataFrame per sensor cost ~1 ms each.
-    columns: dict[str, list[np.ndarray]] = {}
     by_design = {
         d: (
             plan["pressure_hpa"].to_numpy(float),
@@ -757,52 +797,41 @@ def simulate_fleet(spec: FleetSpec = FleetSpec(), seed: int = 0) -> Fleet:
         )
         for d, plan in plans.items()
     }
-    for i, (sid, prm) in enumerate(params.iterrows()):
-        p_true, t_true, sign, is_test, split, sweep, direction = by_design[spec.design(i)]
-        shape_h = np.sin(np.pi * np.clip((p_true - p_min) / (p_max - p_min), 0.0, 1.0))
-        n = len(p_true)
-        z_p, z_t = noise_draws(seed, i, is_test)
-        hyst = sign * prm["hysteresis_hpa"] * shape_h
-        ripple = _ripple(p_true, t_true, prm)
-        drift = np.where(is_test, prm["drift_hpa_per_year"] * spec.test_delay_years, 0.0)
-        p_eff = p_true + hyst + ripple + drift + spec.noise_hpa * z_p
-        coeffs = {k: float(prm[k]) for k in names}
-        freq = frequency(spec.family, p_eff, t_true, coeffs)
-        t_read = (
-            t_true * (1.0 + prm["temperature_gain"])
-            + prm["temperature_bias_c"]
-            + spec.temperature_noise_c * z_t
-        )
-        row = {
-            CLIENT_COLUMN: np.full(n, sid, dtype=object),
-            "frequency_hz": freq.astype(np.float64),
-            "temperature_c": t_read.astype(np.float64),
-            BAROMETRIC_TARGET: p_true.copy(),
-            "split": split,
-            "lot": np.full(n, int(prm["lot"]), dtype=np.int64),
-            "sweep": sweep,
-            "direction": direction,
-        }
-        if spec.mixed:
-            row[ROLE_COLUMN] = np.full(n, spec.role(i), dtype=object)
-        for name, values in row.items():
-            columns.setdefault(name, []).append(values)
-    frame = pd.DataFrame({name: np.concatenate(parts) for name, parts in columns.items()})
-    meta = {
-        "source": "simulator",
-        "spec": dataclasses.asdict(spec),
-        "seed": int(seed),
-        "lots": {sid: int(lot) for sid, lot in params["lot"].items()},
-    }
-    if spec.mixed:
-        meta["roles"] = {sid: spec.role(i) for i, sid in enumerate(params.index)}
-    return Fleet(
-        frame=frame,
-        features=BAROMETRIC_FEATURES,
-        target=BAROMETRIC_TARGET,
-        client_column=CLIENT_COLUMN,
-        meta=meta,
-    )
+    size = chunk_size if chunk_size > 0 else max(len(params), 1)
+    for first in range(0, max(len(params), 1), size):
+        columns: dict[str, list[np.ndarray]] = {}
+        part = params.iloc[first : first + size]
+        for i, (sid, prm) in enumerate(part.iterrows(), start=first):
+            p_true, t_true, sign, is_test, split, sweep, direction = by_design[spec.design(i)]
+            shape_h = np.sin(np.pi * np.clip((p_true - p_min) / (p_max - p_min), 0.0, 1.0))
+            n = len(p_true)
+            z_p, z_t = noise_draws(seed, i, is_test)
+            hyst = sign * prm["hysteresis_hpa"] * shape_h
+            ripple = _ripple(p_true, t_true, prm)
+            drift = np.where(is_test, prm["drift_hpa_per_year"] * spec.test_delay_years, 0.0)
+            p_eff = p_true + hyst + ripple + drift + spec.noise_hpa * z_p
+            coeffs = {k: float(prm[k]) for k in names}
+            freq = frequency(spec.family, p_eff, t_true, coeffs)
+            t_read = (
+                t_true * (1.0 + prm["temperature_gain"])
+                + prm["temperature_bias_c"]
+                + spec.temperature_noise_c * z_t
+            )
+            row = {
+                CLIENT_COLUMN: np.full(n, sid, dtype=object),
+                "frequency_hz": freq.astype(np.float64),
+                "temperature_c": t_read.astype(np.float64),
+                BAROMETRIC_TARGET: p_true.copy(),
+                "split": split,
+                "lot": np.full(n, int(prm["lot"]), dtype=np.int64),
+                "sweep": sweep,
+                "direction": direction,
+            }
+            if spec.mixed:
+                row[ROLE_COLUMN] = np.full(n, spec.role(i), dtype=object)
+            for name, values in row.items():
+                columns.setdefault(name, []).append(values)
+        yield pd.DataFrame({name: np.concatenate(parts) for name, parts in columns.items()})
 
 
 def _ripple(p: np.ndarray, t: np.ndarray, prm) -> np.ndarray:
