@@ -278,7 +278,14 @@ def to_json(fleet: CalibratedFleet, valid_range: dict | None = None, method: str
 
 
 def _c_range_lines(sensors: list[str], columns: list[str], valid_range: dict) -> list[str]:
-    """Per-sensor min/max of each input and of the output, and an in-range test."""
+    """Per-sensor min/max of each input and of the output, and ``fedcal_in_range``.
+
+    ``fedcal_in_range`` is :func:`in_range` (``fedcal predict``'s column): every input in
+    [lo − m·w, hi + m·w], m = ``RANGE_MARGIN``. The bounds are :func:`range_bounds`'s float64
+    values, written with 17 significant digits (exact), and compared in double with the
+    input widened from float (exact), so the header's flag equals predict's for every
+    float input, at the bounds too; a NaN input is out of range, as in predict.
+    """
     missing = [s for s in sensors if s not in valid_range]
     if missing:
         raise ValueError(f"no valid range for sensor(s) {', '.join(missing)}")
@@ -293,6 +300,11 @@ def _c_range_lines(sensors: list[str], columns: list[str], valid_range: dict) ->
     def flat(col_index: int) -> str:
         return ", ".join(_c_float(valid_range[s][target][col_index]) for s in sensors)
 
+    bounds = [range_bounds(valid_range[s], tuple(inputs)) for s in sensors]
+
+    def widened(side: int) -> str:
+        return ", ".join("{" + ", ".join(_c_double(v) for v in b[side]) + "}" for b in bounds)
+
     return [
         "/* Valid range per sensor: the span of its calibration points (inputs and output);",
         " * outside it the model extrapolates. */",
@@ -300,10 +312,21 @@ def _c_range_lines(sensors: list[str], columns: list[str], valid_range: dict) ->
         f"static const float fedcal_x_max[FEDCAL_NUM_SENSORS][FEDCAL_NUM_INPUTS] = {{{rows(1)}}};",
         f"static const float fedcal_y_min[FEDCAL_NUM_SENSORS] = {{{flat(0)}}};",
         f"static const float fedcal_y_max[FEDCAL_NUM_SENSORS] = {{{flat(1)}}};",
-        "/* 1 if raw inputs x lie inside sensor `sensor`'s calibrated range, else 0. */",
+        f"#define FEDCAL_RANGE_MARGIN {RANGE_MARGIN!r}",
+        "/* fedcal predict's in-range bounds per input: the span widened by FEDCAL_RANGE_MARGIN",
+        " * of its width w on each side, lo - m*w and hi + m*w (computed by fedcal export). */",
+        "static const double fedcal_range_lo[FEDCAL_NUM_SENSORS][FEDCAL_NUM_INPUTS] = "
+        f"{{{widened(0)}}};",
+        "static const double fedcal_range_hi[FEDCAL_NUM_SENSORS][FEDCAL_NUM_INPUTS] = "
+        f"{{{widened(1)}}};",
+        "/* 1 if every raw input lies within sensor `sensor`'s in-range bounds (a bound itself",
+        " * is inside), else 0 (also for NaN): fedcal predict's in_range column. */",
         "static inline int fedcal_in_range(int sensor, const float *x) {",
-        "    for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j)",
-        "        if (x[j] < fedcal_x_min[sensor][j] || x[j] > fedcal_x_max[sensor][j]) return 0;",
+        "    for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) {",
+        "        double v = (double)x[j];",
+        "        if (!(v >= fedcal_range_lo[sensor][j] && v <= fedcal_range_hi[sensor][j]))",
+        "            return 0;",
+        "    }",
         "    return 1;",
         "}",
     ]
@@ -312,6 +335,13 @@ def _c_range_lines(sensors: list[str], columns: list[str], valid_range: dict) ->
 def _c_float(v: float) -> str:
     # exponent form always has a '.', so the 'f' suffix makes a valid float literal
     return f"{float(v):.9e}f"
+
+
+def _c_double(v: float) -> str:
+    # 17 significant digits: the float64 value exactly (non-finite as C's math.h macros)
+    if not np.isfinite(v):
+        return "NAN" if np.isnan(v) else ("INFINITY" if v > 0 else "-INFINITY")
+    return f"{float(v):.17e}"
 
 
 def _c_array(name: str, values: np.ndarray) -> str:

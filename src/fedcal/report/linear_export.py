@@ -164,6 +164,7 @@ class LinearForm:
             size += (t * (t + 1) // 2 + 1) * TYPE_BYTES[STAGES["FEDCAL_STD_T"]]
         if with_range:
             size += (2 * f + 2) * 4  # x_min, x_max, y_min, y_max (float)
+            size += 2 * f * 8  # in_range's widened bounds range_lo, range_hi (double: exact)
         return size
 
 
@@ -512,6 +513,25 @@ def c_header(fleet, form: LinearForm, guard: str, range_lines: list[str]) -> str
         "    return (float)fedcal_calibrate_d(sensor, x);",
         "}",
     ]
+    lines += [f"#define FEDCAL_HAS_GUARD {int(guarded)}"]
+    if guarded:
+        lines += [
+            "/* 1 where the extrapolation guard linearizes: some input beyond the unit's support",
+            " * box (fedcal's beyond_support; the clamp of fedcal_features, same coordinates",
+            " * and stored box), else 0. */",
+            "static inline int fedcal_beyond_support(int sensor, const float *x) {",
+            "    (void)sensor;",
+            "    for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) {",
+            "        FEDCAL_SCALE_T z = ((FEDCAL_SCALE_T)x[j] - (FEDCAL_SCALE_T)fedcal_x_offset[j])"
+            " / (FEDCAL_SCALE_T)fedcal_x_scale[j];",
+            *unit_map,
+            f"        if (z < (FEDCAL_SCALE_T)fedcal_box_lo[{box_row}][j] ||"
+            f" z > (FEDCAL_SCALE_T)fedcal_box_hi[{box_row}][j])",
+            "            return 1;",
+            "    }",
+            "    return 0;",
+            "}",
+        ]
     if form.has_std:
         lines += [
             "/* Predictive standard deviation (posterior + noise + model form beyond the box) of",
