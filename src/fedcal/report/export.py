@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import torch
 
 from fedcal.config import ConfigError, from_json
@@ -308,22 +307,22 @@ def load_models(
 def _refused_sensors(path: Path) -> dict[str, str]:
     """{sensor: "refused (reason)"} of the run's ``per_sensor.csv`` (status ``refused``);
     empty without that file or its status columns (a run before statuses)."""
-    from fedcal.core.runfiles import RunFileError
-    from fedcal.report.rundir import read_table
+    import csv
+    import io
+
+    from fedcal.core.paths import read_text
 
     if not path.exists():
         return {}
-    try:
-        table = read_table(path, dtype={"client": str})
-    except RunFileError:
+    try:  # the guarded reader (regular file, size limit), as every run file
+        rows = list(csv.DictReader(io.StringIO(read_text(path))))
+    except (OSError, ValueError, csv.Error):
         return {}  # unreadable: no sensor is excused, a NaN model stays an error
-    if not {"client", "status"} <= set(table.columns):
-        return {}
-    rows = table[table["status"].astype(str) == "refused"]
-    reasons = rows.get("status_reason", pd.Series("", index=rows.index)).fillna("")
     return {
-        str(c): "refused" + (f" ({r})" if str(r) else "")
-        for c, r in zip(rows["client"], reasons, strict=True)
+        str(r.get("client")): "refused"
+        + (f" ({r['status_reason']})" if r.get("status_reason") else "")
+        for r in rows
+        if r.get("status") == "refused" and r.get("client") is not None
     }
 
 

@@ -160,13 +160,16 @@ def build_report(run_dir: str | Path, out: str | Path, seed: int | None = None) 
     else:
         note("rounds", "Error against round", "the run has no per-round test RMSE (metrics.csv)")
 
-    per_sensor = run.per_sensor(budget)
+    per_sensor = run.per_sensor(budget, mask=False)  # every status, marked in the figure
     if regression and not per_sensor.empty:
         figure(
             "per-sensor",
             "Per-sensor RMSE by method",
             figures.per_sensor_rmse(per_sensor, ranked, unit),
-            f"Each sensor's test RMSE ({budget_text}), mean over seeds; best method first.",
+            f"Each sensor's test RMSE ({budget_text}), mean over seeds; best method first. "
+            "Boxes: the ok sensors; sensors of another status (weak, unconverged, rejected) "
+            "are drawn with their own marker (legend) and left out of the means; diverged "
+            "and refused sensors are named.",
         )
     else:
         note("per-sensor", "Per-sensor RMSE by method", "the run has no per-sensor test RMSE")
