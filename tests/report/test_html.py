@@ -296,3 +296,20 @@ def test_the_per_sensor_figure_shows_non_ok_sensors_marked_by_status(
     got = given[0].query("method == 'fedgmi' and seed == 0").set_index("client")
     assert got.loc["S00", "status"] == "weak"
     assert got.loc["S00", "test_rmse"] == raw["fedgmi", 0]["S00"]
+
+
+def test_the_residual_panels_name_a_sensor_s_status_when_not_ok():
+    """The best/worst sensor panels say when that sensor is left out of the means."""
+    from fedcal.report.figures import residuals_by_plateau
+
+    rows = []
+    for sensor, err in (("A", 0.1), ("B", 2.0)):
+        for p, t in ((100.0, 0.0), (500.0, 0.0), (100.0, 40.0), (500.0, 40.0)):
+            rows.append({"sensor": sensor, "p": p, "t": t, "residual": err})
+    res = pd.DataFrame(rows)
+    fig = residuals_by_plateau({"m": res}, "p", "t", "hPa", {"m": {"A": "ok", "B": "weak"}})
+    best, worst = (ax.get_title() for ax in fig.axes[:2])
+    assert best == "m — best sensor A: RMSE 0.1 hPa"
+    assert worst == "m — worst sensor B [weak, not in the means]: RMSE 2 hPa"
+    plain = residuals_by_plateau({"m": res}, "p", "t", "hPa")  # no statuses: as before
+    assert plain.axes[1].get_title() == "m — worst sensor B: RMSE 2 hPa"

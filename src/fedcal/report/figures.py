@@ -166,9 +166,16 @@ def _sensor_rmse(res: pd.DataFrame) -> pd.Series:
 
 
 def residuals_by_plateau(
-    residuals: dict[str, pd.DataFrame], target: str, temperature: str | None, unit: str
+    residuals: dict[str, pd.DataFrame],
+    target: str,
+    temperature: str | None,
+    unit: str,
+    statuses: dict[str, dict[str, str]] | None = None,
 ) -> Figure:
-    """Residual against reference, one line per temperature plateau; best and worst sensor."""
+    """Residual against reference, one line per temperature plateau; best and worst sensor.
+
+    ``statuses`` ({method: {sensor: status}}, the shown seed's): a sensor that is not ok
+    has its status in the panel's title (it is left out of the means)."""
     rows = len(residuals)
     fig, axes = plt.subplots(
         rows, 2, figsize=(11, 2.8 * rows + 0.5), layout="constrained", squeeze=False
@@ -190,9 +197,12 @@ def residuals_by_plateau(
                 label = f"{round(part[temperature].mean()):d} °C" if temperature else None
                 ax.plot(part[target], part["residual"], marker=".", label=label)
             ax.axhline(0, color="black", linewidth=0.6)
+            status = (statuses or {}).get(method, {}).get(str(sensor), "ok")
+            marked = "" if status == "ok" else f" [{status}, not in the means]"
             ax.set_title(
-                f"{method} — {which} sensor {sensor}: RMSE {finite[sensor]:.3g} {unit}",
+                f"{method} — {which} sensor {sensor}{marked}: RMSE {finite[sensor]:.3g} {unit}",
                 fontsize=9,
+                color="black" if status == "ok" else "darkorange",
             )
             ax.set_xlabel(f"{target} (reference)")
             ax.set_ylabel(f"residual ({unit})")
