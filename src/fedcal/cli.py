@@ -803,7 +803,9 @@ def predict(
     except (FileNotFoundError, ValueError, KeyError, ConfigError) as err:
         _fail(str(err))
     write_text(out, frame.to_csv(index=False))
-    outside = int((~frame["in_range"]).sum())
+    # rows of a sensor the run refused have no value to call extrapolated (said below)
+    valued = frame[f"{fleet.target}_calibrated"].notna()
+    outside = int((~frame["in_range"] & valued).sum())
     console.print(f"wrote {len(frame)} calibrated rows to {out}")
     if outside:  # extrapolated values are flagged, and said
         err_console.print(

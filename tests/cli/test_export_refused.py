@@ -70,6 +70,9 @@ def test_predict_calibrates_the_others_and_leaves_the_refused_rows_empty(planted
     said = " ".join(result.output.split())
     assert f"18 row(s) of sensor S02 not calibrated (left empty): no model, {REASON}" in said
     cal = pd.read_csv(out)
+    # the out-of-range warning counts calibrated rows only (S02's are empty, said apart)
+    beyond = int((~cal["in_range"] & (cal["sensor_id"] != "S02")).sum())
+    assert beyond > 0 and f"warning {beyond} row(s) beyond the calibrated range" in said
     fleet = load_models(run, "polynomial")
     assert fleet.excluded == {"S02": REASON} and sorted(fleet.params) == ["S00", "S01"]
     for sensor, rows in cal.groupby("sensor_id"):
