@@ -307,7 +307,9 @@ def _rows(values: np.ndarray, kind: str) -> str:
 
 
 def c_header(fleet, form: LinearForm, guard: str, range_lines: list[str]) -> str:
-    """The C99 header of a :class:`LinearForm` (API as the MLP header, plus σ)."""
+    """The C99 header of a :class:`LinearForm` (API as the MLP header, plus σ, and
+    ``fedcal_beyond_support`` when the form has the extrapolation guard's box: some input
+    outside it, the clamp of ``fedcal_features``, i.e. the method's ``beyond_support``)."""
     s = fleet.scaler
     t, f = form.terms.shape
     top = int(form.terms.max(initial=0))
