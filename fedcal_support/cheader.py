@@ -2,8 +2,9 @@
 
 The driver reads lines ``sensor x0 x1 …`` (sensor index, raw inputs) on stdin and
 prints, per line, ``fedcal_calibrate_d``, ``fedcal_calibrate`` (float),
-``fedcal_calibrate_std`` (NaN without σ) and ``fedcal_in_range`` (-1 without a
-range guard). No compiler is a RuntimeError, never a skip.
+``fedcal_calibrate_std`` (NaN without σ), ``fedcal_in_range`` (-1 without a
+range guard) and ``fedcal_beyond_support`` (-1 without an extrapolation guard).
+No compiler is a RuntimeError, never a skip.
 """
 
 from __future__ import annotations
@@ -26,15 +27,18 @@ int main(void) {
         for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j)
             if (scanf("%f", &x[j]) != 1) return 2;
         double std = NAN;
-        int inside = -1;
+        int inside = -1, beyond = -1;
 #if defined(FEDCAL_HAS_STD) && FEDCAL_HAS_STD
         std = fedcal_calibrate_std(s, x);
 #endif
 #ifdef RANGE
         inside = fedcal_in_range(s, x);
 #endif
-        printf("%.17g %.9g %.9g %d\n", fedcal_calibrate_d(s, x), (double)fedcal_calibrate(s, x),
-               std, inside);
+#if defined(FEDCAL_HAS_GUARD) && FEDCAL_HAS_GUARD
+        beyond = fedcal_beyond_support(s, x);
+#endif
+        printf("%.17g %.9g %.9g %d %d\n", fedcal_calibrate_d(s, x),
+               (double)fedcal_calibrate(s, x), std, inside, beyond);
     }
     return 0;
 }
@@ -70,7 +74,7 @@ def build(header: Path, workdir: Path, defines: dict[str, str] | None = None, ra
 
 
 def evaluate(exe: Path, sensors: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """(rows, 4): calibrate (double), calibrate (float), std, in_range per row."""
+    """(rows, 5): calibrate (double), calibrate (float), std, in_range, beyond_support."""
     lines = "\n".join(
         f"{int(s)} " + " ".join(repr(float(v)) for v in row)
         for s, row in zip(sensors, x, strict=True)

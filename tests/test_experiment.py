@@ -103,6 +103,38 @@ def test_config_variants_run_under_their_own_name():
         check_methods(["fedgmi_nope"], cfg)
 
 
+def test_all_runs_fedgmi_posterior_once_not_also_as_fedgmi_bayes():
+    """``all`` runs the Bayesian head once, as its documented variant fedgmi_posterior
+    (fedgmi_bayes is the class that variant builds); both names stay usable by name, and
+    no class that a variant of another method selects appears under its registered name."""
+    from fedcal.algorithms import REGISTRY
+    from fedcal.build import method_settings
+    from fedcal.config import default_config
+    from fedcal.experiment import check_methods
+
+    cfg = default_config()
+    names = check_methods(["all"], cfg)
+    assert "fedgmi_bayes" not in names and len(names) == len(set(names))
+    assert {"fedgmi", "fedgmi_posterior", "fedgmi_posterior_frozen", "fedprior"} <= set(names)
+    assert {"fedprior_fixed", "fedprior_branch"} <= set(names)  # same class as fedprior: kept
+    classes = {n: method_settings(n, cfg)[0] for n in names}
+    assert classes["fedgmi_posterior"] is REGISTRY["fedgmi_bayes"]
+    registered = [n for n in names if n in REGISTRY]
+    variants = [n for n in names if n not in REGISTRY]
+    for n in registered:  # none is built, under another name, by a class-switching variant
+        switched = [
+            v
+            for v in variants
+            if classes[v] is REGISTRY[n]
+            and REGISTRY[cfg.method_params[v]["base"]] is not classes[v]
+        ]
+        assert not switched, (n, switched)
+    assert check_methods(["fedgmi_bayes", "fedgmi_posterior"], cfg) == [
+        "fedgmi_bayes",
+        "fedgmi_posterior",
+    ]
+
+
 def test_whitened_basis_is_built_from_the_fleet_and_runs(tmp_path, make_fleet):
     from fedcal.config import load_config
     from fedcal.models.basis import Basis

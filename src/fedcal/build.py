@@ -278,17 +278,36 @@ def engine_settings(config: RunConfig) -> dict[str, Any]:
 def check_methods(
     methods: Sequence[str], config: RunConfig | None = None, task_kind: str = "regression"
 ) -> list[str]:
-    """Expand ``all`` (every method and config variant for ``task_kind``); refuse unknown names."""
+    """Expand ``all`` (every method and config variant for ``task_kind``); refuse unknown names.
+
+    ``all`` runs each system once: a registered method whose class a config variant of
+    *another* method builds (a setting selects it, :meth:`Algorithm.built_class`: FedGMI's
+    ``interpolation = "posterior"`` builds ``fedgmi_bayes``) runs as that variant only,
+    which is its documented configuration; by name it stays usable.
+    """
     variants = {
         name: params["base"]
         for name, params in (config.method_params.items() if config else [])
         if "base" in params
     }
     if list(methods) == ["all"]:
-        names = [n for n in sorted(REGISTRY) if REGISTRY[n].task_kind == task_kind]
-        names += [
+        extra = [
             v for v, b in variants.items() if b in REGISTRY and REGISTRY[b].task_kind == task_kind
         ]
+        reached = set()  # classes a variant of another registered method builds
+        for v in extra:
+            try:
+                cls, _ = method_settings(v, config)
+            except ConfigError:
+                continue  # a bad table is refused where the variant is built
+            if cls is not REGISTRY[variants[v]]:
+                reached.add(cls)
+        names = [
+            n
+            for n in sorted(REGISTRY)
+            if REGISTRY[n].task_kind == task_kind and REGISTRY[n] not in reached
+        ]
+        names += extra
     else:
         names = list(methods)
     unknown = [m for m in names if m not in REGISTRY and variants.get(m) not in REGISTRY]

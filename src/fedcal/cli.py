@@ -634,6 +634,13 @@ def export(
         write_text(out, text)
         console.print(f"wrote {len(fleet.params)} sensors' models to {out}")
         _print_footprint(fleet, method)
+    _print_excluded(fleet)
+
+
+def _print_excluded(fleet) -> None:
+    """One stderr line per sensor the run refused: not exported (it has no model)."""
+    for sensor in fleet.excluded:
+        err_console.print(f"[bold yellow]warning[/] not exported: {fleet.no_model(sensor)}")
 
 
 def _print_footprint(fleet, method: str) -> None:
@@ -756,7 +763,11 @@ def predict(
         int, typer.Option("--train-points", help="which point budget (0 = all)")
     ] = 0,
     strict: Annotated[
-        bool, typer.Option("--strict", help="refuse readings beyond the calibrated range")
+        bool,
+        typer.Option(
+            "--strict",
+            help="refuse readings beyond the calibrated range or of a sensor the run refused",
+        ),
     ] = False,
     sensor_column: SensorOpt = None,
 ) -> None:
@@ -765,11 +776,18 @@ def predict(
     Adds <target>_calibrated, <target>_std (when the method has a predictive σ) and
     in_range: readings beyond the sensor's calibrated span by more than 5 % of it are
     flagged in_range = False (refused with --strict), never silently extrapolated.
+    Rows of a sensor the run refused (no model) are left empty and named in a warning
+    (refused with --strict).
     """
 
     from fedcal.core.atomic import write_text
     from fedcal.data.loader import load_readings
-    from fedcal.report.export import calibrate_frame, choose_method, load_models
+    from fedcal.report.export import (
+        calibrate_frame,
+        choose_method,
+        load_models,
+        uncalibrated_notes,
+    )
     from fedcal.report.rundir import read_valid_ranges
 
     try:
@@ -785,13 +803,17 @@ def predict(
     except (FileNotFoundError, ValueError, KeyError, ConfigError) as err:
         _fail(str(err))
     write_text(out, frame.to_csv(index=False))
-    outside = int((~frame["in_range"]).sum())
+    # rows of a sensor the run refused have no value to call extrapolated (said below)
+    valued = frame[f"{fleet.target}_calibrated"].notna()
+    outside = int((~frame["in_range"] & valued).sum())
     console.print(f"wrote {len(frame)} calibrated rows to {out}")
     if outside:  # extrapolated values are flagged, and said
         err_console.print(
             f"[bold yellow]warning[/] {outside} row(s) beyond the calibrated range "
             "(in_range = False): extrapolated, not calibrated"
         )
+    for note in uncalibrated_notes(fleet, frame, column):  # sensors the run refused
+        err_console.print(f"[bold yellow]warning[/] {note}")
 
 
 @app.command("flower-nodes")

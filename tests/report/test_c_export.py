@@ -22,7 +22,8 @@ from typer.testing import CliRunner
 from fedcal.cli import app
 from fedcal.data.simulator import FleetSpec, simulate_fleet
 from fedcal.models.basis import linearized_products
-from fedcal.report.export import load_models, to_c_header, to_json
+from fedcal.report.export import load_models, range_bounds, to_c_header, to_json
+from fedcal.report.linear_export import linear_form
 from fedcal.report.rundir import predictive_std, read_valid_ranges
 from fedcal_support import cheader
 
@@ -67,8 +68,9 @@ def probes(ranges: dict, sensors: list[str], rows: int = 60) -> tuple[np.ndarray
     return np.array(idx), np.concatenate(xs).astype(float)
 
 
-def predict_cli(run, method, sensors, idx, x, tmp_path) -> np.ndarray:
-    """``fedcal predict`` on the probe rows."""
+def predict_cli(run, method, sensors, idx, x, tmp_path, digits: int = 9) -> pd.DataFrame:
+    """``fedcal predict`` on the probe rows (written with ``digits`` significant digits):
+    its output file."""
     frame = pd.DataFrame(
         {
             "sensor_id": [sensors[i] for i in idx],
@@ -77,11 +79,24 @@ def predict_cli(run, method, sensors, idx, x, tmp_path) -> np.ndarray:
         }
     )
     inp, out = tmp_path / "readings.csv", tmp_path / "calibrated.csv"
-    frame.to_csv(inp, index=False, float_format="%.9g")
+    frame.to_csv(inp, index=False, float_format=f"%.{digits}g")
     args = ["predict", str(run), "--method", method, "--data", str(inp), "--out", str(out)]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
-    return pd.read_csv(out)["pressure_hpa_calibrated"].to_numpy()
+    return pd.read_csv(out)
+
+
+def beyond_support(fleet, sensors, idx, x) -> np.ndarray:
+    """The method's own guard decision per row, as ``CalibratedFleet.predict`` evaluates it
+    (the run's parameters; the scaled inputs in the run's dtype)."""
+    out = np.zeros(len(x), bool)
+    for i, s in enumerate(sensors):
+        rows = idx == i
+        params = {k: v.unsqueeze(0) for k, v in fleet.params[s].items()}
+        dtype = next(iter(params.values())).dtype
+        z = torch.as_tensor(fleet.scaler.x(x[rows]), dtype=dtype).unsqueeze(0)
+        out[rows] = fleet.algorithm.beyond_support(params, z)[0].numpy()
+    return out
 
 
 def export_and_compare(run, method, tmp_path):
@@ -94,20 +109,25 @@ def export_and_compare(run, method, tmp_path):
     sensors = sorted(fleet.params)
     idx, x = probes(ranges, sensors)
     got = cheader.evaluate(cheader.build(header, tmp_path / "build"), idx, x)
-    want = predict_cli(run, method, sensors, idx, x, tmp_path)
+    written = predict_cli(run, method, sensors, idx, x, tmp_path)
+    want = written["pressure_hpa_calibrated"].to_numpy()
     assert np.isfinite(want).all()
     # double output: equal to predict within 1e-4 hPa (measured: ~1e-12)
     assert np.max(np.abs(got[:, 0] - want)) < 1e-4
     # float output (the MLP header's API): predict rounded to float, ≤ half an ulp + 1e-4
     half_ulp = np.spacing(np.abs(want).astype(np.float32)).astype(float) / 2
     assert np.all(np.abs(got[:, 1] - want) <= half_ulp + 1e-4)
-    # the range guard: inside the unit's calibrated span (float comparisons, as in C)
-    lo = np.array([[ranges[s][c][0] for c in fleet.features] for s in sensors], np.float32)
-    hi = np.array([[ranges[s][c][1] for c in fleet.features] for s in sensors], np.float32)
-    xf = x.astype(np.float32)
-    inside = np.all((xf >= lo[idx]) & (xf <= hi[idx]), 1)
+    # the range guard: fedcal predict's in_range (the span widened by 5 % of it per side)
+    inside = written["in_range"].to_numpy()
     assert 0 < inside.sum() < len(x)  # both cases are exercised
     assert np.array_equal(got[:, 3], inside.astype(float))
+    # the extrapolation guard's flag: the method's own beyond_support (-1: no guard)
+    form = linear_form(fleet, method)
+    assert (form.box_lo is None) == (fleet.algorithm.beyond_support is None)
+    if form.box_lo is None:
+        assert np.all(got[:, 4] == -1)
+    else:
+        assert np.array_equal(got[:, 4], beyond_support(fleet, sensors, idx, x).astype(float))
     return fleet, sensors, idx, x, got, result.output, header
 
 
@@ -177,6 +197,7 @@ def test_footprint_is_the_header_s_own_sizeof(runs, tmp_path):
         '  printf("%zu %d\\n", sizeof fedcal_coef[0] + sizeof fedcal_chol[0]'
         " + sizeof fedcal_var_add[0] + sizeof fedcal_x_min[0] + sizeof fedcal_x_max[0]"
         " + sizeof fedcal_y_min[0] + sizeof fedcal_y_max[0]"
+        " + sizeof fedcal_range_lo[0] + sizeof fedcal_range_hi[0]"
         " + sizeof fedcal_box_lo[0] + sizeof fedcal_box_hi[0], FEDCAL_NUM_TERMS);\n"
         "  return fedcal_calibrate(0, fedcal_x_min[0]) > 0 ? 0 : 0;\n}\n"
     )
@@ -193,12 +214,12 @@ def test_footprint_is_the_header_s_own_sizeof(runs, tmp_path):
     form = linear_form(fleet, "fedprior_branch")
     assert form.bytes_per_unit() == size
     # by hand: T double coefficients, T(T+1)/2 + 1 float factor entries, 2·2 + 2 float ranges,
-    # the guard's support box: 2·2 floats
-    assert size == 8 * terms + 4 * (terms * (terms + 1) // 2 + 1) + 4 * 6 + 4 * 4
+    # 2·2 double in-range bounds, the guard's support box: 2·2 floats
+    assert size == 8 * terms + 4 * (terms * (terms + 1) // 2 + 1) + 4 * 6 + 8 * 4 + 4 * 4
     # the polynomial's guard box is the same for every unit (|u_j| <= 1.1): none per unit
     poly_fleet = load_models(run, "polynomial")
     poly = linear_form(poly_fleet, "polynomial")
-    assert poly.bytes_per_unit() == 8 * len(poly.terms) + 8 * 4 + 4 * 6
+    assert poly.bytes_per_unit() == 8 * len(poly.terms) + 8 * 4 + 4 * 6 + 8 * 4
     assert "#define FEDCAL_BOX_UNITS 1\n" in to_c_header(poly_fleet, method="polynomial")
 
 
@@ -410,3 +431,114 @@ def test_onnx_flags_equal_predict_in_range_and_the_guard(runs, tmp_path, method)
     if "pressure_hpa_std" in got:
         sd = predictive_std(fleet, s, x).ravel()
         assert np.allclose(got["pressure_hpa_std"].ravel(), sd, rtol=1e-9)
+
+
+def float_edge_rows(fleet, sensor: str, span: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(rows (n, 2) of float32 values as float64, z distance of each row to the support box's
+    nearest edge (inf: not a box row)): the C header's inputs are float.
+
+    The span's middle; each input halfway into the 5 % margin on each side (inside predict's
+    bounds, outside the raw span: the old header's 0); the float32 values nearest each of
+    predict's four in-range bounds, 3 ulps each way; and the raw value of each finite side of
+    the unit's support box in float32, 4 ulps each way.
+    """
+    lower, upper = range_bounds(span, fleet.features)
+    lo = np.array([span[c][0] for c in fleet.features])
+    hi = np.array([span[c][1] for c in fleet.features])
+    mid = (lower + upper) / 2
+    f32 = np.float32
+
+    def ulps(v: float, k: int) -> list[float]:
+        centre = f32(v)
+        out = [centre]
+        for direction in (np.inf, -np.inf):
+            w = centre
+            for _ in range(k):
+                w = np.nextafter(w, f32(direction))
+                out.append(w)
+        return [float(w) for w in out]
+
+    rows = [mid]
+    for j in range(2):
+        margin = 0.05 * (hi[j] - lo[j])
+        for v in (lo[j] - margin / 2, hi[j] + margin / 2):
+            rows.append(np.where(np.arange(2) == j, v, mid))
+    for j in range(2):  # rows 5 + 14 j … 5 + 14 j + 13: around input j's two bounds
+        for edge in (lower[j], upper[j]):
+            for v in ulps(edge, 3):
+                rows.append(np.where(np.arange(2) == j, v, mid))
+    box_rows = len(rows)
+    params = fleet.params[sensor]
+    if "box" not in params and "lo" not in params:  # no extrapolation guard: no box rows
+        return np.array(rows, np.float32).astype(float), np.full(box_rows, np.inf)
+    if "box" in params:  # fedprior: the unit's box (2, F) in scaled inputs
+        box = params["box"].double().numpy()
+    else:  # polynomial: |u| ≤ 1 + 2·RANGE_MARGIN in the unit's own span lo..hi
+        p_lo, p_hi = params["lo"].double().numpy(), params["hi"].double().numpy()
+        box = p_lo + (np.array([[-0.1], [2.1]]) / 2) * (p_hi - p_lo)
+    raw = box * fleet.scaler.x_scale + fleet.scaler.x_offset  # (2, F)
+    for j in range(2):
+        for edge in raw[:, j][np.isfinite(raw[:, j])]:
+            for v in ulps(edge, 4):
+                rows.append(np.where(np.arange(2) == j, v, mid))
+    x = np.array(rows, np.float32).astype(float)
+    z = fleet.scaler.x(x)
+    if "box" not in params:  # the polynomial's own coordinates u and its box ±1.1
+        z = 2 * (z - p_lo) / (p_hi - p_lo) - 1
+        box = np.array([[-1.1], [1.1]]) * np.ones((1, 2))
+    gap = np.min(np.abs(z[:, None, :] - box[None]), axis=(1, 2))
+    gap[:box_rows] = np.inf
+    return x, gap
+
+
+@pytest.mark.parametrize("method", ["fedprior", "polynomial", "leastsq"])
+def test_c_flags_equal_predict_at_the_edges(runs, tmp_path, method):
+    """The header's ``fedcal_in_range`` is ``fedcal predict``'s in_range (with its 5 %
+    margin), and ``fedcal_beyond_support`` the method's own guard decision, row for row on
+    float inputs at and around every bound (a NaN input is out of range, as in predict)."""
+    from fedcal.report.export import in_range
+
+    run, _, _ = runs
+    fleet = load_models(run, method)
+    ranges = read_valid_ranges(run, method)
+    sensors = sorted(fleet.params)
+    s = sensors[-1]  # a new unit: its support box is wider than its span
+    x, gap = float_edge_rows(fleet, s, ranges[s])
+    header = tmp_path / "cal.h"
+    header.write_text(to_c_header(fleet, valid_range=ranges, method=method))
+    idx = np.full(len(x), len(sensors) - 1)
+    got = cheader.evaluate(cheader.build(header, tmp_path / "b"), idx, x)
+    # 17 digits: predict reads the float inputs exactly (so the edge rows are on the edge)
+    written = predict_cli(run, method, sensors, idx, x, tmp_path, digits=17)
+    assert np.array_equal(written[["frequency_hz", "temperature_c"]].to_numpy(), x)
+    want = written["in_range"].to_numpy()
+    assert np.array_equal(got[:, 3], want.astype(float))
+    # hand-known: the middle and the margin (outside the raw span) are in range; around each
+    # bound, the float32 values beyond it are out, the rest in (both occur at every bound)
+    assert want[:5].all()
+    lower, upper = range_bounds(ranges[s], fleet.features)
+    for j in range(2):
+        around = slice(5 + 14 * j, 5 + 14 * (j + 1))
+        v = x[around, j]
+        assert np.array_equal(want[around], (v >= lower[j]) & (v <= upper[j]))
+        assert want[around].any() and not want[around].all()
+    nan_row = np.array([[np.nan, x[0, 1]]])
+    nan_got = cheader.evaluate(cheader.build(header, tmp_path / "b"), idx[:1], nan_row)
+    assert nan_got[0, 3] == 0 and not in_range(nan_row, ranges[s], fleet.features)[0]
+    if method == "leastsq":  # no extrapolation guard: no function, the driver's -1
+        assert "fedcal_beyond_support" not in header.read_text() and np.all(got[:, 4] == -1)
+        return
+    guard = beyond_support(fleet, sensors, idx, x)
+    near = np.isfinite(gap)
+    assert guard[near].any() and not guard[near].all()
+    # with the box stored in double the flag is fedcal's bit for bit
+    exact = cheader.build(header, tmp_path / "d", {"FEDCAL_BOX_T": "double"})
+    assert np.array_equal(cheader.evaluate(exact, idx, x)[:, 4], guard.astype(float))
+    # the default float box (docs/firmware.md) moves the edge by its rounding only: a row
+    # may differ only within one float ulp of the box side (the polynomial's box is double)
+    differ = got[:, 4] != guard
+    if method == "polynomial":
+        assert not differ.any()
+    else:
+        box = np.abs(fleet.params[s]["box"].double().numpy())
+        assert np.all(gap[differ] <= np.spacing(box.max().astype(np.float32)))

@@ -228,3 +228,88 @@ def test_a_diverged_sensor_has_no_error_to_draw(compare_run, tmp_path):
     assert table["test_rmse"].isna().tolist() == [True] + [False] * (len(frame) - 1)
     report = build_report(copy, tmp_path / "d.html")
     assert "per-sensor" in report.figures  # drawn, with the diverged sensor named, not plotted
+
+
+def test_the_per_sensor_figure_shows_non_ok_sensors_marked_by_status(
+    compare_run, tmp_path, monkeypatch
+):
+    """Sensors left out of the means are drawn with their status's marker and a legend
+    entry (weak here), and those without an error to draw are named with their status
+    (diverged, refused), not dropped silently; the box is over the ok sensors."""
+    from fedcal.report.figures import per_sensor_rmse, sensor_points
+
+    _, run, _, _ = compare_run
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    raw = {}
+    for method, plant in (("fedgmi", {"S00": "weak", "S01": "diverged"}), ("polynomial", {})):
+        for seed in (0, 1):
+            path = copy / "runs" / f"{method}_tp24_seed{seed}" / "per_sensor.csv"
+            frame = pd.read_csv(path)
+            frame["status"] = [plant.get(c, "ok") for c in frame["client"]]
+            if method == "polynomial":  # S02 refused in seed 1: no model, no error
+                frame.loc[frame["client"] == "S02", "status"] = ["ok", "refused"][seed]
+                if seed == 1:
+                    frame.loc[frame["client"] == "S02", "test_rmse"] = np.nan
+            frame.to_csv(path, index=False)
+            raw[method, seed] = frame.set_index("client")["test_rmse"]
+    table = RunDir.open(copy).per_sensor(24, mask=False)
+    points = sensor_points(table, ["fedgmi", "polynomial"]).set_index(["method", "client"])
+    weak = points.loc[("fedgmi", "S00")]
+    assert weak["status"] == "weak" and weak["drawn"]
+    assert weak["rmse"] == pytest.approx((raw["fedgmi", 0]["S00"] + raw["fedgmi", 1]["S00"]) / 2)
+    assert points.loc[("fedgmi", "S01"), "status"] == "diverged"
+    assert not points.loc[("fedgmi", "S01"), "drawn"]  # a diverged model's number: never
+    assert points.loc[("polynomial", "S02"), "status"] == "refused"
+    assert not points.loc[("polynomial", "S02"), "drawn"]
+    assert points.loc[("fedgmi", "S02"), "status"] == "ok" and points["drawn"].sum() == 4
+    fig = per_sensor_rmse(table, ["fedgmi", "polynomial"], "hPa")
+    ax = fig.axes[0]
+    dots = {c.get_gid(): c.get_offsets()[:, 1].tolist() for c in ax.collections}
+    assert dots == {
+        "fedgmi|ok": [points.loc[("fedgmi", "S02"), "rmse"]],
+        "fedgmi|weak": [weak["rmse"]],
+        "polynomial|ok": [points.loc[("polynomial", s), "rmse"] for s in ("S00", "S01")],
+    }
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["weak (not in the means)"]
+    note = " ".join(t.get_text() for t in ax.texts)
+    assert "fedgmi: S01 (diverged)" in note and "polynomial: S02 (refused)" in note
+    # the box of fedgmi is over its one ok sensor: its median line sits on that sensor
+    medians = [ln.get_ydata()[0] for ln in ax.lines if ln.get_color() in ("C1", "#ff7f0e")]
+    assert points.loc[("fedgmi", "S02"), "rmse"] in medians
+    # the report hands the figure every sensor's error (not masked to NaN when not ok)
+    from fedcal.report import figures
+
+    class Seen(Exception):
+        pass
+
+    given = []
+
+    def capture(per_sensor, methods, unit):
+        given.append(per_sensor)
+        raise Seen  # the rest of the report is not needed here
+
+    monkeypatch.setattr(figures, "per_sensor_rmse", capture)
+    with pytest.raises(Seen):
+        build_report(copy, tmp_path / "r.html")
+    got = given[0].query("method == 'fedgmi' and seed == 0").set_index("client")
+    assert got.loc["S00", "status"] == "weak"
+    assert got.loc["S00", "test_rmse"] == raw["fedgmi", 0]["S00"]
+
+
+def test_the_residual_panels_name_a_sensor_s_status_when_not_ok():
+    """The best/worst sensor panels say when that sensor is left out of the means."""
+    from fedcal.report.figures import residuals_by_plateau
+
+    rows = []
+    for sensor, err in (("A", 0.1), ("B", 2.0)):
+        for p, t in ((100.0, 0.0), (500.0, 0.0), (100.0, 40.0), (500.0, 40.0)):
+            rows.append({"sensor": sensor, "p": p, "t": t, "residual": err})
+    res = pd.DataFrame(rows)
+    fig = residuals_by_plateau({"m": res}, "p", "t", "hPa", {"m": {"A": "ok", "B": "weak"}})
+    best, worst = (ax.get_title() for ax in fig.axes[:2])
+    assert best == "m — best sensor A: RMSE 0.1 hPa"
+    assert worst == "m — worst sensor B [weak, not in the means]: RMSE 2 hPa"
+    plain = residuals_by_plateau({"m": res}, "p", "t", "hPa")  # no statuses: as before
+    assert plain.axes[1].get_title() == "m — worst sensor B: RMSE 2 hPa"

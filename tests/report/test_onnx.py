@@ -145,8 +145,10 @@ def test_c_header_range_check(compare_run, tmp_path):
     probes = []
     for s in sensors:
         (f0, f1), (t0, t1) = ranges[s]["frequency_hz"], ranges[s]["temperature_c"]
-        probes += [((f0 + f1) / 2, (t0 + t1) / 2, 1), (f1 + 50.0, (t0 + t1) / 2, 0)]
-        probes += [((f0 + f1) / 2, t0 - 1.0, 0)]
+        fm, tm, wf, wt = (f0 + f1) / 2, (t0 + t1) / 2, f1 - f0, t1 - t0
+        # predict's in_range: the span widened by 5 % of it on each side
+        probes += [(fm, tm, 1), (f1 + 0.02 * wf, tm, 1), (f1 + 0.1 * wf, tm, 0)]
+        probes += [(fm, t0 - 0.1 * wt, 0)]
     main = tmp_path / "main.c"
     rows = ", ".join(f"{{{f!r}f, {t!r}f}}" for f, t, _ in probes)
     main.write_text(
@@ -154,7 +156,7 @@ def test_c_header_range_check(compare_run, tmp_path):
         f"int main(void) {{\n  float x[{len(probes)}][2] = {{{rows}}};\n"
         "  for (int i = 0; i < %d; ++i)\n"
         % len(probes)
-        + '    printf("%d\\n", fedcal_in_range(i / 3, x[i]));\n'
+        + '    printf("%d\\n", fedcal_in_range(i / 4, x[i]));\n'
         "  return 0;\n}\n"
     )
     exe = tmp_path / "cal"

@@ -245,6 +245,28 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
         algorithm of its own (FedGMI's ``interpolation = "posterior"``: fedgmi_bayes)."""
         return cls
 
+    def configured_repr(self) -> str:
+        """``repr(self)`` as the class its configuration names would print it: the run's
+        identity in a checkpoint's fingerprint (``engine.simulation``).
+
+        A class that a setting of a base class selects (:meth:`built_class`: FedGMI's
+        ``interpolation = "posterior"`` builds ``FedGMIPosterior``) is named by that base,
+        so a method split into its own class keeps its checkpoints resumable (the
+        settings, which select it, are all in the text). Every other class: ``repr(self)``
+        exactly (the dataclass repr, fields in order), so no existing checkpoint changes.
+        """
+        cls = type(self)
+        shown = [f for f in dataclasses.fields(self) if f.repr]
+        settings = {f.name: getattr(self, f.name) for f in shown if f.name != "task"}
+        named = cls
+        for base in cls.__mro__[1:]:
+            if base is Algorithm or not issubclass(base, Algorithm):
+                break
+            if base.built_class(settings) is cls:
+                named = base  # the outermost base whose settings build this class
+        body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown)
+        return f"{named.__qualname__}({body})"
+
     # ---- the contract -------------------------------------------------
     def server_init(self, params: Tree) -> Tree:
         """Server state from freshly initialised model parameters."""

@@ -120,7 +120,9 @@ class RunResult:
 
 
 def _fingerprint(algorithm: Algorithm, fleet: FleetTensors, config: EngineConfig) -> str:
-    h = hashlib.sha256(repr(algorithm).encode())
+    # The algorithm as configured, not its class's repr: a method moved to a class of its
+    # own that a setting selects (fedgmi_bayes) keeps resuming (Algorithm.configured_repr).
+    h = hashlib.sha256(algorithm.configured_repr().encode())
     # Where and in how many chunks a run computes does not change its numbers: a run
     # may resume with another chunk size or device. (Fields in their order of before
     # EngineSettings: the fingerprints of existing checkpoints stay the same.)

@@ -13,7 +13,7 @@ coefficients and predictive-covariance factor (:mod:`fedcal.report.linear_export
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +37,13 @@ class CalibratedFleet:
     target: str
     model: dict
     sensor_column: str = "sensor_id"  # the run's column of sensor ids ([data] client_column)
+    # sensors the run recorded as refused (no model: NaN parameters), with the run's reason;
+    # they are left out of ``params``, so exports carry every other sensor (load_models)
+    excluded: dict[str, str] = field(default_factory=dict)
+
+    def no_model(self, sensor: str) -> str:
+        """The one-line reason why ``sensor`` has no model in this run."""
+        return f"sensor {sensor} has no model in this run: {self.excluded[sensor]}"
 
     def predict(self, sensor: str, x_raw: np.ndarray) -> np.ndarray:
         """Calibrated target values for raw readings ``x_raw`` (rows, features) of ``sensor``."""
@@ -50,6 +57,8 @@ class CalibratedFleet:
         σ is the method's own (``algorithm.predictive_std``, e.g. fedprior's posterior
         and noise); None for a method without one.
         """
+        if sensor in self.excluded:
+            raise KeyError(self.no_model(sensor))
         if sensor not in self.params:
             raise KeyError(
                 f"sensor {sensor!r} is not in this run; known: {', '.join(sorted(self.params))}"
@@ -68,18 +77,27 @@ class CalibratedFleet:
         """(mean, σ or None): one value per row of ``frame`` (its sensor column, features).
 
         The one prediction path of ``fedcal predict`` and ``fedcal.api.CalibratedUnits.predict``.
+        Rows of a sensor the run refused (``excluded``) are NaN: it has no model (callers
+        say so, :func:`uncalibrated_notes`); a sensor not in the run is a KeyError.
         """
         column = sensor_column or self.sensor_column
         mean = np.full(len(frame), np.nan)
         sd: np.ndarray | None = np.full(len(frame), np.nan)
         x_all = frame[list(self.features)].to_numpy(float)
+        predicted = False
         for sensor, rows in frame.groupby(column, sort=False).indices.items():
+            if str(sensor) in self.excluded:
+                continue  # no model: NaN mean and σ
             m, s = self.predict_with_std(str(sensor), x_all[rows])
+            predicted = True
             mean[rows] = m[:, 0]
             if s is None:
                 sd = None
             elif sd is not None:
                 sd[rows] = s[:, 0]
+        only_refused = not predicted and self.params and len(frame)
+        if only_refused and self.predict_with_std(next(iter(self.params)), x_all[:1])[1] is None:
+            sd = None  # no row was predicted: ask one sensor's model whether it has a σ
         return mean, sd
 
 
@@ -107,6 +125,25 @@ RANGE_MARGIN = 0.05  # inputs up to 5 % of a sensor's calibrated span beyond it 
 
 class OutOfRangeError(ValueError):
     """A reading beyond its sensor's calibrated range (``fedcal predict --strict``)."""
+
+
+class NoModelError(ValueError):
+    """A reading of a sensor the run refused, so without a model (``fedcal predict --strict``)."""
+
+
+def uncalibrated_notes(
+    fleet: CalibratedFleet, frame, sensor_column: str | None = None
+) -> list[str]:
+    """One line per sensor of ``frame`` that the run refused (``fleet.excluded``): its
+    rows were not calibrated (NaN), and why."""
+    column = sensor_column or fleet.sensor_column
+    ids = frame[column].astype(str)
+    return [
+        f"{int((ids == sensor).sum())} row(s) of sensor {sensor} not calibrated (left empty): "
+        f"no model, {reason}"
+        for sensor, reason in fleet.excluded.items()
+        if (ids == sensor).any()
+    ]
 
 
 def range_bounds(span: dict, features: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -141,9 +178,20 @@ def calibrate_frame(
     (when the method has a predictive σ) and ``in_range`` (:func:`in_range` of the
     sensor's calibrated span in ``valid_range``). With ``strict`` a reading out of range is
     refused (:class:`OutOfRangeError` naming its row, sensor, input and range) instead of
-    flagged. Returns the frame with those columns (a copy)."""
+    flagged. Rows of a sensor the run refused (``fleet.excluded``) get no value (NaN; say so
+    with :func:`uncalibrated_notes`); with ``strict`` they are refused instead
+    (:class:`NoModelError` naming the first such row and the sensor's reason). Returns the
+    frame with those columns (a copy)."""
     frame = frame.copy()
     sensor_column = sensor_column or fleet.sensor_column
+    if strict and fleet.excluded:
+        refused = frame[sensor_column].astype(str).isin(list(fleet.excluded)).to_numpy()
+        if refused.any():
+            k = int(np.argmax(refused))
+            sensor = str(frame[sensor_column].iloc[k])
+            raise NoModelError(
+                f"data row {frame.index[k] + 1}: {fleet.no_model(sensor)} (--strict)"
+            )
     mean, std = fleet.predict_rows(frame, sensor_column)  # the one prediction path
     frame[f"{fleet.target}_calibrated"] = mean
     if std is not None:
@@ -185,7 +233,11 @@ def load_models(
     (nothing is unpickled, so a planted file cannot run code). A damaged or
     foreign file is a ``ValueError`` naming it; so is a NaN or infinite parameter
     (naming the sensor and field), unless ``drop_diverged`` leaves such sensors out
-    (the report, which shows a diverged sensor as diverged).
+    (the report, which shows a diverged sensor as diverged), or the run recorded that
+    sensor as ``refused`` (status in its ``per_sensor.csv``: the method declined it, e.g.
+    a polynomial on points that support no surface, whose coefficients are NaN by
+    design): it is left out of ``params`` and listed in ``excluded`` with the run's reason,
+    so export and predict serve every other sensor. Every sensor refused: a ValueError.
     """
     from fedcal.build import build_recorded
     from fedcal.core.paths import read_json, safe_name
@@ -213,13 +265,22 @@ def load_models(
         raise ValueError(f"{config_path}: unreadable or not a fedcal run config ({e})") from None
     task, params, meta = load_model_file(path, cfg)
     check_model_meta(path, meta, len(cfg.data.features))
+    refused = _refused_sensors(folder / "per_sensor.csv")
+    excluded: dict[str, str] = {}
     for sensor in list(params):
         try:
             check_finite(path, {sensor: params[sensor]}, "sensor ")
         except TensorFileError:
-            if not drop_diverged:
+            if sensor in refused:  # no model by the method's decision, recorded by the run
+                excluded[sensor] = refused[sensor]
+            elif not drop_diverged:
                 raise
             del params[sensor]
+    if excluded and not params and not drop_diverged:
+        raise ValueError(
+            f"{path}: no sensor has a model: the method refused all {len(excluded)} "
+            f"({next(iter(excluded.values()))})"
+        )
     resolved = record.get("resolved")
     methods = resolved.get("methods") if isinstance(resolved, dict) else None
     recorded = methods.get(method) if isinstance(methods, dict) else None
@@ -239,7 +300,30 @@ def load_models(
         cfg.data.target,
         meta["model"],
         cfg.data.client_column,
+        excluded,
     )
+
+
+def _refused_sensors(path: Path) -> dict[str, str]:
+    """{sensor: "refused (reason)"} of the run's ``per_sensor.csv`` (status ``refused``);
+    empty without that file or its status columns (a run before statuses)."""
+    import csv
+    import io
+
+    from fedcal.core.paths import read_text
+
+    if not path.exists():
+        return {}
+    try:  # the guarded reader (regular file, size limit), as every run file
+        rows = list(csv.DictReader(io.StringIO(read_text(path))))
+    except (OSError, ValueError, csv.Error):
+        return {}  # unreadable: no sensor is excused, a NaN model stays an error
+    return {
+        str(r.get("client")): "refused"
+        + (f" ({r['status_reason']})" if r.get("status_reason") else "")
+        for r in rows
+        if r.get("status") == "refused" and r.get("client") is not None
+    }
 
 
 def to_json(fleet: CalibratedFleet, valid_range: dict | None = None, method: str = "") -> str:
@@ -251,7 +335,8 @@ def to_json(fleet: CalibratedFleet, valid_range: dict | None = None, method: str
     method whose tree holds a posterior (coefficients, covariance) exports it too.
     A model linear in a basis gets ``model`` = its basis form (family
     ``linear_basis``: terms, normalisation, formula, each unit's coefficients and
-    covariance factor; :func:`fedcal.report.linear_export.json_block`).
+    covariance factor; :func:`fedcal.report.linear_export.json_block`). Sensors the run
+    refused have no model: they are listed in ``excluded`` with the run's reason.
     """
     from fedcal.report.linear_export import check_form, json_block, linear_form
 
@@ -268,6 +353,7 @@ def to_json(fleet: CalibratedFleet, valid_range: dict | None = None, method: str
             "model": model,
             "scaler": fleet.scaler.to_dict(),
             "valid_range": valid_range or {},
+            "excluded": dict(fleet.excluded),
             "sensors": {
                 sid: {k: v.double().tolist() for k, v in p.items()}
                 for sid, p in fleet.params.items()
@@ -278,7 +364,14 @@ def to_json(fleet: CalibratedFleet, valid_range: dict | None = None, method: str
 
 
 def _c_range_lines(sensors: list[str], columns: list[str], valid_range: dict) -> list[str]:
-    """Per-sensor min/max of each input and of the output, and an in-range test."""
+    """Per-sensor min/max of each input and of the output, and ``fedcal_in_range``.
+
+    ``fedcal_in_range`` is :func:`in_range` (``fedcal predict``'s column): every input in
+    [lo − m·w, hi + m·w], m = ``RANGE_MARGIN``. The bounds are :func:`range_bounds`'s float64
+    values, written with 17 significant digits (exact), and compared in double with the
+    input widened from float (exact), so the header's flag equals predict's for every
+    float input, at the bounds too; a NaN input is out of range, as in predict.
+    """
     missing = [s for s in sensors if s not in valid_range]
     if missing:
         raise ValueError(f"no valid range for sensor(s) {', '.join(missing)}")
@@ -293,6 +386,11 @@ def _c_range_lines(sensors: list[str], columns: list[str], valid_range: dict) ->
     def flat(col_index: int) -> str:
         return ", ".join(_c_float(valid_range[s][target][col_index]) for s in sensors)
 
+    bounds = [range_bounds(valid_range[s], tuple(inputs)) for s in sensors]
+
+    def widened(side: int) -> str:
+        return ", ".join("{" + ", ".join(_c_double(v) for v in b[side]) + "}" for b in bounds)
+
     return [
         "/* Valid range per sensor: the span of its calibration points (inputs and output);",
         " * outside it the model extrapolates. */",
@@ -300,10 +398,21 @@ def _c_range_lines(sensors: list[str], columns: list[str], valid_range: dict) ->
         f"static const float fedcal_x_max[FEDCAL_NUM_SENSORS][FEDCAL_NUM_INPUTS] = {{{rows(1)}}};",
         f"static const float fedcal_y_min[FEDCAL_NUM_SENSORS] = {{{flat(0)}}};",
         f"static const float fedcal_y_max[FEDCAL_NUM_SENSORS] = {{{flat(1)}}};",
-        "/* 1 if raw inputs x lie inside sensor `sensor`'s calibrated range, else 0. */",
+        f"#define FEDCAL_RANGE_MARGIN {RANGE_MARGIN!r}",
+        "/* fedcal predict's in-range bounds per input: the span widened by FEDCAL_RANGE_MARGIN",
+        " * of its width w on each side, lo - m*w and hi + m*w (computed by fedcal export). */",
+        "static const double fedcal_range_lo[FEDCAL_NUM_SENSORS][FEDCAL_NUM_INPUTS] = "
+        f"{{{widened(0)}}};",
+        "static const double fedcal_range_hi[FEDCAL_NUM_SENSORS][FEDCAL_NUM_INPUTS] = "
+        f"{{{widened(1)}}};",
+        "/* 1 if every raw input lies within sensor `sensor`'s in-range bounds (a bound itself",
+        " * is inside), else 0 (also for NaN): fedcal predict's in_range column. */",
         "static inline int fedcal_in_range(int sensor, const float *x) {",
-        "    for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j)",
-        "        if (x[j] < fedcal_x_min[sensor][j] || x[j] > fedcal_x_max[sensor][j]) return 0;",
+        "    for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) {",
+        "        double v = (double)x[j];",
+        "        if (!(v >= fedcal_range_lo[sensor][j] && v <= fedcal_range_hi[sensor][j]))",
+        "            return 0;",
+        "    }",
         "    return 1;",
         "}",
     ]
@@ -312,6 +421,13 @@ def _c_range_lines(sensors: list[str], columns: list[str], valid_range: dict) ->
 def _c_float(v: float) -> str:
     # exponent form always has a '.', so the 'f' suffix makes a valid float literal
     return f"{float(v):.9e}f"
+
+
+def _c_double(v: float) -> str:
+    # 17 significant digits: the float64 value exactly (non-finite as C's math.h macros)
+    if not np.isfinite(v):
+        return "NAN" if np.isnan(v) else ("INFINITY" if v > 0 else "-INFINITY")
+    return f"{float(v):.17e}"
 
 
 def _c_array(name: str, values: np.ndarray) -> str:

@@ -71,31 +71,93 @@ def error_vs_round(metrics: pd.DataFrame, methods: list[str], unit: str) -> Figu
     return fig
 
 
+# A sensor's dot by its status: ok in the method's colour, every other status its own marker
+# and colour, named in the legend (statuses: fedcal.status, docs/statuses.md).
+STATUS_STYLE = {
+    "weak": ("s", "darkorange"),
+    "unconverged": ("^", "tab:purple"),
+    "rejected": ("X", "crimson"),
+}
+NOT_DRAWN = ("diverged", "refused")  # no calibration to draw: named in the panel instead
+SEVERITY = ("ok", "unconverged", "weak", "rejected", "diverged", "refused")  # status.py's order
+
+
+def sensor_points(per_sensor: pd.DataFrame, methods: list[str]) -> pd.DataFrame:
+    """One row per (method, sensor) of the per-sensor figure: ``rmse`` (mean over seeds of
+    its test RMSE), ``status`` (``ok`` if ok in every seed, else its most severe other
+    status, in :mod:`fedcal.status`'s order of precedence) and ``drawn`` (a finite RMSE and
+    not diverged or refused). A table without a status column: every sensor ``ok``."""
+    rows = []
+    for method in methods:
+        part = per_sensor[per_sensor["method"] == method]
+        status = part["status"] if "status" in part else pd.Series("ok", index=part.index)
+        status = status.fillna("diverged").astype(str)
+        for client, idx in part.groupby("client", sort=True).groups.items():
+            rmse = float(part.loc[idx, "test_rmse"].astype(float).to_numpy().mean())
+            seen = set(status[idx])
+            worst = max(seen, key=lambda s: SEVERITY.index(s) if s in SEVERITY else 0)
+            drawn = bool(np.isfinite(rmse)) and worst not in NOT_DRAWN
+            rows.append(
+                {"method": method, "client": client, "rmse": rmse, "status": worst, "drawn": drawn}
+            )
+    return pd.DataFrame(rows, columns=["method", "client", "rmse", "status", "drawn"])
+
+
 def per_sensor_rmse(per_sensor: pd.DataFrame, methods: list[str], unit: str) -> Figure:
-    """Each sensor's test RMSE (mean over seeds) per method: a box and one dot per sensor."""
+    """Each sensor's test RMSE (mean over seeds) per method: a box over the ok sensors and
+    one dot per sensor, marked by status (:func:`sensor_points`), so that a reader sees
+    which sensors the means exclude. Diverged and refused sensors have no error to draw:
+    the panel names them with their status."""
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(methods) + 2), 4.5), layout="constrained")
-    diverged = []
+    points = sensor_points(per_sensor, methods)
+    missing, labelled = [], set()
     for i, method in enumerate(methods):
-        rmse = (
-            per_sensor[per_sensor["method"] == method]
-            .groupby("client")["test_rmse"]
-            .agg(lambda s: s.to_numpy().mean())
-            .to_numpy()
-        )
-        finite = rmse[np.isfinite(rmse)]
-        if len(finite) < len(rmse):
-            diverged.append(f"{method} ({len(rmse) - len(finite)} sensors)")
-        if len(finite) == 0:
+        part = points[points["method"] == method]
+        gone = part[~part["drawn"]]
+        missing += [
+            f"{method}: {c} ({s})" for c, s in zip(gone["client"], gone["status"], strict=True)
+        ]
+        part = part[part["drawn"]]
+        if part.empty:
             continue
-        ax.boxplot(finite, positions=[i], widths=0.5, showfliers=False)
-        offsets = np.linspace(-0.18, 0.18, len(finite)) if len(finite) > 1 else np.zeros(1)
-        ax.scatter(i + offsets, finite, s=10, color=_color(i), zorder=3)
+        ok = part["status"] == "ok"
+        if ok.any():
+            ax.boxplot(part.loc[ok, "rmse"].to_numpy(), positions=[i], widths=0.5, showfliers=False)
+        offsets = np.linspace(-0.18, 0.18, len(part)) if len(part) > 1 else np.zeros(1)
+        for status, rows in part.groupby("status", sort=False):
+            marker, color = STATUS_STYLE.get(status, ("o", _color(i)))
+            if status != "ok" and status not in STATUS_STYLE:
+                marker, color = "D", "dimgray"  # a status this figure does not know
+            label = f"{status} (not in the means)" if status != "ok" else None
+            ax.scatter(
+                i + offsets[part.index.get_indexer(rows.index)],
+                rows["rmse"],
+                s=10 if status == "ok" else 28,
+                marker=marker,
+                color=color,
+                zorder=3 if status == "ok" else 4,
+                label=label if label not in labelled else None,
+                gid=f"{method}|{status}",
+            )
+            labelled.add(label)
     ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
     ax.set_yscale("log")
     ax.set_ylabel(f"test RMSE per sensor ({unit})")
-    ax.set_title("per-sensor test RMSE (one dot per sensor)")
+    ax.set_title("per-sensor test RMSE (one dot per sensor; box: the ok sensors)")
     ax.grid(True, axis="y", which="both", alpha=0.3)
-    _diverged_note(ax, diverged)
+    if labelled - {None}:
+        ax.legend(fontsize=7, loc="lower right")
+    if missing:
+        ax.text(
+            0.01,
+            0.99,
+            "no error to draw: " + ", ".join(missing),
+            transform=ax.transAxes,
+            va="top",
+            fontsize=8,
+            color="crimson",
+            wrap=True,
+        )
     return fig
 
 
@@ -104,9 +166,16 @@ def _sensor_rmse(res: pd.DataFrame) -> pd.Series:
 
 
 def residuals_by_plateau(
-    residuals: dict[str, pd.DataFrame], target: str, temperature: str | None, unit: str
+    residuals: dict[str, pd.DataFrame],
+    target: str,
+    temperature: str | None,
+    unit: str,
+    statuses: dict[str, dict[str, str]] | None = None,
 ) -> Figure:
-    """Residual against reference, one line per temperature plateau; best and worst sensor."""
+    """Residual against reference, one line per temperature plateau; best and worst sensor.
+
+    ``statuses`` ({method: {sensor: status}}, the shown seed's): a sensor that is not ok
+    has its status in the panel's title (it is left out of the means)."""
     rows = len(residuals)
     fig, axes = plt.subplots(
         rows, 2, figsize=(11, 2.8 * rows + 0.5), layout="constrained", squeeze=False
@@ -128,9 +197,12 @@ def residuals_by_plateau(
                 label = f"{round(part[temperature].mean()):d} °C" if temperature else None
                 ax.plot(part[target], part["residual"], marker=".", label=label)
             ax.axhline(0, color="black", linewidth=0.6)
+            status = (statuses or {}).get(method, {}).get(str(sensor), "ok")
+            marked = "" if status == "ok" else f" [{status}, not in the means]"
             ax.set_title(
-                f"{method} — {which} sensor {sensor}: RMSE {finite[sensor]:.3g} {unit}",
+                f"{method} — {which} sensor {sensor}{marked}: RMSE {finite[sensor]:.3g} {unit}",
                 fontsize=9,
+                color="black" if status == "ok" else "darkorange",
             )
             ax.set_xlabel(f"{target} (reference)")
             ax.set_ylabel(f"residual ({unit})")

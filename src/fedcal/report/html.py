@@ -121,6 +121,18 @@ def summary_html(table: pd.DataFrame, unit: str) -> str:
     return "\n".join(out)
 
 
+def _statuses(per_sensor: pd.DataFrame, seed: int) -> dict[str, dict[str, str]]:
+    """{method: {sensor: status}} of one seed (per_sensor.csv); empty without statuses."""
+    if per_sensor.empty or "status" not in per_sensor.columns:
+        return {}
+    part = per_sensor[per_sensor["seed"] == seed]
+    status = part["status"].fillna("diverged").astype(str)
+    out: dict[str, dict[str, str]] = {}
+    for method, client, value in zip(part["method"], part["client"], status, strict=True):
+        out.setdefault(str(method), {})[str(client)] = value
+    return out
+
+
 def build_report(run_dir: str | Path, out: str | Path, seed: int | None = None) -> Report:
     """Write the HTML report of ``run_dir`` to ``out`` (atomically) and say what it holds."""
     if (Path(run_dir) / "units.csv").exists():
@@ -160,13 +172,16 @@ def build_report(run_dir: str | Path, out: str | Path, seed: int | None = None) 
     else:
         note("rounds", "Error against round", "the run has no per-round test RMSE (metrics.csv)")
 
-    per_sensor = run.per_sensor(budget)
+    per_sensor = run.per_sensor(budget, mask=False)  # every status, marked in the figure
     if regression and not per_sensor.empty:
         figure(
             "per-sensor",
             "Per-sensor RMSE by method",
             figures.per_sensor_rmse(per_sensor, ranked, unit),
-            f"Each sensor's test RMSE ({budget_text}), mean over seeds; best method first.",
+            f"Each sensor's test RMSE ({budget_text}), mean over seeds; best method first. "
+            "Boxes: the ok sensors; sensors of another status (weak, unconverged, rejected) "
+            "are drawn with their own marker (legend) and left out of the means; diverged "
+            "and refused sensors are named.",
         )
     else:
         note("per-sensor", "Per-sensor RMSE by method", "the run has no per-sensor test RMSE")
@@ -196,9 +211,12 @@ def build_report(run_dir: str | Path, out: str | Path, seed: int | None = None) 
         figure(
             "residuals",
             "Residuals by temperature plateau",
-            figures.residuals_by_plateau(res, fleet.target, temperature, unit),
+            figures.residuals_by_plateau(
+                res, fleet.target, temperature, unit, _statuses(per_sensor, seed)
+            ),
             f"Predicted − reference on the held-out points, seed {seed}, {budget_text}; one line "
-            "per temperature plateau; left the method's best sensor, right its worst. "
+            "per temperature plateau; left the method's best sensor, right its worst "
+            "(a status other than ok in its title). "
             f"Methods: the {len(detail)} best.",
         )
         if temperature:

@@ -164,6 +164,7 @@ class LinearForm:
             size += (t * (t + 1) // 2 + 1) * TYPE_BYTES[STAGES["FEDCAL_STD_T"]]
         if with_range:
             size += (2 * f + 2) * 4  # x_min, x_max, y_min, y_max (float)
+            size += 2 * f * 8  # in_range's widened bounds range_lo, range_hi (double: exact)
         return size
 
 
@@ -306,7 +307,9 @@ def _rows(values: np.ndarray, kind: str) -> str:
 
 
 def c_header(fleet, form: LinearForm, guard: str, range_lines: list[str]) -> str:
-    """The C99 header of a :class:`LinearForm` (API as the MLP header, plus σ)."""
+    """The C99 header of a :class:`LinearForm` (API as the MLP header, plus σ, and
+    ``fedcal_beyond_support`` when the form has the extrapolation guard's box: some input
+    outside it, the clamp of ``fedcal_features``, i.e. the method's ``beyond_support``)."""
     s = fleet.scaler
     t, f = form.terms.shape
     top = int(form.terms.max(initial=0))
@@ -512,6 +515,25 @@ def c_header(fleet, form: LinearForm, guard: str, range_lines: list[str]) -> str
         "    return (float)fedcal_calibrate_d(sensor, x);",
         "}",
     ]
+    lines += [f"#define FEDCAL_HAS_GUARD {int(guarded)}"]
+    if guarded:
+        lines += [
+            "/* 1 where the extrapolation guard linearizes: some input beyond the unit's support",
+            " * box (fedcal's beyond_support; the clamp of fedcal_features, same coordinates",
+            " * and stored box), else 0. */",
+            "static inline int fedcal_beyond_support(int sensor, const float *x) {",
+            "    (void)sensor;",
+            "    for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) {",
+            "        FEDCAL_SCALE_T z = ((FEDCAL_SCALE_T)x[j] - (FEDCAL_SCALE_T)fedcal_x_offset[j])"
+            " / (FEDCAL_SCALE_T)fedcal_x_scale[j];",
+            *unit_map,
+            f"        if (z < (FEDCAL_SCALE_T)fedcal_box_lo[{box_row}][j] ||"
+            f" z > (FEDCAL_SCALE_T)fedcal_box_hi[{box_row}][j])",
+            "            return 1;",
+            "    }",
+            "    return 0;",
+            "}",
+        ]
     if form.has_std:
         lines += [
             "/* Predictive standard deviation (posterior + noise + model form beyond the box) of",

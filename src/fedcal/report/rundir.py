@@ -117,14 +117,16 @@ class RunDir:
                 frames.append(read_table(f))
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
-    def per_sensor(self, train_points: int) -> pd.DataFrame:
+    def per_sensor(self, train_points: int, mask: bool = True) -> pd.DataFrame:
         """Every (method, seed, sensor)'s final errors at one point budget.
 
         A sensor whose ``status`` (where the file has one) is not ``ok`` gets NaN
-        errors, so that no figure draws a diverged model's numbers.
+        errors, so that no figure draws a diverged model's numbers; ``mask=False`` keeps
+        them, for a figure that marks each sensor by its status
+        (:func:`fedcal.report.figures.per_sensor_rmse`, which draws no diverged sensor).
         """
         frame = self._concat("per_sensor.csv", train_points)
-        if "status" in frame.columns:
+        if mask and "status" in frame.columns:
             bad = frame["status"].fillna("diverged").astype(str) != "ok"
             errors = [c for c in frame.columns if c.startswith(("test_", "train_"))]
             frame[errors] = frame[errors].astype(float).mask(bad, np.nan)
