@@ -22,6 +22,10 @@ mean over units, per fleet seed, RMSE (%RH) mean and worst unit, and the decline
 reason where the run states no interval.
 
     python studies/coverage_generic.py [--fleet-seeds 0,1,2] [--regimes few,mixed]
+        [--set noise_shape=inputs,noise_tail=student]
+
+``--set``: fedprior settings applied to every method (e.g. the noise model of
+``fedcal.algorithms.fedprior_noise``); the table's method column names them.
 """
 
 from __future__ import annotations
@@ -55,11 +59,13 @@ def fleet_of(regime: str, seed: int):
     return dataclasses.replace(few, frame=frame), ids[:20]
 
 
-def run_one(cfg, method: str, regime: str, seed: int) -> dict:
+def run_one(cfg, method: str, regime: str, seed: int, settings: dict | None = None) -> dict:
     fleet, predicted = fleet_of(regime, seed)
     tensors = prepare(fleet, cfg.data.scaling, cfg.engine.dtype)
     task = build_task(cfg, tensors.train.x.shape[-1], fleet.meta, client_inputs(tensors))
     algorithm = build_algorithm(method, cfg, task)
+    if settings:  # --set: string-valued fields (e.g. noise_shape, noise_tail)
+        algorithm = dataclasses.replace(algorithm, **settings)
     policy, _ = build_policy(cfg)
     result = simulate(
         algorithm, tensors, EngineConfig(**engine_settings(cfg), seed=0, aggregation=policy)
@@ -84,7 +90,9 @@ def main() -> None:
     ap.add_argument("--regimes", default="few,mixed")
     ap.add_argument("--methods", default="fedprior,fedprior_sensor")
     ap.add_argument("--rounds", type=int, default=50)
+    ap.add_argument("--set", default="", help="fedprior settings, e.g. noise_shape=inputs")
     args = ap.parse_args()
+    settings = dict(kv.split("=", 1) for kv in args.set.split(",") if kv)
     torch.set_num_threads(1)
     base = load_config("generic")
     cfg = dataclasses.replace(
@@ -94,9 +102,10 @@ def main() -> None:
     t0 = time.perf_counter()
     print("| regime | method | units | cov95 mean [per fleet seed] | RMSE mean | worst | note |")
     print("|---|---|---|---:|---:|---:|---|", flush=True)
+    tag = "".join(f", {v}" for v in settings.values())
     for regime in args.regimes.split(","):
         for method in args.methods.split(","):
-            per = [run_one(cfg, method, regime, s) for s in seeds]
+            per = [run_one(cfg, method, regime, s, settings) for s in seeds]
             for part in ("few", "rich") if regime.startswith("mixed") else ("few",):
                 c = [r[f"cov_{part}"] for r in per]
                 cov = "declined" if not np.isfinite(c).any() else f"{np.nanmean(c):.3f}"
@@ -106,7 +115,8 @@ def main() -> None:
                 notes = "; ".join(sorted({r["note"] for r in per if r["note"]}))
                 label = "8–15 pts" if part == "few" else "40–60 pts"
                 print(
-                    f"| {regime} | {method} ({per[0]['interval']}) | {label} | {cov} [{seeds_txt}] "
+                    f"| {regime} | {method} ({per[0]['interval']}{tag}) | {label} | {cov} "
+                    f"[{seeds_txt}] "
                     f"| {rm:.3f} | {wo:.3f} | {notes} |",
                     flush=True,
                 )

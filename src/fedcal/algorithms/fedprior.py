@@ -405,7 +405,9 @@ class FedPrior(
         chosen = self._e_step_sums(post, stats.gram, self._noise(down, state), reml)
         # The reply's leaf order is part of its wire format (and of DP's noise draws).
         reply = {key: chosen[key] for key in ("mean", "second", "gls_gram", "gls_rhs", "rss")}
-        reply.update(n=full.n, gram=full.gram, support=chosen["support"])
+        # The design's own Gram ΦᵀΦ (the input box's sums, the row-count check), unweighted.
+        gram = full.gram if rw is None else moments(design, data.y[..., 0], data.mask).gram
+        reply.update(n=full.n, gram=gram, support=chosen["support"])
         if self.interval == "calibrated" and "probe_x" in down:
             # Unscreened ("interval/"): a unit's residual terms scale with its rows.
             reply["interval"] = {
@@ -414,7 +416,7 @@ class FedPrior(
                 **self._heldout(down, state, data, rw),
             }
         if self.noise_shape == "inputs":  # γ's score, information and evidence (N2)
-            reply["noise"] = self._noise_terms(down, data, design, post, rw[0])
+            reply["noise"] = self._noise_terms(down, data, design, post, rw[1])
         own = self._sensor_noise(post.rss, full.n, down["noise_var"])
         new_state = {"noise_var": own if self.noise == "sensor" else state["noise_var"]}
         if self.select != "none":
@@ -623,7 +625,8 @@ class FedPrior(
             out["declined"] = (fleet_wide | (small & (code > 1)) | unknown).to(F64)
         out["box"] = self._unit_box(down.get("box"), data)
         if self.noise_shape == "inputs":  # σ²(x) = σ_i² exp(γᵀx) (fedprior_noise)
-            out["noise_gamma"] = down["noise_gamma"].to(F64).expand(data.num_clients, -1).clone()
+            gamma = down.get("noise_gamma", torch.zeros(self.num_inputs, dtype=F64))
+            out["noise_gamma"] = gamma.to(F64).expand(data.num_clients, -1).clone()
         return out
 
     def predict(self, params: Tree, x: Tensor) -> Tensor:
