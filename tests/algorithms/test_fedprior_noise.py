@@ -104,6 +104,19 @@ def test_coverage_of_a_heteroscedastic_fleet_holds_at_low_and_high_noise(hetero)
     assert out["constant"][0] > 0.985 and out["constant"][1] < 0.93, out  # what it fixes
 
 
+def test_dp_and_fedprior_drift_refuse_the_noise_settings_in_one_line():
+    from fedcal.algorithms.fedprior_drift import FedPriorDrift
+    from fedcal.core.algorithm import SettingError
+
+    alg = model(noise_shape="inputs")
+    with pytest.raises(ValueError, match="client-level DP covers noise_shape") as err:
+        alg.dp_statistics(alg.broadcast(alg.server_init({})))
+    assert "\n" not in str(err.value)
+    for params in ({"noise_shape": "inputs"}, {"noise_tail": "student"}):
+        with pytest.raises(SettingError, match="fedprior_drift supports noise_shape"):
+            FedPriorDrift(Task(MLP(in_features=2)), basis="total", degree=1, **params)
+
+
 def test_t_weight_constant_is_the_normal_expectation():
     for nu in (3.0, 4.0, 10.0):
         ref, _ = integrate.quad(

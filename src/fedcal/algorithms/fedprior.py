@@ -97,6 +97,13 @@ line), so a near-singular Gram (collinear features, thousands of rows, σ² → 
 the run. Extrapolation guard (the fleet's input support box, and the basis continued along its
 tangent plane beyond it): :mod:`fedcal.algorithms.fedprior_support`.
 
+Noise model (issues 20, 26; :mod:`fedcal.algorithms.fedprior_noise`, steps N1–N5): with
+``noise_shape = "inputs"`` the noise variance is σ_i² exp(γᵀx) at scaled input x, γ learned
+by the fleet from summed score/information terms and used only while BIC keeps it, the E-step
+a weighted least squares with row weights exp(−γᵀx); with ``noise_tail = "student"`` rows are
+Student-t by EM weights (ν = ``noise_dof``). Both opt-in (measured in docs/uncertainty.md,
+"The noise model": not free on clean fleets nor on field networks).
+
 Intervals (``interval = "calibrated"``, issue 20): the noise on residual degrees of freedom,
 a discrepancy variance learned by a design-matched hold-out, or no interval where the fleet
 cannot learn one (:mod:`fedcal.algorithms.fedprior_interval`, steps I1–I3).
