@@ -102,7 +102,7 @@ Noise model (issues 20, 26; :mod:`fedcal.algorithms.fedprior_noise`, steps N1–
 by the fleet from summed score/information terms and used only while BIC keeps it, the E-step
 a weighted least squares with row weights exp(−γᵀx); with ``noise_tail = "student"`` rows are
 Student-t by EM weights (ν = ``noise_dof``). Both opt-in (measured in docs/uncertainty.md,
-"The noise model": not free on clean fleets nor on field networks).
+"The noise model": they cost RMSE on a drifting field network).
 
 Intervals (``interval = "calibrated"``, issue 20): the noise on residual degrees of freedom,
 a discrepancy variance learned by a design-matched hold-out, or no interval where the fleet
