@@ -170,3 +170,27 @@ def test_student_rows_keep_outliers_out_of_the_noise_and_cost_nothing_without_th
     f = float((dirty.y - clean.y).abs().gt(0.5).double().sum() / dirty.count.sum())
     assert abs(noise["dirty", "student"] / true / (1 - f) - 1) < 0.05, (f, noise)
     assert abs(noise["clean", "student"] / true - 1) < 0.1  # consistent at the normal (κ_ν)
+
+
+def test_gamma_travels_in_prior_json_and_calibrate_states_the_same_sigma(hetero):
+    from fedcal.calibration import prior_server
+    from fedcal.data.scaling import Scaler
+
+    data, (server, _, personal, _) = hetero
+    alg = model(noise_shape="inputs")
+    prior = {
+        **alg.export_state(server),
+        "features": ["a", "b"],
+        "input_range": {"a": [-1.0, 1.0], "b": [-1.0, 1.0]},
+    }
+    assert prior["noise_gamma"] == server["noise_gamma"].tolist()
+    identity = Scaler(np.zeros(2), np.ones(2), np.zeros(1), np.ones(1), {})
+    stored = prior_server(prior, identity)
+    down = expand(alg.broadcast(stored), data.num_clients)
+    again = alg.personalize(down, alg.client_init(down), data)
+    # the training rows lie inside both support boxes: the same σ(x) as the federation's
+    torch.testing.assert_close(
+        alg.predictive_std(again, data.x), alg.predictive_std(personal, data.x), rtol=1e-9, atol=0
+    )
+    with pytest.raises(ValueError, match="noise_gamma: expected 2 finite values"):
+        prior_server({**prior, "noise_gamma": [0.1]}, identity)
