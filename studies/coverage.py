@@ -22,7 +22,10 @@ declines to state an interval, "declined" with its reason. Prints a Markdown tab
     python studies/coverage.py [--fleet-seeds 0,1,2] [--designs 3x2,4x3,6x4]
                                [--regimes all,mixed,mixed-nodir]
                                [--methods fedprior,fedprior_branch]
-                               [--rounds 50]
+                               [--rounds 50] [--set noise_shape=inputs,noise_tail=student]
+
+``--set``: string-valued fedprior settings applied to every method (e.g. the noise model of
+``fedcal.algorithms.fedprior_noise``).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from fedcal.data.fleet import DIRECTION_COLUMN
 from fedcal.engine.simulation import EngineConfig, prepare, simulate
 
 
-def run_one(cfg, method: str, directions: bool = True) -> dict:
+def run_one(cfg, method: str, directions: bool = True, settings: dict | None = None) -> dict:
     """One fleet, one method: coverage and RMSE of the predicted units, and any decline.
 
     ``directions=False``: the fleet's ``direction`` column is dropped (a chamber that
@@ -59,6 +62,8 @@ def run_one(cfg, method: str, directions: bool = True) -> dict:
     tensors = prepare(fleet, cfg.data.scaling, cfg.engine.dtype)
     task = build_task(cfg, tensors.train.x.shape[-1], fleet.meta, client_inputs(tensors))
     algorithm = build_algorithm(method, cfg, task)
+    if settings:  # --set: string-valued fields (e.g. noise_shape, noise_tail)
+        algorithm = dataclasses.replace(algorithm, **settings)
     policy, _ = build_policy(cfg)
     engine = EngineConfig(**engine_settings(cfg), seed=0, aggregation=policy)
     result = simulate(algorithm, tensors, engine)
@@ -107,6 +112,7 @@ def main() -> None:
     ap.add_argument("--regimes", default="all,mixed,mixed-nodir")
     ap.add_argument("--methods", default="fedprior,fedprior_branch")
     ap.add_argument("--rounds", type=int, default=50)
+    ap.add_argument("--set", default="", help="fedprior settings, e.g. noise_tail=student")
     args = ap.parse_args()
     torch.set_num_threads(1)
     base = load_config("fewpoint")
@@ -119,7 +125,8 @@ def main() -> None:
         for design in args.designs.split(","):
             for method in args.methods.split(","):
                 cfgs = [regime_config(base, regime, design, s, args.rounds) for s in seeds]
-                per = [run_one(c, method, not regime.endswith("nodir")) for c in cfgs]
+                settings = dict(kv.split("=", 1) for kv in args.set.split(",") if kv)
+                per = [run_one(c, method, not regime.endswith("nodir"), settings) for c in cfgs]
                 print(row(f"{regime}-{design}", method, per), flush=True)
     print(f"\nwall {time.perf_counter() - t0:.0f} s")
 

@@ -67,6 +67,19 @@ base = "leastsq"
 degree = 1
 pooled = true
 
+[methods.fedprior_noise]       # σ²(x) in the inputs, Student-t rows (fedprior_noise)
+base = "fedprior"
+noise_shape = "inputs"
+noise_tail = "student"
+
+[methods.fedprior_sigmax]      # σ²(x) in the inputs only
+base = "fedprior"
+noise_shape = "inputs"
+
+[methods.fedprior_t]           # Student-t rows only
+base = "fedprior"
+noise_tail = "student"
+
 [methods.persensor_quad]       # each sensor's own least-squares quadratic (a stronger reference)
 base = "leastsq"
 degree = 2

@@ -26,6 +26,7 @@ which ``fedcal report --html`` turns into a calibration report per unit.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -529,6 +530,13 @@ def prior_server(prior: dict[str, Any], scaler: Scaler) -> Tree:
         for key, name in (("disc_var", "discrepancy_var"), ("probe_n", "probe_rows")):
             server[key] = torch.tensor(float(iv[name]), dtype=F64)
         server["declined"] = torch.tensor(float(iv["declined"]), dtype=F64)
+    if "noise_gamma" in prior:  # the noise in the inputs, σ² exp(γᵀx) (fedprior_noise)
+        gamma = [float(g) for g in prior["noise_gamma"]]
+        if len(gamma) != len(prior["features"]) or not all(map(math.isfinite, gamma)):
+            raise ValueError(
+                f"prior.json: noise_gamma: expected {len(prior['features'])} finite values"
+            )
+        server["noise_gamma"] = torch.tensor(gamma, dtype=F64)
     if "drift" in prior:  # fedprior_drift: the fleet's drift variance and time scale
         drift = prior["drift"]
         server["drift"] = {

@@ -97,6 +97,13 @@ line), so a near-singular Gram (collinear features, thousands of rows, σ² → 
 the run. Extrapolation guard (the fleet's input support box, and the basis continued along its
 tangent plane beyond it): :mod:`fedcal.algorithms.fedprior_support`.
 
+Noise model (issues 20, 26; :mod:`fedcal.algorithms.fedprior_noise`, steps N1–N5): with
+``noise_shape = "inputs"`` the noise variance is σ_i² exp(γᵀx) at scaled input x, γ learned
+by the fleet from summed score/information terms and used only while BIC keeps it, the E-step
+a weighted least squares with row weights exp(−γᵀx); with ``noise_tail = "student"`` rows are
+Student-t by EM weights (ν = ``noise_dof``). Both opt-in (measured in docs/uncertainty.md,
+"The noise model": they cost RMSE on a drifting field network).
+
 Intervals (``interval = "calibrated"``, issue 20): the noise on residual degrees of freedom,
 a discrepancy variance learned by a design-matched hold-out, or no interval where the fleet
 cannot learn one (:mod:`fedcal.algorithms.fedprior_interval`, steps I1–I3).
@@ -139,6 +146,7 @@ from pydantic import Field
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
+from fedcal.algorithms.fedprior_noise import NoiseModel, weighted_moments
 from fedcal.algorithms.fedprior_robust import RobustUploads, _weighted
 from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
@@ -171,7 +179,13 @@ from fedcal.models.basis import (
 
 @dataclass(frozen=True)
 class FedPrior(
-    EvidenceSelection, CalibratedInterval, SupportBox, PriorStatus, RobustUploads, Algorithm
+    EvidenceSelection,
+    CalibratedInterval,
+    NoiseModel,
+    SupportBox,
+    PriorStatus,
+    RobustUploads,
+    Algorithm,
 ):
     @property
     def uses_local_epochs(self) -> bool:  # closed form (EM)
@@ -189,6 +203,12 @@ class FedPrior(
     # "fleet": one σ²; "sensor": σ_i² shrunk toward the fleet's
     noise: Literal["fleet", "sensor"] = "fleet"
     noise_prior_points: Annotated[float, Field(gt=0.0)] = 4.0  # ν of the per-sensor noise
+    # Noise in the inputs (fedprior_noise, N1–N3): "inputs": σ²(x) = σ_i² exp(γᵀx), γ shared
+    # by the fleet and in use only while its evidence beats BIC; "constant": one σ_i² over x.
+    noise_shape: Literal["constant", "inputs"] = "constant"
+    # "student": t-distributed rows by EM weights (N4), outliers neither pull nor inflate σ²
+    noise_tail: Literal["gaussian", "student"] = "gaussian"
+    noise_dof: Annotated[float, Field(gt=2.0)] = 4.0  # ν of the Student-t rows
     # prior std of every coefficient, and the noise std, before any data (scaled units)
     init_scale: Annotated[float, Field(gt=0.0)] = 1.0
     init_noise: Annotated[float, Field(gt=0.0)] = 0.1
@@ -230,7 +250,7 @@ class FedPrior(
     # With select = "bic" every candidate's statistics travel under "cand/"; the server
     # judges a client (screening, Krum) by the chosen candidate's statistics only: a
     # sub-basis that misfits the fleet has large statistics for honest units too.
-    unscreened_replies = ("cand/", "interval/")
+    unscreened_replies = ("cand/", "interval/", "noise/")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "orders", tuple(int(o) for o in self.orders))
@@ -286,6 +306,8 @@ class FedPrior(
         shapes = {"coef": (p,), "cov": (p, p), "noise_var": (), "box": (2, self.num_inputs)}
         if self.interval == "calibrated":  # τ_i² and whether the unit's interval is declined
             shapes.update(disc_var=(), declined=())
+        if self.noise_shape == "inputs":  # γ of σ²(x) = σ_i² exp(γᵀx) (fedprior_noise)
+            shapes["noise_gamma"] = (self.num_inputs,)
         return shapes
 
     def design(self, x: Tensor, branch: Tensor | None = None) -> Tensor:
@@ -312,6 +334,10 @@ class FedPrior(
         }
         if self.interval == "calibrated":
             start.update(self._interval_init())
+        if self.noise_shape == "inputs":  # γ in use, its iterate and the fleet's ratio (N2, N3)
+            zero = torch.zeros(self.num_inputs, dtype=F64)
+            start.update(noise_gamma=zero, noise_gamma_fit=zero.clone())
+            start["noise_ratio"] = torch.tensor(0.0, dtype=F64)
         if self.select == "none":
             return {**start, "box": self._open_box()}
         k = len(self.candidates)
@@ -331,6 +357,7 @@ class FedPrior(
         if "box" in server:  # the fleet's input support (extrapolation guard)
             down["box"] = server["box"]
         down.update({k: server[k] for k in INTERVAL_KEYS if k in server})
+        down.update({k: server[k] for k in ("noise_gamma", "noise_gamma_fit") if k in server})
         if self.select != "none":
             down["mask"] = server["mask"]
             down["cand"] = {k: server["cand"][k] for k in ("mu", "sigma", "noise_var")}
@@ -345,9 +372,14 @@ class FedPrior(
     def _noise(self, down: Tree, state: Tree) -> Tensor:
         return state["noise_var"] if self.noise == "sensor" else down["noise_var"]
 
-    def _moments(self, data: ClientData) -> Moments:
-        """The unit's moments of the whole design [φ, b·ψ] (module doc, step 1)."""
-        return moments(self.design(data.x, data.branch), data.y[..., 0], data.mask)
+    def _moments(self, data: ClientData, down: Tree | None = None) -> Moments:
+        """The unit's moments of the whole design [φ, b·ψ] (module doc, step 1); with a
+        noise model in the inputs or Student-t rows, its rows weighted (fedprior_noise, N1)."""
+        design = self.design(data.x, data.branch)
+        rw = None if down is None else self._row_weights(down, data, design)
+        if rw is None:
+            return moments(design, data.y[..., 0], data.mask)
+        return weighted_moments(design, data.y[..., 0], data.mask, rw[0])
 
     def _posterior(self, down: Tree, state: Tree, full: Moments) -> tuple[Moments, Posterior]:
         """The posterior under the broadcast prior; with selection, the chosen candidate's."""
@@ -361,10 +393,16 @@ class FedPrior(
 
     def _client_moments(self, down: Tree, data: ClientData) -> Moments:
         """The moments the E-step uses (fedprior_drift whitens them by its drift)."""
-        return self._moments(data)
+        return self._moments(data, down)
 
     def client_update(self, down: Tree, state: Tree, data: ClientData) -> ClientResult:
-        full = self._client_moments(down, data)  # once: candidates' moments are masks of these
+        design, rw = None, None
+        if self.noise_weighted:  # rows weighted by 1/σ²(x) and t-weights (fedprior_noise, N1/N4)
+            design = self.design(data.x, data.branch)
+            rw = self._row_weights(down, data, design)
+            full = weighted_moments(design, data.y[..., 0], data.mask, rw[0])
+        else:
+            full = self._client_moments(down, data)  # once: candidates' are masks of these
         # With selection the chosen candidate's E-step is also in the batch below, but is
         # computed on its own: with noise = "sensor" its σ_i² is last round's choice's (not
         # always this round's); with one fleet σ² the batched one differs in the last bits
@@ -374,14 +412,18 @@ class FedPrior(
         chosen = self._e_step_sums(post, stats.gram, self._noise(down, state), reml)
         # The reply's leaf order is part of its wire format (and of DP's noise draws).
         reply = {key: chosen[key] for key in ("mean", "second", "gls_gram", "gls_rhs", "rss")}
-        reply.update(n=full.n, gram=full.gram, support=chosen["support"])
+        # The design's own Gram ΦᵀΦ (the input box's sums, the row-count check), unweighted.
+        gram = full.gram if rw is None else moments(design, data.y[..., 0], data.mask).gram
+        reply.update(n=full.n, gram=gram, support=chosen["support"])
         if self.interval == "calibrated" and "probe_x" in down:
             # Unscreened ("interval/"): a unit's residual terms scale with its rows.
             reply["interval"] = {
                 "dof": chosen["dof"],
                 "fit": chosen["fit"],
-                **self._heldout(down, state, data),
+                **self._heldout(down, state, data, rw),
             }
+        if self.noise_shape == "inputs":  # γ's score, information and evidence (N2)
+            reply["noise"] = self._noise_terms(down, data, design, post, rw[1])
         own = self._sensor_noise(post.rss, full.n, down["noise_var"])
         new_state = {"noise_var": own if self.noise == "sensor" else state["noise_var"]}
         if self.select != "none":
@@ -432,6 +474,11 @@ class FedPrior(
         Legendre terms of inputs in [−1, 1], ‖Φ_iᵀΦ_i‖_F ≤ n_i p; the support's
         eigenvalues lie in [0, 1).
         """
+        if self.noise_weighted:
+            raise ValueError(
+                "fedprior: client-level DP covers noise_shape = 'constant' and noise_tail = "
+                "'gaussian' only (the noise model's sums and row weights are not bounded)"
+            )
         if self.interval != "posterior":
             raise ValueError(
                 "fedprior: client-level DP covers interval = 'posterior' only (the hold-out "
@@ -512,7 +559,8 @@ class FedPrior(
         robust = self.outlier_weights(server, replies)
         if robust is not None and bool((robust.weights != 1).any()):  # all 1: the plain sums
             replies = _weighted(replies, robust.weights)
-        total = {k: v[order].sum(0) for k, v in replies.items() if k not in ("cand", "interval")}
+        skip = ("cand", "interval", "noise")
+        total = {k: v[order].sum(0) for k, v in replies.items() if k not in skip}
         if "interval" in replies:  # the restricted noise update's sums (module doc, I1)
             total.update({k: replies["interval"][k][order].sum(0) for k in ("dof", "fit")})
         count = torch.tensor(float(replies["mean"].shape[0]), dtype=F64)
@@ -525,6 +573,8 @@ class FedPrior(
             )
             new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
             new["box"] = self._input_box(total["gram"])
+            if "noise" in replies:  # γ's step and test (fedprior_noise, N2–N3)
+                new.update(self._noise_update(server, replies["noise"], order, total["n"]))
             return {**new, **self._interval_update(server, replies, order, total)}
         cand = {k: v[order].sum(0) for k, v in replies["cand"].items()}
         masks = self.masks
@@ -556,6 +606,11 @@ class FedPrior(
             "scores": scores,
             "cand": stacked,
             **self._interval_update(server, replies, order, total),
+            **(
+                self._noise_update(server, replies["noise"], order, total["n"])
+                if "noise" in replies
+                else {}
+            ),
         }
 
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
@@ -576,6 +631,9 @@ class FedPrior(
             fleet_wide = (code == 1) | (code == 5)
             out["declined"] = (fleet_wide | (small & (code > 1)) | unknown).to(F64)
         out["box"] = self._unit_box(down.get("box"), data)
+        if self.noise_shape == "inputs":  # σ²(x) = σ_i² exp(γᵀx) (fedprior_noise)
+            gamma = down.get("noise_gamma", torch.zeros(self.num_inputs, dtype=F64))
+            out["noise_gamma"] = gamma.to(F64).expand(data.num_clients, -1).clone()
         return out
 
     def predict(self, params: Tree, x: Tensor) -> Tensor:
@@ -595,6 +653,9 @@ class FedPrior(
         """
         q, s = self.variance_form(params)
         var = predictive_var(self.variance_design(x), q, s)
+        excess = self.noise_excess(params, x)  # σ_i²(exp(γᵀg(x)) − 1): σ²(x) at the query
+        if excess is not None:
+            var = var + excess
         phi, beyond = self._guarded(params, x, self.terms)
         if any_beyond(beyond):  # beyond the support: + (polynomial − linearized)² (model form)
             coef = params["coef"][..., : len(self.terms)].to(F64).unsqueeze(1)

@@ -77,7 +77,7 @@ from pydantic import Field
 from torch import Tensor
 
 from fedcal.algorithms.fedprior import FedPrior
-from fedcal.core.algorithm import ClientResult
+from fedcal.core.algorithm import ClientResult, SettingError
 from fedcal.core.bayes import F64, Moments, posterior, safe_cholesky
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree
@@ -203,6 +203,15 @@ class FedPriorDrift(FedPrior):
         n = full.n.unsqueeze(1).expand_as(yy)
         logdet = torch.log1p(qq * lam.unsqueeze(1) / s2).sum(-1)
         return Moments(gram, rhs, yy.clamp_min(0.0), n), logdet
+
+    def check_task(self, task) -> None:
+        super().check_task(task)
+        if self.noise_weighted:  # its whitened moments assume one constant noise per unit
+            raise SettingError(
+                "noise_shape",
+                "fedprior_drift supports noise_shape = 'constant' and noise_tail = 'gaussian' "
+                "only (the drift's whitening is not weighted by row yet); use fedprior",
+            )
 
     def _client_moments(self, down: Tree, data: ClientData) -> Moments:
         """fedprior's E-step moments: whitened by the broadcast drift q (static at q = 0)."""

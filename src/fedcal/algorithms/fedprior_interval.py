@@ -57,6 +57,7 @@ import math
 import torch
 from torch import Tensor
 
+from fedcal.algorithms.fedprior_noise import weighted_moments
 from fedcal.algorithms.fedprior_select import _masked
 from fedcal.core.bayes import (
     F64,
@@ -129,7 +130,13 @@ class CalibratedInterval:
             "dof": zero.clone(),  # the fleet's residual degrees of freedom Σ_i ν_i
         }
 
-    def _heldout(self, down: Tree, state: Tree, data: ClientData) -> Tree:
+    def _heldout(
+        self,
+        down: Tree,
+        state: Tree,
+        data: ClientData,
+        weights: tuple[Tensor, Tensor] | None = None,
+    ) -> Tree:
         """A unit's design-matched hold-out (step I2): its uploads to the interval's sums.
 
         A unit with at least twice the probe's rows keeps, for each probe row, its own
@@ -142,7 +149,9 @@ class CalibratedInterval:
         the sweep mixture's interval of the same variance, as :meth:`interval_halfwidth`
         states it). Every unit with at
         most ``probe_rows`` rows also uploads its inputs' span positions and directions
-        (the server's candidate probe: chamber set points, no targets).
+        (the server's candidate probe: chamber set points, no targets). ``weights``: the noise
+        model's row weights and inliers (fedprior_noise, N5): the probe fit is weighted, σ²(x)
+        is stated at each held row, and rows the robust fit marks as outliers are not counted.
         """
         x, y, mask = data.x.to(F64), data.y[..., 0].to(F64), data.mask.to(F64)
         c, rows = mask.shape
@@ -164,7 +173,12 @@ class CalibratedInterval:
             1, nearest, valid, "amax", include_self=True
         )
         keep, held = keep * able, mask * (1 - keep) * able
-        sub = moments(self.design(x, data.branch), y, keep)
+        design = self.design(x, data.branch)
+        if weights is None:
+            sub = moments(design, y, keep)
+        else:  # N5: the weighted probe fit; held rows the robust fit marks outliers not counted
+            sub = weighted_moments(design, y, keep, weights[0])
+            held = held * weights[1]
         stats = _masked(sub, down["mask"]) if "mask" in down else sub
         noise = self._noise(down, state)
         post = posterior(stats, down["mu"], down["sigma"], noise)
@@ -172,7 +186,7 @@ class CalibratedInterval:
         if "mask" in down:  # as in personalize: terms outside the chosen basis are not in it
             m = down["mask"]
             coef, cov = coef * m, cov * m.unsqueeze(-1) * m.unsqueeze(-2)
-        mean, var = self._mean_var(coef, cov, noise, x)
+        mean, var = self._mean_var(coef, cov, noise, x, down)
         if self.branch_orders:  # the stated interval is the sweep mixture's (interval_halfwidth)
             err = (y - mean).abs().unsqueeze(-1)
             h = coef[..., len(self.terms) :].unsqueeze(1)
@@ -197,14 +211,19 @@ class CalibratedInterval:
             "held": held.sum(1),
         }
 
-    def _mean_var(self, coef: Tensor, cov: Tensor, noise: Tensor, x: Tensor):
+    def _mean_var(self, coef: Tensor, cov: Tensor, noise: Tensor, x: Tensor, down: Tree):
         """φᵀm_c and the predictive variance of :meth:`variance_form` per row (clients, rows)
-        for a posterior (coef, cov) and noise σ_i²: the hold-out's predictions (I2)."""
+        for a posterior (coef, cov) and noise σ_i²: the hold-out's predictions (I2); with the
+        noise in the inputs, σ_i² exp(γᵀx) at each row (fedprior_noise)."""
         coef, p = coef.to(F64), len(self.terms)
         mean = (legendre_products(x, self.terms) * coef[..., :p].unsqueeze(1)).sum(-1)
         noise = noise.to(F64).expand(cov.shape[:-2])  # one σ² per unit (a fleet's: broadcast)
         q, s = self.variance_form({"coef": coef, "cov": cov, "noise_var": noise})
-        return mean, predictive_var(self.variance_design(x), q, s)
+        var = predictive_var(self.variance_design(x), q, s)
+        if "noise_gamma" in down:
+            excess = self.noise_excess({"noise_var": noise, "noise_gamma": down["noise_gamma"]}, x)
+            var = var if excess is None else var + excess
+        return mean, var
 
     def _interval_update(self, server: Tree, replies: Tree, order: Tensor, total: dict) -> Tree:
         """The server's step I3: the probe, τ² from the hold-out sums, and whether to decline."""

@@ -121,6 +121,8 @@ class PriorStatus:
             "noise_prior_points": self.noise_prior_points,
             "identification": self.identification(server),
         }
+        if self.noise_shape == "inputs":  # σ²(x) = σ² exp(γᵀx), x scaled (fedprior_noise)
+            state["noise_gamma"] = server["noise_gamma"].tolist()
         if self.interval == "calibrated":
             state["interval"] = {
                 "rule": "calibrated",
