@@ -57,8 +57,7 @@ calibration inputs, v̄(t) = v̄₀ + d̄ (t − t_i), reaches ``recalibrate_rat
 i.e. its σ has grown by that factor: t_i + (ratio² − 1) v̄₀ / d̄ (empty when q = 0: never).
 
 Reduction: with q = 0 (planted or learned) every moment is fedprior's exactly, and so are
-the predictions and intervals. Without a time column (e.g. chamber data, a Flower site,
-which does not carry times) no unit has a span, q stays 0 and the run is fedprior's;
+the predictions and intervals. Without a time column (e.g. chamber data) no unit has a span, q stays 0 and the run is fedprior's;
 ``prior.json`` says so (``drift.note``).
 Simplifications: the noise level in R̄ is the fleet's (also with ``noise = "sensor"``); the
 hold-out of calibrated intervals (fedprior's I2) fits its probe rows without drift; the
