@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fedcal.algorithms.fedprior import FedPrior
-from fedcal.algorithms.fedprior_drift import NO_TIME, FedPriorDrift
+from fedcal.algorithms.fedprior_drift import DRIFT_GRID, NO_TIME, FedPriorDrift
 from fedcal.core.bayes import F64, moments
 from fedcal.core.data import ClientData
 from fedcal.core.task import Task
@@ -345,3 +345,40 @@ def test_honest_uploads_under_a_learned_drift_pass_the_consistency_check():
     declared[3] = 40
     bad = alg.inconsistent_replies(rounds.server, reply, declared, everyone)
     assert list(bad) == [3] and "declares 20 rows" in bad[3]
+
+
+@pytest.mark.parametrize("q", [0.0, 0.5])
+def test_a_forged_drift_evidence_row_is_rejected_and_honest_ones_pass(q):
+    """The drift uploads are checked against the unit's row count and its own E-step
+    (fedprior_drift.drift_problems): honest units pass, with the learned q = 0 or > 0; a unit
+    that lowers its evidence at q = 0 (so that drift looks better), or claims at some q more
+    evidence than its rows allow at the broadcast σ², is rejected with its reason."""
+    from fedcal.core.tree import expand
+
+    train, _ = planted(q=q, units=8, rows=20, future=2, seed=4)
+    alg = make()
+    rounds = run_rounds(alg, train, 3)
+    server = rounds.server
+    assert (float(server["drift"]["q"]) > 0) == (q > 0)
+    down = expand(alg.broadcast(server), 8)
+    reply = alg.client_update(down, rounds.states, train).reply
+    everyone = torch.ones(8, dtype=torch.bool)
+    assert alg.inconsistent_replies(server, reply, train.count, everyone) == {}
+    loglik = reply["drift"]["loglik"].clone()
+    n = float(train.count[5])
+    cap = -0.5 * n * math.log(2 * math.pi * float(server["noise_var"]))
+    loglik[5, -1] = cap + 1.0  # more than 20 rows at the broadcast σ² can give
+    at = int(torch.argmin((DRIFT_GRID - float(server["drift"]["q"])).abs()))
+    loglik[2, at] += 5.0  # the evidence at the broadcast q, raised above its E-step's
+    if q == 0:
+        loglik[6, 0] -= 20.0  # ... and lowered (at q = 0 it must equal the E-step's)
+    forged = {**reply, "drift": {**reply["drift"], "loglik": loglik}}
+    bad = alg.inconsistent_replies(server, forged, train.count, everyone)
+    assert sorted(bad) == ([2, 5, 6] if q == 0 else [2, 5])
+    assert "above what 20 rows" in bad[5] and "disagrees with its E-step" in bad[2]
+    # round 0 (no time scale yet): the grid is not evaluated and must be all zeros
+    first = alg.server_init({})
+    assert float(first["drift"]["scale"]) == 0
+    down0 = expand(alg.broadcast(first), 8)
+    reply0 = alg.client_update(down0, alg.client_init(down0), train).reply
+    assert not alg.inconsistent_replies(first, reply0, train.count, everyone)
