@@ -71,6 +71,19 @@ pooled = true
 base = "leastsq"
 degree = 2
 
+[methods.fedprior_drift_static] # q in use only: prior, basis and σ² fitted as fedprior's
+base = "fedprior_drift"
+drift_prior = "static"
+
+[methods.fedprior_drift_walk]  # the prior fitted under the walk (ECM), q by the future check
+base = "fedprior_drift"
+drift_prior = "walk"
+
+[methods.fedprior_drift_evidence]  # the prior under the walk, q by in-sample evidence
+base = "fedprior_drift"
+drift_prior = "walk"
+drift_fit = "evidence"
+
 [methods.pooled_quad]          # one fleet-wide least-squares quadratic
 base = "leastsq"
 degree = 2

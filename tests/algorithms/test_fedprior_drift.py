@@ -382,3 +382,40 @@ def test_a_forged_drift_evidence_row_is_rejected_and_honest_ones_pass(q):
     down0 = expand(alg.broadcast(first), 8)
     reply0 = alg.client_update(down0, alg.client_init(down0), train).reply
     assert not alg.inconsistent_replies(first, reply0, train.count, everyone)
+
+
+def test_future_scores_equal_the_dense_gaussian_prediction():
+    """A unit's held-out score (``drift_fit = "future"``) against Gaussian conditioning done
+    densely: rows at times 0..7, the last quarter of the span (t = 6, 7) held out; the past's
+    posterior at t_p = 5 under y = Φc + w + ε with Cov(w_r, w_r') = q·min(τ_r, τ_r')·Σ
+    (τ = 5 − t, one bin per row: the exact walk), and each held-out row scored by
+    N(φᵀm, σ² + φᵀVφ + q(t − 5)φᵀΣφ), for every q of the grid."""
+    alg = make(drift_bins=6)
+    rng = np.random.default_rng(2)
+    n = 8
+    x = torch.tensor(rng.uniform(-1, 1, (1, n, 1)))
+    y = torch.tensor(rng.normal(size=(1, n, 1)))
+    t = torch.arange(n, dtype=F64).unsqueeze(0)
+    data = ClientData(x, y, torch.tensor([n]), (0,), time=t)
+    mu = torch.tensor([[0.3, -0.2]], dtype=F64)
+    sigma = torch.tensor([[0.5, 0.1], [0.1, 0.3]], dtype=F64).unsqueeze(0)
+    noise = torch.tensor([0.2], dtype=F64)
+    down = {"mu": mu, "sigma": sigma, "noise_var": noise}
+    down["drift"] = {"scale": torch.tensor([1.0], dtype=F64), "q": torch.tensor([0.0])}
+    got = alg._future_scores(down, {"noise_var": noise}, data)[0]
+    phi = alg.design(x)[0]
+    past, fut = phi[:6], phi[6:]
+    tau = 5.0 - t[0, :6]
+    s = sigma[0]
+    want = []
+    for q in DRIFT_GRID.tolist():
+        walk = q * torch.minimum(tau.unsqueeze(0), tau.unsqueeze(1)) * (past @ s @ past.T)
+        c = noise * torch.eye(6, dtype=F64) + past @ s @ past.T + walk
+        gain = s @ past.T @ torch.linalg.inv(c)
+        m = mu[0] + gain @ (y[0, :6, 0] - past @ mu[0])
+        v = s - gain @ past @ s
+        var = noise + ((fut @ v) * fut).sum(1) + q * (t[0, 6:] - 5.0) * ((fut @ s) * fut).sum(1)
+        r = y[0, 6:, 0] - fut @ m
+        want.append(float((-0.5 * (torch.log(2 * math.pi * var) + r**2 / var)).sum()))
+    torch.testing.assert_close(got, torch.tensor(want, dtype=F64), rtol=1e-6, atol=1e-6)
+    assert float(got[0]) != float(got[-1])  # the walk changes the score

@@ -103,6 +103,10 @@ class FedPriorDrift(FedPrior):
     drift_fit: Literal["future", "evidence"] = "future"
     # "future": the last fraction of each unit's calibration span held out as its future
     drift_holdout: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.25
+    # The prior's fit: "walk", its E-step whitened by the broadcast q (ECM: μ, Σ, σ² and the
+    # basis fitted under the walk); "static", fedprior's fit (q acts in use only: the
+    # personalized posterior at t_i and its σ growing after it).
+    drift_prior: Literal["walk", "static"] = "walk"
 
     name = "fedprior_drift"
     # A unit's drift evidences grow with its rows, like its residual terms: not screened.
@@ -212,7 +216,10 @@ class FedPriorDrift(FedPrior):
         return Moments(gram, rhs, yy.clamp_min(0.0), n), logdet
 
     def _client_moments(self, down: Tree, data: ClientData) -> Moments:
-        """fedprior's E-step moments: whitened by the broadcast drift q (static at q = 0)."""
+        """fedprior's E-step moments: whitened by the broadcast drift q (static at q = 0);
+        ``drift_prior = "static"``: the static ones."""
+        if self.drift_prior == "static":
+            return self._moments(data)
         return self._walk_moments(down, data)
 
     def _personal_moments(self, down: Tree, data: ClientData) -> Moments:
@@ -369,6 +376,7 @@ class FedPriorDrift(FedPrior):
             server,
             main,
             future_bound=self.noise == "fleet",
+            e_step_q=0.0 if self.drift_prior == "static" else float(server["drift"]["q"]),
         )
         for j, why in found.items():
             whys.setdefault(int(idx[j]), why)
@@ -403,7 +411,7 @@ class FedPriorDrift(FedPrior):
         # With q > 0 and drift_fit = "evidence" the E-step's Gram is whitened, G̃ = ΦᵀR̄⁻¹Φ: its
         # constant term 1ᵀR̄⁻¹1 is below n (still PSD, and the GLS identities still hold, so
         # those are checked). "future" uploads the static moments.
-        return not float(server["drift"]["q"]) > 0
+        return self.drift_prior == "static" or not float(server["drift"]["q"]) > 0
 
     def dp_statistics(self, down: Tree):
         raise ValueError("fedprior_drift: client-level DP is not covered (use fedprior)")
@@ -502,6 +510,7 @@ def drift_problems(
     server: Tree,
     main: Tree | None,
     future_bound: bool = True,
+    e_step_q: float | None = None,
 ) -> dict[int, str]:
     """Units whose drift uploads cannot be what their declared rows give, with why.
 
@@ -511,7 +520,8 @@ def drift_problems(
     a. every ℓ(q_k) and every future score is finite, and the span ≥ 0; before the fleet's
        time scale is known (round 0) the grid is not evaluated: every entry 0;
     b. ℓ(q_k) ≤ −½ n log 2πσ² (|C| ≥ σ²ⁿ, rᵀC⁻¹r ≥ 0), n the unit's row count;
-    c. at the broadcast q, ℓ(q) + ½ log|R̄| is the evidence of the E-step it uploaded
+    c. at the q of its E-step (``e_step_q``, default the broadcast q), ℓ(q) + ½ log|R̄| is
+       the evidence of the E-step it uploaded
        (:func:`evidence_from_upload`): equal at q = 0 (R̄ = I), ℓ(q) ≤ it for q > 0; needs
        the E-step's σ² to be the broadcast one (``main`` None: not checked);
     d. (``future_bound``, the broadcast σ²) each held-out row's predictive variance is
@@ -525,7 +535,7 @@ def drift_problems(
     rows = n.to(F64)
     cap = -0.5 * rows * torch.log(2 * math.pi * s2)
     tol = EVIDENCE_TOL * (1.0 + loglik.abs().amax(-1) + rows)
-    q = float(server["drift"]["q"])
+    q = float(server["drift"]["q"]) if e_step_q is None else e_step_q
     out: dict[int, str] = {}
     finite = torch.isfinite(loglik).all(-1) & torch.isfinite(future).all(-1)
     finite &= torch.isfinite(span) & (span >= 0)
