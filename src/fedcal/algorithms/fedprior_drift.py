@@ -106,7 +106,7 @@ class FedPriorDrift(FedPrior):
     # The prior's fit: "walk", its E-step whitened by the broadcast q (ECM: μ, Σ, σ² and the
     # basis fitted under the walk); "static", fedprior's fit (q acts in use only: the
     # personalized posterior at t_i and its σ growing after it).
-    drift_prior: Literal["walk", "static"] = "walk"
+    drift_prior: Literal["walk", "static"] = "static"
 
     name = "fedprior_drift"
     # A unit's drift evidences grow with its rows, like its residual terms: not screened.
