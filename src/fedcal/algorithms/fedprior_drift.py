@@ -39,12 +39,39 @@ Older rows are correlated with each other through the walk, so they count less: 
 posterior weighs recent points more. :meth:`_client_moments` hands these moments to
 fedprior's E-step, M-step, selection and intervals unchanged.
 
-Learning q (ECM). Each round every unit also uploads its log-evidence
-log p(y_i | μ, Σ, σ², q_k) for each q_k of :data:`DRIFT_GRID` (and its span); the server
-adds them and keeps the q_k of highest fleet evidence, or q = 0 unless that beats q = 0 by
-a likelihood-ratio test (2Δ log p > ``drift_test``, 3.84: χ²₁ at 5 %). The next round's
-E-step uses it. The σ² step treats R̄ as fixed at the broadcast σ² (a fixed-point step).
-Round 0 has no time scale yet and runs with q = 0.
+Choosing q. Each round every unit uploads, for each q_k of :data:`DRIFT_GRID` (and its
+span), two scores under the broadcast prior; the server adds them over units (in canonical
+order, each weighted like its M-step statistics) and keeps the q_k of highest fleet score,
+or q = 0 unless that beats q = 0 by ½ ``drift_test`` (1.92) nats. Round 0 has no time scale
+yet and runs with q = 0. Which score (``drift_fit``):
+
+* ``"future"`` (default): the unit's **held-out future**. The last ``drift_holdout`` (25 %)
+  of its calibration span is held out; the posterior at the latest earlier row t_p, from the
+  earlier rows whitened by q_k, predicts each held-out row as the unit would in use,
+  N(φᵀm, σ² + φᵀVφ + (q_k/T)(t − t_p)φᵀΣ_dφ), and the score is the sum of the held-out
+  rows' log densities (:meth:`FedPriorDrift._future_scores`). A walk that only absorbs the
+  basis's misfit in time (a seasonal error of a too-small basis) does not predict the next
+  period and is not chosen for it.
+* ``"evidence"``: the in-sample log-evidence log p(y_i | μ, Σ, σ², q_k) (a likelihood-ratio
+  test, χ²₁ at 5 %). Measured on a generated 8-feature network with short co-locations
+  (docs/field.md) it let the walk take the place of the basis's seasonal misfit.
+
+Which prior (``drift_prior``):
+
+* ``"static"`` (default): μ, Σ, σ² and the basis are fedprior's fit, bit for bit, whatever
+  q; q acts in use only (each unit's posterior at t_i, whitened by q, and its σ growing after
+  t_i). q = 0 is fedprior exactly, and q cannot change the model's form.
+* ``"walk"``: the E-step's moments are whitened by the broadcast q (ECM): the prior, σ² and
+  the basis are fitted under the walk. The σ² step treats R̄ as fixed at the broadcast σ² (a
+  fixed-point step). On a planted walk it recovers the drift variance (within 1.6×, tested);
+  "static" recovers less of it (0.6× on the planted test fleet) as its Σ and σ² also hold
+  the walk's spread. On the field networks the walk prior chose a smaller basis and failed.
+
+Consistency (issue 21's check, :func:`drift_problems`): the evidence grid must lie below
+what the unit's rows allow at the broadcast σ², and at its E-step's q it must equal the
+evidence the server recomputes from the unit's uploaded posterior moments
+(:func:`evidence_from_upload`); the future scores below their bound. A forged grid is
+rejected like any inconsistent upload.
 
 Use. The prediction is φ(x)ᵀm_i (a random walk has no expected direction); the predictive
 variance at time t adds the walk since t_i,
