@@ -488,6 +488,7 @@ class FedPriorDrift(FedPrior):
             "rate_per_time": q / scale if scale > 0 else 0.0,
             "recalibrate_ratio": self.recalibrate_ratio,
             "fit": self.drift_fit,
+            "prior": self.drift_prior,
             "seen": server["drift"]["seen"][idx][:, idx].tolist(),  # Π on the exported basis
         }
         if scale <= 0:
