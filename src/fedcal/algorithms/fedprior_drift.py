@@ -54,7 +54,8 @@ yet and runs with q = 0. Which score (``drift_fit``):
   period and is not chosen for it.
 * ``"evidence"``: the in-sample log-evidence log p(y_i | μ, Σ, σ², q_k) (a likelihood-ratio
   test, χ²₁ at 5 %). On a generated 8-feature network with short co-locations
-  (docs/field.md) it chose a smaller basis and q = 0.18, and failed (13.15 µg/m³ mean).
+  (docs/field.md), with the walk prior, it chose a smaller basis and q = 0.18, and failed
+  (13.15 µg/m³ mean).
 
 Which prior (``drift_prior``):
 
