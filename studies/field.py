@@ -15,6 +15,7 @@ every number in ``<out>/field.csv``.
 
     PYTHONPATH=src python studies/field.py --out /tmp/field-study [--seeds 0,1,2]
     PYTHONPATH=src python studies/field.py --out /tmp/fq --methods persensor_quad,pooled_quad
+    PYTHONPATH=src python studies/field.py --out /tmp/f0 --features 2 --drift-sd 0  # no drift
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -84,6 +86,19 @@ noise_tail = "student"
 base = "leastsq"
 degree = 2
 
+[methods.fedprior_drift_static] # q in use only: prior, basis and σ² fitted as fedprior's
+base = "fedprior_drift"
+drift_prior = "static"
+
+[methods.fedprior_drift_walk]  # the prior fitted under the walk (ECM), q by the future check
+base = "fedprior_drift"
+drift_prior = "walk"
+
+[methods.fedprior_drift_evidence]  # the prior under the walk, q by in-sample evidence
+base = "fedprior_drift"
+drift_prior = "walk"
+drift_fit = "evidence"
+
 [methods.pooled_quad]          # one fleet-wide least-squares quadratic
 base = "leastsq"
 degree = 2
@@ -122,6 +137,9 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS), help="e.g. persensor_quad")
     parser.add_argument("--features", default="2,3,8", help="networks by feature count")
     parser.add_argument("--colocations", default="full,short")
+    parser.add_argument(
+        "--drift-sd", type=float, default=None, help="override the planted gain drift (0: none)"
+    )
     args = parser.parse_args()
     wanted = {int(f) for f in args.features.split(",")}
     colocations = [c == "short" for c in args.colocations.split(",")]
@@ -131,6 +149,8 @@ def main() -> None:
     for net, (spec, features) in NETWORKS.items():
         if len(features) not in wanted:
             continue
+        if args.drift_sd is not None:
+            spec = replace(spec, drift_sd=args.drift_sd)
         for short in colocations:
             for seed in seeds:
                 where = args.out / f"{len(features)}f-{'short' if short else 'full'}-{seed}"

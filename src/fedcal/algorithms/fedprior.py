@@ -395,6 +395,10 @@ class FedPrior(
         """The moments the E-step uses (fedprior_drift whitens them by its drift)."""
         return self._moments(data, down)
 
+    def _personal_moments(self, down: Tree, data: ClientData) -> Moments:
+        """The moments of a unit's personalized posterior (fedprior_drift: its walk's)."""
+        return self._client_moments(down, data)
+
     def client_update(self, down: Tree, state: Tree, data: ClientData) -> ClientResult:
         design, rw = None, None
         if self.noise_weighted:  # rows weighted by 1/σ²(x) and t-weights (fedprior_noise, N1/N4)
@@ -614,7 +618,7 @@ class FedPrior(
         }
 
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
-        _, post = self._posterior(down, state, self._client_moments(down, data))
+        _, post = self._posterior(down, state, self._personal_moments(down, data))
         coef, cov = post.mean, post.cov
         if "mask" in down:  # terms outside the chosen basis are not in the model (0, no σ)
             m = down["mask"]

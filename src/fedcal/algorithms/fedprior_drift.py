@@ -39,12 +39,40 @@ Older rows are correlated with each other through the walk, so they count less: 
 posterior weighs recent points more. :meth:`_client_moments` hands these moments to
 fedprior's E-step, M-step, selection and intervals unchanged.
 
-Learning q (ECM). Each round every unit also uploads its log-evidence
-log p(y_i | μ, Σ, σ², q_k) for each q_k of :data:`DRIFT_GRID` (and its span); the server
-adds them and keeps the q_k of highest fleet evidence, or q = 0 unless that beats q = 0 by
-a likelihood-ratio test (2Δ log p > ``drift_test``, 3.84: χ²₁ at 5 %). The next round's
-E-step uses it. The σ² step treats R̄ as fixed at the broadcast σ² (a fixed-point step).
-Round 0 has no time scale yet and runs with q = 0.
+Choosing q. Each round every unit uploads, for each q_k of :data:`DRIFT_GRID` (and its
+span), two scores under the broadcast prior; the server adds them over units (in canonical
+order, each weighted like its M-step statistics) and keeps the q_k of highest fleet score,
+or q = 0 unless that beats q = 0 by ½ ``drift_test`` (1.92) nats. Round 0 has no time scale
+yet and runs with q = 0. Which score (``drift_fit``):
+
+* ``"future"`` (default): the unit's **held-out future**. The last ``drift_holdout`` (25 %)
+  of its calibration span is held out; the posterior at the latest earlier row t_p, from the
+  earlier rows whitened by q_k, predicts each held-out row as the unit would in use,
+  N(φᵀm, σ² + φᵀVφ + (q_k/T)(t − t_p)φᵀΣ_dφ), and the score is the sum of the held-out
+  rows' log densities (:meth:`FedPriorDrift._future_scores`). A walk that only absorbs the
+  basis's misfit in time (a seasonal error of a too-small basis) does not predict the next
+  period and is not chosen for it.
+* ``"evidence"``: the in-sample log-evidence log p(y_i | μ, Σ, σ², q_k) (a likelihood-ratio
+  test, χ²₁ at 5 %). On a generated 8-feature network with short co-locations
+  (docs/field.md), with the walk prior, it chose a smaller basis and q = 0.18, and failed
+  (13.15 µg/m³ mean).
+
+Which prior (``drift_prior``):
+
+* ``"static"`` (default): μ, Σ, σ² and the basis are fedprior's fit, bit for bit, whatever
+  q; q acts in use only (each unit's posterior at t_i, whitened by q, and its σ growing after
+  t_i). q = 0 is fedprior exactly, and q cannot change the model's form.
+* ``"walk"``: the E-step's moments are whitened by the broadcast q (ECM): the prior, σ² and
+  the basis are fitted under the walk. The σ² step treats R̄ as fixed at the broadcast σ² (a
+  fixed-point step). On a planted walk it recovers the drift variance (within 1.6×, tested);
+  "static" recovers less of it (0.6× on the planted test fleet) as its Σ and σ² also hold
+  the walk's spread. On the field networks the walk prior chose a smaller basis and failed.
+
+Consistency (issue 21's check, :func:`drift_problems`): the evidence grid must lie below
+what the unit's rows allow at the broadcast σ², and at its E-step's q it must equal the
+evidence the server recomputes from the unit's uploaded posterior moments
+(:func:`evidence_from_upload`); the future scores below their bound. A forged grid is
+rejected like any inconsistent upload.
 
 Use. The prediction is φ(x)ᵀm_i (a random walk has no expected direction); the predictive
 variance at time t adds the walk since t_i,
@@ -57,9 +85,8 @@ calibration inputs, v̄(t) = v̄₀ + d̄ (t − t_i), reaches ``recalibrate_rat
 i.e. its σ has grown by that factor: t_i + (ratio² − 1) v̄₀ / d̄ (empty when q = 0: never).
 
 Reduction: with q = 0 (planted or learned) every moment is fedprior's exactly, and so are
-the predictions and intervals. Without a time column (e.g. chamber data, a Flower site,
-which does not carry times) no unit has a span, q stays 0 and the run is fedprior's;
-``prior.json`` says so (``drift.note``).
+the predictions and intervals. Without a time column (e.g. chamber data) no unit has a
+span, q stays 0 and the run is fedprior's; ``prior.json`` says so (``drift.note``).
 Simplifications: the noise level in R̄ is the fleet's (also with ``noise = "sensor"``); the
 hold-out of calibrated intervals (fedprior's I2) fits its probe rows without drift; the
 firmware exports carry the variance at t_i (no drift term); client-level DP is refused.
@@ -69,7 +96,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -78,9 +105,9 @@ from torch import Tensor
 
 from fedcal.algorithms.fedprior import FedPrior
 from fedcal.core.algorithm import ClientResult, SettingError
-from fedcal.core.bayes import F64, Moments, posterior, safe_cholesky
+from fedcal.core.bayes import F64, Moments, moments, posterior, safe_cholesky
 from fedcal.core.data import ClientData
-from fedcal.core.tree import Tree
+from fedcal.core.tree import Tree, flatten
 
 # q per fleet time scale T, in units of Σ: 0, then 8 per decade from 1e-3 to 10 (steps of 33 %).
 DRIFT_GRID = torch.cat([torch.zeros(1, dtype=F64), torch.logspace(-3, 1, 33, dtype=F64)])
@@ -98,6 +125,16 @@ class FedPriorDrift(FedPrior):
     drift_test: Annotated[float, Field(ge=0.0)] = 3.84
     # recalibrate_at: when the unit's mean σ has grown by this factor
     recalibrate_ratio: Annotated[float, Field(gt=1.0)] = 2.0
+    # How q is chosen (module doc, "Choosing q"): "future", by each unit's own last rows held
+    # out, with the prior, basis and σ² fitted without drift; "evidence", by the fleet's
+    # in-sample evidence, the prior fitted under the walk (ECM).
+    drift_fit: Literal["future", "evidence"] = "future"
+    # "future": the last fraction of each unit's calibration span held out as its future
+    drift_holdout: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.25
+    # The prior's fit: "walk", its E-step whitened by the broadcast q (ECM: μ, Σ, σ² and the
+    # basis fitted under the walk); "static", fedprior's fit (q acts in use only: the
+    # personalized posterior at t_i and its σ growing after it).
+    drift_prior: Literal["walk", "static"] = "static"
 
     name = "fedprior_drift"
     # A unit's drift evidences grow with its rows, like its residual terms: not screened.
@@ -139,11 +176,13 @@ class FedPriorDrift(FedPrior):
         return a @ down["sigma"].to(F64) @ a.transpose(-2, -1)
 
     # ---- the whitened moments (module doc, E-step) -------------------------------------
-    def _drift_parts(self, down: Tree, data: ClientData) -> Tree:
-        """What every q shares: static moments, the eigenpairs of F, U and u (module doc)."""
-        t, mask = self._time(data), data.mask.to(F64)
+    def _drift_parts(self, down: Tree, data: ClientData, mask: Tensor | None = None) -> Tree:
+        """What every q shares: static moments, the eigenpairs of F, U and u (module doc);
+        on the rows of ``mask`` (default: all real rows), anchored at their latest time."""
+        t = self._time(data)
+        mask = data.mask.to(F64) if mask is None else mask.to(F64)
         design = self.design(data.x, data.branch)
-        full = self._moments(data)
+        full = moments(design, data.y[..., 0], mask)
         c, _, p = design.shape
         nb = self.drift_bins or min(32, max(4, BIN_SIZE // p))
         scale = down["drift"]["scale"].to(F64).reshape(-1)[0]
@@ -214,7 +253,18 @@ class FedPriorDrift(FedPrior):
             )
 
     def _client_moments(self, down: Tree, data: ClientData) -> Moments:
-        """fedprior's E-step moments: whitened by the broadcast drift q (static at q = 0)."""
+        """fedprior's E-step moments: whitened by the broadcast drift q (static at q = 0);
+        ``drift_prior = "static"``: the static ones."""
+        if self.drift_prior == "static":
+            return self._moments(data)
+        return self._walk_moments(down, data)
+
+    def _personal_moments(self, down: Tree, data: ClientData) -> Moments:
+        """A unit's posterior at t_i: its moments whitened by the broadcast q (module doc)."""
+        return self._walk_moments(down, data)
+
+    def _walk_moments(self, down: Tree, data: ClientData) -> Moments:
+        """The moments whitened by the broadcast drift q (static at q = 0)."""
         if "drift" not in down or data.time is None:  # no drift known, or no time column
             return self._moments(data)
         q = down["drift"]["q"].to(F64).reshape(-1)
@@ -232,6 +282,7 @@ class FedPriorDrift(FedPrior):
             "scale": zero.clone(),
             "seen": torch.eye(self.num_features, dtype=F64),
             "loglik": torch.zeros_like(DRIFT_GRID),
+            "future": torch.zeros_like(DRIFT_GRID),
         }
         return {**super().server_init(params), "drift": drift}
 
@@ -241,33 +292,75 @@ class FedPriorDrift(FedPrior):
             "drift": {k: server["drift"][k] for k in ("q", "scale", "seen")},
         }
 
+    def _grid_posterior(self, down: Tree, noise: Tensor, parts: Tree) -> tuple[Tensor, Tensor]:
+        """(posterior per grid q (clients·K), −½ log|R̄| (clients, K)) under the broadcast
+        prior, on the chosen basis (its unused terms see no data)."""
+        c, k = parts["lam"].shape[0], len(DRIFT_GRID)
+        w, logdet = self._whiten(parts, DRIFT_GRID.expand(c, -1), noise)
+        flat = Moments(*(v.reshape(c * k, *v.shape[2:]) for v in w))
+        if "mask" in down:
+            mm = down["mask"].to(F64).repeat_interleave(k, 0)
+            flat = Moments(
+                flat.gram * mm.unsqueeze(-1) * mm.unsqueeze(-2), flat.rhs * mm, flat.yy, flat.n
+            )
+        post = posterior(
+            flat,
+            down["mu"].to(F64).repeat_interleave(k, 0),
+            down["sigma"].to(F64).repeat_interleave(k, 0),
+            noise.repeat_interleave(k, 0),
+        )
+        return post, -0.5 * logdet
+
+    def _future_scores(self, down: Tree, state: Tree, data: ClientData) -> Tensor:
+        """(clients, K): each unit's predictive log score of its own future, for every q_k.
+
+        The last ``drift_holdout`` of the unit's calibration span is held out; its posterior
+        at the latest earlier row t_p (whitened by q_k, under the broadcast prior) predicts
+        each held-out row r by N(φ_rᵀm, σ² + φ_rᵀVφ_r + (q_k/T)(t_r − t_p) φ_rᵀΣ_dφ_r), the
+        interval the unit would state at t_r (module doc, Use), and the score is
+        Σ_r log N(y_r; …). A unit without both parts (a single time) scores 0 for every q.
+        """
+        c, k = data.num_clients, len(DRIFT_GRID)
+        t, mask = self._time(data), data.mask.to(F64)
+        t_last, span = self._span(t, mask)
+        fut = ((mask > 0) & (t > (t_last - self.drift_holdout * span).unsqueeze(1))).to(F64)
+        past = mask - fut
+        use = (past.sum(1) > 0) & (fut.sum(1) > 0) & (span > 0)
+        if not bool(use.any()):
+            return torch.zeros(c, k, dtype=F64)
+        noise = self._noise(down, state).to(F64).reshape(-1)
+        post, _ = self._grid_posterior(down, noise, self._drift_parts(down, data, past))
+        design = self.design(data.x, data.branch).to(F64)
+        if "mask" in down:  # the chosen basis's terms only
+            design = design * down["mask"].to(F64).unsqueeze(1)
+        p = design.shape[-1]
+        mean, cov = post.mean.reshape(c, k, p), post.cov.reshape(c, k, p, p)
+        pred = torch.einsum("crp,ckp->ckr", design, mean)
+        spread_v = ((design.unsqueeze(1) @ cov) * design.unsqueeze(1)).sum(-1)  # φᵀVφ (c,K,r)
+        t_past, _ = self._span(t, past)
+        scale = down["drift"]["scale"].to(F64).reshape(-1)[0]
+        dt = (t - t_past.unsqueeze(1)).clamp_min(0.0) / scale
+        walk = ((design @ self._drift_cov(down)) * design).sum(-1) * dt  # (c, r)
+        var = noise.reshape(-1, 1, 1) + spread_v + DRIFT_GRID.reshape(1, -1, 1) * walk.unsqueeze(1)
+        resid = data.y[..., 0].to(F64).unsqueeze(1) - pred
+        logp = -0.5 * (torch.log(2 * math.pi * var) + resid**2 / var)
+        score = (logp * fut.unsqueeze(1)).sum(-1)
+        return torch.where(use.unsqueeze(1), score, 0.0)
+
     def client_update(self, down: Tree, state: Tree, data: ClientData) -> ClientResult:
         t = self._time(data)
         result = super().client_update(down, state, data)
         c = data.num_clients
         _, span = self._span(t, data.mask.to(F64))
         loglik = torch.zeros(c, len(DRIFT_GRID), dtype=F64)
+        future = torch.zeros(c, len(DRIFT_GRID), dtype=F64)
         if float(down["drift"]["scale"].reshape(-1)[0]) > 0:  # the fleet's time scale is known
-            parts = self._drift_parts(down, data)
             noise = down["noise_var"].to(F64).reshape(-1)
-            w, logdet = self._whiten(parts, DRIFT_GRID.expand(c, -1), noise)
-            k = len(DRIFT_GRID)
-            flat = Moments(*(v.reshape(c * k, *v.shape[2:]) for v in w))
-            mu, sigma = down["mu"].to(F64), down["sigma"].to(F64)
-            if "mask" in down:  # the chosen basis's evidence (its unused terms see no data)
-                m = down["mask"].to(F64)
-                mm = m.repeat_interleave(k, 0)
-                flat = Moments(
-                    flat.gram * mm.unsqueeze(-1) * mm.unsqueeze(-2), flat.rhs * mm, flat.yy, flat.n
-                )
-            post = posterior(
-                flat,
-                mu.repeat_interleave(k, 0),
-                sigma.repeat_interleave(k, 0),
-                noise.repeat_interleave(k, 0),
-            )
-            loglik = post.loglik.reshape(c, k) - 0.5 * logdet
-        reply = {**result.reply, "drift": {"loglik": loglik, "span": span}}
+            post, half_logdet = self._grid_posterior(down, noise, self._drift_parts(down, data))
+            loglik = post.loglik.reshape(c, -1) + half_logdet
+            if self.drift_fit == "future":
+                future = self._future_scores(down, state, data)
+        reply = {**result.reply, "drift": {"loglik": loglik, "future": future, "span": span}}
         return ClientResult(reply, result.state, result.metrics)
 
     def server_update(self, server: Tree, replies: Tree, weights: Tensor) -> Tree:
@@ -277,22 +370,54 @@ class FedPriorDrift(FedPrior):
         # The canonical order of fedprior's sums: the rounding cannot depend on arrival order.
         order = torch.from_numpy(np.lexsort(replies["mean"].numpy().T[::-1]).copy())
         count = float(replies["mean"].shape[0])
-        loglik = drift["loglik"]
+        loglik, future = drift["loglik"], drift["future"]
         robust = self.outlier_weights(server, stats)  # q's evidence weighted like the M-step's
         if robust is not None and bool((robust.weights != 1).any()):
             loglik = loglik * robust.weights.unsqueeze(1)
-        loglik = loglik[order].sum(0)
+            future = future * robust.weights.unsqueeze(1)
+        loglik, future = loglik[order].sum(0), future[order].sum(0)
+        score = future if self.drift_fit == "future" else loglik
         old = server["drift"]
         q = torch.tensor(0.0, dtype=F64)
         if float(old["scale"]) > 0:  # the grid was evaluated this round
-            k = int(torch.argmax(loglik))  # ties: the smaller q
-            if float(loglik[k] - loglik[0]) > 0.5 * self.drift_test:
+            k = int(torch.argmax(score))  # ties: the smaller q
+            if float(score[k] - score[0]) > 0.5 * self.drift_test:
                 q = DRIFT_GRID[k].clone()
         scale = drift["span"][order].sum(0) / max(count, 1.0)
         if float(old["scale"]) > 0:
             scale = old["scale"].clone()  # the time scale is fixed once known
         new["drift"] = {"q": q, "scale": scale.to(F64), "seen": self._seen(new), "loglik": loglik}
+        new["drift"]["future"] = future
         return new
+
+    def inconsistent_replies(
+        self, server: Tree, replies: Tree, weights: Tensor, accepted: Tensor
+    ) -> dict[int, str] | None:
+        """fedprior's checks (:mod:`fedcal.core.robust`), then each unit's drift uploads
+        against its row count and the broadcast (:func:`drift_problems`)."""
+        whys = super().inconsistent_replies(server, replies, weights, accepted)
+        if whys is None:
+            return None
+        idx = accepted.nonzero()[:, 0]
+        if not len(idx):
+            return whys
+        sub = {k: v.index_select(0, idx) for k, v in flatten(replies).items()}
+        main = None
+        if self.noise == "fleet":  # the grid's σ² is the E-step's (per-unit σ_i²: no identity)
+            main = {k: sub[k] for k in ("mean", "second", "rss", "gram", "n")}
+        found = drift_problems(
+            sub["drift/loglik"],
+            sub["drift/future"],
+            sub["drift/span"],
+            sub["n"],
+            server,
+            main,
+            future_bound=self.noise == "fleet",
+            e_step_q=0.0 if self.drift_prior == "static" else float(server["drift"]["q"]),
+        )
+        for j, why in found.items():
+            whys.setdefault(int(idx[j]), why)
+        return whys
 
     def _seen(self, server: Tree) -> Tensor:
         """The projection onto the directions of the basis in use that at least
@@ -320,9 +445,10 @@ class FedPriorDrift(FedPrior):
         return out
 
     def _gram_counts_rows(self, server: Tree) -> bool:
-        # With q > 0 the E-step's Gram is whitened, G̃ = ΦᵀR̄⁻¹Φ: its constant term 1ᵀR̄⁻¹1 is
-        # below n (still PSD, and the GLS identities still hold, so those are checked).
-        return not float(server["drift"]["q"]) > 0
+        # With q > 0 and drift_fit = "evidence" the E-step's Gram is whitened, G̃ = ΦᵀR̄⁻¹Φ: its
+        # constant term 1ᵀR̄⁻¹1 is below n (still PSD, and the GLS identities still hold, so
+        # those are checked). "future" uploads the static moments.
+        return self.drift_prior == "static" or not float(server["drift"]["q"]) > 0
 
     def dp_statistics(self, down: Tree):
         raise ValueError("fedprior_drift: client-level DP is not covered (use fedprior)")
@@ -371,8 +497,114 @@ class FedPriorDrift(FedPrior):
             "time_scale": scale,
             "rate_per_time": q / scale if scale > 0 else 0.0,
             "recalibrate_ratio": self.recalibrate_ratio,
+            "fit": self.drift_fit,
+            "prior": self.drift_prior,
             "seen": server["drift"]["seen"][idx][:, idx].tolist(),  # Π on the exported basis
         }
         if scale <= 0:
             state["drift"]["note"] = NO_TIME
         return state
+
+
+#: Tolerance of the drift uploads' checks, in nats per (1 + |log-evidence| + rows): a
+#: consistent upload's rounding is ~1e-13 of that (measured on the planted test fleet of
+#: tests/algorithms/test_fedprior_drift.py, q = 0).
+EVIDENCE_TOL = 1e-6
+
+
+def evidence_from_upload(main: Tree, server: Tree) -> Tensor:
+    """(clients,) the log-evidence log p(y_i | μ, Σ, σ², q) of the E-step a unit uploaded
+    (mean m, second moment S, expected RSS r, Gram G of its, possibly whitened, moments),
+    less its −½ log|R̄| (0 at q = 0), recomputed by the server:
+
+        −2 log p = n log 2πσ² + log|A| + (r − tr(G V))/σ² + (m − μ)ᵀΣ⁻¹(m − μ),
+
+    A = I + LᵀGL/σ² (Σ = L Lᵀ, G restricted to the chosen basis), V = S − m mᵀ: the
+    Woodbury form of :func:`fedcal.core.bayes.posterior`'s, as ‖y − Φm‖² = r − tr(G V) and
+    ‖y − Φμ‖²/σ² − gᵀA⁻¹g = ‖y − Φm‖²/σ² + (m − μ)ᵀΣ⁻¹(m − μ) at the posterior mean."""
+    mu, sigma = server["mu"].to(F64), server["sigma"].to(F64)
+    s2 = server["noise_var"].to(F64).reshape(-1)
+    m, second = main["mean"].to(F64), main["second"].to(F64)
+    gram = main["gram"].to(F64)
+    if "mask" in server:
+        mm = server["mask"].to(F64)
+        gram = gram * mm.unsqueeze(-1) * mm
+    p = m.shape[-1]
+    chol = safe_cholesky(0.5 * (sigma + sigma.T))[0]
+    lg = chol.T @ gram @ chol / s2.reshape(-1, 1, 1)
+    logdet_a = torch.linalg.slogdet(torch.eye(p, dtype=F64) + 0.5 * (lg + lg.transpose(1, 2)))[1]
+    v = second - m.unsqueeze(-1) * m.unsqueeze(-2)
+    fit = main["rss"].to(F64) - (gram * v).sum((-2, -1))
+    z = torch.linalg.solve_triangular(chol, (m - mu).unsqueeze(-1), upper=False)[..., 0]
+    n = main["n"].to(F64)
+    return -0.5 * (n * torch.log(2 * math.pi * s2) + logdet_a + fit / s2 + (z * z).sum(-1))
+
+
+def drift_problems(
+    loglik: Tensor,
+    future: Tensor,
+    span: Tensor,
+    n: Tensor,
+    server: Tree,
+    main: Tree | None,
+    future_bound: bool = True,
+    e_step_q: float | None = None,
+) -> dict[int, str]:
+    """Units whose drift uploads cannot be what their declared rows give, with why.
+
+    For every q of the grid the unit's rows are y ~ N(Φμ, C(q)), C(q) = σ²R̄ + ΦΣΦᵀ ⪰ σ²I,
+    with log-evidence ℓ(q) = −½[n log 2π + log|C(q)| + rᵀC(q)⁻¹r] (r = y − Φμ), so
+
+    a. every ℓ(q_k) and every future score is finite, and the span ≥ 0; before the fleet's
+       time scale is known (round 0) the grid is not evaluated: every entry 0;
+    b. ℓ(q_k) ≤ −½ n log 2πσ² (|C| ≥ σ²ⁿ, rᵀC⁻¹r ≥ 0), n the unit's row count;
+    c. at the q of its E-step (``e_step_q``, default the broadcast q), ℓ(q) + ½ log|R̄| is
+       the evidence of the E-step it uploaded
+       (:func:`evidence_from_upload`): equal at q = 0 (R̄ = I), ℓ(q) ≤ it for q > 0; needs
+       the E-step's σ² to be the broadcast one (``main`` None: not checked);
+    d. (``future_bound``, the broadcast σ²) each held-out row's predictive variance is
+       ≥ σ², so a future score ≤ n · max(0, −½ log 2πσ²).
+
+    A forged grid that lowers ℓ(0) (to make drift look better) fails c; one raising any
+    ℓ(q_k) above what n rows at noise σ² allow fails b. What c and b leave open is bounded:
+    a unit can raise ℓ(q_k) for q_k above the broadcast q by at most ½rᵀC⁻¹r.
+    """
+    s2 = server["noise_var"].to(F64).reshape(-1)
+    rows = n.to(F64)
+    cap = -0.5 * rows * torch.log(2 * math.pi * s2)
+    tol = EVIDENCE_TOL * (1.0 + loglik.abs().amax(-1) + rows)
+    q = float(server["drift"]["q"]) if e_step_q is None else e_step_q
+    out: dict[int, str] = {}
+    finite = torch.isfinite(loglik).all(-1) & torch.isfinite(future).all(-1)
+    finite &= torch.isfinite(span) & (span >= 0)
+    high = loglik.amax(-1) > cap + tol
+    gap = None
+    if main is not None:
+        at = int(torch.argmin((DRIFT_GRID - q).abs()))
+        gap = loglik[:, at] - evidence_from_upload(main, server)
+    fut_cap = rows * torch.clamp_min(-0.5 * torch.log(2 * math.pi * s2), 0.0)
+    fut_high = future.amax(-1) > fut_cap + tol if future_bound else torch.zeros_like(high)
+    unset = float(server["drift"]["scale"]) <= 0  # round 0: no grid evaluated
+    for i in range(len(rows)):
+        if not bool(finite[i]):
+            out[i] = "drift evidence or span not finite (or a negative span)"
+        elif unset:
+            if bool((loglik[i] != 0).any() | (future[i] != 0).any()):
+                out[i] = "drift evidence uploaded before the fleet's time scale is known"
+        elif bool(high[i]):
+            out[i] = (
+                f"drift evidence {float(loglik[i].amax()):.6g} above what {float(rows[i]):g} rows "
+                f"at the broadcast noise allow ({float(cap[i]):.6g})"
+            )
+        elif gap is not None and (
+            abs(float(gap[i])) > float(tol[i]) if q == 0 else float(gap[i]) > float(tol[i])
+        ):
+            out[i] = (
+                f"drift evidence at q = {q:g} disagrees with its E-step's by {float(gap[i]):.3g}"
+            )
+        elif bool(fut_high[i]):
+            out[i] = (
+                f"future score {float(future[i].amax()):.6g} above what {float(rows[i]):g} rows "
+                f"at the broadcast noise allow ({float(fut_cap[i]):.6g})"
+            )
+    return out

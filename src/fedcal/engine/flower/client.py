@@ -166,15 +166,18 @@ def load_state(path: str | Path) -> dict:
 # ----------------------------------------------------------------------------
 # a round message
 # ----------------------------------------------------------------------------
-def _cohort_data(rows, scaler: Scaler, dtype, indices: tuple[int, ...], branch=None) -> ClientData:
+def _cohort_data(
+    rows, scaler: Scaler, dtype, indices: tuple[int, ...], branch=None, time=None
+) -> ClientData:
     from dataclasses import replace
 
     from fedcal.core.data import ClientData
 
     # The same NumPy ops on the same float64 rows as engine.simulation.prepare; ``branch``
-    # the rows' sweep signs from the site file (None without a direction column).
+    # the rows' sweep signs from the site file (None without a direction column), ``time``
+    # their times (None without a time column; unscaled, as the simulator's).
     scaled = [(scaler.x(x), scaler.y(y)) for x, y in rows]
-    data = ClientData.from_arrays(scaled, dtype=dtype, branch=branch)
+    data = ClientData.from_arrays(scaled, dtype=dtype, branch=branch, time=time)
     return replace(data, index=indices)
 
 
@@ -255,10 +258,14 @@ def run_round(content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict
         pending, pending_round = None, [-1] * n
 
     parts: dict[int, dict] = {i: {} for i in indices}  # one RecordDict for all, at the end
-    train_data = _cohort_data(site.train, scaler, dtype, indices, site.train_branch)
+    train_data = _cohort_data(
+        site.train, scaler, dtype, indices, site.train_branch, site.train_time
+    )
     # 2. Evaluate round t − 1: the broadcast of message t is the server after round t − 1.
     if eval_round >= 0:
-        test_data = _cohort_data(site.test, scaler, dtype, indices, site.test_branch)
+        test_data = _cohort_data(
+            site.test, scaler, dtype, indices, site.test_branch, site.test_time
+        )
         seeds = personalize_seeds(seed, eval_round, indices)
         scored = evaluate_cohort(alg, down, state, train_data.with_seeds(seeds), test_data, scaler)
         personal, finite = scored.personal, scored.finite

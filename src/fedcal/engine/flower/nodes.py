@@ -8,7 +8,9 @@ ids, their client indices (positions in the fleet, which fix their seeds),
 fleet size, feature and target names; and, when the fleet has a ``direction``
 column, each row's sweep sign (+1 up, −1 down: :meth:`Fleet.branch_signs`) in
 ``b_train`` / ``b_test``, which the ClientApp passes on as ``ClientData.branch``
-(fedprior's ``branch_orders``). The SuperNode is started with
+(fedprior's ``branch_orders``); when the fleet has a time column, each row's time
+(float64, :meth:`Fleet.row_times`) in ``t_train`` / ``t_test``, which the ClientApp
+passes on as ``ClientData.time`` (fedprior_drift's walk). The SuperNode is started with
 ``--node-config`` naming the file, the site id and the state directory (see
 :func:`node_config`); the site id is checked against the header.
 
@@ -66,6 +68,9 @@ class SiteData:
     # per sensor, each row's sweep sign (+1 up, −1 down); None without a direction column
     train_branch: tuple[np.ndarray, ...] | None = None
     test_branch: tuple[np.ndarray, ...] | None = None
+    # per sensor, each row's time (float64); None without a time column
+    train_time: tuple[np.ndarray, ...] | None = None
+    test_time: tuple[np.ndarray, ...] | None = None
 
     @cached_property
     def num_train(self) -> tuple[int, ...]:
@@ -129,6 +134,7 @@ def prepare_site_files(
     out.mkdir(parents=True, exist_ok=True)
     train, test = fleet.arrays("train"), fleet.arrays("test")
     branch = {split: fleet.branch_signs(split) for split in ("train", "test")}
+    times = {split: fleet.row_times(split) for split in ("train", "test")}
     written = []
     for (site, indices), name in zip(members.items(), names, strict=True):
         header = {
@@ -149,6 +155,8 @@ def prepare_site_files(
             arrays[f"{split}_counts"] = np.asarray([len(rows[i][0]) for i in indices], np.int64)
             if branch[split] is not None:
                 arrays[f"b_{split}"] = np.concatenate([branch[split][i] for i in indices])
+            if times[split] is not None:
+                arrays[f"t_{split}"] = np.concatenate([times[split][i] for i in indices])
         path = out / f"{name}.npz"
         write_with(path, lambda tmp, arrays=arrays: _savez(tmp, arrays))
         written.append((site, tuple(header["sensor_ids"]), path))
@@ -177,6 +185,16 @@ def _split_branch(f, split: str, rows: tuple[Rows, ...], path) -> tuple[np.ndarr
     return tuple(np.split(signs, np.cumsum([len(x) for x, _ in rows])[:-1]))
 
 
+def _split_time(f, split: str, rows: tuple[Rows, ...], path) -> tuple[np.ndarray, ...] | None:
+    """Each sensor's row times of one split (float64), or None when the file carries none."""
+    if f"t_{split}" not in f.files:
+        return None
+    t = np.asarray(f[f"t_{split}"], dtype=np.float64)
+    if t.shape != (sum(len(x) for x, _ in rows),) or not np.isfinite(t).all():
+        raise ValueError(f"{path}: t_{split} must be one finite time per {split} row")
+    return tuple(np.split(t, np.cumsum([len(x) for x, _ in rows])[:-1]))
+
+
 def load_site_file(path: str | Path) -> SiteData:
     """Read a site file written by :func:`prepare_site_files`."""
     with np.load(Path(path), allow_pickle=False) as f:
@@ -198,6 +216,8 @@ def load_site_file(path: str | Path) -> SiteData:
             num_classes=int(header.get("num_classes", 0)),
             train_branch=_split_branch(f, "train", train, path),
             test_branch=_split_branch(f, "test", test, path),
+            train_time=_split_time(f, "train", train, path),
+            test_time=_split_time(f, "test", test, path),
         )
 
 
