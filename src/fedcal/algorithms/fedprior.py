@@ -449,12 +449,19 @@ class FedPrior(
         z = 2.0 * p**0.5
         second = (z * s) ** 2 + p * s * s
         noise_var = down["noise_var"].to(F64)
+        # gls_gram and support are taken about their value for a unit whose points determine
+        # every direction (Lᵀ gls_gram L → I, support → I): most of a large fleet's units,
+        # whose deviation is small, so an adapted bound (core.privacy.AdaptiveClip) is too.
+        eye = torch.eye(p, dtype=F64)
+        sigma_inv = torch.cholesky_inverse(chol)
         return {
             "mean": Statistic(z * s, "vector", center=mu),
             "second": Statistic(
-                second, "second_moment", center=mu, first="mean", noise_floor=True, unresolved=s * s
+                second, "second_moment", center=mu, first="mean", noise_floor=True, maximum=second
             ),
-            "gls_gram": Statistic(p**0.5, "psd", chol.T, maximum=1.0, noise_floor=True),
+            "gls_gram": Statistic(
+                p**0.5, "psd", chol.T, center=sigma_inv, maximum=1.0, noise_floor=True
+            ),
             "gls_rhs": Statistic(z, "vector", chol.T),
             "rss": Statistic(
                 1.5 * rows,
@@ -469,7 +476,9 @@ class FedPrior(
             ),
             "n": Statistic(rows, "positive", minimum=1.0, maximum=rows),
             "gram": Statistic(rows * p, "psd", minimum=1e-9 * rows, noise_floor=True),
-            "support": Statistic(p**0.5, "psd", maximum=1.0, noise_floor=True, unresolved=0.0),
+            "support": Statistic(
+                p**0.5, "psd", center=eye, maximum=1.0, noise_floor=True, unresolved=0.0
+            ),
         }
 
     def _prior_update(
