@@ -13,7 +13,8 @@ worst unit, per fleet seed; printed with the accountant's ε and σ of each run.
 raises or has a non-finite sensor is printed as such and never enters a mean.
 
     python studies/dp_scale.py --units 500,2000 --designs 3x2,4x3 --epsilons 1,4,8 \\
-        --fleet-seeds 0,1,2 --rounds 3 [--new 30] [--adaptive 0.9] [--steps 12] [--share 0.1]
+        --fleet-seeds 0,1,2 --rounds 6 [--new 30] [--adaptive 0.9] [--steps 12] [--share 0.1]
+        [--declared] [--whiten]
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=2.0, help="initial geometric rate η")
     ap.add_argument("--share", type=float, default=0.1, help="the counts' budget share")
     ap.add_argument("--declared", action="store_true", help="also run the declared bounds")
+    ap.add_argument("--whiten", action="store_true", help="fedprior dp_whiten = true")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -94,7 +96,8 @@ def main() -> None:
     print(
         f"fedprior_fixed (interval posterior), {args.rounds} rounds, {args.new} new units, "
         f"fleet seeds {args.fleet_seeds}, noise seed {args.seed}; adaptive: γ {args.adaptive}, "
-        f"{args.steps} steps/round, η {args.rate}, count share {args.share}"
+        f"{args.steps} steps/round, η {args.rate}, count share {args.share}; "
+        f"dp_whiten {args.whiten}"
     )
     print(
         "| ref units | design | fleet seed | privacy | bounds | ε spent | σ sums | z counts "
@@ -114,7 +117,9 @@ def main() -> None:
                 tensors = prepare(fleet, c.data.scaling, c.engine.dtype)
                 task = build_task(c, tensors.train.x.shape[-1], {}, client_inputs(tensors))
                 algorithm = replace(
-                    build_algorithm("fedprior_fixed", c, task), interval="posterior"
+                    build_algorithm("fedprior_fixed", c, task),
+                    interval="posterior",
+                    dp_whiten=args.whiten,
                 )
                 cells = [("no DP", 0.0, "—")]
                 cells += [(f"ε = {e:g}", e, m) for e in epsilons for m in modes]
