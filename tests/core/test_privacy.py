@@ -22,6 +22,7 @@ from fedcal.core.privacy import (
     noise_std,
     private_bounds,
     private_sums,
+    project_sums,
     psd_projection,
     quantile_step,
 )
@@ -321,3 +322,18 @@ def test_adaptive_private_sums_noise_the_adapted_bounds():
         clipped, _ = clip_statistics({"x": x}, {"x": Statistic(metrics["dp_bound/x"])})
         draws.append((sums["x"] - clipped["x"].sum(0)) / metrics["dp_bound/x"])
     assert torch.stack(draws).std().item() == pytest.approx(1.0, rel=0.1)  # σ √L = 1
+
+
+def test_a_centred_psd_sum_is_projected_with_its_centre_added_back():
+    """A PSD leaf declared about C (fedprior's GLS Gram and support, about I): the sum of
+    k = 3 centred leaves plus 3·C must be PSD with eigenvalues ≤ 3 (maximum 1 per client);
+    diag(−3.5, −1) + 3I = diag(−0.5, 2) → diag(0, 2), minus 3I: diag(−3, −1); the map back
+    adds 3·C again: three leaves diag(0, ½) (centred diag(−1, −½), under the bound 2) sum
+    to diag(0, 3/2) through the whole private path at zero noise."""
+    stat = Statistic(2.0, "psd", center=torch.eye(2, dtype=torch.float64), maximum=1.0)
+    noisy = {"g": torch.diag(torch.tensor([-3.5, -1.0], dtype=torch.float64))}
+    out = project_sums(noisy, {"g": stat}, count=3)
+    torch.testing.assert_close(out["g"], torch.diag(torch.tensor([-3.0, -1.0], dtype=F64)))
+    leaves = torch.diag(torch.tensor([0.0, 0.5], dtype=F64)).expand(3, 2, 2)
+    sums, _ = private_sums({"g": leaves}, {"g": stat}, 0.0, torch.Generator())
+    torch.testing.assert_close(sums["g"], torch.diag(torch.tensor([0.0, 1.5], dtype=F64)))
