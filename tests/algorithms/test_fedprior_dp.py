@@ -197,3 +197,21 @@ def test_adaptive_privacy_is_accounted_with_its_counts():
     history = [(record["noise_multiplier"], 1.0, 6), (record["count_multiplier"], 1.0, 6 * 12)]
     assert composed_epsilon(history, 1e-6) == pytest.approx(record["epsilon"])
     assert 0.99 <= record["epsilon"] <= 1.0
+
+
+def test_adaptive_clipping_without_declared_statistics_is_refused_in_one_line():
+    """Adaptive clipping adapts declared bounds: a method without a declaration (here
+    fedprior with its declaration hidden) is refused, not run on a silently fixed clip."""
+    from fedcal.core.aggregation import AggregationError, check_policy
+
+    alg = make(orders=(1, 1))
+
+    class Undeclared(type(alg)):
+        dp_statistics = None
+
+    generic = Undeclared(**{f.name: getattr(alg, f.name) for f in fields(alg) if f.init})
+    policy = AggregationPolicy(dp_noise_multiplier=1.0, dp_clip=1.0, dp_quantile=0.9)
+    check_policy(alg, policy)  # fedprior declares its statistics: accepted
+    with pytest.raises(AggregationError, match="quantile") as err:
+        check_policy(generic, policy)
+    assert "\n" not in str(err.value)

@@ -186,6 +186,11 @@ def check_policy(algorithm: Algorithm, policy: AggregationPolicy) -> None:
             f"{name}: rule {policy.rule!r} is refused for this method (it accepts "
             f"{', '.join(allowed)}; see its reply_aggregation note)"
         )
+    if policy.dp_quantile > 0 and (kind != "sum" or algorithm.dp_statistics is None):
+        raise AggregationError(
+            f"{name}: [privacy] quantile (adaptive clipping) adapts declared statistics' "
+            "bounds (fedprior); set quantile = 0 and a fixed clip"
+        )
     if kind != "custom":
         return
     if policy.rule in ("median", "trimmed_mean"):
