@@ -430,9 +430,9 @@ class FedPrior(
         round after round). The GLS Gram and the support are declared about I (their
         value for a unit whose points determine every direction, most of a large fleet:
         small deviations, so small adapted bounds). Second-moment eigenvalues the noise
-        hides are raised to the noise floor (what the fleet's spread is at most; capped
-        at the bound), and the support's are not counted, so the server keeps μ and s²
-        there (its weak-direction rule).
+        hides take the smaller of the noise floor (what the fleet's spread is at most)
+        and the vague start s² (whitened: the floor), and the support's are not
+        counted, so the server keeps μ and s² there (its weak-direction rule).
         rss_i/σ² ≈ n_i ≤ ``dp_max_rows`` (bound 1.5×, by the broadcast σ²: a fixed
         scale would drown the RSS of good units in noise), and the noisy Σ rss at most
         the vague start's noise variance × Σ n (σ² never vaguer than the start) and at
@@ -478,6 +478,7 @@ class FedPrior(
                 first="mean",
                 noise_floor=True,
                 maximum=second,
+                unresolved=None if self.dp_whiten else s * s,
             ),
             "gls_gram": Statistic(
                 p**0.5, "psd", chol.T, center=sigma_inv, maximum=1.0, noise_floor=True

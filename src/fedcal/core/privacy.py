@@ -186,8 +186,8 @@ class Statistic:
     std s on p × p entries (eigenvalues below it cannot be told from noise; raising
     them keeps a noisy covariance vague rather than falsely certain).
     ``unresolved``: per client, the value such an eigenvalue takes instead of the
-    floor (e.g. the vague start a prior had before any data: what cannot be
-    resolved is not learned).
+    floor when it is below the floor (e.g. the vague start a prior had before any
+    data: what cannot be resolved is not learned, and is at most the floor).
     ``ratio`` (leaf, low, high): a positive sum lies within [low, high] × the
     (projected, transformed) sum of that leaf (e.g. a residual sum within a floor
     and a ceiling variance × the rows).
@@ -293,7 +293,8 @@ def project_sums(
         below = None
         if stat.noise_floor and stds and x.dim() == 2:
             low = max(low, NOISE_MARGIN * stds[key] * math.sqrt(2 * x.shape[0]))
-            below = None if stat.unresolved is None else stat.unresolved * count
+            # What the noise hides is at most the floor: the declared value when smaller.
+            below = None if stat.unresolved is None else min(low, stat.unresolved * count)
         high = None if stat.maximum is None else stat.maximum * count
         if stat.kind == "positive":
             out[key] = x.clamp(min=low, max=high)
