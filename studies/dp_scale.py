@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--share", type=float, default=0.1, help="the counts' budget share")
     ap.add_argument("--declared", action="store_true", help="also run the declared bounds")
     ap.add_argument("--whiten", action="store_true", help="fedprior dp_whiten = true")
+    ap.add_argument("--second-weight", type=float, default=1.0, help="fedprior dp_second_weight")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -97,7 +98,7 @@ def main() -> None:
         f"fedprior_fixed (interval posterior), {args.rounds} rounds, {args.new} new units, "
         f"fleet seeds {args.fleet_seeds}, noise seed {args.seed}; adaptive: γ {args.adaptive}, "
         f"{args.steps} steps/round, η {args.rate}, count share {args.share}; "
-        f"dp_whiten {args.whiten}"
+        f"dp_whiten {args.whiten}, second-moment weight {args.second_weight}"
     )
     print(
         "| ref units | design | fleet seed | privacy | bounds | ε spent | σ sums | z counts "
@@ -120,6 +121,7 @@ def main() -> None:
                     build_algorithm("fedprior_fixed", c, task),
                     interval="posterior",
                     dp_whiten=args.whiten,
+                    dp_second_weight=args.second_weight,
                 )
                 cells = [("no DP", 0.0, "—")]
                 cells += [(f"ε = {e:g}", e, m) for e in epsilons for m in modes]

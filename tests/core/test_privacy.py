@@ -337,3 +337,13 @@ def test_a_centred_psd_sum_is_projected_with_its_centre_added_back():
     leaves = torch.diag(torch.tensor([0.0, 0.5], dtype=F64)).expand(3, 2, 2)
     sums, _ = private_sums({"g": leaves}, {"g": stat}, 0.0, torch.Generator())
     torch.testing.assert_close(sums["g"], torch.diag(torch.tensor([0.0, 1.5], dtype=F64)))
+
+
+def test_weights_share_the_noise_budget_by_the_joint_sensitivity():
+    """Leaves w_l x_l / B_l: sensitivity √(1² + 3²) = √10; noise σ √10 B_l / w_l, i.e.
+    2 · √10 · 2 / 1 and 2 · √10 · 3 / 3 at σ = 2 (unit weights: σ √2 B_l)."""
+    declared = {"a": Statistic(2.0), "b": Statistic(3.0, weight=3.0)}
+    stds = noise_std(declared, 2.0)
+    assert stds["a"] == pytest.approx(2 * 10**0.5 * 2) and stds["b"] == pytest.approx(2 * 10**0.5)
+    even = noise_std({"a": Statistic(2.0), "b": Statistic(3.0)}, 2.0)
+    assert even["b"] == pytest.approx(2 * 2**0.5 * 3)

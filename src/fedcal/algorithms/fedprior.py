@@ -203,6 +203,9 @@ class FedPrior(
     # client-level DP: the mean and second moment whitened by the broadcast Σ (True) or in
     # the vague start's units (False; dp_statistics)
     dp_whiten: bool = False
+    # client-level DP: the second moment's weight in the joint sensitivity (core.privacy
+    # noise_std; 1: every statistic the same share of the budget)
+    dp_second_weight: Annotated[float, Field(gt=0.0)] = 1.0
     # ψ: Legendre orders per input of b·ψ(x)ᵀh; () = off
     branch_orders: tuple[Annotated[int, Field(ge=0)], ...] = ()
     # With select = "bic" and branch_orders: ψ chosen too, among no term and every orders
@@ -479,6 +482,7 @@ class FedPrior(
                 noise_floor=True,
                 maximum=second,
                 unresolved=None if self.dp_whiten else s * s,
+                weight=self.dp_second_weight,
             ),
             "gls_gram": Statistic(
                 p**0.5, "psd", chol.T, center=sigma_inv, maximum=1.0, noise_floor=True

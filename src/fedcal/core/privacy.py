@@ -190,7 +190,7 @@ class Statistic:
     data: what cannot be resolved is not learned, and is at most the floor).
     ``ratio`` (leaf, low, high): a positive sum lies within [low, high] × the
     (projected, transformed) sum of that leaf (e.g. a residual sum within a floor
-    and a ceiling variance × the rows).
+    and a ceiling variance × the rows). ``weight``: see :func:`noise_std`.
     """
 
     bound: float
@@ -203,6 +203,7 @@ class Statistic:
     noise_floor: bool = False
     unresolved: float | None = None
     ratio: tuple[str, float, float] | None = None
+    weight: float = 1.0  # the statistic's share of the noise budget (:func:`noise_std`)
 
 
 def _forward(x: Tensor, stat: Statistic, first: Tensor | None = None) -> Tensor:
@@ -271,9 +272,15 @@ def clip_statistics(
 
 
 def noise_std(declared: dict[str, Statistic], noise_multiplier: float, scale: float = 1.0):
-    """Per statistic, the noise std σ √L B_l on its transformed sum (L statistics)."""
-    joint = math.sqrt(len(declared))  # sensitivity of the reply with each leaf over B_l
-    return {k: noise_multiplier * joint * s.bound * scale for k, s in declared.items()}
+    """Per statistic, the noise std σ √(Σ_j w_j²) B_l / w_l on its transformed sum.
+
+    Leaf l enters the normalized reply as w_l x_l / B_l (``weight`` w_l, 1 by default),
+    so the reply's L2 sensitivity is √(Σ_j w_j²) (√L with unit weights) and the Gaussian
+    mechanism with multiplier σ adds σ √(Σ_j w_j²) to each normalized coordinate: a
+    larger weight gives a statistic a larger share of the same budget.
+    """
+    joint = math.sqrt(sum(s.weight**2 for s in declared.values()))
+    return {k: noise_multiplier * joint * s.bound * scale / s.weight for k, s in declared.items()}
 
 
 def project_sums(
