@@ -236,6 +236,17 @@ def build_recorded(
         raise ConfigError(f"[methods.{name}]: {err}") from None
 
 
+def _account(config: RunConfig):
+    """The accountant's split: the sums' σ alone, or with adaptive clipping's counts."""
+    from fedcal.core.privacy import account, account_adaptive
+
+    p, e = config.privacy, config.engine
+    if p.quantile > 0:
+        args = (p.epsilon, p.delta, e.participation, e.rounds, p.quantile_steps, p.quantile_share)
+        return account_adaptive(*args)
+    return account(p.epsilon, p.delta, e.participation, e.rounds)
+
+
 def build_policy(config: RunConfig) -> tuple[AggregationPolicy, dict[str, Any]]:
     """The server's aggregation policy, with DP noise calibrated by the accountant.
 
@@ -243,23 +254,31 @@ def build_policy(config: RunConfig) -> tuple[AggregationPolicy, dict[str, Any]]:
     """
     a, p = config.aggregation, config.privacy
     privacy: dict[str, Any] = {}
+    adaptive: dict[str, Any] = {}
     sigma = 0.0
     if p.epsilon > 0:
-        from fedcal.core.privacy import account
-
         if p.clip <= 0:
             raise ConfigError("[privacy] clip: epsilon > 0 needs clip > 0 (the update norm bound)")
         try:
-            spent = account(p.epsilon, p.delta, config.engine.participation, config.engine.rounds)
+            spent = _account(config)
         except ValueError as err:
             raise ConfigError(f"[privacy]: {err}") from None
         sigma = spent.noise_multiplier
         privacy = {**asdict(spent), "clip": p.clip, "accountant": "opacus RDP"}
+        if p.quantile > 0:
+            privacy.update(quantile=p.quantile, quantile_share=p.quantile_share)
+            adaptive = dict(
+                dp_quantile=p.quantile,
+                dp_quantile_steps=p.quantile_steps,
+                dp_quantile_rate=p.quantile_rate,
+                dp_count_multiplier=spent.count_multiplier,
+            )
     try:
         policy = AggregationPolicy(
             **asdict(a),
             dp_noise_multiplier=sigma,
             dp_clip=p.clip if sigma else 0.0,
+            **adaptive,
         )
     except AggregationError as err:
         raise ConfigError(f"[aggregation]: {err}") from None

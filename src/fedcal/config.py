@@ -167,6 +167,13 @@ class PrivacySection:
     epsilon: Float = Field(default=0.0, ge=0.0, le=1e4)  # target ε over the whole run
     delta: Float = Field(default=1e-5, gt=0.0, lt=1.0)
     clip: Float = Field(default=0.0, ge=0.0, le=1e6)  # fixed L2 bound on each client's update
+    # Declared statistics (fedprior): adapt each bound to this quantile of the clients' norms
+    # by private quantile estimation (Andrew et al. 2021; 0: as declared), quantile_steps
+    # noisy counts per round, initial rate η, the counts' share of the budget.
+    quantile: Float = Field(default=0.0, ge=0.0, lt=1.0)
+    quantile_steps: Int = Field(default=12, ge=1, le=100)
+    quantile_rate: Float = Field(default=2.0, gt=0.0, le=100.0)
+    quantile_share: Float = Field(default=0.1, gt=0.0, lt=1.0)
 
 
 @checked

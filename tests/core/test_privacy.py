@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
 from fedcal.core.privacy import (
     NOISE_MARGIN,
+    AdaptiveClip,
     Statistic,
     account,
+    account_adaptive,
     clip_statistics,
+    composed_epsilon,
     epsilon_spent,
     noise_for_epsilon,
     noise_std,
+    private_bounds,
     private_sums,
+    project_sums,
     psd_projection,
+    quantile_step,
 )
 
 
@@ -218,3 +227,123 @@ def test_an_undeclared_statistic_is_refused():
     del declared["rss"]
     with pytest.raises(ValueError, match="rss"):
         private_sums(replies, declared, 1.0, torch.Generator().manual_seed(0))
+
+
+# ---- adaptive clipping (Andrew et al. 2021) ------------------------------------------------
+
+
+def test_quantile_step_is_the_geometric_update():
+    # C ← C exp(−η (b̄ − γ)): 2 · exp(−1.5 · (0.7 − 0.5)) = 2 e^−0.3.
+    assert quantile_step(2.0, 0.7, 0.5, 1.5) == pytest.approx(2.0 * math.exp(-0.3), rel=1e-12)
+    assert quantile_step(2.0, 0.5, 0.5, 9.0) == 2.0  # at the target quantile: unchanged
+
+
+def test_noiseless_private_bounds_follow_the_hand_computed_steps():
+    """Norms 1, 2, 3, 4; γ = ½, η = 2, start 8, no count noise. Step 1: all 4 under 8,
+    b̄ = 1 > γ: η/(1 − γ) = 4, C = 8 e^(−4·½) = 8e⁻². Step 2: one under 1.083, b̄ = ¼ <
+    γ: direction flips, η = 1, η/γ = 2, C = 8e⁻² · e^(2·¼). Step 3: still one under
+    (1.785): same direction, C = 8e⁻² · e^½ · e^½ = 8e⁻¹. Step 4: two under 2.943, b̄ = ½:
+    C stays. The bound never exceeds its start."""
+    norms = {"a": torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64)}
+    clip = AdaptiveClip(quantile=0.5, count_multiplier=0.0, rate=2.0)
+    gen = torch.Generator().manual_seed(0)
+    for steps, want in [(1, 8 * math.exp(-2)), (2, 8 * math.exp(-1.5)), (3, 8 * math.exp(-1))]:
+        got = private_bounds(norms, {"a": 8.0}, replace(clip, steps=steps), gen)["a"]
+        assert got == pytest.approx(want, rel=1e-12)
+    got = private_bounds(norms, {"a": 8.0}, replace(clip, steps=4), gen)["a"]
+    assert got == pytest.approx(8 * math.exp(-1), rel=1e-12)
+    low = private_bounds(norms, {"a": 0.1}, replace(clip, steps=5), gen)["a"]
+    assert low == pytest.approx(0.1)  # raising is capped at the (declared) start
+
+
+def test_noisy_private_bounds_find_the_quantile_of_a_large_cohort():
+    """10,000 norms uniform on [0, 1], γ = 0.9, count noise multiplier 20 (std 20·√2/2 on
+    a count of 10,000: 0.14 % of the cohort): the bound lands at the 0.9-quantile, from a
+    start 1,000× too high, for each of two statistics at once."""
+    gen = torch.Generator().manual_seed(4)
+    norms = {
+        "u": torch.rand(10_000, generator=gen, dtype=torch.float64),
+        "v": 1e-3 * torch.rand(10_000, generator=gen, dtype=torch.float64),
+    }
+    clip = AdaptiveClip(quantile=0.9, count_multiplier=20.0, steps=16)
+    got = private_bounds(norms, {"u": 1000.0, "v": 1.0}, clip, gen)
+    assert got["u"] == pytest.approx(0.9, abs=0.02)
+    assert got["v"] == pytest.approx(0.9e-3, abs=2e-5)
+
+
+def test_composed_epsilon_is_rdp_composition_in_closed_form():
+    """(σ₁, 1, T₁) then (σ₂, 1, T₂): RDP α/2 · (T₁/σ₁² + T₂/σ₂²), the conversion as in the
+    closed-form test above; and one Gaussian mechanism split in two is the same ε."""
+    (s1, t1), (s2, t2), delta = (3.0, 10), (30.0, 120), 1e-6
+    alphas = np.array([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)), dtype=float)
+    rdp = alphas / 2 * (t1 / s1**2 + t2 / s2**2)
+    eps = rdp + np.log((alphas - 1) / alphas) - (np.log(delta) + np.log(alphas)) / (alphas - 1)
+    assert composed_epsilon([(s1, 1.0, t1), (s2, 1.0, t2)], delta) == pytest.approx(eps.min())
+    # T/z² = T/σ₁² + T·k/σ₂² with z = (1/σ₁² + k/σ₂²)^(−½): the same ε as one mechanism.
+    z = (1 / s1**2 + 12 / s2**2) ** -0.5
+    assert composed_epsilon([(s1, 1.0, 10), (s2, 1.0, 120)], delta) == pytest.approx(
+        epsilon_spent(z, 1.0, 10, delta), rel=1e-9
+    )
+
+
+@pytest.mark.parametrize("target", [1.0, 8.0])
+def test_adaptive_accounting_spends_at_most_the_target(target):
+    """The sums' σ and the counts' z_b split one budget: their composed ε (Opacus's
+    history of both) is the target, the counts take the stated share of 1/z², and the
+    sums' σ is that of the plain run over √(1 − share)."""
+    plain = account(target, 1e-6, 1.0, 6)
+    spent = account_adaptive(target, 1e-6, 1.0, 6, steps=12, share=0.1)
+    both = [(spent.noise_multiplier, 1.0, 6), (spent.count_multiplier, 1.0, 72)]
+    assert composed_epsilon(both, 1e-6) == pytest.approx(spent.epsilon, rel=1e-12)
+    assert target * 0.99 <= spent.epsilon <= target
+    assert spent.noise_multiplier == pytest.approx(plain.noise_multiplier / 0.9**0.5, rel=1e-3)
+    share = 12 / spent.count_multiplier**2 * plain.noise_multiplier**2
+    assert share == pytest.approx(0.1, rel=1e-3)
+    with pytest.raises(ValueError, match="quantile_share"):
+        account_adaptive(target, 1e-6, 1.0, 6, steps=12, share=1.0)
+
+
+def test_adaptive_private_sums_noise_the_adapted_bounds():
+    """With adaptive clipping the sums' noise is σ √L × the adapted bound (reported as
+    dp_bound/<statistic>), not the declared one (100× larger), and the bound lands at the
+    quantile: about 1 % of clients clipped at γ = 0.99."""
+    scale = torch.linspace(0.5, 1.0, 400, dtype=torch.float64).unsqueeze(1)
+    x = scale * torch.tensor([[0.6, 0.8, 0.0]], dtype=torch.float64)  # norms 0.5 .. 1
+    declared = {"x": Statistic(100.0)}
+    clip = AdaptiveClip(quantile=0.99, count_multiplier=1e-9, steps=30)
+    gen = torch.Generator().manual_seed(1)
+    _, metrics = private_sums({"x": x}, declared, 1e-12, gen, adaptive=clip)
+    assert metrics["dp_bound/x"] == pytest.approx(0.995, abs=0.003)
+    assert 1 <= metrics["dp_clipped_statistics"] <= 6
+    draws = []
+    for seed in range(100):
+        g = torch.Generator().manual_seed(seed)
+        sums, metrics = private_sums({"x": x}, declared, 1.0, g, adaptive=clip)
+        clipped, _ = clip_statistics({"x": x}, {"x": Statistic(metrics["dp_bound/x"])})
+        draws.append((sums["x"] - clipped["x"].sum(0)) / metrics["dp_bound/x"])
+    assert torch.stack(draws).std().item() == pytest.approx(1.0, rel=0.1)  # σ √L = 1
+
+
+def test_a_centred_psd_sum_is_projected_with_its_centre_added_back():
+    """A PSD leaf declared about C (fedprior's GLS Gram and support, about I): the sum of
+    k = 3 centred leaves plus 3·C must be PSD with eigenvalues ≤ 3 (maximum 1 per client);
+    diag(−3.5, −1) + 3I = diag(−0.5, 2) → diag(0, 2), minus 3I: diag(−3, −1); the map back
+    adds 3·C again: three leaves diag(0, ½) (centred diag(−1, −½), under the bound 2) sum
+    to diag(0, 3/2) through the whole private path at zero noise."""
+    stat = Statistic(2.0, "psd", center=torch.eye(2, dtype=torch.float64), maximum=1.0)
+    noisy = {"g": torch.diag(torch.tensor([-3.5, -1.0], dtype=torch.float64))}
+    out = project_sums(noisy, {"g": stat}, count=3)
+    torch.testing.assert_close(out["g"], torch.diag(torch.tensor([-3.0, -1.0], dtype=F64)))
+    leaves = torch.diag(torch.tensor([0.0, 0.5], dtype=F64)).expand(3, 2, 2)
+    sums, _ = private_sums({"g": leaves}, {"g": stat}, 0.0, torch.Generator())
+    torch.testing.assert_close(sums["g"], torch.diag(torch.tensor([0.0, 1.5], dtype=F64)))
+
+
+def test_weights_share_the_noise_budget_by_the_joint_sensitivity():
+    """Leaves w_l x_l / B_l: sensitivity √(1² + 3²) = √10; noise σ √10 B_l / w_l, i.e.
+    2 · √10 · 2 / 1 and 2 · √10 · 3 / 3 at σ = 2 (unit weights: σ √2 B_l)."""
+    declared = {"a": Statistic(2.0), "b": Statistic(3.0, weight=3.0)}
+    stds = noise_std(declared, 2.0)
+    assert stds["a"] == pytest.approx(2 * 10**0.5 * 2) and stds["b"] == pytest.approx(2 * 10**0.5)
+    even = noise_std({"a": Statistic(2.0), "b": Statistic(3.0)}, 2.0)
+    assert even["b"] == pytest.approx(2 * 2**0.5 * 3)

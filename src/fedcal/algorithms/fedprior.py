@@ -220,6 +220,12 @@ class FedPrior(
     select: Literal["none", "bic"] = "none"
     # client-level DP: rows a unit may hold (public; the campaign)
     dp_max_rows: Annotated[float, Field(ge=0.0)] = 384.0
+    # client-level DP: the mean and second moment whitened by the broadcast Σ (True) or in
+    # the vague start's units (False; dp_statistics)
+    dp_whiten: bool = False
+    # client-level DP: the second moment's weight in the joint sensitivity (core.privacy
+    # noise_std; 1: every statistic the same share of the budget)
+    dp_second_weight: Annotated[float, Field(gt=0.0)] = 1.0
     # ψ: Legendre orders per input of b·ψ(x)ᵀh; () = off
     branch_orders: tuple[Annotated[int, Field(ge=0)], ...] = ()
     # With select = "bic" and branch_orders: ψ chosen too, among no term and every orders
@@ -465,11 +471,17 @@ class FedPrior(
         bounded by construction: Lᵀ gls_gram_i L = A_i⁻¹B_i has eigenvalues in [0, 1)
         and Lᵀ gls_rhs_i = z̄_i = L⁻¹(m_i − μ), bounded by 2√p (twice a prior draw's
         typical norm). The posterior mean and second moment are taken about μ in the
-        units of the vague start — not whitened by the current Σ, which under noise
-        would feed back round after round — with ‖m_i − μ‖ ≤ 2√p s and
-        ‖E[(c_i − μ)(c_i − μ)ᵀ]‖_F ≤ (2√p s)² + p s². Directions the noise hides
-        are not learned: there Σ̂ takes the vague start s², and the support counts no
-        informed unit, so the server keeps μ and s² there (its weak-direction rule).
+        units of the vague start, with ‖m_i − μ‖ ≤ 2√p s and
+        ‖E[(c_i − μ)(c_i − μ)ᵀ]‖_F ≤ (2√p s)² + p s²; with ``dp_whiten`` in the broadcast
+        prior's units instead, L⁻¹(m_i − μ), bounded by 2√p and (2√p)² + p (measured,
+        studies/dp_scale.py: with adapted bounds the fleet's spread is resolved down to
+        a smaller scale; with the declared worst-case bounds whitening feeds the noise back
+        round after round). The GLS Gram and the support are declared about I (their
+        value for a unit whose points determine every direction, most of a large fleet:
+        small deviations, so small adapted bounds). Second-moment eigenvalues the noise
+        hides take the smaller of the noise floor (what the fleet's spread is at most)
+        and the vague start s² (whitened: the floor), and the support's are not
+        counted, so the server keeps μ and s² there (its weak-direction rule).
         rss_i/σ² ≈ n_i ≤ ``dp_max_rows`` (bound 1.5×, by the broadcast σ²: a fixed
         scale would drown the RSS of good units in noise), and the noisy Σ rss at most
         the vague start's noise variance × Σ n (σ² never vaguer than the start) and at
@@ -500,12 +512,32 @@ class FedPrior(
         z = 2.0 * p**0.5
         second = (z * s) ** 2 + p * s * s
         noise_var = down["noise_var"].to(F64)
+        # gls_gram and support are taken about their value for a unit whose points determine
+        # every direction (Lᵀ gls_gram L → I, support → I): most of a large fleet's units,
+        # whose deviation is small, so an adapted bound (core.privacy.AdaptiveClip) is too.
+        eye = torch.eye(p, dtype=F64)
+        sigma_inv = torch.cholesky_inverse(chol)
+        moment_map = None
+        if self.dp_whiten:  # z = L⁻¹(m − μ): the broadcast prior's units, not the vague start's
+            moment_map = torch.linalg.solve_triangular(chol, eye, upper=False)
+            second = z**2 + p
+            s = 1.0
         return {
-            "mean": Statistic(z * s, "vector", center=mu),
+            "mean": Statistic(z * s, "vector", moment_map, center=mu),
             "second": Statistic(
-                second, "second_moment", center=mu, first="mean", noise_floor=True, unresolved=s * s
+                second,
+                "second_moment",
+                moment_map,
+                center=mu,
+                first="mean",
+                noise_floor=True,
+                maximum=second,
+                unresolved=None if self.dp_whiten else s * s,
+                weight=self.dp_second_weight,
             ),
-            "gls_gram": Statistic(p**0.5, "psd", chol.T, maximum=1.0, noise_floor=True),
+            "gls_gram": Statistic(
+                p**0.5, "psd", chol.T, center=sigma_inv, maximum=1.0, noise_floor=True
+            ),
             "gls_rhs": Statistic(z, "vector", chol.T),
             "rss": Statistic(
                 1.5 * rows,
@@ -520,7 +552,9 @@ class FedPrior(
             ),
             "n": Statistic(rows, "positive", minimum=1.0, maximum=rows),
             "gram": Statistic(rows * p, "psd", minimum=1e-9 * rows, noise_floor=True),
-            "support": Statistic(p**0.5, "psd", maximum=1.0, noise_floor=True, unresolved=0.0),
+            "support": Statistic(
+                p**0.5, "psd", center=eye, maximum=1.0, noise_floor=True, unresolved=0.0
+            ),
         }
 
     def _prior_update(

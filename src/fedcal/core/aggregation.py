@@ -151,6 +151,12 @@ class AggregationPolicy(AggregationRules):
 
     dp_noise_multiplier: Float = Field(default=0.0, ge=0.0)
     dp_clip: Float = Field(default=0.0, ge=0.0, le=1e6)
+    # Adaptive clipping of declared statistics (core.privacy.AdaptiveClip): target quantile
+    # γ (0: bounds as declared), geometric steps per round, rate η, the counts' multiplier.
+    dp_quantile: Float = Field(default=0.0, ge=0.0, lt=1.0)
+    dp_quantile_steps: int = Field(default=12, ge=1, le=100)
+    dp_quantile_rate: Float = Field(default=2.0, gt=0.0, le=100.0)
+    dp_count_multiplier: Float = Field(default=0.0, ge=0.0)
 
     @model_validator(mode="after")
     def _privacy(self) -> AggregationPolicy:
@@ -179,6 +185,11 @@ def check_policy(algorithm: Algorithm, policy: AggregationPolicy) -> None:
         raise AggregationError(
             f"{name}: rule {policy.rule!r} is refused for this method (it accepts "
             f"{', '.join(allowed)}; see its reply_aggregation note)"
+        )
+    if policy.dp_quantile > 0 and (kind != "sum" or algorithm.dp_statistics is None):
+        raise AggregationError(
+            f"{name}: [privacy] quantile (adaptive clipping) adapts declared statistics' "
+            "bounds (fedprior); set quantile = 0 and a fixed clip"
         )
     if kind != "custom":
         return
@@ -231,6 +242,7 @@ def policy_stages(policy: AggregationPolicy, algorithm: Algorithm) -> list[Stage
             statistics=algorithm.dp_statistics,
             multiplier=policy.dp_noise_multiplier,
             scale=policy.dp_clip,
+            adaptive=_adaptive_clip(policy),
         )
         out.append(Stage("private_statistics", noise))
     elif policy.dp:
@@ -239,6 +251,20 @@ def policy_stages(policy: AggregationPolicy, algorithm: Algorithm) -> list[Stage
         )
         out.append(Stage("gaussian_noise", noise, per_client=False))
     return out
+
+
+def _adaptive_clip(policy: AggregationPolicy):
+    """The policy's adaptive clipping of declared statistics, or None (bounds as declared)."""
+    if policy.dp_quantile <= 0:
+        return None
+    from fedcal.core.privacy import AdaptiveClip
+
+    return AdaptiveClip(
+        quantile=policy.dp_quantile,
+        count_multiplier=policy.dp_count_multiplier,
+        steps=policy.dp_quantile_steps,
+        rate=policy.dp_quantile_rate,
+    )
 
 
 def chain(policy: AggregationPolicy, algorithm: Algorithm) -> tuple[Stage, ...]:

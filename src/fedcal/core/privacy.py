@@ -18,7 +18,7 @@ customary approximation, and says so (``poisson_assumed``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -35,6 +35,10 @@ class PrivacySpent:
     sample_rate: float
     rounds: int
     poisson_assumed: bool
+    # adaptive clipping (:class:`AdaptiveClip`): the counts' noise multiplier and how many
+    # counts each round releases (0: the bounds are declared, not adapted)
+    count_multiplier: float = 0.0
+    quantile_steps: int = 0
 
 
 def epsilon_spent(noise_multiplier: float, sample_rate: float, rounds: int, delta: float) -> float:
@@ -76,6 +80,62 @@ def account(epsilon: float, delta: float, sample_rate: float, rounds: int) -> Pr
         sample_rate=sample_rate,
         rounds=rounds,
         poisson_assumed=sample_rate < 1.0,
+    )
+
+
+def composed_epsilon(mechanisms: list[tuple[float, float, int]], delta: float) -> float:
+    """ε of a composition of sampled Gaussian mechanisms [(σ, q, steps), ...] at δ.
+
+    Opacus's RDP accountant adds the mechanisms' RDP curves order by order before the
+    conversion to (ε, δ) (RDP composition, Mironov 2017, Prop. 1): its ``history`` holds
+    one (σ, q, steps) entry per kind of mechanism.
+    """
+    from opacus.accountants import RDPAccountant
+
+    accountant = RDPAccountant()
+    accountant.history = [(float(s), float(q), int(n)) for s, q, n in mechanisms]
+    return float(accountant.get_epsilon(delta=delta))
+
+
+def account_adaptive(
+    epsilon: float, delta: float, sample_rate: float, rounds: int, steps: int, share: float
+) -> PrivacySpent:
+    """σ of the sums and z_b of the clip counts that together spend at most ``epsilon``.
+
+    Per round, one Gaussian mechanism on the sums (σ) and ``steps`` on the counts of
+    adaptive clipping (z_b). The counts get the share ``share`` of the budget in RDP
+    terms (Andrew et al. 2021, §3: σ_Δ = (z⁻² − (2σ_b)⁻²)^(−1/2) splits one noise
+    multiplier z between the two): 1/σ² = (1 − f)/z², steps/z_b² = f/z², with z the
+    multiplier one mechanism per round would need. At q = 1 this is exact (the
+    Gaussian's RDP α/2σ² adds up); the ε reported is Opacus's for the composed history.
+    """
+    if not 0 < share < 1:
+        raise ValueError(f"privacy quantile_share = {share}: expected 0 < share < 1")
+    if steps < 1:
+        raise ValueError(f"privacy quantile_steps = {steps}: expected >= 1")
+    z = noise_for_epsilon(epsilon, delta, sample_rate, rounds)
+
+    def spent(scale: float) -> float:
+        sums, counts = scale * z / math.sqrt(1 - share), scale * z * math.sqrt(steps / share)
+        return composed_epsilon(
+            [(sums, sample_rate, rounds), (counts, sample_rate, rounds * steps)], delta
+        )
+
+    # q < 1: the split is not exact; raise both multipliers together until ε fits.
+    scale = 1.0
+    while spent(scale) > epsilon:
+        scale *= 1.001
+    sigma = scale * z / math.sqrt(1 - share)
+    count = scale * z * math.sqrt(steps / share)
+    return PrivacySpent(
+        epsilon=spent(scale),
+        delta=delta,
+        noise_multiplier=sigma,
+        sample_rate=sample_rate,
+        rounds=rounds,
+        poisson_assumed=sample_rate < 1.0,
+        count_multiplier=count,
+        quantile_steps=steps,
     )
 
 
@@ -126,11 +186,11 @@ class Statistic:
     std s on p × p entries (eigenvalues below it cannot be told from noise; raising
     them keeps a noisy covariance vague rather than falsely certain).
     ``unresolved``: per client, the value such an eigenvalue takes instead of the
-    floor (e.g. the vague start a prior had before any data: what cannot be
-    resolved is not learned).
+    floor when it is below the floor (e.g. the vague start a prior had before any
+    data: what cannot be resolved is not learned, and is at most the floor).
     ``ratio`` (leaf, low, high): a positive sum lies within [low, high] × the
     (projected, transformed) sum of that leaf (e.g. a residual sum within a floor
-    and a ceiling variance × the rows).
+    and a ceiling variance × the rows). ``weight``: see :func:`noise_std`.
     """
 
     bound: float
@@ -143,6 +203,7 @@ class Statistic:
     noise_floor: bool = False
     unresolved: float | None = None
     ratio: tuple[str, float, float] | None = None
+    weight: float = 1.0  # the statistic's share of the noise budget (:func:`noise_std`)
 
 
 def _forward(x: Tensor, stat: Statistic, first: Tensor | None = None) -> Tensor:
@@ -211,9 +272,15 @@ def clip_statistics(
 
 
 def noise_std(declared: dict[str, Statistic], noise_multiplier: float, scale: float = 1.0):
-    """Per statistic, the noise std σ √L B_l on its transformed sum (L statistics)."""
-    joint = math.sqrt(len(declared))  # sensitivity of the reply with each leaf over B_l
-    return {k: noise_multiplier * joint * s.bound * scale for k, s in declared.items()}
+    """Per statistic, the noise std σ √(Σ_j w_j²) B_l / w_l on its transformed sum.
+
+    Leaf l enters the normalized reply as w_l x_l / B_l (``weight`` w_l, 1 by default),
+    so the reply's L2 sensitivity is √(Σ_j w_j²) (√L with unit weights) and the Gaussian
+    mechanism with multiplier σ adds σ √(Σ_j w_j²) to each normalized coordinate: a
+    larger weight gives a statistic a larger share of the same budget.
+    """
+    joint = math.sqrt(sum(s.weight**2 for s in declared.values()))
+    return {k: noise_multiplier * joint * s.bound * scale / s.weight for k, s in declared.items()}
 
 
 def project_sums(
@@ -233,10 +300,15 @@ def project_sums(
         below = None
         if stat.noise_floor and stds and x.dim() == 2:
             low = max(low, NOISE_MARGIN * stds[key] * math.sqrt(2 * x.shape[0]))
-            below = None if stat.unresolved is None else stat.unresolved * count
+            # What the noise hides is at most the floor: the declared value when smaller.
+            below = None if stat.unresolved is None else min(low, stat.unresolved * count)
         high = None if stat.maximum is None else stat.maximum * count
         if stat.kind == "positive":
             out[key] = x.clamp(min=low, max=high)
+        elif stat.kind == "psd" and stat.center is not None:
+            # A centred PSD leaf (T(X − C)Tᵀ): the sum plus k·TCTᵀ is what must be PSD.
+            shift = count * _forward(stat.center.unsqueeze(0), replace(stat, center=None))[0]
+            out[key] = psd_projection(x + shift, low, high, below) - shift
         elif stat.kind == "psd":
             out[key] = psd_projection(x, low, high, below)
         elif stat.kind == "second_moment":
@@ -267,20 +339,109 @@ def psd_projection(
     return 0.5 * (out + out.T)
 
 
+# ---- adaptive clipping by private quantile estimation ----------------------------------
+
+
+@dataclass(frozen=True)
+class AdaptiveClip:
+    """Adaptive clipping (Andrew, Thakkar, McMahan & Ramaswamy 2021): each statistic's
+    bound moves toward the ``quantile`` γ of the clients' norms by ``steps`` geometric
+    updates per round (:func:`quantile_step`, initial rate η = ``rate``), each from a
+    fresh noisy count of the clients under the bound (noise multiplier
+    ``count_multiplier``). See :func:`private_bounds` for the step-size rule.
+    """
+
+    quantile: float
+    count_multiplier: float
+    steps: int = 12
+    rate: float = 2.0
+
+
+def quantile_step(bound: float, fraction: float, quantile: float, rate: float) -> float:
+    """Andrew et al. 2021, eq. (2), the geometric update C ← C · exp(−η (b̄ − γ)).
+
+    b̄: the (noisy) fraction of clients whose norm is at most C; the update lowers C
+    when more than γ of them are under it and raises it when fewer are.
+    """
+    return bound * math.exp(-rate * (fraction - quantile))
+
+
+def private_bounds(
+    norms: dict[str, Tensor],
+    start: dict[str, float],
+    clip: AdaptiveClip,
+    generator: torch.Generator,
+) -> dict[str, float]:
+    """Each statistic's bound after ``clip.steps`` noisy geometric updates (Andrew et al.).
+
+    At each step every client's bit b_il = 1[‖T_l x_il‖ ≤ C_l] is counted, centred as
+    b − ½ (one client changes each count by ½: Andrew et al. §3), and the L counts get
+    N(0, (z_b √L / 2)²) each: a Gaussian mechanism with noise multiplier z_b on the L
+    counts jointly (L2 sensitivity √L/2), which :func:`account_adaptive` accounts.
+
+    Step size (ours; Andrew et al. run a constant η over hundreds of rounds, a fleet
+    prior converges in a few): η is divided by 1 − γ when lowering C and by γ when
+    raising it, so either way one step moves C by at most e^η, and η halves each time
+    the direction flips (the update then brackets the quantile, as a bisection in
+    log C would). Every round starts from the declared bound (× the policy's scale),
+    and a bound never exceeds it (the declared worst case is already a valid bound).
+    The number of clients k is taken as public, as in the sums' projection.
+    """
+    keys = list(norms)
+    k = next(iter(norms.values())).shape[0]
+    std = clip.count_multiplier * math.sqrt(len(keys)) / 2
+    gamma = clip.quantile
+    bounds, rates = dict(start), dict.fromkeys(keys, clip.rate)
+    going: dict[str, float] = {}
+    for _ in range(clip.steps):
+        for key in keys:  # declaration order: the same draws for the same declaration
+            centred = float((norms[key] <= bounds[key]).sum()) - k / 2
+            noisy = centred + std * float(torch.randn((), generator=generator, dtype=F64))
+            fraction = noisy / k + 0.5
+            sign = math.copysign(1.0, fraction - gamma)
+            if key in going and going[key] != sign:
+                rates[key] /= 2
+            going[key] = sign
+            scale = (1 - gamma) if sign > 0 else gamma
+            step = quantile_step(bounds[key], fraction, gamma, rates[key] / scale)
+            bounds[key] = min(step, start[key])
+    return bounds
+
+
+def leaf_norms(replies: dict[str, Tensor], declared: dict[str, Statistic]) -> dict[str, Tensor]:
+    """Per statistic, each client's norm ‖T_l x_il‖ in its declared coordinates."""
+    out = {}
+    for key, stat in declared.items():
+        first = replies[stat.first] if stat.first else None
+        x = _forward(replies[key], stat, first)
+        out[key] = x.reshape(x.shape[0], -1).norm(dim=1)
+    return out
+
+
 def private_sums(
     replies: dict[str, Tensor],
     declared: dict[str, Statistic],
     noise_multiplier: float,
     generator: torch.Generator,
     scale: float = 1.0,
+    adaptive: AdaptiveClip | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, float]]:
     """Clip, sum, noise, project and map back a cohort's statistics (steps 1–5 above).
 
     ``replies`` (clients, ...) per statistic; returns the private sums (no clients
     axis, float64) and metrics: how many (client, statistic) pairs were clipped and
-    the noise multiplier on the joint normalized reply.
+    the noise multiplier on the joint normalized reply. With ``adaptive``, the bounds
+    (declared × ``scale`` at the start) are first adapted by :func:`private_bounds`
+    (their noisy counts come first from ``generator``); the metrics then give each
+    adapted bound as ``dp_bound/<statistic>`` (a released, private value).
     """
     count = next(iter(replies.values())).shape[0]
+    adapted = {}
+    if adaptive is not None:
+        start = {key: stat.bound * scale for key, stat in declared.items()}
+        adapted = private_bounds(leaf_norms(replies, declared), start, adaptive, generator)
+        declared = {key: replace(stat, bound=adapted[key]) for key, stat in declared.items()}
+        scale = 1.0
     clipped, hits = clip_statistics(replies, declared, scale)
     stds = noise_std(declared, noise_multiplier, scale)
     noisy = {}
@@ -296,4 +457,5 @@ def private_sums(
             first = _backward(valid[stat.first], declared[stat.first], count, None)
         out[key] = _backward(valid[key], stat, count, first)
     metrics = {"dp_clipped_statistics": float(hits.sum()), "dp_statistics": float(len(declared))}
+    metrics.update({f"dp_bound/{key}": bound for key, bound in adapted.items()})
     return out, metrics

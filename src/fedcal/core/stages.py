@@ -33,11 +33,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from fedcal.core.tree import Tree, flatten, per_client, unflatten
+
+if TYPE_CHECKING:
+    from fedcal.core.privacy import AdaptiveClip
 
 NORM_BLOCK = 256  # clients whose temporaries (float64 squares, |x| of isfinite) exist at once
 
@@ -366,12 +370,14 @@ def private_statistics(
     statistics: Callable[[Tree], dict],
     multiplier: float,
     scale: float,
+    adaptive: AdaptiveClip | None = None,
 ) -> Cohort:
     """Declared summed statistics clipped, noised and projected one by one (DP).
 
     :func:`fedcal.core.privacy.private_sums` with the algorithm's declaration
     (``Algorithm.dp_statistics(broadcast)``); ``scale`` (the policy's C) scales the
-    declared bounds. The private sum replaces the used replies (k rows that sum to it).
+    declared bounds; ``adaptive`` (a ``privacy.AdaptiveClip``) adapts them to a private
+    quantile of the clients' norms first. The private sum replaces the used replies.
     """
     from fedcal.core.privacy import private_sums
 
@@ -379,7 +385,8 @@ def private_statistics(
         return cohort
     chosen, k = _chosen(cohort), int(cohort.used.sum())
     gen = torch.Generator().manual_seed(int(rnd.seed) % (2**63))
-    sums, dp_metrics = private_sums(chosen, statistics(rnd.broadcast), multiplier, gen, scale=scale)
+    declared = statistics(rnd.broadcast)
+    sums, dp_metrics = private_sums(chosen, declared, multiplier, gen, scale, adaptive)
     replies = dict(cohort.replies)
     for key, u in cohort.updates.items():
         replies[key] = (sums[key] / k).to(u.dtype).expand(u.shape).clone()
