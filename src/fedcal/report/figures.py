@@ -95,7 +95,9 @@ def sensor_points(per_sensor: pd.DataFrame, methods: list[str]) -> pd.DataFrame:
         for client, idx in part.groupby("client", sort=True).groups.items():
             rmse = float(part.loc[idx, "test_rmse"].astype(float).to_numpy().mean())
             seen = set(status[idx])
-            worst = max(seen, key=lambda s: SEVERITY.index(s) if s in SEVERITY else 0)
+            # a status outside SEVERITY (another fedcal's file) is not ok: ranked just above
+            # it; ties broken by name, not by the set's hash order (determinism)
+            worst = max(seen, key=lambda s: (SEVERITY.index(s) if s in SEVERITY else 0.5, s))
             drawn = bool(np.isfinite(rmse)) and worst not in NOT_DRAWN
             rows.append(
                 {"method": method, "client": client, "rmse": rmse, "status": worst, "drawn": drawn}
