@@ -29,16 +29,20 @@ def _color(i: int) -> tuple:
     return COLORS[i % len(COLORS)]
 
 
-def _diverged_note(ax, names: list[str]) -> None:
+def _diverged_note(
+    ax, names: list[str], lead: str = "diverged (not drawn): ", wrap: bool = False
+) -> None:
+    """The panel's note of what it does not draw (top left, crimson)."""
     if names:
         ax.text(
             0.01,
             0.99,
-            "diverged (not drawn): " + ", ".join(names),
+            lead + ", ".join(names),
             transform=ax.transAxes,
             va="top",
             fontsize=8,
             color="crimson",
+            wrap=wrap,
         )
 
 
@@ -149,17 +153,7 @@ def per_sensor_rmse(per_sensor: pd.DataFrame, methods: list[str], unit: str) -> 
     ax.grid(True, axis="y", which="both", alpha=0.3)
     if labelled - {None}:
         ax.legend(fontsize=7, loc="lower right")
-    if missing:
-        ax.text(
-            0.01,
-            0.99,
-            "no error to draw: " + ", ".join(missing),
-            transform=ax.transAxes,
-            va="top",
-            fontsize=8,
-            color="crimson",
-            wrap=True,
-        )
+    _diverged_note(ax, missing, lead="no error to draw: ", wrap=True)
     return fig
 
 
