@@ -61,3 +61,23 @@ def test_csv_in_chunks_is_the_same_bytes(whole, tmp_path):
     save_fleet(whole, tmp_path / "whole.csv")
     save_chunks(simulate_chunks(SPEC, 2, 3), tmp_path / "chunks.csv")
     assert (tmp_path / "whole.csv").read_bytes() == (tmp_path / "chunks.csv").read_bytes()
+
+
+def test_parts_that_do_not_line_up_are_refused_naming_the_file(tmp_path):
+    """A part whose columns differ in order from the first part's was written under the
+    first header (CSV: values in the wrong columns); a column typed only in a later part
+    (all missing in the first: Arrow's null type) failed with an Arrow error naming nothing.
+    Both are a ValueError naming the file, the part and the columns."""
+    a = pd.DataFrame({"sensor_id": ["A"] * 2, "frequency_hz": [3.0e4, 3.1e4], "note": [None] * 2})
+    b = a.assign(sensor_id="B", note="x")
+    swapped = b[["sensor_id", "note", "frequency_hz"]]
+    for suffix in (".csv", ".parquet"):
+        path = tmp_path / f"f{suffix}"
+        with pytest.raises(ValueError, match=rf"f\{suffix}: part 2 has the columns"):
+            save_chunks(iter([a, swapped]), path)
+        assert not path.exists()
+    with pytest.raises(ValueError, match=r"f2\.parquet: part 2: .*hold: note \("):
+        save_chunks(iter([a, b]), tmp_path / "f2.parquet")
+    # the same parts in the order that types every column first: written and loadable
+    rows, sensors = save_chunks(iter([b, a]), tmp_path / "f3.parquet")
+    assert (rows, sensors) == (4, 2) and pq.ParquetFile(tmp_path / "f3.parquet").num_row_groups == 2
