@@ -81,3 +81,22 @@ def test_parts_that_do_not_line_up_are_refused_naming_the_file(tmp_path):
     # the same parts in the order that types every column first: written and loadable
     rows, sensors = save_chunks(iter([b, a]), tmp_path / "f3.parquet")
     assert (rows, sensors) == (4, 2) and pq.ParquetFile(tmp_path / "f3.parquet").num_row_groups == 2
+
+
+def test_a_missing_text_cell_loads_back_from_either_writer(whole, tmp_path):
+    """A text column with a missing cell: save_fleet hashed the frame in memory (None →
+    "None") but the file reads back NaN ("nan"), so load_fleet refused its own file as
+    changed; the digest is of the table as it reads back, as save_chunks' is (equal)."""
+    frame = whole.frame.assign(note=None)
+    frame.loc[0, "note"] = "checked"
+    fleet = type(whole)(frame, whole.features, whole.target, whole.client_column, whole.meta)
+    save_fleet(fleet, tmp_path / "whole.parquet")
+    save_chunks(iter([frame.iloc[:100], frame.iloc[100:]]), tmp_path / "chunks.parquet")
+    loaded = [load_fleet(tmp_path / f) for f in ("whole.parquet", "chunks.parquet")]
+    pd.testing.assert_frame_equal(loaded[0].frame, loaded[1].frame, check_exact=True)
+    assert loaded[0].frame["note"].iloc[0] == "checked" and loaded[0].frame["note"].isna().sum()
+    a, b = (
+        json.loads(pq.ParquetFile(tmp_path / f).schema_arrow.metadata[PARQUET_META_KEY])
+        for f in ("whole.parquet", "chunks.parquet")
+    )
+    assert a["sha256"] == b["sha256"]

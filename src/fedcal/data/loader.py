@@ -1142,7 +1142,9 @@ def save_fleet(fleet: Fleet, path: str | Path) -> None:
         import pyarrow.parquet as pq
 
         table = pa.Table.from_pandas(frame, preserve_index=False)
-        record = json.dumps(_parquet_record(frame, fleet.client_column)).encode()
+        # The digest of the table as load_fleet reads it back (a missing text cell is
+        # None in memory, NaN read back): the frame itself would not match its own file.
+        record = json.dumps(_parquet_record(table.to_pandas(), fleet.client_column)).encode()
         table = table.replace_schema_metadata(
             {**(table.schema.metadata or {}), PARQUET_META_KEY: record}
         )
