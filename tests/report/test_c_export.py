@@ -350,6 +350,16 @@ def test_a_nan_unit_is_nan_in_c_too(runs, tmp_path):
     assert np.allclose(got[2:, 0], models.predict(good, x)[:, 0], rtol=0, atol=1e-9)
 
 
+def support_box(fleet, sensor: str) -> np.ndarray:
+    """The unit's extrapolation-guard box (2, F) in scaled inputs."""
+    params = fleet.params[sensor]
+    if "box" in params:  # fedprior: the unit's box (2, F) in scaled inputs
+        return params["box"].double().numpy()
+    # polynomial: |u| ≤ 1 + 2·RANGE_MARGIN in the unit's own span lo..hi
+    lo, hi = params["lo"].double().numpy(), params["hi"].double().numpy()
+    return lo + (np.array([[-0.1], [2.1]]) / 2) * (hi - lo)
+
+
 def edge_rows(fleet, sensor: str, span: dict) -> np.ndarray:
     """Raw inputs probing both flags' edges for ``sensor`` (rows, 2), float64.
 
@@ -367,13 +377,7 @@ def edge_rows(fleet, sensor: str, span: dict) -> np.ndarray:
         for edge, out in ((lower[j], -np.inf), (upper[j], np.inf)):
             for v in (edge, np.nextafter(edge, out)):
                 rows.append(np.where(np.arange(2) == j, v, mid))
-    params = fleet.params[sensor]
-    if "box" in params:  # fedprior: the unit's box (2, F) in scaled inputs
-        box = params["box"].double().numpy()
-    else:  # polynomial: |u| ≤ 1 + 2·RANGE_MARGIN in the unit's own span lo..hi
-        lo, hi = params["lo"].double().numpy(), params["hi"].double().numpy()
-        box = lo + (np.array([[-0.1], [2.1]]) / 2) * (hi - lo)
-    raw = box * fleet.scaler.x_scale + fleet.scaler.x_offset  # (2, F)
+    raw = support_box(fleet, sensor) * fleet.scaler.x_scale + fleet.scaler.x_offset  # (2, F)
     steps = np.concatenate([[0.0], np.outer([1, -1], 10.0 ** -np.arange(6, 13)).ravel()])
     for j in range(2):
         for edge in raw[:, j][np.isfinite(raw[:, j])]:
@@ -471,11 +475,7 @@ def float_edge_rows(fleet, sensor: str, span: dict) -> tuple[np.ndarray, np.ndar
     params = fleet.params[sensor]
     if "box" not in params and "lo" not in params:  # no extrapolation guard: no box rows
         return np.array(rows, np.float32).astype(float), np.full(box_rows, np.inf)
-    if "box" in params:  # fedprior: the unit's box (2, F) in scaled inputs
-        box = params["box"].double().numpy()
-    else:  # polynomial: |u| ≤ 1 + 2·RANGE_MARGIN in the unit's own span lo..hi
-        p_lo, p_hi = params["lo"].double().numpy(), params["hi"].double().numpy()
-        box = p_lo + (np.array([[-0.1], [2.1]]) / 2) * (p_hi - p_lo)
+    box = support_box(fleet, sensor)
     raw = box * fleet.scaler.x_scale + fleet.scaler.x_offset  # (2, F)
     for j in range(2):
         for edge in raw[:, j][np.isfinite(raw[:, j])]:
@@ -484,6 +484,7 @@ def float_edge_rows(fleet, sensor: str, span: dict) -> tuple[np.ndarray, np.ndar
     x = np.array(rows, np.float32).astype(float)
     z = fleet.scaler.x(x)
     if "box" not in params:  # the polynomial's own coordinates u and its box ±1.1
+        p_lo, p_hi = params["lo"].double().numpy(), params["hi"].double().numpy()
         z = 2 * (z - p_lo) / (p_hi - p_lo) - 1
         box = np.array([[-1.1], [1.1]]) * np.ones((1, 2))
     gap = np.min(np.abs(z[:, None, :] - box[None]), axis=(1, 2))

@@ -313,3 +313,30 @@ def test_the_residual_panels_name_a_sensor_s_status_when_not_ok():
     assert worst == "m — worst sensor B [weak, not in the means]: RMSE 2 hPa"
     plain = residuals_by_plateau({"m": res}, "p", "t", "hPa")  # no statuses: as before
     assert plain.axes[1].get_title() == "m — worst sensor B: RMSE 2 hPa"
+
+
+def test_a_status_the_figure_does_not_know_is_never_shown_as_ok(monkeypatch):
+    """A sensor ok in one seed and of a status outside fedcal.status's list in another (a
+    file of another fedcal) is not ok: it takes that status (not the box), whatever order
+    the set of its statuses iterates in. The tie with ok went by the set's hash order:
+    here each set iterates in order of appearance (one order CPython's hashing gives,
+    e.g. {"ok", "legacy0"} under PYTHONHASHSEED=0), and then in the reverse one."""
+    from fedcal.report import figures
+
+    table = pd.DataFrame(
+        {
+            "method": ["m"] * 4,
+            "client": ["A", "A", "B", "B"],
+            "seed": [0, 1, 0, 1],
+            "test_rmse": [1.0, 3.0, 0.5, 0.5],
+            "status": ["ok", "legacy0", "ok", "ok"],
+        }
+    )
+    for iterate in (lambda v: list(dict.fromkeys(v)), lambda v: list(dict.fromkeys(v))[::-1]):
+        monkeypatch.setattr(figures, "set", iterate, raising=False)
+        points = figures.sensor_points(table, ["m"]).set_index("client")
+        assert points.loc["A", "status"] == "legacy0" and points.loc["A", "rmse"] == 2.0
+        assert points.loc["B", "status"] == "ok"
+        for order in (["legacy0", "legacy1"], ["legacy1", "legacy0"]):  # two unknown: by name
+            two = figures.sensor_points(table.assign(status=[*order, "ok", "ok"]), ["m"])
+            assert two.loc[0, "status"] == "legacy1"

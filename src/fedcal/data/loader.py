@@ -1142,7 +1142,9 @@ def save_fleet(fleet: Fleet, path: str | Path) -> None:
         import pyarrow.parquet as pq
 
         table = pa.Table.from_pandas(frame, preserve_index=False)
-        record = json.dumps(_parquet_record(frame, fleet.client_column)).encode()
+        # The digest of the table as load_fleet reads it back (a missing text cell is
+        # None in memory, NaN read back): the frame itself would not match its own file.
+        record = json.dumps(_parquet_record(table.to_pandas(), fleet.client_column)).encode()
         table = table.replace_schema_metadata(
             {**(table.schema.metadata or {}), PARQUET_META_KEY: record}
         )
@@ -1159,7 +1161,8 @@ def save_chunks(
 ) -> tuple[int, int]:
     """Write a fleet table given as consecutive parts (e.g. sensors 0–999, 1000–1999, …),
     atomically, holding one part at a time: what :func:`save_fleet` writes for their
-    concatenation. Returns (rows, sensors).
+    concatenation. Returns (rows, sensors). Parts must have the first part's columns, in
+    its order, in types it can hold (a ValueError naming the file and the part).
 
     CSV: each part appended (the header once). Parquet: one row group per part
     (``pyarrow.parquet.ParquetWriter``); the metadata :func:`save_fleet` stores (rows,
@@ -1177,8 +1180,15 @@ def save_chunks(
     sensors: set[str] = set()
 
     def parts() -> Iterable[pd.DataFrame]:
-        for frame in frames:
+        columns = None
+        for k, frame in enumerate(frames):
             frame = frame.drop(columns=[SOURCE_LINE], errors="ignore").reset_index(drop=True)
+            names = [str(c) for c in frame.columns]
+            columns = names if columns is None else columns
+            if names != columns:  # CSV would write the values under the first part's header
+                raise ValueError(
+                    f"{p}: part {k + 1} has the columns {names}, the first part {columns}"
+                )
             sizes["rows"] += len(frame)
             if client_column in frame.columns:
                 sensors.update(frame[client_column].astype(str).unique())
@@ -1199,11 +1209,23 @@ def save_chunks(
             scratch = tmp.with_name(tmp.name + ".rows")
             try:
                 writer = None
-                for frame in parts():
+                for k, frame in enumerate(parts()):
                     table = pa.Table.from_pandas(frame, preserve_index=False)
                     if writer is None:
                         writer = pq.ParquetWriter(scratch, table.schema)
-                    writer.write_table(table.cast(writer.schema))
+                    try:
+                        table = table.cast(writer.schema)
+                    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                        wrong = [
+                            f"{f.name} ({g.type}, first part {f.type})"
+                            for f, g in zip(writer.schema, table.schema, strict=True)
+                            if f.type != g.type
+                        ]
+                        raise ValueError(
+                            f"{p}: part {k + 1}: column types the first part's cannot hold: "
+                            + ", ".join(wrong)
+                        ) from None
+                    writer.write_table(table)
                 if writer is None:
                     raise ValueError(f"{p}: no rows to write")
                 writer.close()

@@ -29,16 +29,20 @@ def _color(i: int) -> tuple:
     return COLORS[i % len(COLORS)]
 
 
-def _diverged_note(ax, names: list[str]) -> None:
+def _diverged_note(
+    ax, names: list[str], lead: str = "diverged (not drawn): ", wrap: bool = False
+) -> None:
+    """The panel's note of what it does not draw (top left, crimson)."""
     if names:
         ax.text(
             0.01,
             0.99,
-            "diverged (not drawn): " + ", ".join(names),
+            lead + ", ".join(names),
             transform=ax.transAxes,
             va="top",
             fontsize=8,
             color="crimson",
+            wrap=wrap,
         )
 
 
@@ -95,7 +99,9 @@ def sensor_points(per_sensor: pd.DataFrame, methods: list[str]) -> pd.DataFrame:
         for client, idx in part.groupby("client", sort=True).groups.items():
             rmse = float(part.loc[idx, "test_rmse"].astype(float).to_numpy().mean())
             seen = set(status[idx])
-            worst = max(seen, key=lambda s: SEVERITY.index(s) if s in SEVERITY else 0)
+            # a status outside SEVERITY (another fedcal's file) is not ok: ranked just above
+            # it; ties broken by name, not by the set's hash order (determinism)
+            worst = max(seen, key=lambda s: (SEVERITY.index(s) if s in SEVERITY else 0.5, s))
             drawn = bool(np.isfinite(rmse)) and worst not in NOT_DRAWN
             rows.append(
                 {"method": method, "client": client, "rmse": rmse, "status": worst, "drawn": drawn}
@@ -147,17 +153,7 @@ def per_sensor_rmse(per_sensor: pd.DataFrame, methods: list[str], unit: str) -> 
     ax.grid(True, axis="y", which="both", alpha=0.3)
     if labelled - {None}:
         ax.legend(fontsize=7, loc="lower right")
-    if missing:
-        ax.text(
-            0.01,
-            0.99,
-            "no error to draw: " + ", ".join(missing),
-            transform=ax.transAxes,
-            va="top",
-            fontsize=8,
-            color="crimson",
-            wrap=True,
-        )
+    _diverged_note(ax, missing, lead="no error to draw: ", wrap=True)
     return fig
 
 
