@@ -9,7 +9,9 @@ never leave the sensor and get no noise; only what is uploaded is protected.
 A method that declares its summed statistics (fedprior: ``dp_statistics``) is
 clipped statistic by statistic to its declared bounds, which ``--clip`` then
 multiplies (1 = as declared), noised at the joint sensitivity and projected to
-valid sums (``fedcal.core.privacy.private_sums``).
+valid sums (``fedcal.core.privacy.private_sums``). A method with the calibrated
+interval (whose hold-out uploads inputs, refused under DP) runs with
+``interval = "posterior"`` in every cell, with and without DP.
 
 ``--config fewpoint`` runs the mixed fleet (20 reference units with 384 points
 + 20 new units with a few-point design, ``--designs``) over ``--fleet-seeds``
@@ -110,6 +112,10 @@ def main() -> None:
                 for fs in fleet_seeds:
                     c, fleet, tensors, task = fleets[design, fs]
                     algorithm = build_algorithm(method, c, task)
+                    if getattr(algorithm, "interval", None) == "calibrated":
+                        # the calibrated interval's hold-out uploads inputs: refused under DP;
+                        # every cell (DP or not) uses the posterior interval, so they compare
+                        algorithm = replace(algorithm, interval="posterior")
                     roles = fleet.roles
                     for seed in args.seeds:
                         engine = EngineConfig(
