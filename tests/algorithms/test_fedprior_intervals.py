@@ -184,6 +184,21 @@ def test_rich_units_own_row_hold_out_lifts_their_coverage_to_95_percent():
     assert torch.all(personal["disc_var"][new] == server["disc_var"])
     assert torch.equal(personal["coef"], before_p["coef"])
     assert torch.all(before_p["disc_var"][rich] == 0) and not torch.any(personal["declined"] > 0)
+    # prior.json carries it: the same units rebuilt from the exported state get the same σ
+    doc = alg.export_state(server)["interval"]
+    assert doc["discrepancy_var_own"] == own
+    stored = {k: server[k] for k in ("mu", "sigma", "noise_var")}
+    stored.update(
+        disc_var=torch.tensor(doc["discrepancy_var"], dtype=F64),
+        probe_n=torch.tensor(doc["probe_rows"], dtype=F64),
+        declined=torch.tensor(float(doc["declined"]), dtype=F64),
+        disc_own=torch.tensor(doc["discrepancy_var_own"], dtype=F64),
+    )
+    down = expand(alg.broadcast(stored), train.num_clients)
+    again = alg.personalize(down, alg.client_init(down), train)
+    torch.testing.assert_close(
+        alg.predictive_std(again, test.x), alg.predictive_std(personal, test.x), rtol=1e-12, atol=0
+    )
 
 
 def test_tau_of_takes_the_smallest_covering_grid_value_interpolated():
