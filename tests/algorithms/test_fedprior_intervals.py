@@ -215,3 +215,14 @@ def test_tau_of_takes_the_smallest_covering_grid_value_interpolated():
     assert math.isclose(tau, g9 + (0.95 - 0.90) / (0.96 - 0.90) * (g10 - g9), rel_tol=1e-12)
     assert math.isnan(float(alg._tau_of(torch.full_like(TAU_GRID, 0.9))))
     assert float(alg._tau_of(torch.full_like(TAU_GRID, 0.95))) == 0.0
+
+
+def test_own_folds_needs_two_folds_and_the_calibrated_interval():
+    import pytest
+
+    from fedcal.core.algorithm import SettingError
+
+    for bad in ({"own_folds": 1, "interval": "calibrated"}, {"own_folds": 5}):
+        with pytest.raises(SettingError, match="own_folds"):
+            make(**bad)
+    assert make(own_folds=2, interval="calibrated").own_folds == 2

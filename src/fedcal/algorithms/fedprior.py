@@ -267,6 +267,11 @@ class FedPrior(
                 f"{list(self.branch_orders)} needs one order >= 0 per input "
                 f"({self.num_inputs} inputs), or [] for no direction term",
             )
+        if self.own_folds == 1 or (self.own_folds and self.interval != "calibrated"):
+            raise SettingError(  # I4 (fedprior_interval): a fold needs other rows to fit from
+                "own_folds",
+                f"{self.own_folds}: use 0 (off) or >= 2 folds, with interval = 'calibrated'",
+            )
 
     # ---- the basis ---------------------------------------------------------
     @property
