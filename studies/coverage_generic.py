@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--terciles", action="store_true", help="coverage by level tercile")
     args = ap.parse_args()
     settings = dict(kv.split("=", 1) for kv in args.set.split(",") if kv)
+    settings = {k: int(v) if v.isdigit() else v for k, v in settings.items()}  # own_folds=5
     torch.set_num_threads(1)
     base = load_config("generic")
     cfg = dataclasses.replace(

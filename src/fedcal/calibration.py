@@ -530,6 +530,9 @@ def prior_server(prior: dict[str, Any], scaler: Scaler) -> Tree:
         for key, name in (("disc_var", "discrepancy_var"), ("probe_n", "probe_rows")):
             server[key] = torch.tensor(float(iv[name]), dtype=F64)
         server["declined"] = torch.tensor(float(iv["declined"]), dtype=F64)
+        if "discrepancy_var_own" in iv:  # fedprior I4: null = no τ² covered (declined)
+            own = iv["discrepancy_var_own"]
+            server["disc_own"] = torch.tensor(math.nan if own is None else float(own), dtype=F64)
     if "noise_gamma" in prior:  # the noise in the inputs, σ² exp(γᵀx) (fedprior_noise)
         gamma = [float(g) for g in prior["noise_gamma"]]
         if len(gamma) != len(prior["features"]) or not all(map(math.isfinite, gamma)):

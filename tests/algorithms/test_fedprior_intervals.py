@@ -20,10 +20,13 @@ from fedcal_support.rounds import run_rounds
 TEST_ROWS = 100
 
 
-def grid_fleet(refs: int, new: int, seed: int, curvature: float = 0.0, new_levels=(3, 2)):
+def grid_fleet(
+    refs: int, new: int, seed: int, curvature: float = 0.0, new_levels=(3, 2), noise=(0.01,)
+):
     """Units of the hierarchical model on the (1, 1) basis, + ``curvature``·g_i·P2(x1), g_i ~ N(1,
     0.3²), a term the basis lacks. Reference units: a 6 × 6 grid of inputs; new units: a
-    ``new_levels`` grid (2 levels of x1 see no curvature). Test: random inputs."""
+    ``new_levels`` grid (2 levels of x1 see no curvature). Test: random inputs. Unit i's noise sd:
+    ``noise[i % len(noise)]``."""
     gen = torch.Generator().manual_seed(seed)
     terms = legendre_exponents(2, orders=(1, 1))
     mu = torch.tensor([0.5, 1.0, -0.3, 0.1], dtype=F64)
@@ -42,7 +45,7 @@ def grid_fleet(refs: int, new: int, seed: int, curvature: float = 0.0, new_level
         for store, x in ((train, x_tr), (test, x_te)):
             p2 = 0.5 * (3 * x[:, 1] ** 2 - 1)
             y = legendre_products(x, terms) @ c + curvature * g * p2
-            y = y + 0.01 * torch.randn(len(x), generator=gen, dtype=F64)
+            y = y + noise[i % len(noise)] * torch.randn(len(x), generator=gen, dtype=F64)
             store.append((x.numpy(), y.unsqueeze(-1).numpy()))
     seeds = tuple(range(refs + new))
     return ClientData.from_arrays(train, seeds, F64), ClientData.from_arrays(test, seeds, F64)
@@ -159,3 +162,67 @@ def test_a_later_unit_gets_the_federation_s_sigma_from_the_exported_state():
     small = ClientData.from_arrays([(test.x[0, :3].numpy(), test.y[0, :3].numpy())], (0,), F64)
     one = alg.personalize(expand(alg.broadcast(stored), 1), alg.client_init(down), small)
     assert float(one["declined"][0]) == 1.0
+
+
+def test_rich_units_own_row_hold_out_lifts_their_coverage_to_95_percent():
+    """I4. A fleet σ² pooled over rich units whose noise differs ten-fold (0.003 / 0.03) is
+    too narrow for the noisy half and too wide for the quiet half: their mean coverage falls
+    below 95 % (Jensen). Holding out their own rows in 5 folds learns the τ² that restores
+    it; the probe's class (the new units) keeps its τ², and the fits are unchanged."""
+    train, test = grid_fleet(30, 10, seed=0, noise=(0.003, 0.03))
+    rich, new = slice(0, 30), slice(30, 40)
+    plain = make(interval="calibrated")
+    _, _, before_p, _ = run_rounds(plain, train, 20)
+    before = float(coverage(plain, before_p, test, rich).mean())
+    alg = make(interval="calibrated", own_folds=5)
+    server, _, personal, _ = run_rounds(alg, train, 20)
+    after = float(coverage(alg, personal, test, rich).mean())
+    assert before < 0.95 - band(30), before
+    assert abs(after - 0.95) <= band(30) + 0.01, after
+    own = float(server["disc_own"])
+    assert own > 0 and torch.all(personal["disc_var"][rich] == own)
+    assert torch.all(personal["disc_var"][new] == server["disc_var"])
+    assert torch.equal(personal["coef"], before_p["coef"])
+    assert torch.all(before_p["disc_var"][rich] == 0) and not torch.any(personal["declined"] > 0)
+    # prior.json carries it: the same units rebuilt from the exported state get the same σ
+    doc = alg.export_state(server)["interval"]
+    assert doc["discrepancy_var_own"] == own
+    stored = {k: server[k] for k in ("mu", "sigma", "noise_var")}
+    stored.update(
+        disc_var=torch.tensor(doc["discrepancy_var"], dtype=F64),
+        probe_n=torch.tensor(doc["probe_rows"], dtype=F64),
+        declined=torch.tensor(float(doc["declined"]), dtype=F64),
+        disc_own=torch.tensor(doc["discrepancy_var_own"], dtype=F64),
+    )
+    down = expand(alg.broadcast(stored), train.num_clients)
+    again = alg.personalize(down, alg.client_init(down), train)
+    torch.testing.assert_close(
+        alg.predictive_std(again, test.x), alg.predictive_std(personal, test.x), rtol=1e-12, atol=0
+    )
+
+
+def test_tau_of_takes_the_smallest_covering_grid_value_interpolated():
+    """_tau_of: share per τ² of the grid → the first τ² reaching the target, linear between
+    its grid neighbours (hand-computed); NaN when none reaches it; 0 when τ² = 0 covers."""
+    from fedcal.algorithms.fedprior_interval import TAU_GRID
+
+    alg = make(interval="calibrated")
+    share = torch.zeros_like(TAU_GRID)
+    share[10:] = 0.96
+    share[9] = 0.90
+    tau = float(alg._tau_of(share))
+    g9, g10 = float(TAU_GRID[9]), float(TAU_GRID[10])
+    assert math.isclose(tau, g9 + (0.95 - 0.90) / (0.96 - 0.90) * (g10 - g9), rel_tol=1e-12)
+    assert math.isnan(float(alg._tau_of(torch.full_like(TAU_GRID, 0.9))))
+    assert float(alg._tau_of(torch.full_like(TAU_GRID, 0.95))) == 0.0
+
+
+def test_own_folds_needs_two_folds_and_the_calibrated_interval():
+    import pytest
+
+    from fedcal.core.algorithm import SettingError
+
+    for bad in ({"own_folds": 1, "interval": "calibrated"}, {"own_folds": 5}):
+        with pytest.raises(SettingError, match="own_folds"):
+            make(**bad)
+    assert make(own_folds=2, interval="calibrated").own_folds == 2

@@ -22,8 +22,12 @@ pytest.importorskip("flwr")
 ROWS = [6, 30, 14, 26, 6, 20]
 
 
-def test_calibrated_interval_on_flower_equals_the_simulator(make_fleet, tmp_path) -> None:
-    params = {**CONFIG.method_params["fedprior"], "interval": "calibrated"}
+@pytest.mark.parametrize("own_folds", [0, 3])
+def test_calibrated_interval_on_flower_equals_the_simulator(
+    make_fleet, tmp_path, own_folds: int
+) -> None:
+    # own_folds = 3: the rich units' own-row τ² (I4) also travels and equals the simulator's
+    params = {**CONFIG.method_params["fedprior"], "interval": "calibrated", "own_folds": own_folds}
     config = replace(CONFIG, method_params={**CONFIG.method_params, "fedprior": params})
     fleet = make_fleet(num_clients=6, train=ROWS)
     cfgs = _node_cfgs(fleet, tmp_path, SITES)
@@ -43,6 +47,9 @@ def test_calibrated_interval_on_flower_equals_the_simulator(make_fleet, tmp_path
         assert float(server["probe_n"]) == 6 and int(server["declined"]) == 0
         assert float(server["dof"]) == pytest.approx(float(res.server["dof"]), rel=1e-10)
     assert float(fed.server["disc_var"]) == float(res.server["disc_var"])
+    assert ("disc_own" in res.server) == bool(own_folds)
+    if own_folds:
+        assert float(fed.server["disc_own"]) == pytest.approx(float(res.server["disc_own"]))
     final = pd.DataFrame(fed.final_rows())
     assert np.isfinite(final[["test_pred_sd", "test_coverage95"]].to_numpy()).all()
     # per round and sensor: σ (pred_sd), coverage and errors equal the simulator's

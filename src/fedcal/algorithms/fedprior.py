@@ -239,6 +239,9 @@ class FedPrior(
     probe_rows: Annotated[int, Field(ge=1)] = 32
     # τ² is the smallest that covers this share of held-out rows
     coverage_target: Annotated[float, Field(ge=0.0, le=1.0)] = 0.95
+    # > 0: units with ≥ 2× the probe's rows get a τ² of their own, learned by holding out
+    # their own rows in this many folds (fedprior_interval, I4); 0: they get none (I3)
+    own_folds: Annotated[int, Field(ge=0)] = 0
     # Issue 21 (core/robust.py): "full" rejects uploads inconsistent with their declared count
     # and down-weights units far from the others' prior in the M-step; "check": the first
     # only; "off": neither (the plain sums; what secure aggregation would leave).
@@ -269,6 +272,11 @@ class FedPrior(
                 "branch_orders",
                 f"{list(self.branch_orders)} needs one order >= 0 per input "
                 f"({self.num_inputs} inputs), or [] for no direction term",
+            )
+        if self.own_folds == 1 or (self.own_folds and self.interval != "calibrated"):
+            raise SettingError(  # I4 (fedprior_interval): a fold needs other rows to fit from
+                "own_folds",
+                f"{self.own_folds}: use 0 (off) or >= 2 folds, with interval = 'calibrated'",
             )
 
     # ---- the basis ---------------------------------------------------------
@@ -665,9 +673,13 @@ class FedPrior(
             # later from prior.json can be): its model error was never learned.
             unknown = (n < probe) | ((probe == 0) & (n <= self.probe_rows))
             code = down["declined"]
-            out["disc_var"] = torch.where(small, down["disc_var"].to(F64), 0.0)
+            # I4: the rich units' own-row τ² (NaN: none of the grid covered; 0 when off)
+            own = down.get("disc_own", torch.tensor(0.0, dtype=F64)).to(F64)
+            rich_var = torch.nan_to_num(own, nan=0.0).expand_as(n)
+            out["disc_var"] = torch.where(small, down["disc_var"].to(F64), rich_var)
             fleet_wide = (code == 1) | (code == 5)
-            out["declined"] = (fleet_wide | (small & (code > 1)) | unknown).to(F64)
+            lost = ~small & torch.isnan(own) & (probe > 0)
+            out["declined"] = (fleet_wide | (small & (code > 1)) | unknown | lost).to(F64)
         out["box"] = self._unit_box(down.get("box"), data)
         if self.noise_shape == "inputs":  # σ²(x) = σ_i² exp(γᵀx) (fedprior_noise)
             gamma = down.get("noise_gamma", torch.zeros(self.num_inputs, dtype=F64))

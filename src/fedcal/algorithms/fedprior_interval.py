@@ -40,6 +40,17 @@ I3. **Units that get it, and the decline.** A unit with fewer than 2K rows (the
     from ``prior.json`` (``fedcal calibrate``) gets the same τ² by the same rule,
     and none (declined) if it has fewer rows than the probe (or the fleet had no
     unit of at most ``probe_rows`` rows): its model error was never learned.
+I4. **The rich units' own-row τ² (opt-in, ``own_folds`` = F > 0).** A unit with at
+    least 2K rows also splits its own rows into F folds (row j of the unit in fold
+    j mod F), fits its posterior under the current prior from the other folds, and
+    counts for each τ² of :data:`TAU_GRID` the fold's rows within the interval I2
+    states (±1.96 √(v + τ²), or the sweep mixture's); it uploads the counts and how
+    many rows it held out, summed over folds. The server takes τ²_own as in I2 (the
+    smallest τ² whose pooled coverage reaches ``coverage_target``), and the units
+    with at least 2K rows predict with variance φᵀV_iφ + σ_i² + τ²_own. If no τ² of
+    the grid covers, those units state no interval (:data:`DECLINE` 6). It learns
+    what I3 assumes away: model error between a rich unit's own points and the
+    uncertainty of its σ_i² (measured on the humidity fleet, docs/uncertainty.md).
 
 :class:`CalibratedInterval` is a mixin of :class:`~fedcal.algorithms.fedprior.FedPrior`: the
 server's interval state (:meth:`~CalibratedInterval._interval_init`), a unit's hold-out
@@ -78,7 +89,7 @@ TAU_GRID = torch.cat([torch.zeros(1, dtype=F64), torch.logspace(-12, 2, 141, dty
 
 
 # What the broadcast carries for the interval (the server also keeps "dof").
-INTERVAL_KEYS = ("probe_x", "probe_b", "probe_n", "disc_var", "declined")
+INTERVAL_KEYS = ("probe_x", "probe_b", "probe_n", "disc_var", "declined", "disc_own")
 
 
 DECLINE = {
@@ -92,6 +103,8 @@ DECLINE = {
     "none: no unit had at most probe_rows): their model error was not learned",
     5: "no interval: the fleet's points do not identify every direction of the basis in use "
     "(see the weak terms): an interval along them would be the vague start's, not learned",
+    6: "no interval for units with at least twice the smallest design's points ({n} points): "
+    "even the largest discrepancy variance did not cover 95 % of their own held-out rows",
 }
 
 
@@ -128,6 +141,9 @@ class CalibratedInterval:
             "disc_var": zero.clone(),  # τ², scaled units²
             "declined": zero.clone(),  # 0 an interval; else a DECLINE code
             "dof": zero.clone(),  # the fleet's residual degrees of freedom Σ_i ν_i
+            # I4: the rich units' own-row τ² (only with own_folds, so that the state is
+            # the earlier one without it)
+            **({"disc_own": zero.clone()} if self.own_folds else {}),
         }
 
     def _heldout(
@@ -174,11 +190,49 @@ class CalibratedInterval:
         )
         keep, held = keep * able, mask * (1 - keep) * able
         design = self.design(x, data.branch)
+        if weights is not None:  # N5: held rows the robust fit marks outliers not counted
+            held = held * weights[1]
+        inside = self._fit_count(down, state, design, x, y, keep, held, weights)
+        n = data.count.to(F64)
+        own = (n <= self.probe_rows).to(F64)
+        r = min(rows, self.probe_rows)
+        probe_x = torch.zeros(c, self.probe_rows, x.shape[-1], dtype=F64)
+        probe_x[:, :r] = u[:, :r] * own.reshape(-1, 1, 1)
+        probe_b = torch.zeros(c, self.probe_rows, dtype=F64)
+        probe_b[:, :r] = branch[:, :r] * own.unsqueeze(1)
+        out = {"x": probe_x, "b": probe_b, "n": n * own, "inside": inside, "held": held.sum(1)}
+        if self.own_folds:  # I4: the rich units hold out their own rows, fold by fold
+            fold = torch.remainder(mask.cumsum(1) - 1, self.own_folds)
+            out["inside_own"] = torch.zeros_like(inside)
+            out["held_own"] = torch.zeros_like(out["held"])
+            for k in range(self.own_folds):
+                part = mask * (fold == k).to(F64)
+                fold_held = part * able if weights is None else part * able * weights[1]
+                rest = mask - part
+                out["inside_own"] += self._fit_count(
+                    down, state, design, x, y, rest, fold_held, weights
+                )
+                out["held_own"] += fold_held.sum(1)
+        return out
+
+    def _fit_count(
+        self,
+        down: Tree,
+        state: Tree,
+        design: Tensor,
+        x: Tensor,
+        y: Tensor,
+        keep: Tensor,
+        held: Tensor,
+        weights: tuple[Tensor, Tensor] | None,
+    ) -> Tensor:
+        """Fit each unit's posterior under the broadcast prior from its ``keep`` rows alone
+        and count, per τ² of :data:`TAU_GRID`, its ``held`` rows inside the interval it
+        states (I2, I4): (clients, grid)."""
         if weights is None:
             sub = moments(design, y, keep)
-        else:  # N5: the weighted probe fit; held rows the robust fit marks outliers not counted
+        else:  # N5: the weighted fit
             sub = weighted_moments(design, y, keep, weights[0])
-            held = held * weights[1]
         stats = _masked(sub, down["mask"]) if "mask" in down else sub
         noise = self._noise(down, state)
         post = posterior(stats, down["mu"], down["sigma"], noise)
@@ -193,23 +247,9 @@ class CalibratedInterval:
             shift = (legendre_products(x, self.branch_terms) * h).sum(-1).unsqueeze(-1)
             sd = (var.unsqueeze(-1) - shift * shift + TAU_GRID).clamp_min(0.0).sqrt()
             within = mixture_mass(err, shift, sd) <= 0.95
-            inside = (within.to(F64) * held.unsqueeze(-1)).sum(1)
-        else:  # held rows within ±1.96√(v + τ²) per τ² of the grid (bisection: no rows × grid)
-            inside = count_within((y - mean).square(), var, TAU_GRID, held, 1.959964)
-        n = data.count.to(F64)
-        own = (n <= self.probe_rows).to(F64)
-        r = min(rows, self.probe_rows)
-        probe_x = torch.zeros(c, self.probe_rows, x.shape[-1], dtype=F64)
-        probe_x[:, :r] = u[:, :r] * own.reshape(-1, 1, 1)
-        probe_b = torch.zeros(c, self.probe_rows, dtype=F64)
-        probe_b[:, :r] = branch[:, :r] * own.unsqueeze(1)
-        return {
-            "x": probe_x,
-            "b": probe_b,
-            "n": n * own,
-            "inside": inside,
-            "held": held.sum(1),
-        }
+            return (within.to(F64) * held.unsqueeze(-1)).sum(1)
+        # held rows within ±1.96√(v + τ²) per τ² of the grid (bisection: no rows × grid)
+        return count_within((y - mean).square(), var, TAU_GRID, held, 1.959964)
 
     def _mean_var(self, coef: Tensor, cov: Tensor, noise: Tensor, x: Tensor, down: Tree):
         """φᵀm_c and the predictive variance of :meth:`variance_form` per row (clients, rows)
@@ -242,16 +282,15 @@ class CalibratedInterval:
             if held == 0:
                 code = 2
             else:
-                share = iv["inside"].sum(0) / held  # held-out coverage at each τ² of the grid
-                covered = share >= self.coverage_target
-                if bool(covered.any()):
-                    g = int(torch.nonzero(covered)[0, 0])
-                    out["disc_var"] = TAU_GRID[g].clone()
-                    if g > 0:  # linear between the grid's neighbours, to the target share
-                        w = (self.coverage_target - share[g - 1]) / (share[g] - share[g - 1])
-                        out["disc_var"] = TAU_GRID[g - 1] + w * (TAU_GRID[g] - TAU_GRID[g - 1])
-                else:
+                tau = self._tau_of(iv["inside"].sum(0) / held)
+                if math.isnan(float(tau)):
                     code = 3
+                else:
+                    out["disc_var"] = tau
+            if "held_own" in iv:  # I4: the rich units' own-row τ² (NaN: none covered)
+                held_own = float(iv["held_own"].sum())
+                if held_own > 0:
+                    out["disc_own"] = self._tau_of(iv["inside_own"].sum(0) / held_own)
         # Directions of the basis in use that too few units' points determine (the
         # identification rule): an interval along them would be the vague start's.
         used = torch.nonzero(server["mask"] if "mask" in server else self.masks[-1])[:, 0]
@@ -263,11 +302,26 @@ class CalibratedInterval:
         out["declined"] = torch.tensor(float(code), dtype=F64)
         return out
 
+    def _tau_of(self, share: Tensor) -> Tensor:
+        """The smallest τ² whose held-out coverage ``share`` (per τ² of :data:`TAU_GRID`)
+        reaches ``coverage_target``, linear between the grid's neighbours; NaN if none."""
+        covered = share >= self.coverage_target
+        if not bool(covered.any()):
+            return torch.tensor(math.nan, dtype=F64)
+        g = int(torch.nonzero(covered)[0, 0])
+        if g == 0:
+            return TAU_GRID[0].clone()
+        w = (self.coverage_target - share[g - 1]) / (share[g] - share[g - 1])
+        return TAU_GRID[g - 1] + w * (TAU_GRID[g] - TAU_GRID[g - 1])
+
     def interval_note(self, server: Tree) -> str:
         """One line: why the run states no interval for (some) units; "" when it states them."""
         if self.interval != "calibrated":
             return ""
         code = int(server["declined"])
+        own = "disc_own" in server and math.isnan(float(server["disc_own"]))
+        if own and code not in (1, 5):  # I4 found no τ² for the rich units
+            return DECLINE[6].format(n=int(server["probe_n"]))
         if not code:
             return ""
         return DECLINE[code].format(n=int(server["probe_n"]), dof=float(server["dof"]))

@@ -95,7 +95,9 @@ def _weighted(replies: Tree, w: Tensor) -> Tree:
     for key, v in replies.items():
         if key == "interval":
             out[key] = {
-                k: u * per_client(w.to(u.dtype), u) if k in ("dof", "fit", "held", "inside") else u
+                k: u * per_client(w.to(u.dtype), u)
+                if k in ("dof", "fit", "held", "inside", "held_own", "inside_own")
+                else u
                 for k, u in v.items()
             }
         elif isinstance(v, dict):

@@ -19,6 +19,7 @@ and the interval's state from :class:`~fedcal.algorithms.fedprior_interval.Calib
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -132,6 +133,9 @@ class PriorStatus:
                 "declined": int(server["declined"]),
                 "reason": self.interval_note(server),
             }
+            if "disc_own" in server:  # I4's τ² of units with ≥ 2× the probe's rows (NaN: none)
+                own = float(server["disc_own"])
+                state["interval"]["discrepancy_var_own"] = None if math.isnan(own) else own
         psi = self.chosen_branch(server)
         if psi:
             state["branch_terms"] = [list(t) for t in psi]
