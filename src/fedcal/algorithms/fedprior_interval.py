@@ -165,7 +165,8 @@ class CalibratedInterval:
         )
         keep, held = keep * able, mask * (1 - keep) * able
         sub = moments(self.design(x, data.branch), y, keep)
-        stats = _masked(sub, down["mask"]) if "mask" in down else sub
+        model = self._model_mask(down)
+        stats = sub if model is None else _masked(sub, model)
         noise = self._noise(down, state)
         post = posterior(stats, down["mu"], down["sigma"], noise)
         coef, cov = post.mean, post.cov
