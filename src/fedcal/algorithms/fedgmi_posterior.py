@@ -41,6 +41,14 @@ initial body's random features. ``finetune_*``,
 ``magnitude``, ``normalize``, ``interpolate`` and ``upload`` are the gradient
 rule's and unused here.
 
+Weak units (issue 20). The head is linear in its parameters, so the rule of fedprior
+applies (:mod:`fedcal.core.identify`): at the final body, each unit's data support
+I − (I + s²G_i/σ²)⁻¹ (s = ``prior_init_scale``) is summed over the fleet; head directions
+fewer than ``MIN_INFORMED`` (2) units determine are unlearned (EM leaves Σ_h there at what
+it started from); a unit is ``weak`` when they carry more than half of its predictive
+variance at its evaluation inputs, Σ_rows (φᵀW)(WᵀV_iW)(Wᵀφ) / Σ_rows (φᵀV_iφ + σ²) > ½.
+The body's own weights are not judged (docs/statuses.md: neural methods).
+
 One class, :class:`FedGMIPosterior` (registered as ``fedgmi_bayes``): a :class:`FedGMI`
 whose head rule is the posterior. It shares FedGMI's fields (the variants above are tables
 of ``fedgmi``: ``FedGMI(..., interpolation="posterior")`` builds this class), its client
@@ -70,14 +78,18 @@ from fedcal.core.bayes import (
     F64,
     Moments,
     Posterior,
+    data_support,
     moments,
     posterior,
     predictive_var,
     regularize,
 )
 from fedcal.core.data import ClientData
+from fedcal.core.identify import UNLEARNED_SHARE, unlearned_directions, unlearned_share
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree, weighted_mean
+
+MIN_INFORMED = 2.0  # a head direction fewer units' points determine is unlearned (fedprior's)
 
 
 def finite_posterior(stats: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Posterior:
@@ -212,10 +224,26 @@ class FedGMIPosterior(FedGMI):
         if self.evaluate == "local":
             return state["model"]
         # (ω^{t+1}, m_i) with m_i under ω^{t+1}'s features and the latest prior.
-        _, post = self.head_posterior(down, data)
+        stats, post = self.head_posterior(down, data)
         noise = down["noise_var"].expand(post.mean.shape[0])
         head = head_tree(self.task, post.mean, data.x.dtype)
-        return {**down["model"], **head, "head_cov": post.cov, "noise_var": noise}
+        # how far the unit's own points determine each head direction (client_status)
+        support = data_support(stats.gram, noise, self.prior_init_scale)
+        extra = {"head_cov": post.cov, "noise_var": noise, "head_support": support}
+        return {**down["model"], **head, **extra}
+
+    def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
+        """``weak``: unlearned head directions carry more than half of the unit's predictive
+        variance at ``x`` (module doc, "Weak units"); none for ``evaluate="local"``."""
+        if "head_support" not in personal:
+            return {}
+        support = personal["head_support"].to(F64).sum(0)  # Σ_i over the fleet's units
+        weak = unlearned_directions(support, MIN_INFORMED)
+        if not weak.shape[1]:
+            return {"weak": torch.zeros(x.shape[0], dtype=torch.bool)}
+        design = head_design(self.task, personal, x)
+        share = unlearned_share(design, personal["head_cov"], personal["noise_var"], weak, mask)
+        return {"weak": share > UNLEARNED_SHARE}
 
     def predictive_std(self, params: Tree, x: Tensor) -> Tensor | None:
         """√(Φ(x) V_i Φ(x)ᵀ + σ²) per row (clients, rows, 1) when the model carries V_i."""
