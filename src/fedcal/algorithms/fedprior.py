@@ -77,7 +77,17 @@ prediction is the branch average and the hysteresis widens the interval:
 
     ŷ = φ(x)ᵀm_c,   Var = φ(x)ᵀV_cc φ(x) + σ² + ψ(x)ᵀ(m_h m_hᵀ + V_hh)ψ(x).
 
-Rows without a direction (b = 0) carry no branch term (today's model). With
+Rows without a direction (b = 0) carry no branch term (today's model). A direction
+term the fleet's data do not identify is out of the model (issue 20): when every unit
+swept one way, or no row has a direction, the rows see c + h along ψ (or nothing of h),
+and a split by the vague start put half of each unit's ψ part in h, which the field's
+branch average drops (230–240 hPa on all-few fleets). Each unit uploads the data support
+of the whole design (``branch_support``); the ψ coordinates J that the summed support's
+weak subspace holds (:meth:`FedPrior._unidentified_branch`) are pinned, μ_J = 0 and
+Σ_JJ = ``floor`` (masked out of every E-step), the M-step runs on the others, the EM
+starts again from the vague start when J changes and its columns held data, and the
+BIC counts no parameter for J: from then on the run is the run without the term, one
+round later. With
 ``select = "bic"`` the candidates are φ's sub-bases; ψ is in every candidate,
 unless ``branch_select``: then the candidates are φ's sub-bases × ψ's options
 (no term, or any orders vector ≤ ``branch_orders``), and the fleet's BIC also
