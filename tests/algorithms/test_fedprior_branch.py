@@ -269,5 +269,15 @@ def test_every_unit_swept_one_way_leaves_the_term_out_and_is_fedprior_one_round_
         state, state0 = alg.export_state(server), plain.export_state(s0)
         assert "branch_terms" not in state and state["terms"] == state0["terms"]
         assert state["identification"]["weak_terms"] == state0["identification"]["weak_terms"]
+        # the term is out of the exported prior too: `fedcal calibrate` rebuilds fedprior
+        assert state["selection"]["chosen"]["branch_orders"] == []
         if select == "bic":
-            assert state["selection"]["chosen"] == state0["selection"]["chosen"]
+            assert state["selection"]["chosen"]["orders"] == state0["selection"]["chosen"]["orders"]
+        from fedcal.build import build_algorithm, build_task
+        from fedcal.calibration import _config
+
+        params = {"orders": list(PHI), "select": select, "branch_orders": [2, 0]}
+        doc = {"method": "fedprior_br", "method_params": params, "selection": state["selection"]}
+        cfg = _config({**doc, "features": ["frequency_hz", "temperature_c"], "target": "p"})
+        rebuilt = build_algorithm("fedprior_br", cfg, build_task(cfg, 2))
+        assert rebuilt.branch_terms == () and [list(t) for t in rebuilt.terms] == state["terms"]

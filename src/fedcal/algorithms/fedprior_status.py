@@ -138,4 +138,8 @@ class PriorStatus:
                 "candidates": list(self.candidates),
                 "scores": [round(float(v), 3) for v in server["scores"]],
             }
+        if self.branch_orders and not psi:  # the direction term is out (unidentified): a
+            # prior without it, rebuilt as such (``fedcal calibrate`` applies ``chosen``)
+            selection = state.setdefault("selection", {"rule": "identification", "chosen": {}})
+            selection["chosen"] = {**selection["chosen"], "branch_orders": []}
         return state
