@@ -281,3 +281,7 @@ def test_every_unit_swept_one_way_leaves_the_term_out_and_is_fedprior_one_round_
         cfg = _config({**doc, "features": ["frequency_hz", "temperature_c"], "target": "p"})
         rebuilt = build_algorithm("fedprior_br", cfg, build_task(cfg, 2))
         assert rebuilt.branch_terms == () and [list(t) for t in rebuilt.terms] == state["terms"]
+    # half of the units swept both ways: h is identified, nothing is pinned
+    x, y, b, _, _, _ = planted()
+    server = fit(prior(branch_orders=(2, 0)), cohort(x, y, b), 3)[0]
+    assert server["pinned"].tolist() == [0.0] * 19
