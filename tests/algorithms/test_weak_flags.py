@@ -86,3 +86,6 @@ def test_bayes_head_is_weak_where_no_two_units_determine_a_head_direction():
     assert int((torch.linalg.eigvalsh(personal["head_support"].sum(0)) < 2.0).sum()) == 3
     flags = alg.client_status(server, personal, test_x, torch.ones(6, 30))
     assert flags["weak"].tolist() == [True] * 6
+    # inputs in another dtype than the body's (the run passes float64): the same flags
+    flags32 = alg.client_status(server, personal, test_x.float(), torch.ones(6, 30))
+    assert flags32["weak"].tolist() == [True] * 6

@@ -241,7 +241,8 @@ class FedGMIPosterior(FedGMI):
         weak = unlearned_directions(support, MIN_INFORMED)
         if not weak.shape[1]:
             return {"weak": torch.zeros(x.shape[0], dtype=torch.bool)}
-        design = head_design(self.task, personal, x)
+        dtype = personal[head_names(self.task)[0]].dtype  # the body's (x may come as float64)
+        design = head_design(self.task, personal, x.to(dtype))
         share = unlearned_share(design, personal["head_cov"], personal["noise_var"], weak, mask)
         return {"weak": share > UNLEARNED_SHARE}
 
