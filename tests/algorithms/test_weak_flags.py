@@ -78,14 +78,50 @@ def test_bayes_head_is_weak_where_no_two_units_determine_a_head_direction():
     x = torch.rand(6, 20, 2, generator=gen, dtype=F64) * 2 - 1
     test_x = torch.rand(6, 30, 2, generator=gen, dtype=F64) * 2 - 1
     alg, server, personal = _bayes_head(_fleet(x))
-    assert float(torch.linalg.eigvalsh(personal["head_support"].sum(0))[0]) >= 2.0
+    assert float(torch.linalg.eigvalsh(server["head_support"])[0]) >= 2.0
     flags = alg.client_status(server, personal, test_x, torch.ones(6, 30))
     assert flags["weak"].tolist() == [False] * 6
     one = x[:, :1].expand(6, 20, 2).clone()
     alg, server, personal = _bayes_head(_fleet(one))
-    assert int((torch.linalg.eigvalsh(personal["head_support"].sum(0)) < 2.0).sum()) == 3
+    assert int((torch.linalg.eigvalsh(server["head_support"]) < 2.0).sum()) == 3
     flags = alg.client_status(server, personal, test_x, torch.ones(6, 30))
     assert flags["weak"].tolist() == [True] * 6
     # inputs in another dtype than the body's (the run passes float64): the same flags
     flags32 = alg.client_status(server, personal, test_x.float(), torch.ones(6, 30))
     assert flags32["weak"].tolist() == [True] * 6
+
+
+def test_bayes_head_counts_only_the_units_its_prior_was_learned_from():
+    """Units 0–2 (20 random points each) would determine every head direction, but the server
+    takes only units 3–5's replies (each read at one input), as when screening rejects 0–2:
+    its summed support is theirs alone, and units 3–5 are weak."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(6, 20, 2, generator=gen, dtype=F64) * 2 - 1
+    x[3:] = x[3:, :1].expand(3, 20, 2)
+    data = _fleet(x)
+    alg = FedGMI(
+        Task(MLP(hidden=(3,), activation="tanh")),
+        interpolation="posterior",
+        evaluate="global_body",
+        local_epochs=0,
+    )
+    server = alg.server_init(alg.task.model.init(torch.Generator().manual_seed(1), F64))
+    states = alg.client_init(expand(alg.broadcast(server), 6))
+    kept = torch.tensor([3, 4, 5])
+    for _ in range(10):
+        result = alg.client_update(expand(alg.broadcast(server), 6), states, data)
+        states = result.state
+        reply = {
+            k: (
+                v.index_select(0, kept)
+                if k != "model"
+                else {n: t.index_select(0, kept) for n, t in v.items()}
+            )
+            for k, v in result.reply.items()
+        }
+        server = alg.server_update(server, reply, data.count.index_select(0, kept))
+    personal = alg.personalize(expand(alg.broadcast(server), 6), states, data)
+    assert int((torch.linalg.eigvalsh(server["head_support"]) < 2.0).sum()) == 3
+    test_x = torch.rand(6, 30, 2, generator=gen, dtype=F64) * 2 - 1
+    flags = alg.client_status(server, personal, test_x, torch.ones(6, 30))
+    assert flags["weak"][3:].tolist() == [True] * 3

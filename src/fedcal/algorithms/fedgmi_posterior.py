@@ -42,8 +42,9 @@ initial body's random features. ``finetune_*``,
 rule's and unused here.
 
 Weak units (issue 20). The head is linear in its parameters, so the rule of fedprior
-applies (:mod:`fedcal.core.identify`): at the final body, each unit's data support
-I − (I + s²G_i/σ²)⁻¹ (s = ``prior_init_scale``) is summed over the fleet; head directions
+applies (:mod:`fedcal.core.identify`): each unit uploads its head data support
+I − (I + s²G_i/σ²)⁻¹ (s = ``prior_init_scale``) and the server sums the accepted units'
+(the units its prior was learned from, last round: ``head_support``); head directions
 fewer than ``MIN_INFORMED`` (2) units determine are unlearned (EM leaves Σ_h there at what
 it started from); a unit is ``weak`` when they carry more than half of its predictive
 variance at its evaluation inputs, Σ_rows (φᵀW)(WᵀV_iW)(Wᵀφ) / Σ_rows (φᵀV_iφ + σ²) > ½.
@@ -160,7 +161,12 @@ class FedGMIPosterior(FedGMI):
             "head_mu": mu,
             "head_sigma": self.prior_init_scale**2 * torch.eye(mu.shape[0], dtype=F64),
             "noise_var": torch.tensor(self.prior_init_noise**2, dtype=F64),
+            # Σ_i of the accepted units' head data support (client_status; not broadcast)
+            "head_support": torch.zeros(mu.shape[0], mu.shape[0], dtype=F64),
         }
+
+    def broadcast(self, server: Tree) -> Tree:
+        return {k: v for k, v in server.items() if k != "head_support"}
 
     def head_posterior(self, down: Tree, data: ClientData) -> tuple[Moments, Posterior]:
         """Steps 1–2 of the posterior rule: the head's moments and posterior under ω of ``down``."""
@@ -185,6 +191,10 @@ class FedGMIPosterior(FedGMI):
             "rss": post.rss,
             "n": stats.n,
             "gram": stats.gram,
+            # how far the unit's own points determine each head direction (client_status)
+            "support": data_support(
+                stats.gram, down["noise_var"].expand(stats.n.shape[0]), self.prior_init_scale
+            ),
         }
         return ClientResult(reply, {"model": trained}, {"train_loss": loss, "loglik": post.loglik})
 
@@ -218,27 +228,25 @@ class FedGMIPosterior(FedGMI):
             "head_mu": mu,
             "head_sigma": sigma,
             "noise_var": stats["rss"] / stats["n"].clamp_min(1.0),
+            "head_support": stats["support"],
         }
 
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
         if self.evaluate == "local":
             return state["model"]
         # (ω^{t+1}, m_i) with m_i under ω^{t+1}'s features and the latest prior.
-        stats, post = self.head_posterior(down, data)
+        _, post = self.head_posterior(down, data)
         noise = down["noise_var"].expand(post.mean.shape[0])
         head = head_tree(self.task, post.mean, data.x.dtype)
-        # how far the unit's own points determine each head direction (client_status)
-        support = data_support(stats.gram, noise, self.prior_init_scale)
-        extra = {"head_cov": post.cov, "noise_var": noise, "head_support": support}
-        return {**down["model"], **head, **extra}
+        return {**down["model"], **head, "head_cov": post.cov, "noise_var": noise}
 
     def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
         """``weak``: unlearned head directions carry more than half of the unit's predictive
         variance at ``x`` (module doc, "Weak units"); none for ``evaluate="local"``."""
-        if "head_support" not in personal:
-            return {}
-        support = personal["head_support"].to(F64).sum(0)  # Σ_i over the fleet's units
-        weak = unlearned_directions(support, MIN_INFORMED)
+        support = server.get("head_support")  # Σ_i over the units the prior was learned from
+        if "head_cov" not in personal or support is None or not bool(support.isfinite().all()):
+            return {}  # evaluate="local", or a diverged fleet (its own status)
+        weak = unlearned_directions(support.to(F64), MIN_INFORMED)
         if not weak.shape[1]:
             return {"weak": torch.zeros(x.shape[0], dtype=torch.bool)}
         dtype = personal[head_names(self.task)[0]].dtype  # the body's (x may come as float64)
