@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fedcal.algorithms.fedprior import FedPrior, term_name
-from fedcal.core.bayes import F64, predictive_var
+from fedcal.core.bayes import F64, data_support, predictive_var
 from fedcal.core.data import ClientData
 from fedcal.core.task import Task
 from fedcal.core.tree import expand
@@ -49,11 +49,11 @@ def prior(**kw) -> FedPrior:
 
 
 def test_with_no_direction_known_it_is_fedprior():
-    """b = 0 everywhere (or no column): the c-part of every number is fedprior's.
+    """b = 0 everywhere (or no column): every number is fedprior's.
 
-    Exactly when the term is off; with the term on, to rounding: the M-step's joint
-    eigendecompositions (floor, weak directions) over (c, h) round differently from
-    those over c alone, though h's block is the vague start and uncoupled.
+    Exactly when the term is off; with the term on, to rounding: no unit informs h, so the
+    term is out of the model (issue 20): h = 0 with the prior's floor variance, uncoupled,
+    and the interval is fedprior's (before: h kept the vague start and widened it).
     """
     x, y, _, _, _, _ = planted()
     plain = fit(prior(), cohort(x, y, None), 6)
@@ -67,11 +67,13 @@ def test_with_no_direction_known_it_is_fedprior():
         torch.testing.assert_close(server["noise_var"], plain[0]["noise_var"], **close)
         torch.testing.assert_close(personal["coef"][:, :p], plain[2]["coef"], **close)
         torch.testing.assert_close(alg.predict(personal, x), prior().predict(plain[2], x), **close)
-        # h saw no data: it keeps the vague start, uncoupled from c, and widens the interval
-        torch.testing.assert_close(server["mu"][p:], torch.zeros(3, dtype=F64))
-        torch.testing.assert_close(server["sigma"][p:, p:], torch.eye(3, dtype=F64))
-        assert torch.all(server["sigma"][:p, p:] == 0)
-        assert torch.all(alg.predictive_std(personal, x) > prior().predictive_std(plain[2], x))
+        # h saw no data: out of the model (μ_h = 0, Σ_hh = floor, uncoupled); fedprior's σ
+        assert torch.all(server["mu"][p:] == 0) and torch.all(server["sigma"][:p, p:] == 0)
+        torch.testing.assert_close(server["sigma"][p:, p:], 1e-12 * torch.eye(3, dtype=F64))
+        assert server["mask"].tolist() == [1.0] * p + [0.0] * 3
+        torch.testing.assert_close(
+            alg.predictive_std(personal, x), prior().predictive_std(plain[2], x), **close
+        )
     # Directions in the data change nothing, bit for bit, while the term is off.
     _, _, b, _, _, _ = planted()
     off = fit(prior(), cohort(x, y, b), 6)
@@ -220,8 +222,14 @@ def test_a_bic_reply_carries_the_full_gram_and_the_chosen_candidate_s_statistics
     assert reply["n"].tolist() == [20.0] * 6
     for key in ("mean", "second", "gls_gram", "gls_rhs", "rss", "support"):
         torch.testing.assert_close(reply[key], reply["cand"][key][:, k], rtol=1e-10, atol=1e-12)
+    # the whole design's support (whatever the choice): the direction term's check
+    gram = design.transpose(1, 2) @ design
+    torch.testing.assert_close(
+        reply["branch_support"], data_support(gram, down["noise_var"], 1.0), rtol=1e-9, atol=1e-12
+    )
     assert list(reply) == [
-        *("mean", "second", "gls_gram", "gls_rhs", "rss", "n", "gram", "support", "cand")
+        *("mean", "second", "gls_gram", "gls_rhs", "rss", "n", "gram", "support"),
+        *("branch_support", "cand"),
     ]
 
 
@@ -230,3 +238,50 @@ def test_bad_branch_orders_are_refused_in_one_line():
         ValueError, match=r"^fedprior branch_orders: \[2\] needs one order >= 0 per input"
     ):
         prior(branch_orders=(2,))
+
+
+def test_every_unit_swept_one_way_leaves_the_term_out_and_is_fedprior_one_round_later():
+    """Issue 20: no unit informs h apart from c (every row b = +1), so ψ is out of the model.
+
+    Before, each unit split c + h by the vague start and predicted the branch average of a
+    term no unit identifies (230–240 hPa on the simulator's all-few fleets). Now the first
+    round finds J (every ψ coordinate), the EM starts again without it, and every number —
+    prediction, σ (the hold-out's τ² included), the decline, the chosen basis, the weak
+    terms — is fedprior's of one round fewer, to rounding.
+    """
+    x, y, _, _, _, _ = planted(units=12, rows=30)
+    rows = [30] * 6 + [8] * 6  # 8-row units: the hold-out's probe; 30-row units emulate it
+    arrays = [(x[i, : rows[i]].numpy(), y[i, : rows[i], None].numpy()) for i in range(12)]
+    data = ClientData.from_arrays(arrays, dtype=F64, branch=[np.ones(r) for r in rows])
+    close = {"rtol": 1e-7, "atol": 1e-10}
+    for select in ("none", "bic"):
+        plain = prior(select=select, interval="calibrated")
+        s0, _, p0 = fit(plain, data, 7)
+        alg = prior(select=select, interval="calibrated", branch_orders=(2, 0))
+        server, _, personal = fit(alg, data, 8)
+        assert server["pinned"].tolist() == [0.0] * 16 + [1.0] * 3
+        torch.testing.assert_close(alg.predict(personal, x), plain.predict(p0, x), **close)
+        std = alg.predictive_std(personal, x)
+        assert torch.isfinite(std).all()  # an interval (this well-specified fleet: τ² = 0)
+        torch.testing.assert_close(std, plain.predictive_std(p0, x), **close)
+        torch.testing.assert_close(server["disc_var"], s0["disc_var"], **close)
+        assert int(server["declined"]) == int(s0["declined"]) == 0
+        state, state0 = alg.export_state(server), plain.export_state(s0)
+        assert "branch_terms" not in state and state["terms"] == state0["terms"]
+        assert state["identification"]["weak_terms"] == state0["identification"]["weak_terms"]
+        # the term is out of the exported prior too: `fedcal calibrate` rebuilds fedprior
+        assert state["selection"]["chosen"]["branch_orders"] == []
+        if select == "bic":
+            assert state["selection"]["chosen"]["orders"] == state0["selection"]["chosen"]["orders"]
+        from fedcal.build import build_algorithm, build_task
+        from fedcal.calibration import _config
+
+        params = {"orders": list(PHI), "select": select, "branch_orders": [2, 0]}
+        doc = {"method": "fedprior_br", "method_params": params, "selection": state["selection"]}
+        cfg = _config({**doc, "features": ["frequency_hz", "temperature_c"], "target": "p"})
+        rebuilt = build_algorithm("fedprior_br", cfg, build_task(cfg, 2))
+        assert rebuilt.branch_terms == () and [list(t) for t in rebuilt.terms] == state["terms"]
+    # half of the units swept both ways: h is identified, nothing is pinned
+    x, y, b, _, _, _ = planted()
+    server = fit(prior(branch_orders=(2, 0)), cohort(x, y, b), 3)[0]
+    assert server["pinned"].tolist() == [0.0] * 19

@@ -41,6 +41,15 @@ initial body's random features. ``finetune_*``,
 ``magnitude``, ``normalize``, ``interpolate`` and ``upload`` are the gradient
 rule's and unused here.
 
+Weak units (issue 20). The head is linear in its parameters, so the rule of fedprior
+applies (:mod:`fedcal.core.identify`): each unit uploads its head data support
+I − (I + s²G_i/σ²)⁻¹ (s = ``prior_init_scale``) and the server sums the accepted units'
+(the units its prior was learned from, last round: ``head_support``); head directions
+fewer than ``MIN_INFORMED`` (2) units determine are unlearned (EM leaves Σ_h there at what
+it started from); a unit is ``weak`` when they carry more than half of its predictive
+variance at its evaluation inputs, Σ_rows (φᵀW)(WᵀV_iW)(Wᵀφ) / Σ_rows (φᵀV_iφ + σ²) > ½.
+The body's own weights are not judged (docs/statuses.md: neural methods).
+
 One class, :class:`FedGMIPosterior` (registered as ``fedgmi_bayes``): a :class:`FedGMI`
 whose head rule is the posterior. It shares FedGMI's fields (the variants above are tables
 of ``fedgmi``: ``FedGMI(..., interpolation="posterior")`` builds this class), its client
@@ -70,14 +79,18 @@ from fedcal.core.bayes import (
     F64,
     Moments,
     Posterior,
+    data_support,
     moments,
     posterior,
     predictive_var,
     regularize,
 )
 from fedcal.core.data import ClientData
+from fedcal.core.identify import UNLEARNED_SHARE, unlearned_directions, unlearned_share
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree, weighted_mean
+
+MIN_INFORMED = 2.0  # a head direction fewer units' points determine is unlearned (fedprior's)
 
 
 def finite_posterior(stats: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Posterior:
@@ -148,7 +161,12 @@ class FedGMIPosterior(FedGMI):
             "head_mu": mu,
             "head_sigma": self.prior_init_scale**2 * torch.eye(mu.shape[0], dtype=F64),
             "noise_var": torch.tensor(self.prior_init_noise**2, dtype=F64),
+            # Σ_i of the accepted units' head data support (client_status; not broadcast)
+            "head_support": torch.zeros(mu.shape[0], mu.shape[0], dtype=F64),
         }
+
+    def broadcast(self, server: Tree) -> Tree:
+        return {k: v for k, v in server.items() if k != "head_support"}
 
     def head_posterior(self, down: Tree, data: ClientData) -> tuple[Moments, Posterior]:
         """Steps 1–2 of the posterior rule: the head's moments and posterior under ω of ``down``."""
@@ -173,6 +191,10 @@ class FedGMIPosterior(FedGMI):
             "rss": post.rss,
             "n": stats.n,
             "gram": stats.gram,
+            # how far the unit's own points determine each head direction (client_status)
+            "support": data_support(
+                stats.gram, down["noise_var"].expand(stats.n.shape[0]), self.prior_init_scale
+            ),
         }
         return ClientResult(reply, {"model": trained}, {"train_loss": loss, "loglik": post.loglik})
 
@@ -206,6 +228,7 @@ class FedGMIPosterior(FedGMI):
             "head_mu": mu,
             "head_sigma": sigma,
             "noise_var": stats["rss"] / stats["n"].clamp_min(1.0),
+            "head_support": stats["support"],
         }
 
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
@@ -216,6 +239,20 @@ class FedGMIPosterior(FedGMI):
         noise = down["noise_var"].expand(post.mean.shape[0])
         head = head_tree(self.task, post.mean, data.x.dtype)
         return {**down["model"], **head, "head_cov": post.cov, "noise_var": noise}
+
+    def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
+        """``weak``: unlearned head directions carry more than half of the unit's predictive
+        variance at ``x`` (module doc, "Weak units"); none for ``evaluate="local"``."""
+        support = server.get("head_support")  # Σ_i over the units the prior was learned from
+        if "head_cov" not in personal or support is None or not bool(support.isfinite().all()):
+            return {}  # evaluate="local", or a diverged fleet (its own status)
+        weak = unlearned_directions(support.to(F64), MIN_INFORMED)
+        if not weak.shape[1]:
+            return {"weak": torch.zeros(x.shape[0], dtype=torch.bool)}
+        dtype = personal[head_names(self.task)[0]].dtype  # the body's (x may come as float64)
+        design = head_design(self.task, personal, x.to(dtype))
+        share = unlearned_share(design, personal["head_cov"], personal["noise_var"], weak, mask)
+        return {"weak": share > UNLEARNED_SHARE}
 
     def predictive_std(self, params: Tree, x: Tensor) -> Tensor | None:
         """√(Φ(x) V_i Φ(x)ᵀ + σ²) per row (clients, rows, 1) when the model carries V_i."""

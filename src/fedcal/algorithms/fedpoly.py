@@ -33,6 +33,14 @@ shared the other nine terms up to orders (3, 3). It needs more calibration
 points per sensor than private terms (7); with 6 points use 3 private terms
 (1, f, T). On the simulated fleet it reaches the noise floor with 12 points
 per sensor, where the per-sensor polynomial is 30× worse (docs/results/fedpoly.md).
+
+**Weak sensors** (issue 20). A sensor with fewer points than private terms, or points
+that do not tell them apart (two temperatures cannot see T²), leaves directions u of its
+private coefficients with uᵀX_LᵀWX_Lu below ``NULL_REL`` × the largest eigenvalue: the ridge
+ε sets them (to 0), not its data, and no other unit informs a private term. The sensor is
+``weak`` when its private design at the inputs it is evaluated at has more than
+``NULL_SHARE`` (1 %) of its norm along them (:mod:`fedcal.core.identify`, the per-sensor
+``leastsq``'s rule): e.g. every 6-point unit with the default 7 private terms (docs/statuses.md).
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult, SettingError
 from fedcal.core.data import ClientData
+from fedcal.core.identify import NULL_SHARE, null_projector, null_share
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree, leaves
 from fedcal.models.basis import legendre
@@ -162,8 +171,20 @@ class FedPoly(Algorithm):
         return {**server, "shared": shared}
 
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
-        # Refit the private terms against the final shared terms (the last half-sweep).
-        return {"private": self._private_fit(down["shared"], data), "shared": down["shared"]}
+        # Refit the private terms against the final shared terms (the last half-sweep);
+        # null: the projector onto the private directions its points do not determine.
+        x_l = legendre_design(data.x, self.private_terms)
+        gram = x_l.transpose(1, 2) @ (data.mask.to(F64).unsqueeze(-1) * x_l)
+        private = self._private_fit(down["shared"], data)
+        return {"private": private, "shared": down["shared"], "null": null_projector(gram)}
+
+    def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
+        """``weak``: the private design's share along the sensor's undetermined private
+        directions at ``x`` exceeds ``NULL_SHARE`` (module doc, "Weak sensors")."""
+        if "null" not in personal:
+            return {}
+        design = legendre_design(x, self.private_terms)
+        return {"weak": null_share(design, personal["null"], mask) > NULL_SHARE}
 
     def predict(self, params: Tree, x: Tensor) -> Tensor:
         value = (legendre_design(x, self.private_terms) * params["private"].unsqueeze(1)).sum(-1)

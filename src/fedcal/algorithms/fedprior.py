@@ -77,7 +77,17 @@ prediction is the branch average and the hysteresis widens the interval:
 
     ŷ = φ(x)ᵀm_c,   Var = φ(x)ᵀV_cc φ(x) + σ² + ψ(x)ᵀ(m_h m_hᵀ + V_hh)ψ(x).
 
-Rows without a direction (b = 0) carry no branch term (today's model). With
+Rows without a direction (b = 0) carry no branch term (today's model). A direction
+term the fleet's data do not identify is out of the model (issue 20): when every unit
+swept one way, or no row has a direction, the rows see c + h along ψ (or nothing of h),
+and a split by the vague start put half of each unit's ψ part in h, which the field's
+branch average drops (230–240 hPa on all-few fleets). Each unit uploads the data support
+of the whole design (``branch_support``); the ψ coordinates J that the summed support's
+weak subspace holds (:meth:`FedPrior._unidentified_branch`) are pinned, μ_J = 0 and
+Σ_JJ = ``floor`` (masked out of every E-step), the M-step runs on the others, the EM
+starts again from the vague start when J changes and its columns held data, and the
+BIC counts no parameter for J: from then on the run is the run without the term, one
+round later. With
 ``select = "bic"`` the candidates are φ's sub-bases; ψ is in every candidate,
 unless ``branch_select``: then the candidates are φ's sub-bases × ψ's options
 (no term, or any orders vector ≤ ``branch_orders``), and the fleet's BIC also
@@ -175,6 +185,9 @@ from fedcal.models.basis import (
     legendre_exponents,
     legendre_products,
 )
+
+# ψ coordinate j is unidentified when more than this share of e_j lies in the weak subspace
+BRANCH_UNIDENTIFIED = 0.25
 
 
 @dataclass(frozen=True)
@@ -352,8 +365,11 @@ class FedPrior(
             zero = torch.zeros(self.num_inputs, dtype=F64)
             start.update(noise_gamma=zero, noise_gamma_fit=zero.clone())
             start["noise_ratio"] = torch.tensor(0.0, dtype=F64)
+        if self.branch_orders:  # ψ coordinates out of the model (none yet): _unidentified_branch
+            start["pinned"] = torch.zeros(p, dtype=F64)
         if self.select == "none":
-            return {**start, "box": self._open_box()}
+            mask = {"mask": self.masks[-1].clone()} if self.branch_orders else {}
+            return {**start, "box": self._open_box(), **mask}
         k = len(self.candidates)
         # Round 0 screens with the largest candidate (the basis asked for), as without selection.
         fleet_keys = ("mu", "sigma", "noise_var", "support")
@@ -372,6 +388,8 @@ class FedPrior(
             down["box"] = server["box"]
         down.update({k: server[k] for k in INTERVAL_KEYS if k in server})
         down.update({k: server[k] for k in ("noise_gamma", "noise_gamma_fit") if k in server})
+        if "pinned" in server:  # ψ coordinates out of the model (_unidentified_branch)
+            down["pinned"] = server["pinned"]
         if self.select != "none":
             down["mask"] = server["mask"]
             down["cand"] = {k: server["cand"][k] for k in ("mu", "sigma", "noise_var")}
@@ -397,8 +415,16 @@ class FedPrior(
 
     def _posterior(self, down: Tree, state: Tree, full: Moments) -> tuple[Moments, Posterior]:
         """The posterior under the broadcast prior; with selection, the chosen candidate's."""
-        stats = _masked(full, down["mask"]) if "mask" in down else full
+        mask = self._model_mask(down)
+        stats = full if mask is None else _masked(full, mask)
         return stats, posterior(stats, down["mu"], down["sigma"], self._noise(down, state))
+
+    def _model_mask(self, down: Tree) -> Tensor | None:
+        """The features in the model (the chosen basis without the ψ coordinates J out of
+        it: :meth:`_unidentified_branch`); None: all of them."""
+        if "mask" in down:
+            return down["mask"]
+        return 1.0 - down["pinned"] if "pinned" in down else None
 
     def _sensor_noise(self, rss: Tensor, n: Tensor, fleet: Tensor) -> Tensor:
         """σ_i² = (r_i + ν σ²)/(n_i + ν): the MAP under a scaled-inv-χ²(ν, σ²) prior."""
@@ -433,6 +459,8 @@ class FedPrior(
         # The design's own Gram ΦᵀΦ (the input box's sums, the row-count check), unweighted.
         gram = full.gram if rw is None else moments(design, data.y[..., 0], data.mask).gram
         reply.update(n=full.n, gram=gram, support=chosen["support"])
+        if self.branch_orders:  # the whole design's, whatever J: _unidentified_branch's input
+            reply["branch_support"] = data_support(gram, self._noise(down, state), self.init_scale)
         if self.interval == "calibrated" and "probe_x" in down:
             # Unscreened ("interval/"): a unit's residual terms scale with its rows.
             reply["interval"] = {
@@ -563,12 +591,30 @@ class FedPrior(
             "support": Statistic(
                 p**0.5, "psd", center=eye, maximum=1.0, noise_floor=True, unresolved=0.0
             ),
+            **(
+                {
+                    "branch_support": Statistic(
+                        p**0.5, "psd", center=eye, maximum=1.0, noise_floor=True, unresolved=0.0
+                    )
+                }
+                if self.branch_orders
+                else {}
+            ),
         }
 
     def _prior_update(
-        self, old_mu: Tensor, total: dict, count: Tensor, metric: Tensor, old_noise: Tensor
+        self,
+        old_mu: Tensor,
+        total: dict,
+        count: Tensor,
+        metric: Tensor,
+        old_noise: Tensor,
+        pinned: Tensor | None = None,
     ):
-        """One M-step from client sums: (μ, Σ, σ², support) (module doc, step 2)."""
+        """One M-step from client sums: (μ, Σ, σ², support) (module doc, step 2); the ψ
+        coordinates ``pinned`` out of the model (:meth:`_unidentified_branch`)."""
+        if pinned is not None and bool(pinned.any()):  # the M-step of the model without them
+            return self._pinned_update(old_mu, total, count, metric, old_noise, pinned)
         mu, sigma_hat = m_step(
             total["gls_gram"],
             total["gls_rhs"],
@@ -598,6 +644,95 @@ class FedPrior(
             noise_var = torch.where(dof >= 1.0, total["fit"] / dof.clamp_min(1.0), old_noise)
         return mu, sigma, noise_var
 
+    def _unidentified_branch(self, support: Tensor | None) -> Tensor:
+        """J (features,) bool: the direction term's ψ coordinates that the fleet's data do not
+        tell apart from the rest of the design (issue 20), from the whole design's support.
+
+        ψ coordinate j is unidentified when the weak subspace W of the summed support
+        (directions fewer than ``min_informed`` units determine; module doc,
+        "Identification") holds more than :data:`BRANCH_UNIDENTIFIED` of its unit vector,
+        ‖P_W e_j‖² > 1/4: no row has a direction (b = 0: ‖P_W e_j‖² = 1) or every unit swept
+        one way, so its rows see c + h along ψ only (‖P_W e_j‖² = 1/2, φ ⊇ ψ). ``support``
+        is the summed ``branch_support`` upload, the support of the whole design [φ, b·ψ]
+        whatever J and the basis chosen (in a sub-basis without φ's ψ terms, b·ψ of one-way
+        units would pass for those terms; and J's own columns are masked out of the E-step).
+        """
+        pinned = torch.zeros(self.num_features, dtype=torch.bool)
+        if support is None:  # no direction term
+            return pinned
+        vals, vecs = torch.linalg.eigh(0.5 * (support + support.T))
+        weak = vecs[len(self.terms) :, vals < self.min_informed]
+        pinned[len(self.terms) :] = (weak**2).sum(1) > BRANCH_UNIDENTIFIED
+        return pinned
+
+    def _pinned_update(
+        self,
+        old_mu: Tensor,
+        total: dict,
+        count: Tensor,
+        metric: Tensor,
+        old_noise: Tensor,
+        pinned: Tensor,
+    ):
+        """The M-step with the ψ coordinates J out of the model: the step on the other
+        coordinates K alone (their blocks of every sum; the units' posteriors already have
+        h_J ≈ 0), then μ_J = 0, Σ_J· = Σ_·J = 0, Σ_JJ = ``floor`` I, so every unit's
+        posterior keeps h_J ≈ 0 and c takes all of c + h (:meth:`_pin`).
+
+        The weak directions among K come from the support's K block: a unit whose points
+        saw c_j + h_j counts at least half along c_j there (a conservative count). Without
+        this, a unit swept one way split c + h by the vague start and predicted the branch
+        average of a term no unit identifies (issue 20: 230–240 hPa on all-few fleets)."""
+        full = pinned.shape[0]
+        keep = torch.nonzero(~pinned)[:, 0]
+
+        def block(v: Tensor) -> Tensor:
+            if v.dim() >= 1 and v.shape[-1] == full:
+                v = v[..., keep]
+            if v.dim() >= 2 and v.shape[-2] == full:
+                v = v[..., keep, :]
+            return v
+
+        sub = {k: block(v) for k, v in total.items()}
+        mu_k, sigma_k, noise_var = self._prior_update(
+            old_mu[keep], sub, count, block(metric), old_noise
+        )
+        mu = torch.zeros(full, dtype=F64)
+        mu[keep] = mu_k
+        sigma = torch.zeros(full, full, dtype=F64)
+        sigma[keep.unsqueeze(1), keep.unsqueeze(0)] = sigma_k
+        return (*self._pin(mu, sigma, pinned), noise_var)
+
+    def _pin(self, mu: Tensor, sigma: Tensor, pinned: Tensor) -> tuple[Tensor, Tensor]:
+        """μ_J = 0, Σ_J· = Σ_·J = 0, Σ_JJ = ``floor`` I: h_J ≈ 0 in every posterior."""
+        mu, sigma = mu.clone(), sigma.clone()
+        mu[pinned] = 0.0
+        sigma[pinned] = 0.0
+        sigma[:, pinned] = 0.0
+        j = torch.nonzero(pinned)[:, 0]
+        sigma[j, j] = self.floor
+        return mu, sigma
+
+    def _restart(
+        self, server: Tree, pinned: Tensor, gram: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The vague start with J pinned when J changed this round and its columns held data
+        (the summed Gram ``gram``), else None.
+
+        The EM so far ran on a model whose unidentified term split c + h by the start; its
+        estimates along c carry that split, so the EM starts again on the model without J
+        (from then on, round for round, the EM of the model without the term: one round
+        later). Columns without data (b = 0 everywhere) split nothing: no restart."""
+        if "pinned" not in server or torch.equal(server["pinned"] > 0, pinned):
+            return None
+        if not bool(torch.any(gram[pinned] != 0)):
+            return None
+        p = pinned.shape[0]
+        start = self._pin(
+            torch.zeros(p, dtype=F64), self.init_scale**2 * torch.eye(p, dtype=F64), pinned
+        )
+        return (*start, torch.tensor(self.init_noise**2, dtype=F64))
+
     def server_update(self, server: Tree, replies: Tree, weights: Tensor) -> Tree:
         # Every unit counts once (a hierarchical model's units are its samples);
         # sums in a canonical order so the rounding does not depend on arrival order.
@@ -607,6 +742,7 @@ class FedPrior(
             replies = _weighted(replies, robust.weights)
         skip = ("cand", "interval", "noise")
         total = {k: v[order].sum(0) for k, v in replies.items() if k not in skip}
+        pinned = self._unidentified_branch(total.pop("branch_support", None))
         if "interval" in replies:  # the restricted noise update's sums (module doc, I1)
             total.update({k: replies["interval"][k][order].sum(0) for k in ("dof", "fit")})
         count = torch.tensor(float(replies["mean"].shape[0]), dtype=F64)
@@ -614,17 +750,21 @@ class FedPrior(
             count = robust.weights[order].sum() if bool((robust.weights != 1).any()) else count
         metric = total["gram"] / total["n"].clamp_min(1.0)
         if self.select == "none":
-            mu, sigma, noise_var = self._prior_update(
-                server["mu"], total, count, metric, server["noise_var"]
-            )
+            mu, sigma, noise_var = self._restart(
+                server, pinned, total["gram"]
+            ) or self._prior_update(server["mu"], total, count, metric, server["noise_var"], pinned)
             new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
             new["box"] = self._input_box(total["gram"])
             if "noise" in replies:  # γ's step and test (fedprior_noise, N2–N3)
                 new.update(self._noise_update(server, replies["noise"], order, total["n"]))
+            if self.branch_orders:  # the features in use (not broadcast: no mask without select)
+                new["mask"] = self.masks[-1] * (~pinned).to(F64)
+                new["pinned"] = pinned.to(F64)
             return {**new, **self._interval_update(server, replies, order, total)}
         cand = {k: v[order].sum(0) for k, v in replies["cand"].items()}
         masks = self.masks
         new: dict[str, list[Tensor]] = {"mu": [], "sigma": [], "noise_var": []}
+        restart = self._restart(server, pinned, total["gram"])
         for k in range(masks.shape[0]):
             part = {key: v[k] for key, v in cand.items()}
             part["n"] = total["n"]
@@ -635,19 +775,28 @@ class FedPrior(
                 count,
                 metric * m.unsqueeze(0) * m.unsqueeze(1),
                 server["cand"]["noise_var"][k],
+                pinned,
             )
+            out = restart or out
             for key, v in zip(("mu", "sigma", "noise_var"), out, strict=True):
                 new[key].append(v)
         stacked = {key: torch.stack(v) for key, v in new.items()}
         stacked["support"] = cand["support"]
         # BIC of the fleet's evidence (Schwarz 1978): Σ_i log p(y_i | θ_k) − ½ d_k log N,
         # the evidence at the broadcast θ_k (each candidate's EM converges to its maximum).
-        scores = cand["loglik"] - 0.5 * self._prior_parameters(masks) * math.log(float(count))
-        choice = int(torch.argmax(scores))  # ties: the smaller candidate (listed first)
+        # (the ψ coordinates J out of the model are no parameters)
+        free = self._prior_parameters(masks * (~pinned).to(F64))
+        scores = cand["loglik"] - 0.5 * free * math.log(float(count))
+        # ties: the smaller candidate (listed first); a candidate whose model is an earlier
+        # one's once J is out (it differs only in pinned ψ terms) is that one, not a rival
+        eff = masks * (~pinned).to(F64)
+        same = (eff.unsqueeze(0) == eff.unsqueeze(1)).all(-1).tril(-1).any(-1)
+        choice = int(torch.argmax(torch.where(same, -math.inf, scores)))
         return {
             **{key: v[choice] for key, v in stacked.items()},
             "box": self._input_box(total["gram"]),
-            "mask": masks[choice],
+            "mask": masks[choice] * (~pinned).to(F64),
+            **({"pinned": pinned.to(F64)} if self.branch_orders else {}),
             "choice": torch.tensor(choice),
             "scores": scores,
             "cand": stacked,
@@ -662,8 +811,8 @@ class FedPrior(
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
         _, post = self._posterior(down, state, self._personal_moments(down, data))
         coef, cov = post.mean, post.cov
-        if "mask" in down:  # terms outside the chosen basis are not in the model (0, no σ)
-            m = down["mask"]
+        m = self._model_mask(down)
+        if m is not None:  # terms outside the chosen basis (or J) are not in the model (0, no σ)
             coef, cov = coef * m, cov * m.unsqueeze(-1) * m.unsqueeze(-2)
         out = {"coef": coef, "cov": cov, "noise_var": self._noise(down, state)}
         if "disc_var" in down:  # τ² for units of the probe's size; declined: no interval

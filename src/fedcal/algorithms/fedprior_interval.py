@@ -233,7 +233,8 @@ class CalibratedInterval:
             sub = moments(design, y, keep)
         else:  # N5: the weighted fit
             sub = weighted_moments(design, y, keep, weights[0])
-        stats = _masked(sub, down["mask"]) if "mask" in down else sub
+        model = self._model_mask(down)
+        stats = sub if model is None else _masked(sub, model)
         noise = self._noise(down, state)
         post = posterior(stats, down["mu"], down["sigma"], noise)
         coef, cov = post.mean, post.cov

@@ -119,6 +119,8 @@ class EvidenceSelection:
         unused coordinates see no data and keep their prior).
         """
         masks = self.masks
+        if "pinned" in down:  # ψ coordinates out of every candidate (FedPrior._pinned_update)
+            masks = masks * (1.0 - down["pinned"].to(F64).reshape(-1, masks.shape[1])[:1])
         c, p = full.rhs.shape
         k = masks.shape[0]
         mm = masks.unsqueeze(0).expand(c, k, p)
@@ -154,7 +156,7 @@ class EvidenceSelection:
         Read from the server's ``mask`` (the chosen candidate's, :attr:`masks`); a
         sub-basis keeps the full basis's term order, so its own order is ascending index.
         """
-        mask = server["mask"] if self.select != "none" else self.masks[-1]
+        mask = server["mask"] if "mask" in server else self.masks[-1]
         idx = torch.nonzero(mask)[:, 0]
         p = len(self.terms)
         names = [

@@ -26,11 +26,13 @@ import torch
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_select import term_name
-from fedcal.core.bayes import F64, predictive_var
+from fedcal.core.bayes import F64
+from fedcal.core.identify import UNLEARNED_SHARE, unlearned_directions, unlearned_share
 from fedcal.core.tree import Tree
 from fedcal.models.basis import legendre_products
 
-WEAK_SHARE = 0.5  # a unit is "weak" when weak directions carry more of its σ² (client_status)
+# a unit is "weak" when weak directions carry more of its σ² (client_status; core/identify.py)
+WEAK_SHARE = UNLEARNED_SHARE
 
 
 class PriorStatus:
@@ -85,8 +87,7 @@ class PriorStatus:
         none = torch.zeros(n, dtype=torch.bool)
         if not torch.any(support != 0):
             return {"weak": none}
-        vals, vecs = torch.linalg.eigh(0.5 * (support + support.T))
-        weak_in_chosen = vecs[:, vals < self.min_informed]
+        weak_in_chosen = unlearned_directions(support, self.min_informed)
         if not weak_in_chosen.shape[1]:
             return {"weak": none}
         p = len(self.terms)
@@ -95,11 +96,7 @@ class PriorStatus:
         w = full[:p]  # φ's coordinates (a direction term's share is not in predict)
         phi = legendre_products(x.to(F64), self.terms)  # (clients, rows, p)
         cov = personal["cov"].to(F64)[..., :p, :p]
-        a = phi @ w  # (clients, rows, k)
-        weak_var = ((a @ (w.T @ cov @ w)) * a).sum(-1)
-        total = predictive_var(phi, cov, personal["noise_var"].reshape(n))
-        m = mask.to(F64)
-        share = (weak_var * m).sum(1) / (total * m).sum(1).clamp_min(1e-300)
+        share = unlearned_share(phi, cov, personal["noise_var"].reshape(n), w, mask)
         return {"weak": share > WEAK_SHARE}
 
     def export_state(self, server: Tree) -> dict[str, Any]:
@@ -147,4 +144,8 @@ class PriorStatus:
                 "candidates": list(self.candidates),
                 "scores": [round(float(v), 3) for v in server["scores"]],
             }
+        if self.branch_orders and not psi:  # the direction term is out (unidentified): a
+            # prior without it, rebuilt as such (``fedcal calibrate`` applies ``chosen``)
+            selection = state.setdefault("selection", {"rule": "identification", "chosen": {}})
+            selection["chosen"] = {**selection["chosen"], "branch_orders": []}
         return state

@@ -20,13 +20,13 @@ polynomial in the scaled inputs x ∈ ℝ^F:
 Closed form: one round suffices and later rounds repeat it.
 
 **Weak sensors** (per-sensor fit). Directions of coefficient space that a sensor's own
-points do not determine — eigenvectors u of X_iᵀX_i with eigenvalue below
-``NULL_REL`` × the largest (e.g. the T² term on a design with two temperatures) — are
-set by the ridge to 0, not by data. The fit keeps the projector P_i = Σ u uᵀ over them
-(``personalize``: ``null``); a sensor is ``weak`` (:meth:`LeastSquares.client_status`)
-when at the inputs it is evaluated at the undetermined part of the design carries more
-than ``WEAK_SHARE`` of its norm, Σ_rows ‖P_i x^e‖² / Σ_rows ‖x^e‖² > WEAK_SHARE: its
-predictions there rest on a zero the data never checked.
+points do not determine — eigenvectors u of X_iᵀX_i with eigenvalue below ``NULL_REL`` ×
+the largest (e.g. the T² term on a design with two temperatures) — are set by the ridge to
+0, not by data. The fit keeps the projector P_i = Σ u uᵀ over them (``personalize``:
+``null``); a sensor is ``weak`` (:meth:`LeastSquares.client_status`) when at the inputs it
+is evaluated at the undetermined part of the design carries more than ``NULL_SHARE`` of its
+norm, Σ_rows ‖P_i x^e‖² / Σ_rows ‖x^e‖² > NULL_SHARE: its predictions there rest on a zero
+the data never checked (the rule of :mod:`fedcal.core.identify`, shared with fedpoly).
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData
+from fedcal.core.identify import NULL_REL as NULL_REL  # re-exported (docs)
+from fedcal.core.identify import NULL_SHARE, null_projector, null_share
 from fedcal.core.tree import Tree
 
 F64 = torch.float64
-NULL_REL = 1e-8  # an eigenvalue of X_iᵀX_i below this × the largest: not determined
-WEAK_SHARE = 0.01  # share of the design's norm along undetermined directions: weak
 
 
 def total_degree_exponents(num_inputs: int, degree: int) -> Tensor:
@@ -123,20 +123,16 @@ class LeastSquares(Algorithm):
         if self.pooled:
             return {"coef": down["coef"]}
         gram, moment, count = self._statistics(data)
-        vals, vecs = torch.linalg.eigh(gram)  # P_i: the undetermined directions (module doc)
-        low = (vals < NULL_REL * vals[..., -1:].clamp_min(0.0)).to(F64).unsqueeze(-2)
-        null = (vecs * low) @ vecs.transpose(-1, -2)
-        return {"coef": self._solve(gram, moment, count), "null": null}
+        # P_i: the undetermined directions (module doc)
+        return {"coef": self._solve(gram, moment, count), "null": null_projector(gram)}
 
     def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
         """``weak``: the design's share along the sensor's undetermined directions at ``x``
-        exceeds WEAK_SHARE (module doc); a pooled fit: none."""
+        exceeds NULL_SHARE (module doc); a pooled fit: none."""
         if "null" not in personal:
             return {}
-        design = monomial_design(x, self.exponents) * mask.to(F64).unsqueeze(-1)
-        along = ((design @ personal["null"].to(F64)) ** 2).sum((1, 2))
-        total = (design**2).sum((1, 2)).clamp_min(1e-300)
-        return {"weak": along / total > WEAK_SHARE}
+        design = monomial_design(x, self.exponents)
+        return {"weak": null_share(design, personal["null"], mask) > NULL_SHARE}
 
     def predict(self, params: Tree, x: Tensor) -> Tensor:
         """Σ_e c_e x^e per client: (clients, rows, 1) in the dtype of ``x``."""

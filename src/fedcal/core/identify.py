@@ -1,0 +1,76 @@
+"""Which directions of a linear-in-parameters model its data do not determine (status "weak").
+
+Two rules, shared by every method that can state them cheaply and exactly
+(docs/statuses.md, "weak"):
+
+* **A fit's own null space** (per-sensor least squares, fedpoly's private terms). The
+  directions u of coefficient space with uᵀX_iᵀX_iu below ``NULL_REL`` × the largest
+  eigenvalue of X_iᵀX_i are set by the ridge (to 0), not by the unit's points.
+  :func:`null_projector` is the projector P_i onto them; :func:`null_share` the share of
+  the design's norm along them at the rows a unit is evaluated at,
+
+      s_i = Σ_rows ‖P_i x‖² / Σ_rows ‖x‖²,
+
+  and the unit is weak when s_i > ``NULL_SHARE`` (1 %): its predictions there rest on a
+  zero the data never checked.
+* **A fleet prior's unlearned directions** (fedprior, FedGMI's Bayesian head). The
+  summed data support Σ_i [I − (I + s²G_i/σ²)⁻¹] (:func:`fedcal.core.bayes.data_support`)
+  counts, per direction, the units whose own points determine it; those counted fewer than
+  ``min_informed`` times (:func:`unlearned_directions`, orthonormal columns W) keep the
+  vague start. :func:`unlearned_share` is the share of a unit's predictive variance along
+  them,
+
+      s_i = Σ_rows (φᵀW)(WᵀV_iW)(Wᵀφ) / Σ_rows (φᵀV_iφ + σ_i²),
+
+  and the unit is weak when s_i > ``UNLEARNED_SHARE`` (one half): its number is mostly
+  the starting prior's, not a calibration.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fedcal.core.bayes import F64, predictive_var
+
+NULL_REL = 1e-8  # an eigenvalue of XᵀX below this × the largest: not determined by the points
+NULL_SHARE = 0.01  # a fit is weak when its null space carries this share of the design's norm
+UNLEARNED_SHARE = 0.5  # a prior's unit is weak when unlearned directions carry this of its σ²
+
+
+def null_projector(gram: Tensor) -> Tensor:
+    """P_i (…, p, p): the projector onto eigenvectors of ``gram`` (…, p, p) with eigenvalue
+    below ``NULL_REL`` × its largest (the directions the points do not determine)."""
+    vals, vecs = torch.linalg.eigh(gram.to(F64))
+    low = (vals < NULL_REL * vals[..., -1:].clamp_min(0.0)).to(F64).unsqueeze(-2)
+    return (vecs * low) @ vecs.transpose(-1, -2)
+
+
+def null_share(design: Tensor, projector: Tensor, mask: Tensor) -> Tensor:
+    """(clients,) Σ_rows ‖P_i x‖² / Σ_rows ‖x‖² over the rows ``mask`` marks; ``design``
+    (clients, rows, p), ``projector`` (clients, p, p) from :func:`null_projector`."""
+    design = design.to(F64) * mask.to(F64).unsqueeze(-1)
+    along = ((design @ projector.to(F64)) ** 2).sum((1, 2))
+    return along / (design**2).sum((1, 2)).clamp_min(1e-300)
+
+
+def unlearned_directions(support: Tensor, min_informed: float) -> Tensor:
+    """W (p, k): orthonormal eigenvectors of the summed support (p, p) that fewer than
+    ``min_informed`` units determine (k = 0: every direction is learned)."""
+    vals, vecs = torch.linalg.eigh(0.5 * (support + support.T).to(F64))
+    return vecs[:, vals < min_informed]
+
+
+def unlearned_share(
+    design: Tensor, cov: Tensor, noise_var: Tensor, weak: Tensor, mask: Tensor
+) -> Tensor:
+    """(clients,) the share of each unit's predictive variance along ``weak`` (p, k),
+
+    Σ_rows (φᵀW)(WᵀV_iW)(Wᵀφ) / Σ_rows (φᵀV_iφ + σ_i²), over the rows ``mask`` marks;
+    ``design`` φ (clients, rows, p), ``cov`` V_i (clients, p, p), ``noise_var`` (clients,)."""
+    design, cov, weak = design.to(F64), cov.to(F64), weak.to(F64)
+    a = design @ weak  # (clients, rows, k)
+    along = ((a @ (weak.T @ cov @ weak)) * a).sum(-1)
+    total = predictive_var(design, cov, noise_var.to(F64).reshape(-1))
+    m = mask.to(F64)
+    return (along * m).sum(1) / (total * m).sum(1).clamp_min(1e-300)

@@ -1,0 +1,41 @@
+"""core/identify.py: the undetermined directions of a linear fit and of a fleet prior, and the
+shares that make a unit "weak" (docs/statuses.md), against values computed by hand."""
+
+from __future__ import annotations
+
+import torch
+
+from fedcal.core.identify import null_projector, null_share, unlearned_directions, unlearned_share
+
+F64 = torch.float64
+
+
+def test_null_projector_and_share_by_hand():
+    """Column 3 = column 1 + column 2: u = (1, 1, −1)/√3 is undetermined, P = uuᵀ. At rows
+    (1, 0, 0) and (1, 1, −1): ‖Px‖² = 1/3 and 3, ‖x‖² = 1 and 3 → share (1/3 + 3)/4."""
+    x = torch.tensor(
+        [[1.0, 0.0, 1.0], [0.0, 1.0, 1.0], [2.0, 1.0, 3.0], [1.0, 3.0, 4.0]], dtype=F64
+    )
+    proj = null_projector((x.T @ x).unsqueeze(0))
+    u = torch.tensor([1.0, 1.0, -1.0], dtype=F64) / 3**0.5
+    torch.testing.assert_close(proj[0], torch.outer(u, u), rtol=0, atol=1e-10)
+    rows = torch.tensor([[[1.0, 0.0, 0.0], [1.0, 1.0, -1.0], [5.0, 5.0, 5.0]]], dtype=F64)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third row is padding
+    torch.testing.assert_close(null_share(rows, proj, mask), torch.tensor([10 / 12], dtype=F64))
+    full = null_projector(torch.eye(3, dtype=F64).unsqueeze(0))  # every direction determined
+    assert float(null_share(rows, full, mask)) == 0.0
+
+
+def test_unlearned_directions_and_share_by_hand():
+    """Support diag(3, 0.5, 5), 2 units needed: W = e₂. φ = (1, 1, 0), V = diag(0.1, 2, 1),
+    σ² = 0.5: along W (φ·e₂)²·2 = 2 of φᵀVφ + σ² = 2.6."""
+    w = unlearned_directions(torch.diag(torch.tensor([3.0, 0.5, 5.0], dtype=F64)), 2.0)
+    assert w.shape == (3, 1) and torch.equal(
+        w.abs()[:, 0], torch.tensor([0.0, 1.0, 0.0], dtype=F64)
+    )
+    phi = torch.tensor([[[1.0, 1.0, 0.0]]], dtype=F64)
+    cov = torch.diag(torch.tensor([0.1, 2.0, 1.0], dtype=F64)).unsqueeze(0)
+    share = unlearned_share(phi, cov, torch.tensor([0.5], dtype=F64), w, torch.ones(1, 1))
+    torch.testing.assert_close(share, torch.tensor([2.0 / 2.6], dtype=F64))
+    none = unlearned_directions(torch.eye(3, dtype=F64) * 4, 2.0)
+    assert none.shape == (3, 0)
