@@ -272,7 +272,11 @@ class FedPrior(
     # With select = "bic" every candidate's statistics travel under "cand/"; the server
     # judges a client (screening, Krum) by the chosen candidate's statistics only: a
     # sub-basis that misfits the fleet has large statistics for honest units too.
-    unscreened_replies = ("cand/", "interval/", "noise/")
+    # "gram" (the design's ΦᵀΦ, inputs only) is judged by the consistency check (PSD,
+    # G_00 = n: core/robust.py), not by size: per row it is a moment of the unit's inputs
+    # (x⁴ for a quadratic), which honest units differ in by 10²–10³ (pollution episodes,
+    # docs/statuses.md); every statistic the prior is fitted from is still size-screened.
+    unscreened_replies = ("cand/", "interval/", "noise/", "gram")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "orders", tuple(int(o) for o in self.orders))
