@@ -330,3 +330,30 @@ def test_unconverged_when_far_above_its_own_fit_by_hand():
     # the tolerance 1 turns it off too
     status, _ = sensor_statuses(final, flat, [], {}, 50, "rmse", 1.0, own_fit=own)
     assert status == ["ok"] * 4
+
+
+def test_a_role_with_no_ok_sensor_reads_n_a_not_diverged():
+    """Mixed fleet where every new unit is weak but the reference units are ok: the new units'
+    cells say n/a (nothing to show), never "diverged" (summary's diverged count is 0)."""
+    from fedcal.report.tables import cell
+
+    row = pd.Series(
+        {
+            "rmse_mean": 0.05,
+            "rmse_mean_new": float("nan"),
+            "rmse_mean_reference": 0.05,
+            "sensors": 40,
+            "excluded": 20,
+            "sensors_new": 20,
+            "excluded_new": 20,
+            "sensors_reference": 20,
+            "excluded_reference": 0,
+            "diverged": 0,
+        }
+    )
+    assert cell(row, "rmse_mean_new", short=True) == "n/a"
+    assert cell(row, "rmse_mean_reference", short=True) == "0.05"
+    # a role with one ok sensor whose value is NaN is a real non-finite number: "diverged"
+    partly = row.copy()
+    partly["excluded_new"] = 19
+    assert cell(partly, "rmse_mean_new", short=True) == "diverged"

@@ -188,8 +188,8 @@ def summary_row(
     and worst value and counted per status (``excluded``, ``weak``, …). With ``roles``
     (sensor id → role, e.g. a mixed fleet's "reference"/"new") the row also gets
     ``<metric>_mean_<role>`` and ``<metric>_worst_<role>`` over that role's ok sensors,
-    and ``excluded_<role>``. A non-finite value of an ok sensor (e.g. a coverage the
-    method declines to state) makes that metric's mean and worst NaN
+    ``sensors_<role>`` and ``excluded_<role>``. A non-finite value of an ok sensor (e.g. a
+    coverage the method declines to state) makes that metric's mean and worst NaN
     (:func:`fleet_stat`); no ok sensor at all: every error is NaN.
     """
     final = pd.DataFrame(result.final)
@@ -219,6 +219,7 @@ def summary_row(
     row["bytes_down_per_round"] = result.bytes_down_per_round
     row.update(status_counts(status))
     for role, rows in groups.items():
+        row[f"sensors_{role}"] = int(rows.sum())
         row[f"excluded_{role}"] = int((rows & ~ok).sum())
     row["rejected"] = int(final["rejected_rounds"].sum()) if "rejected_rounds" in final else 0
     row["failed"] = 0

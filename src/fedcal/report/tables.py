@@ -230,15 +230,21 @@ def cell(row: pd.Series, column: str, short: bool = False) -> str:
     missing = mean is None or (isinstance(mean, float) and math.isnan(mean))
     if missing and column.startswith("coverage95"):
         return DECLINED
-    if missing and column not in ("wall_s", "excluded") and _none_ok(row):
+    if missing and column not in ("wall_s", "excluded") and _none_ok(row, column):
         return NONE_OK
     if column in MEAN_ONLY or (short and column in SHORT):
         return fmt_num(mean)
     return fmt_pm(mean, std)
 
 
-def _none_ok(row: pd.Series) -> bool:
-    """Every sensor of the row's runs was excluded (its summary counts say so)."""
+def _none_ok(row: pd.Series, column: str = "") -> bool:
+    """Every sensor of the row's runs was excluded (its summary counts say so); for a role's
+    column (``rmse_mean_new``), every sensor of that role."""
+    role = column.rsplit("_", 1)[-1] if "_" in column else ""
+    if f"sensors_{role}" in row.index and f"excluded_{role}" in row.index:
+        sensors, excluded = row[f"sensors_{role}"], row[f"excluded_{role}"]
+        if sensors == sensors and excluded == excluded and sensors > 0 and excluded >= sensors:
+            return True
     sensors, excluded = row.get("sensors", float("nan")), row.get("excluded", float("nan"))
     return bool(sensors == sensors and excluded == excluded and sensors > 0 and excluded >= sensors)
 
