@@ -540,6 +540,10 @@ def prior_server(prior: dict[str, Any], scaler: Scaler) -> Tree:
                 f"prior.json: noise_gamma: expected {len(prior['features'])} finite values"
             )
         server["noise_gamma"] = torch.tensor(gamma, dtype=F64)
+    if "noise_student" in prior:  # noise_tail = "auto": t rows if the fleet chose them (N6)
+        if prior["noise_student"] not in (0, 1):
+            raise ValueError("prior.json: noise_student: expected 0 or 1")
+        server["noise_student"] = torch.tensor(float(prior["noise_student"]), dtype=F64)
     if "drift" in prior:  # fedprior_drift: the fleet's drift variance and time scale
         drift = prior["drift"]
         server["drift"] = {

@@ -220,7 +220,8 @@ class FedPrior(
     # by the fleet and in use only while its evidence beats BIC; "constant": one σ_i² over x.
     noise_shape: Literal["constant", "inputs"] = "constant"
     # "student": t-distributed rows by EM weights (N4), outliers neither pull nor inflate σ²
-    noise_tail: Literal["gaussian", "student"] = "gaussian"
+    # "auto": t rows only while the fleet's likelihood under them beats BIC (N6)
+    noise_tail: Literal["gaussian", "student", "auto"] = "gaussian"
     noise_dof: Annotated[float, Field(gt=2.0)] = 4.0  # ν of the Student-t rows
     # prior std of every coefficient, and the noise std, before any data (scaled units)
     init_scale: Annotated[float, Field(gt=0.0)] = 1.0
@@ -369,6 +370,9 @@ class FedPrior(
             zero = torch.zeros(self.num_inputs, dtype=F64)
             start.update(noise_gamma=zero, noise_gamma_fit=zero.clone())
             start["noise_ratio"] = torch.tensor(0.0, dtype=F64)
+        if self.noise_tail == "auto":  # Gaussian rows until the fleet's evidence says t (N6)
+            start["noise_student"] = torch.tensor(0.0, dtype=F64)
+            start["tail_ratio"] = torch.tensor(0.0, dtype=F64)
         if self.branch_orders:  # ψ coordinates out of the model (none yet): _unidentified_branch
             start["pinned"] = torch.zeros(p, dtype=F64)
         if self.select == "none":
@@ -391,7 +395,8 @@ class FedPrior(
         if "box" in server:  # the fleet's input support (extrapolation guard)
             down["box"] = server["box"]
         down.update({k: server[k] for k in INTERVAL_KEYS if k in server})
-        down.update({k: server[k] for k in ("noise_gamma", "noise_gamma_fit") if k in server})
+        noise_keys = ("noise_gamma", "noise_gamma_fit", "noise_student")
+        down.update({k: server[k] for k in noise_keys if k in server})
         if "pinned" in server:  # ψ coordinates out of the model (_unidentified_branch)
             down["pinned"] = server["pinned"]
         if self.select != "none":
@@ -474,6 +479,8 @@ class FedPrior(
             }
         if self.noise_shape == "inputs":  # γ's score, information and evidence (N2)
             reply["noise"] = self._noise_terms(down, data, design, post, rw[1])
+        if self.noise_tail == "auto":  # the tail's evidence d_i (N6)
+            reply.setdefault("noise", {})["tail_ratio"] = self._tail_ratio(down, data, design)
         own = self._sensor_noise(post.rss, full.n, down["noise_var"])
         new_state = {"noise_var": own if self.noise == "sensor" else state["noise_var"]}
         if self.select != "none":
@@ -759,8 +766,8 @@ class FedPrior(
             ) or self._prior_update(server["mu"], total, count, metric, server["noise_var"], pinned)
             new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
             new["box"] = self._input_box(total["gram"])
-            if "noise" in replies:  # γ's step and test (fedprior_noise, N2–N3)
-                new.update(self._noise_update(server, replies["noise"], order, total["n"]))
+            if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
+                new.update(self._noise_updates(server, replies["noise"], order, total["n"]))
             if self.branch_orders:  # the features in use (not broadcast: no mask without select)
                 new["mask"] = self.masks[-1] * (~pinned).to(F64)
                 new["pinned"] = pinned.to(F64)
@@ -806,7 +813,7 @@ class FedPrior(
             "cand": stacked,
             **self._interval_update(server, replies, order, total),
             **(
-                self._noise_update(server, replies["noise"], order, total["n"])
+                self._noise_updates(server, replies["noise"], order, total["n"])
                 if "noise" in replies
                 else {}
             ),

@@ -46,6 +46,17 @@ N4. **Student-t rows** (``noise_tail = "student"``, ν = ``noise_dof``): EM for 
     over-covered, 0.98–0.99). So an
     outlier neither pulls the coefficients nor inflates σ². A cut at 4 σ measured worse (clean
     rows of a model-form misfit were cut: coverage 0.89 on the clean humidity fleet).
+N6. **The tail chosen by the fleet's data** (``noise_tail = "auto"``): each round every unit
+    fits its rows both ways, Gaussian (weights ω_r) and Student-t (N4's weights), and uploads
+    d_i = ℓ_i^t − ℓ_i^N, its log-likelihood under each at its own fit and its own profiled
+    scale: with e_r² the expected squared residuals of that fit,
+    ℓ_i^N = −½ n_i (log(2π s_N²) + 1), s_N² = Σ ω_r e_r² / n_i, and
+    ℓ_i^t = Σ_r log t_ν(√ω_r e_r / s_t) − n_i log s_t, s_t² the t scale's MLE (its EM
+    fixed point s² ← Σ (ν + 1) ω e² / (ν + ω e²/s²) / n_i); the terms in ω that both share
+    cancel. The server keeps t rows (N4) for the next round only while the fleet's sum beats
+    BIC's penalty for ν, one added parameter (Gaussian: ν = ∞): 2 Σ_i d_i > log Σ_i n_i
+    (:data:`TAIL_PENALTY` × that). A d_i is the unit's own; like γ's terms it is a sum
+    over its rows, uploaded unscreened under ``noise/``.
 N5. **The hold-out** (fedprior_interval, I2) fits its probe design with these weights, states
     σ²(x) at the held rows, and does not count a held row the unit's robust fit marks as an
     outlier (ω e²/s² > :data:`OUTLIER_Z2`, |e| beyond 6 σ(x): probability 2·10⁻⁹ under the
@@ -73,6 +84,8 @@ from fedcal.core.tree import Tree
 IRLS_STEPS = 3  # N4: t-weights refitted this many times per round (the rounds continue it)
 MAX_STEP = 2.0  # N2: the longest γ step per round (scaled inputs: a factor e² in variance)
 OUTLIER_Z2 = 36.0  # N5: a row beyond 6 σ(x) of the unit's robust fit is a gross outlier
+SCALE_STEPS = 30  # N6: EM steps of the t scale's MLE (monotone; converged well within these)
+TAIL_PENALTY = 1.0  # N6: BIC's log Σn for ν, one parameter, times this
 
 
 def weighted_moments(design: Tensor, y: Tensor, mask: Tensor, weight: Tensor) -> Moments:
@@ -105,6 +118,13 @@ class NoiseModel:
     @property
     def noise_weighted(self) -> bool:
         return self.noise_shape != "constant" or self.noise_tail != "gaussian"
+
+    def _student_in_use(self, down: Tree) -> bool:
+        """Whether rows are Student-t this round: always with ``"student"``; with ``"auto"``
+        while the fleet's evidence chose it (N6; round 0 and a model without it: Gaussian)."""
+        if self.noise_tail == "auto":
+            return "noise_student" in down and bool((down["noise_student"] > 0.5).all())
+        return self.noise_tail == "student"
 
     @cached_property
     def _kappa(self) -> float:
@@ -153,7 +173,7 @@ class NoiseModel:
         if gamma is not None:
             omega = torch.exp(-(self.noise_features(data.x) * _rows(gamma)).sum(-1))
         inlier = torch.ones(c, rows, dtype=F64)
-        if self.noise_tail == "gaussian":
+        if self.noise_tail == "gaussian" or not self._student_in_use(down):
             return omega, inlier
         y, mask = data.y[..., 0].to(F64), data.mask.to(F64)
         if "mask" in down:  # the chosen basis only (terms outside it are not in the model)
@@ -173,6 +193,52 @@ class NoiseModel:
             scale = self._sensor_noise(r, stats.n, fleet)
         inlier = (z2 <= OUTLIER_Z2).to(F64)
         return weight, inlier
+
+    def _tail_ratio(self, down: Tree, data: ClientData, design: Tensor) -> Tensor:
+        """d_i = ℓ_i^t − ℓ_i^N per unit (N6): each tail's log-likelihood at its own fit."""
+        forced = {**down, "noise_student": torch.tensor(1.0, dtype=F64)}
+        t_weight, _ = self._row_weights(forced, data, design)
+        gauss = {**down, "noise_student": torch.tensor(0.0, dtype=F64)}
+        omega, _ = self._row_weights(gauss, data, design)
+        y, mask = data.y[..., 0].to(F64), data.mask.to(F64)
+        if "mask" in down:
+            design = design.to(F64) * _rows(down["mask"])
+        c = mask.shape[0]
+        scale = down["noise_var"].to(F64).reshape(-1).expand(c)
+        n = mask.sum(1).clamp_min(1.0)
+        nu = self.noise_dof
+        fits = []
+        for w in (omega, t_weight):
+            post = posterior(weighted_moments(design, y, mask, w), down["mu"], down["sigma"], scale)
+            fits.append(omega * self._expected_sq(design, y, post) * mask)
+        # Gaussian, scale profiled: −½ n (log 2π s² + 1)
+        s_n = (fits[0].sum(1) / n).clamp_min(1e-300)
+        loglik_n = -0.5 * n * (math.log(2 * math.pi) + torch.log(s_n) + 1.0)
+        # Student-t, scale by its EM fixed point (starting at the Gaussian's of the t fit)
+        z = fits[1]
+        s_t = (z.sum(1) / n).clamp_min(1e-300)
+        for _ in range(SCALE_STEPS):
+            s_t = ((nu + 1.0) * z / (nu + z / s_t.unsqueeze(1)) * mask).sum(1) / n
+            s_t = s_t.clamp_min(1e-300)
+        const = math.lgamma((nu + 1) / 2) - math.lgamma(nu / 2) - 0.5 * math.log(nu * math.pi)
+        per_row = const - 0.5 * (nu + 1.0) * torch.log1p(z / (nu * s_t.unsqueeze(1)))
+        loglik_t = (per_row * mask).sum(1) - 0.5 * n * torch.log(s_t)
+        ok = (mask.sum(1) > 1).to(F64)  # one row: nothing about the tail within the unit
+        return (loglik_t - loglik_n) * ok
+
+    def _noise_updates(self, server: Tree, noise: Tree, order: Tensor, rows: Tensor) -> Tree:
+        """γ's step and test (N2–N3) and the tail's test (N6), as the model has them."""
+        out = self._noise_update(server, noise, order, rows) if "score" in noise else {}
+        if "tail_ratio" in noise:
+            out.update(self._tail_update(noise, order, rows))
+        return out
+
+    @staticmethod
+    def _tail_update(noise: Tree, order: Tensor, rows: Tensor) -> Tree:
+        """The server's step N6: Student-t rows while 2 Σ d_i > log Σ n_i (BIC, one ν)."""
+        ratio = noise["tail_ratio"][order].sum(0)
+        chosen = 2.0 * float(ratio) > TAIL_PENALTY * math.log(max(float(rows), 2.0))
+        return {"noise_student": torch.tensor(float(chosen), dtype=F64), "tail_ratio": ratio}
 
     @staticmethod
     def _expected_sq(design: Tensor, y: Tensor, post) -> Tensor:

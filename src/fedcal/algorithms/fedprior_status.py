@@ -121,6 +121,8 @@ class PriorStatus:
         }
         if self.noise_shape == "inputs":  # σ²(x) = σ² exp(γᵀx), x scaled (fedprior_noise)
             state["noise_gamma"] = server["noise_gamma"].tolist()
+        if "noise_student" in server:  # noise_tail = "auto": the fleet's choice (N6)
+            state["noise_student"] = int(server["noise_student"])
         if self.interval == "calibrated":
             state["interval"] = {
                 "rule": "calibrated",
