@@ -82,6 +82,10 @@ noise_shape = "inputs"
 base = "fedprior"
 noise_tail = "student"
 
+[methods.fedprior_auto]        # Student-t rows only where the fleet's evidence says so (N6)
+base = "fedprior"
+noise_tail = "auto"
+
 [methods.persensor_quad]       # each sensor's own least-squares quadratic (a stronger reference)
 base = "leastsq"
 degree = 2

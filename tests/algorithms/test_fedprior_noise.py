@@ -194,3 +194,61 @@ def test_gamma_travels_in_prior_json_and_calibrate_states_the_same_sigma(hetero)
     )
     with pytest.raises(ValueError, match="noise_gamma: expected 2 finite values"):
         prior_server({**prior, "noise_gamma": [0.1]}, identity)
+
+
+def test_tail_evidence_is_the_reference_log_likelihood_ratio():
+    # One unit, a prior pinned at the truth (both fits = μ, V ≈ 0): d = ℓ_t − ℓ_N at each
+    # scale's MLE, against scipy's densities and scipy's fit of the t scale (ν = 4 fixed).
+    alg = model(noise_tail="auto", noise_dof=4.0)
+    rng = np.random.default_rng(3)
+    x = rng.uniform(-1, 1, (1, 9, 2))
+    mu = torch.tensor([1.0, 0.2, -0.1], dtype=F64)
+    fit = (legendre_products(torch.tensor(x), alg.terms) * mu).sum(-1)[0].numpy()
+    e = np.array([0.05, -0.1, 0.2, 0.0, -0.15, 0.1, 1.4, -0.05, 0.12])  # one gross outlier
+    data = ClientData.from_arrays([(x[0], (fit + e)[:, None])], (0,), F64)
+    down = {"mu": mu, "sigma": 1e-14 * torch.eye(3, dtype=F64), "noise_var": torch.tensor(0.01)}
+    d = alg._tail_ratio(expand(down, 1), data, alg.design(data.x))
+    gauss = stats.norm.logpdf(e, scale=math.sqrt(np.mean(e * e))).sum()
+    _, _, scale = stats.t.fit(e, f0=4.0, floc=0.0)
+    student = stats.t.logpdf(e, 4.0, scale=scale).sum()
+    assert float(d[0]) == pytest.approx(student - gauss, rel=1e-6, abs=1e-6)
+    assert student - gauss > 1.0  # the outlier: t's likelihood is the higher
+
+
+@pytest.mark.parametrize("outliers, student", [(0.05, True), (0.0, False)])
+def test_auto_tail_picks_student_on_outliers_and_gaussian_on_a_clean_fleet(outliers, student):
+    data = planted((0.0, 0.0), seed=2, outliers=outliers)
+    auto = run_rounds(model(noise_tail="auto"), data, 8).server
+    # 2 Σ d_i against log Σ n = log 1800 ≈ 7.5: planted far from it either way
+    assert bool(auto["noise_student"]) is student
+    assert (2 * float(auto["tail_ratio"]) > math.log(1800)) is student
+    # and then it is that model: σ² as the fixed choice's (t: from round 1 on; its round 0
+    # is Gaussian, so the same fixed point, not the same bits)
+    fixed = run_rounds(model(noise_tail="student" if student else "gaussian"), data, 8).server
+    assert float(auto["noise_var"]) == pytest.approx(float(fixed["noise_var"]), rel=1e-3)
+
+
+def test_the_tail_choice_travels_in_prior_json_and_calibrate_uses_it():
+    from fedcal.calibration import prior_server
+    from fedcal.data.scaling import Scaler
+
+    data = planted((0.0, 0.0), seed=2, outliers=0.05, units=10)
+    alg = model(noise_tail="auto")
+    run = run_rounds(alg, data, 6)
+    assert bool(run.server["noise_student"])
+    prior = {
+        **alg.export_state(run.server),
+        "features": ["a", "b"],
+        "input_range": {"a": [-1.0, 1.0], "b": [-1.0, 1.0]},
+    }
+    assert prior["noise_student"] == 1
+    identity = Scaler(np.zeros(2), np.ones(2), np.zeros(1), np.ones(1), {})
+    down = expand(alg.broadcast(prior_server(prior, identity)), data.num_clients)
+    again = alg.personalize(down, alg.client_init(down), data)
+    # the stored choice, not the Gaussian start: the same posterior as the federation's
+    torch.testing.assert_close(again["coef"], run.personal["coef"], rtol=1e-9, atol=1e-12)
+    gaussian = {**down, "noise_student": torch.zeros(data.num_clients, dtype=F64)}
+    plain = alg.personalize(gaussian, alg.client_init(down), data)
+    assert float((plain["coef"] - run.personal["coef"]).abs().max()) > 1e-3  # outliers pull it
+    with pytest.raises(ValueError, match="noise_student: expected 0 or 1"):
+        prior_server({**prior, "noise_student": 2}, identity)
