@@ -107,11 +107,12 @@ line), so a near-singular Gram (collinear features, thousands of rows, σ² → 
 the run. Extrapolation guard (the fleet's input support box, and the basis continued along its
 tangent plane beyond it): :mod:`fedcal.algorithms.fedprior_support`.
 
-Noise model (issues 20, 26; :mod:`fedcal.algorithms.fedprior_noise`, steps N1–N5): with
+Noise model (issues 20, 26; :mod:`fedcal.algorithms.fedprior_noise`, steps N1–N6): with
 ``noise_shape = "inputs"`` the noise variance is σ_i² exp(γᵀx) at scaled input x, γ learned
 by the fleet from summed score/information terms and used only while BIC keeps it, the E-step
 a weighted least squares with row weights exp(−γᵀx); with ``noise_tail = "student"`` rows are
-Student-t by EM weights (ν = ``noise_dof``). Both opt-in (measured in docs/uncertainty.md,
+Student-t by EM weights (ν = ``noise_dof``); ``noise_tail = "auto"``: t only while the
+fleet's likelihood ratio beats BIC (N6). All opt-in (measured in docs/uncertainty.md,
 "The noise model": they cost RMSE on a drifting field network).
 
 Intervals (``interval = "calibrated"``, issue 20): the noise on residual degrees of freedom,

@@ -46,6 +46,12 @@ N4. **Student-t rows** (``noise_tail = "student"``, ν = ``noise_dof``): EM for 
     over-covered, 0.98–0.99). So an
     outlier neither pulls the coefficients nor inflates σ². A cut at 4 σ measured worse (clean
     rows of a model-form misfit were cut: coverage 0.89 on the clean humidity fleet).
+N5. **The hold-out** (fedprior_interval, I2) fits its probe design with these weights, states
+    σ²(x) at the held rows, and does not count a held row the unit's robust fit marks as an
+    outlier (ω e²/s² > :data:`OUTLIER_Z2`, |e| beyond 6 σ(x): probability 2·10⁻⁹ under the
+    Gaussian noise): τ² is calibrated to the clean points' error, not to the outliers'. γ's
+    terms (N2) are taken over the same inliers.
+
 N6. **The tail chosen by the fleet's data** (``noise_tail = "auto"``): each round every unit
     fits its rows both ways, Gaussian (weights ω_r) and Student-t (N4's weights), and uploads
     d_i = ℓ_i^t − ℓ_i^N, its log-likelihood under each at its own fit and its own profiled
@@ -56,13 +62,10 @@ N6. **The tail chosen by the fleet's data** (``noise_tail = "auto"``): each roun
     cancel. The server keeps t rows (N4) for the next round only while the fleet's sum beats
     BIC's penalty for ν, one added parameter (Gaussian: ν = ∞): 2 Σ_i d_i > log Σ_i n_i
     (:data:`TAIL_PENALTY` × that). A d_i is the unit's own; like γ's terms it is a sum
-    over its rows, uploaded unscreened under ``noise/``.
-N5. **The hold-out** (fedprior_interval, I2) fits its probe design with these weights, states
-    σ²(x) at the held rows, and does not count a held row the unit's robust fit marks as an
-    outlier (ω e²/s² > :data:`OUTLIER_Z2`, |e| beyond 6 σ(x): probability 2·10⁻⁹ under the
-    Gaussian noise): τ² is calibrated to the clean points' error, not to the outliers'. γ's
-    terms (N2) are taken over the same inliers.
-
+    over its rows, uploaded unscreened under ``noise/``. Round 0 decides at the vague start,
+    before residuals are the fleet's (measured: it chose t on every fleet tried; round 1's
+    evidence reversed it where t was not kept). The last round's choice is the model's and
+    travels in ``prior.json`` (``noise_student``).
 Use: the predictive variance is φᵀVφ + σ_i² exp(γᵀ g(x)) (+ τ²) at the query input
 (:meth:`NoiseModel.noise_excess` adds σ_i²(exp(γᵀg) − 1) to the constant-noise form, which
 the linear exports reproduce only with γ = 0: they refuse otherwise).
@@ -84,7 +87,7 @@ from fedcal.core.tree import Tree
 IRLS_STEPS = 3  # N4: t-weights refitted this many times per round (the rounds continue it)
 MAX_STEP = 2.0  # N2: the longest γ step per round (scaled inputs: a factor e² in variance)
 OUTLIER_Z2 = 36.0  # N5: a row beyond 6 σ(x) of the unit's robust fit is a gross outlier
-SCALE_STEPS = 30  # N6: EM steps of the t scale's MLE (monotone; converged well within these)
+SCALE_STEPS = 30  # N6: EM steps of the t scale's MLE (tested against scipy's fit to 1e-6)
 TAIL_PENALTY = 1.0  # N6: BIC's log Σn for ν, one parameter, times this
 
 
@@ -113,7 +116,7 @@ def t_weight_constant(nu: float) -> float:
 
 
 class NoiseModel:
-    """Steps N1–N5 (module doc): a mixin of :class:`~fedcal.algorithms.fedprior.FedPrior`."""
+    """Steps N1–N6 (module doc): a mixin of :class:`~fedcal.algorithms.fedprior.FedPrior`."""
 
     @property
     def noise_weighted(self) -> bool:
