@@ -59,6 +59,9 @@ such a fleet (measured in docs/results/fleet-prior.md).
 Complexity from the fleet's evidence (``select = "bic"``): every sub-basis of the orders is
 a candidate, all candidates' EM runs in the same federation and the server keeps the one of
 highest BIC of the fleet's summed evidence (:mod:`fedcal.algorithms.fedprior_select`).
+With ``select_by = "marginal"`` (what client-level DP needs) one EM runs on the full basis and
+each unit uploads one clipped score per candidate, its evidence under the candidate's marginal
+of the full prior, noised with the sums (``EvidenceSelection.dp_select_statistic``).
 
 The chamber's sweep direction (``branch_orders``, issue 10). A unit with
 hysteresis reads differently on an ascending and a descending sweep, and the
