@@ -12,9 +12,13 @@ the new units' test RMSE (hPa) on off-grid random (P, T) points, mean over units
 worst unit, per fleet seed; printed with the accountant's ε and σ of each run. A run that
 raises or has a non-finite sensor is printed as such and never enters a mean.
 
+With ``--select`` the basis is chosen by the fleet under DP too (fedprior ``select = "bic"``,
+``select_by = "marginal"``: each unit's clipped per-candidate evidence, noised with the sums
+at the budget share ``--select-share``); the table's last column is the basis in use.
+
     python studies/dp_scale.py --units 500,2000 --designs 3x2,4x3 --epsilons 1,4,8 \\
         --fleet-seeds 0,1,2 --rounds 6 [--new 30] [--adaptive 0.9] [--steps 12] [--share 0.1]
-        [--declared] [--whiten]
+        [--declared] [--whiten] [--select [--select-clip 10] [--select-share 0.1]]
 """
 
 from __future__ import annotations
@@ -62,7 +66,16 @@ def _run(algorithm, tensors, roles, policy, rounds: int, seed: int) -> dict:
         "finite": bool(np.isfinite(rmse).all()),
         "wall": time.perf_counter() - t0,
         "bounds": bounds,
+        "basis": _basis(algorithm, result.server),
     }
+
+
+def _basis(algorithm, server) -> str:
+    """The basis in use: the chosen candidate under ``--select``, else the fixed orders."""
+    if getattr(algorithm, "select", "none") == "none":
+        return "x".join(map(str, algorithm.orders))
+    chosen = algorithm.candidates[int(server["choice"])]
+    return "x".join(map(str, chosen.get("orders", [chosen.get("degree")])))
 
 
 def _fmt(values: list[float]) -> str:
@@ -86,6 +99,13 @@ def main() -> None:
     ap.add_argument("--declared", action="store_true", help="also run the declared bounds")
     ap.add_argument("--whiten", action="store_true", help="fedprior dp_whiten = true")
     ap.add_argument("--second-weight", type=float, default=1.0, help="fedprior dp_second_weight")
+    ap.add_argument(
+        "--select",
+        action="store_true",
+        help="fedprior with select = bic, select_by = marginal (the basis chosen under DP)",
+    )
+    ap.add_argument("--select-clip", type=float, default=10.0, help="fedprior select_clip")
+    ap.add_argument("--select-share", type=float, default=0.1, help="fedprior dp_select_share")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -94,17 +114,19 @@ def main() -> None:
     epsilons = [float(e) for e in args.epsilons.split(",")]
     modes = ["declared"] if (args.declared or not args.adaptive) else []
     modes += ["adaptive"] if args.adaptive else []
+    method = "fedprior (select bic, marginal)" if args.select else "fedprior_fixed"
     print(
-        f"fedprior_fixed (interval posterior), {args.rounds} rounds, {args.new} new units, "
+        f"{method} (interval posterior), {args.rounds} rounds, {args.new} new units, "
         f"fleet seeds {args.fleet_seeds}, noise seed {args.seed}; adaptive: γ {args.adaptive}, "
         f"{args.steps} steps/round, η {args.rate}, count share {args.share}; "
         f"dp_whiten {args.whiten}, second-moment weight {args.second_weight}"
+        + (f"; select_clip {args.select_clip}, share {args.select_share}" if args.select else "")
     )
     print(
         "| ref units | design | fleet seed | privacy | bounds | ε spent | σ sums | z counts "
-        "| new mean | new worst | ref mean | s |"
+        "| new mean | new worst | ref mean | s | basis |"
     )
-    print("|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     rows = []
     for units in [int(u) for u in args.units.split(",")]:
         n_all = units + args.new
@@ -123,6 +145,14 @@ def main() -> None:
                     dp_whiten=args.whiten,
                     dp_second_weight=args.second_weight,
                 )
+                if args.select:  # the basis chosen by the fleet, under DP too (issue 25.3)
+                    algorithm = replace(
+                        algorithm,
+                        select="bic",
+                        select_by="marginal",
+                        select_clip=args.select_clip,
+                        dp_select_share=args.select_share,
+                    )
                 cells = [("no DP", 0.0, "—")]
                 cells += [(f"ε = {e:g}", e, m) for e in epsilons for m in modes]
                 for label, eps, mode in cells:
@@ -156,7 +186,7 @@ def main() -> None:
                         continue
                     print(
                         f"{head} {acct} | {r['new_mean']:.4g} | {r['new_worst']:.4g} | "
-                        f"{r['ref_mean']:.4g} | {r['wall']:.0f} |",
+                        f"{r['ref_mean']:.4g} | {r['wall']:.0f} | {r['basis']} |",
                         flush=True,
                     )
                     if r["bounds"]:

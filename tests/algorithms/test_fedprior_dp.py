@@ -122,11 +122,12 @@ def test_the_generic_single_bound_path_fails_where_the_declared_one_does_not():
 
 def test_basis_selection_refuses_dp_in_one_line():
     """Every candidate's statistics would need their own noise: under DP, select = "bic"
-    is refused with a message naming the fixed-basis variant, not run half-private."""
+    with select_by = "candidates" is refused with a message naming the marginal scores and
+    the fixed-basis variant, not run half-private."""
     alg = make(orders=(1, 1), select="bic")
     data, _, _, _, _ = planted_fleet(6, [12] * 6, seed=1, orders=(1, 1))
     policy = AggregationPolicy(dp_noise_multiplier=1.0, dp_clip=1.0)
-    with pytest.raises(ValueError, match=r"covers a fixed basis only.*fedprior_fixed") as err:
+    with pytest.raises(ValueError, match=r"select_by = 'marginal'.*fedprior_fixed") as err:
         _rounds(alg, data, 1, policy)
     assert "\n" not in str(err.value)
 

@@ -59,6 +59,9 @@ such a fleet (measured in docs/results/fleet-prior.md).
 Complexity from the fleet's evidence (``select = "bic"``): every sub-basis of the orders is
 a candidate, all candidates' EM runs in the same federation and the server keeps the one of
 highest BIC of the fleet's summed evidence (:mod:`fedcal.algorithms.fedprior_select`).
+With ``select_by = "marginal"`` (what client-level DP needs) one EM runs on the full basis and
+each unit uploads one clipped score per candidate, its evidence under the candidate's marginal
+of the full prior, noised with the sums (``EvidenceSelection.dp_select_statistic``).
 
 The chamber's sweep direction (``branch_orders``, issue 10). A unit with
 hysteresis reads differently on an ascending and a descending sweep, and the
@@ -233,6 +236,16 @@ class FedPrior(
     min_informed: Annotated[float, Field(ge=0.0)] = 2.0
     # "bic": the sub-basis of highest fleet evidence (BIC); "none": all
     select: Literal["none", "bic"] = "none"
+    # How "bic" scores a candidate: "candidates": each candidate's own EM (every candidate's
+    # statistics uploaded); "marginal": EM on the full basis, each candidate scored by its
+    # evidence under the full prior's marginal, one score vector per unit (what client-level
+    # DP can bound and noise: fedprior_select.marginal_scores)
+    select_by: Literal["candidates", "marginal"] = "candidates"
+    # select_by = "marginal": each unit's score of a candidate is clipped to ± this (nats):
+    # bounded for DP (L2 ≤ select_clip √K), and no unit outweighs the penalty alone
+    select_clip: Annotated[float, Field(gt=0.0)] = 10.0
+    # client-level DP with select_by = "marginal": the scores' share of each round's budget
+    dp_select_share: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.1
     # client-level DP: rows a unit may hold (public; the campaign)
     dp_max_rows: Annotated[float, Field(ge=0.0)] = 384.0
     # client-level DP: the mean and second moment whitened by the broadcast Σ (True) or in
@@ -278,7 +291,7 @@ class FedPrior(
     # G_00 = n: core/robust.py), not by size: per row it is a moment of the unit's inputs
     # (x⁴ for a quadratic), which honest units differ in by 10²–10³ (pollution episodes,
     # docs/statuses.md); every statistic the prior is fitted from is still size-screened.
-    unscreened_replies = ("cand/", "interval/", "noise/", "gram")
+    unscreened_replies = ("cand/", "interval/", "noise/", "gram", "select")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "orders", tuple(int(o) for o in self.orders))
@@ -382,12 +395,14 @@ class FedPrior(
         k = len(self.candidates)
         # Round 0 screens with the largest candidate (the basis asked for), as without selection.
         fleet_keys = ("mu", "sigma", "noise_var", "support")
+        chosen = {"mask": self.masks[-1].clone(), "choice": torch.tensor(k - 1)}
+        chosen["scores"] = torch.zeros(k, dtype=F64)
+        if not self.each_candidate:  # select_by = "marginal": one EM, on the full basis
+            return {**start, "box": self._open_box(), **chosen}
         return {
             **start,
             "box": self._open_box(),
-            "mask": self.masks[-1].clone(),
-            "choice": torch.tensor(k - 1),
-            "scores": torch.zeros(k, dtype=F64),
+            **chosen,
             "cand": {key: start[key].expand(k, *start[key].shape).clone() for key in fleet_keys},
         }
 
@@ -402,12 +417,13 @@ class FedPrior(
             down["pinned"] = server["pinned"]
         if self.select != "none":
             down["mask"] = server["mask"]
+        if self.each_candidate:
             down["cand"] = {k: server["cand"][k] for k in ("mu", "sigma", "noise_var")}
         return down
 
     def client_init(self, down: Tree) -> Tree:
         state = {"noise_var": down["noise_var"].clone()}
-        if self.select != "none":
+        if self.each_candidate:
             state["cand_noise_var"] = down["cand"]["noise_var"].clone()
         return state
 
@@ -461,7 +477,11 @@ class FedPrior(
         # computed on its own: with noise = "sensor" its σ_i² is last round's choice's (not
         # always this round's); with one fleet σ² the batched one differs in the last bits
         # (measured: taking it from the batch saved 4 % of a client update).
-        stats, post = self._posterior(down, state, full)
+        if self.select != "none" and not self.each_candidate:  # marginal: EM on the full basis
+            stats = full
+            post = posterior(full, down["mu"], down["sigma"], self._noise(down, state))
+        else:
+            stats, post = self._posterior(down, state, full)
         reml = full.n if self.interval == "calibrated" else None
         chosen = self._e_step_sums(post, stats.gram, self._noise(down, state), reml)
         # The reply's leaf order is part of its wire format (and of DP's noise draws).
@@ -484,7 +504,9 @@ class FedPrior(
             reply.setdefault("noise", {})["tail_ratio"] = self._tail_ratio(down, data, design)
         own = self._sensor_noise(post.rss, full.n, down["noise_var"])
         new_state = {"noise_var": own if self.noise == "sensor" else state["noise_var"]}
-        if self.select != "none":
+        if self.select != "none" and not self.each_candidate:
+            reply["select"] = self.marginal_scores(down, state, full)
+        if self.each_candidate:
             reply["cand"], cand_own = self._candidates_e_step(down, state, full)
             new_state["cand_noise_var"] = (
                 cand_own if self.noise == "sensor" else state["cand_noise_var"]
@@ -548,11 +570,11 @@ class FedPrior(
                 "fedprior: client-level DP covers interval = 'posterior' only (the hold-out "
                 "uploads a unit's inputs)"
             )
-        if self.select != "none":
+        if self.each_candidate:
             # Every candidate's statistics would need their own noise (20× the sensitivity).
             raise ValueError(
-                "fedprior: client-level DP covers a fixed basis only; set select = 'none' "
-                "(the fedprior_fixed variant)"
+                "fedprior: client-level DP with select = 'bic' needs select_by = 'marginal' "
+                "(one bounded score vector per unit), or select = 'none' (fedprior_fixed)"
             )
         p = self.num_features
         chol = safe_cholesky(down["sigma"].to(F64))[0]
@@ -570,7 +592,7 @@ class FedPrior(
             moment_map = torch.linalg.solve_triangular(chol, eye, upper=False)
             second = z**2 + p
             s = 1.0
-        return {
+        out = {
             "mean": Statistic(z * s, "vector", moment_map, center=mu),
             "second": Statistic(
                 second,
@@ -613,6 +635,9 @@ class FedPrior(
                 else {}
             ),
         }
+        if self.select != "none":  # select_by = "marginal": the candidates' scores, last
+            out["select"] = self.dp_select_statistic(out)
+        return out
 
     def _prior_update(
         self,
@@ -761,16 +786,18 @@ class FedPrior(
         if robust is not None:  # Σ w_i units (exactly N when every weight is 1)
             count = robust.weights[order].sum() if bool((robust.weights != 1).any()) else count
         metric = total["gram"] / total["n"].clamp_min(1.0)
-        if self.select == "none":
+        if not self.each_candidate:
             mu, sigma, noise_var = self._restart(
                 server, pinned, total["gram"]
             ) or self._prior_update(server["mu"], total, count, metric, server["noise_var"], pinned)
             new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
             new["box"] = self._input_box(total["gram"])
+            if self.select != "none":  # select_by = "marginal": the noisy-BIC choice
+                new.update(self.marginal_choice(total["select"], count))
             if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
                 new.update(self._noise_updates(server, replies["noise"], order, total["n"]))
-            if self.branch_orders:  # the features in use (not broadcast: no mask without select)
-                new["mask"] = self.masks[-1] * (~pinned).to(F64)
+            if self.branch_orders:  # the features in use, without the ψ coordinates out of it
+                new["mask"] = new.get("mask", self.masks[-1]) * (~pinned).to(F64)
                 new["pinned"] = pinned.to(F64)
             return {**new, **self._interval_update(server, replies, order, total)}
         cand = {k: v[order].sum(0) for k, v in replies["cand"].items()}

@@ -50,7 +50,7 @@ class RobustUploads:
             weights.index_select(0, idx),
             constant_first=self._gram_counts_rows(server),
         )
-        if self.select != "none":
+        if self.each_candidate:
             for k in range(self.masks.shape[0]):
                 cand = {key: sub[f"cand/{key}"][:, k] for key in keys}
                 mu, sigma = server["cand"]["mu"][k], server["cand"]["sigma"][k]

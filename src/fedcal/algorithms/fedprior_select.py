@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from fedcal.core.bayes import F64, Moments, posterior
+from fedcal.core.privacy import Statistic
 from fedcal.core.tree import Tree
 from fedcal.models.basis import legendre_exponents, orders_by_size
 
@@ -139,6 +140,70 @@ class EvidenceSelection:
         )
         own = self._sensor_noise(post.rss, stats.n, cand["noise_var"].reshape(-1))
         return {key: v.reshape(c, k, *v.shape[1:]) for key, v in out.items()}, own.reshape(c, k)
+
+    @property
+    def each_candidate(self) -> bool:
+        """Whether every candidate runs its own EM (``select = "bic"``, ``select_by =
+        "candidates"``); with ``select_by = "marginal"`` one EM runs on the full basis."""
+        return self.select != "none" and self.select_by == "candidates"
+
+    def marginal_scores(self, down: Tree, state: Tree, full: Moments) -> Tensor:
+        """Each unit's score of every candidate (clients, candidates) for ``select_by =
+        "marginal"``: its log-evidence under the candidate's marginal of the broadcast full
+        prior, relative to the full basis and clipped to ± b = ``select_clip``,
+
+            s_ik = clip(log N(y_i; Φ_ik μ_k, Φ_ik Σ_kk Φ_ikᵀ + σ² I) − log p(y_i | μ, Σ, σ²), ±b)
+
+        (μ_k, Σ_kk: μ and Σ restricted to candidate k's terms; the full basis scores 0).
+        Computed as :meth:`_candidates_e_step` does, on the moments masked to the
+        candidate's terms (the other coefficients see no data and do not move y).
+        """
+        masks = self.masks
+        c, p = full.rhs.shape
+        k = masks.shape[0]
+        mm = masks.unsqueeze(0).expand(c, k, p)
+        stats = Moments(
+            (full.gram.unsqueeze(1) * mm.unsqueeze(-1) * mm.unsqueeze(-2)).reshape(c * k, p, p),
+            (full.rhs.unsqueeze(1) * mm).reshape(c * k, p),
+            full.yy.unsqueeze(1).expand(c, k).reshape(-1),
+            full.n.unsqueeze(1).expand(c, k).reshape(-1),
+        )
+        mu = down["mu"].to(F64).expand(c, p).unsqueeze(1).expand(c, k, p).reshape(-1, p)
+        sigma = down["sigma"].to(F64).expand(c, p, p).unsqueeze(1).expand(c, k, p, p)
+        noise = self._noise(down, state).to(F64).expand(c).unsqueeze(1).expand(c, k)
+        post = posterior(stats, mu, sigma.reshape(-1, p, p), noise.reshape(-1))
+        loglik = post.loglik.reshape(c, k)
+        # The last candidate is the full basis. Clipped per candidate, not by the vector's
+        # norm: a norm clip shrinks a unit's mild preferences by its largest one.
+        return (loglik - loglik[:, -1:]).clamp(-self.select_clip, self.select_clip)
+
+    def marginal_choice(self, total: Tensor, count: Tensor) -> dict[str, Tensor]:
+        """The candidate of highest BIC from the summed (under DP: clipped and noised)
+        scores: Σ_i s_ik − ½ d_k log N (Schwarz 1978; the constant Σ_i log p(y_i | θ) of
+        the full basis drops out of the argmax). Post-processing of a released sum."""
+        masks = self.masks
+        scores = total.to(F64) - 0.5 * self._prior_parameters(masks) * math.log(float(count))
+        choice = int(torch.argmax(scores))  # ties: the smaller candidate (listed first)
+        return {"mask": masks[choice], "choice": torch.tensor(choice), "scores": scores}
+
+    def dp_select_statistic(self, others: dict[str, Statistic]) -> Statistic:
+        """Client-level DP of the candidates' scores: one Gaussian mechanism with the sums.
+
+        Each unit's score vector s_i (:meth:`marginal_scores`, each entry within ± b,
+        b = ``select_clip``) is clipped to L2 norm B = b √K (K candidates; a no-op for
+        an honest unit): its sensitivity. It joins the reply of the
+        other statistics with weight w, w² = f/(1 − f) Σ_l w_l² (f = ``dp_select_share``),
+        so in :func:`fedcal.core.privacy.noise_std` the normalized reply's sensitivity is
+        √(Σ_l w_l² + w²) and its sum gets N(0, (σ √(Σ w²) B / w)²) per candidate. That is
+        the composition of a mechanism on the scores with multiplier σ/√f and one on the
+        other sums with σ/√(1 − f) (Gaussian RDP α/2σ² adds: f/σ² + (1 − f)/σ² = 1/σ²),
+        so the run's accountant (σ per round) covers the selection unchanged, its ε the
+        ε printed; the choice (:meth:`marginal_choice`) is post-processing.
+        """
+        rest = sum(s.weight**2 for s in others.values())
+        share = self.dp_select_share
+        bound = self.select_clip * math.sqrt(len(self.candidates))
+        return Statistic(bound, "vector", weight=math.sqrt(share / (1 - share) * rest))
 
     def _prior_parameters(self, masks: Tensor) -> Tensor:
         """Free parameters d_k of each candidate's prior: μ (p), Σ (full or rank r + D), σ²."""
