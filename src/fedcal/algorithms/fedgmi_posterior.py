@@ -37,7 +37,16 @@ the latest prior (``evaluate="global_body"``, as ``fedgmi_posterior`` sets
 it), which carries V_i and σ² for a predictive σ; or the client's last
 locally trained (ω_i, m_i) (``evaluate="local"``). ``local_epochs = 0``
 never trains the body (``fedgmi_posterior_frozen``): the heads alone, on the
-initial body's random features. ``finetune_*``,
+initial body's random features.
+
+Screening (issue 20 item 3): n_i, G_i and the support are functions of the unit's inputs
+and grow with its rows (a reference unit with 384 points had 57 × the median size of
+6-point units, and all 20 were rejected in every round); the size screen judges the body,
+m_i, S_i and the residual sum per declared row r_i / n_i instead
+(:meth:`FedGMIPosterior.screen_view`), and n_i, G_i are checked for consistency (n_i = the
+declared rows, G_i PSD with G_dd = n_i for the constant feature,
+:meth:`FedGMIPosterior.inconsistent_replies`). A unit whose targets are ×1000 moves m_i by
+×1000 and is still rejected by size. ``finetune_*``,
 ``magnitude``, ``normalize``, ``interpolate`` and ``upload`` are the gradient
 rule's and unused here.
 
@@ -87,6 +96,7 @@ from fedcal.core.bayes import (
 )
 from fedcal.core.data import ClientData
 from fedcal.core.identify import UNLEARNED_SHARE, unlearned_directions, unlearned_share
+from fedcal.core.robust import count_problems, gram_problems
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree, weighted_mean
 
@@ -197,6 +207,32 @@ class FedGMIPosterior(FedGMI):
             ),
         }
         return ClientResult(reply, {"model": trained}, {"train_loss": loss, "loglik": post.loglik})
+
+    # Input-only statistics: judged by consistency, not size (module doc, Screening).
+    unscreened_replies = ("n", "gram", "support")
+
+    def screen_view(self, replies: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
+        """What the size screen judges (module doc): every judged leaf, the residual sum
+        per declared row."""
+        view = {k: v for k, v in replies.items() if not k.startswith(self.unscreened_replies)}
+        view["rss"] = replies["rss"] / rows.to(replies["rss"].dtype).clamp_min(1.0)
+        return view
+
+    def inconsistent_replies(
+        self, server: Tree, replies: Tree, weights: Tensor, accepted: Tensor
+    ) -> dict[int, str]:
+        """n_i = declared rows, G_i PSD with G_dd = n_i (Φ's constant is its last column),
+        r_i ≥ 0."""
+        idx = accepted.nonzero()[:, 0]
+        n = replies["n"].index_select(0, idx)
+        gram = replies["gram"].index_select(0, idx).flip(-1, -2)  # the constant first
+        whys = gram_problems(gram, n, constant_first=True)
+        for j, why in count_problems(n, weights.index_select(0, idx)).items():
+            whys.setdefault(j, why)
+        rss = replies["rss"].index_select(0, idx)
+        for j in (~(rss >= 0)).nonzero()[:, 0].tolist():
+            whys.setdefault(j, f"residual sum {float(rss[j]):.3g} < 0")
+        return {int(idx[j]): why for j, why in sorted(whys.items())}
 
     def server_update(self, server: Tree, replies: Tree, weights: Tensor) -> Tree:
         """Step 4: body = mean of the bodies; (μ_h, Σ_h, σ²) by EM, Σ_h regularized."""

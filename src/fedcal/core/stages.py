@@ -55,7 +55,9 @@ class Round:
     a leaf absent is relative to zero, see :func:`references`); ``judged``: the leaves
     that judge a client in screening and Krum (``Algorithm.unscreened_replies`` left
     out); ``kind``: ``Algorithm.reply_aggregation``; ``seed``: the round's noise seed;
-    ``state_checked``: the engine also rejected clients with a non-finite new state.
+    ``state_checked``: the engine also rejected clients with a non-finite new state;
+    ``view``: ``Algorithm.screen_view``, the scale-free quantities the size screen judges
+    instead of the judged leaves (None: the leaves themselves).
     """
 
     kind: str
@@ -65,6 +67,7 @@ class Round:
     broadcast: Tree
     seed: int
     state_checked: bool = False
+    view: Callable[[dict[str, Tensor], Tensor], dict[str, Tensor]] | None = None
 
     @classmethod
     def of(
@@ -75,11 +78,12 @@ class Round:
         unscreened: tuple[str, ...] = (),
         seed: int = 0,
         state_checked: bool = False,
+        view: Callable[[dict[str, Tensor], Tensor], dict[str, Tensor]] | None = None,
     ) -> Round:
         """The round of these (flat) replies; ``unscreened``: path prefixes not judged."""
         floating, refs = references(broadcast, replies, kind)
         judged = tuple(key for key in floating if not key.startswith(tuple(unscreened)))
-        return cls(kind, floating, refs, judged, broadcast, seed, state_checked)
+        return cls(kind, floating, refs, judged, broadcast, seed, state_checked, view)
 
 
 @dataclass(frozen=True)
@@ -209,12 +213,21 @@ def screen(cohort: Cohort, rnd: Round, factor: float) -> Cohort:
     et al. 2017; Yin et al. 2018); summed statistics are sized leaf by leaf and per
     declared row (:func:`statistic_sizes`, ``weights`` are the rows). Each rejection is
     recorded as ``{"client", "reason": "size", "ratio": its size, "threshold": factor}``.
+    With ``rnd.view`` the screen sizes the algorithm's scale-free quantities instead
+    (issue 20 item 3: leaves that grow with a unit's inputs or rows would reject honest
+    units of another kind), in the same way.
     """
     accepted = cohort.accepted
     if not accepted.any() or not rnd.judged:
         return cohort.but({"rejected_norm": 0.0})
     n = len(accepted)
-    if rnd.kind == "sum":
+    if rnd.view is not None:
+        view = rnd.view({k: cohort.replies[k] for k in rnd.floating}, cohort.weights)
+        if rnd.kind == "sum":
+            sizes = statistic_sizes(view, accepted, cohort.weights)
+        else:
+            sizes = relative(root_sum(leaf_squares(view, n, rnd.refs).values(), n), accepted)
+    elif rnd.kind == "sum":
         # Per-leaf ratios (statistics in different units), a whole leaf at a time; a sum's
         # replies are its updates, so nothing is formed (statistics are small per unit).
         judged = {k: cohort.replies[k] for k in rnd.judged}
