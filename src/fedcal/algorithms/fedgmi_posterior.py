@@ -93,6 +93,7 @@ from fedcal.core.bayes import (
     posterior,
     predictive_var,
     regularize,
+    safe_cholesky,
 )
 from fedcal.core.data import ClientData
 from fedcal.core.identify import UNLEARNED_SHARE, unlearned_directions, unlearned_share
@@ -211,10 +212,20 @@ class FedGMIPosterior(FedGMI):
     # Input-only statistics: judged by consistency, not size (module doc, Screening).
     unscreened_replies = ("n", "gram", "support")
 
-    def screen_view(self, replies: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
-        """What the size screen judges (module doc): every judged leaf, the residual sum
-        per declared row."""
-        view = {k: v for k, v in replies.items() if not k.startswith(self.unscreened_replies)}
+    def screen_view(
+        self, replies: dict[str, Tensor], rows: Tensor, broadcast: Tree
+    ) -> dict[str, Tensor]:
+        """What the size screen judges (module doc): the body, the head's expected distance
+        from the broadcast prior, δ_i = √tr(Σ_h⁻¹ E[(c_i − μ_h)(c_i − μ_h)ᵀ]) (from m_i, S_i;
+        in prior units, whatever the unit's rows), and the residual sum per declared row."""
+        view = {k: v for k, v in replies.items() if k.startswith("model/")}
+        mu = broadcast["head_mu"].to(F64)
+        chol, _ = safe_cholesky(broadcast["head_sigma"].to(F64))
+        m, second = replies["mean"].to(F64), replies["second"].to(F64)
+        outer = torch.einsum("ci,j->cij", m, mu)
+        spread = second - outer - outer.transpose(-2, -1) + torch.outer(mu, mu)
+        inv = torch.cholesky_inverse(chol)
+        view["head_distance"] = (inv * spread).sum((-2, -1)).clamp_min(0.0).sqrt()
         view["rss"] = replies["rss"] / rows.to(replies["rss"].dtype).clamp_min(1.0)
         return view
 

@@ -123,7 +123,9 @@ class LeastSquares(Algorithm):
         mse = (err * data.mask).sum(1) / data.mask.sum(1).clamp_min(1)
         return ClientResult(reply, state, {"train_loss": mse})
 
-    def screen_view(self, replies: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
+    def screen_view(
+        self, replies: dict[str, Tensor], rows: Tensor, broadcast: Tree
+    ) -> dict[str, Tensor]:
         """What the size screen judges (module doc): the unit's own fit RMS, not its sums."""
         return {"fit_rms": explained_rms(replies["gram"], replies["moment"], rows)}
 

@@ -67,7 +67,7 @@ class Round:
     broadcast: Tree
     seed: int
     state_checked: bool = False
-    view: Callable[[dict[str, Tensor], Tensor], dict[str, Tensor]] | None = None
+    view: Callable[[dict[str, Tensor], Tensor, Tree], dict[str, Tensor]] | None = None
 
     @classmethod
     def of(
@@ -78,7 +78,7 @@ class Round:
         unscreened: tuple[str, ...] = (),
         seed: int = 0,
         state_checked: bool = False,
-        view: Callable[[dict[str, Tensor], Tensor], dict[str, Tensor]] | None = None,
+        view: Callable[[dict[str, Tensor], Tensor, Tree], dict[str, Tensor]] | None = None,
     ) -> Round:
         """The round of these (flat) replies; ``unscreened``: path prefixes not judged."""
         floating, refs = references(broadcast, replies, kind)
@@ -215,18 +215,15 @@ def screen(cohort: Cohort, rnd: Round, factor: float) -> Cohort:
     recorded as ``{"client", "reason": "size", "ratio": its size, "threshold": factor}``.
     With ``rnd.view`` the screen sizes the algorithm's scale-free quantities instead
     (issue 20 item 3: leaves that grow with a unit's inputs or rows would reject honest
-    units of another kind), in the same way.
+    units of another kind), leaf by leaf (:func:`view_sizes`).
     """
     accepted = cohort.accepted
     if not accepted.any() or not rnd.judged:
         return cohort.but({"rejected_norm": 0.0})
     n = len(accepted)
     if rnd.view is not None:
-        view = rnd.view({k: cohort.replies[k] for k in rnd.floating}, cohort.weights)
-        if rnd.kind == "sum":
-            sizes = statistic_sizes(view, accepted, cohort.weights)
-        else:
-            sizes = relative(root_sum(leaf_squares(view, n, rnd.refs).values(), n), accepted)
+        view = rnd.view({k: cohort.replies[k] for k in rnd.floating}, cohort.weights, rnd.broadcast)
+        sizes = view_sizes(view, accepted, cohort.weights, rnd.refs)
     elif rnd.kind == "sum":
         # Per-leaf ratios (statistics in different units), a whole leaf at a time; a sum's
         # replies are its updates, so nothing is formed (statistics are small per unit).
@@ -547,6 +544,29 @@ def statistic_sizes(
         leaf = torch.minimum(
             _scaled_ratio(norms, accepted, counts), _scaled_ratio(norms / counts, accepted, counts)
         )
+        ratio = torch.maximum(ratio, torch.where(torch.isinf(leaf), 0.0, leaf))
+    return ratio
+
+
+def view_sizes(
+    view: dict[str, Tensor], accepted: Tensor, rows: Tensor, refs: dict[str, Tensor]
+) -> Tensor:
+    """Each client's size over an algorithm's screen view (``Algorithm.screen_view``), (clients,).
+
+    The view's quantities are in different units and do not grow with a client's rows, so
+    per leaf (a model leaf as its update, reply − ref) r_il = a_il / ref_i(a_l) with ref_i
+    as in :func:`statistic_sizes` (the smaller ratio to the plain median and to the other
+    clients' rows-weighted median) but no per-row branch: dividing a scale-free quantity
+    by n_i would let a data-rich client pass a ×(its rows / the others') corruption.
+    size_i = max_l r_il; a scale ≤ 0 does not judge.
+    """
+    n = int(accepted.shape[0])
+    counts = rows.to(torch.float64).clamp_min(1.0)
+    ratio = torch.zeros(n, dtype=torch.float64)
+    for key, v in view.items():
+        u = v - refs[key] if key in refs else v
+        norms = u.reshape(n, -1).to(torch.float64).norm(dim=1)
+        leaf = _scaled_ratio(norms, accepted, counts)
         ratio = torch.maximum(ratio, torch.where(torch.isinf(leaf), 0.0, leaf))
     return ratio
 
