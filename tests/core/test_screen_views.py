@@ -22,6 +22,7 @@ from fedcal.core.aggregation import AggregationPolicy, aggregate
 from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData
 from fedcal.core.robust import explained_rms
+from fedcal.core.stages import view_sizes
 from fedcal.core.task import Task
 from fedcal.core.tree import expand, flatten, unflatten
 from fedcal.models.mlp import MLP
@@ -143,3 +144,20 @@ def test_leastsq_count_must_be_the_declared_rows():
     record = _rounds(_leastsq(), _fleet(), 1, scaled=5, keep=("moment",))
     assert [r["client"] for r in record] == [5]
     assert record[0]["reason"].startswith("row count")
+
+
+def test_view_sizes_sums_pass_per_row_scale_free_leaves_do_not():
+    """Hand-computed, rows (1, 1, 1, 100). Client 3's scale is 1 (the plain median, and the
+    others' median); clients 0–2's is the smaller of 1 and the others' rows-weighted
+    median, which client 3's 100 rows set."""
+    rows = torch.tensor([1.0, 1.0, 1.0, 100.0], dtype=F64)
+    accepted = torch.ones(4, dtype=torch.bool)
+    grows = torch.tensor([1.0, 1.0, 1.0, 100.0], dtype=F64)  # ∝ rows: per row all 1
+    small = torch.tensor([0.01, 0.01, 0.01], dtype=F64)
+    got = view_sizes({"sum/rss": grows}, accepted, rows, {})  # per row: client 3 passes
+    assert torch.allclose(got, torch.cat([small, torch.ones(1, dtype=F64)]))
+    got = view_sizes({"distance": grows}, accepted, rows, {})  # not a sum: 100 × the others
+    assert torch.allclose(got, torch.cat([small, torch.tensor([100.0], dtype=F64)]))
+    # a model leaf is judged as its update from the broadcast: 2, 2, 2, 6 − 1 = 1, 1, 1, 5
+    got = view_sizes({"w": grows.clamp_max(5.0) + 1.0}, accepted, rows, {"w": torch.tensor(1.0)})
+    assert torch.allclose(got, torch.tensor([0.2, 0.2, 0.2, 5.0], dtype=F64))

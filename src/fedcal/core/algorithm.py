@@ -202,7 +202,8 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
     # screen_view(replies, rows, broadcast) -> {name: (clients, ...)}: the scale-free
     # quantities the size screen judges, leaf by leaf, instead of the judged leaves (flat
     # replies, declared rows), for leaves that grow with a unit's inputs or rows (leastsq's
-    # moment whitened by its own Gram); a model leaf is judged as its update.
+    # moment whitened by its own Gram); a model leaf is judged as its update, a leaf named
+    # "sum/…" as a sum over the unit's rows (raw or per row, core/stages.view_sizes).
     screen_view: ClassVar[Callable[[dict[str, Tensor], Tensor, Tree], dict[str, Tensor]] | None] = (
         None
     )

@@ -553,12 +553,13 @@ def view_sizes(
 ) -> Tensor:
     """Each client's size over an algorithm's screen view (``Algorithm.screen_view``), (clients,).
 
-    The view's quantities are in different units and do not grow with a client's rows, so
-    per leaf (a model leaf as its update, reply − ref) r_il = a_il / ref_i(a_l) with ref_i
-    as in :func:`statistic_sizes` (the smaller ratio to the plain median and to the other
-    clients' rows-weighted median) but no per-row branch: dividing a scale-free quantity
-    by n_i would let a data-rich client pass a ×(its rows / the others') corruption.
-    size_i = max_l r_il; a scale ≤ 0 does not judge.
+    Per leaf (a model leaf as its update, reply − ref), a_il its norm: a scale-free leaf
+    is sized r_il = a_il / ref_i(a_l), with ref_i as in :func:`statistic_sizes` (the
+    smaller ratio to the plain median and to the other clients' rows-weighted median) but
+    no per-row branch — dividing a quantity that does not grow with n_i by n_i would let a
+    data-rich client pass a ×(its rows / the others') corruption; a leaf named ``sum/…``
+    (a sum over the client's rows, e.g. a residual sum) is sized as :func:`statistic_sizes`
+    sizes one, raw or per row. size_i = max_l r_il; a scale ≤ 0 does not judge.
     """
     n = int(accepted.shape[0])
     counts = rows.to(torch.float64).clamp_min(1.0)
@@ -567,6 +568,8 @@ def view_sizes(
         u = v - refs[key] if key in refs else v
         norms = u.reshape(n, -1).to(torch.float64).norm(dim=1)
         leaf = _scaled_ratio(norms, accepted, counts)
+        if key.startswith("sum/"):
+            leaf = torch.minimum(leaf, _scaled_ratio(norms / counts, accepted, counts))
         ratio = torch.maximum(ratio, torch.where(torch.isinf(leaf), 0.0, leaf))
     return ratio
 
