@@ -41,6 +41,18 @@ initial body's random features. ``finetune_*``,
 ``magnitude``, ``normalize``, ``interpolate`` and ``upload`` are the gradient
 rule's and unused here.
 
+Screening (issue 20 item 3): n_i, G_i and the support are functions of the unit's inputs
+and grow with its rows (a reference unit with 384 points had 57 × the median size of
+6-point units, and all 20 were rejected in every round); the size screen judges, leaf by
+leaf, the body update, the head's expected whitened distance from the broadcast prior
+(from m_i, S_i) and the residual sum r_i, raw or per row (a 6-point unit's r_i / n_i is
+mostly its posterior-variance term: per row alone, the 20 new units of the mixed fleet were
+18–24 × the median in round 1) (:meth:`FedGMIPosterior.screen_view`,
+:func:`fedcal.core.stages.view_sizes`); n_i and G_i are checked for consistency (n_i = the
+declared rows, G_i PSD with G_dd = n_i for the constant feature,
+:meth:`FedGMIPosterior.inconsistent_replies`). A unit whose targets are ×1000 moves m_i by
+×1000 and is still rejected by size.
+
 Weak units (issue 20). The head is linear in its parameters, so the rule of fedprior
 applies (:mod:`fedcal.core.identify`): each unit uploads its head data support
 I − (I + s²G_i/σ²)⁻¹ (s = ``prior_init_scale``) and the server sums the accepted units'
@@ -84,9 +96,11 @@ from fedcal.core.bayes import (
     posterior,
     predictive_var,
     regularize,
+    safe_cholesky,
 )
 from fedcal.core.data import ClientData
 from fedcal.core.identify import UNLEARNED_SHARE, unlearned_directions, unlearned_share
+from fedcal.core.robust import count_problems, gram_problems
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree, weighted_mean
 
@@ -197,6 +211,42 @@ class FedGMIPosterior(FedGMI):
             ),
         }
         return ClientResult(reply, {"model": trained}, {"train_loss": loss, "loglik": post.loglik})
+
+    # Input-only statistics: judged by consistency, not size (module doc, Screening).
+    unscreened_replies = ("n", "gram", "support")
+
+    def screen_view(
+        self, replies: dict[str, Tensor], rows: Tensor, broadcast: Tree
+    ) -> dict[str, Tensor]:
+        """What the size screen judges (module doc): the body, the head's expected distance
+        from the broadcast prior, δ_i = √tr(Σ_h⁻¹ E[(c_i − μ_h)(c_i − μ_h)ᵀ]) (from m_i, S_i;
+        in prior units, whatever the unit's rows), and the residual sum as a sum over rows."""
+        view = {k: v for k, v in replies.items() if k.startswith("model/")}
+        mu = broadcast["head_mu"].to(F64)
+        chol, _ = safe_cholesky(broadcast["head_sigma"].to(F64))
+        m, second = replies["mean"].to(F64), replies["second"].to(F64)
+        outer = torch.einsum("ci,j->cij", m, mu)
+        spread = second - outer - outer.transpose(-2, -1) + torch.outer(mu, mu)
+        inv = torch.cholesky_inverse(chol)
+        view["head_distance"] = (inv * spread).sum((-2, -1)).clamp_min(0.0).sqrt()
+        view["sum/rss"] = replies["rss"]  # raw or per row: its E-step variance term
+        return view
+
+    def inconsistent_replies(
+        self, server: Tree, replies: Tree, weights: Tensor, accepted: Tensor
+    ) -> dict[int, str]:
+        """n_i = declared rows, G_i PSD with G_dd = n_i (Φ's constant is its last column),
+        r_i ≥ 0."""
+        idx = accepted.nonzero()[:, 0]
+        n = replies["n"].index_select(0, idx)
+        gram = replies["gram"].index_select(0, idx).flip(-1, -2)  # the constant first
+        whys = gram_problems(gram, n, constant_first=True)
+        for j, why in count_problems(n, weights.index_select(0, idx)).items():
+            whys.setdefault(j, why)
+        rss = replies["rss"].index_select(0, idx)
+        for j in (~(rss >= 0)).nonzero()[:, 0].tolist():
+            whys.setdefault(j, f"residual sum {float(rss[j]):.3g} < 0")
+        return {int(idx[j]): why for j, why in sorted(whys.items())}
 
     def server_update(self, server: Tree, replies: Tree, weights: Tensor) -> Tree:
         """Step 4: body = mean of the bodies; (μ_h, Σ_h, σ²) by EM, Σ_h regularized."""

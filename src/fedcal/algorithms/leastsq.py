@@ -19,6 +19,15 @@ polynomial in the scaled inputs x ∈ ℝ^F:
 
 Closed form: one round suffices and later rounds repeat it.
 
+**Screening the pooled uploads** (issue 20 item 3). X_iᵀX_i is a function of the unit's
+inputs only — a 4th moment of them for degree 2 — and it, like X_iᵀy_i, grows with a unit's
+rows and input range: honest units differ in it by 10²–10³ (a sensor that sees pollution
+episodes). The size screen therefore judges one scale-free quantity instead
+(:meth:`LeastSquares.screen_view`): the RMS of the unit's own fit, √(m_iᵀG_i⁺m_i / n_i)
+(:func:`fedcal.core.robust.explained_rms`, in the units of y); the Gram and the count are
+checked for consistency (:meth:`LeastSquares.inconsistent_replies`: G_i PSD, G_00 = count
+= the declared rows). A unit whose targets are ×1000 has a fit RMS ×1000 and is rejected.
+
 **Weak sensors** (per-sensor fit). Directions of coefficient space that a sensor's own
 points do not determine — eigenvectors u of X_iᵀX_i with eigenvalue below ``NULL_REL`` ×
 the largest (e.g. the T² term on a design with two temperatures) — are set by the ridge to
@@ -43,6 +52,7 @@ from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData
 from fedcal.core.identify import NULL_REL as NULL_REL  # re-exported (docs)
 from fedcal.core.identify import NULL_SHARE, null_projector, null_share
+from fedcal.core.robust import count_problems, explained_rms, gram_problems
 from fedcal.core.tree import Tree
 
 F64 = torch.float64
@@ -112,6 +122,26 @@ class LeastSquares(Algorithm):
         err = (self.predict(params, data.x) - data.y).pow(2).mean(-1)
         mse = (err * data.mask).sum(1) / data.mask.sum(1).clamp_min(1)
         return ClientResult(reply, state, {"train_loss": mse})
+
+    def screen_view(
+        self, replies: dict[str, Tensor], rows: Tensor, broadcast: Tree
+    ) -> dict[str, Tensor]:
+        """What the size screen judges (module doc): the unit's own fit RMS, not its sums."""
+        return {"fit_rms": explained_rms(replies["gram"], replies["moment"], rows)}
+
+    def inconsistent_replies(
+        self, server: Tree, replies: Tree, weights: Tensor, accepted: Tensor
+    ) -> dict[int, str] | None:
+        """Unscreened sums checked instead (module doc): count = declared rows, G PSD with
+        G_00 = count (the first monomial is the constant, x^0 = 1); None: nothing uploaded."""
+        if not self.pooled:
+            return None
+        idx = accepted.nonzero()[:, 0]
+        count = replies["count"].index_select(0, idx)
+        whys = gram_problems(replies["gram"].index_select(0, idx), count, constant_first=True)
+        for j, why in count_problems(count, weights.index_select(0, idx)).items():
+            whys.setdefault(j, why)
+        return {int(idx[j]): why for j, why in sorted(whys.items())}
 
     def server_update(self, server: Tree, replies: Tree, weights: Tensor) -> Tree:
         if not self.pooled:

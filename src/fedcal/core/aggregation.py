@@ -330,6 +330,7 @@ def aggregate(
         algorithm.unscreened_replies,
         round_seed,
         state_checked=eligible is not None,
+        view=algorithm.screen_view,
     )
     n = int(weights.shape[0])
     weights = weights.to(torch.float64)

@@ -199,6 +199,14 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
     # Reply path prefixes that do not judge a client in screening and Krum (fedprior's
     # candidate statistics); they are still aggregated, or rejected, with the client.
     unscreened_replies: ClassVar[tuple[str, ...]] = ()
+    # screen_view(replies, rows, broadcast) -> {name: (clients, ...)}: the scale-free
+    # quantities the size screen judges, leaf by leaf, instead of the judged leaves (flat
+    # replies, declared rows), for leaves that grow with a unit's inputs or rows (leastsq's
+    # moment whitened by its own Gram); a model leaf is judged as its update, a leaf named
+    # "sum/…" as a sum over the unit's rows (raw or per row, core/stages.view_sizes).
+    screen_view: ClassVar[Callable[[dict[str, Tensor], Tensor, Tree], dict[str, Tensor]] | None] = (
+        None
+    )
     # Optional hooks: None here, a method on the algorithms that have one.
     # dp_statistics(down) -> {reply path: fedcal.core.privacy.Statistic}: a "sum" server's
     # statistics, each with its public map and bound, so client-level DP clips and noises

@@ -266,3 +266,27 @@ def outlier_weights(distances: Tensor, dim: int, others: int | None = None) -> O
     w = torch.where(d > k, (k / d.clamp_min(1e-300)) ** 2, torch.ones_like(d))
     w = torch.where(finite, w, torch.zeros_like(d))
     return OutlierWeights(w, d, k)
+
+
+def explained_rms(gram: Tensor, moment: Tensor, rows: Tensor) -> Tensor:
+    """√(mᵀG⁺m / n) per unit (c, q, q), (c, q), (c,) → (c,): the RMS of the unit's own
+    least-squares fit ŷ = Φc, c = G⁺m (ŷᵀŷ = mᵀG⁺m for m = Φᵀy in G's range).
+
+    A size screen's scale-free view of the moment Φᵀy (issue 20 item 3): in the units of y,
+    whatever the unit's row count or input range (raw, Φᵀy grows with both), and ≤ the RMS
+    of y, so a unit whose targets are f × an honest unit's has f × its value."""
+    g = _sym(gram.to(F64))
+    m = moment.to(F64).unsqueeze(-1)
+    coef = torch.linalg.pinv(g, hermitian=True, rtol=1e-12) @ m
+    energy = (m * coef).sum((-2, -1)).clamp_min(0.0)  # ≥ 0 up to rounding for a PSD G
+    return (energy / rows.to(F64).clamp_min(1.0)).sqrt()
+
+
+def count_problems(count: Tensor, rows: Tensor) -> dict[int, str]:
+    """Units whose uploaded row count is not the rows they declared (check a, module doc)."""
+    c, r = count.to(F64), rows.to(F64)
+    off = ~((c - r).abs() <= GRAM_TOL * r.clamp_min(1.0))
+    return {
+        i: f"row count {float(c[i]):g} is not its declared {float(r[i]):g}"
+        for i in off.nonzero()[:, 0].tolist()
+    }

@@ -55,7 +55,9 @@ class Round:
     a leaf absent is relative to zero, see :func:`references`); ``judged``: the leaves
     that judge a client in screening and Krum (``Algorithm.unscreened_replies`` left
     out); ``kind``: ``Algorithm.reply_aggregation``; ``seed``: the round's noise seed;
-    ``state_checked``: the engine also rejected clients with a non-finite new state.
+    ``state_checked``: the engine also rejected clients with a non-finite new state;
+    ``view``: ``Algorithm.screen_view``, the scale-free quantities the size screen judges
+    instead of the judged leaves (None: the leaves themselves).
     """
 
     kind: str
@@ -65,6 +67,7 @@ class Round:
     broadcast: Tree
     seed: int
     state_checked: bool = False
+    view: Callable[[dict[str, Tensor], Tensor, Tree], dict[str, Tensor]] | None = None
 
     @classmethod
     def of(
@@ -75,11 +78,12 @@ class Round:
         unscreened: tuple[str, ...] = (),
         seed: int = 0,
         state_checked: bool = False,
+        view: Callable[[dict[str, Tensor], Tensor, Tree], dict[str, Tensor]] | None = None,
     ) -> Round:
         """The round of these (flat) replies; ``unscreened``: path prefixes not judged."""
         floating, refs = references(broadcast, replies, kind)
         judged = tuple(key for key in floating if not key.startswith(tuple(unscreened)))
-        return cls(kind, floating, refs, judged, broadcast, seed, state_checked)
+        return cls(kind, floating, refs, judged, broadcast, seed, state_checked, view)
 
 
 @dataclass(frozen=True)
@@ -209,12 +213,18 @@ def screen(cohort: Cohort, rnd: Round, factor: float) -> Cohort:
     et al. 2017; Yin et al. 2018); summed statistics are sized leaf by leaf and per
     declared row (:func:`statistic_sizes`, ``weights`` are the rows). Each rejection is
     recorded as ``{"client", "reason": "size", "ratio": its size, "threshold": factor}``.
+    With ``rnd.view`` the screen sizes the algorithm's scale-free quantities instead
+    (issue 20 item 3: leaves that grow with a unit's inputs or rows would reject honest
+    units of another kind), leaf by leaf (:func:`view_sizes`).
     """
     accepted = cohort.accepted
     if not accepted.any() or not rnd.judged:
         return cohort.but({"rejected_norm": 0.0})
     n = len(accepted)
-    if rnd.kind == "sum":
+    if rnd.view is not None:
+        view = rnd.view({k: cohort.replies[k] for k in rnd.floating}, cohort.weights, rnd.broadcast)
+        sizes = view_sizes(view, accepted, cohort.weights, rnd.refs)
+    elif rnd.kind == "sum":
         # Per-leaf ratios (statistics in different units), a whole leaf at a time; a sum's
         # replies are its updates, so nothing is formed (statistics are small per unit).
         judged = {k: cohort.replies[k] for k in rnd.judged}
@@ -534,6 +544,32 @@ def statistic_sizes(
         leaf = torch.minimum(
             _scaled_ratio(norms, accepted, counts), _scaled_ratio(norms / counts, accepted, counts)
         )
+        ratio = torch.maximum(ratio, torch.where(torch.isinf(leaf), 0.0, leaf))
+    return ratio
+
+
+def view_sizes(
+    view: dict[str, Tensor], accepted: Tensor, rows: Tensor, refs: dict[str, Tensor]
+) -> Tensor:
+    """Each client's size over an algorithm's screen view (``Algorithm.screen_view``), (clients,).
+
+    Per leaf (a model leaf as its update, reply − ref), a_il its norm: a scale-free leaf
+    is sized r_il = a_il / ref_i(a_l), with ref_i as in :func:`statistic_sizes` (the
+    smaller ratio to the plain median and to the other clients' rows-weighted median) but
+    no per-row branch — dividing a quantity that does not grow with n_i by n_i would let a
+    data-rich client pass a ×(its rows / the others') corruption; a leaf named ``sum/…``
+    (a sum over the client's rows, e.g. a residual sum) is sized as :func:`statistic_sizes`
+    sizes one, raw or per row. size_i = max_l r_il; a scale ≤ 0 does not judge.
+    """
+    n = int(accepted.shape[0])
+    counts = rows.to(torch.float64).clamp_min(1.0)
+    ratio = torch.zeros(n, dtype=torch.float64)
+    for key, v in view.items():
+        u = v - refs[key] if key in refs else v
+        norms = u.reshape(n, -1).to(torch.float64).norm(dim=1)
+        leaf = _scaled_ratio(norms, accepted, counts)
+        if key.startswith("sum/"):
+            leaf = torch.minimum(leaf, _scaled_ratio(norms / counts, accepted, counts))
         ratio = torch.maximum(ratio, torch.where(torch.isinf(leaf), 0.0, leaf))
     return ratio
 
