@@ -32,7 +32,7 @@ from fedcal.core.tensorfile import TensorFileError, load_trees, save_trees
 from fedcal.core.tree import Tree, expand, gather, num_bytes, per_client, scatter, tree_map
 from fedcal.data.fleet import Fleet
 from fedcal.data.scaling import Scaler, fit_scaler
-from fedcal.engine import chunks
+from fedcal.engine import chunks, streamed
 from fedcal.engine.evaluation import evaluate_cohort
 from fedcal.engine.memory import keep_freed_memory
 from fedcal.engine.schedule import (
@@ -259,20 +259,33 @@ def simulate(
         )
         down = algorithm.broadcast(server)
         before = states if everyone else gather(states, idx)
-        result = chunks.client_update(algorithm, down, before, data, config.chunk_size, device)
-        state_ok = finite_rows(result.state)
         record: list[dict] = []
-        server, accepted, agg = aggregate(
-            algorithm,
-            server,
-            down,
-            result.reply,
-            counts.index_select(0, idx),
-            config.aggregation,
-            round_seed=client_round_seed(config.seed, t, 0, AGGREGATION),
-            eligible=state_ok if state_ok.numel() else None,
-            record=record,
-        )
+        if _streams(algorithm, config, down, before, data, device):
+            result, server, accepted, agg = streamed.streamed_round(
+                algorithm,
+                server,
+                down,
+                before,
+                data,
+                counts.index_select(0, idx),
+                config.aggregation,
+                config.chunk_size,
+                record,
+            )
+        else:
+            result = chunks.client_update(algorithm, down, before, data, config.chunk_size, device)
+            state_ok = finite_rows(result.state)
+            server, accepted, agg = aggregate(
+                algorithm,
+                server,
+                down,
+                result.reply,
+                counts.index_select(0, idx),
+                config.aggregation,
+                round_seed=client_round_seed(config.seed, t, 0, AGGREGATION),
+                eligible=state_ok if state_ok.numel() else None,
+                record=record,
+            )
         rejections.extend(
             {
                 "round": t + 1,
@@ -346,6 +359,24 @@ def simulate(
         rounds_done=rounds,
         extra={"aggregation": rounds_log, "rejections": rejections},
     )
+
+
+def _streams(
+    algorithm: Algorithm,
+    config: EngineConfig,
+    down: Tree,
+    states: Tree,
+    data: ClientData,
+    device: torch.device,
+) -> bool:
+    """Whether this round is summed chunk by chunk (:mod:`fedcal.engine.streamed`): the
+    algorithm and policy allow it, chunks are on the host, and the assembled replies would
+    exceed ``streamed.STREAM_ABOVE`` bytes (the equal-within-rounding path only where the
+    memory needs it; below, the assembled path's canonical-order sums, to the bit)."""
+    if not chunks.is_host(device) or streamed.eligible(algorithm, config.aggregation):
+        return False
+    size = streamed.reply_bytes(algorithm, down, states, data)
+    return size * data.num_clients > streamed.STREAM_ABOVE
 
 
 def _roll_back(new: Tree, old: Tree, accepted: Tensor) -> Tree:
