@@ -131,3 +131,10 @@ def test_the_engine_streams_above_its_bound(make_fleet, monkeypatch):
     for a, b in zip(assembled.final, streamed_run.final, strict=True):
         assert a["client_index"] == b["client_index"]
         assert b["test_rmse"] == pytest.approx(a["test_rmse"], rel=1e-9)
+
+
+def test_a_subclass_with_its_own_server_update_is_refused():
+    from fedcal.algorithms.fedprior_drift import FedPriorDrift
+
+    drift = FedPriorDrift(Task(MLP()), orders=(1, 1), robust="check", interval="posterior")
+    assert "its own" in streamed.eligible(drift, AggregationPolicy())

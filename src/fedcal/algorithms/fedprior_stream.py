@@ -21,9 +21,9 @@ class StreamedSums:
 
     def streaming_refused(self) -> str | None:
         """None when :meth:`server_update_sums` equals ``server_update``; else why not."""
-        from fedcal.algorithms.fedprior import FedPrior
-
-        if type(self).server_update is not FedPrior.server_update:
+        # the server update in use must be the one of the class that mixes these sums in
+        owner = next(c for c in type(self).__mro__ if "server_update" in vars(c))
+        if StreamedSums not in owner.__bases__:
             return f"{self.name}: its server update is its own (per-unit replies)"
         if self.robust == "full":
             return f"{self.name}: robust = 'full' weights each unit by its own reply"
