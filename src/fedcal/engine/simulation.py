@@ -247,6 +247,7 @@ def simulate(
 
     counts = fleet.train.count.to(torch.float64)
     bytes_up, bytes_down = [], []
+    reply_size: list[int] = []  # one client's reply bytes, measured once (_streams)
     t0 = time.perf_counter() - elapsed
     for t in range(start_round, rounds):
         idx = cohort(config.seed, t, n, config.participation)
@@ -260,7 +261,7 @@ def simulate(
         down = algorithm.broadcast(server)
         before = states if everyone else gather(states, idx)
         record: list[dict] = []
-        if _streams(algorithm, config, down, before, data, device):
+        if _streams(algorithm, config, down, before, data, device, reply_size):
             result, server, accepted, agg = streamed.streamed_round(
                 algorithm,
                 server,
@@ -368,15 +369,21 @@ def _streams(
     states: Tree,
     data: ClientData,
     device: torch.device,
+    reply_size: list[int],
 ) -> bool:
     """Whether this round is summed chunk by chunk (:mod:`fedcal.engine.streamed`): the
-    algorithm and policy allow it, chunks are on the host, and the assembled replies would
-    exceed ``streamed.STREAM_ABOVE`` bytes (the equal-within-rounding path only where the
-    memory needs it; below, the assembled path's canonical-order sums, to the bit)."""
-    if not chunks.is_host(device) or streamed.eligible(algorithm, config.aggregation):
+    algorithm and policy allow it, the cohort runs in chunks on the host, and its assembled
+    replies would exceed ``streamed.STREAM_ABOVE`` bytes (the equal-within-rounding path only
+    where the memory needs it; below, the assembled path's canonical-order sums, to the bit).
+    ``reply_size`` caches one client's reply bytes for the run (measured on client 0)."""
+    n, size = data.num_clients, config.chunk_size
+    if not 0 < size < n or not chunks.is_host(device):
         return False
-    size = streamed.reply_bytes(algorithm, down, states, data)
-    return size * data.num_clients > streamed.STREAM_ABOVE
+    if streamed.eligible(algorithm, config.aggregation):
+        return False
+    if not reply_size:
+        reply_size.append(streamed.reply_bytes(algorithm, down, states, data))
+    return reply_size[0] * n > streamed.STREAM_ABOVE
 
 
 def _roll_back(new: Tree, old: Tree, accepted: Tensor) -> Tree:
