@@ -99,7 +99,9 @@ def streamed_round(
         if rnd is None:
             rnd = Round.of(down, flat, "sum", algorithm.unscreened_replies)
             first_reply = {key: v[:1].clone() for key, v in flat.items()}
-        ok = finite_rows(out.reply) & finite_rows(out.state)
+        ok, state_ok = finite_rows(out.reply), finite_rows(out.state)
+        ok = ok & state_ok if state_ok.numel() else ok  # a stateless client: its reply only
+        reason = "non-finite reply or state" if state_ok.numel() else "non-finite reply"
         finite[start : start + k] = ok
         sq = _norms(flat, rnd.floating, k)
         total[start : start + k] = torch.stack(list(sq.values())).square().sum(0).sqrt()
@@ -126,7 +128,7 @@ def streamed_round(
     records = [
         {
             "client": i,
-            "reason": "non-finite reply or state",
+            "reason": reason,
             "ratio": float("nan"),
             "threshold": 0.0,
         }
