@@ -42,18 +42,22 @@ def run(units: int, seed: int, rounds: int, chunk: int) -> None:
         runs[name] = simulate(algorithm, tensors, engine)
     streamed.STREAM_ABOVE = bound
     a, s = (flatten(runs[k].server) for k in ("assembled", "streamed"))
-    rel = max(
-        float((s[k].double() - v.double()).abs().max() / v.double().abs().max().clamp_min(1e-300))
+    diffs = {
+        k: float(
+            (s[k].double() - v.double()).abs().max() / v.double().abs().max().clamp_min(1e-300)
+        )
         for k, v in a.items()
         if v.is_floating_point() and v.numel()
-    )
+    }
+    worst = max(diffs, key=diffs.get)
     same = runs["assembled"].extra["rejections"] == runs["streamed"].extra["rejections"]
     rmse = {
         k: torch.tensor([row["test_rmse"] for row in r.final], dtype=torch.float64)
         for k, r in runs.items()
     }
     print(
-        f"seed {seed}: units {units}, max relative server difference {rel:.2e}, "
+        f"seed {seed}: units {units}, max relative server difference {diffs[worst]:.2e} "
+        f"({worst}), "
         f"rejections equal {same} ({len(runs['streamed'].extra['rejections'])}), "
         + ", ".join(
             f"{k} test RMSE mean {float(v.mean()):.4f} worst {float(v.max()):.4f}"
