@@ -2,9 +2,11 @@
 
 A 20-unit planted fleet with a unit whose targets are 10³× the others' (size-screened: its
 reply is summed, then recomputed and subtracted), one whose upload has a negative RSS
-(rejected by the consistency check, never summed) and one whose upload is NaN. The streamed
-round, 6 units a chunk, must take the same decisions, record the same reasons and give the
-same server within 1e-10 (chunk-order sums).
+(rejected by the consistency check, never summed), one whose upload is NaN, and one whose
+targets are offset by 1 (with robust = "full", down-weighted by the M-step: its reply
+recomputed and added with weight w_i − 1). The streamed round, 6 units a chunk, must take
+the same decisions, record the same reasons and give the same server within 1e-10
+(chunk-order sums).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from fedcal.engine.simulation import EngineConfig, prepare, simulate
 from fedcal.models.mlp import MLP
 
 UNITS, ROWS = 20, 10
-LOUD, WRONG, NAN = 4, 11, 17  # the hostile units' positions
+LOUD, WRONG, NAN, FAR = 4, 11, 17, 8  # the hostile units' positions
+OFFSET = 1.0  # the far unit's targets moved: down-weighted by robust = "full", not screened
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +57,7 @@ def fleet() -> ClientData:
         )
         y = coef[0] + coef[1] * x[:, 0] + coef[2] * x[:, 1] + coef[3] * x[:, 0] * x[:, 1]
         y = y + 0.01 * torch.randn(n, generator=gen, dtype=F64)
-        y = y * (1e3 if i == LOUD else 1.0)
+        y = y * (1e3 if i == LOUD else 1.0) + (OFFSET if i == FAR else 0.0)
         arrays.append((x.numpy(), y.unsqueeze(-1).numpy()))
     return ClientData.from_arrays(arrays, tuple(range(UNITS)), F64)
 
@@ -64,8 +67,9 @@ def make(**kw) -> Hostile:
     return Hostile(Task(MLP()), **params)
 
 
-def test_streamed_round_equals_the_assembled_round():
-    alg, data = make(), fleet()
+@pytest.mark.parametrize("robust", ["check", "full"])
+def test_streamed_round_equals_the_assembled_round(robust):
+    alg, data = make(robust=robust), fleet()
     policy = AggregationPolicy()  # screen_factor 10, the default
     server = alg.server_init(alg.task.model.init(torch.Generator().manual_seed(0), F64))
     states = alg.client_init(expand(alg.broadcast(server), UNITS))
@@ -92,6 +96,8 @@ def test_streamed_round_equals_the_assembled_round():
         )
         assert s_metrics == pytest.approx(metrics, nan_ok=True)
         assert s_metrics["rejected_inconsistent"] == 1 and s_metrics["rejected_norm"] == 1
+        low = [r["client"] for r in mine if r["reason"].startswith("prior outlier")]
+        assert low == ([FAR] if robust == "full" else [])  # down-weighted, still used
         for key, v in flatten(want).items():
             torch.testing.assert_close(flatten(got)[key], v, rtol=1e-10, atol=1e-12, msg=key)
         for key, v in flatten(whole.state).items():  # states assembled to the bit
@@ -102,16 +108,17 @@ def test_streamed_round_equals_the_assembled_round():
 def test_settings_that_need_each_units_reply_are_refused():
     plain = AggregationPolicy()
     assert streamed.eligible(make(), plain) is None
-    assert "robust = 'full'" in streamed.eligible(make(robust="full"), plain)
+    assert streamed.eligible(make(robust="full"), plain) is None
     assert "calibrated" in streamed.eligible(make(interval="calibrated"), plain)
     assert "krum" in streamed.eligible(make(), AggregationPolicy(rule="krum"))
 
 
-def test_the_engine_streams_above_its_bound(make_fleet, monkeypatch):
+@pytest.mark.parametrize("robust", ["check", "full"])
+def test_the_engine_streams_above_its_bound(robust, make_fleet, monkeypatch):
     """The engine's own round loop, streamed (bound 0) and assembled (the default bound, far
     above 12 units): the same rejections, per-unit rows and server within rounding."""
     tensors = prepare(make_fleet(num_clients=12, train=24), dtype="float64")
-    alg = make()
+    alg = make(robust=robust)
     config = EngineConfig(
         rounds=3, seed=0, dtype="float64", chunk_size=5, aggregation=AggregationPolicy()
     )

@@ -16,10 +16,15 @@ Krum, coordinate rule or DP), a round is:
 2. the chain's decisions from those numbers, in the assembled order: non-finite, size
    (:func:`~fedcal.core.stages.statistic_sizes` of the norms: the same ratios, since a
    one-element row's norm is its absolute value), inconsistent;
-3. the few clients screening rejects have their replies recomputed (``client_update`` on
-   them alone: a client's reply does not depend on its cohort, tested to the bit) and
-   subtracted from the sums;
-4. ``server_update_sums(server, sums, count)``.
+3. the algorithm's M-step weights w_i (``outlier_weights``, fedprior's ``robust = "full"``)
+   from the per-client leaves it names (``outlier_inputs``, kept per client in pass 1:
+   fedprior's m_i and S_i), over the used clients, and reported as the assembled path
+   reports them;
+4. the few clients whose weight is not 1 — screened out (0: they were summed, their size
+   needing the whole cohort) or down-weighted (w_i) — have their replies recomputed
+   (``client_update`` on them alone: a client's reply does not depend on its cohort,
+   tested to the bit) and Σ (w_i − 1)·reply_i added to the sums;
+5. ``server_update_sums(server, sums, count)``, count = Σ w_i over the used clients.
 
 The sums are in chunk order, not the assembled path's canonical order: equal within
 rounding (tested ≤ 1e-10 relative). A subtracted client leaves a rounding error relative
@@ -31,7 +36,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fedcal.core.aggregation import AggregationPolicy, _columns
+from fedcal.core.aggregation import AggregationPolicy, _columns, _record_downweighted
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData
 from fedcal.core.stages import Round, finite_rows, statistic_sizes
@@ -87,6 +92,7 @@ def streamed_round(
     total = torch.zeros(n, dtype=torch.float64)
     judged_norms: dict[str, Tensor] = {}
     reasons: dict[int, str] = {}
+    inputs: dict[str, Tensor] = {}  # per client, the leaves its M-step weight is computed from
     small = chunks.Assembly(n)
     first_reply: Tree | None = None
     rnd: Round | None = None
@@ -119,6 +125,9 @@ def streamed_round(
             part = v[keep].to(torch.float64).sum(0)
             sums[key] = sums[key] + part if key in sums else part
         small.add({"state": out.state, "metrics": out.metrics}, start)
+        for key in getattr(algorithm, "outlier_inputs", ()):  # the M-step weights' inputs
+            inputs.setdefault(key, flat[key].new_empty((n, *flat[key].shape[1:])))
+            inputs[key][start : start + k] = flat[key]
         del out, flat
     trees = small.trees()
     result = ClientResult(unflatten(first_reply), trees["state"], trees["metrics"])
@@ -162,21 +171,39 @@ def streamed_round(
                 {"client": i, "reason": reasons[i], "ratio": float("nan"), "threshold": 0.0}
             )
         metrics["rejected_inconsistent"] = float(len(late))
-    # Screened-out clients were summed (their size needed the whole cohort): take them out.
-    out_idx = (outlier & ~torch.tensor([i in reasons for i in range(n)])).nonzero()[:, 0]
-    if len(out_idx):
-        again = algorithm.client_update(
-            expand(down, len(out_idx)), gather(states, out_idx), data.select(out_idx)
-        )
-        for key, v in flatten(again.reply).items():
-            sums[key] = sums[key] - v.to(torch.float64).sum(0)
-    if record is not None:
-        record.extend(records)
+    # Screened-out clients were summed (their size needed the whole cohort): weight 0. Clients
+    # the algorithm's M-step down-weights (its outlier weights, from the kept inputs): w_i.
+    factor = torch.ones(n, dtype=torch.float64)
+    factor[outlier & ~torch.tensor([i in reasons for i in range(n)])] = 0.0
     metrics = _columns(metrics)
     if not accepted.any():
+        if record is not None:
+            record.extend(records)
         return result, server, accepted, {**metrics, "accepted": 0.0}
+    metrics["accepted"] = float(accepted.sum())
+    used = accepted.nonzero()[:, 0]
+    count = torch.tensor(float(len(used)), dtype=torch.float64)
+    if inputs:
+        rows = {key: v.index_select(0, used) for key, v in inputs.items()}
+        robust = algorithm.outlier_weights(server, unflatten(rows))
+        if robust is not None and bool((robust.weights != 1).any()):
+            factor[used] = robust.weights.to(torch.float64)
+            count = robust.weights.to(torch.float64).sum()
+        if record is not None:
+            record.extend(records)
+            records = []
+        _record_downweighted(algorithm, server, rows, accepted, metrics, record)
+    fix = (factor != 1).nonzero()[:, 0]
+    if len(fix):  # Σ (w_i − 1)·reply_i over these few clients, their replies recomputed
+        again = algorithm.client_update(
+            expand(down, len(fix)), gather(states, fix), data.select(fix)
+        )
+        w = factor[fix] - 1.0
+        for key, v in flatten(again.reply).items():
+            v = v.to(torch.float64)
+            sums[key] = sums[key] + (v * w.reshape(-1, *[1] * (v.dim() - 1))).sum(0)
+    if record is not None:
+        record.extend(records)
     dtypes = {key: v.dtype for key, v in first_reply.items()}
     totals = unflatten({key: v.to(dtypes[key]) for key, v in sums.items()})
-    count = torch.tensor(float(accepted.sum()), dtype=torch.float64)
-    metrics["accepted"] = float(accepted.sum())
     return result, algorithm.server_update_sums(server, totals, count), accepted, metrics
