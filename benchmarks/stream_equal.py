@@ -1,9 +1,10 @@
 """A streamed fedprior run against the assembled one (issue 25.1; fedcal/engine/streamed.py).
 
 For each fleet seed: a simulated fleet (``--units``, campaign design, 384 + 60 rows a
-unit), ``fedprior_fixed`` with ``robust = "check"`` and ``interval = "posterior"`` (the
-settings that stream) trained ``--rounds`` rounds, ``--chunk-size`` units a chunk, once
-assembled (the engine's default bound, far above these fleets) and once streamed (bound 0).
+unit), ``fedprior_fixed`` with ``robust = --robust`` (default "check") and ``interval =
+"posterior"`` (the setting that streams) trained ``--rounds`` rounds, ``--chunk-size``
+units a chunk, once assembled (the engine's default bound, far above these fleets) and
+once streamed (bound 0).
 Prints the largest relative difference of the server's leaves, whether the rejections are
 the same, and the test RMSE (hPa, off the training grid: the simulator's random P, T rows)
 of both runs, mean and worst sensor.
@@ -19,7 +20,7 @@ import dataclasses
 import torch
 
 
-def run(units: int, seed: int, rounds: int, chunk: int) -> None:
+def run(units: int, seed: int, rounds: int, chunk: int, robust: str = "check") -> None:
     from fedcal.build import build_algorithm, build_task, client_inputs
     from fedcal.config import load_config
     from fedcal.core.aggregation import AggregationPolicy
@@ -33,7 +34,7 @@ def run(units: int, seed: int, rounds: int, chunk: int) -> None:
     tensors = prepare(fleet, config.data.scaling, config.engine.dtype)
     task = build_task(config, tensors.train.x.shape[-1], fleet.meta, client_inputs(tensors))
     algorithm = build_algorithm("fedprior_fixed", config, task)
-    algorithm = dataclasses.replace(algorithm, robust="check", interval="posterior")
+    algorithm = dataclasses.replace(algorithm, robust=robust, interval="posterior")
     engine = EngineConfig(rounds=rounds, seed=0, chunk_size=chunk, aggregation=AggregationPolicy())
     bound = streamed.STREAM_ABOVE
     runs = {}
@@ -56,8 +57,8 @@ def run(units: int, seed: int, rounds: int, chunk: int) -> None:
         for k, r in runs.items()
     }
     print(
-        f"seed {seed}: units {units}, max relative server difference {diffs[worst]:.2e} "
-        f"({worst}), "
+        f"seed {seed}: units {units}, robust {robust}, "
+        f"max relative server difference {diffs[worst]:.2e} ({worst}), "
         f"rejections equal {same} ({len(runs['streamed'].extra['rejections'])}), "
         + ", ".join(
             f"{k} test RMSE mean {float(v.mean()):.4f} worst {float(v.max()):.4f}"
@@ -73,10 +74,11 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chunk-size", type=int, default=100)
+    parser.add_argument("--robust", default="check", help="fedprior's robust: check, full, off")
     args = parser.parse_args()
     torch.set_num_threads(1)
     for seed in (int(s) for s in args.seeds.split(",")):
-        run(args.units, seed, args.rounds, args.chunk_size)
+        run(args.units, seed, args.rounds, args.chunk_size, args.robust)
 
 
 if __name__ == "__main__":
