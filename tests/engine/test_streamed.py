@@ -122,11 +122,12 @@ def test_the_engine_streams_above_its_bound(robust, make_fleet, monkeypatch):
     config = EngineConfig(
         rounds=3, seed=0, dtype="float64", chunk_size=5, aggregation=AggregationPolicy()
     )
-    assembled = simulate(alg, tensors, config)
-    monkeypatch.setattr(streamed, "STREAM_ABOVE", 0)
     calls = []
     real = streamed.streamed_round
     monkeypatch.setattr(streamed, "streamed_round", lambda *a: calls.append(1) or real(*a))
+    assembled = simulate(alg, tensors, config)
+    assert calls == []  # 12 units' replies are far below the default bound: assembled
+    monkeypatch.setattr(streamed, "STREAM_ABOVE", 0)
     streamed_run = simulate(alg, tensors, config)
     assert len(calls) == 3  # every round streamed
     assert streamed_run.extra["rejections"] == assembled.extra["rejections"]
