@@ -74,6 +74,7 @@ def _train(
     train_design="campaign",
     method: str = "fedprior",
     eval_every: int = 1,
+    settings: dict | None = None,
 ):
     """The default fedprior trained on a simulated fleet: (algorithm, result, tensors, fleet,
     per-round wall and CPU seconds, build seconds)."""
@@ -90,7 +91,12 @@ def _train(
     tensors = prepare(fleet, config.data.scaling, config.engine.dtype)
     task = build_task(config, tensors.train.x.shape[-1], fleet.meta, client_inputs(tensors))
     algorithm = build_algorithm(method, config, task)
+    if settings:  # --set: the method's settings changed (e.g. robust = "check")
+        import dataclasses
+
+        algorithm = dataclasses.replace(algorithm, **settings)
     build_s = time.perf_counter() - t0
+    build_rss_mb = _peak_mb()  # the fleet's frame and tensors: the high-water mark before training
     stamps: list[tuple[int, float, float]] = []  # (round, wall, CPU) after each evaluation
     engine = EngineConfig(rounds=rounds, seed=0, eval_every=eval_every, chunk_size=chunk_size)
     start = (0, time.perf_counter(), time.process_time())
@@ -104,13 +110,27 @@ def _train(
     marks = [start, *stamps]
     wall = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in itertools.pairwise(marks)]
     cpu = [(b[2] - a[2]) / (b[0] - a[0]) for a, b in itertools.pairwise(marks)]
-    return algorithm, result, tensors, fleet, wall, cpu, build_s
+    return algorithm, result, tensors, fleet, wall, cpu, build_s, build_rss_mb
 
 
 def step_fedprior(size: int, tmp: Path, args) -> dict:
-    _, result, _, _, wall, cpu, build_s = _train(
-        size, args.rounds, args.chunk_size, method=args.method, eval_every=args.eval_every
+    from fedcal.engine import streamed
+    from fedcal.engine.simulation import EngineConfig
+
+    if args.stream_above_mb >= 0:  # the engine's bound on assembled replies (0: always stream)
+        streamed.STREAM_ABOVE = int(args.stream_above_mb * 2**20)
+    settings = dict(_setting(kv) for kv in args.set.split(",") if kv)
+    algorithm, result, _, _, wall, cpu, build_s, build_rss_mb = _train(
+        size,
+        args.rounds,
+        args.chunk_size,
+        method=args.method,
+        eval_every=args.eval_every,
+        settings=settings,
     )
+    # Streamed when eligible and the assembled replies would pass the bound (engine._streams).
+    refused = streamed.eligible(algorithm, EngineConfig().aggregation)
+    assembled = result.bytes_up_per_round
     steady = slice(1, None) if len(wall) > 1 else slice(None)
     return {
         "build_s": build_s,
@@ -118,7 +138,18 @@ def step_fedprior(size: int, tmp: Path, args) -> dict:
         "round_s": sum(wall[steady]) / len(wall[steady]),
         "round_cpu_s": sum(cpu[steady]) / len(cpu[steady]),
         "bytes_up_per_round": result.bytes_up_per_round,
+        "build_peak_rss_mb": build_rss_mb,
+        "streamed": refused is None and assembled > streamed.STREAM_ABOVE,
+        **({"stream_refused": refused} if refused else {}),
     }
+
+
+def _setting(kv: str) -> tuple[str, object]:
+    key, _, value = kv.partition("=")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value  # a word: a string setting
 
 
 def step_calibrate(size: int, tmp: Path, args) -> dict:
@@ -209,6 +240,15 @@ def main() -> None:
         "--held-out",
         action="store_true",
         help="calibrate: the new units' file also holds 60 test rows a unit (scored)",
+    )
+    parser.add_argument(
+        "--set", default="", help="fedprior: method settings, e.g. robust=check,interval=posterior"
+    )
+    parser.add_argument(
+        "--stream-above-mb",
+        type=float,
+        default=-1.0,
+        help="fedprior: stream rounds whose assembled replies pass this (0: always; -1: default)",
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--mem-limit-gb", type=float, default=12.0, help="0 = no limit")

@@ -165,6 +165,7 @@ from fedcal.algorithms.fedprior_robust import RobustUploads, _weighted
 from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
 from fedcal.algorithms.fedprior_status import PriorStatus
+from fedcal.algorithms.fedprior_stream import StreamedSums
 from fedcal.algorithms.fedprior_support import SupportBox
 from fedcal.core.algorithm import Algorithm, ClientResult, SettingError
 from fedcal.core.bayes import (
@@ -202,6 +203,7 @@ class FedPrior(
     SupportBox,
     PriorStatus,
     RobustUploads,
+    StreamedSums,
     Algorithm,
 ):
     @property
@@ -770,7 +772,10 @@ class FedPrior(
         )
         return (*start, torch.tensor(self.init_noise**2, dtype=F64))
 
-    def server_update(self, server: Tree, replies: Tree, weights: Tensor) -> Tree:
+    def server_update(
+        self, server: Tree, replies: Tree, weights: Tensor, units: Tensor | None = None
+    ) -> Tree:
+        # ``units``: N when the replies are already summed (fedprior_stream), else their count.
         # Every unit counts once (a hierarchical model's units are its samples);
         # sums in a canonical order so the rounding does not depend on arrival order.
         order = torch.from_numpy(np.lexsort(replies["mean"].numpy().T[::-1]).copy())
@@ -782,7 +787,7 @@ class FedPrior(
         pinned = self._unidentified_branch(total.pop("branch_support", None))
         if "interval" in replies:  # the restricted noise update's sums (module doc, I1)
             total.update({k: replies["interval"][k][order].sum(0) for k in ("dof", "fit")})
-        count = torch.tensor(float(replies["mean"].shape[0]), dtype=F64)
+        count = torch.tensor(float(replies["mean"].shape[0]), dtype=F64) if units is None else units
         if robust is not None:  # Σ w_i units (exactly N when every weight is 1)
             count = robust.weights[order].sum() if bool((robust.weights != 1).any()) else count
         metric = total["gram"] / total["n"].clamp_min(1.0)

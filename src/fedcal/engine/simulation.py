@@ -32,7 +32,7 @@ from fedcal.core.tensorfile import TensorFileError, load_trees, save_trees
 from fedcal.core.tree import Tree, expand, gather, num_bytes, per_client, scatter, tree_map
 from fedcal.data.fleet import Fleet
 from fedcal.data.scaling import Scaler, fit_scaler
-from fedcal.engine import chunks
+from fedcal.engine import chunks, streamed
 from fedcal.engine.evaluation import evaluate_cohort
 from fedcal.engine.memory import keep_freed_memory
 from fedcal.engine.schedule import (
@@ -247,6 +247,7 @@ def simulate(
 
     counts = fleet.train.count.to(torch.float64)
     bytes_up, bytes_down = [], []
+    reply_size: list[int] = []  # one client's reply bytes, measured once (_streams)
     t0 = time.perf_counter() - elapsed
     for t in range(start_round, rounds):
         idx = cohort(config.seed, t, n, config.participation)
@@ -259,20 +260,33 @@ def simulate(
         )
         down = algorithm.broadcast(server)
         before = states if everyone else gather(states, idx)
-        result = chunks.client_update(algorithm, down, before, data, config.chunk_size, device)
-        state_ok = finite_rows(result.state)
         record: list[dict] = []
-        server, accepted, agg = aggregate(
-            algorithm,
-            server,
-            down,
-            result.reply,
-            counts.index_select(0, idx),
-            config.aggregation,
-            round_seed=client_round_seed(config.seed, t, 0, AGGREGATION),
-            eligible=state_ok if state_ok.numel() else None,
-            record=record,
-        )
+        if _streams(algorithm, config, down, before, data, device, reply_size):
+            result, server, accepted, agg = streamed.streamed_round(
+                algorithm,
+                server,
+                down,
+                before,
+                data,
+                counts.index_select(0, idx),
+                config.aggregation,
+                config.chunk_size,
+                record,
+            )
+        else:
+            result = chunks.client_update(algorithm, down, before, data, config.chunk_size, device)
+            state_ok = finite_rows(result.state)
+            server, accepted, agg = aggregate(
+                algorithm,
+                server,
+                down,
+                result.reply,
+                counts.index_select(0, idx),
+                config.aggregation,
+                round_seed=client_round_seed(config.seed, t, 0, AGGREGATION),
+                eligible=state_ok if state_ok.numel() else None,
+                record=record,
+            )
         rejections.extend(
             {
                 "round": t + 1,
@@ -346,6 +360,30 @@ def simulate(
         rounds_done=rounds,
         extra={"aggregation": rounds_log, "rejections": rejections},
     )
+
+
+def _streams(
+    algorithm: Algorithm,
+    config: EngineConfig,
+    down: Tree,
+    states: Tree,
+    data: ClientData,
+    device: torch.device,
+    reply_size: list[int],
+) -> bool:
+    """Whether this round is summed chunk by chunk (:mod:`fedcal.engine.streamed`): the
+    algorithm and policy allow it, the cohort runs in chunks on the host, and its assembled
+    replies would exceed ``streamed.STREAM_ABOVE`` bytes (the equal-within-rounding path only
+    where the memory needs it; below, the assembled path's canonical-order sums, to the bit).
+    ``reply_size`` caches one client's reply bytes for the run (measured on client 0)."""
+    n, size = data.num_clients, config.chunk_size
+    if not 0 < size < n or not chunks.is_host(device):
+        return False
+    if streamed.eligible(algorithm, config.aggregation):
+        return False
+    if not reply_size:
+        reply_size.append(streamed.reply_bytes(algorithm, down, states, data))
+    return reply_size[0] * n > streamed.STREAM_ABOVE
 
 
 def _roll_back(new: Tree, old: Tree, accepted: Tensor) -> Tree:

@@ -1,0 +1,85 @@
+"""A streamed fedprior run against the assembled one (issue 25.1; fedcal/engine/streamed.py).
+
+For each fleet seed: a simulated fleet (``--units``, campaign design, 384 + 60 rows a
+unit), ``fedprior_fixed`` with ``robust = --robust`` (default "check") and ``interval =
+"posterior"`` (the setting that streams) trained ``--rounds`` rounds, ``--chunk-size``
+units a chunk, once assembled (the engine's default bound, far above these fleets) and
+once streamed (bound 0).
+Prints the largest relative difference of the server's leaves, whether the rejections are
+the same, and the test RMSE (hPa, off the training grid: the simulator's random P, T rows)
+of both runs, mean and worst sensor.
+
+    python benchmarks/stream_equal.py [--units 300] [--seeds 0,1,2] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+
+def run(units: int, seed: int, rounds: int, chunk: int, robust: str = "check") -> None:
+    from fedcal.build import build_algorithm, build_task, client_inputs
+    from fedcal.config import load_config
+    from fedcal.core.aggregation import AggregationPolicy
+    from fedcal.core.tree import flatten
+    from fedcal.data.simulator import FleetSpec, simulate_fleet
+    from fedcal.engine import streamed
+    from fedcal.engine.simulation import EngineConfig, prepare, simulate
+
+    fleet = simulate_fleet(FleetSpec(num_sensors=units, train_design="campaign"), seed=seed)
+    config = load_config(None)
+    tensors = prepare(fleet, config.data.scaling, config.engine.dtype)
+    task = build_task(config, tensors.train.x.shape[-1], fleet.meta, client_inputs(tensors))
+    algorithm = build_algorithm("fedprior_fixed", config, task)
+    algorithm = dataclasses.replace(algorithm, robust=robust, interval="posterior")
+    engine = EngineConfig(rounds=rounds, seed=0, chunk_size=chunk, aggregation=AggregationPolicy())
+    bound = streamed.STREAM_ABOVE
+    runs = {}
+    for name, above in (("assembled", bound), ("streamed", 0)):
+        streamed.STREAM_ABOVE = above
+        runs[name] = simulate(algorithm, tensors, engine)
+    streamed.STREAM_ABOVE = bound
+    a, s = (flatten(runs[k].server) for k in ("assembled", "streamed"))
+    diffs = {
+        k: float(
+            (s[k].double() - v.double()).abs().max() / v.double().abs().max().clamp_min(1e-300)
+        )
+        for k, v in a.items()
+        if v.is_floating_point() and v.numel()
+    }
+    worst = max(diffs, key=diffs.get)
+    same = runs["assembled"].extra["rejections"] == runs["streamed"].extra["rejections"]
+    rmse = {
+        k: torch.tensor([row["test_rmse"] for row in r.final], dtype=torch.float64)
+        for k, r in runs.items()
+    }
+    print(
+        f"seed {seed}: units {units}, robust {robust}, "
+        f"max relative server difference {diffs[worst]:.2e} ({worst}), "
+        f"rejections equal {same} ({len(runs['streamed'].extra['rejections'])}), "
+        + ", ".join(
+            f"{k} test RMSE mean {float(v.mean()):.4f} worst {float(v.max()):.4f}"
+            for k, v in rmse.items()
+        ),
+        flush=True,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--units", type=int, default=300)
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--chunk-size", type=int, default=100)
+    parser.add_argument("--robust", default="check", help="fedprior's robust: check, full, off")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    for seed in (int(s) for s in args.seeds.split(",")):
+        run(args.units, seed, args.rounds, args.chunk_size, args.robust)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""A streamed "sum" round (engine/streamed.py) against the assembled one (core/aggregation.py).
+
+A 20-unit planted fleet with a unit whose targets are 10³× the others' (size-screened: its
+reply is summed, then recomputed and subtracted), one whose upload has a negative RSS
+(rejected by the consistency check, never summed), one whose upload is NaN, and one whose
+targets are offset by 1 (with robust = "full", down-weighted by the M-step: its reply
+recomputed and added with weight w_i − 1); robust "check" and "full", and "full" with
+select = "bic". The streamed round, 6 units a chunk, must take the same decisions, record
+the same reasons and give the same server within 1e-10 of each leaf's scale (chunk-order
+sums).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fedcal.algorithms.fedprior import FedPrior
+from fedcal.core.aggregation import AggregationPolicy, aggregate, finite_rows
+from fedcal.core.algorithm import ClientResult
+from fedcal.core.bayes import F64
+from fedcal.core.data import ClientData
+from fedcal.core.task import Task
+from fedcal.core.tree import expand, flatten
+from fedcal.engine import chunks, streamed
+from fedcal.engine.simulation import EngineConfig, prepare, simulate
+from fedcal.models.mlp import MLP
+
+UNITS, ROWS = 20, 10
+LOUD, WRONG, NAN, FAR = 4, 11, 17, 8  # the hostile units' positions
+OFFSET = 1.0  # the far unit's targets moved: down-weighted by robust = "full", not screened
+
+
+@dataclasses.dataclass(frozen=True)
+class Hostile(FedPrior):
+    """fedprior whose unit with 11 rows uploads a negative RSS and with 12 rows a NaN mean
+    (keyed on the data, so chunks and recomputations see the same unit)."""
+
+    def client_update(self, down, state, data) -> ClientResult:
+        out = super().client_update(down, state, data)
+        reply = dict(out.reply)
+        reply["rss"] = torch.where(data.count == ROWS + 1, -1e-9, reply["rss"])
+        nan = (data.count == ROWS + 2).to(F64).unsqueeze(-1)
+        reply["mean"] = torch.where(nan > 0, torch.nan, reply["mean"])
+        return ClientResult(reply, out.state, out.metrics)
+
+
+def fleet() -> ClientData:
+    gen = torch.Generator().manual_seed(0)
+    arrays = []
+    for i in range(UNITS):
+        n = ROWS + (i == WRONG) + 2 * (i == NAN)
+        x = 2 * torch.rand(n, 2, generator=gen, dtype=F64) - 1
+        coef = torch.tensor([0.5, 0.2, -0.3, 0.1], dtype=F64) + 0.1 * torch.randn(
+            4, generator=gen, dtype=F64
+        )
+        y = coef[0] + coef[1] * x[:, 0] + coef[2] * x[:, 1] + coef[3] * x[:, 0] * x[:, 1]
+        y = y + 0.01 * torch.randn(n, generator=gen, dtype=F64)
+        y = y * (1e3 if i == LOUD else 1.0) + (OFFSET if i == FAR else 0.0)
+        arrays.append((x.numpy(), y.unsqueeze(-1).numpy()))
+    return ClientData.from_arrays(arrays, tuple(range(UNITS)), F64)
+
+
+def make(**kw) -> Hostile:
+    params = {"orders": (1, 1), "robust": "check", "interval": "posterior", **kw}
+    return Hostile(Task(MLP()), **params)
+
+
+@pytest.mark.parametrize(
+    ("robust", "select"), [("check", "none"), ("full", "none"), ("full", "bic")]
+)
+def test_streamed_round_equals_the_assembled_round(robust, select):
+    alg, data = make(robust=robust, select=select), fleet()
+    policy = AggregationPolicy()  # screen_factor 10, the default
+    server = alg.server_init(alg.task.model.init(torch.Generator().manual_seed(0), F64))
+    states = alg.client_init(expand(alg.broadcast(server), UNITS))
+    weights = data.count.to(F64)
+    for _ in range(2):  # the second round from the first's prior (a non-vague Σ)
+        down = alg.broadcast(server)
+        whole = chunks.client_update(alg, down, states, data)
+        record: list[dict] = []
+        ok = finite_rows(whole.state)  # as the engine passes it
+        want, accepted, metrics = aggregate(
+            alg, server, down, whole.reply, weights, policy, 0, eligible=ok, record=record
+        )
+        mine: list[dict] = []
+        result, got, s_acc, s_metrics = streamed.streamed_round(
+            alg, server, down, states, data, weights, policy, 6, mine
+        )
+        assert s_acc.tolist() == accepted.tolist()
+        assert sorted(i for i in range(UNITS) if not accepted[i]) == [LOUD, WRONG, NAN]
+        assert [(r["client"], r["reason"], r["threshold"]) for r in mine] == [
+            (r["client"], r["reason"], r["threshold"]) for r in record
+        ]
+        assert [r["ratio"] for r in mine] == pytest.approx(
+            [r["ratio"] for r in record], nan_ok=True
+        )
+        assert s_metrics == pytest.approx(metrics, nan_ok=True)
+        assert s_metrics["rejected_inconsistent"] == 1 and s_metrics["rejected_norm"] == 1
+        low = [r["client"] for r in mine if r["reason"].startswith("prior outlier")]
+        assert low == ([FAR] if robust == "full" else [])  # down-weighted, still used
+        for key, v in flatten(want).items():
+            # within 1e-10 of the leaf's scale: the subtracted 10³× unit's log-evidence
+            # (a candidate's BIC score) leaves ~2e-9 on a score of −3.3 (a sum of ±250)
+            scale = float(v.abs().max()) if v.is_floating_point() and v.numel() else 0.0
+            torch.testing.assert_close(
+                flatten(got)[key], v, rtol=1e-10, atol=max(1e-12, 1e-10 * scale), msg=key
+            )
+        for key, v in flatten(whole.state).items():  # states assembled to the bit
+            assert torch.equal(flatten(result.state)[key], v)
+        server, states = want, whole.state
+
+
+def test_settings_that_need_each_units_reply_are_refused():
+    plain = AggregationPolicy()
+    assert streamed.eligible(make(), plain) is None
+    assert streamed.eligible(make(robust="full"), plain) is None
+    assert "calibrated" in streamed.eligible(make(interval="calibrated"), plain)
+    assert "krum" in streamed.eligible(make(), AggregationPolicy(rule="krum"))
+
+
+@pytest.mark.parametrize("robust", ["check", "full"])
+def test_the_engine_streams_above_its_bound(robust, make_fleet, monkeypatch):
+    """The engine's own round loop, streamed (bound 0) and assembled (the default bound, far
+    above 12 units): the same rejections, per-unit rows and server within rounding."""
+    tensors = prepare(make_fleet(num_clients=12, train=24), dtype="float64")
+    alg = make(robust=robust)
+    config = EngineConfig(
+        rounds=3, seed=0, dtype="float64", chunk_size=5, aggregation=AggregationPolicy()
+    )
+    calls = []
+    real = streamed.streamed_round
+    monkeypatch.setattr(streamed, "streamed_round", lambda *a: calls.append(1) or real(*a))
+    assembled = simulate(alg, tensors, config)
+    assert calls == []  # 12 units' replies are far below the default bound: assembled
+    monkeypatch.setattr(streamed, "STREAM_ABOVE", 0)
+    streamed_run = simulate(alg, tensors, config)
+    assert len(calls) == 3  # every round streamed
+    assert streamed_run.extra["rejections"] == assembled.extra["rejections"]
+    assert streamed_run.bytes_up_per_round == assembled.bytes_up_per_round
+    for key, v in flatten(assembled.server).items():
+        torch.testing.assert_close(
+            flatten(streamed_run.server)[key], v, rtol=1e-10, atol=1e-12, msg=key
+        )
+    for a, b in zip(assembled.final, streamed_run.final, strict=True):
+        assert a["client_index"] == b["client_index"]
+        assert b["test_rmse"] == pytest.approx(a["test_rmse"], rel=1e-9)
+
+
+def test_a_subclass_with_its_own_server_update_is_refused():
+    from fedcal.algorithms.fedprior_drift import FedPriorDrift
+
+    drift = FedPriorDrift(Task(MLP()), orders=(1, 1), robust="check", interval="posterior")
+    assert "its own" in streamed.eligible(drift, AggregationPolicy())
