@@ -229,6 +229,13 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
     # outlier_weights(server, replies) -> core.robust.OutlierWeights | None: the M-step
     # weight of each used client (fedprior); those below 1/2 are reported as rejections.
     outlier_weights: ClassVar[Callable[..., Any] | None] = None
+    # server_update_sums(server, sums, count) -> server: the server update from Σ_i reply_i
+    # and the unit count alone, so the engine may stream a "sum" round chunk by chunk
+    # (engine/streamed.py); streaming_refused() -> why not for these settings, or None;
+    # outlier_inputs: the reply leaves outlier_weights reads per unit (kept when streaming).
+    server_update_sums: ClassVar[Callable[..., Any] | None] = None
+    streaming_refused: ClassVar[Callable[[], str | None] | None] = None
+    outlier_inputs: ClassVar[tuple[str, ...]] = ()
     # Closed form: round 1 computes every model and later rounds repeat it exactly (a
     # per-sensor least-squares fit). The engine runs one round for it, whatever [engine]
     # rounds says: the same numbers (tested), 1/50 of the time at the default 50 rounds.

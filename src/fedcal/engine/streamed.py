@@ -49,12 +49,12 @@ STREAM_ABOVE = 512 * 2**20
 
 def eligible(algorithm: Algorithm, policy: AggregationPolicy) -> str | None:
     """None when this round can be streamed; else why not, in one line."""
-    sums = getattr(algorithm, "server_update_sums", None)
-    if algorithm.reply_aggregation != "sum" or sums is None:
+    if algorithm.reply_aggregation != "sum" or algorithm.server_update_sums is None:
         return f"{algorithm.name}: its server update needs each client's reply"
     if policy.rule != "mean" or policy.dp:
         return f"{algorithm.name}: rule {policy.rule!r} / DP read each client's coordinates"
-    return getattr(algorithm, "streaming_refused", lambda: None)()
+    refused = algorithm.streaming_refused
+    return None if refused is None else refused()
 
 
 def reply_bytes(algorithm: Algorithm, down: Tree, states: Tree, data: ClientData) -> int:
@@ -125,7 +125,7 @@ def streamed_round(
             part = v[keep].to(torch.float64).sum(0)
             sums[key] = sums[key] + part if key in sums else part
         small.add({"state": out.state, "metrics": out.metrics}, start)
-        for key in getattr(algorithm, "outlier_inputs", ()):  # the M-step weights' inputs
+        for key in algorithm.outlier_inputs:  # the M-step weights' inputs
             inputs.setdefault(key, flat[key].new_empty((n, *flat[key].shape[1:])))
             inputs[key][start : start + k] = flat[key]
         del out, flat
