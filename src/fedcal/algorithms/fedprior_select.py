@@ -111,16 +111,12 @@ class EvidenceSelection:
             )
         return out
 
-    def _candidates_e_step(self, down: Tree, state: Tree, full: Moments):
-        """Every candidate's E-step at once: (clients, candidates, ...) statistics.
-
-        Candidate k uses the moments ``full`` of its own terms (the others' rows and
-        columns of G and b zeroed): its posterior, GLS terms and marginal likelihood
-        log p(y_i | μ_k, Σ_k, σ_k²) are those of the sub-basis model exactly (the
-        unused coordinates see no data and keep their prior).
-        """
+    def _candidate_moments(self, down: Tree, full: Moments) -> tuple[Moments, int, int, int]:
+        """The moments ``full`` (clients, ...) masked to each candidate's terms, flattened to
+        (clients × candidates, ...) rows, and (clients, p, candidates); ψ coordinates out of
+        the model (``pinned``, FedPrior._pinned_update) are out of every candidate."""
         masks = self.masks
-        if "pinned" in down:  # ψ coordinates out of every candidate (FedPrior._pinned_update)
+        if "pinned" in down:
             masks = masks * (1.0 - down["pinned"].to(F64).reshape(-1, masks.shape[1])[:1])
         c, p = full.rhs.shape
         k = masks.shape[0]
@@ -131,6 +127,17 @@ class EvidenceSelection:
             full.yy.unsqueeze(1).expand(c, k).reshape(-1),
             full.n.unsqueeze(1).expand(c, k).reshape(-1),
         )
+        return stats, c, p, k
+
+    def _candidates_e_step(self, down: Tree, state: Tree, full: Moments):
+        """Every candidate's E-step at once: (clients, candidates, ...) statistics.
+
+        Candidate k uses the moments ``full`` of its own terms (the others' rows and
+        columns of G and b zeroed): its posterior, GLS terms and marginal likelihood
+        log p(y_i | μ_k, Σ_k, σ_k²) are those of the sub-basis model exactly (the
+        unused coordinates see no data and keep their prior).
+        """
+        stats, c, p, k = self._candidate_moments(down, full)
         cand = down["cand"]
         noise = state["cand_noise_var"] if self.noise == "sensor" else cand["noise_var"]
         noise = noise.reshape(-1)
@@ -158,16 +165,7 @@ class EvidenceSelection:
         Computed as :meth:`_candidates_e_step` does, on the moments masked to the
         candidate's terms (the other coefficients see no data and do not move y).
         """
-        masks = self.masks
-        c, p = full.rhs.shape
-        k = masks.shape[0]
-        mm = masks.unsqueeze(0).expand(c, k, p)
-        stats = Moments(
-            (full.gram.unsqueeze(1) * mm.unsqueeze(-1) * mm.unsqueeze(-2)).reshape(c * k, p, p),
-            (full.rhs.unsqueeze(1) * mm).reshape(c * k, p),
-            full.yy.unsqueeze(1).expand(c, k).reshape(-1),
-            full.n.unsqueeze(1).expand(c, k).reshape(-1),
-        )
+        stats, c, p, k = self._candidate_moments(down, full)
         mu = down["mu"].to(F64).expand(c, p).unsqueeze(1).expand(c, k, p).reshape(-1, p)
         sigma = down["sigma"].to(F64).expand(c, p, p).unsqueeze(1).expand(c, k, p, p)
         noise = self._noise(down, state).to(F64).expand(c).unsqueeze(1).expand(c, k)
