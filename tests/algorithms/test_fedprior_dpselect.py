@@ -121,3 +121,32 @@ def test_dp_selection_picks_the_planted_basis_at_a_generous_epsilon():
     assert int(plain["choice"]) == planted
     assert int(private["choice"]) == planted
     assert not torch.allclose(private["scores"], plain["scores"])  # noise was added
+
+
+def test_marginal_em_with_a_noise_model_runs_on_the_full_basis():
+    """select_by = "marginal" runs its EM on the full basis whatever the candidate chosen:
+    with σ²(x) and Student-t rows, a unit's uploads (E-step sums, γ's terms, t weights)
+    under a broadcast whose chosen basis is a sub-basis equal those of the same model
+    without selection (review2: γ's residuals were the full posterior's on the chosen
+    terms only, and the t weights the sub-basis fit's)."""
+    noise = {"orders": (2, 2), "noise_shape": "inputs", "noise_tail": "student"}
+    alg, plain = marginal(**noise), make(**noise)
+    data, _, _, _, _ = planted_fleet(4, [9, 12, 20, 30], seed=3, orders=(2, 2))
+    gen = torch.Generator().manual_seed(1)
+    p = alg.num_features
+    a = 0.3 * torch.randn(p, p, generator=gen, dtype=F64)
+    down = {
+        "mu": 0.3 * torch.randn(p, generator=gen, dtype=F64),
+        "sigma": a @ a.T + 0.05 * torch.eye(p, dtype=F64),
+        "noise_var": torch.tensor(0.02, dtype=F64),
+        "noise_gamma": torch.tensor([0.4, -0.3], dtype=F64),
+        "noise_gamma_fit": torch.tensor([0.5, -0.2], dtype=F64),
+    }
+    sub = {**down, "mask": alg.masks[2]}  # a chosen sub-basis: (2, 2) without some terms
+    assert float(alg.masks[2].sum()) < p
+    got = alg.client_update(expand(sub, 4), alg.client_init(expand(sub, 4)), data).reply
+    ref = plain.client_update(expand(down, 4), plain.client_init(expand(down, 4)), data).reply
+    for key in ("mean", "second", "rss", "gls_rhs"):
+        torch.testing.assert_close(got[key], ref[key], rtol=1e-10, atol=1e-12)
+    for key in ("score", "info", "ratio"):
+        torch.testing.assert_close(got["noise"][key], ref["noise"][key], rtol=1e-10, atol=1e-12)
