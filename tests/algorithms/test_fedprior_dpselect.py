@@ -150,3 +150,36 @@ def test_marginal_em_with_a_noise_model_runs_on_the_full_basis():
         torch.testing.assert_close(got[key], ref[key], rtol=1e-10, atol=1e-12)
     for key in ("score", "info", "ratio"):
         torch.testing.assert_close(got["noise"][key], ref["noise"][key], rtol=1e-10, atol=1e-12)
+
+
+def test_marginal_bic_counts_no_parameter_for_the_pinned_direction_term():
+    """With the direction term out of the model (every unit swept one way: all of ψ pinned),
+    BIC counts no parameter for it, as the candidates' EM does (fedprior module doc).
+    Hand-computed, (1, 1) with ψ = (1, 1) in every candidate, 8 units (½ log 8 = 1.04):
+    summed scores −18 for the constant basis, 0 for the full one (the others far below).
+    Without ψ: d = 3 and 15, BIC −21.1 and −15.6 → the full basis; with ψ's 4 pinned
+    terms counted, d = 21 and 45, −39.8 and −46.8 → the constant (review2)."""
+    import numpy as np
+
+    from fedcal.core.data import ClientData
+
+    alg = marginal(orders=(1, 1), branch_orders=(1, 1))
+    data, _, _, _, _ = planted_fleet(8, 20, seed=4, orders=(1, 1))
+    one_way = ClientData.from_arrays(
+        [(data.x[i].numpy(), data.y[i].numpy()) for i in range(8)],
+        dtype=F64,
+        branch=[np.ones(20) for _ in range(8)],
+    )
+    server = alg.server_init({})
+    down = expand(alg.broadcast(server), 8)
+    reply = dict(alg.client_update(down, alg.client_init(down), one_way).reply)
+    k = len(alg.candidates)
+    assert [len(c["orders"]) for c in alg.candidates] == [2] * k and k == 4
+    reply["select"] = torch.full((8, k), -10.0, dtype=F64)
+    reply["select"][:, 0], reply["select"][:, -1] = -18.0 / 8, 0.0
+    new = alg.server_update(server, reply, one_way.count)
+    assert new["pinned"].tolist() == [0.0] * 4 + [1.0] * 4
+    half_log = 0.5 * math.log(8)
+    expected = torch.tensor([-18.0 - 3 * half_log, -80.0 - 6 * half_log], dtype=F64)
+    torch.testing.assert_close(new["scores"][:2], expected)
+    assert int(new["choice"]) == k - 1

@@ -793,7 +793,7 @@ class FedPrior(
             new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
             new["box"] = self._input_box(total["gram"])
             if self.select != "none":  # select_by = "marginal": the noisy-BIC choice
-                new.update(self.marginal_choice(total["select"], count))
+                new.update(self.marginal_choice(total["select"], count, pinned))
             if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
                 new.update(self._noise_updates(server, replies["noise"], order, total["n"]))
             if self.branch_orders:  # the features in use, without the ψ coordinates out of it
