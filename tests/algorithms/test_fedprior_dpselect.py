@@ -183,3 +183,21 @@ def test_marginal_bic_counts_no_parameter_for_the_pinned_direction_term():
     expected = torch.tensor([-18.0 - 3 * half_log, -80.0 - 6 * half_log], dtype=F64)
     torch.testing.assert_close(new["scores"][:2], expected)
     assert int(new["choice"]) == k - 1
+
+
+def test_a_selection_score_beyond_the_clip_is_rejected_by_the_consistency_check():
+    """The scores are unscreened (not judged by size): without DP nothing else bounds them,
+    so one unit uploading 10⁶ for a candidate would pick the fleet's basis (review2)."""
+    alg = marginal(select_clip=2.0)
+    data, _, _, _, _ = planted_fleet(6, 40, seed=6, orders=(1, 1))
+    server, state, _ = _rounds(alg, data, 2)
+    result = alg.client_update(expand(alg.broadcast(server), 6), state, data)
+    everyone = torch.ones(6, dtype=torch.bool)
+    assert alg.inconsistent_replies(server, result.reply, data.count, everyone) == {}
+    forged = {**result.reply, "select": result.reply["select"].clone()}
+    forged["select"][2, 0] = 1e6
+    forged["select"][4, -1] = 0.5  # the full basis scores itself 0
+    bad = alg.inconsistent_replies(server, forged, data.count, everyone)
+    assert sorted(bad) == [2, 4] and "selection scores" in bad[2]
+    new = alg.server_update(server, forged, data.count)
+    assert int(new["choice"]) == 0  # what the forged upload does when nothing rejects it
