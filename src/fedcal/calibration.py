@@ -533,6 +533,12 @@ def prior_server(prior: dict[str, Any], scaler: Scaler) -> Tree:
         if "discrepancy_var_own" in iv:  # fedprior I4: null = no τ² covered (declined)
             own = iv["discrepancy_var_own"]
             server["disc_own"] = torch.tensor(math.nan if own is None else float(own), dtype=F64)
+    if prior.get("branch_pinned"):  # ψ terms out of the model (FedPrior._unidentified_branch)
+        psi = prior.get("branch_terms", [])
+        if any(t not in psi for t in prior["branch_pinned"]):
+            raise ValueError("prior.json: branch_pinned: expected terms of branch_terms")
+        out = [0.0] * len(prior["terms"]) + [float(t in prior["branch_pinned"]) for t in psi]
+        server["pinned"] = torch.tensor(out, dtype=F64)
     if "noise_gamma" in prior:  # the noise in the inputs, σ² exp(γᵀx) (fedprior_noise)
         gamma = [float(g) for g in prior["noise_gamma"]]
         if len(gamma) != len(prior["features"]) or not all(map(math.isfinite, gamma)):

@@ -285,3 +285,43 @@ def test_every_unit_swept_one_way_leaves_the_term_out_and_is_fedprior_one_round_
     x, y, b, _, _, _ = planted()
     server = fit(prior(branch_orders=(2, 0)), cohort(x, y, b), 3)[0]
     assert server["pinned"].tolist() == [0.0] * 19
+
+
+def test_a_partly_pinned_direction_term_travels_in_prior_json_and_calibrate_equals_the_run():
+    """ψ beyond φ (orders (1, 1), branch_orders (2, 0)) on a one-way fleet: b·1 and b·P1(x0)
+    are c's own columns (pinned), b·P2(x0) is a column of its own (identified), so J is part
+    of ψ. The prior keeps ψ whole with J named, and the unit ``fedcal calibrate`` rebuilds
+    from it has the federation's posterior (review2: the export held ψ without J and the
+    rebuild refused it, 'basis terms do not match')."""
+    from fedcal.calibration import prior_algorithm, prior_server
+    from fedcal.data.scaling import Scaler
+
+    x, y, _, _, _, _ = planted(units=12, rows=30)
+    arrays = [(x[i].numpy(), y[i, :, None].numpy()) for i in range(12)]
+    data = ClientData.from_arrays(arrays, dtype=F64, branch=[np.ones(30) for _ in range(12)])
+    params = {"orders": [1, 1], "branch_orders": [2, 0]}
+    alg = FedPrior(Task(MLP()), **params)
+    server, _, personal = fit(alg, data, 6)
+    assert server["pinned"].tolist() == [0.0] * 4 + [1.0, 1.0, 0.0]
+    prior = {
+        **alg.export_state(server),
+        "method": "fedprior",
+        "method_params": params,
+        "features": ["frequency_hz", "temperature_c"],
+        "target": "p",
+        "input_range": {"frequency_hz": [-1.0, 1.0], "temperature_c": [-1.0, 1.0]},
+    }
+    assert prior["branch_terms"] == [[0, 0], [1, 0], [2, 0]]
+    assert prior["branch_pinned"] == [[0, 0], [1, 0]]
+    rebuilt = prior_algorithm(prior)
+    identity = Scaler(np.zeros(2), np.ones(2), np.zeros(1), np.ones(1), {})
+    down = expand(rebuilt.broadcast(prior_server(prior, identity)), 12)
+    again = rebuilt.personalize(down, rebuilt.client_init(down), data)
+    close = {"rtol": 1e-9, "atol": 1e-12}
+    torch.testing.assert_close(again["coef"], personal["coef"], **close)
+    torch.testing.assert_close(rebuilt.predict(again, x), alg.predict(personal, x), **close)
+    torch.testing.assert_close(
+        rebuilt.predictive_std(again, x), alg.predictive_std(personal, x), **close
+    )
+    with pytest.raises(ValueError, match="branch_pinned: expected terms of branch_terms"):
+        prior_server({**prior, "branch_pinned": [[3, 0]]}, identity)

@@ -121,3 +121,83 @@ def test_dp_selection_picks_the_planted_basis_at_a_generous_epsilon():
     assert int(plain["choice"]) == planted
     assert int(private["choice"]) == planted
     assert not torch.allclose(private["scores"], plain["scores"])  # noise was added
+
+
+def test_marginal_em_with_a_noise_model_runs_on_the_full_basis():
+    """select_by = "marginal" runs its EM on the full basis whatever the candidate chosen:
+    with σ²(x) and Student-t rows, a unit's uploads (E-step sums, γ's terms, t weights)
+    under a broadcast whose chosen basis is a sub-basis equal those of the same model
+    without selection (review2: γ's residuals were the full posterior's on the chosen
+    terms only, and the t weights the sub-basis fit's)."""
+    noise = {"orders": (2, 2), "noise_shape": "inputs", "noise_tail": "student"}
+    alg, plain = marginal(**noise), make(**noise)
+    data, _, _, _, _ = planted_fleet(4, [9, 12, 20, 30], seed=3, orders=(2, 2))
+    gen = torch.Generator().manual_seed(1)
+    p = alg.num_features
+    a = 0.3 * torch.randn(p, p, generator=gen, dtype=F64)
+    down = {
+        "mu": 0.3 * torch.randn(p, generator=gen, dtype=F64),
+        "sigma": a @ a.T + 0.05 * torch.eye(p, dtype=F64),
+        "noise_var": torch.tensor(0.02, dtype=F64),
+        "noise_gamma": torch.tensor([0.4, -0.3], dtype=F64),
+        "noise_gamma_fit": torch.tensor([0.5, -0.2], dtype=F64),
+    }
+    sub = {**down, "mask": alg.masks[2]}  # a chosen sub-basis: (2, 2) without some terms
+    assert float(alg.masks[2].sum()) < p
+    got = alg.client_update(expand(sub, 4), alg.client_init(expand(sub, 4)), data).reply
+    ref = plain.client_update(expand(down, 4), plain.client_init(expand(down, 4)), data).reply
+    for key in ("mean", "second", "rss", "gls_rhs"):
+        torch.testing.assert_close(got[key], ref[key], rtol=1e-10, atol=1e-12)
+    for key in ("score", "info", "ratio"):
+        torch.testing.assert_close(got["noise"][key], ref["noise"][key], rtol=1e-10, atol=1e-12)
+
+
+def test_marginal_bic_counts_no_parameter_for_the_pinned_direction_term():
+    """With the direction term out of the model (every unit swept one way: all of ψ pinned),
+    BIC counts no parameter for it, as the candidates' EM does (fedprior module doc).
+    Hand-computed, (1, 1) with ψ = (1, 1) in every candidate, 8 units (½ log 8 = 1.04):
+    summed scores −18 for the constant basis, 0 for the full one (the others far below).
+    Without ψ: d = 3 and 15, BIC −21.1 and −15.6 → the full basis; with ψ's 4 pinned
+    terms counted, d = 21 and 45, −39.8 and −46.8 → the constant (review2)."""
+    import numpy as np
+
+    from fedcal.core.data import ClientData
+
+    alg = marginal(orders=(1, 1), branch_orders=(1, 1))
+    data, _, _, _, _ = planted_fleet(8, 20, seed=4, orders=(1, 1))
+    one_way = ClientData.from_arrays(
+        [(data.x[i].numpy(), data.y[i].numpy()) for i in range(8)],
+        dtype=F64,
+        branch=[np.ones(20) for _ in range(8)],
+    )
+    server = alg.server_init({})
+    down = expand(alg.broadcast(server), 8)
+    reply = dict(alg.client_update(down, alg.client_init(down), one_way).reply)
+    k = len(alg.candidates)
+    assert [len(c["orders"]) for c in alg.candidates] == [2] * k and k == 4
+    reply["select"] = torch.full((8, k), -10.0, dtype=F64)
+    reply["select"][:, 0], reply["select"][:, -1] = -18.0 / 8, 0.0
+    new = alg.server_update(server, reply, one_way.count)
+    assert new["pinned"].tolist() == [0.0] * 4 + [1.0] * 4
+    half_log = 0.5 * math.log(8)
+    expected = torch.tensor([-18.0 - 3 * half_log, -80.0 - 6 * half_log], dtype=F64)
+    torch.testing.assert_close(new["scores"][:2], expected)
+    assert int(new["choice"]) == k - 1
+
+
+def test_a_selection_score_beyond_the_clip_is_rejected_by_the_consistency_check():
+    """The scores are unscreened (not judged by size): without DP nothing else bounds them,
+    so one unit uploading 10⁶ for a candidate would pick the fleet's basis (review2)."""
+    alg = marginal(select_clip=2.0)
+    data, _, _, _, _ = planted_fleet(6, 40, seed=6, orders=(1, 1))
+    server, state, _ = _rounds(alg, data, 2)
+    result = alg.client_update(expand(alg.broadcast(server), 6), state, data)
+    everyone = torch.ones(6, dtype=torch.bool)
+    assert alg.inconsistent_replies(server, result.reply, data.count, everyone) == {}
+    forged = {**result.reply, "select": result.reply["select"].clone()}
+    forged["select"][2, 0] = 1e6
+    forged["select"][4, -1] = 0.5  # the full basis scores itself 0
+    bad = alg.inconsistent_replies(server, forged, data.count, everyone)
+    assert sorted(bad) == [2, 4] and "selection scores" in bad[2]
+    new = alg.server_update(server, forged, data.count)
+    assert int(new["choice"]) == 0  # what the forged upload does when nothing rejects it

@@ -226,3 +226,21 @@ def test_own_folds_needs_two_folds_and_the_calibrated_interval():
         with pytest.raises(SettingError, match="own_folds"):
             make(**bad)
     assert make(own_folds=2, interval="calibrated").own_folds == 2
+
+
+def test_the_note_names_both_declines_when_the_probe_and_the_own_rows_find_no_tau():
+    """Code 3 (the probe's class: no τ² covers) with I4's τ²_own NaN too: every unit states
+    no interval, and the note says why for both classes (review2: it named the rich only)."""
+    alg = make(interval="calibrated", own_folds=3)
+    server = {
+        "declined": torch.tensor(3.0, dtype=F64),
+        "disc_own": torch.tensor(math.nan, dtype=F64),
+        "probe_n": torch.tensor(6.0, dtype=F64),
+        "dof": torch.tensor(40.0, dtype=F64),
+    }
+    note = alg.interval_note(server)
+    assert "did not cover 95 % of the held-out points" in note
+    assert "95 % of their own held-out rows" in note
+    only_rich = {**server, "declined": torch.tensor(0.0, dtype=F64)}
+    assert alg.interval_note(only_rich).startswith("no interval for units with at least twice")
+    assert alg.interval_note({**only_rich, "disc_own": torch.tensor(0.1, dtype=F64)}) == ""

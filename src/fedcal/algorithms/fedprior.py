@@ -469,9 +469,13 @@ class FedPrior(
 
     def client_update(self, down: Tree, state: Tree, data: ClientData) -> ClientResult:
         design, rw = None, None
+        # select_by = "marginal": the EM runs on the full basis (without the ψ coordinates J
+        # out of the model), whatever candidate is chosen: its E-step and noise model too
+        marginal = self.select != "none" and not self.each_candidate
+        em = {k: v for k, v in down.items() if k != "mask"} if marginal else down
         if self.noise_weighted:  # rows weighted by 1/σ²(x) and t-weights (fedprior_noise, N1/N4)
             design = self.design(data.x, data.branch)
-            rw = self._row_weights(down, data, design)
+            rw = self._row_weights(em, data, design)
             full = weighted_moments(design, data.y[..., 0], data.mask, rw[0])
         else:
             full = self._client_moments(down, data)  # once: candidates' are masks of these
@@ -479,11 +483,7 @@ class FedPrior(
         # computed on its own: with noise = "sensor" its σ_i² is last round's choice's (not
         # always this round's); with one fleet σ² the batched one differs in the last bits
         # (measured: taking it from the batch saved 4 % of a client update).
-        if self.select != "none" and not self.each_candidate:  # marginal: EM on the full basis
-            stats = full
-            post = posterior(full, down["mu"], down["sigma"], self._noise(down, state))
-        else:
-            stats, post = self._posterior(down, state, full)
+        stats, post = self._posterior(em, state, full)
         reml = full.n if self.interval == "calibrated" else None
         chosen = self._e_step_sums(post, stats.gram, self._noise(down, state), reml)
         # The reply's leaf order is part of its wire format (and of DP's noise draws).
@@ -501,12 +501,12 @@ class FedPrior(
                 **self._heldout(down, state, data, rw),
             }
         if self.noise_shape == "inputs":  # γ's score, information and evidence (N2)
-            reply["noise"] = self._noise_terms(down, data, design, post, rw[1])
+            reply["noise"] = self._noise_terms(em, data, design, post, rw[1])
         if self.noise_tail == "auto":  # the tail's evidence d_i (N6)
-            reply.setdefault("noise", {})["tail_ratio"] = self._tail_ratio(down, data, design)
+            reply.setdefault("noise", {})["tail_ratio"] = self._tail_ratio(em, data, design)
         own = self._sensor_noise(post.rss, full.n, down["noise_var"])
         new_state = {"noise_var": own if self.noise == "sensor" else state["noise_var"]}
-        if self.select != "none" and not self.each_candidate:
+        if marginal:
             reply["select"] = self.marginal_scores(down, state, full)
         if self.each_candidate:
             reply["cand"], cand_own = self._candidates_e_step(down, state, full)
@@ -798,7 +798,7 @@ class FedPrior(
             new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
             new["box"] = self._input_box(total["gram"])
             if self.select != "none":  # select_by = "marginal": the noisy-BIC choice
-                new.update(self.marginal_choice(total["select"], count))
+                new.update(self.marginal_choice(total["select"], count, pinned))
             if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
                 new.update(self._noise_updates(server, replies["noise"], order, total["n"]))
             if self.branch_orders:  # the features in use, without the ψ coordinates out of it

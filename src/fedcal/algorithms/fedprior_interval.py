@@ -321,8 +321,10 @@ class CalibratedInterval:
             return ""
         code = int(server["declined"])
         own = "disc_own" in server and math.isnan(float(server["disc_own"]))
-        if own and code not in (1, 5):  # I4 found no τ² for the rich units
-            return DECLINE[6].format(n=int(server["probe_n"]))
-        if not code:
-            return ""
-        return DECLINE[code].format(n=int(server["probe_n"]), dof=float(server["dof"]))
+        note = (
+            DECLINE[code].format(n=int(server["probe_n"]), dof=float(server["dof"])) if code else ""
+        )
+        if own and code not in (1, 5):  # I4 found no τ² for the rich units (too)
+            rich = DECLINE[6].format(n=int(server["probe_n"]))
+            return f"{note}; and {rich}" if note else rich
+        return note

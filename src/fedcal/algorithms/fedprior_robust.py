@@ -64,6 +64,13 @@ class RobustUploads:
                 if whys[j] is None:
                     d, f = float(dof[j]), float(fit[j])
                     whys[j] = f"residual terms impossible (dof {d:.3g}, fit {f:.3g})"
+        if "select" in sub:  # select_by = "marginal": each score within ±select_clip, the
+            # full basis's 0 (unscreened, so bounded here: else one unit picks the basis)
+            score = sub["select"]
+            wrong = (score.abs() > self.select_clip * (1 + 1e-9)).any(-1) | (score[:, -1] != 0)
+            for j in wrong.nonzero()[:, 0].tolist():
+                if whys[j] is None:
+                    whys[j] = f"selection scores beyond ±{self.select_clip:g} or full basis ≠ 0"
         return {int(idx[j]): why for j, why in enumerate(whys) if why is not None}
 
     def _gram_counts_rows(self, server: Tree) -> bool:

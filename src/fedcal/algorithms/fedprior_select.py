@@ -175,13 +175,21 @@ class EvidenceSelection:
         # norm: a norm clip shrinks a unit's mild preferences by its largest one.
         return (loglik - loglik[:, -1:]).clamp(-self.select_clip, self.select_clip)
 
-    def marginal_choice(self, total: Tensor, count: Tensor) -> dict[str, Tensor]:
+    def marginal_choice(
+        self, total: Tensor, count: Tensor, pinned: Tensor | None = None
+    ) -> dict[str, Tensor]:
         """The candidate of highest BIC from the summed (under DP: clipped and noised)
         scores: Σ_i s_ik − ½ d_k log N (Schwarz 1978; the constant Σ_i log p(y_i | θ) of
-        the full basis drops out of the argmax). Post-processing of a released sum."""
+        the full basis drops out of the argmax). Post-processing of a released sum.
+        ``pinned``: the ψ coordinates out of the model, no parameters (as the candidates'
+        EM counts them, ``FedPrior.server_update``)."""
         masks = self.masks
-        scores = total.to(F64) - 0.5 * self._prior_parameters(masks) * math.log(float(count))
-        choice = int(torch.argmax(scores))  # ties: the smaller candidate (listed first)
+        eff = masks if pinned is None else masks * (~pinned).to(F64)
+        scores = total.to(F64) - 0.5 * self._prior_parameters(eff) * math.log(float(count))
+        # ties: the smaller candidate (listed first); one that differs from an earlier one
+        # only in pinned ψ terms is that one, not a rival
+        same = (eff.unsqueeze(0) == eff.unsqueeze(1)).all(-1).tril(-1).any(-1)
+        choice = int(torch.argmax(torch.where(same, -math.inf, scores)))
         return {"mask": masks[choice], "choice": torch.tensor(choice), "scores": scores}
 
     def dp_select_statistic(self, others: dict[str, Statistic]) -> Statistic:

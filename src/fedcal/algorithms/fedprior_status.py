@@ -108,6 +108,16 @@ class PriorStatus:
         """
         terms, _ = self.chosen(server)
         _, idx = self.chosen_features(server)  # μ and Σ over (c, h) jointly
+        psi, pinned = self.chosen_branch(server), []
+        if psi and "pinned" in server and bool((server["pinned"] > 0).any()):
+            # Part of ψ is out of the model (FedPrior._unidentified_branch): ψ is stored whole
+            # (μ_J = 0, Σ_JJ = floor, uncoupled) with J named, so the rebuilt basis is the
+            # chosen candidate's and a calibrated unit pins the same terms.
+            base = self.masks[int(server["choice"])] if "choice" in server else self.masks[-1]
+            idx, p = torch.nonzero(base)[:, 0], len(self.terms)
+            psi = tuple(self.branch_terms[j - p] for j in idx.tolist() if j >= p)
+            out = [j for j in idx.tolist() if j >= p and float(server["pinned"][j]) > 0]
+            pinned = [list(self.branch_terms[j - p]) for j in out]
         state = {
             "kind": "fedprior",
             "terms": [list(t) for t in terms],
@@ -135,10 +145,11 @@ class PriorStatus:
             if "disc_own" in server:  # I4's τ² of units with ≥ 2× the probe's rows (NaN: none)
                 own = float(server["disc_own"])
                 state["interval"]["discrepancy_var_own"] = None if math.isnan(own) else own
-        psi = self.chosen_branch(server)
         if psi:
             state["branch_terms"] = [list(t) for t in psi]
             state["branch_term_names"] = [f"b·{term_name(t)}" for t in psi]
+        if pinned:  # ψ terms out of the model (read back by fedcal.calibration.prior_server)
+            state["branch_pinned"] = pinned
         if self.select != "none":
             state["selection"] = {
                 "rule": self.select,
