@@ -37,3 +37,16 @@ def test_fedprior_under_dp_on_flower_equals_the_simulator(epsilon, make_fleet, t
     # the per-statistic path ran (8 declared statistics), with noise on them
     assert all(r["dp_statistics"] == 8 and r["dp_noise_std"] > 0 for r in res.extra["aggregation"])
     _assert_same_as_simulator(fed, res, cfgs, 3)
+
+
+def test_flower_rounds_override_is_accounted():
+    # The run config's `rounds` replaces engine.rounds: σ must be the accountant's for the
+    # rounds actually run (σ for 3 rounds over 12 spends more than ε).
+    config = replace(CONFIG, privacy=PrivacySection(epsilon=1.0, clip=1.0))
+    assert config.engine.rounds == 3
+    fed = federation(config, "fedprior", seed=4, rounds=12)
+    longer = replace(config, engine=replace(config.engine, rounds=12))
+    spent = build_policy(longer)[1]
+    assert fed.rounds == 12
+    assert fed.policy.dp_noise_multiplier == pytest.approx(spent["noise_multiplier"])
+    assert fed.policy.dp_noise_multiplier > build_policy(config)[1]["noise_multiplier"]

@@ -126,6 +126,9 @@ def federation(
     ``secure``: SecAgg+ settings; a method or policy that cannot run under it is
     refused here, in one line (:func:`fedcal.engine.flower.secagg.refusal`).
     """
+    if rounds and rounds != config.engine.rounds:  # DP's σ is accounted for the rounds run
+        engine = dataclasses.replace(config.engine, rounds=rounds)
+        config = dataclasses.replace(config, engine=engine)
     e = config.engine
     if secure is not None:
         from fedcal.engine.flower.secagg import refusal
