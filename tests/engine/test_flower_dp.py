@@ -20,7 +20,8 @@ pytest.importorskip("flwr")
 
 @pytest.mark.parametrize("epsilon", [1.0, 8.0])
 def test_fedprior_under_dp_on_flower_equals_the_simulator(epsilon, make_fleet, tmp_path):
-    config = replace(CONFIG, privacy=PrivacySection(epsilon=epsilon, clip=1.0))
+    # seeded: the simulator and the Flower server draw the same noise (a secret would differ)
+    config = replace(CONFIG, privacy=PrivacySection(epsilon=epsilon, clip=1.0, noise="seeded"))
     policy, spent = build_policy(config)
     assert policy.dp and spent["noise_multiplier"] > 0
     fleet = make_fleet(num_clients=6, train=TRAIN_ROWS)
