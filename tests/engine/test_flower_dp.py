@@ -51,3 +51,12 @@ def test_flower_rounds_override_is_accounted():
     assert fed.rounds == 12
     assert fed.policy.dp_noise_multiplier == pytest.approx(spent["noise_multiplier"])
     assert fed.policy.dp_noise_multiplier > build_policy(config)[1]["noise_multiplier"]
+
+
+def test_flower_refuses_dp_with_federated_scaling(make_fleet, tmp_path):
+    # The handshake's scaler (un-noised fleet means and stds) would go to every site.
+    config = replace(CONFIG, privacy=PrivacySection(epsilon=1.0, clip=1.0))
+    config = replace(config, data=replace(config.data, scaling="federated"))
+    cfgs = _node_cfgs(make_fleet(num_clients=6, train=TRAIN_ROWS), tmp_path, SITES)
+    with pytest.raises(RuntimeError, match="client-level DP needs every column"):
+        run_in_process(federation(config, "fedprior", seed=4), cfgs, run_id=5)
