@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fedcal.apps.flower_server import build, federation
+from fedcal.apps.flower_server import build, federation, privacy_record
 from fedcal.build import build_policy
 from fedcal.config import PrivacySection
 from fedcal.engine.simulation import EngineConfig, prepare, simulate
@@ -51,6 +51,10 @@ def test_flower_rounds_override_is_accounted():
     assert fed.rounds == 12
     assert fed.policy.dp_noise_multiplier == pytest.approx(spent["noise_multiplier"])
     assert fed.policy.dp_noise_multiplier > build_policy(config)[1]["noise_multiplier"]
+    # result.json's record: the ε the accountant spent over the 12 rounds run
+    record = privacy_record(config, 12)
+    assert record["rounds"] == 12 and 0.99 < record["epsilon"] <= 1.0
+    assert record["noise_multiplier"] == pytest.approx(fed.policy.dp_noise_multiplier)
 
 
 def test_flower_refuses_dp_with_federated_scaling(make_fleet, tmp_path):
