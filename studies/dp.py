@@ -105,7 +105,9 @@ def main() -> None:
     for method in args.methods.split(","):
         for design in designs:
             for label, eps in settings:
-                privacy = replace(cfg.privacy, epsilon=eps, clip=args.clip, delta=args.delta)
+                privacy = replace(
+                    cfg.privacy, epsilon=eps, clip=args.clip, delta=args.delta, noise="seeded"
+                )
                 policy, spent = build_policy(replace(cfg, privacy=privacy))
                 means, worsts, new_means, new_worsts, ref_means = [], [], [], [], []
                 diverged, norms, failed = 0, [], []

@@ -63,6 +63,7 @@ def main() -> None:
         num_new=args.new,
     )
     dp = replace(cfg.privacy, epsilon=args.epsilon, delta=1.0 / n_all**2, clip=1.0, quantile=0.9)
+    dp = replace(dp, noise="seeded")  # the training seed draws the noise: reproducible figures
     c = replace(cfg, fleet=fleet_cfg, privacy=dp, engine=replace(cfg.engine, rounds=args.rounds))
     fleet = load_data(c)
     tensors = prepare(fleet, c.data.scaling, c.engine.dtype)

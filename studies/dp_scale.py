@@ -165,6 +165,7 @@ def main() -> None:
                         quantile_steps=args.steps,
                         quantile_rate=args.rate,
                         quantile_share=args.share,
+                        noise="seeded",  # the training seed draws the noise (reproducible)
                     )
                     policy, spent = build_policy(replace(c, privacy=privacy))
                     head = f"| {units} | {design} | {fs} | {label} | {mode} |"

@@ -407,7 +407,8 @@ def test_each_group_of_settings_has_one_definition():
         AggregationPolicy, AggregationRules
     )
     dp = ["dp_noise_multiplier", "dp_clip", "dp_quantile", "dp_quantile_steps", "dp_quantile_rate"]
-    assert names(AggregationPolicy) == [*names(AggregationRules), *dp, "dp_count_multiplier"]
+    tail = ["dp_count_multiplier", "dp_noise_secret"]
+    assert names(AggregationPolicy) == [*names(AggregationRules), *dp, *tail]
     assert issubclass(FleetConfig, FleetSpec) and names(FleetConfig) == [*names(FleetSpec), "seed"]
     assert issubclass(EngineSection, EngineSettings) and issubclass(EngineConfig, EngineSettings)
     assert names(EngineSection) == [*names(EngineSettings), "checkpoint_every"]

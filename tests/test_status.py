@@ -357,3 +357,26 @@ def test_a_role_with_no_ok_sensor_reads_n_a_not_diverged():
     partly = row.copy()
     partly["excluded_new"] = 19
     assert cell(partly, "rmse_mean_new", short=True) == "diverged"
+
+
+def test_a_role_named_with_an_underscore_with_no_ok_sensor_reads_n_a():
+    """A role is any value of the fleet's role column (here "new_unit"): its cells are
+    found by the role's whole name, not by the column name's last part."""
+    from fedcal.report.tables import cell
+
+    row = pd.Series(
+        {
+            "rmse_mean": 0.05,
+            "rmse_mean_new_unit": float("nan"),
+            "sensors": 40,
+            "excluded": 20,
+            "sensors_new_unit": 20,
+            "excluded_new_unit": 20,
+            "sensors_reference": 20,
+            "excluded_reference": 0,
+        }
+    )
+    assert cell(row, "rmse_mean_new_unit", short=True) == "n/a"
+    partly = row.copy()
+    partly["excluded_new_unit"] = 19
+    assert cell(partly, "rmse_mean_new_unit", short=True) == "diverged"

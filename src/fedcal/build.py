@@ -255,7 +255,7 @@ def build_policy(config: RunConfig) -> tuple[AggregationPolicy, dict[str, Any]]:
     a, p = config.aggregation, config.privacy
     privacy: dict[str, Any] = {}
     adaptive: dict[str, Any] = {}
-    sigma = 0.0
+    sigma, secret = 0.0, None
     if p.epsilon > 0:
         if p.clip <= 0:
             raise ConfigError("[privacy] clip: epsilon > 0 needs clip > 0 (the update norm bound)")
@@ -264,7 +264,11 @@ def build_policy(config: RunConfig) -> tuple[AggregationPolicy, dict[str, Any]]:
         except ValueError as err:
             raise ConfigError(f"[privacy]: {err}") from None
         sigma = spent.noise_multiplier
-        privacy = {**asdict(spent), "clip": p.clip, "accountant": "opacus RDP"}
+        privacy = {**asdict(spent), "clip": p.clip, "accountant": "opacus RDP", "noise": p.noise}
+        if p.noise == "secret":  # drawn here, never recorded (config.PrivacySection.noise)
+            import secrets
+
+            secret = secrets.randbits(63)
         if p.quantile > 0:
             privacy.update(quantile=p.quantile, quantile_share=p.quantile_share)
             adaptive = dict(
@@ -278,6 +282,7 @@ def build_policy(config: RunConfig) -> tuple[AggregationPolicy, dict[str, Any]]:
             **asdict(a),
             dp_noise_multiplier=sigma,
             dp_clip=p.clip if sigma else 0.0,
+            dp_noise_secret=secret,
             **adaptive,
         )
     except AggregationError as err:

@@ -174,6 +174,11 @@ class PrivacySection:
     quantile_steps: Int = Field(default=12, ge=1, le=100)
     quantile_rate: Float = Field(default=2.0, gt=0.0, le=100.0)
     quantile_share: Float = Field(default=0.1, gt=0.0, lt=1.0)
+    # Where the noise comes from: "secret", a seed the server draws from the OS per run and
+    # never records (a party who knows the run's seed cannot reproduce the noise and subtract
+    # it); "seeded", from the run's seed (reproducible numbers, studies and tests: NOT private
+    # against anyone who knows that seed, e.g. every Flower site, which gets it).
+    noise: Literal["secret", "seeded"] = "secret"
 
 
 @checked

@@ -463,6 +463,24 @@ def jitter_note(jitter: pd.Series, worst: float) -> str:
     )
 
 
+def refuse_unprivate_scaling(config: RunConfig, fleet: Fleet) -> None:
+    """Client-level DP noises the algorithm's sums only: a column scaled by federated
+    statistics (the fleet's mean and std, un-noised, sent to every site) would be released
+    outside the accountant's ε, so DP is refused unless every column has a physical range."""
+    from fedcal.data.scaling import PHYSICAL_RANGES, needs_moments
+
+    mode, regression = config.data.scaling, fleet.meta.get("task") != "classification"
+    if not needs_moments(fleet.features, fleet.target, mode, regression):
+        return
+    columns = [*fleet.features, *([fleet.target] if regression else [])]
+    named = [c for c in columns if mode == "federated" or c not in PHYSICAL_RANGES]
+    raise ConfigError(
+        f"[data] scaling = {mode!r}: client-level DP ([privacy] epsilon > 0) needs every column "
+        f"on a physical range; {', '.join(named)} would be scaled by the fleet's un-noised "
+        "mean and std (released outside ε)"
+    )
+
+
 def run_experiment(
     config: RunConfig,
     fleet: Fleet,
@@ -501,6 +519,8 @@ def run_experiment(
     check_fit(config, fleet)
     variants = fleet_variants(config, fleet)
     policy, privacy = build_policy(config)  # bad input stops here, before anything is written
+    if policy.dp:
+        refuse_unprivate_scaling(config, fleet)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     resolved = run_record(config, methods, train_points)

@@ -102,3 +102,24 @@ def test_the_field_generator_is_seeded_and_has_what_it_promises():
     train = short[short.split == "train"].groupby("sensor_id").size()
     assert (train < 0.2 * frame[frame.split == "train"].groupby("sensor_id").size()).sum() == 6
     assert short[short.split == "test"].shape[0] == frame[frame.split == "test"].shape[0]
+
+
+def test_a_non_finite_time_in_a_frame_built_in_memory_is_refused_naming_it():
+    # The loader refuses unreadable times in files; a frame built in memory reaches
+    # row_times unchecked (the simulator ran it, the Flower site file refused it).
+    import pandas as pd
+
+    from fedcal.data.fleet import Fleet
+
+    frame = pd.DataFrame(
+        {
+            "sensor_id": ["A", "A", "B", "B"],
+            "t": [0.0, 1.0, np.nan, 3.0],
+            "x": [1.0, 2.0, 3.0, 4.0],
+            "y": [1.0, 2.0, 3.0, 4.0],
+            "split": ["train"] * 4,
+        }
+    )
+    fleet = Fleet(frame, features=("x",), target="y", meta={"time_column": "t"})
+    with pytest.raises(ValueError, match=r"row 2 \(sensor B\): column 't' must be a finite"):
+        fleet.row_times("train")

@@ -210,3 +210,20 @@ def test_privacy_is_accounted_and_written(tmp_path, make_fleet):
             tmp_path / "y",
             ["fedavg"],
         )
+
+
+def test_dp_with_federated_scaling_statistics_is_refused(tmp_path, make_fleet):
+    # A column without a physical range is scaled by the fleet's mean and std, un-noised and
+    # sent to every site: outside the accountant's ε, so DP refuses it before anything runs.
+    cfg = small_config()
+    cfg = replace(cfg, seeds=1, privacy=replace(cfg.privacy, epsilon=4.0, clip=0.5))
+    fleet = make_fleet(num_clients=3)
+    renamed = dataclasses.replace(
+        fleet, frame=fleet.frame.rename(columns={"pressure_hpa": "pm25_ugm3"}), target="pm25_ugm3"
+    )
+    with pytest.raises(ConfigError, match=r"\[data\] scaling.*pm25_ugm3"):
+        run_experiment(cfg, renamed, tmp_path / "a", ["fedavg"])
+    assert not (tmp_path / "a" / "privacy.json").exists()
+    fed = replace(cfg, data=replace(cfg.data, scaling="federated"))
+    with pytest.raises(ConfigError, match="frequency_hz"):
+        run_experiment(fed, fleet, tmp_path / "b", ["fedavg"])

@@ -111,6 +111,19 @@ def build(config: RunConfig, method: str, num_features: int, num_classes: int = 
     return build_algorithm(method, config, build_task(config, num_features, meta))
 
 
+def _with_rounds(config: RunConfig, rounds: int) -> RunConfig:
+    if rounds and rounds != config.engine.rounds:
+        engine = dataclasses.replace(config.engine, rounds=rounds)
+        config = dataclasses.replace(config, engine=engine)
+    return config
+
+
+def privacy_record(config: RunConfig, rounds: int = 0) -> dict[str, Any]:
+    """What a run of ``rounds`` (0: engine.rounds) spends under ``[privacy]`` (result.json's
+    ``privacy``, as ``fedcal run``'s privacy.json; empty without DP)."""
+    return build_policy(_with_rounds(config, rounds))[1]
+
+
 def federation(
     config: RunConfig,
     method: str,
@@ -126,6 +139,7 @@ def federation(
     ``secure``: SecAgg+ settings; a method or policy that cannot run under it is
     refused here, in one line (:func:`fedcal.engine.flower.secagg.refusal`).
     """
+    config = _with_rounds(config, rounds)  # DP's σ is accounted for the rounds run
     e = config.engine
     if secure is not None:
         from fedcal.engine.flower.secagg import refusal
@@ -197,8 +211,9 @@ def _run(grid: Grid, cfg: dict[str, Any], result: dict[str, Any], out: Path) -> 
     import torch
 
     torch.set_num_threads(1)
+    config = load_run_config(cfg)
     fed = federation(
-        load_run_config(cfg),
+        config,
         method=str(cfg["method"]),
         seed=int(cfg["seed"]),
         rounds=int(cfg["rounds"]),
@@ -207,6 +222,8 @@ def _run(grid: Grid, cfg: dict[str, Any], result: dict[str, Any], out: Path) -> 
         secure=secure_settings(cfg),
     )
     result.update(method=fed.method, seed=fed.seed, rounds=fed.rounds, dtype=fed.dtype)
+    if fed.policy.dp:  # the accountant's ε for the rounds run (fedcal run's privacy.json)
+        result["privacy"] = privacy_record(config, fed.rounds)
     transport = GridTransport(
         grid,
         ttl=float(cfg["message-ttl"]),

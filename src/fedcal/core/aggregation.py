@@ -157,6 +157,9 @@ class AggregationPolicy(AggregationRules):
     dp_quantile_steps: int = Field(default=12, ge=1, le=100)
     dp_quantile_rate: Float = Field(default=2.0, gt=0.0, le=100.0)
     dp_count_multiplier: Float = Field(default=0.0, ge=0.0)
+    # The DP noise's secret seed, mixed with each round's (None: the round's seed alone,
+    # reproducible by anyone who knows the run's seed; fedcal.build draws one per run).
+    dp_noise_secret: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _privacy(self) -> AggregationPolicy:
@@ -243,11 +246,15 @@ def policy_stages(policy: AggregationPolicy, algorithm: Algorithm) -> list[Stage
             multiplier=policy.dp_noise_multiplier,
             scale=policy.dp_clip,
             adaptive=_adaptive_clip(policy),
+            secret=policy.dp_noise_secret,
         )
         out.append(Stage("private_statistics", noise))
     elif policy.dp:
         noise = partial(
-            stages.gaussian_noise, multiplier=policy.dp_noise_multiplier, bound=policy.dp_clip
+            stages.gaussian_noise,
+            multiplier=policy.dp_noise_multiplier,
+            bound=policy.dp_clip,
+            secret=policy.dp_noise_secret,
         )
         out.append(Stage("gaussian_noise", noise, per_client=False))
     return out

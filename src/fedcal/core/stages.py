@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -355,7 +356,19 @@ def coordinate(cohort: Cohort, rnd: Round, rule: str, trim: float) -> Cohort:
     return _replicated(cohort, rnd, coordinate_rule(chosen, rule, trim))
 
 
-def gaussian_noise(cohort: Cohort, rnd: Round, multiplier: float, bound: float) -> Cohort:
+def _noise_generator(rnd: Round, secret: int | None) -> torch.Generator:
+    """The DP noise's generator: the round's seed, mixed with the run's ``secret`` if any
+    (without one, anyone who knows the run's seed can redraw the noise)."""
+    seed = int(rnd.seed) % (2**63)
+    if secret is not None:
+        mixed = np.random.SeedSequence([int(secret), seed]).generate_state(1, dtype=np.uint64)
+        seed = int(mixed[0]) >> 1
+    return torch.Generator().manual_seed(seed)
+
+
+def gaussian_noise(
+    cohort: Cohort, rnd: Round, multiplier: float, bound: float, secret: int | None = None
+) -> Cohort:
     """DP-FedAvg (McMahan et al. 2018): (Σ clipped Δ_i + N(0, σ²C²·I)) / k, uniform weights.
 
     The noise is drawn leaf by leaf from a generator seeded by the round; the noisy
@@ -364,7 +377,7 @@ def gaussian_noise(cohort: Cohort, rnd: Round, multiplier: float, bound: float) 
     if _idle(cohort, rnd):
         return cohort
     chosen, k = _chosen(cohort), int(cohort.used.sum())
-    gen = torch.Generator().manual_seed(int(rnd.seed) % (2**63))
+    gen = _noise_generator(rnd, secret)
     std = multiplier * bound
     estimate = {}
     for key, u in chosen.items():
@@ -381,6 +394,7 @@ def private_statistics(
     multiplier: float,
     scale: float,
     adaptive: AdaptiveClip | None = None,
+    secret: int | None = None,
 ) -> Cohort:
     """Declared summed statistics clipped, noised and projected one by one (DP).
 
@@ -394,7 +408,7 @@ def private_statistics(
     if _idle(cohort, rnd):
         return cohort
     chosen, k = _chosen(cohort), int(cohort.used.sum())
-    gen = torch.Generator().manual_seed(int(rnd.seed) % (2**63))
+    gen = _noise_generator(rnd, secret)
     declared = statistics(rnd.broadcast)
     sums, dp_metrics = private_sums(chosen, declared, multiplier, gen, scale, adaptive)
     replies = dict(cohort.replies)

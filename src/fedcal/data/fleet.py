@@ -124,6 +124,16 @@ class Fleet:
             return None
         rows, where = self._split_rows(split)
         t = rows[col].to_numpy(dtype=np.float64)
+        bad = ~np.isfinite(t)
+        if bad.any():  # the loader refuses these in files; a frame built in memory is unchecked
+            at = bad.nonzero()[0][0]
+            line = rows["source_line"].iloc[at] if "source_line" in rows.columns else None
+            place = f"line {line}" if line is not None else f"row {rows.index[at]}"
+            raise ValueError(
+                f"{self.meta.get('source', 'fleet')}: {place} (sensor "
+                f"{rows[self.client_column].iloc[at]}): column {col!r} must be a finite time, "
+                f"got {rows[col].iloc[at]!r}"
+            )
         empty = np.zeros(0, dtype=np.float64)
         return [empty if at is None else t[at] for at in where]
 

@@ -129,6 +129,8 @@ def _fingerprint(algorithm: Algorithm, fleet: FleetTensors, config: EngineConfig
     full = asdict(config)
     keys = ("rounds", "participation", "eval_every", "seed", "dtype", "init_seed", "aggregation")
     schedule = {k: full[k] for k in keys}
+    if isinstance(schedule["aggregation"], dict):  # a DP run's secret noise seed: new per run
+        schedule["aggregation"].pop("dp_noise_secret", None)
     h.update(repr(schedule).encode())
     for t in (fleet.train.x, fleet.train.y, fleet.test.x, fleet.test.y):
         h.update(t.numpy().tobytes())

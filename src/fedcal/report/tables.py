@@ -240,8 +240,11 @@ def cell(row: pd.Series, column: str, short: bool = False) -> str:
 def _none_ok(row: pd.Series, column: str = "") -> bool:
     """Every sensor of the row's runs was excluded (its summary counts say so); for a role's
     column (``rmse_mean_new``), every sensor of that role."""
-    role = column.rsplit("_", 1)[-1] if "_" in column else ""
-    if f"sensors_{role}" in row.index and f"excluded_{role}" in row.index:
+    # The role's whole name (a role column's value may hold "_"): the longest that ends it.
+    roles = [str(k)[len("sensors_") :] for k in row.index if str(k).startswith("sensors_")]
+    ends = [r for r in roles if r and column.endswith(f"_{r}") and column != f"sensors_{r}"]
+    role = max(ends, key=len) if ends else ""
+    if role and f"excluded_{role}" in row.index:
         sensors, excluded = row[f"sensors_{role}"], row[f"excluded_{role}"]
         if sensors == sensors and excluded == excluded and sensors > 0 and excluded >= sensors:
             return True

@@ -274,6 +274,12 @@ class Federation:
         target, classification = str(self.shape["target"]), bool(self.shape["classification"])
         moments = []
         if needs_moments(features, target, self.scaling, not classification):
+            if self.policy.dp:  # the scaler's un-noised fleet statistics go to every site
+                raise RuntimeError(
+                    f"scaling {self.scaling!r}: client-level DP needs every column on a physical "
+                    f"range ({', '.join([*features, target])}: federated statistics would be "
+                    "released un-noised, outside ε)"
+                )
             if len(self.members) < self.num_clients:
                 raise RuntimeError(
                     f"scaling needs federated statistics of all {self.num_clients} clients, "
