@@ -286,3 +286,24 @@ def test_one_unit_forging_its_tail_evidence_cannot_switch_the_student_rows_off()
     assert float(new["noise_student"]) == 1.0  # unclipped: Σ d_i ≈ −1e6, Gaussian rows
     bound = NOISE_EVIDENCE_CLIP * float(data.count[0])
     assert float(new["tail_ratio"]) == pytest.approx(float(d[1:].sum()) - bound, rel=1e-9)
+
+
+def test_one_unit_forging_its_gamma_evidence_cannot_switch_gamma_off():
+    """Hostile site (issue 21): γ's BIC test adds each unit's d_i (N3); forged to −1e6, one
+    unit set γ = 0 on a heteroscedastic fleet. Clipped, its pull is exactly
+    NOISE_EVIDENCE_CLIP · n_i and γ stays; honest units are below the clip."""
+    from fedcal.algorithms.fedprior_noise import NOISE_EVIDENCE_CLIP
+
+    data = planted(GAMMA, units=30, rows=30)
+    alg = model(noise_shape="inputs")
+    rounds = run_rounds(alg, data, 3)
+    reply = alg.client_update(expand(alg.broadcast(rounds.server), 30), rounds.states, data).reply
+    d = reply["noise"]["ratio"]
+    assert float((d.abs() / data.count).max()) < NOISE_EVIDENCE_CLIP
+    forged = d.clone()
+    forged[0] = -1e6
+    hostile = {**reply, "noise": {**reply["noise"], "ratio": forged}}
+    new = alg.server_update(rounds.server, hostile, data.count)
+    bound = NOISE_EVIDENCE_CLIP * float(data.count[0])
+    assert float(new["noise_ratio"]) == pytest.approx(float(d[1:].sum()) - bound, rel=1e-9)
+    assert bool((new["noise_gamma"] != 0).all())  # unclipped: Σ d_i ≈ −1e6, γ = 0
