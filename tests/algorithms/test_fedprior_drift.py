@@ -443,3 +443,70 @@ def test_the_static_prior_is_fedprior_s_fit_and_the_walk_acts_in_use():
     assert cov > 0.85 and cov0 < 0.7
     m = test.mask.unsqueeze(-1)
     assert float(((pred - test.y) ** 2 * m).sum()) < 0.7 * float(((pred0 - test.y) ** 2 * m).sum())
+
+
+def test_bounded_future_scores_clip_each_unit_s_gain_over_q0_by_its_rows():
+    """Hand-computed: the gains s(q_k) − s(0) clipped to ± c·n, s(0) kept."""
+    from fedcal.algorithms.fedprior_drift import bound_future_scores
+
+    future = torch.tensor([[-10.0, -4.0, -30.0], [5.0, 5.5, 4.0]], dtype=F64)
+    out = bound_future_scores(future, torch.tensor([2.0, 10.0], dtype=F64), 2.0)
+    expected = torch.tensor([[-10.0, -6.0, -14.0], [5.0, 5.5, 4.0]], dtype=F64)
+    torch.testing.assert_close(out, expected)
+
+
+def test_a_unit_forging_its_future_scores_moves_the_fleet_by_at_most_c_per_row():
+    """Hostile site (issue 21): the future scores pass drift_problems' upper bound when a
+    unit lowers every q > 0 score; summed unclipped, one unit switches the planted drift off.
+    Clipped (± drift_score_clip · n_i), the drift stays learned, and the honest fleet's
+    scores are the plain sums (no honest unit reaches the clip)."""
+    from fedcal.core.tree import expand
+
+    train, _ = planted(q=0.5, units=16, rows=40, future=2, seed=1)
+    alg = make()
+    rounds = run_rounds(alg, train, 3)
+    server = rounds.server
+    down = expand(alg.broadcast(server), 16)
+    reply = alg.client_update(down, rounds.states, train).reply
+    honest = alg.server_update(server, reply, train.count)
+    assert float(honest["drift"]["q"]) > 0
+    fut = reply["drift"]["future"]
+    torch.testing.assert_close(honest["drift"]["future"], fut.sum(0))
+    forged = fut.clone()
+    forged[3, 1:] -= 1e6  # "every drift predicts my future terribly"
+    everyone = torch.ones(16, dtype=torch.bool)
+    hostile = {**reply, "drift": {**reply["drift"], "future": forged}}
+    assert alg.inconsistent_replies(server, hostile, train.count, everyone) == {}
+    new = alg.server_update(server, hostile, train.count)
+    gain = new["drift"]["future"] - new["drift"]["future"][0]
+    honest_gain = honest["drift"]["future"] - honest["drift"]["future"][0]
+    own = fut[3] - fut[3, 0]
+    bound = alg.drift_score_clip * float(train.count[3])
+    assert bool((gain >= honest_gain - own - bound - 1e-9).all())
+    assert float(new["drift"]["q"]) > 0  # unclipped: Σ gains ≈ −1e6, q = 0
+
+
+def test_one_forged_span_cannot_make_the_time_scale_arbitrarily_long():
+    """Round 0 sets the fleet's time scale T from the declared spans: the plain mean on an
+    honest fleet; a forged span of 1e9 counts at most drift_span_cap × the median."""
+    from fedcal.algorithms.fedprior_drift import fleet_time_scale
+    from fedcal.core.tree import expand
+
+    train, _ = planted(q=0.5, units=8, rows=20, future=2, seed=1)
+    alg = make()
+    first = alg.server_init({})
+    down0 = expand(alg.broadcast(first), 8)
+    reply = alg.client_update(down0, alg.client_init(down0), train).reply
+    span = reply["drift"]["span"]
+    honest = alg.server_update(first, reply, train.count)["drift"]["scale"]
+    torch.testing.assert_close(honest, span.mean())
+    forged = span.clone()
+    forged[0] = 1e9
+    hostile = {**reply, "drift": {**reply["drift"], "span": forged}}
+    scale = float(alg.server_update(first, hostile, train.count)["drift"]["scale"])
+    med = float(forged.median())
+    assert scale == pytest.approx((float(span[1:].sum()) + alg.drift_span_cap * med) / 8)
+    assert scale < 5 * float(honest)  # unguarded: 1.25e8
+    # hand-computed: spans 1, 2, 3, 1000, median 2, cap 4: (1 + 2 + 3 + 8) / 4
+    s = torch.tensor([1.0, 2.0, 3.0, 1000.0], dtype=F64)
+    assert float(fleet_time_scale(s, torch.arange(4), 4.0)) == pytest.approx(3.5)

@@ -252,3 +252,58 @@ def test_the_tail_choice_travels_in_prior_json_and_calibrate_uses_it():
     assert float((plain["coef"] - run.personal["coef"]).abs().max()) > 1e-3  # outliers pull it
     with pytest.raises(ValueError, match="noise_student: expected 0 or 1"):
         prior_server({**prior, "noise_student": 2}, identity)
+
+
+def test_clip_evidence_is_the_hand_computed_per_unit_clip():
+    from fedcal.algorithms.fedprior_noise import clip_evidence
+
+    noise = {"ratio": torch.tensor([9.0, -1.0, -50.0]), "tail_ratio": torch.tensor([3.0, 0.0, 7.0])}
+    out = clip_evidence(noise, torch.tensor([2.0, 5.0, 1.0]), 4.0)
+    torch.testing.assert_close(out["ratio"], torch.tensor([8.0, -1.0, -4.0], dtype=F64))
+    torch.testing.assert_close(out["tail_ratio"], torch.tensor([3.0, 0.0, 4.0], dtype=F64))
+
+
+def test_one_unit_forging_its_tail_evidence_cannot_switch_the_student_rows_off():
+    """Hostile site (issue 21): the tail's test adds each unit's d_i; forged to −1e6, one
+    unit switched the Student-t rows off a fleet with outliers. Clipped (± NOISE_EVIDENCE_CLIP
+    · n_i), the fleet keeps them; the honest sum is unchanged (no honest unit reaches it)."""
+    from fedcal.algorithms.fedprior_noise import NOISE_EVIDENCE_CLIP
+
+    data = planted((0.0, 0.0), units=12, rows=30, seed=2, outliers=0.05)
+    alg = model(noise_tail="auto")
+    rounds = run_rounds(alg, data, 3)
+    down = expand(alg.broadcast(rounds.server), 12)
+    reply = alg.client_update(down, rounds.states, data).reply
+    d = reply["noise"]["tail_ratio"]
+    assert float((d.abs() / data.count).max()) < NOISE_EVIDENCE_CLIP
+    honest = alg.server_update(rounds.server, reply, data.count)
+    assert float(honest["noise_student"]) == 1.0
+    torch.testing.assert_close(honest["tail_ratio"], d.sum(), rtol=1e-12, atol=1e-9)
+    forged = d.clone()
+    forged[0] = -1e6
+    hostile = {**reply, "noise": {**reply["noise"], "tail_ratio": forged}}
+    new = alg.server_update(rounds.server, hostile, data.count)
+    assert float(new["noise_student"]) == 1.0  # unclipped: Σ d_i ≈ −1e6, Gaussian rows
+    bound = NOISE_EVIDENCE_CLIP * float(data.count[0])
+    assert float(new["tail_ratio"]) == pytest.approx(float(d[1:].sum()) - bound, rel=1e-9)
+
+
+def test_one_unit_forging_its_gamma_evidence_cannot_switch_gamma_off():
+    """Hostile site (issue 21): γ's BIC test adds each unit's d_i (N3); forged to −1e6, one
+    unit set γ = 0 on a heteroscedastic fleet. Clipped, its pull is exactly
+    NOISE_EVIDENCE_CLIP · n_i and γ stays; honest units are below the clip."""
+    from fedcal.algorithms.fedprior_noise import NOISE_EVIDENCE_CLIP
+
+    data = planted(GAMMA, units=30, rows=30)
+    alg = model(noise_shape="inputs")
+    rounds = run_rounds(alg, data, 3)
+    reply = alg.client_update(expand(alg.broadcast(rounds.server), 30), rounds.states, data).reply
+    d = reply["noise"]["ratio"]
+    assert float((d.abs() / data.count).max()) < NOISE_EVIDENCE_CLIP
+    forged = d.clone()
+    forged[0] = -1e6
+    hostile = {**reply, "noise": {**reply["noise"], "ratio": forged}}
+    new = alg.server_update(rounds.server, hostile, data.count)
+    bound = NOISE_EVIDENCE_CLIP * float(data.count[0])
+    assert float(new["noise_ratio"]) == pytest.approx(float(d[1:].sum()) - bound, rel=1e-9)
+    assert bool((new["noise_gamma"] != 0).all())  # unclipped: Σ d_i ≈ −1e6, γ = 0

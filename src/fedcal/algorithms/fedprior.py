@@ -800,7 +800,8 @@ class FedPrior(
             if self.select != "none":  # select_by = "marginal": the noisy-BIC choice
                 new.update(self.marginal_choice(total["select"], count, pinned))
             if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
-                new.update(self._noise_updates(server, replies["noise"], order, total["n"]))
+                noise = replies["noise"]
+                new.update(self._noise_updates(server, noise, order, total["n"], replies["n"]))
             if self.branch_orders:  # the features in use, without the ψ coordinates out of it
                 new["mask"] = new.get("mask", self.masks[-1]) * (~pinned).to(F64)
                 new["pinned"] = pinned.to(F64)
@@ -846,7 +847,7 @@ class FedPrior(
             "cand": stacked,
             **self._interval_update(server, replies, order, total),
             **(
-                self._noise_updates(server, replies["noise"], order, total["n"])
+                self._noise_updates(server, replies["noise"], order, total["n"], replies["n"])
                 if "noise" in replies
                 else {}
             ),

@@ -135,6 +135,13 @@ class FedPriorDrift(FedPrior):
     # basis fitted under the walk); "static", fedprior's fit (q acts in use only: the
     # personalized posterior at t_i and its σ growing after it).
     drift_prior: Literal["walk", "static"] = "static"
+    # Hostile sites: each unit's future score gain over q = 0 is clipped to ± this many nats
+    # per row it declares (:func:`bound_future_scores`); measured honest maxima 0.45 (field
+    # network) and 1.64 (a planted strong walk) nats per row (docs/field.md).
+    drift_score_clip: Annotated[float, Field(gt=0.0)] = 3.0
+    # Hostile sites: a declared span counts at most this many times the fleet's median span
+    # in the time scale T (:func:`fleet_time_scale`).
+    drift_span_cap: Annotated[float, Field(gt=1.0)] = 32.0
 
     name = "fedprior_drift"
     # A unit's drift evidences grow with its rows, like its residual terms: not screened.
@@ -369,8 +376,8 @@ class FedPriorDrift(FedPrior):
         new = super().server_update(server, stats, weights)
         # The canonical order of fedprior's sums: the rounding cannot depend on arrival order.
         order = torch.from_numpy(np.lexsort(replies["mean"].numpy().T[::-1]).copy())
-        count = float(replies["mean"].shape[0])
-        loglik, future = drift["loglik"], drift["future"]
+        loglik = drift["loglik"]
+        future = bound_future_scores(drift["future"], replies["n"], self.drift_score_clip)
         robust = self.outlier_weights(server, stats)  # q's evidence weighted like the M-step's
         if robust is not None and bool((robust.weights != 1).any()):
             loglik = loglik * robust.weights.unsqueeze(1)
@@ -383,7 +390,7 @@ class FedPriorDrift(FedPrior):
             k = int(torch.argmax(score))  # ties: the smaller q
             if float(score[k] - score[0]) > 0.5 * self.drift_test:
                 q = DRIFT_GRID[k].clone()
-        scale = drift["span"][order].sum(0) / max(count, 1.0)
+        scale = fleet_time_scale(drift["span"], order, self.drift_span_cap)
         if float(old["scale"]) > 0:
             scale = old["scale"].clone()  # the time scale is fixed once known
         new["drift"] = {"q": q, "scale": scale.to(F64), "seen": self._seen(new), "loglik": loglik}
@@ -538,6 +545,34 @@ def evidence_from_upload(main: Tree, server: Tree) -> Tensor:
     z = torch.linalg.solve_triangular(chol, (m - mu).unsqueeze(-1), upper=False)[..., 0]
     n = main["n"].to(F64)
     return -0.5 * (n * torch.log(2 * math.pi * s2) + logdet_a + fit / s2 + (z * z).sum(-1))
+
+
+def bound_future_scores(future: Tensor, n: Tensor, clip: float) -> Tensor:
+    """Each unit's future scores with its gains over q = 0 clipped to ± ``clip`` · n_i nats.
+
+    The server keeps the q_k of highest Σ_i s_i(q_k) (module doc, "Choosing q"); only the
+    differences s_i(q_k) − s_i(0) choose, and :func:`drift_problems` bounds s_i from above
+    only, so a unit lowering its s_i(0) would move the fleet's choice by as many nats as it
+    forges. Clipped per unit, one unit moves the fleet's gain by at most ``clip`` · n_i.
+    """
+    base = future[:, :1]
+    bound = (clip * n.to(F64).reshape(-1, 1)).expand_as(future)
+    return base + torch.maximum(torch.minimum(future - base, bound), -bound)
+
+
+def fleet_time_scale(span: Tensor, order: Tensor, cap: float) -> Tensor:
+    """The fleet's time scale T: the mean declared span, each capped at ``cap`` × the median.
+
+    One forged, huge span would otherwise make T (and so q/T) as large (small) as it likes,
+    switching the drift off; capped, it moves T by at most (cap − 1)·median/units. Honest
+    fleets whose spans lie within ``cap`` × their median get the plain mean. A median of 0
+    (most units at a single time) leaves the spans uncapped.
+    """
+    span = span.to(F64)
+    med = span.median()
+    if float(med) > 0:
+        span = span.clamp_max(cap * med)
+    return span[order].sum(0) / max(float(span.shape[0]), 1.0)
 
 
 def drift_problems(

@@ -89,6 +89,9 @@ MAX_STEP = 2.0  # N2: the longest γ step per round (scaled inputs: a factor e²
 OUTLIER_Z2 = 36.0  # N5: a row beyond 6 σ(x) of the unit's robust fit is a gross outlier
 SCALE_STEPS = 30  # N6: EM steps of the t scale's MLE (tested against scipy's fit to 1e-6)
 TAIL_PENALTY = 1.0  # N6: BIC's log Σn for ν, one parameter, times this
+# Hostile sites: each unit's d_i (N3, N6) clipped to ± this many nats per row; honest maxima
+# measured 2.1 (γ, field networks) and 1.61 (tail, humidity fleet) (docs/uncertainty.md)
+NOISE_EVIDENCE_CLIP = 4.0
 
 
 def weighted_moments(design: Tensor, y: Tensor, mask: Tensor, weight: Tensor) -> Moments:
@@ -107,6 +110,18 @@ def _rows(v: Tensor) -> Tensor:
     """A per-unit vector (clients, k) or a fleet's (k,) against rows (clients, rows, k)."""
     v = v.to(F64)
     return v.unsqueeze(-2) if v.dim() == 2 else v
+
+
+def clip_evidence(noise: Tree, n: Tensor, clip: float) -> Tree:
+    """The noise uploads with each unit's log-likelihood ratios (γ's d_i of N3, the tail's
+    d_i of N6) clipped to ± ``clip`` · n_i nats: the BIC tests add them over units, so
+    unclipped one unit could force γ or the Student-t rows by forging its d_i."""
+    bound = clip * n.to(F64).reshape(-1)
+    out = dict(noise)
+    for key in ("ratio", "tail_ratio"):
+        if key in out:
+            out[key] = torch.maximum(torch.minimum(out[key].to(F64), bound), -bound)
+    return out
 
 
 def t_weight_constant(nu: float) -> float:
@@ -229,8 +244,12 @@ class NoiseModel:
         ok = (mask.sum(1) > 1).to(F64)  # one row: nothing about the tail within the unit
         return (loglik_t - loglik_n) * ok
 
-    def _noise_updates(self, server: Tree, noise: Tree, order: Tensor, rows: Tensor) -> Tree:
-        """γ's step and test (N2–N3) and the tail's test (N6), as the model has them."""
+    def _noise_updates(
+        self, server: Tree, noise: Tree, order: Tensor, rows: Tensor, unit_rows: Tensor
+    ) -> Tree:
+        """γ's step and test (N2–N3) and the tail's test (N6), as the model has them, on each
+        unit's evidence clipped to ± NOISE_EVIDENCE_CLIP · n_i (:func:`clip_evidence`)."""
+        noise = clip_evidence(noise, unit_rows, NOISE_EVIDENCE_CLIP)
         out = self._noise_update(server, noise, order, rows) if "score" in noise else {}
         if "tail_ratio" in noise:
             out.update(self._tail_update(noise, order, rows))
