@@ -119,6 +119,9 @@ def test_settings_that_need_each_units_reply_are_refused():
     assert streamed.eligible(make(robust="full"), plain) is None
     assert "calibrated" in streamed.eligible(make(interval="calibrated"), plain)
     assert "krum" in streamed.eligible(make(), AggregationPolicy(rule="krum"))
+    # the noise model's evidence is clipped per unit (a forged unit's pull bounded by its rows)
+    assert "noise" in streamed.eligible(make(noise_tail="auto"), plain)
+    assert "noise" in streamed.eligible(make(noise_shape="inputs"), plain)
 
 
 @pytest.mark.parametrize("robust", ["check", "full"])

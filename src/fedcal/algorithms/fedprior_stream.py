@@ -29,6 +29,8 @@ class StreamedSums:
             return f"{self.name}: its server update is its own (per-unit replies)"
         if self.interval == "calibrated":
             return f"{self.name}: interval = 'calibrated' reads each unit's hold-out probes"
+        if self.noise_shape != "constant" or self.noise_tail != "gaussian":
+            return f"{self.name}: the noise model's evidence is clipped unit by unit"
         return None
 
     @property
