@@ -24,8 +24,8 @@ declines to state an interval, "declined" with its reason. Prints a Markdown tab
                                [--methods fedprior,fedprior_branch]
                                [--rounds 50] [--set noise_shape=inputs,noise_tail=student]
 
-``--set``: string-valued fedprior settings applied to every method (e.g. the noise model of
-``fedcal.algorithms.fedprior_noise``).
+``--set``: fedprior settings applied to every method (e.g. the noise model of
+``fedcal.algorithms.fedprior_noise``); digits are read as integers (``own_folds=5``).
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ def main() -> None:
             for method in args.methods.split(","):
                 cfgs = [regime_config(base, regime, design, s, args.rounds) for s in seeds]
                 settings = dict(kv.split("=", 1) for kv in args.set.split(",") if kv)
+                settings = {k: int(v) if v.isdigit() else v for k, v in settings.items()}
                 per = [run_one(c, method, not regime.endswith("nodir"), settings) for c in cfgs]
                 print(row(f"{regime}-{design}", method, per), flush=True)
     print(f"\nwall {time.perf_counter() - t0:.0f} s")
