@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from fedcal.algorithms.fedgmi import FedGMI
+from fedcal.algorithms.fedgmi import FedGMI, head_design
 from fedcal.algorithms.fedpoly import FedPoly, legendre_design
 from fedcal.core.data import ClientData
+from fedcal.core.identify import unlearned_directions, unlearned_share
 from fedcal.core.task import Task
 from fedcal.core.tree import expand
 from fedcal.models.mlp import MLP
@@ -125,3 +126,46 @@ def test_bayes_head_counts_only_the_units_its_prior_was_learned_from():
     test_x = torch.rand(6, 30, 2, generator=gen, dtype=F64) * 2 - 1
     flags = alg.client_status(server, personal, test_x, torch.ones(6, 30))
     assert flags["weak"][3:].tolist() == [True] * 3
+
+
+def test_bayes_head_units_whose_points_determine_their_predictions_are_not_weak():
+    """Units 0–3: 100 points in a narrow box |f|, |T| ≤ 0.3 of targets the frozen 16-feature
+    body fits (σ² ≈ 1e-8); units 4–7: 6 points over the whole square. 5 head directions stay
+    unlearned (support < 2), and V_i of a data-rich unit is vague along them, but its
+    points determine φᵀc in the box: knowing the unlearned coordinates removes < 1 % of its
+    predictive variance there, so none is weak. The projection (φᵀW)(WᵀV_iW)(Wᵀφ) (the
+    rule's first form) was 27 × the whole predictive variance and flagged units 0–3 (as it
+    flagged the mixed fleet's 384-point reference units, docs/statuses.md)."""
+    gen = torch.Generator().manual_seed(0)
+    c = 8
+    alg = FedGMI(
+        Task(MLP(hidden=(16,), activation="tanh")),
+        interpolation="posterior",
+        evaluate="global_body",
+        local_epochs=0,
+    )
+    server = alg.server_init(alg.task.model.init(torch.Generator().manual_seed(1), F64))
+    x = (torch.rand(c, 100, 2, generator=gen, dtype=F64) * 2 - 1) * 0.3
+    x[4:, :6] = torch.rand(4, 6, 2, generator=gen, dtype=F64) * 2 - 1
+    phi = head_design(alg.task, expand(server["model"], c), x)
+    heads = torch.randn(17, generator=gen, dtype=F64) + 0.3 * torch.randn(
+        c, 17, generator=gen, dtype=F64
+    )
+    y = (phi * heads.unsqueeze(1)).sum(-1) + 1e-4 * torch.randn(c, 100, generator=gen, dtype=F64)
+    data = ClientData(x, y.unsqueeze(-1), torch.tensor([100] * 4 + [6] * 4), tuple(range(c)))
+    states = alg.client_init(expand(alg.broadcast(server), c))
+    for _ in range(10):
+        result = alg.client_update(expand(alg.broadcast(server), c), states, data)
+        states = result.state
+        server = alg.server_update(server, result.reply, data.count)
+    personal = alg.personalize(expand(alg.broadcast(server), c), states, data)
+    test_x = (torch.rand(c, 30, 2, generator=gen, dtype=F64) * 2 - 1) * 0.3
+    weak = unlearned_directions(server["head_support"], 2.0)
+    assert weak.shape[1] == 5
+    flags = alg.client_status(server, personal, test_x, torch.ones(c, 30))
+    assert flags["weak"].tolist() == [False] * c
+    design = head_design(alg.task, personal, test_x)
+    share = unlearned_share(
+        design, personal["head_cov"], personal["noise_var"], weak, torch.ones(c, 30)
+    )
+    assert bool((share >= 0).all()) and bool((share[:4] < 0.01).all())

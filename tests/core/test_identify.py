@@ -39,3 +39,22 @@ def test_unlearned_directions_and_share_by_hand():
     torch.testing.assert_close(share, torch.tensor([2.0 / 2.6], dtype=F64))
     none = unlearned_directions(torch.eye(3, dtype=F64) * 4, 2.0)
     assert none.shape == (3, 0)
+
+
+def test_unlearned_share_is_the_variance_the_unlearned_coordinates_explain():
+    """W = e₂, V = [[1, −0.99], [−0.99, 1]], φ = (1, 1), σ² = 0.01: the points determine
+    c₁ + c₂ (φᵀVφ = 0.02) though c₂ alone is vague. Knowing c₂ removes
+    (φᵀVW)²/(WᵀVW) = 0.01² / 1 = 1e-4 of the variance (Var(c₁ | c₂) = 1 − 0.99² = 0.0199 is
+    what is left of 0.02), so s = 1e-4 / 0.03; the projection (φᵀW)²(WᵀVW) = 1 would give
+    33 × the whole predictive variance. A zero column in W (not full rank) changes nothing."""
+    phi = torch.tensor([[[1.0, 1.0]]], dtype=F64)
+    cov = torch.tensor([[[1.0, -0.99], [-0.99, 1.0]]], dtype=F64)
+    noise = torch.tensor([0.01], dtype=F64)
+    w = torch.tensor([[0.0], [1.0]], dtype=F64)
+    share = unlearned_share(phi, cov, noise, w, torch.ones(1, 1))
+    torch.testing.assert_close(share, torch.tensor([1e-4 / 0.03], dtype=F64))
+    padded = torch.tensor([[0.0, 0.0], [1.0, 0.0]], dtype=F64)
+    torch.testing.assert_close(unlearned_share(phi, cov, noise, padded, torch.ones(1, 1)), share)
+    # every direction unlearned: all of φᵀVφ, none of σ²
+    full = unlearned_share(phi, cov, noise, torch.eye(2, dtype=F64), torch.ones(1, 1))
+    torch.testing.assert_close(full, torch.tensor([0.02 / 0.03], dtype=F64))

@@ -59,7 +59,8 @@ I − (I + s²G_i/σ²)⁻¹ (s = ``prior_init_scale``) and the server sums the 
 (the units its prior was learned from, last round: ``head_support``); head directions
 fewer than ``MIN_INFORMED`` (2) units determine are unlearned (EM leaves Σ_h there at what
 it started from); a unit is ``weak`` when they carry more than half of its predictive
-variance at its evaluation inputs, Σ_rows (φᵀW)(WᵀV_iW)(Wᵀφ) / Σ_rows (φᵀV_iφ + σ²) > ½.
+variance at its evaluation inputs: the part knowing Wᵀc would remove,
+Σ_rows (φᵀV_iW)(WᵀV_iW)⁻¹(WᵀV_iφ) / Σ_rows (φᵀV_iφ + σ²) > ½ (:func:`unlearned_share`).
 The body's own weights are not judged (docs/statuses.md: neural methods).
 
 One class, :class:`FedGMIPosterior` (registered as ``fedgmi_bayes``): a :class:`FedGMI`

@@ -72,9 +72,10 @@ class PriorStatus:
 
         With W the orthonormal weak directions of the chosen basis (eigenvectors of the
         summed ``support`` below ``min_informed``, as :meth:`identification`), the share
-        of the unit's predictive variance that comes from its coefficients along W,
+        of the unit's predictive variance that its coefficients along W explain
+        (:func:`fedcal.core.identify.unlearned_share`),
 
-            s_i = Σ_rows (φᵀW)(WᵀV_iW)(Wᵀφ) / Σ_rows (φᵀV_iφ + σ_i²),
+            s_i = Σ_rows (φᵀV_iW)(WᵀV_iW)⁻¹(WᵀV_iφ) / Σ_rows (φᵀV_iφ + σ_i²),
 
         is the part of its prediction's uncertainty that the fleet's data did not learn
         (the vague ``init_scale`` prior). The unit is weak when s_i > ``WEAK_SHARE``

@@ -17,13 +17,17 @@ Two rules, shared by every method that can state them cheaply and exactly
   summed data support Σ_i [I − (I + s²G_i/σ²)⁻¹] (:func:`fedcal.core.bayes.data_support`)
   counts, per direction, the units whose own points determine it; those counted fewer than
   ``min_informed`` times (:func:`unlearned_directions`, orthonormal columns W) keep the
-  vague start. :func:`unlearned_share` is the share of a unit's predictive variance along
-  them,
+  vague start. :func:`unlearned_share` is the share of a unit's predictive variance that
+  its coefficients along them explain, the variance knowing Wᵀc would remove,
 
-      s_i = Σ_rows (φᵀW)(WᵀV_iW)(Wᵀφ) / Σ_rows (φᵀV_iφ + σ_i²),
+      Var(φᵀc) − Var(φᵀc | Wᵀc) = (φᵀV_iW)(WᵀV_iW)⁻¹(WᵀV_iφ),
+      s_i = Σ_rows (φᵀV_iW)(WᵀV_iW)⁻¹(WᵀV_iφ) / Σ_rows (φᵀV_iφ + σ_i²)   (0 ≤ s_i ≤ 1),
 
   and the unit is weak when s_i > ``UNLEARNED_SHARE`` (one half): its number is mostly
-  the starting prior's, not a calibration.
+  the starting prior's, not a calibration. (When V_i has no covariance between W and the
+  rest this is Σ_rows (φᵀW)(WᵀV_iW)(Wᵀφ) / Σ_rows (φᵀV_iφ + σ_i²); with covariance that
+  projection is not a part of the variance: a unit whose points determine φᵀc had it
+  10⁵ × its whole predictive variance, docs/statuses.md.)
 """
 
 from __future__ import annotations
@@ -64,13 +68,17 @@ def unlearned_directions(support: Tensor, min_informed: float) -> Tensor:
 def unlearned_share(
     design: Tensor, cov: Tensor, noise_var: Tensor, weak: Tensor, mask: Tensor
 ) -> Tensor:
-    """(clients,) the share of each unit's predictive variance along ``weak`` (p, k),
+    """(clients,) the share of each unit's predictive variance that its coefficients along
+    ``weak`` (p, k) explain (module doc),
 
-    Σ_rows (φᵀW)(WᵀV_iW)(Wᵀφ) / Σ_rows (φᵀV_iφ + σ_i²), over the rows ``mask`` marks;
-    ``design`` φ (clients, rows, p), ``cov`` V_i (clients, p, p), ``noise_var`` (clients,)."""
+    Σ_rows (φᵀV_iW)(WᵀV_iW)⁺(WᵀV_iφ) / Σ_rows (φᵀV_iφ + σ_i²), over the rows ``mask`` marks;
+    ``design`` φ (clients, rows, p), ``cov`` V_i (clients, p, p), ``noise_var`` (clients,).
+    The pseudo-inverse: W need not have full column rank (fedprior passes W's rows of φ)."""
     design, cov, weak = design.to(F64), cov.to(F64), weak.to(F64)
-    a = design @ weak  # (clients, rows, k)
-    along = ((a @ (weak.T @ cov @ weak)) * a).sum(-1)
+    cross = design @ (cov @ weak)  # (clients, rows, k): φᵀV_iW
+    inner = weak.T @ cov @ weak  # (clients, k, k): WᵀV_iW
+    inv = torch.linalg.pinv(0.5 * (inner + inner.transpose(-1, -2)), hermitian=True, rtol=1e-12)
+    along = ((cross @ inv) * cross).sum(-1)
     total = predictive_var(design, cov, noise_var.to(F64).reshape(-1))
     m = mask.to(F64)
     return (along * m).sum(1) / (total * m).sum(1).clamp_min(1e-300)
