@@ -72,7 +72,11 @@ Consistency (issue 21's check, :func:`drift_problems`): the evidence grid must l
 what the unit's rows allow at the broadcast σ², and at its E-step's q it must equal the
 evidence the server recomputes from the unit's uploaded posterior moments
 (:func:`evidence_from_upload`); the future scores below their bound. A forged grid is
-rejected like any inconsistent upload.
+rejected like any inconsistent upload. The future scores are bounded from above only, so
+each unit's gain over q = 0 is clipped to ± ``drift_score_clip`` × its rows before the sum
+(:func:`bound_future_scores`), and each declared span is capped at ``drift_span_cap`` × the
+median span before T is formed (:func:`fleet_time_scale`): one forged unit moves the fleet
+by a bounded amount, not arbitrarily.
 
 Use. The prediction is φ(x)ᵀm_i (a random walk has no expected direction); the predictive
 variance at time t adds the walk since t_i,
