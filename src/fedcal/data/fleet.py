@@ -126,16 +126,21 @@ class Fleet:
         t = rows[col].to_numpy(dtype=np.float64)
         bad = ~np.isfinite(t)
         if bad.any():  # the loader refuses these in files; a frame built in memory is unchecked
-            at = bad.nonzero()[0][0]
-            line = rows["source_line"].iloc[at] if "source_line" in rows.columns else None
-            place = f"line {line}" if line is not None else f"row {rows.index[at]}"
-            raise ValueError(
-                f"{self.meta.get('source', 'fleet')}: {place} (sensor "
-                f"{rows[self.client_column].iloc[at]}): column {col!r} must be a finite time, "
-                f"got {rows[col].iloc[at]!r}"
-            )
+            self._refuse_row(rows, bad, col, "a finite time")
         empty = np.zeros(0, dtype=np.float64)
         return [empty if at is None else t[at] for at in where]
+
+    def _refuse_row(self, rows: pd.DataFrame, bad: np.ndarray, col: str, expected: str) -> None:
+        """Raise the one-line error for the first ``bad`` row: source, line (or row), sensor,
+        column, what it must be and the value found."""
+        at = bad.nonzero()[0][0]
+        line = rows["source_line"].iloc[at] if "source_line" in rows.columns else None
+        place = f"line {line}" if line is not None else f"row {rows.index[at]}"
+        raise ValueError(
+            f"{self.meta.get('source', 'fleet')}: {place} (sensor "
+            f"{rows[self.client_column].iloc[at]}): column {col!r} must be {expected}, "
+            f"got {rows[col].iloc[at]!r}"
+        )
 
     def branch_signs(self, split: str) -> list[np.ndarray] | None:
         """Per client (``arrays`` order): each row's sweep sign, +1 "up", −1 "down".
@@ -154,14 +159,7 @@ class Fleet:
         per_row = np.append(by_value, np.nan)[codes]  # code −1 (a missing value): NaN
         bad = np.isnan(per_row)
         if bad.any():
-            at = bad.nonzero()[0][0]
-            line = rows["source_line"].iloc[at] if "source_line" in rows.columns else None
-            place = f"line {line}" if line is not None else f"row {rows.index[at]}"
-            raise ValueError(
-                f"{self.meta.get('source', 'fleet')}: {place} (sensor "
-                f"{rows[self.client_column].iloc[at]}): column {DIRECTION_COLUMN!r} must be "
-                f"'up' or 'down', got {rows[DIRECTION_COLUMN].iloc[at]!r}"
-            )
+            self._refuse_row(rows, bad, DIRECTION_COLUMN, "'up' or 'down'")
         signs = per_row
         empty = np.zeros(0, dtype=np.float64)
         return [empty if at is None else signs[at] for at in where]
