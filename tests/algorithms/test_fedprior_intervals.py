@@ -244,3 +244,48 @@ def test_the_note_names_both_declines_when_the_probe_and_the_own_rows_find_no_ta
     only_rich = {**server, "declined": torch.tensor(0.0, dtype=F64)}
     assert alg.interval_note(only_rich).startswith("no interval for units with at least twice")
     assert alg.interval_note({**only_rich, "disc_own": torch.tensor(0.1, dtype=F64)}) == ""
+
+
+def _own_counts_reference(alg, down, state, design, x, y, mask, able, weights):
+    """I4's counts as first built: F fits of every unit, each predicting every row."""
+    from fedcal.algorithms.fedprior_interval import TAU_GRID
+
+    inside = torch.zeros(mask.shape[0], TAU_GRID.shape[0], dtype=F64)
+    held = torch.zeros(mask.shape[0], dtype=F64)
+    fold = torch.remainder(mask.cumsum(1) - 1, alg.own_folds)
+    for k in range(alg.own_folds):
+        part = mask * (fold == k).to(F64) * able.unsqueeze(1)
+        fold_held = part if weights is None else part * weights[1]
+        inside += alg._fit_count(down, state, design, x, y, mask - part, fold_held, weights)
+        held += fold_held.sum(1)
+    return inside, held
+
+
+def test_own_fold_counts_equal_every_unit_fitted_on_every_row():
+    """I4's cheaper counts (only the units that hold out, the folds in one batch, each fit
+    predicting its own fold's rows) equal the first implementation's to the bit: uneven
+    folds (36 rows in 5 or 3), padded few-point units, with and without robust row weights
+    and outliers excluded (N5)."""
+    train, _ = grid_fleet(6, 4, seed=3, curvature=0.2, noise=(0.003, 0.03))
+    x, y, mask = train.x.to(F64), train.y[..., 0].to(F64), train.mask.to(F64)
+    gen = torch.Generator().manual_seed(0)
+    robust = (
+        0.5 + torch.rand(mask.shape, generator=gen, dtype=F64),
+        (torch.rand(mask.shape, generator=gen) > 0.1).to(F64),
+    )
+    for folds in (5, 3):
+        alg = make(interval="calibrated", own_folds=folds)
+        server, states, _, _ = run_rounds(alg, train, 3)
+        down = expand(alg.broadcast(server), train.num_clients)
+        probe = down["probe_n"].to(F64)
+        able = ((train.count.to(F64) >= 2 * probe) & (probe > 0)).to(F64)
+        assert able.tolist() == [1.0] * 6 + [0.0] * 4
+        design = alg.design(x)
+        for weights in (None, robust):
+            args = (down, states, design, x, y, mask, able, weights)
+            inside, held = alg._own_counts(*args)
+            ref_inside, ref_held = _own_counts_reference(alg, *args)
+            assert torch.equal(held, ref_held) and torch.equal(inside, ref_inside)
+            # not a trivial equality: some rows are outside at τ² = 0, all inside at the top
+            assert bool((inside[:6, 0] < held[:6]).any()) and torch.equal(inside[:, -1], held)
+            assert float(held[:6].sum()) > 0 and float(held[6:].abs().sum()) == 0

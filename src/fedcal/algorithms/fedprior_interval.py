@@ -72,6 +72,7 @@ from fedcal.algorithms.fedprior_noise import weighted_moments
 from fedcal.algorithms.fedprior_select import _masked
 from fedcal.core.bayes import (
     F64,
+    Moments,
     Posterior,
     count_within,
     mixture_mass,
@@ -80,7 +81,7 @@ from fedcal.core.bayes import (
     predictive_var,
 )
 from fedcal.core.data import ClientData
-from fedcal.core.tree import Tree
+from fedcal.core.tree import Tree, gather
 from fedcal.models.basis import legendre_products
 
 # τ² candidates of the hold-out (scaled units²: the target is scaled to O(1)): 0, then 10 per
@@ -202,18 +203,65 @@ class CalibratedInterval:
         probe_b[:, :r] = branch[:, :r] * own.unsqueeze(1)
         out = {"x": probe_x, "b": probe_b, "n": n * own, "inside": inside, "held": held.sum(1)}
         if self.own_folds:  # I4: the rich units hold out their own rows, fold by fold
-            fold = torch.remainder(mask.cumsum(1) - 1, self.own_folds)
-            out["inside_own"] = torch.zeros_like(inside)
-            out["held_own"] = torch.zeros_like(out["held"])
-            for k in range(self.own_folds):
-                part = mask * (fold == k).to(F64)
-                fold_held = part * able if weights is None else part * able * weights[1]
-                rest = mask - part
-                out["inside_own"] += self._fit_count(
-                    down, state, design, x, y, rest, fold_held, weights
-                )
-                out["held_own"] += fold_held.sum(1)
+            out["inside_own"], out["held_own"] = self._own_counts(
+                down, state, design, x, y, mask, able[:, 0], weights
+            )
         return out
+
+    def _own_counts(
+        self,
+        down: Tree,
+        state: Tree,
+        design: Tensor,
+        x: Tensor,
+        y: Tensor,
+        mask: Tensor,
+        able: Tensor,
+        weights: tuple[Tensor, Tensor] | None,
+    ) -> tuple[Tensor, Tensor]:
+        """I4's uploads: per unit, the counts per τ² of its own held-out rows inside the
+        interval, summed over the F folds (row j of the unit in fold j mod F), and how many
+        rows it held out: (clients, grid), (clients,).
+
+        Each fold's fit is I4's (the unit's posterior under the broadcast prior from its
+        other folds), but only the units that hold out (``able``: at least twice the probe's
+        rows) are fitted, the F folds in one batch, and each fit predicts only its own fold's
+        rows: the same numbers as F fits of every unit predicting every row (counts of
+        0/1 rows), at a fraction of the cost (docs/uncertainty.md, "I4's cost").
+        """
+        c, rows = mask.shape
+        f = self.own_folds
+        inside = torch.zeros(c, TAU_GRID.shape[0], dtype=F64)
+        held = torch.zeros(c, dtype=F64)
+        rich = torch.nonzero(able > 0)[:, 0]
+        if rich.numel() == 0:  # no unit holds out: nothing to count
+            return inside, held
+        m = mask.index_select(0, rich)
+        pos = m.cumsum(1) - 1  # the row's index among its unit's rows
+        part = m * (torch.remainder(pos, f).unsqueeze(0) == torch.arange(f).reshape(f, 1, 1))
+        ok = None if weights is None else weights[1].index_select(0, rich)
+        yr, dr = y.index_select(0, rich), design.index_select(0, rich)
+        w0 = None if weights is None else weights[0].index_select(0, rich)
+        # the fits, one per (fold, unit), fold-major: moments of the other folds' rows
+        fit = moments if w0 is None else lambda d, t, k: weighted_moments(d, t, k, w0)
+        sub = [fit(dr, yr, m - part[k]) for k in range(f)]
+        stats = Moments(*(torch.cat(v) for v in zip(*sub, strict=True)))
+        batch = rich.repeat(f)
+        coef, cov, noise = self._fit(gather(down, batch), gather(state, batch), stats)
+        # each fit predicts its own fold's rows only (in row order; shorter folds padded)
+        width = math.ceil(float(m.sum(1).max()) / f)
+        order = torch.argsort((part == 0).to(torch.int8), dim=-1, stable=True)[..., :width]
+        order = order.reshape(f * rich.numel(), width)
+        fold_rows = part.reshape(f * rich.numel(), rows).gather(1, order)
+        if ok is not None:  # N5: rows the robust fit marks as outliers are not counted
+            fold_rows = fold_rows * ok.repeat(f, 1).gather(1, order)
+        xs = x.index_select(0, batch)
+        xs = xs.gather(1, order.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        ys = yr.repeat(f, 1).gather(1, order)
+        counts = self._count(gather(down, batch), coef, cov, noise, xs, ys, fold_rows)
+        inside[rich] = counts.reshape(f, rich.numel(), -1).sum(0)
+        held[rich] = fold_rows.reshape(f, rich.numel(), width).sum((0, 2))
+        return inside, held
 
     def _fit_count(
         self,
@@ -228,11 +276,17 @@ class CalibratedInterval:
     ) -> Tensor:
         """Fit each unit's posterior under the broadcast prior from its ``keep`` rows alone
         and count, per τ² of :data:`TAU_GRID`, its ``held`` rows inside the interval it
-        states (I2, I4): (clients, grid)."""
+        states (I2): (clients, grid)."""
         if weights is None:
             sub = moments(design, y, keep)
         else:  # N5: the weighted fit
             sub = weighted_moments(design, y, keep, weights[0])
+        coef, cov, noise = self._fit(down, state, sub)
+        return self._count(down, coef, cov, noise, x, y, held)
+
+    def _fit(self, down: Tree, state: Tree, sub: Moments) -> tuple[Tensor, Tensor, Tensor]:
+        """A hold-out fit (I2, I4): the posterior (mean, covariance) under the broadcast prior
+        from the moments ``sub`` of the kept rows, in the basis in use, and σ_i²."""
         model = self._model_mask(down)
         stats = sub if model is None else _masked(sub, model)
         noise = self._noise(down, state)
@@ -241,6 +295,20 @@ class CalibratedInterval:
         if "mask" in down:  # as in personalize: terms outside the chosen basis are not in it
             m = down["mask"]
             coef, cov = coef * m, cov * m.unsqueeze(-1) * m.unsqueeze(-2)
+        return coef, cov, noise
+
+    def _count(
+        self,
+        down: Tree,
+        coef: Tensor,
+        cov: Tensor,
+        noise: Tensor,
+        x: Tensor,
+        y: Tensor,
+        held: Tensor,
+    ) -> Tensor:
+        """Per τ² of :data:`TAU_GRID`, how many ``held`` rows (x, y) of each unit lie inside
+        the interval a fit (coef, cov, σ_i²) states there: (clients, grid)."""
         mean, var = self._mean_var(coef, cov, noise, x, down)
         if self.branch_orders:  # the stated interval is the sweep mixture's (interval_halfwidth)
             err = (y - mean).abs().unsqueeze(-1)
