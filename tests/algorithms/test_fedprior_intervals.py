@@ -217,15 +217,21 @@ def test_tau_of_takes_the_smallest_covering_grid_value_interpolated():
     assert float(alg._tau_of(torch.full_like(TAU_GRID, 0.95))) == 0.0
 
 
-def test_own_folds_needs_two_folds_and_the_calibrated_interval():
+def test_own_folds_needs_two_folds_and_is_inert_with_the_posterior_interval():
+    """own_folds = 1 is refused; own_folds with interval = "posterior" (the shipped 5 under a
+    study that switches the interval off, e.g. client-level DP) is that interval exactly."""
     import pytest
 
     from fedcal.core.algorithm import SettingError
 
-    for bad in ({"own_folds": 1, "interval": "calibrated"}, {"own_folds": 5}):
-        with pytest.raises(SettingError, match="own_folds"):
-            make(**bad)
+    with pytest.raises(SettingError, match="own_folds"):
+        make(own_folds=1, interval="calibrated")
     assert make(own_folds=2, interval="calibrated").own_folds == 2
+    train, _ = grid_fleet(6, 4, seed=3)
+    runs = [run_rounds(make(own_folds=f), train, 3) for f in (0, 5)]
+    assert "disc_own" not in runs[1][0] and "disc_var" not in runs[1][2]
+    for key in ("coef", "cov", "noise_var"):
+        assert torch.equal(runs[0][2][key], runs[1][2][key])
 
 
 def test_the_note_names_both_declines_when_the_probe_and_the_own_rows_find_no_tau():

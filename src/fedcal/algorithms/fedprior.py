@@ -270,7 +270,8 @@ class FedPrior(
     # τ² is the smallest that covers this share of held-out rows
     coverage_target: Annotated[float, Field(ge=0.0, le=1.0)] = 0.95
     # > 0: units with ≥ 2× the probe's rows get a τ² of their own, learned by holding out
-    # their own rows in this many folds (fedprior_interval, I4); 0: they get none (I3)
+    # their own rows in this many folds (fedprior_interval, I4); 0: they get none (I3). Part
+    # of the calibrated interval: no effect with interval = "posterior" (as probe_rows)
     own_folds: Annotated[int, Field(ge=0)] = 0
     # Issue 21 (core/robust.py): "full" rejects uploads inconsistent with their declared count
     # and down-weights units far from the others' prior in the M-step; "check": the first
@@ -307,11 +308,8 @@ class FedPrior(
                 f"{list(self.branch_orders)} needs one order >= 0 per input "
                 f"({self.num_inputs} inputs), or [] for no direction term",
             )
-        if self.own_folds == 1 or (self.own_folds and self.interval != "calibrated"):
-            raise SettingError(  # I4 (fedprior_interval): a fold needs other rows to fit from
-                "own_folds",
-                f"{self.own_folds}: use 0 (off) or >= 2 folds, with interval = 'calibrated'",
-            )
+        if self.own_folds == 1:  # I4 (fedprior_interval): a fold needs other rows to fit from
+            raise SettingError("own_folds", "1: use 0 (off) or >= 2 folds")
 
     # ---- the basis ---------------------------------------------------------
     @property
