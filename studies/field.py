@@ -86,6 +86,14 @@ noise_tail = "student"
 base = "fedprior"
 noise_tail = "auto"
 
+[methods.fedprior_trim]        # Gaussian rows without the gross outliers of the t fit (N7)
+base = "fedprior"
+noise_tail = "trim"
+
+[methods.fedprior_gauss]       # Gaussian rows (noise_tail's earlier default)
+base = "fedprior"
+noise_tail = "gaussian"
+
 [methods.persensor_quad]       # each sensor's own least-squares quadratic (a stronger reference)
 base = "leastsq"
 degree = 2

@@ -307,3 +307,33 @@ def test_one_unit_forging_its_gamma_evidence_cannot_switch_gamma_off():
     bound = NOISE_EVIDENCE_CLIP * float(data.count[0])
     assert float(new["noise_ratio"]) == pytest.approx(float(d[1:].sum()) - bound, rel=1e-9)
     assert bool((new["noise_gamma"] != 0).all())  # unclipped: Σ d_i ≈ −1e6, γ = 0
+
+
+def test_trim_keeps_gaussian_weights_and_drops_only_the_t_fit_s_gross_outliers():
+    """N7 on the hand-computed case above: the same inliers as the t fit (the 7 σ row out),
+    every other row at weight 1 (no t down-weighting, no κ); on a fleet with outliers σ² is
+    the clean rows' Gaussian one (as Student-t rows'), and without outliers the fit is the
+    Gaussian model's."""
+    alg = model(noise_tail="trim")
+    x = torch.tensor([[[0.1, 0.2], [-0.5, 0.4], [0.7, -0.9], [0.0, 0.0]]], dtype=F64)
+    mu = torch.tensor([1.0, 0.2, -0.1], dtype=F64)
+    fit = (legendre_products(x, alg.terms) * mu).sum(-1)[0]
+    e = torch.tensor([0.0, 0.2, 0.6, -1.4], dtype=F64)  # 0, 1, 3, 7 σ
+    data = ClientData.from_arrays([(x[0].numpy(), (fit + e).numpy()[:, None])], (0,), F64)
+    down = expand(
+        {"mu": mu, "sigma": 1e-14 * torch.eye(3, dtype=F64), "noise_var": torch.tensor(0.04)}, 1
+    )
+    weight, inlier = alg._row_weights(down, data, alg.design(data.x))
+    assert weight[0].tolist() == [1.0, 1.0, 1.0, 0.0] and inlier[0].tolist() == weight[0].tolist()
+    dirty = planted((0.0, 0.0), units=20, seed=2, outliers=0.05)
+    clean = planted((0.0, 0.0), units=20, seed=2)
+    plain = run_rounds(model(), clean, 8)
+    trim = model(noise_tail="trim")
+    f = float((dirty.y - clean.y).abs().gt(0.5).double().sum() / dirty.count.sum())
+    trimmed = float(run_rounds(trim, dirty, 8).server["noise_var"])
+    true = float(plain.server["noise_var"])
+    assert abs(trimmed / true / (1 - f) - 1) < 0.05, (f, trimmed, true)  # outliers out of σ²
+    # without outliers no row is cut at the Gaussian fit's prior: the fit is the Gaussian one
+    down = expand(trim.broadcast(plain.server), clean.num_clients)
+    weight, _ = trim._row_weights(down, clean, trim.design(clean.x))
+    assert torch.equal(weight, clean.mask.to(F64))

@@ -227,7 +227,8 @@ class FedPrior(
     noise_shape: Literal["constant", "inputs"] = "constant"
     # "student": t-distributed rows by EM weights (N4), outliers neither pull nor inflate σ²
     # "auto": t rows only while the fleet's likelihood under them beats BIC (N6)
-    noise_tail: Literal["gaussian", "student", "auto"] = "gaussian"
+    # "trim": Gaussian rows without the gross outliers of the unit's t fit (N7)
+    noise_tail: Literal["gaussian", "student", "auto", "trim"] = "gaussian"
     noise_dof: Annotated[float, Field(gt=2.0)] = 4.0  # ν of the Student-t rows
     # prior std of every coefficient, and the noise std, before any data (scaled units)
     init_scale: Annotated[float, Field(gt=0.0)] = 1.0

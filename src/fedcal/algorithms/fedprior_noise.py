@@ -66,6 +66,14 @@ N6. **The tail chosen by the fleet's data** (``noise_tail = "auto"``): each roun
     before residuals are the fleet's (measured: it chose t on every fleet tried; round 1's
     evidence reversed it where t was not kept). The last round's choice is the model's and
     travels in ``prior.json`` (``noise_student``).
+N7. **Gross outliers out, Gaussian rows** (``noise_tail = "trim"``): the unit runs N4's
+    t fit only to judge its rows (robust: an outlier does not pull the fit it is judged
+    by); a row beyond 6 σ(x) of it (N5's gross outlier) gets weight 0, every other row
+    its Gaussian weight ω_r (no t down-weighting, no κ_ν). The moments, σ² and γ are then
+    the Gaussian model's over the inliers; under Gaussian noise a share 2·10⁻⁹ of rows is
+    cut. It separates N4's two effects: the soft t weights of the bulk of the rows
+    (measured to cost RMSE on field networks whose large residuals are real) and the
+    removal of gross outliers (what a few bad calibration points need).
 Use: the predictive variance is φᵀVφ + σ_i² exp(γᵀ g(x)) (+ τ²) at the query input
 (:meth:`NoiseModel.noise_excess` adds σ_i²(exp(γᵀg) − 1) to the constant-noise form, which
 the linear exports reproduce only with γ = 0: they refuse otherwise).
@@ -142,7 +150,7 @@ class NoiseModel:
         while the fleet's evidence chose it (N6; round 0 and a model without it: Gaussian)."""
         if self.noise_tail == "auto":
             return "noise_student" in down and bool((down["noise_student"] > 0.5).all())
-        return self.noise_tail == "student"
+        return self.noise_tail in ("student", "trim")
 
     @cached_property
     def _kappa(self) -> float:
@@ -210,6 +218,8 @@ class NoiseModel:
             r = (weight * mask * self._expected_sq(design, y, post)).sum(1)
             scale = self._sensor_noise(r, stats.n, fleet)
         inlier = (z2 <= OUTLIER_Z2).to(F64)
+        if self.noise_tail == "trim":  # N7: Gaussian rows, the t fit's gross outliers out
+            return omega * inlier, inlier
         return weight, inlier
 
     def _tail_ratio(self, down: Tree, data: ClientData, design: Tensor) -> Tensor:
