@@ -77,7 +77,7 @@ from fedcal.core.bayes import (
     count_within,
     mixture_mass,
     moments,
-    posterior,
+    posterior_moments,
     predictive_var,
 )
 from fedcal.core.data import ClientData
@@ -247,7 +247,9 @@ class CalibratedInterval:
         sub = [fit(dr, yr, m - part[k]) for k in range(f)]
         stats = Moments(*(torch.cat(v) for v in zip(*sub, strict=True)))
         batch = rich.repeat(f)
-        coef, cov, noise = self._fit(gather(down, batch), gather(state, batch), stats)
+        # the broadcast's rows the fits read (not the BIC candidates' priors)
+        down = gather({k: v for k, v in down.items() if k != "cand"}, batch)
+        coef, cov, noise = self._fit(down, gather(state, batch), stats)
         # each fit predicts its own fold's rows only (in row order; shorter folds padded)
         width = math.ceil(float(m.sum(1).max()) / f)
         order = torch.argsort((part == 0).to(torch.int8), dim=-1, stable=True)[..., :width]
@@ -258,7 +260,7 @@ class CalibratedInterval:
         xs = x.index_select(0, batch)
         xs = xs.gather(1, order.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         ys = yr.repeat(f, 1).gather(1, order)
-        counts = self._count(gather(down, batch), coef, cov, noise, xs, ys, fold_rows)
+        counts = self._count(down, coef, cov, noise, xs, ys, fold_rows)
         inside[rich] = counts.reshape(f, rich.numel(), -1).sum(0)
         held[rich] = fold_rows.reshape(f, rich.numel(), width).sum((0, 2))
         return inside, held
@@ -290,8 +292,7 @@ class CalibratedInterval:
         model = self._model_mask(down)
         stats = sub if model is None else _masked(sub, model)
         noise = self._noise(down, state)
-        post = posterior(stats, down["mu"], down["sigma"], noise)
-        coef, cov = post.mean, post.cov
+        coef, cov = posterior_moments(stats, down["mu"], down["sigma"], noise)
         if "mask" in down:  # as in personalize: terms outside the chosen basis are not in it
             m = down["mask"]
             coef, cov = coef * m, cov * m.unsqueeze(-1) * m.unsqueeze(-2)

@@ -135,21 +135,10 @@ def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Poste
     gram, rhs, yy, n = m
     c, p = rhs.shape
     mu = mu.to(F64).expand(c, p)
-    sigma = sigma.to(F64).expand(c, p, p)
     s2 = noise_var.to(F64).reshape(c, 1, 1)
-    chol, jitter_sigma = safe_cholesky(sigma)  # L (never fails: see safe_cholesky)
+    w = _whitened(m, mu, sigma, noise_var)
+    chol, b, a_chol, g, z, mean, cov = w.chol, w.b, w.a_chol, w.g, w.z, w.mean, w.cov
     eye = torch.eye(p, dtype=F64)
-    lg = chol.transpose(1, 2) @ gram @ chol / s2
-    b = 0.5 * (lg + lg.transpose(1, 2))  # B = LᵀGL/σ², symmetric by construction
-    a = eye + b
-    a_chol, jitter_a = safe_cholesky(a)
-    resid_rhs = rhs - (gram @ mu.unsqueeze(-1))[..., 0]  # Φᵀ(y − Φμ)
-    g = (chol.transpose(1, 2) @ resid_rhs.unsqueeze(-1)) / s2
-    z = torch.cholesky_solve(g, a_chol)
-    mean = mu + (chol @ z)[..., 0]
-    a_inv = torch.cholesky_inverse(a_chol)
-    cov = chol @ a_inv @ chol.transpose(1, 2)
-    cov = 0.5 * (cov + cov.transpose(1, 2))
     # In whitened coordinates, with B = LᵀGL/σ² = A − I (Woodbury):
     #   Lᵀ Φᵀ C⁻¹ Φ L = A⁻¹ B   and   Lᵀ Φᵀ C⁻¹ (y − Φμ) = A⁻¹ g = z̄.
     # A⁻¹B is a solve, not a difference: the direct (G − G L A⁻¹ Lᵀ G/σ²)/σ² cancels
@@ -173,8 +162,53 @@ def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Poste
     loglik = -0.5 * (
         n * torch.log(2 * math.pi * s2f) + logdet_a + quad / s2f - (g * z).sum((-2, -1))
     )
-    jitter = torch.maximum(jitter_sigma, jitter_a)
+    jitter = torch.maximum(w.jitter_sigma, w.jitter_a)
     return Posterior(mean, cov, gls_gram, gls_rhs[..., 0], rss, loglik, jitter)
+
+
+class _Whitened(NamedTuple):
+    chol: Tensor
+    b: Tensor
+    a_chol: Tensor
+    g: Tensor
+    z: Tensor
+    mean: Tensor
+    cov: Tensor
+    jitter_sigma: Tensor
+    jitter_a: Tensor
+
+
+def _whitened(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> _Whitened:
+    """:func:`posterior`'s whitened solve: L, B, chol(A), g, z̄, and the posterior mean and
+    covariance (its docstring's equations)."""
+    gram, rhs = m.gram, m.rhs
+    c, p = rhs.shape
+    mu = mu.to(F64).expand(c, p)
+    sigma = sigma.to(F64).expand(c, p, p)
+    s2 = noise_var.to(F64).reshape(c, 1, 1)
+    chol, jitter_sigma = safe_cholesky(sigma)  # L (never fails: see safe_cholesky)
+    eye = torch.eye(p, dtype=F64)
+    lg = chol.transpose(1, 2) @ gram @ chol / s2
+    b = 0.5 * (lg + lg.transpose(1, 2))  # B = LᵀGL/σ², symmetric by construction
+    a = eye + b
+    a_chol, jitter_a = safe_cholesky(a)
+    resid_rhs = rhs - (gram @ mu.unsqueeze(-1))[..., 0]  # Φᵀ(y − Φμ)
+    g = (chol.transpose(1, 2) @ resid_rhs.unsqueeze(-1)) / s2
+    z = torch.cholesky_solve(g, a_chol)
+    mean = mu + (chol @ z)[..., 0]
+    a_inv = torch.cholesky_inverse(a_chol)
+    cov = chol @ a_inv @ chol.transpose(1, 2)
+    cov = 0.5 * (cov + cov.transpose(1, 2))
+    return _Whitened(chol, b, a_chol, g, z, mean, cov, jitter_sigma, jitter_a)
+
+
+def posterior_moments(
+    m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor
+) -> tuple[Tensor, Tensor]:
+    """:func:`posterior`'s mean and covariance alone (the same operations, so the same bits),
+    without the M-step's GLS terms and the evidence: for fits that only predict."""
+    w = _whitened(m, mu, sigma, noise_var)
+    return w.mean, w.cov
 
 
 def data_support(gram: Tensor, noise_var: Tensor, scale: float) -> Tensor:
