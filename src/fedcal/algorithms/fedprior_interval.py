@@ -40,7 +40,8 @@ I3. **Units that get it, and the decline.** A unit with fewer than 2K rows (the
     from ``prior.json`` (``fedcal calibrate``) gets the same τ² by the same rule,
     and none (declined) if it has fewer rows than the probe (or the fleet had no
     unit of at most ``probe_rows`` rows): its model error was never learned.
-I4. **The rich units' own-row τ² (opt-in, ``own_folds`` = F > 0).** A unit with at
+I4. **The rich units' own-row τ² (``own_folds`` = F > 0; the shipped configurations' 5,
+    the dataclass's 0 = off).** A unit with at
     least 2K rows also splits its own rows into F folds (row j of the unit in fold
     j mod F), fits its posterior under the current prior from the other folds, and
     counts for each τ² of :data:`TAU_GRID` the fold's rows within the interval I2
@@ -50,7 +51,10 @@ I4. **The rich units' own-row τ² (opt-in, ``own_folds`` = F > 0).** A unit wit
     with at least 2K rows predict with variance φᵀV_iφ + σ_i² + τ²_own. If no τ² of
     the grid covers, those units state no interval (:data:`DECLINE` 6). It learns
     what I3 assumes away: model error between a rich unit's own points and the
-    uncertainty of its σ_i² (measured on the humidity fleet, docs/uncertainty.md).
+    uncertainty of its σ_i² (measured on the humidity fleet, docs/uncertainty.md). Cost:
+    only units with at least 2K rows are fitted, the F folds in one batch, each fit
+    predicting its own fold's rows (:meth:`~CalibratedInterval._own_counts`; the same
+    counts as F fits of every unit predicting every row, tested to the bit).
 
 :class:`CalibratedInterval` is a mixin of :class:`~fedcal.algorithms.fedprior.FedPrior`: the
 server's interval state (:meth:`~CalibratedInterval._interval_init`), a unit's hold-out
