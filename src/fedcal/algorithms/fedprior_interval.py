@@ -231,7 +231,7 @@ class CalibratedInterval:
         other folds), but only the units that hold out (``able``: at least twice the probe's
         rows) are fitted, the F folds in one batch, and each fit predicts only its own fold's
         rows: the same numbers as F fits of every unit predicting every row (counts of
-        0/1 rows), at a fraction of the cost (docs/uncertainty.md, "I4's cost").
+        0/1 rows), at a fraction of the cost (docs/uncertainty.md, "I4 by default").
         """
         c, rows = mask.shape
         f = self.own_folds
