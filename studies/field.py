@@ -90,10 +90,6 @@ noise_tail = "auto"
 base = "fedprior"
 noise_tail = "trim"
 
-[methods.fedprior_gauss]       # Gaussian rows (noise_tail's earlier default)
-base = "fedprior"
-noise_tail = "gaussian"
-
 [methods.persensor_quad]       # each sensor's own least-squares quadratic (a stronger reference)
 base = "leastsq"
 degree = 2
