@@ -88,7 +88,13 @@ variance at time t adds the walk since t_i,
 calibration inputs, v̄(t) = v̄₀ + d̄ (t − t_i), reaches ``recalibrate_ratio``² times v̄₀,
 i.e. its σ has grown by that factor: t_i + (ratio² − 1) v̄₀ / d̄ (empty when q = 0: never).
 
-Reduction: with q = 0 (planted or learned) every moment is fedprior's exactly, and so are
+Short co-locations (``short_colocation = "holdout"``, :mod:`~fedcal.algorithms.fedprior_short`):
+a unit whose calibration span is below twice the fleet's shortest is in the short class; the
+long units emulate such a co-location on their own rows, and the fleet learns how much the
+class's own rows weigh (w*), how fast its relation ages (q_s) and its τ²_s (steps S1–S4).
+
+Reduction: with q = 0 (planted or learned) and no short class (no unit has twice the
+shortest span, or ``short_colocation = "off"``) every moment is fedprior's exactly, and so are
 the predictions and intervals. Without a time column (e.g. chamber data) no unit has a
 span, q stays 0 and the run is fedprior's; ``prior.json`` says so (``drift.note``).
 Simplifications: the noise level in R̄ is the fleet's (also with ``noise = "sensor"``); the
