@@ -26,7 +26,9 @@ ROWS = [30, 24, 28, 26, 30, 22]
 
 def drifting_fleet(make_fleet) -> Fleet:
     """The toy fleet with a time column (days, test rows after the train rows) and each
-    sensor's gain walking in time: a drift fedprior_drift can learn (q > 0)."""
+    sensor's gain walking in time: a drift fedprior_drift can learn (q > 0). The last
+    sensor's rows are 6 h apart (the others' a day): a short co-location, so the long units
+    emulate it (fedprior_short) on Flower too."""
     fleet = make_fleet(num_clients=6, train=ROWS, test=8, seed=3)
     frame = fleet.frame.copy()
     rng = np.random.default_rng(7)
@@ -37,7 +39,8 @@ def drifting_fleet(make_fleet) -> Fleet:
             np.flatnonzero(rows["split"] == "train"), np.flatnonzero(rows["split"] == "test")
         ]
         days = np.empty(len(rows))
-        days[order] = np.arange(len(rows), dtype=float)
+        step = 0.25 if len(rows) == ROWS[-1] + 8 else 1.0  # the last sensor: a short span
+        days[order] = step * np.arange(len(rows), dtype=float)
         walk = np.cumsum(rng.normal(0.0, 0.03, len(rows)))[np.argsort(np.argsort(days))]
         t[frame.index.get_indexer(idx)] = days
         frame.loc[idx, "frequency_hz"] += walk * rows["pressure_hpa"].to_numpy()
@@ -76,6 +79,8 @@ def test_fedprior_drift_on_flower_equals_the_simulator(make_fleet, tmp_path) -> 
     final = pd.DataFrame(fed.final_rows())
     assert np.isfinite(final["test_pred_sd"].to_numpy(float)).all()
     _assert_same_as_simulator(fed, res, cfgs, 23)
+    short = res.server["drift"]["short"]  # the short co-location step ran (S2 held rows)
+    assert float(short["held"]) > 0 and float(fed.server["drift"]["short"]["held"]) > 0
     # recalibrate_at: each site computes it from its units' personalized models and
     # calibration rows (which stay there); the ServerApp's final table (result.json) carries
     # what fedcal run writes to per_sensor.csv from the simulator (experiment: unit_columns).
