@@ -20,10 +20,11 @@ S2. **Emulation, each long unit.** Its future period is the last ``drift_holdout
     broadcast prior, it forms the posterior with its data's weight tempered by w for each w
     of :data:`TEMPER_GRID` (moments w·G, w·b: w = 1 the unit's posterior, w = 0 the fleet's
     relation μ), and predicts every row r of its future period as it would in use: mean
-    φ_rᵀm_w, variance v = σ² + φ_rᵀV_wφ_r + (q_s/T)(t_r − t_w)φ_rᵀΣ_dφ_r, t_w the window's
-    end (the walk of :mod:`~fedcal.algorithms.fedprior_drift` with a rate of its own: what a
-    short co-location's relation loses with time — the seasons it did not see — grows with
-    the time since it, as a walk's). It uploads, per w, the summed squared error; per w and
+    φ_rᵀm_w, variance v = σ² [+ τ²] + φ_rᵀV_wφ_r + ((q + q_s)/T)(t_r − t_w)φ_rᵀΣ_dφ_r,
+    t_w the window's end, τ² the probe's (I2) when the window holds fewer than twice its
+    rows (as in use), q the fleet's walk and q_s ≥ 0 an extra rate of the short class: what
+    a short co-location's relation loses with time — the seasons it did not see — grows
+    with the time since it, as a walk's. It uploads, per w, the summed squared error; per w and
     q_s of :data:`~fedcal.algorithms.fedprior_drift.DRIFT_GRID`, the summed log density
     log N(y_r; φ_rᵀm_w, v); at the broadcast (w*, q_s*), per τ² of
     :data:`~fedcal.algorithms.fedprior_interval.TAU_GRID`, how many rows lie within
@@ -33,12 +34,12 @@ S3. **Server.** w* minimizes the fleet's summed squared error (ties: the larger 
     ½ ``drift_test`` nats (else 0); τ²_s is the smallest τ² whose pooled coverage reaches
     ``coverage_target`` (linear between grid values; none: NaN), at the (w*, q_s*) of the
     round before (one round behind, as the uploads are formed at the broadcast). No long
-    unit: w* = 1, q_s* = q, τ²_s = 0: the short class is fedprior_drift's as before.
+    unit: w* = 1, q_s* = 0, τ²_s = 0: the short class is fedprior_drift's as before.
 S4. **Use, each unit of the short class.** Its posterior is formed with weight w* on its
-    own rows (the same tempering as S2); its σ grows after t_i at the rate q_s*/T (its
-    ``recalibrate_at`` follows) and its interval adds τ²_s instead of the probe's τ² (I2
-    matches designs in input space, not in time); with τ²_s NaN it states no interval.
-    Long units are unchanged.
+    own rows (the same tempering as S2); its σ grows after t_i at the rate (q + q_s*)/T (its
+    ``recalibrate_at`` follows) and its interval adds τ²_s to what it states otherwise (the
+    probe's τ² matches designs in input space, not in time); with τ²_s NaN it states no
+    interval. Long units are unchanged.
 
 w is the fleet's answer to "as much as its data warrant": learned from future periods of
 units that have them, never tuned to a generator. A unit whose short window happens to span
@@ -142,7 +143,12 @@ class ShortColocation:
         mu = down["mu"].to(F64).repeat_interleave(w_n, 0)
         sigma = down["sigma"].to(F64).repeat_interleave(w_n, 0)
         now = int(torch.argmin((TEMPER_GRID - short["temper"].to(F64).reshape(-1)[0]).abs()))
+        q_fleet = down["drift"]["q"].to(F64).reshape(-1)[0]  # every unit's walk (q_s: extra)
         q_now = short["q"].to(F64).reshape(-1)[0]
+        probe = down.get("probe_n")
+        probe = torch.tensor(0.0, dtype=F64) if probe is None else probe.to(F64).reshape(-1)[0]
+        tau_probe = down.get("disc_var")
+        tau_probe = 0.0 if tau_probe is None else tau_probe.to(F64).reshape(-1)[0]
         tw = TEMPER_GRID.reshape(1, -1)
         # the unit's future period: the last drift_holdout of its span (as the drift's check)
         future = (t > (t_last - self.drift_holdout * span).unsqueeze(1)).to(F64)
@@ -162,13 +168,16 @@ class ShortColocation:
                 (base.yy.unsqueeze(1) * tw).reshape(-1),
                 base.n.repeat_interleave(w_n, 0),
             )
+            # a window of fewer than twice the probe's rows states the probe's τ² in use (I3)
+            small = (keep.sum(1) < 2 * probe).to(F64) * (probe > 0).to(F64)
             post = posterior(stats, mu, sigma, noise.repeat_interleave(w_n, 0))
             mean = post.mean.reshape(c, w_n, p)
             cov = post.cov.reshape(c, w_n, p, p)
             pred = torch.einsum("crp,cwp->cwr", design, mean)
             spread = ((design.unsqueeze(1) @ cov) * design.unsqueeze(1)).sum(-1)
-            base_var = noise.reshape(-1, 1, 1) + spread  # (c, W, rows)
-            aged = (t - end.unsqueeze(1)).clamp_min(0.0) * walk  # (c, rows): × q_s
+            base_var = (noise + small * tau_probe).reshape(-1, 1, 1) + spread  # (c, W, rows)
+            aged = (t - end.unsqueeze(1)).clamp_min(0.0) * walk  # (c, rows): × (q + q_s)
+            base_var = base_var + q_fleet * aged.unsqueeze(1)
             err2 = (y.unsqueeze(1) - pred) ** 2
             out["sse"] += (err2 * held.unsqueeze(1)).sum(-1)
             for qi in range(q_n):
@@ -226,16 +235,14 @@ class ShortColocation:
             return out
         sh = down["drift"]["short"]
         scale = down["drift"]["scale"].to(F64).reshape(-1)[0]
-        rate = sh["q"].to(F64).reshape(-1)[0] / scale
+        rate = (down["drift"]["q"].to(F64).reshape(-1)[0] + sh["q"].to(F64).reshape(-1)[0]) / scale
         if "drift_rate" in out:
             out["drift_rate"] = torch.where(short, rate, out["drift_rate"])
         if "disc_var" not in out:
             return out
         tau = sh["tau"].to(F64).reshape(-1)[0]
-        out["disc_var"] = torch.where(short, torch.nan_to_num(tau, nan=0.0), out["disc_var"])
-        # declined for a short unit: the weak directions, no noise dof (code 1), no τ²_s
-        code = down["declined"].to(F64).expand_as(out["declined"])
-        weak = self.weak_units(down, out["cov"], out["noise_var"], data)
-        own = weak | (code == 1) | bool(math.isnan(float(tau)))
-        out["declined"] = torch.where(short, own.to(F64), out["declined"])
+        out["disc_var"] = out["disc_var"] + torch.where(short, torch.nan_to_num(tau, nan=0.0), 0.0)
+        # declined for a short unit also when no τ²_s covered
+        if math.isnan(float(tau)):
+            out["declined"] = torch.where(short, 1.0, out["declined"].to(F64))
         return out
