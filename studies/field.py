@@ -107,6 +107,10 @@ base = "fedprior_drift"
 drift_prior = "walk"
 drift_fit = "evidence"
 
+[methods.fedprior_drift_noshort] # without the short co-location step (fedprior_short S1–S4)
+base = "fedprior_drift"
+short_colocation = "off"
+
 [methods.pooled_quad]          # one fleet-wide least-squares quadratic
 base = "leastsq"
 degree = 2

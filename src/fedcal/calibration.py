@@ -530,6 +530,12 @@ def prior_server(prior: dict[str, Any], scaler: Scaler) -> Tree:
         for key, name in (("disc_var", "discrepancy_var"), ("probe_n", "probe_rows")):
             server[key] = torch.tensor(float(iv[name]), dtype=F64)
         server["declined"] = torch.tensor(float(iv["declined"]), dtype=F64)
+        if "weak_projector" in iv:  # I3: each new unit's own test (FedPrior.weak_units)
+            weak = torch.tensor(iv["weak_projector"], dtype=F64)
+            k = len(prior["mu"])
+            if tuple(weak.shape) != (k, k) or not bool(torch.isfinite(weak).all()):
+                raise ValueError(f"prior.json: interval.weak_projector: expected {k}×{k} numbers")
+            server["weak_proj"] = weak
         if "discrepancy_var_own" in iv:  # fedprior I4: null = no τ² covered (declined)
             own = iv["discrepancy_var_own"]
             server["disc_own"] = torch.tensor(math.nan if own is None else float(own), dtype=F64)
@@ -557,6 +563,21 @@ def prior_server(prior: dict[str, Any], scaler: Scaler) -> Tree:
             "scale": torch.tensor(float(drift["time_scale"]), dtype=F64),
             "seen": torch.tensor(drift["seen"], dtype=F64),
         }
+        if "short" in drift:  # a short co-location's weight and τ² (fedprior_short, S4)
+            short = drift["short"]
+            tau = math.nan if short["tau"] is None else float(short["tau"])
+            values = [float(short[k]) for k in ("window", "temper", "held", "q")]
+            if not all(map(math.isfinite, values)) or not 0 <= values[1] <= 1:
+                raise ValueError(
+                    "prior.json: drift.short: expected finite numbers, temper in [0, 1]"
+                )
+            server["drift"]["short"] = {
+                "window": torch.tensor(values[0], dtype=F64),
+                "temper": torch.tensor(values[1], dtype=F64),
+                "tau": torch.tensor(tau, dtype=F64),
+                "held": torch.tensor(values[2], dtype=F64),
+                "q": torch.tensor(values[3], dtype=F64),
+            }
     return server
 
 

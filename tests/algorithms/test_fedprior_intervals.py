@@ -295,3 +295,40 @@ def test_own_fold_counts_equal_every_unit_fitted_on_every_row():
             # not a trivial equality: some rows are outside at τ² = 0, all inside at the top
             assert bool((inside[:6, 0] < held[:6]).any()) and torch.equal(inside[:, -1], held)
             assert float(held[:6].sum()) > 0 and float(held[6:].abs().sum()) == 0
+
+
+def test_weak_directions_decline_only_the_units_whose_variance_they_carry():
+    """Two inputs that read the same (x2 = x1 + 1e-3 noise, as a second optical channel) on a
+    total-degree-2 basis: no unit's points determine the products of their difference, so
+    the basis has weakly identified directions W. The fleet's units stay on that line and
+    barely project on W: each gets an interval (before: every unit declined, code 5). A unit
+    used off the line (x2 = −x1), whose coefficients the fleet's prior alone sets (V = Σ:
+    vague along W), is declined; on the line the same prior is not."""
+    gen = torch.Generator().manual_seed(5)
+    train, test = [], []
+    for i in range(12):
+        x1 = 2 * torch.rand(60, generator=gen, dtype=F64) - 1
+        x = torch.stack([x1, x1 + 1e-3 * torch.randn(60, generator=gen, dtype=F64)], 1)
+        y = (0.3 + 0.1 * i / 12) + (1.0 + 0.05 * i / 12) * x1 + 0.2 * x1**2
+        y = y + 0.02 * torch.randn(60, generator=gen, dtype=F64)
+        rows = 12 if i % 2 else 40  # the 12-row units: the probe's design (I2)
+        train.append((x[:rows].numpy(), y[:rows].unsqueeze(-1).numpy()))
+        test.append((x[40:].numpy(), y[40:].unsqueeze(-1).numpy()))
+    seeds = tuple(range(12))
+    train_d = ClientData.from_arrays(train, seeds, F64)
+    test_d = ClientData.from_arrays(test, seeds, F64)
+    alg = FedPrior(Task(MLP()), basis="total", degree=2, interval="calibrated")
+    server, _, personal, _ = run_rounds(alg, train_d, 15)
+    assert alg.identification(server)["weak_directions"] >= 1
+    assert bool((server["weak_proj"] != 0).any()) and int(server["declined"]) != 5
+    assert personal["declined"].eq(0).all()
+    assert torch.isfinite(alg.predictive_std(personal, test_d.x)).all()
+    assert "directions the fleet's points do not identify" in alg.interval_note(server)
+    down = alg.broadcast(server)
+    prior_cov = server["sigma"].expand(2, -1, -1)
+    rows = [[[0.4, -0.4], [0.6, -0.6]], [[0.4, 0.4], [0.6, 0.6]]]  # off the line, on it
+    used = ClientData.from_arrays(
+        [(torch.tensor(r, dtype=F64).numpy(), torch.zeros(2, 1).numpy()) for r in rows], (0, 1), F64
+    )
+    weak = alg.weak_units(down, prior_cov, server["noise_var"], used)
+    assert weak.tolist() == [True, False]

@@ -870,9 +870,11 @@ class FedPrior(
             own = down.get("disc_own", torch.tensor(0.0, dtype=F64)).to(F64)
             rich_var = torch.nan_to_num(own, nan=0.0).expand_as(n)
             out["disc_var"] = torch.where(small, down["disc_var"].to(F64), rich_var)
-            fleet_wide = (code == 1) | (code == 5)
             lost = ~small & torch.isnan(own) & (probe > 0)
-            out["declined"] = (fleet_wide | (small & (code > 1)) | unknown | lost).to(F64)
+            # I3: weakly identified directions decline the units they carry (weak_units)
+            weak = self.weak_units(down, cov, out["noise_var"], data)
+            declined = (code == 1) | weak | (small & (code > 1) & (code != 5)) | unknown | lost
+            out["declined"] = declined.to(F64)
         out["box"] = self._unit_box(down.get("box"), data)
         if self.noise_shape == "inputs":  # σ²(x) = σ_i² exp(γᵀx) (fedprior_noise)
             gamma = down.get("noise_gamma", torch.zeros(self.num_inputs, dtype=F64))

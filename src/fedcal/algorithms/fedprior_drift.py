@@ -88,7 +88,13 @@ variance at time t adds the walk since t_i,
 calibration inputs, v̄(t) = v̄₀ + d̄ (t − t_i), reaches ``recalibrate_ratio``² times v̄₀,
 i.e. its σ has grown by that factor: t_i + (ratio² − 1) v̄₀ / d̄ (empty when q = 0: never).
 
-Reduction: with q = 0 (planted or learned) every moment is fedprior's exactly, and so are
+Short co-locations (``short_colocation = "holdout"``, :mod:`~fedcal.algorithms.fedprior_short`):
+a unit whose calibration span is below twice the fleet's shortest is in the short class; the
+long units emulate such a co-location on their own rows, and the fleet learns how much the
+class's own rows weigh (w*), how fast its relation ages (q_s) and its τ²_s (steps S1–S4).
+
+Reduction: with q = 0 (planted or learned) and no short class (no unit has twice the
+shortest span, or ``short_colocation = "off"``) every moment is fedprior's exactly, and so are
 the predictions and intervals. Without a time column (e.g. chamber data) no unit has a
 span, q stays 0 and the run is fedprior's; ``prior.json`` says so (``drift.note``).
 Simplifications: the noise level in R̄ is the fleet's (also with ``noise = "sensor"``); the
@@ -108,6 +114,7 @@ from pydantic import Field
 from torch import Tensor
 
 from fedcal.algorithms.fedprior import FedPrior
+from fedcal.algorithms.fedprior_short import SHORT_WINDOWS, ShortColocation
 from fedcal.core.algorithm import ClientResult, SettingError
 from fedcal.core.bayes import F64, Moments, moments, posterior, safe_cholesky
 from fedcal.core.data import ClientData
@@ -120,7 +127,7 @@ NO_TIME = "no time column: q = 0, fedprior's model (give the data --time-column 
 
 
 @dataclass(frozen=True)
-class FedPriorDrift(FedPrior):
+class FedPriorDrift(ShortColocation, FedPrior):
     # B: bins of a unit's calibration span within which the walk is held; 0: as many as the
     # basis affords (BIN_SIZE). Measured on a planted fleet (1 input, 2 terms): 8 bins put
     # the within-bin drift into σ (0.060 for a planted 0.05) and 30 bins 0.055.
@@ -146,10 +153,17 @@ class FedPriorDrift(FedPrior):
     # Hostile sites: a declared span counts at most this many times the fleet's median span
     # in the time scale T (:func:`fleet_time_scale`).
     drift_span_cap: Annotated[float, Field(gt=1.0)] = 32.0
+    # Short co-locations (fedprior_short, S1–S4): "holdout", the long units emulate the
+    # fleet's shortest span and the fleet learns how much a short unit's own rows weigh and
+    # its τ²; "off": a short unit's posterior is fedprior_drift's like any other.
+    short_colocation: Literal["holdout", "off"] = "holdout"
 
     name = "fedprior_drift"
     # A unit's drift evidences grow with its rows, like its residual terms: not screened.
     unscreened_replies = (*FedPrior.unscreened_replies, "drift/")
+
+    def _q_grid(self) -> Tensor:  # fedprior_short's q_s grid: the drift's own
+        return DRIFT_GRID
 
     # ---- time ------------------------------------------------------------------------
     @staticmethod
@@ -271,8 +285,9 @@ class FedPriorDrift(FedPrior):
         return self._walk_moments(down, data)
 
     def _personal_moments(self, down: Tree, data: ClientData) -> Moments:
-        """A unit's posterior at t_i: its moments whitened by the broadcast q (module doc)."""
-        return self._walk_moments(down, data)
+        """A unit's posterior at t_i: its moments whitened by the broadcast q (module doc),
+        a short co-location's tempered by the fleet's w* (fedprior_short, S4)."""
+        return self._short_personal(down, data, self._walk_moments(down, data))
 
     def _walk_moments(self, down: Tree, data: ClientData) -> Moments:
         """The moments whitened by the broadcast drift q (static at q = 0)."""
@@ -294,13 +309,17 @@ class FedPriorDrift(FedPrior):
             "seen": torch.eye(self.num_features, dtype=F64),
             "loglik": torch.zeros_like(DRIFT_GRID),
             "future": torch.zeros_like(DRIFT_GRID),
+            "short": self._short_init(),
         }
         return {**super().server_init(params), "drift": drift}
 
     def broadcast(self, server: Tree) -> Tree:
         return {
             **super().broadcast(server),
-            "drift": {k: server["drift"][k] for k in ("q", "scale", "seen")},
+            "drift": {
+                **{k: server["drift"][k] for k in ("q", "scale", "seen")},
+                **self._short_broadcast(server["drift"]),
+            },
         }
 
     def _grid_posterior(self, down: Tree, noise: Tensor, parts: Tree) -> tuple[Tensor, Tensor]:
@@ -365,13 +384,16 @@ class FedPriorDrift(FedPrior):
         _, span = self._span(t, data.mask.to(F64))
         loglik = torch.zeros(c, len(DRIFT_GRID), dtype=F64)
         future = torch.zeros(c, len(DRIFT_GRID), dtype=F64)
+        short = self._short_holdout({**down, "drift": {}}, state, data)  # zeros (shape)
         if float(down["drift"]["scale"].reshape(-1)[0]) > 0:  # the fleet's time scale is known
             noise = down["noise_var"].to(F64).reshape(-1)
             post, half_logdet = self._grid_posterior(down, noise, self._drift_parts(down, data))
             loglik = post.loglik.reshape(c, -1) + half_logdet
             if self.drift_fit == "future":
                 future = self._future_scores(down, state, data)
-        reply = {**result.reply, "drift": {"loglik": loglik, "future": future, "span": span}}
+            short = self._short_holdout(down, state, data)  # S2 (fedprior_short)
+        drift = {"loglik": loglik, "future": future, "span": span, "short": short}
+        reply = {**result.reply, "drift": drift}
         return ClientResult(reply, result.state, result.metrics)
 
     def server_update(self, server: Tree, replies: Tree, weights: Tensor) -> Tree:
@@ -399,6 +421,22 @@ class FedPriorDrift(FedPrior):
             scale = old["scale"].clone()  # the time scale is fixed once known
         new["drift"] = {"q": q, "scale": scale.to(F64), "seen": self._seen(new), "loglik": loglik}
         new["drift"]["future"] = future
+        # S1, S3 (fedprior_short): each unit's counts clipped to the rows it declares
+        sh = drift["short"]
+        rows = SHORT_WINDOWS * replies["n"].to(F64)  # a row is held out by each window before it
+        held = torch.minimum(sh["held"].clamp_min(0.0), rows)
+        w_n, q_n = sh["score"].shape[1:]
+        score = bound_future_scores(
+            sh["score"].reshape(-1, q_n), rows.repeat_interleave(w_n, 0), self.drift_score_clip
+        ).reshape(-1, w_n, q_n)
+        sums = {
+            "sse": sh["sse"].clamp_min(0.0)[order],
+            "score": score[order],
+            "inside": torch.minimum(sh["inside"].clamp_min(0.0), held.unsqueeze(1))[order],
+            "held": held[order],
+        }
+        unit_w = torch.ones_like(held) if robust is None else robust.weights.to(F64)
+        new["drift"]["short"] = self._short_update(old["short"], drift["span"], sums, unit_w[order])
         return new
 
     def inconsistent_replies(
@@ -453,7 +491,7 @@ class FedPriorDrift(FedPrior):
         q, scale = down["drift"]["q"].to(F64), down["drift"]["scale"].to(F64)
         rate = torch.where(scale > 0, q / scale.clamp_min(1e-300), 0.0).reshape(-1)
         out.update(t_ref=t_ref, drift_rate=rate.expand_as(t_ref), drift_cov=self._drift_cov(down))
-        return out
+        return self._short_use(down, data, out)  # S4: the short class's rate and τ²_s
 
     def _gram_counts_rows(self, server: Tree) -> bool:
         # With q > 0 and drift_fit = "evidence" the E-step's Gram is whitened, G̃ = ΦᵀR̄⁻¹Φ: its
@@ -512,6 +550,16 @@ class FedPriorDrift(FedPrior):
             "prior": self.drift_prior,
             "seen": server["drift"]["seen"][idx][:, idx].tolist(),  # Π on the exported basis
         }
+        short = server["drift"]["short"]
+        if float(short["held"]) > 0:  # S1–S3 (fedprior_short): what a short new unit gets
+            tau = float(short["tau"])
+            state["drift"]["short"] = {
+                "window": float(short["window"]),
+                "temper": float(short["temper"]),
+                "q": float(short["q"]),
+                "tau": None if math.isnan(tau) else tau,
+                "held": float(short["held"]),
+            }
         if scale <= 0:
             state["drift"]["note"] = NO_TIME
         return state

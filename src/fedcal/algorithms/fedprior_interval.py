@@ -32,8 +32,10 @@ I3. **Units that get it, and the decline.** A unit with fewer than 2K rows (the
     a unit with more has τ² = 0 (its own points see what the probe cannot). The
     discrepancy at a K-row design is identified only by units with more rows: if
     none held out (every unit is of the probe's size), or no τ² of the grid covers,
-    or Σ ν < 1, or the basis in use has weakly identified directions (see
-    Identification; for every unit then), the run states no interval for those units —
+    or Σ ν < 1, or the basis in use has weakly identified directions that carry more than
+    half of a unit's predictive variance at its own calibration inputs (see Identification;
+    that unit then, :meth:`~CalibratedInterval.weak_units`; collinear inputs leave such
+    directions that no prediction leans on), the run states no interval for those units —
     :meth:`predictive_std` is NaN there, coverage is empty, the prediction stands —
     and says why in one line (:meth:`interval_note`, ``prior.json``'s
     ``interval.reason``, the summary's ``coverage_note``). A unit calibrated later
@@ -85,6 +87,7 @@ from fedcal.core.bayes import (
     predictive_var,
 )
 from fedcal.core.data import ClientData
+from fedcal.core.identify import UNLEARNED_SHARE, unlearned_directions, unlearned_share
 from fedcal.core.tree import Tree, gather
 from fedcal.models.basis import legendre_products
 
@@ -94,7 +97,15 @@ TAU_GRID = torch.cat([torch.zeros(1, dtype=F64), torch.logspace(-12, 2, 141, dty
 
 
 # What the broadcast carries for the interval (the server also keeps "dof").
-INTERVAL_KEYS = ("probe_x", "probe_b", "probe_n", "disc_var", "declined", "disc_own")
+INTERVAL_KEYS = (
+    "probe_x",
+    "probe_b",
+    "probe_n",
+    "disc_var",
+    "declined",
+    "disc_own",
+    "weak_proj",
+)
 
 
 DECLINE = {
@@ -111,6 +122,13 @@ DECLINE = {
     6: "no interval for units with at least twice the smallest design's points ({n} points): "
     "even the largest discrepancy variance did not cover 95 % of their own held-out rows",
 }
+
+
+# I3 with weakly identified directions: a unit-by-unit decline (FedPrior.personalize).
+WEAK_NOTE = (
+    "no interval for units whose predictive variance lies more than half along directions "
+    "the fleet's points do not identify (status weak; the others' intervals are stated)"
+)
 
 
 def _unit_span(x: Tensor, mask: Tensor) -> Tensor:
@@ -146,6 +164,8 @@ class CalibratedInterval:
             "disc_var": zero.clone(),  # τ², scaled units²
             "declined": zero.clone(),  # 0 an interval; else a DECLINE code
             "dof": zero.clone(),  # the fleet's residual degrees of freedom Σ_i ν_i
+            # I3: the projector onto the basis's weakly identified directions (0: none)
+            "weak_proj": torch.zeros(self.num_features, self.num_features, dtype=F64),
             # I4: the rich units' own-row τ² (only with own_folds, so that the state is
             # the earlier one without it)
             **({"disc_own": zero.clone()} if self.own_folds else {}),
@@ -366,15 +386,46 @@ class CalibratedInterval:
                 if held_own > 0:
                     out["disc_own"] = self._tau_of(iv["inside_own"].sum(0) / held_own)
         # Directions of the basis in use that too few units' points determine (the
-        # identification rule): an interval along them would be the vague start's.
+        # identification rule): their projector, for each unit's own test in personalize
+        # (I3: no interval for a unit whose σ² they carry more than half of).
         used = torch.nonzero(server["mask"] if "mask" in server else self.masks[-1])[:, 0]
-        support = total["support"][used][:, used]
-        if bool((torch.linalg.eigvalsh(0.5 * (support + support.T)) < self.min_informed).any()):
-            code = 5
+        weak = unlearned_directions(total["support"][used][:, used], self.min_informed)
+        out["weak_proj"][used.unsqueeze(1), used.unsqueeze(0)] = weak @ weak.T
         if float(total["dof"]) < 1.0:
             code = 1
         out["declined"] = torch.tensor(float(code), dtype=F64)
         return out
+
+    def weak_units(self, down: Tree, cov: Tensor, noise: Tensor, data: ClientData) -> Tensor:
+        """(clients,) bool: the units I3 states no interval for because the basis's weakly
+        identified directions W (spanning ``weak_proj``) carry more than ``UNLEARNED_SHARE``
+        of their predictive variance where they are used
+        (:func:`~fedcal.core.identify.unlearned_share`). "Where they are used" is the
+        midpoint of each two consecutive calibration rows: between its points, where a
+        unit interpolates; at the points themselves its own data pin the prediction
+        whatever W holds (a unit of two points off the fleet's inputs would pass there).
+        Along W the prior is the vague start's; a unit whose inputs barely project on W
+        (collinear channels, their difference's products: ~1e-5 of its σ²) has an interval
+        the fleet learned. A prior without the projector (an older prior.json, decline
+        code 5) declines every unit."""
+        c = data.num_clients
+        proj = down.get("weak_proj")
+        if proj is None:
+            return (down["declined"].to(F64) == 5).expand(c).clone()
+        if not bool((proj != 0).any()):
+            return torch.zeros(c, dtype=torch.bool)
+        proj = proj.reshape(-1, *proj.shape[-2:])[0]  # one broadcast (an engine may batch it)
+        x, mask = data.x.to(F64), data.mask.to(F64)
+        if x.shape[1] > 1:  # midpoints of consecutive rows; a unit of one row: that row
+            pair = mask[:, :-1] * mask[:, 1:]
+            one = (mask.sum(1) == 1).to(F64).unsqueeze(1)
+            x = torch.cat([0.5 * (x[:, :-1] + x[:, 1:]), x[:, :1]], 1)
+            mask = torch.cat([pair, one * mask[:, :1]], 1)
+        p = len(self.terms)  # φ's coordinates: the share of what predict states
+        phi = legendre_products(x, self.terms)
+        noise = noise.to(F64).reshape(-1).expand(c)
+        share = unlearned_share(phi, cov[..., :p, :p], noise, proj.to(F64)[:p, :p], mask)
+        return share > UNLEARNED_SHARE
 
     def _tau_of(self, share: Tensor) -> Tensor:
         """The smallest τ² whose held-out coverage ``share`` (per τ² of :data:`TAU_GRID`)
@@ -397,6 +448,8 @@ class CalibratedInterval:
         note = (
             DECLINE[code].format(n=int(server["probe_n"]), dof=float(server["dof"])) if code else ""
         )
+        if code != 1 and "weak_proj" in server and bool((server["weak_proj"] != 0).any()):
+            note = f"{note}; and {WEAK_NOTE}" if note else WEAK_NOTE
         if own and code not in (1, 5):  # I4 found no τ² for the rich units (too)
             rich = DECLINE[6].format(n=int(server["probe_n"]))
             return f"{note}; and {rich}" if note else rich

@@ -143,6 +143,9 @@ class PriorStatus:
                 "declined": int(server["declined"]),
                 "reason": self.interval_note(server),
             }
+            if "weak_proj" in server:  # I3: weakly identified directions (each unit's test)
+                weak = server["weak_proj"][idx][:, idx]
+                state["interval"]["weak_projector"] = weak.tolist()
             if "disc_own" in server:  # I4's τ² of units with ≥ 2× the probe's rows (NaN: none)
                 own = float(server["disc_own"])
                 state["interval"]["discrepancy_var_own"] = None if math.isnan(own) else own

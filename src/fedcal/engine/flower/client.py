@@ -275,6 +275,12 @@ def run_round(content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict
             row.update({f"train_{name}": float(v[k]) for name, v in scored.train.items()})
             parts[index]["eval"] = metrics_to_record(row)
             evals.append(row)
+        if alg.unit_columns is not None:  # e.g. fedprior_drift's recalibrate_at: per_sensor.csv
+            with torch.no_grad():
+                columns = alg.unit_columns(personal, train_data)
+            for k, index in enumerate(indices):
+                per_unit = {name: float(v[k]) for name, v in columns.items()}
+                parts[index]["units"] = metrics_to_record(per_unit)
         personal_round = eval_round
     # 3. Train round t for the sensors asked; the new state stays pending until the verdict.
     state_ok: dict[int, bool] = {}

@@ -131,7 +131,8 @@ def run_federation(
         result["history"] = fed.history
         log(INFO, "[fedcal] message %d/%d done in %.1f s", t, fed.rounds, t_exchange)
 
-    result["final"] = fed.final_rows()
+    units = fed.unit_columns()  # per_sensor.csv's extra columns (recalibrate_at), as fedcal run
+    result["final"] = [{**row, **units.get(row["client_index"], {})} for row in fed.final_rows()]
     result["last_used"] = {str(i): r for i, r in sorted(fed.last_used.items())}
     return result
 

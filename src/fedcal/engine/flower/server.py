@@ -155,6 +155,8 @@ class Federation:
     def __post_init__(self) -> None:
         self._train_metrics: dict[int, dict[int, dict]] = {}
         self._final: list[dict] = []  # final_row of each client evaluated after the last round
+        # the algorithm's per-unit columns of that evaluation (unit_columns: recalibrate_at)
+        self._units: dict[int, dict[str, float]] = {}
         self.last_used: dict[int, int] = {}  # client index → last round its reply was used
         self.rejected_rounds: dict[int, int] = {}  # client index → rounds screened out
         self.num_clients = 0
@@ -487,6 +489,7 @@ class Federation:
             check_eval,
             check_info,
             check_reply,
+            check_units,
             expected_reply,
             implausible_metrics,
         )
@@ -543,6 +546,12 @@ class Federation:
                     rejected[index] = why
                     continue
                 row = result_row(index, m.sensor_id, test, train, finite)
+                if eval_round == self.rounds - 1 and self.algorithm.unit_columns is not None:
+                    units, why = check_units(part.get("units"), row)
+                    if why is not None:  # e.g. recalibrate_at missing or not a number
+                        rejected[index] = why
+                        continue
+                    self._units[index] = units
                 rejected_rounds = self.rejected_rounds.get(index, 0)
                 self.history.append(
                     history_row(row, eval_round + 1, rejected_rounds, trained.get(index, {}), names)
@@ -637,6 +646,12 @@ class Federation:
     def final_rows(self) -> list[dict]:
         """The last evaluation per client (the simulator's ``final``, the same columns)."""
         return list(self._final)
+
+    def unit_columns(self) -> dict[int, dict[str, float]]:
+        """Per client index, the algorithm's per-unit columns at the last evaluation
+        (:attr:`~fedcal.core.algorithm.Algorithm.unit_columns`, e.g. ``recalibrate_at``:
+        what ``fedcal run`` adds to per_sensor.csv), as its site computed them."""
+        return {i: dict(v) for i, v in sorted(self._units.items())}
 
     def sensors(self) -> dict[str, str]:
         return {str(i): m.sensor_id for i, m in self.members.items()}

@@ -140,6 +140,23 @@ def check_eval(content: Any, spec: ReplySpec) -> str | None:
     return _metric_problem(content["eval"], spec.eval_metrics, "evaluation metrics")
 
 
+def check_units(record: Any, row: Mapping[str, Any]) -> tuple[dict[str, float], str | None]:
+    """A site's per-unit columns of its last evaluation (``unit_columns``, e.g.
+    ``recalibrate_at``; NaN: none, e.g. no drift learned), or why they are unusable: not
+    metrics, not numbers, or a name of the evaluation row's own columns."""
+    from flwr.app import MetricRecord
+
+    if not isinstance(record, MetricRecord):
+        return {}, "no per-unit columns (units record) in the last evaluation"
+    clash = sorted(set(record.keys()) & set(row))
+    if clash:
+        return {}, f"per-unit columns {clash} name columns of the evaluation row"
+    bad = [k for k, v in record.items() if isinstance(v, bool) or not isinstance(v, int | float)]
+    if bad:
+        return {}, f"per-unit columns {bad} are not numbers"
+    return {k: float(v) for k, v in record.items()}, None
+
+
 def check_info(content: Any, client_index: int) -> tuple[int | None, str | None]:
     """The train-row count a reply claims, or why its info record is unusable."""
     from flwr.app import ConfigRecord

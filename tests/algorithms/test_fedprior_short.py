@@ -1,0 +1,120 @@
+"""Short co-locations in fedprior_drift (issue 26, fedprior_short S1–S4) on a planted fleet."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedcal.algorithms.fedprior_drift import FedPriorDrift
+from fedcal.algorithms.fedprior_short import TEMPER_GRID
+from fedcal.core.bayes import F64
+from fedcal.core.data import ClientData
+from fedcal.core.task import Task
+from fedcal.models.mlp import MLP
+from fedcal_support.rounds import run_rounds
+
+LONG, SHORT = 12, 6
+
+
+def seasonal(seed: int = 0):
+    """y = a_i + b_i x + 0.5 sin(2πt) + noise: a seasonal term the linear basis lacks, shared
+    by the fleet. Long units are calibrated over a whole cycle (t in [0, 1], 40 rows), short
+    ones over t in [0.2, 0.28] (8 rows, one season: the term is ≈ +0.48 there, which their
+    own intercept takes up); every unit is tested over the next cycle, t in (1, 2]."""
+    rng = np.random.default_rng(seed)
+    train, test, t_train, t_test = [], [], [], []
+    for i in range(LONG + SHORT):
+        a, b = 0.2 + 0.05 * rng.standard_normal(), 1.0 + 0.05 * rng.standard_normal()
+        rows = 40 if i < LONG else 8
+        t = np.sort(rng.uniform(0, 1, rows) if i < LONG else rng.uniform(0.2, 0.28, rows))
+        tf = np.sort(rng.uniform(1, 2, 30))
+        for store, times, tt in ((train, t, t_train), (test, tf, t_test)):
+            x = rng.uniform(-1, 1, len(times))
+            y = a + b * x + 0.5 * np.sin(2 * math.pi * times) + 0.05 * rng.standard_normal(len(x))
+            store.append((x[:, None], y[:, None]))
+            tt.append(times)
+    seeds = tuple(range(LONG + SHORT))
+    return (
+        ClientData.from_arrays(train, seeds, F64, time=t_train),
+        ClientData.from_arrays(test, seeds, F64, time=t_test),
+    )
+
+
+def fit(short: str):
+    train, test = seasonal()
+    alg = FedPriorDrift(
+        Task(MLP(in_features=1)),
+        basis="total",
+        degree=1,
+        interval="calibrated",
+        short_colocation=short,
+    )
+    run = run_rounds(alg, train, 5)
+    pred = alg.predict(run.personal, test.x)[..., 0]
+    std = alg.predictive_std_timed(run.personal, test)[..., 0]
+    err = (pred - test.y[..., 0]).abs()
+    m = test.mask > 0
+    rmse = torch.stack([err[i][m[i]].pow(2).mean().sqrt() for i in range(len(err))])
+    cover = torch.stack(
+        [(err[i] <= 1.959964 * std[i])[m[i]].to(F64).mean() for i in range(len(err))]
+    )
+    return alg, run, rmse, cover
+
+
+@pytest.fixture(scope="module")
+def both():
+    return fit("holdout"), fit("off")
+
+
+def test_the_fleet_learns_how_much_a_short_unit_borrows(both):
+    (_, run, rmse, cover), (_, run_off, rmse_off, _) = both
+    short = run.server["drift"]["short"]
+    # S1: the window is the shortest calibration span (a short unit's, ≤ 0.08)
+    train = seasonal()[0]
+    spans = [
+        float(t[: int(n)].max() - t[: int(n)].min())
+        for t, n in zip(train.time, train.count, strict=True)
+    ]
+    assert float(short["window"]) == pytest.approx(min(spans))
+    # S3: the long units' emulations show that a one-season fit's own rows weigh less
+    # than 1; the long units are not in the class
+    assert float(short["held"]) > 0 and float(short["temper"]) < 1.0
+    assert float(short["temper"]) in TEMPER_GRID.tolist() and float(short["q"]) >= 0
+    assert not math.isnan(float(short["tau"]))
+    # S4: the short units predict their future better and state intervals that hold;
+    # the long units' predictions are unchanged
+    s = slice(LONG, None)
+    assert float(rmse[s].mean()) < 0.95 * float(rmse_off[s].mean())
+    assert float(cover[s].mean()) >= 0.9  # τ²_s and the walk at q_s: the interval holds
+    torch.testing.assert_close(rmse[:LONG], rmse_off[:LONG], rtol=0, atol=0)
+    rate = run.personal["drift_rate"]
+    scale = run.server["drift"]["scale"]
+    q = run.server["drift"]["q"]
+    assert torch.all(rate[s] == (q + short["q"]) / scale)  # the short class ages at q + q_s
+    assert torch.all(rate[:LONG] == run.server["drift"]["q"] / scale)  # the others at q
+    assert (
+        "short" not in run_off.server["drift"]
+        or float(run_off.server["drift"]["short"]["held"]) == 0
+    )
+
+
+def test_without_a_short_class_nothing_changes():
+    """Equal spans (every unit over t in [0, 1]): no unit has twice the shortest span, no
+    emulation runs, and the run is the one without the step."""
+    train, _ = seasonal()
+    t = [np.linspace(0, 1, int(n)) for n in train.count]
+    x = [train.x[i, : int(n)].numpy() for i, n in enumerate(train.count)]
+    y = [train.y[i, : int(n)].numpy() for i, n in enumerate(train.count)]
+    same = ClientData.from_arrays(list(zip(x, y, strict=True)), train.seeds, F64, time=t)
+    outs = []
+    for short in ("holdout", "off"):
+        alg = FedPriorDrift(
+            Task(MLP(in_features=1)), basis="total", degree=1, short_colocation=short
+        )
+        outs.append(run_rounds(alg, same, 4))
+    assert float(outs[0].server["drift"]["short"]["held"]) == 0
+    for key in ("coef", "cov", "drift_rate"):
+        torch.testing.assert_close(outs[0].personal[key], outs[1].personal[key], rtol=0, atol=0)
