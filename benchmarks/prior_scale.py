@@ -27,7 +27,7 @@ such, instead of the kernel's OOM killer ending it (or a neighbour).
     python benchmarks/prior_scale.py [--sizes 1000,10000,100000]
                                      [--steps simulate,fedprior,calibrate]
                                      [--rounds 3] [--chunk-size 1000] [--prior-units 300]
-                                     [--held-out]
+                                     [--held-out] [--build frame|chunks]
                                      [--mem-limit-gb 12]
 """
 
@@ -75,21 +75,36 @@ def _train(
     method: str = "fedprior",
     eval_every: int = 1,
     settings: dict | None = None,
+    chunked: bool = False,
 ):
     """The default fedprior trained on a simulated fleet: (algorithm, result, tensors, fleet,
-    per-round wall and CPU seconds, build seconds)."""
+    per-round wall and CPU seconds, build seconds). ``chunked``: the fleet simulated and
+    prepared 1,000 sensors at a time (``prepare_chunks``: no fleet-sized frame; fleet None)."""
     import itertools
 
     from fedcal.build import build_algorithm, build_task, client_inputs
     from fedcal.config import load_config
-    from fedcal.data.simulator import FleetSpec, simulate_fleet
-    from fedcal.engine.simulation import EngineConfig, prepare, simulate
+    from fedcal.data.fleet import Fleet
+    from fedcal.data.simulator import FleetSpec, simulate_chunks, simulate_fleet, simulated_meta
+    from fedcal.engine.simulation import EngineConfig, prepare, prepare_chunks, simulate
 
     t0 = time.perf_counter()
-    fleet = simulate_fleet(FleetSpec(num_sensors=size, train_design=train_design), seed=seed)
+    spec = FleetSpec(num_sensors=size, train_design=train_design)
     config = load_config(None)
-    tensors = prepare(fleet, config.data.scaling, config.engine.dtype)
-    task = build_task(config, tensors.train.x.shape[-1], fleet.meta, client_inputs(tensors))
+    if chunked:
+        meta = simulated_meta(spec, seed)
+
+        def parts():
+            for frame in simulate_chunks(spec, seed, chunk_size=1000):
+                yield Fleet(frame, meta=meta)
+
+        fleet = None
+        tensors = prepare_chunks(parts, config.data.scaling, config.engine.dtype)
+    else:
+        fleet = simulate_fleet(spec, seed=seed)
+        meta = fleet.meta
+        tensors = prepare(fleet, config.data.scaling, config.engine.dtype)
+    task = build_task(config, tensors.train.x.shape[-1], meta, client_inputs(tensors))
     algorithm = build_algorithm(method, config, task)
     if settings:  # --set: the method's settings changed (e.g. robust = "check")
         import dataclasses
@@ -127,6 +142,7 @@ def step_fedprior(size: int, tmp: Path, args) -> dict:
         method=args.method,
         eval_every=args.eval_every,
         settings=settings,
+        chunked=args.build == "chunks",
     )
     # Streamed when eligible and the assembled replies would pass the bound (engine._streams).
     refused = streamed.eligible(algorithm, EngineConfig().aggregation)
@@ -249,6 +265,12 @@ def main() -> None:
         type=float,
         default=-1.0,
         help="fedprior: stream rounds whose assembled replies pass this (0: always; -1: default)",
+    )
+    parser.add_argument(
+        "--build",
+        choices=("frame", "chunks"),
+        default="frame",
+        help="fedprior: the training fleet as one frame, or 1,000 sensors at a time",
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--mem-limit-gb", type=float, default=12.0, help="0 = no limit")
