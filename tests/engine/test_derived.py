@@ -3,9 +3,10 @@
 fedprior's moments (Φ_iᵀΦ_i, Φ_iᵀy_i, y_iᵀy_i, n_i) depend on a unit's data alone: the engine
 forms them once (:func:`fedcal.engine.simulation.with_derived`) and every round's E-step and
 the evaluation's posterior read them. A run must give the same numbers as a run that forms
-them in every round (the reference: the same class with ``derive`` switched off), in the
-assembled and in the streamed round, and the shipped settings (select = "bic", interval =
-"calibrated") as well as the benchmark's (select = "none", interval = "posterior").
+them in every round and is given every client's seeds (the reference: the same class with
+``derive`` off and ``reads_seeds`` on), in the assembled and in the streamed round, and the
+shipped settings (select = "bic", interval = "calibrated") as well as the benchmark's
+(select = "none", interval = "posterior").
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ from fedcal.models.mlp import MLP
 
 @dataclasses.dataclass(frozen=True)
 class Uncached(FedPrior):
-    """fedprior forming its moments in every round (the reference)."""
+    """fedprior forming its moments in every round, and given its clients' seeds (the
+    reference: fedprior's closed form reads none, ``reads_seeds = False``)."""
 
     derive = None
+    reads_seeds = True
 
 
 @pytest.fixture(scope="module")

@@ -283,6 +283,7 @@ class FedPrior(
     uploads = ("model", "statistics")
 
     reply_aggregation = "sum"  # sums of per-unit sufficient statistics
+    reads_seeds = False  # a closed-form E-step: no minibatches, no draws
     # Measured (studies/poisoning.py): a coordinate-wise median of the second moments
     # is not positive definite (Cholesky fails) and a trimmed mean costs 24× on a clean
     # fleet; screening, clipping and Krum keep the statistics whole.

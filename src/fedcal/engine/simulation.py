@@ -329,7 +329,7 @@ def simulate(
         # state or data.
         everyone = len(ids) == n
         data = (fleet.train if everyone else fleet.train.select(idx)).with_seeds(
-            train_seeds(config.seed, t, ids)
+            _seeds(algorithm, train_seeds, config.seed, t, ids)
         )
         down = algorithm.broadcast(server)
         before = states if everyone else gather(states, idx)
@@ -435,6 +435,14 @@ def simulate(
     )
 
 
+def _seeds(
+    algorithm: Algorithm, seeds: Callable[..., tuple[int, ...]], seed: int, t: int, ids
+) -> tuple[int, ...]:
+    """The clients' seeds of round ``t`` (``train_seeds``/``personalize_seeds``), or zeros
+    for an algorithm that reads none (:attr:`Algorithm.reads_seeds`)."""
+    return seeds(seed, t, ids) if algorithm.reads_seeds else (0,) * len(ids)
+
+
 def with_derived(
     algorithm: Algorithm, fleet: FleetTensors, chunk_size: int, device: torch.device = HOST
 ) -> FleetTensors:
@@ -510,7 +518,9 @@ def _evaluate(
     whole fleet's models), scores those instead of personalizing."""
     n = fleet.num_clients
     down = algorithm.broadcast(server)
-    train_all = fleet.train.with_seeds(personalize_seeds(config.seed, t, range(n)))
+    train_all = fleet.train.with_seeds(
+        _seeds(algorithm, personalize_seeds, config.seed, t, range(n))
+    )
     whole = config.chunk_size <= 0 or config.chunk_size >= n
     given = personal
 
