@@ -86,7 +86,8 @@ def _train(
     from fedcal.config import load_config
     from fedcal.data.fleet import Fleet
     from fedcal.data.simulator import FleetSpec, simulate_chunks, simulate_fleet, simulated_meta
-    from fedcal.engine.simulation import EngineConfig, prepare, prepare_chunks, simulate
+    from fedcal.engine import simulation
+    from fedcal.engine.simulation import EngineConfig, prepare, simulate
 
     t0 = time.perf_counter()
     spec = FleetSpec(num_sensors=size, train_design=train_design)
@@ -99,7 +100,7 @@ def _train(
                 yield Fleet(frame, meta=meta)
 
         fleet = None
-        tensors = prepare_chunks(parts, config.data.scaling, config.engine.dtype)
+        tensors = simulation.prepare_chunks(parts, config.data.scaling, config.engine.dtype)
     else:
         fleet = simulate_fleet(spec, seed=seed)
         meta = fleet.meta
@@ -113,6 +114,18 @@ def _train(
     build_s = time.perf_counter() - t0
     build_rss_mb = _peak_mb()  # the fleet's frame and tensors: the high-water mark before training
     stamps: list[tuple[int, float, float]] = []  # (round, wall, CPU) after each evaluation
+    # The evaluations' own seconds (wall, CPU), to state a round's cost without them.
+    evals: list[tuple[float, float]] = []
+    evaluate = simulation._evaluate
+
+    def timed(*a, **k):
+        w, c = time.perf_counter(), time.process_time()
+        try:
+            return evaluate(*a, **k)
+        finally:
+            evals.append((time.perf_counter() - w, time.process_time() - c))
+
+    simulation._evaluate = timed
     engine = EngineConfig(rounds=rounds, seed=0, eval_every=eval_every, chunk_size=chunk_size)
     start = (0, time.perf_counter(), time.process_time())
     result = simulate(
@@ -125,7 +138,13 @@ def _train(
     marks = [start, *stamps]
     wall = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in itertools.pairwise(marks)]
     cpu = [(b[2] - a[2]) / (b[0] - a[0]) for a, b in itertools.pairwise(marks)]
-    return algorithm, result, tensors, fleet, wall, cpu, build_s, build_rss_mb
+    simulation._evaluate = evaluate
+    # Without the evaluation that ends each span (one per span: on_round follows it).
+    bare = [
+        ((b[1] - a[1] - e[0]) / (b[0] - a[0]), (b[2] - a[2] - e[1]) / (b[0] - a[0]))
+        for (a, b), e in zip(itertools.pairwise(marks), evals, strict=False)
+    ]
+    return algorithm, result, tensors, fleet, wall, cpu, build_s, build_rss_mb, bare, evals
 
 
 def step_fedprior(size: int, tmp: Path, args) -> dict:
@@ -135,7 +154,7 @@ def step_fedprior(size: int, tmp: Path, args) -> dict:
     if args.stream_above_mb >= 0:  # the engine's bound on assembled replies (0: always stream)
         streamed.STREAM_ABOVE = int(args.stream_above_mb * 2**20)
     settings = dict(_setting(kv) for kv in args.set.split(",") if kv)
-    algorithm, result, _, _, wall, cpu, build_s, build_rss_mb = _train(
+    algorithm, result, _, _, wall, cpu, build_s, build_rss_mb, bare, evals = _train(
         size,
         args.rounds,
         args.chunk_size,
@@ -153,6 +172,10 @@ def step_fedprior(size: int, tmp: Path, args) -> dict:
         "first_round_s": wall[0],
         "round_s": sum(wall[steady]) / len(wall[steady]),
         "round_cpu_s": sum(cpu[steady]) / len(cpu[steady]),
+        # the same spans without their evaluation (E-step, server, streaming only)
+        "round_only_s": sum(w for w, _ in bare[steady]) / len(bare[steady]),
+        "round_only_cpu_s": sum(c for _, c in bare[steady]) / len(bare[steady]),
+        "eval_cpu_s": evals[-1][1],  # the last evaluation of every unit, CPU
         "bytes_up_per_round": result.bytes_up_per_round,
         "build_peak_rss_mb": build_rss_mb,
         "streamed": refused is None and assembled > streamed.STREAM_ABOVE,
