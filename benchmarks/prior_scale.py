@@ -7,8 +7,10 @@ Three steps per fleet size, each in its own process (its peak memory is its own)
   N`` does;
 * ``fedprior`` — the shipped default ``fedprior`` (default.toml) trained by the
   engine for ``--rounds`` EM rounds on that fleet (simulated in the process, not read
-  from a file), ``--chunk-size`` units per client step and evaluation; seconds per
-  round (mean of the rounds after the first, wall and CPU);
+  from a file: ``--build frame`` one pandas frame, ``--build chunks`` 1,000 sensors at a
+  time through ``prepare_chunks``, no fleet-sized frame), ``--chunk-size`` units per
+  client step and evaluation; seconds per round between evaluations (the spans after the
+  first, wall and CPU), and the same without the evaluation (``round_only``);
 * ``calibrate`` — a prior learned from ``--prior-units`` units (3 rounds), then N new
   units with a 3x2 chamber design (6 points each, fleet seed 1) calibrated against it
   through the Python API (``FleetPrior.calibrate``, the code of ``fedcal calibrate``):
