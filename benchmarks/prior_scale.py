@@ -5,6 +5,9 @@ Three steps per fleet size, each in its own process (its peak memory is its own)
 * ``simulate`` — ``simulate_chunks`` (seed protocol, 384 + 60 rows a unit) written by
   ``save_chunks`` to Parquet, 1,000 units a row group: what ``fedcal simulate --sensors
   N`` does;
+* ``load`` — that file read into the engine's tensors: ``--build frame`` ``load_fleet`` +
+  ``prepare``, ``--build chunks`` ``load_fleet_chunks`` + ``prepare_chunks`` (row group by
+  row group);
 * ``fedprior`` — the shipped default ``fedprior`` (default.toml) trained by the
   engine for ``--rounds`` EM rounds on that fleet (simulated in the process, not read
   from a file: ``--build frame`` one pandas frame, ``--build chunks`` 1,000 sensors at a
@@ -27,7 +30,7 @@ of address space (RLIMIT_AS): beyond it, it stops with a MemoryError, reported a
 such, instead of the kernel's OOM killer ending it (or a neighbour).
 
     python benchmarks/prior_scale.py [--sizes 1000,10000,100000]
-                                     [--steps simulate,fedprior,calibrate]
+                                     [--steps simulate,load,fedprior,calibrate]
                                      [--rounds 3] [--chunk-size 1000] [--prior-units 300]
                                      [--held-out] [--build frame|chunks]
                                      [--mem-limit-gb 12]
@@ -65,6 +68,38 @@ def step_simulate(size: int, tmp: Path, args) -> dict:
         "simulate_write_s": time.perf_counter() - t0,
         "simulate_write_cpu_s": time.process_time() - c0,
         "file_mb": (tmp / "fleet.parquet").stat().st_size / 2**20,
+    }
+
+
+def step_load(size: int, tmp: Path, args) -> dict:
+    """A fleet file read into the engine's tensors: ``--build frame`` ``load_fleet`` +
+    ``prepare`` (one frame), ``--build chunks`` ``load_fleet_chunks`` + ``prepare_chunks``
+    (a row group, 1,000 sensors, at a time). The file is written first (as ``simulate``)."""
+    from fedcal.data import loader
+    from fedcal.data.simulator import FleetSpec, simulate_chunks
+    from fedcal.engine import simulation
+
+    loader.save_chunks(
+        simulate_chunks(FleetSpec(num_sensors=size), seed=0, chunk_size=1000),
+        tmp / "fleet.parquet",
+    )
+    written_mb = _peak_mb()  # the high-water mark of simulating and writing
+    t0, c0 = time.perf_counter(), time.process_time()
+    if args.build == "chunks":
+        tensors = simulation.prepare_chunks(lambda: loader.load_fleet_chunks(tmp / "fleet.parquet"))
+    else:
+        tensors = simulation.prepare(loader.load_fleet(tmp / "fleet.parquet"))
+    return {
+        "load_s": time.perf_counter() - t0,
+        "load_cpu_s": time.process_time() - c0,
+        "write_peak_rss_mb": written_mb,
+        "tensors_mb": sum(
+            t.numel() * t.element_size()
+            for d in (tensors.train, tensors.test)
+            for t in (d.x, d.y, d.count, d.branch)
+            if t is not None
+        )
+        / 2**20,
     }
 
 
@@ -250,7 +285,12 @@ def step_calibrate(size: int, tmp: Path, args) -> dict:
     }
 
 
-STEPS = {"simulate": step_simulate, "fedprior": step_fedprior, "calibrate": step_calibrate}
+STEPS = {
+    "simulate": step_simulate,
+    "load": step_load,
+    "fedprior": step_fedprior,
+    "calibrate": step_calibrate,
+}
 
 
 def one(size: int, step: str, args) -> dict:
