@@ -5,10 +5,15 @@ Three steps per fleet size, each in its own process (its peak memory is its own)
 * ``simulate`` — ``simulate_chunks`` (seed protocol, 384 + 60 rows a unit) written by
   ``save_chunks`` to Parquet, 1,000 units a row group: what ``fedcal simulate --sensors
   N`` does;
+* ``load`` — that file read into the engine's tensors: ``--build frame`` ``load_fleet`` +
+  ``prepare``, ``--build chunks`` ``load_fleet_chunks`` + ``prepare_chunks`` (row group by
+  row group);
 * ``fedprior`` — the shipped default ``fedprior`` (default.toml) trained by the
   engine for ``--rounds`` EM rounds on that fleet (simulated in the process, not read
-  from a file), ``--chunk-size`` units per client step and evaluation; seconds per
-  round (mean of the rounds after the first, wall and CPU);
+  from a file: ``--build frame`` one pandas frame, ``--build chunks`` 1,000 sensors at a
+  time through ``prepare_chunks``, no fleet-sized frame), ``--chunk-size`` units per
+  client step and evaluation; seconds per round between evaluations (the spans after the
+  first, wall and CPU), and the same without the evaluation (``round_only``);
 * ``calibrate`` — a prior learned from ``--prior-units`` units (3 rounds), then N new
   units with a 3x2 chamber design (6 points each, fleet seed 1) calibrated against it
   through the Python API (``FleetPrior.calibrate``, the code of ``fedcal calibrate``):
@@ -25,9 +30,9 @@ of address space (RLIMIT_AS): beyond it, it stops with a MemoryError, reported a
 such, instead of the kernel's OOM killer ending it (or a neighbour).
 
     python benchmarks/prior_scale.py [--sizes 1000,10000,100000]
-                                     [--steps simulate,fedprior,calibrate]
+                                     [--steps simulate,load,fedprior,calibrate]
                                      [--rounds 3] [--chunk-size 1000] [--prior-units 300]
-                                     [--held-out]
+                                     [--held-out] [--build frame|chunks]
                                      [--mem-limit-gb 12]
 """
 
@@ -66,6 +71,38 @@ def step_simulate(size: int, tmp: Path, args) -> dict:
     }
 
 
+def step_load(size: int, tmp: Path, args) -> dict:
+    """A fleet file read into the engine's tensors: ``--build frame`` ``load_fleet`` +
+    ``prepare`` (one frame), ``--build chunks`` ``load_fleet_chunks`` + ``prepare_chunks``
+    (a row group, 1,000 sensors, at a time). The file is written first (as ``simulate``)."""
+    from fedcal.data import loader
+    from fedcal.data.simulator import FleetSpec, simulate_chunks
+    from fedcal.engine import simulation
+
+    loader.save_chunks(
+        simulate_chunks(FleetSpec(num_sensors=size), seed=0, chunk_size=1000),
+        tmp / "fleet.parquet",
+    )
+    written_mb = _peak_mb()  # the high-water mark of simulating and writing
+    t0, c0 = time.perf_counter(), time.process_time()
+    if args.build == "chunks":
+        tensors = simulation.prepare_chunks(lambda: loader.load_fleet_chunks(tmp / "fleet.parquet"))
+    else:
+        tensors = simulation.prepare(loader.load_fleet(tmp / "fleet.parquet"))
+    return {
+        "load_s": time.perf_counter() - t0,
+        "load_cpu_s": time.process_time() - c0,
+        "write_peak_rss_mb": written_mb,
+        "tensors_mb": sum(
+            t.numel() * t.element_size()
+            for d in (tensors.train, tensors.test)
+            for t in (d.x, d.y, d.count, d.branch)
+            if t is not None
+        )
+        / 2**20,
+    }
+
+
 def _train(
     size: int,
     rounds: int,
@@ -75,21 +112,37 @@ def _train(
     method: str = "fedprior",
     eval_every: int = 1,
     settings: dict | None = None,
+    chunked: bool = False,
 ):
     """The default fedprior trained on a simulated fleet: (algorithm, result, tensors, fleet,
-    per-round wall and CPU seconds, build seconds)."""
+    per-round wall and CPU seconds, build seconds). ``chunked``: the fleet simulated and
+    prepared 1,000 sensors at a time (``prepare_chunks``: no fleet-sized frame; fleet None)."""
     import itertools
 
     from fedcal.build import build_algorithm, build_task, client_inputs
     from fedcal.config import load_config
-    from fedcal.data.simulator import FleetSpec, simulate_fleet
+    from fedcal.data.fleet import Fleet
+    from fedcal.data.simulator import FleetSpec, simulate_chunks, simulate_fleet, simulated_meta
+    from fedcal.engine import simulation
     from fedcal.engine.simulation import EngineConfig, prepare, simulate
 
     t0 = time.perf_counter()
-    fleet = simulate_fleet(FleetSpec(num_sensors=size, train_design=train_design), seed=seed)
+    spec = FleetSpec(num_sensors=size, train_design=train_design)
     config = load_config(None)
-    tensors = prepare(fleet, config.data.scaling, config.engine.dtype)
-    task = build_task(config, tensors.train.x.shape[-1], fleet.meta, client_inputs(tensors))
+    if chunked:
+        meta = simulated_meta(spec, seed)
+
+        def parts():
+            for frame in simulate_chunks(spec, seed, chunk_size=1000):
+                yield Fleet(frame, meta=meta)
+
+        fleet = None
+        tensors = simulation.prepare_chunks(parts, config.data.scaling, config.engine.dtype)
+    else:
+        fleet = simulate_fleet(spec, seed=seed)
+        meta = fleet.meta
+        tensors = prepare(fleet, config.data.scaling, config.engine.dtype)
+    task = build_task(config, tensors.train.x.shape[-1], meta, client_inputs(tensors))
     algorithm = build_algorithm(method, config, task)
     if settings:  # --set: the method's settings changed (e.g. robust = "check")
         import dataclasses
@@ -98,6 +151,18 @@ def _train(
     build_s = time.perf_counter() - t0
     build_rss_mb = _peak_mb()  # the fleet's frame and tensors: the high-water mark before training
     stamps: list[tuple[int, float, float]] = []  # (round, wall, CPU) after each evaluation
+    # The evaluations' own seconds (wall, CPU), to state a round's cost without them.
+    evals: list[tuple[float, float]] = []
+    evaluate = simulation._evaluate
+
+    def timed(*a, **k):
+        w, c = time.perf_counter(), time.process_time()
+        try:
+            return evaluate(*a, **k)
+        finally:
+            evals.append((time.perf_counter() - w, time.process_time() - c))
+
+    simulation._evaluate = timed
     engine = EngineConfig(rounds=rounds, seed=0, eval_every=eval_every, chunk_size=chunk_size)
     start = (0, time.perf_counter(), time.process_time())
     result = simulate(
@@ -110,7 +175,13 @@ def _train(
     marks = [start, *stamps]
     wall = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in itertools.pairwise(marks)]
     cpu = [(b[2] - a[2]) / (b[0] - a[0]) for a, b in itertools.pairwise(marks)]
-    return algorithm, result, tensors, fleet, wall, cpu, build_s, build_rss_mb
+    simulation._evaluate = evaluate
+    # Without the evaluation that ends each span (one per span: on_round follows it).
+    bare = [
+        ((b[1] - a[1] - e[0]) / (b[0] - a[0]), (b[2] - a[2] - e[1]) / (b[0] - a[0]))
+        for (a, b), e in zip(itertools.pairwise(marks), evals, strict=False)
+    ]
+    return algorithm, result, tensors, fleet, wall, cpu, build_s, build_rss_mb, bare, evals
 
 
 def step_fedprior(size: int, tmp: Path, args) -> dict:
@@ -120,13 +191,14 @@ def step_fedprior(size: int, tmp: Path, args) -> dict:
     if args.stream_above_mb >= 0:  # the engine's bound on assembled replies (0: always stream)
         streamed.STREAM_ABOVE = int(args.stream_above_mb * 2**20)
     settings = dict(_setting(kv) for kv in args.set.split(",") if kv)
-    algorithm, result, _, _, wall, cpu, build_s, build_rss_mb = _train(
+    algorithm, result, _, _, wall, cpu, build_s, build_rss_mb, bare, evals = _train(
         size,
         args.rounds,
         args.chunk_size,
         method=args.method,
         eval_every=args.eval_every,
         settings=settings,
+        chunked=args.build == "chunks",
     )
     # Streamed when eligible and the assembled replies would pass the bound (engine._streams).
     refused = streamed.eligible(algorithm, EngineConfig().aggregation)
@@ -137,6 +209,10 @@ def step_fedprior(size: int, tmp: Path, args) -> dict:
         "first_round_s": wall[0],
         "round_s": sum(wall[steady]) / len(wall[steady]),
         "round_cpu_s": sum(cpu[steady]) / len(cpu[steady]),
+        # the same spans without their evaluation (E-step, server, streaming only)
+        "round_only_s": sum(w for w, _ in bare[steady]) / len(bare[steady]),
+        "round_only_cpu_s": sum(c for _, c in bare[steady]) / len(bare[steady]),
+        "eval_cpu_s": evals[-1][1],  # the last evaluation of every unit, CPU
         "bytes_up_per_round": result.bytes_up_per_round,
         "build_peak_rss_mb": build_rss_mb,
         "streamed": refused is None and assembled > streamed.STREAM_ABOVE,
@@ -209,7 +285,12 @@ def step_calibrate(size: int, tmp: Path, args) -> dict:
     }
 
 
-STEPS = {"simulate": step_simulate, "fedprior": step_fedprior, "calibrate": step_calibrate}
+STEPS = {
+    "simulate": step_simulate,
+    "load": step_load,
+    "fedprior": step_fedprior,
+    "calibrate": step_calibrate,
+}
 
 
 def one(size: int, step: str, args) -> dict:
@@ -249,6 +330,12 @@ def main() -> None:
         type=float,
         default=-1.0,
         help="fedprior: stream rounds whose assembled replies pass this (0: always; -1: default)",
+    )
+    parser.add_argument(
+        "--build",
+        choices=("frame", "chunks"),
+        default="frame",
+        help="fedprior: the training fleet as one frame, or 1,000 sensors at a time",
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--mem-limit-gb", type=float, default=12.0, help="0 = no limit")

@@ -149,6 +149,7 @@ the fraction of units that cannot see a direction).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -284,6 +285,7 @@ class FedPrior(
     uploads = ("model", "statistics")
 
     reply_aggregation = "sum"  # sums of per-unit sufficient statistics
+    reads_seeds = False  # a closed-form E-step: no minibatches, no draws
     # Measured (studies/poisoning.py): a coordinate-wise median of the second moments
     # is not positive definite (Cholesky fails) and a trimmed mean costs 24× on a clean
     # fleet; screening, clipping and Krum keep the statistics whole.
@@ -431,9 +433,24 @@ class FedPrior(
     def _noise(self, down: Tree, state: Tree) -> Tensor:
         return state["noise_var"] if self.noise == "sensor" else down["noise_var"]
 
+    def derive(self, data: ClientData) -> dict[str, Tensor] | None:
+        """The units' unweighted moments (Φ_iᵀΦ_i, Φ_iᵀy_i, y_iᵀy_i, n_i) of step 1, which
+        their data alone fix: formed once by the engine (``ClientData.derived``) instead of
+        every round (issue 25.1). None with row weights (fedprior_noise): those moments
+        depend on the broadcast."""
+        if self.noise_weighted:
+            return None
+        full = self._moments(dataclasses.replace(data, derived=None))
+        return {f"fedprior/{k}": v for k, v in full._asdict().items()}
+
     def _moments(self, data: ClientData, down: Tree | None = None) -> Moments:
         """The unit's moments of the whole design [φ, b·ψ] (module doc, step 1); with a
-        noise model in the inputs or Student-t rows, its rows weighted (fedprior_noise, N1)."""
+        noise model in the inputs or Student-t rows, its rows weighted (fedprior_noise, N1).
+        The unweighted ones from :meth:`derive` when the engine formed them (the same
+        function of the same data)."""
+        cached = data.derived
+        if cached and "fedprior/gram" in cached and (down is None or not self.noise_weighted):
+            return Moments(*(cached[f"fedprior/{k}"] for k in Moments._fields))
         design = self.design(data.x, data.branch)
         rw = None if down is None else self._row_weights(down, data, design)
         if rw is None:

@@ -55,7 +55,7 @@ with a message (:func:`check_policy`).
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -365,11 +365,14 @@ def _record_downweighted(
     used: Tensor,
     metrics: dict[str, float],
     record: list[dict] | None,
+    robust: Any = None,
 ) -> None:
     """Report the used clients the algorithm's M-step weighted below one half (issue 21,
     fedprior's outlier weights, :mod:`fedcal.core.robust`) like a rejection, with the
-    distance and cut-off as its reason; they are still aggregated with that weight."""
-    robust = algorithm.outlier_weights(server, unflatten(rows))
+    distance and cut-off as its reason; they are still aggregated with that weight.
+    ``robust``: those weights if already computed (else computed here)."""
+    if robust is None:
+        robust = algorithm.outlier_weights(server, unflatten(rows))
     if robust is None:
         return
     idx = used.nonzero()[:, 0]

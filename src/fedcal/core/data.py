@@ -82,6 +82,11 @@ class ClientData:
     # dates, else the file's number; 0 for padding); None without a time column. Only
     # methods with a time model read it (fedprior_drift).
     time: Tensor | None = None
+    # Per-client tensors (clients, ...) an algorithm derived from these clients' data alone
+    # (:attr:`fedcal.core.algorithm.Algorithm.derive`: fedprior's moments), formed once by the
+    # engine instead of every round; None when not formed (a Flower client, a new unit). Only
+    # the algorithm that formed them reads them, and gives the same result without them.
+    derived: dict[str, Tensor] | None = None
 
     @property
     def num_clients(self) -> int:
@@ -103,11 +108,21 @@ class ClientData:
             tuple(self.index[i] for i in idx) if self.index else (),
             self.branch.index_select(0, index) if self.branch is not None else None,
             self.time.index_select(0, index) if self.time is not None else None,
+            None
+            if self.derived is None
+            else {k: v.index_select(0, index) for k, v in self.derived.items()},
         )
 
     def with_seeds(self, seeds: tuple[int, ...]) -> ClientData:
         return ClientData(
-            self.x, self.y, self.count, tuple(seeds), self.index, self.branch, self.time
+            self.x,
+            self.y,
+            self.count,
+            tuple(seeds),
+            self.index,
+            self.branch,
+            self.time,
+            self.derived,
         )
 
     @staticmethod

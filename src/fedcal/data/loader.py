@@ -68,7 +68,7 @@ import os
 import re
 import stat
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -415,27 +415,10 @@ def _read_parquet(path: Path, label: str, max_bytes: int) -> _Raw:
             record = (pf.schema_arrow.metadata or {}).get(PARQUET_META_KEY)
             frame = pf.read().to_pandas()
         except Exception as e:  # any failure to decode untrusted bytes is the file's
-            detail = str(e).strip().splitlines()
-            detail = f": {detail[0]}" if detail else ""
-            if "verify page integrity" in detail:
-                problem = "corrupt: a data page fails its checksum (the file was damaged)"
-            else:
-                problem = f"cannot read as Parquet ({type(e).__name__}{detail})"
-            raise FleetDataError(label, problem) from None
+            raise FleetDataError(label, _parquet_problem(e)) from None
     if record is not None:
         _check_parquet_record(frame, record, label)
-    if not isinstance(frame.index, pd.RangeIndex) and any(n is not None for n in frame.index.names):
-        frame = frame.reset_index()  # a named index is data (e.g. the sensor id)
-    else:
-        frame = frame.reset_index(drop=True)
-    frame.columns = [str(c) for c in frame.columns]
-    repeated = sorted({c for c in frame.columns if list(frame.columns).count(c) > 1})
-    if repeated:  # a column name twice: which one is the data?
-        raise FleetDataError(
-            label, f"duplicate column names in the schema: {', '.join(map(repr, repeated))}"
-        )
-    if len(frame) == 0:
-        raise FleetDataError(label, "no data rows (the table has 0 records)")
+    frame = _tidy_parquet_frame(frame, label)
     return _Raw(frame, np.arange(len(frame), dtype=np.int64), "record", False)
 
 
@@ -989,6 +972,40 @@ def load_fleet(
     )
     numeric = [*features, target]
     raw, label, bounds, plausible = _read_guarded(path, numeric, physical_bounds, max_bytes)
+    return _fleet_of(
+        raw,
+        label,
+        bounds,
+        plausible,
+        features,
+        target,
+        client_column,
+        split_column,
+        test_fraction,
+        seed,
+        mins,
+        time_column,
+        split_by,
+    )
+
+
+def _fleet_of(
+    raw: _Raw,
+    label: str,
+    bounds: dict[str, Bounds],
+    plausible: Mapping[str, Plausible],
+    features: tuple[str, ...],
+    target: str,
+    client_column: str,
+    split_column: str | None,
+    test_fraction: float,
+    seed: int,
+    mins: dict[str, int],
+    time_column: str | None,
+    split_by: str,
+) -> Fleet:
+    """:func:`load_fleet`'s checks and assembly of a table already read (``raw``)."""
+    numeric = [*features, target]
     if split_by not in ("random", "time"):
         raise ValueError(f"split_by must be 'random' or 'time', got {split_by!r}")
     if split_by == "time" and not time_column:
@@ -1064,6 +1081,174 @@ def load_fleet(
     if time_column:
         meta["time_column"] = time_column
     return Fleet(frame, features, target, client_column, meta)
+
+
+def load_fleet_chunks(
+    path: str | Path,
+    features: Sequence[str] | None = None,
+    target: str | None = None,
+    client_column: str = CLIENT_COLUMN,
+    split_column: str | None = SPLIT_COLUMN,
+    test_fraction: float = 0.135,
+    seed: int = 0,
+    min_train_points: int = 3,
+    min_test_points: int = 1,
+    physical_bounds: Mapping[str, tuple[float | None, float | None] | Bounds | None] | None = None,
+    max_bytes: int | None = None,
+    time_column: str | None = None,
+    split_by: str = "random",
+) -> Iterator[Fleet]:
+    """:func:`load_fleet` of a Parquet file, one row group at a time (issue 25.1: a fleet
+    of 100,000 units without its whole frame; ``fedcal simulate`` and :func:`save_chunks`
+    write a row group per 1,000 sensors). Each row group is checked as :func:`load_fleet`
+    checks a file (its messages name the file and the record numbers of the whole file)
+    and yielded as a :class:`Fleet`; their frames concatenated are :func:`load_fleet`'s
+    (tested). Before the first, fedcal's metadata (rows, rows per sensor, digest) is
+    checked against the file column by column, row group by row group. A sensor's rows
+    must lie in one row group (the checks per sensor need all of them): a sensor met again
+    in a later row group is refused, naming it."""
+    import pyarrow.parquet as pq
+
+    mins = {"train": min_train_points, "test": min_test_points}
+    features, target = _check_args(
+        features, target, client_column, split_column, test_fraction, seed, mins
+    )
+    numeric = [*features, target]
+    bounds = _resolve_bounds(numeric, physical_bounds)
+    plausible = {
+        c: p
+        for c in numeric
+        if (p := plausible_range(c)) is not None and c not in (physical_bounds or {})
+    }
+    label = str(path)
+    if _file_format(Path(path), label) != "parquet":
+        raise FleetDataError(label, "read by row groups: give a Parquet file (.parquet, .pq)")
+    limit = max_file_bytes() if max_bytes is None else int(max_bytes)
+    fd = _open_regular(Path(path), label, limit)
+    with os.fdopen(fd, "rb") as fh:
+        try:
+            pf = pq.ParquetFile(fh, page_checksum_verification=True)
+            record = (pf.schema_arrow.metadata or {}).get(PARQUET_META_KEY)
+            if record is not None:
+                _check_streamed_record(pf, record, label)
+            _check_sensor_groups(pf, client_column, label)
+        except FleetDataError:
+            raise
+        except Exception as e:  # any failure to decode untrusted bytes is the file's
+            raise FleetDataError(label, _parquet_problem(e)) from None
+        start = 0
+        for g in range(pf.num_row_groups):
+            try:
+                frame = pf.read_row_group(g).to_pandas()
+            except Exception as e:
+                raise FleetDataError(label, _parquet_problem(e)) from None
+            raw = _Raw(
+                _tidy_parquet_frame(frame, label, allow_empty=True),
+                np.arange(start, start + len(frame), dtype=np.int64),
+                "record",
+                False,
+            )
+            start += len(frame)
+            if not len(frame):
+                continue
+            fleet = _fleet_of(
+                raw,
+                label,
+                bounds,
+                plausible,
+                features,
+                target,
+                client_column,
+                split_column,
+                test_fraction,
+                seed,
+                mins,
+                time_column,
+                split_by,
+            )
+            yield fleet
+        if not start:
+            raise FleetDataError(label, "no data rows (the table has 0 records)")
+
+
+def _check_sensor_groups(source, client_column: str, label: str) -> None:
+    """Refuse a file whose sensor has rows in two row groups (read by row groups, each
+    sensor's checks need all its rows), naming the first: one column of one row group at
+    a time, its distinct ids."""
+    import pyarrow.compute as pc
+
+    if client_column not in source.schema_arrow.names:
+        return  # the first row group's column check names it
+    seen: set[str] = set()
+    for g in range(source.num_row_groups):
+        column = source.read_row_group(g, columns=[client_column]).column(0)
+        ids = {str(v) for v in pc.unique(column).to_pylist() if v is not None}
+        again = sorted(ids & seen)
+        if again:
+            raise FleetDataError(
+                label,
+                f"sensor {again[0]!r} has rows in row group {g + 1} and an earlier one: "
+                "read by row groups, a sensor's rows must lie in one (load the whole file)",
+            )
+        seen |= ids
+
+
+def _parquet_problem(e: Exception) -> str:
+    detail = str(e).strip().splitlines()
+    detail = f": {detail[0]}" if detail else ""
+    if "verify page integrity" in detail:
+        return "corrupt: a data page fails its checksum (the file was damaged)"
+    return f"cannot read as Parquet ({type(e).__name__}{detail})"
+
+
+def _tidy_parquet_frame(frame: pd.DataFrame, label: str, allow_empty: bool = False):
+    """A Parquet table's frame as the checks read it: a named index as data, str column
+    names, no column name twice, at least one row (unless ``allow_empty``)."""
+    if not isinstance(frame.index, pd.RangeIndex) and any(n is not None for n in frame.index.names):
+        frame = frame.reset_index()  # a named index is data (e.g. the sensor id)
+    else:
+        frame = frame.reset_index(drop=True)
+    frame.columns = [str(c) for c in frame.columns]
+    repeated = sorted({c for c in frame.columns if list(frame.columns).count(c) > 1})
+    if repeated:  # a column name twice: which one is the data?
+        raise FleetDataError(
+            label, f"duplicate column names in the schema: {', '.join(map(repr, repeated))}"
+        )
+    if len(frame) == 0 and not allow_empty:
+        raise FleetDataError(label, "no data rows (the table has 0 records)")
+    return frame
+
+
+def _check_streamed_record(source, raw_record: bytes, label: str) -> None:
+    """:func:`_check_parquet_record` of a Parquet file read a column of a row group at a
+    time (:func:`_streamed_record`)."""
+    redo = "the file is corrupt, or was changed by a tool that kept fedcal's metadata"
+    try:
+        record = json.loads(raw_record)
+        rows, digest = int(record["rows"]), str(record["sha256"])
+        per_sensor = record.get("rows_per_sensor")
+        column = record.get("client_column")
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+        raise FleetDataError(
+            label, f"fedcal's metadata in the file is unreadable: {redo}"
+        ) from None
+    have = _streamed_record(source, column if per_sensor is not None else None)
+    if have["rows"] != rows:
+        raise FleetDataError(label, f"has {have['rows']} rows, its metadata records {rows}: {redo}")
+    if per_sensor is not None and "rows_per_sensor" in have:
+        counts = have["rows_per_sensor"]
+        wrong = sorted(set(counts) | set(per_sensor), key=str)
+        wrong = [k for k in wrong if counts.get(k, 0) != per_sensor.get(k, 0)]
+        if wrong:
+            listed = ", ".join(
+                f"{k!r}: {counts.get(k, 0)} read, {per_sensor.get(k, 0)} recorded"
+                for k in wrong[:MAX_LISTED]
+            )
+            raise FleetDataError(
+                label, f"rows per sensor differ from its metadata ({listed}): {redo}", [], column
+            )
+    if have["sha256"] != digest:
+        raise FleetDataError(label, f"content differs from the digest in its metadata: {redo}")
 
 
 def load_readings(

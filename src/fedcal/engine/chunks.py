@@ -64,6 +64,7 @@ def to_device(tree: Tree, device: torch.device) -> Tree:
 def data_to(data: ClientData, device: torch.device) -> ClientData:
     branch = None if data.branch is None else data.branch.to(device)
     time = None if data.time is None else data.time.to(device)
+    derived = None if data.derived is None else to_device(data.derived, device)
     return dataclasses.replace(
         data,
         x=data.x.to(device),
@@ -71,6 +72,7 @@ def data_to(data: ClientData, device: torch.device) -> ClientData:
         count=data.count.to(device),
         branch=branch,
         time=time,
+        derived=derived,
     )
 
 

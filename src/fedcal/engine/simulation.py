@@ -13,9 +13,11 @@ round, client), and the checkpoint holds the complete state.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -26,12 +28,18 @@ from torch import Tensor
 
 from fedcal.core.aggregation import PLAIN, AggregationPolicy, aggregate, finite_rows
 from fedcal.core.algorithm import Algorithm
-from fedcal.core.data import ClientData, client_round_seed
+from fedcal.core.data import HOST, ClientData, client_round_seed
 from fedcal.core.schema import Seed, checked
 from fedcal.core.tensorfile import TensorFileError, load_trees, save_trees
 from fedcal.core.tree import Tree, expand, gather, num_bytes, per_client, scatter, tree_map
 from fedcal.data.fleet import Fleet
-from fedcal.data.scaling import Scaler, fit_scaler
+from fedcal.data.scaling import (
+    Scaler,
+    client_moments,
+    fit_scaler,
+    needs_moments,
+    scaler_from_moments,
+)
 from fedcal.engine import chunks, streamed
 from fedcal.engine.evaluation import evaluate_cohort
 from fedcal.engine.memory import keep_freed_memory
@@ -90,6 +98,68 @@ def prepare(fleet: Fleet, scaling: str = "auto", dtype: str = "float32") -> Flee
         tuple(map(str, fleet.client_ids)),
         unit,
     )
+
+
+def prepare_chunks(
+    parts: Callable[[], Iterable[Fleet]], scaling: str = "auto", dtype: str = "float32"
+) -> FleetTensors:
+    """:func:`prepare` of the fleet whose sensors ``parts()`` yields a few at a time (disjoint
+    sensor sets, in order: ``simulate_chunks``' frames, a Parquet file's row groups), without
+    the whole fleet's frame (issue 25.1: 100,000 units). The same tensors as :func:`prepare`
+    of their concatenation (tested to the bit). ``parts`` is called twice when the scaler
+    needs federated statistics (a first pass sums each client's, :func:`client_moments`),
+    once when every column has a physical range (the barometer)."""
+    chunks_ = iter(parts())
+    first = next(chunks_, None)
+    if first is None:
+        raise ValueError("prepare_chunks: the fleet has no sensors")
+    classification = first.meta.get("task") == "classification"
+    moments: list[dict[str, np.ndarray]] = []
+    if needs_moments(first.features, first.target, scaling, not classification):
+        for part in parts():  # a first pass: each client's sums only
+            moments += [client_moments(x, y) for x, y in part.arrays("train")]
+    scaler = scaler_from_moments(first.features, first.target, moments, scaling, not classification)
+    torch_dtype = DTYPES[dtype]
+    train: list[ClientData] = []
+    test: list[ClientData] = []
+    ids: list[str] = []
+    for part in itertools.chain([first], chunks_):
+        for split, out in (("train", train), ("test", test)):
+            out.append(
+                ClientData.from_arrays(
+                    [(scaler.x(x), scaler.y(y)) for x, y in part.arrays(split)],
+                    dtype=torch_dtype,
+                    branch=part.branch_signs(split),
+                    time=part.row_times(split),
+                )
+            )
+        ids += map(str, part.client_ids)
+    unit = first.target.rsplit("_", 1)[-1] if "_" in first.target else ""
+    return FleetTensors(_stacked(train), _stacked(test), scaler, tuple(ids), unit)
+
+
+def _stacked(parts: list[ClientData]) -> ClientData:
+    """Chunks' padded data as one cohort, padded to the longest client (zeros, as
+    :meth:`ClientData.from_arrays` pads); each chunk freed once copied."""
+    rows = max(p.x.shape[1] for p in parts)
+    n = sum(p.num_clients for p in parts)
+
+    def joined(get: Callable[[ClientData], Tensor | None]) -> Tensor | None:
+        if get(parts[0]) is None:
+            return None
+        sample = get(parts[0])
+        out = sample.new_zeros((n, rows, *sample.shape[2:]))
+        at = 0
+        for p in parts:
+            t = get(p)
+            out[at : at + t.shape[0], : t.shape[1]] = t
+            at += t.shape[0]
+        return out
+
+    x, y = joined(lambda p: p.x), joined(lambda p: p.y)
+    branch, time_ = joined(lambda p: p.branch), joined(lambda p: p.time)
+    count = torch.cat([p.count for p in parts])
+    return ClientData(x, y, count, (0,) * n, tuple(range(n)), branch, time_)
 
 
 @checked
@@ -247,6 +317,7 @@ def simulate(
         rounds_log: list[dict] = []
         rejections: list[dict] = []  # every rejection: round, client, reason, ratio, threshold
 
+    fleet = with_derived(algorithm, fleet, config.chunk_size, device)
     counts = fleet.train.count.to(torch.float64)
     bytes_up, bytes_down = [], []
     reply_size: list[int] = []  # one client's reply bytes, measured once (_streams)
@@ -258,7 +329,7 @@ def simulate(
         # state or data.
         everyone = len(ids) == n
         data = (fleet.train if everyone else fleet.train.select(idx)).with_seeds(
-            train_seeds(config.seed, t, ids)
+            _seeds(algorithm, train_seeds, config.seed, t, ids)
         )
         down = algorithm.broadcast(server)
         before = states if everyone else gather(states, idx)
@@ -364,6 +435,36 @@ def simulate(
     )
 
 
+def _seeds(
+    algorithm: Algorithm, seeds: Callable[..., tuple[int, ...]], seed: int, t: int, ids
+) -> tuple[int, ...]:
+    """The clients' seeds of round ``t`` (``train_seeds``/``personalize_seeds``), or zeros
+    for an algorithm that reads none (:attr:`Algorithm.reads_seeds`)."""
+    return seeds(seed, t, ids) if algorithm.reads_seeds else (0,) * len(ids)
+
+
+def with_derived(
+    algorithm: Algorithm, fleet: FleetTensors, chunk_size: int, device: torch.device = HOST
+) -> FleetTensors:
+    """The fleet with its training data's ``derived`` tensors (:attr:`Algorithm.derive`: what
+    the algorithm's client step reads of the data alone, e.g. fedprior's moments), formed once
+    here, ``chunk_size`` clients at a time, instead of in every round (issue 25.1). Unchanged
+    when the algorithm derives nothing."""
+    if algorithm.derive is None or fleet.train.derived is not None:
+        return fleet
+    train = fleet.train
+    parts = (
+        (int(rows[0]), chunks.on_device(device, algorithm.derive, chunks.data_to(part, device)))
+        for rows in chunks.spans(train.num_clients, chunk_size)
+        for part in (train if len(rows) == train.num_clients else train.select(rows),)
+    )
+    first = next(parts, None)
+    if first is None or first[1] is None:
+        return fleet
+    derived = chunks.assemble(itertools.chain([first], parts), train.num_clients)
+    return dataclasses.replace(fleet, train=dataclasses.replace(train, derived=derived))
+
+
 def _streams(
     algorithm: Algorithm,
     config: EngineConfig,
@@ -417,7 +518,9 @@ def _evaluate(
     whole fleet's models), scores those instead of personalizing."""
     n = fleet.num_clients
     down = algorithm.broadcast(server)
-    train_all = fleet.train.with_seeds(personalize_seeds(config.seed, t, range(n)))
+    train_all = fleet.train.with_seeds(
+        _seeds(algorithm, personalize_seeds, config.seed, t, range(n))
+    )
     whole = config.chunk_size <= 0 or config.chunk_size >= n
     given = personal
 

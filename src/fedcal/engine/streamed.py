@@ -192,7 +192,7 @@ def streamed_round(
         if record is not None:
             record.extend(records)
             records = []
-        _record_downweighted(algorithm, server, rows, accepted, metrics, record)
+        _record_downweighted(algorithm, server, rows, accepted, metrics, record, robust)
     fix = (factor != 1).nonzero()[:, 0]
     if len(fix):  # Σ (w_i − 1)·reply_i over these few clients, their replies recomputed
         again = algorithm.client_update(
