@@ -471,10 +471,13 @@ def private_sums(
 # Biswas, Dong, Kamath & Ullman 2020, "CoinPress"):
 #
 #   stage 0: the mean of c_i in the vague start's units and the mean of log σ_i²;
-#   stage k: the mean and second moment of z_i = L_k⁻¹(c_i − μ_k), (μ_k, L_k L_kᵀ) the
-#            previous stage's release (eigenvalues the noise hides raised to its floor, so
-#            L_k L_kᵀ is at least the fleet's spread up to the noise: the next stage's
-#            bounds hold for most units); the last stage adds σ_i² / σ̂₀².
+#   stage k: in the whitening z_i = T_k(c_i − μ_k) of the previous release, the weak block
+#            U (directions whose eigenvalue that release's noise hid and raised to its
+#            floor: far below 1 whitened) gets its own mean and second moment, the resolved
+#            block R its mean, and the cross moment z_U z_Rᵀ, each with its own bound (one
+#            bound for all would scale U's noise to R's spread); R's covariance stays I;
+#            the last stage adds σ_i² / σ̂₀². A weak direction is resolved once its spread
+#            exceeds the stage's noise floor, which shrinks with the weak block's spread.
 #
 # Every stage is one call of :func:`private_sums` (clip, Gaussian noise, projection), with
 # bounds adapted by private quantile estimation when asked; every mechanism is a Gaussian
@@ -589,8 +592,8 @@ def release_moments(
     variance. ``budget`` None: no noise (the non-private moments, through the same clipping
     at bounds no unit reaches). ``whiten``: a given preconditioner (the oracle: the true
     moments), then one stage. Declared bounds: ‖c − μ‖ ≤ 2√p s in the vague start's units
-    (fedprior's), ‖z‖ ≤ √(2p) and ‖z zᵀ‖_F ≤ 2p whitened (twice the whitened dimension: a
-    χ²_p draw exceeds it with probability < 2 % for p ≥ 16), |log σ_i² − log s₀²| ≤ 30 and
+    (fedprior's), twice the whitened dimension per block (:func:`_refine_leaves`; a χ²_p
+    draw exceeds 2p with probability < 2 % for p ≥ 16), |log σ_i² − log s₀²| ≤ 30 and
     σ_i²/σ̂₀² ≤ 4; with ``quantile`` > 0 each is only the start of private quantile
     estimation (:func:`private_bounds`). Returns (μ, C, σ²) and per-stage metrics.
     """
