@@ -21,6 +21,7 @@ enters a mean. ε printed is the accountant's (Opacus RDP over the composed stag
 
     python studies/dp_oneshot.py --units 2000 --designs 3x2,4x3 --epsilons 1,4,8 \\
         --fleet-seeds 0,1,2 [--stages 4] [--quantile 0.9] [--count-share 0.1] [--no-oracle]
+        [--refresh-last] [--no-em]
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ def main() -> None:
     ap.add_argument("--quantile", type=float, default=0.9, help="adaptive clipping γ (0: off)")
     ap.add_argument("--count-share", type=float, default=0.1, help="the counts' budget share")
     ap.add_argument("--steps", type=int, default=12, help="quantile updates per stage")
+    ap.add_argument(
+        "--refresh-last", action="store_true", help="last stage: the whole covariance again"
+    )
     ap.add_argument("--no-oracle", action="store_true")
     ap.add_argument("--no-em", action="store_true", help="skip the EM line (slow at 10,000)")
     args = ap.parse_args()
@@ -141,7 +145,12 @@ def main() -> None:
                             )
                         else:
                             down, _ = oneshot_prior(
-                                algorithm, tensors.train, budget, gen, quantile=args.quantile
+                                algorithm,
+                                tensors.train,
+                                budget,
+                                gen,
+                                quantile=args.quantile,
+                                refresh_last=args.refresh_last,
                             )
                         r = _score(algorithm, down, tensors, new)
                     except Exception as err:  # a failure is reported, never a number

@@ -62,10 +62,12 @@ def oneshot_prior(
     min_rows: int = 0,
     quantile: float = 0.9,
     whiten: Whitening | None = None,
+    refresh_last: bool = False,
 ) -> tuple[Tree, dict[str, float]]:
     """Steps 1–2: the broadcast (μ, Σ, σ², box) of the released prior, and the release's
     metrics. ``min_rows`` 0: twice the basis's terms. ``budget`` None: no noise;
-    ``whiten``: the oracle's preconditioner (:func:`fedcal.core.privacy.release_moments`)."""
+    ``whiten``: the oracle's preconditioner; ``refresh_last``: the last stage re-releases
+    the whole covariance (:func:`fedcal.core.privacy.release_moments`)."""
     p = algorithm.num_features
     coef, noise, used = local_fits(algorithm, data, min_rows or 2 * p)
     released, metrics = release_moments(
@@ -78,6 +80,7 @@ def oneshot_prior(
         quantile,
         whiten,
         algorithm.floor,
+        refresh_last,
     )
     gram = moments(algorithm.design(data.x[used]), data.y[used][..., 0], data.mask[used]).gram
     down = {

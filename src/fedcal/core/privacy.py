@@ -584,6 +584,7 @@ def release_moments(
     quantile: float = 0.9,
     whiten: Whitening | None = None,
     floor: float = 1e-12,
+    refresh_last: bool = False,
 ) -> tuple[Whitening, dict[str, float]]:
     """The fleet's mean, covariance and noise variance from the units' own fits, released
     under client-level DP in ``len(budget.sums)`` stages (the section's comment above).
@@ -595,7 +596,9 @@ def release_moments(
     (fedprior's), twice the whitened dimension per block (:func:`_refine_leaves`; a χ²_p
     draw exceeds 2p with probability < 2 % for p ≥ 16), |log σ_i² − log s₀²| ≤ 30 and
     σ_i²/σ̂₀² ≤ 4; with ``quantile`` > 0 each is only the start of private quantile
-    estimation (:func:`private_bounds`). Returns (μ, C, σ²) and per-stage metrics.
+    estimation (:func:`private_bounds`). ``refresh_last``: the last stage releases the
+    whole covariance again (every direction weak), not only the weak block. Returns
+    (μ, C, σ²) and per-stage metrics.
     """
     n, p = coef.shape
     coef, noise_var = coef.to(F64), noise_var.to(F64)
@@ -625,7 +628,8 @@ def release_moments(
     weak = torch.ones(p, dtype=torch.bool)
     for k, sigma in enumerate(stages, start=1):
         last = k == len(stages)
-        weak = weak if bool(weak.any()) else torch.ones(p, dtype=torch.bool)  # all resolved
+        if not bool(weak.any()) or (last and refresh_last):  # all resolved, or asked
+            weak = torch.ones(p, dtype=torch.bool)
         z = (coef - whiten.mean) @ t.T
         declared, replies = _refine_leaves(z, weak)
         if last:
