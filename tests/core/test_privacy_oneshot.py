@@ -57,10 +57,12 @@ def _fleet(n: int, p: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return coef, noise
 
 
-def test_without_noise_the_release_is_the_fleets_moments():
+@pytest.mark.parametrize("refresh_last", [False, True])
+def test_without_noise_the_release_is_the_fleets_moments(refresh_last):
     """budget None: the mean, the population covariance and the mean noise variance."""
     coef, noise = _fleet(50, 4)
-    got, _ = release_moments(coef, noise, None, torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    got, _ = release_moments(coef, noise, None, gen, refresh_last=refresh_last)
     assert torch.allclose(got.mean, coef.mean(0), rtol=0, atol=1e-12)
     cov = torch.cov(coef.T, correction=0)
     assert torch.allclose(got.cov, cov, rtol=1e-8, atol=1e-14)
@@ -88,14 +90,14 @@ def test_the_oracle_releases_noise_at_its_sensitivity():
     assert torch.allclose(std, torch.full((p,), want, dtype=F64), rtol=0.1)
 
 
-@pytest.mark.parametrize("stages", [2, 4])
-def test_a_noisy_release_is_positive_definite_and_finite(stages):
+@pytest.mark.parametrize("stages, refresh_last", [(2, False), (4, False), (4, True)])
+def test_a_noisy_release_is_positive_definite_and_finite(stages, refresh_last):
     """A tiny fleet at ε = 0.5: the noise swamps the moments, the release is still a
     symmetric positive-definite covariance (eigenvalues ≥ the floor) and σ² > 0."""
     coef, noise = _fleet(30, 5, seed=1)
     budget = staged_budget(0.5, 1e-3, stages, count_share=0.1)
     got, metrics = release_moments(
-        coef, noise, budget, torch.Generator().manual_seed(1), floor=1e-12
+        coef, noise, budget, torch.Generator().manual_seed(1), refresh_last=refresh_last
     )
     assert torch.isfinite(got.cov).all() and torch.isfinite(got.mean).all()
     assert torch.equal(got.cov, got.cov.T)
