@@ -236,21 +236,41 @@ def build_recorded(
         raise ConfigError(f"[methods.{name}]: {err}") from None
 
 
-def _account(config: RunConfig):
+# δ when [privacy] delta is omitted and the number of units is not known before the run
+# (a Flower server): the earlier fixed default, recorded as such in privacy.json
+UNKNOWN_UNITS_DELTA = 1e-5
+
+
+def privacy_delta(config: RunConfig, units: int | None) -> tuple[float, str]:
+    """δ and how it was chosen: ``[privacy] delta`` if set, else 1/N² with N the run's
+    ``units`` (δ well below 1/N: a mechanism that released one unit's data whole with
+    probability δ would expose 1/N of the fleet in expectation), else UNKNOWN_UNITS_DELTA."""
+    if config.privacy.delta is not None:
+        return config.privacy.delta, "set in [privacy] delta"
+    if units:
+        return 1.0 / units**2, f"1/N^2, N = {units} units"
+    return UNKNOWN_UNITS_DELTA, "1e-5: the number of units is not known before the run"
+
+
+def _account(config: RunConfig, delta: float):
     """The accountant's split: the sums' σ alone, or with adaptive clipping's counts."""
     from fedcal.core.privacy import account, account_adaptive
 
     p, e = config.privacy, config.engine
     if p.quantile > 0:
-        args = (p.epsilon, p.delta, e.participation, e.rounds, p.quantile_steps, p.quantile_share)
+        args = (p.epsilon, delta, e.participation, e.rounds, p.quantile_steps, p.quantile_share)
         return account_adaptive(*args)
-    return account(p.epsilon, p.delta, e.participation, e.rounds)
+    return account(p.epsilon, delta, e.participation, e.rounds)
 
 
-def build_policy(config: RunConfig) -> tuple[AggregationPolicy, dict[str, Any]]:
+def build_policy(
+    config: RunConfig, units: int | None = None
+) -> tuple[AggregationPolicy, dict[str, Any]]:
     """The server's aggregation policy, with DP noise calibrated by the accountant.
 
-    Returns the policy and what the run records about privacy (empty without DP).
+    ``units``: the run's number of units N (δ = 1/N² when ``[privacy] delta`` is omitted;
+    :func:`privacy_delta`). Returns the policy and what the run records about privacy
+    (empty without DP).
     """
     a, p = config.aggregation, config.privacy
     privacy: dict[str, Any] = {}
@@ -260,11 +280,13 @@ def build_policy(config: RunConfig) -> tuple[AggregationPolicy, dict[str, Any]]:
         if p.clip <= 0:
             raise ConfigError("[privacy] clip: epsilon > 0 needs clip > 0 (the update norm bound)")
         try:
-            spent = _account(config)
+            delta, rule = privacy_delta(config, units)
+            spent = _account(config, delta)
         except ValueError as err:
             raise ConfigError(f"[privacy]: {err}") from None
         sigma = spent.noise_multiplier
         privacy = {**asdict(spent), "clip": p.clip, "accountant": "opacus RDP", "noise": p.noise}
+        privacy["delta_rule"] = rule
         if p.noise == "secret":  # drawn here, never recorded (config.PrivacySection.noise)
             import secrets
 
@@ -370,7 +392,7 @@ def validate_methods(config: RunConfig, fleet: Fleet) -> list[str]:
         task = build_task(config, tensors.train.x.shape[-1], fleet.meta, client_inputs(tensors))
         for name in names:
             build_algorithm(name, config, task)
-    build_policy(config)
+    build_policy(config, fleet.num_clients)
     return names
 
 

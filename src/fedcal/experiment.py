@@ -518,7 +518,8 @@ def run_experiment(
     methods = check_methods(methods, config, task_kind(fleet))
     check_fit(config, fleet)
     variants = fleet_variants(config, fleet)
-    policy, privacy = build_policy(config)  # bad input stops here, before anything is written
+    # bad input stops here, before anything is written; δ = 1/N² for N units unless set
+    policy, privacy = build_policy(config, fleet.num_clients)
     if policy.dp:
         refuse_unprivate_scaling(config, fleet)
     out = Path(out)

@@ -459,3 +459,251 @@ def private_sums(
     metrics = {"dp_clipped_statistics": float(hits.sum()), "dp_statistics": float(len(declared))}
     metrics.update({f"dp_bound/{key}": bound for key, bound in adapted.items()})
     return out, metrics
+
+
+# ---- a one-shot release of a fleet's mean and covariance (issue 25, item 3) -------------
+#
+# When every contributing unit can fit its own coefficients c_i (far more points than
+# terms), the fleet prior needs only their mean and covariance and a noise scale: one
+# release instead of a Gaussian mechanism per EM round. The covariance spans many decades,
+# and the Gaussian mechanism's noise is absolute in the coordinates of the release, so the
+# release runs in stages, each whitened by the one before (the iterative preconditioning of
+# Biswas, Dong, Kamath & Ullman 2020, "CoinPress"):
+#
+#   stage 0: the mean of c_i in the vague start's units and the mean of log σ_i²;
+#   stage k: in the whitening z_i = T_k(c_i − μ_k) of the previous release, the weak block
+#            U (directions whose eigenvalue that release's noise hid and raised to its
+#            floor: far below 1 whitened) gets its own mean and second moment, the resolved
+#            block R its mean, and the cross moment z_U z_Rᵀ, each with its own bound (one
+#            bound for all would scale U's noise to R's spread); R's covariance stays I;
+#            the last stage adds σ_i² / σ̂₀². A weak direction is resolved once its spread
+#            exceeds the stage's noise floor, which shrinks with the weak block's spread.
+#
+# Every stage is one call of :func:`private_sums` (clip, Gaussian noise, projection), with
+# bounds adapted by private quantile estimation when asked; every mechanism is a Gaussian
+# on the whole cohort (q = 1), so their RDP adds up (:func:`staged_budget`).
+
+LOG_NOISE_RANGE = 30.0  # declared bound on |log σ_i² − log s₀²| (nats): 13 decades either way
+NOISE_RATIO_BOUND = 4.0  # declared bound on σ_i² / σ̂₀² in the last stage
+UNBOUNDED = 1e300  # the no-noise release's bound: no unit reaches it (finite: 0 × it = 0)
+
+
+@dataclass(frozen=True)
+class StagedBudget:
+    """Noise multipliers of a staged release that together spend ``epsilon`` at ``delta``.
+
+    ``sums``: one multiplier per stage's sums; ``counts``: adaptive clipping's count
+    multiplier z_b (0: declared bounds), ``steps`` counts per stage; ``base``: the
+    multiplier z of a single Gaussian mechanism spending the whole budget; ``spent``: the
+    ε of the composition by Opacus's RDP accountant.
+    """
+
+    epsilon: float
+    delta: float
+    sums: tuple[float, ...]
+    counts: float
+    steps: int
+    base: float
+    spent: float
+
+    def mechanisms(self) -> list[tuple[float, float, int]]:
+        """The composed history [(σ, q, steps), ...] (Opacus's RDP accountant's)."""
+        out = [(s, 1.0, 1) for s in self.sums]
+        if self.counts:
+            out.append((self.counts, 1.0, len(self.sums) * self.steps))
+        return out
+
+
+def staged_budget(
+    epsilon: float,
+    delta: float,
+    stages: int,
+    first_share: float = 0.1,
+    count_share: float = 0.0,
+    steps: int = 12,
+) -> StagedBudget:
+    """Split one Gaussian mechanism's budget over ``stages`` releases (and their counts).
+
+    The Gaussian mechanism with multiplier σ has RDP α/(2σ²) at every order α (Mironov 2017,
+    Prop. 7), and RDP adds under composition (Prop. 1): releases with 1/z² = Σ_k 1/σ_k² +
+    S·steps/z_b² spend exactly what one mechanism of multiplier z spends. The counts get
+    ``count_share`` of 1/z²; of the rest, stage 0 gets ``first_share`` (with more than one
+    stage) and the others equal parts.
+    """
+    if stages < 1:
+        raise ValueError(f"privacy stages = {stages}: expected >= 1")
+    if not 0 < first_share < 1:
+        raise ValueError(f"privacy first_share = {first_share}: expected 0 < share < 1")
+    if not 0 <= count_share < 1:
+        raise ValueError(f"privacy count_share = {count_share}: expected 0 <= share < 1")
+    z = noise_for_epsilon(epsilon, delta, 1.0, 1)
+    rest = 1.0 - count_share
+    if stages == 1:
+        shares = [rest]
+    else:
+        shares = [rest * first_share] + [rest * (1 - first_share) / (stages - 1)] * (stages - 1)
+    sums = tuple(z / math.sqrt(f) for f in shares)
+    counts = z * math.sqrt(stages * steps / count_share) if count_share > 0 else 0.0
+    budget = StagedBudget(epsilon, delta, sums, counts, steps, z, 0.0)
+    return replace(budget, spent=composed_epsilon(budget.mechanisms(), delta))
+
+
+@dataclass(frozen=True)
+class Whitening:
+    """A preconditioner: the center μ, the spread C = L Lᵀ and the noise scale σ₀²."""
+
+    mean: Tensor
+    cov: Tensor | None  # None: not released yet (stage 0 releases the mean only)
+    noise: Tensor
+
+
+def _stage(
+    replies: dict[str, Tensor],
+    declared: dict[str, Statistic],
+    sigma: float,
+    budget: StagedBudget,
+    quantile: float,
+    generator: torch.Generator,
+) -> tuple[dict[str, Tensor], dict[str, float]]:
+    """One stage: :func:`private_sums` with adapted bounds when ``quantile`` > 0."""
+    adaptive = None
+    if quantile > 0:
+        adaptive = AdaptiveClip(
+            quantile=quantile, count_multiplier=budget.counts, steps=budget.steps
+        )
+    return private_sums(replies, declared, sigma, generator, adaptive=adaptive)
+
+
+def release_moments(
+    coef: Tensor,
+    noise_var: Tensor,
+    budget: StagedBudget | None,
+    generator: torch.Generator,
+    start_scale: float = 1.0,
+    start_noise: float = 0.1,
+    quantile: float = 0.9,
+    whiten: Whitening | None = None,
+    floor: float = 1e-12,
+    refresh_last: bool = False,
+) -> tuple[Whitening, dict[str, float]]:
+    """The fleet's mean, covariance and noise variance from the units' own fits, released
+    under client-level DP in ``len(budget.sums)`` stages (the section's comment above).
+
+    ``coef`` (N, p): each contributing unit's coefficients; ``noise_var`` (N,): its noise
+    variance. ``budget`` None: no noise (the non-private moments, through the same clipping
+    at bounds no unit reaches). ``whiten``: a given preconditioner (the oracle: the true
+    moments), then one stage. Declared bounds: ‖c − μ‖ ≤ 2√p s in the vague start's units
+    (fedprior's), twice the whitened dimension per block (:func:`_refine_leaves`; a χ²_p
+    draw exceeds 2p with probability < 2 % for p ≥ 16), |log σ_i² − log s₀²| ≤ 30 and
+    σ_i²/σ̂₀² ≤ 4; with ``quantile`` > 0 each is only the start of private quantile
+    estimation (:func:`private_bounds`). ``refresh_last``: the last stage releases the
+    whole covariance again (every direction weak), not only the weak block. Returns
+    (μ, C, σ²) and per-stage metrics.
+    """
+    n, p = coef.shape
+    coef, noise_var = coef.to(F64), noise_var.to(F64)
+    plain = budget is None
+    if plain:  # bounds no unit reaches, no noise
+        budget = StagedBudget(0.0, 0.0, (0.0,) * (1 if whiten else 2), 0.0, 1, 0.0, 0.0)
+        quantile = 0.0
+    metrics: dict[str, float] = {}
+    stages = list(budget.sums)
+    if whiten is None:  # stage 0: the mean and the log noise, in the vague start's units
+        s = start_scale
+        declared = {
+            "mean": Statistic(2 * math.sqrt(p) * s, transform=torch.tensor(1.0 / s, dtype=F64)),
+            "log_noise": Statistic(
+                LOG_NOISE_RANGE, center=torch.tensor([2 * math.log(start_noise)], dtype=F64)
+            ),
+        }
+        if plain:
+            declared = {k: replace(v, bound=UNBOUNDED) for k, v in declared.items()}
+        replies = {"mean": coef, "log_noise": noise_var.log().unsqueeze(-1)}
+        sums, m = _stage(replies, declared, stages.pop(0), budget, quantile, generator)
+        metrics.update({f"stage0/{k}": v for k, v in m.items()})
+        whiten = Whitening(sums["mean"] / n, None, (sums["log_noise"][0] / n).exp())
+    # z = T(c − μ): the last release's whitening; ``weak``: its coordinates whose variance the
+    # noise hid (raised to the floor), where the units' whitened spread is far below 1
+    t = torch.eye(p, dtype=F64) / start_scale if whiten.cov is None else _whitening(whiten.cov)
+    weak = torch.ones(p, dtype=torch.bool)
+    for k, sigma in enumerate(stages, start=1):
+        last = k == len(stages)
+        if not bool(weak.any()) or (last and refresh_last):  # all resolved, or asked
+            weak = torch.ones(p, dtype=torch.bool)
+        z = (coef - whiten.mean) @ t.T
+        declared, replies = _refine_leaves(z, weak)
+        if last:
+            declared["noise"] = Statistic(
+                NOISE_RATIO_BOUND,
+                "positive",
+                transform=1.0 / whiten.noise.to(F64).reshape(()),
+                minimum=1e-8,  # σ² never 0: the new units' posterior needs σ² > 0
+            )
+            replies["noise"] = noise_var
+        if plain:
+            declared = {key: replace(v, bound=UNBOUNDED) for key, v in declared.items()}
+        sums, m = _stage(replies, declared, sigma, budget, quantile, generator)
+        metrics.update({f"stage{k}/{key}": v for key, v in m.items()})
+        # the weak block's floor per unit: NOISE_MARGIN × the noise's spectral norm / N
+        bound = m.get("dp_bound/second_u", declared["second_u"].bound)
+        std = sigma * math.sqrt(len(declared)) * bound
+        level = NOISE_MARGIN * std * math.sqrt(2 * int(weak.sum())) / n
+        shift, spread = _assemble(sums, weak, n, max(level, floor))
+        t_inv = torch.linalg.inv(t)
+        mean = whiten.mean + t_inv @ shift
+        cov = psd_projection(t_inv @ spread @ t_inv.T, floor)
+        noise = sums["noise"] / n if last else whiten.noise
+        vals, vecs = torch.linalg.eigh(spread)  # ascending
+        # the next weak block: as many directions as the weak block's eigenvalues the noise
+        # hid (raised to its floor), the smallest of the assembled spread
+        block = spread[weak][:, weak]
+        hidden = int((torch.linalg.eigvalsh(block) <= level * (1 + 1e-6)).sum()) if level else 0
+        weak = torch.arange(p) < hidden
+        t = (vecs / vals.clamp_min(floor).sqrt()).T @ t  # Λ^(−½) Wᵀ T: the next whitening
+        whiten = Whitening(mean, cov, noise)
+    return whiten, metrics
+
+
+def _whitening(cov: Tensor) -> Tensor:
+    """T = Λ^(−½) Wᵀ for C = W Λ Wᵀ: T C Tᵀ = I."""
+    vals, vecs = torch.linalg.eigh(0.5 * (cov + cov.T))
+    return (vecs / vals.clamp_min(1e-300).sqrt()).T
+
+
+def _refine_leaves(z: Tensor, weak: Tensor) -> tuple[dict[str, Statistic], dict[str, Tensor]]:
+    """A stage's statistics in the last whitening: the weak block's mean and second moment
+    (its own bounds: its spread is far below the resolved block's, and one bound for both
+    would bury it in noise), the resolved block's mean and the cross moment z_U z_Rᵀ.
+    Declared bounds: twice the whitened dimension (‖z_U‖² ≤ 2 p_U, ‖z_R‖² ≤ 2 r)."""
+    zu, zr = z[:, weak], z[:, ~weak]
+    pu, r = zu.shape[1], zr.shape[1]
+    declared = {
+        "mean_u": Statistic(math.sqrt(2 * pu)),
+        "second_u": Statistic(2.0 * pu, "second_moment", first="mean_u", noise_floor=True),
+    }
+    replies = {"mean_u": zu, "second_u": zu.unsqueeze(-1) * zu.unsqueeze(-2)}
+    if r:
+        declared["mean_r"] = Statistic(math.sqrt(2 * r))
+        declared["cross"] = Statistic(2.0 * math.sqrt(pu * r))
+        replies.update(mean_r=zr, cross=zu.unsqueeze(-1) * zr.unsqueeze(-2))
+    return declared, replies
+
+
+def _assemble(sums: dict[str, Tensor], weak: Tensor, n: int, level: float) -> tuple[Tensor, Tensor]:
+    """The mean shift and the covariance, in the stage's whitening, from its released sums:
+    the resolved block stays I (what the last release whitened to), the weak block and the
+    cross block are the released centred moments; PSD, eigenvalues at least ``level``."""
+    p = weak.shape[0]
+    u, r = torch.nonzero(weak)[:, 0], torch.nonzero(~weak)[:, 0]
+    shift = torch.zeros(p, dtype=F64)
+    spread = torch.eye(p, dtype=F64)
+    du = sums["mean_u"]
+    shift[u] = du / n
+    spread[u.unsqueeze(1), u.unsqueeze(0)] = (sums["second_u"] - torch.outer(du, du) / n) / n
+    if len(r):
+        dr = sums["mean_r"]
+        shift[r] = dr / n
+        cross = (sums["cross"] - torch.outer(du, dr) / n) / n
+        spread[u.unsqueeze(1), r.unsqueeze(0)] = cross
+        spread[r.unsqueeze(1), u.unsqueeze(0)] = cross.T
+    return shift, psd_projection(spread, level)

@@ -1,0 +1,93 @@
+"""The fleet prior released once under client-level DP (issue 25, item 3; docs/safety.md).
+
+fedprior's EM releases eight noisy sums every round; its DP cost is the noise on the summed
+second moment, round after round (docs/safety.md, "Many units"). A unit with far more points
+than terms identifies its own coefficients, so the prior N(μ, Σ) and the noise σ² follow
+from the moments of the units' own fits, released once:
+
+1. each contributing unit (at least ``min_rows`` rows, public: the full campaign) fits its
+   coefficients by least squares on the fedprior design, ĉ_i = G_i⁻¹ Φ_iᵀy_i, and its noise
+   σ_i² = ‖y_i − Φ_i ĉ_i‖² / (n_i − p);
+2. the server receives the mean and covariance of the ĉ_i and the mean σ_i², released in
+   stages by :func:`fedcal.core.privacy.release_moments` (whitened by the stage before,
+   clipped, Gaussian noise, projected to PSD), at the budget of
+   :func:`fedcal.core.privacy.staged_budget`;
+3. every unit, few-point or not, is calibrated under the released prior (fedprior's
+   ``personalize``): units below ``min_rows`` contribute nothing, they cannot identify c_i.
+
+Cov(ĉ_i) = Σ + E[σ_i² G_i⁻¹] counts each fit's own error as spread; without DP it gave the
+same new-unit error as fedprior's EM (the docs' table, "no noise" row: 2,000 reference units,
+the measurement error of a 384-point fit is far below the units' spread along every
+direction that matters), so no deconvolution is released. The fleet's input box (the
+extrapolation guard, ``fedprior_support``) is the reference units' design, taken as public
+(the campaign): not released under DP here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fedcal.algorithms.fedprior import FedPrior
+from fedcal.core.bayes import F64, moments
+from fedcal.core.data import ClientData
+from fedcal.core.privacy import StagedBudget, Whitening, release_moments
+from fedcal.core.tree import Tree
+
+
+def local_fits(
+    algorithm: FedPrior, data: ClientData, min_rows: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Step 1: (ĉ_i (K, p), σ_i² (K,), contributing (N,) bool) of the units with ≥ ``min_rows``."""
+    p = algorithm.num_features
+    if min_rows <= p:
+        raise ValueError(f"oneshot min_rows = {min_rows}: expected > {p} (the basis's terms)")
+    design = algorithm.design(data.x, data.branch)
+    m = moments(design, data.y[..., 0], data.mask)
+    used = m.n >= min_rows
+    if not bool(used.any()):
+        raise ValueError(f"oneshot: no unit has >= {min_rows} rows to fit its own coefficients")
+    gram, rhs = m.gram[used], m.rhs[used]
+    coef = torch.linalg.solve(gram, rhs)
+    rss = (m.yy[used] - (coef * rhs).sum(-1)).clamp_min(0.0)
+    noise = rss / (m.n[used] - p)
+    return coef, noise.clamp_min(1e-300), used  # log σ² must exist: an exact fit is 1e-300
+
+
+def oneshot_prior(
+    algorithm: FedPrior,
+    data: ClientData,
+    budget: StagedBudget | None,
+    generator: torch.Generator,
+    min_rows: int = 0,
+    quantile: float = 0.9,
+    whiten: Whitening | None = None,
+    refresh_last: bool = False,
+) -> tuple[Tree, dict[str, float]]:
+    """Steps 1–2: the broadcast (μ, Σ, σ², box) of the released prior, and the release's
+    metrics. ``min_rows`` 0: twice the basis's terms. ``budget`` None: no noise;
+    ``whiten``: the oracle's preconditioner; ``refresh_last``: the last stage re-releases
+    the whole covariance (:func:`fedcal.core.privacy.release_moments`)."""
+    p = algorithm.num_features
+    coef, noise, used = local_fits(algorithm, data, min_rows or 2 * p)
+    released, metrics = release_moments(
+        coef,
+        noise,
+        budget,
+        generator,
+        algorithm.init_scale,
+        algorithm.init_noise,
+        quantile,
+        whiten,
+        algorithm.floor,
+        refresh_last,
+    )
+    gram = moments(algorithm.design(data.x[used]), data.y[used][..., 0], data.mask[used]).gram
+    down = {
+        "mu": released.mean,
+        "sigma": released.cov,
+        "noise_var": released.noise.to(F64).reshape(()),
+        "box": algorithm._input_box(gram.sum(0)),  # public: the reference campaign's design
+    }
+    metrics["oneshot_units"] = float(used.sum())
+    return down, metrics

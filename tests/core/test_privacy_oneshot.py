@@ -1,0 +1,130 @@
+"""The one-shot release of a fleet's moments (core.privacy.release_moments, staged_budget)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedcal.core.privacy import (
+    StagedBudget,
+    Whitening,
+    composed_epsilon,
+    epsilon_spent,
+    release_moments,
+    staged_budget,
+)
+
+F64 = torch.float64
+ALPHAS = np.array([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)), dtype=float)
+
+
+def _closed_form(rdp_per_alpha: float, delta: float) -> float:
+    """ε of a Gaussian composition with RDP α·ρ, Balle et al. 2020's conversion minimised
+    over Opacus's orders (as tests/core/test_privacy.py)."""
+    a = ALPHAS
+    eps = a * rdp_per_alpha + np.log((a - 1) / a) - (np.log(delta) + np.log(a)) / (a - 1)
+    return float(eps.min())
+
+
+@pytest.mark.parametrize("stages, count_share", [(1, 0.0), (4, 0.1), (6, 0.2)])
+def test_staged_budget_spends_the_closed_form_epsilon(stages, count_share):
+    """RDP of the stages and counts adds to α/2 · (Σ 1/σ_k² + S·steps/z_b²) = α/(2z²): the
+    accountant's ε equals the closed form and that of one Gaussian mechanism of multiplier
+    z; the shares are as stated (stage 0 ``first_share`` of the sums, the rest equal)."""
+    delta = 1.0 / 2030**2
+    b = staged_budget(1.0, delta, stages, first_share=0.1, count_share=count_share, steps=12)
+    inv = sum(1 / s**2 for s in b.sums) + (stages * 12 / b.counts**2 if b.counts else 0.0)
+    assert inv == pytest.approx(1 / b.base**2, rel=1e-12)
+    assert b.spent == pytest.approx(_closed_form(inv / 2, delta), rel=1e-9)
+    assert b.spent == pytest.approx(epsilon_spent(b.base, 1.0, 1, delta), rel=1e-9)
+    assert b.spent == pytest.approx(composed_epsilon(b.mechanisms(), delta), rel=1e-12)
+    assert 0.99 <= b.spent <= 1.0
+    if stages > 1:
+        rest = 1 - count_share
+        assert 1 / b.sums[0] ** 2 == pytest.approx(0.1 * rest / b.base**2, rel=1e-12)
+        for s in b.sums[1:]:
+            assert 1 / s**2 == pytest.approx(0.9 * rest / (stages - 1) / b.base**2, rel=1e-12)
+
+
+def _fleet(n: int, p: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.logspace(-1, -5, p, dtype=F64)  # a spread over decades, as a fleet's
+    coef = 0.3 + torch.randn(n, p, generator=g, dtype=F64) * scales
+    noise = 1e-6 * (1 + torch.rand(n, generator=g, dtype=F64))
+    return coef, noise
+
+
+@pytest.mark.parametrize("refresh_last", [False, True])
+def test_without_noise_the_release_is_the_fleets_moments(refresh_last):
+    """budget None: the mean, the population covariance and the mean noise variance."""
+    coef, noise = _fleet(50, 4)
+    gen = torch.Generator().manual_seed(0)
+    got, _ = release_moments(coef, noise, None, gen, refresh_last=refresh_last)
+    assert torch.allclose(got.mean, coef.mean(0), rtol=0, atol=1e-12)
+    cov = torch.cov(coef.T, correction=0)
+    assert torch.allclose(got.cov, cov, rtol=1e-8, atol=1e-14)
+    assert float(got.noise) == pytest.approx(float(noise.mean()), rel=1e-10)
+
+
+def test_the_oracle_releases_noise_at_its_sensitivity():
+    """Whitened by the truth, every unit at the mean (z = 0: nothing clipped): the released
+    mean is μ + L·e with e ~ N(0, (σ √L_leaves √(2p) / N)²) per coordinate (the mean leaf's
+    bound √(2p), three leaves: mean, second moment, noise). 400 draws: the std within 10 %."""
+    n, p, sigma = 20, 3, 2.0
+    mu = torch.tensor([1.0, -2.0, 0.5], dtype=F64)
+    cov = torch.diag(torch.tensor([4.0, 1.0, 0.25], dtype=F64))
+    coef = mu.expand(n, p).clone()
+    noise = torch.full((n,), 0.01, dtype=F64)
+    truth = Whitening(mu, cov, torch.tensor(0.01, dtype=F64))
+    budget = StagedBudget(1.0, 1e-5, (sigma,), 0.0, 1, sigma, 1.0)
+    gen = torch.Generator().manual_seed(3)
+    draws = []
+    for _ in range(400):
+        got, _ = release_moments(coef, noise, budget, gen, quantile=0.0, whiten=truth)
+        draws.append((got.mean - mu) / cov.diagonal().sqrt())  # back in whitened units
+    std = torch.stack(draws).std(0)
+    want = sigma * math.sqrt(3) * math.sqrt(2 * p) / n
+    assert torch.allclose(std, torch.full((p,), want, dtype=F64), rtol=0.1)
+
+
+@pytest.mark.parametrize("stages, refresh_last", [(2, False), (4, False), (4, True)])
+def test_a_noisy_release_is_positive_definite_and_finite(stages, refresh_last):
+    """A tiny fleet at ε = 0.5: the noise swamps the moments, the release is still a
+    symmetric positive-definite covariance (eigenvalues ≥ the floor) and σ² > 0."""
+    coef, noise = _fleet(30, 5, seed=1)
+    budget = staged_budget(0.5, 1e-3, stages, count_share=0.1)
+    got, metrics = release_moments(
+        coef, noise, budget, torch.Generator().manual_seed(1), refresh_last=refresh_last
+    )
+    assert torch.isfinite(got.cov).all() and torch.isfinite(got.mean).all()
+    assert torch.equal(got.cov, got.cov.T)
+    assert float(torch.linalg.eigvalsh(got.cov).min()) >= 1e-12 * (1 - 1e-6)
+    assert float(got.noise) > 0
+    assert any(k.startswith(f"stage{stages - 1}/") for k in metrics)
+
+
+def test_default_delta_is_one_over_the_units_squared():
+    """[privacy] delta omitted: δ = 1/N² for the run's N units, recorded (privacy.json) with
+    its rule and accounted (σ is the accountant's at that δ); set: the value set; N not
+    known before the run (a Flower server): the fixed 1e-5, said so."""
+    from dataclasses import replace
+
+    from fedcal.build import build_policy
+    from fedcal.config import load_config
+    from fedcal.core.privacy import account
+
+    cfg = load_config("default")
+    cfg = replace(cfg, privacy=replace(cfg.privacy, epsilon=1.0, clip=1.0, noise="seeded"))
+    assert cfg.privacy.delta is None
+    rounds = cfg.engine.rounds
+    _, record = build_policy(cfg, 2030)
+    assert record["delta"] == 1.0 / 2030**2 and record["delta_rule"] == "1/N^2, N = 2030 units"
+    want = account(1.0, 1.0 / 2030**2, cfg.engine.participation, rounds)
+    assert record["noise_multiplier"] == pytest.approx(want.noise_multiplier, rel=1e-12)
+    _, fixed = build_policy(replace(cfg, privacy=replace(cfg.privacy, delta=1e-3)), 2030)
+    assert fixed["delta"] == 1e-3 and fixed["delta_rule"] == "set in [privacy] delta"
+    _, unknown = build_policy(cfg)
+    assert unknown["delta"] == 1e-5 and "not known" in unknown["delta_rule"]
