@@ -237,18 +237,21 @@ def build_recorded(
 
 
 # δ when [privacy] delta is omitted and the number of units is not known before the run
-# (a Flower server): the earlier fixed default, recorded as such in privacy.json
+# (a Flower server), and the largest default δ of any fleet (1/N² above it for N < 317)
 UNKNOWN_UNITS_DELTA = 1e-5
 
 
 def privacy_delta(config: RunConfig, units: int | None) -> tuple[float, str]:
-    """δ and how it was chosen: ``[privacy] delta`` if set, else 1/N² with N the run's
-    ``units`` (δ well below 1/N: a mechanism that released one unit's data whole with
-    probability δ would expose 1/N of the fleet in expectation), else UNKNOWN_UNITS_DELTA."""
+    """δ and how it was chosen: ``[privacy] delta`` if set, else min(1/N², 1e-5) with N the
+    run's ``units`` (δ well below 1/N: a mechanism that released one unit's data whole with
+    probability δ would expose 1/N of the fleet in expectation; the 1e-5 cap keeps a small
+    fleet from a meaningless δ such as 1/9 for 3 units), else UNKNOWN_UNITS_DELTA."""
     if config.privacy.delta is not None:
         return config.privacy.delta, "set in [privacy] delta"
-    if units:
+    if units and 1.0 / units**2 < UNKNOWN_UNITS_DELTA:
         return 1.0 / units**2, f"1/N^2, N = {units} units"
+    if units:
+        return UNKNOWN_UNITS_DELTA, f"1e-5 (1/N^2 would be larger: N = {units} units)"
     return UNKNOWN_UNITS_DELTA, "1e-5: the number of units is not known before the run"
 
 

@@ -165,7 +165,7 @@ class PrivacySection:
     """Client-level DP (DP-FedAvg); off when epsilon = 0."""
 
     epsilon: Float = Field(default=0.0, ge=0.0, le=1e4)  # target ε over the whole run
-    # δ; omitted (None): 1/N², N the run's units (its clients), resolved by build_policy
+    # δ; omitted (None): min(1/N², 1e-5), N the run's units (clients), resolved by build_policy
     delta: Float | None = Field(default=None, gt=0.0, lt=1.0)
     clip: Float = Field(default=0.0, ge=0.0, le=1e6)  # fixed L2 bound on each client's update
     # Declared statistics (fedprior): adapt each bound to this quantile of the clients' norms

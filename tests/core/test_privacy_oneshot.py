@@ -107,8 +107,8 @@ def test_a_noisy_release_is_positive_definite_and_finite(stages, refresh_last):
 
 
 def test_default_delta_is_one_over_the_units_squared():
-    """[privacy] delta omitted: δ = 1/N² for the run's N units, recorded (privacy.json) with
-    its rule and accounted (σ is the accountant's at that δ); set: the value set; N not
+    """[privacy] delta omitted: δ = min(1/N², 1e-5) for the run's N units, recorded
+    (privacy.json) with its rule and accounted (σ is the accountant's at that δ); set: the value set; N not
     known before the run (a Flower server): the fixed 1e-5, said so."""
     from dataclasses import replace
 
@@ -126,5 +126,7 @@ def test_default_delta_is_one_over_the_units_squared():
     assert record["noise_multiplier"] == pytest.approx(want.noise_multiplier, rel=1e-12)
     _, fixed = build_policy(replace(cfg, privacy=replace(cfg.privacy, delta=1e-3)), 2030)
     assert fixed["delta"] == 1e-3 and fixed["delta_rule"] == "set in [privacy] delta"
+    _, small = build_policy(cfg, 300)  # 1/300² > 1e-5: capped
+    assert small["delta"] == 1e-5 and "N = 300 units" in small["delta_rule"]
     _, unknown = build_policy(cfg)
     assert unknown["delta"] == 1e-5 and "not known" in unknown["delta_rule"]

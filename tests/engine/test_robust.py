@@ -203,8 +203,8 @@ def test_privacy_is_accounted_and_written(tmp_path, make_fleet):
     assert spent["accountant"] == "opacus RDP" and spent["rounds"] == 2
     assert 3.9 < spent["epsilon"] <= 4.0 and spent["noise_multiplier"] > 0
     assert summary["epsilon"].tolist() == [spent["epsilon"]]
-    # [privacy] delta omitted: δ = 1/N² for the run's 3 units, recorded with its rule
-    assert spent["delta"] == 1 / 3**2 and spent["delta_rule"] == "1/N^2, N = 3 units"
+    # [privacy] delta omitted: min(1/N², 1e-5); for 3 units 1/9 would be meaningless: 1e-5
+    assert spent["delta"] == 1e-5 and spent["delta_rule"].startswith("1e-5 (1/N^2 would be")
     with pytest.raises(ConfigError, match="needs clip > 0"):
         run_experiment(
             replace(cfg, privacy=replace(cfg.privacy, clip=0.0)),
