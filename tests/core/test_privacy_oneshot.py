@@ -108,8 +108,8 @@ def test_a_noisy_release_is_positive_definite_and_finite(stages, refresh_last):
 
 def test_default_delta_is_one_over_the_units_squared():
     """[privacy] delta omitted: δ = min(1/N², 1e-5) for the run's N units, recorded
-    (privacy.json) with its rule and accounted (σ is the accountant's at that δ); set: the value set; N not
-    known before the run (a Flower server): the fixed 1e-5, said so."""
+    (privacy.json) with its rule and accounted (σ is the accountant's at that δ); set: the
+    value set; N not known before the run (a Flower server): the fixed 1e-5, said so."""
     from dataclasses import replace
 
     from fedcal.build import build_policy
