@@ -118,3 +118,45 @@ def test_without_a_short_class_nothing_changes():
     assert float(outs[0].server["drift"]["short"]["held"]) == 0
     for key in ("coef", "cov", "drift_rate"):
         torch.testing.assert_close(outs[0].personal[key], outs[1].personal[key], rtol=0, atol=0)
+
+
+def test_a_unit_without_row_times_is_not_put_in_the_short_class(both):
+    """``fedcal calibrate`` without a time column: every span would read 0, so every unit
+    (a year-long one too) would join the short class and take its weight w*, q_s and τ²_s.
+    Without times no unit is short: the personal model equals the one of the step off."""
+    (alg, run, _, _), _ = both
+    from fedcal.core.tree import expand
+
+    train, _ = seasonal()
+    untimed = ClientData(train.x, train.y, train.count, train.seeds)
+    down = expand(alg.broadcast(run.server), untimed.num_clients)
+    assert not bool(alg._short_class(down, untimed).any())
+    assert bool(alg._short_class(down, train)[LONG:].all())  # with times: the short ones
+    off = FedPriorDrift(
+        Task(MLP(in_features=1)),
+        basis="total",
+        degree=1,
+        interval="calibrated",
+        short_colocation="off",
+    )
+    state = alg.client_init(down)
+    got = alg.personalize(down, state, untimed)
+    want = off.personalize(down, state, untimed)
+    torch.testing.assert_close(got["coef"], want["coef"], rtol=0, atol=0)
+
+
+def test_own_folds_with_the_short_step_is_refused():
+    from fedcal.core.algorithm import SettingError
+
+    with pytest.raises(SettingError, match="own_folds: 5 with short_colocation"):
+        FedPriorDrift(
+            Task(MLP(in_features=1)), basis="total", degree=1, interval="calibrated", own_folds=5
+        )
+    FedPriorDrift(  # the step off, or I4 off: accepted
+        Task(MLP(in_features=1)),
+        basis="total",
+        degree=1,
+        interval="calibrated",
+        own_folds=5,
+        short_colocation="off",
+    )

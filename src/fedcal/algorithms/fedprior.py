@@ -161,7 +161,7 @@ from pydantic import Field
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
-from fedcal.algorithms.fedprior_noise import NoiseModel, weighted_moments
+from fedcal.algorithms.fedprior_noise import NoiseModel
 from fedcal.algorithms.fedprior_robust import RobustUploads, _weighted
 from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
@@ -455,7 +455,7 @@ class FedPrior(
         rw = None if down is None else self._row_weights(down, data, design)
         if rw is None:
             return moments(design, data.y[..., 0], data.mask)
-        return weighted_moments(design, data.y[..., 0], data.mask, rw[0])
+        return self._weighted_moments(design, data, rw)
 
     def _posterior(self, down: Tree, state: Tree, full: Moments) -> tuple[Moments, Posterior]:
         """The posterior under the broadcast prior; with selection, the chosen candidate's."""
@@ -492,7 +492,7 @@ class FedPrior(
         if self.noise_weighted:  # rows weighted by 1/σ²(x) and t-weights (fedprior_noise, N1/N4)
             design = self.design(data.x, data.branch)
             rw = self._row_weights(em, data, design)
-            full = weighted_moments(design, data.y[..., 0], data.mask, rw[0])
+            full = self._weighted_moments(design, data, rw)
         else:
             full = self._client_moments(down, data)  # once: candidates' are masks of these
         # With selection the chosen candidate's E-step is also in the batch below, but is

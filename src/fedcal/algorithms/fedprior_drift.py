@@ -276,6 +276,13 @@ class FedPriorDrift(ShortColocation, FedPrior):
                 "fedprior_drift supports noise_shape = 'constant' and noise_tail = 'gaussian' "
                 "only (the drift's whitening is not weighted by row yet); use fedprior",
             )
+        if self.own_folds and self.short_colocation == "holdout" and self.interval == "calibrated":
+            # S2 learns τ²_s on windows without I4's τ²_own; in use they would add up
+            raise SettingError(
+                "own_folds",
+                f"{self.own_folds} with short_colocation = 'holdout': the short step's τ² is "
+                "learned without the own-row τ²; use own_folds = 0 or short_colocation = 'off'",
+            )
 
     def _client_moments(self, down: Tree, data: ClientData) -> Moments:
         """fedprior's E-step moments: whitened by the broadcast drift q (static at q = 0);

@@ -222,6 +222,15 @@ class NoiseModel:
             return omega * inlier, inlier
         return weight, inlier
 
+    def _weighted_moments(
+        self, design: Tensor, data: ClientData, rw: tuple[Tensor, Tensor]
+    ) -> Moments:
+        """The E-step moments of weighted rows (N1, N4); under ``trim`` (N7) the cut rows are
+        out of the model, so out of n too: σ² = RSS / n over the inliers (counting them would
+        lower σ² by the outlier share)."""
+        count = data.mask * rw[1] if self.noise_tail == "trim" else data.mask
+        return weighted_moments(design, data.y[..., 0], count, rw[0])
+
     def _tail_ratio(self, down: Tree, data: ClientData, design: Tensor) -> Tensor:
         """d_i = ℓ_i^t − ℓ_i^N per unit (N6): each tail's log-likelihood at its own fit."""
         forced = {**down, "noise_student": torch.tensor(1.0, dtype=F64)}

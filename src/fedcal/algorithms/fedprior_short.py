@@ -102,7 +102,9 @@ class ShortColocation:
     def _short_class(self, down: Tree, data: ClientData) -> Tensor:
         """(clients,) bool: units of the short class under a learned S3 (S1, S4)."""
         short = down["drift"].get("short")
-        if short is None or self.short_colocation == "off":
+        # without row times (``fedcal calibrate`` with no time column) a unit's span is
+        # unknown, not short: every span would read 0 and every unit join the class
+        if short is None or self.short_colocation == "off" or data.time is None:
             return torch.zeros(data.num_clients, dtype=torch.bool)
         window = short["window"].to(F64).reshape(-1)[0]
         held = short["held"].to(F64).reshape(-1)[0]
@@ -228,7 +230,7 @@ class ShortColocation:
         )
 
     def _short_use(self, down: Tree, data: ClientData, out: Tree) -> Tree:
-        """S4: the short class's walk rate q_s*/T and τ²_s in place of the probe's τ²;
+        """S4: the short class's walk rate (q + q_s*)/T, and τ²_s added to the probe's τ²;
         τ²_s NaN: no interval."""
         short = self._short_class(down, data)
         if not bool(short.any()):

@@ -51,6 +51,38 @@ class ScalerDoc(_Doc):
     sources: dict[str, str] = Field(default_factory=dict)
 
 
+NonNegative = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
+
+
+class IntervalDoc(_Doc):
+    """``interval`` of a calibrated-interval prior (fedprior I1–I4): what a new unit reads."""
+
+    discrepancy_var: Annotated[float, Field(strict=True)]  # NaN: none learned (declined)
+    probe_rows: Annotated[float, Field(strict=True)]  # NaN/0: no probe
+    declined: Annotated[int, Field(strict=True, ge=0)]
+    weak_projector: list[list[Finite]] | None = None
+    discrepancy_var_own: NonNegative | None = None  # null: no τ² covered (declined)
+
+
+class ShortDoc(_Doc):
+    """``drift.short``: a short co-location's learned weight, walk rate and τ² (fedprior_short)."""
+
+    window: Positive
+    temper: Annotated[float, Field(strict=True, ge=0, le=1, allow_inf_nan=False)]
+    q: NonNegative
+    tau: NonNegative | None  # null: no interval for the short class
+    held: Positive
+
+
+class DriftDoc(_Doc):
+    """``drift`` of a fedprior_drift prior: the walk's variance and time scale."""
+
+    q: NonNegative
+    time_scale: NonNegative
+    seen: list[list[Finite]]
+    short: ShortDoc | None = None
+
+
 class PriorDoc(_Doc):
     kind: Literal["fedprior"]
     method: Text
@@ -70,6 +102,8 @@ class PriorDoc(_Doc):
     noise_var: Positive
     scaler: ScalerDoc
     input_range: dict[str, list[Finite]]
+    interval: IntervalDoc | None = None
+    drift: DriftDoc | None = None
 
 
 def _check_scaler(path: str | Path, scaler: ScalerDoc, features: int, where: str) -> None:
