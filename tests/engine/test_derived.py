@@ -88,9 +88,9 @@ def test_client_update_with_derived_equals_without(fleet, name):
     _same(a._asdict(), b._asdict(), tol=0.0)  # the same function of the same data: the bits
 
 
-# (interval = "calibrated" is not streamed: streamed.eligible refuses it)
 @pytest.mark.parametrize(
-    ("name", "stream"), [("benchmark", False), ("benchmark", True), ("shipped", False)]
+    ("name", "stream"),
+    [("benchmark", False), ("benchmark", True), ("shipped", False), ("shipped", True)],
 )
 def test_run_with_derived_equals_run_without(fleet, name, stream, monkeypatch):
     # 0: every eligible round streamed, chunk by chunk; else the assembled round

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -47,11 +48,12 @@ class Hostile(FedPrior):
         return ClientResult(reply, out.state, out.metrics)
 
 
-def fleet() -> ClientData:
+def fleet(rows: dict[int, int] | None = None) -> ClientData:
     gen = torch.Generator().manual_seed(0)
     arrays = []
     for i in range(UNITS):
         n = ROWS + (i == WRONG) + 2 * (i == NAN)
+        n = (rows or {}).get(i, n)
         x = 2 * torch.rand(n, 2, generator=gen, dtype=F64) - 1
         coef = torch.tensor([0.5, 0.2, -0.3, 0.1], dtype=F64) + 0.1 * torch.randn(
             4, generator=gen, dtype=F64
@@ -113,23 +115,88 @@ def test_streamed_round_equals_the_assembled_round(robust, select):
         server, states = want, whole.state
 
 
+TIED = (7, 15)  # units of 5 rows: the smallest design among the used units, a tie
+
+
+def test_the_calibrated_intervals_probe_streams():
+    """interval = "calibrated" with own_folds = 5: the probe is an arg-min over the used units
+    (the screened 10³× unit has the smallest design, 4 rows, and must not be it; two units of
+    5 rows, neither in the first chunk, tie: the canonical order of m_i decides), the hold-out
+    counts and τ², τ²_own are sums; streamed = assembled over 3 rounds (the probe chosen in
+    round 1 is held out against in round 2, τ² used in round 3)."""
+    alg = make(robust="full", interval="calibrated", own_folds=5, probe_rows=6)
+    data = fleet({LOUD: 4, TIED[0]: 5, TIED[1]: 5})
+    policy = AggregationPolicy()
+    server = alg.server_init(alg.task.model.init(torch.Generator().manual_seed(0), F64))
+    states = alg.client_init(expand(alg.broadcast(server), UNITS))
+    weights = data.count.to(F64)
+    for rnd in range(3):
+        down = alg.broadcast(server)
+        whole = chunks.client_update(alg, down, states, data)
+        record: list[dict] = []
+        want, accepted, metrics = aggregate(
+            alg,
+            server,
+            down,
+            whole.reply,
+            weights,
+            policy,
+            0,
+            eligible=finite_rows(whole.state),
+            record=record,
+        )
+        mine: list[dict] = []
+        _, got, s_acc, s_metrics = streamed.streamed_round(
+            alg, server, down, states, data, weights, policy, 6, mine
+        )
+        assert s_acc.tolist() == accepted.tolist()
+        assert sorted(i for i in range(UNITS) if not accepted[i]) == [LOUD, WRONG, NAN]
+        assert [(r["client"], r["reason"]) for r in mine] == [
+            (r["client"], r["reason"]) for r in record
+        ]
+        assert metrics["downweighted"] >= 1  # the recomputed, re-weighted replies (step 4)
+        assert s_metrics == pytest.approx(metrics, nan_ok=True)
+        # the probe: 5 rows (not the screened unit's 4), the tied unit first in m_i order
+        x = flatten(whole.reply)
+        means = x["mean"][list(TIED)]
+        first = TIED[int(np.lexsort(means.numpy().T[::-1])[0])]
+        assert first == TIED[1]  # the later unit: the tie is not broken by client order
+        assert float(got["probe_n"]) == 5.0
+        assert torch.equal(got["probe_x"][:5], x["interval/x"][first][:5])
+        assert not torch.equal(x["interval/x"][TIED[0]], x["interval/x"][TIED[1]])
+        if rnd:
+            assert float(got["disc_own"]) > 0 and float(want["disc_var"]) >= 0
+        for key, v in flatten(want).items():
+            scale = float(v.abs().max()) if v.is_floating_point() and v.numel() else 0.0
+            torch.testing.assert_close(
+                flatten(got)[key], v, rtol=1e-10, atol=max(1e-12, 1e-10 * scale), msg=key
+            )
+        server, states = want, whole.state
+
+
 def test_settings_that_need_each_units_reply_are_refused():
     plain = AggregationPolicy()
     assert streamed.eligible(make(), plain) is None
     assert streamed.eligible(make(robust="full"), plain) is None
-    assert "calibrated" in streamed.eligible(make(interval="calibrated"), plain)
+    assert streamed.eligible(make(interval="calibrated", own_folds=5), plain) is None
     assert "krum" in streamed.eligible(make(), AggregationPolicy(rule="krum"))
     # the noise model's evidence is clipped per unit (a forged unit's pull bounded by its rows)
     assert "noise" in streamed.eligible(make(noise_tail="auto"), plain)
     assert "noise" in streamed.eligible(make(noise_shape="inputs"), plain)
 
 
-@pytest.mark.parametrize("robust", ["check", "full"])
-def test_the_engine_streams_above_its_bound(robust, make_fleet, monkeypatch):
+@pytest.mark.parametrize(
+    ("robust", "interval"), [("check", "posterior"), ("full", "posterior"), ("full", "calibrated")]
+)
+def test_the_engine_streams_above_its_bound(robust, interval, make_fleet, monkeypatch):
     """The engine's own round loop, streamed (bound 0) and assembled (the default bound, far
-    above 12 units): the same rejections, per-unit rows and server within rounding."""
-    tensors = prepare(make_fleet(num_clients=12, train=24), dtype="float64")
-    alg = make(robust=robust)
+    above 12 units): the same rejections, per-unit rows (with the calibrated interval, its
+    coverage and stated sd: units 7 and 10 of 8 rows are the probe's class) and server
+    within rounding."""
+    train = [8 if i in (7, 10) else 24 for i in range(12)]
+    tensors = prepare(make_fleet(num_clients=12, train=train), dtype="float64")
+    extra = {"own_folds": 5, "probe_rows": 10} if interval == "calibrated" else {}
+    alg = make(robust=robust, interval=interval, **extra)
     config = EngineConfig(
         rounds=3, seed=0, dtype="float64", chunk_size=5, aggregation=AggregationPolicy()
     )
@@ -150,6 +217,12 @@ def test_the_engine_streams_above_its_bound(robust, make_fleet, monkeypatch):
     for a, b in zip(assembled.final, streamed_run.final, strict=True):
         assert a["client_index"] == b["client_index"]
         assert b["test_rmse"] == pytest.approx(a["test_rmse"], rel=1e-9)
+        for key in ("test_coverage95", "test_pred_sd", "status"):
+            want = a[key] if key == "status" else pytest.approx(a[key], rel=1e-9, nan_ok=True)
+            assert b[key] == want, key
+    if interval == "calibrated":  # a probe was chosen and units stated intervals
+        assert float(streamed_run.server["probe_n"]) == 8.0
+        assert any(a["test_coverage95"] >= 0 for a in assembled.final)
 
 
 def test_a_subclass_with_its_own_server_update_is_refused():

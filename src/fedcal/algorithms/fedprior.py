@@ -155,7 +155,6 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Annotated, Literal
 
-import numpy as np
 import torch
 from pydantic import Field
 from torch import Tensor
@@ -166,7 +165,7 @@ from fedcal.algorithms.fedprior_robust import RobustUploads, _weighted
 from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
 from fedcal.algorithms.fedprior_status import PriorStatus
-from fedcal.algorithms.fedprior_stream import StreamedSums
+from fedcal.algorithms.fedprior_stream import StreamedSums, canonical_order
 from fedcal.algorithms.fedprior_support import SupportBox
 from fedcal.core.algorithm import Algorithm, ClientResult, SettingError
 from fedcal.core.bayes import (
@@ -794,7 +793,7 @@ class FedPrior(
         # ``units``: N when the replies are already summed (fedprior_stream), else their count.
         # Every unit counts once (a hierarchical model's units are its samples);
         # sums in a canonical order so the rounding does not depend on arrival order.
-        order = torch.from_numpy(np.lexsort(replies["mean"].numpy().T[::-1]).copy())
+        order = canonical_order(replies["mean"])
         robust = self.outlier_weights(server, replies)
         if robust is not None and bool((robust.weights != 1).any()):  # all 1: the plain sums
             replies = _weighted(replies, robust.weights)

@@ -144,6 +144,15 @@ def _unit_span(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(m, (x - lo) / (hi - lo).clamp_min(1e-12), 0.0)
 
 
+def probe_unit(n: Tensor) -> int | None:
+    """The probe's unit (I2): the smallest design among the units that upload one (n > 0);
+    ties by position in ``n`` (the server's canonical order). None: no unit uploads one."""
+    small = n > 0
+    if not bool(small.any()):
+        return None
+    return int(torch.argmin(torch.where(small, n, math.inf)))
+
+
 def _residual_terms(post: Posterior, gram: Tensor, noise: Tensor, n: Tensor) -> Tree:
     """Residual degrees of freedom n_i − tr(G_i V_i)/σ_i² and the fit ‖y_i − Φ_i m_i‖²
     (= E‖y_i − Φ_i c_i‖² − tr(G_i V_i)): the restricted noise update's terms (module doc,
@@ -365,9 +374,8 @@ class CalibratedInterval:
             return {}
         iv = {k: v[order] for k, v in replies["interval"].items()}
         out = self._interval_init()
-        small = iv["n"] > 0
-        if bool(small.any()):  # the smallest design (ties: canonical order) is the probe
-            j = int(torch.argmin(torch.where(small, iv["n"], math.inf)))
+        j = probe_unit(iv["n"])
+        if j is not None:
             out.update(probe_x=iv["x"][j], probe_b=iv["b"][j], probe_n=iv["n"][j])
         out["dof"] = total["dof"]
         code = 0

@@ -236,6 +236,12 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
     server_update_sums: ClassVar[Callable[..., Any] | None] = None
     streaming_refused: ClassVar[Callable[[], str | None] | None] = None
     outlier_inputs: ClassVar[tuple[str, ...]] = ()
+    # picked_leaves: reply leaves that are one client's, not summed; a streamed round keeps
+    # pick_inputs per client and takes them from the used client pick_reply(keys) -> row
+    # (None: zeros) names (fedprior's calibrated-interval probe: an arg-min, not a sum).
+    picked_leaves: ClassVar[tuple[str, ...]] = ()
+    pick_inputs: ClassVar[tuple[str, ...]] = ()
+    pick_reply: ClassVar[Callable[..., int | None] | None] = None
     # derive(data) -> {name: (clients, ...) tensor} | None: per-client tensors that depend on
     # the clients' data alone (fedprior's moments), formed once by the engine and passed back
     # as ClientData.derived every round; client_update gives the same result without them.

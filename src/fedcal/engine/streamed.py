@@ -24,7 +24,12 @@ Krum, coordinate rule or DP), a round is:
    needing the whole cohort) or down-weighted (w_i) — have their replies recomputed
    (``client_update`` on them alone: a client's reply does not depend on its cohort,
    tested to the bit) and Σ (w_i − 1)·reply_i added to the sums;
-5. ``server_update_sums(server, sums, count)``, count = Σ w_i over the used clients.
+5. the leaves the algorithm picks from one client rather than sums (``picked_leaves``:
+   fedprior's calibrated-interval probe, an arg-min over the units): the client
+   ``pick_reply`` names from the per-client keys kept in pass 1 (``pick_inputs``), over
+   the used clients in client order, has its reply recomputed and those leaves replace
+   the sums (zeros when it names none);
+6. ``server_update_sums(server, sums, count)``, count = Σ w_i over the used clients.
 
 The sums are in chunk order, not the assembled path's canonical order: equal within
 rounding (tested ≤ 1e-10 relative). A subtracted client leaves a rounding error relative
@@ -93,6 +98,7 @@ def streamed_round(
     judged_norms: dict[str, Tensor] = {}
     reasons: dict[int, str] = {}
     inputs: dict[str, Tensor] = {}  # per client, the leaves its M-step weight is computed from
+    keys: dict[str, Tensor] = {}  # per client, the leaves pick_reply chooses from
     small = chunks.Assembly(n)
     first_reply: Tree | None = None
     rnd: Round | None = None
@@ -128,6 +134,9 @@ def streamed_round(
         for key in algorithm.outlier_inputs:  # the M-step weights' inputs
             inputs.setdefault(key, flat[key].new_empty((n, *flat[key].shape[1:])))
             inputs[key][start : start + k] = flat[key]
+        for key in algorithm.pick_inputs:
+            keys.setdefault(key, flat[key].new_empty((n, *flat[key].shape[1:])))
+            keys[key][start : start + k] = flat[key]
         del out, flat
     trees = small.trees()
     result = ClientResult(unflatten(first_reply), trees["state"], trees["metrics"])
@@ -202,6 +211,21 @@ def streamed_round(
         for key, v in flatten(again.reply).items():
             v = v.to(torch.float64)
             sums[key] = sums[key] + (v * w.reshape(-1, *[1] * (v.dim() - 1))).sum(0)
+    if algorithm.picked_leaves:  # one used client's leaves, not their sum (step 5)
+        j = algorithm.pick_reply(
+            unflatten({key: v.index_select(0, used) for key, v in keys.items()})
+        )
+        one = None if j is None else used[j : j + 1]
+        if one is not None:
+            one = flatten(
+                algorithm.client_update(
+                    expand(down, 1), gather(states, one), data.select(one)
+                ).reply
+            )
+        for key in algorithm.picked_leaves:
+            sums[key] = (
+                torch.zeros_like(sums[key]) if one is None else one[key][0].to(torch.float64)
+            )
     if record is not None:
         record.extend(records)
     dtypes = {key: v.dtype for key, v in first_reply.items()}
