@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, fields
 from typing import Any
@@ -122,11 +123,14 @@ class FleetOutline:
 class _Gather:
     """The outline's pieces of each row group, summed as the groups go by: the digest's
     bytes per column (:meth:`Fleet.content_digest` hashes column after column, so each
-    column's bytes are kept, ~40 bytes a row, not its frame), the target's extremes, the
-    train rows' spans per sensor, the roles."""
+    column's bytes are kept until the end, ~40 bytes a row: in a temporary file beyond
+    16 MB a column, not in memory), the target's extremes, the train rows' spans per
+    sensor, the roles."""
+
+    SPILL = 16 * 1024**2
 
     def __init__(self) -> None:
-        self.pieces: dict[str, list[bytes]] = {}
+        self.pieces: dict[str, tempfile.SpooledTemporaryFile] = {}
         self.low, self.high = np.inf, -np.inf
         self.valid: dict[str, Any] = {}
         self.roles: dict[str, str] | None = None
@@ -140,11 +144,14 @@ class _Gather:
             if col in (*part.features, part.target):
                 piece = values.to_numpy(dtype="float64").tobytes()
             else:  # the "\x1f"-joined text of the whole column, a chunk at a time
-                sep = "\x1f" if self.pieces.get(col) else ""
+                sep = "\x1f" if col in self.pieces else ""
                 piece = (sep + "\x1f".join(map(str, values.tolist()))).encode(
                     "utf-8", "surrogatepass"
                 )
-            self.pieces.setdefault(col, []).append(piece)
+            if col not in self.pieces:  # closed by digest() (or deleted when collected)
+                spill = tempfile.SpooledTemporaryFile(max_size=self.SPILL)  # noqa: SIM115
+                self.pieces[col] = spill
+            self.pieces[col].write(piece)
         target = part.frame[part.target].to_numpy(float)
         self.low, self.high = min(self.low, target.min()), max(self.high, target.max())
         self.valid.update(valid_ranges(part))  # a sensor lies in one row group
@@ -157,8 +164,11 @@ class _Gather:
     def digest(self, columns: list[str]) -> str:
         h = hashlib.sha256(json.dumps(columns).encode())
         for col in columns:
-            for piece in self.pieces.get(col, []):
-                h.update(piece)
+            if col in self.pieces:
+                with self.pieces.pop(col) as f:
+                    f.seek(0)
+                    while block := f.read(1024**2):
+                        h.update(block)
             h.update(b"\x1e")
         return h.hexdigest()
 
