@@ -136,3 +136,18 @@ def test_bad_data_gets_the_same_error_both_ways(fleet_file, tmp_path):
         load_run_data(config(path))
     assert str(rows.value) == str(whole.value)
     assert rows.value.rows == [250] and rows.value.field == "pressure_hpa"
+
+
+def test_the_cli_says_when_it_reads_a_file_whole(fleet_file, tmp_path):
+    from typer.testing import CliRunner
+
+    from fedcal.cli import app
+
+    table = pq.read_table(fleet_file).replace_schema_metadata(None)
+    path = tmp_path / "split.parquet"
+    pq.write_table(table, path, row_group_size=100)
+    args = ["run", "--data", str(path), "--methods", "local", "--rounds", "1", "--seeds", "1"]
+    result = CliRunner(env={"COLUMNS": "1000"}).invoke(app, [*args, "--out", str(tmp_path / "o")])
+    assert result.exit_code == 0, result.output
+    assert "note: sensor '" in result.output and "read whole (one frame)" in result.output
+    assert (tmp_path / "o" / "summary.csv").exists()
