@@ -41,6 +41,7 @@ import pandas as pd
 import torch
 
 from fedcal.build import (  # noqa: F401  (re-exported: callers import the builders from here too)
+    FleetOutline,
     build_algorithm,
     build_policy,
     build_task,
@@ -52,6 +53,7 @@ from fedcal.build import (  # noqa: F401  (re-exported: callers import the build
     method_settings,
     run_record,
     task_kind,
+    valid_ranges,
 )
 from fedcal.config import ConfigError, RunConfig
 from fedcal.core.aggregation import AggregationError, check_policy
@@ -133,8 +135,10 @@ def _write_csv(path: Path, frame: pd.DataFrame) -> None:
     write_text(path, frame.to_csv(index=False))
 
 
-def full_scale(fleet: Fleet) -> float:
+def full_scale(fleet: Fleet | FleetOutline) -> float:
     """The calibrated span of the target (max − min over the fleet's reference values)."""
+    if isinstance(fleet, FleetOutline):  # gathered row group by row group
+        return fleet.full_scale
     values = fleet.frame[fleet.target].to_numpy(float)
     return float(values.max() - values.min())
 
@@ -151,24 +155,6 @@ def fleet_stat(values: pd.Series, how: str, name: str) -> float:
     if how == "mean":
         return float(v.mean())
     return float(v.min() if name in HIGHER_IS_BETTER else v.max())
-
-
-def valid_ranges(fleet: Fleet) -> dict[str, Any]:
-    """Per sensor, the span of its calibration points: {sensor: {column: [min, max]}}.
-
-    Inputs and target; a model is only validated inside this range, so exports carry it.
-    """
-    train = fleet.frame[fleet.frame[SPLIT_COLUMN] == "train"]
-    columns = [*fleet.features, fleet.target]
-    groups = train.groupby(fleet.client_column, sort=False)[columns]
-    # Column-wise (two arrays), not a row lookup per sensor: 100,000 sensors take a second.
-    low, high = groups.min(), groups.max()
-    names = [str(s) for s in low.index]
-    low, high = low.to_numpy(float).tolist(), high.to_numpy(float).tolist()
-    return {
-        sensor: {c: [lo[j], hi[j]] for j, c in enumerate(columns)}
-        for sensor, lo, hi in zip(names, low, high, strict=True)
-    }
 
 
 def summary_row(
@@ -309,7 +295,11 @@ def load_model_file(path: Path, config: RunConfig) -> tuple[Task, dict[str, dict
 
 
 def export_state(
-    algorithm: Algorithm, server: dict, fleet: Fleet, tensors: FleetTensors, method: str
+    algorithm: Algorithm,
+    server: dict,
+    fleet: Fleet | FleetOutline,
+    tensors: FleetTensors,
+    method: str,
 ) -> dict[str, Any] | None:
     """The algorithm's reusable server state (e.g. fedprior's fleet prior) with its context.
 
@@ -321,7 +311,11 @@ def export_state(
     if state is None:
         return None
     names = list(fleet.features)
-    train = fleet.frame[fleet.frame[SPLIT_COLUMN] == "train"]
+    if isinstance(fleet, FleetOutline):
+        input_range = fleet.input_range
+    else:
+        train = fleet.frame[fleet.frame[SPLIT_COLUMN] == "train"]
+        input_range = {c: [float(train[c].min()), float(train[c].max())] for c in names}
 
     def named(terms: list[str]) -> list[str]:  # 'P2(x0)·P1(x1)' → 'P2(frequency_hz)·…'
         return [re.sub(r"x(\d+)", lambda m: names[int(m.group(1))], t) for t in terms]
@@ -343,7 +337,7 @@ def export_state(
         "target": fleet.target,
         "sensor_column": fleet.client_column,  # calibrate/predict read new units' ids from it
         "scaler": tensors.scaler.to_dict(),
-        "input_range": {c: [float(train[c].min()), float(train[c].max())] for c in names},
+        "input_range": input_range,
         "num_units": fleet.num_clients,
     }
 
@@ -483,7 +477,7 @@ def refuse_unprivate_scaling(config: RunConfig, fleet: Fleet) -> None:
 
 def run_experiment(
     config: RunConfig,
-    fleet: Fleet,
+    fleet: Fleet | FleetOutline,
     out: Path,
     methods: Sequence[str],
     train_points: Sequence[int] = (0,),
@@ -513,7 +507,14 @@ def run_experiment(
     the run's rejections.csv; summary means are over ok sensors, with the others
     counted (``excluded``, ``weak``, ``unconverged``, ``rejected_sensors``,
     ``diverged``, ``refused``).
+
+    ``fleet`` may be a :class:`FleetOutline` (a Parquet file read by row groups,
+    :func:`fedcal.build.load_outline`): its tensors are used as built, and it has no
+    calibration-point budgets (``train_points`` other than 0 need the frame).
     """
+    outline = isinstance(fleet, FleetOutline)
+    if outline and any(train_points):
+        raise ConfigError("train_points need the fleet's frame: load the file whole")
     expand_all = list(methods) == ["all"]
     methods = check_methods(methods, config, task_kind(fleet))
     check_fit(config, fleet)
@@ -545,8 +546,11 @@ def run_experiment(
     plans = []
     refused: dict[str, str] = {}
     for labels, variant, tp in [(lab, f, tp) for lab, f in variants for tp in train_points]:
-        subset = variant.with_train_points(tp or None, seed=config.data.split_seed)
-        tensors = prepare(subset, config.data.scaling, config.engine.dtype)
+        if isinstance(variant, FleetOutline):
+            subset, tensors = variant, variant.tensors
+        else:
+            subset = variant.with_train_points(tp or None, seed=config.data.split_seed)
+            tensors = prepare(subset, config.data.scaling, config.engine.dtype)
         task = build_task(config, tensors.train.x.shape[-1], subset.meta, client_inputs(tensors))
         built = []
         for method in methods:
@@ -637,7 +641,8 @@ def run_experiment(
                     subset.meta,
                 )
                 if task.kind == "regression":
-                    ranges = json.dumps(valid_ranges(subset), indent=1)
+                    ranges = subset.valid_ranges if outline else valid_ranges(subset)
+                    ranges = json.dumps(ranges, indent=1)
                     _write_text(run_dir / "valid_range.json", ranges)
                 row = {
                     **labels,

@@ -127,6 +127,11 @@ class FleetDataError(ValueError):
         return (type(self), (self.path, self.problem, self.rows, self.field))
 
 
+class SensorSplitError(FleetDataError):
+    """A sensor's rows lie in two row groups of a Parquet file: :func:`load_fleet_chunks`
+    cannot read it (its checks per sensor need all the rows); :func:`load_fleet` can."""
+
+
 @dataclass(frozen=True)
 class Bounds:
     """Physically possible range of a column; ``None`` means open on that side."""
@@ -1185,7 +1190,7 @@ def _check_sensor_groups(source, client_column: str, label: str) -> None:
         ids = {str(v) for v in pc.unique(column).to_pylist() if v is not None}
         again = sorted(ids & seen)
         if again:
-            raise FleetDataError(
+            raise SensorSplitError(
                 label,
                 f"sensor {again[0]!r} has rows in row group {g + 1} and an earlier one: "
                 "read by row groups, a sensor's rows must lie in one (load the whole file)",
