@@ -123,6 +123,7 @@ def prepare_chunks(
     train: list[ClientData] = []
     test: list[ClientData] = []
     ids: list[str] = []
+    seen: set[str] = set()
     for part in itertools.chain([first], chunks_):
         for split, out in (("train", train), ("test", test)):
             out.append(
@@ -133,7 +134,12 @@ def prepare_chunks(
                     time=part.row_times(split),
                 )
             )
-        ids += map(str, part.client_ids)
+        new = list(map(str, part.client_ids))
+        again = next((i for i in new if i in seen), None)
+        if again is not None:  # two units with one id: a sensor's rows split over two parts
+            raise ValueError(f"prepare_chunks: sensor {again!r} is in two parts of the fleet")
+        seen.update(new)
+        ids += new
     unit = first.target.rsplit("_", 1)[-1] if "_" in first.target else ""
     return FleetTensors(_stacked(train), _stacked(test), scaler, tuple(ids), unit)
 
