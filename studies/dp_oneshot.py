@@ -120,7 +120,7 @@ def main() -> None:
                 )
                 ids = pd.Series(tensors.client_ids).map(fleet.roles)
                 new = torch.tensor((ids == "new").to_numpy())
-                coef, noise, _ = local_fits(algorithm, tensors.train, 2 * algorithm.num_features)
+                coef, noise, _, _ = local_fits(algorithm, tensors.train, 2 * algorithm.num_features)
                 truth = Whitening(coef.mean(0), torch.cov(coef.T, correction=0), noise.mean())
                 cells = [] if args.no_em else [("EM, no DP", None, None)]
                 cells.append(("one-shot, no noise", None, None))
