@@ -598,7 +598,9 @@ def release_moments(
     σ_i²/σ̂₀² ≤ 4; with ``quantile`` > 0 each is only the start of private quantile
     estimation (:func:`private_bounds`). ``refresh_last``: the last stage releases the
     whole covariance again (every direction weak), not only the weak block. Returns
-    (μ, C, σ²) and per-stage metrics.
+    (μ, C, σ²) and per-stage metrics. Refused: ``quantile`` > 0 with ``budget.counts`` 0
+    (the clip counts would be released without noise and outside ε), and one stage without
+    ``whiten`` (stage 0 releases no covariance).
     """
     n, p = coef.shape
     coef, noise_var = coef.to(F64), noise_var.to(F64)
