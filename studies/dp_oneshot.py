@@ -14,7 +14,8 @@ basis (20 terms), ``interval = "posterior"``. Per fleet:
   fits, the whole budget on it, declared bounds from the whitened dimension (2p): the best
   this release can do at that N and ε, whatever the preconditioning.
 
-δ = 1/N² with N all units of the fleet (reference + new); q = 1. Metric: the new units' test
+δ = min(1/N², 1e-5) with N all units of the fleet (reference + new), the project's default
+(fedcal.build.privacy_delta); q = 1. Metric: the new units' test
 RMSE (hPa) on off-grid random (P, T) points, mean and worst unit per fleet; the reference
 units' mean. A release that raises or yields a non-finite sensor is printed as such and never
 enters a mean. ε printed is the accountant's (Opacus RDP over the composed stages).
@@ -40,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fedcal_support/ (not shipped)
 
 from fedcal.algorithms.fedprior_oneshot import local_fits, oneshot_prior
+from fedcal.build import privacy_delta
 from fedcal.config import load_config
 from fedcal.core.privacy import Whitening, staged_budget
 from fedcal.core.tree import expand
@@ -84,6 +86,8 @@ def main() -> None:
     ap.add_argument("--no-oracle", action="store_true")
     ap.add_argument("--no-em", action="store_true", help="skip the EM line (slow at 10,000)")
     args = ap.parse_args()
+    if args.quantile > 0 and args.count_share <= 0:  # the counts would go out without noise
+        ap.error(f"--quantile {args.quantile} needs --count-share > 0 (or --quantile 0)")
     torch.set_num_threads(1)
     epsilons = [float(e) for e in args.epsilons.split(",")]
     stage_list = [int(s) for s in args.stages.split(",")]
@@ -101,7 +105,7 @@ def main() -> None:
     print("|---:|---|---:|---|---:|---:|---:|---:|---:|---:|")
     rows = []
     for units in [int(u) for u in args.units.split(",")]:
-        delta = 1.0 / (units + args.new) ** 2
+        delta, _ = privacy_delta(base, units + args.new)
         for design in args.designs.split(","):
             for fs in args.fleet_seeds:
                 fleet_cfg = dataclasses.replace(
@@ -116,7 +120,7 @@ def main() -> None:
                 )
                 ids = pd.Series(tensors.client_ids).map(fleet.roles)
                 new = torch.tensor((ids == "new").to_numpy())
-                coef, noise, _ = local_fits(algorithm, tensors.train, 2 * algorithm.num_features)
+                coef, noise, _, _ = local_fits(algorithm, tensors.train, 2 * algorithm.num_features)
                 truth = Whitening(coef.mean(0), torch.cov(coef.T, correction=0), noise.mean())
                 cells = [] if args.no_em else [("EM, no DP", None, None)]
                 cells.append(("one-shot, no noise", None, None))

@@ -17,12 +17,12 @@ def test_local_fits_are_each_units_least_squares_and_skip_few_point_units():
     fewer rows contribute nothing."""
     data, _, _, _, coef = planted_fleet(6, [40, 3, 40, 50, 5, 40], seed=3, noise=0.0)
     alg = make()
-    got, noise, used = local_fits(alg, data, min_rows=10)
+    got, noise, used, _ = local_fits(alg, data, min_rows=10)
     assert used.tolist() == [True, False, True, True, False, True]
     torch.testing.assert_close(got, coef[used], rtol=0, atol=1e-10)
     assert float(noise.max()) < 1e-12  # rounding of yᵀy − ĉᵀΦᵀy
     noisy, _, _, _, _ = planted_fleet(3, 30, seed=4, noise=0.1)
-    fit, s2, _ = local_fits(alg, noisy, min_rows=10)
+    fit, s2, _, _ = local_fits(alg, noisy, min_rows=10)
     x, y = noisy.x[0].to(F64), noisy.y[0, :, 0].to(F64)
     phi = alg.design(x.unsqueeze(0))[0]
     ls = torch.linalg.lstsq(phi, y).solution
@@ -37,8 +37,28 @@ def test_oneshot_prior_without_noise_is_the_fits_moments():
     data, _, _, _, _ = planted_fleet(40, 30, seed=5, noise=0.01)
     alg = make()
     down, metrics = oneshot_prior(alg, data, None, torch.Generator().manual_seed(0))
-    coef, s2, _ = local_fits(alg, data, 8)
+    coef, s2, _, _ = local_fits(alg, data, 8)
     torch.testing.assert_close(down["mu"], coef.mean(0), rtol=0, atol=1e-12)
     torch.testing.assert_close(down["sigma"], torch.cov(coef.T, correction=0), rtol=1e-8, atol=0)
     assert float(down["noise_var"]) == pytest.approx(float(s2.mean()), rel=1e-10)
     assert metrics["oneshot_units"] == 40
+
+
+def test_a_unit_whose_rows_do_not_identify_its_fit_is_skipped_and_counted():
+    """Unit 1's 40 rows all at one (P, T) point: enough rows, a rank-1 Gram (any coefficients
+    fit it). It is skipped and counted (``oneshot_unidentified``); the others are their
+    least-squares fits (noise-free: the planted c_i)."""
+    from dataclasses import replace
+
+    data, _, _, _, coef = planted_fleet(4, 40, seed=6, noise=0.0)
+    x = data.x.clone()
+    x[1] = x[1, 0]
+    one_point = replace(data, x=x)
+    alg = make()
+    got, _, used, skipped = local_fits(alg, one_point, min_rows=10)
+    assert used.tolist() == [True, False, True, True] and skipped == 1
+    torch.testing.assert_close(got, coef[used], rtol=0, atol=1e-10)
+    _, metrics = oneshot_prior(alg, one_point, None, torch.Generator().manual_seed(0), 10)
+    assert metrics["oneshot_units"] == 3 and metrics["oneshot_unidentified"] == 1
+    _, _, used, skipped = local_fits(alg, data, min_rows=10)  # the original: all identified
+    assert bool(used.all()) and skipped == 0

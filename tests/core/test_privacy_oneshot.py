@@ -130,3 +130,38 @@ def test_default_delta_is_one_over_the_units_squared():
     assert small["delta"] == 1e-5 and "N = 300 units" in small["delta_rule"]
     _, unknown = build_policy(cfg)
     assert unknown["delta"] == 1e-5 and "not known" in unknown["delta_rule"]
+
+
+def test_adaptive_clipping_without_a_count_budget_is_refused():
+    """quantile > 0 with budget.counts = 0 would release the clip counts without noise and
+    outside ε: refused; quantile 0 (declared bounds) at the same budget runs."""
+    coef, noise = _fleet(30, 3)
+    budget = staged_budget(1.0, 1e-5, 3, count_share=0.0)
+    with pytest.raises(ValueError, match="count_share > 0"):
+        release_moments(coef, noise, budget, torch.Generator().manual_seed(0), quantile=0.9)
+    got, _ = release_moments(coef, noise, budget, torch.Generator().manual_seed(0), quantile=0.0)
+    assert got.cov is not None
+
+
+def test_one_stage_without_a_preconditioner_is_refused():
+    """Stage 0 releases the mean only: one stage and no ``whiten`` would give no covariance."""
+    coef, noise = _fleet(30, 3)
+    budget = staged_budget(1.0, 1e-5, 1)
+    with pytest.raises(ValueError, match="1 stage needs whiten="):
+        release_moments(coef, noise, budget, torch.Generator().manual_seed(0), quantile=0.0)
+
+
+@pytest.mark.parametrize("scale", [10.0, 0.1])
+def test_stage_zero_clips_at_two_root_p_in_the_start_units(scale):
+    """Stage 0's mean leaf is c / s; its declared bound is 2√p (‖c‖ ≤ 2√p s). Units at
+    ‖c‖ = 3√p s are all clipped and units at ‖c‖ = √p s none, whatever s (the bound was
+    2√p s on c / s: at s = 10 nothing was clipped, at s = 0.1 everything)."""
+    n, p = 20, 2
+    noise = torch.full((n,), 0.01, dtype=F64)  # log σ² at the start's: never clipped
+    budget = StagedBudget(1.0, 1e-5, (1.0, 1.0), 0.0, 1, 1.0, 1.0)
+    for factor, clipped in [(3.0, n), (1.0, 0)]:
+        coef = torch.full((n, p), factor * scale, dtype=F64)  # ‖c‖ = factor √p s
+        _, m = release_moments(
+            coef, noise, budget, torch.Generator().manual_seed(0), scale, 0.1, quantile=0.0
+        )
+        assert m["stage0/dp_clipped_statistics"] == clipped

@@ -75,3 +75,67 @@ def test_csv_is_refused(tmp_path):
     path.write_text("sensor_id,frequency_hz,temperature_c,pressure_hpa\n")
     with pytest.raises(FleetDataError, match="give a Parquet file"):
         next(load_fleet_chunks(path))
+
+
+def _two_groups(table: pa.Table, path, first_rows: int) -> None:
+    """``table`` without fedcal's metadata as two row groups: its first ``first_rows`` rows
+    (whole sensors), then the rest."""
+    with pq.ParquetWriter(path, table.schema) as w:
+        w.write_table(table.slice(0, first_rows))
+        w.write_table(table.slice(first_rows))
+
+
+def _sensor_border(table: pa.Table) -> int:
+    ids = table.column("sensor_id").to_pylist()
+    return next(i for i in range(1, len(ids)) if ids[i] != ids[i - 1])
+
+
+def test_a_unit_mistake_in_one_row_group_is_refused_as_load_fleet_refuses_it(fleet_file, tmp_path):
+    """The second row group's frequencies in mHz (×1000): alone it has a consistent median,
+    so a per-group check passes it; the file's median (the first group's Hz) refuses it, as
+    load_fleet does. Pressures of the second group in kPa (÷10): the file's largest pressure
+    still reaches ambient, so both readers pass them (the reach check is the file's)."""
+    table = pq.read_table(fleet_file).replace_schema_metadata(None)
+    border = _sensor_border(table)  # the first sensor alone in the first row group
+    f = table.column("frequency_hz").to_numpy()
+    scaled = f.copy()
+    scaled[border:] *= 1000.0
+    bad = table.set_column(
+        table.column_names.index("frequency_hz"), "frequency_hz", pa.array(scaled)
+    )
+    path = tmp_path / "mhz.parquet"
+    _two_groups(bad, path, border)
+    with pytest.raises(FleetDataError, match="away from the column's median"):
+        load_fleet(path)
+    with pytest.raises(FleetDataError, match="away from the column's median"):
+        list(load_fleet_chunks(path))
+    p = table.column("pressure_hpa").to_numpy().copy()
+    p[border:] /= 10.0
+    kpa = table.set_column(table.column_names.index("pressure_hpa"), "pressure_hpa", pa.array(p))
+    path = tmp_path / "kpa.parquet"
+    _two_groups(kpa, path, border)
+    assert len(load_fleet(path).frame) == sum(len(c.frame) for c in load_fleet_chunks(path))
+
+
+def test_a_padded_id_in_a_later_row_group_is_the_same_sensor(fleet_file, tmp_path):
+    """Ids are read stripped: "S" in one row group and "S " in the next are one sensor over
+    two row groups, refused naming it (they were two units with one id)."""
+    table = pq.read_table(fleet_file).replace_schema_metadata(None)
+    border = _sensor_border(table)
+    ids = table.column("sensor_id").to_pylist()
+    sensor = ids[0]
+    ids[border] = ids[border + 1] = sensor + " "  # two rows of the next sensor, padded
+    padded = table.set_column(table.column_names.index("sensor_id"), "sensor_id", pa.array(ids))
+    path = tmp_path / "padded.parquet"
+    _two_groups(padded, path, border)
+    with pytest.raises(FleetDataError, match=f"sensor '{sensor}' has rows in row group 2"):
+        list(load_fleet_chunks(path))
+
+
+def test_prepare_chunks_refuses_an_id_in_two_parts(fleet_file):
+    """Parts that repeat a sensor id (not from load_fleet_chunks, which refuses it) would
+    become two units with one id: refused naming it."""
+    whole = load_fleet(fleet_file)
+    part = next(iter(load_fleet_chunks(fleet_file)))
+    with pytest.raises(ValueError, match=f"sensor '{part.client_ids[0]}' is in two parts"):
+        prepare_chunks(lambda: iter([part, whole]))

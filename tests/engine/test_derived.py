@@ -104,3 +104,25 @@ def test_run_with_derived_equals_run_without(fleet, name, stream, monkeypatch):
     for a, b in zip(runs[0].final, runs[1].final, strict=True):
         assert a["client_index"] == b["client_index"]
         assert a["test_rmse"] == pytest.approx(b["test_rmse"], rel=1e-12, abs=0)
+
+
+def test_a_fleet_derived_for_another_basis_gives_the_uncached_result(fleet):
+    """Moments derived for the (2, 2) basis, then a (1, 1) run: with_derived forms the (1, 1)
+    moments again (they were trusted, and the (1, 1) E-step read the (2, 2) Gram), fedprior
+    itself does not read moments another design made, and the run equals the uncached run.
+    The same algorithm again: the fleet is trusted as it is (not formed twice)."""
+    stale = with_derived(FedPrior(Task(MLP()), orders=(2, 2)), fleet, chunk_size=4)
+    settings = {**SETTINGS["benchmark"], "orders": (1, 1)}
+    alg = FedPrior(Task(MLP()), **settings)
+    data = with_derived(alg, stale, chunk_size=4)
+    ref = moments(
+        alg.design(fleet.train.x, fleet.train.branch), fleet.train.y[..., 0], fleet.train.mask
+    )
+    for k, v in ref._asdict().items():
+        assert torch.equal(data.train.derived[f"fedprior/{k}"], v), k
+    assert with_derived(alg, data, chunk_size=4) is data
+    assert torch.equal(alg._moments(stale.train).gram, ref.gram)  # engine bypassed
+    config = EngineConfig(rounds=2, seed=0, eval_every=2, chunk_size=4)
+    a, b = simulate(alg, stale, config), simulate(Uncached(Task(MLP()), **settings), fleet, config)
+    _same(a.server, b.server)
+    _same(a.personal, b.personal)

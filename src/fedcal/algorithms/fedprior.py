@@ -150,6 +150,7 @@ the fraction of units that cannot see a direction).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -440,15 +441,26 @@ class FedPrior(
         if self.noise_weighted:
             return None
         full = self._moments(dataclasses.replace(data, derived=None))
-        return {f"fedprior/{k}": v for k, v in full._asdict().items()}
+        out = {f"fedprior/{k}": v for k, v in full._asdict().items()}
+        # which design made them: a fleet derived for another basis is not read (_moments)
+        out["fedprior/design"] = torch.full((data.num_clients,), self._design_key)
+        return out
+
+    @cached_property
+    def _design_key(self) -> int:
+        """A fingerprint of the design [φ, b·ψ]: its terms and branch terms (56 bits)."""
+        text = repr((self.terms, self.branch_terms)).encode()
+        return int.from_bytes(hashlib.sha256(text).digest()[:7], "big")
 
     def _moments(self, data: ClientData, down: Tree | None = None) -> Moments:
         """The unit's moments of the whole design [φ, b·ψ] (module doc, step 1); with a
         noise model in the inputs or Student-t rows, its rows weighted (fedprior_noise, N1).
         The unweighted ones from :meth:`derive` when the engine formed them (the same
         function of the same data)."""
-        cached = data.derived
-        if cached and "fedprior/gram" in cached and (down is None or not self.noise_weighted):
+        cached = data.derived or {}
+        made_by = cached.get("fedprior/design")  # the design that formed them (derive)
+        mine = made_by is not None and bool((made_by == self._design_key).all())
+        if mine and "fedprior/gram" in cached and (down is None or not self.noise_weighted):
             return Moments(*(cached[f"fedprior/{k}"] for k in Moments._fields))
         design = self.design(data.x, data.branch)
         rw = None if down is None else self._row_weights(down, data, design)

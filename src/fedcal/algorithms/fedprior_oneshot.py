@@ -5,9 +5,10 @@ second moment, round after round (docs/safety.md, "Many units"). A unit with far
 than terms identifies its own coefficients, so the prior N(μ, Σ) and the noise σ² follow
 from the moments of the units' own fits, released once:
 
-1. each contributing unit (at least ``min_rows`` rows, public: the full campaign) fits its
-   coefficients by least squares on the fedprior design, ĉ_i = G_i⁻¹ Φ_iᵀy_i, and its noise
-   σ_i² = ‖y_i − Φ_i ĉ_i‖² / (n_i − p);
+1. each contributing unit (at least ``min_rows`` rows, public: the full campaign, and an
+   identified fit: its Gram G_i has a Cholesky factor and condition number below
+   ``MAX_CONDITION``) fits its coefficients by least squares on the fedprior design,
+   ĉ_i = G_i⁻¹ Φ_iᵀy_i, and its noise σ_i² = ‖y_i − Φ_i ĉ_i‖² / (n_i − p);
 2. the server receives the mean and covariance of the ĉ_i and the mean σ_i², released in
    stages by :func:`fedcal.core.privacy.release_moments` (whitened by the stage before,
    clipped, Gaussian noise, projected to PSD), at the budget of
@@ -34,24 +35,45 @@ from fedcal.core.data import ClientData
 from fedcal.core.privacy import StagedBudget, Whitening, release_moments
 from fedcal.core.tree import Tree
 
+# A Gram whose eigenvalues span more than this ratio does not identify c_i: 40 rows at one
+# (P, T) point give any coefficients along the unseen directions (float64's 1e-16 rounding
+# grows by the condition number: at 1e12 the fit keeps ~4 digits)
+MAX_CONDITION = 1e12
+
+
+def identified(gram: Tensor) -> Tensor:
+    """(N,) bool: each Gram (N, p, p) has a Cholesky factor and λ_max / λ_min below
+    ``MAX_CONDITION`` (step 1: the unit's least-squares fit is determined by its data)."""
+    _, info = torch.linalg.cholesky_ex(gram)
+    vals = torch.linalg.eigvalsh(gram)  # ascending
+    return (info == 0) & (vals[:, 0] > 0) & (vals[:, -1] < MAX_CONDITION * vals[:, 0])
+
 
 def local_fits(
     algorithm: FedPrior, data: ClientData, min_rows: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Step 1: (ĉ_i (K, p), σ_i² (K,), contributing (N,) bool) of the units with ≥ ``min_rows``."""
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """Step 1: (ĉ_i (K, p), σ_i² (K,), contributing (N,) bool, skipped) of the units with
+    ≥ ``min_rows`` rows and an identified fit (:func:`identified`); ``skipped``: how many
+    had the rows but not an identified fit (they contribute nothing)."""
     p = algorithm.num_features
     if min_rows <= p:
         raise ValueError(f"oneshot min_rows = {min_rows}: expected > {p} (the basis's terms)")
     design = algorithm.design(data.x, data.branch)
     m = moments(design, data.y[..., 0], data.mask)
-    used = m.n >= min_rows
-    if not bool(used.any()):
+    rows = m.n >= min_rows
+    if not bool(rows.any()):
         raise ValueError(f"oneshot: no unit has >= {min_rows} rows to fit its own coefficients")
+    used = rows.clone()
+    used[rows] = identified(m.gram[rows])
+    skipped = int(rows.sum() - used.sum())
+    if not bool(used.any()):
+        raise ValueError(f"oneshot: no unit with >= {min_rows} rows has an identified fit")
     gram, rhs = m.gram[used], m.rhs[used]
     coef = torch.linalg.solve(gram, rhs)
     rss = (m.yy[used] - (coef * rhs).sum(-1)).clamp_min(0.0)
     noise = rss / (m.n[used] - p)
-    return coef, noise.clamp_min(1e-300), used  # log σ² must exist: an exact fit is 1e-300
+    # log σ² must exist: an exact fit is 1e-300
+    return coef, noise.clamp_min(1e-300), used, skipped
 
 
 def oneshot_prior(
@@ -69,7 +91,7 @@ def oneshot_prior(
     ``whiten``: the oracle's preconditioner; ``refresh_last``: the last stage re-releases
     the whole covariance (:func:`fedcal.core.privacy.release_moments`)."""
     p = algorithm.num_features
-    coef, noise, used = local_fits(algorithm, data, min_rows or 2 * p)
+    coef, noise, used, skipped = local_fits(algorithm, data, min_rows or 2 * p)
     released, metrics = release_moments(
         coef,
         noise,
@@ -90,4 +112,5 @@ def oneshot_prior(
         "box": algorithm._input_box(gram.sum(0)),  # public: the reference campaign's design
     }
     metrics["oneshot_units"] = float(used.sum())
+    metrics["oneshot_unidentified"] = float(skipped)  # enough rows, fit not identified
     return down, metrics

@@ -598,7 +598,9 @@ def release_moments(
     σ_i²/σ̂₀² ≤ 4; with ``quantile`` > 0 each is only the start of private quantile
     estimation (:func:`private_bounds`). ``refresh_last``: the last stage releases the
     whole covariance again (every direction weak), not only the weak block. Returns
-    (μ, C, σ²) and per-stage metrics.
+    (μ, C, σ²) and per-stage metrics. Refused: ``quantile`` > 0 with ``budget.counts`` 0
+    (the clip counts would be released without noise and outside ε), and one stage without
+    ``whiten`` (stage 0 releases no covariance).
     """
     n, p = coef.shape
     coef, noise_var = coef.to(F64), noise_var.to(F64)
@@ -606,12 +608,19 @@ def release_moments(
     if plain:  # bounds no unit reaches, no noise
         budget = StagedBudget(0.0, 0.0, (0.0,) * (1 if whiten else 2), 0.0, 1, 0.0, 0.0)
         quantile = 0.0
+    if quantile > 0 and budget.counts == 0:  # the counts would be released without noise
+        raise ValueError(
+            f"release_moments: quantile = {quantile} needs a count budget (count_share > 0)"
+        )
+    if whiten is None and len(budget.sums) < 2:  # stage 0 releases no covariance
+        raise ValueError("release_moments: 1 stage needs whiten= (a given preconditioner)")
     metrics: dict[str, float] = {}
     stages = list(budget.sums)
     if whiten is None:  # stage 0: the mean and the log noise, in the vague start's units
         s = start_scale
+        # ‖c‖ ≤ 2√p s in the start's units is ‖c / s‖ ≤ 2√p in the transformed leaf's
         declared = {
-            "mean": Statistic(2 * math.sqrt(p) * s, transform=torch.tensor(1.0 / s, dtype=F64)),
+            "mean": Statistic(2 * math.sqrt(p), transform=torch.tensor(1.0 / s, dtype=F64)),
             "log_noise": Statistic(
                 LOG_NOISE_RANGE, center=torch.tensor([2 * math.log(start_noise)], dtype=F64)
             ),

@@ -757,9 +757,12 @@ def _check_magnitudes(raw, label, values) -> None:
             )
 
 
-def _check_plausible(raw, label, values, ranges: Mapping[str, Plausible]) -> None:
+def _check_plausible(raw, label, values, ranges: Mapping[str, Plausible], whole=None) -> None:
+    """``whole``: per column, the (median, max) of the whole file when ``values`` is one
+    row group of it (:func:`load_fleet_chunks`): the spread and reach checks are the file's."""
     for col, r in ranges.items():
         v = values[col]
+        median, top = (whole or {}).get(col, (None, None))
         bad = np.flatnonzero((v < r.lo) | (v > r.hi))
         if len(bad):
             items = [(int(raw.rows[i]), _fmt(v[i])) for i in bad]
@@ -771,7 +774,8 @@ def _check_plausible(raw, label, values, ranges: Mapping[str, Plausible]) -> Non
                 + "; if they are right, pass physical_bounds for this column"
             )
             raise FleetDataError(label, text, [r for r, _ in items], col)
-        median = float(np.median(v)) if len(v) else 0.0
+        if median is None:
+            median = float(np.median(v)) if len(v) else 0.0
         if r.spread is not None and median > 0:
             far = np.flatnonzero((v > median * r.spread) | (v < median / r.spread))
             if len(far):
@@ -785,10 +789,12 @@ def _check_plausible(raw, label, values, ranges: Mapping[str, Plausible]) -> Non
                     [r for r, _ in items],
                     col,
                 )
-        if r.reach is not None and len(v) and v.max() < r.reach[0]:
+        if top is None and len(v):
+            top = float(v.max())
+        if r.reach is not None and top is not None and top < r.reach[0]:
             raise FleetDataError(
                 label,
-                f"implausible for this column: its largest value is {_fmt(v.max())} {r.unit}, "
+                f"implausible for this column: its largest value is {_fmt(top)} {r.unit}, "
                 f"below {r.reach[0]:g} — {r.reach[1]}; if it is right, pass physical_bounds "
                 "for this column",
                 [],
@@ -892,11 +898,13 @@ def _raise_first(errors: list[FleetDataError], label: str) -> None:
     raise first
 
 
-def _check_values(raw, label: str, values: dict[str, np.ndarray], bounds, plausible) -> None:
+def _check_values(
+    raw, label: str, values: dict[str, np.ndarray], bounds, plausible, whole=None
+) -> None:
     """Magnitudes, physical bounds and plausible ranges of parsed numeric columns."""
     _check_magnitudes(raw, label, values)
     _check_bounds(raw, label, values, bounds)
-    _check_plausible(raw, label, values, plausible)
+    _check_plausible(raw, label, values, plausible, whole)
 
 
 def _read_guarded(path, numeric: list[str], physical_bounds, max_bytes):
@@ -1008,8 +1016,10 @@ def _fleet_of(
     mins: dict[str, int],
     time_column: str | None,
     split_by: str,
+    whole: Mapping[str, tuple[float, float]] | None = None,
 ) -> Fleet:
-    """:func:`load_fleet`'s checks and assembly of a table already read (``raw``)."""
+    """:func:`load_fleet`'s checks and assembly of a table already read (``raw``); ``whole``:
+    see :func:`_check_plausible`."""
     numeric = [*features, target]
     if split_by not in ("random", "time"):
         raise ValueError(f"split_by must be 'random' or 'time', got {split_by!r}")
@@ -1045,7 +1055,7 @@ def _fleet_of(
         errors += [err] if err else []
     _raise_first(errors, label)
 
-    _check_values(raw, label, values, bounds, plausible)
+    _check_values(raw, label, values, bounds, plausible, whole)
     keyed = values if times is None else {**values, time_column: times}  # distinct times: data
     _check_duplicates(raw, label, client_column, ids, keyed)
 
@@ -1137,6 +1147,7 @@ def load_fleet_chunks(
             if record is not None:
                 _check_streamed_record(pf, record, label)
             _check_sensor_groups(pf, client_column, label)
+            whole = _whole_file_stats(pf, plausible)
         except FleetDataError:
             raise
         except Exception as e:  # any failure to decode untrusted bytes is the file's
@@ -1170,6 +1181,7 @@ def load_fleet_chunks(
                 mins,
                 time_column,
                 split_by,
+                whole,
             )
             yield fleet
         if not start:
@@ -1187,7 +1199,8 @@ def _check_sensor_groups(source, client_column: str, label: str) -> None:
     seen: set[str] = set()
     for g in range(source.num_row_groups):
         column = source.read_row_group(g, columns=[client_column]).column(0)
-        ids = {str(v) for v in pc.unique(column).to_pylist() if v is not None}
+        # stripped, as _parse_ids reads them: "S000" and "S000 " are one sensor
+        ids = {str(v).strip() for v in pc.unique(column).to_pylist() if v is not None}
         again = sorted(ids & seen)
         if again:
             raise SensorSplitError(
@@ -1196,6 +1209,33 @@ def _check_sensor_groups(source, client_column: str, label: str) -> None:
                 "read by row groups, a sensor's rows must lie in one (load the whole file)",
             )
         seen |= ids
+
+
+def _whole_file_stats(source, plausible: Mapping[str, Plausible]) -> dict[str, tuple[float, float]]:
+    """Per plausible-range column with a spread or reach check, the (median, max) of its
+    finite values over the whole file, one column at a time (a row group alone would let a
+    unit mistake confined to it pass). A column that is not numbers is left out: its row
+    group's parse names the bad cells."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    out = {}
+    names = source.schema_arrow.names
+    for col, r in plausible.items():
+        if (r.spread is None and r.reach is None) or col not in names:
+            continue
+        parts = []
+        try:
+            for g in range(source.num_row_groups):
+                column = pc.cast(source.read_row_group(g, columns=[col]).column(0), pa.float64())
+                parts.append(column.to_numpy(zero_copy_only=False))
+        except pa.ArrowException:
+            continue
+        v = np.concatenate(parts) if parts else np.empty(0)
+        v = v[np.isfinite(v)]
+        if len(v):
+            out[col] = (float(np.median(v)), float(v.max()))
+    return out
 
 
 def _parquet_problem(e: Exception) -> str:

@@ -123,6 +123,7 @@ def prepare_chunks(
     train: list[ClientData] = []
     test: list[ClientData] = []
     ids: list[str] = []
+    seen: set[str] = set()
     for part in itertools.chain([first], chunks_):
         for split, out in (("train", train), ("test", test)):
             out.append(
@@ -133,7 +134,12 @@ def prepare_chunks(
                     time=part.row_times(split),
                 )
             )
-        ids += map(str, part.client_ids)
+        new = list(map(str, part.client_ids))
+        again = next((i for i in new if i in seen), None)
+        if again is not None:  # two units with one id: a sensor's rows split over two parts
+            raise ValueError(f"prepare_chunks: sensor {again!r} is in two parts of the fleet")
+        seen.update(new)
+        ids += new
     unit = first.target.rsplit("_", 1)[-1] if "_" in first.target else ""
     return FleetTensors(_stacked(train), _stacked(test), scaler, tuple(ids), unit)
 
@@ -449,18 +455,29 @@ def with_derived(
     """The fleet with its training data's ``derived`` tensors (:attr:`Algorithm.derive`: what
     the algorithm's client step reads of the data alone, e.g. fedprior's moments), formed once
     here, ``chunk_size`` clients at a time, instead of in every round (issue 25.1). Unchanged
-    when the algorithm derives nothing."""
-    if algorithm.derive is None or fleet.train.derived is not None:
+    when the algorithm derives nothing. A fleet that already has them is trusted only when
+    the algorithm derives the same for its first client (another basis made them otherwise:
+    they are formed again)."""
+    if algorithm.derive is None:
         return fleet
     train = fleet.train
+    if train.derived is not None and train.num_clients:
+        first = dataclasses.replace(train.select(torch.tensor([0])), derived=None)
+        probe = algorithm.derive(first) or {}
+        have = train.derived
+        if probe.keys() == have.keys() and all(
+            torch.equal(v, have[k][:1].to(v.device)) for k, v in probe.items()
+        ):
+            return fleet
+        train = dataclasses.replace(train, derived=None)
     parts = (
         (int(rows[0]), chunks.on_device(device, algorithm.derive, chunks.data_to(part, device)))
         for rows in chunks.spans(train.num_clients, chunk_size)
         for part in (train if len(rows) == train.num_clients else train.select(rows),)
     )
     first = next(parts, None)
-    if first is None or first[1] is None:
-        return fleet
+    if first is None or first[1] is None:  # nothing to derive: no stale tensors either
+        return fleet if train is fleet.train else dataclasses.replace(fleet, train=train)
     derived = chunks.assemble(itertools.chain([first], parts), train.num_clients)
     return dataclasses.replace(fleet, train=dataclasses.replace(train, derived=derived))
 
