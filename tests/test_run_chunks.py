@@ -138,6 +138,32 @@ def test_bad_data_gets_the_same_error_both_ways(fleet_file, tmp_path):
     assert rows.value.rows == [250] and rows.value.field == "pressure_hpa"
 
 
+def test_a_sensor_with_two_roles_is_refused_at_load_naming_its_rows(fleet_file, tmp_path):
+    """Both paths refuse before a run writes anything, naming the file, field and rows (the
+    row-group path called it a "[data] scaling" error; the whole-frame path raised after
+    writing config.json)."""
+    frame = pq.read_table(fleet_file).replace_schema_metadata(None).to_pandas()
+    first = frame["sensor_id"].iloc[0]
+    rows = np.flatnonzero(frame["sensor_id"].to_numpy() == first)
+    frame["role"] = "reference"
+    frame.loc[rows[3], "role"] = "new"
+    path = tmp_path / "roles.parquet"
+    groups = [g for _, g in frame.groupby("sensor_id", sort=False)]
+    writer = pq.ParquetWriter(path, pa.Table.from_pandas(groups[0], preserve_index=False).schema)
+    for g in groups:
+        writer.write_table(pa.Table.from_pandas(g, preserve_index=False))
+    writer.close()
+    with pytest.raises(FleetDataError) as whole:
+        load_data(config(path))
+    with pytest.raises(FleetDataError) as by_rows:
+        load_run_data(config(path))
+    assert str(by_rows.value) == str(whole.value)
+    assert whole.value.field == "role" and whole.value.rows == [int(rows[3])]
+    assert f"sensor '{first}' has more than one role ('reference' at record {rows[0]}" in str(
+        whole.value
+    )
+
+
 def test_the_cli_says_when_it_reads_a_file_whole(fleet_file, tmp_path):
     from typer.testing import CliRunner
 

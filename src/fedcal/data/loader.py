@@ -83,6 +83,7 @@ from fedcal.data.fleet import (
     CLIENT_COLUMN,
     DIRECTION_COLUMN,
     DIRECTION_SIGNS,
+    ROLE_COLUMN,
     SPLIT_COLUMN,
     SPLITS,
     Fleet,
@@ -836,6 +837,30 @@ def _check_duplicates(raw, label, client_column, ids, values) -> None:
     )
 
 
+def _check_roles(raw, label, client_column, ids) -> None:
+    """A sensor's rows must agree on its ``role`` (results per role would be meaningless):
+    refused at load, naming the sensor and the rows that disagree, before a run writes
+    anything (:meth:`fedcal.data.fleet.Fleet.roles` reads the column later)."""
+    if ROLE_COLUMN not in raw.frame.columns or client_column == ROLE_COLUMN:
+        return
+    role = raw.frame[ROLE_COLUMN].to_numpy(object)
+    codes, _ = pd.factorize(role, use_na_sentinel=False)  # as Fleet.roles: NaN is a value
+    key = pd.DataFrame({"id": ids, "code": codes})
+    first = key.groupby("id", sort=False)["code"].transform("first").to_numpy()
+    bad = np.flatnonzero(codes != first)
+    if not len(bad):
+        return
+    sensor = ids[bad[0]]
+    start = int(np.flatnonzero(np.asarray(ids, dtype=object) == sensor)[0])
+    raise FleetDataError(
+        label,
+        f"sensor {sensor!r} has more than one role ({role[start]!r} at {raw.kind} "
+        f"{int(raw.rows[start])}, {role[bad[0]]!r} at {raw.kind} {int(raw.rows[bad[0]])})",
+        [int(raw.rows[i]) for i in bad[:MAX_LISTED]],
+        field=ROLE_COLUMN,
+    )
+
+
 def _seeded_split(ids: list[str], test_fraction: float, seed: int):
     """Per sensor: ``round(n * test_fraction)`` random test points, at least one
     test and one train point when the sensor has two or more points.
@@ -1058,6 +1083,7 @@ def _fleet_of(
     _check_values(raw, label, values, bounds, plausible, whole)
     keyed = values if times is None else {**values, time_column: times}  # distinct times: data
     _check_duplicates(raw, label, client_column, ids, keyed)
+    _check_roles(raw, label, client_column, ids)
 
     order = list(pd.unique(pd.Series(ids)))
     if use_file_split:
