@@ -55,23 +55,28 @@ def load_data(config: RunConfig) -> Fleet:
     return simulate_fleet(config.fleet.spec(), seed=config.fleet.seed)
 
 
+def _loader_options(config: RunConfig) -> dict[str, Any]:
+    """What ``[data]`` tells the loader (columns, split, guards): the same for a whole file
+    (``load_fleet``) and its row groups (``load_fleet_chunks``)."""
+    d = config.data
+    return {
+        "features": d.features,
+        "target": d.target,
+        "client_column": d.client_column,
+        "split_column": d.split_column,
+        "test_fraction": d.test_fraction,
+        "seed": d.split_seed,
+        "physical_bounds": d.loader_bounds(),
+        "time_column": d.time_column or None,
+        "split_by": d.split_by,
+    }
+
+
 def load_configured(config: RunConfig, source) -> Fleet:
     """A fleet file or DataFrame ``source`` read as ``[data]`` says (columns, split, guards)."""
     from fedcal.data.loader import load_fleet
 
-    d = config.data
-    return load_fleet(
-        source,
-        features=d.features,
-        target=d.target,
-        client_column=d.client_column,
-        split_column=d.split_column,
-        test_fraction=d.test_fraction,
-        seed=d.split_seed,
-        physical_bounds=d.loader_bounds(),
-        time_column=d.time_column or None,
-        split_by=d.split_by,
-    )
+    return load_fleet(source, **_loader_options(config))
 
 
 def valid_ranges(fleet: Fleet) -> dict[str, Any]:
@@ -189,18 +194,7 @@ def load_outline(config: RunConfig, path: str) -> FleetOutline:
     def parts():
         nonlocal calls
         calls += 1
-        chunks = load_fleet_chunks(
-            path,
-            features=d.features,
-            target=d.target,
-            client_column=d.client_column,
-            split_column=d.split_column,
-            test_fraction=d.test_fraction,
-            seed=d.split_seed,
-            physical_bounds=d.loader_bounds(),
-            time_column=d.time_column or None,
-            split_by=d.split_by,
-        )
+        chunks = load_fleet_chunks(path, **_loader_options(config))
         if calls > 1:  # prepare_chunks' second pass: the first one gathers
             return chunks
         return (gather.add(c) or c for c in chunks)
