@@ -117,19 +117,24 @@ def test_a_sensor_over_two_row_groups_is_read_whole_with_a_note(fleet_file, tmp_
     assert fleet.content_digest() == load_data(config(fleet_file)).content_digest()
 
 
+def write_by_sensor(frame, path) -> None:
+    """``frame`` to Parquet, one row group per sensor (no fedcal metadata: values were
+    changed on purpose)."""
+    groups = [g for _, g in frame.groupby("sensor_id", sort=False)]
+    writer = pq.ParquetWriter(path, pa.Table.from_pandas(groups[0], preserve_index=False).schema)
+    for g in groups:
+        writer.write_table(pa.Table.from_pandas(g, preserve_index=False))
+    writer.close()
+
+
 def test_bad_data_gets_the_same_error_both_ways(fleet_file, tmp_path):
     table = pq.read_table(fleet_file).replace_schema_metadata(None)
     col = table.column_names.index("pressure_hpa")
     values = np.array(table.column(col).to_pylist())
     values[250] = np.nan  # row group 3 (rows 200–)
     path = tmp_path / "bad.parquet"
-    # a row group per sensor (no fedcal metadata: the value was changed on purpose)
     frame = table.set_column(col, "pressure_hpa", pa.array(values)).to_pandas()
-    groups = [g for _, g in frame.groupby("sensor_id", sort=False)]
-    writer = pq.ParquetWriter(path, pa.Table.from_pandas(groups[0], preserve_index=False).schema)
-    for g in groups:
-        writer.write_table(pa.Table.from_pandas(g, preserve_index=False))
-    writer.close()
+    write_by_sensor(frame, path)
     with pytest.raises(FleetDataError) as whole:
         load_data(config(path))
     with pytest.raises(FleetDataError) as rows:
@@ -148,11 +153,7 @@ def test_a_sensor_with_two_roles_is_refused_at_load_naming_its_rows(fleet_file, 
     frame["role"] = "reference"
     frame.loc[rows[3], "role"] = "new"
     path = tmp_path / "roles.parquet"
-    groups = [g for _, g in frame.groupby("sensor_id", sort=False)]
-    writer = pq.ParquetWriter(path, pa.Table.from_pandas(groups[0], preserve_index=False).schema)
-    for g in groups:
-        writer.write_table(pa.Table.from_pandas(g, preserve_index=False))
-    writer.close()
+    write_by_sensor(frame, path)
     with pytest.raises(FleetDataError) as whole:
         load_data(config(path))
     with pytest.raises(FleetDataError) as by_rows:
