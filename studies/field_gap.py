@@ -85,6 +85,16 @@ def main() -> None:
         d = xp.to(F64) - xw.to(F64).mean(0)
         return ((d @ c_inv) * d).sum(-1).sqrt()
 
+    # S2's uploads of the next round: each unit's gain over w = 1 per held-out row, against
+    # bound_short_sse's scale s_w (how far below short_sse_clip honest units stay)
+    up = alg.client_update(expand(alg.broadcast(server), train.num_clients), run.states, train)
+    sse, held = up.reply["drift"]["short"]["sse"], up.reply["drift"]["short"]["held"]
+    some = held > 0
+    if bool(some.any()):
+        sse, h = sse[some], held[some].unsqueeze(1)
+        s_w = (torch.maximum(sse, sse[:, -1:]) / h).median(0).values
+        ratio = ((sse - sse[:, -1:]).abs() / h / s_w)[:, :-1]
+        print(f"honest squared-error gains: at most {float(ratio.max()):.2f} x s_w")
     pred = alg.predict(run.personal, test.x)[..., 0].to(F64)
     std = alg.predictive_std_timed(run.personal, test)[..., 0].to(F64)
     t_tr = alg._time(train)
