@@ -111,6 +111,14 @@ drift_fit = "evidence"
 base = "fedprior_drift"
 short_colocation = "off"
 
+[methods.fedprior_drift_span]  # the short step's emulation over each long unit's whole span
+base = "fedprior_drift"
+short_emulation = "span"
+
+[methods.fedprior_drift_far]   # the short step's emulation from the first window only
+base = "fedprior_drift"
+short_emulation = "far"
+
 [methods.pooled_quad]          # one fleet-wide least-squares quadratic
 base = "leastsq"
 degree = 2

@@ -160,3 +160,82 @@ def test_own_folds_with_the_short_step_is_refused():
         own_folds=5,
         short_colocation="off",
     )
+
+
+def test_bound_short_sse_clips_each_units_gains_over_w_1():
+    """Hand-computed: 3 units, 2 columns (w, then w = 1). Per-row max(sse(w), sse(1)):
+    [2, 2], [2, 2], [100, 1] -> median s = [2, 2] (a unit that held nothing out is not in
+    it); clip 10: each gain over its own w = 1 entry within ± 10 · h_i · 2."""
+    from fedcal.algorithms.fedprior_drift import bound_short_sse
+
+    sse = torch.tensor([[1.0, 2.0], [4.0, 2.0], [100.0, 1.0], [-5.0, 7.0]], dtype=F64)
+    held = torch.tensor([1.0, 2.0, 1.0, 0.0], dtype=F64)
+    got = bound_short_sse(sse, held, 10.0)
+    # unit 2: gain 99 > 10 · 1 · 2 = 20 -> 1 + 20; unit 3: gain 0 - 7, bound 0 -> 7
+    want = torch.tensor([[1.0, 2.0], [4.0, 2.0], [21.0, 1.0], [7.0, 7.0]], dtype=F64)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_unit_forging_its_emulated_errors_no_longer_moves_w_star():
+    """60 honest long units whose emulated error per row is 1 + |k - 3|/2 at the k-th w
+    (least at w = 1/16), and one forger uploading 1e9 at every w but w = 0 and none there
+    (the server cannot recompute S2's sums). Unbounded it moves the fleet's w* to 0; with its
+    gains over w = 1 clipped to 20 · h · s_w (bound_short_sse, the server's step) w* stays
+    the honest fleet's: 60·250 + (1e9 - 20·100·3) > 60·100 + 1e9."""
+    from fedcal.algorithms.fedprior_drift import DRIFT_GRID, bound_short_sse
+    from fedcal.algorithms.fedprior_interval import TAU_GRID
+
+    alg = FedPriorDrift(Task(MLP(in_features=1)), basis="total", degree=1)
+    assert alg.short_sse_clip == 20.0
+    units, h = 61, 100.0
+    k = torch.arange(len(TEMPER_GRID), dtype=F64)
+    sse = ((1.0 + 0.5 * (k - 3).abs()) * h).repeat(units, 1)
+    held = torch.full((units,), h, dtype=F64)
+    old = {**alg._short_init(), "window": torch.tensor(1.0, dtype=F64)}
+
+    def w_star(errors: torch.Tensor) -> float:
+        n = len(errors)
+        sums = {
+            "sse": errors,
+            "score": torch.zeros(n, len(TEMPER_GRID), len(DRIFT_GRID), dtype=F64),
+            "inside": held[:n].unsqueeze(1).expand(-1, len(TAU_GRID)).clone(),
+            "held": held[:n],
+        }
+        ones = torch.ones(n, dtype=F64)
+        return float(alg._short_update(old, ones, sums, ones)["temper"])
+
+    honest = float(TEMPER_GRID[3])
+    assert w_star(sse) == honest
+    torch.testing.assert_close(bound_short_sse(sse, held, 20.0), sse, rtol=0, atol=0)
+    forged = sse.clone()
+    forged[-1] = 1e9
+    forged[-1, 0] = 0.0
+    assert w_star(forged) == 0.0  # the forgery works without the bound
+    assert w_star(bound_short_sse(forged, held, alg.short_sse_clip)) == honest
+
+
+def test_the_emulations_hold_out_what_they_say(both):
+    """S2's designs on the same broadcast: "future" predicts each window's later rows of the
+    last quarter; "span" every row outside each window (before it too: more rows); "far"
+    the first window's only (fewer). Every held-out row is a long unit's."""
+    import dataclasses
+
+    from fedcal.core.tree import expand
+
+    (alg, run, _, _), _ = both
+    train, _ = seasonal()
+    down = expand(alg.broadcast(run.server), train.num_clients)
+    held = {
+        mode: dataclasses.replace(alg, short_emulation=mode)._short_holdout(
+            down, run.states, train
+        )["held"]
+        for mode in ("future", "span", "far")
+    }
+    assert torch.all(held["span"][:LONG] > held["future"][:LONG])
+    assert torch.all(held["far"][:LONG] < held["future"][:LONG])
+    assert torch.all(held["far"][:LONG] > 0)
+    for h in held.values():
+        assert torch.all(h[LONG:] == 0)
+    # "span": each of the 4 windows holds out every row but its own
+    n = train.count[:LONG].to(F64)
+    assert torch.all(held["span"][:LONG] <= 4 * n) and torch.all(held["span"][:LONG] > 3 * n - 40)

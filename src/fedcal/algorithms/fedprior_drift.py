@@ -157,6 +157,14 @@ class FedPriorDrift(ShortColocation, FedPrior):
     # fleet's shortest span and the fleet learns how much a short unit's own rows weigh and
     # its τ²; "off": a short unit's posterior is fedprior_drift's like any other.
     short_colocation: Literal["holdout", "off"] = "holdout"
+    # S2's emulated use (fedprior_short): "span", windows over a long unit's whole span, every
+    # other row of it predicted (gaps and seasons up to the span away, as a short unit meets
+    # in use); "future", windows before its last drift_holdout, which alone is predicted.
+    short_emulation: Literal["future", "span", "far"] = "future"
+    # Hostile sites: each unit's emulated squared errors' gains over w = 1 (S2) count at most
+    # this many times its held-out rows × a typical unit's squared error per row at that w
+    # (:func:`bound_short_sse`; honest units at most 6.8x on the field networks, docs/field.md).
+    short_sse_clip: Annotated[float, Field(gt=0.0)] = 20.0
 
     name = "fedprior_drift"
     # A unit's drift evidences grow with its rows, like its residual terms: not screened.
@@ -437,7 +445,7 @@ class FedPriorDrift(ShortColocation, FedPrior):
             sh["score"].reshape(-1, q_n), rows.repeat_interleave(w_n, 0), self.drift_score_clip
         ).reshape(-1, w_n, q_n)
         sums = {
-            "sse": sh["sse"].clamp_min(0.0)[order],
+            "sse": bound_short_sse(sh["sse"], held, self.short_sse_clip)[order],
             "score": score[order],
             "inside": torch.minimum(sh["inside"].clamp_min(0.0), held.unsqueeze(1))[order],
             "held": held[order],
@@ -617,6 +625,34 @@ def bound_future_scores(future: Tensor, n: Tensor, clip: float) -> Tensor:
     base = future[:, :1]
     bound = (clip * n.to(F64).reshape(-1, 1)).expand_as(future)
     return base + torch.maximum(torch.minimum(future - base, bound), -bound)
+
+
+def bound_short_sse(sse: Tensor, held: Tensor, clip: float) -> Tensor:
+    """Each unit's emulated squared errors (clients, W) with its gains over w = 1 (the last
+    column) clipped to ± clip · h_i · s_w.
+
+    The server keeps the w of least summed squared error (fedprior_short S3); only the
+    differences between columns choose, and the server cannot recompute a unit's sums
+    without its held-out rows, so a unit forging them (a huge error at every w but the one
+    it wants) would move the fleet's choice by as much as it forges. h_i: the rows it held
+    out (already capped at its declared rows); s_w: the median over the units that held rows
+    out of max(sse_i(w), sse_i(1)) / h_i, a typical unit's squared error per row (robust: a
+    minority of forgers cannot move it far; an honest unit's gain is at most its own
+    max(sse_i(w), sse_i(1))). Clipped, one unit moves the fleet's preference of any w over
+    w = 1 by at most clip · h_i · s_w, as the drift's future scores are clipped
+    (:func:`bound_future_scores`).
+    """
+    sse = sse.to(F64).clamp_min(0.0)
+    held = held.to(F64)
+    some = held > 0
+    if not bool(some.any()):
+        return sse
+    base = sse[:, -1:]
+    level = torch.maximum(sse, base)[some] / held[some].unsqueeze(1)
+    scale = level.median(0).values  # (W,)
+    bound = clip * held.unsqueeze(1) * scale.unsqueeze(0)
+    gain = sse - base
+    return base + torch.maximum(torch.minimum(gain, bound), -bound)
 
 
 def fleet_time_scale(span: Tensor, order: Tensor, cap: float) -> Tensor:

@@ -28,7 +28,11 @@ S2. **Emulation, each long unit.** Its future period is the last ``drift_holdout
     q_s of :data:`~fedcal.algorithms.fedprior_drift.DRIFT_GRID`, the summed log density
     log N(y_r; φ_rᵀm_w, v); at the broadcast (w*, q_s*), per τ² of
     :data:`~fedcal.algorithms.fedprior_interval.TAU_GRID`, how many rows lie within
-    ±1.96 √(v + τ²); and how many rows it held out (sums only).
+    ±1.96 √(v + τ²); and how many rows it held out (sums only). Other designs
+    (``short_emulation``): ``"span"``, windows evenly over the whole span, every row outside
+    a window predicted (before it too, at |t − window|); ``"far"``, the first window only
+    (the one farthest from the future period). On the 8-feature field network neither
+    matched the short units' errors better (docs/field.md, "Sixth session").
 S3. **Server.** w* minimizes the fleet's summed squared error (ties: the larger w, the
     unit's own data); q_s* maximizes the summed log density at w* if it beats q_s = 0 by
     ½ ``drift_test`` nats (else 0); τ²_s is the smallest τ² whose pooled coverage reaches
@@ -46,9 +50,12 @@ units that have them, never tuned to a generator. A unit whose short window happ
 the seasons it is used in loses little at w* < 1 (the fleet relation is close there too).
 Hostile sites: the squared errors, scores and counts are not checked against the unit's
 statistics (the server cannot recompute them without the held-out rows). Each unit's held-out
-count is clipped to its declared rows, its counts to that, and its score gains over q_s = 0 to
-± ``drift_score_clip`` per row (as the drift's future scores); its squared errors are not
-bounded: a long unit forging them moves w*.
+count is clipped to its declared rows, its counts to that, its score gains over q_s = 0 to
+± ``drift_score_clip`` per row (as the drift's future scores), and its squared errors' gains
+over w = 1 to ± ``short_sse_clip`` (20) × its held-out rows × a typical unit's squared error
+per row at that w (:func:`~fedcal.algorithms.fedprior_drift.bound_short_sse`): a forging
+unit moves the fleet's preference between two w by a bounded amount, so w* only where the
+honest fleet's margin is smaller than that.
 """
 
 from __future__ import annotations
@@ -152,15 +159,22 @@ class ShortColocation:
         tau_probe = down.get("disc_var")
         tau_probe = 0.0 if tau_probe is None else tau_probe.to(F64).reshape(-1)[0]
         tw = TEMPER_GRID.reshape(1, -1)
-        # the unit's future period: the last drift_holdout of its span (as the drift's check)
-        future = (t > (t_last - self.drift_holdout * span).unsqueeze(1)).to(F64)
-        room = (span * (1 - self.drift_holdout) - window).clamp_min(0.0)
-        for j in range(SHORT_WINDOWS):
+        if self.short_emulation == "span":
+            # S2: windows over the whole span, every other row predicted (before or after)
+            future = torch.ones_like(mask)
+            room = (span - window).clamp_min(0.0)
+        else:  # "future"/"far": the last drift_holdout of the span, after each window only
+            future = (t > (t_last - self.drift_holdout * span).unsqueeze(1)).to(F64)
+            room = (span * (1 - self.drift_holdout) - window).clamp_min(0.0)
+        for j in range(1 if self.short_emulation == "far" else SHORT_WINDOWS):
             start = first + room * j / (SHORT_WINDOWS - 1)
             end = start + window
             inside_w = (t >= start.unsqueeze(1)) & (t <= end.unsqueeze(1))
             keep = mask * inside_w.to(F64) * long.to(F64).unsqueeze(1)
-            held = mask * future * (t > end.unsqueeze(1)).to(F64) * long.to(F64).unsqueeze(1)
+            beyond = (t > end.unsqueeze(1)) | (t < start.unsqueeze(1))
+            if self.short_emulation != "span":
+                beyond = t > end.unsqueeze(1)
+            held = mask * future * beyond.to(F64) * long.to(F64).unsqueeze(1)
             base = moments(design, y, keep)
             if model is not None:
                 base = _masked(base, model)
@@ -178,7 +192,9 @@ class ShortColocation:
             pred = torch.einsum("crp,cwp->cwr", design, mean)
             spread = ((design.unsqueeze(1) @ cov) * design.unsqueeze(1)).sum(-1)
             base_var = (noise + small * tau_probe).reshape(-1, 1, 1) + spread  # (c, W, rows)
-            aged = (t - end.unsqueeze(1)).clamp_min(0.0) * walk  # (c, rows): × (q + q_s)
+            # time from the window to the row, either side (a walk's variance is |Δt|)
+            dt = (t - end.unsqueeze(1)).clamp_min(0.0) + (start.unsqueeze(1) - t).clamp_min(0.0)
+            aged = dt * walk  # (c, rows): × (q + q_s)
             base_var = base_var + q_fleet * aged.unsqueeze(1)
             err2 = (y.unsqueeze(1) - pred) ** 2
             out["sse"] += (err2 * held.unsqueeze(1)).sum(-1)
