@@ -38,6 +38,8 @@ to its own size (a reply 10⁶× the others' costs ~10⁻¹⁰ of the total).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -102,7 +104,10 @@ def streamed_round(
     small = chunks.Assembly(n)
     first_reply: Tree | None = None
     rnd: Round | None = None
-    check = algorithm.inconsistent_replies
+    check = None  # the consistency check bound to this round's server (its prior whitened once)
+    if algorithm.inconsistent_replies is not None:
+        bind = algorithm.consistency_check
+        check = partial(algorithm.inconsistent_replies, server) if bind is None else bind(server)
     checked = False  # the algorithm checks consistency (else no rejected_inconsistent column)
     for rows in chunks.spans(n, chunk_size):
         start, k = int(rows[0]), len(rows)
@@ -122,7 +127,7 @@ def streamed_round(
             judged_norms[key][start : start + k] = sq[key]
         keep = ok.clone()
         if check is not None:
-            bad = check(server, out.reply, weights[rows], ok)
+            bad = check(out.reply, weights[rows], ok)
             checked = checked or bad is not None
             for j, why in (bad or {}).items():
                 reasons[start + j] = why
