@@ -171,20 +171,23 @@ ROUNDING_SLACK = 16.0
 
 
 def _factors(a: Tensor, shift: Tensor | float) -> Tensor:
-    """Per matrix of ``a`` (c, p, p), symmetric: a + shift·I has finite entries and a
-    Cholesky factor (``cholesky_ex`` info = 0), i.e. λ_min(a) > −shift up to rounding.
-    ``cholesky_ex`` lets ±inf through, so finiteness is tested here."""
+    """Per matrix of ``a`` (c, p, p), symmetric: a + shift·I has a Cholesky factor
+    (``cholesky_ex`` info = 0), i.e. λ_min(a) > −shift up to rounding. ``cholesky_ex`` lets
+    ±inf through: the caller tests finiteness (:func:`_frobenius`)."""
     shift = torch.as_tensor(shift, dtype=F64).reshape(-1, 1, 1)
-    finite = torch.isfinite(a.flatten(-2)).all(-1)
-    eye = torch.eye(a.shape[-1], dtype=F64)
-    return finite & (torch.linalg.cholesky_ex(a + shift * eye).info == 0)
+    return torch.linalg.cholesky_ex(a + shift * torch.eye(a.shape[-1], dtype=F64)).info == 0
 
 
-def _rounding(a: Tensor) -> Tensor:
-    """:data:`ROUNDING_SLACK`·p²·ε·‖a‖_F per matrix: more than a Cholesky or eigvalsh verdict
-    on ``a`` can be off by."""
-    p = a.shape[-1]
-    return ROUNDING_SLACK * p * p * torch.finfo(F64).eps * a.flatten(-2).norm(dim=-1)
+def _frobenius(a: Tensor) -> Tensor:
+    """‖a‖_F per matrix (…, p, p): finite only if every entry is (NaN and ±inf propagate; an
+    overflow of a finite matrix's norm only withholds a Cholesky verdict)."""
+    return a.flatten(-2).norm(dim=-1)
+
+
+def _rounding(norm: Tensor, p: int) -> Tensor:
+    """:data:`ROUNDING_SLACK`·p²·ε·‖a‖_F (``norm``) per p × p matrix: more than a Cholesky or
+    eigvalsh verdict on it can be off by."""
+    return ROUNDING_SLACK * p * p * torch.finfo(F64).eps * norm
 
 
 def _clear(w: Tensor, h: Tensor, gap: Tensor, tol: float) -> Tensor:
@@ -195,10 +198,12 @@ def _clear(w: Tensor, h: Tensor, gap: Tensor, tol: float) -> Tensor:
     (H = I − W + (H + W − I): Weyl's inequality), ‖H + W − I‖₂ ≤ t: every eigenvalue test
     of :func:`inconsistencies` passes with a margin s. False is no verdict: those units'
     eigenvalues decide (rare: a consistent upload's gaps are ~1e-12, t ≥ 1e-4)."""
-    half = 0.5 * tol
-    slack = _rounding(w) + _rounding(h) + _rounding(gap) + ROUNDING_SLACK * torch.finfo(F64).eps
-    ok = _factors(w, half) & _factors(-w, 1.0 + half) & torch.isfinite(h.flatten(-2)).all(-1)
-    return ok & (gap.flatten(-2).norm(dim=-1) + slack <= half)
+    p, half = w.shape[-1], 0.5 * tol
+    norms = _frobenius(w), _frobenius(h), _frobenius(gap)
+    slack = _rounding(sum(norms) + 1.0, p)  # non-finite if any entry is: no verdict
+    small = norms[2] + slack <= half
+    ok = small & _factors(w, half)
+    return ok & _factors(-w, 1.0 + half)
 
 
 def inconsistencies(
@@ -290,7 +295,9 @@ def gram_problems(gram: Tensor, n: Tensor | None, constant_first: bool) -> dict[
     g = _sym(gram.to(F64))
     scale = torch.diagonal(g, dim1=-2, dim2=-1).abs().amax(-1).clamp_min(1e-300)
     bound = GRAM_TOL * scale
-    clear = _factors(g, 0.5 * bound) & (_rounding(g) <= 0.5 * bound)
+    norm = _frobenius(g)  # not finite for a non-finite G: no verdict (NaN eigenvalues: rejected)
+    small = torch.isfinite(norm) & (_rounding(norm, g.shape[-1]) <= 0.5 * bound)
+    clear = small & _factors(g, 0.5 * bound)
     low = torch.zeros_like(scale)  # 0: cleared (only the sign of low + bound is read)
     doubt = (~clear).nonzero()[:, 0]
     if len(doubt):
