@@ -80,7 +80,9 @@ class RobustUploads:
         idx = accepted.nonzero()[:, 0]
         if not len(idx):
             return {}
-        sub = {k: v.index_select(0, idx) for k, v in flatten(replies).items()}
+        sub = flatten(replies)
+        if len(idx) < len(accepted):  # (every client, most rounds: no copy of the replies)
+            sub = {k: v.index_select(0, idx) for k, v in sub.items()}
         keys = ("mean", "second", "gls_gram", "gls_rhs", "rss")
         main = {k: sub[k] for k in (*keys, "n", "gram")}
         top = frames["main"]

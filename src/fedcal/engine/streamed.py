@@ -132,8 +132,9 @@ def streamed_round(
             for j, why in (bad or {}).items():
                 reasons[start + j] = why
                 keep[j] = False
+        whole = bool(keep.all())  # most chunks: every row summed, no masked copy
         for key, v in flat.items():
-            part = v[keep].to(torch.float64).sum(0)
+            part = (v if whole and v.is_contiguous() else v[keep]).to(torch.float64).sum(0)
             sums[key] = sums[key] + part if key in sums else part
         small.add({"state": out.state, "metrics": out.metrics}, start)
         for key in algorithm.outlier_inputs:  # the M-step weights' inputs
