@@ -244,7 +244,9 @@ def data_support(gram: Tensor, noise_var: Tensor, scale: float) -> Tensor:
     a = eye + scale**2 * gram.to(F64) / noise_var.to(F64).reshape(-1, 1, 1)
     a = 0.5 * (a + a.transpose(1, 2))
     inv, info = torch.linalg.inv_ex(a)
-    bad = (info != 0) & torch.isfinite(a).all(-1).all(-1)
+    bad = info != 0
+    if bool(bad.any()):  # (finiteness read only then: it cost a quarter of the inverse)
+        bad &= torch.isfinite(a).all(-1).all(-1)
     if bool(bad.any()):  # numerically singular (σ² → 0): the same map by eigenvalues, exact
         vals, vecs = torch.linalg.eigh(a[bad])
         inv[bad] = (vecs / vals.clamp_min(1.0).unsqueeze(-2)) @ vecs.transpose(-2, -1)
