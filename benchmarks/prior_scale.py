@@ -34,6 +34,10 @@ such, instead of the kernel's OOM killer ending it (or a neighbour).
                                      [--rounds 3] [--chunk-size 1000] [--prior-units 300]
                                      [--held-out] [--build frame|chunks]
                                      [--mem-limit-gb 12]
+                                     [--trees before=/path/main,after=. [--repeat 2]]
+
+``--trees`` runs every step once per fedcal tree, in turn (so both see the same load on a
+shared machine), and prints the mean figure of the last tree over the first's.
 """
 
 from __future__ import annotations
@@ -305,7 +309,10 @@ def one(size: int, step: str, args) -> dict:
             out = STEPS[step](size, Path(tmp), args)
         except MemoryError:
             out = {"error": f"MemoryError beyond {args.mem_limit_gb:g} GB of address space"}
-    return {"units": size, "step": step, "peak_rss_mb": _peak_mb(), **out}
+    import fedcal
+
+    tree = str(Path(fedcal.__file__).parents[2])
+    return {"units": size, "step": step, "peak_rss_mb": _peak_mb(), **out, "tree": tree}
 
 
 def main() -> None:
@@ -338,6 +345,13 @@ def main() -> None:
         help="fedprior: the training fleet as one frame, or 1,000 sensors at a time",
     )
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--trees",
+        default="",
+        help="label=root,...: run each step with each fedcal tree in turn (root/src first "
+        "on PYTHONPATH); prints each run and the last/first ratios",
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="--trees: runs per tree")
     parser.add_argument("--mem-limit-gb", type=float, default=12.0, help="0 = no limit")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--step", help=argparse.SUPPRESS)
@@ -351,25 +365,58 @@ def main() -> None:
     )
     print(f"load at start: {os.getloadavg()[0]:.2f} (1-min), cores: {os.cpu_count()}")
     passed = [a for a in sys.argv[1:]]
+    trees = dict(t.split("=", 1) for t in args.trees.split(",")) if args.trees else {"": ""}
     for size in (int(s) for s in args.sizes.split(",")):
         for step in args.steps.split(","):
-            proc = subprocess.run(
-                [sys.executable, __file__, *passed, "--one", str(size), "--step", step],
-                capture_output=True,
-                text=True,
-            )
-            lines = proc.stdout.strip().splitlines()
-            if proc.returncode or not lines:
-                tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-                print(f"{size:>7} {step:<9} FAILED (exit {proc.returncode}): {tail}")
-                continue
-            r = json.loads(lines[-1])
-            figures = " ".join(
-                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                for k, v in r.items()
-                if k not in ("units", "step")
-            )
-            print(f"{size:>7} {step:<9} {figures}  (load {os.getloadavg()[0]:.2f})", flush=True)
+            runs: dict[str, list[dict]] = {label: [] for label in trees}
+            for _ in range(args.repeat if args.trees else 1):
+                for label, root in trees.items():  # the trees in turn (the same load for each)
+                    r = _run(size, step, passed, root)
+                    tag = f"{label:<8} " if label else ""
+                    if "failed" in r:
+                        print(f"{size:>7} {step:<9} {tag}FAILED {r['failed']}")
+                        continue
+                    runs[label].append(r)
+                    figures = " ".join(
+                        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in r.items()
+                        if k not in ("units", "step")
+                    )
+                    print(f"{size:>7} {step:<9} {tag}{figures}  (load {os.getloadavg()[0]:.2f})")
+                    sys.stdout.flush()
+            if args.trees and all(runs.values()):
+                _ratios(size, step, runs)
+
+
+def _run(size: int, step: str, passed: list[str], root: str) -> dict:
+    """One step in its own process; ``root``: the fedcal tree it imports ('' = as installed)."""
+    env = dict(os.environ)
+    if root:
+        src = str(Path(root).resolve())
+        env["PYTHONPATH"] = os.pathsep.join([f"{src}/src", src])
+    proc = subprocess.run(
+        [sys.executable, __file__, *passed, "--one", str(size), "--step", step],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"failed": f"(exit {proc.returncode}): {tail}"}
+    return json.loads(lines[-1])
+
+
+def _ratios(size: int, step: str, runs: dict[str, list[dict]]) -> None:
+    """Each float figure's mean over the repeats, last tree / first tree."""
+    (first, a), (last, b) = next(iter(runs.items())), list(runs.items())[-1]
+    keys = [k for k, v in a[0].items() if isinstance(v, float) and isinstance(b[0].get(k), float)]
+    ratios = " ".join(
+        f"{k}={sum(r[k] for r in b) / len(b) / (sum(r[k] for r in a) / len(a)):.3f}"
+        for k in keys
+        if sum(r[k] for r in a) != 0
+    )
+    print(f"{size:>7} {step:<9} ratio {last}/{first} (mean of {len(a)}): {ratios}")
 
 
 if __name__ == "__main__":

@@ -18,10 +18,19 @@ its ``robust``, ``select`` and ``masks``); ``robust = "off"`` gives the plain su
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import Tensor
 
-from fedcal.core.robust import OutlierWeights, inconsistencies, loo_distances, outlier_weights
+from fedcal.core.robust import (
+    OutlierWeights,
+    inconsistencies,
+    loo_distances,
+    outlier_weights,
+    prior_frame,
+)
 from fedcal.core.tree import Tree, flatten, per_client
 
 
@@ -35,26 +44,60 @@ class RobustUploads:
         (:func:`fedcal.core.robust.inconsistencies`, every candidate's statistics too): the
         aggregation rejects them with this reason; None when off. Needs each client's own
         upload."""
+        return self._inconsistent(self._frames(server), replies, weights, accepted)
+
+    def consistency_check(self, server: Tree) -> Callable[..., dict[int, str] | None]:
+        """:meth:`inconsistent_replies` bound to one round's ``server``, called as
+        ``check(replies, weights, accepted)``: the broadcast priors' whitening and tolerance
+        (:func:`~fedcal.core.robust.prior_frame`) formed once, not once per chunk of a
+        streamed round. A subclass that overrides :meth:`inconsistent_replies`
+        (fedprior_drift adds checks) gets its own method bound as it is."""
+        if type(self).inconsistent_replies is not RobustUploads.inconsistent_replies:
+            return partial(self.inconsistent_replies, server)
+        return partial(self._inconsistent, self._frames(server))
+
+    def _frames(self, server: Tree) -> dict | None:
+        """What one round's checks read of ``server``: the broadcast priors the uploads are
+        checked against (the chosen basis's, and every candidate's with ``select = "bic"``)
+        and whether the Gram's constant term is the row count; None when off."""
         if self.robust == "off":
+            return None
+        frames = {"main": prior_frame(server["mu"], server["sigma"])}
+        frames["constant_first"] = self._gram_counts_rows(server)
+        if self.each_candidate:
+            cand = server["cand"]
+            frames["cand"] = [
+                prior_frame(cand["mu"][k], cand["sigma"][k]) for k in range(self.masks.shape[0])
+            ]
+        return frames
+
+    def _inconsistent(
+        self, frames: dict | None, replies: Tree, weights: Tensor, accepted: Tensor
+    ) -> dict[int, str] | None:
+        """:meth:`inconsistent_replies` under the priors ``frames`` (:meth:`_frames`)."""
+        if frames is None:
             return None
         idx = accepted.nonzero()[:, 0]
         if not len(idx):
             return {}
-        sub = {k: v.index_select(0, idx) for k, v in flatten(replies).items()}
+        sub = flatten(replies)
+        if len(idx) < len(accepted):  # (every client, most rounds: no copy of the replies)
+            sub = {k: v.index_select(0, idx) for k, v in sub.items()}
         keys = ("mean", "second", "gls_gram", "gls_rhs", "rss")
         main = {k: sub[k] for k in (*keys, "n", "gram")}
+        top = frames["main"]
         whys = inconsistencies(
             main,
-            server["mu"],
-            server["sigma"],
+            top.mu,
+            top.sigma,
             weights.index_select(0, idx),
-            constant_first=self._gram_counts_rows(server),
+            constant_first=frames["constant_first"],
+            frame=top,
         )
         if self.each_candidate:
-            for k in range(self.masks.shape[0]):
+            for k, frame in enumerate(frames["cand"]):
                 cand = {key: sub[f"cand/{key}"][:, k] for key in keys}
-                mu, sigma = server["cand"]["mu"][k], server["cand"]["sigma"][k]
-                for j, why in enumerate(inconsistencies(cand, mu, sigma)):
+                for j, why in enumerate(inconsistencies(cand, frame.mu, frame.sigma, frame=frame)):
                     if why is not None and whys[j] is None:
                         whys[j] = f"candidate {k}: {why}"
         if "interval/dof" in sub:  # residual degrees of freedom ≤ rows, squared residuals ≥ 0

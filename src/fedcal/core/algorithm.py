@@ -226,6 +226,10 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
     # uploads that contradict their declared row count or the broadcast model (issue 21,
     # core/robust.py); the aggregation rejects them after screening. Needs each reply.
     inconsistent_replies: ClassVar[Callable[..., dict[int, str] | None] | None] = None
+    # consistency_check(server) -> check(replies, weights, accepted): inconsistent_replies
+    # bound to one round's server, its per-round pieces formed once (a streamed round calls
+    # it once per chunk); None: the engine binds inconsistent_replies itself.
+    consistency_check: ClassVar[Callable[[Any], Callable[..., Any]] | None] = None
     # outlier_weights(server, replies) -> core.robust.OutlierWeights | None: the M-step
     # weight of each used client (fedprior); those below 1/2 are reported as rejections.
     outlier_weights: ClassVar[Callable[..., Any] | None] = None

@@ -143,7 +143,11 @@ def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Poste
     #   Lᵀ Φᵀ C⁻¹ Φ L = A⁻¹ B   and   Lᵀ Φᵀ C⁻¹ (y − Φμ) = A⁻¹ g = z̄.
     # A⁻¹B is a solve, not a difference: the direct (G − G L A⁻¹ Lᵀ G/σ²)/σ² cancels
     # catastrophically on collinear features, and I − A⁻¹ does under a tight prior.
-    l_inv = torch.linalg.solve_triangular(chol, eye.expand(c, p, p), upper=False)
+    one = _one_matrix(chol)
+    if one is not None:  # one prior for every client: L⁻¹ once (the same bits as per client)
+        l_inv = torch.linalg.solve_triangular(one, eye, upper=False).expand(c, p, p)
+    else:
+        l_inv = torch.linalg.solve_triangular(chol, eye.expand(c, p, p), upper=False)
     gls_gram = l_inv.transpose(1, 2) @ torch.cholesky_solve(b, a_chol) @ l_inv
     gls_gram = 0.5 * (gls_gram + gls_gram.transpose(1, 2))
     gls_rhs = l_inv.transpose(1, 2) @ z
@@ -166,6 +170,16 @@ def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Poste
     return Posterior(mean, cov, gls_gram, gls_rhs[..., 0], rss, loglik, jitter)
 
 
+def _one_matrix(batch: Tensor) -> Tensor | None:
+    """The matrix every entry of ``batch`` (c, p, p) is when it is a broadcast view of one
+    (stride 0 along the clients, as :func:`fedcal.core.tree.expand` makes the server's
+    broadcast), else None. A factorization of it equals each entry's to the bit (tested), so
+    the round's per-client work on the broadcast prior is done once."""
+    if batch.dim() != 3 or batch.shape[0] == 0 or batch.stride(0) != 0:
+        return None
+    return batch[0]
+
+
 class _Whitened(NamedTuple):
     chol: Tensor
     b: Tensor
@@ -186,7 +200,12 @@ def _whitened(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> _Whit
     mu = mu.to(F64).expand(c, p)
     sigma = sigma.to(F64).expand(c, p, p)
     s2 = noise_var.to(F64).reshape(c, 1, 1)
-    chol, jitter_sigma = safe_cholesky(sigma)  # L (never fails: see safe_cholesky)
+    one = _one_matrix(sigma)
+    if one is not None:  # one prior for every client (a broadcast): factored once, not c times
+        chol, jitter_sigma = safe_cholesky(one)  # L (never fails: see safe_cholesky)
+        chol, jitter_sigma = chol.expand(c, p, p), jitter_sigma.expand(c)
+    else:
+        chol, jitter_sigma = safe_cholesky(sigma)
     eye = torch.eye(p, dtype=F64)
     lg = chol.transpose(1, 2) @ gram @ chol / s2
     b = 0.5 * (lg + lg.transpose(1, 2))  # B = LᵀGL/σ², symmetric by construction
@@ -225,7 +244,9 @@ def data_support(gram: Tensor, noise_var: Tensor, scale: float) -> Tensor:
     a = eye + scale**2 * gram.to(F64) / noise_var.to(F64).reshape(-1, 1, 1)
     a = 0.5 * (a + a.transpose(1, 2))
     inv, info = torch.linalg.inv_ex(a)
-    bad = (info != 0) & torch.isfinite(a).all(-1).all(-1)
+    bad = info != 0
+    if bool(bad.any()):  # (finiteness read only then: it cost a quarter of the inverse)
+        bad &= torch.isfinite(a).all(-1).all(-1)
     if bool(bad.any()):  # numerically singular (σ² → 0): the same map by eigenvalues, exact
         vals, vecs = torch.linalg.eigh(a[bad])
         inv[bad] = (vecs / vals.clamp_min(1.0).unsqueeze(-2)) @ vecs.transpose(-2, -1)

@@ -38,6 +38,8 @@ to its own size (a reply 10⁶× the others' costs ~10⁻¹⁰ of the total).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -102,7 +104,10 @@ def streamed_round(
     small = chunks.Assembly(n)
     first_reply: Tree | None = None
     rnd: Round | None = None
-    check = algorithm.inconsistent_replies
+    check = None  # the consistency check bound to this round's server (its prior whitened once)
+    if algorithm.inconsistent_replies is not None:
+        bind = algorithm.consistency_check
+        check = partial(algorithm.inconsistent_replies, server) if bind is None else bind(server)
     checked = False  # the algorithm checks consistency (else no rejected_inconsistent column)
     for rows in chunks.spans(n, chunk_size):
         start, k = int(rows[0]), len(rows)
@@ -122,13 +127,14 @@ def streamed_round(
             judged_norms[key][start : start + k] = sq[key]
         keep = ok.clone()
         if check is not None:
-            bad = check(server, out.reply, weights[rows], ok)
+            bad = check(out.reply, weights[rows], ok)
             checked = checked or bad is not None
             for j, why in (bad or {}).items():
                 reasons[start + j] = why
                 keep[j] = False
+        whole = bool(keep.all())  # most chunks: every row summed, no masked copy
         for key, v in flat.items():
-            part = v[keep].to(torch.float64).sum(0)
+            part = (v if whole and v.is_contiguous() else v[keep]).to(torch.float64).sum(0)
             sums[key] = sums[key] + part if key in sums else part
         small.add({"state": out.state, "metrics": out.metrics}, start)
         for key in algorithm.outlier_inputs:  # the M-step weights' inputs
