@@ -58,7 +58,7 @@ from fedcal.build import (  # noqa: F401  (re-exported: callers import the build
 from fedcal.config import ConfigError, RunConfig
 from fedcal.core.aggregation import AggregationError, check_policy
 from fedcal.core.algorithm import Algorithm
-from fedcal.core.atomic import write_text
+from fedcal.core.atomic import write_text, write_with
 from fedcal.core.paths import read_json
 from fedcal.core.task import Task
 from fedcal.core.tensorfile import TensorFileError, load_trees, save_trees
@@ -133,7 +133,9 @@ def _write_text(path: Path, text: str) -> None:
 
 
 def _write_csv(path: Path, frame: pd.DataFrame) -> None:
-    write_text(path, frame.to_csv(index=False))
+    """``frame`` as CSV, atomically, written 10,000 rows at a time into the temporary file
+    (pandas' ``chunksize``): a 100,000-sensor table is never held as one string too."""
+    write_with(path, lambda tmp: frame.to_csv(tmp, index=False, chunksize=10_000))
 
 
 def full_scale(fleet: Fleet | FleetOutline) -> float:
