@@ -248,6 +248,48 @@ def load_run_data(
         return load_data(config), f"{err.problem.split(':')[0]}: read whole (one frame)"
 
 
+# Rows (train + test, padded) of the clients run at once when ``fedcal run`` chooses the
+# chunk size: a chunk's designs of 64 float64 terms then take ~230 MB. At 444 rows a unit
+# (the simulator's campaign, 384 + 60) it is 1,000 units a chunk, the fastest of 250-5,000
+# measured at 10,000 units (docs/benchmarks.md).
+AUTO_CHUNK_ROWS = 450_000
+
+
+def auto_chunk_size(num_units: int, rows_per_unit: int) -> int:
+    """Units a chunk for a fleet of ``num_units`` of ``rows_per_unit`` rows each: 0 (all at
+    once) when the whole fleet's rows fit :data:`AUTO_CHUNK_ROWS`, else that many rows' worth
+    of units, rounded down to a hundred (at least 100)."""
+    rows_per_unit = max(int(rows_per_unit), 1)
+    if num_units * rows_per_unit <= AUTO_CHUNK_ROWS:
+        return 0
+    size = AUTO_CHUNK_ROWS // rows_per_unit
+    return max(100, size // 100 * 100) if size >= 100 else max(size, 1)
+
+
+def with_auto_chunk(config: RunConfig, fleet: Fleet | FleetOutline) -> tuple[RunConfig, str]:
+    """``config`` with ``[engine] chunk_size`` chosen by :func:`auto_chunk_size` from the
+    fleet's units and rows a unit, and a one-line note saying so (empty: unchanged). Only
+    when ``chunk_size`` is 0 (the default: all at once); a chunk size the user chose
+    is kept. The value used is the run's: config.json records it."""
+    from fedcal.config import override
+
+    if config.engine.chunk_size != 0:
+        return config, ""
+    n = fleet.num_clients
+    if isinstance(fleet, FleetOutline):  # padded rows: what the engine's tensors hold
+        rows = int(fleet.tensors.train.x.shape[1]) + int(fleet.tensors.test.x.shape[1])
+    else:
+        rows = -(-len(fleet.frame) // max(n, 1))
+    size = auto_chunk_size(n, rows)
+    if size == 0:
+        return config, ""
+    note = (
+        f"chunk size {size} units ({n} units × {rows} rows a unit; "
+        "--chunk-size N to choose, --chunk-size 0 for all at once)"
+    )
+    return override(config, {"engine": {"chunk_size": size}}, "chunk size"), note
+
+
 def task_kind(fleet: Fleet) -> str:
     return "classification" if fleet.meta.get("task") == "classification" else "regression"
 

@@ -245,10 +245,11 @@ def _experiment(
     quiet: bool = False,
     html: Path | None = None,
     source: str = "configuration",
+    auto_chunk: bool = False,
 ) -> None:
     import torch
 
-    from fedcal.build import load_run_data, validate_methods
+    from fedcal.build import load_run_data, validate_methods, with_auto_chunk
     from fedcal.data.loader import FleetDataError
     from fedcal.experiment import run_experiment
     from fedcal.report.tables import aggregate
@@ -258,6 +259,10 @@ def _experiment(
         fleet, note = load_run_data(cfg, train_points)
         if note:
             err_console.print(f"note: {escape(note)}")
+        if auto_chunk:  # no --chunk-size: chosen from the fleet's units and rows (config.json)
+            cfg, note = with_auto_chunk(cfg, fleet)
+            if note:
+                err_console.print(f"note: {escape(note)}", soft_wrap=True)
         names = validate_methods(cfg, fleet)
     except ConfigError as err:  # found while building: name the file it came from
         _fail(f"{source} {err}" if str(err).startswith("[") else str(err))
@@ -473,7 +478,7 @@ def train(
     except (ConfigError, ValueError) as err:
         _fail(str(err))
     source = str(config) if config is not None else "configuration (default + options)"
-    _experiment(cfg, out, points, kind, kind == "compare", quiet=quiet, html=html, source=source)
+    _experiment(cfg, out, points, kind, kind == "compare", quiet, html, source, chunk_size is None)
 
 
 app.command(

@@ -58,12 +58,13 @@ from fedcal.build import (  # noqa: F401  (re-exported: callers import the build
 from fedcal.config import ConfigError, RunConfig
 from fedcal.core.aggregation import AggregationError, check_policy
 from fedcal.core.algorithm import Algorithm
-from fedcal.core.atomic import write_text
+from fedcal.core.atomic import write_text, write_with
 from fedcal.core.paths import read_json
 from fedcal.core.task import Task
 from fedcal.core.tensorfile import TensorFileError, load_trees, save_trees
-from fedcal.core.tree import flatten, unstack
+from fedcal.core.tree import flatten, gather, unstack
 from fedcal.data.fleet import SPLIT_COLUMN, Fleet
+from fedcal.engine.chunks import spans
 from fedcal.engine.evaluation import errors
 from fedcal.engine.simulation import (
     CheckpointError,
@@ -132,7 +133,9 @@ def _write_text(path: Path, text: str) -> None:
 
 
 def _write_csv(path: Path, frame: pd.DataFrame) -> None:
-    write_text(path, frame.to_csv(index=False))
+    """``frame`` as CSV, atomically, written 10,000 rows at a time into the temporary file
+    (pandas' ``chunksize``): a 100,000-sensor table is never held as one string too."""
+    write_with(path, lambda tmp: frame.to_csv(tmp, index=False, chunksize=10_000))
 
 
 def full_scale(fleet: Fleet | FleetOutline) -> float:
@@ -352,18 +355,35 @@ def judge_sensors(
     history: pd.DataFrame,
     metric: str,
     tolerance: float | None = None,
+    chunk_size: int = 0,
 ) -> tuple[list[str], list[str], pd.DataFrame]:
     """Each final row's (status, reason) (:func:`fedcal.status.sensor_statuses`) and the
     run's rejections as a table (round, client, reason, measured ratio, threshold).
 
     The algorithm's own flags (``client_status``: weak, refused) are taken at each
-    sensor's test inputs, where its errors are measured.
+    sensor's test inputs, where its errors are measured. Every client's flags and fits
+    are its own, so they are computed ``chunk_size`` clients at a time (0 = all at once):
+    at once, the rows' designs and predictive variances of a 10,000-unit fleet were the
+    run's peak memory (issue 25.1).
     """
-    with torch.no_grad():
-        flags = algorithm.client_status(
-            result.server, result.personal, tensors.test.x.to(torch.float64), tensors.test.mask
+    parts: list[dict[str, np.ndarray]] = []
+    for rows in spans(tensors.num_clients, chunk_size):
+        with torch.no_grad():
+            got = algorithm.client_status(
+                result.server,
+                _clients(result.personal, rows, tensors.num_clients),
+                _clients(tensors.test.x, rows, tensors.num_clients).to(torch.float64),
+                _clients(tensors.test.mask, rows, tensors.num_clients),
+            )
+        parts.append({k: v.cpu().numpy() for k, v in got.items()})
+    flags = {}  # a flag one chunk did not return is False for its clients (client_status)
+    for key in sorted({k for part in parts for k in part}):
+        flags[key] = np.concatenate(
+            [
+                part[key] if key in part else np.zeros(len(rows), dtype=bool)
+                for part, rows in zip(parts, spans(tensors.num_clients, chunk_size), strict=True)
+            ]
         )
-    flags = {k: v.cpu().numpy() for k, v in flags.items()}
     rejections = pd.DataFrame(result.extra.get("rejections", []))
     if rejections.empty:
         rejections = pd.DataFrame(columns=REJECTION_COLUMNS)
@@ -378,25 +398,43 @@ def judge_sensors(
         result.rounds_done,
         metric,
         tolerance,
-        _own_fit(algorithm, result, tensors, metric),
+        _own_fit(algorithm, result, tensors, metric, chunk_size),
     )
     return statuses, reasons, rejections
 
 
+def _clients(tree, rows: torch.Tensor, n: int):
+    """Clients ``rows`` of a tree or tensor with a leading clients axis (itself when all)."""
+    if len(rows) == n:
+        return tree
+    if isinstance(tree, torch.Tensor):
+        return tree.index_select(0, rows)
+    return gather(tree, rows)
+
+
 def _own_fit(
-    algorithm: Algorithm, result: RunResult, tensors: FleetTensors, metric: str
+    algorithm: Algorithm,
+    result: RunResult,
+    tensors: FleetTensors,
+    metric: str,
+    chunk_size: int = 0,
 ) -> dict[int, tuple[float, float]] | None:
     """Per client (final train RMSE, its own least-squares fit's), target units, for the
     status's factor rule (:func:`fedcal.status.own_fit_rmse`); None for a one-round
-    method or a metric other than RMSE."""
+    method or a metric other than RMSE. ``chunk_size`` clients at a time (0 = all)."""
     if metric != "rmse" or result.rounds_done <= 1:
         return None
-    train = tensors.train
-    with torch.no_grad():
-        got = errors(algorithm, result.personal, train, tensors.scaler)["rmse"].double()
+    n = tensors.num_clients
     scale = float(np.asarray(tensors.scaler.y_scale, dtype=float).ravel()[0])
-    own = own_fit_rmse(train.x, train.y[..., :1], train.mask) * scale
-    return {i: (float(got[i]), float(own[i])) for i in range(len(own))}
+    got, own = [], []
+    for rows in spans(n, chunk_size):
+        train = tensors.train if len(rows) == n else tensors.train.select(rows)
+        with torch.no_grad():
+            personal = _clients(result.personal, rows, n)
+            got.append(errors(algorithm, personal, train, tensors.scaler)["rmse"].double())
+        own.append(own_fit_rmse(train.x, train.y[..., :1], train.mask) * scale)
+    fit, mine = torch.cat(got), torch.cat(own)
+    return {i: (float(fit[i]), float(mine[i])) for i in range(n)}
 
 
 def status_notes(final: pd.DataFrame, rejections: pd.DataFrame, limit: int = 10) -> list[str]:
@@ -614,7 +652,13 @@ def run_experiment(
                 _write_csv(run_dir / "metrics.csv", history)
                 _write_csv(run_dir / "aggregation.csv", pd.DataFrame(result.extra["aggregation"]))
                 statuses, reasons, rejections = judge_sensors(
-                    algorithm, result, tensors, history, task.primary_metric, config.unconverged_tol
+                    algorithm,
+                    result,
+                    tensors,
+                    history,
+                    task.primary_metric,
+                    config.unconverged_tol,
+                    config.engine.chunk_size,
                 )
                 _write_csv(run_dir / "rejections.csv", rejections)
                 final = pd.DataFrame(result.final)

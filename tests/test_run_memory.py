@@ -1,0 +1,137 @@
+"""``fedcal run`` on large fleets: sensor statuses judged by chunks, the chunk size chosen
+from the fleet (issue 25.1).
+
+The judging (each sensor's flags at its test rows and its own least-squares fit) ran on
+every unit at once and was a 10,000-unit run's peak memory; it now runs ``chunk_size``
+units at a time and must give what it gave at once, in the fleet's order. Without
+``--chunk-size`` the run chooses one from the fleet's units and rows a unit, says so, and
+config.json records it; a small fleet runs all at once as before.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pandas as pd
+import pytest
+
+from fedcal.build import (
+    AUTO_CHUNK_ROWS,
+    auto_chunk_size,
+    build_algorithm,
+    build_task,
+    client_inputs,
+    load_run_data,
+    with_auto_chunk,
+)
+from fedcal.config import default_config
+from fedcal.data.loader import save_chunks
+from fedcal.data.simulator import FleetSpec, simulate_chunks
+from fedcal.engine.simulation import EngineConfig, simulate
+from fedcal.experiment import _own_fit, judge_sensors
+
+SPEC = FleetSpec(num_reference=3, num_new=4, reference_design="4x3", train_design="3x2")
+
+
+@pytest.fixture(scope="module")
+def fleet_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("runmemory") / "fleet.parquet"
+    save_chunks(simulate_chunks(SPEC, seed=1, chunk_size=3), path)
+    return path
+
+
+def config(path, chunk_size=0):
+    cfg = default_config()
+    return replace(
+        cfg,
+        seeds=1,
+        engine=replace(cfg.engine, rounds=2, chunk_size=chunk_size),
+        data=replace(cfg.data, path=str(path)),
+    )
+
+
+@pytest.fixture(scope="module")
+def trained(fleet_file):
+    cfg = config(fleet_file)
+    fleet, _ = load_run_data(cfg)
+    tensors = fleet.tensors
+    task = build_task(cfg, tensors.train.x.shape[-1], fleet.meta, client_inputs(tensors))
+    algorithm = build_algorithm("fedprior_fixed", cfg, task)
+    result = simulate(algorithm, tensors, EngineConfig(rounds=2, seed=0))
+    return algorithm, result, tensors, task
+
+
+def test_auto_chunk_size_by_hand():
+    assert AUTO_CHUNK_ROWS == 450_000
+    assert auto_chunk_size(1_000, 444) == 0  # 444,000 rows: one chunk
+    assert auto_chunk_size(1_014, 444) == 1_000  # 450,216 rows: 450,000 // 444 = 1,013
+    assert auto_chunk_size(100_000, 444) == 1_000
+    assert auto_chunk_size(100_000, 66) == 6_800  # 6,818 rounded down to a hundred
+    assert auto_chunk_size(50, 100_000) == 4  # fewer than 100 fit: as many as fit
+    assert auto_chunk_size(10, 10**7) == 1
+
+
+def test_judging_by_chunks_equals_judging_at_once(trained, monkeypatch):
+    """Chunks of 3 of 7 units (3, 3, 1): the same flags, own fits and statuses, in order.
+
+    fedprior's own flag is the same for every unit of this fleet, so a flag that differs
+    from unit to unit is added (``refused`` for units whose first coefficient is above the
+    fleet's median, read off each unit's own parameters), absent from a chunk where no unit
+    has it: a chunk put in the wrong place, or its flags lost, changes the statuses."""
+    algorithm, result, tensors, task = trained
+    first = result.personal["coef"][:, 0]
+    median = float(first.median())
+    assert len(set(first.tolist())) == 7
+    own = type(algorithm).client_status
+
+    def status(self, server, personal, x, mask):
+        flags = own(self, server, personal, x, mask)
+        refused = personal["coef"][:, 0] > median
+        return {**flags, "refused": refused} if bool(refused.any()) else flags
+
+    monkeypatch.setattr(type(algorithm), "client_status", status)
+    history = pd.DataFrame(result.history)
+    whole = judge_sensors(algorithm, result, tensors, history, task.primary_metric)
+    refused = [s == "refused" for s in whole[0]]
+    assert refused == (first > median).tolist() and any(refused) and not all(refused)
+    for size in (1, 3, 7, 100):  # 1: a chunk without the flag
+        got = judge_sensors(algorithm, result, tensors, history, task.primary_metric, None, size)
+        assert got[0] == whole[0] and got[1] == whole[1]
+        pd.testing.assert_frame_equal(got[2], whole[2])
+    at_once = _own_fit(algorithm, result, tensors, task.primary_metric)
+    by_chunks = _own_fit(algorithm, result, tensors, task.primary_metric, 3)
+    assert at_once is not None and list(by_chunks) == list(range(7))
+    for i in range(7):  # the same per-unit computations: equal to the bit
+        assert by_chunks[i] == at_once[i]
+    assert len({v[1] for v in at_once.values()}) == 7
+
+
+def test_the_run_chooses_and_records_a_chunk_size(fleet_file, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import fedcal.build as build
+    from fedcal.cli import app
+
+    cfg = config(fleet_file)
+    fleet, _ = load_run_data(cfg)
+    rows = int(fleet.tensors.train.x.shape[1]) + int(fleet.tensors.test.x.shape[1])
+    assert with_auto_chunk(cfg, fleet) == (cfg, "")  # small: all at once, unchanged
+    monkeypatch.setattr(build, "AUTO_CHUNK_ROWS", 3 * rows)  # 3 units a chunk
+    chosen, note = with_auto_chunk(cfg, fleet)
+    assert chosen.engine.chunk_size == 3 and f"chunk size 3 units (7 units × {rows} rows" in note
+    kept = replace(cfg, engine=replace(cfg.engine, chunk_size=5))
+    assert with_auto_chunk(kept, fleet) == (kept, "")  # the user's value stays
+    args = ["run", "--data", str(fleet_file), "--methods", "local", "--rounds", "1"]
+    runner = CliRunner(env={"COLUMNS": "1000"})
+    result = runner.invoke(app, [*args, "--seeds", "1", "-q", "--out", str(tmp_path / "a")])
+    assert result.exit_code == 0, result.output
+    assert "note: chunk size 3 units" in result.output
+    saved = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert saved["engine"]["chunk_size"] == 3
+    result = runner.invoke(
+        app, [*args, "--seeds", "1", "-q", "--chunk-size", "0", "--out", str(tmp_path / "b")]
+    )
+    assert result.exit_code == 0, result.output
+    assert "chunk size" not in result.output
+    assert json.loads((tmp_path / "b" / "config.json").read_text())["engine"]["chunk_size"] == 0
