@@ -15,7 +15,8 @@ basis (20 terms), ``interval = "posterior"``. Per fleet:
   16 × 6 grid spanning the fleet's public input box, or over the reference units' pooled
   design (the campaign; the same sums the box is taken from); ``--scales``: stage 1 releases
   each coordinate's scale and median instead (core.privacy._scale_stage), the next stages
-  are whitened by them;
+  are whitened by them (``--relevant τ``: and refine only the coordinates of variance
+  ≥ τ σ̂², the others diagonal);
 - ``oracle``: one stage whitened by the TRUE (non-private) mean, covariance and noise of the
   fits, the whole budget on it, declared bounds from the whitened dimension (2p): the best
   this release can do at that N and ε, whatever the preconditioning.
@@ -28,7 +29,7 @@ enters a mean. ε printed is the accountant's (Opacus RDP over the composed stag
 
     python studies/dp_oneshot.py --units 2000 --designs 3x2,4x3 --epsilons 1,4,8 \\
         --fleet-seeds 0,1,2 [--stages 4] [--quantile 0.9] [--count-share 0.1] [--no-oracle]
-        [--refresh-last] [--no-em] [--coordinates none,grid,campaign] [--scales]
+        [--refresh-last] [--no-em] [--coordinates none,grid,campaign] [--scales [--relevant 0.1]]
 """
 
 from __future__ import annotations
@@ -120,6 +121,9 @@ def main() -> None:
     ap.add_argument(
         "--scales", action="store_true", help="stage 1: each coordinate's scale and median"
     )
+    ap.add_argument(
+        "--relevant", type=float, default=0.0, help="with --scales: refine var >= this × σ̂²"
+    )
     ap.add_argument("--no-em", action="store_true", help="skip the EM line (slow at 10,000)")
     args = ap.parse_args()
     if args.quantile > 0 and args.count_share <= 0:  # the counts would go out without noise
@@ -177,6 +181,8 @@ def main() -> None:
                             tag = "" if k == "none" else f", {k}"
                             if args.scales:
                                 tag += ", scales"
+                            if args.relevant:
+                                tag += f", relevant {args.relevant:g}"
                             cells.append((f"one-shot, {stages} stages{tag}", eps, budget, k))
                     if not args.no_oracle:
                         cells.append(("oracle", eps, staged_budget(eps, delta, 1), "none"))
@@ -204,6 +210,7 @@ def main() -> None:
                                 refresh_last=args.refresh_last,
                                 coordinates=coords.get(kind),
                                 scales=args.scales,
+                                relevant=args.relevant,
                             )
                         r = _score(algorithm, down, tensors, new)
                     except Exception as err:  # a failure is reported, never a number

@@ -197,3 +197,20 @@ def test_the_scale_stage_resolves_each_coordinate_relative_to_its_own_spread():
     assert bool(((got.mean - med).abs() < 0.5 * sd).all()), (got.mean - med) / sd
     with pytest.raises(ValueError, match="scales need stage 0"):
         release_moments(coef, coef[:, 0].abs(), budget, g, whiten=start, scales=True)
+
+
+def test_relevant_refines_only_the_block_above_the_noise_level():
+    """relevant = 1, no noise: the coordinates whose variance is at least σ̂² (the noise,
+    1e-6·1.5 here: the first two of 1e-2 … 1e-10) get the fits' own mean and covariance,
+    the others are uncorrelated with them (the scale stage's diagonal)."""
+    coef, noise = _fleet(64, 5, seed=4)
+    got, metrics = release_moments(
+        coef, noise, None, torch.Generator().manual_seed(0), scales=True, relevant=1.0
+    )
+    keep = [0, 1]
+    assert metrics["scales/refined"] == 2
+    torch.testing.assert_close(got.mean[keep], coef.mean(0)[keep], rtol=0, atol=1e-12)
+    want = torch.cov(coef.T, correction=0)[keep][:, keep]
+    torch.testing.assert_close(got.cov[keep][:, keep], want, rtol=1e-8, atol=0)
+    assert float(got.cov[keep][:, 2:].abs().max()) == 0.0
+    assert torch.equal(got.cov[2:, 2:], torch.diag(got.cov.diagonal()[2:]))

@@ -107,6 +107,7 @@ def oneshot_prior(
     refresh_last: bool = False,
     coordinates: Tensor | None = None,
     scales: bool = False,
+    relevant: float = 0.0,
 ) -> tuple[Tree, dict[str, float]]:
     """Steps 1–2: the broadcast (μ, Σ, σ², box) of the released prior, and the release's
     metrics. ``min_rows`` 0: twice the basis's terms. ``budget`` None: no noise;
@@ -114,7 +115,9 @@ def oneshot_prior(
     the whole covariance (:func:`fedcal.core.privacy.release_moments`); ``coordinates``: a
     public R (:func:`prediction_coordinates`), the release then runs on u = R ĉ (``whiten``
     stays in c's coordinates) and is mapped back; ``scales``: stage 1 releases each coordinate's
-    scale and median (:func:`fedcal.core.privacy.release_moments`)."""
+    scale and median, ``relevant``: the next stages refine only the coordinates whose
+    variance is at least that × σ̂₀² (:func:`fedcal.core.privacy.release_moments`;
+    meaningful in prediction ``coordinates``)."""
     p = algorithm.num_features
     coef, noise, used, skipped = local_fits(algorithm, data, min_rows or 2 * p)
     scale = algorithm.init_scale
@@ -139,6 +142,7 @@ def oneshot_prior(
         algorithm.floor,
         refresh_last,
         scales,
+        relevant,
     )
     mean, cov = released.mean, released.cov
     if coordinates is not None:  # back to c: μ = R⁻¹ μ_u, Σ = R⁻¹ Σ_u R⁻ᵀ, eigenvalues ≥ floor

@@ -586,6 +586,7 @@ def release_moments(
     floor: float = 1e-12,
     refresh_last: bool = False,
     scales: bool = False,
+    relevant: float = 0.0,
 ) -> tuple[Whitening, dict[str, float]]:
     """The fleet's mean, covariance and noise variance from the units' own fits, released
     under client-level DP in ``len(budget.sums)`` stages (the section's comment above).
@@ -600,7 +601,12 @@ def release_moments(
     estimation (:func:`private_bounds`). ``refresh_last``: the last stage releases the
     whole covariance again (every direction weak), not only the weak block. ``scales``:
     stage 1 releases each coordinate's scale and median instead (:func:`_scale_stage`),
-    and the next stage is whitened by them. Returns
+    and the next stage is whitened by them; with ``relevant`` > 0 the next stages then
+    release only the block of coordinates whose scale stage variance is at least
+    ``relevant`` × σ̂₀² (in prediction coordinates: the directions a unit's noisy points
+    can tell apart), the others keep the scale stage's variance and median, uncorrelated
+    (the noise floor of a p × p release grows as p^{3/2}: a smaller block resolves more).
+    Returns
     (μ, C, σ²) and per-stage metrics. Refused: ``quantile`` > 0 with ``budget.counts`` 0
     (the clip counts would be released without noise and outside ε), and one stage without
     ``whiten`` (stage 0 releases no covariance).
@@ -648,6 +654,15 @@ def release_moments(
             metrics.update({f"scales/{k}": v for k, v in m.items()})
     # z = T(c − μ): the last release's whitening; ``weak``: its coordinates whose variance the
     # noise hid (raised to the floor), where the units' whitened spread is far below 1
+    outer = None
+    if scales and relevant > 0:  # refine the block the units' points can resolve
+        var = whiten.cov.diagonal()
+        keep = (var >= relevant * whiten.noise) | (var == var.max())  # at least the widest
+        outer = (whiten, keep)
+        coef = coef[:, keep]
+        whiten = Whitening(whiten.mean[keep], whiten.cov[keep][:, keep], whiten.noise)
+        p = int(keep.sum())
+        metrics["scales/refined"] = float(p)
     t = torch.eye(p, dtype=F64) / start_scale if whiten.cov is None else _whitening(whiten.cov)
     weak = torch.ones(p, dtype=torch.bool)
     for k, sigma in enumerate(stages, start=1):
@@ -685,6 +700,13 @@ def release_moments(
         weak = torch.arange(p) < hidden
         t = (vecs / vals.clamp_min(floor).sqrt()).T @ t  # Λ^(−½) Wᵀ T: the next whitening
         whiten = Whitening(mean, cov, noise)
+    if outer is not None:  # the refined block back among the scale stage's coordinates
+        start, keep = outer
+        idx = torch.nonzero(keep)[:, 0]
+        mean, cov = start.mean.clone(), start.cov.clone()
+        mean[idx] = whiten.mean
+        cov[idx.unsqueeze(1), idx.unsqueeze(0)] = whiten.cov
+        whiten = Whitening(mean, psd_projection(cov, floor), whiten.noise)
     return whiten, metrics
 
 
