@@ -732,8 +732,12 @@ def _scale_stage(
 
     - scales, free of the mean: units are paired in order (2k, 2k+1; an odd last unit
       sits out), d = c_2k − c_2k+1 ~ (0, 2 v_j) along coordinate j, and each pair gives
-      ℓ_j = log(d_j² / 2) − log σ₀², clipped to ±``LOG_NOISE_RANGE`` (a pair is a function
-      of its two units: one unit changes one pair, sensitivity √p · 30 on the p leaves);
+      ℓ_j = log(d_j² / 2) − log σ₀², clipped to ±``LOG_NOISE_RANGE``. A pair is a function
+      of its two units: replacing one unit (N public, as for the counts and the
+      projections) changes one pair by up to 2 · 30 per coordinate, so the noise is
+      calibrated to 2√p · 30. Removing a unit instead would re-pair every later unit:
+      this stage's guarantee is for replacement (a pairing by slots of a public hash of
+      the unit, robust to removal, is not built);
       v_j = σ₀² exp(mean ℓ_j − E[log χ²₁]) (exact for a normal coordinate);
     - medians, by noisy bisection: from μ₀ ± ``MEDIAN_WIDTH`` (s₀ + √v_j), s₀ the noise
       std of stage 0's mean (``spread0``), each step counts, per coordinate, the units
@@ -749,8 +753,9 @@ def _scale_stage(
     noise0 = whiten.noise.to(F64).reshape(())
     d = coef[: 2 * half : 2] - coef[1 : 2 * half : 2]
     ell = (0.5 * d * d).clamp_min(1e-300).log() - noise0.log()
-    declared = {"log_scale": Statistic(LOG_NOISE_RANGE * math.sqrt(p))}
-    # the joint bound √p·30 on ‖ℓ‖ is implied by each |ℓ_j| ≤ 30: clip each first
+    # replacing one unit moves its pair's ℓ by ≤ 2·30 per coordinate: ‖Δℓ‖ ≤ 2√p·30, the
+    # declared bound (the sensitivity); each |ℓ_j| ≤ 30 is clipped first, so it never binds
+    declared = {"log_scale": Statistic(2 * LOG_NOISE_RANGE * math.sqrt(p))}
     replies = {"log_scale": ell.clamp(-LOG_NOISE_RANGE, LOG_NOISE_RANGE)}
     sums, metrics = private_sums(replies, declared, sigma, generator)
     var = noise0 * (sums["log_scale"] / half - LOG_CHI2_1).exp()
