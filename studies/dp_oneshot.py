@@ -10,6 +10,13 @@ basis (20 terms), ``interval = "posterior"``. Per fleet:
 - ``one-shot``: the same moments released under DP in ``--stages`` stages (stage 0: the mean
   and log-noise; each next stage whitened by the one before: core.privacy.release_moments),
   bounds adapted to the ``--quantile`` of the units' norms (``--count-share`` of the budget);
+  with ``--coordinates grid`` or ``campaign`` the release runs on u = R ĉ, R a public
+  preconditioner (fedprior_oneshot.prediction_coordinates): the basis orthonormal over a
+  16 × 6 grid spanning the fleet's public input box, or over the reference units' pooled
+  design (the campaign; the same sums the box is taken from); ``--scales``: stage 1 releases
+  each coordinate's scale and median instead (core.privacy._scale_stage), the next stages
+  are whitened by them (``--relevant τ``: and refine only the coordinates of variance
+  ≥ τ σ̂², the others diagonal);
 - ``oracle``: one stage whitened by the TRUE (non-private) mean, covariance and noise of the
   fits, the whole budget on it, declared bounds from the whitened dimension (2p): the best
   this release can do at that N and ε, whatever the preconditioning.
@@ -22,7 +29,7 @@ enters a mean. ε printed is the accountant's (Opacus RDP over the composed stag
 
     python studies/dp_oneshot.py --units 2000 --designs 3x2,4x3 --epsilons 1,4,8 \\
         --fleet-seeds 0,1,2 [--stages 4] [--quantile 0.9] [--count-share 0.1] [--no-oracle]
-        [--refresh-last] [--no-em]
+        [--refresh-last] [--no-em] [--coordinates none,grid,campaign] [--scales [--relevant 0.1]]
 """
 
 from __future__ import annotations
@@ -40,9 +47,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # fedcal_support/ (not shipped)
 
-from fedcal.algorithms.fedprior_oneshot import local_fits, oneshot_prior
+from fedcal.algorithms.fedprior_oneshot import local_fits, oneshot_prior, prediction_coordinates
 from fedcal.build import privacy_delta
 from fedcal.config import load_config
+from fedcal.core.bayes import moments
 from fedcal.core.privacy import Whitening, staged_budget
 from fedcal.core.tree import expand
 from fedcal.engine.evaluation import evaluate_cohort
@@ -66,6 +74,29 @@ def _score(algorithm, down, tensors, new) -> dict:
     }
 
 
+def _coordinates(kind: str, algorithm, data, used) -> torch.Tensor | None:
+    """The public preconditioner R of ``--coordinates`` (None: the coefficients' own)."""
+    if kind == "none":
+        return None
+    design = algorithm.design(data.x[used])
+    gram = moments(design, data.y[used][..., 0], data.mask[used]).gram.sum(0)
+    if kind == "campaign":  # rows: Σ n_i = G[0, 0] (the constant term is 1)
+        return prediction_coordinates(gram, float(gram[0, 0]))
+    if kind != "grid":
+        raise ValueError(f"--coordinates {kind!r}: expected none, grid or campaign")
+    box = algorithm._input_box(gram)  # public: the campaign's range (the study's premise)
+    axes = [torch.linspace(0.0, 1.0, k, dtype=torch.float64) for k in (16, 6)]
+    unit = torch.stack([g.flatten() for g in torch.meshgrid(*axes, indexing="ij")], -1)
+    points = box[0] + unit * (box[1] - box[0])
+    phi = algorithm.design(points.unsqueeze(0))[0]
+    return prediction_coordinates(phi.T @ phi, float(phi.shape[0]))
+
+
+def _kappa(cov: torch.Tensor) -> float:
+    vals = torch.linalg.eigvalsh(cov)
+    return float(vals[-1] / vals[0])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--units", default="2000", help="reference units per fleet")
@@ -84,6 +115,15 @@ def main() -> None:
         "--refresh-last", action="store_true", help="last stage: the whole covariance again"
     )
     ap.add_argument("--no-oracle", action="store_true")
+    ap.add_argument(
+        "--coordinates", default="none", help="public preconditioner(s): none, grid, campaign"
+    )
+    ap.add_argument(
+        "--scales", action="store_true", help="stage 1: each coordinate's scale and median"
+    )
+    ap.add_argument(
+        "--relevant", type=float, default=0.0, help="with --scales: refine var >= this × σ̂²"
+    )
     ap.add_argument("--no-em", action="store_true", help="skip the EM line (slow at 10,000)")
     args = ap.parse_args()
     if args.quantile > 0 and args.count_share <= 0:  # the counts would go out without noise
@@ -120,20 +160,33 @@ def main() -> None:
                 )
                 ids = pd.Series(tensors.client_ids).map(fleet.roles)
                 new = torch.tensor((ids == "new").to_numpy())
-                coef, noise, _, _ = local_fits(algorithm, tensors.train, 2 * algorithm.num_features)
+                coef, noise, used, _ = local_fits(
+                    algorithm, tensors.train, 2 * algorithm.num_features
+                )
                 truth = Whitening(coef.mean(0), torch.cov(coef.T, correction=0), noise.mean())
-                cells = [] if args.no_em else [("EM, no DP", None, None)]
-                cells.append(("one-shot, no noise", None, None))
+                kinds = args.coordinates.split(",")
+                coords = {k: _coordinates(k, algorithm, tensors.train, used) for k in kinds}
+                for k, r in coords.items():
+                    kappa = _kappa(truth.cov if r is None else r @ truth.cov @ r.T)
+                    print(f"# {units} {design} fleet {fs}: κ of the fits' Cov, {k}: {kappa:.3g}")
+                cells = [] if args.no_em else [("EM, no DP", None, None, "none")]
+                cells.append(("one-shot, no noise", None, None, "none"))
                 for eps in epsilons:
                     share = args.count_share if args.quantile > 0 else 0.0
                     for stages in stage_list:
                         budget = staged_budget(
                             eps, delta, stages, args.first_share, share, args.steps
                         )
-                        cells.append((f"one-shot, {stages} stages", eps, budget))
+                        for k in kinds:
+                            tag = "" if k == "none" else f", {k}"
+                            if args.scales:
+                                tag += ", scales"
+                            if args.relevant:
+                                tag += f", relevant {args.relevant:g}"
+                            cells.append((f"one-shot, {stages} stages{tag}", eps, budget, k))
                     if not args.no_oracle:
-                        cells.append(("oracle", eps, staged_budget(eps, delta, 1)))
-                for label, eps, budget in cells:
+                        cells.append(("oracle", eps, staged_budget(eps, delta, 1), "none"))
+                for label, eps, budget, kind in cells:
                     key = (units, design, label, "∞" if eps is None else f"{eps:g}")
                     spent = "—" if budget is None else f"{budget.spent:.3f}"
                     head = f"| {units} | {design} | {fs} | {label} | {key[3]} | {spent} |"
@@ -155,6 +208,9 @@ def main() -> None:
                                 gen,
                                 quantile=args.quantile,
                                 refresh_last=args.refresh_last,
+                                coordinates=coords.get(kind),
+                                scales=args.scales,
+                                relevant=args.relevant,
                             )
                         r = _score(algorithm, down, tensors, new)
                     except Exception as err:  # a failure is reported, never a number

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedcal.algorithms.fedprior_oneshot import local_fits, oneshot_prior
+from fedcal.algorithms.fedprior_oneshot import local_fits, oneshot_prior, prediction_coordinates
 from fedcal.core.bayes import F64
+from fedcal.core.privacy import staged_budget
 
 from .test_fedprior import make, planted_fleet
 
@@ -62,3 +63,53 @@ def test_a_unit_whose_rows_do_not_identify_its_fit_is_skipped_and_counted():
     assert metrics["oneshot_units"] == 3 and metrics["oneshot_unidentified"] == 1
     _, _, used, skipped = local_fits(alg, data, min_rows=10)  # the original: all identified
     assert bool(used.all()) and skipped == 0
+
+
+def _campaign(alg):
+    """A public design: the basis on a 5 × 3 grid over [0, 1] × [−1, 1] (not orthonormal)."""
+    axes = [torch.linspace(0.0, 1.0, 5, dtype=F64), torch.linspace(-1.0, 1.0, 3, dtype=F64)]
+    points = torch.stack([g.flatten() for g in torch.meshgrid(*axes, indexing="ij")], -1)
+    return alg.design(points.unsqueeze(0))[0]
+
+
+def test_prediction_coordinates_measure_predictions_over_the_design():
+    """RᵀR = ΦᵀΦ / m, R upper triangular, so ‖R c‖² is the mean squared prediction φ(x)ᵀc
+    over the design's m points; a design that cannot determine the terms is refused."""
+    alg = make()
+    phi = _campaign(alg)
+    r = prediction_coordinates(phi.T @ phi, phi.shape[0])
+    torch.testing.assert_close(r.T @ r, phi.T @ phi / 15, rtol=0, atol=1e-13)
+    assert torch.equal(r, torch.triu(r))
+    c = torch.tensor([0.3, -1.2, 0.7, 2.0], dtype=F64)
+    assert float((r @ c).square().sum()) == pytest.approx(float((phi @ c).square().mean()), 1e-12)
+    one = phi[:1].expand(4, -1)  # one point four times: rank 1
+    with pytest.raises(ValueError, match="singular"):
+        prediction_coordinates(one.T @ one, 4)
+
+
+def test_a_release_in_prediction_coordinates_maps_back_exactly():
+    """No noise: the release on u = R ĉ, mapped back (R⁻¹ μ_u, R⁻¹ Σ_u R⁻ᵀ), is the fits'
+    own mean and covariance (to 1e-10), the same as the release in ĉ's coordinates. With
+    noise, R = I is the release in ĉ's coordinates draw for draw (the same budget, bounds
+    and noise), and any R gives a positive-definite Σ (eigenvalues ≥ the floor)."""
+    data, _, _, _, _ = planted_fleet(40, 30, seed=5, noise=0.01)
+    alg = make()
+    phi = _campaign(alg)
+    r = prediction_coordinates(phi.T @ phi, phi.shape[0])
+    gen = torch.Generator()
+    down, _ = oneshot_prior(alg, data, None, gen.manual_seed(0), coordinates=r)
+    coef, s2, _, _ = local_fits(alg, data, 8)
+    torch.testing.assert_close(down["mu"], coef.mean(0), rtol=0, atol=1e-10)
+    torch.testing.assert_close(down["sigma"], torch.cov(coef.T, correction=0), rtol=0, atol=1e-10)
+    assert float(down["noise_var"]) == pytest.approx(float(s2.mean()), rel=1e-10)
+    budget = staged_budget(1.0, 1e-4, 3, count_share=0.1)
+    plain, m0 = oneshot_prior(alg, data, budget, gen.manual_seed(1))
+    eye, m1 = oneshot_prior(alg, data, budget, gen.manual_seed(1), coordinates=torch.eye(4))
+    torch.testing.assert_close(eye["mu"], plain["mu"], rtol=0, atol=1e-12)
+    torch.testing.assert_close(eye["sigma"], plain["sigma"], rtol=1e-9, atol=1e-15)
+    assert m0 == m1
+    noisy, _ = oneshot_prior(alg, data, budget, gen.manual_seed(1), coordinates=r)
+    assert torch.isfinite(noisy["sigma"]).all() and torch.equal(noisy["sigma"], noisy["sigma"].T)
+    assert float(torch.linalg.eigvalsh(noisy["sigma"]).min()) >= alg.floor * (1 - 1e-6)
+    with pytest.raises(ValueError, match=r"shape \(3, 3\), expected \(4, 4\)"):
+        oneshot_prior(alg, data, None, gen, coordinates=torch.eye(3))

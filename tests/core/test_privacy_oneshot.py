@@ -165,3 +165,52 @@ def test_stage_zero_clips_at_two_root_p_in_the_start_units(scale):
             coef, noise, budget, torch.Generator().manual_seed(0), scale, 0.1, quantile=0.0
         )
         assert m["stage0/dp_clipped_statistics"] == clipped
+
+
+def test_without_noise_the_release_with_scales_is_the_fleets_moments():
+    """scales=True, no noise: stage 1 only preconditions; the release is the fits' own
+    mean and population covariance (to rounding) whatever its scales and medians."""
+    coef, noise = _fleet(64, 5, seed=3)
+    got, _ = release_moments(coef, noise, None, torch.Generator().manual_seed(0), scales=True)
+    torch.testing.assert_close(got.mean, coef.mean(0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.cov, torch.cov(coef.T, correction=0), rtol=1e-8, atol=1e-22)
+    assert float(got.noise) == pytest.approx(float(noise.mean()), rel=1e-10)
+
+
+def test_the_scale_stage_resolves_each_coordinate_relative_to_its_own_spread():
+    """Five coordinates with standard deviations 1e-1 … 1e-9 (sixteen decades of variance)
+    and means 0.3 + 1e-3: stage 1's scales are each within a factor 2 of the coordinate's
+    variance and its median within half its std, where one bound for all (the second
+    moment's absolute noise, ≈ σ·B/N ≈ 1e-4 here) would hide the last four."""
+    from fedcal.core.privacy import _scale_stage
+
+    g = torch.Generator().manual_seed(7)
+    sd = torch.logspace(-1, -9, 5, dtype=F64)
+    coef = 0.3 + 1e-3 + torch.randn(4000, 5, generator=g, dtype=F64) * sd
+    budget = staged_budget(4.0, 1e-6, 3, count_share=0.1, steps=40)
+    start = Whitening(torch.full((5,), 0.3, dtype=F64), None, torch.tensor(1e-12, dtype=F64))
+    got, _ = _scale_stage(coef, start, 0.01, budget.sums[1], budget, g)
+    ratio = got.cov.diagonal() / sd**2
+    assert bool((ratio > 0.5).all() and (ratio < 2.0).all()), ratio
+    assert torch.equal(got.cov, torch.diag(got.cov.diagonal()))
+    med = coef.median(0).values
+    assert bool(((got.mean - med).abs() < 0.5 * sd).all()), (got.mean - med) / sd
+    with pytest.raises(ValueError, match="scales need stage 0"):
+        release_moments(coef, coef[:, 0].abs(), budget, g, whiten=start, scales=True)
+
+
+def test_relevant_refines_only_the_block_above_the_noise_level():
+    """relevant = 1, no noise: the coordinates whose variance is at least σ̂² (the noise,
+    1e-6·1.5 here: the first two of 1e-2 … 1e-10) get the fits' own mean and covariance,
+    the others are uncorrelated with them (the scale stage's diagonal)."""
+    coef, noise = _fleet(64, 5, seed=4)
+    got, metrics = release_moments(
+        coef, noise, None, torch.Generator().manual_seed(0), scales=True, relevant=1.0
+    )
+    keep = [0, 1]
+    assert metrics["scales/refined"] == 2
+    torch.testing.assert_close(got.mean[keep], coef.mean(0)[keep], rtol=0, atol=1e-12)
+    want = torch.cov(coef.T, correction=0)[keep][:, keep]
+    torch.testing.assert_close(got.cov[keep][:, keep], want, rtol=1e-8, atol=0)
+    assert float(got.cov[keep][:, 2:].abs().max()) == 0.0
+    assert torch.equal(got.cov[2:, 2:], torch.diag(got.cov.diagonal()[2:]))

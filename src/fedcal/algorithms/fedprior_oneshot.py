@@ -22,6 +22,12 @@ the measurement error of a 384-point fit is far below the units' spread along ev
 direction that matters), so no deconvolution is released. The fleet's input box (the
 extrapolation guard, ``fedprior_support``) is the reference units' design, taken as public
 (the campaign): not released under DP here.
+
+Coordinates (issue 25, item 3, a public preconditioner): with ``coordinates`` R (from
+:func:`prediction_coordinates` on a public design: the campaign's set points), the release
+runs on u_i = R ĉ_i, where the basis is orthonormal over that design (‖R(c − c')‖² is the
+mean squared difference of the two surfaces' predictions over its points), and maps back:
+μ = R⁻¹ μ_u, Σ = R⁻¹ Σ_u R⁻ᵀ. R is data-independent, so it costs no budget.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from torch import Tensor
 from fedcal.algorithms.fedprior import FedPrior
 from fedcal.core.bayes import F64, moments
 from fedcal.core.data import ClientData
-from fedcal.core.privacy import StagedBudget, Whitening, release_moments
+from fedcal.core.privacy import StagedBudget, Whitening, psd_projection, release_moments
 from fedcal.core.tree import Tree
 
 # A Gram whose eigenvalues span more than this ratio does not identify c_i: 40 rows at one
@@ -76,6 +82,20 @@ def local_fits(
     return coef, noise.clamp_min(1e-300), used, skipped
 
 
+def prediction_coordinates(gram: Tensor, rows: float) -> Tensor:
+    """R (p, p), upper triangular with Rᵀ R = G / rows: G = ΦᵀΦ the Gram of a PUBLIC design
+    Φ (rows × p), e.g. the campaign's set points. u = R c has ‖u‖² = ‖Φ c‖² / rows, the mean
+    squared prediction over the design's points (a QR of Φ / √rows: Φ / √rows = Q R)."""
+    g = gram.to(F64) / rows
+    chol, info = torch.linalg.cholesky_ex(0.5 * (g + g.T))
+    if int(info) != 0:
+        raise ValueError(
+            f"prediction_coordinates: the design's Gram is singular (leading minor {int(info)}):"
+            " its points do not determine the basis's terms"
+        )
+    return chol.T
+
+
 def oneshot_prior(
     algorithm: FedPrior,
     data: ClientData,
@@ -85,29 +105,54 @@ def oneshot_prior(
     quantile: float = 0.9,
     whiten: Whitening | None = None,
     refresh_last: bool = False,
+    coordinates: Tensor | None = None,
+    scales: bool = False,
+    relevant: float = 0.0,
 ) -> tuple[Tree, dict[str, float]]:
     """Steps 1–2: the broadcast (μ, Σ, σ², box) of the released prior, and the release's
     metrics. ``min_rows`` 0: twice the basis's terms. ``budget`` None: no noise;
     ``whiten``: the oracle's preconditioner; ``refresh_last``: the last stage re-releases
-    the whole covariance (:func:`fedcal.core.privacy.release_moments`)."""
+    the whole covariance (:func:`fedcal.core.privacy.release_moments`); ``coordinates``: a
+    public R (:func:`prediction_coordinates`), the release then runs on u = R ĉ (``whiten``
+    stays in c's coordinates) and is mapped back; ``scales``: stage 1 releases each coordinate's
+    scale and median, ``relevant``: the next stages refine only the coordinates whose
+    variance is at least that × σ̂₀² (:func:`fedcal.core.privacy.release_moments`;
+    meaningful in prediction ``coordinates``)."""
     p = algorithm.num_features
     coef, noise, used, skipped = local_fits(algorithm, data, min_rows or 2 * p)
+    scale = algorithm.init_scale
+    if coordinates is not None:
+        r = coordinates.to(F64)
+        if r.shape != (p, p):
+            raise ValueError(f"oneshot coordinates: shape {tuple(r.shape)}, expected ({p}, {p})")
+        coef = coef @ r.T
+        if whiten is not None:
+            whiten = Whitening(r @ whiten.mean, r @ whiten.cov @ r.T, whiten.noise)
+        # ‖c‖ ≤ 2√p s (the vague start's bound) gives ‖u‖ ≤ ‖R‖₂ 2√p s
+        scale = scale * float(torch.linalg.matrix_norm(r, ord=2))
     released, metrics = release_moments(
         coef,
         noise,
         budget,
         generator,
-        algorithm.init_scale,
+        scale,
         algorithm.init_noise,
         quantile,
         whiten,
         algorithm.floor,
         refresh_last,
+        scales,
+        relevant,
     )
+    mean, cov = released.mean, released.cov
+    if coordinates is not None:  # back to c: μ = R⁻¹ μ_u, Σ = R⁻¹ Σ_u R⁻ᵀ, eigenvalues ≥ floor
+        r_inv = torch.linalg.inv(coordinates.to(F64))
+        mean = r_inv @ mean
+        cov = psd_projection(r_inv @ cov @ r_inv.T, algorithm.floor)
     gram = moments(algorithm.design(data.x[used]), data.y[used][..., 0], data.mask[used]).gram
     down = {
-        "mu": released.mean,
-        "sigma": released.cov,
+        "mu": mean,
+        "sigma": cov,
         "noise_var": released.noise.to(F64).reshape(()),
         "box": algorithm._input_box(gram.sum(0)),  # public: the reference campaign's design
     }

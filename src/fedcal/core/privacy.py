@@ -585,6 +585,8 @@ def release_moments(
     whiten: Whitening | None = None,
     floor: float = 1e-12,
     refresh_last: bool = False,
+    scales: bool = False,
+    relevant: float = 0.0,
 ) -> tuple[Whitening, dict[str, float]]:
     """The fleet's mean, covariance and noise variance from the units' own fits, released
     under client-level DP in ``len(budget.sums)`` stages (the section's comment above).
@@ -597,7 +599,14 @@ def release_moments(
     draw exceeds 2p with probability < 2 % for p ≥ 16), |log σ_i² − log s₀²| ≤ 30 and
     σ_i²/σ̂₀² ≤ 4; with ``quantile`` > 0 each is only the start of private quantile
     estimation (:func:`private_bounds`). ``refresh_last``: the last stage releases the
-    whole covariance again (every direction weak), not only the weak block. Returns
+    whole covariance again (every direction weak), not only the weak block. ``scales``:
+    stage 1 releases each coordinate's scale and median instead (:func:`_scale_stage`),
+    and the next stage is whitened by them; with ``relevant`` > 0 the next stages then
+    release only the block of coordinates whose scale stage variance is at least
+    ``relevant`` × σ̂₀² (in prediction coordinates: the directions a unit's noisy points
+    can tell apart), the others keep the scale stage's variance and median, uncorrelated
+    (the noise floor of a p × p release grows as p^{3/2}: a smaller block resolves more).
+    Returns
     (μ, C, σ²) and per-stage metrics. Refused: ``quantile`` > 0 with ``budget.counts`` 0
     (the clip counts would be released without noise and outside ε), and one stage without
     ``whiten`` (stage 0 releases no covariance).
@@ -606,7 +615,7 @@ def release_moments(
     coef, noise_var = coef.to(F64), noise_var.to(F64)
     plain = budget is None
     if plain:  # bounds no unit reaches, no noise
-        budget = StagedBudget(0.0, 0.0, (0.0,) * (1 if whiten else 2), 0.0, 1, 0.0, 0.0)
+        budget = StagedBudget(0.0, 0.0, (0.0,) * (1 if whiten else 2 + scales), 0.0, 1, 0.0, 0.0)
         quantile = 0.0
     if quantile > 0 and budget.counts == 0:  # the counts would be released without noise
         raise ValueError(
@@ -614,6 +623,11 @@ def release_moments(
         )
     if whiten is None and len(budget.sums) < 2:  # stage 0 releases no covariance
         raise ValueError("release_moments: 1 stage needs whiten= (a given preconditioner)")
+    if scales and (whiten is not None or len(budget.sums) < 3 or not (plain or budget.counts)):
+        raise ValueError(
+            "release_moments: scales need stage 0 (no whiten=), >= 3 stages (stage 0, the "
+            f"scales, one full; got {len(budget.sums)}) and a count budget (the medians)"
+        )
     metrics: dict[str, float] = {}
     stages = list(budget.sums)
     if whiten is None:  # stage 0: the mean and the log noise, in the vague start's units
@@ -628,11 +642,27 @@ def release_moments(
         if plain:
             declared = {k: replace(v, bound=UNBOUNDED) for k, v in declared.items()}
         replies = {"mean": coef, "log_noise": noise_var.log().unsqueeze(-1)}
-        sums, m = _stage(replies, declared, stages.pop(0), budget, quantile, generator)
+        sigma0 = stages.pop(0)
+        sums, m = _stage(replies, declared, sigma0, budget, quantile, generator)
         metrics.update({f"stage0/{k}": v for k, v in m.items()})
         whiten = Whitening(sums["mean"] / n, None, (sums["log_noise"][0] / n).exp())
+        if scales:
+            spread0 = (
+                sigma0 * math.sqrt(2) * m.get("dp_bound/mean", 2 * math.sqrt(p)) * start_scale / n
+            )
+            whiten, m = _scale_stage(coef, whiten, spread0, stages.pop(0), budget, generator)
+            metrics.update({f"scales/{k}": v for k, v in m.items()})
     # z = T(c − μ): the last release's whitening; ``weak``: its coordinates whose variance the
     # noise hid (raised to the floor), where the units' whitened spread is far below 1
+    outer = None
+    if scales and relevant > 0:  # refine the block the units' points can resolve
+        var = whiten.cov.diagonal()
+        keep = (var >= relevant * whiten.noise) | (var == var.max())  # at least the widest
+        outer = (whiten, keep)
+        coef = coef[:, keep]
+        whiten = Whitening(whiten.mean[keep], whiten.cov[keep][:, keep], whiten.noise)
+        p = int(keep.sum())
+        metrics["scales/refined"] = float(p)
     t = torch.eye(p, dtype=F64) / start_scale if whiten.cov is None else _whitening(whiten.cov)
     weak = torch.ones(p, dtype=torch.bool)
     for k, sigma in enumerate(stages, start=1):
@@ -670,7 +700,77 @@ def release_moments(
         weak = torch.arange(p) < hidden
         t = (vecs / vals.clamp_min(floor).sqrt()).T @ t  # Λ^(−½) Wᵀ T: the next whitening
         whiten = Whitening(mean, cov, noise)
+    if outer is not None:  # the refined block back among the scale stage's coordinates
+        start, keep = outer
+        idx = torch.nonzero(keep)[:, 0]
+        mean, cov = start.mean.clone(), start.cov.clone()
+        mean[idx] = whiten.mean
+        cov[idx.unsqueeze(1), idx.unsqueeze(0)] = whiten.cov
+        whiten = Whitening(mean, psd_projection(cov, floor), whiten.noise)
     return whiten, metrics
+
+
+# E[log χ²₁] = ψ(½) + log 2: the mean log of a squared standard normal
+LOG_CHI2_1 = -1.2703628454614782
+MEDIAN_WIDTH = 4.0  # the median's search: μ₀ ± 4 (stage 0's noise std + the scale)
+
+
+def _scale_stage(
+    coef: Tensor,
+    whiten: Whitening,
+    spread0: float,
+    sigma: float,
+    budget: StagedBudget,
+    generator: torch.Generator,
+) -> tuple[Whitening, dict[str, float]]:
+    """Each coordinate's scale and median, each relative to that coordinate's own spread.
+
+    Why: the Gaussian noise on a p × p second moment is absolute, scaled to the largest
+    spread in it, so spreads ten decades apart need many whitening stages; a statistic per
+    coordinate whose sensitivity does not depend on the spread resolves each coordinate
+    at once. Two parts, one Gaussian stage and the stage's ``budget.steps`` counts:
+
+    - scales, free of the mean: units are paired in order (2k, 2k+1; an odd last unit
+      sits out), d = c_2k − c_2k+1 ~ (0, 2 v_j) along coordinate j, and each pair gives
+      ℓ_j = log(d_j² / 2) − log σ₀², clipped to ±``LOG_NOISE_RANGE``. A pair is a function
+      of its two units: replacing one unit (N public, as for the counts and the
+      projections) changes one pair by up to 2 · 30 per coordinate, so the noise is
+      calibrated to 2√p · 30. Removing a unit instead would re-pair every later unit:
+      this stage's guarantee is for replacement (a pairing by slots of a public hash of
+      the unit, robust to removal, is not built);
+      v_j = σ₀² exp(mean ℓ_j − E[log χ²₁]) (exact for a normal coordinate);
+    - medians, by noisy bisection: from μ₀ ± ``MEDIAN_WIDTH`` (s₀ + √v_j), s₀ the noise
+      std of stage 0's mean (``spread0``), each step counts, per coordinate, the units
+      below the midpoint (centred counts, noise z_b √p / 2 as in :func:`private_bounds`:
+      the same mechanism, the stage's share of the counts) and keeps the half that holds
+      the median.
+
+    Returns (medians, diag(v), σ₀²): a preconditioner; the next stage re-releases the mean
+    and covariance in its whitening.
+    """
+    n, p = coef.shape
+    half = n // 2
+    noise0 = whiten.noise.to(F64).reshape(())
+    d = coef[: 2 * half : 2] - coef[1 : 2 * half : 2]
+    ell = (0.5 * d * d).clamp_min(1e-300).log() - noise0.log()
+    # replacing one unit moves its pair's ℓ by ≤ 2·30 per coordinate: ‖Δℓ‖ ≤ 2√p·30, the
+    # declared bound (the sensitivity); each |ℓ_j| ≤ 30 is clipped first, so it never binds
+    declared = {"log_scale": Statistic(2 * LOG_NOISE_RANGE * math.sqrt(p))}
+    replies = {"log_scale": ell.clamp(-LOG_NOISE_RANGE, LOG_NOISE_RANGE)}
+    sums, metrics = private_sums(replies, declared, sigma, generator)
+    var = noise0 * (sums["log_scale"] / half - LOG_CHI2_1).exp()
+    scale = var.sqrt()
+    lo = whiten.mean - MEDIAN_WIDTH * (spread0 + scale)
+    hi = whiten.mean + MEDIAN_WIDTH * (spread0 + scale)
+    std = budget.counts * math.sqrt(p) / 2
+    for _ in range(budget.steps):
+        mid = 0.5 * (lo + hi)
+        centred = (coef <= mid).sum(0).to(F64) - n / 2
+        noisy = centred + std * torch.randn(p, generator=generator, dtype=F64)
+        below = noisy / n + 0.5 >= 0.5  # half or more below: the median is at most mid
+        hi = torch.where(below, mid, hi)
+        lo = torch.where(below, lo, mid)
+    return Whitening(0.5 * (lo + hi), torch.diag(var), whiten.noise), metrics
 
 
 def _whitening(cov: Tensor) -> Tensor:
