@@ -404,6 +404,62 @@ def summarize(per: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def markdown(summary: pd.DataFrame) -> str:
+    """The docs' table: coverage mean [per seed] (fedcal's own coverage95 where it differs
+    from ±1.96 σ of ``predict``), worst unit, RMSE mean/worst, statuses, the run's note."""
+    lines = [
+        "| regime | method | cov95 mean [per seed] | worst unit | RMSE mean | RMSE worst "
+        "| statuses | note |",
+        "|---|---|---:|---:|---:|---:|---|---|",
+    ]
+    for r in summary.itertuples():
+        seeds = json.loads(str(r.cov_seeds).replace("nan", "NaN"))
+        fed = json.loads(str(r.cov_fedcal_seeds).replace("nan", "NaN"))
+        if all(np.isnan(seeds)):
+            cov = "declined" if r.method.startswith("fedprior") else "no σ"
+        else:
+            cov = f"{r.cov_mean:.3f} [{', '.join(f'{v:.3f}' for v in seeds)}]"
+            if not np.allclose(seeds, fed, equal_nan=True):
+                cov += f" (coverage95: {', '.join(f'{v:.3f}' for v in fed)})"
+        worst = "—" if np.isnan(r.cov_worst_unit) else f"{r.cov_worst_unit:.3f}"
+        note = "" if pd.isna(r.notes) else str(r.notes).split("; ")[0]
+        lines.append(
+            f"| {r.regime} | {r.method} | {cov} | {worst} | {r.rmse_mean:.4g} "
+            f"| {r.rmse_worst:.4g} | {r.statuses} | {note} |"
+        )
+    return "\n".join(lines)
+
+
+def reference_table(out: Path) -> str:
+    """The reference units' coverage95 and RMSE as the runs under ``out`` wrote them
+    (per_sensor.csv, role reference): mean over units per seed, the worst unit."""
+    rows = []
+    for per_file in sorted(out.glob("*-seed*/run/runs/*_tp0_seed0/per_sensor.csv")):
+        regime, seed = per_file.parts[-5].rsplit("-seed", 1)
+        if not (per_file.parents[3] / "printed.txt").exists():
+            continue  # a fleet whose runs are not all finished
+        per = pd.read_csv(per_file)
+        if "test_coverage95" not in per or "role" not in per:
+            continue
+        ref = per[per.role == "reference"]
+        rows.append({"regime": regime, "method": per.method.iloc[0], "seed": int(seed),
+                     "cover": ref.test_coverage95.mean(), "worst": ref.test_coverage95.min(),
+                     "rmse": ref.test_rmse.mean(), "rmse_worst": ref.test_rmse.max(),
+                     "not_ok": int((ref.status != "ok").sum())})  # fmt: skip
+    lines = [
+        "| regime | method | ref. cov95 mean [per seed] | worst unit | RMSE mean | worst | "
+        "not ok |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for (regime, method), g in pd.DataFrame(rows).groupby(["regime", "method"], sort=False):
+        seeds = ", ".join(f"{v:.3f}" for v in g.cover)
+        lines.append(
+            f"| {regime} | {method} | {g.cover.mean():.3f} [{seeds}] | {g.worst.min():.3f} "
+            f"| {g.rmse.mean():.4g} | {g.rmse_worst.max():.4g} | {g.not_ok.sum()} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--fleet-seeds", default="0,1,2")
@@ -415,7 +471,15 @@ def main() -> None:
     ap.add_argument("--units", type=int, default=20, help="reference and new units each")
     ap.add_argument("--test-points", type=int, default=40)
     ap.add_argument("--out", default="/tmp/crosscheck")
+    ap.add_argument("--table", nargs="*", help="print the Markdown table of these summary.csv")
+    ap.add_argument("--reference", nargs="*", help="print the reference units' table of these")
     args = ap.parse_args()
+    if args.table:
+        print(markdown(pd.concat([pd.read_csv(f) for f in args.table], ignore_index=True)))
+        return
+    if args.reference:
+        print("\n".join(reference_table(Path(d)) for d in args.reference))
+        return
     seeds = [int(s) for s in args.fleet_seeds.split(",")]
     methods = args.methods.split(",")
     out = Path(args.out)
@@ -446,7 +510,7 @@ def main() -> None:
             all_rows = pd.concat(per, ignore_index=True)
             all_rows.to_csv(out / "per_unit.csv", index=False)
             summarize(all_rows).to_csv(out / "summary.csv", index=False)
-    print(summarize(pd.concat(per, ignore_index=True)).to_string(index=False))
+    print(markdown(summarize(pd.concat(per, ignore_index=True))))
 
 
 if __name__ == "__main__":
