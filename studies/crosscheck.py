@@ -239,13 +239,13 @@ def _design(f, t, span, orders):
 
 def tuned_polynomial(train: pd.DataFrame, test: pd.DataFrame) -> dict:
     """Per-unit polynomial, orders chosen by leave-one-plateau-out CV (leave-one-out with
-    fewer than 3 plateaus), the order in T at least 1 where there are 2 plateaus; returns
+    fewer than 4 plateaus), the order in T at least 1 where there are 2 plateaus; returns
     test RMSE and the coverage of its OLS 95 % prediction interval
     t_{n−k}·s·√(1 + x(XᵀX)⁻¹xᵀ) (only orders with k < n points are candidates)."""
     f, t, y = (train[c].to_numpy(float) for c in ("frequency_hz", "temperature_c", "pressure_hpa"))
     span = (f.min(), f.max(), t.min(), t.max())
     groups = train.plateau.to_numpy()
-    if len(np.unique(groups)) < 3:
+    if len(np.unique(groups)) < 4:  # leaving one of 3 plateaus out could never fit T²
         groups = np.arange(len(y))
     sizes = np.unique(train.plateau, return_counts=True)[1]
     n_t = len(sizes)
@@ -351,6 +351,34 @@ def score_run(
     return out
 
 
+def tuned_rows(fleet: pd.DataFrame, predicted: str) -> list[dict]:
+    """The tuned polynomial's rows of :func:`run_regime` (the predicted units)."""
+    rows = []
+    for sid, unit in fleet.groupby("sensor_id"):
+        if predicted != "all" and unit.role.iloc[0] != predicted:
+            continue
+        r = tuned_polynomial(unit[unit.split == "train"], unit[unit.split == "test"])
+        rows.append({"method": "tuned", "sensor": sid, "rmse": r["rmse"], "rmse_predict": r["rmse"],
+                     "coverage95": r["coverage95"], "cov_predict": r["coverage95"],
+                     "status": f"orders {r['orders']}"})  # fmt: skip
+    return rows
+
+
+def rescore_tuned(out: Path) -> None:
+    """Recompute the tuned polynomial's rows of a finished study from its fleet files (the
+    baseline needs no fedcal run) and rewrite per_unit.csv and summary.csv."""
+    per = pd.read_csv(out / "per_unit.csv")
+    fresh = []
+    for (regime, seed), _ in per.groupby(["regime", "seed"]):
+        fleet = pd.read_csv(out / f"{regime}-seed{seed}" / "fleet.csv")
+        rows = pd.DataFrame(tuned_rows(fleet, "all" if regime.startswith("all") else "new"))
+        rows["regime"], rows["seed"] = regime, seed
+        fresh.append(rows)
+    per = pd.concat([per[per.method != "tuned"], *fresh], ignore_index=True)
+    per.to_csv(out / "per_unit.csv", index=False)
+    summarize(per).to_csv(out / "summary.csv", index=False)
+
+
 def run_regime(fleet: pd.DataFrame, where: Path, methods: list[str], rounds: int, predicted: str):
     """Write the fleet, ``fedcal run`` it, score fedcal's methods and the tuned polynomial."""
     where.mkdir(parents=True, exist_ok=True)
@@ -361,14 +389,7 @@ def run_regime(fleet: pd.DataFrame, where: Path, methods: list[str], rounds: int
                           "--seeds", "1", "--rounds", str(rounds), "--out", str(where / "run")],
                          log)  # fmt: skip
         rows = score_run(fleet, where / "run", methods, predicted, log)
-    for sid, unit in fleet.groupby("sensor_id"):
-        role = unit.role.iloc[0]
-        if predicted != "all" and role != predicted:
-            continue
-        r = tuned_polynomial(unit[unit.split == "train"], unit[unit.split == "test"])
-        rows.append({"method": "tuned", "sensor": sid, "rmse": r["rmse"], "rmse_predict": r["rmse"],
-                     "coverage95": r["coverage95"], "cov_predict": r["coverage95"],
-                     "status": f"orders {r['orders']}"})  # fmt: skip
+    rows += tuned_rows(fleet, predicted)
     return pd.DataFrame(rows), printed
 
 
@@ -473,7 +494,12 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/crosscheck")
     ap.add_argument("--table", nargs="*", help="print the Markdown table of these summary.csv")
     ap.add_argument("--reference", nargs="*", help="print the reference units' table of these")
+    ap.add_argument("--rescore-tuned", nargs="*", help="recompute the tuned rows of these")
     args = ap.parse_args()
+    if args.rescore_tuned:
+        for d in args.rescore_tuned:
+            rescore_tuned(Path(d))
+        return
     if args.table:
         print(markdown(pd.concat([pd.read_csv(f) for f in args.table], ignore_index=True)))
         return
