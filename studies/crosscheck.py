@@ -451,11 +451,12 @@ def markdown(summary: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def reference_table(out: Path) -> str:
-    """The reference units' coverage95 and RMSE as the runs under ``out`` wrote them
+def reference_table(outs: list[Path]) -> str:
+    """The reference units' coverage95 and RMSE as the runs under ``outs`` wrote them
     (per_sensor.csv, role reference): mean over units per seed, the worst unit."""
     rows = []
-    for per_file in sorted(out.glob("*-seed*/run/runs/*_tp0_seed0/per_sensor.csv")):
+    files = [f for o in outs for f in o.glob("*-seed*/run/runs/*_tp0_seed0/per_sensor.csv")]
+    for per_file in sorted(files, key=lambda f: (f.parts[-5], f.parts[-2])):
         regime, seed = per_file.parts[-5].rsplit("-seed", 1)
         if not (per_file.parents[3] / "printed.txt").exists():
             continue  # a fleet whose runs are not all finished
@@ -492,7 +493,7 @@ def main() -> None:
     ap.add_argument("--units", type=int, default=20, help="reference and new units each")
     ap.add_argument("--test-points", type=int, default=40)
     ap.add_argument("--out", default="/tmp/crosscheck")
-    ap.add_argument("--table", nargs="*", help="print the Markdown table of these summary.csv")
+    ap.add_argument("--table", nargs="*", help="print the Markdown table of these per_unit.csv")
     ap.add_argument("--reference", nargs="*", help="print the reference units' table of these")
     ap.add_argument("--rescore-tuned", nargs="*", help="recompute the tuned rows of these")
     args = ap.parse_args()
@@ -500,11 +501,11 @@ def main() -> None:
         for d in args.rescore_tuned:
             rescore_tuned(Path(d))
         return
-    if args.table:
-        print(markdown(pd.concat([pd.read_csv(f) for f in args.table], ignore_index=True)))
+    if args.table:  # per_unit.csv of one or more study directories, summarized together
+        print(markdown(summarize(pd.concat([pd.read_csv(f) for f in args.table]))))
         return
     if args.reference:
-        print("\n".join(reference_table(Path(d)) for d in args.reference))
+        print(reference_table([Path(d) for d in args.reference]))
         return
     seeds = [int(s) for s in args.fleet_seeds.split(",")]
     methods = args.methods.split(",")
