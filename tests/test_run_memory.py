@@ -135,3 +135,49 @@ def test_the_run_chooses_and_records_a_chunk_size(fleet_file, tmp_path, monkeypa
     assert result.exit_code == 0, result.output
     assert "chunk size" not in result.output
     assert json.loads((tmp_path / "b" / "config.json").read_text())["engine"]["chunk_size"] == 0
+
+
+def test_a_chunk_size_in_the_users_config_file_is_their_choice(fleet_file, tmp_path, monkeypatch):
+    """``chunk_size = 0`` written in the user's --config file stays all at once, as
+    ``--chunk-size 0`` does; a file without it, or the shipped default's 0, is no choice."""
+    from typer.testing import CliRunner
+
+    import fedcal.build as build
+    from fedcal.cli import app
+    from fedcal.config import file_sets
+
+    fleet, _ = load_run_data(config(fleet_file))
+    rows = int(fleet.tensors.train.x.shape[1]) + int(fleet.tensors.test.x.shape[1])
+    monkeypatch.setattr(build, "AUTO_CHUNK_ROWS", 3 * rows)  # unchosen: 3 units a chunk
+    (tmp_path / "zero.toml").write_text("[engine]\nchunk_size = 0\n")
+    (tmp_path / "other.toml").write_text("[engine]\neval_every = 1\n")
+    assert file_sets(tmp_path / "zero.toml", "engine", "chunk_size")
+    assert not file_sets(tmp_path / "other.toml", "engine", "chunk_size")
+    assert not file_sets("default", "engine", "chunk_size") and not file_sets(None, "engine", "x")
+    args = ["run", "--data", str(fleet_file), "--methods", "local", "--rounds", "1", "--seeds"]
+    result = CliRunner(env={"COLUMNS": "1000"}).invoke(
+        app, [*args, "1", "-q", "--config", str(tmp_path / "zero.toml"), "--out", str(tmp_path)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "chunk size" not in result.output
+    assert json.loads((tmp_path / "config.json").read_text())["engine"]["chunk_size"] == 0
+
+
+def test_auto_chunk_counts_a_whole_table_fleets_padded_rows(fleet_file, tmp_path, monkeypatch):
+    """A fleet read as one table (CSV) with one unit 41 times as many rows as before: the
+    engine pads every unit to the largest train and the largest test count, so the rows a
+    unit are that unit's, 41 × its 12 train + 60 test rows = 2,952 — not the average."""
+    import fedcal.build as build
+
+    frame = pd.read_parquet(fleet_file)
+    first = frame[frame["sensor_id"] == frame["sensor_id"].iloc[0]]
+    assert (first["split"] == "train").sum() == 12 and (first["split"] == "test").sum() == 60
+    copies = [first.assign(pressure_hpa=first["pressure_hpa"] + 1e-3 * j) for j in range(1, 41)]
+    path = tmp_path / "uneven.csv"
+    pd.concat([frame, *copies], ignore_index=True).to_csv(path, index=False)
+    cfg = replace(config(path), engine=replace(config(path).engine, chunk_size=0))
+    fleet, _ = load_run_data(cfg)
+    assert fleet.num_clients == 7 and len(fleet.frame) // 7 < 2952 // 3
+    monkeypatch.setattr(build, "AUTO_CHUNK_ROWS", 3 * 2952)
+    chosen, note = with_auto_chunk(cfg, fleet)
+    assert chosen.engine.chunk_size == 3 and "7 units × 2952 rows a unit" in note
