@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import pandas as pd
 import pytest
+import torch
 
 from fedcal.build import (
     AUTO_CHUNK_ROWS,
@@ -26,6 +27,7 @@ from fedcal.build import (
     with_auto_chunk,
 )
 from fedcal.config import default_config
+from fedcal.core.tree import tree_map
 from fedcal.data.loader import save_chunks
 from fedcal.data.simulator import FleetSpec, simulate_chunks
 from fedcal.engine.simulation import EngineConfig, simulate
@@ -105,6 +107,43 @@ def test_judging_by_chunks_equals_judging_at_once(trained, monkeypatch):
     for i in range(7):  # the same per-unit computations: equal to the bit
         assert by_chunks[i] == at_once[i]
     assert len({v[1] for v in at_once.values()}) == 7
+
+
+def test_a_nan_unit_is_diverged_and_the_others_unchanged(trained):
+    """A unit whose personal model is NaN (every leaf: cov, noise, coefficients), its final row
+    marked diverged as the engine marks a non-finite model: judging does not raise (the weak
+    flag's eigensolver did, stopping the run), that unit is "diverged", the others keep their
+    statuses and reasons, at once and in chunks."""
+    algorithm, result, tensors, task = trained
+    history = pd.DataFrame(result.history)
+    before = judge_sensors(algorithm, result, tensors, history, task.primary_metric)
+
+    def spoil(v):
+        v = v.clone()
+        if torch.is_floating_point(v):
+            v[2] = float("nan")
+        return v
+
+    final = [dict(r, status="diverged") if r["client_index"] == 2 else r for r in result.final]
+    spoiled = replace(result, personal=tree_map(spoil, result.personal), final=final)
+    for size in (0, 1, 3):
+        got = judge_sensors(algorithm, spoiled, tensors, history, task.primary_metric, None, size)
+        assert got[0][2] == "diverged"
+        assert got[0][:2] + got[0][3:] == before[0][:2] + before[0][3:]
+        assert got[1][:2] + got[1][3:] == before[1][:2] + before[1][3:]
+
+    # a diverged fleet: the server's support NaN too (its eigensolver raised as well)
+    def nan(v):
+        return v.clone().fill_(float("nan")) if torch.is_floating_point(v) else v
+
+    fleet = replace(
+        result,
+        server=tree_map(nan, result.server),
+        personal=tree_map(nan, result.personal),
+        final=[dict(r, status="diverged") for r in result.final],
+    )
+    got = judge_sensors(algorithm, fleet, tensors, history, task.primary_metric, None, 3)
+    assert got[0] == ["diverged"] * 7
 
 
 def test_the_run_chooses_and_records_a_chunk_size(fleet_file, tmp_path, monkeypatch):
