@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import pandas as pd
 import pytest
+import torch
 
 from fedcal.build import (
     AUTO_CHUNK_ROWS,
@@ -26,6 +27,7 @@ from fedcal.build import (
     with_auto_chunk,
 )
 from fedcal.config import default_config
+from fedcal.core.tree import tree_map
 from fedcal.data.loader import save_chunks
 from fedcal.data.simulator import FleetSpec, simulate_chunks
 from fedcal.engine.simulation import EngineConfig, simulate
@@ -107,6 +109,43 @@ def test_judging_by_chunks_equals_judging_at_once(trained, monkeypatch):
     assert len({v[1] for v in at_once.values()}) == 7
 
 
+def test_a_nan_unit_is_diverged_and_the_others_unchanged(trained):
+    """A unit whose personal model is NaN (every leaf: cov, noise, coefficients), its final row
+    marked diverged as the engine marks a non-finite model: judging does not raise (the weak
+    flag's eigensolver did, stopping the run), that unit is "diverged", the others keep their
+    statuses and reasons, at once and in chunks."""
+    algorithm, result, tensors, task = trained
+    history = pd.DataFrame(result.history)
+    before = judge_sensors(algorithm, result, tensors, history, task.primary_metric)
+
+    def spoil(v):
+        v = v.clone()
+        if torch.is_floating_point(v):
+            v[2] = float("nan")
+        return v
+
+    final = [dict(r, status="diverged") if r["client_index"] == 2 else r for r in result.final]
+    spoiled = replace(result, personal=tree_map(spoil, result.personal), final=final)
+    for size in (0, 1, 3):
+        got = judge_sensors(algorithm, spoiled, tensors, history, task.primary_metric, None, size)
+        assert got[0][2] == "diverged"
+        assert got[0][:2] + got[0][3:] == before[0][:2] + before[0][3:]
+        assert got[1][:2] + got[1][3:] == before[1][:2] + before[1][3:]
+
+    # a diverged fleet: the server's support NaN too (its eigensolver raised as well)
+    def nan(v):
+        return v.clone().fill_(float("nan")) if torch.is_floating_point(v) else v
+
+    fleet = replace(
+        result,
+        server=tree_map(nan, result.server),
+        personal=tree_map(nan, result.personal),
+        final=[dict(r, status="diverged") for r in result.final],
+    )
+    got = judge_sensors(algorithm, fleet, tensors, history, task.primary_metric, None, 3)
+    assert got[0] == ["diverged"] * 7
+
+
 def test_the_run_chooses_and_records_a_chunk_size(fleet_file, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
@@ -135,3 +174,49 @@ def test_the_run_chooses_and_records_a_chunk_size(fleet_file, tmp_path, monkeypa
     assert result.exit_code == 0, result.output
     assert "chunk size" not in result.output
     assert json.loads((tmp_path / "b" / "config.json").read_text())["engine"]["chunk_size"] == 0
+
+
+def test_a_chunk_size_in_the_users_config_file_is_their_choice(fleet_file, tmp_path, monkeypatch):
+    """``chunk_size = 0`` written in the user's --config file stays all at once, as
+    ``--chunk-size 0`` does; a file without it, or the shipped default's 0, is no choice."""
+    from typer.testing import CliRunner
+
+    import fedcal.build as build
+    from fedcal.cli import app
+    from fedcal.config import file_sets
+
+    fleet, _ = load_run_data(config(fleet_file))
+    rows = int(fleet.tensors.train.x.shape[1]) + int(fleet.tensors.test.x.shape[1])
+    monkeypatch.setattr(build, "AUTO_CHUNK_ROWS", 3 * rows)  # unchosen: 3 units a chunk
+    (tmp_path / "zero.toml").write_text("[engine]\nchunk_size = 0\n")
+    (tmp_path / "other.toml").write_text("[engine]\neval_every = 1\n")
+    assert file_sets(tmp_path / "zero.toml", "engine", "chunk_size")
+    assert not file_sets(tmp_path / "other.toml", "engine", "chunk_size")
+    assert not file_sets("default", "engine", "chunk_size") and not file_sets(None, "engine", "x")
+    args = ["run", "--data", str(fleet_file), "--methods", "local", "--rounds", "1", "--seeds"]
+    result = CliRunner(env={"COLUMNS": "1000"}).invoke(
+        app, [*args, "1", "-q", "--config", str(tmp_path / "zero.toml"), "--out", str(tmp_path)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "chunk size" not in result.output
+    assert json.loads((tmp_path / "config.json").read_text())["engine"]["chunk_size"] == 0
+
+
+def test_auto_chunk_counts_a_whole_table_fleets_padded_rows(fleet_file, tmp_path, monkeypatch):
+    """A fleet read as one table (CSV) with one unit 41 times as many rows as before: the
+    engine pads every unit to the largest train and the largest test count, so the rows a
+    unit are that unit's, 41 × its 12 train + 60 test rows = 2,952 — not the average."""
+    import fedcal.build as build
+
+    frame = pd.read_parquet(fleet_file)
+    first = frame[frame["sensor_id"] == frame["sensor_id"].iloc[0]]
+    assert (first["split"] == "train").sum() == 12 and (first["split"] == "test").sum() == 60
+    copies = [first.assign(pressure_hpa=first["pressure_hpa"] + 1e-3 * j) for j in range(1, 41)]
+    path = tmp_path / "uneven.csv"
+    pd.concat([frame, *copies], ignore_index=True).to_csv(path, index=False)
+    cfg = replace(config(path), engine=replace(config(path).engine, chunk_size=0))
+    fleet, _ = load_run_data(cfg)
+    assert fleet.num_clients == 7 and len(fleet.frame) // 7 < 2952 // 3
+    monkeypatch.setattr(build, "AUTO_CHUNK_ROWS", 3 * 2952)
+    chosen, note = with_auto_chunk(cfg, fleet)
+    assert chosen.engine.chunk_size == 3 and "7 units × 2952 rows a unit" in note

@@ -258,7 +258,8 @@ AUTO_CHUNK_ROWS = 450_000
 def auto_chunk_size(num_units: int, rows_per_unit: int) -> int:
     """Units a chunk for a fleet of ``num_units`` of ``rows_per_unit`` rows each: 0 (all at
     once) when the whole fleet's rows fit :data:`AUTO_CHUNK_ROWS`, else that many rows' worth
-    of units, rounded down to a hundred (at least 100)."""
+    of units, rounded down to a hundred when at least 100 units fit, else as many as fit (at
+    least 1)."""
     rows_per_unit = max(int(rows_per_unit), 1)
     if num_units * rows_per_unit <= AUTO_CHUNK_ROWS:
         return 0
@@ -270,7 +271,10 @@ def with_auto_chunk(config: RunConfig, fleet: Fleet | FleetOutline) -> tuple[Run
     """``config`` with ``[engine] chunk_size`` chosen by :func:`auto_chunk_size` from the
     fleet's units and rows a unit, and a one-line note saying so (empty: unchanged). Only
     when ``chunk_size`` is 0 (the default: all at once); a chunk size the user chose
-    is kept. The value used is the run's: config.json records it."""
+    is kept — the CLI calls this only when neither ``--chunk-size`` nor the user's config
+    file sets one, so an explicit 0 stays all at once. The value used is the run's:
+    config.json records it. Rows a unit are the padded rows the engine holds: the largest
+    train count plus the largest test count of any unit."""
     from fedcal.config import override
 
     if config.engine.chunk_size != 0:
@@ -278,8 +282,9 @@ def with_auto_chunk(config: RunConfig, fleet: Fleet | FleetOutline) -> tuple[Run
     n = fleet.num_clients
     if isinstance(fleet, FleetOutline):  # padded rows: what the engine's tensors hold
         rows = int(fleet.tensors.train.x.shape[1]) + int(fleet.tensors.test.x.shape[1])
-    else:
-        rows = -(-len(fleet.frame) // max(n, 1))
+    else:  # the engine pads every unit to the largest train and the largest test count
+        per = fleet.frame.groupby([fleet.client_column, "split"], observed=True).size()
+        rows = int(per.groupby(level="split", observed=True).max().sum()) if len(per) else 0
     size = auto_chunk_size(n, rows)
     if size == 0:
         return config, ""

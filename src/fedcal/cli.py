@@ -57,6 +57,7 @@ from fedcal.config import (
     ConfigError,
     RunConfig,
     check_design,
+    file_sets,
     load_config,
     override,
 )
@@ -478,7 +479,9 @@ def train(
     except (ConfigError, ValueError) as err:
         _fail(str(err))
     source = str(config) if config is not None else "configuration (default + options)"
-    _experiment(cfg, out, points, kind, kind == "compare", quiet, html, source, chunk_size is None)
+    # chosen from the fleet unless the user set it (--chunk-size, or [engine] in their file)
+    auto = chunk_size is None and not file_sets(config, "engine", "chunk_size")
+    _experiment(cfg, out, points, kind, kind == "compare", quiet, html, source, auto)
 
 
 app.command(

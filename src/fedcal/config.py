@@ -578,6 +578,20 @@ def load_config(path: str | Path | None) -> RunConfig:
     return apply(base, _read_toml(p, str(p)), str(p))
 
 
+def file_sets(path: str | Path | None, section: str, key: str) -> bool:
+    """Whether the configuration ``path`` names (a file, or a shipped one other than the
+    default) sets ``[section] key`` itself: the user's choice, unlike a value :func:`load_config`
+    took from default.toml."""
+    if path is None or (str(path) == "default" and not Path(path).exists()):
+        return False
+    if str(path) in SHIPPED and not Path(path).exists():
+        raw = _shipped(str(path))
+    else:
+        raw = _read_toml(Path(path), str(path))
+    part = raw.get(section)
+    return isinstance(part, dict) and key in part
+
+
 def override(cfg: RunConfig, layout: dict[str, Any], where: str = "command line") -> RunConfig:
     """Command-line values (in the layout's shape) over ``cfg``, validated like a file."""
     return apply(cfg, layout, where)

@@ -58,3 +58,17 @@ def test_unlearned_share_is_the_variance_the_unlearned_coordinates_explain():
     # every direction unlearned: all of φᵀVφ, none of σ²
     full = unlearned_share(phi, cov, noise, torch.eye(2, dtype=F64), torch.ones(1, 1))
     torch.testing.assert_close(full, torch.tensor([0.02 / 0.03], dtype=F64))
+
+
+def test_a_non_finite_unit_gets_no_share_and_the_others_theirs():
+    """Units 2 and 3 of 4 have a NaN covariance entry and an infinite σ²: their share is NaN
+    (no ``share > t`` flag; the eigensolver raised on them), the finite units' are the by-hand
+    2/2.6 of :func:`test_unlearned_directions_and_share_by_hand`."""
+    w = torch.tensor([[0.0], [1.0], [0.0]], dtype=F64)
+    phi = torch.tensor([[[1.0, 1.0, 0.0]]], dtype=F64).expand(4, 1, 3)
+    cov = torch.diag(torch.tensor([0.1, 2.0, 1.0], dtype=F64)).repeat(4, 1, 1)
+    cov[1, 0, 2] = cov[1, 2, 0] = float("nan")
+    noise = torch.tensor([0.5, 0.5, float("inf"), 0.5], dtype=F64)
+    share = unlearned_share(phi, cov, noise, w, torch.ones(4, 1))
+    assert torch.isnan(share[1:3]).all() and not bool((share > 0.5)[1:3].any())
+    torch.testing.assert_close(share[[0, 3]], torch.full((2,), 2.0 / 2.6, dtype=F64))

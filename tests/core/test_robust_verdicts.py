@@ -9,6 +9,8 @@ uploads and honest E-step uploads; the two must flag the same units with the sam
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fedcal.core.bayes import Moments, posterior
@@ -61,12 +63,13 @@ def reference_inconsistencies(stats, mu, sigma, declared=None, constant_first=Tr
     tol = float(whitened_tolerance(sigma))
     bad = (
         ~(g["rss"] >= 0)
+        | ~torch.isfinite(g["rss"])
         | (g["w_low"] < -tol)
         | (g["w_high"] > 1 + tol)
         | (g["h_low"] < -tol)
         | (g["h_high"] > 1 + tol)
         | (g["woodbury"] > tol)
-        | (g["rhs"] > tol)
+        | ~(g["rhs"] <= tol)
         | ~torch.isfinite(g["woodbury"])
     )
     n, gram = stats.get("n"), stats.get("gram")
@@ -84,6 +87,8 @@ def reference_inconsistencies(stats, mu, sigma, declared=None, constant_first=Tr
             out[i] = (
                 f"declares {float(n[i]):g} rows in its statistics, {float(declared[i]):g} counted"
             )
+        elif not math.isfinite(one["rss"]):
+            out[i] = f"residual sum of squares not finite ({one['rss']:.3g})"
         elif not one["rss"] >= 0:
             out[i] = f"negative residual sum of squares {one['rss']:.3g}"
         elif one["w_low"] < -tol:
@@ -100,6 +105,8 @@ def reference_inconsistencies(stats, mu, sigma, declared=None, constant_first=Tr
             )
         elif one["woodbury"] > tol or one["woodbury"] != one["woodbury"]:
             out[i] = f"GLS Gram and posterior covariance disagree (gap {one['woodbury']:.3g})"
+        elif not math.isfinite(one["rhs"]):
+            out[i] = f"GLS right-hand side or posterior mean not finite (gap {one['rhs']:.3g})"
         else:
             out[i] = f"posterior mean and GLS right-hand side disagree (gap {one['rhs']:.3g})"
     return out
@@ -170,7 +177,7 @@ PLANTED = [
     ("GLS rhs within t", unit(rhs=0.95 * T), False),
     ("rss < 0", unit(rss=-1e-3), True),
     ("rss = 0", unit(rss=0.0), False),
-    ("rss = +inf", unit(rss=float("inf")), False),  # the reference lets it through too
+    ("rss = +inf", unit(rss=float("inf")), True),
     ("rss NaN", unit(rss=float("nan")), True),
     ("n ≠ declared", unit(n=ROWS + 1), True),
     ("Gram eigenvalue below −tol", unit(gram=gram_with_low(-1.05 * GT)), True),
@@ -224,7 +231,15 @@ def test_planted_units_get_the_eigenvalue_checks_verdicts_and_messages():
     ref = reference_inconsistencies(stats, MU, SIGMA, declared)
     # each planted unit lies on the side of its threshold the reference says
     assert [why is not None for why in ref[: len(PLANTED)]] == [f for *_, f in PLANTED]
-    assert inconsistencies(stats, MU, SIGMA, declared) == ref
+    got = inconsistencies(stats, MU, SIGMA, declared)
+    assert got == ref
+    # every non-finite upload is rejected (a NaN fails "beyond the tolerance" too)
+    assert all(why is not None for why in got[len(PLANTED) :])
+    names = [name for name, *_ in PLANTED] + [name for name, _ in nonfinite()]
+    assert got[names.index("rss = +inf")] == "residual sum of squares not finite (inf)"
+    assert got[names.index("gls_rhs nan")] == (
+        "GLS right-hand side or posterior mean not finite (gap nan)"
+    )
     # the same with the prior's frame formed once beforehand, in chunks of units
     frame = prior_frame(MU, SIGMA)
     chunked = []

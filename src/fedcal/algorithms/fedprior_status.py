@@ -86,7 +86,8 @@ class PriorStatus:
         _, idx = self.chosen_features(server)
         support = server["support"][idx][:, idx]
         none = torch.zeros(n, dtype=torch.bool)
-        if not torch.any(support != 0):
+        # a diverged fleet's support (not finite): no flag, its status is the divergence rule's
+        if not torch.any(support != 0) or not bool(torch.isfinite(support).all()):
             return {"weak": none}
         weak_in_chosen = unlearned_directions(support, self.min_informed)
         if not weak_in_chosen.shape[1]:

@@ -144,7 +144,7 @@ def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Poste
     # A⁻¹B is a solve, not a difference: the direct (G − G L A⁻¹ Lᵀ G/σ²)/σ² cancels
     # catastrophically on collinear features, and I − A⁻¹ does under a tight prior.
     one = _one_matrix(chol)
-    if one is not None:  # one prior for every client: L⁻¹ once (the same bits as per client)
+    if one is not None:  # one prior for every client: L⁻¹ once (per client's within rounding)
         l_inv = torch.linalg.solve_triangular(one, eye, upper=False).expand(c, p, p)
     else:
         l_inv = torch.linalg.solve_triangular(chol, eye.expand(c, p, p), upper=False)
@@ -173,8 +173,9 @@ def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Poste
 def _one_matrix(batch: Tensor) -> Tensor | None:
     """The matrix every entry of ``batch`` (c, p, p) is when it is a broadcast view of one
     (stride 0 along the clients, as :func:`fedcal.core.tree.expand` makes the server's
-    broadcast), else None. A factorization of it equals each entry's to the bit (tested), so
-    the round's per-client work on the broadcast prior is done once."""
+    broadcast), else None. A factorization of it equals each entry's within rounding (to the
+    bit at small p; ~1e-12 apart at p = 35, where the batched and single LAPACK paths round
+    differently: tested), so the round's per-client work on the broadcast prior is done once."""
     if batch.dim() != 3 or batch.shape[0] == 0 or batch.stride(0) != 0:
         return None
     return batch[0]

@@ -73,12 +73,18 @@ def unlearned_share(
 
     Σ_rows (φᵀV_iW)(WᵀV_iW)⁺(WᵀV_iφ) / Σ_rows (φᵀV_iφ + σ_i²), over the rows ``mask`` marks;
     ``design`` φ (clients, rows, p), ``cov`` V_i (clients, p, p), ``noise_var`` (clients,).
-    The pseudo-inverse: W need not have full column rank (fedprior passes W's rows of φ)."""
+    The pseudo-inverse: W need not have full column rank (fedprior passes W's rows of φ).
+    A unit whose V_i or σ_i² is not finite (diverged) gets NaN, so no ``share > t`` flag:
+    its status is the divergence rule's (the eigensolver raises on it, stopping the run)."""
     design, cov, weak = design.to(F64), cov.to(F64), weak.to(F64)
-    cross = design @ (cov @ weak)  # (clients, rows, k): φᵀV_iW
-    inner = weak.T @ cov @ weak  # (clients, k, k): WᵀV_iW
+    noise_var = noise_var.to(F64).reshape(-1)
+    finite = torch.isfinite(cov).flatten(1).all(1) & torch.isfinite(noise_var)
+    safe = torch.where(finite[:, None, None], cov, torch.zeros((), dtype=F64))
+    cross = design @ (safe @ weak)  # (clients, rows, k): φᵀV_iW
+    inner = weak.T @ safe @ weak  # (clients, k, k): WᵀV_iW
     inv = torch.linalg.pinv(0.5 * (inner + inner.transpose(-1, -2)), hermitian=True, rtol=1e-12)
     along = ((cross @ inv) * cross).sum(-1)
-    total = predictive_var(design, cov, noise_var.to(F64).reshape(-1))
+    total = predictive_var(design, safe, torch.where(finite, noise_var, 1.0))
     m = mask.to(F64)
-    return (along * m).sum(1) / (total * m).sum(1).clamp_min(1e-300)
+    share = (along * m).sum(1) / (total * m).sum(1).clamp_min(1e-300)
+    return torch.where(finite, share, torch.nan)

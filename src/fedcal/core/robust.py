@@ -48,6 +48,7 @@ neither applies and the M-step is the plain sum (docs/safety.md says so).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -232,7 +233,8 @@ def inconsistencies(
     tol = frame.tol
     w, h, gap, z, e = _whitened_terms(stats, frame.mu, frame.chol, frame.inv)
     rhs, rss = _rhs_gap(z, e), stats["rss"].to(F64)
-    suspect = ~(rss >= 0) | ~(rhs <= tol) | ~_clear(w, h, gap, tol)
+    # NaN fails every comparison: "not within" (~(x <= t)), never "beyond" (x > t), rejects it
+    suspect = ~(rss >= 0) | ~torch.isfinite(rss) | ~(rhs <= tol) | ~_clear(w, h, gap, tol)
     n, gram = stats.get("n"), stats.get("gram")
     if n is not None and declared is not None:
         suspect |= n.to(F64) != declared.to(F64)
@@ -242,12 +244,13 @@ def inconsistencies(
         g = whitened_gaps({k: stats[k][idx] for k in GAP_KEYS}, frame.mu, frame.sigma, frame)
         bad = (
             ~(g["rss"] >= 0)
+            | ~torch.isfinite(g["rss"])
             | (g["w_low"] < -tol)
             | (g["w_high"] > 1 + tol)
             | (g["h_low"] < -tol)
             | (g["h_high"] > 1 + tol)
             | (g["woodbury"] > tol)
-            | (g["rhs"] > tol)
+            | ~(g["rhs"] <= tol)
             | ~torch.isfinite(g["woodbury"])
         )
         if n is not None and declared is not None:
@@ -265,6 +268,8 @@ def inconsistencies(
             out[i] = (
                 f"declares {float(n[i]):g} rows in its statistics, {float(declared[i]):g} counted"
             )
+        elif not math.isfinite(one["rss"]):
+            out[i] = f"residual sum of squares not finite ({one['rss']:.3g})"
         elif not one["rss"] >= 0:
             out[i] = f"negative residual sum of squares {one['rss']:.3g}"
         elif one["w_low"] < -tol:
@@ -281,6 +286,8 @@ def inconsistencies(
             )
         elif one["woodbury"] > tol or one["woodbury"] != one["woodbury"]:
             out[i] = f"GLS Gram and posterior covariance disagree (gap {one['woodbury']:.3g})"
+        elif not math.isfinite(one["rhs"]):
+            out[i] = f"GLS right-hand side or posterior mean not finite (gap {one['rhs']:.3g})"
         else:
             out[i] = f"posterior mean and GLS right-hand side disagree (gap {one['rhs']:.3g})"
     return out
