@@ -446,20 +446,20 @@ def test_the_static_prior_is_fedprior_s_fit_and_the_walk_acts_in_use():
 
 
 def test_bounded_future_scores_clip_each_unit_s_gain_over_q0_by_its_rows():
-    """Hand-computed: the gains s(q_k) − s(0) clipped to ± c·n, s(0) kept."""
+    """Hand-computed: the gains s(q_k) − s(0) clipped to ± c·n; s(0) itself dropped (column
+    0 exactly 0). Unit 0: gains 6, −20 against ± 2·2 = 4; unit 1: 0.5, −1 within ± 20."""
     from fedcal.algorithms.fedprior_drift import bound_future_scores
 
     future = torch.tensor([[-10.0, -4.0, -30.0], [5.0, 5.5, 4.0]], dtype=F64)
     out = bound_future_scores(future, torch.tensor([2.0, 10.0], dtype=F64), 2.0)
-    expected = torch.tensor([[-10.0, -6.0, -14.0], [5.0, 5.5, 4.0]], dtype=F64)
-    torch.testing.assert_close(out, expected)
+    expected = torch.tensor([[0.0, 4.0, -4.0], [0.0, 0.5, -1.0]], dtype=F64)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-def test_a_unit_forging_its_future_scores_moves_the_fleet_by_at_most_c_per_row():
-    """Hostile site (issue 21): the future scores pass drift_problems' upper bound when a
-    unit lowers every q > 0 score; summed unclipped, one unit switches the planted drift off.
-    Clipped (± drift_score_clip · n_i), the drift stays learned, and the honest fleet's
-    scores are the plain sums (no honest unit reaches the clip)."""
+@pytest.fixture(scope="module")
+def planted_round():
+    """A planted walk (q = 0.5) after 3 rounds: the server, one round's honest replies and
+    the server's update from them."""
     from fedcal.core.tree import expand
 
     train, _ = planted(q=0.5, units=16, rows=40, future=2, seed=1)
@@ -469,9 +469,18 @@ def test_a_unit_forging_its_future_scores_moves_the_fleet_by_at_most_c_per_row()
     down = expand(alg.broadcast(server), 16)
     reply = alg.client_update(down, rounds.states, train).reply
     honest = alg.server_update(server, reply, train.count)
+    return alg, train, server, reply, honest
+
+
+def test_a_unit_forging_its_future_scores_moves_the_fleet_by_at_most_c_per_row(planted_round):
+    """Hostile site (issue 21): the future scores pass drift_problems' upper bound when a
+    unit lowers every q > 0 score; summed unclipped, one unit switches the planted drift off.
+    Clipped (± drift_score_clip · n_i), the drift stays learned, and the honest fleet's
+    scores are the plain sums of the gains over q = 0 (no honest unit reaches the clip)."""
+    alg, train, server, reply, honest = planted_round
     assert float(honest["drift"]["q"]) > 0
     fut = reply["drift"]["future"]
-    torch.testing.assert_close(honest["drift"]["future"], fut.sum(0))
+    torch.testing.assert_close(honest["drift"]["future"], (fut - fut[:, :1]).sum(0))
     forged = fut.clone()
     forged[3, 1:] -= 1e6  # "every drift predicts my future terribly"
     everyone = torch.ones(16, dtype=torch.bool)
@@ -484,6 +493,42 @@ def test_a_unit_forging_its_future_scores_moves_the_fleet_by_at_most_c_per_row()
     bound = alg.drift_score_clip * float(train.count[3])
     assert bool((gain >= honest_gain - own - bound - 1e-9).all())
     assert float(new["drift"]["q"]) > 0  # unclipped: Σ gains ≈ −1e6, q = 0
+
+
+@pytest.mark.parametrize("offset", [-1e20, -1e300])
+def test_a_huge_common_offset_in_one_unit_s_future_scores_does_not_move_q(planted_round, offset):
+    """Review B: a unit uploading the same huge negative score at every q has zero gains
+    (nothing to clip) and passes drift_problems (bounded from above only); summed with the
+    others' scores it would swallow their margins in float64 (every column tied: q = 0). The
+    server sums gains only: q and the fleet's scores are the honest fleet's without that
+    unit's gains (its own are 0)."""
+    alg, train, server, reply, honest = planted_round
+    forged = reply["drift"]["future"].clone()
+    forged[3] = offset
+    everyone = torch.ones(16, dtype=torch.bool)
+    hostile = {**reply, "drift": {**reply["drift"], "future": forged}}
+    assert alg.inconsistent_replies(server, hostile, train.count, everyone) == {}
+    raw = forged.sum(0)
+    assert bool((raw == raw[0]).all())  # the raw sums: every q tied, the forger's q = 0
+    new = alg.server_update(server, hostile, train.count)
+    assert float(new["drift"]["q"]) == float(honest["drift"]["q"]) > 0
+    fut = reply["drift"]["future"]
+    others = torch.arange(16) != 3
+    want = (fut - fut[:, :1])[others].sum(0)
+    torch.testing.assert_close(new["drift"]["future"], want, rtol=1e-12, atol=1e-9)
+
+
+def test_non_finite_short_step_uploads_are_rejected(planted_round):
+    """The short step's sums (unscreened) are checked for being finite: an inf squared
+    error would make every gain NaN and the fleet's w* undefined."""
+    alg, train, server, reply, _ = planted_round
+    everyone = torch.ones(16, dtype=torch.bool)
+    for key, bad in (("sse", math.inf), ("score", math.nan), ("held", -math.inf)):
+        short = {k: v.clone() for k, v in reply["drift"]["short"].items()}
+        short[key].view(16, -1)[5, 0] = bad
+        hostile = {**reply, "drift": {**reply["drift"], "short": short}}
+        whys = alg.inconsistent_replies(server, hostile, train.count, everyone)
+        assert list(whys) == [5] and "short-step sums not finite" in whys[5]
 
 
 def test_one_forged_span_cannot_make_the_time_scale_arbitrarily_long():

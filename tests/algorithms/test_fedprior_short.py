@@ -165,14 +165,15 @@ def test_own_folds_with_the_short_step_is_refused():
 def test_bound_short_sse_clips_each_units_gains_over_w_1():
     """Hand-computed: 3 units, 2 columns (w, then w = 1). Per-row max(sse(w), sse(1)):
     [2, 2], [2, 2], [100, 1] -> median s = [2, 2] (a unit that held nothing out is not in
-    it); clip 10: each gain over its own w = 1 entry within ± 10 · h_i · 2."""
+    it); clip 10: each gain over its own w = 1 entry within ± 10 · h_i · 2; the w = 1 entry
+    itself dropped (0)."""
     from fedcal.algorithms.fedprior_drift import bound_short_sse
 
     sse = torch.tensor([[1.0, 2.0], [4.0, 2.0], [100.0, 1.0], [-5.0, 7.0]], dtype=F64)
     held = torch.tensor([1.0, 2.0, 1.0, 0.0], dtype=F64)
     got = bound_short_sse(sse, held, 10.0)
-    # unit 2: gain 99 > 10 · 1 · 2 = 20 -> 1 + 20; unit 3: gain 0 - 7, bound 0 -> 7
-    want = torch.tensor([[1.0, 2.0], [4.0, 2.0], [21.0, 1.0], [7.0, 7.0]], dtype=F64)
+    # unit 2: gain 99 > 10 · 1 · 2 = 20 -> 20; unit 3: gain 0 - 7, bound 0 -> 0
+    want = torch.tensor([[-1.0, 0.0], [2.0, 0.0], [20.0, 0.0], [0.0, 0.0]], dtype=F64)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -206,12 +207,56 @@ def test_a_unit_forging_its_emulated_errors_no_longer_moves_w_star():
 
     honest = float(TEMPER_GRID[3])
     assert w_star(sse) == honest
-    torch.testing.assert_close(bound_short_sse(sse, held, 20.0), sse, rtol=0, atol=0)
+    torch.testing.assert_close(bound_short_sse(sse, held, 20.0), sse - sse[:, -1:], rtol=0, atol=0)
     forged = sse.clone()
     forged[-1] = 1e9
     forged[-1, 0] = 0.0
     assert w_star(forged) == 0.0  # the forgery works without the bound
     assert w_star(bound_short_sse(forged, held, alg.short_sse_clip)) == honest
+    for big in (1e18, 1e20, 1e300):  # review B: the same huge value at every w (no gain)
+        offset = sse.clone()
+        offset[-1] = big
+        if big >= 1e20:  # summed raw: every column tied (the honest margins ~1e4), w = 1
+            assert w_star(offset) == 1.0
+        assert w_star(bound_short_sse(offset, held, alg.short_sse_clip)) == honest
+
+
+@pytest.mark.parametrize("offset", [-1e20, -1e300])
+def test_a_huge_common_offset_in_one_unit_s_short_scores_does_not_move_q_s(offset):
+    """Review B: 60 honest long units whose score at every w is 0.1 · h · min(k, 5) at the
+    k-th q_s (the fleet's gain 3,000 nats at k = 5 beats ½ drift_test), one forger uploading
+    the same huge negative score at every (w, q_s): zero gains, so nothing to clip, but
+    summed raw the offset ties every column and q_s* = 0. On the clipped gains
+    (bound_future_scores, the server's step) q_s* is the honest fleet's."""
+    from fedcal.algorithms.fedprior_drift import DRIFT_GRID, bound_future_scores
+    from fedcal.algorithms.fedprior_interval import TAU_GRID
+
+    alg = FedPriorDrift(Task(MLP(in_features=1)), basis="total", degree=1)
+    units, h = 61, 100.0
+    w_n, q_n = len(TEMPER_GRID), len(DRIFT_GRID)
+    gain = 0.1 * h * torch.arange(q_n, dtype=F64).clamp_max(5.0)
+    score = gain.expand(units, w_n, q_n).clone()
+    score[-1] = offset
+    held = torch.full((units,), h, dtype=F64)
+    old = {**alg._short_init(), "window": torch.tensor(1.0, dtype=F64)}
+    sse = (h * (1.0 + torch.arange(w_n, dtype=F64))).repeat(units, 1)  # w* = 0
+
+    def q_star(scores: torch.Tensor) -> float:
+        sums = {
+            "sse": sse,
+            "score": scores,
+            "inside": held.unsqueeze(1).expand(-1, len(TAU_GRID)).clone(),
+            "held": held,
+        }
+        ones = torch.ones(units, dtype=F64)
+        return float(alg._short_update(old, ones, sums, ones)["q"])
+
+    assert q_star(score) == 0.0  # summed raw: the offset swallows the honest gain
+    rows = torch.full((units * w_n,), 4 * h, dtype=F64)
+    clipped = bound_future_scores(score.reshape(-1, q_n), rows, alg.drift_score_clip)
+    assert q_star(clipped.reshape(units, w_n, q_n)) == float(DRIFT_GRID[5])
+    honest = bound_future_scores(score[:-1].reshape(-1, q_n), rows[:-w_n], 3.0)
+    torch.testing.assert_close(clipped.reshape(units, w_n, q_n)[:-1].reshape(-1, q_n), honest)
 
 
 def test_the_emulations_hold_out_what_they_say(both):

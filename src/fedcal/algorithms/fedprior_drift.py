@@ -71,12 +71,14 @@ Which prior (``drift_prior``):
 Consistency (issue 21's check, :func:`drift_problems`): the evidence grid must lie below
 what the unit's rows allow at the broadcast σ², and at its E-step's q it must equal the
 evidence the server recomputes from the unit's uploaded posterior moments
-(:func:`evidence_from_upload`); the future scores below their bound. A forged grid is
-rejected like any inconsistent upload. The future scores are bounded from above only, so
-each unit's gain over q = 0 is clipped to ± ``drift_score_clip`` × its rows before the sum
-(:func:`bound_future_scores`), and each declared span is capped at ``drift_span_cap`` × the
-median span before T is formed (:func:`fleet_time_scale`): one forged unit moves the fleet
-by a bounded amount, not arbitrarily.
+(:func:`evidence_from_upload`); the future scores below their bound; every upload, the
+short step's too, finite. A forged grid is rejected like any inconsistent upload. The future
+scores are bounded from above only, so the server sums each unit's gain over q = 0, clipped
+to ± ``drift_score_clip`` × its rows, and never the score at q = 0 itself
+(:func:`bound_future_scores`: a huge common offset would swallow the honest margins in
+float64); each declared span is capped at ``drift_span_cap`` × the median span before T is
+formed (:func:`fleet_time_scale`): one forged unit moves the fleet by a bounded amount, not
+arbitrarily.
 
 Use. The prediction is φ(x)ᵀm_i (a random walk has no expected direction); the predictive
 variance at time t adds the walk since t_i,
@@ -418,6 +420,7 @@ class FedPriorDrift(ShortColocation, FedPrior):
         # The canonical order of fedprior's sums: the rounding cannot depend on arrival order.
         order = torch.from_numpy(np.lexsort(replies["mean"].numpy().T[::-1]).copy())
         loglik = drift["loglik"]
+        # each unit's clipped gains over q = 0: the fleet's score is their sum (0 at q = 0)
         future = bound_future_scores(drift["future"], replies["n"], self.drift_score_clip)
         robust = self.outlier_weights(server, stats)  # q's evidence weighted like the M-step's
         if robust is not None and bool((robust.weights != 1).any()):
@@ -436,7 +439,8 @@ class FedPriorDrift(ShortColocation, FedPrior):
             scale = old["scale"].clone()  # the time scale is fixed once known
         new["drift"] = {"q": q, "scale": scale.to(F64), "seen": self._seen(new), "loglik": loglik}
         new["drift"]["future"] = future
-        # S1, S3 (fedprior_short): each unit's counts clipped to the rows it declares
+        # S1, S3 (fedprior_short): each unit's counts clipped to the rows it declares, its
+        # scores and squared errors as clipped gains over q_s = 0 and w = 1 (their base dropped)
         sh = drift["short"]
         rows = SHORT_WINDOWS * replies["n"].to(F64)  # a row is held out by each window before it
         held = torch.minimum(sh["held"].clamp_min(0.0), rows)
@@ -478,6 +482,7 @@ class FedPriorDrift(ShortColocation, FedPrior):
             main,
             future_bound=self.noise == "fleet",
             e_step_q=0.0 if self.drift_prior == "static" else float(server["drift"]["q"]),
+            short=_short_uploads(sub),
         )
         for j, why in found.items():
             whys.setdefault(int(idx[j]), why)
@@ -615,44 +620,48 @@ def evidence_from_upload(main: Tree, server: Tree) -> Tensor:
 
 
 def bound_future_scores(future: Tensor, n: Tensor, clip: float) -> Tensor:
-    """Each unit's future scores with its gains over q = 0 clipped to ± ``clip`` · n_i nats.
+    """Each unit's future scores as its gains over q = 0, g_i(q_k) = s_i(q_k) − s_i(0),
+    clipped to ± ``clip`` · n_i nats (column 0 exactly 0).
 
-    The server keeps the q_k of highest Σ_i s_i(q_k) (module doc, "Choosing q"); only the
-    differences s_i(q_k) − s_i(0) choose, and :func:`drift_problems` bounds s_i from above
-    only, so a unit lowering its s_i(0) would move the fleet's choice by as many nats as it
-    forges. Clipped per unit, one unit moves the fleet's gain by at most ``clip`` · n_i.
+    The server keeps the q_k of highest Σ_i g_i(q_k) (module doc, "Choosing q"): only the
+    differences s_i(q_k) − s_i(0) choose. :func:`drift_problems` bounds s_i from above only,
+    so a unit lowering its s_i(0) would move the fleet's choice by as many nats as it
+    forges; clipped per unit, one unit moves the fleet's gain by at most ``clip`` · n_i. The
+    base s_i(0) itself is dropped, not summed: an unbounded base (a huge negative one, the
+    same at every q) would otherwise swallow the honest units' margins in float64 and leave
+    every column tied (q = 0).
     """
-    base = future[:, :1]
     bound = (clip * n.to(F64).reshape(-1, 1)).expand_as(future)
-    return base + torch.maximum(torch.minimum(future - base, bound), -bound)
+    return torch.maximum(torch.minimum(future - future[:, :1], bound), -bound)
 
 
 def bound_short_sse(sse: Tensor, held: Tensor, clip: float) -> Tensor:
-    """Each unit's emulated squared errors (clients, W) with its gains over w = 1 (the last
-    column) clipped to ± clip · h_i · s_w.
+    """Each unit's emulated squared errors (clients, W) as its gains over w = 1 (the last
+    column), sse_i(w) − sse_i(1), clipped to ± clip · h_i · s_w (last column exactly 0).
 
-    The server keeps the w of least summed squared error (fedprior_short S3); only the
-    differences between columns choose, and the server cannot recompute a unit's sums
-    without its held-out rows, so a unit forging them (a huge error at every w but the one
-    it wants) would move the fleet's choice by as much as it forges. h_i: the rows it held
-    out (already capped at its declared rows); s_w: the median over the units that held rows
+    The server keeps the w of least summed gain (fedprior_short S3); only the differences
+    between columns choose, and the server cannot recompute a unit's sums without its
+    held-out rows, so a unit forging them (a huge error at every w but the one it wants)
+    would move the fleet's choice by as much as it forges. h_i: the rows it held out
+    (already capped at its declared rows); s_w: the median over the units that held rows
     out of max(sse_i(w), sse_i(1)) / h_i, a typical unit's squared error per row (robust: a
     minority of forgers cannot move it far; an honest unit's gain is at most its own
     max(sse_i(w), sse_i(1))). Clipped, one unit moves the fleet's preference of any w over
     w = 1 by at most clip · h_i · s_w, as the drift's future scores are clipped
-    (:func:`bound_future_scores`).
+    (:func:`bound_future_scores`). The base sse_i(1) itself is dropped, not summed: an
+    unbounded base (the same huge value at every w) would otherwise swallow the honest
+    units' margins in float64 and leave every column tied (w = 1).
     """
     sse = sse.to(F64).clamp_min(0.0)
     held = held.to(F64)
+    gain = sse - sse[:, -1:]
     some = held > 0
     if not bool(some.any()):
-        return sse
-    base = sse[:, -1:]
-    level = torch.maximum(sse, base)[some] / held[some].unsqueeze(1)
+        return gain
+    level = torch.maximum(sse, sse[:, -1:])[some] / held[some].unsqueeze(1)
     scale = level.median(0).values  # (W,)
     bound = clip * held.unsqueeze(1) * scale.unsqueeze(0)
-    gain = sse - base
-    return base + torch.maximum(torch.minimum(gain, bound), -bound)
+    return torch.maximum(torch.minimum(gain, bound), -bound)
 
 
 def fleet_time_scale(span: Tensor, order: Tensor, cap: float) -> Tensor:
@@ -670,6 +679,14 @@ def fleet_time_scale(span: Tensor, order: Tensor, cap: float) -> Tensor:
     return span[order].sum(0) / max(float(span.shape[0]), 1.0)
 
 
+def _short_uploads(flat: Tree) -> Tensor | None:
+    """(clients, k): a unit's short-step uploads (``drift/short/…``) side by side."""
+    keys = sorted(k for k in flat if k.startswith("drift/short/"))
+    if not keys:
+        return None
+    return torch.cat([flat[k].to(F64).reshape(flat[k].shape[0], -1) for k in keys], 1)
+
+
 def drift_problems(
     loglik: Tensor,
     future: Tensor,
@@ -679,13 +696,15 @@ def drift_problems(
     main: Tree | None,
     future_bound: bool = True,
     e_step_q: float | None = None,
+    short: Tensor | None = None,
 ) -> dict[int, str]:
     """Units whose drift uploads cannot be what their declared rows give, with why.
 
     For every q of the grid the unit's rows are y ~ N(Φμ, C(q)), C(q) = σ²R̄ + ΦΣΦᵀ ⪰ σ²I,
     with log-evidence ℓ(q) = −½[n log 2π + log|C(q)| + rᵀC(q)⁻¹r] (r = y − Φμ), so
 
-    a. every ℓ(q_k) and every future score is finite, and the span ≥ 0; before the fleet's
+    a. every ℓ(q_k), every future score and every short-step upload (``short``, (clients,
+       k): fedprior_short S2's sums, flattened) is finite, and the span ≥ 0; before the fleet's
        time scale is known (round 0) the grid is not evaluated: every entry 0;
     b. ℓ(q_k) ≤ −½ n log 2πσ² (|C| ≥ σ²ⁿ, rᵀC⁻¹r ≥ 0), n the unit's row count;
     c. at the q of its E-step (``e_step_q``, default the broadcast q), ℓ(q) + ½ log|R̄| is
@@ -707,6 +726,8 @@ def drift_problems(
     out: dict[int, str] = {}
     finite = torch.isfinite(loglik).all(-1) & torch.isfinite(future).all(-1)
     finite &= torch.isfinite(span) & (span >= 0)
+    if short is not None:
+        finite &= torch.isfinite(short).all(-1)
     high = loglik.amax(-1) > cap + tol
     gap = None
     if main is not None:
@@ -717,7 +738,7 @@ def drift_problems(
     unset = float(server["drift"]["scale"]) <= 0  # round 0: no grid evaluated
     for i in range(len(rows)):
         if not bool(finite[i]):
-            out[i] = "drift evidence or span not finite (or a negative span)"
+            out[i] = "drift evidence, span or short-step sums not finite (or a negative span)"
         elif unset:
             if bool((loglik[i] != 0).any() | (future[i] != 0).any()):
                 out[i] = "drift evidence uploaded before the fleet's time scale is known"

@@ -33,10 +33,12 @@ S2. **Emulation, each long unit.** Its future period is the last ``drift_holdout
     a window predicted (before it too, at |t − window|); ``"far"``, the first window only
     (the one farthest from the future period). On the 8-feature field network neither
     matched the short units' errors better (docs/field.md, "Sixth session").
-S3. **Server.** w* minimizes the fleet's summed squared error (ties: the larger w, the
-    unit's own data); q_s* maximizes the summed log density at w* if it beats q_s = 0 by
-    ½ ``drift_test`` nats (else 0); τ²_s is the smallest τ² whose pooled coverage reaches
-    ``coverage_target`` (linear between grid values; none: NaN), at the (w*, q_s*) of the
+S3. **Server.** w* minimizes the fleet's summed squared error — the sum over units of each
+    unit's (clipped) gain over w = 1, sse_i(w) − sse_i(1) (ties: the larger w, the unit's
+    own data); q_s* maximizes the summed log density at w* — the sum of each unit's
+    (clipped) gain over q_s = 0 — if it beats q_s = 0 by ½ ``drift_test`` nats (else 0);
+    τ²_s is the smallest τ² whose pooled coverage reaches ``coverage_target`` (linear
+    between grid values; none: NaN), at the (w*, q_s*) of the
     round before (one round behind, as the uploads are formed at the broadcast). No long
     unit: w* = 1, q_s* = 0, τ²_s = 0: the short class is fedprior_drift's as before.
 S4. **Use, each unit of the short class.** Its posterior is formed with weight w* on its
@@ -53,9 +55,13 @@ statistics (the server cannot recompute them without the held-out rows). Each un
 count is clipped to its declared rows, its counts to that, its score gains over q_s = 0 to
 ± ``drift_score_clip`` per row (as the drift's future scores), and its squared errors' gains
 over w = 1 to ± ``short_sse_clip`` (20) × its held-out rows × a typical unit's squared error
-per row at that w (:func:`~fedcal.algorithms.fedprior_drift.bound_short_sse`): a forging
-unit moves the fleet's preference between two w by a bounded amount, so w* only where the
-honest fleet's margin is smaller than that.
+per row at that w (:func:`~fedcal.algorithms.fedprior_drift.bound_short_sse`); the server
+sums only these clipped gains, never a unit's squared error at w = 1 or score at q_s = 0
+themselves (unbounded: a forged huge common offset would swallow the honest margins in
+float64 and tie every column), and non-finite uploads are rejected
+(:func:`~fedcal.algorithms.fedprior_drift.drift_problems`). So one forging unit moves the
+fleet's preference between two w, w' by at most 20 · h_i · (s_w + s_w'), and w* only where
+the honest fleet's margin is smaller than that; q_s* likewise.
 """
 
 from __future__ import annotations
@@ -209,8 +215,9 @@ class ShortColocation:
 
     def _short_update(self, old: Tree, span: Tensor, sums: Tree, weights: Tensor) -> Tree:
         """S1 (the window, fixed once set) and S3 (w*, q_s*, τ²_s) from the round's sums;
-        ``sums`` per unit in the canonical order, ``weights`` (clients,) their robust
-        weights (1: none)."""
+        ``sums`` per unit in the canonical order (``sse``, ``score``: each unit's clipped
+        gains over w = 1 and q_s = 0, fedprior_drift's bound_short_sse and
+        bound_future_scores), ``weights`` (clients,) their robust weights (1: none)."""
         new = {k: v.clone() for k, v in old.items()}
         if not float(old["window"]) > 0:
             positive = span[span > 0]
