@@ -17,7 +17,8 @@ basis (20 terms), ``interval = "posterior"``. Per fleet:
   each coordinate's scale and median instead (core.privacy._scale_stage), the next stages
   are whitened by them (``--relevant τ``: and refine only the coordinates of variance
   ≥ τ σ̂², the others diagonal); its path of differences follows a keyed hash of the units'
-  sensor ids (core.privacy.release_order; ``--positions``: of their positions instead);
+  sensor ids (core.privacy.release_order; ``--positions``: of their positions instead, which
+  does not hold the removal bound);
 - ``oracle``: one stage whitened by the TRUE (non-private) mean, covariance and noise of the
   fits, the whole budget on it, declared bounds from the whitened dimension (2p): the best
   this release can do at that N and ε, whatever the preconditioning.
@@ -128,7 +129,7 @@ def main() -> None:
     )
     ap.add_argument("--no-em", action="store_true", help="skip the EM line (slow at 10,000)")
     ap.add_argument(
-        "--positions", action="store_true", help="scale stage ordered by position, not by id"
+        "--positions", action="store_true", help="scale stage path: hash of positions, not ids"
     )
     args = ap.parse_args()
     if args.quantile > 0 and args.count_share <= 0:  # the counts would go out without noise
@@ -141,8 +142,8 @@ def main() -> None:
         f"fedprior_fixed (4x3 basis, interval posterior); {args.new} new units; fleet seeds "
         f"{args.fleet_seeds}; noise seed {args.seed}; stages {stage_list}, stage-0 share "
         f"{args.first_share}, quantile {args.quantile}, count share {args.count_share}, "
-        f"{args.steps} steps/stage; EM line: {args.rounds} rounds; scale stage ordered by "
-        f"{'position' if args.positions else 'sensor id'}"
+        f"{args.steps} steps/stage; EM line: {args.rounds} rounds; scale stage path: hash of "
+        f"{'positions' if args.positions else 'sensor ids'}"
     )
     print(
         "| ref units | design | fleet seed | release | ε target | ε spent | new mean | new worst "
