@@ -16,7 +16,9 @@ basis (20 terms), ``interval = "posterior"``. Per fleet:
   design (the campaign; the same sums the box is taken from); ``--scales``: stage 1 releases
   each coordinate's scale and median instead (core.privacy._scale_stage), the next stages
   are whitened by them (``--relevant τ``: and refine only the coordinates of variance
-  ≥ τ σ̂², the others diagonal);
+  ≥ τ σ̂², the others diagonal); its path of differences follows a keyed hash of the units'
+  sensor ids (core.privacy.release_order; ``--positions``: of their positions instead, which
+  does not hold the removal bound);
 - ``oracle``: one stage whitened by the TRUE (non-private) mean, covariance and noise of the
   fits, the whole budget on it, declared bounds from the whitened dimension (2p): the best
   this release can do at that N and ε, whatever the preconditioning.
@@ -29,7 +31,8 @@ enters a mean. ε printed is the accountant's (Opacus RDP over the composed stag
 
     python studies/dp_oneshot.py --units 2000 --designs 3x2,4x3 --epsilons 1,4,8 \\
         --fleet-seeds 0,1,2 [--stages 4] [--quantile 0.9] [--count-share 0.1] [--no-oracle]
-        [--refresh-last] [--no-em] [--coordinates none,grid,campaign] [--scales [--relevant 0.1]]
+        [--refresh-last] [--no-em] [--coordinates none,grid,campaign]
+        [--scales [--relevant 0.1] [--positions]]
 """
 
 from __future__ import annotations
@@ -125,6 +128,9 @@ def main() -> None:
         "--relevant", type=float, default=0.0, help="with --scales: refine var >= this × σ̂²"
     )
     ap.add_argument("--no-em", action="store_true", help="skip the EM line (slow at 10,000)")
+    ap.add_argument(
+        "--positions", action="store_true", help="scale stage path: hash of positions, not ids"
+    )
     args = ap.parse_args()
     if args.quantile > 0 and args.count_share <= 0:  # the counts would go out without noise
         ap.error(f"--quantile {args.quantile} needs --count-share > 0 (or --quantile 0)")
@@ -136,7 +142,8 @@ def main() -> None:
         f"fedprior_fixed (4x3 basis, interval posterior); {args.new} new units; fleet seeds "
         f"{args.fleet_seeds}; noise seed {args.seed}; stages {stage_list}, stage-0 share "
         f"{args.first_share}, quantile {args.quantile}, count share {args.count_share}, "
-        f"{args.steps} steps/stage; EM line: {args.rounds} rounds"
+        f"{args.steps} steps/stage; EM line: {args.rounds} rounds; scale stage path: hash of "
+        f"{'positions' if args.positions else 'sensor ids'}"
     )
     print(
         "| ref units | design | fleet seed | release | ε target | ε spent | new mean | new worst "
@@ -211,6 +218,7 @@ def main() -> None:
                                 coordinates=coords.get(kind),
                                 scales=args.scales,
                                 relevant=args.relevant,
+                                keys=None if args.positions else tensors.client_ids,
                             )
                         r = _score(algorithm, down, tensors, new)
                     except Exception as err:  # a failure is reported, never a number

@@ -113,3 +113,27 @@ def test_a_release_in_prediction_coordinates_maps_back_exactly():
     assert float(torch.linalg.eigvalsh(noisy["sigma"]).min()) >= alg.floor * (1 - 1e-6)
     with pytest.raises(ValueError, match=r"shape \(3, 3\), expected \(4, 4\)"):
         oneshot_prior(alg, data, None, gen, coordinates=torch.eye(3))
+
+
+def test_keys_make_the_scaled_release_independent_of_the_units_order():
+    """scales=True with one key per unit (few-point units too, which contribute nothing):
+    the fleet's units permuted with their keys give the same released prior (the same
+    generator: μ, Σ, σ² identical; the public box to rounding of its sums); a key list of
+    the wrong length is refused."""
+    data, _, _, _, _ = planted_fleet(40, [30] * 36 + [3] * 4, seed=7, noise=0.01)
+    alg = make()
+    ids = [f"unit-{i}" for i in range(40)]
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(2))
+    budget = staged_budget(4.0, 1e-4, 3, count_share=0.1)
+    gen = torch.Generator()
+    a, ma = oneshot_prior(alg, data, budget, gen.manual_seed(3), scales=True, keys=ids)
+    shuffled = [ids[i] for i in perm]
+    b, mb = oneshot_prior(
+        alg, data.select(perm), budget, gen.manual_seed(3), scales=True, keys=shuffled
+    )
+    for key in ("mu", "sigma", "noise_var"):
+        assert torch.equal(a[key], b[key]), key
+    torch.testing.assert_close(a["box"], b["box"], rtol=1e-12, atol=1e-12)
+    assert ma == mb and ma["oneshot_units"] == 36 and ma["scales/keyed"] == 1.0
+    with pytest.raises(ValueError, match="oneshot keys: 39 for 40 units"):
+        oneshot_prior(alg, data, budget, gen, scales=True, keys=ids[1:])

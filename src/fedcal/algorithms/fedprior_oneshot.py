@@ -32,6 +32,8 @@ mean squared difference of the two surfaces' predictions over its points), and m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -108,6 +110,7 @@ def oneshot_prior(
     coordinates: Tensor | None = None,
     scales: bool = False,
     relevant: float = 0.0,
+    keys: Sequence[object] | None = None,
 ) -> tuple[Tree, dict[str, float]]:
     """Steps 1–2: the broadcast (μ, Σ, σ², box) of the released prior, and the release's
     metrics. ``min_rows`` 0: twice the basis's terms. ``budget`` None: no noise;
@@ -117,9 +120,15 @@ def oneshot_prior(
     stays in c's coordinates) and is mapped back; ``scales``: stage 1 releases each coordinate's
     scale and median, ``relevant``: the next stages refine only the coordinates whose
     variance is at least that × σ̂₀² (:func:`fedcal.core.privacy.release_moments`;
-    meaningful in prediction ``coordinates``)."""
+    meaningful in prediction ``coordinates``); ``keys``: one public key per unit of ``data``
+    (its sensor id), the contributing units' order the scale stage's path follows (None:
+    positions, whose caveat :func:`fedcal.core.privacy.release_moments` states)."""
     p = algorithm.num_features
+    if keys is not None and len(keys) != data.num_clients:
+        raise ValueError(f"oneshot keys: {len(keys)} for {data.num_clients} units")
     coef, noise, used, skipped = local_fits(algorithm, data, min_rows or 2 * p)
+    if keys is not None:  # the contributing units' keys
+        keys = [k for k, u in zip(keys, used.tolist(), strict=True) if u]
     scale = algorithm.init_scale
     if coordinates is not None:
         r = coordinates.to(F64)
@@ -143,6 +152,7 @@ def oneshot_prior(
         refresh_last,
         scales,
         relevant,
+        keys,
     )
     mean, cov = released.mean, released.cov
     if coordinates is not None:  # back to c: μ = R⁻¹ μ_u, Σ = R⁻¹ Σ_u R⁻ᵀ, eigenvalues ≥ floor

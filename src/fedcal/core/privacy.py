@@ -17,7 +17,10 @@ customary approximation, and says so (``poisson_assumed``).
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -587,6 +590,7 @@ def release_moments(
     refresh_last: bool = False,
     scales: bool = False,
     relevant: float = 0.0,
+    keys: Sequence[object] | None = None,
 ) -> tuple[Whitening, dict[str, float]]:
     """The fleet's mean, covariance and noise variance from the units' own fits, released
     under client-level DP in ``len(budget.sums)`` stages (the section's comment above).
@@ -606,10 +610,24 @@ def release_moments(
     ``relevant`` × σ̂₀² (in prediction coordinates: the directions a unit's noisy points
     can tell apart), the others keep the scale stage's variance and median, uncorrelated
     (the noise floor of a p × p release grows as p^{3/2}: a smaller block resolves more).
-    Returns
-    (μ, C, σ²) and per-stage metrics. Refused: ``quantile`` > 0 with ``budget.counts`` 0
-    (the clip counts would be released without noise and outside ε), and one stage without
-    ``whiten`` (stage 0 releases no covariance).
+    ``keys`` (N,): each unit's public key (e.g. its sensor id), a function of the unit alone;
+    with ``scales`` the units are first put in the order of :func:`release_order` (a keyed
+    hash of the keys, drawn from ``generator``: never of the coefficients), in which the
+    scale stage takes its differences and every stage its sums. None: the positions 0..N−1
+    (caveat: removing a unit moves every later position, so the scale stage's bound
+    below does not hold under removal; and replacing a unit changes its two terms by up
+    to 2·30 each, 4·30√p, above the 3·30√p calibrated: without keys the scale stage's ε
+    holds under neither relation).
+
+    Neighbouring relation: every stage is calibrated for adding or removing one unit
+    (its clipped leaf in each sum, ½ in each centred count, 3·30√p in the scale stage),
+    with the number of units N used as public, as every stage does (the means divide by
+    it, the counts are centred on N/2, the projections' floors scale with it): N itself
+    is not protected. Replacing a unit is a removal and an addition.
+    Returns (μ, C, σ²) and per-stage metrics (``scales/keyed``: 1 with ``keys``).
+    Refused: ``quantile`` > 0 with ``budget.counts`` 0 (the clip counts would be released
+    without noise and outside ε), one stage without ``whiten`` (stage 0 releases no
+    covariance), and ``keys`` not one per unit or repeating.
     """
     n, p = coef.shape
     coef, noise_var = coef.to(F64), noise_var.to(F64)
@@ -628,7 +646,13 @@ def release_moments(
             "release_moments: scales need stage 0 (no whiten=), >= 3 stages (stage 0, the "
             f"scales, one full; got {len(budget.sums)}) and a count budget (the medians)"
         )
+    if keys is not None and len(keys) != n:
+        raise ValueError(f"release_moments: {len(keys)} keys for {n} units")
     metrics: dict[str, float] = {}
+    if scales:  # the scale stage's path: a public order of the units, fixed before stage 0
+        order = release_order(range(n) if keys is None else keys, generator)
+        coef, noise_var = coef[order], noise_var[order]
+        metrics["scales/keyed"] = float(keys is not None)
     stages = list(budget.sums)
     if whiten is None:  # stage 0: the mean and the log noise, in the vague start's units
         s = start_scale
@@ -713,6 +737,29 @@ def release_moments(
 # E[log χ²₁] = ψ(½) + log 2: the mean log of a squared standard normal
 LOG_CHI2_1 = -1.2703628454614782
 MEDIAN_WIDTH = 4.0  # the median's search: μ₀ ± 4 (stage 0's noise std + the scale)
+# The scale stage's sensitivity per coordinate, in units of LOG_NOISE_RANGE: removing an
+# interior unit of the path replaces two terms by one (:func:`_scale_stage`)
+PATH_SENSITIVITY = 3
+
+
+def release_order(keys: Sequence[object], generator: torch.Generator) -> Tensor:
+    """The units' order for the scale stage: ascending keyed BLAKE2b digest of each unit's
+    public key (its ``str``), under a 16-byte key drawn from ``generator``.
+
+    Why a hash: units adjacent in a fleet file are often from the same lot, and differences
+    of neighbours from one lot are smaller than the fleet's spread (the scales would come
+    out low). Why keyed: the order is then independent of how the ids were assigned. The
+    order depends on the key set only, never on the coefficients, and removing a unit
+    leaves the others' relative order unchanged (the scale stage's bound relies on that).
+    Keys that repeat (as strings) are refused: their order would depend on the rows'.
+    """
+    names = [str(k) for k in keys]
+    if len(set(names)) != len(names):
+        dup = next(k for k, c in Counter(names).items() if c > 1)
+        raise ValueError(f"release_moments: unit key {dup!r} repeats (keys must be unique)")
+    secret = bytes(torch.randint(0, 256, (16,), generator=generator).tolist())
+    digest = [hashlib.blake2b(k.encode(), key=secret, digest_size=16).digest() for k in names]
+    return torch.tensor(sorted(range(len(names)), key=digest.__getitem__), dtype=torch.long)
 
 
 def _scale_stage(
@@ -730,15 +777,17 @@ def _scale_stage(
     coordinate whose sensitivity does not depend on the spread resolves each coordinate
     at once. Two parts, one Gaussian stage and the stage's ``budget.steps`` counts:
 
-    - scales, free of the mean: units are paired in order (2k, 2k+1; an odd last unit
-      sits out), d = c_2k − c_2k+1 ~ (0, 2 v_j) along coordinate j, and each pair gives
-      ℓ_j = log(d_j² / 2) − log σ₀², clipped to ±``LOG_NOISE_RANGE``. A pair is a function
-      of its two units: replacing one unit (N public, as for the counts and the
-      projections) changes one pair by up to 2 · 30 per coordinate, so the noise is
-      calibrated to 2√p · 30. Removing a unit instead would re-pair every later unit:
-      this stage's guarantee is for replacement (a pairing by slots of a public hash of
-      the unit, robust to removal, is not built);
-      v_j = σ₀² exp(mean ℓ_j − E[log χ²₁]) (exact for a normal coordinate);
+    - scales, free of the mean: ``coef``'s rows are the units in a public order
+      (:func:`release_order`), and consecutive units form a path, d_i = c_(i+1) − c_i for
+      i = 0..N−2, d_ij ~ (0, 2 v_j) along coordinate j; each term gives
+      ℓ_ij = log(d_ij² / 2) − log σ₀², clipped to ±``LOG_NOISE_RANGE`` (30). Sensitivity
+      under adding or removing one unit (N public, as for the counts and the
+      projections): removing interior unit k replaces terms (k−1, k) and (k, k+1) by
+      (k−1, k+1), |ℓ' − ℓ_a − ℓ_b| ≤ 3·30 per coordinate; removing an end unit drops one
+      term (≤ 30); adding is the reverse. So ‖Δ Σ_i ℓ_i‖ ≤ 3·30·√p, the noise's
+      calibration. E[ℓ_ij] = log(v_j / σ₀²) + E[log χ²₁] holds term by term (the terms
+      are dependent, the mean is still unbiased), so
+      v_j = σ₀² exp(Σ_i ℓ_ij / (N − 1) − E[log χ²₁]) (exact in mean for a normal coordinate);
     - medians, by noisy bisection: from μ₀ ± ``MEDIAN_WIDTH`` (s₀ + √v_j), s₀ the noise
       std of stage 0's mean (``spread0``), each step counts, per coordinate, the units
       below the midpoint (centred counts, noise z_b √p / 2 as in :func:`private_bounds`:
@@ -749,16 +798,17 @@ def _scale_stage(
     and covariance in its whitening.
     """
     n, p = coef.shape
-    half = n // 2
+    if n < 2:
+        raise ValueError(f"release_moments: the scale stage needs >= 2 units, got {n}")
     noise0 = whiten.noise.to(F64).reshape(())
-    d = coef[: 2 * half : 2] - coef[1 : 2 * half : 2]
+    d = coef[1:] - coef[:-1]  # the path's N − 1 terms
     ell = (0.5 * d * d).clamp_min(1e-300).log() - noise0.log()
-    # replacing one unit moves its pair's ℓ by ≤ 2·30 per coordinate: ‖Δℓ‖ ≤ 2√p·30, the
-    # declared bound (the sensitivity); each |ℓ_j| ≤ 30 is clipped first, so it never binds
-    declared = {"log_scale": Statistic(2 * LOG_NOISE_RANGE * math.sqrt(p))}
+    # one unit moves the ℓ-sum by ≤ 3·30 per coordinate (above): ‖Δ‖ ≤ 3·30·√p, the declared
+    # bound (the sensitivity); each |ℓ_ij| ≤ 30 is clipped first, so it never binds
+    declared = {"log_scale": Statistic(PATH_SENSITIVITY * LOG_NOISE_RANGE * math.sqrt(p))}
     replies = {"log_scale": ell.clamp(-LOG_NOISE_RANGE, LOG_NOISE_RANGE)}
     sums, metrics = private_sums(replies, declared, sigma, generator)
-    var = noise0 * (sums["log_scale"] / half - LOG_CHI2_1).exp()
+    var = noise0 * (sums["log_scale"] / (n - 1) - LOG_CHI2_1).exp()
     scale = var.sqrt()
     lo = whiten.mean - MEDIAN_WIDTH * (spread0 + scale)
     hi = whiten.mean + MEDIAN_WIDTH * (spread0 + scale)
