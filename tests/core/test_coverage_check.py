@@ -133,6 +133,12 @@ def test_the_table_marks_a_judged_coverage_and_says_what_the_mark_means():
     assert cell(by.loc["fedprior"], "coverage95") == "0.87!/0.45"
     assert cell(by.loc["fedprior_b"], "coverage95") == "0.87^/0.45"
     assert cell(by.loc["fedprior"], "coverage95_mean") == "0.874!"
+    role = pd.Series({"coverage95_mean_new": 0.998, "coverage95_mean_new_std": 0.01,
+                      "coverage_check_new": "over"})  # fmt: skip
+    assert cell(role, "coverage95_mean_new") == "0.998^ ±0.01"  # the mark on the mean
+    # a mixed fleet's all-unit mean (0.977) is not marked by its new units' verdict
+    mixed = pd.Series({**role, "coverage95_mean": 0.977, "coverage_check": "over"})
+    assert cell(mixed, "coverage95_mean") == "0.977"
     assert cell(by.loc["polynomial"], "coverage95_mean") == NO_INTERVAL  # no mark on "no σ"
     console = Console(width=100, record=True, force_terminal=False, color_system=None)
     for t in rich_tables(table, table_columns(table, "hPa", show_bytes=False), "hPa"):

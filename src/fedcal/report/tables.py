@@ -132,11 +132,12 @@ def check_notes(table: pd.DataFrame) -> list[str]:
             role = check.removeprefix(CHECK).strip("_")
             if role == "" and len(runs) > 1:
                 continue  # a mixed fleet's overall verdict: its roles' lines say it
-            who = f" ({role} units)" if role else ""
-            where = f" ({row['train_points'] or 'all'} pts)" if "train_points" in row else ""
+            parts = [f"{row['train_points'] or 'all'} pts"] if "train_points" in row else []
+            parts += [f"{role} units"] if role else []
+            where = f" ({', '.join(parts)})" if parts else ""
             side = "below 95 %" if verdict == "under" else "above 99 %"
             lines.append(
-                f"{row['method']}{where}{who}: stated 95 % intervals covered {side} beyond "
+                f"{row['method']}{where}: stated 95 % intervals covered {side} beyond "
                 f"chance in {int(row[column])} of {int(row['seeds'])} run(s) "
                 f"({CHECK_MARK[verdict]}; coverage_check_note in summary.csv)"
             )
@@ -276,14 +277,19 @@ def cell(row: pd.Series, column: str, short: bool = False) -> str:
     """One table cell: mean ±std (mean only for %FS, coverage, counts and costs, and with
     ``short`` — the terminal — for worst values), bytes in kB; NaN is ``diverged``,
     ``n/a`` when no sensor was ok, ``—`` for a coverage the method does not state."""
-    mark = CHECK_MARK.get(str(row.get(_check_column(column), "")), "")
+    check = _check_column(column)
+    roles = [k for k in row.index if str(k).startswith(f"{CHECK}_") and k != f"{CHECK}_note"]
+    if check == CHECK and any(not str(k).endswith("_runs") for k in roles):
+        check = ""  # a mixed fleet's verdicts are per role: the all-unit mean is not judged
+    mark = CHECK_MARK.get(str(row.get(check, "")), "")
     if column == COVERAGE:
         mean, worst = row["coverage95_mean"], row.get("coverage95_worst", float("nan"))
         if mean != mean:
             return DECLINED
         return f"{fmt_num(mean, 2)}{mark}/{fmt_num(worst, 2) if worst == worst else DECLINED}"
-    if mark and not pd.isna(row[column]):  # a coverage judged off beyond chance: marked
-        return cell(row.drop(_check_column(column)), column, short) + mark
+    if mark and not pd.isna(row[column]):  # a coverage judged off beyond chance: its mean marked
+        mean, gap, std = cell(row.drop(check), column, short).partition(" ")
+        return f"{mean}{mark}{gap}{std}"
     mean, std = row[column], row.get(f"{column}_std", float("nan"))
     if column.startswith("coverage95") and pd.isna(mean) and not row.get("diverged_seeds", 0):
         return NO_INTERVAL
