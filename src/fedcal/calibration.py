@@ -36,7 +36,7 @@ import pandas as pd
 import torch
 
 from fedcal.algorithms.fedprior import FedPrior
-from fedcal.algorithms.fedprior_interval import DECLINE
+from fedcal.algorithms.fedprior_interval import DECLINE, NO_PROBE
 from fedcal.build import build_algorithm, build_task, run_record
 from fedcal.config import DataConfig, RunConfig, from_dict
 from fedcal.core.bayes import F64, predictive_var
@@ -225,9 +225,10 @@ def declined_note(prior: dict[str, Any], result: Calibration) -> str:
     if declined is None or not bool((declined > 0).any()):
         return ""
     iv = prior["interval"]
-    return iv.get("reason") or DECLINE[4].format(
-        n=int(iv["probe_rows"]) or result.algorithm.probe_rows
-    )
+    if iv.get("reason"):
+        return iv["reason"]
+    probe = int(iv["probe_rows"])  # 0: the fleet had no unit of at most probe_rows points
+    return DECLINE[4].format(n=probe) if probe else NO_PROBE.format(n=result.algorithm.probe_rows)
 
 
 def write(out: Path, prior: dict[str, Any], fleet: Fleet, result: Calibration) -> pd.DataFrame:

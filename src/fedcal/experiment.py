@@ -59,6 +59,7 @@ from fedcal.config import ConfigError, RunConfig
 from fedcal.core.aggregation import AggregationError, check_policy
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.atomic import write_text, write_with
+from fedcal.core.coverage import coverage_check
 from fedcal.core.paths import read_json
 from fedcal.core.task import Task
 from fedcal.core.tensorfile import TensorFileError, load_trees, save_trees
@@ -472,6 +473,43 @@ def status_notes(final: pd.DataFrame, rejections: pd.DataFrame, limit: int = 10)
     return notes
 
 
+def coverage_checks(
+    final: pd.DataFrame, roles: dict[str, str] | None, has_test: np.ndarray
+) -> tuple[dict[str, str], list[str]]:
+    """The run's stated 95 % intervals judged on its own test rows (:mod:`fedcal.core.coverage`):
+    summary fields and one note line per group that is off or too small to judge.
+
+    Over the ``ok`` sensors with test rows (``has_test``, aligned with ``final``) whose
+    coverage is stated (the set the summary's ``coverage95_mean`` is over), per role with
+    ``roles`` (``coverage_check_<role>``), else over all; ``coverage_check`` is the most
+    severe verdict (under, over, ok; "" not judged) and ``coverage_check_note`` the lines.
+    Nothing for a method that states no interval. The sensors' statuses are unchanged: one
+    unit's coverage on its few test points is too noisy to judge (docs/statuses.md).
+    """
+    if "test_coverage95" not in final.columns:
+        return {}, []
+    usable = (final["status"].astype(str) == "ok").to_numpy() & np.asarray(has_test, dtype=bool)
+    coverage = final["test_coverage95"].to_numpy(float)
+    groups = {"": usable}
+    if roles is not None:
+        role_of = final["client"].astype(str).map(roles).astype(str).to_numpy()
+        groups = {r: usable & (role_of == r) for r in sorted(set(role_of))}
+    fields: dict[str, str] = {}
+    notes, verdicts = [], []
+    for role, rows in groups.items():
+        check = coverage_check(coverage[rows])
+        if role:
+            fields[f"coverage_check_{role}"] = check.verdict
+        verdicts.append(check.verdict)
+        note = check.message(f"{role} units" if role else "units")
+        if note:
+            notes.append(note)
+    fields["coverage_check"] = next((v for v in ("under", "over", "ok") if v in verdicts), "")
+    if notes:
+        fields["coverage_check_note"] = "; ".join(notes)
+    return fields, notes
+
+
 def identification_note(state: dict[str, Any]) -> str:
     """A one-line warning when the fleet's data leave directions of a prior unlearned."""
     ident = state.get("identification") or {}
@@ -695,6 +733,14 @@ def run_experiment(
                 if on_status is not None:
                     for note in status_notes(final, rejections):
                         on_status(label, note)
+                has_test = tensors.test.count.cpu().numpy()[final["client_index"].to_numpy(int)]
+                checked, check_notes = coverage_checks(final, roles, has_test > 0)
+                row.update(checked)  # the stated intervals judged on the test rows
+                where = (
+                    _where(labels) + f" tp={tp}" * bool(tp) + f" seed={seed}" * (config.seeds > 1)
+                )
+                for note in check_notes if on_note is not None else ():
+                    on_note(method, f"{where.strip()}: {note}" if where.strip() else note)
                 if privacy:
                     row["epsilon"] = privacy["epsilon"]
                     row["noise_multiplier"] = privacy["noise_multiplier"]

@@ -115,13 +115,21 @@ DECLINE = {
     "points), so the model error between its points cannot be learned from this fleet",
     3: "no interval: even the largest discrepancy variance did not cover 95 % of the "
     "held-out points of the units with more points than the smallest design ({n} points)",
-    4: "no interval for units with fewer points than the fleet's smallest design ({n} points; "
-    "none: no unit had at most probe_rows): their model error was not learned",
+    4: "no interval for units with fewer points than the fleet's smallest design ({n} points): "
+    "their model error was not learned",
     5: "no interval: the fleet's points do not identify every direction of the basis in use "
     "(see the weak terms): an interval along them would be the vague start's, not learned",
     6: "no interval for units with at least twice the smallest design's points ({n} points): "
     "even the largest discrepancy variance did not cover 95 % of their own held-out rows",
 }
+
+
+# DECLINE 4 when the fleet had no unit of at most ``probe_rows`` points (no probe): a unit
+# calibrated later with at most that many points has no learned model error ({n}: probe_rows).
+NO_PROBE = (
+    "no interval for units of at most {n} points (probe_rows): the fleet had no unit with so "
+    "few points, so the model error of such a design was not learned"
+)
 
 
 # I3 with weakly identified directions: a unit-by-unit decline (FedPrior.personalize).

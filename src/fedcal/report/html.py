@@ -41,6 +41,7 @@ from fedcal.report.rundir import RunDir, read_table, residuals, temperature_colu
 from fedcal.report.tables import (
     aggregate,
     cell,
+    check_notes,
     excluded_note,
     sections_of,
     table_columns,
@@ -118,6 +119,7 @@ def summary_html(table: pd.DataFrame, unit: str) -> str:
         out.append("</table>")
         # which statuses the "excl." column counts: sensors left out of the means
         out += [f'<p class="note">{html.escape(line)}</p>' for line in excluded_note(part)]
+        out += [f'<p class="note">{html.escape(line)}</p>' for line in check_notes(part)]
     return "\n".join(out)
 
 

@@ -55,10 +55,13 @@ def aggregate(summary: pd.DataFrame) -> pd.DataFrame:
     """
     summary = summary.copy()
     keys = [k for k in SWEEP_KEYS if k in summary.columns]
+    checks = [c for c in summary.columns if c.startswith(CHECK) and c != f"{CHECK}_note"]
     metrics = [
         c
         for c in summary.columns
-        if c not in ("method", *POOLED, *keys) and pd.api.types.is_numeric_dtype(summary[c])
+        if c not in ("method", *POOLED, *keys)
+        and not c.startswith(CHECK)  # verdicts and notes (text; all-empty reads as NaN)
+        and pd.api.types.is_numeric_dtype(summary[c])
     ]
     headline = [c for c in HEADLINE if c in summary.columns]
     bad = summary[headline].isna().any(axis=1)
@@ -71,17 +74,74 @@ def aggregate(summary: pd.DataFrame) -> pd.DataFrame:
     summary["diverged_seeds"] = bad.astype(int)
     order = {m: i for i, m in enumerate(pd.unique(summary["method"]))}
     grouped = summary.groupby([*keys, "method"], sort=False)
-    table = pd.concat(
-        [
-            grouped[metrics].agg(_nan_mean),
-            grouped[metrics].agg(_nan_std).add_suffix("_std"),
-            grouped["diverged_seeds"].sum(),
-        ],
-        axis=1,
-    ).reset_index()
+    parts = [
+        grouped[metrics].agg(_nan_mean),
+        grouped[metrics].agg(_nan_std).add_suffix("_std"),
+        grouped["diverged_seeds"].sum(),
+    ]
+    if checks:  # coverage checks: the most severe run's verdict, and how many runs had it
+        parts += [grouped[checks].agg(_worst_check), grouped[checks].agg(_check_runs)]
+        parts[-1] = parts[-1].add_suffix("_runs")
+    table = pd.concat(parts, axis=1).reset_index()
     table["seeds"] = grouped.size().to_numpy()
     table["_order"] = table["method"].map(order)
     return table.sort_values([*keys, "_order"]).drop(columns="_order").reset_index(drop=True)
+
+
+CHECK = "coverage_check"  # summary.csv: the stated intervals judged on the test rows
+CHECK_MARK = {"under": "!", "over": "^"}  # on the coverage cell (its mean)
+CHECK_LEGEND = (
+    "!: the stated 95 % intervals covered fewer test points than 95 % beyond chance; ^: more "
+    "than 99 % (a one-sided test over the units at 1 %: coverage_check in summary.csv)"
+)
+
+
+def _worst_check(values: pd.Series) -> str:
+    """The most severe coverage check over a method's runs: under, over, ok, "" (not judged;
+    read back from CSV as NaN)."""
+    seen = {v for v in values if isinstance(v, str)}
+    return next((v for v in ("under", "over", "ok") if v in seen), "")
+
+
+def _check_runs(values: pd.Series) -> int:
+    """How many runs have the verdict :func:`_worst_check` shows."""
+    worst = _worst_check(values)
+    return int(sum(v == worst for v in values if isinstance(v, str))) if worst else 0
+
+
+def _check_column(column: str) -> str:
+    """The coverage check behind a coverage cell ("" for none): the fleet's, or a role's."""
+    if column in ("coverage95", "coverage95_mean"):
+        return CHECK
+    if column.startswith("coverage95_mean_"):
+        return f"{CHECK}_{column.removeprefix('coverage95_mean_')}"
+    return ""
+
+
+def check_notes(table: pd.DataFrame) -> list[str]:
+    """One line per method (and role) whose stated intervals a run judged off beyond chance,
+    then the markers' legend; empty when none."""
+    lines = []
+    runs = [c for c in table.columns if c.startswith(CHECK) and c.endswith("_runs")]
+    for _, row in table.iterrows():
+        for column in runs:
+            check = column.removesuffix("_runs")
+            verdict = row.get(check, "")
+            if verdict not in CHECK_MARK:
+                continue
+            role = check.removeprefix(CHECK).strip("_")
+            if role == "" and len(runs) > 1:
+                continue  # a mixed fleet's overall verdict: its roles' lines say it
+            parts = [f"{row['train_points'] or 'all'} pts"] if "train_points" in row else []
+            parts += [f"{role} units"] if role else []
+            where = f" ({', '.join(parts)})" if parts else ""
+            side = "below 95 %" if verdict == "under" else "above 99 %"
+            lines.append(
+                f"{row['method']}{where}: stated 95 % intervals covered {side} beyond "
+                f"chance in {int(row[column])} of {int(row['seeds'])} run(s) "
+                f"({CHECK_MARK[verdict]}; coverage_check_note in summary.csv)"
+            )
+    return [*lines, CHECK_LEGEND] if lines else []
 
 
 def sections_of(table: pd.DataFrame):
@@ -217,11 +277,19 @@ def cell(row: pd.Series, column: str, short: bool = False) -> str:
     """One table cell: mean ±std (mean only for %FS, coverage, counts and costs, and with
     ``short`` — the terminal — for worst values), bytes in kB; NaN is ``diverged``,
     ``n/a`` when no sensor was ok, ``—`` for a coverage the method does not state."""
+    check = _check_column(column)
+    roles = [k for k in row.index if str(k).startswith(f"{CHECK}_") and k != f"{CHECK}_note"]
+    if check == CHECK and any(not str(k).endswith("_runs") for k in roles):
+        check = ""  # a mixed fleet's verdicts are per role: the all-unit mean is not judged
+    mark = CHECK_MARK.get(str(row.get(check, "")), "")
     if column == COVERAGE:
         mean, worst = row["coverage95_mean"], row.get("coverage95_worst", float("nan"))
         if mean != mean:
             return DECLINED
-        return f"{fmt_num(mean, 2)}/{fmt_num(worst, 2) if worst == worst else DECLINED}"
+        return f"{fmt_num(mean, 2)}{mark}/{fmt_num(worst, 2) if worst == worst else DECLINED}"
+    if mark and not pd.isna(row[column]):  # a coverage judged off beyond chance: its mean marked
+        mean, gap, std = cell(row.drop(check), column, short).partition(" ")
+        return f"{mean}{mark}{gap}{std}"
     mean, std = row[column], row.get(f"{column}_std", float("nan"))
     if column.startswith("coverage95") and pd.isna(mean) and not row.get("diverged_seeds", 0):
         return NO_INTERVAL
@@ -301,11 +369,15 @@ def rich_tables(table: pd.DataFrame, columns: list[tuple[str, str]], unit: str =
             t.add_column(two_lines, justify="right", min_width=widest_word(j), overflow="fold")
         for r in rows:
             t.add_row(*r)
+        captions = []
         if any(c.endswith(("_new", "_reference")) for c, _ in columns):  # the mixed-fleet legend
-            t.caption = (
+            captions.append(
                 "new: units calibrated with few points; ref: fully calibrated reference units; "
                 f"cov95: share of held-out points inside the 95 % interval ({NO_INTERVAL}: no σ)"
             )
+        captions += check_notes(part)  # coverages judged off beyond chance, and the marks
+        if captions:
+            t.caption = "\n".join(captions)
             t.caption_justify = "left"
         out.append(t)
     return out
@@ -329,4 +401,7 @@ def to_markdown(table: pd.DataFrame, columns: list[tuple[str, str]]) -> str:
         notes = excluded_note(part)  # which statuses the "excl." column counts
         if notes:
             lines += ["", *(f"excl. {line}  " for line in notes)]
+        checks = check_notes(part)  # coverages judged off beyond chance, and the marks
+        if checks:
+            lines += ["", *(f"{line}  " for line in checks)]
     return "\n".join(lines)
