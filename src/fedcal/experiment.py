@@ -136,7 +136,12 @@ def _write_text(path: Path, text: str) -> None:
 def _write_csv(path: Path, frame: pd.DataFrame) -> None:
     """``frame`` as CSV, atomically, written 10,000 rows at a time into the temporary file
     (pandas' ``chunksize``): a 100,000-sensor table is never held as one string too."""
-    write_with(path, lambda tmp: frame.to_csv(tmp, index=False, chunksize=10_000))
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "x", newline="") as fh:  # exclusive, as every writer (core.atomic)
+            frame.to_csv(fh, index=False, chunksize=10_000)
+
+    write_with(path, write)
 
 
 def full_scale(fleet: Fleet | FleetOutline) -> float:
