@@ -59,7 +59,7 @@ from fedcal.config import ConfigError, RunConfig
 from fedcal.core.aggregation import AggregationError, check_policy
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.atomic import write_text, write_with
-from fedcal.core.coverage import coverage_check
+from fedcal.core.coverage import SEVERITY, coverage_check
 from fedcal.core.paths import read_json
 from fedcal.core.task import Task
 from fedcal.core.tensorfile import TensorFileError, load_trees, save_trees
@@ -487,7 +487,8 @@ def coverage_checks(
     Over the ``ok`` sensors with test rows (``has_test``, aligned with ``final``) whose
     coverage is stated (the set the summary's ``coverage95_mean`` is over), per role with
     ``roles`` (``coverage_check_<role>``), else over all; ``coverage_check`` is the most
-    severe verdict (under, over, ok; "" not judged) and ``coverage_check_note`` the lines.
+    severe verdict (``core.coverage.SEVERITY``; "" not judged), ``coverage_check_note`` the
+    lines.
     Nothing for a method that states no interval. The sensors' statuses are unchanged: one
     unit's coverage on its few test points is too noisy to judge (docs/statuses.md).
     """
@@ -509,7 +510,7 @@ def coverage_checks(
         note = check.message(f"{role} units" if role else "units")
         if note:
             notes.append(note)
-    fields["coverage_check"] = next((v for v in ("under", "over", "ok") if v in verdicts), "")
+    fields["coverage_check"] = next((v for v in SEVERITY if v in verdicts), "")
     if notes:
         fields["coverage_check_note"] = "; ".join(notes)
     return fields, notes

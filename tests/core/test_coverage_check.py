@@ -45,18 +45,25 @@ def test_under_beyond_chance_is_flagged_by_hand():
     assert "under-state this fleet's error" in text
 
 
-def test_under_within_chance_is_not_flagged():
-    # 3 at 0.80, 3 at 1.00: mean 0.90, SE = 0.1/√5 = 0.0447; 0.90 + 3.365 · 0.0447 = 1.05
+def test_under_within_chance_is_low_not_under():
+    # 3 at 0.80, 3 at 1.00: mean 0.90, SE = 0.1/√5 = 0.0447; 0.90 + 3.365 · 0.0447 = 1.05:
+    # not under beyond chance, but below the 93–97 % band: "low", said
     check = coverage_check([0.80, 1.0, 0.80, 1.0, 0.80, 1.0])
     assert check.se == pytest.approx(0.1 / math.sqrt(5)) and check.quantile == pytest.approx(T99[5])
-    assert check.verdict == "ok" and check.message("units") == ""
+    assert check.verdict == "low"
+    text = check.message("new units")
+    assert "covered 0.900 of the test points of the 6 new units" in text
+    assert "below the 93–97 % band; within chance" in text and "SE 0.045" in text
+    # inside the band: ok, nothing said (0.94 and 0.96 → mean 0.95)
+    assert coverage_check([0.94] * 5 + [0.96] * 5).verdict == "ok"
+    assert coverage_check([0.94] * 5 + [0.96] * 5).message("units") == ""
     # mean 0.90, s² = 0.004/4, SE = 0.01414: the normal quantile would flag it
     # (0.90 + 2.326 · 0.01414 = 0.933 < 0.95), Student's t with 4 dof does not (0.953)
     check = coverage_check([0.88, 0.90, 0.92, 0.86, 0.94])
     assert check.se == pytest.approx(math.sqrt(0.001 / 5)) and check.quantile == pytest.approx(
         T99[4]
     )
-    assert check.verdict == "ok"
+    assert check.verdict == "low"  # mean 0.90 < 0.93, within chance
 
 
 def test_over_beyond_chance_is_over_and_near_99_is_not():
@@ -65,7 +72,9 @@ def test_over_beyond_chance_is_over_and_near_99_is_not():
     check = coverage_check([1.0] * 5 + [0.995] * 5)
     assert check.se == pytest.approx(0.0025 / 3) and check.verdict == "over"
     assert "above 99 % beyond chance" in check.message("units")
-    assert coverage_check([1.0, 1.0, 1.0, 1.0, 0.95]).verdict == "ok"  # mean 0.99, not above
+    # mean 0.99: not above 99 % beyond chance, but above the band: "high"
+    assert coverage_check([1.0, 1.0, 1.0, 1.0, 0.95]).verdict == "high"
+    assert "above the 93–97 % band" in coverage_check([1.0, 1.0, 1.0, 1.0, 0.95]).message("u")
 
 
 def test_fewer_than_5_units_are_not_judged_and_unstated_units_do_not_count():

@@ -17,6 +17,8 @@ import numpy as np
 import pandas as pd
 from rich.table import Table
 
+from fedcal.core.coverage import SEVERITY
+
 SWEEP_KEYS = ("design", "train_points")  # a table section per value (design: chamber sweeps)
 POOLED = ("seed", "fleet_seed")  # averaged over: training seeds and fleet seeds together
 # errors every run of a task writes: NaN in one of them means the run diverged
@@ -89,18 +91,25 @@ def aggregate(summary: pd.DataFrame) -> pd.DataFrame:
 
 
 CHECK = "coverage_check"  # summary.csv: the stated intervals judged on the test rows
-CHECK_MARK = {"under": "!", "over": "^"}  # on the coverage cell (its mean)
+CHECK_MARK = {"under": "!", "low": "?", "over": "^", "high": "~"}  # on the coverage cell
+CHECK_SIDE = {
+    "under": "below 95 % beyond chance",
+    "low": "below the 93–97 % band (within chance over the units)",
+    "over": "above 99 % beyond chance",
+    "high": "above the 93–97 % band (within chance)",
+}
 CHECK_LEGEND = (
-    "!: the stated 95 % intervals covered fewer test points than 95 % beyond chance; ^: more "
-    "than 99 % (a one-sided test over the units at 1 %: coverage_check in summary.csv)"
+    "!: the stated 95 % intervals covered fewer test points than 95 % beyond chance; ?: below "
+    "93 % within chance; ^: more than 99 % beyond chance; ~: above 97 % (a one-sided test "
+    "over the units at 1 %: coverage_check in summary.csv)"
 )
 
 
 def _worst_check(values: pd.Series) -> str:
-    """The most severe coverage check over a method's runs: under, over, ok, "" (not judged;
-    read back from CSV as NaN)."""
+    """The most severe coverage check over a method's runs (``core.coverage.SEVERITY``), ""
+    (not judged; read back from CSV as NaN)."""
     seen = {v for v in values if isinstance(v, str)}
-    return next((v for v in ("under", "over", "ok") if v in seen), "")
+    return next((v for v in SEVERITY if v in seen), "")
 
 
 def _check_runs(values: pd.Series) -> int:
@@ -119,8 +128,8 @@ def _check_column(column: str) -> str:
 
 
 def check_notes(table: pd.DataFrame) -> list[str]:
-    """One line per method (and role) whose stated intervals a run judged off beyond chance,
-    then the markers' legend; empty when none."""
+    """One line per method (and role) whose stated intervals a run judged off (beyond chance,
+    or outside the 93–97 % band), then the markers' legend; empty when none."""
     lines = []
     runs = [c for c in table.columns if c.startswith(CHECK) and c.endswith("_runs")]
     for _, row in table.iterrows():
@@ -135,10 +144,9 @@ def check_notes(table: pd.DataFrame) -> list[str]:
             parts = [f"{row['train_points'] or 'all'} pts"] if "train_points" in row else []
             parts += [f"{role} units"] if role else []
             where = f" ({', '.join(parts)})" if parts else ""
-            side = "below 95 %" if verdict == "under" else "above 99 %"
             lines.append(
-                f"{row['method']}{where}: stated 95 % intervals covered {side} beyond "
-                f"chance in {int(row[column])} of {int(row['seeds'])} run(s) "
+                f"{row['method']}{where}: stated 95 % intervals covered {CHECK_SIDE[verdict]} "
+                f"in {int(row[column])} of {int(row['seeds'])} run(s) "
                 f"({CHECK_MARK[verdict]}; coverage_check_note in summary.csv)"
             )
     return [*lines, CHECK_LEGEND] if lines else []
@@ -287,7 +295,7 @@ def cell(row: pd.Series, column: str, short: bool = False) -> str:
         if mean != mean:
             return DECLINED
         return f"{fmt_num(mean, 2)}{mark}/{fmt_num(worst, 2) if worst == worst else DECLINED}"
-    if mark and not pd.isna(row[column]):  # a coverage judged off beyond chance: its mean marked
+    if mark and not pd.isna(row[column]):  # a coverage judged off: its mean marked
         mean, gap, std = cell(row.drop(check), column, short).partition(" ")
         return f"{mean}{mark}{gap}{std}"
     mean, std = row[column], row.get(f"{column}_std", float("nan"))
@@ -375,7 +383,7 @@ def rich_tables(table: pd.DataFrame, columns: list[tuple[str, str]], unit: str =
                 "new: units calibrated with few points; ref: fully calibrated reference units; "
                 f"cov95: share of held-out points inside the 95 % interval ({NO_INTERVAL}: no σ)"
             )
-        captions += check_notes(part)  # coverages judged off beyond chance, and the marks
+        captions += check_notes(part)  # coverages judged off, and the marks
         if captions:
             t.caption = "\n".join(captions)
             t.caption_justify = "left"
@@ -401,7 +409,7 @@ def to_markdown(table: pd.DataFrame, columns: list[tuple[str, str]]) -> str:
         notes = excluded_note(part)  # which statuses the "excl." column counts
         if notes:
             lines += ["", *(f"excl. {line}  " for line in notes)]
-        checks = check_notes(part)  # coverages judged off beyond chance, and the marks
+        checks = check_notes(part)  # coverages judged off, and the marks
         if checks:
             lines += ["", *(f"{line}  " for line in checks)]
     return "\n".join(lines)
