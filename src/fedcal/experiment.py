@@ -138,7 +138,8 @@ def _write_csv(path: Path, frame: pd.DataFrame) -> None:
     (pandas' ``chunksize``): a 100,000-sensor table is never held as one string too."""
 
     def write(tmp: Path) -> None:
-        with open(tmp, "x", newline="") as fh:  # exclusive, as every writer (core.atomic)
+        # exclusive, as every writer (core.atomic); UTF-8 whatever the locale
+        with open(tmp, "x", newline="", encoding="utf-8") as fh:
             frame.to_csv(fh, index=False, chunksize=10_000)
 
     write_with(path, write)
@@ -479,13 +480,14 @@ def status_notes(final: pd.DataFrame, rejections: pd.DataFrame, limit: int = 10)
 
 
 def coverage_checks(
-    final: pd.DataFrame, roles: dict[str, str] | None, has_test: np.ndarray
+    final: pd.DataFrame, roles: dict[str, str] | None, test_points: np.ndarray
 ) -> tuple[dict[str, str], list[str]]:
     """The run's stated 95 % intervals judged on its own test rows (:mod:`fedcal.core.coverage`):
     summary fields and one note line per group that is off or too small to judge.
 
-    Over the ``ok`` sensors with test rows (``has_test``, aligned with ``final``) whose
-    coverage is stated (the set the summary's ``coverage95_mean`` is over), per role with
+    Over the ``ok`` sensors with test rows (``test_points``, their counts aligned with
+    ``final``) whose coverage is stated (``coverage95_mean`` is over the same ok units, but is
+    NaN when any of them states none, where this judges the ones that do), per role with
     ``roles`` (``coverage_check_<role>``), else over all; ``coverage_check`` is the most
     severe verdict (``core.coverage.SEVERITY``; "" not judged), ``coverage_check_note`` the
     lines.
@@ -494,7 +496,8 @@ def coverage_checks(
     """
     if "test_coverage95" not in final.columns:
         return {}, []
-    usable = (final["status"].astype(str) == "ok").to_numpy() & np.asarray(has_test, dtype=bool)
+    points = np.asarray(test_points, dtype=float)
+    usable = (final["status"].astype(str) == "ok").to_numpy() & (points > 0)
     coverage = final["test_coverage95"].to_numpy(float)
     groups = {"": usable}
     if roles is not None:
@@ -503,7 +506,7 @@ def coverage_checks(
     fields: dict[str, str] = {}
     notes, verdicts = [], []
     for role, rows in groups.items():
-        check = coverage_check(coverage[rows])
+        check = coverage_check(coverage[rows], points[rows])
         if role:
             fields[f"coverage_check_{role}"] = check.verdict
         verdicts.append(check.verdict)
@@ -740,7 +743,7 @@ def run_experiment(
                     for note in status_notes(final, rejections):
                         on_status(label, note)
                 has_test = tensors.test.count.cpu().numpy()[final["client_index"].to_numpy(int)]
-                checked, check_notes = coverage_checks(final, roles, has_test > 0)
+                checked, check_notes = coverage_checks(final, roles, has_test)
                 row.update(checked)  # the stated intervals judged on the test rows
                 where = (
                     _where(labels) + f" tp={tp}" * bool(tp) + f" seed={seed}" * (config.seeds > 1)

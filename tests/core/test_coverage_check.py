@@ -47,13 +47,18 @@ def test_under_beyond_chance_is_flagged_by_hand():
 
 def test_under_within_chance_is_low_not_under():
     # 3 at 0.80, 3 at 1.00: mean 0.90, SE = 0.1/√5 = 0.0447; 0.90 + 3.365 · 0.0447 = 1.05:
-    # not under beyond chance, but below the 93–97 % band: "low", said
-    check = coverage_check([0.80, 1.0, 0.80, 1.0, 0.80, 1.0])
+    # not under beyond chance, but below the 93–97 % band beyond the points' binomial noise
+    # (40 points each: SE_b = √(0.0475/240) = 0.0141; 0.90 + 2.326 · 0.0141 = 0.933 < 0.95)
+    check = coverage_check([0.80, 1.0, 0.80, 1.0, 0.80, 1.0], [40] * 6)
+    assert check.se_points == pytest.approx(math.sqrt(0.0475 / 240))
     assert check.se == pytest.approx(0.1 / math.sqrt(5)) and check.quantile == pytest.approx(T99[5])
     assert check.verdict == "low"
     text = check.message("new units")
     assert "covered 0.900 of the test points of the 6 new units" in text
-    assert "below the 93–97 % band; within chance" in text and "SE 0.045" in text
+    assert "below the 93–97 % band and off 95 % beyond the binomial noise" in text
+    assert "SE 0.0141" in text and "within chance across units (SE 0.045)" in text
+    # the same coverages on 4 points a unit: SE_b = 0.0445, 0.90 + 2.326 · 0.0445 = 1.00: ok
+    assert coverage_check([0.80, 1.0, 0.80, 1.0, 0.80, 1.0], [4] * 6).verdict == "ok"
     # inside the band: ok, nothing said (0.94 and 0.96 → mean 0.95)
     assert coverage_check([0.94] * 5 + [0.96] * 5).verdict == "ok"
     assert coverage_check([0.94] * 5 + [0.96] * 5).message("units") == ""
@@ -75,6 +80,20 @@ def test_over_beyond_chance_is_over_and_near_99_is_not():
     # mean 0.99: not above 99 % beyond chance, but above the band: "high"
     assert coverage_check([1.0, 1.0, 1.0, 1.0, 0.95]).verdict == "high"
     assert "above the 93–97 % band" in coverage_check([1.0, 1.0, 1.0, 1.0, 0.95]).message("u")
+
+
+def test_few_test_points_are_not_evidence():
+    # 5 units all covered on 4 points each: s_c = 0, but SE is floored at the binomial
+    # SE_b = √(0.0475/20) = 0.0487: 1 − 3.747 · 0.0487 = 0.817 (not over), and
+    # 1 − 2.326 · 0.0487 = 0.887 < 0.95 (not high): ok
+    check = coverage_check([1.0] * 5, [4] * 5)
+    assert check.se == pytest.approx(math.sqrt(0.0475 / 20)) and check.verdict == "ok"
+    # the cross-check's batch: 20 units, 40 points each, mean 0.874, units spread (sd 0.168)
+    cov = [0.874 - 0.168, 0.874 + 0.168] * 10
+    check = coverage_check(cov, [40] * 20)
+    assert check.verdict == "low"  # 0.874 + 2.326 · √(0.0475/800) = 0.892 < 0.95
+    # all 1.0 on 200 points each: SE_b 0.0069 → 1 − 3.747 · 0.0069 = 0.974: high, not over
+    assert coverage_check([1.0] * 5, [200] * 5).verdict == "high"
 
 
 def test_fewer_than_5_units_are_not_judged_and_unstated_units_do_not_count():
@@ -105,7 +124,7 @@ def test_mixed_fleet_judges_each_role_over_its_ok_units_with_test_rows():
         {"new": [0.80] * 5 + [0.90] * 5, "reference": [0.95] * 6 + [0.10]},
         status={"reference6": "weak"},  # not ok: left out, as from the means
     )
-    fields, notes = coverage_checks(final, roles, np.ones(len(final), bool))
+    fields, notes = coverage_checks(final, roles, np.full(len(final), 40))
     assert fields == {
         "coverage_check_new": "under",
         "coverage_check_reference": "ok",  # six at 0.95 (the weak unit's 0.10 left out)
@@ -114,7 +133,7 @@ def test_mixed_fleet_judges_each_role_over_its_ok_units_with_test_rows():
     }
     assert len(notes) == 1 and "of the 10 new units" in notes[0]
     # units without test rows are not judged: 4 new units left → not judged, said
-    has_test = np.array([True] * 4 + [False] * 6 + [True] * 7)
+    has_test = np.array([40] * 4 + [0] * 6 + [40] * 7)
     fields, notes = coverage_checks(final, roles, has_test)
     assert fields["coverage_check_new"] == "" and fields["coverage_check"] == "ok"
     assert notes == [

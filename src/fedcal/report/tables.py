@@ -94,14 +94,14 @@ CHECK = "coverage_check"  # summary.csv: the stated intervals judged on the test
 CHECK_MARK = {"under": "!", "low": "?", "over": "^", "high": "~"}  # on the coverage cell
 CHECK_SIDE = {
     "under": "below 95 % beyond chance",
-    "low": "below the 93–97 % band (within chance over the units)",
+    "low": "below the 93–97 % band (beyond its test points' noise, within chance over units)",
     "over": "above 99 % beyond chance",
-    "high": "above the 93–97 % band (within chance)",
+    "high": "above the 93–97 % band (beyond its test points' noise, within chance over units)",
 }
 CHECK_LEGEND = (
-    "!: the stated 95 % intervals covered fewer test points than 95 % beyond chance; ?: below "
-    "93 % within chance; ^: more than 99 % beyond chance; ~: above 97 % (a one-sided test "
-    "over the units at 1 %: coverage_check in summary.csv)"
+    "!: the stated 95 % intervals covered fewer test points than 95 % beyond chance over the "
+    "units; ^: more than 99 %; ?: below 93 % and ~: above 97 %, beyond the noise of these "
+    "units' test points (one-sided tests at 1 %: coverage_check in summary.csv)"
 )
 
 
