@@ -24,10 +24,13 @@ extrapolation guard, ``fedprior_support``) is the reference units' design, taken
 (the campaign): not released under DP here.
 
 Coordinates (issue 25, item 3, a public preconditioner): with ``coordinates`` R (from
-:func:`prediction_coordinates` on a public design: the campaign's set points), the release
-runs on u_i = R ĉ_i, where the basis is orthonormal over that design (‖R(c − c')‖² is the
-mean squared difference of the two surfaces' predictions over its points), and maps back:
-μ = R⁻¹ μ_u, Σ = R⁻¹ Σ_u R⁻ᵀ. R is data-independent, so it costs no budget.
+:func:`prediction_coordinates` on a public design, e.g. a grid over the fleet's public input
+box), the release runs on u_i = R ĉ_i, where the basis is orthonormal over that design
+(‖R(c − c')‖² is the mean squared difference of the two surfaces' predictions over its
+points), and maps back: μ = R⁻¹ μ_u, Σ = R⁻¹ Σ_u R⁻ᵀ. R is data-independent, so it costs no
+budget — only if the design is: an R built from the units' own readings (their pooled
+Gram) shapes every released number (u = Rĉ, stage 0's clip scale s‖R‖₂, the map back)
+and is outside the ε the accountant reports.
 """
 
 from __future__ import annotations
