@@ -10,15 +10,17 @@ basis (20 terms), ``interval = "posterior"``. Per fleet:
 - ``one-shot``: the same moments released under DP in ``--stages`` stages (stage 0: the mean
   and log-noise; each next stage whitened by the one before: core.privacy.release_moments),
   bounds adapted to the ``--quantile`` of the units' norms (``--count-share`` of the budget);
-  with ``--coordinates grid`` or ``campaign`` the release runs on u = R ĉ, R a public
+  with ``--coordinates grid`` (the default) the release runs on u = R ĉ, R a public
   preconditioner (fedprior_oneshot.prediction_coordinates): the basis orthonormal over a
-  16 × 6 grid spanning the fleet's public input box, or over the reference units' pooled
-  design (the campaign; the same sums the box is taken from); ``--scales``: stage 1 releases
+  16 × 6 grid spanning the fleet's input box (taken as public: the campaign's range);
+  ``campaign``: over the reference units' pooled design instead, a sum of every unit's own
+  readings, un-clipped and un-noised, that shapes every released number: NOT covered by
+  the printed ε (kept to compare; its rows say so); ``none``: ĉ's own coordinates;
+  ``--scales``: stage 1 releases
   each coordinate's scale and median instead (core.privacy._scale_stage), the next stages
   are whitened by them (``--relevant τ``: and refine only the coordinates of variance
   ≥ τ σ̂², the others diagonal); its path of differences follows a keyed hash of the units'
-  sensor ids (core.privacy.release_order; ``--positions``: of their positions instead, which
-  does not hold the removal bound);
+  sensor ids (core.privacy.release_order; a noisy scaled release without ids is refused);
 - ``oracle``: one stage whitened by the TRUE (non-private) mean, covariance and noise of the
   fits, the whole budget on it, declared bounds from the whitened dimension (2p): the best
   this release can do at that N and ε, whatever the preconditioning.
@@ -31,8 +33,8 @@ enters a mean. ε printed is the accountant's (Opacus RDP over the composed stag
 
     python studies/dp_oneshot.py --units 2000 --designs 3x2,4x3 --epsilons 1,4,8 \\
         --fleet-seeds 0,1,2 [--stages 4] [--quantile 0.9] [--count-share 0.1] [--no-oracle]
-        [--refresh-last] [--no-em] [--coordinates none,grid,campaign]
-        [--scales [--relevant 0.1] [--positions]]
+        [--refresh-last] [--no-em] [--coordinates grid|none|campaign, a list]
+        [--scales [--relevant 0.1]]
 """
 
 from __future__ import annotations
@@ -119,7 +121,9 @@ def main() -> None:
     )
     ap.add_argument("--no-oracle", action="store_true")
     ap.add_argument(
-        "--coordinates", default="none", help="public preconditioner(s): none, grid, campaign"
+        "--coordinates",
+        default="grid",
+        help="preconditioner(s): grid (public), none, campaign (data-dependent: not in ε)",
     )
     ap.add_argument(
         "--scales", action="store_true", help="stage 1: each coordinate's scale and median"
@@ -128,9 +132,6 @@ def main() -> None:
         "--relevant", type=float, default=0.0, help="with --scales: refine var >= this × σ̂²"
     )
     ap.add_argument("--no-em", action="store_true", help="skip the EM line (slow at 10,000)")
-    ap.add_argument(
-        "--positions", action="store_true", help="scale stage path: hash of positions, not ids"
-    )
     args = ap.parse_args()
     if args.quantile > 0 and args.count_share <= 0:  # the counts would go out without noise
         ap.error(f"--quantile {args.quantile} needs --count-share > 0 (or --quantile 0)")
@@ -143,8 +144,13 @@ def main() -> None:
         f"{args.fleet_seeds}; noise seed {args.seed}; stages {stage_list}, stage-0 share "
         f"{args.first_share}, quantile {args.quantile}, count share {args.count_share}, "
         f"{args.steps} steps/stage; EM line: {args.rounds} rounds; scale stage path: hash of "
-        f"{'positions' if args.positions else 'sensor ids'}"
+        "sensor ids"
     )
+    if "campaign" in args.coordinates.split(","):
+        print(
+            "# campaign coordinates: R is built from every unit's own readings (data-"
+            "dependent, un-noised); the printed ε does NOT cover those rows"
+        )
     print(
         "| ref units | design | fleet seed | release | ε target | ε spent | new mean | new worst "
         "| ref mean | s |"
@@ -186,6 +192,8 @@ def main() -> None:
                         )
                         for k in kinds:
                             tag = "" if k == "none" else f", {k}"
+                            if k == "campaign":
+                                tag += " (R not in ε)"
                             if args.scales:
                                 tag += ", scales"
                             if args.relevant:
@@ -218,7 +226,7 @@ def main() -> None:
                                 coordinates=coords.get(kind),
                                 scales=args.scales,
                                 relevant=args.relevant,
-                                keys=None if args.positions else tensors.client_ids,
+                                keys=tensors.client_ids,
                             )
                         r = _score(algorithm, down, tensors, new)
                     except Exception as err:  # a failure is reported, never a number

@@ -74,7 +74,9 @@ def _campaign(alg):
 
 def test_prediction_coordinates_measure_predictions_over_the_design():
     """RᵀR = ΦᵀΦ / m, R upper triangular, so ‖R c‖² is the mean squared prediction φ(x)ᵀc
-    over the design's m points; a design that cannot determine the terms is refused."""
+    over the design's m points; a design that cannot determine the terms is refused: one
+    point four times (no Cholesky factor), and 11 points on the 12-term (3, 2) basis, whose
+    rank-11 Gram float64 can factor (λ_max / λ_min above ``MAX_CONDITION``)."""
     alg = make()
     phi = _campaign(alg)
     r = prediction_coordinates(phi.T @ phi, phi.shape[0])
@@ -85,6 +87,14 @@ def test_prediction_coordinates_measure_predictions_over_the_design():
     one = phi[:1].expand(4, -1)  # one point four times: rank 1
     with pytest.raises(ValueError, match="singular"):
         prediction_coordinates(one.T @ one, 4)
+    wide = make(orders=(3, 2))
+    pts = 2 * torch.rand(11, 2, generator=torch.Generator().manual_seed(10), dtype=F64) - 1
+    eleven = wide.design(pts.unsqueeze(0))[0]
+    assert eleven.shape == (11, 12) and int(torch.linalg.matrix_rank(eleven)) == 11
+    # this draw's Gram does factor: only the eigenvalue ratio can refuse it
+    assert int(torch.linalg.cholesky_ex(eleven.T @ eleven / 11).info) == 0
+    with pytest.raises(ValueError, match=r"singular \(Cholesky info 0, eigenvalue ratio"):
+        prediction_coordinates(eleven.T @ eleven, 11)
 
 
 def test_a_release_in_prediction_coordinates_maps_back_exactly():

@@ -218,9 +218,10 @@ def test_relevant_refines_only_the_block_above_the_noise_level():
 
 def test_the_scaled_release_follows_the_keys_not_the_rows_order():
     """scales=True with keys: the rows permuted together with their keys give the identical
-    release (same generator: same hash key, same path, same sums); without keys (positions)
-    the permuted rows are another path and another release. Keys not one per unit, or
-    repeating, are refused."""
+    release (same generator: same hash key, same path, same sums). Without keys (positions,
+    under which the scale stage's ε holds for no neighbouring relation) a noisy scaled
+    release is refused, a release without noise is the fits' moments in any order. Keys not
+    one per unit, or repeating, are refused."""
     coef, noise = _fleet(300, 4, seed=5)
     ids = [f"S{i:04d}" for i in range(300)]
     perm = torch.randperm(300, generator=torch.Generator().manual_seed(9))
@@ -237,8 +238,11 @@ def test_the_scaled_release_follows_the_keys_not_the_rows_order():
     )
     assert torch.equal(a.mean, b.mean) and torch.equal(a.cov, b.cov)
     assert torch.equal(a.noise, b.noise) and ma == mb and ma["scales/keyed"] == 1.0
-    c, mc = release_moments(coef[perm], noise[perm], budget, gen.manual_seed(2), scales=True)
-    assert not torch.equal(c.cov, a.cov) and mc["scales/keyed"] == 0.0
+    with pytest.raises(ValueError, match="a noisy release with scales needs keys="):
+        release_moments(coef[perm], noise[perm], budget, gen.manual_seed(2), scales=True)
+    c, mc = release_moments(coef[perm], noise[perm], None, gen.manual_seed(2), scales=True)
+    torch.testing.assert_close(c.mean, coef.mean(0), rtol=0, atol=1e-12)
+    assert mc["scales/keyed"] == 0.0
     with pytest.raises(ValueError, match="299 keys for 300 units"):
         release_moments(coef, noise, budget, gen, scales=True, keys=ids[1:])
     with pytest.raises(ValueError, match="unit key 'S0001' repeats"):

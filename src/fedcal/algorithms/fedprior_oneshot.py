@@ -24,10 +24,13 @@ extrapolation guard, ``fedprior_support``) is the reference units' design, taken
 (the campaign): not released under DP here.
 
 Coordinates (issue 25, item 3, a public preconditioner): with ``coordinates`` R (from
-:func:`prediction_coordinates` on a public design: the campaign's set points), the release
-runs on u_i = R ĉ_i, where the basis is orthonormal over that design (‖R(c − c')‖² is the
-mean squared difference of the two surfaces' predictions over its points), and maps back:
-μ = R⁻¹ μ_u, Σ = R⁻¹ Σ_u R⁻ᵀ. R is data-independent, so it costs no budget.
+:func:`prediction_coordinates` on a public design, e.g. a grid over the fleet's public input
+box), the release runs on u_i = R ĉ_i, where the basis is orthonormal over that design
+(‖R(c − c')‖² is the mean squared difference of the two surfaces' predictions over its
+points), and maps back: μ = R⁻¹ μ_u, Σ = R⁻¹ Σ_u R⁻ᵀ. R is data-independent, so it costs no
+budget — only if the design is: an R built from the units' own readings (their pooled
+Gram) shapes every released number (u = Rĉ, stage 0's clip scale s‖R‖₂, the map back)
+and is outside the ε the accountant reports.
 """
 
 from __future__ import annotations
@@ -86,14 +89,22 @@ def local_fits(
 
 def prediction_coordinates(gram: Tensor, rows: float) -> Tensor:
     """R (p, p), upper triangular with Rᵀ R = G / rows: G = ΦᵀΦ the Gram of a PUBLIC design
-    Φ (rows × p), e.g. the campaign's set points. u = R c has ‖u‖² = ‖Φ c‖² / rows, the mean
-    squared prediction over the design's points (a QR of Φ / √rows: Φ / √rows = Q R)."""
+    Φ (rows × p), e.g. a grid over the fleet's public input box. u = R c has ‖u‖² = ‖Φ c‖² /
+    rows, the mean squared prediction over the design's points (a QR of Φ / √rows: Φ / √rows
+    = Q R). Refused, as a unit's fit is (:func:`identified`), when G has no Cholesky factor or
+    λ_max / λ_min ≥ ``MAX_CONDITION``: 11 points on 12 terms factor in float64 (rounding
+    makes the rank-11 Gram look positive definite) with cond(G) ≈ 1e16, and R⁻¹ then maps
+    the release back along a direction the points do not see."""
     g = gram.to(F64) / rows
-    chol, info = torch.linalg.cholesky_ex(0.5 * (g + g.T))
-    if int(info) != 0:
+    g = 0.5 * (g + g.T)
+    chol, info = torch.linalg.cholesky_ex(g)
+    vals = torch.linalg.eigvalsh(g)  # ascending
+    if int(info) != 0 or not bool(identified(g.unsqueeze(0))[0]):
+        ratio = float(vals[-1] / vals[0]) if float(vals[0]) > 0 else float("inf")
         raise ValueError(
-            f"prediction_coordinates: the design's Gram is singular (leading minor {int(info)}):"
-            " its points do not determine the basis's terms"
+            f"prediction_coordinates: the design's Gram is singular (Cholesky info {int(info)}, "
+            f"eigenvalue ratio {ratio:.3g}, limit {MAX_CONDITION:.0e}): its points do not "
+            "determine the basis's terms"
         )
     return chol.T
 

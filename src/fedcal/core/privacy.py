@@ -613,11 +613,12 @@ def release_moments(
     ``keys`` (N,): each unit's public key (e.g. its sensor id), a function of the unit alone;
     with ``scales`` the units are first put in the order of :func:`release_order` (a keyed
     hash of the keys, drawn from ``generator``: never of the coefficients), in which the
-    scale stage takes its differences and every stage its sums. None: the positions 0..N−1
-    (caveat: removing a unit moves every later position, so the scale stage's bound
+    scale stage takes its differences and every stage its sums. None: the positions 0..N−1,
+    allowed only without noise (``budget`` None); a noisy release with ``scales`` and no
+    keys is refused (removing a unit moves every later position, so the scale stage's bound
     below does not hold under removal; and replacing a unit changes its two terms by up
     to 2·30 each, 4·30√p, above the 3·30√p calibrated: without keys the scale stage's ε
-    holds under neither relation).
+    would hold under neither relation).
 
     Neighbouring relation: every stage is calibrated for adding or removing one unit
     (its clipped leaf in each sum, ½ in each centred count, 3·30√p in the scale stage),
@@ -627,7 +628,8 @@ def release_moments(
     Returns (μ, C, σ²) and per-stage metrics (``scales/keyed``: 1 with ``keys``).
     Refused: ``quantile`` > 0 with ``budget.counts`` 0 (the clip counts would be released
     without noise and outside ε), one stage without ``whiten`` (stage 0 releases no
-    covariance), and ``keys`` not one per unit or repeating.
+    covariance), ``keys`` not one per unit or repeating, and ``scales`` with a budget but
+    no ``keys``.
     """
     n, p = coef.shape
     coef, noise_var = coef.to(F64), noise_var.to(F64)
@@ -648,6 +650,10 @@ def release_moments(
         )
     if keys is not None and len(keys) != n:
         raise ValueError(f"release_moments: {len(keys)} keys for {n} units")
+    if scales and not plain and keys is None:  # positions: its ε holds for no relation
+        raise ValueError(
+            "release_moments: a noisy release with scales needs keys= (one public id per unit)"
+        )
     metrics: dict[str, float] = {}
     if scales:  # the scale stage's path: a public order of the units, fixed before stage 0
         order = release_order(range(n) if keys is None else keys, generator)
