@@ -1,1 +1,3 @@
-"""fedcal's Flower app: entry points into :mod:`fedcal.apps` (engine: :mod:`fedcal.engine.flower`)."""
+"""fedcal's Flower app: entry points into :mod:`fedcal.apps`.
+
+The engine is :mod:`fedcal.engine.flower`."""
