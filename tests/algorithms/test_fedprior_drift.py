@@ -14,6 +14,7 @@ from fedcal.algorithms.fedprior_drift import DRIFT_GRID, NO_TIME, FedPriorDrift
 from fedcal.core.bayes import F64, moments
 from fedcal.core.data import ClientData
 from fedcal.core.task import Task
+from fedcal.core.tree import expand
 from fedcal.data.loader import load_fleet
 from fedcal.engine.simulation import prepare
 from fedcal.models.mlp import MLP
@@ -555,3 +556,23 @@ def test_one_forged_span_cannot_make_the_time_scale_arbitrarily_long():
     # hand-computed: spans 1, 2, 3, 1000, median 2, cap 4: (1 + 2 + 3 + 8) / 4
     s = torch.tensor([1.0, 2.0, 3.0, 1000.0], dtype=F64)
     assert float(fleet_time_scale(s, torch.arange(4), 4.0)) == pytest.approx(3.5)
+
+
+def test_evidence_mode_decides_on_clipped_gains_so_one_unit_cannot_freeze_q():
+    """drift_fit = "evidence": ℓ_i(q) is checked from above only (and pinned at the E-step's
+    q), so a unit setting ℓ_i = −1e20 at every other q summed raw left only the E-step's
+    column finite: q frozen (here at 0, against the honest 0.178). Decided on each unit's
+    clipped gains over q = 0 (± drift_score_clip · n_i), its pull is bounded and the 63
+    honest units' evidence wins."""
+    train, _ = planted(q=0.5, units=64, rows=40, future=2, seed=1)
+    alg = make(drift_fit="evidence")
+    rounds = run_rounds(alg, train, 1)
+    server = rounds.server
+    reply = alg.client_update(expand(alg.broadcast(server), 64), rounds.states, train).reply
+    honest = float(alg.server_update(server, reply, train.count)["drift"]["q"])
+    assert float(server["drift"]["q"]) == 0.0 and honest > 0.0
+    loglik = reply["drift"]["loglik"].clone()
+    loglik[3, 1:] = -1e20  # below the upper bound at every q but the E-step's (q = 0)
+    hostile = {**reply, "drift": {**reply["drift"], "loglik": loglik}}
+    assert alg.inconsistent_replies(server, hostile, train.count, torch.ones(64, dtype=bool)) == {}
+    assert float(alg.server_update(server, hostile, train.count)["drift"]["q"]) == honest

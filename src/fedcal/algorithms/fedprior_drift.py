@@ -72,8 +72,10 @@ Consistency (issue 21's check, :func:`drift_problems`): the evidence grid must l
 what the unit's rows allow at the broadcast σ², and at its E-step's q it must equal the
 evidence the server recomputes from the unit's uploaded posterior moments
 (:func:`evidence_from_upload`); the future scores below their bound; every upload, the
-short step's too, finite. A forged grid is rejected like any inconsistent upload. The future
-scores are bounded from above only, so the server sums each unit's gain over q = 0, clipped
+short step's too, finite. A grid above its bound is rejected like any inconsistent upload;
+below it (and away from the E-step's q) nothing bounds it. The future scores, and the
+evidence grid when ``drift_fit = "evidence"``, are bounded from above only, so the server
+sums each unit's gain over q = 0, clipped
 to ± ``drift_score_clip`` × its rows, and never the score at q = 0 itself
 (:func:`bound_future_scores`: a huge common offset would swallow the honest margins in
 float64); each declared span is capped at ``drift_span_cap`` × the median span before T is
@@ -426,8 +428,13 @@ class FedPriorDrift(ShortColocation, FedPrior):
         if robust is not None and bool((robust.weights != 1).any()):
             loglik = loglik * robust.weights.unsqueeze(1)
             future = future * robust.weights.unsqueeze(1)
+        # the evidence mode decides on clipped gains too (raw sums are checked from above
+        # only: one unit lowering ℓ_i(q > 0) without limit would hold q at 0)
+        evidence = bound_future_scores(drift["loglik"], replies["n"], self.drift_score_clip)
+        if robust is not None and bool((robust.weights != 1).any()):
+            evidence = evidence * robust.weights.unsqueeze(1)
         loglik, future = loglik[order].sum(0), future[order].sum(0)
-        score = future if self.drift_fit == "future" else loglik
+        score = future if self.drift_fit == "future" else evidence[order].sum(0)
         old = server["drift"]
         q = torch.tensor(0.0, dtype=F64)
         if float(old["scale"]) > 0:  # the grid was evaluated this round
