@@ -1010,21 +1010,27 @@ def load_fleet(
     )
     numeric = [*features, target]
     raw, label, bounds, plausible = _read_guarded(path, numeric, physical_bounds, max_bytes)
-    return _fleet_of(
-        raw,
-        label,
-        bounds,
-        plausible,
-        features,
-        target,
-        client_column,
-        split_column,
-        test_fraction,
-        seed,
-        mins,
-        time_column,
+    how = _Assembly(
+        features, target, client_column, split_column, test_fraction, seed, mins, time_column,
         split_by,
-    )
+    )  # fmt: skip
+    return _fleet_of(raw, label, bounds, plausible, how)
+
+
+@dataclass(frozen=True)
+class _Assembly:
+    """How a table becomes a :class:`Fleet`: :func:`load_fleet`'s arguments after
+    ``_check_args``, the same for a whole file and each of its row groups."""
+
+    features: tuple[str, ...]
+    target: str
+    client_column: str
+    split_column: str | None
+    test_fraction: float
+    seed: int
+    mins: dict[str, int]
+    time_column: str | None
+    split_by: str
 
 
 def _fleet_of(
@@ -1032,19 +1038,14 @@ def _fleet_of(
     label: str,
     bounds: dict[str, Bounds],
     plausible: Mapping[str, Plausible],
-    features: tuple[str, ...],
-    target: str,
-    client_column: str,
-    split_column: str | None,
-    test_fraction: float,
-    seed: int,
-    mins: dict[str, int],
-    time_column: str | None,
-    split_by: str,
+    how: _Assembly,
     whole: Mapping[str, tuple[float, float]] | None = None,
 ) -> Fleet:
     """:func:`load_fleet`'s checks and assembly of a table already read (``raw``); ``whole``:
     see :func:`_check_plausible`."""
+    features, target, mins = how.features, how.target, how.mins
+    client_column, split_column, time_column = how.client_column, how.split_column, how.time_column
+    test_fraction, seed, split_by = how.test_fraction, how.seed, how.split_by
     numeric = [*features, target]
     if split_by not in ("random", "time"):
         raise ValueError(f"split_by must be 'random' or 'time', got {split_by!r}")
@@ -1154,6 +1155,10 @@ def load_fleet_chunks(
     features, target = _check_args(
         features, target, client_column, split_column, test_fraction, seed, mins
     )
+    how = _Assembly(
+        features, target, client_column, split_column, test_fraction, seed, mins, time_column,
+        split_by,
+    )  # fmt: skip
     numeric = [*features, target]
     bounds = _resolve_bounds(numeric, physical_bounds)
     plausible = {
@@ -1193,22 +1198,7 @@ def load_fleet_chunks(
             start += len(frame)
             if not len(frame):
                 continue
-            fleet = _fleet_of(
-                raw,
-                label,
-                bounds,
-                plausible,
-                features,
-                target,
-                client_column,
-                split_column,
-                test_fraction,
-                seed,
-                mins,
-                time_column,
-                split_by,
-                whole,
-            )
+            fleet = _fleet_of(raw, label, bounds, plausible, how, whole)
             yield fleet
         if not start:
             raise FleetDataError(label, "no data rows (the table has 0 records)")
