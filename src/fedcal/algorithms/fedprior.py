@@ -162,7 +162,7 @@ from torch import Tensor
 
 from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
 from fedcal.algorithms.fedprior_noise import NoiseModel
-from fedcal.algorithms.fedprior_robust import RobustUploads, _weighted
+from fedcal.algorithms.fedprior_robust import RobustUploads, _capped_noise, _weighted
 from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
 from fedcal.algorithms.fedprior_status import PriorStatus
@@ -809,6 +809,8 @@ class FedPrior(
         robust = self.outlier_weights(server, replies)
         if robust is not None and bool((robust.weights != 1).any()):  # all 1: the plain sums
             replies = _weighted(replies, robust.weights)
+        if self.robust != "off":  # residual sums: a bounded pull on σ², not a size screen
+            replies = _capped_noise(replies)
         skip = ("cand", "interval", "noise")
         total = {k: v[order].sum(0) for k, v in replies.items() if k not in skip}
         pinned = self._unidentified_branch(total.pop("branch_support", None))

@@ -1,0 +1,137 @@
+"""Screening that judges honesty, not size (issue 34.3): fedprior's server on a planted fleet.
+
+12 honest units under one calibration family y = a_i + b_i x + 0.05 x² + noise (300 rows,
+noise σ = 0.05): unit 0 has 30× the rows, unit 1 has 6 rows, unit 2 a residual variance 50×
+the others' and unit 3 400× (a residual RMS 20× theirs: an honest, bad sensor). Before,
+the size screen rejected units 2 and 3 in every round (their residual sums: "size 52 >
+threshold 10") and the M-step down-weighted unit 1 in round 0 (its vagueness under the
+vague start counted as distance). Now none is rejected or down-weighted in any round,
+while a forged unit (statistics × 1000 or × 1.5) is rejected in every round and a forged
+residual sum alone moves the fleet noise by a bounded amount.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedcal.algorithms.fedprior import FedPrior
+from fedcal.core.aggregation import AggregationPolicy, aggregate
+from fedcal.core.bayes import F64
+from fedcal.core.data import ClientData
+from fedcal.core.robust import RESIDUAL_CAP, capped_residuals, fitted_rms, support_problems
+from fedcal.core.task import Task
+from fedcal.core.tree import expand, flatten, unflatten
+from fedcal.models.mlp import MLP
+
+UNITS, ROWS, ROUNDS = 12, 300, 5
+RICH, FEW, NOISY, NOISIER = 0, 1, 2, 3
+
+
+def _fleet() -> ClientData:
+    rng = np.random.default_rng(0)
+    data = []
+    for i in range(UNITS):
+        n = {RICH: 30 * ROWS, FEW: 6}.get(i, ROWS)
+        x = rng.uniform(-1.0, 1.0, n)
+        gain, offset = 1.0 + 0.1 * rng.standard_normal(), 0.1 * rng.standard_normal()
+        sd = 0.05 * {NOISY: 50**0.5, NOISIER: 20.0}.get(i, 1.0)
+        y = offset + gain * x + 0.05 * x**2 + sd * rng.standard_normal(n)
+        data.append((x[:, None], y[:, None]))
+    return ClientData.from_arrays(data, tuple(range(UNITS)), F64)
+
+
+def _forged(reply, client: int, factor: float, keys: tuple[str, ...] | None = None):
+    flat = {}
+    for key, leaf in flatten(reply).items():
+        if leaf.is_floating_point() and key != "n" and (keys is None or key in keys):
+            leaf = leaf.clone()
+            leaf[client] = leaf[client] * factor
+        flat[key] = leaf
+    return unflatten(flat)
+
+
+def _rounds(data, forge=None) -> tuple[list[dict], dict]:
+    """ROUNDS rounds of fedprior (robust = "full") through the default policy (size screen
+    at 10×, consistency check): every record (rejections and down-weightings), last server."""
+    torch.set_num_threads(1)
+    alg = FedPrior(Task(MLP(in_features=1)), basis="total", degree=2)
+    server = alg.server_init({})
+    states = alg.client_init(expand(alg.broadcast(server), UNITS))
+    record: list[dict] = []
+    for rnd in range(ROUNDS):
+        down = alg.broadcast(server)
+        result = alg.client_update(expand(down, UNITS), states, data)
+        reply = result.reply if forge is None else forge(result.reply)
+        before = len(record)
+        server, _, _ = aggregate(
+            alg, server, down, reply, data.count.to(F64), AggregationPolicy(), rnd, record=record
+        )
+        for r in record[before:]:
+            r["round"] = rnd
+        states = result.state
+    return record, server
+
+
+@pytest.fixture(scope="module")
+def data() -> ClientData:
+    return _fleet()
+
+
+def test_honest_rich_few_and_noisy_units_are_never_rejected_nor_down_weighted(data):
+    counts = data.count.tolist()
+    assert counts[RICH] == 30 * counts[5] and counts[FEW] == 6  # the planted inequality
+    record, _ = _rounds(data)
+    assert record == []
+
+
+@pytest.mark.parametrize("unit", [RICH, FEW, NOISIER, 7])
+def test_a_x1000_unit_is_rejected_by_size_in_every_round_and_no_other(data, unit):
+    record, _ = _rounds(data, lambda reply: _forged(reply, unit, 1000.0))
+    assert {r["client"] for r in record} == {unit}
+    assert sorted({r["round"] for r in record}) == list(range(ROUNDS))
+    assert all(r["reason"] == "size" and r["ratio"] > 100.0 for r in record)
+
+
+@pytest.mark.parametrize("unit", [RICH, NOISY, 7])
+def test_a_x1_5_unit_is_rejected_by_its_broken_identities_in_every_round(data, unit):
+    record, _ = _rounds(data, lambda reply: _forged(reply, unit, 1.5))
+    assert {r["client"] for r in record} == {unit}
+    assert sorted({r["round"] for r in record}) == list(range(ROUNDS))
+    assert all(r["reason"] != "size" for r in record)  # scale-free: not by size
+
+
+def test_a_forged_residual_sum_alone_has_a_bounded_pull_on_the_fleet_noise(data):
+    """RSS × 1000 (every identity it enters holds: RSS ≥ 0 only) is not a size the screen
+    can tell from an honest noisy unit's; its pull on σ² = Σ rss / Σ n is capped at
+    RESIDUAL_CAP × the median per-row variance, about the honest NOISIER unit's."""
+    _, clean = _rounds(data)
+    _, forged = _rounds(data, lambda reply: _forged(reply, 7, 1000.0, ("rss",)))
+    ratio = float(forged["noise_var"] / clean["noise_var"])
+    # σ²'s sum gains at most RESIDUAL_CAP · n_7 · median − rss_7 ≤ (cap − 1)·(n_7 / Σ n)·σ²-ish
+    share = ROWS / float(data.count.sum())
+    assert 1.0 < ratio <= 1.0 + 1.2 * RESIDUAL_CAP * share
+    assert ratio < 1000.0 * share  # uncapped, the forged unit alone would multiply it
+
+
+def test_fitted_rms_capped_residuals_and_support_by_hand():
+    # m = (1, 2), G = [[4, 2], [2, 2]] (G_00 = 4 rows): mᵀGm = 4 + 8 + 8 = 20 → √(20/4)
+    m = torch.tensor([[1.0, 2.0]], dtype=F64)
+    g = torch.tensor([[[4.0, 2.0], [2.0, 2.0]]], dtype=F64)
+    assert float(fitted_rms(m, g, torch.tensor([4.0]))[0]) == pytest.approx(5**0.5, rel=1e-12)
+    # a Gram scaled alone leaves it (G_00 scales too); targets × 3 give × 3
+    assert float(fitted_rms(m, 1e3 * g, torch.tensor([4.0]))[0]) == pytest.approx(5**0.5)
+    assert float(fitted_rms(3 * m, g, torch.tensor([4.0]))[0]) == pytest.approx(3 * 5**0.5)
+    # per-row variances 1, 1, 1, 1000 (rows 10): median 1, the last capped at 100 · 10
+    rss, over = capped_residuals(
+        torch.tensor([10.0, 10.0, 10.0, 1e4], dtype=F64), torch.full((4,), 10.0, dtype=F64)
+    )
+    assert rss.tolist() == [10.0, 10.0, 10.0, RESIDUAL_CAP * 10.0] and over.tolist() == [
+        False,
+        False,
+        False,
+        True,
+    ]
+    support = torch.stack([torch.eye(2, dtype=F64) * 0.5, torch.eye(2, dtype=F64) * 3.0])
+    assert list(support_problems(support)) == [1]
