@@ -262,8 +262,8 @@ def test_the_printed_table_counts_excluded_sensors_and_fits_100_columns():
     assert "—" in cells and "20" in cells  # coverage not stated; 20 sensors excluded
     notes = excluded_note(table)
     assert notes == [
-        "fedprior_fixed (all pts): 40 of 40 sensors excluded from the means: 40 weak",
-        "fedpoly_p3_longer_name (all pts): 20 of 40 sensors excluded from the means: 20 rejected",
+        "fedprior_fixed: 40 of 40 sensors excluded from the means: 40 weak",
+        "fedpoly_p3_longer_name: 20 of 40 sensors excluded from the means: 20 rejected",
     ]
 
 
@@ -352,7 +352,9 @@ def test_a_role_with_no_ok_sensor_reads_n_a_not_diverged():
         }
     )
     assert cell(row, "rmse_mean_new", short=True) == "n/a"
-    assert cell(row, "rmse_mean_reference", short=True) == "0.05"
+    assert (
+        cell(row, "rmse_mean_reference", short=True) == "0.0500"
+    )  # 3 significant digits, zeros kept (issue 37.2)
     # a role with one ok sensor whose value is NaN is a real non-finite number: "diverged"
     partly = row.copy()
     partly["excluded_new"] = 19
