@@ -135,3 +135,64 @@ def test_fitted_rms_capped_residuals_and_support_by_hand():
     ]
     support = torch.stack([torch.eye(2, dtype=F64) * 0.5, torch.eye(2, dtype=F64) * 3.0])
     assert list(support_problems(support)) == [1]
+
+
+# ---- fedpoly: its projected Gram is no size (issue 34.3) -----------------------------------
+POLY_UNITS = 10
+
+
+def _poly_fleet(case: str) -> ClientData:
+    """10 units of y = b_i f + 0.2 T + 0.1 f²T + 0.05 T³ + noise on [-1, 1]²; ``rich``: unit 0
+    has 100× the rows; ``episodes``: unit 2 has 3 honest readings at ~3× the range;
+    ``noisy``: unit 3 has 50× the residual variance; ``x1000``: unit 4's targets × 1000."""
+    rng = np.random.default_rng(0)
+    data = []
+    for i in range(POLY_UNITS):
+        n = 60 * (100 if (i == 0 and case == "rich") else 1)
+        x = rng.uniform(-1.0, 1.0, (n, 2))
+        if i == 2 and case == "episodes":
+            x[:3] = 3.0 * rng.uniform(0.8, 1.0, (3, 2))
+        gain = 1.0 + 0.1 * rng.standard_normal()
+        y = 0.1 * rng.standard_normal() + gain * x[:, 0] + 0.2 * x[:, 1]
+        y = y + 0.1 * x[:, 0] ** 2 * x[:, 1] + 0.05 * x[:, 1] ** 3
+        y = y + 0.01 * (50**0.5 if (i == 3 and case == "noisy") else 1.0) * rng.standard_normal(n)
+        y = y * (1000.0 if (i == 4 and case == "x1000") else 1.0)
+        data.append((x, y[:, None]))
+    return ClientData.from_arrays(data, tuple(range(POLY_UNITS)), F64)
+
+
+def _poly_round(case: str, forge=None) -> list[dict]:
+    from fedcal.algorithms.fedpoly import FedPoly
+
+    alg = FedPoly(Task(MLP(in_features=2)))
+    data = _poly_fleet(case)
+    server = alg.server_init({})
+    down = alg.broadcast(server)
+    states = alg.client_init(expand(down, POLY_UNITS))
+    reply = alg.client_update(expand(down, POLY_UNITS), states, data).reply
+    record: list[dict] = []
+    reply = reply if forge is None else forge(reply)
+    aggregate(alg, server, down, reply, data.count.to(F64), AggregationPolicy(), 0, record=record)
+    return record
+
+
+@pytest.mark.parametrize("case", ["plain", "rich", "episodes", "noisy"])
+def test_fedpoly_keeps_honest_rich_episode_and_noisy_units(case):
+    """Before, the episode unit's projected Gram (x³T³ terms at 3× the range) was 3·10⁴ × the
+    fleet's: rejected by size."""
+    assert _poly_round(case) == []
+
+
+def test_fedpoly_rejects_a_x1000_unit_by_size_and_a_forged_gram_by_consistency():
+    record = _poly_round("x1000")
+    assert [(r["client"], r["reason"]) for r in record] == [(4, "size")]
+    assert record[0]["ratio"] > 100.0
+
+    def not_psd(reply):
+        gram = reply["gram"].clone()
+        gram[6] = -gram[6]
+        return {**reply, "gram": gram}
+
+    record = _poly_round("plain", not_psd)
+    assert [r["client"] for r in record] == [6]
+    assert record[0]["reason"].startswith("Gram matrix not positive semi-definite")
