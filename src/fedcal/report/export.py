@@ -73,6 +73,23 @@ class CalibratedFleet:
         sd = None if std is None else std[0].double().numpy() * np.abs(scale)
         return self.scaler.y_inverse(y), sd
 
+    def without_sigma(self) -> list[str]:
+        """Sensors whose model states no predictive σ although the method has one (e.g.
+        fedprior's declined interval: σ NaN): every export leaves σ out for them and says so.
+        """
+        sensors = sorted(self.params)
+        if not sensors or getattr(self.algorithm, "predictive_std", None) is None:
+            return []
+        params = stack([self.params[s] for s in sensors])
+        dtype = next(iter(params.values())).dtype
+        at = torch.as_tensor(self.scaler.x_offset, dtype=dtype).reshape(1, 1, -1)
+        with torch.no_grad():
+            std = self.algorithm.predictive_std(params, at.expand(len(sensors), 1, -1))
+        if std is None:
+            return []
+        finite = torch.isfinite(std.reshape(len(sensors), -1)).all(-1)
+        return [s for s, ok in zip(sensors, finite.tolist(), strict=True) if not ok]
+
     def predict_rows(self, frame, sensor_column: str | None = None):
         """(mean, σ or None): one value per row of ``frame`` (its sensor column, features).
 
