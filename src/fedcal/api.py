@@ -296,20 +296,25 @@ class CalibratedUnits:
         )
 
     def predict(
-        self, X: Data, return_std: bool = False
-    ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+        self, X: Data, return_std: bool = False, return_interval: bool = False
+    ) -> np.ndarray | tuple[np.ndarray, ...]:
         """Calibrated target for each row of ``X`` (sensor column + features), in its unit.
 
         With ``return_std``: also the predictive σ (posterior of the unit's coefficients
-        and its noise level). Rows keep ``X``'s order; a sensor not calibrated here is a
-        KeyError naming it.
+        and its noise level). With ``return_interval``: also the half-width of the stated
+        95 % interval (±1.96 σ; with a direction term the sweep mixture's, the interval
+        the run scores: :meth:`fedcal.report.export.CalibratedFleet.interval_rows`).
+        Rows keep ``X``'s order; a sensor not calibrated here is a KeyError naming it.
         """
         from fedcal.data.loader import load_readings
 
         models = self.models
         frame = load_readings(X, models.features, models.sensor_column)
         mean, std = models.predict_rows(frame)
-        return (mean, std) if return_std else mean
+        out = (mean,) + ((std,) if return_std else ())
+        if return_interval:
+            out += (models.interval_rows(frame),)
+        return out if len(out) > 1 else mean
 
     @property
     def coefficients(self) -> pd.DataFrame:

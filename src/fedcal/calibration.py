@@ -158,11 +158,32 @@ def calibrate(prior: PriorModel, fleet: Fleet, source: str = "data") -> Calibrat
         scaled("train"), scaled("test"), scaler, tuple(map(str, fleet.client_ids))
     )
     server = prior_server(prior, scaler)
-    n = tensors.num_clients
-    down = expand(algorithm.broadcast(server), n)
-    state = own_noise(algorithm, down, algorithm.client_init(down), tensors.train)
-    personal = algorithm.personalize(down, state, tensors.train)
+    personal = unit_posteriors(algorithm, server, tensors.train)
     return Calibration(algorithm, tensors, personal, server)
+
+
+def unit_posteriors(
+    algorithm: FedPrior, server: Tree, data: ClientData, noise_var: torch.Tensor | None = None
+) -> Tree:
+    """Each unit's posterior under the stored prior, with what its σ is made of.
+
+    The one place a unit's stated σ is formed off the federation: :func:`calibrate` calls
+    it on a unit's readings, the planner (:func:`fedcal.planning.posteriors`) on a
+    design's expected readings, so the σ ``plan`` forecasts is the σ ``calibrate``
+    states (a term added here reaches both). ``noise_var`` None: each unit's own noise
+    level, the fixed point of :func:`own_noise`; given (the planner: the fleet's σ²): that
+    level — the fixed point's value for the fleet's typical unit, since under the prior
+    predictive E[rss_i] = n_i σ² (rss_i = ‖y − Φm‖² + tr(ΦVΦᵀ) = σ⁴tr(C⁻¹) + n_iσ² −
+    σ⁴tr(C⁻¹) in expectation, C = ΦΣΦᵀ + σ²I), so σ_i² = (rss_i + νσ²)/(n_i + ν) = σ².
+    """
+    n = data.num_clients
+    down = expand(algorithm.broadcast(server), n)
+    state = algorithm.client_init(down)
+    if noise_var is None:
+        state = own_noise(algorithm, down, state, data)
+    else:
+        state["noise_var"] = noise_var.to(F64).expand(n).clone()
+    return algorithm.personalize(down, state, data)
 
 
 def own_noise(algorithm: FedPrior, down: Tree, state: Tree, data: ClientData) -> Tree:

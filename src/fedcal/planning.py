@@ -92,10 +92,10 @@ import torch
 from torch import Tensor
 
 from fedcal.algorithms.fedprior import FedPrior
-from fedcal.calibration import prior_algorithm, prior_server
+from fedcal.calibration import prior_algorithm, prior_server, unit_posteriors
 from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData
-from fedcal.core.tree import Tree, expand
+from fedcal.core.tree import Tree
 from fedcal.data.fleet import DIRECTION_SIGNS
 from fedcal.data.scaling import Scaler
 from fedcal.prior.model import PriorModel
@@ -396,10 +396,8 @@ def posteriors(plan: Planner, x: Tensor, b: Tensor, count: Tensor, base: Base) -
     mean = (alg.design(x, b) @ base.coef.to(F64).unsqueeze(-1))[..., 0]
     ys = torch.cat([base.y.expand(c, n0), mean], 1)
     data = ClientData(xs, ys.unsqueeze(-1), count + n0, (0,) * c, (), bs)
-    down = expand(alg.broadcast(plan.server), c)
-    state = alg.client_init(down)
-    state["noise_var"] = base.noise_var.to(F64).expand(c).clone()
-    params = alg.personalize(down, state, data)
+    # calibrate's own posterior (and σ parts), at the expected noise level (its docstring)
+    params = unit_posteriors(alg, plan.server, data, base.noise_var)
     # A declined interval (NaN σ) is kept aside: J still scores the design with τ² (module doc).
     if "declined" in params:
         params["interval_declined"] = params.pop("declined")

@@ -212,7 +212,7 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
     alg = fleet.algorithm
     sensors = tuple(sorted(fleet.params))
     params = {k: v.to(torch.float64) for k, v in stack([fleet.params[s] for s in sensors]).items()}
-    lo = hi = factor = add_var = box_lo = box_hi = None
+    lo = hi = factor = add_var = box_lo = box_hi = stated = None
     per_unit = True
     if isinstance(alg, FedPrior):
         basis = "legendre"
