@@ -45,40 +45,15 @@ KIND = "fedprior"
 BASIS_FAMILIES = ("legendre",)  # normalized Legendre products (fedcal.models.basis)
 RETRAIN = "re-train the prior with this fedcal (`fedcal run --methods fedprior ...`)"
 # Every part a prior.json may hold (v1 and v2); anything else is refused.
-KNOWN = frozenset(
-    {
-        "format_version",
-        "kind",
-        "created_by",
-        "basis_family",
-        "terms",
-        "term_names",
-        "mu",
-        "sigma",
-        "noise_var",
-        "noise",
-        "noise_prior_points",
-        "identification",
-        "noise_gamma",
-        "noise_student",
-        "interval",
-        "branch_terms",
-        "branch_term_names",
-        "branch_pinned",
-        "selection",
-        "drift",
-        "discrepancy",
-        "method",
-        "method_params",
-        "features",
-        "target",
-        "sensor_column",
-        "scaler",
-        "input_range",
-        "num_units",
-        "design_counts",
-    }
-)
+# fmt: off
+KNOWN = frozenset((
+    "format_version", "kind", "created_by", "basis_family", "terms", "term_names", "mu",
+    "sigma", "noise_var", "noise", "noise_prior_points", "identification", "noise_gamma",
+    "noise_student", "interval", "branch_terms", "branch_term_names", "branch_pinned",
+    "selection", "drift", "discrepancy", "method", "method_params", "features", "target",
+    "sensor_column", "scaler", "input_range", "num_units", "design_counts",
+))
+# fmt: on
 
 
 def created_by() -> str:

@@ -182,6 +182,7 @@ class LinearForm:
             size += 2 * f * TYPE_BYTES[STAGES["FEDCAL_BOX_T"]]
         if self.has_std:
             size += (t * (t + 1) // 2 + 1) * TYPE_BYTES[STAGES["FEDCAL_STD_T"]]
+            size += 1  # fedcal_has_std: whether the unit states a σ
         if with_range:
             size += (2 * f + 2) * 4  # x_min, x_max, y_min, y_max (float)
             size += 2 * f * 8  # in_range's widened bounds range_lo, range_hi (double: exact)
