@@ -152,11 +152,7 @@ def sensor_statuses(
     """
     tol = UNCONVERGED_TOL if tolerance is None else float(tolerance)
     first_final = rounds - final_window(rounds) + 1
-    late: dict[int, Mapping] = {}
-    lowered: dict[int, Mapping] = {}  # down-weighted in the final rounds: ok, said in its reason
-    for r in rejections:  # a down-weighting is no rejection: its reply was aggregated
-        if int(r["round"]) >= first_final:
-            (lowered if is_downweighting(r["reason"]) else late)[int(r["client_index"])] = r
+    late, lowered = _final_records(rejections, first_final)
     column = f"train_{metric}"
     if metric in HIGHER_IS_BETTER and column in history.columns:  # judge its error rate
         history = history.assign(**{column: 1.0 - history[column]})
@@ -210,6 +206,19 @@ def sensor_statuses(
         statuses.append(status)
         reasons.append(why)
     return statuses, reasons
+
+
+def _final_records(
+    rejections: Sequence[Mapping], first_final: int
+) -> tuple[dict[int, Mapping], dict[int, Mapping]]:
+    """Per client index, its last rejection and its last down-weighting in the final rounds
+    (a down-weighting is no rejection: its reply was aggregated; ok, said in its reason)."""
+    late: dict[int, Mapping] = {}
+    lowered: dict[int, Mapping] = {}
+    for r in rejections:
+        if int(r["round"]) >= first_final:
+            (lowered if is_downweighting(r["reason"]) else late)[int(r["client_index"])] = r
+    return late, lowered
 
 
 def counts(statuses: pd.Series) -> dict[str, int]:
