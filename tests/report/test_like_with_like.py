@@ -125,3 +125,11 @@ def test_numbers_keep_their_zeros_only_where_asked():
     assert cell(pd.Series({"rmse_mean": 0.1, "rmse_mean_std": 0.0, "seeds": 1}), "rmse_mean") == (
         "0.100"
     )
+
+
+def test_a_suffix_that_is_no_unit_is_not_printed_as_one():
+    from fedcal.report.tables import target_unit
+
+    assert target_unit("pressure_hpa") == "hPa" and target_unit("conc_ppm") == "ppm"
+    assert target_unit("pm25_ref") == "" and target_unit("p_ref") == ""  # before: "ref"
+    assert target_unit("t_degc") == "°C" and target_unit("rainfall") == ""

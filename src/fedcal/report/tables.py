@@ -25,13 +25,28 @@ POOLED = ("seed", "fleet_seed")  # averaged over: training seeds and fleet seeds
 HEADLINE = ("rmse_mean", "rmse_worst", "mae_mean", "max_abs_worst", "accuracy_mean")
 DIVERGED = "diverged"
 
-UNITS = {"hpa": "hPa", "pa": "Pa", "kpa": "kPa", "c": "°C", "k": "K", "percent": "%", "ppm": "ppm"}
+UNITS = {
+    "hpa": "hPa",
+    "pa": "Pa",
+    "kpa": "kPa",
+    "c": "°C",
+    "degc": "°C",
+    "k": "K",
+    "percent": "%",
+    "pct": "%",
+    "ppm": "ppm",
+    "ppb": "ppb",
+    "ugm3": "µg/m³",
+    "mm": "mm",
+}
 
 
 def target_unit(column: str) -> str:
-    """The unit a column name ends with (``pressure_hpa`` → hPa), or '' if none is known."""
+    """The unit a column name ends with (``pressure_hpa`` → hPa), or '' if none is known: a
+    suffix that names no unit (``pm25_ref``) is not printed as one ("errors in ref",
+    issue 37.2)."""
     suffix = column.rsplit("_", 1)[-1].lower() if "_" in column else ""
-    return UNITS.get(suffix, suffix)
+    return UNITS.get(suffix, "")
 
 
 def _nan_mean(values: pd.Series) -> float:
