@@ -196,3 +196,24 @@ def test_fedpoly_rejects_a_x1000_unit_by_size_and_a_forged_gram_by_consistency()
     record = _poly_round("plain", not_psd)
     assert [r["client"] for r in record] == [6]
     assert record[0]["reason"].startswith("Gram matrix not positive semi-definite")
+
+
+# ---- a trained model's update: judged per row as well (issue 34.3) -------------------------
+def test_fedavg_keeps_honest_rich_and_episode_units_and_rejects_a_x1000_one():
+    """The planted fleet of test_screen_views (unit 0: 100× the rows, unit 2: 3 readings at
+    ~10× the input range). Local training takes steps ∝ rows, so the update's size is judged
+    as it is and per declared row, each against the others' rows-weighted median (as summed
+    statistics are, ``statistic_sizes``): before, unit 2 was rejected in rounds 1–2 (size
+    11.6, 18.3). A unit whose targets are × 1000 is still rejected by size in every round."""
+    from fedcal.algorithms import REGISTRY
+    from tests.core.test_screen_views import _fleet, _rounds
+
+    torch.manual_seed(0)
+
+    def make():
+        return REGISTRY["fedavg"](Task(MLP(in_features=1, hidden=(8,), activation="tanh")))
+
+    assert _rounds(make(), _fleet(), 3) == []
+    record = _rounds(make(), _fleet({5: 1000.0}), 3)
+    assert {r["client"] for r in record} == {5} and len(record) == 3
+    assert all(r["reason"] == "size" and r["ratio"] > 100.0 for r in record)
