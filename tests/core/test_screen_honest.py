@@ -204,7 +204,9 @@ def test_fedavg_keeps_honest_rich_and_episode_units_and_rejects_a_x1000_one():
     ~10× the input range). Local training takes steps ∝ rows, so the update's size is judged
     as it is and per declared row, each against the others' rows-weighted median (as summed
     statistics are, ``statistic_sizes``): before, unit 2 was rejected in rounds 1–2 (size
-    11.6, 18.3). A unit whose targets are × 1000 is still rejected by size in every round."""
+    11.6, 18.3). (It passes because unit 0's larger update sets the rows-weighted scale;
+    with equal rows it is still rejected: docs/statuses.md.) A unit whose targets are
+    × 1000 is still rejected by size in every round."""
     from fedcal.algorithms import REGISTRY
     from tests.core.test_screen_views import _fleet, _rounds
 
