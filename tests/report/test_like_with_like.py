@@ -133,3 +133,37 @@ def test_a_suffix_that_is_no_unit_is_not_printed_as_one():
     assert target_unit("pressure_hpa") == "hPa" and target_unit("conc_ppm") == "ppm"
     assert target_unit("pm25_ref") == "" and target_unit("p_ref") == ""  # before: "ref"
     assert target_unit("t_degc") == "°C" and target_unit("rainfall") == ""
+
+
+def test_fedprior_drift_without_a_time_column_says_it_is_fedprior_in_one_line(tmp_path):
+    """Issue 34: fedprior_drift on data without a time column silently equalled fedprior."""
+    from dataclasses import replace
+
+    import torch
+
+    from fedcal.algorithms.fedprior_drift import NO_TIME
+    from fedcal.config import default_config
+    from fedcal.data.fleet import Fleet
+    from fedcal.experiment import run_experiment
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for c in range(6):
+        f0, k = rng.normal(33_000, 150), rng.normal(2.3, 0.2)
+        for split, m in (("train", 30), ("test", 5)):
+            p, t = rng.uniform(50, 1550, m), rng.uniform(-40, 60, m)
+            pairs = zip(p, t, strict=True)
+            rows += [(f"S{c}", f0 + k * pi + 0.4 * ti, ti, pi, split) for pi, ti in pairs]
+    columns = ["sensor_id", "frequency_hz", "temperature_c", "pressure_hpa", "split"]
+    cfg = default_config()
+    cfg = replace(cfg, seeds=1, unconverged_tol=1.0, engine=replace(cfg.engine, rounds=2))
+    notes: list[tuple[str, str]] = []
+    torch.manual_seed(0)
+    run_experiment(
+        cfg,
+        Fleet(pd.DataFrame(rows, columns=columns)),
+        tmp_path,
+        ["fedprior_drift"],
+        on_note=lambda m, n: notes.append((m, n)),
+    )
+    assert ("fedprior_drift", NO_TIME) in notes and "\n" not in NO_TIME
