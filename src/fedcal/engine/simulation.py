@@ -52,7 +52,7 @@ from fedcal.engine.schedule import (
     result_row,
     train_seeds,
 )
-from fedcal.engine.settings import EngineSettings
+from fedcal.engine.settings import EngineSettings, mostly_refused, refused_clients
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 AGGREGATION = 3  # seed purpose of the server's DP noise (clients use 0.., see core.data)
@@ -374,6 +374,7 @@ def simulate(
             }
             for r in record
         )
+        mostly_refused(t, len(refused_clients(record)), len(ids), config.max_rejected_share)
         kept = _roll_back(result.state, before, accepted)
         states = (
             tree_map(lambda t, r: r.to(t.dtype), states, kept)
