@@ -772,6 +772,11 @@ def run_experiment(
                 if on_note is not None and "jitter" in history and (history["jitter"] > 0).any():
                     worst = float(history["jitter"].max())
                     on_note(method, jitter_note(history["jitter"], worst))
+                note = unjudged_note(result.extra["aggregation"])
+                if note:  # the robust M-step judged nobody: marked in the row, and said
+                    row["unjudged_rounds"] = int(note.split(" ", 1)[0])
+                    if on_note is not None:
+                        on_note(method, note.split(" ", 1)[1])
                 _write_text(done, json.dumps(row, indent=2))
                 (run_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
                 rows.append(row)
@@ -779,6 +784,19 @@ def run_experiment(
     summary = _ordered(pd.DataFrame(rows))
     _write_csv(out / "summary.csv", summary)
     return summary
+
+
+def unjudged_note(rounds_log: list[dict]) -> str:
+    """``"<k> <note>"`` when the robust M-step judged nobody in k rounds, else ""."""
+    marked = [r for r in rounds_log if r.get("unjudged")]
+    if not marked:
+        return ""
+    few = min(int(r["cohort"]) for r in marked)
+    return (
+        f'{len(marked)} robust = "full" judged nobody in {len(marked)} of {len(rounds_log)} '
+        f"round(s): {few} unit(s) are too few to judge each against the others (more than "
+        "the basis's terms + 2 needed); a hostile unit would not have been down-weighted"
+    )
 
 
 def _data_digest(variants: list[tuple[dict[str, Any], Fleet]]) -> str:

@@ -86,3 +86,18 @@ def test_a_flower_federation_of_five_sites_three_hostile_stops(make_fleet, tmp_p
     run_in_process(off, node_cfgs(fleet, tmp_path / "b"), run_id=5, tamper=hostile)
     named = {r["client"] for e in off.log for r in e.get("screening", [])}
     assert named == {0, 2, 4}  # before issue 36.4: this run finished, exit 0, silently
+
+
+def test_a_round_whose_robust_step_can_judge_nobody_is_marked(make_fleet) -> None:
+    """fedprior's robust M-step judges each unit against the others' moments, which needs
+    more units than the basis's terms + 2 (here 4 terms: orders [1, 1]); with 5 units it
+    judges nobody, and every round says so (aggregation.csv's ``unjudged``, the run's note
+    and its summary row's ``unjudged_rounds``); with 12 it judges every round."""
+    from fedcal.experiment import unjudged_note
+
+    few = _simulate(make_fleet(num_clients=5, train=24), [], 0.5).extra["aggregation"]
+    assert [r.get("unjudged") for r in few] == [1.0] * ROUNDS
+    assert unjudged_note(few).startswith(f'{ROUNDS} robust = "full" judged nobody in 3 of 3')
+    many = _simulate(make_fleet(num_clients=12, train=24), [], 0.5).extra["aggregation"]
+    assert all("unjudged" not in r and "downweighted" in r for r in many)
+    assert unjudged_note(many) == ""

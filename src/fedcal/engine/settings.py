@@ -58,3 +58,13 @@ def mostly_refused(t: int, refused: int, cohort: int, limit: float) -> None:
             f"({refused / cohort:.0%} > [engine] max_rejected_share = {limit:g}): most of "
             f"the federation was refused, a result would rest on the other {cohort - refused}"
         )
+
+
+def unjudged(algorithm: object, metrics: dict[str, float]) -> bool:
+    """Whether a round's robust M-step judged nobody: the algorithm down-weights outliers
+    (``robust = "full"``) but the aggregation recorded no verdict, because the units used
+    were too few to judge each against the others (at most the basis's terms + 2:
+    :meth:`fedcal.algorithms.fedprior_robust.RobustUploads.outlier_weights`)."""
+    judges = getattr(algorithm, "robust", None) == "full"
+    judges &= getattr(algorithm, "outlier_weights", None) is not None
+    return bool(judges and metrics.get("accepted", 0.0) > 0 and "downweighted" not in metrics)
