@@ -919,9 +919,12 @@ def flower_nodes(
         _fail(str(err))
     console.print(f"wrote {len(written)} site files to {out}; start one SuperNode per site with:")
     for site, sensors, path in written:
-        socket = state_dir / site / "worker.sock" if workers else None
+        # the site's folder under --state-dir by its file-name-safe name (the site file's),
+        # never the raw id: "../../X" or "/abs/X" would point outside it (issue 36.5)
+        site_dir = state_dir / path.stem
+        socket = site_dir / "worker.sock" if workers else None
         try:
-            cfg_text = node_config(path, site, state_dir / site, worker_socket=socket)
+            cfg_text = node_config(path, site, site_dir, worker_socket=socket)
         except ValueError as err:
             _fail(str(err))
         console.print(

@@ -657,7 +657,7 @@ def run_experiment(
         fs, roles = full_scale(variant), variant.roles
         for method, algorithm in built:
             for seed in range(config.seeds):
-                run_dir = out / "runs" / _run_name(method, labels, tp, seed)
+                run_dir = _in_place(out, out / "runs" / _run_name(method, labels, tp, seed))
                 done = run_dir / "done.json"
                 if done.exists():
                     rows.append(_read_done(done, out))
@@ -839,6 +839,21 @@ def _check_same_run(config_path: Path, resolved: dict, digest: str, out: Path) -
             f"data changed since this run started (its content differs from what {out} was "
             f"run on): remove {out} or choose another --out"
         )
+
+
+def _in_place(out: Path, run_dir: Path) -> Path:
+    """``run_dir`` if it is ``out``'s own folder: not reached through a symbolic link
+    (``runs/`` or ``runs/<name>`` planted as one would be followed on resume, reading a
+    done.json and writing models outside ``--out``: issue 36.5), else a RunDirectoryError."""
+    for path in (run_dir.parent, run_dir):
+        if path.is_symlink():
+            raise RunDirectoryError(
+                f"{path} is a symbolic link: a run folder is written in place, never through "
+                f"a link; remove it (or choose another --out)"
+            )
+    if run_dir.exists() and run_dir.resolve().parent.parent != out.resolve():
+        raise RunDirectoryError(f"{run_dir} lies outside {out}: remove it")
+    return run_dir
 
 
 def _read_done(done: Path, out: Path) -> dict[str, Any]:

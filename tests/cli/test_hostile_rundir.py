@@ -139,6 +139,10 @@ def garbage(p: Path) -> None:
     p.write_bytes(bytes(range(256)) * 8)
 
 
+def deep_json(p: Path) -> None:  # a RecursionError in json.loads (issue 36.5)
+    p.write_text("[" * 100_000 + "]" * 100_000)
+
+
 FILE_LEVEL = {
     "fifo": fifo,
     "dev_zero": dev_zero,
@@ -147,6 +151,7 @@ FILE_LEVEL = {
     "truncated": truncated,
     "huge": huge,
     "garbage": garbage,
+    "deep_json": deep_json,
 }
 
 

@@ -103,8 +103,8 @@ def check_mac(run_dir: str | Path, key: bytes) -> None:
         raise MacError(f"{path}: missing: this run folder carries no MAC (write it with a key)")
     try:
         doc = json.loads(read_text(path, max_bytes=1 << 24))
-    except (PathError, ValueError) as e:
-        raise MacError(f"{path}: unreadable MAC file ({str(e).splitlines()[0]})") from None
+    except (PathError, ValueError, RecursionError) as e:
+        raise MacError(f"{path}: unreadable MAC file ({type(e).__name__})") from None
     files = doc.get("files") if isinstance(doc, dict) else None
     if (
         doc.get("format") != MAC_FORMAT

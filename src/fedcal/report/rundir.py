@@ -41,7 +41,10 @@ def read_table(
     ``required`` columns must be there; anything else is a RunFileError naming the file.
     """
     text = read_text(path)
-    widths = [(i, len(r)) for i, r in enumerate(csv.reader(io.StringIO(text)), 1) if r]
+    try:
+        widths = [(i, len(r)) for i, r in enumerate(csv.reader(io.StringIO(text)), 1) if r]
+    except csv.Error as e:  # e.g. a field over the csv module's limit (131,072 characters)
+        raise RunFileError(f"{path}: not a readable CSV table ({e})") from None
     for line, width in widths[1:]:
         if width != widths[0][1]:  # pandas would fill a cut row with NaN: a "diverged" run
             raise RunFileError(
