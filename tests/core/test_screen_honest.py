@@ -20,7 +20,7 @@ from fedcal.algorithms.fedprior import FedPrior
 from fedcal.core.aggregation import AggregationPolicy, aggregate
 from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData
-from fedcal.core.robust import RESIDUAL_CAP, capped_residuals, fitted_rms, support_problems
+from fedcal.core.honesty import RESIDUAL_CAP, capped_residuals, fitted_rms, support_problems
 from fedcal.core.task import Task
 from fedcal.core.tree import expand, flatten, unflatten
 from fedcal.models.mlp import MLP
@@ -133,6 +133,14 @@ def test_fitted_rms_capped_residuals_and_support_by_hand():
         False,
         True,
     ]
+    # the median is weighted by rows: 3 interpolating 6-row units (residual 0) do not set it
+    rss, over = capped_residuals(
+        torch.tensor([0.0, 0.0, 0.0, 384.0, 768.0], dtype=F64),
+        torch.tensor([6.0, 6.0, 6.0, 384.0, 384.0], dtype=F64),
+    )
+    assert rss.tolist() == [0.0, 0.0, 0.0, 384.0, 768.0] and not over.any()
+    zero = torch.zeros(3, dtype=F64)  # exact data: no scale, nothing capped (σ² stays as is)
+    assert capped_residuals(zero, torch.full((3,), 5.0, dtype=F64))[0].tolist() == [0.0] * 3
     support = torch.stack([torch.eye(2, dtype=F64) * 0.5, torch.eye(2, dtype=F64) * 3.0])
     assert list(support_problems(support)) == [1]
 

@@ -24,15 +24,13 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from fedcal.core.honesty import capped_residuals, fitted_rms, support_problems
 from fedcal.core.robust import (
     OutlierWeights,
-    capped_residuals,
-    fitted_rms,
     inconsistencies,
     loo_distances,
     outlier_weights,
     prior_frame,
-    support_problems,
 )
 from fedcal.core.tree import Tree, flatten, per_client
 
@@ -57,10 +55,10 @@ class RobustUploads:
     ) -> dict[str, Tensor]:
         """What the server's size screen judges (issue 34.3): with the consistency check on,
         only the RMS of the unit's own posterior fit √(mᵀGm/n), in the units of y
-        (:func:`fedcal.core.robust.fitted_rms`). The other statistics are whitened by the
+        (:func:`fedcal.core.honesty.fitted_rms`). The other statistics are whitened by the
         prior and checked for consistency (W, H in [0, I], m = μ + LLᵀ·rhs, n declared,
         support in [0, 1]), the residual sum is bounded in the fleet noise
-        (:func:`fedcal.core.robust.capped_residuals`): none of them is a size that an
+        (:func:`fedcal.core.honesty.capped_residuals`): none of them is a size that an
         honest unit with more or fewer rows, or more noise, would exceed. ``robust = "off"``:
         every fitted statistic is sized as before (as a sum: raw or per row)."""
         if self.robust == "off":
@@ -184,7 +182,7 @@ def _weighted(replies: Tree, w: Tensor) -> Tree:
 
 def _capped_noise(replies: Tree) -> Tree:
     """The residual sums the fleet noise is learned from, each unit's capped at
-    :data:`~fedcal.core.robust.RESIDUAL_CAP` × the fleet's median per row (the expected RSS
+    :data:`~fedcal.core.honesty.RESIDUAL_CAP` × the fleet's median per row (the expected RSS
     per row; with the calibrated interval also its fit per residual degree of freedom):
     replies unchanged where no unit exceeds it (issue 34.3)."""
     out = dict(replies)
