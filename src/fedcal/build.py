@@ -439,6 +439,23 @@ def build_algorithm(name: str, config: RunConfig, task: Task) -> Algorithm:
     return algorithm
 
 
+def with_raw_column(algorithm: Algorithm, config: RunConfig, tensors: Any) -> Algorithm:
+    """``algorithm`` told which input reads the target itself (``[data] raw_column``) and
+    how, in its scaled units: y = x_raw is y_s = (x_s·s_x + o_x − o_y) / s_y (the run's
+    scaler). Unchanged without a raw column or for a method without a ``raw_input`` field
+    (fedprior's time-respecting choice, algorithms/fedprior_choice.py)."""
+    name = config.data.raw_column
+    if not name or "raw_input" not in {f.name for f in fields(algorithm)}:
+        return algorithm
+    j = list(config.data.features).index(name)
+    sc = tensors.scaler
+    x_off, x_sc = float(np.ravel(sc.x_offset)[j]), float(np.ravel(sc.x_scale)[j])
+    y_off, y_sc = float(np.ravel(sc.y_offset)[0]), float(np.ravel(sc.y_scale)[0])
+    return dataclasses.replace(
+        algorithm, raw_input=j, raw_map=((x_off - y_off) / y_sc, x_sc / y_sc)
+    )
+
+
 def build_recorded(
     name: str, config: RunConfig, task: Task, recorded: dict[str, Any] | None
 ) -> Algorithm:

@@ -152,6 +152,7 @@ def _resolve(
     time_column: str | None = None,
     split_by: str | None = None,
     sensor_column: str | None = None,
+    raw_column: str | None = None,
 ) -> RunConfig:
     """The configuration file with the command line's options on top, validated like the file.
 
@@ -179,6 +180,7 @@ def _resolve(
         ("--time-column", "data", "time_column", time_column),
         ("--split-by", "data", "split_by", split_by),
         ("--sensor-column", "data", "client_column", sensor_column),
+        ("--raw-column", "data", "raw_column", raw_column),
         ("--methods", "run", "methods", _csv_list(methods)),
         ("--seeds", "run", "seeds", seeds),
         ("--rounds", "engine", "rounds", rounds),
@@ -411,6 +413,10 @@ SplitByOpt = Annotated[
     str | None,
     typer.Option("--split-by", help="random, or time: each sensor's last test fraction is test"),
 ]
+RawColumnOpt = Annotated[
+    str | None,
+    typer.Option("--raw-column", help="the feature that reads the target itself (uncorrected)"),
+]
 HtmlOpt = Annotated[
     Path | None, typer.Option("--html", help="also write the HTML report to this file")
 ]
@@ -447,6 +453,7 @@ def train(
     time_column: TimeColumnOpt = None,
     split_by: SplitByOpt = None,
     sensor_column: SensorOpt = None,
+    raw_column: RawColumnOpt = None,
 ) -> None:
     """``fedcal run`` and ``fedcal compare``: one definition (compare also shows bytes sent)."""
     kind = ctx.info_name or "run"
@@ -467,6 +474,7 @@ def train(
             time_column,
             split_by,
             sensor_column,
+            raw_column,
         )
         points = (
             tuple(_int_list(train_points, "--train-points"))

@@ -54,6 +54,7 @@ from fedcal.build import (  # noqa: F401  (re-exported: callers import the build
     run_record,
     task_kind,
     valid_ranges,
+    with_raw_column,
 )
 from fedcal.config import ConfigError, RunConfig
 from fedcal.core.aggregation import AggregationError, check_policy
@@ -640,7 +641,7 @@ def run_experiment(
         built = []
         for method in methods:
             try:
-                algorithm = build_algorithm(method, config, task)
+                algorithm = with_raw_column(build_algorithm(method, config, task), config, tensors)
                 check_policy(algorithm, policy)
             except (ConfigError, AggregationError) as err:
                 refused.setdefault(method, str(err))
