@@ -392,7 +392,8 @@ def method_settings(name: str, config: RunConfig) -> tuple[type[Algorithm], dict
         )
     values.update(own)
     _generic_basis(cls, values, config)
-    return cls.built_class(values), values
+    built = cls.built_class(values)
+    return built, _resolve_choice(built, values, config)
 
 
 def _generic_basis(cls: type[Algorithm], values: dict[str, Any], config: RunConfig) -> None:
@@ -437,6 +438,19 @@ def build_algorithm(name: str, config: RunConfig, task: Task) -> Algorithm:
             "epochs); use >= 1"
         )
     return algorithm
+
+
+def _resolve_choice(cls: type, values: dict[str, Any], config: RunConfig) -> dict[str, Any]:
+    """fedprior's ``choose = "auto"`` (algorithms/fedprior_choice.py) resolved by the run's
+    data: "time" with a ``[data] time_column``, "off" without one or under client-level DP
+    (its scores are not among the DP statistics), so that the replies of a run have one
+    structure whatever a site's rows (a Flower server checks them against a probe's)."""
+    if "choose" not in {f.name for f in fields(cls)}:
+        return values
+    if values.get("choose", "auto") != "auto":
+        return values
+    timed = bool(config.data.time_column) and not config.privacy.epsilon > 0
+    return {**values, "choose": "time" if timed else "off"}
 
 
 def with_raw_column(algorithm: Algorithm, config: RunConfig, tensors: Any) -> Algorithm:

@@ -283,7 +283,9 @@ class FedPrior(
     robust: Literal["off", "check", "full"] = "full"
     # Issue 34 (fedprior_choice): the basis chosen by each unit's forward-chaining validation
     # on its own past, the simple fits as candidates, and the no-harm fall-back. "auto": when
-    # the data have a time column; "time": also without one (row order); "off": never.
+    # the data have a time column (a run resolves it from [data] time_column: "time" with
+    # one, "off" without one or under client-level DP, so that every reply of the run has
+    # one structure); "time": also without one (row order as time); "off": never.
     choose: Literal["auto", "time", "off"] = "auto"
     # the share of a unit's calibration span each forward fold scores
     choice_holdout: Annotated[float, Field(gt=0.0, lt=0.5)] = 0.25
@@ -419,7 +421,7 @@ class FedPrior(
             start["tail_ratio"] = torch.tensor(0.0, dtype=F64)
         if self.branch_orders:  # ψ coordinates out of the model (none yet): _unidentified_branch
             start["pinned"] = torch.zeros(p, dtype=F64)
-        if self.choose != "off" and self._linear_terms() is not None:  # fedprior_choice
+        if self.choice_on:  # fedprior_choice's pooled lines and summed scores
             start.update(self._choice_init())
         if self.select == "none":
             mask = {"mask": self.masks[-1].clone()} if self.branch_orders else {}
@@ -571,7 +573,7 @@ class FedPrior(
             new_state["cand_noise_var"] = (
                 cand_own if self.noise == "sensor" else state["cand_noise_var"]
             )
-        if "pooled_ok" in down and self.choosing(data):  # forward scores, linear moments
+        if "pooled_ok" in down and self.choosing(data):  # forward scores (fedprior_choice)
             reply["choice"] = self.choice_uploads(down, state, data)
         fit_mse = post.rss / full.n.clamp_min(1.0)
         # jitter: the relative jitter a near-singular factorization needed (0: none; 1: an

@@ -112,7 +112,7 @@ class TimeChoice:
     # ---- when and on what ----------------------------------------------------------
     def choosing(self, data: ClientData) -> bool:
         """Whether the time-respecting choice acts on these data (``choose``)."""
-        if self.choose == "off" or self._linear_terms() is None:
+        if not self.choice_on:
             return False
         return self.choose == "time" or data.time is not None
 
@@ -138,6 +138,12 @@ class TimeChoice:
                 scored = scored & (t < cuts[k + 1])
             out.append((fit.to(F64), scored.to(F64)))
         return out
+
+    @property
+    def choice_on(self) -> bool:
+        """Whether the choice's state and uploads exist (``choose`` not "off", a basis with
+        the constant and every first-order term)."""
+        return self.choose != "off" and self._linear_terms() is not None
 
     def _linear_terms(self) -> list[int] | None:
         """Indices in :attr:`terms` of the constant and each input's first-order term."""
@@ -316,7 +322,8 @@ class TimeChoice:
         """Each unit's variance scaled by how its early fits' stated variance matched their
         squared errors on its later rows: r = Σ e² / Σ v over the scored rows, shrunk to 1
         by ``SIGMA_PRIOR_ROWS`` pseudo-rows, r̃ = (Σ e² + n₀ v̄) / (Σ v + n₀ v̄); the
-        posterior covariance and every ``*_var`` of the unit times r̃ (its σ times √r̃)."""
+        posterior covariance, every ``*_var`` of the unit and fedprior_drift's walk covariance
+        times r̃ (its σ times √r̃, at every time)."""
         ok = torch.isfinite(stated) | (scored == 0)
         v = torch.where(scored > 0, torch.nan_to_num(stated, nan=0.0), 0.0)
         n = scored.sum(1)
@@ -327,6 +334,8 @@ class TimeChoice:
         use = which & ok.all(1) & (n > 0) & (mean_v > 0) & torch.isfinite(ratio)
         r = torch.where(use, ratio, 1.0)
         out["cov"] = out["cov"].to(F64) * r.reshape(-1, 1, 1)
+        if "drift_cov" in out:  # fedprior_drift: the walk's growth after t_i too
+            out["drift_cov"] = out["drift_cov"].to(F64) * r.reshape(-1, 1, 1)
         for key in [k for k in out if k.endswith("_var")]:
             if tuple(out[key].shape) == tuple(r.shape):
                 out[key] = out[key].to(F64) * r
