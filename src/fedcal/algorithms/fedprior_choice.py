@@ -279,7 +279,9 @@ class TimeChoice:
             early = self._personal(down, state, subset(data, fit))
             pred = self.predict(early, data.x.to(F64))[..., 0].to(F64)
             err[0] += scored * (pred - y) ** 2
-            stated = stated + scored * self._stated_var(early, data)
+            if k == FOLDS - 1:  # σ: the fold most like use (fit on all but the last h)
+                stated = scored * self._stated_var(early, data)
+                last = scored
             em = moments(design, y, fit)
             own = ridge_solve(em.gram[:, lin][:, :, lin], em.rhs[:, lin])
             err[1] += scored * ((design[..., lin] * own.unsqueeze(1)).sum(-1) - y) ** 2
@@ -302,7 +304,7 @@ class TimeChoice:
         worse = (n >= 2) & (mean > bar)
         out["val_mse"] = torch.where(n > 0, mse[0], -1.0)
         if self.choice_sigma == "scale":
-            out = self._scale_sigma(out, err[0], stated, scored_all, ~worse)
+            out = self._scale_sigma(out, err[0] * last, stated, last, ~worse)
         if bool(worse.any()):
             out = self._ship_simple(out, down, data, design, best, worse, base)
         return out
@@ -319,8 +321,10 @@ class TimeChoice:
     def _scale_sigma(
         self, out: Tree, sq_err: Tensor, stated: Tensor, scored: Tensor, which: Tensor
     ) -> Tree:
-        """Each unit's variance scaled by how its early fits' stated variance matched their
-        squared errors on its later rows: r = Σ e² / Σ v over the scored rows, shrunk to 1
+        """Each unit's variance scaled by how its fit on all but the last h of its span
+        stated the variance of its errors on that last h (the fold most like use; with both
+        folds Antwerp's intervals covered 0.974, docs/field.md): r = Σ e² / Σ v over the
+        scored rows, shrunk to 1
         by ``SIGMA_PRIOR_ROWS`` pseudo-rows, r̃ = (Σ e² + n₀ v̄) / (Σ v + n₀ v̄); the
         posterior covariance, every ``*_var`` of the unit and fedprior_drift's walk covariance
         times r̃ (its σ times √r̃, at every time)."""
@@ -410,11 +414,15 @@ class TimeChoice:
         return flags
 
     def unit_columns(self, params: Tree, train: ClientData) -> dict:
-        """Per unit: ``fallback``, the model it ships (fedprior_choice, no harm)."""
+        """Per unit: ``fallback``, the model it ships (no harm), and ``sigma_scale``, the
+        factor its σ got from its own later rows (:meth:`_scale_sigma`)."""
         if "fallback" not in params or self.choose == "off":
             return {}
         names = np.array(["prior", *SIMPLE], dtype=object)
-        return {"fallback": names[params["fallback"].to(torch.long).numpy()]}
+        out = {"fallback": names[params["fallback"].to(torch.long).numpy()]}
+        if "sigma_scale" in params:
+            out["sigma_scale"] = params["sigma_scale"].to(F64).numpy()
+        return out
 
     def export_state(self, server: Tree) -> dict:
         state = super().export_state(server)  # PriorStatus's
