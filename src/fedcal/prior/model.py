@@ -132,6 +132,7 @@ class SelectionRecord:
     chosen: dict[str, Any]
     candidates: tuple[dict[str, Any], ...] | None = None
     scores: tuple[float, ...] | None = None
+    forward: dict[str, Any] | None = None  # fedprior_choice's forward scores, as written
 
 
 @dataclass(frozen=True)
@@ -432,6 +433,7 @@ def _selection(raw: Any, source: str) -> SelectionRecord | None:
         dict(raw["chosen"]),
         None if candidates is None else tuple(candidates),
         None if scores is None else tuple(scores),
+        dict(raw["forward"]) if isinstance(raw.get("forward"), dict) else None,
     )
 
 
@@ -441,6 +443,8 @@ def _selection_dict(sel: SelectionRecord) -> dict[str, Any]:
         out["candidates"] = list(sel.candidates)
     if sel.scores is not None:
         out["scores"] = list(sel.scores)
+    if sel.forward is not None:
+        out["forward"] = sel.forward
     return out
 
 
