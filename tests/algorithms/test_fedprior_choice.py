@@ -181,8 +181,8 @@ def test_sigma_scaled_by_the_units_own_future():
         inside = ((alg.predict(personal, future.x) - future.y).abs() <= half)[..., 0]
         return float((inside * future.mask).sum() / future.mask.sum()), personal
 
-    off, _ = cover(make(degree=1, choice_sigma="off"))
-    on, personal = cover(make(degree=1))
+    off, _ = cover(make(degree=1))
+    on, personal = cover(make(degree=1, choice_sigma="scale"))
     # σ from all rows, √((0.05² + 0.15²)/2) = 0.112: P(|z| < 1.96 · 0.112 / 0.15) = 0.856
     # (1,200 future rows: binomial SE 0.010)
     assert abs(off - 0.856) < 0.04
