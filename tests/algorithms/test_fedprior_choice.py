@@ -126,7 +126,9 @@ def test_implausible_unit_is_weak_not_ok():
     for i in range(12):
         x = rng.uniform(-1, 1, 60)
         noise = 2.0 if i == 5 else 0.05  # 40× the fleet's: a channel that calibrates nothing
-        y = x + noise * rng.standard_normal(60)
+        # unit 7: a wet site, 10× the others' range and errors (not implausible)
+        scale = 10.0 if i == 7 else 1.0
+        y = scale * (x + noise * rng.standard_normal(60))
         train.append((x[:, None], y[:, None]))
         times.append(np.arange(60, dtype=float))
     data = ClientData.from_arrays(train, tuple(range(12)), F64, time=times)
@@ -134,7 +136,7 @@ def test_implausible_unit_is_weak_not_ok():
     run = run_rounds(alg, data, 8)
     flags = alg.client_status(run.server, run.personal, data.x, data.mask)
     assert bool(flags["weak"][5])
-    assert int(flags["weak"].sum()) == 1
+    assert int(flags["weak"].sum()) == 1  # not the wet site
 
 
 def test_raw_reading_and_pooled_line_from_sums():

@@ -387,7 +387,7 @@ class FedPrior(
         if self.noise_shape == "inputs":  # γ of σ²(x) = σ_i² exp(γᵀx) (fedprior_noise)
             shapes["noise_gamma"] = (self.num_inputs,)
         if self.choose != "off":  # the no-harm fall-back and the validation MSE (fedprior_choice)
-            shapes.update(fallback=(), val_mse=(), sigma_scale=())
+            shapes.update(fallback=(), val_mse=(), sigma_scale=(), target_sd=())
         return shapes
 
     def design(self, x: Tensor, branch: Tensor | None = None) -> Tensor:

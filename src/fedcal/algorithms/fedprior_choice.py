@@ -266,6 +266,10 @@ class TimeChoice:
         out["fallback"] = torch.zeros(c, dtype=F64)
         out["val_mse"] = torch.full((c,), -1.0, dtype=F64)  # -1: not measured (finite)
         out["sigma_scale"] = torch.ones(c, dtype=F64)
+        m, y = data.mask.to(F64), data.y[..., 0].to(F64)
+        count = m.sum(1).clamp_min(1.0)
+        mean = (y * m).sum(1) / count
+        out["target_sd"] = (((y - mean.unsqueeze(1)) ** 2 * m).sum(1) / count).sqrt()
         if not self.choosing(data):
             return out
         lin = torch.tensor(self._linear_terms())
@@ -437,20 +441,25 @@ class TimeChoice:
 
     # ---- status ------------------------------------------------------------------------
     def implausible_units(self, personal: Tree, x: Tensor, mask: Tensor) -> Tensor:
-        """(clients,) units whose validation RMSE or mean predictive σ is more than
+        """(clients,) units whose validation RMSE or mean predictive σ, each over the unit's
+        own target spread (the standard deviation of its calibration targets: a rain gauge
+        of a wet site is not implausible for its larger errors), is more than
         ``implausible`` times the fleet's median (module doc)."""
         n = x.shape[0]
         flag = torch.zeros(n, dtype=torch.bool)
+        spread = personal.get("target_sd")
+        spread = torch.ones(n, dtype=F64) if spread is None else spread.to(F64).reshape(n)
+        spread = torch.where(spread > 0, spread, math.nan)
         if "val_mse" in personal:
             val = personal["val_mse"].to(F64).reshape(n)
-            rmse = val.clamp_min(0.0).sqrt()
-            ok = torch.isfinite(val) & (val >= 0)  # -1: not measured
+            rmse = val.clamp_min(0.0).sqrt() / spread
+            ok = torch.isfinite(rmse) & (val >= 0)  # -1: not measured
             if int(ok.sum()) >= 3:
                 flag |= ok & (rmse > self.implausible * rmse[ok].median())
         std = self.predictive_std(personal, x)
         if std is not None:
             m = mask.to(F64)
-            s = (std.to(F64)[..., 0] * m).sum(1) / m.sum(1).clamp_min(1.0)
+            s = (std.to(F64)[..., 0] * m).sum(1) / m.sum(1).clamp_min(1.0) / spread
             ok = torch.isfinite(s)
             if int(ok.sum()) >= 3:
                 flag |= ok & (s > self.implausible * s[ok].median())
