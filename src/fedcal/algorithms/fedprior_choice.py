@@ -1,11 +1,9 @@
 """Model choice that respects time, with the simple fits as candidates, and no harm (issue 34).
 
-A field unit is used on its *future*, so the model it ships is chosen by how it predicts its
-own future, not by the in-sample evidence (BIC rewards a basis that explains the past, e.g. a
-seasonal error, and loses the next period). :class:`TimeChoice` is a mixin of
-:class:`~fedcal.algorithms.fedprior.FedPrior` (and so of fedprior_drift); it acts when the
-data have a time column (``choose = "auto"``; ``"time"``: also without one, the row order as
-time; ``"off"``: never).
+A field unit is used on its *future*: what it ships is chosen by how it predicts its own
+later rows, not by in-sample evidence (BIC rewards a basis that explains the past, e.g. a
+seasonal error). A mixin of :class:`~fedcal.algorithms.fedprior.FedPrior` (and fedprior_drift),
+acting with a time column (``choose``: "auto", "time" = also row order as time, "off").
 
 **Forward chaining.** Each unit's calibration span [t₀, t₁] gives two folds: fit on the rows
 before t₀ + (1 − 2h)·span and score the rows of the next h·span; fit before t₀ + (1 − h)·span
@@ -14,8 +12,7 @@ and score the last h·span (h = ``choice_holdout``, 0.25). Candidates:
 * every basis the fleet prior may use (``select = "bic"``'s candidates; without selection the
   basis in use), each unit's posterior under that candidate's broadcast prior from its early
   rows (:func:`fedcal.core.bayes.posterior`);
-* **own linear**: the unit's own least-squares line in every input (with intercept) from its
-  early rows;
+* **own linear**: the unit's own least-squares line (with intercept) from its early rows;
 * **pooled linear**: one least-squares line from the fleet's summed early-row moments
   (Σ_i Φ_iᵀΦ_i, Σ_i Φ_iᵀy_i on the constant and first-order terms: sums only leave a unit);
 * **raw**: the uncorrected reading, where a feature measures the target itself
@@ -28,22 +25,19 @@ fleet's sum by more than ``choice_clip`` nats. The server adds them (canonical o
 keeps the basis of least Σ_i s_ik in place of the BIC (ties: the smaller basis). The
 simple candidates' sums are reported beside the bases' (prior.json ``selection``).
 
-**No harm** (per unit, at personalization, on its own rows only). The unit's shipped model
-(its posterior, fitted on its early rows the same way) and its best simple candidate are
-compared on the scored rows row by row: d_r = e_model,r² − e_simple,r². When the mean of d
-exceeds ``choice_margin`` (0.1) × the simple candidate's MSE plus ``choice_z`` (2) standard
-errors (a harm that matters, beyond noise: rows of a time series are correlated, so the
-standard error alone let honest units fall back, 3 of 30 on a planted drift fleet), the
-unit ships that simple candidate instead
-(fitted on all its rows: own line; the fleet's pooled line; the raw reading), with its
-validation MSE as its noise variance σ_i² (its interval then states the error it made on its
-own future). ``fallback`` (per_sensor.csv): 0 the prior, 1 own linear, 2 pooled linear,
-3 raw.
+**No harm** (per unit, at personalization, on its own rows only): the unit's model (its
+posterior, fitted on its early rows the same way) and its best simple candidate are compared
+row by row on the scored rows, d_r = e_model,r² − e_simple,r². When mean(d) exceeds
+``choice_margin`` (0.1) × the simple candidate's MSE plus ``choice_z`` (2) standard errors
+(2 SE alone let 3 of 30 honest units of a planted drift fleet fall back: a time series'
+rows are correlated), the unit ships that candidate (fitted on all its rows: own line; the
+fleet's pooled line; the raw reading) with its validation MSE as σ_i². per_sensor.csv
+``fallback``: prior, own_linear, pooled_linear, raw. ``choice_sigma = "scale"`` (off by
+default, :meth:`TimeChoice._scale_sigma`) also scales each unit's σ by its last quarter.
 
-**Implausible units** (:meth:`TimeChoice.implausible_units`): a unit whose validation RMSE of the
-shipped model, or whose mean predictive σ, is more than ``implausible`` (5) times the
-fleet's median is flagged ``weak``: its number is no calibration whatever its status would
-otherwise say (docs/statuses.md).
+**Implausible units** (:meth:`TimeChoice.implausible_units`): validation RMSE or mean
+predictive σ, over the unit's own target spread, beyond ``implausible`` (5) × the fleet's
+median: ``weak`` (docs/statuses.md).
 """
 
 from __future__ import annotations
