@@ -55,8 +55,8 @@ from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree
 
 SIMPLE = ("own_linear", "pooled_linear", "raw")
+MIN_SCORED = 5  # scored rows a unit needs before the no-harm test may replace its model
 SIGMA_PRIOR_ROWS = 20.0  # pseudo-rows at ratio 1 of a unit's forward σ scale (_scale_sigma)
-# the server state's (and broadcast's) keys of the choice: pooled lines, summed scores
 CHOICE_KEYS = ("pooled_fold", "pooled_all", "pooled_ok", "forward_scores", "forward_scored")
 FOLDS = 2
 
@@ -299,7 +299,7 @@ class TimeChoice:
         var = ((d - mean.unsqueeze(1)) ** 2 * scored_all).sum(1) / (n - 1).clamp_min(1.0)
         base = _pick_rows(mse[1:], best)
         bar = self.choice_margin * base + self.choice_z * (var / n.clamp_min(1.0)).sqrt()
-        worse = (n >= 2) & (mean > bar)
+        worse = (n >= MIN_SCORED) & (mean > bar)
         out["val_mse"] = torch.where(n > 0, mse[0], -1.0)
         if self.choice_sigma == "scale":
             out = self._scale_sigma(out, err[0] * last, stated, last, ~worse)
