@@ -36,6 +36,7 @@ import pandas as pd
 import torch
 
 from fedcal.algorithms.fedprior import FedPrior
+from fedcal.algorithms.fedprior_deploy import DEPLOY_ROWS, deployed
 from fedcal.algorithms.fedprior_interval import DECLINE, NO_PROBE
 from fedcal.build import build_algorithm, build_task, run_record
 from fedcal.config import DataConfig, RunConfig, from_dict
@@ -102,6 +103,8 @@ def _config(prior: dict[str, Any]) -> RunConfig:
         params.update(prior["selection"]["chosen"], select="none")
     if method not in ("fedprior", "fedprior_drift"):  # registered: no base (a variant: fedprior)
         params["base"] = "fedprior"
+    if "discrepancy" in prior and params.get("interval") == "calibrated":  # issue 33
+        params["deploy_rows"] = DEPLOY_ROWS
     cfg = from_dict({"methods": {method: params}}, "prior.json")
     data = DataConfig(
         features=tuple(prior["features"]),
@@ -139,6 +142,7 @@ class Calibration:
     tensors: FleetTensors
     personal: Tree
     server: Tree
+    reasons: tuple[str, ...] = ()  # per unit, why its design gets no σ ("" if it gets one)
 
 
 def calibrate(prior: dict[str, Any], fleet: Fleet, source: str = "data") -> Calibration:
@@ -175,7 +179,13 @@ def calibrate(prior: dict[str, Any], fleet: Fleet, source: str = "data") -> Cali
     down = expand(algorithm.broadcast(server), n)
     state = own_noise(algorithm, down, algorithm.client_init(down), tensors.train)
     personal = algorithm.personalize(down, state, tensors.train)
-    return Calibration(algorithm, tensors, personal, server)
+    reasons: tuple[str, ...] = ()
+    if algorithm.deploy_rows:  # σ from the prior's discrepancy model (issue 33, fedprior_deploy)
+        personal, why = deployed(
+            algorithm, prior["discrepancy"], down, personal, tensors.train, prior["features"]
+        )
+        reasons = tuple(why)
+    return Calibration(algorithm, tensors, personal, server, reasons)
 
 
 def own_noise(algorithm: FedPrior, down: Tree, state: Tree, data: ClientData) -> Tree:
@@ -224,6 +234,8 @@ def declined_note(prior: dict[str, Any], result: Calibration) -> str:
     declined = result.personal.get("declined")
     if declined is None or not bool((declined > 0).any()):
         return ""
+    if any(result.reasons):  # the discrepancy model's: the designs it does not span
+        return "; ".join(dict.fromkeys(r for r in result.reasons if r))
     iv = prior["interval"]
     if iv.get("reason"):
         return iv["reason"]

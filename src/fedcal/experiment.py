@@ -754,6 +754,11 @@ def run_experiment(
                     row["epsilon"] = privacy["epsilon"]
                     row["noise_multiplier"] = privacy["noise_multiplier"]
                 exported = export_state(algorithm, result.server, subset, tensors, method)
+                deploy = getattr(algorithm, "deploy_state", None)  # fedprior: issue 33
+                if exported is not None and deploy is not None:
+                    model = deploy(result.server, tensors.train)
+                    if model is not None:
+                        exported["discrepancy"] = model
                 if exported is not None:
                     _write_text(run_dir / "prior.json", json.dumps(exported, indent=1))
                     note = identification_note(exported)
