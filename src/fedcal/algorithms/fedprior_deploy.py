@@ -122,7 +122,10 @@ def unit_designs(
     d = x.shape[1]
     j = plateau_input(x)
     ids, centres = _level_ids(u[:, j], LEVEL_TOL)
-    plateaus = d == 2 and len(centres) >= 2 and len(x) >= 3 * len(centres)
+    # plateaus: at least two levels, each a few rows held within 5 % of the span (a Latin
+    # hypercube's levels chain into wide clusters: no plateaus)
+    width = np.array([np.ptp(u[ids == k, j]) for k in range(len(centres))])
+    plateaus = d == 2 and len(centres) >= 2 and len(x) >= 3 * len(centres) and width.max() <= 0.05
     out = []
     for f, family in enumerate(FAMILIES):
         for _ in range(1 if family in GRIDS else DRAWS):
