@@ -177,7 +177,7 @@ def _emulation(alg, down: Tree, data: ClientData, refs: Tensor) -> dict[str, Ten
     xb, yb, mb = x[idx], y[idx], mask[idx]
     bb = None if branch is None else branch[idx]
     sub = {k: v for k, v in down.items() if k != "cand"}
-    down_b = gather(sub, idx)
+    down_b = gather({**sub, **_leave_one_out(alg, sub, data)}, idx)
     z = alg.design(xb, bb).to(F64)
     state = {"noise_var": down_b["noise_var"]}  # the fleet's σ² (a new unit has no own yet)
     coef, cov, noise = alg._fit(down_b, state, moments(z, yb, keep))
@@ -210,6 +210,29 @@ def _emulation(alg, down: Tree, data: ClientData, refs: Tensor) -> dict[str, Ten
         "resid": resid,
         "dof": km.sum(1),
     }
+
+
+def _leave_one_out(alg, down: Tree, data: ClientData) -> Tree:
+    """Each unit's prior without itself (E2), to first order in 1/N: with m_i, V_i its
+    posterior from all its rows under the fleet prior and S_i = (m_i − μ)(m_i − μ)ᵀ + V_i
+    its share of the M-step's second moment, μ_(−i) = μ − (m_i − μ)/(N − 1) and
+    Σ_(−i) = Σ + (1 − λ)(Σ − S_i)/(N − 1) (λ the M-step's shrinkage), its eigenvalues kept
+    above 10⁻⁶ of the largest. Computed by the unit from the broadcast and its own fit.
+    A reference unit emulates as a new unit would be: against a prior it is not in."""
+    n = data.num_clients
+    x, y, mask = data.x.to(F64), data.y[..., 0].to(F64), data.mask.to(F64)
+    z = alg.design(x, data.branch).to(F64)
+    state = {"noise_var": down["noise_var"]}
+    coef, cov, _ = alg._fit(down, state, moments(z, y, mask))
+    mu, sigma = down["mu"].to(F64), down["sigma"].to(F64)
+    keep = down["mask"].to(F64) if "mask" in down else torch.ones_like(mu)
+    dev = (coef - mu) * keep
+    share = dev.unsqueeze(-1) * dev.unsqueeze(-2) + cov
+    lam = alg.shrinkage_units / (n + alg.shrinkage_units)
+    loo = sigma + (1 - lam) * (sigma - share) / max(n - 1, 1)
+    vals, vecs = torch.linalg.eigh(0.5 * (loo + loo.mT))
+    vals = vals.clamp_min(1e-6 * vals.amax(-1, keepdim=True))
+    return {"mu": mu - dev / max(n - 1, 1), "sigma": (vecs * vals.unsqueeze(-2)) @ vecs.mT}
 
 
 def _prior_in_use(down: Tree) -> tuple[Tensor, Tensor]:
