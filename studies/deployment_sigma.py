@@ -33,11 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import crosscheck as cc  # noqa: E402  (the independent generator, studies/crosscheck.py)
+import crosscheck as cc
 
-from fedcal.api import FleetPrior  # noqa: E402
-from fedcal.data.simulator import FleetSpec, simulate_fleet  # noqa: E402
-from fedcal.planning import default_chamber  # noqa: E402
+from fedcal.api import FleetPrior
+from fedcal.data.simulator import FleetSpec, simulate_fleet
+from fedcal.planning import default_chamber
 
 GRIDS = ("3x2", "4x3", "6x4")
 PLANS = {"plan2": (2, 6), "plan3": (3, 9)}  # the planner's designs: (plateaus, points)
@@ -137,7 +137,11 @@ def score(prior: FleetPrior, frame: pd.DataFrame) -> pd.DataFrame:
 def plan_points(prior: FleetPrior, plateaus: int, points: int, pressures=None, temps=None):
     """The planner's design as (P, T, direction) rows in measurement order."""
     doc = prior.prior_
-    chamber = default_chamber(doc, t_min=temps[0], t_max=temps[1], pressures=pressures) if temps else default_chamber(doc)
+    chamber = (
+        default_chamber(doc, t_min=temps[0], t_max=temps[1], pressures=pressures)
+        if temps
+        else default_chamber(doc)
+    )
     plan = prior.plan(plateaus, points, chamber)
     frame = plan.design.frame()
     return tuple((float(p), float(t), str(d)) for p, t, d in frame.itertuples(index=False))
@@ -151,8 +155,12 @@ def run_fleet(sim: str, ref_design: str, seed: int, designs, args, log) -> list[
     prior = FleetPrior(method=args.method, rounds=args.rounds).fit(refs)
     fit_s = time.perf_counter() - t0
     disc = prior.prior_.get("discrepancy")
-    log.write(json.dumps({"sim": sim, "ref": ref_design, "seed": seed, "fit_s": fit_s,
-                          "discrepancy": disc}) + "\n")
+    log.write(
+        json.dumps(
+            {"sim": sim, "ref": ref_design, "seed": seed, "fit_s": fit_s, "discrepancy": disc}
+        )
+        + "\n"
+    )
     rows = []
     for design in designs:
         t1 = time.perf_counter()
@@ -161,21 +169,36 @@ def run_fleet(sim: str, ref_design: str, seed: int, designs, args, log) -> list[
             if sim == "crosscheck":
                 kw = {"pressures": tuple(np.arange(100.0, 1301.0, 100.0)), "temps": (-10.0, 50.0)}
             pts = plan_points(prior, *PLANS[design], **kw)
-            frame = fedcal_fleet(seed, design, pts) if sim == "fedcal" else cc_rows(seed, ref_design, pts)
+            frame = (
+                fedcal_fleet(seed, design, pts)
+                if sim == "fedcal"
+                else cc_rows(seed, ref_design, pts)
+            )
             log.write(json.dumps({"design": design, "points": pts}) + "\n")
         else:
-            frame = fedcal_fleet(seed, design) if sim == "fedcal" else cc_rows(seed, ref_design, design)
+            frame = (
+                fedcal_fleet(seed, design) if sim == "fedcal" else cc_rows(seed, ref_design, design)
+            )
         per = score(prior, frame)
-        per = per.assign(sim=sim, ref=ref_design, design=design, seed=seed,
-                         wall_s=time.perf_counter() - t1, fit_s=fit_s)
+        per = per.assign(
+            sim=sim,
+            ref=ref_design,
+            design=design,
+            seed=seed,
+            wall_s=time.perf_counter() - t1,
+            fit_s=fit_s,
+        )
         rows += per.to_dict("records")
         log.flush()
     return rows
 
 
 def table(per: pd.DataFrame) -> str:
-    out = ["| simulator / references | new design | cov95 mean [per seed] | worst unit | "
-           "declined | RMSE mean | RMSE worst | σ mean |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    out = [
+        "| simulator / references | new design | cov95 mean [per seed] | worst unit | "
+        "declined | RMSE mean | RMSE worst | σ mean |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
     for (sim, ref, design), g in per.groupby(["sim", "ref", "design"], sort=False):
         seeds = g.groupby("seed")["coverage"].mean()
         cov = f"{g['coverage'].mean():.3f} [" + ", ".join(f"{v:.3f}" for v in seeds) + "]"
@@ -184,7 +207,8 @@ def table(per: pd.DataFrame) -> str:
         declined = int(g["coverage"].isna().sum())
         out.append(
             f"| {sim} / {ref} | {design} | {cov} | {g['coverage'].min():.3f} | "
-            f"{declined} of {len(g)}{f' (+{refused} refused)' if refused else ''} | {g['rmse'].mean():.4g} | {g['rmse'].max():.4g} | "
+            f"{declined} of {len(g)}{f' (+{refused} refused)' if refused else ''} | "
+            f"{g['rmse'].mean():.4g} | {g['rmse'].max():.4g} | "
             f"{g['sd'].mean():.4g} |"
         )
     return "\n".join(out)

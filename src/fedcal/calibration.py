@@ -36,7 +36,7 @@ import pandas as pd
 import torch
 
 from fedcal.algorithms.fedprior import FedPrior
-from fedcal.algorithms.fedprior_deploy import DEPLOY_ROWS, deployed
+from fedcal.algorithms.fedprior_deployed import DEPLOY_ROWS, deployed
 from fedcal.algorithms.fedprior_interval import DECLINE, NO_PROBE
 from fedcal.build import build_algorithm, build_task, run_record
 from fedcal.config import DataConfig, RunConfig, from_dict

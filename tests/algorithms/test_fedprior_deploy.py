@@ -33,7 +33,11 @@ def plateau_unit() -> tuple[np.ndarray, np.ndarray]:
 def test_a_grid_design_is_the_nearest_ascending_rows_on_the_nearest_plateaus():
     x, up = plateau_unit()
     designs = deploy.unit_designs(x, up, seed=0)
-    grids = {deploy.FAMILIES[f]: rows.tolist() for f, rows in designs if deploy.FAMILIES[f] in deploy.GRIDS}
+    grids = {
+        deploy.FAMILIES[f]: rows.tolist()
+        for f, rows in designs
+        if deploy.FAMILIES[f] in deploy.GRIDS
+    }
     # 3x2: plateaus at the span's ends (k = 0, 2), pressures 0, ½, 1 of each up sweep
     assert grids["3x2"] == [0, 2, 4, 20, 22, 24]
     # 4x3: all three plateaus, pressures 0, ⅓, ⅔, 1 → the nearest of 0, .25, .5, .75, 1
@@ -132,7 +136,9 @@ def test_the_deployment_path_states_a_sigma_and_declines_an_unspanned_design(dep
     one["sensor_id"] = "flat"
     one["temperature_c"] = one["temperature_c"].iloc[0]  # every point on one plateau
     units = prior.calibrate(pd.concat([train, one], ignore_index=True))
-    rows = pd.concat([test, test[test["sensor_id"] == test["sensor_id"].iloc[0]].assign(sensor_id="flat")])
+    rows = pd.concat(
+        [test, test[test["sensor_id"] == test["sensor_id"].iloc[0]].assign(sensor_id="flat")]
+    )
     _, std = units.predict(rows[["sensor_id", "frequency_hz", "temperature_c"]], return_std=True)
     flat = (rows["sensor_id"] == "flat").to_numpy()
     assert np.isfinite(std[~flat]).all() and (std[~flat] > 0).all()
@@ -147,7 +153,13 @@ def test_a_bad_discrepancy_in_the_prior_file_is_refused(deployment):
     from fedcal.data.loader import load_fleet
 
     doc = {**prior.prior_, "discrepancy": {**prior.prior_["discrepancy"], "amplitude": -1.0}}
-    fleet = load_fleet(train, features=doc["features"], target=doc["target"], test_fraction=0.0,
-                       min_train_points=1, min_test_points=0)
+    fleet = load_fleet(
+        train,
+        features=doc["features"],
+        target=doc["target"],
+        test_fraction=0.0,
+        min_train_points=1,
+        min_test_points=0,
+    )
     with pytest.raises(ValueError, match=r"^prior.json: discrepancy.amplitude: expected a finite"):
         calibrate(doc, fleet, "new.csv")

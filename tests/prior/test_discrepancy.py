@@ -99,9 +99,7 @@ def test_prior_distance_is_the_whitened_residual():
     c = z[0] @ s @ z[0].T + amp * k + noise * np.eye(5)
     want = r[0] @ np.linalg.solve(c, r[0])
     t = lambda a: torch.tensor(a, dtype=F64)  # noqa: E731
-    got = prior_distance(
-        t(z), t(s), t([noise]), t(xd), torch.ones(1, 5), amp, t([ell, ell]), t(r)
-    )
+    got = prior_distance(t(z), t(s), t([noise]), t(xd), torch.ones(1, 5), amp, t([ell, ell]), t(r))
     assert float(got[0]) == pytest.approx(want, rel=1e-10)
 
 
@@ -117,8 +115,14 @@ def test_a_planted_unit_scale_is_recovered():
     r = np.stack([np.linalg.cholesky(ci) @ rng.standard_normal(n) for ci in c]) * np.sqrt(planted)
     t = lambda a: torch.tensor(a, dtype=F64)  # noqa: E731
     d2 = prior_distance(
-        t(z), t(s), t([noise] * 3), t(np.zeros((3, n, 2))), torch.ones(3, n), 1e-300,
-        t([1.0, 1.0]), t(r),
+        t(z),
+        t(s),
+        t([noise] * 3),
+        t(np.zeros((3, n, 2))),
+        torch.ones(3, n),
+        1e-300,
+        t([1.0, 1.0]),
+        t(r),
     )
     got = unit_scale(8.0, torch.full((3,), float(n), dtype=F64), d2 / n)
     assert torch.all((got - planted).abs() < 4 * planted * math.sqrt(2 / n))

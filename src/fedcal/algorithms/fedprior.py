@@ -160,7 +160,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from fedcal.algorithms.fedprior_deploy import deploy_shapes, deployed_var
+from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
 from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
 from fedcal.algorithms.fedprior_noise import NoiseModel
 from fedcal.algorithms.fedprior_robust import RobustUploads, _weighted

@@ -10,24 +10,26 @@ E1. **Who learns.** Units with at least :data:`REFERENCE_ROWS` calibration rows 
 E2. **The designs each emulates** (:func:`unit_designs`), as new units are measured: P × T
     grids 3×2, 4×3, 6×4 (pressure ends and temperature ends included) and two draws each
     of random 2- and 3-plateau designs (plateaus spread over at least half the span,
-    3–4 resp. 2–3 points per plateau, pressure ends included), in positions of the unit's
+    3–4 points per plateau, pressure ends included), in positions of the unit's
     own span (:func:`~fedcal.algorithms.fedprior_interval._unit_span`). The plateau input
     is the one with the fewest distinct levels (ties: the last, temperature in fedcal's
     schemas). A unit whose rows sit on plateaus (a campaign) takes, per design plateau,
     its nearest plateau and on it the rows nearest the design's pressure positions within
     that plateau's own range (an ascending-sweep row where directions are known, as new
     units are measured); a unit without plateaus (Latin hypercube) its rows nearest the
-    design's points. It fits its posterior under the final prior from those rows alone
-    and predicts all its other rows: errors e, the model's variance v₀, the shape q of D2.
-E3. **a², ℓ** (uploaded: for each point of :data:`AMP_GRID` × :data:`LENGTH_GRID`, the
-    summed Gaussian log density of its held-out errors under v₀ + a²q): the server takes
-    the arg-max of the pooled sums.
-E4. **ν₀, κ** (given a², ℓ; uploaded per ν₀ of :data:`NU_GRID` and κ of
+    design's points. It fits its posterior from those rows alone under its
+    leave-one-out prior (:func:`_leave_one_out`: a new unit is not in the prior, and a
+    reference unit is, by 1/N of it) and predicts all its other rows: errors e, the
+    basis part v_c of the model's variance, the shape q of D2.
+E3. **β, a², ℓ** (uploaded: for each point of :data:`BETA_GRID` × :data:`AMP_GRID` ×
+    :data:`LENGTH_GRID`, the summed Gaussian log density of its held-out errors under
+    β v_c + σ² + a² q): the server takes the arg-max of the pooled sums.
+E4. **ν₀, κ** (given β, a², ℓ; uploaded per ν₀ of :data:`NU_GRID` and κ of
     :data:`KAPPA_GRID`: the held-out rows inside the 95 % interval of D3–D4, per design
     family, and the summed Student-t log density): for each ν₀ the smallest κ whose
     pooled coverage reaches 95 % (linear between grid values); ν₀ is the one whose
     log score at its κ is highest (∞ included: no per-unit scale).
-E5. **The record** (:class:`~fedcal.prior.discrepancy.Discrepancy`): a², ℓ, κ, ν₀, each
+E5. **The record** (:class:`~fedcal.prior.discrepancy.Discrepancy`): β, a², ℓ, κ, ν₀, each
     family's coverage at κ, and the span of designs emulated (fewest points, plateaus,
     share of each input's span) by which :func:`~fedcal.prior.discrepancy.design_reason`
     declines a new unit's design the references did not span.
@@ -45,6 +47,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedcal.algorithms.fedprior_deployed import DEPLOY_ROWS, prior_in_use
 from fedcal.core.bayes import F64, moments
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree, gather
@@ -52,16 +55,14 @@ from fedcal.models.basis import legendre_products
 from fedcal.prior.discrepancy import (
     Z95,
     Discrepancy,
-    design_reason,
-    prior_distance,
     interval_factor,
+    prior_distance,
     smoother,
     smoother_q,
     unit_scale,
 )
 
 REFERENCE_ROWS = 48  # E1: at least twice the largest design emulated (24 points)
-DEPLOY_ROWS = 64  # a calibrated unit carries at most this many design rows (D2)
 LEVEL_TOL = 0.02  # rows within 2 % of the span are one level (plateau)
 # E3: a² relative to the fleet's noise σ² (0.25 decades), ℓ in scaled inputs ([-1, 1])
 AMP_GRID = torch.logspace(-2, 10, 49, dtype=F64)
@@ -110,9 +111,7 @@ def _draw(rng: np.random.Generator, family: str) -> list[tuple[float, list[float
     return [(tk, [0.0, *sorted(rng.uniform(0, 1, r - 2)), 1.0]) for tk in ts]
 
 
-def unit_designs(
-    x: np.ndarray, up: np.ndarray, seed: int
-) -> list[tuple[int, np.ndarray]]:
+def unit_designs(x: np.ndarray, up: np.ndarray, seed: int) -> list[tuple[int, np.ndarray]]:
     """E2: (family index, the unit's row indices) of every design a reference unit emulates.
 
     ``x`` its calibration inputs (rows, d), ``up`` whether each row is of an ascending sweep
@@ -189,7 +188,7 @@ def _emulation(alg, down: Tree, data: ClientData, refs: Tensor) -> dict[str, Ten
     xd = xb.gather(1, order.unsqueeze(-1).expand(-1, -1, xb.shape[-1]))
     yd = yb.gather(1, order)
     p = len(alg.terms)
-    sigma, mu = _prior_in_use(down_b)
+    sigma, mu = prior_in_use(down_b)
     resid = (yd - (zd * mu.unsqueeze(1)).sum(-1)) * km  # y_D − Z_Dμ (D4)
     return {
         "family": torch.tensor(fam),
@@ -215,10 +214,12 @@ def _emulation(alg, down: Tree, data: ClientData, refs: Tensor) -> dict[str, Ten
 def _leave_one_out(alg, down: Tree, data: ClientData) -> Tree:
     """Each unit's prior without itself (E2), to first order in 1/N: with m_i, V_i its
     posterior from all its rows under the fleet prior and S_i = (m_i − μ)(m_i − μ)ᵀ + V_i
-    its share of the M-step's second moment, μ_(−i) = μ − (m_i − μ)/(N − 1) and
-    Σ_(−i) = Σ + (1 − λ)(Σ − S_i)/(N − 1) (λ the M-step's shrinkage), its eigenvalues kept
-    above 10⁻⁶ of the largest. Computed by the unit from the broadcast and its own fit.
-    A reference unit emulates as a new unit would be: against a prior it is not in."""
+    its share of the M-step's second moment, μ_(−i) = μ − (m_i − μ)/(N − 1) and, whitened
+    by Σ (M_i = Σ^(−½) S_i Σ^(−½)), Σ_(−i) = Σ^(½) [I + (1 − λ)(I − M_i)/(N − 1)]₊ Σ^(½)
+    (λ the M-step's shrinkage; the bracket's eigenvalues kept ≥ ½: a first-order removal
+    is not trusted to shrink a direction more, e.g. the vague start's). Computed by the
+    unit from the broadcast and its own fit. A reference unit emulates as a new unit is
+    calibrated: against a prior it is not in."""
     n = data.num_clients
     x, y, mask = data.x.to(F64), data.y[..., 0].to(F64), data.mask.to(F64)
     z = alg.design(x, data.branch).to(F64)
@@ -229,19 +230,15 @@ def _leave_one_out(alg, down: Tree, data: ClientData) -> Tree:
     dev = (coef - mu) * keep
     share = dev.unsqueeze(-1) * dev.unsqueeze(-2) + cov
     lam = alg.shrinkage_units / (n + alg.shrinkage_units)
-    loo = sigma + (1 - lam) * (sigma - share) / max(n - 1, 1)
-    vals, vecs = torch.linalg.eigh(0.5 * (loo + loo.mT))
-    vals = vals.clamp_min(1e-6 * vals.amax(-1, keepdim=True))
-    return {"mu": mu - dev / max(n - 1, 1), "sigma": (vecs * vals.unsqueeze(-2)) @ vecs.mT}
-
-
-def _prior_in_use(down: Tree) -> tuple[Tensor, Tensor]:
-    """(Σ, μ) of the broadcast restricted to the basis in use (terms outside it: 0)."""
-    sigma, mu = down["sigma"].to(F64), down["mu"].to(F64)
-    if "mask" in down:
-        m = down["mask"].to(F64)
-        sigma, mu = sigma * m.unsqueeze(-1) * m.unsqueeze(-2), mu * m
-    return sigma, mu
+    vals, vecs = torch.linalg.eigh(0.5 * (sigma + sigma.mT))
+    root = vecs * vals.clamp_min(1e-300).sqrt().unsqueeze(-2)  # Σ^(½) = root rootᵀ ... up to U
+    inv = vecs / vals.clamp_min(1e-300).sqrt().unsqueeze(-2)
+    white = inv.mT @ share @ inv
+    eye = torch.eye(mu.shape[-1], dtype=F64)
+    inner = eye + (1 - lam) * (eye - white) / max(n - 1, 1)
+    w, u = torch.linalg.eigh(0.5 * (inner + inner.mT))
+    inner = (u * w.clamp_min(0.5).unsqueeze(-2)) @ u.mT
+    return {"mu": mu - dev / max(n - 1, 1), "sigma": root @ inner @ root.mT}
 
 
 def _per_unit(values: Tensor, unit: Tensor, units: int) -> Tensor:
@@ -287,7 +284,13 @@ def scale_sums(
     q = smoother_q(em["x"], em["phi"], em["xd"], em["km"], em["a"], lengths)
     v = beta * em["vc"] + em["sn"] + amplitude * q
     d2 = prior_distance(
-        em["zd"], beta * em["sigma"], em["noise"], em["xd"], em["km"], amplitude, lengths,
+        em["zd"],
+        beta * em["sigma"],
+        em["noise"],
+        em["xd"],
+        em["km"],
+        amplitude,
+        lengths,
         em["resid"],
     )
     ratio = d2 / em["dof"]
@@ -337,12 +340,20 @@ def choose(sums: dict[str, Tensor]) -> tuple[int, float, list[float]]:
         k = _first_covering(pooled[n])
         if math.isnan(k):
             continue
-        g = int(torch.searchsorted(KAPPA_GRID, torch.tensor(k, dtype=F64)).clamp_max(len(KAPPA_GRID) - 1))
+        g = int(
+            torch.searchsorted(KAPPA_GRID, torch.tensor(k, dtype=F64)).clamp_max(
+                len(KAPPA_GRID) - 1
+            )
+        )
         if float(score[n, g]) > best_score:
             best, kappa, best_score = n, k, float(score[n, g])
     if best < 0:
         return -1, math.nan, []
-    g = int(torch.searchsorted(KAPPA_GRID, torch.tensor(kappa, dtype=F64)).clamp_max(len(KAPPA_GRID) - 1))
+    g = int(
+        torch.searchsorted(KAPPA_GRID, torch.tensor(kappa, dtype=F64)).clamp_max(
+            len(KAPPA_GRID) - 1
+        )
+    )
     fam = (inside[:, best, g] / held.clamp_min(1.0)).tolist()
     return best, kappa, fam
 
@@ -353,7 +364,11 @@ def learn(alg, server: Tree, data: ClientData) -> Discrepancy | None:
     refs = torch.nonzero(data.count >= REFERENCE_ROWS)[:, 0]
     if refs.numel() < 2:
         return None
-    down = {k: v.unsqueeze(0).expand(data.num_clients, *v.shape) for k, v in alg.broadcast(server).items() if k != "cand"}
+    down = {
+        k: v.unsqueeze(0).expand(data.num_clients, *v.shape)
+        for k, v in alg.broadcast(server).items()
+        if k != "cand"
+    }
     noise = float(server["noise_var"])
     with torch.no_grad():
         em = _emulation(alg, down, data, refs)
@@ -406,87 +421,3 @@ def _span_record(em: dict[str, Tensor], data: ClientData, refs: Tensor) -> dict:
         "min_levels": tuple(fewest),
         "min_span": tuple(share.clamp(0.0, 1.0).tolist()),
     }
-
-
-def deploy_shapes(rows: int, inputs: int, terms: int) -> dict[str, tuple[int, ...]]:
-    """A deployed unit's extra parameters (D2–D4): its design rows, A, κ² s_i² (t/1.96)², a², ℓ."""
-    return {
-        "gp_x": (rows, inputs),
-        "gp_mask": (rows,),
-        "gp_a": (rows, terms),
-        "gp_scale": (),
-        "gp_amp": (),
-        "gp_beta": (),
-        "gp_len": (inputs,),
-    }
-
-
-def deployed_var(alg, params: Tree, x: Tensor, var: Tensor) -> Tensor:
-    """D2–D4 at query rows ``x`` (units, rows, d): κ² s_i² (t/1.96)² (β v_c + σ_i² + a² q),
-    v_c = ``var`` − σ_i² (the basis part of the model's own variance ``var``)."""
-    phi = legendre_products(x.to(F64), alg.terms)
-    noise = params["noise_var"].to(F64).reshape(-1, 1)
-    var = params["gp_beta"].to(F64).reshape(-1, 1) * (var - noise).clamp_min(0.0) + noise
-    lengths = params["gp_len"].to(F64).unsqueeze(-2)
-    q = smoother_q(x, phi, params["gp_x"], params["gp_mask"], params["gp_a"], lengths)
-    amp = params["gp_amp"].to(F64).reshape(-1, 1)
-    return params["gp_scale"].to(F64).reshape(-1, 1) * (var + amp * q)
-
-
-def deploy_terms(
-    alg, model: Discrepancy, down: Tree, personal: Tree, data: ClientData, names: list[str]
-) -> tuple[Tree, list[str]]:
-    """A unit calibrated from the prior: its :func:`deploy_shapes` parameters, and per unit
-    the reason its design is declined ("" if spanned: :func:`design_reason`)."""
-    rows = alg.deploy_rows
-    x, y, mask = data.x.to(F64), data.y[..., 0].to(F64), data.mask.to(F64)
-    c, r = mask.shape
-    pad = max(rows - r, 0)
-    xd = torch.nn.functional.pad(x, (0, 0, 0, pad))[:, :rows]
-    km = torch.nn.functional.pad(mask, (0, pad))[:, :rows]
-    z = alg.design(x, data.branch).to(F64)
-    zd = torch.nn.functional.pad(z, (0, 0, 0, pad))[:, :rows] * km.unsqueeze(-1)
-    yd = torch.nn.functional.pad(y, (0, pad))[:, :rows]
-    cov = personal["cov"].to(F64)
-    noise = personal["noise_var"].to(F64).reshape(-1).expand(c)
-    p = len(alg.terms)
-    lengths = torch.tensor(model.lengths, dtype=F64)
-    sigma, mu = _prior_in_use(down)
-    resid = (yd - (zd * mu.unsqueeze(1)).sum(-1)) * km
-    d2 = prior_distance(zd, model.beta * sigma, noise, xd, km, model.amplitude, lengths, resid)
-    dof = km.sum(1)
-    s2 = unit_scale(model.nu0, dof, d2 / dof.clamp_min(1.0))
-    scale = model.kappa**2 * s2 * interval_factor(model.nu0, dof)
-    reasons = design_reason(model, x, mask, names)
-    out = {
-        "gp_x": xd,
-        "gp_mask": km,
-        "gp_a": smoother(zd, cov[..., :, :p], noise, km),
-        "gp_scale": scale,
-        "gp_amp": torch.full((c,), model.amplitude, dtype=F64),
-        "gp_beta": torch.full((c,), model.beta, dtype=F64),
-        "gp_len": lengths.expand(c, -1).clone(),
-    }
-    return out, reasons
-
-
-def deployed(alg, raw: dict, down: Tree, personal: Tree, data: ClientData, names: list[str]):
-    """``personal`` of units calibrated from a prior with a ``discrepancy`` (``raw``, checked:
-    one-line errors): D2–D4's parameters added, I2's τ² replaced by them (0), and declined
-    exactly the units whose design the references did not span. Returns (personal, reasons)."""
-    model = Discrepancy.from_dict(raw)
-    extra, reasons = deploy_terms(alg, model, down, personal, data, names)
-    # A unit with more points than the model holds keeps fedprior's own interval (I2–I4):
-    # the discrepancy term is off for it (a² = 0, scale 1).
-    rich = data.count > model.max_points
-    extra["gp_amp"] = torch.where(rich, 0.0, extra["gp_amp"])
-    extra["gp_scale"] = torch.where(rich, 1.0, extra["gp_scale"])
-    extra["gp_beta"] = torch.where(rich, 1.0, extra["gp_beta"])
-    out = {**personal, **extra}
-    if "disc_var" in out:
-        out["disc_var"] = torch.where(rich, out["disc_var"], 0.0)
-    declined = torch.tensor([bool(r) for r in reasons])
-    weak = alg.weak_units(down, personal["cov"], personal["noise_var"], data)
-    own = personal.get("declined", torch.zeros(data.num_clients, dtype=F64)) > 0
-    out["declined"] = torch.where(rich, own, declined | weak).to(F64)
-    return out, [("" if bool(r) else why) for r, why in zip(rich, reasons, strict=True)]

@@ -10,26 +10,29 @@ D1. y_i(x) = φ(x)ᵀc_i + δ_i(x) + ε, c_i ~ N(μ, Σ) (the fleet prior), ε ~
     inputs (one length scale per input).
 D2. The unit's prediction stays the basis's posterior mean ŷ(x) = φ(x)ᵀm_i (the
     coefficients every export carries). It is linear in the unit's readings:
-    ŷ(x) − φ(x)ᵀμ = g(x)ᵀ(y_D − Φ_Dμ), g(x) = A φ(x), A = Z_D V_i[:, c] / σ_i² (n × p; Z_D
+    ŷ(x) − φ(x)ᵀμ = g(x)ᵀ(y_D − Z_Dμ), g(x) = A φ(x), A = Z_D V_i[:, c] / σ_i² (n × p; Z_D
     the unit's design rows, V_i its posterior covariance, [:, c] the columns of φ). Its
-    error y(x) − ŷ(x) has variance (:func:`smoother_q`)
-        v(x) = v₀(x) + a² q(x),   q(x) = 1 − 2 g(x)ᵀk_D(x) + g(x)ᵀK_DD g(x),
-    v₀(x) = φᵀV_iφ + σ_i² the model's own (the basis and noise part: the cross terms
-    of c and ε reduce to it exactly). q is small at the unit's points and grows
-    between and beyond them: between two temperature plateaus, at a²·(1 − …).
-D3. A scale κ, learned with a², ℓ from the reference units (below), makes the nominal
-    95 % interval hold on the emulated designs: the stated variance is κ² s_i² v(x).
+    error y(x) − ŷ(x) has variance v_c(x) + σ_i² + a² q(x) (:func:`smoother_q`),
+        q(x) = 1 − 2 g(x)ᵀk_D(x) + g(x)ᵀK_DD g(x),
+    v_c = φᵀV_iφ the basis part of the model's own variance (the cross terms of c and ε
+    reduce to it exactly). q is small at the unit's points and grows between and beyond
+    them. A factor β on v_c, learned with a², ℓ, corrects the fleet Σ's share (Σ is
+    estimated from ~20 units in 9–20 dimensions): v(x) = β v_c(x) + σ_i² + a² q(x).
+D3. A scale κ, learned with them from the reference units, makes the nominal 95 %
+    interval hold on the designs they emulate: the stated variance is κ² s_i² v(x).
 D4. σ per unit (a scaled-inverse-χ² fleet prior on the unit's scale, s₀² = 1 since κ
-    holds the fleet's): the unit's fit residual f_i = ‖y_D − Φ_D m_i‖² and its expected
-    value under D1, E₀f_i = tr((I − H) C (I − H)ᵀ) (H = Z_D V_i Z_Dᵀ/σ_i² the hat matrix,
-    C = Z_DΣZ_Dᵀ + a²K_DD + σ_i²I the readings' covariance about Z_Dμ), its residual
-    degrees of freedom ν_i = n − tr(Z_DᵀZ_D V_i)/σ_i² (fedprior I1), then
-        s_i² = (ν₀ s₀² + ν_i f_i/E₀f_i) / (ν₀ + ν_i),
-    and the error is Student-t with ν₀ + ν_i degrees of freedom and scale κ s_i √v(x).
-    The stated σ is the 95 % interval's half-width over 1.96 (:func:`interval_factor`),
-    so ±1.96 σ is that interval. ν₀ = ∞ (s_i = 1) unless the references' emulation
-    prefers a finite one by pooled held-out log score. At 6 points and a 9–12-term basis
-    ν_i ≈ 0–2: a unit's own points cannot tell its error, s_i² ≈ s₀².
+    holds the fleet's): the unit's readings about the prior mean, r = y_D − Z_Dμ, have
+    covariance C = βZ_DΣZ_Dᵀ + a²K_DD + σ_i²I under D1; if the unit's whole error is
+    scaled by s_i², its n_i points give d_i² = rᵀC⁻¹r (:func:`prior_distance`) on n_i
+    degrees of freedom, and the conjugate posterior is
+        s_i² = (ν₀ s₀² + d_i²) / (ν₀ + n_i),
+    the error Student-t with ν₀ + n_i degrees of freedom and scale κ s_i √v(x). The
+    stated σ is the 95 % interval's half-width over 1.96 (:func:`interval_factor`), so
+    ±1.96 σ is that interval. ν₀ = ∞ (s_i = 1) unless the references' emulation prefers
+    a finite one by pooled held-out log score. (The residual form s_i² = (ν₀ s₀² +
+    f_i/σ²)/(ν₀ + ν_i), ν_i = n_i − tr(G_iV_i)/σ² the residual degrees of freedom, has
+    ν_i ≈ 0–2 at 6 points and a 9–12-term basis: a unit's own residuals cannot tell its
+    error there; d² uses all n_i points. Measured: docs/uncertainty.md, "Deployment".)
 
 How the reference units learn (a², ℓ), ν₀ and κ (sums only) and which designs they
 emulate: :mod:`fedcal.algorithms.fedprior_deploy`. This module holds the fitted model as
@@ -94,9 +97,7 @@ class Discrepancy:
         out["nu0"] = None if math.isinf(self.nu0) else self.nu0
         for key in ("lengths", "box_lo", "box_hi", "min_levels", "min_span"):
             out[key] = list(out[key])
-        out["coverage"] = [
-            {"family": f, "held": h, "coverage": c} for f, h, c in self.coverage
-        ]
+        out["coverage"] = [{"family": f, "held": h, "coverage": c} for f, h, c in self.coverage]
         return out
 
     @classmethod
@@ -121,7 +122,9 @@ class Discrepancy:
             args["nu0"] = math.inf if raw["nu0"] is None else _number(raw["nu0"], "nu0")
             for key in ("lengths", "box_lo", "box_hi", "min_span"):
                 args[key] = tuple(_number(v, key) for v in _list(raw[key], key))
-            args["min_levels"] = tuple(_integer(v, "min_levels") for v in _list(raw["min_levels"], "min_levels"))
+            args["min_levels"] = tuple(
+                _integer(v, "min_levels") for v in _list(raw["min_levels"], "min_levels")
+            )
             for key in ("beta", "amplitude", "kappa", "level_tol"):
                 if key in raw:
                     args[key] = _number(raw[key], key)
@@ -129,7 +132,11 @@ class Discrepancy:
                 if key in raw:
                     args[key] = _integer(raw[key], key)
             args["coverage"] = tuple(
-                (str(c["family"]), _number(c["held"], "coverage"), _number(c["coverage"], "coverage"))
+                (
+                    str(c["family"]),
+                    _number(c["held"], "coverage"),
+                    _number(c["coverage"], "coverage"),
+                )
                 for c in _list(raw.get("coverage", []), "coverage")
                 if isinstance(c, dict) or _fail("coverage", "expected objects")
             )
@@ -178,10 +185,16 @@ def _check(m: Discrepancy) -> None:
             _fail(key, f"expected {d} values (one per input), got {len(getattr(m, key))}")
     if not all(math.isfinite(v) and v > 0 for v in m.lengths):
         _fail("lengths", f"expected finite positive length scales, got {list(m.lengths)}")
-    if not all(math.isfinite(a) and math.isfinite(b) and a < b for a, b in zip(m.box_lo, m.box_hi, strict=True)):
+    if not all(
+        math.isfinite(a) and math.isfinite(b) and a < b
+        for a, b in zip(m.box_lo, m.box_hi, strict=True)
+    ):
         _fail("box_lo", "expected finite box_lo < box_hi per input")
     if not 1 <= m.min_points <= m.max_points:
-        _fail("min_points", f"expected 1 <= min_points <= max_points, got {m.min_points}, {m.max_points}")
+        _fail(
+            "min_points",
+            f"expected 1 <= min_points <= max_points, got {m.min_points}, {m.max_points}",
+        )
     if not all(v >= 1 for v in m.min_levels):
         _fail("min_levels", "expected at least 1 level per input")
     if not all(0 <= v <= 1 for v in m.min_span):
@@ -217,8 +230,14 @@ def smoother_q(
 
 
 def prior_distance(
-    design: Tensor, sigma: Tensor, noise: Tensor, xd: Tensor, mask: Tensor,
-    amplitude: float, lengths: Tensor, resid: Tensor,
+    design: Tensor,
+    sigma: Tensor,
+    noise: Tensor,
+    xd: Tensor,
+    mask: Tensor,
+    amplitude: float,
+    lengths: Tensor,
+    resid: Tensor,
 ) -> Tensor:
     """d_i² = rᵀC⁻¹r (D4) per unit: (units,). ``design`` Z_D (units, n, q), ``sigma`` the
     prior's (β-scaled) Σ, ``resid`` r = y_D − Z_Dμ (0 on padding rows, whose C is 1)."""
@@ -274,24 +293,32 @@ def design_reason(model: Discrepancy, x: Tensor, mask: Tensor, names: list[str])
     n = mask.to(F64).sum(1)
     lev = levels(x, mask, model.level_tol, span)
     m = mask.to(torch.bool).unsqueeze(-1)
-    width = (torch.where(m, x.to(F64), -math.inf).amax(1) - torch.where(m, x.to(F64), math.inf).amin(1)) / span
+    width = (
+        torch.where(m, x.to(F64), -math.inf).amax(1) - torch.where(m, x.to(F64), math.inf).amin(1)
+    ) / span
     out = []
     for i in range(x.shape[0]):
         why = ""
         if n[i] < model.min_points:
-            why = (f"no σ: {int(n[i])} points, fewer than the smallest design the reference "
-                   f"units emulated ({model.min_points})")
+            why = (
+                f"no σ: {int(n[i])} points, fewer than the smallest design the reference "
+                f"units emulated ({model.min_points})"
+            )
         for j, name in enumerate(names):
             if why:
                 break
             if lev[i, j] < model.min_levels[j]:
-                why = (f"no σ: the design has {int(lev[i, j])} level(s) of {name}; the reference "
-                       f"units emulated designs of at least {model.min_levels[j]}, so the error "
-                       "away from its levels was not learned")
+                why = (
+                    f"no σ: the design has {int(lev[i, j])} level(s) of {name}; the reference "
+                    f"units emulated designs of at least {model.min_levels[j]}, so the error "
+                    "away from its levels was not learned"
+                )
             elif width[i, j] < model.min_span[j] - 1e-9:
-                why = (f"no σ: the design's {name} spans {100 * float(width[i, j]):.0f} % of the "
-                       f"references' range; they emulated designs spanning at least "
-                       f"{100 * model.min_span[j]:.0f} %, so the error far from its points was "
-                       "not learned")
+                why = (
+                    f"no σ: the design's {name} spans {100 * float(width[i, j]):.0f} % of the "
+                    f"references' range; they emulated designs spanning at least "
+                    f"{100 * model.min_span[j]:.0f} %, so the error far from its points was "
+                    "not learned"
+                )
         out.append(why)
     return out
