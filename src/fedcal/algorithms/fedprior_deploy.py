@@ -20,7 +20,8 @@ E2. **The designs each emulates** (:func:`unit_designs`), as new units are measu
     design's points. It fits its posterior from those rows alone under its
     leave-one-out prior (:func:`_leave_one_out`: a new unit is not in the prior, and a
     reference unit is, by 1/N of it) and predicts all its other rows: errors e, the
-    basis part v_c of the model's variance, the shape q of D2.
+    basis part v_c of the model's variance, the shape q of D2 (at most about
+    :data:`HELD_ROWS` of them, evenly in its row order: :func:`_thin`).
 E3. **β, a², ℓ** (uploaded: for each point of :data:`BETA_GRID` × :data:`AMP_GRID` ×
     :data:`LENGTH_GRID`, the summed Gaussian log density of its held-out errors under
     β v_c + σ² + a² q): the server takes the arg-max of the pooled sums.
@@ -63,6 +64,7 @@ from fedcal.prior.discrepancy import (
 )
 
 REFERENCE_ROWS = 48  # E1: at least twice the largest design emulated (24 points)
+HELD_ROWS = 128  # E2: held-out rows scored per emulated design, at most about this many
 LEVEL_TOL = 0.02  # rows within 2 % of the span are one level (plateau)
 # E3: a² relative to the fleet's noise σ² (0.25 decades), ℓ in scaled inputs ([-1, 1])
 AMP_GRID = torch.logspace(-2, 10, 49, dtype=F64)
@@ -190,15 +192,19 @@ def _emulation(alg, down: Tree, data: ClientData, refs: Tensor) -> dict[str, Ten
     p = len(alg.terms)
     sigma, mu = prior_in_use(down_b)
     resid = (yd - (zd * mu.unsqueeze(1)).sum(-1)) * km  # y_D − Z_Dμ (D4)
+    held = _thin(mb * (1 - keep))  # the scored rows, gathered to the front (E3–E4 cost)
+    width = int(held.sum(1).max())
+    rows = torch.argsort(held, dim=1, descending=True, stable=True)[:, :width]
+    xh = xb.gather(1, rows.unsqueeze(-1).expand(-1, -1, xb.shape[-1]))
     return {
         "family": torch.tensor(fam),
         "unit": idx,
-        "held": mb * (1 - keep),
-        "err2": (yb - mean).square(),
-        "vc": (v0 - noise.reshape(-1, 1)).clamp_min(0.0),  # the basis part φᵀVφ (D2)
-        "sn": noise.reshape(-1, 1).expand_as(v0),
-        "x": xb,
-        "phi": legendre_products(xb, alg.terms),
+        "held": held.gather(1, rows),
+        "err2": (yb - mean).square().gather(1, rows),
+        "vc": (v0 - noise.reshape(-1, 1)).clamp_min(0.0).gather(1, rows),  # φᵀVφ (D2)
+        "sn": noise.reshape(-1, 1).expand(-1, width),
+        "x": xh,
+        "phi": legendre_products(xh, alg.terms),
         "xd": xd,
         "km": km,
         "zd": zd,
@@ -239,6 +245,14 @@ def _leave_one_out(alg, down: Tree, data: ClientData) -> Tree:
     w, u = torch.linalg.eigh(0.5 * (inner + inner.mT))
     inner = (u * w.clamp_min(0.5).unsqueeze(-2)) @ u.mT
     return {"mu": mu - dev / max(n - 1, 1), "sigma": root @ inner @ root.mT}
+
+
+def _thin(held: Tensor, cap: int = HELD_ROWS) -> Tensor:
+    """At most about ``cap`` held-out rows per emulated design: every k-th in the unit's row
+    order, k = ⌈held/cap⌉ (a campaign's 378 → 126; the cost of E3–E4 is per held row)."""
+    rank = held.cumsum(1) - 1
+    step = torch.ceil(held.sum(1, keepdim=True) / cap).clamp_min(1.0)
+    return held * (torch.remainder(rank, step) == 0).to(F64)
 
 
 def _per_unit(values: Tensor, unit: Tensor, units: int) -> Tensor:
