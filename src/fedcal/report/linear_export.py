@@ -202,6 +202,9 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
         coef[:, :p] = params["coef"][:, :p].numpy()  # the branch average: h does not enter ŷ
         q, s = alg.variance_form(params)
         q, add_var = q.numpy(), s.numpy()
+        if "gp_amp" in params:  # σ from the prior's discrepancy model (issue 33): not a
+            # quadratic form of the basis, so no σ is exported for such a unit (NaN)
+            add_var = np.where(params["gp_amp"].numpy() > 0, np.nan, add_var)
         if "box" in params:  # the guard's box (scaled inputs); a model saved before: none
             box_lo, box_hi = params["box"][:, 0].numpy(), params["box"][:, 1].numpy()
     elif isinstance(alg, PolynomialCalibration):
@@ -287,6 +290,8 @@ def check_form(fleet, form: LinearForm, valid_range: dict | None = None) -> None
             )
         if std is not None:
             ref = want_std[i, :, 0].double().numpy()
+            if "gp_amp" in params and float(params["gp_amp"][i]) > 0:
+                ref = np.full_like(ref, np.nan)  # not exported (the form above), not claimed
             if not np.allclose(std, ref, rtol=tol, atol=0, equal_nan=True):
                 raise ValueError(
                     f"{form.method}: the exported σ of sensor {sensor} differs from the model's "
