@@ -425,6 +425,9 @@ def _span_record(em: dict[str, Tensor], data: ClientData, refs: Tensor) -> dict:
     narrow = torch.where(km.unsqueeze(-1), em["xd"], math.inf).amin(1)
     share = ((wide - narrow) / (hi - lo)).amin(0) - 0.05  # slack: a design's own readings
     j = plateau_input(x[0, : int(data.count[refs[0]])].numpy())
+    # the response inputs' span also varies unit to unit (each its own frequencies): only
+    # half of the narrowest emulated is asked of a new design there; the plateaus' in full
+    share = torch.where(torch.arange(share.shape[0]) == j, share, 0.5 * share)
     fewest = [2] * x.shape[-1]  # E2: two plateaus, and pressure ends on each
     fewest[j] = 2
     return {
