@@ -5,8 +5,10 @@ fleet's reference units learn its numbers at the end of a run, and how a unit ca
 later from ``prior.json`` gets its σ.
 
 E1. **Who learns.** Units with at least :data:`REFERENCE_ROWS` calibration rows (a full
-    campaign: every design below is a small part of it). Fewer than two: nothing is
-    learned (prior.json has no ``discrepancy``; ``calibrate`` keeps fedprior I2–I4's rule).
+    campaign: every design below is a small part of it; at most :data:`MAX_REFERENCES` of
+    them, evenly in the fleet's order, so a 10,000-unit fleet costs what 64 units do).
+    Fewer than two: nothing is learned (prior.json has no ``discrepancy``; ``calibrate``
+    keeps fedprior I2–I4's rule).
 E2. **The designs each emulates** (:func:`unit_designs`), as new units are measured: P × T
     grids 3×2, 4×3, 6×4 (pressure ends and temperature ends included) and two draws each
     of random 2- and 3-plateau designs (plateaus spread over at least half the span,
@@ -64,6 +66,7 @@ from fedcal.prior.discrepancy import (
 )
 
 REFERENCE_ROWS = 48  # E1: at least twice the largest design emulated (24 points)
+MAX_REFERENCES = 64  # E1: at most this many reference units emulate (evenly chosen)
 HELD_ROWS = 128  # E2: held-out rows scored per emulated design, at most about this many
 LEVEL_TOL = 0.02  # rows within 2 % of the span are one level (plateau)
 # E3: a² relative to the fleet's noise σ² (0.25 decades), ℓ in scaled inputs ([-1, 1])
@@ -378,6 +381,8 @@ def learn(alg, server: Tree, data: ClientData) -> Discrepancy | None:
     refs = torch.nonzero(data.count >= REFERENCE_ROWS)[:, 0]
     if refs.numel() < 2:
         return None
+    if refs.numel() > MAX_REFERENCES:  # evenly over the fleet's order: bounded memory and time
+        refs = refs[torch.linspace(0, refs.numel() - 1, MAX_REFERENCES).round().long()]
     down = {
         k: v.unsqueeze(0).expand(data.num_clients, *v.shape)
         for k, v in alg.broadcast(server).items()
