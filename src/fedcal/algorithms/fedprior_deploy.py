@@ -65,7 +65,7 @@ from fedcal.prior.discrepancy import (
     unit_scale,
 )
 
-REFERENCE_ROWS = 48  # E1: at least twice the largest design emulated (24 points)
+REFERENCE_ROWS = 33  # E1: more rows than fedprior's few-point class (probe_rows = 32)
 MAX_REFERENCES = 64  # E1: at most this many reference units emulate (evenly chosen)
 HELD_ROWS = 128  # E2: held-out rows scored per emulated design, at most about this many
 LEVEL_TOL = 0.02  # rows within 2 % of the span are one level (plateau)
