@@ -107,7 +107,7 @@ def score(prior: FleetPrior, frame: pd.DataFrame) -> pd.DataFrame:
     new = frame[frame["role"] == "new"]
     # `calibrate` refuses a file with a unit read outside the prior fleet's range (±5 %):
     # such units are left out here and counted (column "refused")
-    span = {c: v for c, v in prior.prior_["input_range"].items()}
+    span = dict(prior.model_.input_range)
     train_rows = new[new["split"] == "train"]
     bad = set()
     for c, (lo, hi) in span.items():
@@ -154,7 +154,7 @@ def run_fleet(sim: str, ref_design: str, seed: int, designs, args, log) -> list[
     t0 = time.perf_counter()
     prior = FleetPrior(method=args.method, rounds=args.rounds).fit(refs)
     fit_s = time.perf_counter() - t0
-    disc = prior.prior_.get("discrepancy")
+    disc = prior.model_.discrepancy
     log.write(
         json.dumps(
             {"sim": sim, "ref": ref_design, "seed": seed, "fit_s": fit_s, "discrepancy": disc}

@@ -130,7 +130,7 @@ def deployment():
 
 def test_the_deployment_path_states_a_sigma_and_declines_an_unspanned_design(deployment):
     prior, train, test = deployment
-    doc = prior.prior_["discrepancy"]
+    doc = prior.model_.discrepancy
     assert doc["units"] == 4 and doc["min_levels"][1] == 2
     one = train[train["sensor_id"] == train["sensor_id"].iloc[0]].copy()
     one["sensor_id"] = "flat"
@@ -147,19 +147,32 @@ def test_the_deployment_path_states_a_sigma_and_declines_an_unspanned_design(dep
     assert all(r == "" for r in units.result.reasons[:-1])
 
 
-def test_a_bad_discrepancy_in_the_prior_file_is_refused(deployment):
-    prior, train, _ = deployment
+def test_a_bad_discrepancy_in_the_prior_file_is_refused(deployment, tmp_path):
+    import dataclasses
+    import json
+
     from fedcal.calibration import calibrate
     from fedcal.data.loader import load_fleet
+    from fedcal.prior.model import PriorModel
 
-    doc = {**prior.prior_, "discrepancy": {**prior.prior_["discrepancy"], "amplitude": -1.0}}
+    prior, train, _ = deployment
+    bad = {**prior.model_.discrepancy, "amplitude": -1.0}
+    model = dataclasses.replace(prior.model_, discrepancy=bad)
     fleet = load_fleet(
         train,
-        features=doc["features"],
-        target=doc["target"],
+        features=list(model.features),
+        target=model.target,
         test_fraction=0.0,
         min_train_points=1,
         min_test_points=0,
     )
     with pytest.raises(ValueError, match=r"^prior.json: discrepancy.amplitude: expected a finite"):
-        calibrate(doc, fleet, "new.csv")
+        calibrate(model, fleet, "new.csv")
+    # and the file: loading it is refused, in one line naming the file and the field
+    doc = prior.model_.to_dict()
+    doc["discrepancy"] = {**doc["discrepancy"], "lengths": [0.05, -1.0]}
+    path = tmp_path / "prior.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError) as err:
+        PriorModel.load(path)
+    assert "discrepancy.lengths" in str(err.value) and "\n" not in str(err.value)
