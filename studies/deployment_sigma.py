@@ -136,7 +136,7 @@ def score(prior: FleetPrior, frame: pd.DataFrame) -> pd.DataFrame:
 
 def plan_points(prior: FleetPrior, plateaus: int, points: int, pressures=None, temps=None):
     """The planner's design as (P, T, direction) rows in measurement order."""
-    doc = prior.prior_
+    doc = prior.model_
     chamber = (
         default_chamber(doc, t_min=temps[0], t_max=temps[1], pressures=pressures)
         if temps
