@@ -116,6 +116,8 @@ def test_a_newer_format_is_refused_with_how_to_retrain(tmp_path):
         (lambda d: d.update(basis_family="chebyshev"), "basis_family"),
         (lambda d: d.update(surprise={"a": 1}), "surprise"),  # known parts only
         (lambda d: d.update(format_version="2"), "format_version"),
+        (lambda d: d.update(drift={"q": 0.1, "time_scale": 1.0, "seen": [[1.0]]}), "drift.seen"),
+        (lambda d: d.update(drift={"q": -0.1, "time_scale": 1.0, "seen": [[1.0]]}), "drift.q"),
     ],
 )
 def test_a_tampered_file_is_refused_in_one_line_naming_the_field(tmp_path, change, field):

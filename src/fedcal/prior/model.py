@@ -258,7 +258,7 @@ class PriorModel:
             provenance=_provenance(doc, source, version),
             interval=_interval(doc.get("interval"), source, basis.size),
             selection=_selection(doc.get("selection"), source),
-            drift=_drift(doc.get("drift"), source),
+            drift=_drift(doc.get("drift"), source, basis.size),
             identification=doc.get("identification"),
             discrepancy=_discrepancy(doc.get("discrepancy"), source),
         )
@@ -445,9 +445,12 @@ def _selection_dict(sel: SelectionRecord) -> dict[str, Any]:
     return out
 
 
-def _drift(raw: Any, source: str) -> DriftPart | None:
+def _drift(raw: Any, source: str, size: int) -> DriftPart | None:
     if raw is None:
         return None
+    seen = _frozen(raw["seen"])
+    if seen.shape != (size, size):
+        raise RunFileError(f"{source}: drift.seen: expected {size}×{size} numbers")
     short = raw.get("short")
     if short is not None:
         short = ShortPart(
@@ -460,7 +463,7 @@ def _drift(raw: Any, source: str) -> DriftPart | None:
     return DriftPart(
         q=float(raw["q"]),
         time_scale=float(raw["time_scale"]),
-        seen=_frozen(raw["seen"]),
+        seen=seen,
         model=str(raw.get("model", "")),
         rate_per_time=raw.get("rate_per_time"),
         recalibrate_ratio=raw.get("recalibrate_ratio"),
