@@ -145,3 +145,38 @@ def test_onnx_states_predict_s_sigma_of_deployed_units(units, tmp_path):
         assert names[1] == "pressure_hpa_std"
         std = session.run(None, {"x": x[rows]})[1][:, 0]
         assert np.allclose(std, want[rows], rtol=1e-9, atol=0)
+
+
+def test_the_footprint_is_the_header_s_own_sizeof(units, tmp_path):
+    """bytes_per_unit (+2: the unit's fedcal_gp_row) and the deployed block's bytes per unit
+    = sizeof of one unit's rows, by the C compiler; by hand: T = 16 terms, F = 2, K = 6."""
+    import subprocess
+
+    from fedcal.report.linear_export import linear_form
+
+    header = units.to_c_header(tmp_path / "units.h")
+    main = tmp_path / "size.c"
+    main.write_text(
+        '#include <stdio.h>\n#include "units.h"\nint main(void) {\n'
+        '  printf("%zu %zu\\n", sizeof fedcal_coef[0] + sizeof fedcal_chol[0]'
+        " + sizeof fedcal_var_add[0] + sizeof fedcal_has_std[0]"
+        " + sizeof fedcal_x_min[0] + sizeof fedcal_x_max[0]"
+        " + sizeof fedcal_y_min[0] + sizeof fedcal_y_max[0]"
+        " + sizeof fedcal_range_lo[0] + sizeof fedcal_range_hi[0]"
+        " + sizeof fedcal_box_lo[0] + sizeof fedcal_box_hi[0] + sizeof fedcal_gp_row[0],"
+        " sizeof fedcal_gp_quad[0] + sizeof fedcal_gp_const[0] + sizeof fedcal_gp_len[0]"
+        " + sizeof fedcal_gp_points[0] + sizeof fedcal_gp_cross[0] + sizeof fedcal_gp_count[0]);\n"
+        "  return fedcal_calibrate_std(0, fedcal_x_min[0]) > 0 ? 0 : 1;\n}\n"
+    )
+    exe = tmp_path / "size"
+    cmd = [cheader.compiler(), "-std=c99", "-Wall", "-Werror", str(main), "-o", str(exe), "-lm"]
+    subprocess.run(cmd, check=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    unit, block = map(int, out.split())
+    form = linear_form(units.models)
+    assert form.terms.shape == (16, 2) and int(form.deployed.count.max()) == 6
+    assert form.bytes_per_unit() == unit == 8 * 16 + 4 * (136 + 1) + 1 + 4 * 6 + 8 * 4 + 4 * 4 + 2
+    assert form.deployed.bytes_per_unit() == block == 8 * (136 + 1 + 2 + 6 * 2 + 6 * 16) + 1
+    doc = json.loads(to_json(units.models, valid_range=units.valid_range))
+    assert doc["model"]["bytes_per_deployed_unit"] == block
+    assert f"+ {block} per unit whose σ is the prior's" in header.read_text()
