@@ -69,8 +69,8 @@ def test_the_planner_forms_the_posterior_with_calibrate_s_own_function(prior, mo
     original = calibration.unit_posteriors
     extra = 1e-3  # scaled units²
 
-    def wider(algorithm, server, data, noise_var=None):
-        params = original(algorithm, server, data, noise_var)
+    def wider(algorithm, server, data, noise_var=None, *rest):
+        params = original(algorithm, server, data, noise_var, *rest)
         return {**params, "noise_var": params["noise_var"] + extra}
 
     monkeypatch.setattr(planning, "unit_posteriors", wider)
