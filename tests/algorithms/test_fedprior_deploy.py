@@ -176,4 +176,3 @@ def test_a_bad_discrepancy_in_the_prior_file_is_refused(deployment, tmp_path):
     with pytest.raises(ValueError) as err:
         PriorModel.load(path)
     assert "discrepancy.lengths" in str(err.value) and "\n" not in str(err.value)
-
