@@ -787,6 +787,11 @@ def run_experiment(
                     row["epsilon"] = privacy["epsilon"]
                     row["noise_multiplier"] = privacy["noise_multiplier"]
                 fitted = export_state(algorithm, result.server, subset, tensors, method)
+                deploy = getattr(algorithm, "deploy_state", None)  # fedprior: issue 33
+                if fitted is not None and deploy is not None:
+                    model = deploy(result.server, tensors.train)
+                    if model is not None:
+                        fitted = dataclasses.replace(fitted, discrepancy=model)
                 if fitted is not None:
                     fitted.save(run_dir / "prior.json")
                     exported = fitted.to_dict()

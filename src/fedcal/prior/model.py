@@ -39,6 +39,7 @@ from fedcal.core.atomic import write_text
 from fedcal.core.paths import read_json
 from fedcal.core.runfiles import RunFileError, check_prior
 from fedcal.data.scaling import Scaler
+from fedcal.prior.discrepancy import Discrepancy
 
 FORMAT_VERSION = 2  # 1: no format_version key (fedcal before the value); 2: this module
 KIND = "fedprior"
@@ -496,4 +497,9 @@ def _discrepancy(raw: Any, source: str) -> dict[str, Any] | None:
     """sigma's discrepancy part (:mod:`fedcal.prior.discrepancy`), carried as written."""
     if raw is not None and not isinstance(raw, dict):
         raise RunFileError(f"{source}: discrepancy: expected an object")
+    if raw is not None:  # validated here (one line naming the field), carried as written
+        try:
+            Discrepancy.from_dict(raw, str(source))
+        except ValueError as err:
+            raise RunFileError(str(err)) from None
     return raw
