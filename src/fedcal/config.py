@@ -443,7 +443,17 @@ def apply(base: RunConfig, raw: Any, where: str) -> RunConfig:
         # each table as it will be used (a variant's base may come from the default), on
         # the task this configuration describes
         tables = {m: cfg.method_params[m] for m in raw["methods"]}
-        check_method_tables(tables, where, described_task(cfg))
+        # A table the file inherits unchanged for a method it does not run (a run's
+        # config.json lists every default table, e.g. fedpoly_p3 beside a 3-input fleet) is
+        # checked without the task: it will not be built on it.
+        runs = set(cfg.methods)
+        on_task = {
+            m: t
+            for m, t in tables.items()
+            if "all" in runs or m in runs or t != base.method_params.get(m)
+        }
+        check_method_tables(on_task, where, described_task(cfg))
+        check_method_tables({m: t for m, t in tables.items() if m not in on_task}, where)
     if "run" in raw or "methods" in raw:
         for m in cfg.methods:  # a method name becomes a run folder's name
             _method_name(m, f"{where} [run] methods")

@@ -312,7 +312,7 @@ class FedPrior(
     implausible: Annotated[float, Field(gt=1.0)] = 5.0
     # the input that reads the target itself ([data] raw_column; -1: none) and its map into
     # the scaled target, y = raw_map[0] + raw_map[1]·x (set by the run from the scaler)
-    raw_input: int = -1
+    raw_input: Annotated[int, Field(ge=-1)] = -1
     raw_map: tuple[float, float] = (0.0, 1.0)
 
     name = "fedprior"
