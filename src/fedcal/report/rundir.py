@@ -280,7 +280,12 @@ def check_plausible(models: CalibratedFleet, ranges: dict, path: str | Path) -> 
                 f"inputs, over {PLAUSIBLE_SPANS:g}× its calibrated span [{lo:.6g}, {hi:.6g}] "
                 "away: an edited or broken model"
             )
-        if sd is not None and not (np.isfinite(sd).all() and (np.asarray(sd) > 0).all()):
+        # a unit the method states no σ for (fedprior's declined interval: σ NaN) claims none
+        declined = "declined" in models.params[sensor] and bool(
+            (models.params[sensor]["declined"] > 0).all()
+        )
+        claimed = sd is not None and not (declined and np.isnan(sd).all())
+        if claimed and not (np.isfinite(sd).all() and (np.asarray(sd) > 0).all()):
             raise RunFileError(
                 f"{path}: sensor {sensor!r}: its predictive σ is not finite and > 0 "
                 "inside its calibrated inputs: an edited or broken model"
