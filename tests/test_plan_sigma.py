@@ -10,6 +10,8 @@ forecast takes the fleet's σ², the expected value of each unit's own noise fix
 Measured (fleet seeds 3–5, 20 units, designs 2×8, 3×12, 2×6): ratio 1.002–1.005 for
 fedprior; 0.969–1.012 for fedprior_branch, whose units' σ differ with their direction term
 (3×12: 0.024–0.076 hPa around a forecast of 0.048) while the forecast is the fleet's mean.
+A prior from 20 reference units alone (the deployment path: σ from the prior's discrepancy
+model, :mod:`fedcal.prior.discrepancy`): ratio 1.003 (fleet seed 3, design 2×8).
 """
 
 from __future__ import annotations
@@ -28,10 +30,18 @@ from fedcal.data.simulator import FleetSpec, simulate_fleet
 UNITS = 20
 
 
-@pytest.fixture(scope="module", params=["fedprior", "fedprior_branch"])
+# (method, few-point units in the prior's fleet): with none, the prior is learned from
+# reference units alone and the σ is the discrepancy model's (fedcal.prior.discrepancy).
+MIXED = [("fedprior", 4), ("fedprior_branch", 4)]
+PRIORS = [*MIXED, ("fedprior", 0)]
+IDS = ["fedprior", "fedprior_branch", "fedprior-references-only"]
+
+
+@pytest.fixture(scope="module")
 def prior(request):
-    spec = FleetSpec(num_reference=12, num_new=4, train_design="3x2")
-    return FleetPrior(method=request.param, rounds=30).fit(simulate_fleet(spec, seed=3).frame)
+    method, few = request.param
+    spec = FleetSpec(num_reference=12 if few else 20, num_new=few, train_design="3x2")
+    return FleetPrior(method=method, rounds=30).fit(simulate_fleet(spec, seed=3).frame)
 
 
 def stated_rms(units, plan: planning.Planner) -> np.ndarray:
@@ -43,6 +53,7 @@ def stated_rms(units, plan: planning.Planner) -> np.ndarray:
     return (sd**2 @ plan.weights).sqrt().numpy() * plan.y_scale
 
 
+@pytest.mark.parametrize("prior", PRIORS, ids=IDS, indirect=True)
 def test_the_forecast_sigma_is_within_10_percent_of_what_calibrate_states(prior):
     plan = planning.planner(prior.model_)
     chosen = planning.optimize(plan, plateaus=2, points=8).design
@@ -62,6 +73,8 @@ def test_the_forecast_sigma_is_within_10_percent_of_what_calibrate_states(prior)
     assert abs(ratio - 1.0) < 0.10, (ratio, forecast.rms, stated)
 
 
+# The deployed σ of a references-only prior scales the noise term by κ²s² (not additive).
+@pytest.mark.parametrize("prior", MIXED, ids=IDS[:2], indirect=True)
 def test_the_planner_forms_the_posterior_with_calibrate_s_own_function(prior, monkeypatch):
     """Whatever calibrate's σ is made of reaches the forecast: a term added in
     :func:`calibration.unit_posteriors` moves the planner's σ by exactly that term."""

@@ -704,9 +704,15 @@ def _print_footprint(fleet, method: str) -> None:
         sigma = ", with σ" if form.has_std else ""
         if form.unstated:
             sigma += f" for {len(form.sensors) - len(form.unstated)} of {len(form.sensors)} units"
+        deployed = (
+            f"; + {form.deployed.bytes_per_unit()} per unit whose σ is the prior's "
+            "discrepancy model"
+            if form.deployed is not None
+            else ""
+        )
         console.print(
             f"footprint: {form.bytes_per_unit()} bytes of constants per unit "
-            f"({form.terms.shape[0]} basis terms{sigma})"
+            f"({form.terms.shape[0]} basis terms{sigma}){deployed}"
         )
 
 
