@@ -172,6 +172,7 @@ def _resolve(
     time_column: str | None = None,
     split_by: str | None = None,
     sensor_column: str | None = None,
+    raw_column: str | None = None,
 ) -> RunConfig:
     """The configuration file with the command line's options on top, validated like the file.
 
@@ -199,6 +200,7 @@ def _resolve(
         ("--time-column", "data", "time_column", time_column),
         ("--split-by", "data", "split_by", split_by),
         ("--sensor-column", "data", "client_column", sensor_column),
+        ("--raw-column", "data", "raw_column", raw_column),
         ("--methods", "run", "methods", _csv_list(methods)),
         ("--seeds", "run", "seeds", seeds),
         ("--rounds", "engine", "rounds", rounds),
@@ -436,6 +438,10 @@ SplitByOpt = Annotated[
     str | None,
     typer.Option("--split-by", help="random, or time: each sensor's last test fraction is test"),
 ]
+RawColumnOpt = Annotated[
+    str | None,
+    typer.Option("--raw-column", help="the feature that reads the target itself (uncorrected)"),
+]
 HtmlOpt = Annotated[
     Path | None, typer.Option("--html", help="also write the HTML report to this file")
 ]
@@ -472,6 +478,7 @@ def train(
     time_column: TimeColumnOpt = None,
     split_by: SplitByOpt = None,
     sensor_column: SensorOpt = None,
+    raw_column: RawColumnOpt = None,
     key_file: KeyFileOpt = None,
 ) -> None:
     """``fedcal run`` and ``fedcal compare``: one definition (compare also shows bytes sent)."""
@@ -494,6 +501,7 @@ def train(
             time_column,
             split_by,
             sensor_column,
+            raw_column,
         )
         points = (
             tuple(_int_list(train_points, "--train-points"))

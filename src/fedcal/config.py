@@ -83,6 +83,10 @@ class DataConfig:
     # of its time is its test period (fedcal.data.loader.time_split), "random": seeded rows.
     time_column: Str = ""
     split_by: Literal["random", "time"] = "random"
+    # Optional feature that reads the target itself (e.g. a PM sensor's uncorrected PM2.5):
+    # the uncorrected reading is then a candidate of fedprior's time-respecting choice
+    # (algorithms/fedprior_choice.py) and of its no-harm fall-back.
+    raw_column: Str = ""
 
     @model_validator(mode="after")
     def _consistent(self) -> DataConfig:
@@ -92,6 +96,8 @@ class DataConfig:
             raise ValueError(f"target: {self.target!r} is also a feature")
         if self.split_by == "time" and not self.time_column:
             raise ValueError("split_by: 'time' needs a time_column")
+        if self.raw_column and self.raw_column not in self.features:
+            raise ValueError(f"raw_column: {self.raw_column!r} is not one of the features")
         if self.time_column and self.time_column in (*self.features, self.target):
             raise ValueError(f"time_column: {self.time_column!r} is also a feature or the target")
         for col, bounds in self.physical_bounds.items():
