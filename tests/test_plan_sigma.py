@@ -16,6 +16,8 @@ model, :mod:`fedcal.prior.discrepancy`): ratio 1.003 (fleet seed 3, design 2×8)
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -82,10 +84,42 @@ def test_the_planner_forms_the_posterior_with_calibrate_s_own_function(prior, mo
     original = calibration.unit_posteriors
     extra = 1e-3  # scaled units²
 
-    def wider(algorithm, server, data, noise_var=None, *rest):
-        params = original(algorithm, server, data, noise_var, *rest)
+    def wider(*args, **kwargs):
+        params = original(*args, **kwargs)
         return {**params, "noise_var": params["noise_var"] + extra}
 
     monkeypatch.setattr(planning, "unit_posteriors", wider)
     after = planning.expected_variance(plan, [design])[0]
     torch.testing.assert_close(after - before, torch.full_like(before, extra), rtol=0, atol=1e-9)
+
+
+@pytest.fixture(scope="module")
+def reference_prior():
+    """The deployment path: a prior from 20 fully calibrated units only (no few-point
+    unit in the federation), whose σ for a new design is the discrepancy model's."""
+    return FleetPrior(rounds=30).fit(simulate_fleet(FleetSpec(num_sensors=20), seed=3).frame)
+
+
+@pytest.mark.parametrize("nu0", [None, 4.0])
+def test_the_forecast_is_calibrate_s_sigma_on_the_deployment_path(reference_prior, nu0):
+    """With the discrepancy model's σ (ν₀ = ∞ as learned, and a planted ν₀ = 4: a per-unit
+    scale whose expectation the forecast must take, not its value at the prior mean)."""
+    model = reference_prior.model_
+    assert model.discrepancy is not None  # learned from the reference units
+    prior = FleetPrior()
+    prior.model_ = dataclasses.replace(model, discrepancy={**model.discrepancy, "nu0": nu0})
+    plan = planning.planner(prior.model_)
+    chosen = planning.optimize(plan, plateaus=2, points=8).design
+    forecast = planning.evaluate(plan, chosen)
+    points = tuple(
+        (float(r.pressure_hpa), float(r.temperature_c), str(r.direction))
+        for r in chosen.frame().itertuples()
+    )
+    spec = FleetSpec(num_sensors=UNITS, train_design="points", design_points=points)
+    frame = simulate_fleet(spec, seed=11).frame
+    units = prior.calibrate(frame[frame["split"] == "train"])
+    assert not bool((units.result.personal["declined"] > 0).any())  # σ stated for all
+    assert bool((units.result.personal["gp_amp"] > 0).all())  # ... by the discrepancy model
+    stated = stated_rms(units, plan)
+    ratio = float(np.sqrt(np.mean(stated**2))) / forecast.rms
+    assert abs(ratio - 1.0) < 0.10, (ratio, forecast.rms, stated)
