@@ -36,6 +36,7 @@ import pandas as pd
 import torch
 
 from fedcal.algorithms.fedprior import FedPrior
+from fedcal.algorithms.fedprior_deployed import DEPLOY_ROWS, deployed
 from fedcal.algorithms.fedprior_interval import DECLINE, NO_PROBE
 from fedcal.build import build_algorithm, build_task, run_record
 from fedcal.config import DataConfig, RunConfig, from_dict
@@ -56,6 +57,7 @@ from fedcal.experiment import (
     save_models,
     valid_ranges,
 )
+from fedcal.prior.discrepancy import Discrepancy, unit_scale
 from fedcal.prior.model import PriorModel
 
 QA_LEVEL = 0.999  # a unit beyond this χ² quantile of the fleet distance is flagged
@@ -99,6 +101,8 @@ def _config(prior: PriorModel) -> RunConfig:
         params.update(prior.selection.chosen, select="none")
     if method not in ("fedprior", "fedprior_drift"):  # registered: no base (a variant: fedprior)
         params["base"] = "fedprior"
+    if prior.discrepancy is not None and params.get("interval") == "calibrated":  # issue 33
+        params["deploy_rows"] = DEPLOY_ROWS
     cfg = from_dict({"methods": {method: params}}, "prior.json")
     data = DataConfig(
         features=prior.features, target=prior.target, client_column=prior.sensor_column
@@ -134,6 +138,7 @@ class Calibration:
     tensors: FleetTensors
     personal: Tree
     server: Tree
+    reasons: tuple[str, ...] = ()  # per unit, why its design gets no σ ("" if it gets one)
 
 
 def calibrate(prior: PriorModel, fleet: Fleet, source: str = "data") -> Calibration:
@@ -158,23 +163,42 @@ def calibrate(prior: PriorModel, fleet: Fleet, source: str = "data") -> Calibrat
         scaled("train"), scaled("test"), scaler, tuple(map(str, fleet.client_ids))
     )
     server = prior_server(prior, scaler)
-    personal = unit_posteriors(algorithm, server, tensors.train)
-    return Calibration(algorithm, tensors, personal, server)
+    reasons: list[str] = []
+    personal = unit_posteriors(
+        algorithm,
+        server,
+        tensors.train,
+        discrepancy=prior.discrepancy,
+        names=prior.features,
+        reasons=reasons,
+    )
+    return Calibration(algorithm, tensors, personal, server, tuple(reasons))
 
 
 def unit_posteriors(
-    algorithm: FedPrior, server: Tree, data: ClientData, noise_var: torch.Tensor | None = None
+    algorithm: FedPrior,
+    server: Tree,
+    data: ClientData,
+    noise_var: torch.Tensor | None = None,
+    discrepancy: dict | None = None,
+    names: tuple[str, ...] = (),
+    reasons: list[str] | None = None,
+    expected: bool = False,
 ) -> Tree:
     """Each unit's posterior under the stored prior, with what its σ is made of.
 
     The one place a unit's stated σ is formed off the federation: :func:`calibrate` calls
     it on a unit's readings, the planner (:func:`fedcal.planning.posteriors`) on a
     design's expected readings, so the σ ``plan`` forecasts is the σ ``calibrate``
-    states (a term added here reaches both). ``noise_var`` None: each unit's own noise
-    level, the fixed point of :func:`own_noise`; given (the planner: the fleet's σ²): that
-    level — the fixed point's value for the fleet's typical unit, since under the prior
-    predictive E[rss_i] = n_i σ² (rss_i = ‖y − Φm‖² + tr(ΦVΦᵀ) = σ⁴tr(C⁻¹) + n_iσ² −
+    states (a term added here reaches both: the prior's ``discrepancy`` model, issue 33,
+    with the features' ``names`` for its reasons, appended to ``reasons``). ``noise_var``
+    None: each unit's own noise level, the fixed point of :func:`own_noise`; given (the
+    planner: the fleet's σ²): that level — the fixed point's value for the fleet's
+    typical unit, since under the prior predictive E[rss_i] = n_i σ² (rss_i = ‖y − Φm‖² +
+    tr(ΦVΦᵀ) = σ⁴tr(C⁻¹) + n_iσ² −
     σ⁴tr(C⁻¹) in expectation, C = ΦΣΦᵀ + σ²I), so σ_i² = (rss_i + νσ²)/(n_i + ν) = σ².
+    ``expected``: the rows are a new unit's design read at the prior mean (the planner), so
+    the discrepancy model's per-unit scale is taken at its expectation (:func:`expected_scale`).
     """
     n = data.num_clients
     down = expand(algorithm.broadcast(server), n)
@@ -183,7 +207,33 @@ def unit_posteriors(
         state = own_noise(algorithm, down, state, data)
     else:
         state["noise_var"] = noise_var.to(F64).expand(n).clone()
-    return algorithm.personalize(down, state, data)
+    personal = algorithm.personalize(down, state, data)
+    if algorithm.deploy_rows and discrepancy is not None:  # issue 33 (fedprior_deployed)
+        personal, why = deployed(algorithm, discrepancy, down, personal, data, list(names))
+        if reasons is not None:  # per unit, why its design gets no σ ("" if it gets one)
+            reasons.extend(why)
+        if expected:  # the planner's new unit, read at the prior mean: its expected scale
+            personal = expected_scale(personal, Discrepancy.from_dict(discrepancy).nu0)
+    return personal
+
+
+def expected_scale(personal: Tree, nu0: float) -> Tree:
+    """The planner's units with the discrepancy model's per-unit scale at its expectation.
+
+    D4 (:mod:`fedcal.prior.discrepancy`): s_i² = (ν₀ + d_i²)/(ν₀ + n_i), d_i² = rᵀC⁻¹r of
+    the unit's readings about the prior mean, E[d_i²] = n_i under the model, so
+    E[s_i²] = 1. The planner reads a design at the current mean (r = 0 on its new rows):
+    its s_i² would be ν₀/(ν₀ + n_i), not the 1 a unit of the fleet has on average. So the
+    forecast takes κ² · (t/1.96)² with s_i² = 1: :func:`unit_scale` at d² = 0 divided out
+    (ν₀ = ∞: s_i² = 1 already; a unit without the model's σ, ``gp_amp`` 0: untouched).
+    """
+    if math.isinf(nu0) or "gp_scale" not in personal:
+        return personal
+    dof = personal["gp_mask"].to(F64).sum(-1)
+    at_mean = unit_scale(nu0, dof, torch.zeros_like(dof))
+    used = personal["gp_amp"].to(F64) > 0
+    scale = personal["gp_scale"].to(F64)
+    return {**personal, "gp_scale": torch.where(used, scale / at_mean, scale)}
 
 
 def own_noise(algorithm: FedPrior, down: Tree, state: Tree, data: ClientData) -> Tree:
@@ -231,6 +281,8 @@ def declined_note(prior: PriorModel, result: Calibration) -> str:
     declined = result.personal.get("declined")
     if declined is None or not bool((declined > 0).any()):
         return ""
+    if any(result.reasons):  # the discrepancy model's: the designs it does not span
+        return "; ".join(dict.fromkeys(r for r in result.reasons if r))
     iv = prior.interval
     if iv is None:
         return ""

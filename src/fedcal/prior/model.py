@@ -39,6 +39,7 @@ from fedcal.core.atomic import write_text
 from fedcal.core.paths import read_json
 from fedcal.core.runfiles import RunFileError, check_prior
 from fedcal.data.scaling import Scaler
+from fedcal.prior.discrepancy import Discrepancy
 
 FORMAT_VERSION = 2  # 1: no format_version key (fedcal before the value); 2: this module
 KIND = "fedprior"
@@ -132,6 +133,7 @@ class SelectionRecord:
     chosen: dict[str, Any]
     candidates: tuple[dict[str, Any], ...] | None = None
     scores: tuple[float, ...] | None = None
+    forward: dict[str, Any] | None = None  # fedprior_choice's forward scores, as written
 
 
 @dataclass(frozen=True)
@@ -432,6 +434,7 @@ def _selection(raw: Any, source: str) -> SelectionRecord | None:
         dict(raw["chosen"]),
         None if candidates is None else tuple(candidates),
         None if scores is None else tuple(scores),
+        dict(raw["forward"]) if isinstance(raw.get("forward"), dict) else None,
     )
 
 
@@ -441,6 +444,8 @@ def _selection_dict(sel: SelectionRecord) -> dict[str, Any]:
         out["candidates"] = list(sel.candidates)
     if sel.scores is not None:
         out["scores"] = list(sel.scores)
+    if sel.forward is not None:
+        out["forward"] = sel.forward
     return out
 
 
@@ -492,4 +497,9 @@ def _discrepancy(raw: Any, source: str) -> dict[str, Any] | None:
     """sigma's discrepancy part (:mod:`fedcal.prior.discrepancy`), carried as written."""
     if raw is not None and not isinstance(raw, dict):
         raise RunFileError(f"{source}: discrepancy: expected an object")
+    if raw is not None:  # validated here (one line naming the field), carried as written
+        try:
+            Discrepancy.from_dict(raw, str(source))
+        except ValueError as err:
+            raise RunFileError(str(err)) from None
     return raw

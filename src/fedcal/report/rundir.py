@@ -257,7 +257,8 @@ def _box_points(span: dict[str, list[float]], features: tuple[str, ...]) -> np.n
 def check_plausible(models: CalibratedFleet, ranges: dict, path: str | Path) -> None:
     """Refuse a model file whose predictions inside a sensor's calibrated input box are
     not finite, lie more than :data:`PLAUSIBLE_SPANS` target spans outside its calibrated
-    target span, or come with a σ that is not finite and > 0 (docs/safety-files.md)."""
+    target span, or come with a σ ≤ 0 or infinite (NaN is a unit whose interval the
+    method declined; a negative variance is refused before, by ``check_model_params``)."""
     target = models.target
     spans = [r[target] for r in ranges.values() if isinstance(r, dict) and target in r]
     for sensor in sorted(models.params):
@@ -280,9 +281,10 @@ def check_plausible(models: CalibratedFleet, ranges: dict, path: str | Path) -> 
                 f"inputs, over {PLAUSIBLE_SPANS:g}× its calibrated span [{lo:.6g}, {hi:.6g}] "
                 "away: an edited or broken model"
             )
-        if sd is not None and not (np.isfinite(sd).all() and (np.asarray(sd) > 0).all()):
+        sd = None if sd is None else np.asarray(sd, float)
+        if sd is not None and ((sd <= 0) | np.isinf(sd)).any():  # NaN: a declined interval
             raise RunFileError(
-                f"{path}: sensor {sensor!r}: its predictive σ is not finite and > 0 "
+                f"{path}: sensor {sensor!r}: its predictive σ is not > 0 and finite "
                 "inside its calibrated inputs: an edited or broken model"
             )
 
