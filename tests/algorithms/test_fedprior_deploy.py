@@ -124,7 +124,7 @@ def test_each_familys_coverage_is_read_at_the_interpolated_kappa():
     inside[0, 0] = ramp
     held = torch.zeros(1, nf, dtype=F64)
     held[0, 0] = 100.0
-    n, kappa, family = deploy.choose(
+    _, kappa, family = deploy.choose(
         {"inside": inside, "held": held, "score": torch.zeros(1, nn, k, dtype=F64)}
     )
     lo, hi = float(deploy.KAPPA_GRID[142]), float(deploy.KAPPA_GRID[143])
@@ -318,3 +318,19 @@ def test_leave_one_out_mean_is_the_gls_refit_without_the_unit_in_a_mixed_fleet(d
         old = mu - (post.mean[i] - mu) / (n - 1)
         worst = max(worst, float((old - exact).abs().max()) / tol)
     assert worst > 10  # measured 18 here (4 campaign units of 8: near-equal weights)
+
+
+def test_a_fleet_with_few_point_units_learns_no_discrepancy(deployment):
+    # its few-point units give I2 its τ²; removing one of its references would change Σ
+    # and the identified directions, which the leave-one-out does not follow (review fix 3)
+    from fedcal.core.data import ClientData
+
+    prior, _, _ = deployment
+    alg, server, big = _reference_data(prior)
+    units = [
+        (big.x[i, : int(big.count[i])].numpy(), big.y[i, : int(big.count[i])].numpy())
+        for i in range(4)
+    ]
+    assert alg.deploy_state(server, ClientData.from_arrays(units, dtype=F64)) is not None
+    few = [(big.x[0, :32].numpy(), big.y[0, :32].numpy())]  # probe_rows = 32 rows
+    assert alg.deploy_state(server, ClientData.from_arrays(units + few, dtype=F64)) is None
