@@ -12,7 +12,9 @@ E1. **Who learns.** Units with at least :data:`REFERENCE_ROWS` calibration rows 
     fewer than two: nothing is learned (prior.json has no ``discrepancy``; ``calibrate``
     keeps fedprior I2–I4's rule).
 E2. **The designs each emulates** (:func:`unit_designs`), as new units are measured: P × T
-    grids 3×2, 4×3, 6×4 (pressure ends and temperature ends included) and two draws each
+    grids 3×2, 4×3, 6×4, 8×5 (6–40 points, pressure ends and temperature ends included;
+    a new unit of up to :data:`~fedcal.algorithms.fedprior_deployed.DEPLOY_ROWS` = 64
+    points takes the model, so 41–64 points are beyond the largest emulated) and two draws each
     of random 2- and 3-plateau designs (plateaus spread over at least half the span,
     3–4 points per plateau, pressure ends included), in positions of the unit's
     own span (:func:`~fedcal.algorithms.fedprior_interval._unit_span`). The plateau input
@@ -87,8 +89,8 @@ BETA_GRID = torch.logspace(
 NU_GRID = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, math.inf)  # E4
 KAPPA_GRID = torch.logspace(*(math.log10(k) for k in KAPPA_RANGE), 151, dtype=F64)
 # E2: (name, pressure positions per plateau or None: random, plateaus or None: random)
-FAMILIES = ("3x2", "4x3", "6x4", "2-plateau", "3-plateau")
-GRIDS = {"3x2": (3, 2), "4x3": (4, 3), "6x4": (6, 4)}
+FAMILIES = ("3x2", "4x3", "6x4", "8x5", "2-plateau", "3-plateau")
+GRIDS = {"3x2": (3, 2), "4x3": (4, 3), "6x4": (6, 4), "8x5": (8, 5)}
 DRAWS = 2  # random designs per random family and unit
 
 
