@@ -141,7 +141,7 @@ def test_a_newer_format_is_refused_with_how_to_retrain(tmp_path):
         (lambda d: d["interval"].update(probe_rows=-7), "interval.probe_rows"),
         (lambda d: d["interval"].update(probe_rows=6.5), "interval.probe_rows"),
         (lambda d: d["interval"].update(probe_rows=float("nan")), "interval.probe_rows"),
-        (lambda d: d.update(identification=5), "identification"),
+        (lambda d: d.update(identification=5), "identification: expected an object, got 5"),
         (lambda d: d["identification"].update(informed_units=12), "identification.informed_units"),
         (
             lambda d: d["identification"].update(weak_directions=-1),
