@@ -820,6 +820,85 @@ def calibrate(
     console.print(f"wrote {out}/coefficients.csv, per_sensor.csv, units.csv and a run directory")
 
 
+DECISION_RULES = ("guarded", "simple")  # fedcal.report.certificate.RULES (tested equal)
+
+
+@app.command()
+def certificate(
+    run_dir: Annotated[Path, typer.Argument(help="the output directory of fedcal calibrate")],
+    out: Annotated[Path, typer.Option("--out", help="directory for <unit>.html and <unit>.pdf")],
+    reference: Annotated[
+        str | None,
+        typer.Option(help="the reference instrument (make, model, serial, its certificate)"),
+    ] = None,
+    reference_column: Annotated[
+        str | None,
+        typer.Option(help="or: the column of --data naming each unit's reference instrument"),
+    ] = None,
+    data: Annotated[
+        Path | None, typer.Option(help="with --reference-column: the calibration data file")
+    ] = None,
+    spec: Annotated[
+        float | None,
+        typer.Option(
+            help="specification S: error within ±S (target unit) at k = 2; "
+            "adds a statement of conformity"
+        ),
+    ] = None,
+    rule: Annotated[
+        str,
+        typer.Option(
+            "--decision-rule",
+            help="with --spec: guarded (guard band w = U, ILAC-G8 4.2.2) or simple (w = 0)",
+            click_type=click.Choice(DECISION_RULES),
+        ),
+    ] = "guarded",
+    issued: Annotated[
+        str | None, typer.Option(help="date of issue, YYYY-MM-DD (default: today, UTC)")
+    ] = None,
+    unit: Annotated[
+        list[str] | None, typer.Option("--unit", help="only this unit (repeatable)")
+    ] = None,
+) -> None:
+    """Write a calibration certificate per unit (HTML and PDF): U at k = 2, range, status.
+
+    docs/certificate.md says what each field means; U = 2u, u the unit's predictive
+    standard uncertainty as `fedcal predict` states it. A unit without one gets a
+    certificate that says so and states no U.
+    """
+    import datetime
+
+    from fedcal.core.paths import check_dir_output
+    from fedcal.report.certificate import reference_ids
+    from fedcal.report.certificate_pdf import write_certificates
+
+    try:
+        check_dir_output(out, "--out", [run_dir], [*([data] if data else [])])
+        if issued is not None:
+            datetime.date.fromisoformat(issued)  # a date, or a one-line error
+        if reference_column is not None and data is None:
+            raise ValueError("--reference-column needs --data (the file given to calibrate)")
+        refs = None
+        if reference_column is not None:
+            column = _calibrated_column(run_dir)
+            refs = reference_ids(data, column, reference_column)
+        certs = write_certificates(run_dir, out, refs, reference, spec, rule, issued, unit)
+    except (FileNotFoundError, ValueError, KeyError, ConfigError) as err:
+        _fail(str(err).strip("'\""))
+    for c in certs:
+        stated = f"U ≤ {c.u_max:.3g} {c.symbol}" if not c.declined else "no U stated"
+        verdict = f", {c.conformity.verdict}" if c.conformity is not None else ""
+        console.print(f"{c.unit}: {c.certificate_id} ({c.status}; {stated}{verdict})")
+    console.print(f"wrote {len(certs)} certificate(s) to {out} (<unit>.html, <unit>.pdf)")
+
+
+def _calibrated_column(run_dir: Path) -> str:
+    """The sensor column of a calibrate output (its config.json)."""
+    from fedcal.core.paths import read_json
+
+    return str(read_json(run_dir / "config.json")["data"]["client_column"])
+
+
 def _print_units(run_dir: Path) -> None:
     """The per-unit table of a calibrate output (units.csv) and its QA findings."""
     from fedcal.report.rundir import read_table
