@@ -277,6 +277,7 @@ class CalibratedUnits:
     prior: dict[str, Any]
     fleet: Any  # fedcal.data.fleet.Fleet
     result: Any  # fedcal.calibration.Calibration
+    ranges: dict[str, Any] | None = None  # loaded units: their saved valid_range.json
 
     @property
     def sensor_ids(self) -> list[str]:
@@ -343,7 +344,7 @@ class CalibratedUnits:
         from fedcal.calibration import load_prior
         from fedcal.data.loader import load_fleet
         from fedcal.report.export import choose_method, load_models
-        from fedcal.report.rundir import read_table
+        from fedcal.report.rundir import read_table, read_valid_ranges
 
         run_dir = Path(run_dir)
         if not (run_dir / "calibration_points.csv").is_file():
@@ -366,7 +367,8 @@ class CalibratedUnits:
             min_test_points=0,
         )
         models = load_models(run_dir, method, drop_diverged=True)
-        return cls(doc, fleet, _loaded_calibration(doc, fleet, models))
+        ranges = read_valid_ranges(run_dir, method, 0, 0)  # as saved (the points' CSV rounds)
+        return cls(doc, fleet, _loaded_calibration(doc, fleet, models), ranges)
 
     @property
     def coefficients(self) -> pd.DataFrame:
@@ -394,7 +396,7 @@ class CalibratedUnits:
         """Per unit, the span of its calibration points (inputs and target)."""
         from fedcal.experiment import valid_ranges
 
-        return valid_ranges(self.fleet)
+        return self.ranges if self.ranges is not None else valid_ranges(self.fleet)
 
     def to_c_header(self, path: str | Path) -> Path:
         """Write the C header of ``fedcal export --format c`` (``report.export.to_c_header``)."""
