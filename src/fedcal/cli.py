@@ -856,8 +856,8 @@ def certificate(
     issued: Annotated[
         str | None, typer.Option(help="date of issue, YYYY-MM-DD (default: today, UTC)")
     ] = None,
-    unit: Annotated[
-        list[str] | None, typer.Option("--unit", help="only this unit (repeatable)")
+    sensor: Annotated[
+        list[str] | None, typer.Option("--sensor", help="only this unit id (repeatable)")
     ] = None,
 ) -> None:
     """Write a calibration certificate per unit (HTML and PDF): U at k = 2, range, status.
@@ -882,7 +882,7 @@ def certificate(
         if reference_column is not None:
             column = _calibrated_column(run_dir)
             refs = reference_ids(data, column, reference_column)
-        certs = write_certificates(run_dir, out, refs, reference, spec, rule, issued, unit)
+        certs = write_certificates(run_dir, out, refs, reference, spec, rule, issued, sensor)
     except (FileNotFoundError, ValueError, KeyError, ConfigError) as err:
         _fail(str(err).strip("'\""))
     for c in certs:

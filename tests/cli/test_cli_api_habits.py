@@ -124,9 +124,13 @@ def test_fixed_choices_are_the_schema_s():
     assert result.exit_code == 2 and "'avg' is not one of 'mean', 'median'" in result.output
 
 
-def test_did_you_mean_for_a_method_and_for_a_command(tmp_path):
+def test_did_you_mean_for_a_method_and_for_a_command(units, tmp_path):
     result = runner.invoke(app, ["run", "--methods", "fedprio", "--out", str(tmp_path / "o")])
     assert result.exit_code == 2
     assert "unknown method(s) fedprio (did you mean fedprior" in " ".join(result.output.split())
+    root = units[0]
+    args = ["export", str(root / "cal"), "--method", "fedprio", "--format", "json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "(did you mean fedprior?)" in result.output
     result = runner.invoke(app, ["calibrat"])
     assert result.exit_code == 2 and result.output.count("Did you mean 'calibrate'?") == 1

@@ -217,3 +217,20 @@ def test_the_command_writes_both_files_per_unit_with_references_from_the_data(ou
     assert "Reference instrument" in (tmp_path / "z" / "S008.html").read_text()
     assert "not stated" in (tmp_path / "z" / "S008.html").read_text()
     assert unstated.exit_code == 0
+
+
+def test_a_failed_unit_s_certificate_certifies_nothing(outputs, tmp_path):
+    import shutil
+
+    root, _ = outputs
+    copy = tmp_path / "cal"
+    shutil.copytree(root / "cal", copy)
+    units = pd.read_csv(copy / "units.csv", dtype={"sensor_id": str})
+    units.loc[units.sensor_id == "S008", "status"] = "failed"
+    units.to_csv(copy / "units.csv", index=False)
+    cert = build_certificate(CalibrationRun.open(copy), "S008", spec=1.0)
+    assert cert.grid is None and not len(cert.points)
+    assert cert.conformity.verdict == "not stated"
+    page = to_html(cert)
+    assert "nothing is certified" in page and "No uncertainty could be stated" in page
+    assert "calibration failed" in page and "<th>U, k = 2" not in page
