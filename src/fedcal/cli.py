@@ -859,6 +859,10 @@ def certificate(
     sensor: Annotated[
         list[str] | None, typer.Option("--sensor", help="only this unit id (repeatable)")
     ] = None,
+    measurand_unit: Annotated[
+        str | None,
+        typer.Option(help="the measurand's unit, e.g. hPa (default: from a known column suffix)"),
+    ] = None,
 ) -> None:
     """Write a calibration certificate per unit (HTML and PDF): U at k = 2, range, status.
 
@@ -882,7 +886,9 @@ def certificate(
         if reference_column is not None:
             column = _calibrated_column(run_dir)
             refs = reference_ids(data, column, reference_column)
-        certs = write_certificates(run_dir, out, refs, reference, spec, rule, issued, sensor)
+        certs = write_certificates(
+            run_dir, out, refs, reference, spec, rule, issued, sensor, measurand_unit
+        )
     except (FileNotFoundError, ValueError, KeyError, ConfigError) as err:
         _fail(str(err).strip("'\""))
     for c in certs:

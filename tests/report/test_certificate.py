@@ -234,3 +234,29 @@ def test_a_failed_unit_s_certificate_certifies_nothing(outputs, tmp_path):
     page = to_html(cert)
     assert "nothing is certified" in page and "No uncertainty could be stated" in page
     assert "calibration failed" in page and "<th>U, k = 2" not in page
+
+
+def test_a_drift_prior_s_certificate_says_when_to_recalibrate(tmp_path):
+    from fedcal.data.field import TIME_COLUMN, FieldSpec, field_frame
+
+    frame = field_frame(FieldSpec(num_sensors=5, days=120), seed=1)
+    frame.to_csv(tmp_path / "net.csv", index=False)
+    (tmp_path / "run.toml").write_text("[engine]\nrounds = 5\neval_every = 5\n")
+    args = ["run", "--data", str(tmp_path / "net.csv"), "--features", "pm25_raw,rh", "--quiet"]
+    args += ["--target", "pm25_ref", "--time-column", TIME_COLUMN, "--split-by", "time"]
+    args += ["--methods", "fedprior_drift", "--seeds", "1", "--config", str(tmp_path / "run.toml")]
+    assert runner.invoke(app, [*args, "--out", str(tmp_path / "run")]).exit_code == 0
+    new = frame[frame["sensor_id"].isin(["S00", "S01"])].groupby("sensor_id").head(40)
+    new.to_csv(tmp_path / "new.csv", index=False)
+    args = ["calibrate", "--prior", str(tmp_path / "run"), "--method", "fedprior_drift"]
+    args += ["--data", str(tmp_path / "new.csv"), "--time-column", TIME_COLUMN]
+    assert runner.invoke(app, [*args, "--out", str(tmp_path / "new")]).exit_code == 0
+    at = pd.read_csv(tmp_path / "new" / "units.csv").set_index("sensor_id")["recalibrate_at"]
+    run = CalibrationRun.open(tmp_path / "new")
+    cert = build_certificate(run, "S00")
+    assert cert.recalibrate_at == at["S00"] and cert.symbol == "unit not stated"  # not "ref"
+    assert f"Recalibrate at time {at['S00']:.6g}" in to_html(cert)
+    assert build_certificate(run, "S00", symbol="µg/m³").symbol == "µg/m³"
+    assert "U over the valid range, largest (µg/m³)" in to_html(
+        build_certificate(run, "S00", symbol="µg/m³")
+    )

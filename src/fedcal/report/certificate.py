@@ -36,7 +36,7 @@ import pandas as pd
 from fedcal.core.paths import read_json, read_regular
 from fedcal.report.export import RANGE_MARGIN, choose_method, load_models, range_bounds
 from fedcal.report.rundir import plateaus, read_table
-from fedcal.report.tables import target_unit
+from fedcal.report.tables import UNITS
 
 K = 2.0  # coverage factor of the expanded uncertainty U = K·u
 GRID_SIDE = 41  # U over the valid range: GRID_SIDE points per input
@@ -125,6 +125,19 @@ class Certificate:
     @property
     def u_mean(self) -> float:
         return float(self.grid["U"].mean()) if self.grid is not None else math.nan
+
+
+NO_UNIT = "unit not stated"
+
+
+def measurand_unit(target: str, given: str | None = None) -> str:
+    """The measurand's unit: ``given``, else a known unit the column's name ends with
+    (``pressure_hpa`` → hPa), else :data:`NO_UNIT` — never a guess from an unknown suffix
+    (``pm25_ref`` is not in "ref")."""
+    if given:
+        return given
+    suffix = target.rsplit("_", 1)[-1].lower() if "_" in target else ""
+    return UNITS.get(suffix, NO_UNIT)
 
 
 def legendre_design(z: np.ndarray, terms: list[list[int]]) -> np.ndarray:
@@ -299,6 +312,7 @@ def build_certificate(
     rule: str = "guarded",
     issued_on: str | None = None,
     calibrated_on: str | None = None,
+    symbol: str | None = None,
 ) -> Certificate:
     """The certificate of ``unit`` (module docstring: U, the valid range, the rules)."""
     if unit not in run.units.index:
@@ -338,7 +352,7 @@ def build_certificate(
         certificate_id=certificate_id(run, unit),
         unit=unit,
         target=models.target,
-        symbol=target_unit(models.target) or "target unit",
+        symbol=measurand_unit(models.target, symbol),
         features=tuple(models.features),
         calibrated_on=calibrated_on or run.written,
         issued_on=issued_on or datetime.now(UTC).date().isoformat(),

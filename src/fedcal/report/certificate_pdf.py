@@ -242,10 +242,12 @@ def write_certificates(
     rule: str = "guarded",
     issued_on: str | None = None,
     units: list[str] | None = None,
+    symbol: str | None = None,
 ) -> list[Certificate]:
     """``<unit>.html`` and ``<unit>.pdf`` in ``out`` for every unit (or ``units``) of a
     ``fedcal calibrate`` output. ``references``: per-unit reference instruments (a data
-    column), ``reference``: one for all."""
+    column), ``reference``: one for all; ``symbol``: the measurand's unit
+    (:func:`~fedcal.report.certificate.measurand_unit`)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -259,7 +261,7 @@ def write_certificates(
     done = []
     for unit in units or list(run.units.index):
         ref = (references or {}).get(unit) or reference
-        cert = build_certificate(run, unit, ref, spec, rule, issued_on)
+        cert = build_certificate(run, unit, ref, spec, rule, issued_on, symbol=symbol)
         name = safe_name(unit, "unit id")  # an id names a file: sanitized
         write_text(out / f"{name}.html", to_html(cert, __version__))
         write_bytes(out / f"{name}.pdf", to_pdf(cert, __version__))
