@@ -274,7 +274,7 @@ def step_calibrate(size: int, tmp: Path, args) -> dict:
     units.save(tmp / "out")
     t2, c2 = time.perf_counter(), time.process_time()
     # The solves alone, on the fleet already read (the file's read and checks excluded).
-    calibration.calibrate(loaded.prior_, units.fleet)
+    calibration.calibrate(loaded.model_, units.fleet)
     t3, c3 = time.perf_counter(), time.process_time()
     return {
         "rows": rows,

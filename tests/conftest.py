@@ -52,3 +52,18 @@ def fleet() -> Fleet:
 def make_fleet():
     """The :func:`toy_fleet` factory, for tests that need other sizes."""
     return toy_fleet
+
+
+def stored_prior(doc: dict):
+    """A :class:`fedcal.prior.model.PriorModel` of an algorithm's ``export_state`` plus the
+    context a run adds (defaults: method fedprior, target ``y``, the identity scaler)."""
+    from fedcal.prior.model import PriorModel
+
+    identity = {"x_offset": [0.0] * len(doc["features"]), "x_scale": [1.0] * len(doc["features"])}
+    context = {
+        "method": "fedprior",
+        "method_params": {},
+        "target": "y",
+        "scaler": {**identity, "y_offset": [0.0], "y_scale": [1.0], "sources": {}},
+    }
+    return PriorModel.from_dict({**context, **doc}, "prior.json")

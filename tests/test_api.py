@@ -75,7 +75,7 @@ def test_fit_calibrate_predict_equals_the_command_line(fleet, cli_run, fitted):
     assert np.array_equal(units.predict(readings), mean)  # return_std=False: the mean alone
     # the prior itself, and the coefficients table, are the CLI's
     cli_prior = FleetPrior.load(run)
-    assert cli_prior.prior_ == prior.prior_
+    assert cli_prior.model_ == prior.model_
     pd.testing.assert_frame_equal(units.coefficients, pd.read_csv(cal / "coefficients.csv"))
     # 6 points per new unit: the prior's calibration is sub-hPa off the grid
     assert float(np.sqrt(np.mean((mean - truth) ** 2))) < 0.5
@@ -106,7 +106,7 @@ def test_save_writes_the_run_folder_the_cli_writes_and_load_reads_it(
         str(out),
     ]
     assert runner.invoke(app, args).exit_code == 0
-    assert FleetPrior.load(saved).prior_ == prior.prior_
+    assert FleetPrior.load(saved).model_ == prior.model_
     # a loaded prior saves the run folder it was loaded from, byte for byte
     copy = FleetPrior.load(run).save(tmp_path / "copy")
     for name in cli_files:
@@ -123,8 +123,8 @@ def test_coefficients_reproduce_the_predictions(fleet, fitted):
     z = (readings[features].to_numpy(float) - scaling["offset"].to_numpy()) / scaling[
         "scale"
     ].to_numpy()
-    terms = units.prior["terms"]
-    assert list(coef.columns[2:]) == units.prior["term_names"]
+    terms = units.prior.basis.terms
+    assert list(coef.columns[2:]) == list(units.prior.basis.term_names)
 
     def p(order: int, values: np.ndarray) -> np.ndarray:
         return np.sqrt(2 * order + 1) * legendre.legval(values, [0] * order + [1])
@@ -151,7 +151,7 @@ def test_custom_sensor_column_end_to_end(fleet, tmp_path):
     args += ["--methods", "fedprior", "--seeds", "1", "--config", str(root / "config.toml")]
     result = runner.invoke(app, [*args, "--out", str(tmp_path / "run")])
     assert result.exit_code == 0, result.output
-    assert FleetPrior.load(tmp_path / "run").prior_ == prior.prior_  # the CLI's own prior
+    assert FleetPrior.load(tmp_path / "run").model_ == prior.model_  # the CLI's own prior
     new_file, read_file = tmp_path / "new.csv", tmp_path / "readings.csv"
     new_train.rename(columns=rename).to_csv(new_file, index=False)
     readings.rename(columns=rename).to_csv(read_file, index=False)

@@ -34,7 +34,7 @@ def setup():
     short = frame.index[frame["sensor_id"] == frame["sensor_id"].iloc[0]][:2]
     frame = frame.drop(short).reset_index(drop=True)  # the first unit: 4 points
     fleet = Fleet(frame, new.features, new.target, new.client_column, new.meta)
-    return prior.prior_, fleet, calibration.calibrate(prior.prior_, fleet)
+    return prior.model_, fleet, calibration.calibrate(prior.model_, fleet)
 
 
 def test_noise_fixed_point_equals_the_full_client_steps(setup):
@@ -99,7 +99,7 @@ def test_batched_fleet_distance_equals_unit_by_unit(setup, monkeypatch):
 def test_range_check_names_the_first_unit_outside(setup):
     prior, fleet, _ = setup
     frame = fleet.frame.copy()
-    lo, hi = prior["input_range"]["temperature_c"]
+    lo, hi = prior.input_range["temperature_c"]
     for sid in ("S003", "S001"):  # two units beyond: the first in the file is named
         frame.loc[frame["sensor_id"] == sid, "temperature_c"] += 2.0 * (hi - lo)
     moved = Fleet(frame, fleet.features, fleet.target, fleet.client_column, fleet.meta)

@@ -17,6 +17,7 @@ from fedcal import planning
 from fedcal.cli import app
 from fedcal.data.fleet import Fleet
 from fedcal.data.simulator import FleetSpec, simulate_fleet
+from fedcal.prior.model import PriorModel
 
 R3 = math.sqrt(3.0)
 # Scaled mean model of the tiny prior: y = 0.9·x0 + 0.05·x1 (x0 frequency, x1 temperature).
@@ -108,7 +109,7 @@ def hand_j(design: planning.Design, chamber: planning.Chamber, branch: bool) -> 
 @pytest.mark.parametrize("branch", [False, True])
 def test_criterion_equals_hand_computed_posterior(branch):
     chamber = CHAMBER2 if branch else CHAMBER
-    plan = planning.planner(tiny_prior(branch), chamber)
+    plan = planning.planner(PriorModel.from_dict(tiny_prior(branch)), chamber)
     # Every design of 2 points on the tiny candidate set (1 or 2 plateaus).
     designs = []
     for (t1, p1, s1), (t2, p2, s2) in itertools.combinations(
@@ -126,7 +127,7 @@ def test_criterion_equals_hand_computed_posterior(branch):
 
 
 def test_features_invert_the_prior_mean():
-    plan = planning.planner(tiny_prior(), CHAMBER)
+    plan = planning.planner(PriorModel.from_dict(tiny_prior()), CHAMBER)
     p, t = np.array([50.0, 640.0, 1550.0]), np.array([-40.0, 0.0, 60.0])
     x = planning.features(plan, p, t).numpy()
     x0, x1 = hand_x(p, t)
@@ -135,7 +136,7 @@ def test_features_invert_the_prior_mean():
 
 
 def test_optimizer_reaches_the_brute_force_optimum_and_respects_limits():
-    plan = planning.planner(tiny_prior(), CHAMBER)
+    plan = planning.planner(PriorModel.from_dict(tiny_prior()), CHAMBER)
     k, n = 2, 3
     best = math.inf
     for temps in itertools.permutations(CHAMBER.temperatures, k):
@@ -161,7 +162,7 @@ def test_optimizer_reaches_the_brute_force_optimum_and_respects_limits():
 
 
 def test_optimizer_never_returns_a_worse_design_than_its_start():
-    plan = planning.planner(tiny_prior(True), CHAMBER2)
+    plan = planning.planner(PriorModel.from_dict(tiny_prior(True)), CHAMBER2)
     bad = planning.Design((10.0, 60.0), ((0, 800.0, "up"), (0, 800.0, "up"), (1, 800.0, "up")))
     start_j = float(planning.criterion(plan, [bad])[0])
     result = planning.optimize(plan, 2, 3, start=bad)
@@ -181,7 +182,7 @@ def test_check_design_refuses_points_outside_the_chamber():
     with pytest.raises(ValueError, match="plateau without points"):
         planning.check_design(CHAMBER, planning.Design((10.0, 60.0), ((0, 50.0, "up"),)))
     with pytest.raises(ValueError, match="2 plateaus"):
-        planning.optimize(planning.planner(tiny_prior(), CHAMBER), 2, 1)
+        planning.optimize(planning.planner(PriorModel.from_dict(tiny_prior()), CHAMBER), 2, 1)
 
 
 def planted_unit(points: list[tuple[float, float]]) -> Fleet:
@@ -202,7 +203,7 @@ def planted_unit(points: list[tuple[float, float]]) -> Fleet:
 
 
 def test_sequential_stop_rule_on_a_planted_unit():
-    plan = planning.planner(tiny_prior(), CHAMBER)
+    plan = planning.planner(PriorModel.from_dict(tiny_prior()), CHAMBER)
     unit = planted_unit([(50.0, -40.0), (1550.0, -40.0), (800.0, 60.0)])
     first = planning.unit_next(plan, unit, spec=1e6)
     assert first.done and first.steps == ()
@@ -280,7 +281,7 @@ def test_simulator_points_design_measures_the_given_points():
 
 
 def test_sigma_map_is_the_predictive_sd_on_the_regular_grid():
-    plan = planning.planner(tiny_prior(), CHAMBER)
+    plan = planning.planner(PriorModel.from_dict(tiny_prior()), CHAMBER)
     d = planning.Design((-40.0, 60.0), ((0, 50.0, "up"), (1, 1550.0, "up")))
     m = planning.sigma_map(plan, d)
     assert len(m) == planning.GRID[0] * planning.GRID[1]
@@ -312,7 +313,7 @@ def test_criterion_includes_the_prior_s_discrepancy_variance_as_calibrate_does()
         "declined": 0,
         "reason": "",
     }
-    plan = planning.planner(prior, CHAMBER)
+    plan = planning.planner(PriorModel.from_dict(prior), CHAMBER)
     two = planning.Design((-40.0, 60.0), ((0, 50.0, "up"), (1, 1550.0, "up")))
     four = planning.Design(
         (-40.0, 60.0), tuple((k, p, "up") for k in (0, 1) for p in (50.0, 1550.0))

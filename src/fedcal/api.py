@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -48,6 +48,9 @@ from sklearn.base import BaseEstimator
 
 from fedcal.core.paths import read_regular, safe_name
 from fedcal.data.fleet import BAROMETRIC_FEATURES, BAROMETRIC_TARGET, CLIENT_COLUMN
+
+if TYPE_CHECKING:
+    from fedcal.prior.model import PriorModel
 
 __all__ = ["CalibratedUnits", "FleetPrior", "NotFittedError"]
 
@@ -94,6 +97,9 @@ class FleetPrior(BaseEstimator):
     configuration (``fedprior``, ``fedprior_branch``, ...); ``config`` a TOML file or a
     shipped configuration name whose settings apply (default: the shipped default);
     ``rounds`` the federated rounds (default: the configuration's).
+
+    Fitted (or loaded), ``model_`` is the prior itself, a
+    :class:`fedcal.prior.model.PriorModel` (μ, Σ, noise, basis, scaler, range, ...).
     """
 
     def __init__(
@@ -163,7 +169,7 @@ class FleetPrior(BaseEstimator):
             if failures:
                 raise RuntimeError(f"fitting the fleet prior failed: {failures[0]}")
             path = find_prior(out, self.method, 0, cfg.data.train_points)
-            self.prior_ = load_prior(path)
+            self.model_ = load_prior(path)
             self.files_ = _read_dir(out, path.parent)
         self.summary_ = summary
         return self
@@ -176,14 +182,14 @@ class FleetPrior(BaseEstimator):
         from fedcal.calibration import find_prior, load_prior
 
         path = find_prior(run_dir, method, seed, train_points)
-        doc = load_prior(path)
+        model = load_prior(path)
         prior = cls(
-            features=tuple(doc["features"]),
-            target=doc["target"],
-            sensor_column=doc.get("sensor_column", CLIENT_COLUMN),
-            method=doc["method"],
+            features=model.features,
+            target=model.target,
+            sensor_column=model.sensor_column,
+            method=model.method,
         )
-        prior.prior_ = doc
+        prior.model_ = model
         prior.source_ = path  # save() copies its run folder (read then, not held in memory)
         return prior
 
@@ -210,7 +216,7 @@ class FleetPrior(BaseEstimator):
         return out
 
     def _check_fitted(self) -> None:
-        if not hasattr(self, "prior_"):
+        if not hasattr(self, "model_"):
             raise NotFittedError("this FleetPrior is not fitted: call fit(reference) or load()")
 
     # ---- calibrating new units -----------------------------------------------------
@@ -228,7 +234,7 @@ class FleetPrior(BaseEstimator):
         from fedcal.planning import plan_design
 
         self._check_fitted()
-        return plan_design(self.prior_, plateaus, points, chamber=chamber)
+        return plan_design(self.model_, plateaus, points, chamber=chamber)
 
     def calibrate(
         self, X: Data, sensor_column: str | None = None, time_column: str | None = None
@@ -250,31 +256,32 @@ class FleetPrior(BaseEstimator):
 
         self._check_fitted()
         torch.set_num_threads(1)
-        doc = self.prior_
+        model = self.model_
         fleet = load_fleet(
             X,
-            features=doc["features"],
-            target=doc["target"],
-            client_column=sensor_column or doc.get("sensor_column", self.sensor_column),
+            features=model.features,
+            target=model.target,
+            client_column=sensor_column or model.sensor_column,
             test_fraction=0.0,
             min_train_points=1,
             min_test_points=0,
             time_column=time_column,
         )
         source = "DataFrame" if isinstance(X, pd.DataFrame) else str(X)
-        result = calibration.calibrate(doc, fleet, source)
-        return CalibratedUnits(doc, fleet, result)
+        result = calibration.calibrate(model, fleet, source)
+        return CalibratedUnits(model, fleet, result)
 
 
 @dataclasses.dataclass(frozen=True)
 class CalibratedUnits:
     """New units calibrated against a fleet prior: predict, export, save.
 
-    ``prior``: the prior's document (prior.json); ``fleet``: the units' calibration
-    points; ``result``: their posteriors (:class:`fedcal.calibration.Calibration`).
+    ``prior``: the fitted prior (:class:`fedcal.prior.model.PriorModel`); ``fleet``: the
+    units' calibration points; ``result``: their posteriors
+    (:class:`fedcal.calibration.Calibration`).
     """
 
-    prior: dict[str, Any]
+    prior: PriorModel
     fleet: Any  # fedcal.data.fleet.Fleet
     result: Any  # fedcal.calibration.Calibration
     ranges: dict[str, Any] | None = None  # loaded units: their saved valid_range.json
@@ -298,24 +305,31 @@ class CalibratedUnits:
             self.result.algorithm,
             dict(zip(self.sensor_ids, per_unit, strict=True)),
             self.result.tensors.scaler,
-            tuple(self.prior["features"]),
-            self.prior["target"],
+            self.prior.features,
+            self.prior.target,
             dataclasses.asdict(cfg.model),
             self.fleet.client_column,
         )
 
     def predict(
-        self, X: Data, return_std: bool = False, return_range: bool = False
+        self,
+        X: Data,
+        return_std: bool = False,
+        return_interval: bool = False,
+        return_range: bool = False,
     ) -> np.ndarray | tuple[np.ndarray, ...]:
         """Calibrated target for each row of ``X`` (sensor column + features), in its unit.
 
         With ``return_std``: also the predictive σ (posterior of the unit's coefficients
-        and its noise level). With ``return_range``: also ``in_range`` per row (bool), as
-        ``fedcal predict``'s column: every input within the unit's calibrated span widened
-        by 5 % of it (:func:`fedcal.report.export.in_range`); False: extrapolated, not
-        calibrated. Returns ``mean``, ``(mean, std)``, ``(mean, in_range)`` or
-        ``(mean, std, in_range)``. Rows keep ``X``'s order; a sensor not calibrated here is
-        a KeyError naming it.
+        and its noise level). With ``return_interval``: also the half-width of the stated
+        95 % interval (±1.96 σ; with a direction term the sweep mixture's, the interval
+        the run scores: :meth:`fedcal.report.export.CalibratedFleet.interval_rows`).
+        With ``return_range``: also ``in_range`` per row (bool), as ``fedcal predict``'s
+        column: every input within the unit's calibrated span widened by 5 % of it
+        (:func:`fedcal.report.export.in_range`); False: extrapolated, not calibrated.
+        Returns ``mean`` alone, or the tuple of ``mean`` and those asked for, in this
+        order: ``(mean, std, halfwidth, in_range)``. Rows keep ``X``'s order; a sensor not
+        calibrated here is a KeyError naming it.
         """
         from fedcal.data.loader import load_readings
         from fedcal.report.export import in_range
@@ -325,6 +339,8 @@ class CalibratedUnits:
         frame = load_readings(X, models.features, models.sensor_column)
         mean, std = models.predict_rows(frame)
         out: tuple[np.ndarray, ...] = (mean, std) if return_std else (mean,)
+        if return_interval:
+            out += (models.interval_rows(frame),)
         if return_range:
             inside = np.zeros(len(frame), dtype=bool)
             ranges, x = self.valid_range, frame[list(models.features)].to_numpy(float)
@@ -352,23 +368,23 @@ class CalibratedUnits:
                 f"{run_dir}: not a `fedcal calibrate` output (no calibration_points.csv)"
             )
         method = choose_method(run_dir, None)
-        doc = load_prior(run_dir / "runs" / f"{method}_tp0_seed0" / "prior.json")
-        column = doc.get("sensor_column", CLIENT_COLUMN)
+        prior = load_prior(run_dir / "runs" / f"{method}_tp0_seed0" / "prior.json")
+        column = prior.sensor_column
         points = read_table(run_dir / "calibration_points.csv", dtype={"sensor_id": str})
-        frame = points[["sensor_id", *doc["features"], doc["target"]]].rename(
+        frame = points[["sensor_id", *prior.features, prior.target]].rename(
             columns={"sensor_id": column}
         )
         fleet = load_fleet(
             frame.assign(split="train"),
-            features=doc["features"],
-            target=doc["target"],
+            features=prior.features,
+            target=prior.target,
             client_column=column,
             min_train_points=1,
             min_test_points=0,
         )
         models = load_models(run_dir, method, drop_diverged=True)
         ranges = read_valid_ranges(run_dir, method, 0, 0)  # as saved (the points' CSV rounds)
-        return cls(doc, fleet, _loaded_calibration(doc, fleet, models), ranges)
+        return cls(prior, fleet, _loaded_calibration(prior, fleet, models), ranges)
 
     @property
     def coefficients(self) -> pd.DataFrame:
@@ -388,7 +404,7 @@ class CalibratedUnits:
         s = self.result.tensors.scaler
         return pd.DataFrame(
             {"offset": np.asarray(s.x_offset, float), "scale": np.asarray(s.x_scale, float)},
-            index=pd.Index(self.prior["features"], name="feature"),
+            index=pd.Index(list(self.prior.features), name="feature"),
         )
 
     @property
@@ -416,7 +432,7 @@ class CalibratedUnits:
         out.mkdir(parents=True, exist_ok=True)
         written = []
         for sid in sorted(models.params):
-            blob = to_onnx(models, sid, self.prior["method"], ranges.get(sid))
+            blob = to_onnx(models, sid, self.prior.method, ranges.get(sid))
             path = out / f"{safe_name(sid, 'sensor id')}.onnx"  # an id names a file: sanitized
             write_bytes(path, blob)
             written.append(path)
@@ -432,13 +448,13 @@ class CalibratedUnits:
         return calibration.write(Path(out), self.prior, self.fleet, self.result)
 
 
-def _prior_config(prior: dict[str, Any]):
+def _prior_config(prior: PriorModel):
     from fedcal.calibration import _config
 
     return _config(prior)
 
 
-def _loaded_calibration(prior: dict[str, Any], fleet: Any, models: Any) -> Any:
+def _loaded_calibration(prior: PriorModel, fleet: Any, models: Any) -> Any:
     """The :class:`fedcal.calibration.Calibration` of stored units: their saved parameters
     (a unit whose calibration failed: NaN, as it was saved), their calibration points as
     tensors, and the prior's server state (:func:`fedcal.calibration.prior_server`)."""

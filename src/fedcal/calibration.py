@@ -41,10 +41,9 @@ from fedcal.build import build_algorithm, build_task, run_record
 from fedcal.config import DataConfig, RunConfig, from_dict
 from fedcal.core.bayes import F64, predictive_var
 from fedcal.core.data import ClientData
-from fedcal.core.paths import read_json, safe_name
-from fedcal.core.runfiles import check_prior
+from fedcal.core.paths import safe_name
 from fedcal.core.tree import Tree, expand, gather
-from fedcal.data.fleet import CLIENT_COLUMN, SPLIT_COLUMN, Fleet
+from fedcal.data.fleet import SPLIT_COLUMN, Fleet
 from fedcal.data.scaling import Scaler
 from fedcal.engine.evaluation import errors
 from fedcal.engine.simulation import FleetTensors, RunResult
@@ -57,6 +56,7 @@ from fedcal.experiment import (
     save_models,
     valid_ranges,
 )
+from fedcal.prior.model import PriorModel
 
 QA_LEVEL = 0.999  # a unit beyond this χ² quantile of the fleet distance is flagged
 GRID_POINTS = 2000  # σ over the operating range: a tensor grid of about this many points
@@ -81,37 +81,32 @@ def find_prior(path: str | Path, method: str = "fedprior", seed: int = 0, train_
     return candidate
 
 
-def load_prior(path: Path) -> dict[str, Any]:
-    """The prior.json at ``path``: a regular file, strict JSON, checked by its schema.
+def load_prior(path: Path) -> PriorModel:
+    """The prior.json at ``path`` as a :class:`~fedcal.prior.model.PriorModel`.
 
-    Non-finite numbers, wrong lengths, a Σ that is not positive definite or a
-    method name that is no safe file name are one-line errors naming the field
-    (:func:`fedcal.core.runfiles.check_prior`).
+    A regular file, strict JSON, validated on load (:meth:`PriorModel.load`):
+    non-finite numbers, wrong lengths, a Σ that is not positive definite, a negative
+    variance, an unknown part or a newer file format are one-line errors naming the field.
     """
-    doc = read_json(path, allow_nan=True)  # a diverged candidate's score may be NaN
-    if not isinstance(doc, dict) or doc.get("kind") != "fedprior":
-        raise ValueError(f"{path}: not a fedprior fleet prior (kind is not 'fedprior')")
-    return check_prior(path, doc)
+    return PriorModel.load(path)
 
 
-def _config(prior: dict[str, Any]) -> RunConfig:
+def _config(prior: PriorModel) -> RunConfig:
     """The configuration that rebuilds this prior's algorithm (and its run directory)."""
-    method = prior["method"]
-    params = {k: v for k, v in prior["method_params"].items()}
-    if "selection" in prior:  # the fleet chose a sub-basis by its evidence: that basis, fixed
-        params.update(prior["selection"]["chosen"], select="none")
+    method = prior.method
+    params = dict(prior.provenance.method_params)
+    if prior.selection is not None:  # the fleet chose a sub-basis by its evidence: fixed
+        params.update(prior.selection.chosen, select="none")
     if method not in ("fedprior", "fedprior_drift"):  # registered: no base (a variant: fedprior)
         params["base"] = "fedprior"
     cfg = from_dict({"methods": {method: params}}, "prior.json")
     data = DataConfig(
-        features=tuple(prior["features"]),
-        target=prior["target"],
-        client_column=prior.get("sensor_column", CLIENT_COLUMN),
+        features=prior.features, target=prior.target, client_column=prior.sensor_column
     )
     return replace(cfg, data=data, methods=(method,), seeds=1)
 
 
-def check_inputs(prior: dict[str, Any], fleet: Fleet, source: str) -> None:
+def check_inputs(prior: PriorModel, fleet: Fleet, source: str) -> None:
     """Refuse units calibrated outside the range the fleet's prior was learned over.
 
     Only calibration (train) rows are judged: a unit's held-out rows beyond the range are
@@ -120,7 +115,7 @@ def check_inputs(prior: dict[str, Any], fleet: Fleet, source: str) -> None:
     calibration_rows = fleet.frame[fleet.frame[SPLIT_COLUMN] == "train"]
     # Every sensor's span at once (one grouped min/max per column, not a loop over sensors).
     groups = calibration_rows.groupby(fleet.client_column, sort=False)
-    for c, (lo, hi) in prior["input_range"].items():
+    for c, (lo, hi) in prior.input_range.items():
         slack = RANGE_TOLERANCE * (hi - lo)
         span = groups[c].agg(["min", "max"])
         bad = span[(span["min"] < lo - slack) | (span["max"] > hi + slack)]
@@ -141,24 +136,16 @@ class Calibration:
     server: Tree
 
 
-def calibrate(prior: dict[str, Any], fleet: Fleet, source: str = "data") -> Calibration:
+def calibrate(prior: PriorModel, fleet: Fleet, source: str = "data") -> Calibration:
     """Each unit's posterior under the stored prior (see the module docstring)."""
-    if tuple(fleet.features) != tuple(prior["features"]) or fleet.target != prior["target"]:
+    if tuple(fleet.features) != prior.features or fleet.target != prior.target:
         raise ValueError(
             f"{source}: columns {list(fleet.features)} → {fleet.target} do not match the prior's "
-            f"{prior['features']} → {prior['target']}"
+            f"{list(prior.features)} → {prior.target}"
         )
     check_inputs(prior, fleet, source)
-    cfg = _config(prior)
-    task = build_task(cfg, len(prior["features"]))
-    algorithm = build_algorithm(prior["method"], cfg, task)
-    if not isinstance(algorithm, FedPrior):
-        raise ValueError(f"{source}: prior method {prior['method']!r} is not a fedprior method")
-    if [list(t) for t in algorithm.terms] != prior["terms"] or [
-        list(t) for t in algorithm.branch_terms
-    ] != prior.get("branch_terms", []):
-        raise ValueError("prior.json: its basis terms do not match its method parameters")
-    scaler = Scaler.from_dict(prior["scaler"])
+    algorithm = prior_algorithm(prior, source)
+    scaler = prior.scaler
 
     def scaled(split: str) -> ClientData:
         arrays = [(scaler.x(x), scaler.y(y)) for x, y in fleet.arrays(split)]
@@ -171,11 +158,32 @@ def calibrate(prior: dict[str, Any], fleet: Fleet, source: str = "data") -> Cali
         scaled("train"), scaled("test"), scaler, tuple(map(str, fleet.client_ids))
     )
     server = prior_server(prior, scaler)
-    n = tensors.num_clients
-    down = expand(algorithm.broadcast(server), n)
-    state = own_noise(algorithm, down, algorithm.client_init(down), tensors.train)
-    personal = algorithm.personalize(down, state, tensors.train)
+    personal = unit_posteriors(algorithm, server, tensors.train)
     return Calibration(algorithm, tensors, personal, server)
+
+
+def unit_posteriors(
+    algorithm: FedPrior, server: Tree, data: ClientData, noise_var: torch.Tensor | None = None
+) -> Tree:
+    """Each unit's posterior under the stored prior, with what its σ is made of.
+
+    The one place a unit's stated σ is formed off the federation: :func:`calibrate` calls
+    it on a unit's readings, the planner (:func:`fedcal.planning.posteriors`) on a
+    design's expected readings, so the σ ``plan`` forecasts is the σ ``calibrate``
+    states (a term added here reaches both). ``noise_var`` None: each unit's own noise
+    level, the fixed point of :func:`own_noise`; given (the planner: the fleet's σ²): that
+    level — the fixed point's value for the fleet's typical unit, since under the prior
+    predictive E[rss_i] = n_i σ² (rss_i = ‖y − Φm‖² + tr(ΦVΦᵀ) = σ⁴tr(C⁻¹) + n_iσ² −
+    σ⁴tr(C⁻¹) in expectation, C = ΦΣΦᵀ + σ²I), so σ_i² = (rss_i + νσ²)/(n_i + ν) = σ².
+    """
+    n = data.num_clients
+    down = expand(algorithm.broadcast(server), n)
+    state = algorithm.client_init(down)
+    if noise_var is None:
+        state = own_noise(algorithm, down, state, data)
+    else:
+        state["noise_var"] = noise_var.to(F64).expand(n).clone()
+    return algorithm.personalize(down, state, data)
 
 
 def own_noise(algorithm: FedPrior, down: Tree, state: Tree, data: ClientData) -> Tree:
@@ -199,14 +207,13 @@ def own_noise(algorithm: FedPrior, down: Tree, state: Tree, data: ClientData) ->
     return state
 
 
-def coefficient_table(prior: dict[str, Any], result: Calibration) -> pd.DataFrame:
+def coefficient_table(prior: PriorModel, result: Calibration) -> pd.DataFrame:
     """``coefficients.csv``: per unit its points, noise σ and coefficients (module docstring).
 
     y = Σ_k c_k φ_k(z) in the target's unit, z = (x − x_offset) / x_scale (the prior's
     scaler), φ_k = Π_j P̃_{a_kj}(z_j) with P̃_a = √(2a+1)·P_a; the term '1' carries the offset.
     """
-    names = prior.get("term_names") or [str(t) for t in prior["terms"]]
-    names = names + prior.get("branch_term_names", [])  # b·ψ: half the up−down split
+    names = prior.basis.names()  # φ's terms, then b·ψ: half the up−down split
     scaler = result.tensors.scaler
     y_scale = float(np.asarray(scaler.y_scale).ravel()[0])
     # In the target's unit: y = offset + scale·Σ c_k φ_k, and φ_0 = 1 carries the offset.
@@ -219,28 +226,30 @@ def coefficient_table(prior: dict[str, Any], result: Calibration) -> pd.DataFram
     return table
 
 
-def declined_note(prior: dict[str, Any], result: Calibration) -> str:
+def declined_note(prior: PriorModel, result: Calibration) -> str:
     """One line: why some units calibrated from this prior get no interval ("" if none)."""
     declined = result.personal.get("declined")
     if declined is None or not bool((declined > 0).any()):
         return ""
-    iv = prior["interval"]
-    if iv.get("reason"):
-        return iv["reason"]
-    probe = int(iv["probe_rows"])  # 0: the fleet had no unit of at most probe_rows points
+    iv = prior.interval
+    if iv is None:
+        return ""
+    if iv.reason:
+        return iv.reason
+    probe = int(iv.probe_rows)  # 0: the fleet had no unit of at most probe_rows points
     return DECLINE[4].format(n=probe) if probe else NO_PROBE.format(n=result.algorithm.probe_rows)
 
 
-def write(out: Path, prior: dict[str, Any], fleet: Fleet, result: Calibration) -> pd.DataFrame:
+def write(out: Path, prior: PriorModel, fleet: Fleet, result: Calibration) -> pd.DataFrame:
     """A run directory for the new units; returns the per-unit table."""
     out = Path(out)
     cfg = _config(prior)
-    method = prior["method"]
+    method = prior.method
     run_dir = out / "runs" / f"{method}_tp0_seed0"
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = run_record(cfg, [method], [0])
     _write_text(out / "config.json", json.dumps(resolved, indent=2, sort_keys=True, default=list))
-    _write_text(run_dir / "prior.json", json.dumps(prior, indent=1))
+    prior.save(run_dir / "prior.json")
     run = RunResult([], [], result.personal, result.server, {}, 0.0, 0.0, 0.0)
     save_models(
         run_dir / MODEL_FILE, run, result.tensors, cfg, result.algorithm, method, 0, fleet.meta
@@ -351,9 +360,9 @@ def distance_threshold(
     return threshold, p_value
 
 
-def operating_grid(prior: dict[str, Any], points: int = GRID_POINTS) -> np.ndarray:
+def operating_grid(prior: PriorModel, points: int = GRID_POINTS) -> np.ndarray:
     """A tensor grid over the prior fleet's calibrated input range (raw units)."""
-    ranges = [prior["input_range"][c] for c in prior["features"]]
+    ranges = [prior.input_range[c] for c in prior.features]
     side = max(3, round(points ** (1 / len(ranges))))
     axes = [np.linspace(lo, hi, side) for lo, hi in ranges]
     return np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, len(ranges))
@@ -428,9 +437,7 @@ def grid_sigma_summary(
     return sigma.mean(-1).numpy(), sigma.amax(-1).numpy()
 
 
-def unit_diagnostics(
-    prior: dict[str, Any], result: Calibration
-) -> tuple[pd.DataFrame, pd.DataFrame]:
+def unit_diagnostics(prior: PriorModel, result: Calibration) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per unit: status, fleet distance, σ over the operating range, calibration residuals.
 
     Returns (units, points): ``units`` one row per unit — ``d2`` and ``dof``
@@ -447,7 +454,7 @@ def unit_diagnostics(
     y_scale = abs(float(np.asarray(scaler.y_scale).ravel()[0]))
     train = tensors.train
     d2, dof = fleet_distance(alg, result.server, personal["noise_var"], train)
-    threshold, p_value = distance_threshold(d2, dof, prior.get("num_units"))
+    threshold, p_value = distance_threshold(d2, dof, prior.num_units)
     grid = torch.as_tensor(scaler.x(operating_grid(prior)), dtype=F64)
     n = tensors.num_clients
     with torch.no_grad():
@@ -502,98 +509,82 @@ def unit_diagnostics(
     if not len(unit):
         return table, pd.DataFrame([])
     points = {"sensor_id": np.asarray(tensors.client_ids, dtype=object)[unit]}
-    points.update({c: raw_x[unit, row, j] for j, c in enumerate(prior["features"])})
-    points[prior["target"]] = ref[unit, row]
+    points.update({c: raw_x[unit, row, j] for j, c in enumerate(prior.features)})
+    points[prior.target] = ref[unit, row]
     points["calibrated"] = pred[unit, row]
     points["residual"] = pred[unit, row] - ref[unit, row]
     points["sigma"] = pred_std[unit, row]
     return table, pd.DataFrame(points)
 
 
-def prior_server(prior: dict[str, Any], scaler: Scaler) -> Tree:
+def prior_server(prior: PriorModel, scaler: Scaler | None = None) -> Tree:
     """The server state a stored prior gives a new unit: (μ, Σ, σ²) and the support box.
 
     The box is the fleet's calibrated input range (scaled): inside it no prediction is
     extrapolated (the guard of :meth:`FedPrior.predict`). With a calibrated interval the
     fleet's hold-out result too (fedprior "Intervals", I2–I3): τ², the probe's size and the
     decline code, so a new unit gets the σ the federation gives a unit of its design. What
-    ``calibrate`` and the planner (:mod:`fedcal.planning`) broadcast.
+    ``calibrate`` and the planner (:mod:`fedcal.planning`) broadcast. The parts were
+    validated when the value was made (:mod:`fedcal.prior.model`).
     """
-    span = np.array([prior["input_range"][c] for c in prior["features"]], dtype=float).T
+    scaler = prior.scaler if scaler is None else scaler
+    span = np.array([prior.input_range[c] for c in prior.features], dtype=float).T
     server = {
-        "mu": torch.tensor(prior["mu"], dtype=F64),
-        "sigma": torch.tensor(prior["sigma"], dtype=F64),
-        "noise_var": torch.tensor(prior["noise_var"], dtype=F64),
+        "mu": torch.tensor(prior.mean, dtype=F64),
+        "sigma": torch.tensor(prior.covariance, dtype=F64),
+        "noise_var": torch.tensor(prior.noise.variance, dtype=F64),
         "box": torch.tensor(scaler.x(span), dtype=F64),
     }
-    if "interval" in prior:
-        iv = prior["interval"]
-        for key, name in (("disc_var", "discrepancy_var"), ("probe_n", "probe_rows")):
-            server[key] = torch.tensor(float(iv[name]), dtype=F64)
-        server["declined"] = torch.tensor(float(iv["declined"]), dtype=F64)
-        if "weak_projector" in iv:  # I3: each new unit's own test (FedPrior.weak_units)
-            weak = torch.tensor(iv["weak_projector"], dtype=F64)
-            k = len(prior["mu"])
-            if tuple(weak.shape) != (k, k) or not bool(torch.isfinite(weak).all()):
-                raise ValueError(f"prior.json: interval.weak_projector: expected {k}×{k} numbers")
-            server["weak_proj"] = weak
-        if "discrepancy_var_own" in iv:  # fedprior I4: null = no τ² covered (declined)
-            own = iv["discrepancy_var_own"]
+    iv = prior.interval
+    if iv is not None:
+        server["disc_var"] = torch.tensor(iv.discrepancy_var, dtype=F64)
+        server["probe_n"] = torch.tensor(iv.probe_rows, dtype=F64)
+        server["declined"] = torch.tensor(float(iv.declined), dtype=F64)
+        if iv.weak_projector is not None:  # I3: each new unit's own test (FedPrior.weak_units)
+            server["weak_proj"] = torch.tensor(iv.weak_projector, dtype=F64)
+        if iv.has_own:  # fedprior I4: None = no τ² covered (declined)
+            own = iv.discrepancy_var_own
             server["disc_own"] = torch.tensor(math.nan if own is None else float(own), dtype=F64)
-    if prior.get("branch_pinned"):  # ψ terms out of the model (FedPrior._unidentified_branch)
-        psi = prior.get("branch_terms", [])
-        if any(t not in psi for t in prior["branch_pinned"]):
-            raise ValueError("prior.json: branch_pinned: expected terms of branch_terms")
-        out = [0.0] * len(prior["terms"]) + [float(t in prior["branch_pinned"]) for t in psi]
+    basis = prior.basis
+    if basis.pinned:  # ψ terms out of the model (FedPrior._unidentified_branch)
+        out = [0.0] * len(basis.terms) + [float(t in basis.pinned) for t in basis.branch_terms]
         server["pinned"] = torch.tensor(out, dtype=F64)
-    if "noise_gamma" in prior:  # the noise in the inputs, σ² exp(γᵀx) (fedprior_noise)
-        gamma = [float(g) for g in prior["noise_gamma"]]
-        if len(gamma) != len(prior["features"]) or not all(map(math.isfinite, gamma)):
-            raise ValueError(
-                f"prior.json: noise_gamma: expected {len(prior['features'])} finite values"
-            )
-        server["noise_gamma"] = torch.tensor(gamma, dtype=F64)
-    if "noise_student" in prior:  # noise_tail = "auto": t rows if the fleet chose them (N6)
-        if prior["noise_student"] not in (0, 1):
-            raise ValueError("prior.json: noise_student: expected 0 or 1")
-        server["noise_student"] = torch.tensor(float(prior["noise_student"]), dtype=F64)
-    if "drift" in prior:  # fedprior_drift: the fleet's drift variance and time scale
-        drift = prior["drift"]
+    if prior.noise.gamma is not None:  # the noise in the inputs, σ² exp(γᵀx) (fedprior_noise)
+        server["noise_gamma"] = torch.tensor(prior.noise.gamma, dtype=F64)
+    if prior.noise.student is not None:  # noise_tail = "auto": t rows if chosen (N6)
+        server["noise_student"] = torch.tensor(float(prior.noise.student), dtype=F64)
+    if prior.drift is not None:  # fedprior_drift: the fleet's drift variance and time scale
+        drift = prior.drift
         server["drift"] = {
-            "q": torch.tensor(float(drift["q"]), dtype=F64),
-            "scale": torch.tensor(float(drift["time_scale"]), dtype=F64),
-            "seen": torch.tensor(drift["seen"], dtype=F64),
+            "q": torch.tensor(drift.q, dtype=F64),
+            "scale": torch.tensor(drift.time_scale, dtype=F64),
+            "seen": torch.tensor(drift.seen, dtype=F64),
         }
-        if "short" in drift:  # a short co-location's weight and τ² (fedprior_short, S4)
-            short = drift["short"]
-            tau = math.nan if short["tau"] is None else float(short["tau"])
-            values = [float(short[k]) for k in ("window", "temper", "held", "q")]
-            if not all(map(math.isfinite, values)) or not 0 <= values[1] <= 1:
-                raise ValueError(
-                    "prior.json: drift.short: expected finite numbers, temper in [0, 1]"
-                )
+        if drift.short is not None:  # a short co-location's weight and τ² (fedprior_short, S4)
+            short = drift.short
+            tau = math.nan if short.tau is None else short.tau
             server["drift"]["short"] = {
-                "window": torch.tensor(values[0], dtype=F64),
-                "temper": torch.tensor(values[1], dtype=F64),
+                "window": torch.tensor(short.window, dtype=F64),
+                "temper": torch.tensor(short.temper, dtype=F64),
                 "tau": torch.tensor(tau, dtype=F64),
-                "held": torch.tensor(values[2], dtype=F64),
-                "q": torch.tensor(values[3], dtype=F64),
+                "held": torch.tensor(short.held, dtype=F64),
+                "q": torch.tensor(short.q, dtype=F64),
             }
     return server
 
 
-def prior_algorithm(prior: dict[str, Any]) -> FedPrior:
+def prior_algorithm(prior: PriorModel, source: str = "prior.json") -> FedPrior:
     """The fedprior algorithm a stored prior was learned with (its chosen basis, fixed).
 
-    What :func:`calibrate` builds, for readers of a prior that have no units'
-    data yet (``fedcal plan``): same configuration, same basis check.
+    What :func:`calibrate` builds, and readers of a prior that have no units' data yet
+    (``fedcal plan``): the prior's configuration, its basis terms checked against it.
     """
     cfg = _config(prior)
-    algorithm = build_algorithm(prior["method"], cfg, build_task(cfg, len(prior["features"])))
+    algorithm = build_algorithm(prior.method, cfg, build_task(cfg, len(prior.features)))
     if not isinstance(algorithm, FedPrior):
-        raise ValueError(f"prior method {prior['method']!r} is not a fedprior method")
-    if [list(t) for t in algorithm.terms] != prior["terms"] or [
-        list(t) for t in algorithm.branch_terms
-    ] != prior.get("branch_terms", []):
+        raise ValueError(f"{source}: prior method {prior.method!r} is not a fedprior method")
+    if tuple(map(tuple, algorithm.terms)) != prior.basis.terms or (
+        tuple(map(tuple, algorithm.branch_terms)) != prior.basis.branch_terms
+    ):
         raise ValueError("prior.json: its basis terms do not match its method parameters")
     return algorithm

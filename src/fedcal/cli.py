@@ -741,6 +741,18 @@ def export(
         console.print(f"wrote {len(fleet.params)} sensors' models to {out}")
         _print_footprint(fleet, method)
     _print_excluded(fleet)
+    _print_without_sigma(fleet)
+
+
+def _print_without_sigma(fleet) -> None:
+    """One stderr line when some sensors' models state no σ: exported without one."""
+    missing = fleet.without_sigma()
+    if missing:
+        err_console.print(
+            f"[bold yellow]warning[/] no σ stated for {len(missing)} of {len(fleet.params)} "
+            f"sensor(s) ({', '.join(missing)}; their interval was declined): exported without "
+            "σ (C fedcal_has_std 0, JSON has_sigma false, ONNX no σ output)"
+        )
 
 
 def _print_excluded(fleet) -> None:
@@ -756,6 +768,8 @@ def _print_footprint(fleet, method: str) -> None:
     form = linear_form(fleet, method)
     if form is not None:
         sigma = ", with σ" if form.has_std else ""
+        if form.unstated:
+            sigma += f" for {len(form.sensors) - len(form.unstated)} of {len(form.sensors)} units"
         console.print(
             f"footprint: {form.bytes_per_unit()} bytes of constants per unit "
             f"({form.terms.shape[0]} basis terms{sigma})"
@@ -802,7 +816,7 @@ def calibrate(
         table = units.save(out)
     except (FileNotFoundError, ValueError, ConfigError, FleetDataError) as err:
         _fail(str(err))
-    unit = target_unit(units.prior["target"])
+    unit = target_unit(units.prior.target)
     t = Table(title=f"{len(table)} unit(s) calibrated against {path}", title_justify="left")
     columns = [c for c in table.columns if c != "sensor_id"]
     t.add_column("sensor")
@@ -1204,14 +1218,14 @@ def plan(
             doc, t_min, t_max, t_step, steps, plateau_minutes, point_minutes
         )
         planner = planning.planner(doc, chamber, quantile)
-        unit_name = target_unit(doc["target"])
+        unit_name = target_unit(doc.target)
         if next_:
             if unit is None or spec is None:
                 _fail("--next needs --unit FILE and --spec")
             fleet = load_fleet(
                 unit,
-                doc["features"],
-                doc["target"],
+                doc.features,
+                doc.target,
                 test_fraction=0.0,
                 min_train_points=1,
                 min_test_points=0,

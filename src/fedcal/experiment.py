@@ -75,6 +75,7 @@ from fedcal.engine.simulation import (
     prepare,
     simulate,
 )
+from fedcal.prior.model import PriorModel, created_by
 from fedcal.status import counts as status_counts
 from fedcal.status import own_fit_rmse, sensor_statuses
 
@@ -310,12 +311,15 @@ def export_state(
     fleet: Fleet | FleetOutline,
     tensors: FleetTensors,
     method: str,
-) -> dict[str, Any] | None:
-    """The algorithm's reusable server state (e.g. fedprior's fleet prior) with its context.
+) -> PriorModel | None:
+    """The algorithm's reusable server state (fedprior's fleet prior) as the fitted value.
 
     Adds what is needed to apply it to new units: the method and its parameters,
     feature and target names, the scaler, and the range of each input the fleet
-    was calibrated over (inputs outside it are extrapolation).
+    was calibrated over (inputs outside it are extrapolation); and its provenance
+    (fleet size, units per number of calibration points, fedcal's version). The
+    value is validated as a loaded file is (:class:`fedcal.prior.model.PriorModel`):
+    a prior that could not be read back is a RunFileError here, not a file.
     """
     state = algorithm.export_state(server)
     if state is None:
@@ -335,7 +339,7 @@ def export_state(
             state[key] = named(state[key])
     if state.get("identification"):
         state["identification"]["weak_terms"] = named(state["identification"]["weak_terms"])
-    return {
+    doc = {
         **state,
         "method": method,
         "method_params": {
@@ -349,7 +353,19 @@ def export_state(
         "scaler": tensors.scaler.to_dict(),
         "input_range": input_range,
         "num_units": fleet.num_clients,
+        "design_counts": _design_counts(tensors, fleet.num_clients),
+        "created_by": created_by(),
     }
+    return PriorModel.from_dict(doc, f"{method}: the trained prior")
+
+
+def _design_counts(tensors: FleetTensors, units: int) -> dict[str, int] | None:
+    """{calibration points: units with that many}, ascending (None: counts not at hand)."""
+    count = tensors.train.count.cpu().numpy()
+    if len(count) != units:
+        return None
+    points, many = np.unique(count.astype(int), return_counts=True)
+    return {str(int(p)): int(m) for p, m in zip(points, many, strict=True)}
 
 
 REJECTION_COLUMNS = ["round", "client_index", "client", "reason", "ratio", "threshold"]
@@ -753,9 +769,10 @@ def run_experiment(
                 if privacy:
                     row["epsilon"] = privacy["epsilon"]
                     row["noise_multiplier"] = privacy["noise_multiplier"]
-                exported = export_state(algorithm, result.server, subset, tensors, method)
-                if exported is not None:
-                    _write_text(run_dir / "prior.json", json.dumps(exported, indent=1))
+                fitted = export_state(algorithm, result.server, subset, tensors, method)
+                if fitted is not None:
+                    fitted.save(run_dir / "prior.json")
+                    exported = fitted.to_dict()
                     note = identification_note(exported)
                     if "identification" in exported:
                         row["weak_directions"] = exported["identification"]["weak_directions"]

@@ -92,12 +92,13 @@ import torch
 from torch import Tensor
 
 from fedcal.algorithms.fedprior import FedPrior
-from fedcal.calibration import prior_algorithm, prior_server
+from fedcal.calibration import prior_algorithm, prior_server, unit_posteriors
 from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData
-from fedcal.core.tree import Tree, expand
+from fedcal.core.tree import Tree
 from fedcal.data.fleet import DIRECTION_SIGNS
 from fedcal.data.scaling import Scaler
+from fedcal.prior.model import PriorModel
 
 DESIGN_COLUMNS = ("pressure_hpa", "temperature_c", "direction")
 GRID = (21, 11)  # (pressures, temperatures) of the regular grid the worst σ is taken on
@@ -194,7 +195,7 @@ class Expected:
 class Planner:
     """A stored prior made ready to score designs (see :func:`planner`)."""
 
-    prior: dict[str, Any]
+    prior: PriorModel
     algorithm: FedPrior
     server: Tree  # μ, Σ, σ² as the algorithm broadcasts them
     scaler: Scaler
@@ -215,7 +216,7 @@ class Planner:
 
 
 def default_chamber(
-    prior: dict[str, Any],
+    prior: PriorModel,
     t_min: float | None = None,
     t_max: float | None = None,
     t_step: float = 5.0,
@@ -228,7 +229,7 @@ def default_chamber(
     temperature range, snapped inward to the step); pressure steps (default the
     campaign's 50…1550 hPa by 100); both sweeps if the prior has a direction term."""
     _, temp = _inputs(prior)
-    lo, hi = prior["input_range"][prior["features"][temp]]
+    lo, hi = prior.input_range[prior.features[temp]]
     if t_step <= 0:
         raise ValueError(f"--t-step must be > 0, got {t_step}")
     t_min = float(np.ceil(lo / t_step - 1e-9) * t_step) if t_min is None else float(t_min)
@@ -237,7 +238,7 @@ def default_chamber(
         raise ValueError(f"temperature limits {t_min}…{t_max} °C are empty")
     temps = np.arange(t_min, t_max + 1e-9, t_step)
     if directions is None:
-        directions = ("up", "down") if prior.get("branch_terms") else ("up",)
+        directions = ("up", "down") if prior.basis.branch_terms else ("up",)
     return Chamber(
         tuple(float(t) for t in temps),
         tuple(pressures) if pressures else DEFAULT_PRESSURES,
@@ -247,9 +248,9 @@ def default_chamber(
     )
 
 
-def _inputs(prior: dict[str, Any]) -> tuple[int, int]:
+def _inputs(prior: PriorModel) -> tuple[int, int]:
     """(response, temperature) input indices; the target is what the chamber sets (P)."""
-    names = list(prior["features"])
+    names = list(prior.features)
     temps = [i for i, n in enumerate(names) if "temp" in n.lower()]
     if len(names) != 2 or len(temps) != 1:
         raise ValueError(
@@ -260,7 +261,7 @@ def _inputs(prior: dict[str, Any]) -> tuple[int, int]:
 
 
 def planner(
-    prior: dict[str, Any],
+    prior: PriorModel,
     chamber: Chamber | None = None,
     quantile: float = 0.95,
     temperature_range: tuple[float, float] | None = None,
@@ -277,7 +278,7 @@ def planner(
     if not 0.0 < quantile < 1.0:
         raise ValueError(f"quantile must be in (0, 1), got {quantile}")
     response, temperature = _inputs(prior)
-    scaler = Scaler.from_dict(prior["scaler"])
+    scaler = prior.scaler
     # μ, Σ, σ² and the fleet's support box, as `calibrate` gives a new unit: a design's
     # own span is no extrapolation boundary inside the operating range
     server = prior_server(prior, scaler)
@@ -295,7 +296,7 @@ def planner(
         quantile,
     )
     p_lo, p_hi = chamber.pressures[0], chamber.pressures[-1]
-    t_lo, t_hi = temperature_range or prior["input_range"][prior["features"][temperature]]
+    t_lo, t_hi = temperature_range or prior.input_range[prior.features[temperature]]
     pp, tt = np.meshgrid(
         np.linspace(p_lo, p_hi, GRID[0]), np.linspace(t_lo, t_hi, GRID[1]), indexing="ij"
     )
@@ -329,8 +330,8 @@ def features(
     raw[:, plan.temperature] = temperature
     scaled_t = plan.scaler.x(raw)[:, plan.temperature]
     target = torch.as_tensor(plan.scaler.y(pressure.reshape(-1, 1))[:, 0], dtype=F64)
-    name = plan.prior["features"][plan.response]
-    lo, hi = plan.prior["input_range"][name]
+    name = plan.prior.features[plan.response]
+    lo, hi = plan.prior.input_range[name]
     span = hi - lo
     ends = np.zeros((2, 2))
     ends[:, plan.response] = [lo - 0.05 * span, hi + 0.05 * span]
@@ -395,10 +396,8 @@ def posteriors(plan: Planner, x: Tensor, b: Tensor, count: Tensor, base: Base) -
     mean = (alg.design(x, b) @ base.coef.to(F64).unsqueeze(-1))[..., 0]
     ys = torch.cat([base.y.expand(c, n0), mean], 1)
     data = ClientData(xs, ys.unsqueeze(-1), count + n0, (0,) * c, (), bs)
-    down = expand(alg.broadcast(plan.server), c)
-    state = alg.client_init(down)
-    state["noise_var"] = base.noise_var.to(F64).expand(c).clone()
-    params = alg.personalize(down, state, data)
+    # calibrate's own posterior (and σ parts), at the expected noise level (its docstring)
+    params = unit_posteriors(alg, plan.server, data, base.noise_var)
     # A declined interval (NaN σ) is kept aside: J still scores the design with τ² (module doc).
     if "declined" in params:
         params["interval_declined"] = params.pop("declined")
@@ -648,7 +647,7 @@ def check_design(ch: Chamber, d: Design, plateaus: int | None = None, points: in
 
 
 def plan_design(
-    prior: dict[str, Any],
+    prior: PriorModel,
     plateaus: int,
     points: int,
     *,
@@ -796,7 +795,7 @@ def unit_next(
         plan, train.x[0, :n].to(F64), branch.to(F64), train.y[0, :n, 0].to(F64), result.personal
     )
     rows = fleet.frame[fleet.frame["split"] == "train"]
-    last = float(rows[plan.prior["features"][plan.temperature]].iloc[-1])
+    last = float(rows[plan.prior.features[plan.temperature]].iloc[-1])
     current = _snap(np.array([last]), plan.chamber.temperatures)[0]
     return next_points(plan, base, result.personal, spec, count, current)
 
@@ -820,7 +819,7 @@ def compare(plan: Planner, designs: dict[str, Design], spec: float | None = None
         }
         if spec is not None:
             row["meets_spec"] = meets(e, spec)
-        if "interval" in plan.prior:  # whether a unit of this design gets a stated interval
+        if plan.prior.interval is not None:  # whether a unit of this design gets a stated interval
             row["interval"] = "declined" if e.declined else "stated"
         rows.append(row)
     return pd.DataFrame(rows)

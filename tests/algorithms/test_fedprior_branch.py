@@ -171,10 +171,12 @@ def test_bic_can_choose_psi_too_none_for_no_directions_the_planted_shape_otherwi
     # `fedcal calibrate` rebuilds the chosen model from the prior's selection record
     from fedcal.build import build_algorithm, build_task
     from fedcal.calibration import _config
+    from tests.conftest import stored_prior
 
     params = {"orders": [3, 3], "select": "bic", "branch_orders": [2, 0], "branch_select": True}
     doc = {"method": "fedprior_psi", "method_params": params, "selection": state["selection"]}
-    cfg = _config({**doc, "features": ["frequency_hz", "temperature_c"], "target": "p"})
+    features = {"features": ["frequency_hz", "temperature_c"], "target": "p"}
+    cfg = _config(stored_prior({**state, **doc, **features, "input_range": {}}))
     rebuilt = build_algorithm("fedprior_psi", cfg, build_task(cfg, 2))
     assert [list(t) for t in rebuilt.branch_terms] == state["branch_terms"]
     assert [list(t) for t in rebuilt.terms] == state["terms"] and rebuilt.select == "none"
@@ -275,10 +277,12 @@ def test_every_unit_swept_one_way_leaves_the_term_out_and_is_fedprior_one_round_
             assert state["selection"]["chosen"]["orders"] == state0["selection"]["chosen"]["orders"]
         from fedcal.build import build_algorithm, build_task
         from fedcal.calibration import _config
+        from tests.conftest import stored_prior
 
         params = {"orders": list(PHI), "select": select, "branch_orders": [2, 0]}
         doc = {"method": "fedprior_br", "method_params": params, "selection": state["selection"]}
-        cfg = _config({**doc, "features": ["frequency_hz", "temperature_c"], "target": "p"})
+        features = {"features": ["frequency_hz", "temperature_c"], "target": "p"}
+        cfg = _config(stored_prior({**state, **doc, **features, "input_range": {}}))
         rebuilt = build_algorithm("fedprior_br", cfg, build_task(cfg, 2))
         assert rebuilt.branch_terms == () and [list(t) for t in rebuilt.terms] == state["terms"]
     # half of the units swept both ways: h is identified, nothing is pinned
@@ -295,6 +299,7 @@ def test_a_partly_pinned_direction_term_travels_in_prior_json_and_calibrate_equa
     rebuild refused it, 'basis terms do not match')."""
     from fedcal.calibration import prior_algorithm, prior_server
     from fedcal.data.scaling import Scaler
+    from tests.conftest import stored_prior
 
     x, y, _, _, _, _ = planted(units=12, rows=30)
     arrays = [(x[i].numpy(), y[i, :, None].numpy()) for i in range(12)]
@@ -313,9 +318,9 @@ def test_a_partly_pinned_direction_term_travels_in_prior_json_and_calibrate_equa
     }
     assert prior["branch_terms"] == [[0, 0], [1, 0], [2, 0]]
     assert prior["branch_pinned"] == [[0, 0], [1, 0]]
-    rebuilt = prior_algorithm(prior)
+    rebuilt = prior_algorithm(stored_prior(prior))
     identity = Scaler(np.zeros(2), np.ones(2), np.zeros(1), np.ones(1), {})
-    down = expand(rebuilt.broadcast(prior_server(prior, identity)), 12)
+    down = expand(rebuilt.broadcast(prior_server(stored_prior(prior), identity)), 12)
     again = rebuilt.personalize(down, rebuilt.client_init(down), data)
     close = {"rtol": 1e-9, "atol": 1e-12}
     torch.testing.assert_close(again["coef"], personal["coef"], **close)
@@ -324,4 +329,4 @@ def test_a_partly_pinned_direction_term_travels_in_prior_json_and_calibrate_equa
         rebuilt.predictive_std(again, x), alg.predictive_std(personal, x), **close
     )
     with pytest.raises(ValueError, match="branch_pinned: expected terms of branch_terms"):
-        prior_server({**prior, "branch_pinned": [[3, 0]]}, identity)
+        stored_prior({**prior, "branch_pinned": [[3, 0]]})

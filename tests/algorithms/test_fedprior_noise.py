@@ -175,6 +175,7 @@ def test_student_rows_keep_outliers_out_of_the_noise_and_cost_nothing_without_th
 def test_gamma_travels_in_prior_json_and_calibrate_states_the_same_sigma(hetero):
     from fedcal.calibration import prior_server
     from fedcal.data.scaling import Scaler
+    from tests.conftest import stored_prior
 
     data, (server, _, personal, _) = hetero
     alg = model(noise_shape="inputs")
@@ -185,7 +186,7 @@ def test_gamma_travels_in_prior_json_and_calibrate_states_the_same_sigma(hetero)
     }
     assert prior["noise_gamma"] == server["noise_gamma"].tolist()
     identity = Scaler(np.zeros(2), np.ones(2), np.zeros(1), np.ones(1), {})
-    stored = prior_server(prior, identity)
+    stored = prior_server(stored_prior(prior), identity)
     down = expand(alg.broadcast(stored), data.num_clients)
     again = alg.personalize(down, alg.client_init(down), data)
     # the training rows lie inside both support boxes: the same σ(x) as the federation's
@@ -193,7 +194,7 @@ def test_gamma_travels_in_prior_json_and_calibrate_states_the_same_sigma(hetero)
         alg.predictive_std(again, data.x), alg.predictive_std(personal, data.x), rtol=1e-9, atol=0
     )
     with pytest.raises(ValueError, match="noise_gamma: expected 2 finite values"):
-        prior_server({**prior, "noise_gamma": [0.1]}, identity)
+        stored_prior({**prior, "noise_gamma": [0.1]})
 
 
 def test_tail_evidence_is_the_reference_log_likelihood_ratio():
@@ -231,6 +232,7 @@ def test_auto_tail_picks_student_on_outliers_and_gaussian_on_a_clean_fleet(outli
 def test_the_tail_choice_travels_in_prior_json_and_calibrate_uses_it():
     from fedcal.calibration import prior_server
     from fedcal.data.scaling import Scaler
+    from tests.conftest import stored_prior
 
     data = planted((0.0, 0.0), seed=2, outliers=0.05, units=10)
     alg = model(noise_tail="auto")
@@ -243,7 +245,7 @@ def test_the_tail_choice_travels_in_prior_json_and_calibrate_uses_it():
     }
     assert prior["noise_student"] == 1
     identity = Scaler(np.zeros(2), np.ones(2), np.zeros(1), np.ones(1), {})
-    down = expand(alg.broadcast(prior_server(prior, identity)), data.num_clients)
+    down = expand(alg.broadcast(prior_server(stored_prior(prior), identity)), data.num_clients)
     again = alg.personalize(down, alg.client_init(down), data)
     # the stored choice, not the Gaussian start: the same posterior as the federation's
     torch.testing.assert_close(again["coef"], run.personal["coef"], rtol=1e-9, atol=1e-12)
@@ -251,7 +253,7 @@ def test_the_tail_choice_travels_in_prior_json_and_calibrate_uses_it():
     plain = alg.personalize(gaussian, alg.client_init(down), data)
     assert float((plain["coef"] - run.personal["coef"]).abs().max()) > 1e-3  # outliers pull it
     with pytest.raises(ValueError, match="noise_student: expected 0 or 1"):
-        prior_server({**prior, "noise_student": 2}, identity)
+        stored_prior({**prior, "noise_student": 2})
 
 
 def test_clip_evidence_is_the_hand_computed_per_unit_clip():

@@ -80,11 +80,13 @@ def test_calibration_is_the_federation_s_own_posterior(trained):
     from fedcal.data.loader import load_fleet
 
     doc = calibration.load_prior(calibration.find_prior(run))
-    fleet = load_fleet(new_file, features=doc["features"], target=doc["target"])
+    fleet = load_fleet(new_file, features=doc.features, target=doc.target)
     result = calibration.calibrate(doc, fleet)
     alg, tensors = result.algorithm, result.tensors
     down = expand(alg.broadcast(result.server), tensors.num_clients)
-    state = {"noise_var": torch.full((tensors.num_clients,), doc["noise_var"], dtype=torch.float64)}
+    state = {
+        "noise_var": torch.full((tensors.num_clients,), doc.noise.variance, dtype=torch.float64)
+    }
     direct = alg.personalize(down, state, tensors.train)
     torch.testing.assert_close(result.personal["coef"], direct["coef"], rtol=1e-10, atol=1e-12)
 

@@ -59,12 +59,14 @@ def test_calibration_is_the_federation_s_posterior_on_phi_and_b_psi(trained):
     """A unit calibrated alone equals personalize() on its signed rows, by hand."""
     _, run, new_file = trained
     doc = calibration.load_prior(calibration.find_prior(run, "fedprior_branch"))
-    fleet = load_fleet(new_file, features=doc["features"], target=doc["target"])
+    fleet = load_fleet(new_file, features=doc.features, target=doc.target)
     result = calibration.calibrate(doc, fleet)
     alg, tensors = result.algorithm, result.tensors
     assert tensors.train.branch is not None and torch.all(tensors.train.branch[:, :6] == 1)
     down = expand(alg.broadcast(result.server), tensors.num_clients)
-    state = {"noise_var": torch.full((tensors.num_clients,), doc["noise_var"], dtype=torch.float64)}
+    state = {
+        "noise_var": torch.full((tensors.num_clients,), doc.noise.variance, dtype=torch.float64)
+    }
     direct = alg.personalize(down, state, tensors.train)
     torch.testing.assert_close(result.personal["coef"], direct["coef"], rtol=1e-10, atol=1e-12)
     # The directions are used: the same points read as direction-less give another posterior.

@@ -195,7 +195,8 @@ def test_footprint_is_the_header_s_own_sizeof(runs, tmp_path):
     main.write_text(
         '#include <stdio.h>\n#include "cal.h"\nint main(void) {\n'
         '  printf("%zu %d\\n", sizeof fedcal_coef[0] + sizeof fedcal_chol[0]'
-        " + sizeof fedcal_var_add[0] + sizeof fedcal_x_min[0] + sizeof fedcal_x_max[0]"
+        " + sizeof fedcal_var_add[0] + sizeof fedcal_has_std[0]"
+        " + sizeof fedcal_x_min[0] + sizeof fedcal_x_max[0]"
         " + sizeof fedcal_y_min[0] + sizeof fedcal_y_max[0]"
         " + sizeof fedcal_range_lo[0] + sizeof fedcal_range_hi[0]"
         " + sizeof fedcal_box_lo[0] + sizeof fedcal_box_hi[0], FEDCAL_NUM_TERMS);\n"

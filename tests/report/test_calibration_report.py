@@ -85,7 +85,7 @@ def test_fleet_distance_is_the_coefficient_mahalanobis_distance(calibrated):
     doc = calibration.load_prior(calibration.find_prior(run))
     units = pd.read_csv(out / "units.csv").set_index("sensor_id")
     fleet = load_models(out, "fedprior")
-    mu, sigma = np.array(doc["mu"]), np.array(doc["sigma"])
+    mu, sigma = np.array(doc.mean), np.array(doc.covariance)
     for sid in fleet.params:
         m = fleet.params[sid]["coef"].double().numpy()
         v = fleet.params[sid]["cov"].double().numpy()
@@ -107,8 +107,8 @@ def test_sigma_and_residuals_are_what_the_exported_models_compute(calibrated):
     fleet = load_models(out, "fedprior")
     units = pd.read_csv(out / "units.csv").set_index("sensor_id")
     points = pd.read_csv(out / "calibration_points.csv")
-    lo_f, hi_f = doc["input_range"]["frequency_hz"]
-    lo_t, hi_t = doc["input_range"]["temperature_c"]
+    lo_f, hi_f = doc.input_range["frequency_hz"]
+    lo_t, hi_t = doc.input_range["temperature_c"]
     side = round(calibration.GRID_POINTS**0.5)
     f, t = np.meshgrid(np.linspace(lo_f, hi_f, side), np.linspace(lo_t, hi_t, side))
     grid = np.stack([f.ravel(), t.ravel()], 1)

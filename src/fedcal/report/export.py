@@ -74,6 +74,57 @@ class CalibratedFleet:
         sd = None if std is None else std[0].double().numpy() * np.abs(scale)
         return self.scaler.y_inverse(y), sd
 
+    def interval_rows(self, frame, sensor_column: str | None = None) -> np.ndarray | None:
+        """Per row of ``frame`` the half-width of the stated central 95 % interval (target
+        units), or None for a method without a σ; NaN where no σ is stated.
+
+        The interval the run scores (its ``coverage95``: :func:`fedcal.engine.evaluation.errors`
+        through ``algorithm.interval_halfwidth``), so the one a user is given. ±1.96 σ for a
+        Gaussian predictive; with fedprior's direction term (fedprior_branch) the sweep
+        mixture's, ½N(ψᵀm_h, s²) + ½N(−ψᵀm_h, s²): in the field the sweep b = ±1 is unknown,
+        so that mixture is the model's own distribution of the branch-average prediction's
+        error, and the model-error τ² a calibrated interval adds is learned for this
+        interval (:mod:`fedcal.algorithms.fedprior_interval`). ±1.96 σ of the same variance
+        treats ±ψᵀm_h as Gaussian: wider than the model's 95 % interval, a second interval
+        that disagrees with the scored one. So this one is stated, not 1.96 σ.
+        """
+        column = sensor_column or self.sensor_column
+        half = np.full(len(frame), np.nan)
+        x_all = frame[list(self.features)].to_numpy(float)
+        scale = float(np.abs(np.asarray(self.scaler.y_scale, float)).ravel()[0])
+        for sensor, rows in frame.groupby(column, sort=False).indices.items():
+            if str(sensor) in self.excluded:
+                continue  # no model: no interval
+            if str(sensor) not in self.params:
+                raise KeyError(f"sensor {sensor!r} is not in this run")
+            params = stack([self.params[str(sensor)]])
+            dtype = next(iter(params.values())).dtype
+            x = torch.as_tensor(self.scaler.x(x_all[rows]), dtype=dtype).unsqueeze(0)
+            with torch.no_grad():
+                std = self.algorithm.predictive_std(params, x)
+                if std is None:
+                    return None
+                width = self.algorithm.interval_halfwidth(params, x, std)
+            half[rows] = width[0, :, 0].double().numpy() * scale
+        return half
+
+    def without_sigma(self) -> list[str]:
+        """Sensors whose model states no predictive σ although the method has one (e.g.
+        fedprior's declined interval: σ NaN): every export leaves σ out for them and says so.
+        """
+        sensors = sorted(self.params)
+        if not sensors or getattr(self.algorithm, "predictive_std", None) is None:
+            return []
+        params = stack([self.params[s] for s in sensors])
+        dtype = next(iter(params.values())).dtype
+        at = torch.as_tensor(self.scaler.x_offset, dtype=dtype).reshape(1, 1, -1)
+        with torch.no_grad():
+            std = self.algorithm.predictive_std(params, at.expand(len(sensors), 1, -1))
+        if std is None:
+            return []
+        finite = torch.isfinite(std.reshape(len(sensors), -1)).all(-1)
+        return [s for s, ok in zip(sensors, finite.tolist(), strict=True) if not ok]
+
     def predict_rows(self, frame, sensor_column: str | None = None):
         """(mean, σ or None): one value per row of ``frame`` (its sensor column, features).
 
@@ -176,7 +227,9 @@ def calibrate_frame(
     sensor_column: str | None = None,
 ):
     """``frame``'s readings calibrated per sensor: ``<target>_calibrated``, ``<target>_std``
-    (when the method has a predictive σ) and ``in_range`` (:func:`in_range` of the
+    and ``<target>_halfwidth95`` (when the method has a predictive σ: the stated 95 %
+    interval is calibrated ± halfwidth95, :meth:`CalibratedFleet.interval_rows`) and
+    ``in_range`` (:func:`in_range` of the
     sensor's calibrated span in ``valid_range``). With ``strict`` a reading out of range is
     refused (:class:`OutOfRangeError` naming its row, sensor, input and range) instead of
     flagged. Rows of a sensor the run refused (``fleet.excluded``) get no value (NaN; say so
@@ -197,6 +250,8 @@ def calibrate_frame(
     frame[f"{fleet.target}_calibrated"] = mean
     if std is not None:
         frame[f"{fleet.target}_std"] = std
+        # the stated 95 % interval: calibrated ± this (the one the run scores)
+        frame[f"{fleet.target}_halfwidth95"] = fleet.interval_rows(frame, sensor_column)
     frame["in_range"] = False
     for sensor, rows in frame.groupby(sensor_column, sort=False):
         sensor = str(sensor)

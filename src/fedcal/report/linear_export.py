@@ -22,6 +22,11 @@ and leastsq have no guard (ψ = φ). For a method with a predictive distribution
 with (Q_i, s_i) the unit's predictive covariance of the basis terms and its
 additive variance, read from the algorithm's one variance function
 (:meth:`fedcal.algorithms.fedprior.FedPrior.variance_form`), never rebuilt here.
+A unit whose model states no σ (fedprior's declined interval: s_i is NaN) carries none:
+``stated`` marks it, the header's ``fedcal_has_std[sensor]`` is 0 and
+``fedcal_calibrate_std`` returns NAN for it by that flag (its constants are written as
+0, not NaN), the JSON gives it ``has_sigma: false`` and no factor; when no unit has a σ
+the form has none (``FEDCAL_HAS_STD 0``, no σ function).
 :func:`linear_form` extracts (terms, coefficients, input map, factor) per method;
 :func:`check_form` evaluates that form in NumPy and refuses it unless it equals
 the algorithm's own ``predict`` and ``predictive_std`` (so a change of the
@@ -73,10 +78,23 @@ class LinearForm:
     box_lo: np.ndarray | None = None
     box_hi: np.ndarray | None = None
     box_per_unit: bool = True
+    # (S,) whether unit i states a σ (None: every unit with a factor does)
+    stated: np.ndarray | None = None
 
     @property
     def has_std(self) -> bool:
         return self.factor is not None
+
+    def states_std(self, unit: int) -> bool:
+        """Whether unit ``unit`` has a stated predictive σ (module docstring)."""
+        return self.has_std and (self.stated is None or bool(self.stated[unit]))
+
+    @property
+    def unstated(self) -> tuple[str, ...]:
+        """The units the form gives no σ (their model states none)."""
+        if self.stated is None:
+            return ()
+        return tuple(sid for sid, ok in zip(self.sensors, self.stated, strict=True) if not ok)
 
     def unit_inputs(self, z: np.ndarray, unit: int) -> np.ndarray:
         """u: scaled inputs z (rows, F) in the basis's coordinates (the polynomial's map)."""
@@ -147,6 +165,8 @@ class LinearForm:
         mean = psi @ self.coef[unit]
         if not self.has_std:
             return mean, None
+        if not self.states_std(unit):  # no σ stated for this unit: NaN, as predictive_std
+            return mean, np.full(len(mean), np.nan)
         phi = self.features(z, unit)
         w = phi @ self.factor[unit]  # rows of Lᵀφ
         gap = phi @ self.coef[unit] - mean  # g: the polynomial minus its continuation
@@ -162,6 +182,7 @@ class LinearForm:
             size += 2 * f * TYPE_BYTES[STAGES["FEDCAL_BOX_T"]]
         if self.has_std:
             size += (t * (t + 1) // 2 + 1) * TYPE_BYTES[STAGES["FEDCAL_STD_T"]]
+            size += 1  # fedcal_has_std: whether the unit states a σ
         if with_range:
             size += (2 * f + 2) * 4  # x_min, x_max, y_min, y_max (float)
             size += 2 * f * 8  # in_range's widened bounds range_lo, range_hi (double: exact)
@@ -192,7 +213,7 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
     alg = fleet.algorithm
     sensors = tuple(sorted(fleet.params))
     params = {k: v.to(torch.float64) for k, v in stack([fleet.params[s] for s in sensors]).items()}
-    lo = hi = factor = add_var = box_lo = box_hi = None
+    lo = hi = factor = add_var = box_lo = box_hi = stated = None
     per_unit = True
     if isinstance(alg, FedPrior):
         basis = "legendre"
@@ -223,7 +244,15 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
     if factor is None and add_var is not None:
         used |= np.any(q != 0, (0, 1))
         q = q[:, used][:, :, used]
-        factor = np.stack([_factor(qi) for qi in q])
+        stated = np.isfinite(add_var) & np.isfinite(q).all((1, 2))
+        if not stated.any():  # no unit states a σ: the form has none (module docstring)
+            add_var, stated = None, None
+        else:
+            factor = np.stack(
+                [_factor(qi) if ok else np.zeros_like(qi) for qi, ok in zip(q, stated, strict=True)]
+            )
+            add_var = np.where(stated, add_var, 0.0)
+            stated = None if stated.all() else stated
     return LinearForm(
         method or getattr(alg, "name", ""),
         basis,
@@ -237,6 +266,7 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
         box_lo,
         box_hi,
         per_unit,
+        stated,
     )
 
 
@@ -274,7 +304,8 @@ def check_form(fleet, form: LinearForm, valid_range: dict | None = None) -> None
         want = fleet.algorithm.predict(params, zt)[..., 0].double().numpy()
         method = getattr(fleet.algorithm, "predictive_std", None)
         want_std = method(params, zt) if method is not None else None
-    if (want_std is None) != (not form.has_std):
+    none_stated = want_std is None or not bool(torch.isfinite(want_std).any())
+    if none_stated != (not form.has_std):
         raise ValueError(f"{form.method}: the form and the model disagree on having a σ")
     tol = 1e-9
     for i, sensor in enumerate(form.sensors):
@@ -285,13 +316,33 @@ def check_form(fleet, form: LinearForm, valid_range: dict | None = None) -> None
                 f"{form.method}: the exported basis form of sensor {sensor} differs from the "
                 f"model's predict by {gap:.3g}: not exported"
             )
-        if std is not None:
+        if std is not None and want_std is not None:
             ref = want_std[i, :, 0].double().numpy()
             if not np.allclose(std, ref, rtol=tol, atol=0, equal_nan=True):
                 raise ValueError(
                     f"{form.method}: the exported σ of sensor {sensor} differs from the model's "
                     "predictive_std (a variance term outside variance_form?): not exported"
                 )
+
+
+def _has_std_lines(form: LinearForm) -> list[str]:
+    """``fedcal_has_std``: per unit 1 if it has a stated σ, 0 if not (module docstring)."""
+    if not form.has_std:
+        return []
+    flags = ", ".join(str(int(form.states_std(i))) for i in range(len(form.sensors)))
+    lines = [
+        "/* 1: the unit has a stated predictive σ (fedcal_calibrate_std); 0: none was stated",
+        " * (e.g. its interval was declined): fedcal_calibrate_std returns NAN for it. */",
+        f"static const unsigned char fedcal_has_std[FEDCAL_NUM_SENSORS] = {{{flags}}};",
+    ]
+    missing = form.unstated
+    if missing:
+        lines.insert(
+            0,
+            f"/* No σ stated for {len(missing)} of {len(form.sensors)} units: "
+            f"{', '.join(missing)}. */",
+        )
+    return lines
 
 
 def _lit(v: float, kind: str) -> str:
@@ -334,6 +385,7 @@ def c_header(fleet, form: LinearForm, guard: str, range_lines: list[str]) -> str
         f"#define FEDCAL_NUM_TERMS {t}",
         f"#define FEDCAL_MAX_ORDER {top}",
         f"#define FEDCAL_HAS_STD {int(form.has_std)}",
+        *_has_std_lines(form),
         f"static const double fedcal_x_offset[FEDCAL_NUM_INPUTS] = {_rows(s.x_offset, 'double')};",
         f"static const double fedcal_x_scale[FEDCAL_NUM_INPUTS] = {_rows(s.x_scale, 'double')};",
         f"static const double fedcal_y_offset = {_lit(s.y_offset[0], 'double')};",
@@ -540,9 +592,11 @@ def c_header(fleet, form: LinearForm, guard: str, range_lines: list[str]) -> str
             " * fedcal_calibrate, in the output's unit:",
             " * |y_scale| * sqrt(|L^T phi|^2 + var_add + g^2), phi unguarded, and",
             " * g = sum_t c_t (phi_t - psi_t) (the polynomial minus its tangent-plane",
-            " * continuation; 0 inside the support box). */",
+            " * continuation; 0 inside the support box);",
+            " * NAN for a unit without a stated σ (fedcal_has_std[sensor] == 0). */",
             "static inline float fedcal_calibrate_std(int sensor, const float *x) {",
             "    FEDCAL_BASIS_T phi[FEDCAL_NUM_TERMS], psi[FEDCAL_NUM_TERMS];",
+            "    if (!fedcal_has_std[sensor]) return NAN; /* no σ stated for this unit */",
             "    const FEDCAL_STD_T *L = fedcal_chol[sensor];",
             "    FEDCAL_STD_T var = fedcal_var_add[sensor];",
             "    FEDCAL_SUM_T y_phi = 0, y_psi = 0, g;",
@@ -596,7 +650,8 @@ def json_block(fleet, form: LinearForm) -> dict:
             + "y = scaler.y_offset + scaler.y_scale * sum_t unit.coef[t] * psi_t"
             + (
                 "; g = sum_t unit.coef[t] * (phi_t(u) - psi_t); sigma = |scaler.y_scale| * "
-                "sqrt(|unit.cov_factor^T phi(u)|^2 + unit.var_add + g^2)"
+                "sqrt(|unit.cov_factor^T phi(u)|^2 + unit.var_add + g^2) "
+                "(units with has_sigma false state no sigma)"
                 if form.has_std
                 else ""
             )
@@ -618,6 +673,8 @@ def json_block(fleet, form: LinearForm) -> dict:
             unit["box_lo"] = [None if math.isinf(v) else v for v in form.box_lo[row].tolist()]
             unit["box_hi"] = [None if math.isinf(v) else v for v in form.box_hi[row].tolist()]
         if form.has_std:
+            unit["has_sigma"] = form.states_std(i)
+        if form.states_std(i):
             unit["cov_factor"] = form.factor[i].tolist()
             unit["var_add"] = float(form.add_var[i])
         out["units"][sid] = unit

@@ -14,7 +14,9 @@ metadata (``metadata_props``) names the sensor, method, inputs, target and
 the valid input range (the span of the sensor's calibration points).
 A method with a predictive distribution (``algorithm.predictive_std`` returns
 a tensor) gets a second output, ``<target>_std``: the predictive standard
-deviation in target units, traced the same way.
+deviation in target units, traced the same way — for a unit whose model states
+a σ; a unit with none (fedprior's declined interval: σ NaN) gets no σ output,
+and its metadata says so (``has_sigma`` "false", ``sigma_note``; "true" otherwise).
 
 Two per-row flags follow the value (and σ), bool of shape (rows,):
 
@@ -42,6 +44,7 @@ from fedcal.core.tree import stack
 from fedcal.report.export import CalibratedFleet, range_bounds
 
 OPSET = 17
+NO_SIGMA = "no predictive σ stated for this unit (its interval was declined): no σ output"
 
 
 class SensorCalibration(torch.nn.Module):
@@ -73,11 +76,18 @@ class SensorCalibration(torch.nn.Module):
         self.register_buffer("y_offset", torch.as_tensor(s.y_offset, dtype=torch.float64))
         self.register_buffer("y_scale", torch.as_tensor(s.y_scale, dtype=torch.float64))
 
-    def has_std(self) -> bool:
-        """Whether the method gives a predictive standard deviation for this model."""
+    def method_has_std(self) -> bool:
+        """Whether the method gives predictive standard deviations at all."""
         method = getattr(self.algorithm, "predictive_std", None)
         probe = torch.zeros(1, 1, len(self.x_offset), dtype=torch.float64)
         return method is not None and method(self.params, probe) is not None
+
+    def has_std(self) -> bool:
+        """Whether this unit's model states a σ (fedprior's declined interval: none)."""
+        if not self.method_has_std():
+            return False
+        probe = torch.zeros(1, 1, len(self.x_offset), dtype=torch.float64)
+        return bool(torch.isfinite(self.algorithm.predictive_std(self.params, probe)).all())
 
     def output_names(self, target: str) -> list[str]:
         """The graph's outputs in order: value, σ (if any), ``in_range``, ``beyond_support``."""
@@ -137,6 +147,10 @@ def to_onnx(
         "target": fleet.target,
         "valid_range": json.dumps(valid_range or {}),
     }
+    if module.method_has_std():  # a σ output, or why there is none for this unit
+        meta["has_sigma"] = "true" if module.has_std() else "false"
+        if not module.has_std():
+            meta["sigma_note"] = NO_SIGMA
     for key, value in meta.items():
         entry = model.metadata_props.add()
         entry.key, entry.value = key, value

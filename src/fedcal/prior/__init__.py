@@ -1,0 +1,1 @@
+"""The fleet prior as a value: its parts, its file, and what consumes it."""

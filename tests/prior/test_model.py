@@ -1,0 +1,143 @@
+"""The fitted fleet prior as a value: its file round-trips, old files are read, bad ones refused."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from fedcal.core.runfiles import RunFileError
+from fedcal.prior.model import FORMAT_VERSION, PriorModel
+
+
+def v1_doc() -> dict:
+    """A prior.json as fedcal wrote it before format_version (main's layout): 3 terms +
+    1 direction term, a calibrated interval, a BIC selection record."""
+    return {
+        "kind": "fedprior",
+        "terms": [[0, 0], [1, 0], [0, 1]],
+        "term_names": ["1", "P1(frequency_hz)", "P1(temperature_c)"],
+        "mu": [0.1, 1.0, -0.25, 0.0],
+        "sigma": [
+            [0.04, 0.001, 0.0, 0.0],
+            [0.001, 0.09, 0.002, 0.0],
+            [0.0, 0.002, 0.01, 0.0],
+            [0.0, 0.0, 0.0, 0.0001],
+        ],
+        "noise_var": 2.5e-05,
+        "noise": "sensor",
+        "noise_prior_points": 4.0,
+        "identification": {"informed_units": 12, "weak_terms": [], "weak_directions": 0},
+        "interval": {
+            "rule": "calibrated",
+            "discrepancy_var": 1e-06,
+            "probe_rows": 6.0,
+            "residual_dof": 30.0,
+            "declined": 0,
+            "reason": "",
+            "discrepancy_var_own": None,
+        },
+        "branch_terms": [[0, 0]],
+        "branch_term_names": ["b·1"],
+        "selection": {
+            "rule": "bic",
+            "chosen": {"orders": [1, 1]},
+            "candidates": [{"orders": [1, 1]}, {"orders": [2, 1]}],
+            "scores": [-10.5, float("nan")],
+        },
+        "method": "fedprior_branch",
+        "method_params": {"orders": [2, 1], "noise": "sensor"},
+        "features": ["frequency_hz", "temperature_c"],
+        "target": "pressure_hpa",
+        "sensor_column": "sensor_id",
+        "scaler": {
+            "x_offset": [30000.0, 20.0],
+            "x_scale": [2000.0, 30.0],
+            "y_offset": [800.0],
+            "y_scale": [500.0],
+            "sources": {},
+        },
+        "input_range": {"frequency_hz": [28000.0, 32000.0], "temperature_c": [-10.0, 50.0]},
+        "num_units": 16,
+    }
+
+
+def write(tmp_path, doc: dict, name: str = "prior.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def test_an_old_file_is_read_and_saved_with_its_version_every_number_unchanged(tmp_path):
+    doc = v1_doc()
+    model = PriorModel.load(write(tmp_path, doc))
+    assert model.provenance.format_version == 1 and model.method == "fedprior_branch"
+    assert model.basis.terms == ((0, 0), (1, 0), (0, 1)) and model.basis.branch_terms == ((0, 0),)
+    assert model.basis.names() == ["1", "P1(frequency_hz)", "P1(temperature_c)", "b·1"]
+    np.testing.assert_array_equal(model.covariance, np.array(doc["sigma"]))
+    assert model.interval.probe_rows == 6.0 and model.interval.has_own
+    assert model.selection.chosen == {"orders": [1, 1]}
+    saved = json.loads(model.save(tmp_path / "again.json").read_text())
+    assert saved.pop("format_version") == FORMAT_VERSION
+    assert saved.pop("basis_family") == "legendre"
+    # the rest is the old file, key for key and bit for bit (NaN written as NaN)
+    assert json.dumps(saved) == json.dumps(doc)
+    assert PriorModel.load(tmp_path / "again.json") == model
+    with pytest.raises(AttributeError):  # a value: frozen
+        model.target = "x"  # type: ignore[misc]
+    with pytest.raises(ValueError):  # its arrays are read-only
+        model.mean[0] = 1.0
+
+
+def test_a_newer_format_is_refused_with_how_to_retrain(tmp_path):
+    path = write(tmp_path, {**v1_doc(), "format_version": FORMAT_VERSION + 1})
+    with pytest.raises(RunFileError) as err:
+        PriorModel.load(path)
+    text = str(err.value)
+    assert "\n" not in text and str(path) in text and "format_version 3" in text
+    assert "re-train the prior" in text and "fedcal run" in text
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda d: d.update(noise_var=-1e-4), "noise_var"),  # a negative variance
+        (lambda d: d["interval"].update(discrepancy_var=-1e-6), "interval.discrepancy_var"),
+        (lambda d: d["sigma"][1].__setitem__(1, -0.09), "sigma"),  # Σ not positive definite
+        (lambda d: d["sigma"][0].__setitem__(1, 0.5), "sigma"),  # not symmetric
+        (lambda d: d["mu"].append(0.0), "mu"),  # 5 means for 4 terms
+        (lambda d: d["mu"].__setitem__(0, float("inf")), "mu"),
+        (lambda d: d.update(noise_gamma=[0.1]), "noise_gamma"),  # one γ for 2 inputs
+        (lambda d: d.update(noise_student=2), "noise_student"),
+        (lambda d: d.update(branch_pinned=[[3, 0]]), "branch_pinned"),
+        (lambda d: d["interval"].update(weak_projector=[[1.0]]), "interval.weak_projector"),
+        (lambda d: d.update(basis_family="chebyshev"), "basis_family"),
+        (lambda d: d.update(surprise={"a": 1}), "surprise"),  # known parts only
+        (lambda d: d.update(format_version="2"), "format_version"),
+    ],
+)
+def test_a_tampered_file_is_refused_in_one_line_naming_the_field(tmp_path, change, field):
+    doc = v1_doc()
+    change(doc)
+    path = write(tmp_path, doc)
+    with pytest.raises(RunFileError) as err:
+        PriorModel.load(path)
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(f"{path}: {field}"), text
+
+
+def test_the_discrepancy_part_is_carried_through_load_and_save(tmp_path):
+    part = {"kind": "design", "variance": [1e-6, 2e-6]}
+    model = PriorModel.load(write(tmp_path, {**v1_doc(), "discrepancy": part}))
+    assert model.discrepancy == part
+    assert json.loads(model.save(tmp_path / "b.json").read_text())["discrepancy"] == part
+
+
+def test_a_declined_interval_keeps_its_nan(tmp_path):
+    doc = v1_doc()
+    doc["interval"].update(discrepancy_var=float("nan"), declined=4, reason="why")
+    model = PriorModel.load(write(tmp_path, doc))
+    assert math.isnan(model.interval.discrepancy_var) and model.interval.declined == 4
+    assert PriorModel.load(model.save(tmp_path / "c.json")) == model
