@@ -8,6 +8,7 @@ calibrated units only (the interval declined: no U may be stated).
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 import zlib
@@ -80,8 +81,8 @@ def test_u_is_twice_the_sigma_predict_states_and_the_hand_computed_one(outputs):
     assert np.array_equal(pts["U"].to_numpy(), 2.0 * sd)
     # by hand: σ² = y_scale²·(φᵀVφ + σ_i² + τ_i²) with V, σ_i², τ_i² read from the model file
     params = run.models.params["S008"]
-    prior = run.prior
-    s = prior["scaler"]
+    prior = json.loads((root / "cal" / "runs" / "fedprior_tp0_seed0" / "prior.json").read_text())
+    s = prior["scaler"]  # the file's numbers, read here without fedcal
     z = (readings[["frequency_hz", "temperature_c"]].to_numpy() - s["x_offset"]) / s["x_scale"]
     phi = _hand_phi(z, prior["terms"])
     cov = params["cov"].double().numpy()
@@ -126,7 +127,7 @@ def test_html_and_pdf_state_every_field(outputs):
         "2026-12-07",  # issue
         run.written,  # calibration
         sha,
-        str(run.prior["num_units"]),
+        str(run.prior.num_units),
         REFERENCE,
         units.loc["S008", "status"],
         f"{cert.u_max:.4g}",

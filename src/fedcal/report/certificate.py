@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from fedcal.core.paths import read_json, read_regular
+from fedcal.core.paths import read_regular
+from fedcal.prior.model import PriorModel
 from fedcal.report.export import RANGE_MARGIN, choose_method, load_models, range_bounds
 from fedcal.report.rundir import plateaus, read_table
 from fedcal.report.tables import UNITS
@@ -75,6 +76,7 @@ class PriorInfo:
     num_units: int | None
     terms: int
     orders: str
+    designs: str = "not recorded"  # the fleet's calibration designs: units per point count
 
 
 @dataclass(frozen=True)
@@ -155,28 +157,31 @@ def legendre_design(z: np.ndarray, terms: list[list[int]]) -> np.ndarray:
     return np.stack(cols, 1)
 
 
-def as_found(prior: dict, x: np.ndarray) -> np.ndarray | None:
+def as_found(prior: PriorModel, x: np.ndarray) -> np.ndarray | None:
     """The design's typical calibration (the prior mean μ) at raw inputs ``x``: what the unit
     reads before its own adjustment. None for a prior with a direction term (needs b)."""
-    if prior.get("branch_terms"):
+    if prior.basis.branch_terms:
         return None
-    s = prior["scaler"]
-    z = (x - np.asarray(s["x_offset"], float)) / np.asarray(s["x_scale"], float)
-    mu = np.asarray(prior["mu"], float)[: len(prior["terms"])]
-    return s["y_offset"][0] + s["y_scale"][0] * (legendre_design(z, prior["terms"]) @ mu)
+    terms = [list(t) for t in prior.basis.terms]
+    mu = np.asarray(prior.mean, float)[: len(terms)]
+    y = legendre_design(prior.scaler.x(np.asarray(x, float)), terms) @ mu
+    return prior.scaler.y_inverse(y.reshape(-1, 1))[:, 0]
 
 
-def prior_info(path: Path, prior: dict) -> PriorInfo:
+def prior_info(path: Path, prior: PriorModel) -> PriorInfo:
     """The prior's identity: sha256 of its file's bytes (``sha256sum prior.json``)."""
-    chosen = prior.get("selection", {}).get("chosen", {}).get("orders")
-    orders = chosen or prior.get("method_params", {}).get("orders", [])
+    chosen = prior.selection.chosen.get("orders") if prior.selection is not None else None
+    orders = chosen or prior.provenance.method_params.get("orders", [])
+    counts = prior.provenance.design_counts or {}
+    designs = "; ".join(f"{units} unit(s) of {points} points" for points, units in counts.items())
     return PriorInfo(
         path=str(path),
         sha256=hashlib.sha256(read_regular(path)).hexdigest(),
-        method=str(prior.get("method", "")),
-        num_units=prior.get("num_units"),
-        terms=len(prior["terms"]),
+        method=prior.method,
+        num_units=prior.num_units,
+        terms=len(prior.basis.terms),
         orders=", ".join(map(str, orders)),
+        designs=designs or "not recorded",
     )
 
 
@@ -218,7 +223,7 @@ class CalibrationRun:
     """The files of a ``fedcal calibrate`` output that certificates read, read once."""
 
     path: Path
-    prior: dict
+    prior: PriorModel
     prior_info: PriorInfo
     units: pd.DataFrame
     coefficients: pd.DataFrame
@@ -241,7 +246,7 @@ class CalibrationRun:
             )
         method = choose_method(run_dir, None)
         prior_path = run_dir / "runs" / f"{method}_tp0_seed0" / "prior.json"
-        prior = read_json(prior_path, allow_nan=True)
+        prior = PriorModel.load(prior_path)  # validated (one line naming the field)
         ids = {"sensor_id": str}
         summary = read_table(run_dir / "summary.csv")
         note = summary.get("coverage_note", pd.Series([""])).fillna("").iloc[0]

@@ -46,10 +46,8 @@ def sections(c: Certificate) -> list[Section]:
     prior = [
         ("Fleet prior (file)", p.path),
         ("sha256 of the prior file", p.sha256),
-        (
-            "Reference units in the fleet",
-            "not recorded" if p.num_units is None else str(p.num_units),
-        ),
+        ("Units in the fleet", "not recorded" if p.num_units is None else str(p.num_units)),
+        ("Their calibration designs", p.designs),
         (
             "Design (model)",
             f"{p.terms} normalized Legendre terms, orders ({p.orders}) in {', '.join(c.features)}",
