@@ -64,6 +64,11 @@ def test_in_range_is_the_command_line_s(units, tmp_path):
     assert result.exit_code == 0, result.output
     assert np.array_equal(pd.read_csv(out)["in_range"].to_numpy(), inside)
     assert isinstance(calibrated.predict(readings), np.ndarray)  # no flag: the mean alone
+    everything = calibrated.predict(
+        readings, return_std=True, return_interval=True, return_range=True
+    )
+    _, half = calibrated.predict(readings, return_interval=True)
+    assert np.array_equal(everything[2], half) and np.array_equal(everything[3], inside)
 
 
 @pytest.mark.parametrize("bad", [np.zeros((3, 3)), [1.0, 2.0], 3.0])
