@@ -61,6 +61,13 @@ class NotFittedError(ValueError):
     """A :class:`FleetPrior` used before ``fit`` or ``load``."""
 
 
+def _check_path(value: Any, where: str) -> None:
+    """One line for a folder or file argument that is not a path (e.g. a DataFrame)."""
+    if not isinstance(value, (str, Path)):
+        kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+        raise TypeError(f"{where}: expected a folder or file path (str or Path), got {kind}")
+
+
 def _check_data(X: Any, where: str) -> None:
     """One line for an input that is neither a DataFrame nor a file path (e.g. a NumPy array)."""
     if isinstance(X, (pd.DataFrame, str, Path)):
@@ -181,6 +188,7 @@ class FleetPrior(BaseEstimator):
         """A stored prior: a run directory of ``fedcal run`` or :meth:`save`, or a prior.json."""
         from fedcal.calibration import find_prior, load_prior
 
+        _check_path(run_dir, "FleetPrior.load(run_dir)")
         path = find_prior(run_dir, method, seed, train_points)
         model = load_prior(path)
         prior = cls(
@@ -362,6 +370,7 @@ class CalibratedUnits:
         from fedcal.report.export import choose_method, load_models
         from fedcal.report.rundir import read_table, read_valid_ranges
 
+        _check_path(run_dir, "CalibratedUnits.load(run_dir)")
         run_dir = Path(run_dir)
         if not (run_dir / "calibration_points.csv").is_file():
             raise FileNotFoundError(

@@ -83,6 +83,11 @@ def test_a_wrong_input_type_is_one_line_naming_what_is_expected(units, bad):
         assert "pd.DataFrame(X, columns=" in text
     with pytest.raises(TypeError, match=r"^FleetPrior.calibrate\(X\): expected a pandas"):
         FleetPrior().calibrate(bad)
+    with pytest.raises(TypeError, match=r"^FleetPrior.fit\(X\): expected a pandas"):
+        FleetPrior().fit(bad)
+    for load in (FleetPrior.load, CalibratedUnits.load):  # a folder, not data
+        with pytest.raises(TypeError, match=r"\.load\(run_dir\): expected a folder or file"):
+            load(pd.DataFrame({"a": [1]}))
 
 
 def test_importing_the_cli_imports_no_heavy_module():
