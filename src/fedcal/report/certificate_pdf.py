@@ -24,6 +24,7 @@ from fedcal.report.certificate_html import to_html
 PAGE = (8.27, 11.69)  # A4, inches
 LEFT, RIGHT, TOP, BOTTOM = 0.07, 0.93, 0.95, 0.05
 WIDTH_PT = (RIGHT - LEFT) * PAGE[0] * 72
+EM = 0.53  # characters per line = width / (EM · font size): Helvetica's digits are 0.556 em
 SPELLED = {"−": "-", "–": "-", "—": "-", "≤": "<=", "≥": ">=", "σ": "sigma", "μ": "mu"}
 SPELLED |= {"Σ": "sum", "√": "sqrt", "φ": "phi", "…": "...", "’": "'", "‘": "'", "“": '"'}
 SPELLED |= {"”": '"'}
@@ -75,7 +76,7 @@ class _Flow:
         x: float = LEFT,
         width_pt: float = WIDTH_PT,
     ) -> None:
-        lines = textwrap.wrap(latin1(text), max(20, int(width_pt / (0.47 * size)))) or [""]
+        lines = textwrap.wrap(latin1(text), max(20, int(width_pt / (EM * size)))) or [""]
         for line in lines:
             self.need(self._h(size))
             self.fig.text(
@@ -95,8 +96,8 @@ class _Flow:
     def fields(self, rows: list[tuple[str, str]], size: float = 9) -> None:
         split = 0.38
         for name, value in rows:
-            left = textwrap.wrap(latin1(name), int(split * WIDTH_PT / (0.47 * size)))
-            right = textwrap.wrap(latin1(value), int((1 - split) * WIDTH_PT / (0.47 * size)))
+            left = textwrap.wrap(latin1(name), int(split * WIDTH_PT / (EM * size)))
+            right = textwrap.wrap(latin1(value), int((1 - split) * WIDTH_PT / (EM * size)))
             n = max(len(left), len(right), 1)
             self.need(self._h(size, n))
             x_value = LEFT + split * (RIGHT - LEFT)
@@ -125,7 +126,7 @@ class _Flow:
     def table(self, head: list[str], rows: list[list[str]], size: float = 7.5) -> None:
         n = len(head)
         step = (RIGHT - LEFT) / n
-        wrapped = [textwrap.wrap(latin1(h), int(step * PAGE[0] * 72 / (0.47 * size))) for h in head]
+        wrapped = [textwrap.wrap(latin1(h), int(step * PAGE[0] * 72 / (EM * size))) for h in head]
         depth = max(len(w) for w in wrapped)
         self.need(self._h(size, depth + min(len(rows), 3)))
         for j, lines in enumerate(wrapped):
