@@ -877,6 +877,7 @@ def certificate(
         str | None,
         typer.Option(help="the measurand's unit, e.g. hPa (default: from a known column suffix)"),
     ] = None,
+    sensor_column: SensorOpt = None,
 ) -> None:
     """Write a calibration certificate per unit (HTML and PDF): U at k = 2, range, status.
 
@@ -898,7 +899,7 @@ def certificate(
             raise ValueError("--reference-column needs --data (the file given to calibrate)")
         refs = None
         if reference_column is not None:
-            column = _calibrated_column(run_dir)
+            column = sensor_column or _calibrated_column(run_dir)
             refs = reference_ids(data, column, reference_column)
         certs = write_certificates(
             run_dir, out, refs, reference, spec, rule, issued, sensor, measurand_unit
