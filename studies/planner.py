@@ -49,6 +49,7 @@ from fedcal.data.fleet import Fleet
 from fedcal.data.simulator import POINTS, simulate_fleet
 from fedcal.engine.evaluation import errors
 from fedcal.experiment import run_experiment
+from fedcal.prior.model import PriorModel
 
 GRIDS = {(2, 6): "3x2", (3, 12): "4x3"}  # the fixed grid of the same K plateaus, N points
 PROBE_UNITS = 20  # few-point units in the prior's federation (the hold-out's probe class)
@@ -56,7 +57,7 @@ PROBE_UNITS = 20  # few-point units in the prior's federation (the hold-out's pr
 
 def learn_prior(
     cfg, seed: int, methods: tuple[str, ...], out: Path, probe: str = "none"
-) -> dict[str, dict]:
+) -> dict[str, PriorModel]:
     """The fleet priors of the reference units (+ 20 units at the ``probe`` grid) as
     ``fedcal run`` learns them; a prior already in ``out`` (an earlier call) is read back."""
     try:
@@ -85,7 +86,7 @@ def new_units(cfg, seed: int, design: str, points: tuple = (), skip: int = 0) ->
     return replace(fleet, frame=frame)
 
 
-def score(prior: dict, fleet: Fleet) -> dict[str, float]:
+def score(prior: PriorModel, fleet: Fleet) -> dict[str, float]:
     """Calibrate the units against the prior; RMSE mean/worst and coverage off-grid."""
     result = calibration.calibrate(prior, fleet, "study")
     t = result.tensors

@@ -36,6 +36,7 @@ import pandas as pd
 import torch
 
 from fedcal.algorithms.fedprior import FedPrior
+from fedcal.algorithms.fedprior_deployed import DEPLOY_ROWS, deployed
 from fedcal.algorithms.fedprior_interval import DECLINE, NO_PROBE
 from fedcal.build import build_algorithm, build_task, run_record
 from fedcal.config import DataConfig, RunConfig, from_dict
@@ -99,6 +100,8 @@ def _config(prior: PriorModel) -> RunConfig:
         params.update(prior.selection.chosen, select="none")
     if method not in ("fedprior", "fedprior_drift"):  # registered: no base (a variant: fedprior)
         params["base"] = "fedprior"
+    if prior.discrepancy is not None and params.get("interval") == "calibrated":  # issue 33
+        params["deploy_rows"] = DEPLOY_ROWS
     cfg = from_dict({"methods": {method: params}}, "prior.json")
     data = DataConfig(
         features=prior.features, target=prior.target, client_column=prior.sensor_column
@@ -134,6 +137,7 @@ class Calibration:
     tensors: FleetTensors
     personal: Tree
     server: Tree
+    reasons: tuple[str, ...] = ()  # per unit, why its design gets no σ ("" if it gets one)
 
 
 def calibrate(prior: PriorModel, fleet: Fleet, source: str = "data") -> Calibration:
@@ -158,22 +162,38 @@ def calibrate(prior: PriorModel, fleet: Fleet, source: str = "data") -> Calibrat
         scaled("train"), scaled("test"), scaler, tuple(map(str, fleet.client_ids))
     )
     server = prior_server(prior, scaler)
-    personal = unit_posteriors(algorithm, server, tensors.train)
-    return Calibration(algorithm, tensors, personal, server)
+    reasons: list[str] = []
+    personal = unit_posteriors(
+        algorithm,
+        server,
+        tensors.train,
+        discrepancy=prior.discrepancy,
+        names=prior.features,
+        reasons=reasons,
+    )
+    return Calibration(algorithm, tensors, personal, server, tuple(reasons))
 
 
 def unit_posteriors(
-    algorithm: FedPrior, server: Tree, data: ClientData, noise_var: torch.Tensor | None = None
+    algorithm: FedPrior,
+    server: Tree,
+    data: ClientData,
+    noise_var: torch.Tensor | None = None,
+    discrepancy: dict | None = None,
+    names: tuple[str, ...] = (),
+    reasons: list[str] | None = None,
 ) -> Tree:
     """Each unit's posterior under the stored prior, with what its σ is made of.
 
     The one place a unit's stated σ is formed off the federation: :func:`calibrate` calls
     it on a unit's readings, the planner (:func:`fedcal.planning.posteriors`) on a
     design's expected readings, so the σ ``plan`` forecasts is the σ ``calibrate``
-    states (a term added here reaches both). ``noise_var`` None: each unit's own noise
-    level, the fixed point of :func:`own_noise`; given (the planner: the fleet's σ²): that
-    level — the fixed point's value for the fleet's typical unit, since under the prior
-    predictive E[rss_i] = n_i σ² (rss_i = ‖y − Φm‖² + tr(ΦVΦᵀ) = σ⁴tr(C⁻¹) + n_iσ² −
+    states (a term added here reaches both: the prior's ``discrepancy`` model, issue 33,
+    with the features' ``names`` for its reasons, appended to ``reasons``). ``noise_var``
+    None: each unit's own noise level, the fixed point of :func:`own_noise`; given (the
+    planner: the fleet's σ²): that level — the fixed point's value for the fleet's
+    typical unit, since under the prior predictive E[rss_i] = n_i σ² (rss_i = ‖y − Φm‖² +
+    tr(ΦVΦᵀ) = σ⁴tr(C⁻¹) + n_iσ² −
     σ⁴tr(C⁻¹) in expectation, C = ΦΣΦᵀ + σ²I), so σ_i² = (rss_i + νσ²)/(n_i + ν) = σ².
     """
     n = data.num_clients
@@ -183,7 +203,12 @@ def unit_posteriors(
         state = own_noise(algorithm, down, state, data)
     else:
         state["noise_var"] = noise_var.to(F64).expand(n).clone()
-    return algorithm.personalize(down, state, data)
+    personal = algorithm.personalize(down, state, data)
+    if algorithm.deploy_rows and discrepancy is not None:  # issue 33 (fedprior_deployed)
+        personal, why = deployed(algorithm, discrepancy, down, personal, data, list(names))
+        if reasons is not None:  # per unit, why its design gets no σ ("" if it gets one)
+            reasons.extend(why)
+    return personal
 
 
 def own_noise(algorithm: FedPrior, down: Tree, state: Tree, data: ClientData) -> Tree:
@@ -231,6 +256,8 @@ def declined_note(prior: PriorModel, result: Calibration) -> str:
     declined = result.personal.get("declined")
     if declined is None or not bool((declined > 0).any()):
         return ""
+    if any(result.reasons):  # the discrepancy model's: the designs it does not span
+        return "; ".join(dict.fromkeys(r for r in result.reasons if r))
     iv = prior.interval
     if iv is None:
         return ""

@@ -134,6 +134,26 @@ def target_unit(column: str) -> str:
     return unit_of(column)
 
 
+KeyFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--key-file",
+        help="MAC key file (>= 16 bytes; default $FEDCAL_MAC_KEY): run/calibrate sign the run "
+        "folder (fedcal.mac), predict/export/calibrate --prior refuse it unsigned or edited",
+    ),
+]
+
+
+def _mac_key(key_file: Path | None) -> bytes | None:
+    """The MAC key of --key-file or $FEDCAL_MAC_KEY (None: no MAC); a bad key fails here."""
+    from fedcal.core.mac import MacError, read_key
+
+    try:
+        return read_key(key_file)
+    except MacError as err:
+        _fail(str(err))
+
+
 def _fail(message: str) -> None:
     err_console.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
     raise typer.Exit(code=2)
@@ -268,6 +288,7 @@ def _experiment(
     html: Path | None = None,
     source: str = "configuration",
     auto_chunk: bool = False,
+    key: bytes | None = None,
 ) -> None:
     import torch
 
@@ -346,6 +367,10 @@ def _experiment(
             )
         except ConfigError as err:
             _fail(str(err))
+    if key is not None:  # signed: predict/export/calibrate --prior with the key check it
+        from fedcal.core.mac import write_mac
+
+        write_mac(out, key)
     if not quiet:
         table = aggregate(summary)
         _print_table(table, target_unit(cfg.data.target), show_bytes)
@@ -529,11 +554,13 @@ def train(
     time_column: TimeColumnOpt = None,
     split_by: SplitByOpt = None,
     sensor_column: SensorOpt = None,
+    key_file: KeyFileOpt = None,
 ) -> None:
     """``fedcal run`` and ``fedcal compare``: one definition (compare also shows bytes sent)."""
     from fedcal.config import file_sets, override
 
     kind = ctx.info_name or "run"
+    key = _mac_key(key_file)
     try:
         cfg = _resolve(
             config,
@@ -565,7 +592,7 @@ def train(
     source = str(config) if config is not None else "configuration (default + options)"
     # chosen from the fleet unless the user set it (--chunk-size, or [engine] in their file)
     auto = chunk_size is None and not file_sets(config, "engine", "chunk_size")
-    _experiment(cfg, out, points, kind, kind == "compare", quiet, html, source, auto)
+    _experiment(cfg, out, points, kind, kind == "compare", quiet, html, source, auto, key)
 
 
 app.command(
@@ -695,6 +722,7 @@ def export(
         Path | None,
         typer.Option("--out", help="file to write (default: stdout); a directory for onnx"),
     ] = None,
+    key_file: KeyFileOpt = None,
 ) -> None:
     """Export every sensor's calibrated model: C header, JSON, or ONNX (one file per sensor).
 
@@ -702,9 +730,10 @@ def export(
     """
     from fedcal.core.atomic import write_bytes, write_text
     from fedcal.core.paths import safe_name
-    from fedcal.report.export import choose_method, load_models, to_c_header, to_json
-    from fedcal.report.rundir import read_valid_ranges
+    from fedcal.report.export import choose_method, to_c_header, to_json
+    from fedcal.report.rundir import load_served
 
+    key = _mac_key(key_file)
     if fmt not in ("c", "json", "onnx"):
         _fail(f"--format must be 'c', 'json' or 'onnx', got {fmt!r}")
     if fmt == "onnx" and out is None:
@@ -712,8 +741,9 @@ def export(
     try:
         _check_out(out, run_dir, directory=fmt == "onnx")
         method = choose_method(run_dir, method)
-        fleet = load_models(run_dir, method, seed, train_points)
-        ranges = read_valid_ranges(run_dir, method, seed, train_points)
+        if key is not None:
+            _check_mac([run_dir], key)
+        fleet, ranges = load_served(run_dir, method, seed, train_points)  # checked models
         if fmt == "onnx":
             from fedcal.report.onnx_export import to_onnx
 
@@ -793,6 +823,7 @@ def calibrate(
     ] = 0,
     sensor_column: SensorOpt = None,
     time_column: TimeColumnOpt = None,
+    key_file: KeyFileOpt = None,
 ) -> None:
     """Calibrate new units from a few points each, against a trained fleet prior.
 
@@ -809,11 +840,18 @@ def calibrate(
     from fedcal.data.loader import FleetDataError
 
     torch.set_num_threads(1)
+    key = _mac_key(key_file)
     try:
         path = find_prior(prior, method, seed, train_points)
         check_dir_output(out, "--out", run_folders_of(path), [data, path])
+        if key is not None:
+            _check_mac(run_folders_of(path)[-1:] or [path], key)
         units = FleetPrior.load(path).calibrate(data, sensor_column, time_column)
         table = units.save(out)
+        if key is not None:
+            from fedcal.core.mac import write_mac
+
+            write_mac(out, key)
     except (FileNotFoundError, ValueError, ConfigError, FleetDataError) as err:
         _fail(str(err))
     unit = target_unit(units.prior.target)
@@ -878,6 +916,7 @@ def certificate(
         typer.Option(help="the measurand's unit, e.g. hPa (default: from a known column suffix)"),
     ] = None,
     sensor_column: SensorOpt = None,
+    key_file: KeyFileOpt = None,
 ) -> None:
     """Write a calibration certificate per unit (HTML and PDF): U at k = 2, range, status.
 
@@ -891,8 +930,11 @@ def certificate(
     from fedcal.report.certificate import reference_ids
     from fedcal.report.certificate_pdf import write_certificates
 
+    key = _mac_key(key_file)
     try:
         check_dir_output(out, "--out", [run_dir], [*([data] if data else [])])
+        if key is not None:  # a signed calibrate output: refused unsigned or edited
+            _check_mac([run_dir], key)
         if issued is not None:
             datetime.date.fromisoformat(issued)  # a date, or a one-line error
         if reference_column is not None and data is None:
@@ -918,6 +960,16 @@ def _calibrated_column(run_dir: Path) -> str:
     from fedcal.core.paths import read_json
 
     return str(read_json(run_dir / "config.json")["data"]["client_column"])
+
+
+def _check_mac(run_dirs: list[Path], key: bytes) -> None:
+    """Refuse a run folder read with a key whose MAC is missing or wrong (core/mac.py)."""
+    from fedcal.core.mac import MacError, check_mac
+
+    target = run_dirs[0]
+    if not target.is_dir():
+        raise MacError(f"{target}: not in a run folder: there is no MAC to check it against")
+    check_mac(target, key)
 
 
 def _print_units(run_dir: Path) -> None:
@@ -976,6 +1028,7 @@ def predict(
         ),
     ] = False,
     sensor_column: SensorOpt = None,
+    key_file: KeyFileOpt = None,
 ) -> None:
     """Calibrate raw readings with each sensor's personalized model.
 
@@ -988,22 +1041,19 @@ def predict(
 
     from fedcal.core.atomic import write_text
     from fedcal.data.loader import load_readings
-    from fedcal.report.export import (
-        calibrate_frame,
-        choose_method,
-        load_models,
-        uncalibrated_notes,
-    )
-    from fedcal.report.rundir import read_valid_ranges
+    from fedcal.report.export import calibrate_frame, choose_method, uncalibrated_notes
+    from fedcal.report.rundir import load_served
 
+    key = _mac_key(key_file)
     try:
         _check_out(out, run_dir, inputs=[data])
         method = choose_method(run_dir, method)
-        fleet = load_models(run_dir, method, seed, train_points)
+        if key is not None:
+            _check_mac([run_dir], key)
+        fleet, ranges = load_served(run_dir, method, seed, train_points)  # checked models
         column = sensor_column or fleet.sensor_column
         # The loader's guards: regular file, size limit, checksums, finite plausible values.
         frame = load_readings(data, fleet.features, column)
-        ranges = read_valid_ranges(run_dir, method, seed, train_points)
         # <target>_calibrated and _std through the Python API's path, and in_range
         frame = calibrate_frame(fleet, frame, ranges, strict, column)
     except (FileNotFoundError, ValueError, KeyError, ConfigError) as err:
@@ -1069,9 +1119,12 @@ def flower_nodes(
         _fail(str(err))
     console.print(f"wrote {len(written)} site files to {out}; start one SuperNode per site with:")
     for site, sensors, path in written:
-        socket = state_dir / site / "worker.sock" if workers else None
+        # the site's folder under --state-dir by its file-name-safe name (the site file's),
+        # never the raw id: "../../X" or "/abs/X" would point outside it (issue 36.5)
+        site_dir = state_dir / path.stem
+        socket = site_dir / "worker.sock" if workers else None
         try:
-            cfg_text = node_config(path, site, state_dir / site, worker_socket=socket)
+            cfg_text = node_config(path, site, site_dir, worker_socket=socket)
         except ValueError as err:
             _fail(str(err))
         console.print(

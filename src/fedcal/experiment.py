@@ -673,7 +673,7 @@ def run_experiment(
         fs, roles = full_scale(variant), variant.roles
         for method, algorithm in built:
             for seed in range(config.seeds):
-                run_dir = out / "runs" / _run_name(method, labels, tp, seed)
+                run_dir = _in_place(out, out / "runs" / _run_name(method, labels, tp, seed))
                 done = run_dir / "done.json"
                 if done.exists():
                     rows.append(_read_done(done, out))
@@ -770,6 +770,11 @@ def run_experiment(
                     row["epsilon"] = privacy["epsilon"]
                     row["noise_multiplier"] = privacy["noise_multiplier"]
                 fitted = export_state(algorithm, result.server, subset, tensors, method)
+                deploy = getattr(algorithm, "deploy_state", None)  # fedprior: issue 33
+                if fitted is not None and deploy is not None:
+                    model = deploy(result.server, tensors.train)
+                    if model is not None:
+                        fitted = dataclasses.replace(fitted, discrepancy=model)
                 if fitted is not None:
                     fitted.save(run_dir / "prior.json")
                     exported = fitted.to_dict()
@@ -789,6 +794,11 @@ def run_experiment(
                 if on_note is not None and "jitter" in history and (history["jitter"] > 0).any():
                     worst = float(history["jitter"].max())
                     on_note(method, jitter_note(history["jitter"], worst))
+                note = unjudged_note(result.extra["aggregation"])
+                if note:  # the robust M-step judged nobody: marked in the row, and said
+                    row["unjudged_rounds"] = int(note.split(" ", 1)[0])
+                    if on_note is not None:
+                        on_note(method, note.split(" ", 1)[1])
                 _write_text(done, json.dumps(row, indent=2))
                 (run_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
                 rows.append(row)
@@ -796,6 +806,19 @@ def run_experiment(
     summary = _ordered(pd.DataFrame(rows))
     _write_csv(out / "summary.csv", summary)
     return summary
+
+
+def unjudged_note(rounds_log: list[dict]) -> str:
+    """``"<k> <note>"`` when the robust M-step judged nobody in k rounds, else ""."""
+    marked = [r for r in rounds_log if r.get("unjudged")]
+    if not marked:
+        return ""
+    few = min(int(r["cohort"]) for r in marked)
+    return (
+        f'{len(marked)} robust = "full" judged nobody in {len(marked)} of {len(rounds_log)} '
+        f"round(s): {few} unit(s) are too few to judge each against the others (more than "
+        "the basis's terms + 2 needed); a hostile unit would not have been down-weighted"
+    )
 
 
 def _data_digest(variants: list[tuple[dict[str, Any], Fleet]]) -> str:
@@ -838,6 +861,21 @@ def _check_same_run(config_path: Path, resolved: dict, digest: str, out: Path) -
             f"data changed since this run started (its content differs from what {out} was "
             f"run on): remove {out} or choose another --out"
         )
+
+
+def _in_place(out: Path, run_dir: Path) -> Path:
+    """``run_dir`` if it is ``out``'s own folder: not reached through a symbolic link
+    (``runs/`` or ``runs/<name>`` planted as one would be followed on resume, reading a
+    done.json and writing models outside ``--out``: issue 36.5), else a RunDirectoryError."""
+    for path in (run_dir.parent, run_dir):
+        if path.is_symlink():
+            raise RunDirectoryError(
+                f"{path} is a symbolic link: a run folder is written in place, never through "
+                f"a link; remove it (or choose another --out)"
+            )
+    if run_dir.exists() and run_dir.resolve().parent.parent != out.resolve():
+        raise RunDirectoryError(f"{run_dir} lies outside {out}: remove it")
+    return run_dir
 
 
 def _read_done(done: Path, out: Path) -> dict[str, Any]:

@@ -397,7 +397,9 @@ def posteriors(plan: Planner, x: Tensor, b: Tensor, count: Tensor, base: Base) -
     ys = torch.cat([base.y.expand(c, n0), mean], 1)
     data = ClientData(xs, ys.unsqueeze(-1), count + n0, (0,) * c, (), bs)
     # calibrate's own posterior (and σ parts), at the expected noise level (its docstring)
-    params = unit_posteriors(alg, plan.server, data, base.noise_var)
+    params = unit_posteriors(
+        alg, plan.server, data, base.noise_var, plan.prior.discrepancy, plan.prior.features
+    )
     # A declined interval (NaN σ) is kept aside: J still scores the design with τ² (module doc).
     if "declined" in params:
         params["interval_declined"] = params.pop("declined")

@@ -1,5 +1,7 @@
 """The command line as a user and a script call it."""
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -232,6 +234,29 @@ def test_flower_nodes_with_workers_prints_each_sites_worker_command(tmp_path, fi
     deep = tmp_path / ("d" * 120)
     result = runner.invoke(app, [*args[:-1], str(deep), "--workers"])
     assert result.exit_code == 2 and "longer than 107 bytes" in " ".join(result.output.split())
+
+
+def test_flower_nodes_state_dirs_stay_under_the_state_dir(tmp_path, files):
+    """A site id like ``../../X`` or ``/abs/X`` names its state folder only through the
+    file-name-safe mapping of its site file (issue 36.5): every printed state-dir lies
+    directly under --state-dir (it used to be built from the raw id and point outside)."""
+    data, _ = files
+    sites = tmp_path / "sites.csv"
+    sites.write_text("sensor_id,site\nS00,../../ESCAPED\nS01,/abs/ESCAPED\nS02,lab a\n")
+    state = tmp_path / "flower-state"
+    args = ["flower-nodes", "--data", str(data), "--out", str(tmp_path / "nodes")]
+    args += ["--sites", str(sites), "--state-dir", str(state), "--workers"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    dirs = [line.split("state-dir='", 1)[1].split("'", 1)[0] for line in
+            result.output.splitlines() if "state-dir='" in line]  # fmt: skip
+    assert len(dirs) == 6  # 3 SuperNodes and 3 workers
+    assert {Path(d).parent for d in dirs} == {state.resolve()}
+    assert {Path(d).name for d in dirs} == {"______ESCAPED", "_abs_ESCAPED", "lab_a"}
+    assert "site-id='../../ESCAPED'" in result.output  # the id itself is unchanged
+    sockets = [line.split("worker-socket='", 1)[1].split("'", 1)[0] for line in
+               result.output.splitlines() if "worker-socket='" in line]  # fmt: skip
+    assert all(Path(s).parent.parent == state.resolve() for s in sockets)
 
 
 def test_flower_nodes_carries_the_direction_column_into_the_site_files(tmp_path, files):

@@ -139,6 +139,10 @@ def garbage(p: Path) -> None:
     p.write_bytes(bytes(range(256)) * 8)
 
 
+def deep_json(p: Path) -> None:  # a RecursionError in json.loads (issue 36.5)
+    p.write_text("[" * 100_000 + "]" * 100_000)
+
+
 FILE_LEVEL = {
     "fifo": fifo,
     "dev_zero": dev_zero,
@@ -147,6 +151,7 @@ FILE_LEVEL = {
     "truncated": truncated,
     "huge": huge,
     "garbage": garbage,
+    "deep_json": deep_json,
 }
 
 
@@ -205,6 +210,50 @@ MODEL = {
     "duplicate_ids": model_edit(lambda p, m: m.update(client_ids=[m["client_ids"][0]] * 4)),
     "ids_short": model_edit(lambda p, m: m.update(client_ids=m["client_ids"][:2])),
     "bad_json": lambda p: p.write_bytes(p.read_bytes().replace(b'"fedcal"', b'"fedca!"', 1)),
+}
+
+
+def _leaf(name: str, edit):
+    """Replace one named parameter (all sensors) by ``edit`` of it."""
+    return model_edit(lambda p, m: p.__setitem__(name, edit(p[name].clone())))
+
+
+def _negative_diagonal(cov):
+    cov[0, 0, 0] = -abs(float(cov[0, 0, 0])) - 1e-9
+    return cov
+
+
+def _not_pd(cov):  # symmetric, positive diagonal, a negative eigenvalue
+    i = int(cov[0].diagonal().argmax())
+    j = int(sorted(range(cov.shape[-1]), key=lambda k: -float(cov[0, k, k]))[1])
+    big = 2.0 * float(torch.sqrt(cov[0, i, i] * cov[0, j, j]))
+    cov[0, i, j] = cov[0, j, i] = big
+    return cov
+
+
+def _moved_prior(p: Path) -> None:  # fedprior's model under the MLP method's name
+    shutil.copyfile(p.parents[1] / PRIOR.removeprefix("runs/") / "model.safetensors", p)
+
+
+def _all_int64(params: dict, meta: dict) -> None:
+    for k in list(params):
+        params[k] = params[k].round().to(torch.int64)
+
+
+# issue 36.3: the model file held to prior.json's checks (its checksum recomputed each time)
+MODEL_PRIOR = {
+    "negative_noise_var": _leaf("noise_var", lambda t: -t.abs()),
+    "zero_noise_var": _leaf("noise_var", lambda t: t * 0.0),
+    "negative_variance": _leaf("cov", _negative_diagonal),
+    "cov_not_pd": _leaf("cov", _not_pd),
+    "coef_x1e38": _leaf("coef", lambda t: t * 1e38),
+    "coef_x1e6": _leaf("coef", lambda t: t * 1e6),
+    "int64": model_edit(_all_int64),
+}
+MODEL_MLP = {
+    "weight_x1e38": _leaf("l1.weight", lambda t: t * 1e38),
+    "int64": model_edit(_all_int64),
+    "fedprior_model_moved_here": _moved_prior,
 }
 
 
@@ -296,6 +345,7 @@ def corpus() -> list[Case]:
         content = dict(FILE_LEVEL)
         if slot.endswith("model.safetensors"):
             content.update(MODEL)
+            content.update(MODEL_PRIOR if slot.startswith(PRIOR) else MODEL_MLP)
         elif slot.endswith("prior.json"):
             content.update(PRIOR_DOC)
             for name in ESCAPES:

@@ -116,6 +116,8 @@ def test_a_newer_format_is_refused_with_how_to_retrain(tmp_path):
         (lambda d: d.update(basis_family="chebyshev"), "basis_family"),
         (lambda d: d.update(surprise={"a": 1}), "surprise"),  # known parts only
         (lambda d: d.update(format_version="2"), "format_version"),
+        (lambda d: d.update(drift={"q": 0.1, "time_scale": 1.0, "seen": [[1.0]]}), "drift.seen"),
+        (lambda d: d.update(drift={"q": -0.1, "time_scale": 1.0, "seen": [[1.0]]}), "drift.q"),
     ],
 )
 def test_a_tampered_file_is_refused_in_one_line_naming_the_field(tmp_path, change, field):
@@ -129,7 +131,21 @@ def test_a_tampered_file_is_refused_in_one_line_naming_the_field(tmp_path, chang
 
 
 def test_the_discrepancy_part_is_carried_through_load_and_save(tmp_path):
-    part = {"kind": "design", "variance": [1e-6, 2e-6]}
+    from fedcal.prior.discrepancy import Discrepancy  # sigma's part: validated, carried
+
+    part = Discrepancy(
+        beta=0.5,
+        amplitude=1e-6,
+        lengths=(0.05, 0.05),
+        kappa=1.1,
+        nu0=math.inf,
+        box_lo=(-1.0, -1.0),
+        box_hi=(1.0, 1.0),
+        min_points=6,
+        max_points=64,
+        min_levels=(2, 2),
+        min_span=(0.3, 0.3),
+    ).to_dict()
     model = PriorModel.load(write(tmp_path, {**v1_doc(), "discrepancy": part}))
     assert model.discrepancy == part
     assert json.loads(model.save(tmp_path / "b.json").read_text())["discrepancy"] == part

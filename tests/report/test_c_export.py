@@ -215,8 +215,8 @@ def test_footprint_is_the_header_s_own_sizeof(runs, tmp_path):
     form = linear_form(fleet, "fedprior_branch")
     assert form.bytes_per_unit() == size
     # by hand: T double coefficients, T(T+1)/2 + 1 float factor entries, 2·2 + 2 float ranges,
-    # 2·2 double in-range bounds, the guard's support box: 2·2 floats
-    assert size == 8 * terms + 4 * (terms * (terms + 1) // 2 + 1) + 4 * 6 + 8 * 4 + 4 * 4
+    # 2·2 double in-range bounds, the guard's support box: 2·2 floats, the has-σ flag: 1 byte
+    assert size == 8 * terms + 4 * (terms * (terms + 1) // 2 + 1) + 4 * 6 + 8 * 4 + 4 * 4 + 1
     # the polynomial's guard box is the same for every unit (|u_j| <= 1.1): none per unit
     poly_fleet = load_models(run, "polynomial")
     poly = linear_form(poly_fleet, "polynomial")

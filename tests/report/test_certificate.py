@@ -1,8 +1,9 @@
 """`fedcal certificate`: a calibration certificate per unit, checked against hand computations.
 
 Two calibrate outputs of the same new units (3x2 design, 6 points each): one against a
-prior whose fleet holds units of that design (U stated), one against a prior of fully
-calibrated units only (the interval declined: no U may be stated).
+prior whose fleet holds units of that design (U stated), one against a prior of a fleet of
+3x2 units only (no unit with more points: the model error between the points cannot be
+learned, the interval is declined, and no U may be stated).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def outputs(tmp_path_factory):
     new = frame[frame.sensor_id > "S007"]
     stated = FleetPrior(rounds=10).fit(frame[frame.sensor_id <= "S007"])
     stated.calibrate(new).save(root / "cal")
-    declined = FleetPrior(rounds=10).fit(frame[frame.sensor_id <= "S005"])
+    few = simulate_fleet(FleetSpec(num_sensors=8, train_design="3x2"), seed=5).frame
+    declined = FleetPrior(rounds=10).fit(few)
     declined.calibrate(new).save(root / "declined")
     data = new.assign(reference_id=np.where(new.sensor_id == "S008", "REF-A", "REF-B"))
     data.to_csv(root / "new.csv", index=False)
@@ -162,6 +164,14 @@ def test_a_declined_unit_s_certificate_states_no_number(outputs):
     for doc in (page, text):
         assert "No uncertainty could be stated for this unit" in doc
         assert "U over the valid range" not in doc and "conforms" not in doc
+    # `fedcal predict` serves the declined units too: their σ column is empty (NaN), not refused
+    readings = root / "readings.csv"
+    outputs[1][["sensor_id", "frequency_hz", "temperature_c"]].to_csv(readings, index=False)
+    pred = root / "pred_declined.csv"
+    args = ["predict", str(root / "declined"), "--data", str(readings), "--out", str(pred)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert pd.read_csv(pred)["pressure_hpa_std"].isna().all()
     cells = re.findall(r'<td class="num">([^<]*)</td></tr>', page)  # the U column: last
     assert cells and set(cells) == {"—"}
     assert "data:image/png" not in page  # no figure of a U that is not stated

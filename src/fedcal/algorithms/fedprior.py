@@ -160,6 +160,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
+from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
 from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
 from fedcal.algorithms.fedprior_noise import NoiseModel
 from fedcal.algorithms.fedprior_robust import RobustUploads, _weighted
@@ -275,6 +276,12 @@ class FedPrior(
     # their own rows in this many folds (fedprior_interval, I4); 0: they get none (I3). Part
     # of the calibrated interval: no effect with interval = "posterior" (as probe_rows)
     own_folds: Annotated[int, Field(ge=0)] = 0
+    # "learn": at the run's end the units with at least fedprior_deploy.REFERENCE_ROWS rows
+    # learn the prior's design-dependent error model (prior.json "discrepancy", issue 33);
+    # "off": not learned. deploy_rows > 0: a unit calibrated from such a prior carries its
+    # design (at most this many rows) for that σ (set by fedcal calibrate, not by a user).
+    deploy: Literal["learn", "off"] = "learn"
+    deploy_rows: Annotated[int, Field(ge=0)] = 0
     # Issue 21 (core/robust.py): "full" rejects uploads inconsistent with their declared count
     # and down-weights units far from the others' prior in the M-step; "check": the first
     # only; "off": neither (the plain sums; what secure aggregation would leave).
@@ -357,6 +364,8 @@ class FedPrior(
             shapes.update(disc_var=(), declined=())
         if self.noise_shape == "inputs":  # γ of σ²(x) = σ_i² exp(γᵀx) (fedprior_noise)
             shapes["noise_gamma"] = (self.num_inputs,)
+        if self.deploy_rows:  # the unit's design for the prior's discrepancy σ (fedprior_deploy)
+            shapes.update(deploy_shapes(self.deploy_rows, self.num_inputs, len(self.terms)))
         return shapes
 
     def design(self, x: Tensor, branch: Tensor | None = None) -> Tensor:
@@ -929,6 +938,8 @@ class FedPrior(
         excess = self.noise_excess(params, x)  # σ_i²(exp(γᵀg(x)) − 1): σ²(x) at the query
         if excess is not None:
             var = var + excess
+        if "gp_x" in params:  # the prior's design-dependent error (fedprior_deploy, D2–D4)
+            var = deployed_var(self, params, x, var)
         phi, beyond = self._guarded(params, x, self.terms)
         if any_beyond(beyond):  # beyond the support: + (polynomial − linearized)² (model form)
             coef = params["coef"][..., : len(self.terms)].to(F64).unsqueeze(1)

@@ -74,6 +74,7 @@ import math
 import torch
 from torch import Tensor
 
+from fedcal.algorithms.fedprior_deploy import learn
 from fedcal.algorithms.fedprior_noise import weighted_moments
 from fedcal.algorithms.fedprior_select import _masked
 from fedcal.core.bayes import (
@@ -411,6 +412,19 @@ class CalibratedInterval:
             code = 1
         out["declined"] = torch.tensor(float(code), dtype=F64)
         return out
+
+    def deploy_state(self, server: Tree, data: ClientData) -> dict | None:
+        """The prior's design-dependent error model learned by the reference units at the
+        run's end (:mod:`fedcal.algorithms.fedprior_deploy`, E1–E5), as prior.json's
+        ``"discrepancy"``; None when not learned (``deploy = "off"``, the model's own
+        interval, the noise model's weighted rows or drift: not emulated; fewer than two
+        reference units)."""
+        if self.deploy != "learn" or self.interval != "calibrated" or self.noise_weighted:
+            return None
+        if hasattr(self, "drift_fit"):  # fedprior_drift: its fit is not the one emulated
+            return None
+        model = learn(self, server, data)
+        return None if model is None else model.to_dict()
 
     def weak_units(self, down: Tree, cov: Tensor, noise: Tensor, data: ClientData) -> Tensor:
         """(clients,) bool: the units I3 states no interval for because the basis's weakly

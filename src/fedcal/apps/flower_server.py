@@ -165,6 +165,7 @@ def federation(
         eval_every=e.eval_every,
         participation=e.participation,
         min_replies=min_replies,
+        max_rejected_share=e.max_rejected_share,
         secure=secure,
     )
 

@@ -163,6 +163,8 @@ def read_json(path: str | Path, allow_nan: bool = False) -> Any:
         return json.loads(text, parse_constant=_no_constant)
     except ValueError as e:  # JSONDecodeError is a ValueError
         raise PathError(f"{path}: not valid JSON ({str(e).splitlines()[0]})") from None
+    except RecursionError:  # [[[[…]]]] 100,000 deep: no fedcal file nests beyond a few levels
+        raise PathError(f"{path}: not a fedcal file (JSON nested too deeply)") from None
 
 
 def _same(a: Path, b: Path) -> bool:

@@ -191,3 +191,50 @@ def check_model_meta(path: str | Path, meta: dict[str, Any], features: int) -> N
         raise RunFileError(f"{path}: client_ids: expected a list of sensor ids")
     if len(set(ids)) != len(ids):
         raise RunFileError(f"{path}: client_ids: a sensor id appears twice")
+
+
+MODEL_DTYPES = ("torch.float32", "torch.float64")  # what fedcal writes; int64 is no model
+
+
+def _check_covariance(where: str, name: str, cov: np.ndarray) -> None:
+    """``cov`` (…, p, p): symmetric, a variance ≥ 0 on its diagonal, a zero variance only
+    on a zero row and column (a term outside the unit's selected basis: fedprior's BIC), and
+    the rest positive definite up to rounding (an eigenvalue ≥ −1e-8 of the largest: the
+    computed posterior rounds a near-null direction to ±1e-19 of it)."""
+    if cov.ndim < 2 or cov.shape[-1] != cov.shape[-2]:
+        raise RunFileError(f"{where}: {name}: expected square matrices, got {cov.shape}")
+    scale = max(float(np.abs(cov).max(initial=0.0)), np.finfo(float).tiny)
+    if not np.allclose(cov, np.swapaxes(cov, -1, -2), rtol=0.0, atol=1e-9 * scale):
+        raise RunFileError(f"{where}: {name}: covariance not symmetric")
+    for matrix in cov.reshape(-1, *cov.shape[-2:]):
+        diag = np.diagonal(matrix)
+        if not (diag >= 0).all():
+            raise RunFileError(f"{where}: {name}: a negative variance on its diagonal")
+        unused = diag == 0
+        if np.abs(matrix[unused]).max(initial=0.0) > 0:
+            raise RunFileError(f"{where}: {name}: a zero variance with a non-zero covariance")
+        used = matrix[np.ix_(~unused, ~unused)]
+        if used.size and float(np.linalg.eigvalsh(used).min()) < -1e-8 * scale:
+            raise RunFileError(f"{where}: {name}: covariance not positive definite")
+
+
+def check_model_params(path: str | Path, sensor: str, leaves: dict[str, Any]) -> None:
+    """One sensor's parameters of a model file (flat ``{name: tensor}``), beyond finiteness
+    (:func:`fedcal.core.tensorfile.check_finite`): floating point, positive noise
+    variances, non-negative other variances, positive-definite covariances (``cov``,
+    ``*_cov``) — what prior.json's Σ and σ² are held to (:func:`check_prior`)."""
+    where = f"{path}: sensor {sensor!r}"
+    for name, tensor in leaves.items():
+        if str(tensor.dtype) not in MODEL_DTYPES:
+            raise RunFileError(
+                f"{where}: {name}: dtype {str(tensor.dtype).removeprefix('torch.')}, "
+                "expected float32 or float64"
+            )
+        leaf = name.rsplit("/", 1)[-1]
+        values = tensor.detach().double().numpy()
+        if leaf.endswith("noise_var") and not (values > 0).all():
+            raise RunFileError(f"{where}: {name}: a noise variance <= 0")
+        if leaf.endswith("_var") and not (values >= 0).all():
+            raise RunFileError(f"{where}: {name}: a variance < 0")
+        if leaf == "cov" or leaf.endswith("_cov"):
+            _check_covariance(where, name, values)

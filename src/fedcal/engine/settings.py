@@ -26,6 +26,10 @@ class EngineSettings:
     # local training and evaluation; the numbers do not depend on it (fedcal.engine.chunks).
     chunk_size: Int = Field(default=0, ge=0, le=MAX_CLIENTS)
     device: Name = "cpu"  # where chunks run ("cuda", "cuda:1"); the fleet's state stays on host
+    # A round whose server checks refuse more than this share of the units that replied
+    # (screened by size, inconsistent, prior outliers; not a diverged unit's non-finite
+    # reply) stops the run: its result would rest on the few left (1 = never; issue 36.4).
+    max_rejected_share: Float = Field(default=0.5, ge=0.0, le=1.0)
 
     @model_validator(mode="after")
     def _device(self) -> EngineSettings:
@@ -33,3 +37,34 @@ class EngineSettings:
 
         resolve_device(self.device)
         return self
+
+
+class FederationRefused(RuntimeError):
+    """A round in which most of the federation was refused (:func:`mostly_refused`)."""
+
+
+def refused_clients(record: list[dict]) -> set[int]:
+    """The clients an aggregation ``record`` says the server's checks refused: screened,
+    inconsistent or a prior outlier (down-weighted), not a non-finite (diverged) reply."""
+    return {int(r["client"]) for r in record if not str(r["reason"]).startswith("non-finite")}
+
+
+def mostly_refused(t: int, refused: int, cohort: int, limit: float) -> None:
+    """Raise :class:`FederationRefused` (one line) when ``refused`` of the ``cohort`` units
+    that replied in round ``t`` (0-based) exceed the share ``limit``."""
+    if cohort and refused / cohort > limit:
+        raise FederationRefused(
+            f"round {t + 1}: the server's checks refused {refused} of {cohort} units "
+            f"({refused / cohort:.0%} > [engine] max_rejected_share = {limit:g}): most of "
+            f"the federation was refused, a result would rest on the other {cohort - refused}"
+        )
+
+
+def unjudged(algorithm: object, metrics: dict[str, float]) -> bool:
+    """Whether a round's robust M-step judged nobody: the algorithm down-weights outliers
+    (``robust = "full"``) but the aggregation recorded no verdict, because the units used
+    were too few to judge each against the others (at most the basis's terms + 2:
+    :meth:`fedcal.algorithms.fedprior_robust.RobustUploads.outlier_weights`)."""
+    judges = getattr(algorithm, "robust", None) == "full"
+    judges &= getattr(algorithm, "outlier_weights", None) is not None
+    return bool(judges and metrics.get("accepted", 0.0) > 0 and "downweighted" not in metrics)

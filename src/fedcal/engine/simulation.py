@@ -52,7 +52,12 @@ from fedcal.engine.schedule import (
     result_row,
     train_seeds,
 )
-from fedcal.engine.settings import EngineSettings
+from fedcal.engine.settings import (
+    EngineSettings,
+    mostly_refused,
+    refused_clients,
+    unjudged,
+)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 AGGREGATION = 3  # seed purpose of the server's DP noise (clients use 0.., see core.data)
@@ -374,6 +379,7 @@ def simulate(
             }
             for r in record
         )
+        mostly_refused(t, len(refused_clients(record)), len(ids), config.max_rejected_share)
         kept = _roll_back(result.state, before, accepted)
         states = (
             tree_map(lambda t, r: r.to(t.dtype), states, kept)
@@ -381,6 +387,8 @@ def simulate(
             else scatter(states, idx, kept)
         )
         rejected = rejected.index_add(0, idx, (~accepted).to(torch.int64))
+        if unjudged(algorithm, agg):  # too few units to judge: said, not silent (issue 36.4)
+            agg = {**agg, "unjudged": 1.0}
         rounds_log.append({"round": t + 1, "cohort": len(ids), **agg})
         if algorithm.federated:  # a non-federated reference line communicates nothing
             bytes_up.append(num_bytes(result.reply, per_client_axis=True) * len(ids))

@@ -16,12 +16,36 @@ from torch import Tensor
 from fedcal.core.data import Batches
 from fedcal.core.tree import Tree, per_client
 
+# ATen's element-wise kernels run whole SIMD vectors (two per iteration) and the last
+# ``numel mod 2·width`` elements by a scalar loop; σ's vector exp (SLEEF) and the scalar
+# one (libm) differ by an ulp. Which elements of a unit fall in that tail depends on the
+# cohort's size, so a unit trained alone (a Flower site of one sensor) and in the fleet
+# got different bits (1.1e-16 per σ, amplified to 1.2e-8 by fedgmi_bayes's
+# ill-conditioned head posterior: issue 36). Buffers padded to a multiple of LANES
+# elements have no tail: every element takes the vector path, wherever it sits.
+LANES = 64  # ≥ 2 vectors of any x86-64 width (AVX-512: 8 doubles, 16 floats), a multiple
+
+
+def padded_empty(shape: tuple[int, ...], like: Tensor) -> tuple[Tensor, Tensor]:
+    """A zeroed buffer of ``shape`` (a view) and the flat tensor it starts, padded to a
+    multiple of :data:`LANES` elements: an element-wise kernel on the flat one has no tail."""
+    n = math.prod(shape)
+    flat = like.new_zeros(n + (-n) % LANES)
+    return flat[:n].view(shape), flat
+
+
+def sigmoid_lanes(z: Tensor) -> Tensor:
+    """σ(z), every element by ATen's vector path (see :data:`LANES`); differentiable."""
+    n = z.numel()
+    flat = torch.cat([z.reshape(-1), z.new_zeros((-n) % LANES)])
+    return torch.sigmoid(flat)[:n].view(z.shape)
+
 
 def _tanh(z: Tensor) -> Tensor:
     # tanh(z) = 2·σ(2z) − 1: the same function, but torch's CPU tanh kernel is
     # ~5× slower than sigmoid on this class of machine (measured), and the
     # activation dominates a tiny MLP's step.
-    return torch.sigmoid(2.0 * z).mul(2.0).sub(1.0)
+    return sigmoid_lanes(2.0 * z).mul(2.0).sub(1.0)
 
 
 def _twice_less_one(s: Tensor, minus_one: Tensor | None = None) -> Tensor:
@@ -165,9 +189,13 @@ class MLP:
         for k in range(last if body_only else last + 1):
             w, b = params[f"l{k}.weight"], params[f"l{k}.bias"]
             if k < last and fused_tanh:
-                z2 = torch.baddbmm(b.unsqueeze(1), hs[-1], w.transpose(1, 2), beta=2.0, alpha=2.0)
+                z2, flat = padded_empty((*hs[-1].shape[:2], w.shape[1]), hs[-1])
+                torch.baddbmm(
+                    b.unsqueeze(1), hs[-1], w.transpose(1, 2), beta=2.0, alpha=2.0, out=z2
+                )
+                flat.sigmoid_()  # no scalar tail (LANES)
                 zs.append(z2)  # not z: tanh's derivative reads only the output h
-                hs.append(_twice_less_one(torch.sigmoid_(z2)))
+                hs.append(_twice_less_one(z2))
                 continue
             z = _affine(b, hs[-1], w)
             if k < last:
@@ -306,7 +334,9 @@ class _TanhSteps:
         # Buffers reused from step to step, so that their transposed views are made once:
         # activations h_1 … h_{L−1}, δ = dL/dz of every layer, and 1 − h².
         c, rows = batches.x.shape[1], batches.x.shape[2]
-        self.hidden = [batches.x.new_empty(c, rows, w.shape[1]) for w in weights[:-1]]
+        padded = [padded_empty((c, rows, w.shape[1]), batches.x) for w in weights[:-1]]
+        self.hidden = [h for h, _ in padded]
+        self.hidden_flat = [flat for _, flat in padded]  # σ over these: no tail (LANES)
         deltas = [  # none below the lowest trained layer: δ stops there
             batches.x.new_empty(c, rows, w.shape[1]) if k >= span.start else None
             for k, w in enumerate(weights)
@@ -338,7 +368,8 @@ class _TanhSteps:
         hs, hs_t = [x, *self.hidden], [x_t, *self.hidden_t]
         for k, (bias, w_t) in enumerate(self.forward[:-1]):  # h = 2σ(2z) − 1 on the GEMM's 2z
             z2 = torch.baddbmm(bias, hs[k], w_t, beta=2.0, alpha=2.0, out=hs[k + 1])
-            _twice_less_one(z2.sigmoid_(), self.minus_one)
+            self.hidden_flat[k].sigmoid_()
+            _twice_less_one(z2, self.minus_one)
         bias, w_t = self.forward[-1]
         # pred − y, written where losses() will read it
         resid = torch.baddbmm(bias, hs[-1], w_t, out=self.resid_at[s]).sub_(y)

@@ -39,6 +39,7 @@ from fedcal.core.atomic import write_text
 from fedcal.core.paths import read_json
 from fedcal.core.runfiles import RunFileError, check_prior
 from fedcal.data.scaling import Scaler
+from fedcal.prior.discrepancy import Discrepancy
 
 FORMAT_VERSION = 2  # 1: no format_version key (fedcal before the value); 2: this module
 KIND = "fedprior"
@@ -257,7 +258,7 @@ class PriorModel:
             provenance=_provenance(doc, source, version),
             interval=_interval(doc.get("interval"), source, basis.size),
             selection=_selection(doc.get("selection"), source),
-            drift=_drift(doc.get("drift"), source),
+            drift=_drift(doc.get("drift"), source, basis.size),
             identification=doc.get("identification"),
             discrepancy=_discrepancy(doc.get("discrepancy"), source),
         )
@@ -444,9 +445,12 @@ def _selection_dict(sel: SelectionRecord) -> dict[str, Any]:
     return out
 
 
-def _drift(raw: Any, source: str) -> DriftPart | None:
+def _drift(raw: Any, source: str, size: int) -> DriftPart | None:
     if raw is None:
         return None
+    seen = _frozen(raw["seen"])
+    if seen.shape != (size, size):
+        raise RunFileError(f"{source}: drift.seen: expected {size}×{size} numbers")
     short = raw.get("short")
     if short is not None:
         short = ShortPart(
@@ -459,7 +463,7 @@ def _drift(raw: Any, source: str) -> DriftPart | None:
     return DriftPart(
         q=float(raw["q"]),
         time_scale=float(raw["time_scale"]),
-        seen=_frozen(raw["seen"]),
+        seen=seen,
         model=str(raw.get("model", "")),
         rate_per_time=raw.get("rate_per_time"),
         recalibrate_ratio=raw.get("recalibrate_ratio"),
@@ -489,4 +493,9 @@ def _discrepancy(raw: Any, source: str) -> dict[str, Any] | None:
     """sigma's discrepancy part (:mod:`fedcal.prior.discrepancy`), carried as written."""
     if raw is not None and not isinstance(raw, dict):
         raise RunFileError(f"{source}: discrepancy: expected an object")
+    if raw is not None:  # validated here (one line naming the field), carried as written
+        try:
+            Discrepancy.from_dict(raw, str(source))
+        except ValueError as err:
+            raise RunFileError(str(err)) from None
     return raw

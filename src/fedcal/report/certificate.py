@@ -236,7 +236,7 @@ class CalibrationRun:
 
     @classmethod
     def open(cls, run_dir: str | Path) -> CalibrationRun:
-        from fedcal.report.rundir import read_valid_ranges
+        from fedcal.report.rundir import check_plausible, read_valid_ranges
 
         run_dir = Path(run_dir)
         if not (run_dir / "units.csv").is_file():
@@ -251,6 +251,9 @@ class CalibrationRun:
         summary = read_table(run_dir / "summary.csv")
         note = summary.get("coverage_note", pd.Series([""])).fillna("").iloc[0]
         stamp = (run_dir / "units.csv").stat().st_mtime
+        models = load_models(run_dir, method, drop_diverged=True)  # a failed unit: no model
+        ranges = read_valid_ranges(run_dir, method, 0, 0)
+        check_plausible(models, ranges, prior_path.parent / "model.safetensors")  # as predict
         return cls(
             path=run_dir,
             prior=prior,
@@ -259,8 +262,8 @@ class CalibrationRun:
             coefficients=read_table(run_dir / "coefficients.csv", dtype=ids).set_index("sensor_id"),
             points=read_table(run_dir / "calibration_points.csv", dtype=ids),
             per_sensor=read_table(run_dir / "per_sensor.csv", dtype=ids).set_index("sensor_id"),
-            ranges=read_valid_ranges(run_dir, method, 0, 0),
-            models=load_models(run_dir, method, drop_diverged=True),  # failed: no model
+            ranges=ranges,
+            models=models,
             declined_note=str(note),
             written=datetime.fromtimestamp(stamp, UTC).date().isoformat(),
         )

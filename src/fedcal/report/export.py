@@ -297,7 +297,7 @@ def load_models(
     """
     from fedcal.build import build_recorded
     from fedcal.core.paths import read_json, safe_name
-    from fedcal.core.runfiles import check_model_meta
+    from fedcal.core.runfiles import check_model_meta, check_model_params
     from fedcal.core.tensorfile import TensorFileError, check_finite
     from fedcal.experiment import MODEL_FILE, load_model_file
 
@@ -323,6 +323,10 @@ def load_models(
         raise ValueError(f"{config_path}: unreadable or not a fedcal run config ({e})") from None
     task, params, meta = load_model_file(path, cfg)
     check_model_meta(path, meta, len(cfg.data.features))
+    if meta.get("method", method) != method:  # a model moved under another method's name
+        raise TensorFileError(
+            path, f"holds a model of method {meta.get('method')!r}, not {method!r}: moved or edited"
+        )
     refused = _refused_sensors(folder / "per_sensor.csv")
     excluded: dict[str, str] = {}
     for sensor in list(params):
@@ -350,6 +354,8 @@ def load_models(
         got = {k: tuple(v.shape) for k, v in flatten(tree).items()}
         if got != expected:
             raise TensorFileError(path, f"parameters of sensor {sensor!r} do not fit the model")
+    for sensor, tree in params.items():  # dtypes, variances, covariances (core/runfiles.py)
+        check_model_params(path, sensor, flatten(tree))
     return CalibratedFleet(
         algorithm,
         params,

@@ -223,6 +223,9 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
         coef[:, :p] = params["coef"][:, :p].numpy()  # the branch average: h does not enter ŷ
         q, s = alg.variance_form(params)
         q, add_var = q.numpy(), s.numpy()
+        if "gp_amp" in params:  # σ from the prior's discrepancy model (issue 33): not a
+            # quadratic form of the basis, so no σ is exported for such a unit (NaN)
+            add_var = np.where(params["gp_amp"].numpy() > 0, np.nan, add_var)
         if "box" in params:  # the guard's box (scaled inputs); a model saved before: none
             box_lo, box_hi = params["box"][:, 0].numpy(), params["box"][:, 1].numpy()
     elif isinstance(alg, PolynomialCalibration):
@@ -304,6 +307,10 @@ def check_form(fleet, form: LinearForm, valid_range: dict | None = None) -> None
         want = fleet.algorithm.predict(params, zt)[..., 0].double().numpy()
         method = getattr(fleet.algorithm, "predictive_std", None)
         want_std = method(params, zt) if method is not None else None
+    if want_std is not None and "gp_amp" in params:  # the prior's discrepancy σ (issue 33):
+        # not a quadratic form, so not exported (the form has NaN for such units), not claimed
+        gp = (params["gp_amp"] > 0).reshape(-1, *([1] * (want_std.dim() - 1)))
+        want_std = torch.where(gp, torch.nan, want_std.to(torch.float64))
     none_stated = want_std is None or not bool(torch.isfinite(want_std).any())
     if none_stated != (not form.has_std):
         raise ValueError(f"{form.method}: the form and the model disagree on having a σ")

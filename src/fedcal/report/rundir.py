@@ -41,7 +41,10 @@ def read_table(
     ``required`` columns must be there; anything else is a RunFileError naming the file.
     """
     text = read_text(path)
-    widths = [(i, len(r)) for i, r in enumerate(csv.reader(io.StringIO(text)), 1) if r]
+    try:
+        widths = [(i, len(r)) for i, r in enumerate(csv.reader(io.StringIO(text)), 1) if r]
+    except csv.Error as e:  # e.g. a field over the csv module's limit (131,072 characters)
+        raise RunFileError(f"{path}: not a readable CSV table ({e})") from None
     for line, width in widths[1:]:
         if width != widths[0][1]:  # pandas would fill a cut row with NaN: a "diverged" run
             raise RunFileError(
@@ -232,3 +235,70 @@ def read_valid_ranges(
     run = RunDir.open(run_dir)
     fleet = run.fleet().with_train_points(train_points or None, seed=run.config.data.split_seed)
     return valid_ranges(fleet)
+
+
+# A served model's prediction inside its own calibrated input box may stray from the
+# target's calibrated span by at most this many spans: an honest but poor fit (fedpoly on
+# 7 points: 274 hPa off a 1,500 hPa span) is well inside, a ×1e3 or ×1e38 edited weight is
+# far outside. The box's corners and centre are the points checked.
+PLAUSIBLE_SPANS = 100.0
+
+
+def _box_points(span: dict[str, list[float]], features: tuple[str, ...]) -> np.ndarray | None:
+    """The corners and the centre of a sensor's calibrated input box (rows, features)."""
+    if not all(f in span for f in features):
+        return None
+    lo = np.array([span[f][0] for f in features], float)
+    hi = np.array([span[f][1] for f in features], float)
+    corners = np.array(np.meshgrid(*[[a, b] for a, b in zip(lo, hi, strict=True)]))
+    return np.vstack([corners.reshape(len(features), -1).T, (lo + hi) / 2])
+
+
+def check_plausible(models: CalibratedFleet, ranges: dict, path: str | Path) -> None:
+    """Refuse a model file whose predictions inside a sensor's calibrated input box are
+    not finite, lie more than :data:`PLAUSIBLE_SPANS` target spans outside its calibrated
+    target span, or come with a σ that is not finite and > 0 (docs/safety-files.md). A σ
+    that is NaN everywhere is a unit whose interval the method declined: no σ is stated, and
+    nothing is claimed (``predict`` writes NaN), so it is not refused."""
+    target = models.target
+    spans = [r[target] for r in ranges.values() if isinstance(r, dict) and target in r]
+    for sensor in sorted(models.params):
+        span = ranges.get(sensor) or {}
+        points = _box_points(span, models.features)
+        lo, hi = span.get(target) or (
+            (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else (None, None)
+        )
+        if points is None or lo is None:
+            continue  # no recorded range to hold it to (a run without valid_range.json)
+        mean, sd = models.predict_with_std(sensor, points)
+        width = max(hi - lo, abs(hi), abs(lo), 1e-12)
+        mean = np.asarray(mean, float).reshape(-1)
+        worst = mean[np.argmax(np.abs(mean - (lo + hi) / 2))]
+        if not np.isfinite(mean).all() or not (
+            lo - PLAUSIBLE_SPANS * width <= worst <= hi + PLAUSIBLE_SPANS * width
+        ):
+            raise RunFileError(
+                f"{path}: sensor {sensor!r} predicts {worst:.3g} {target} inside its calibrated "
+                f"inputs, over {PLAUSIBLE_SPANS:g}× its calibrated span [{lo:.6g}, {hi:.6g}] "
+                "away: an edited or broken model"
+            )
+        sd = None if sd is None else np.asarray(sd, float)
+        stated = sd is not None and not np.isnan(sd).all()  # all NaN: declined, no σ stated
+        if stated and not (np.isfinite(sd).all() and (sd > 0).all()):
+            raise RunFileError(
+                f"{path}: sensor {sensor!r}: its predictive σ is not finite and > 0 "
+                "inside its calibrated inputs: an edited or broken model"
+            )
+
+
+def load_served(
+    run_dir: str | Path, method: str, seed: int = 0, train_points: int = 0
+) -> tuple[CalibratedFleet, dict]:
+    """The models ``predict`` and ``export`` serve, and their valid ranges, both checked:
+    :func:`load_models` (shapes, dtypes, finite, variances, covariances) and
+    :func:`check_plausible` (magnitudes against the recorded ranges)."""
+    models = load_models(run_dir, method, seed, train_points)
+    ranges = read_valid_ranges(run_dir, method, seed, train_points)
+    folder = f"{safe_name(method, 'method')}_tp{train_points}_seed{seed}"
+    check_plausible(models, ranges, Path(run_dir) / "runs" / folder / "model.safetensors")
+    return models, ranges

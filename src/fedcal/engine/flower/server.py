@@ -138,6 +138,8 @@ class Federation:
     eval_every: int = 1
     participation: float = 1.0
     min_replies: int = 1  # fewer train replies in a round → the run fails
+    # more of a round's replies refused than this share → the run fails ([engine], issue 36.4)
+    max_rejected_share: float = 0.5
     # SecAgg+ of the summed statistics (fedcal.engine.flower.secagg); None: plain replies
     secure: SecureAggregation | None = None
     members: dict[int, Member] = field(default_factory=dict)  # by client index
@@ -494,6 +496,7 @@ class Federation:
             implausible_metrics,
         )
         from fedcal.engine.schedule import final_row, history_row, result_row
+        from fedcal.engine.settings import refused_clients
         from fedcal.engine.simulation import AGGREGATION, DTYPES
 
         failures = dict(failures)
@@ -571,6 +574,7 @@ class Federation:
             self.log.append(entry)
             done = self._absorb_secure(t, entry, parts, claimed)
             self._check_replies(t, done, rejected)
+            self._check_refused(t, asked, rejected, set())
             self._train_metrics[t] = {i: dict(parts[i]["train"]) for i in done if i in parts}
             return
         # a site pads its cohort to its longest sensor (see validation.check_reply)
@@ -624,6 +628,21 @@ class Federation:
         if screened:
             entry["screened"] = screened
         entry["bytes_up"] = num_bytes(stacked, per_client_axis=True) * len(done)
+        self._check_refused(t, asked, rejected, {done[i] for i in refused_clients(record)})
+
+    def _check_refused(
+        self, t: int, asked: list[int], rejected: Mapping[int, str], screened: set[int]
+    ) -> None:
+        """Stop the run (one line) when the server refused more than ``max_rejected_share``
+        of the round's replies: malformed or inconsistent ones and those its checks screened
+        out or down-weighted (:func:`fedcal.engine.settings.mostly_refused`); a site that
+        failed or is offline is not refused, it is missing (``min_replies``)."""
+        from fedcal.engine.settings import mostly_refused
+
+        failed = self.failed.get(str(t), {})
+        replied = [i for i in asked if i not in failed]
+        refused = {i for i in replied if i in rejected} | screened
+        mostly_refused(t, len(refused), len(replied), self.max_rejected_share)
 
     def _check_replies(self, t: int, done: list[int], rejected: Mapping[int, str]) -> None:
         """Required: min-replies out of the round's cohort, counting members that are

@@ -1,0 +1,445 @@
+"""The prior's design-dependent error, learned from the reference units alone (issue 33).
+
+The model and its variance are :mod:`fedcal.prior.discrepancy` (D1–D4). Here: how the
+fleet's reference units learn its numbers at the end of a run, and how a unit calibrated
+later from ``prior.json`` gets its σ.
+
+E1. **Who learns.** Units with at least :data:`REFERENCE_ROWS` calibration rows (a full
+    campaign: every design below is a small part of it; at most :data:`MAX_REFERENCES` of
+    them, evenly in the fleet's order, so a 10,000-unit fleet costs what 64 units do).
+    Fewer than two: nothing is learned (prior.json has no ``discrepancy``; ``calibrate``
+    keeps fedprior I2–I4's rule).
+E2. **The designs each emulates** (:func:`unit_designs`), as new units are measured: P × T
+    grids 3×2, 4×3, 6×4 (pressure ends and temperature ends included) and two draws each
+    of random 2- and 3-plateau designs (plateaus spread over at least half the span,
+    3–4 points per plateau, pressure ends included), in positions of the unit's
+    own span (:func:`~fedcal.algorithms.fedprior_interval._unit_span`). The plateau input
+    is the one with the fewest distinct levels (ties: the last, temperature in fedcal's
+    schemas). A unit whose rows sit on plateaus (a campaign) takes, per design plateau,
+    its nearest plateau and on it the rows nearest the design's pressure positions within
+    that plateau's own range (an ascending-sweep row where directions are known, as new
+    units are measured); a unit without plateaus (Latin hypercube) its rows nearest the
+    design's points. It fits its posterior from those rows alone under its
+    leave-one-out prior (:func:`_leave_one_out`: a new unit is not in the prior, and a
+    reference unit is, by 1/N of it) and predicts all its other rows: errors e, the
+    basis part v_c of the model's variance, the shape q of D2 (at most about
+    :data:`HELD_ROWS` of them, evenly in its row order: :func:`_thin`).
+E3. **β, a², ℓ** (uploaded: for each point of :data:`BETA_GRID` × :data:`AMP_GRID` ×
+    :data:`LENGTH_GRID`, the summed Gaussian log density of its held-out errors under
+    β v_c + σ² + a² q): the server takes the arg-max of the pooled sums.
+E4. **ν₀, κ** (given β, a², ℓ; uploaded per ν₀ of :data:`NU_GRID` and κ of
+    :data:`KAPPA_GRID`: the held-out rows inside the 95 % interval of D3–D4, per design
+    family, and the summed Student-t log density): for each ν₀ the smallest κ whose
+    pooled coverage reaches 95 % (linear between grid values); ν₀ is the one whose
+    log score at its κ is highest (∞ included: no per-unit scale).
+E5. **The record** (:class:`~fedcal.prior.discrepancy.Discrepancy`): β, a², ℓ, κ, ν₀, each
+    family's coverage at κ, and the span of designs emulated (fewest points, plateaus,
+    share of each input's span) by which :func:`~fedcal.prior.discrepancy.design_reason`
+    declines a new unit's design the references did not span.
+
+Only sums over a unit's own rows leave it (E3, E4); the engine here is the run's end
+(:meth:`~fedcal.algorithms.fedprior_interval.CalibratedInterval.deploy_state`), on the
+final prior, once: not every round.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedcal.algorithms.fedprior_deployed import DEPLOY_ROWS, prior_in_use
+from fedcal.core.bayes import F64, moments
+from fedcal.core.data import ClientData
+from fedcal.core.tree import Tree, gather
+from fedcal.models.basis import legendre_products
+from fedcal.prior.discrepancy import (
+    Z95,
+    Discrepancy,
+    interval_factor,
+    prior_distance,
+    smoother,
+    smoother_q,
+    unit_scale,
+)
+
+REFERENCE_ROWS = 33  # E1: more rows than fedprior's few-point class (probe_rows = 32)
+MAX_REFERENCES = 64  # E1: at most this many reference units emulate (evenly chosen)
+HELD_ROWS = 128  # E2: held-out rows scored per emulated design, at most about this many
+LEVEL_TOL = 0.02  # rows within 2 % of the span are one level (plateau)
+# E3: a² relative to the fleet's noise σ² (0.25 decades), ℓ in scaled inputs ([-1, 1])
+AMP_GRID = torch.logspace(-2, 10, 49, dtype=F64)
+LENGTH_GRID = (0.03, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0, 2.0)
+BETA_GRID = torch.logspace(-2, 0.5, 11, dtype=F64)  # β of D2 (the basis part's factor)
+NU_GRID = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, math.inf)  # E4
+KAPPA_GRID = torch.logspace(math.log10(0.25), math.log10(8.0), 151, dtype=F64)
+# E2: (name, pressure positions per plateau or None: random, plateaus or None: random)
+FAMILIES = ("3x2", "4x3", "6x4", "2-plateau", "3-plateau")
+GRIDS = {"3x2": (3, 2), "4x3": (4, 3), "6x4": (6, 4)}
+DRAWS = 2  # random designs per random family and unit
+
+
+def _span_positions(x: np.ndarray) -> np.ndarray:
+    lo, hi = x.min(0), x.max(0)
+    return (x - lo) / np.maximum(hi - lo, 1e-12)
+
+
+def _level_ids(v: np.ndarray, tol: float) -> tuple[np.ndarray, np.ndarray]:
+    """Level of each value (gaps above ``tol`` split levels) and the levels' centres."""
+    order = np.argsort(v, kind="stable")
+    ids = np.empty(len(v), dtype=int)
+    ids[order] = np.concatenate([[0], np.cumsum(np.diff(v[order]) > tol)])
+    centres = np.array([v[ids == k].mean() for k in range(ids.max() + 1)])
+    return ids, centres
+
+
+def plateau_input(x: np.ndarray) -> int:
+    """The input with the fewest levels (E2; ties: the last)."""
+    u = _span_positions(x)
+    count = [len(_level_ids(u[:, j], LEVEL_TOL)[1]) for j in range(x.shape[1])]
+    return int(len(count) - 1 - np.argmin(count[::-1]))
+
+
+def _draw(rng: np.random.Generator, family: str) -> list[tuple[float, list[float]]]:
+    """A design as (plateau position, pressure positions) in the unit's span (E2)."""
+    if family in GRIDS:
+        p, t = GRIDS[family]
+        return [(tk, list(np.linspace(0, 1, p))) for tk in np.linspace(0, 1, t)]
+    if family == "2-plateau":
+        t1 = rng.uniform(0, 0.5)
+        ts, r = [t1, rng.uniform(t1 + 0.5, 1.0)], int(rng.choice([3, 4]))
+    else:
+        t1, t3 = rng.uniform(0, 0.25), rng.uniform(0.75, 1.0)
+        ts, r = [t1, rng.uniform(t1 + 0.2, t3 - 0.2), t3], int(rng.choice([3, 4]))
+    return [(tk, [0.0, *sorted(rng.uniform(0, 1, r - 2)), 1.0]) for tk in ts]
+
+
+def unit_designs(x: np.ndarray, up: np.ndarray, seed: int) -> list[tuple[int, np.ndarray]]:
+    """E2: (family index, the unit's row indices) of every design a reference unit emulates.
+
+    ``x`` its calibration inputs (rows, d), ``up`` whether each row is of an ascending sweep
+    (all True without directions), ``seed`` its own draw of the random designs."""
+    rng = np.random.default_rng([seed, 33])
+    u = _span_positions(x)
+    d = x.shape[1]
+    j = plateau_input(x)
+    ids, centres = _level_ids(u[:, j], LEVEL_TOL)
+    # plateaus: at least two levels, each a few rows held within 5 % of the span (a Latin
+    # hypercube's levels chain into wide clusters: no plateaus)
+    width = np.array([np.ptp(u[ids == k, j]) for k in range(len(centres))])
+    plateaus = d == 2 and len(centres) >= 2 and len(x) >= 3 * len(centres) and width.max() <= 0.05
+    out = []
+    for f, family in enumerate(FAMILIES):
+        for _ in range(1 if family in GRIDS else DRAWS):
+            design, rows, used = _draw(rng, family), [], set()
+            for tk, ps in design:
+                if plateaus:
+                    free = [k for k in range(len(centres)) if k not in used]
+                    if not free:  # more design plateaus than the unit has: fewer
+                        break
+                    k = free[int(np.argmin(np.abs(centres[free] - tk)))]
+                    used.add(k)
+                    pool = np.flatnonzero((ids == k) & up)
+                    pool = pool if len(pool) else np.flatnonzero(ids == k)
+                    w = _span_positions(u[pool][:, [1 - j]])[:, 0]
+                    targets = [(pool, w, p) for p in ps]
+                else:
+                    pool = np.flatnonzero(up) if up.any() else np.arange(len(x))
+                    other = np.delete(u[pool], j, axis=1)
+                    targets = []
+                    for p in ps:
+                        dist = np.sqrt(((other - p) ** 2).sum(1) + (u[pool, j] - tk) ** 2)
+                        targets.append((pool, dist, None))
+                for pool, w, p in targets:
+                    dist = np.abs(w - p) if p is not None else w.copy()
+                    dist[np.isin(pool, rows)] = np.inf
+                    if np.isfinite(dist).any():
+                        rows.append(int(pool[int(np.argmin(dist))]))
+            out.append((f, np.array(sorted(rows))))
+    return out
+
+
+def _emulation(alg, down: Tree, data: ClientData, refs: Tensor) -> dict[str, Tensor]:
+    """E2 for every reference unit at once: one pseudo-unit per (unit, design)."""
+    x, y, mask = data.x.to(F64), data.y[..., 0].to(F64), data.mask.to(F64)
+    branch = data.branch
+    fam, unit, keeps = [], [], []
+    for i in refs.tolist():
+        n = int(data.count[i])
+        xi = x[i, :n].numpy()
+        up = np.ones(n, bool) if branch is None else branch[i, :n].numpy() >= 0
+        for f, rows in unit_designs(xi, up, i):
+            keep = torch.zeros(x.shape[1], dtype=F64)
+            keep[torch.as_tensor(rows)] = 1.0
+            fam.append(f)
+            unit.append(i)
+            keeps.append(keep)
+    idx = torch.tensor(unit)
+    keep = torch.stack(keeps)
+    xb, yb, mb = x[idx], y[idx], mask[idx]
+    bb = None if branch is None else branch[idx]
+    sub = {k: v for k, v in down.items() if k != "cand"}
+    down_b = gather({**sub, **_leave_one_out(alg, sub, data)}, idx)
+    z = alg.design(xb, bb).to(F64)
+    state = {"noise_var": down_b["noise_var"]}  # the fleet's σ² (a new unit has no own yet)
+    coef, cov, noise = alg._fit(down_b, state, moments(z, yb, keep))
+    mean, v0 = alg._mean_var(coef, cov, noise, xb, down_b)
+    nmax = int(keep.sum(1).max())
+    order = torch.argsort(keep, dim=1, descending=True, stable=True)[:, :nmax]
+    km = keep.gather(1, order)
+    zd = z.gather(1, order.unsqueeze(-1).expand(-1, -1, z.shape[-1])) * km.unsqueeze(-1)
+    xd = xb.gather(1, order.unsqueeze(-1).expand(-1, -1, xb.shape[-1]))
+    yd = yb.gather(1, order)
+    p = len(alg.terms)
+    sigma, mu = prior_in_use(down_b)
+    resid = (yd - (zd * mu.unsqueeze(1)).sum(-1)) * km  # y_D − Z_Dμ (D4)
+    held = _thin(mb * (1 - keep))  # the scored rows, gathered to the front (E3–E4 cost)
+    width = int(held.sum(1).max())
+    rows = torch.argsort(held, dim=1, descending=True, stable=True)[:, :width]
+    xh = xb.gather(1, rows.unsqueeze(-1).expand(-1, -1, xb.shape[-1]))
+    return {
+        "family": torch.tensor(fam),
+        "unit": idx,
+        "held": held.gather(1, rows),
+        "err2": (yb - mean).square().gather(1, rows),
+        "vc": (v0 - noise.reshape(-1, 1)).clamp_min(0.0).gather(1, rows),  # φᵀVφ (D2)
+        "sn": noise.reshape(-1, 1).expand(-1, width),
+        "x": xh,
+        "phi": legendre_products(xh, alg.terms),
+        "xd": xd,
+        "km": km,
+        "zd": zd,
+        "a": smoother(zd, cov[..., :, :p], noise, km),
+        "cov": cov,
+        "sigma": sigma,
+        "noise": noise.reshape(-1),
+        "resid": resid,
+        "dof": km.sum(1),
+    }
+
+
+def _leave_one_out(alg, down: Tree, data: ClientData) -> Tree:
+    """Each unit's prior without itself (E2), to first order in 1/N: with m_i, V_i its
+    posterior from all its rows under the fleet prior and S_i = (m_i − μ)(m_i − μ)ᵀ + V_i
+    its share of the M-step's second moment, μ_(−i) = μ − (m_i − μ)/(N − 1) and, whitened
+    by Σ (M_i = Σ^(−½) S_i Σ^(−½)), Σ_(−i) = Σ^(½) [I + (1 − λ)(I − M_i)/(N − 1)]₊ Σ^(½)
+    (λ the M-step's shrinkage; the bracket's eigenvalues kept ≥ ½: a first-order removal
+    is not trusted to shrink a direction more, e.g. the vague start's). Computed by the
+    unit from the broadcast and its own fit. A reference unit emulates as a new unit is
+    calibrated: against a prior it is not in."""
+    n = data.num_clients
+    x, y, mask = data.x.to(F64), data.y[..., 0].to(F64), data.mask.to(F64)
+    z = alg.design(x, data.branch).to(F64)
+    state = {"noise_var": down["noise_var"]}
+    coef, cov, _ = alg._fit(down, state, moments(z, y, mask))
+    mu, sigma = down["mu"].to(F64), down["sigma"].to(F64)
+    keep = down["mask"].to(F64) if "mask" in down else torch.ones_like(mu)
+    dev = (coef - mu) * keep
+    share = dev.unsqueeze(-1) * dev.unsqueeze(-2) + cov
+    lam = alg.shrinkage_units / (n + alg.shrinkage_units)
+    vals, vecs = torch.linalg.eigh(0.5 * (sigma + sigma.mT))
+    root = vecs * vals.clamp_min(1e-300).sqrt().unsqueeze(-2)  # Σ^(½) = root rootᵀ ... up to U
+    inv = vecs / vals.clamp_min(1e-300).sqrt().unsqueeze(-2)
+    white = inv.mT @ share @ inv
+    eye = torch.eye(mu.shape[-1], dtype=F64)
+    inner = eye + (1 - lam) * (eye - white) / max(n - 1, 1)
+    w, u = torch.linalg.eigh(0.5 * (inner + inner.mT))
+    inner = (u * w.clamp_min(0.5).unsqueeze(-2)) @ u.mT
+    return {"mu": mu - dev / max(n - 1, 1), "sigma": root @ inner @ root.mT}
+
+
+def _thin(held: Tensor, cap: int = HELD_ROWS) -> Tensor:
+    """At most about ``cap`` held-out rows per emulated design: every k-th in the unit's row
+    order, k = ⌈held/cap⌉ (a campaign's 378 → 126; the cost of E3–E4 is per held row)."""
+    rank = held.cumsum(1) - 1
+    step = torch.ceil(held.sum(1, keepdim=True) / cap).clamp_min(1.0)
+    return held * (torch.remainder(rank, step) == 0).to(F64)
+
+
+def _per_unit(values: Tensor, unit: Tensor, units: int) -> Tensor:
+    """Sum the pseudo-units' (designs') values into their units': what each unit uploads."""
+    out = torch.zeros(units, *values.shape[1:], dtype=F64)
+    return out.index_add_(0, unit, values)
+
+
+def hyper_sums(em: dict[str, Tensor], noise: float, units: int) -> Tensor:
+    """E3's uploads: per unit, the held-out Gaussian log density of its errors under
+    β v_c + σ² + a² q per (β, a², ℓ) of the grids: (units, β, a², ℓ)."""
+    amps = AMP_GRID * noise
+    out = []
+    for ell in LENGTH_GRID:
+        lengths = torch.full((em["x"].shape[-1],), ell, dtype=F64)
+        q = smoother_q(em["x"], em["phi"], em["xd"], em["km"], em["a"], lengths)
+        per_beta = []
+        for beta in BETA_GRID:
+            v = (beta * em["vc"] + em["sn"]).unsqueeze(0) + amps.reshape(-1, 1, 1) * q.unsqueeze(0)
+            dens = -0.5 * (torch.log(2 * math.pi * v) + em["err2"].unsqueeze(0) / v)
+            per_beta.append((dens * em["held"].unsqueeze(0)).sum(-1).T)  # (B, A)
+        out.append(torch.stack(per_beta, 1))  # (B, β, A)
+    return _per_unit(torch.stack(out, -1), em["unit"], units)
+
+
+def _t_logpdf(e2: Tensor, scale2: Tensor, nu: Tensor | float) -> Tensor:
+    if isinstance(nu, float) and math.isinf(nu):
+        return -0.5 * (torch.log(2 * math.pi * scale2) + e2 / scale2)
+    nu = torch.as_tensor(nu, dtype=F64)
+    return (
+        torch.lgamma((nu + 1) / 2)
+        - torch.lgamma(nu / 2)
+        - 0.5 * torch.log(nu * math.pi * scale2)
+        - (nu + 1) / 2 * torch.log1p(e2 / (nu * scale2))
+    )
+
+
+def scale_sums(
+    em: dict[str, Tensor], beta: float, amplitude: float, lengths: Tensor, units: int
+) -> dict[str, Tensor]:
+    """E4's uploads per unit: ``inside`` (units, families, ν₀, κ) held-out rows within the
+    95 % interval, ``held`` (units, families), ``score`` (units, ν₀, κ) the t log density."""
+    q = smoother_q(em["x"], em["phi"], em["xd"], em["km"], em["a"], lengths)
+    v = beta * em["vc"] + em["sn"] + amplitude * q
+    d2 = prior_distance(
+        em["zd"],
+        beta * em["sigma"],
+        em["noise"],
+        em["xd"],
+        em["km"],
+        amplitude,
+        lengths,
+        em["resid"],
+    )
+    ratio = d2 / em["dof"]
+    nf, b = len(FAMILIES), em["held"].shape[0]
+    onehot = torch.zeros(b, nf, dtype=F64)
+    onehot[torch.arange(b), em["family"]] = 1.0
+    inside, score = [], []
+    k2 = KAPPA_GRID.square().reshape(-1, 1, 1)
+    for nu0 in NU_GRID:
+        s2 = unit_scale(nu0, em["dof"], ratio).unsqueeze(-1)
+        tf = interval_factor(nu0, em["dof"]).unsqueeze(-1)
+        need = em["err2"] / (Z95**2 * tf * s2 * v).clamp_min(1e-300)  # κ² at which e is inside
+        within = (need.unsqueeze(0) <= k2).to(F64) * em["held"].unsqueeze(0)  # (K, B, rows)
+        inside.append(within.sum(-1).T.unsqueeze(1) * onehot.unsqueeze(-1))  # (B, F, K)
+        nu = nu0 if math.isinf(nu0) else (nu0 + em["dof"]).unsqueeze(-1)
+        dens = _t_logpdf(em["err2"].unsqueeze(0), k2 * s2 * v, nu)
+        score.append((dens * em["held"].unsqueeze(0)).sum(-1).T)  # (B, K)
+    inside_b = torch.stack(inside, 2)  # (B, F, N, K)
+    held_b = em["held"].sum(-1, keepdim=True) * onehot  # (B, F)
+    return {
+        "inside": _per_unit(inside_b, em["unit"], units),
+        "held": _per_unit(held_b, em["unit"], units),
+        "score": _per_unit(torch.stack(score, 1), em["unit"], units),
+    }
+
+
+def _first_covering(share: Tensor, target: float = 0.95) -> float:
+    """The smallest κ of :data:`KAPPA_GRID` whose coverage ``share`` reaches ``target``
+    (linear between grid values); NaN if none."""
+    ok = torch.nonzero(share >= target)
+    if ok.numel() == 0:
+        return math.nan
+    g = int(ok[0, 0])
+    if g == 0:
+        return float(KAPPA_GRID[0])
+    w = float((target - share[g - 1]) / (share[g] - share[g - 1]))
+    return float(KAPPA_GRID[g - 1] + w * (KAPPA_GRID[g] - KAPPA_GRID[g - 1]))
+
+
+def choose(sums: dict[str, Tensor]) -> tuple[int, float, list[float]]:
+    """E4's server step: (ν₀ index, κ, each family's coverage at κ) from pooled sums."""
+    inside, held = sums["inside"].sum(0), sums["held"].sum(0)  # (F, N, K), (F,)
+    pooled = inside.sum(0) / held.sum()  # (N, K)
+    score = sums["score"].sum(0)
+    best, kappa, best_score = -1, math.nan, -math.inf
+    for n in range(len(NU_GRID)):
+        k = _first_covering(pooled[n])
+        if math.isnan(k):
+            continue
+        g = int(
+            torch.searchsorted(KAPPA_GRID, torch.tensor(k, dtype=F64)).clamp_max(
+                len(KAPPA_GRID) - 1
+            )
+        )
+        if float(score[n, g]) > best_score:
+            best, kappa, best_score = n, k, float(score[n, g])
+    if best < 0:
+        return -1, math.nan, []
+    g = int(
+        torch.searchsorted(KAPPA_GRID, torch.tensor(kappa, dtype=F64)).clamp_max(
+            len(KAPPA_GRID) - 1
+        )
+    )
+    fam = (inside[:, best, g] / held.clamp_min(1.0)).tolist()
+    return best, kappa, fam
+
+
+def learn(alg, server: Tree, data: ClientData) -> Discrepancy | None:
+    """E1–E5 on the final prior: the model, or None (fewer than two reference units, or no
+    κ of the grid covers)."""
+    refs = torch.nonzero(data.count >= REFERENCE_ROWS)[:, 0]
+    if refs.numel() < 2:
+        return None
+    if refs.numel() > MAX_REFERENCES:  # evenly over the fleet's order: bounded memory and time
+        refs = refs[torch.linspace(0, refs.numel() - 1, MAX_REFERENCES).round().long()]
+    down = {
+        k: v.unsqueeze(0).expand(data.num_clients, *v.shape)
+        for k, v in alg.broadcast(server).items()
+        if k != "cand"
+    }
+    noise = float(server["noise_var"])
+    with torch.no_grad():
+        em = _emulation(alg, down, data, refs)
+        hyper = hyper_sums(em, noise, data.num_clients).sum(0)  # the server's pooled sums
+        b, a, ell = np.unravel_index(int(torch.argmax(hyper)), tuple(hyper.shape))
+        beta, amplitude = float(BETA_GRID[b]), float(AMP_GRID[a]) * noise
+        lengths = torch.full((data.x.shape[-1],), LENGTH_GRID[ell], dtype=F64)
+        sums = scale_sums(em, beta, amplitude, lengths, data.num_clients)
+        n, kappa, fam = choose(sums)
+    if n < 0:
+        return None
+    return Discrepancy(
+        beta=beta,
+        amplitude=amplitude,
+        lengths=tuple(lengths.tolist()),
+        kappa=kappa,
+        nu0=NU_GRID[n],
+        **_span_record(em, data, refs),
+        level_tol=LEVEL_TOL,
+        coverage=tuple(
+            (f, float(h), round(c, 4))
+            for f, h, c in zip(FAMILIES, _family_held(em).tolist(), fam, strict=True)
+        ),
+        units=int(refs.numel()),
+    )
+
+
+def _family_held(em: dict[str, Tensor]) -> Tensor:
+    out = torch.zeros(len(FAMILIES), dtype=F64)
+    return out.index_add_(0, em["family"], em["held"].sum(-1))
+
+
+def _span_record(em: dict[str, Tensor], data: ClientData, refs: Tensor) -> dict:
+    """E5: the references' input box and the span of the designs they emulated."""
+    x, mask = data.x.to(F64)[refs], data.mask[refs] > 0
+    lo = torch.where(mask.unsqueeze(-1), x, math.inf).amin((0, 1))
+    hi = torch.where(mask.unsqueeze(-1), x, -math.inf).amax((0, 1))
+    km = em["km"] > 0
+    wide = torch.where(km.unsqueeze(-1), em["xd"], -math.inf).amax(1)
+    narrow = torch.where(km.unsqueeze(-1), em["xd"], math.inf).amin(1)
+    share = ((wide - narrow) / (hi - lo)).amin(0) - 0.05  # slack: a design's own readings
+    j = plateau_input(x[0, : int(data.count[refs[0]])].numpy())
+    # the response inputs' span also varies unit to unit (each its own frequencies): only
+    # half of the narrowest emulated is asked of a new design there; the plateaus' in full
+    share = torch.where(torch.arange(share.shape[0]) == j, share, 0.5 * share)
+    fewest = [2] * x.shape[-1]  # E2: two plateaus, and pressure ends on each
+    fewest[j] = 2
+    return {
+        "box_lo": tuple(lo.tolist()),
+        "box_hi": tuple(hi.tolist()),
+        "min_points": int(em["km"].sum(1).min()),
+        "max_points": DEPLOY_ROWS,
+        "min_levels": tuple(fewest),
+        "min_span": tuple(share.clamp(0.0, 1.0).tolist()),
+    }

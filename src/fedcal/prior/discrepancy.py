@@ -1,0 +1,324 @@
+"""The prior's model-form error as a function of a new unit's design (issue 33, parts 1–2).
+
+A unit calibrated later from the stored prior (``fedcal calibrate``) has a design D (its
+n calibration inputs X_D, scaled) that no unit of the federation may share. Its σ must
+then come from the prior alone. The model (Kennedy & O'Hagan 2001; the GP with an
+explicit basis, Rasmussen & Williams 2006 §2.7, O'Hagan 1978):
+
+D1. y_i(x) = φ(x)ᵀc_i + δ_i(x) + ε, c_i ~ N(μ, Σ) (the fleet prior), ε ~ N(0, σ_i²),
+    δ_i ~ GP(0, a²·k(x, x')), k(x, x') = exp(−½ Σ_j (x_j − x'_j)²/ℓ_j²) over the scaled
+    inputs (one length scale per input).
+D2. The unit's prediction stays the basis's posterior mean ŷ(x) = φ(x)ᵀm_i (the
+    coefficients every export carries). It is linear in the unit's readings:
+    ŷ(x) − φ(x)ᵀμ = g(x)ᵀ(y_D − Z_Dμ), g(x) = A φ(x), A = Z_D V_i[:, c] / σ_i² (n × p; Z_D
+    the unit's design rows, V_i its posterior covariance, [:, c] the columns of φ). Its
+    error y(x) − ŷ(x) has variance v_c(x) + σ_i² + a² q(x) (:func:`smoother_q`),
+        q(x) = 1 − 2 g(x)ᵀk_D(x) + g(x)ᵀK_DD g(x),
+    v_c = φᵀV_iφ the basis part of the model's own variance (the cross terms of c and ε
+    reduce to it exactly). q is small at the unit's points and grows between and beyond
+    them. A factor β on v_c, learned with a², ℓ, corrects the fleet Σ's share (Σ is
+    estimated from ~20 units in 9–20 dimensions): v(x) = β v_c(x) + σ_i² + a² q(x).
+D3. A scale κ, learned with them from the reference units, makes the nominal 95 %
+    interval hold on the designs they emulate: the stated variance is κ² s_i² v(x).
+D4. σ per unit (a scaled-inverse-χ² fleet prior on the unit's scale, s₀² = 1 since κ
+    holds the fleet's): the unit's readings about the prior mean, r = y_D − Z_Dμ, have
+    covariance C = βZ_DΣZ_Dᵀ + a²K_DD + σ_i²I under D1; if the unit's whole error is
+    scaled by s_i², its n_i points give d_i² = rᵀC⁻¹r (:func:`prior_distance`) on n_i
+    degrees of freedom, and the conjugate posterior is
+        s_i² = (ν₀ s₀² + d_i²) / (ν₀ + n_i),
+    the error Student-t with ν₀ + n_i degrees of freedom and scale κ s_i √v(x). The
+    stated σ is the 95 % interval's half-width over 1.96 (:func:`interval_factor`), so
+    ±1.96 σ is that interval. ν₀ = ∞ (s_i = 1) unless the references' emulation prefers
+    a finite one by pooled held-out log score. (The residual form s_i² = (ν₀ s₀² +
+    f_i/σ²)/(ν₀ + ν_i), ν_i = n_i − tr(G_iV_i)/σ² the residual degrees of freedom, has
+    ν_i ≈ 0–2 at 6 points and a 9–12-term basis: a unit's own residuals cannot tell its
+    error there; d² uses all n_i points. Measured: docs/uncertainty.md, "Deployment".)
+
+How the reference units learn (a², ℓ), ν₀ and κ (sums only) and which designs they
+emulate: :mod:`fedcal.algorithms.fedprior_deploy`. This module holds the fitted model as
+a value (:class:`Discrepancy`, ``prior.json``'s ``"discrepancy"``), the variance of D2–D4
+and the rule that declines a design the references did not span (:func:`design_reason`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+F64 = torch.float64
+VERSION = 1
+Z95 = 1.959964
+
+
+class DiscrepancyError(ValueError):
+    """prior.json's ``discrepancy`` is not a usable model (one line, naming the field)."""
+
+
+@dataclass(frozen=True)
+class Discrepancy:
+    """The fitted design-dependent error model (module doc, D1–D4), scaled units.
+
+    ``amplitude`` a² and ``lengths`` ℓ_j of δ's kernel; ``kappa`` κ; ``nu0`` ν₀ (∞: no
+    per-unit scale); ``box_lo``/``box_hi`` the reference units' input span (scaled);
+    the designs the references emulated: at least ``min_points`` and at most
+    ``max_points`` points, at least ``min_levels[j]`` distinct levels of input j (within
+    ``level_tol`` of the span), spanning at least ``min_span[j]`` of input j's span;
+    ``coverage``: per emulated design family (name, held-out rows, share inside the
+    stated 95 % interval at the chosen κ): the selection record; ``units``: how many
+    reference units emulated.
+    """
+
+    beta: float
+    amplitude: float
+    lengths: tuple[float, ...]
+    kappa: float
+    nu0: float
+    box_lo: tuple[float, ...]
+    box_hi: tuple[float, ...]
+    min_points: int
+    max_points: int
+    min_levels: tuple[int, ...]
+    min_span: tuple[float, ...]
+    level_tol: float = 0.02
+    coverage: tuple[tuple[str, float, float], ...] = ()
+    units: int = 0
+    version: int = VERSION
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able: ν₀ = ∞ is written as null (strict JSON has no infinity)."""
+        out = asdict(self)
+        out["nu0"] = None if math.isinf(self.nu0) else self.nu0
+        for key in ("lengths", "box_lo", "box_hi", "min_levels", "min_span"):
+            out[key] = list(out[key])
+        out["coverage"] = [{"family": f, "held": h, "coverage": c} for f, h, c in self.coverage]
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = "prior.json") -> Discrepancy:
+        """The model of ``raw`` (prior.json's ``discrepancy``), or a one-line error."""
+        if not isinstance(raw, dict):
+            raise DiscrepancyError(f"{where}: discrepancy: expected an object")
+        if raw.get("version") != VERSION:
+            raise DiscrepancyError(
+                f"{where}: discrepancy.version: {raw.get('version')!r} is not a known version "
+                f"({VERSION})"
+            )
+        names = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(raw) - names)
+        if unknown:
+            raise DiscrepancyError(f"{where}: discrepancy.{unknown[0]}: unknown field")
+        missing = sorted(n for n in names - set(raw) if n not in ("level_tol", "coverage", "units"))
+        if missing:
+            raise DiscrepancyError(f"{where}: discrepancy.{missing[0]}: missing")
+        args = dict(raw)
+        try:
+            args["nu0"] = math.inf if raw["nu0"] is None else _number(raw["nu0"], "nu0")
+            for key in ("lengths", "box_lo", "box_hi", "min_span"):
+                args[key] = tuple(_number(v, key) for v in _list(raw[key], key))
+            args["min_levels"] = tuple(
+                _integer(v, "min_levels") for v in _list(raw["min_levels"], "min_levels")
+            )
+            for key in ("beta", "amplitude", "kappa", "level_tol"):
+                if key in raw:
+                    args[key] = _number(raw[key], key)
+            for key in ("min_points", "max_points", "units"):
+                if key in raw:
+                    args[key] = _integer(raw[key], key)
+            args["coverage"] = tuple(
+                (
+                    str(c["family"]),
+                    _number(c["held"], "coverage"),
+                    _number(c["coverage"], "coverage"),
+                )
+                for c in _list(raw.get("coverage", []), "coverage")
+                if isinstance(c, dict) or _fail("coverage", "expected objects")
+            )
+            return cls(**args)
+        except (KeyError, TypeError) as err:
+            raise DiscrepancyError(f"{where}: discrepancy.coverage: {err}") from None
+        except DiscrepancyError as err:
+            raise DiscrepancyError(f"{where}: {err}") from None
+
+
+def _fail(field: str, what: str) -> bool:
+    raise DiscrepancyError(f"discrepancy.{field}: {what}")
+
+
+def _list(v: Any, field: str) -> list:
+    if not isinstance(v, list | tuple):
+        _fail(field, f"expected a list, got {v!r}")
+    return list(v)
+
+
+def _number(v: Any, field: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        _fail(field, f"expected a finite number, got {v!r}")
+    return float(v)
+
+
+def _integer(v: Any, field: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        _fail(field, f"expected an integer, got {v!r}")
+    return int(v)
+
+
+def _check(m: Discrepancy) -> None:
+    """Finite, positive variances and length scales, consistent sizes: else a one-line error."""
+    for key in ("beta", "amplitude", "kappa", "level_tol"):
+        v = getattr(m, key)
+        if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+            _fail(key, f"expected a finite positive number, got {v!r}")
+    if not (m.nu0 > 0 and not math.isnan(m.nu0)):
+        _fail("nu0", f"expected a positive number or null (∞), got {m.nu0!r}")
+    d = len(m.lengths)
+    if d == 0:
+        _fail("lengths", "expected one length scale per input")
+    for key in ("box_lo", "box_hi", "min_levels", "min_span"):
+        if len(getattr(m, key)) != d:
+            _fail(key, f"expected {d} values (one per input), got {len(getattr(m, key))}")
+    if not all(math.isfinite(v) and v > 0 for v in m.lengths):
+        _fail("lengths", f"expected finite positive length scales, got {list(m.lengths)}")
+    if not all(
+        math.isfinite(a) and math.isfinite(b) and a < b
+        for a, b in zip(m.box_lo, m.box_hi, strict=True)
+    ):
+        _fail("box_lo", "expected finite box_lo < box_hi per input")
+    if not 1 <= m.min_points <= m.max_points:
+        _fail(
+            "min_points",
+            f"expected 1 <= min_points <= max_points, got {m.min_points}, {m.max_points}",
+        )
+    if not all(v >= 1 for v in m.min_levels):
+        _fail("min_levels", "expected at least 1 level per input")
+    if not all(0 <= v <= 1 for v in m.min_span):
+        _fail("min_span", "expected shares of the span in [0, 1]")
+
+
+def kernel(a: Tensor, b: Tensor, lengths: Tensor) -> Tensor:
+    """k(a, b) = exp(−½ Σ_j (a_j − b_j)²/ℓ_j²) for batches a (..., n, d), b (..., m, d)."""
+    la, lb = a.to(F64) / lengths, b.to(F64) / lengths
+    return torch.exp(-0.5 * torch.cdist(la, lb).square())
+
+
+def smoother(design: Tensor, cov_c: Tensor, noise: Tensor, mask: Tensor) -> Tensor:
+    """A = Z_D V_i[:, c] / σ_i² (D2): (units, rows, p); padding rows 0."""
+    a = design.to(F64) @ cov_c.to(F64) / noise.to(F64).reshape(-1, 1, 1)
+    return a * mask.to(F64).unsqueeze(-1)
+
+
+def smoother_q(
+    x: Tensor, phi: Tensor, xd: Tensor, mask: Tensor, a: Tensor, lengths: Tensor
+) -> Tensor:
+    """q(x) = 1 − 2 gᵀk_D(x) + gᵀK_DD g, g = A φ(x) (D2), per query row: (units, rows).
+
+    ``x`` (units, rows, d) and ``phi`` (units, rows, p) the queries; ``xd`` (units, n, d)
+    the design's inputs, ``mask`` (units, n) its real rows, ``a`` (units, n, p) A.
+    """
+    m = mask.to(F64)
+    g = (phi.to(F64) @ a.to(F64).mT) * m.unsqueeze(1)  # (units, rows, n)
+    k_dx = kernel(x, xd, lengths) * m.unsqueeze(1)  # (units, rows, n)
+    k_dd = kernel(xd, xd, lengths) * m.unsqueeze(-1) * m.unsqueeze(-2)
+    quad = ((g @ k_dd) * g).sum(-1)
+    return (1.0 - 2.0 * (g * k_dx).sum(-1) + quad).clamp_min(0.0)
+
+
+def prior_distance(
+    design: Tensor,
+    sigma: Tensor,
+    noise: Tensor,
+    xd: Tensor,
+    mask: Tensor,
+    amplitude: float,
+    lengths: Tensor,
+    resid: Tensor,
+) -> Tensor:
+    """d_i² = rᵀC⁻¹r (D4) per unit: (units,). ``design`` Z_D (units, n, q), ``sigma`` the
+    prior's (β-scaled) Σ, ``resid`` r = y_D − Z_Dμ (0 on padding rows, whose C is 1)."""
+    m = mask.to(F64)
+    z = design.to(F64) * m.unsqueeze(-1)
+    s2 = noise.to(F64).reshape(-1, 1, 1)
+    pair = m.unsqueeze(-1) * m.unsqueeze(-2)
+    c = z @ sigma.to(F64) @ z.mT + amplitude * kernel(xd, xd, lengths) * pair
+    c = c + torch.diag_embed(m * s2[..., 0] + (1 - m))
+    chol = torch.linalg.cholesky(c)
+    w = torch.linalg.solve_triangular(chol, (resid.to(F64) * m).unsqueeze(-1), upper=False)
+    return w.square().sum((-2, -1))
+
+
+def unit_scale(nu0: float, dof: Tensor, ratio: Tensor) -> Tensor:
+    """s_i² = (ν₀ + n_i · d_i²/n_i)/(ν₀ + n_i) (D4, s₀² = 1; ``dof`` n_i, ``ratio`` d_i²/n_i);
+    ν₀ = ∞: 1."""
+    if math.isinf(nu0):
+        return torch.ones_like(dof, dtype=F64)
+    dof, ratio = dof.to(F64), ratio.to(F64)
+    return (nu0 + dof * ratio) / (nu0 + dof)
+
+
+def interval_factor(nu0: float, dof: Tensor) -> Tensor:
+    """(t_{0.975, ν₀+ν_i} / 1.96)²: what makes ±1.96 σ the Student-t's 95 % interval (D4)."""
+    if math.isinf(nu0):
+        return torch.ones_like(dof, dtype=F64)
+    from scipy.stats import t as student
+
+    total = (nu0 + dof.to(F64)).clamp_min(1e-3).numpy()
+    return torch.as_tensor(student.ppf(0.975, total) / Z95, dtype=F64).square()
+
+
+def levels(x: Tensor, mask: Tensor, tol: float, span: Tensor) -> Tensor:
+    """Distinct levels of each input among a unit's real rows: values closer than ``tol``
+    of the input's ``span`` are one level. (units, d), integer-valued float."""
+    m = mask.to(torch.bool).unsqueeze(-1)
+    v = torch.where(m, x.to(F64) / span, math.inf).sort(1).values
+    gap = (v[:, 1:] - v[:, :-1]) > tol
+    real = torch.isfinite(v[:, 1:])
+    return 1.0 + (gap & real).sum(1).to(F64)
+
+
+def design_reason(model: Discrepancy, x: Tensor, mask: Tensor, names: list[str]) -> list[str]:
+    """Per unit, "" if the references' emulation spans its design, else one line why not.
+
+    Spanned: at least ``min_points`` points, and per input at least ``min_levels`` levels
+    spanning at least ``min_span`` of the references' span. (A unit of more than
+    ``max_points`` points keeps fedprior's own interval: not judged here.)
+    """
+    lo, hi = torch.tensor(model.box_lo, dtype=F64), torch.tensor(model.box_hi, dtype=F64)
+    span = hi - lo
+    n = mask.to(F64).sum(1)
+    lev = levels(x, mask, model.level_tol, span)
+    m = mask.to(torch.bool).unsqueeze(-1)
+    width = (
+        torch.where(m, x.to(F64), -math.inf).amax(1) - torch.where(m, x.to(F64), math.inf).amin(1)
+    ) / span
+    out = []
+    for i in range(x.shape[0]):
+        why = ""
+        if n[i] < model.min_points:
+            why = (
+                f"no σ: {int(n[i])} points, fewer than the smallest design the reference "
+                f"units emulated ({model.min_points})"
+            )
+        for j, name in enumerate(names):
+            if why:
+                break
+            if lev[i, j] < model.min_levels[j]:
+                why = (
+                    f"no σ: the design has {int(lev[i, j])} level(s) of {name}; the reference "
+                    f"units emulated designs of at least {model.min_levels[j]}, so the error "
+                    "away from its levels was not learned"
+                )
+            elif width[i, j] < model.min_span[j] - 1e-9:
+                why = (
+                    f"no σ: the design's {name} spans {100 * float(width[i, j]):.0f} % of the "
+                    f"references' range; they emulated designs spanning at least "
+                    f"{100 * model.min_span[j]:.0f} %, so the error far from its points was "
+                    "not learned"
+                )
+        out.append(why)
+    return out

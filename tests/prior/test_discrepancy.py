@@ -1,0 +1,153 @@
+"""The prior's discrepancy model as a value (issue 33): its file, its variance, its span."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedcal.prior.discrepancy import (
+    Discrepancy,
+    DiscrepancyError,
+    design_reason,
+    interval_factor,
+    prior_distance,
+    smoother_q,
+    unit_scale,
+)
+
+F64 = torch.float64
+
+
+def model(**kw) -> Discrepancy:
+    args = dict(
+        beta=0.5,
+        amplitude=2e-9,
+        lengths=(0.05, 0.05),
+        kappa=1.1,
+        nu0=math.inf,
+        box_lo=(-1.0, -1.0),
+        box_hi=(1.0, 1.0),
+        min_points=6,
+        max_points=64,
+        min_levels=(2, 2),
+        min_span=(0.5, 0.4),
+        coverage=(("3x2", 7560.0, 0.95),),
+        units=20,
+    )
+    return Discrepancy(**{**args, **kw})
+
+
+@pytest.mark.parametrize("nu0", [math.inf, 8.0])
+def test_round_trip_through_strict_json(nu0):
+    m = model(nu0=nu0)
+    text = json.dumps(m.to_dict(), allow_nan=False)  # strict JSON: ∞ is written as null
+    assert Discrepancy.from_dict(json.loads(text)) == m
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("amplitude", -1e-9, "discrepancy.amplitude"),
+        ("beta", float("nan"), "discrepancy.beta"),
+        ("lengths", [0.1, float("inf")], "discrepancy.lengths"),
+        ("lengths", [0.1, -0.2], "discrepancy.lengths"),
+        ("kappa", "1.1", "discrepancy.kappa"),
+        ("version", 99, "discrepancy.version"),
+        ("box_lo", [-1.0], "discrepancy.box_lo"),
+    ],
+)
+def test_a_bad_field_is_refused_in_one_line_naming_it(field, value, says):
+    raw = model().to_dict()
+    raw[field] = value
+    with pytest.raises(DiscrepancyError) as err:
+        Discrepancy.from_dict(raw, "run/prior.json")
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("run/prior.json: ") and says in text
+
+
+def test_q_of_a_two_point_design_by_hand():
+    # basis φ = [1], design x = −1, +1, smoother A = [½, ½] (the average), ℓ = 1:
+    # q(x) = 1 − 2 gᵀk_D(x) + gᵀK g with g = (½, ½)
+    x = torch.tensor([[[0.0], [1.0]]], dtype=F64)
+    phi = torch.ones(1, 2, 1, dtype=F64)
+    xd = torch.tensor([[[-1.0], [1.0]]], dtype=F64)
+    a = torch.tensor([[[0.5], [0.5]]], dtype=F64)
+    q = smoother_q(x, phi, xd, torch.ones(1, 2), a, torch.ones(1, dtype=F64))
+    e = math.exp
+    at0 = 1 - 2 * (0.5 * e(-0.5) + 0.5 * e(-0.5)) + 0.25 * (2 + 2 * e(-2))
+    at1 = 1 - 2 * (0.5 * e(-2) + 0.5) + 0.25 * (2 + 2 * e(-2))
+    assert q[0].tolist() == pytest.approx([at0, at1], rel=1e-12)
+    # a padding row of the design changes nothing
+    xd3 = torch.cat([xd, torch.full((1, 1, 1), 9.0, dtype=F64)], 1)
+    a3 = torch.cat([a, torch.full((1, 1, 1), 7.0, dtype=F64)], 1)
+    q3 = smoother_q(x, phi, xd3, torch.tensor([[1.0, 1.0, 0.0]]), a3, torch.ones(1, dtype=F64))
+    assert torch.allclose(q3, q, rtol=1e-14, atol=0)
+
+
+def test_prior_distance_is_the_whitened_residual():
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((1, 5, 3))
+    s = np.diag([2.0, 1.0, 0.5])
+    xd = rng.uniform(-1, 1, (1, 5, 2))
+    r = rng.standard_normal((1, 5))
+    amp, ell, noise = 0.3, 0.4, 0.1
+    k = np.exp(-0.5 * ((xd[0, :, None] - xd[0, None]) ** 2).sum(-1) / ell**2)
+    c = z[0] @ s @ z[0].T + amp * k + noise * np.eye(5)
+    want = r[0] @ np.linalg.solve(c, r[0])
+    t = lambda a: torch.tensor(a, dtype=F64)  # noqa: E731
+    got = prior_distance(t(z), t(s), t([noise]), t(xd), torch.ones(1, 5), amp, t([ell, ell]), t(r))
+    assert float(got[0]) == pytest.approx(want, rel=1e-10)
+
+
+def test_a_planted_unit_scale_is_recovered():
+    # residuals r ~ N(0, s²C) with s² = 4 on n = 400 rows: d²/n → s², and the posterior
+    # (ν₀ + d²)/(ν₀ + n) with ν₀ = 8 is within 4 standard errors (s²√(2/n) = 0.28) of it
+    rng = np.random.default_rng(1)
+    n, planted = 400, 4.0
+    z = rng.standard_normal((3, n, 2))
+    s = np.diag([1.0, 0.5])
+    noise = 0.2
+    c = np.einsum("inp,pq,imq->inm", z, s, z) + noise * np.eye(n)
+    r = np.stack([np.linalg.cholesky(ci) @ rng.standard_normal(n) for ci in c]) * np.sqrt(planted)
+    t = lambda a: torch.tensor(a, dtype=F64)  # noqa: E731
+    d2 = prior_distance(
+        t(z),
+        t(s),
+        t([noise] * 3),
+        t(np.zeros((3, n, 2))),
+        torch.ones(3, n),
+        1e-300,
+        t([1.0, 1.0]),
+        t(r),
+    )
+    got = unit_scale(8.0, torch.full((3,), float(n), dtype=F64), d2 / n)
+    assert torch.all((got - planted).abs() < 4 * planted * math.sqrt(2 / n))
+    assert torch.all(unit_scale(math.inf, torch.full((3,), 6.0), d2 / n) == 1.0)
+    # ±1.96 σ is the Student-t's 95 % interval: t_{0.975, 4} = 2.776
+    assert float(interval_factor(2.0, torch.tensor([2.0]))[0]) == pytest.approx(
+        (2.776445 / 1.959964) ** 2, rel=1e-5
+    )
+
+
+def test_a_design_the_references_did_not_span_is_declined_with_its_reason():
+    m = model()
+    grid = torch.tensor(
+        [[p, t] for t in (-1.0, 1.0) for p in (-1.0, 0.0, 1.0)], dtype=F64
+    ).unsqueeze(0)
+    one_plateau = grid.clone()
+    one_plateau[..., 1] = 0.3  # every point on one temperature plateau
+    narrow = grid.clone()
+    narrow[..., 1] = torch.where(grid[..., 1] > 0, 0.2, 0.0)  # 10 % of the span
+    few = grid[:, :4]
+    x = torch.cat([grid, one_plateau, narrow, torch.cat([few, few[:, :2]], 1)])
+    mask = torch.ones(4, 6)
+    mask[3, 4:] = 0
+    why = design_reason(m, x, mask, ["frequency_hz", "temperature_c"])
+    assert why[0] == ""
+    assert "1 level(s) of temperature_c" in why[1] and "at least 2" in why[1]
+    assert "temperature_c spans 10 %" in why[2]
+    assert "4 points, fewer than" in why[3]
