@@ -3,7 +3,8 @@
 The driver reads lines ``sensor x0 x1 …`` (sensor index, raw inputs) on stdin and
 prints, per line, ``fedcal_calibrate_d``, ``fedcal_calibrate`` (float),
 ``fedcal_calibrate_std`` (NaN without σ), ``fedcal_in_range`` (-1 without a
-range guard) and ``fedcal_beyond_support`` (-1 without an extrapolation guard).
+range guard), ``fedcal_beyond_support`` (-1 without an extrapolation guard) and
+``fedcal_calibrate_std_d`` (the σ in double; NaN without σ).
 No compiler is a RuntimeError, never a skip.
 """
 
@@ -26,10 +27,11 @@ int main(void) {
         if (scanf("%d", &s) != 1) break;
         for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j)
             if (scanf("%f", &x[j]) != 1) return 2;
-        double std = NAN;
+        double std = NAN, std_d = NAN;
         int inside = -1, beyond = -1;
 #if defined(FEDCAL_HAS_STD) && FEDCAL_HAS_STD
         std = fedcal_calibrate_std(s, x);
+        std_d = fedcal_calibrate_std_d(s, x);
 #endif
 #ifdef RANGE
         inside = fedcal_in_range(s, x);
@@ -37,8 +39,8 @@ int main(void) {
 #if defined(FEDCAL_HAS_GUARD) && FEDCAL_HAS_GUARD
         beyond = fedcal_beyond_support(s, x);
 #endif
-        printf("%.17g %.9g %.9g %d %d\n", fedcal_calibrate_d(s, x),
-               (double)fedcal_calibrate(s, x), std, inside, beyond);
+        printf("%.17g %.9g %.9g %d %d %.17g\n", fedcal_calibrate_d(s, x),
+               (double)fedcal_calibrate(s, x), std, inside, beyond, std_d);
     }
     return 0;
 }
@@ -74,7 +76,8 @@ def build(header: Path, workdir: Path, defines: dict[str, str] | None = None, ra
 
 
 def evaluate(exe: Path, sensors: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """(rows, 5): calibrate (double), calibrate (float), std, in_range, beyond_support."""
+    """(rows, 6): calibrate (double), calibrate (float), std, in_range, beyond_support,
+    std (double)."""
     lines = "\n".join(
         f"{int(s)} " + " ".join(repr(float(v)) for v in row)
         for s, row in zip(sensors, x, strict=True)

@@ -10,9 +10,13 @@ forecast takes the fleet's σ², the expected value of each unit's own noise fix
 Measured (fleet seeds 3–5, 20 units, designs 2×8, 3×12, 2×6): ratio 1.002–1.005 for
 fedprior; 0.969–1.012 for fedprior_branch, whose units' σ differ with their direction term
 (3×12: 0.024–0.076 hPa around a forecast of 0.048) while the forecast is the fleet's mean.
+A prior from 20 reference units alone (the deployment path: σ from the prior's discrepancy
+model, :mod:`fedcal.prior.discrepancy`): ratio 1.003 (fleet seed 3, design 2×8).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -26,10 +30,18 @@ from fedcal.data.simulator import FleetSpec, simulate_fleet
 UNITS = 20
 
 
-@pytest.fixture(scope="module", params=["fedprior", "fedprior_branch"])
+# (method, few-point units in the prior's fleet): with none, the prior is learned from
+# reference units alone and the σ is the discrepancy model's (fedcal.prior.discrepancy).
+MIXED = [("fedprior", 4), ("fedprior_branch", 4)]
+PRIORS = [*MIXED, ("fedprior", 0)]
+IDS = ["fedprior", "fedprior_branch", "fedprior-references-only"]
+
+
+@pytest.fixture(scope="module")
 def prior(request):
-    spec = FleetSpec(num_reference=12, num_new=4, train_design="3x2")
-    return FleetPrior(method=request.param, rounds=30).fit(simulate_fleet(spec, seed=3).frame)
+    method, few = request.param
+    spec = FleetSpec(num_reference=12 if few else 20, num_new=few, train_design="3x2")
+    return FleetPrior(method=method, rounds=30).fit(simulate_fleet(spec, seed=3).frame)
 
 
 def stated_rms(units, plan: planning.Planner) -> np.ndarray:
@@ -41,6 +53,7 @@ def stated_rms(units, plan: planning.Planner) -> np.ndarray:
     return (sd**2 @ plan.weights).sqrt().numpy() * plan.y_scale
 
 
+@pytest.mark.parametrize("prior", PRIORS, ids=IDS, indirect=True)
 def test_the_forecast_sigma_is_within_10_percent_of_what_calibrate_states(prior):
     plan = planning.planner(prior.model_)
     chosen = planning.optimize(plan, plateaus=2, points=8).design
@@ -60,6 +73,8 @@ def test_the_forecast_sigma_is_within_10_percent_of_what_calibrate_states(prior)
     assert abs(ratio - 1.0) < 0.10, (ratio, forecast.rms, stated)
 
 
+# The deployed σ of a references-only prior scales the noise term by κ²s² (not additive).
+@pytest.mark.parametrize("prior", MIXED, ids=IDS[:2], indirect=True)
 def test_the_planner_forms_the_posterior_with_calibrate_s_own_function(prior, monkeypatch):
     """Whatever calibrate's σ is made of reaches the forecast: a term added in
     :func:`calibration.unit_posteriors` moves the planner's σ by exactly that term."""
@@ -69,10 +84,42 @@ def test_the_planner_forms_the_posterior_with_calibrate_s_own_function(prior, mo
     original = calibration.unit_posteriors
     extra = 1e-3  # scaled units²
 
-    def wider(algorithm, server, data, noise_var=None):
-        params = original(algorithm, server, data, noise_var)
+    def wider(*args, **kwargs):
+        params = original(*args, **kwargs)
         return {**params, "noise_var": params["noise_var"] + extra}
 
     monkeypatch.setattr(planning, "unit_posteriors", wider)
     after = planning.expected_variance(plan, [design])[0]
     torch.testing.assert_close(after - before, torch.full_like(before, extra), rtol=0, atol=1e-9)
+
+
+@pytest.fixture(scope="module")
+def reference_prior():
+    """The deployment path: a prior from 20 fully calibrated units only (no few-point
+    unit in the federation), whose σ for a new design is the discrepancy model's."""
+    return FleetPrior(rounds=30).fit(simulate_fleet(FleetSpec(num_sensors=20), seed=3).frame)
+
+
+@pytest.mark.parametrize("nu0", [None, 4.0])
+def test_the_forecast_is_calibrate_s_sigma_on_the_deployment_path(reference_prior, nu0):
+    """With the discrepancy model's σ (ν₀ = ∞ as learned, and a planted ν₀ = 4: a per-unit
+    scale whose expectation the forecast must take, not its value at the prior mean)."""
+    model = reference_prior.model_
+    assert model.discrepancy is not None  # learned from the reference units
+    prior = FleetPrior()
+    prior.model_ = dataclasses.replace(model, discrepancy={**model.discrepancy, "nu0": nu0})
+    plan = planning.planner(prior.model_)
+    chosen = planning.optimize(plan, plateaus=2, points=8).design
+    forecast = planning.evaluate(plan, chosen)
+    points = tuple(
+        (float(r.pressure_hpa), float(r.temperature_c), str(r.direction))
+        for r in chosen.frame().itertuples()
+    )
+    spec = FleetSpec(num_sensors=UNITS, train_design="points", design_points=points)
+    frame = simulate_fleet(spec, seed=11).frame
+    units = prior.calibrate(frame[frame["split"] == "train"])
+    assert not bool((units.result.personal["declined"] > 0).any())  # σ stated for all
+    assert bool((units.result.personal["gp_amp"] > 0).all())  # ... by the discrepancy model
+    stated = stated_rms(units, plan)
+    ratio = float(np.sqrt(np.mean(stated**2))) / forecast.rms
+    assert abs(ratio - 1.0) < 0.10, (ratio, forecast.rms, stated)

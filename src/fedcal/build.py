@@ -393,7 +393,8 @@ def method_settings(name: str, config: RunConfig) -> tuple[type[Algorithm], dict
         )
     values.update(own)
     _generic_basis(cls, values, config)
-    return cls.built_class(values), values
+    built = cls.built_class(values)
+    return built, _resolve_choice(built, values, config)
 
 
 def _generic_basis(cls: type[Algorithm], values: dict[str, Any], config: RunConfig) -> None:
@@ -438,6 +439,36 @@ def build_algorithm(name: str, config: RunConfig, task: Task) -> Algorithm:
             "epochs); use >= 1"
         )
     return algorithm
+
+
+def _resolve_choice(cls: type, values: dict[str, Any], config: RunConfig) -> dict[str, Any]:
+    """fedprior's ``choose = "auto"`` (algorithms/fedprior_choice.py) resolved by the run's
+    data: "time" with a ``[data] time_column``, "off" without one or under client-level DP
+    (its scores are not among the DP statistics), so that the replies of a run have one
+    structure whatever a site's rows (a Flower server checks them against a probe's)."""
+    if "choose" not in {f.name for f in fields(cls)}:
+        return values
+    if values.get("choose", "auto") != "auto":
+        return values
+    timed = bool(config.data.time_column) and not config.privacy.epsilon > 0
+    return {**values, "choose": "time" if timed else "off"}
+
+
+def with_raw_column(algorithm: Algorithm, config: RunConfig, tensors: Any) -> Algorithm:
+    """``algorithm`` told which input reads the target itself (``[data] raw_column``) and
+    how, in its scaled units: y = x_raw is y_s = (x_s·s_x + o_x − o_y) / s_y (the run's
+    scaler). Unchanged without a raw column or for a method without a ``raw_input`` field
+    (fedprior's time-respecting choice, algorithms/fedprior_choice.py)."""
+    name = config.data.raw_column
+    if not name or "raw_input" not in {f.name for f in fields(algorithm)}:
+        return algorithm
+    j = list(config.data.features).index(name)
+    sc = tensors.scaler
+    x_off, x_sc = float(np.ravel(sc.x_offset)[j]), float(np.ravel(sc.x_scale)[j])
+    y_off, y_sc = float(np.ravel(sc.y_offset)[0]), float(np.ravel(sc.y_scale)[0])
+    return dataclasses.replace(
+        algorithm, raw_input=j, raw_map=((x_off - y_off) / y_sc, x_sc / y_sc)
+    )
 
 
 def build_recorded(

@@ -57,6 +57,7 @@ from fedcal.experiment import (
     save_models,
     valid_ranges,
 )
+from fedcal.prior.discrepancy import Discrepancy, unit_scale
 from fedcal.prior.model import PriorModel
 
 QA_LEVEL = 0.999  # a unit beyond this χ² quantile of the fleet distance is flagged
@@ -182,6 +183,7 @@ def unit_posteriors(
     discrepancy: dict | None = None,
     names: tuple[str, ...] = (),
     reasons: list[str] | None = None,
+    expected: bool = False,
 ) -> Tree:
     """Each unit's posterior under the stored prior, with what its σ is made of.
 
@@ -195,6 +197,8 @@ def unit_posteriors(
     typical unit, since under the prior predictive E[rss_i] = n_i σ² (rss_i = ‖y − Φm‖² +
     tr(ΦVΦᵀ) = σ⁴tr(C⁻¹) + n_iσ² −
     σ⁴tr(C⁻¹) in expectation, C = ΦΣΦᵀ + σ²I), so σ_i² = (rss_i + νσ²)/(n_i + ν) = σ².
+    ``expected``: the rows are a new unit's design read at the prior mean (the planner), so
+    the discrepancy model's per-unit scale is taken at its expectation (:func:`expected_scale`).
     """
     n = data.num_clients
     down = expand(algorithm.broadcast(server), n)
@@ -208,7 +212,28 @@ def unit_posteriors(
         personal, why = deployed(algorithm, discrepancy, down, personal, data, list(names))
         if reasons is not None:  # per unit, why its design gets no σ ("" if it gets one)
             reasons.extend(why)
+        if expected:  # the planner's new unit, read at the prior mean: its expected scale
+            personal = expected_scale(personal, Discrepancy.from_dict(discrepancy).nu0)
     return personal
+
+
+def expected_scale(personal: Tree, nu0: float) -> Tree:
+    """The planner's units with the discrepancy model's per-unit scale at its expectation.
+
+    D4 (:mod:`fedcal.prior.discrepancy`): s_i² = (ν₀ + d_i²)/(ν₀ + n_i), d_i² = rᵀC⁻¹r of
+    the unit's readings about the prior mean, E[d_i²] = n_i under the model, so
+    E[s_i²] = 1. The planner reads a design at the current mean (r = 0 on its new rows):
+    its s_i² would be ν₀/(ν₀ + n_i), not the 1 a unit of the fleet has on average. So the
+    forecast takes κ² · (t/1.96)² with s_i² = 1: :func:`unit_scale` at d² = 0 divided out
+    (ν₀ = ∞: s_i² = 1 already; a unit without the model's σ, ``gp_amp`` 0: untouched).
+    """
+    if math.isinf(nu0) or "gp_scale" not in personal:
+        return personal
+    dof = personal["gp_mask"].to(F64).sum(-1)
+    at_mean = unit_scale(nu0, dof, torch.zeros_like(dof))
+    used = personal["gp_amp"].to(F64) > 0
+    scale = personal["gp_scale"].to(F64)
+    return {**personal, "gp_scale": torch.where(used, scale / at_mean, scale)}
 
 
 def own_noise(algorithm: FedPrior, down: Tree, state: Tree, data: ClientData) -> Tree:

@@ -191,6 +191,7 @@ def _resolve(
     time_column: str | None = None,
     split_by: str | None = None,
     sensor_column: str | None = None,
+    raw_column: str | None = None,
 ) -> RunConfig:
     """The configuration file with the command line's options on top, validated like the file.
 
@@ -220,6 +221,7 @@ def _resolve(
         ("--time-column", "data", "time_column", time_column),
         ("--split-by", "data", "split_by", split_by),
         ("--sensor-column", "data", "client_column", sensor_column),
+        ("--raw-column", "data", "raw_column", raw_column),
         ("--methods", "run", "methods", _csv_list(methods)),
         ("--seeds", "run", "seeds", seeds),
         ("--rounds", "engine", "rounds", rounds),
@@ -516,6 +518,10 @@ SplitByOpt = Annotated[
         click_type=click.Choice(SPLIT_BY),
     ),
 ]
+RawColumnOpt = Annotated[
+    str | None,
+    typer.Option("--raw-column", help="the feature that reads the target itself (uncorrected)"),
+]
 HtmlOpt = Annotated[
     Path | None, typer.Option("--html", help="also write the HTML report to this file")
 ]
@@ -554,6 +560,7 @@ def train(
     time_column: TimeColumnOpt = None,
     split_by: SplitByOpt = None,
     sensor_column: SensorOpt = None,
+    raw_column: RawColumnOpt = None,
     key_file: KeyFileOpt = None,
 ) -> None:
     """``fedcal run`` and ``fedcal compare``: one definition (compare also shows bytes sent)."""
@@ -578,6 +585,7 @@ def train(
             time_column,
             split_by,
             sensor_column,
+            raw_column,
         )
         points = (
             tuple(_int_list(train_points, "--train-points"))
@@ -800,9 +808,15 @@ def _print_footprint(fleet, method: str) -> None:
         sigma = ", with σ" if form.has_std else ""
         if form.unstated:
             sigma += f" for {len(form.sensors) - len(form.unstated)} of {len(form.sensors)} units"
+        deployed = (
+            f"; + {form.deployed.bytes_per_unit()} per unit whose σ is the prior's "
+            "discrepancy model"
+            if form.deployed is not None
+            else ""
+        )
         console.print(
             f"footprint: {form.bytes_per_unit()} bytes of constants per unit "
-            f"({form.terms.shape[0]} basis terms{sigma})"
+            f"({form.terms.shape[0]} basis terms{sigma}){deployed}"
         )
 
 

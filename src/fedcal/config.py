@@ -80,6 +80,10 @@ class DataConfig:
     # of its time is its test period (fedcal.data.loader.time_split), "random": seeded rows.
     time_column: Str = ""
     split_by: Literal["random", "time"] = "random"
+    # Optional feature that reads the target itself (e.g. a PM sensor's uncorrected PM2.5):
+    # the uncorrected reading is then a candidate of fedprior's time-respecting choice
+    # (algorithms/fedprior_choice.py) and of its no-harm fall-back.
+    raw_column: Str = ""
 
     @model_validator(mode="after")
     def _consistent(self) -> DataConfig:
@@ -89,6 +93,8 @@ class DataConfig:
             raise ValueError(f"target: {self.target!r} is also a feature")
         if self.split_by == "time" and not self.time_column:
             raise ValueError("split_by: 'time' needs a time_column")
+        if self.raw_column and self.raw_column not in self.features:
+            raise ValueError(f"raw_column: {self.raw_column!r} is not one of the features")
         if self.time_column and self.time_column in (*self.features, self.target):
             raise ValueError(f"time_column: {self.time_column!r} is also a feature or the target")
         for col, bounds in self.physical_bounds.items():
@@ -435,7 +441,17 @@ def apply(base: RunConfig, raw: Any, where: str) -> RunConfig:
         # each table as it will be used (a variant's base may come from the default), on
         # the task this configuration describes
         tables = {m: cfg.method_params[m] for m in raw["methods"]}
-        check_method_tables(tables, where, described_task(cfg))
+        # A table the file inherits unchanged for a method it does not run (a run's
+        # config.json lists every default table, e.g. fedpoly_p3 beside a 3-input fleet) is
+        # checked without the task: it will not be built on it.
+        runs = set(cfg.methods)
+        on_task = {
+            m: t
+            for m, t in tables.items()
+            if "all" in runs or m in runs or t != base.method_params.get(m)
+        }
+        check_method_tables(on_task, where, described_task(cfg))
+        check_method_tables({m: t for m, t in tables.items() if m not in on_task}, where)
     if "run" in raw or "methods" in raw:
         for m in cfg.methods:  # a method name becomes a run folder's name
             _method_name(m, f"{where} [run] methods")

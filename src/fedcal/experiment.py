@@ -54,6 +54,7 @@ from fedcal.build import (  # noqa: F401  (re-exported: callers import the build
     run_record,
     task_kind,
     valid_ranges,
+    with_raw_column,
 )
 from fedcal.config import ConfigError, RunConfig
 from fedcal.core.aggregation import AggregationError, check_policy
@@ -549,6 +550,22 @@ def identification_note(state: dict[str, Any]) -> str:
     )
 
 
+def selection_note(state: dict[str, Any], final: pd.DataFrame) -> str:
+    """One line on fedprior's time-respecting choice: the candidates ranked by the fleet's
+    forward-validation score (lower is better) and the units that ship a simple fit."""
+    forward = (state.get("selection") or {}).get("forward")
+    if not forward:
+        return ""
+    ranked = ", ".join(f"{r['candidate']} {r['score']:g}" for r in forward["ranked"])
+    text = f"chosen by each unit's forward validation (lower is better): {ranked}"
+    if "fallback" in final:
+        ships = final["fallback"].astype(str)
+        counts = ships[ships != "prior"].value_counts()
+        if len(counts):
+            text += "; no-harm fall-back: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+    return text
+
+
 def jitter_note(jitter: pd.Series, worst: float) -> str:
     """One line when a near-singular Gram needed jitter or an eigenvalue floor (core.bayes)."""
     what = "an eigenvalue floor" if worst >= 1.0 else f"a relative jitter up to {worst:.0e}"
@@ -656,7 +673,7 @@ def run_experiment(
         built = []
         for method in methods:
             try:
-                algorithm = build_algorithm(method, config, task)
+                algorithm = with_raw_column(build_algorithm(method, config, task), config, tensors)
                 check_policy(algorithm, policy)
             except (ConfigError, AggregationError) as err:
                 refused.setdefault(method, str(err))
@@ -783,6 +800,11 @@ def run_experiment(
                         row["weak_directions"] = exported["identification"]["weak_directions"]
                     if note and on_note is not None:
                         on_note(method, note)
+                    chosen = selection_note(exported, final)
+                    if chosen:  # the time-respecting choice (algorithms/fedprior_choice.py)
+                        row["selection_note"] = chosen
+                        if on_note is not None:
+                            on_note(method, chosen)
                     reason = (exported.get("interval") or {}).get("reason", "")
                     if reason:  # no interval stated: coverage is empty (NaN), and why
                         row["coverage_note"] = reason

@@ -398,7 +398,13 @@ def posteriors(plan: Planner, x: Tensor, b: Tensor, count: Tensor, base: Base) -
     data = ClientData(xs, ys.unsqueeze(-1), count + n0, (0,) * c, (), bs)
     # calibrate's own posterior (and σ parts), at the expected noise level (its docstring)
     params = unit_posteriors(
-        alg, plan.server, data, base.noise_var, plan.prior.discrepancy, plan.prior.features
+        alg,
+        plan.server,
+        data,
+        base.noise_var,
+        plan.prior.discrepancy,
+        plan.prior.features,
+        expected=n0 == 0,  # a new unit: the discrepancy model's scale at its expectation
     )
     # A declined interval (NaN σ) is kept aside: J still scores the design with τ² (module doc).
     if "declined" in params:

@@ -176,12 +176,3 @@ def test_a_bad_discrepancy_in_the_prior_file_is_refused(deployment, tmp_path):
     with pytest.raises(ValueError) as err:
         PriorModel.load(path)
     assert "discrepancy.lengths" in str(err.value) and "\n" not in str(err.value)
-
-
-def test_an_export_claims_no_sigma_it_cannot_carry(deployment, tmp_path):
-    # the discrepancy σ is not a quadratic form of the basis: the C header states none
-    # (rather than the basis-only σ, too small), while predict states it
-    prior, train, _ = deployment
-    units = prior.calibrate(train)
-    text = units.to_c_header(tmp_path / "units.h").read_text()
-    assert "#define FEDCAL_HAS_STD 0" in text

@@ -51,6 +51,7 @@ def fit(short: str):
         degree=1,
         interval="calibrated",
         short_colocation=short,
+        choose="off",  # the short step's own effect (the no-harm fall-back: fedprior_choice)
     )
     run = run_rounds(alg, train, 5)
     pred = alg.predict(run.personal, test.x)[..., 0]

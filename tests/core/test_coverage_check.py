@@ -213,7 +213,7 @@ def test_a_run_whose_test_rows_are_off_prints_the_note_and_writes_the_column(tmp
 
 def test_the_no_probe_decline_is_its_own_sentence():
     declined = SimpleNamespace(personal={"declined": torch.tensor([1.0, 0.0])},
-                               algorithm=SimpleNamespace(probe_rows=32))  # fmt: skip
+                               algorithm=SimpleNamespace(probe_rows=32), reasons=())  # fmt: skip
     none = SimpleNamespace(interval=SimpleNamespace(reason="", probe_rows=0.0))
     assert declined_note(none, declined) == NO_PROBE.format(n=32)
     assert declined_note(none, declined).startswith(

@@ -227,3 +227,23 @@ def test_the_task_at_load_is_the_one_the_configuration_describes():
     assert len(cfg.method_params["fedkd"]["public_box"]) == 3
     with pytest.raises(ConfigError, match=r"\[methods.fedkd\] public_box, public_points"):
         apply(default_config(), {"methods": {"fedkd": box}}, "x.toml")  # the simulator: 2
+
+
+def test_a_run_s_config_json_of_three_inputs_reads_back():
+    """A run's config.json lists every default table (fedpoly_p3 among them): on a fleet of
+    three inputs it reads back (``fedcal predict`` refused it), while a method that the file
+    runs, or a table it changes, is still checked on the three-input task."""
+    three = {"path": "fleet.csv", "features": ["a", "b", "c"]}
+    tables = default_config().method_params
+    cfg = apply(
+        default_config(),
+        {"data": three, "run": {"methods": ["fedprior"]}, "methods": tables},
+        "config.json",
+    )
+    assert cfg.method_params["fedpoly_p3"] == tables["fedpoly_p3"]
+    runs_it = {"data": three, "run": {"methods": ["fedpoly_p3"]}, "methods": tables}
+    with pytest.raises(ConfigError, match=r"\[methods.fedpoly_p3\]: fedpoly calibrates two"):
+        apply(default_config(), runs_it, "config.json")
+    changed = {**tables, "fedpoly_p3": {**tables["fedpoly_p3"], "max_orders": [3, 2]}}
+    with pytest.raises(ConfigError, match=r"\[methods.fedpoly_p3\]: fedpoly calibrates two"):
+        apply(default_config(), {"data": three, "methods": changed}, "config.json")

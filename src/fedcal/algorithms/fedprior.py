@@ -160,6 +160,7 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
+from fedcal.algorithms.fedprior_choice import TimeChoice
 from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
 from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
 from fedcal.algorithms.fedprior_noise import NoiseModel
@@ -199,6 +200,7 @@ BRANCH_UNIDENTIFIED = 0.25
 
 @dataclass(frozen=True)
 class FedPrior(
+    TimeChoice,
     EvidenceSelection,
     CalibratedInterval,
     NoiseModel,
@@ -286,6 +288,32 @@ class FedPrior(
     # and down-weights units far from the others' prior in the M-step; "check": the first
     # only; "off": neither (the plain sums; what secure aggregation would leave).
     robust: Literal["off", "check", "full"] = "full"
+    # Issue 34 (fedprior_choice): the basis chosen by each unit's forward-chaining validation
+    # on its own past, the simple fits as candidates, and the no-harm fall-back. "auto": when
+    # the data have a time column (a run resolves it from [data] time_column: "time" with
+    # one, "off" without one or under client-level DP, so that every reply of the run has
+    # one structure); "time": also without one (row order as time); "off": never.
+    choose: Literal["auto", "time", "off"] = "auto"
+    # the share of a unit's calibration span each forward fold scores
+    choice_holdout: Annotated[float, Field(gt=0.0, lt=0.5)] = 0.25
+    # a unit's score of a candidate: log of its MSE over its best, clipped to this (nats)
+    choice_clip: Annotated[float, Field(gt=0.0)] = 5.0
+    # no harm: the unit ships its best simple fit when the model's validation squared error
+    # exceeds that fit's by more than this many standard errors
+    choice_z: Annotated[float, Field(ge=0.0)] = 2.0
+    # ... and by more than this share of that fit's validation MSE (a harm that matters)
+    choice_margin: Annotated[float, Field(ge=0.0)] = 0.1
+    # "scale": each unit's σ scaled so that its fit on all but its last quarter would have
+    # covered 95 % of that quarter (fedprior_choice._scale_sigma); "off" (default): the
+    # model's σ. Measured (docs/field.md): the validation quarter's errors did not predict
+    # the future's — Antwerp 0.93 → 0.99, PurpleAir 0.90 → 0.89; only the gas array gained.
+    choice_sigma: Literal["scale", "off"] = "off"
+    # a unit whose validation RMSE or mean σ exceeds this × the fleet's median: "weak"
+    implausible: Annotated[float, Field(gt=1.0)] = 5.0
+    # the input that reads the target itself ([data] raw_column; -1: none) and its map into
+    # the scaled target, y = raw_map[0] + raw_map[1]·x (set by the run from the scaler)
+    raw_input: Annotated[int, Field(ge=-1)] = -1
+    raw_map: tuple[float, float] = (0.0, 1.0)
 
     name = "fedprior"
     # m_i is the unit's posterior mean (its calibration); the rest are sufficient statistics.
@@ -304,11 +332,12 @@ class FedPrior(
     # G_00 = n: core/robust.py), not by size: per row it is a moment of the unit's inputs
     # (x⁴ for a quadratic), which honest units differ in by 10²–10³ (pollution episodes,
     # docs/statuses.md); every statistic the prior is fitted from is still size-screened.
-    unscreened_replies = ("cand/", "interval/", "noise/", "gram", "select")
+    unscreened_replies = ("cand/", "interval/", "noise/", "gram", "select", "choice/")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "orders", tuple(int(o) for o in self.orders))
         object.__setattr__(self, "branch_orders", tuple(int(o) for o in self.branch_orders))
+        object.__setattr__(self, "raw_map", tuple(float(v) for v in self.raw_map))
 
     def check_task(self, task: Task) -> None:
         self.terms  # noqa: B018 — the basis against the model's inputs
@@ -364,6 +393,8 @@ class FedPrior(
             shapes.update(disc_var=(), declined=())
         if self.noise_shape == "inputs":  # γ of σ²(x) = σ_i² exp(γᵀx) (fedprior_noise)
             shapes["noise_gamma"] = (self.num_inputs,)
+        if self.choose != "off":  # the no-harm fall-back and the validation MSE (fedprior_choice)
+            shapes.update(fallback=(), val_mse=(), sigma_scale=(), target_sd=())
         if self.deploy_rows:  # the unit's design for the prior's discrepancy σ (fedprior_deploy)
             shapes.update(deploy_shapes(self.deploy_rows, self.num_inputs, len(self.terms)))
         return shapes
@@ -401,6 +432,8 @@ class FedPrior(
             start["tail_ratio"] = torch.tensor(0.0, dtype=F64)
         if self.branch_orders:  # ψ coordinates out of the model (none yet): _unidentified_branch
             start["pinned"] = torch.zeros(p, dtype=F64)
+        if self.choice_on:  # fedprior_choice's pooled lines and summed scores
+            start.update(self._choice_init())
         if self.select == "none":
             mask = {"mask": self.masks[-1].clone()} if self.branch_orders else {}
             return {**start, "box": self._open_box(), **mask}
@@ -429,6 +462,8 @@ class FedPrior(
             down["pinned"] = server["pinned"]
         if self.select != "none":
             down["mask"] = server["mask"]
+        if "pooled_ok" in server:  # the fleet's pooled lines (fedprior_choice), once summed
+            down.update({k: server[k] for k in ("pooled_fold", "pooled_all", "pooled_ok")})
         if self.each_candidate:
             down["cand"] = {k: server["cand"][k] for k in ("mu", "sigma", "noise_var")}
         return down
@@ -549,6 +584,8 @@ class FedPrior(
             new_state["cand_noise_var"] = (
                 cand_own if self.noise == "sensor" else state["cand_noise_var"]
             )
+        if "pooled_ok" in down and self.choosing(data):  # forward scores (fedprior_choice)
+            reply["choice"] = self.choice_uploads(down, state, data)
         fit_mse = post.rss / full.n.clamp_min(1.0)
         # jitter: the relative jitter a near-singular factorization needed (0: none; 1: an
         # eigenvalue floor), per unit and round in the run's metrics (core.bayes.safe_cholesky).
@@ -818,7 +855,8 @@ class FedPrior(
         robust = self.outlier_weights(server, replies)
         if robust is not None and bool((robust.weights != 1).any()):  # all 1: the plain sums
             replies = _weighted(replies, robust.weights)
-        skip = ("cand", "interval", "noise")
+        skip = ("cand", "interval", "noise", "choice")
+        forward = self.choice_update(replies["choice"], order) if "choice" in replies else None
         total = {k: v[order].sum(0) for k, v in replies.items() if k not in skip}
         pinned = self._unidentified_branch(total.pop("branch_support", None))
         if "interval" in replies:  # the restricted noise update's sums (module doc, I1)
@@ -838,6 +876,7 @@ class FedPrior(
             if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
                 noise = replies["noise"]
                 new.update(self._noise_updates(server, noise, order, total["n"], replies["n"]))
+            new.update(self._choice_state(server, forward))
             if self.branch_orders:  # the features in use, without the ψ coordinates out of it
                 new["mask"] = new.get("mask", self.masks[-1]) * (~pinned).to(F64)
                 new["pinned"] = pinned.to(F64)
@@ -873,7 +912,12 @@ class FedPrior(
         eff = masks * (~pinned).to(F64)
         same = (eff.unsqueeze(0) == eff.unsqueeze(1)).all(-1).tril(-1).any(-1)
         choice = int(torch.argmax(torch.where(same, -math.inf, scores)))
+        if forward is not None and float(forward["forward_scored"]) > 0:  # by each unit's future
+            choice = self.forward_choice(
+                torch.where(same, math.inf, forward["forward_scores"][:-3])
+            )
         return {
+            **self._choice_state(server, forward),
             **{key: v[choice] for key, v in stacked.items()},
             "box": self._input_box(total["gram"]),
             "mask": masks[choice] * (~pinned).to(F64),
@@ -890,6 +934,14 @@ class FedPrior(
         }
 
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
+        """The unit's posterior model (:meth:`_personal`), or its best simple fit where that
+        predicted its own future better (fedprior_choice, no harm)."""
+        out = self._personal(down, state, data)
+        if self.choose == "off":
+            return out
+        return self.no_harm(down, state, data, out)
+
+    def _personal(self, down: Tree, state: Tree, data: ClientData) -> Tree:
         _, post = self._posterior(down, state, self._personal_moments(down, data))
         coef, cov = post.mean, post.cov
         m = self._model_mask(down)

@@ -510,8 +510,8 @@ class FedPriorDrift(ShortColocation, FedPrior):
         p = self.num_features
         return {**super().personal_shapes(), "t_ref": (), "drift_rate": (), "drift_cov": (p, p)}
 
-    def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
-        out = super().personalize(down, state, data)
+    def _personal(self, down: Tree, state: Tree, data: ClientData) -> Tree:
+        out = super()._personal(down, state, data)
         if "drift" not in down:  # a prior without drift (e.g. read back from prior.json)
             return out
         t_ref, _ = self._span(self._time(data), data.mask.to(F64))
@@ -551,8 +551,9 @@ class FedPriorDrift(ShortColocation, FedPrior):
         """Per unit (clients,): ``recalibrate_at`` — when its mean predictive σ over its own
         calibration inputs reaches ``recalibrate_ratio`` times its value at t_i (module doc);
         NaN when no drift was learned (never) or no interval is stated."""
+        extra = super().unit_columns(params, train)  # fedprior's (fallback)
         if "drift_rate" not in params:
-            return {}
+            return extra
         m = train.mask.to(F64)
         n = m.sum(1).clamp_min(1.0)
         v0 = ((self.predictive_std(params, train.x).to(F64)[..., 0] ** 2) * m).sum(1) / n
@@ -561,7 +562,7 @@ class FedPriorDrift(ShortColocation, FedPrior):
         growth = (one * m).sum(1) / n
         dt = (self.recalibrate_ratio**2 - 1.0) * v0 / growth
         when = torch.where(growth > 0, params["t_ref"].to(F64) + dt, math.nan)
-        return {"recalibrate_at": when.numpy()}
+        return {**extra, "recalibrate_at": when.numpy()}
 
     def export_state(self, server: Tree) -> dict:
         state = super().export_state(server)

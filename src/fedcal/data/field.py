@@ -159,3 +159,35 @@ def shorten(
             late = train.index[3:]
         drop[frame.index.get_indexer(late)] = True
     return frame[~drop].reset_index(drop=True)
+
+
+def hard_units(
+    frame: pd.DataFrame, few: int = 3, zero: int = 3, keep: float = 0.08, seed: int = 0
+) -> pd.DataFrame:
+    """A network's hard units (issue 34): ``few`` units keep only the first ``keep`` of their
+    calibration period (few data), and ``zero`` others report at a clean site: every row
+    whose reference is below the unit's median reads 0 in the reference and in the raw
+    channel(s) (below detection; zero-inflated targets, identical rows at distinct times).
+
+    ``frame`` needs the split and a numeric time column (:func:`field_fleet`'s frame); test
+    rows of the few-data units are untouched. Seeded; the units are disjoint.
+    """
+    rng = np.random.default_rng([seed, 34])
+    ids = list(pd.unique(frame[CLIENT_COLUMN]))
+    chosen = rng.choice(ids, size=min(few + zero, len(ids)), replace=False).tolist()
+    short, clean = set(chosen[:few]), set(chosen[few:])
+    out = frame.copy()
+    raw = [c for c in out.columns if c.startswith("pm25_raw")]
+    for sid in clean:
+        rows = out[CLIENT_COLUMN] == sid
+        low = rows & (out[TARGET] < out.loc[rows, TARGET].median())
+        out.loc[low, [TARGET, *raw]] = 0.0
+    drop = np.zeros(len(out), dtype=bool)
+    for sid in short:
+        train = out[(out[CLIENT_COLUMN] == sid) & (out[SPLIT_COLUMN] == "train")]
+        t = train[TIME_COLUMN].to_numpy(float)
+        late = train.index[t > t.min() + keep * (t.max() - t.min())]
+        if len(train) - len(late) < 3:
+            late = train.index[3:]
+        drop[out.index.get_indexer(late)] = True
+    return out[~drop].reset_index(drop=True)

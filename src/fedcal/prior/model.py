@@ -133,6 +133,7 @@ class SelectionRecord:
     chosen: dict[str, Any]
     candidates: tuple[dict[str, Any], ...] | None = None
     scores: tuple[float, ...] | None = None
+    forward: dict[str, Any] | None = None  # fedprior_choice's forward scores, as written
 
 
 @dataclass(frozen=True)
@@ -433,6 +434,7 @@ def _selection(raw: Any, source: str) -> SelectionRecord | None:
         dict(raw["chosen"]),
         None if candidates is None else tuple(candidates),
         None if scores is None else tuple(scores),
+        dict(raw["forward"]) if isinstance(raw.get("forward"), dict) else None,
     )
 
 
@@ -442,6 +444,8 @@ def _selection_dict(sel: SelectionRecord) -> dict[str, Any]:
         out["candidates"] = list(sel.candidates)
     if sel.scores is not None:
         out["scores"] = list(sel.scores)
+    if sel.forward is not None:
+        out["forward"] = sel.forward
     return out
 
 

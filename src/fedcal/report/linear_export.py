@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from fedcal.core.tree import stack
+from fedcal.report.gp_export import JSON_FORMULA, DeployedSigma, c_lines, deployed_sigma, json_unit
 
 # C types of the stages, each overridable with -D at compile time (for the precision study).
 STAGES = {
@@ -80,6 +81,8 @@ class LinearForm:
     box_per_unit: bool = True
     # (S,) whether unit i states a σ (None: every unit with a factor does)
     stated: np.ndarray | None = None
+    # units whose σ is the prior's discrepancy model's (issue 33; report.gp_export), or None
+    deployed: DeployedSigma | None = None
 
     @property
     def has_std(self) -> bool:
@@ -170,7 +173,10 @@ class LinearForm:
         phi = self.features(z, unit)
         w = phi @ self.factor[unit]  # rows of Lᵀφ
         gap = phi @ self.coef[unit] - mean  # g: the polynomial minus its continuation
-        return mean, np.sqrt((w * w).sum(1) + self.add_var[unit] + gap * gap)
+        var = (w * w).sum(1) + self.add_var[unit]
+        if self.deployed is not None and self.deployed.rows[unit] >= 0:
+            var = self.deployed.variance(self.deployed.rows[unit], z, phi)  # (factor is 0)
+        return mean, np.sqrt(var + gap * gap)
 
     def bytes_per_unit(self, with_range: bool = True) -> int:
         """Flash bytes of one unit's constants in the C header (not the sensor id string)."""
@@ -183,6 +189,8 @@ class LinearForm:
         if self.has_std:
             size += (t * (t + 1) // 2 + 1) * TYPE_BYTES[STAGES["FEDCAL_STD_T"]]
             size += 1  # fedcal_has_std: whether the unit states a σ
+        if self.deployed is not None:
+            size += 2  # fedcal_gp_row (a deployed unit adds deployed.bytes_per_unit())
         if with_range:
             size += (2 * f + 2) * 4  # x_min, x_max, y_min, y_max (float)
             size += 2 * f * 8  # in_range's widened bounds range_lo, range_hi (double: exact)
@@ -213,7 +221,7 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
     alg = fleet.algorithm
     sensors = tuple(sorted(fleet.params))
     params = {k: v.to(torch.float64) for k, v in stack([fleet.params[s] for s in sensors]).items()}
-    lo = hi = factor = add_var = box_lo = box_hi = stated = None
+    lo = hi = factor = add_var = box_lo = box_hi = stated = deployed = None
     per_unit = True
     if isinstance(alg, FedPrior):
         basis = "legendre"
@@ -222,10 +230,11 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
         coef = np.zeros((len(sensors), len(terms)))
         coef[:, :p] = params["coef"][:, :p].numpy()  # the branch average: h does not enter ŷ
         q, s = alg.variance_form(params)
+        deployed = deployed_sigma(alg, params, q, s)  # the discrepancy model's σ (issue 33)
         q, add_var = q.numpy(), s.numpy()
-        if "gp_amp" in params:  # σ from the prior's discrepancy model (issue 33): not a
-            # quadratic form of the basis, so no σ is exported for such a unit (NaN)
-            add_var = np.where(params["gp_amp"].numpy() > 0, np.nan, add_var)
+        if deployed is not None:  # carried whole by that block: the basis factor is 0
+            gp = deployed.rows >= 0
+            q, add_var = np.where(gp[:, None, None], 0.0, q), np.where(gp, 0.0, add_var)
         if "box" in params:  # the guard's box (scaled inputs); a model saved before: none
             box_lo, box_hi = params["box"][:, 0].numpy(), params["box"][:, 1].numpy()
     elif isinstance(alg, PolynomialCalibration):
@@ -246,13 +255,19 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
     used = np.any(coef != 0, 0) | np.isnan(coef).any(0)
     if factor is None and add_var is not None:
         used |= np.any(q != 0, (0, 1))
+        if deployed is not None:
+            used |= deployed.used_terms
+            deployed = deployed.subset(used)
         q = q[:, used][:, :, used]
         stated = np.isfinite(add_var) & np.isfinite(q).all((1, 2))
         if not stated.any():  # no unit states a σ: the form has none (module docstring)
             add_var, stated = None, None
         else:
             factor = np.stack(
-                [_factor(qi) if ok else np.zeros_like(qi) for qi, ok in zip(q, stated, strict=True)]
+                [
+                    _factor(qi) if ok and qi.any() else np.zeros_like(qi)
+                    for qi, ok in zip(q, stated, strict=True)
+                ]
             )
             add_var = np.where(stated, add_var, 0.0)
             stated = None if stated.all() else stated
@@ -270,6 +285,7 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
         box_hi,
         per_unit,
         stated,
+        deployed,
     )
 
 
@@ -307,10 +323,6 @@ def check_form(fleet, form: LinearForm, valid_range: dict | None = None) -> None
         want = fleet.algorithm.predict(params, zt)[..., 0].double().numpy()
         method = getattr(fleet.algorithm, "predictive_std", None)
         want_std = method(params, zt) if method is not None else None
-    if want_std is not None and "gp_amp" in params:  # the prior's discrepancy σ (issue 33):
-        # not a quadratic form, so not exported (the form has NaN for such units), not claimed
-        gp = (params["gp_amp"] > 0).reshape(-1, *([1] * (want_std.dim() - 1)))
-        want_std = torch.where(gp, torch.nan, want_std.to(torch.float64))
     none_stated = want_std is None or not bool(torch.isfinite(want_std).any())
     if none_stated != (not form.has_std):
         raise ValueError(f"{form.method}: the form and the model disagree on having a σ")
@@ -381,7 +393,14 @@ def c_header(fleet, form: LinearForm, guard: str, range_lines: list[str]) -> str
     lines = [
         f"/* fedcal calibration ({form.method}): {n_s} units, {t} basis terms ({kind}).",
         f" * inputs: {', '.join(fleet.features)}; output: {fleet.target}.",
-        f" * Footprint: {form.bytes_per_unit()} bytes of constants per unit. See docs/firmware.md.",
+        f" * Footprint: {form.bytes_per_unit()} bytes of constants per unit"
+        + (
+            f", + {form.deployed.bytes_per_unit()} per unit whose σ is the prior's discrepancy"
+            " model's"
+            if form.deployed is not None
+            else ""
+        )
+        + ". See docs/firmware.md.",
         " * Generated by fedcal export; do not edit. */",
         f"#ifndef {guard}",
         f"#define {guard}",
@@ -594,36 +613,61 @@ def c_header(fleet, form: LinearForm, guard: str, range_lines: list[str]) -> str
             "}",
         ]
     if form.has_std:
-        lines += [
-            "/* Predictive standard deviation (posterior + noise + model form beyond the box) of",
-            " * fedcal_calibrate, in the output's unit:",
-            " * |y_scale| * sqrt(|L^T phi|^2 + var_add + g^2), phi unguarded, and",
-            " * g = sum_t c_t (phi_t - psi_t) (the polynomial minus its tangent-plane",
-            " * continuation; 0 inside the support box);",
-            " * NAN for a unit without a stated σ (fedcal_has_std[sensor] == 0). */",
-            "static inline float fedcal_calibrate_std(int sensor, const float *x) {",
-            "    FEDCAL_BASIS_T phi[FEDCAL_NUM_TERMS], psi[FEDCAL_NUM_TERMS];",
-            "    if (!fedcal_has_std[sensor]) return NAN; /* no σ stated for this unit */",
-            "    const FEDCAL_STD_T *L = fedcal_chol[sensor];",
-            "    FEDCAL_STD_T var = fedcal_var_add[sensor];",
-            "    FEDCAL_SUM_T y_phi = 0, y_psi = 0, g;",
-            "    fedcal_features(sensor, x, phi, psi);",
-            "    for (int c = 0; c < FEDCAL_NUM_TERMS; ++c) {",
-            "        /* (L^T phi)_c = sum over rows r >= c of L[r][c] phi[r] */",
-            "        FEDCAL_STD_T w = 0;",
-            "        for (int r = c; r < FEDCAL_NUM_TERMS; ++r)",
-            "            w += L[r * (r + 1) / 2 + c] * (FEDCAL_STD_T)phi[r];",
-            "        var += w * w;",
-            "        y_phi += (FEDCAL_SUM_T)fedcal_coef[sensor][c] * (FEDCAL_SUM_T)phi[c];",
-            "        y_psi += (FEDCAL_SUM_T)fedcal_coef[sensor][c] * (FEDCAL_SUM_T)psi[c];",
-            "    }",
-            "    g = y_phi - y_psi;",
-            "    var += (FEDCAL_STD_T)(g * g);",
-            "    return (float)(fabs(fedcal_y_scale) * sqrt((double)var));",
-            "}",
-        ]
+        lines += _std_lines(form)
     lines += [f"#endif /* {guard} */", ""]
     return "\n".join(lines)
+
+
+def _std_lines(form: LinearForm) -> list[str]:
+    """``fedcal_calibrate_std_d`` (double) and ``fedcal_calibrate_std`` (float): the basis
+    form's σ (FEDCAL_STD_T arithmetic), or a deployed unit's (double: report.gp_export)."""
+    deployed = form.deployed is not None
+    lines = c_lines(form.deployed) if deployed else []
+    gp = (
+        [
+            "    if (fedcal_gp_row[sensor] >= 0) /* the prior's discrepancy model (double) */",
+            "        return fabs(fedcal_y_scale)"
+            " * sqrt(fedcal_deployed_var(fedcal_gp_row[sensor], x, phi) + (double)(g * g));",
+        ]
+        if deployed
+        else []
+    )
+    return [
+        *lines,
+        "/* Predictive standard deviation (posterior + noise + model form beyond the box) of",
+        " * fedcal_calibrate, in the output's unit:",
+        " * |y_scale| * sqrt(|L^T phi|^2 + var_add + g^2), phi unguarded, and",
+        " * g = sum_t c_t (phi_t - psi_t) (the polynomial minus its tangent-plane",
+        " * continuation; 0 inside the support box); a unit calibrated from the prior's",
+        " * discrepancy model (fedcal_gp_row >= 0): |y_scale| * sqrt(v + g^2) in double;",
+        " * NAN for a unit without a stated σ (fedcal_has_std[sensor] == 0). */",
+        "static inline double fedcal_calibrate_std_d(int sensor, const float *x) {",
+        "    FEDCAL_BASIS_T phi[FEDCAL_NUM_TERMS], psi[FEDCAL_NUM_TERMS];",
+        "    if (!fedcal_has_std[sensor]) return NAN; /* no σ stated for this unit */",
+        "    const FEDCAL_STD_T *L = fedcal_chol[sensor];",
+        "    FEDCAL_STD_T var = fedcal_var_add[sensor];",
+        "    FEDCAL_SUM_T y_phi = 0, y_psi = 0, g;",
+        "    fedcal_features(sensor, x, phi, psi);",
+        "    for (int c = 0; c < FEDCAL_NUM_TERMS; ++c) {",
+        "        y_phi += (FEDCAL_SUM_T)fedcal_coef[sensor][c] * (FEDCAL_SUM_T)phi[c];",
+        "        y_psi += (FEDCAL_SUM_T)fedcal_coef[sensor][c] * (FEDCAL_SUM_T)psi[c];",
+        "    }",
+        "    g = y_phi - y_psi;",
+        *gp,
+        "    for (int c = 0; c < FEDCAL_NUM_TERMS; ++c) {",
+        "        /* (L^T phi)_c = sum over rows r >= c of L[r][c] phi[r] */",
+        "        FEDCAL_STD_T w = 0;",
+        "        for (int r = c; r < FEDCAL_NUM_TERMS; ++r)",
+        "            w += L[r * (r + 1) / 2 + c] * (FEDCAL_STD_T)phi[r];",
+        "        var += w * w;",
+        "    }",
+        "    var += (FEDCAL_STD_T)(g * g);",
+        "    return fabs(fedcal_y_scale) * sqrt((double)var);",
+        "}",
+        "static inline float fedcal_calibrate_std(int sensor, const float *x) {",
+        "    return (float)fedcal_calibrate_std_d(sensor, x);",
+        "}",
+    ]
 
 
 def json_block(fleet, form: LinearForm) -> dict:
@@ -662,9 +706,15 @@ def json_block(fleet, form: LinearForm) -> dict:
                 if form.has_std
                 else ""
             )
+            + (JSON_FORMULA if form.deployed is not None else "")
         ),
         "terms": form.terms.tolist(),
         "bytes_per_unit": form.bytes_per_unit(),
+        **(
+            {"bytes_per_deployed_unit": form.deployed.bytes_per_unit()}
+            if form.deployed is not None
+            else {}
+        ),
         "x_offset": np.asarray(s.x_offset, float).tolist(),
         "x_scale": np.asarray(s.x_scale, float).tolist(),
         "y_offset": float(np.asarray(s.y_offset).ravel()[0]),
@@ -681,7 +731,9 @@ def json_block(fleet, form: LinearForm) -> dict:
             unit["box_hi"] = [None if math.isinf(v) else v for v in form.box_hi[row].tolist()]
         if form.has_std:
             unit["has_sigma"] = form.states_std(i)
-        if form.states_std(i):
+        if form.deployed is not None and form.deployed.rows[i] >= 0:
+            unit["sigma_deployed"] = json_unit(form.deployed, int(form.deployed.rows[i]))
+        elif form.states_std(i):
             unit["cov_factor"] = form.factor[i].tolist()
             unit["var_add"] = float(form.add_var[i])
         out["units"][sid] = unit

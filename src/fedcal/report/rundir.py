@@ -257,9 +257,8 @@ def _box_points(span: dict[str, list[float]], features: tuple[str, ...]) -> np.n
 def check_plausible(models: CalibratedFleet, ranges: dict, path: str | Path) -> None:
     """Refuse a model file whose predictions inside a sensor's calibrated input box are
     not finite, lie more than :data:`PLAUSIBLE_SPANS` target spans outside its calibrated
-    target span, or come with a σ that is not finite and > 0 (docs/safety-files.md). A σ
-    that is NaN everywhere is a unit whose interval the method declined: no σ is stated, and
-    nothing is claimed (``predict`` writes NaN), so it is not refused."""
+    target span, or come with a σ ≤ 0 or infinite (NaN is a unit whose interval the
+    method declined; a negative variance is refused before, by ``check_model_params``)."""
     target = models.target
     spans = [r[target] for r in ranges.values() if isinstance(r, dict) and target in r]
     for sensor in sorted(models.params):
@@ -283,10 +282,9 @@ def check_plausible(models: CalibratedFleet, ranges: dict, path: str | Path) -> 
                 "away: an edited or broken model"
             )
         sd = None if sd is None else np.asarray(sd, float)
-        stated = sd is not None and not np.isnan(sd).all()  # all NaN: declined, no σ stated
-        if stated and not (np.isfinite(sd).all() and (sd > 0).all()):
+        if sd is not None and ((sd <= 0) | np.isinf(sd)).any():  # NaN: a declined interval
             raise RunFileError(
-                f"{path}: sensor {sensor!r}: its predictive σ is not finite and > 0 "
+                f"{path}: sensor {sensor!r}: its predictive σ is not > 0 and finite "
                 "inside its calibrated inputs: an edited or broken model"
             )
 

@@ -1,0 +1,499 @@
+"""Model choice that respects time, with the simple fits as candidates, and no harm (issue 34).
+
+A field unit is used on its *future*: what it ships is chosen by how it predicts its own
+later rows, not by in-sample evidence (BIC rewards a basis that explains the past, e.g. a
+seasonal error). A mixin of :class:`~fedcal.algorithms.fedprior.FedPrior` (and fedprior_drift),
+acting with a time column (``choose``: "auto", "time" = also row order as time, "off").
+
+**Forward chaining.** Each unit's calibration span [t₀, t₁] gives two folds: fit on the rows
+before t₀ + (1 − 2h)·span and score the rows of the next h·span; fit before t₀ + (1 − h)·span
+and score the last h·span (h = ``choice_holdout``, 0.25). Candidates:
+
+* every basis the fleet prior may use (``select = "bic"``'s candidates; without selection the
+  basis in use), each unit's posterior under that candidate's broadcast prior from its early
+  rows (:func:`fedcal.core.bayes.posterior`);
+* **own linear**: the unit's own least-squares line (with intercept) from its early rows;
+* **pooled linear**: one least-squares line from the fleet's summed early-row moments
+  (Σ_i Φ_iᵀΦ_i, Σ_i Φ_iᵀy_i on the constant and first-order terms: sums only leave a unit);
+* **raw**: the uncorrected reading, where a feature measures the target itself
+  (``[data] raw_column``: ``raw_input`` and its map into the scaled target, ``raw_map``).
+
+Each unit's score of a candidate is its validation MSE over both folds' scored rows, as
+s_ik = clip(log(MSE_ik / min_k MSE_ik), 0, ``choice_clip``): scale-free, so a unit with
+many rows or large values does not outvote the others, and bounded, so no unit moves the
+fleet's sum by more than ``choice_clip`` nats. The server adds them (canonical order) and
+keeps the basis of least Σ_i s_ik in place of the BIC (ties: the smaller basis). The
+simple candidates' sums are reported beside the bases' (prior.json ``selection``).
+
+**No harm** (per unit, at personalization, on its own rows only): the unit's model (its
+posterior, fitted on its early rows the same way) and its best simple candidate are compared
+row by row on the scored rows, d_r = e_model,r² − e_simple,r². When mean(d) exceeds
+``choice_margin`` (0.1) × the simple candidate's MSE plus ``choice_z`` (2) standard errors
+(2 SE alone let 3 of 30 honest units of a planted drift fleet fall back: a time series'
+rows are correlated), the unit ships that candidate (fitted on all its rows: own line; the
+fleet's pooled line; the raw reading) with its validation MSE as σ_i². per_sensor.csv
+``fallback``: prior, own_linear, pooled_linear, raw. ``choice_sigma = "scale"`` (off by
+default, :meth:`TimeChoice._scale_sigma`) also scales each unit's σ by its last quarter.
+
+**Implausible units** (:meth:`TimeChoice.implausible_units`): validation RMSE or mean
+predictive σ, over the unit's own target spread, beyond ``implausible`` (5) × the fleet's
+median: ``weak`` (docs/statuses.md).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from fedcal.core.bayes import F64, Moments, moments, posterior
+from fedcal.core.data import ClientData
+from fedcal.core.tree import Tree
+
+SIMPLE = ("own_linear", "pooled_linear", "raw")
+MIN_SCORED = 5  # scored rows a unit needs before the no-harm test may replace its model
+SIGMA_PRIOR_ROWS = 20.0  # pseudo-rows at ratio 1 of a unit's forward σ scale (_scale_sigma)
+CHOICE_KEYS = ("pooled_fold", "pooled_all", "pooled_ok", "forward_scores", "forward_scored")
+FOLDS = 2
+
+
+def subset(data: ClientData, keep: Tensor) -> ClientData:
+    """The unit's rows where ``keep`` (clients, rows) is set, gathered to the front
+    (``count`` = their number); the others after them as padding."""
+    keep = keep > 0
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
+
+    def take(v: Tensor | None) -> Tensor | None:
+        if v is None:
+            return None
+        idx = order.reshape(*order.shape, *([1] * (v.dim() - 2))).expand_as(v)
+        return torch.gather(v, 1, idx)
+
+    return ClientData(
+        take(data.x),
+        take(data.y),
+        keep.sum(1),
+        data.seeds,
+        data.index,
+        take(data.branch),
+        take(data.time),
+        None,
+    )
+
+
+def late_sse(late: Moments, coef: Tensor) -> Tensor:
+    """Σ (y − φᵀc)² over the scored rows from their moments: yy − 2cᵀb + cᵀGc."""
+    quad = (coef.unsqueeze(-2) @ late.gram @ coef.unsqueeze(-1))[..., 0, 0]
+    return (late.yy - 2 * (coef * late.rhs).sum(-1) + quad).clamp_min(0.0)
+
+
+def ridge_solve(gram: Tensor, rhs: Tensor) -> Tensor:
+    """Least squares from moments, a 1e-9 relative ridge so that a unit without enough rows
+    (or a constant input) still gets a (poor) line, never a crash."""
+    eye = torch.eye(gram.shape[-1], dtype=F64)
+    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-300)
+    a = gram + 1e-9 * scale.unsqueeze(-1).unsqueeze(-1) * eye
+    return torch.linalg.solve(a, rhs.unsqueeze(-1))[..., 0]
+
+
+class TimeChoice:
+    """Forward-chaining choice, simple candidates and the no-harm fall-back (module doc)."""
+
+    # ---- when and on what ----------------------------------------------------------
+    def choosing(self, data: ClientData) -> bool:
+        """Whether the time-respecting choice acts on these data (``choose``)."""
+        if not self.choice_on:
+            return False
+        return self.choose == "time" or data.time is not None
+
+    def _times(self, data: ClientData) -> Tensor:
+        if data.time is not None:
+            return data.time.to(F64)
+        return torch.arange(data.x.shape[1], dtype=F64).expand(data.x.shape[:2])
+
+    def folds(self, data: ClientData) -> list[tuple[Tensor, Tensor]]:
+        """(fit, scored) row masks (clients, rows) of the forward-chaining folds."""
+        t, real = self._times(data), data.mask > 0
+        first = torch.where(real, t, math.inf).amin(1, keepdim=True)
+        last = torch.where(real, t, -math.inf).amax(1, keepdim=True)
+        span = (last - first).clamp_min(0.0)
+        h = self.choice_holdout
+        # fold k (0..FOLDS-1): fit before the (FOLDS - k)-th last h of the span, score that h
+        cuts = [first + (1 - j * h) * span for j in range(FOLDS, -1, -1)]  # ..., 1 - h, 1
+        out = []
+        for k in range(FOLDS):
+            fit = real & (t < cuts[k])
+            scored = real & (t >= cuts[k])
+            if k + 1 < FOLDS:
+                scored = scored & (t < cuts[k + 1])
+            out.append((fit.to(F64), scored.to(F64)))
+        return out
+
+    @property
+    def choice_on(self) -> bool:
+        """Whether the choice's state and uploads exist (``choose`` not "off", a basis with
+        the constant and every first-order term)."""
+        return self.choose != "off" and self._linear_terms() is not None
+
+    def _linear_terms(self) -> list[int] | None:
+        """Indices in :attr:`terms` of the constant and each input's first-order term."""
+        return _linear_index(self.terms, self.num_inputs)
+
+    @cached_property
+    def raw_coef(self) -> Tensor | None:
+        """The raw reading y = α + β·x_raw (scaled) as coefficients of :attr:`terms`
+        (normalized Legendre: P̃₀ = 1, P̃₁(x) = √3·x)."""
+        lin = self._linear_terms()
+        if self.raw_input < 0 or lin is None or self.raw_input >= self.num_inputs:
+            return None
+        coef = torch.zeros(self.num_features, dtype=F64)
+        coef[lin[0]] = self.raw_map[0]
+        coef[lin[1 + self.raw_input]] = self.raw_map[1] / math.sqrt(3.0)
+        return coef
+
+    # ---- client: the uploads -----------------------------------------------------------
+    def choice_uploads(self, down: Tree, state: Tree, data: ClientData) -> Tree:
+        """A unit's scores of every candidate and its linear moments (module doc)."""
+        design = self.design(data.x, data.branch)
+        y = data.y[..., 0].to(F64)
+        lin = torch.tensor(self._linear_terms())
+        pooled = pooled_lines(down, len(lin))
+        sse, grams, rhss, rows = [], [], [], torch.zeros(data.num_clients, dtype=F64)
+        for k, (fit, scored) in enumerate(self.folds(data)):
+            early, late = moments(design, y, fit), moments(design, y, scored)
+            rows = rows + late.n
+            coefs = self._candidate_coefs(down, state, early)  # (clients, K, p)
+            g = early.gram[:, lin][:, :, lin]
+            r = early.rhs[:, lin]
+            grams.append(g)
+            rhss.append(r)
+            simple = torch.zeros(data.num_clients, 3, self.num_features, dtype=F64)
+            simple[:, 0, lin] = ridge_solve(g, r)
+            if pooled is not None:
+                simple[:, 1, lin] = pooled[0][:, k]
+            if self.raw_coef is not None:
+                simple[:, 2] = self.raw_coef
+            both = torch.cat([coefs, simple], 1)
+            sse.append(late_sse(_expand(late, both.shape[1]), both))
+        mse = sum(sse) / rows.clamp_min(1.0).unsqueeze(1)
+        have = torch.ones(mse.shape[1], dtype=torch.bool)
+        have[-2] = pooled is not None
+        have[-1] = self.raw_coef is not None
+        best = torch.where(have, mse, math.inf).amin(1, keepdim=True).clamp_min(1e-300)
+        score = torch.log(mse.clamp_min(1e-300) / best).clamp(0.0, self.choice_clip)
+        score = torch.where(have & (rows > 0).unsqueeze(1), score, 0.0)
+        full = moments(design, y, data.mask.to(F64))
+        return {
+            "score": score,
+            "scored": (rows > 0).to(F64),
+            "lin_gram": torch.stack([*grams, full.gram[:, lin][:, :, lin]], 1),
+            "lin_rhs": torch.stack([*rhss, full.rhs[:, lin]], 1),
+        }
+
+    def _candidate_coefs(self, down: Tree, state: Tree, early: Moments) -> Tensor:
+        """(clients, K, p): each basis candidate's posterior mean from the early rows."""
+        if not self.each_candidate:  # the basis in use only
+            stats, post = self._posterior(down, state, early)
+            mask = self._model_mask(down)
+            coef = post.mean if mask is None else post.mean * mask
+            return coef.unsqueeze(1)
+        stats, c, p, k = self._candidate_moments(down, early)
+        cand = down["cand"]
+        noise = state["cand_noise_var"] if self.noise == "sensor" else cand["noise_var"]
+        post = posterior(
+            stats,
+            cand["mu"].reshape(-1, p),
+            cand["sigma"].reshape(-1, p, p),
+            noise.reshape(-1),
+        )
+        return post.mean.reshape(c, k, p) * self.masks.unsqueeze(0)
+
+    # ---- server ------------------------------------------------------------------------
+    def choice_update(self, replies: Tree, order: Tensor) -> Tree:
+        """The pooled lines (per fold and on all rows) and the fleet's summed scores."""
+        total = {k: v[order].sum(0) for k, v in replies.items()}
+        coef = ridge_solve(total["lin_gram"], total["lin_rhs"])  # (folds + 1, L)
+        return {
+            "pooled_fold": coef[:FOLDS],
+            "pooled_all": coef[FOLDS],
+            "pooled_ok": torch.tensor(1.0, dtype=F64),
+            "forward_scores": total["score"],
+            "forward_scored": total["scored"],
+        }
+
+    def forward_choice(self, scores: Tensor) -> int:
+        """The basis of least summed score (ties: the smaller, listed first)."""
+        k = len(self.candidates) if self.each_candidate else 1
+        return int(torch.argmin(scores[:k]))
+
+    def choice_record(self, server: Tree) -> dict[str, Any] | None:
+        """prior.json's record of the time-respecting choice (None when it did not act)."""
+        if "forward_scored" not in server or not float(server["forward_scored"]) > 0:
+            return None
+        names = [str(c) if c else "basis in use" for c in self.candidates]
+        names = names if self.each_candidate else ["basis in use"]
+        scores = [round(float(v), 3) for v in server["forward_scores"]]
+        have = [True] * len(names) + [True, True, self.raw_coef is not None]
+        ranked = sorted(
+            (s, n) for s, n, h in zip(scores, [*names, *SIMPLE], have, strict=True) if h
+        )
+        return {
+            "rule": "forward-chaining validation (each unit's last quarters of its own span)",
+            "units_scored": float(server["forward_scored"]),
+            "candidates": [*names, *SIMPLE],
+            "scores": scores,
+            "ranked": [{"candidate": n, "score": s} for s, n in ranked],
+            "note": "score: Σ over units of clip(log(MSE / the unit's best MSE), 0, "
+            f"{self.choice_clip:g}); lower is better; simple candidates are shipped per unit "
+            "by the no-harm fall-back",
+        }
+
+    # ---- client: no harm at personalization ----------------------------------------------
+    def no_harm(self, down: Tree, state: Tree, data: ClientData, out: Tree) -> Tree:
+        """The unit's model, or its best simple candidate where that predicted its own
+        future better by more than ``choice_z`` standard errors (module doc)."""
+        c = data.num_clients
+        out["fallback"] = torch.zeros(c, dtype=F64)
+        out["val_mse"] = torch.full((c,), -1.0, dtype=F64)  # -1: not measured (finite)
+        out["sigma_scale"] = torch.ones(c, dtype=F64)
+        m, y = data.mask.to(F64), data.y[..., 0].to(F64)
+        count = m.sum(1).clamp_min(1.0)
+        mean = (y * m).sum(1) / count
+        out["target_sd"] = (((y - mean.unsqueeze(1)) ** 2 * m).sum(1) / count).sqrt()
+        if not self.choosing(data):
+            return out
+        lin = torch.tensor(self._linear_terms())
+        design = self.design(data.x, data.branch)
+        y = data.y[..., 0].to(F64)
+        err = torch.zeros(4, *y.shape, dtype=F64)  # model, own, pooled, raw: squared errors
+        scored_all = torch.zeros_like(y)
+        stated = torch.zeros_like(y)  # the early fit's stated predictive variance there
+        pooled = pooled_lines(down, len(lin))
+        for k, (fit, scored) in enumerate(self.folds(data)):
+            early = self._personal(down, state, subset(data, fit))
+            pred = self.predict(early, data.x.to(F64))[..., 0].to(F64)
+            err[0] += scored * (pred - y) ** 2
+            if k == FOLDS - 1:  # σ: the fold most like use (fit on all but the last h)
+                stated = scored * self._stated_var(early, data)
+                last = scored
+            em = moments(design, y, fit)
+            own = ridge_solve(em.gram[:, lin][:, :, lin], em.rhs[:, lin])
+            err[1] += scored * ((design[..., lin] * own.unsqueeze(1)).sum(-1) - y) ** 2
+            if pooled is not None:
+                line = (design[..., lin] * pooled[0][:, k].unsqueeze(1)).sum(-1)
+                err[2] += scored * (line - y) ** 2
+            if self.raw_coef is not None:
+                err[3] += scored * ((design * self.raw_coef).sum(-1) - y) ** 2
+            scored_all = scored_all + scored
+        n = scored_all.sum(1)
+        mse = err.sum(-1) / n.clamp_min(1.0)  # (4, clients)
+        have = torch.tensor([True, True, pooled is not None, self.raw_coef is not None])
+        simple = torch.where(have[1:].unsqueeze(1), mse[1:], math.inf)
+        best = simple.argmin(0)  # (clients,) 0 own, 1 pooled, 2 raw
+        d = err[0] - _pick(err[1:], best)
+        mean = (d * scored_all).sum(1) / n.clamp_min(1.0)
+        var = ((d - mean.unsqueeze(1)) ** 2 * scored_all).sum(1) / (n - 1).clamp_min(1.0)
+        base = _pick_rows(mse[1:], best)
+        bar = self.choice_margin * base + self.choice_z * (var / n.clamp_min(1.0)).sqrt()
+        worse = (n >= MIN_SCORED) & (mean > bar)
+        out["val_mse"] = torch.where(n > 0, mse[0], -1.0)
+        if self.choice_sigma == "scale":
+            out = self._scale_sigma(out, err[0] * last, stated, last, ~worse)
+        if bool(worse.any()):
+            out = self._ship_simple(out, down, data, design, best, worse, base)
+        return out
+
+    def _stated_var(self, params: Tree, data: ClientData) -> Tensor:
+        """(clients, rows) the predictive variance ``params`` states at ``data``'s rows (at
+        each row's time for fedprior_drift); NaN where it states none."""
+        timed = getattr(self, "predictive_std_timed", None)
+        std = timed(params, data) if timed is not None else self.predictive_std(params, data.x)
+        if std is None:
+            return torch.full(data.mask.shape, math.nan, dtype=F64)
+        return std.to(F64)[..., 0] ** 2
+
+    def _scale_sigma(
+        self, out: Tree, sq_err: Tensor, stated: Tensor, scored: Tensor, which: Tensor
+    ) -> Tree:
+        """Each unit's variance scaled so that its fit on all but the last h of its span
+        would have covered 95 % of that last h (the fold most like use): with z_r = |e_r| /
+        √v_r on the scored rows (e the error, v the variance that fit stated there) and q
+        their 95 % quantile, r = (q / 1.96)², shrunk to 1 by ``SIGMA_PRIOR_ROWS``
+        pseudo-rows, r̃ = (n r + n₀) / (n + n₀). A quantile, not Σe²/Σv: hourly PM errors are
+        heavy-tailed, and the mean-square ratio over-covered (Antwerp 0.986, docs/field.md).
+        The posterior covariance, every ``*_var`` of the unit and fedprior_drift's walk
+        covariance times r̃ (its σ times √r̃, at every time)."""
+        ok = torch.isfinite(stated) | (scored == 0)
+        v = torch.where(scored > 0, torch.nan_to_num(stated, nan=0.0), 0.0)
+        n = scored.sum(1)
+        z = torch.where((scored > 0) & (v > 0), (sq_err / v.clamp_min(1e-300)).sqrt(), math.nan)
+        q = torch.nanquantile(z, 0.95, dim=1)
+        ratio = (n * (q / 1.959964) ** 2 + SIGMA_PRIOR_ROWS) / (n + SIGMA_PRIOR_ROWS)
+        mean_v = v.sum(1) / n.clamp_min(1.0)
+        use = which & ok.all(1) & (n > 0) & (mean_v > 0) & torch.isfinite(ratio)
+        r = torch.where(use, ratio, 1.0)
+        out["cov"] = out["cov"].to(F64) * r.reshape(-1, 1, 1)
+        if "drift_cov" in out:  # fedprior_drift: the walk's growth after t_i too
+            out["drift_cov"] = out["drift_cov"].to(F64) * r.reshape(-1, 1, 1)
+        for key in [k for k in out if k.endswith("_var")]:
+            if tuple(out[key].shape) == tuple(r.shape):
+                out[key] = out[key].to(F64) * r
+        out["sigma_scale"] = r.sqrt()
+        return out
+
+    def _ship_simple(
+        self,
+        out: Tree,
+        down: Tree,
+        data: ClientData,
+        design: Tensor,
+        best: Tensor,
+        worse: Tensor,
+        val: Tensor,
+    ) -> Tree:
+        """Replace the flagged units' model by their best simple candidate (all rows)."""
+        lin = torch.tensor(self._linear_terms())
+        y = data.y[..., 0].to(F64)
+        full = moments(design, y, data.mask.to(F64))
+        g, r = full.gram[:, lin][:, :, lin], full.rhs[:, lin]
+        p = self.num_features
+        coef = torch.zeros(data.num_clients, 3, p, dtype=F64)
+        coef[:, 0, lin] = ridge_solve(g, r)
+        pooled = pooled_lines(down, len(lin))
+        if pooled is not None:
+            coef[:, 1, lin] = pooled[1]
+        if self.raw_coef is not None:
+            coef[:, 2] = self.raw_coef
+        chosen = coef[torch.arange(data.num_clients), best]
+        resid = late_sse(full, chosen) / full.n.clamp_min(1.0)
+        cov = torch.zeros(data.num_clients, p, p, dtype=F64)
+        own_cov = torch.linalg.pinv(g) * resid.unsqueeze(-1).unsqueeze(-1)
+        cov[:, lin.unsqueeze(1), lin.unsqueeze(0)] = own_cov
+        cov = torch.where((best == 0).reshape(-1, 1, 1), cov, 0.0)
+        w = worse.reshape(-1, 1)
+        out["coef"] = torch.where(w, chosen, out["coef"].to(F64))
+        out["cov"] = torch.where(w.unsqueeze(-1), cov, out["cov"].to(F64))
+        noise = torch.maximum(val, resid)  # its error on its own future, at least in-sample
+        out["noise_var"] = torch.where(worse, noise, out["noise_var"].to(F64).expand_as(noise))
+        if "disc_var" in out:
+            out["disc_var"] = torch.where(worse, 0.0, out["disc_var"].to(F64))
+        out["fallback"] = torch.where(worse, 1.0 + best.to(F64), 0.0)
+        out["val_mse"] = torch.where(worse, val, out["val_mse"])
+        return out
+
+    # ---- server state, status and records -------------------------------------------------
+    def _choice_init(self) -> Tree:
+        """fedprior_choice's server state before any sums: no pooled line yet."""
+        k = len(self.candidates) if self.each_candidate else 1
+        k, lin = k + len(SIMPLE), 1 + self.num_inputs
+        zero = torch.tensor(0.0, dtype=F64)
+        return {
+            "pooled_fold": torch.zeros(FOLDS, lin, dtype=F64),
+            "pooled_all": torch.zeros(lin, dtype=F64),
+            "pooled_ok": zero.clone(),
+            "forward_scores": torch.zeros(k, dtype=F64),
+            "forward_scored": zero.clone(),
+        }
+
+    def _choice_state(self, server: Tree, forward: Tree | None) -> Tree:
+        """The pooled lines and forward scores to keep (last round's without new sums)."""
+        if "pooled_ok" not in server:
+            return {}
+        return {k: server[k] for k in CHOICE_KEYS} if forward is None else forward
+
+    def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
+        """PriorStatus's flags, and ``weak`` for an implausible unit (fedprior_choice)."""
+        flags = super().client_status(server, personal, x, mask)  # PriorStatus's
+        if self.choose != "off":
+            flags["weak"] = flags["weak"] | self.implausible_units(personal, x, mask)
+        return flags
+
+    def unit_columns(self, params: Tree, train: ClientData) -> dict:
+        """Per unit: ``fallback``, the model it ships (no harm), and ``sigma_scale``, the
+        factor its σ got from its own later rows (:meth:`_scale_sigma`)."""
+        if "fallback" not in params or self.choose == "off":
+            return {}
+        names = np.array(["prior", *SIMPLE], dtype=object)
+        out = {"fallback": names[params["fallback"].to(torch.long).numpy()]}
+        if "sigma_scale" in params:
+            out["sigma_scale"] = params["sigma_scale"].to(F64).numpy()
+        return out
+
+    def export_state(self, server: Tree) -> dict:
+        state = super().export_state(server)  # PriorStatus's
+        record = self.choice_record(server)
+        if record is not None:  # the time-respecting choice (fedprior_choice)
+            selection = state.setdefault("selection", {"rule": "none", "chosen": {}})
+            if self.each_candidate:
+                selection["rule"] = "forward"
+            selection["forward"] = record
+        return state
+
+    # ---- status ------------------------------------------------------------------------
+    def implausible_units(self, personal: Tree, x: Tensor, mask: Tensor) -> Tensor:
+        """(clients,) units whose validation RMSE or mean predictive σ, each over the unit's
+        own target spread (the standard deviation of its calibration targets: a rain gauge
+        of a wet site is not implausible for its larger errors), is more than
+        ``implausible`` times the fleet's median (module doc)."""
+        n = x.shape[0]
+        flag = torch.zeros(n, dtype=torch.bool)
+        spread = personal.get("target_sd")
+        spread = torch.ones(n, dtype=F64) if spread is None else spread.to(F64).reshape(n)
+        spread = torch.where(spread > 0, spread, math.nan)
+        if "val_mse" in personal:
+            val = personal["val_mse"].to(F64).reshape(n)
+            rmse = val.clamp_min(0.0).sqrt() / spread
+            ok = torch.isfinite(rmse) & (val >= 0)  # -1: not measured
+            if int(ok.sum()) >= 3:
+                flag |= ok & (rmse > self.implausible * rmse[ok].median())
+        std = self.predictive_std(personal, x)
+        if std is not None:
+            m = mask.to(F64)
+            s = (std.to(F64)[..., 0] * m).sum(1) / m.sum(1).clamp_min(1.0) / spread
+            ok = torch.isfinite(s)
+            if int(ok.sum()) >= 3:
+                flag |= ok & (s > self.implausible * s[ok].median())
+        return flag
+
+
+def pooled_lines(down: Tree, terms: int) -> tuple[Tensor, Tensor] | None:
+    """The broadcast pooled lines ((1 or clients, folds, L), (1 or clients, L)), or None
+    before the fleet has summed any (a broadcast may carry a clients axis)."""
+    if "pooled_ok" not in down or not float(down["pooled_ok"].reshape(-1)[0]) > 0:
+        return None
+    fold = down["pooled_fold"].to(F64).reshape(-1, FOLDS, terms)
+    return fold, down["pooled_all"].to(F64).reshape(-1, terms)
+
+
+def _expand(stats: Moments, k: int) -> Moments:
+    """Moments (clients, …) repeated for k candidates: (clients, k, …)."""
+    return Moments(
+        stats.gram.unsqueeze(1).expand(-1, k, -1, -1),
+        stats.rhs.unsqueeze(1).expand(-1, k, -1),
+        stats.yy.unsqueeze(1).expand(-1, k),
+        stats.n.unsqueeze(1).expand(-1, k),
+    )
+
+
+def _pick(err: Tensor, best: Tensor) -> Tensor:
+    """err (3, clients, rows) at each client's ``best`` candidate: (clients, rows)."""
+    return err.permute(1, 0, 2)[torch.arange(err.shape[1]), best]
+
+
+def _pick_rows(mse: Tensor, best: Tensor) -> Tensor:
+    """mse (3, clients) at each client's ``best``: (clients,)."""
+    return mse.T[torch.arange(mse.shape[1]), best]
+
+
+def _linear_index(terms: tuple[tuple[int, ...], ...], inputs: int) -> list[int] | None:
+    """Indices of the constant and of each input's P̃₁ term, or None if any is missing."""
+    where = {t: i for i, t in enumerate(terms)}
+    wanted = [tuple([0] * inputs)]
+    wanted += [tuple(1 if j == k else 0 for j in range(inputs)) for k in range(inputs)]
+    if any(w not in where for w in wanted):
+        return None
+    return [where[w] for w in wanted]
