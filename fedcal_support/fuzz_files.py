@@ -10,7 +10,8 @@ traceback rather than swapping the machine). Outcomes:
                   line naming the file);
 * hang          — no answer within the time limit;
 * accepted      — the file loaded. Whether that is right depends on the case:
-  ``refuse`` cases must not load (loaded = *silently accepted*, a defect);
+  ``refuse`` cases must not load (loaded = *silently accepted*, a defect); ``warn``
+  cases must load with a warning (repeated rows: data in zero-inflated readings);
   ``valid`` cases must load with the original content (a harmless change:
   rows reordered, CRLF, an extra column …); ``intact`` cases (bit flips,
   byte junk) may load only if the data read equals the original exactly;
@@ -49,7 +50,7 @@ NUMERIC = ["frequency_hz", "temperature_c", "pressure_hpa"]
 class Case:
     name: str
     path: str
-    expect: str  # "refuse", "valid", "intact" or "undetectable"
+    expect: str  # "refuse", "valid", "intact", "undetectable" or "warn" (loads with a warning)
     kwargs: tuple = ()  # extra load_fleet arguments as (key, value) pairs
 
 
@@ -244,7 +245,8 @@ def build_corpus(root: Path, seed: int = 0) -> list[Case]:
         .replace("@", "temperature_c"),
         "refuse",
     )
-    put("duplicated rows", csv_text + "\n".join(csv_lines[1:4]) + "\n", "refuse")
+    # repeated rows are data (zero-inflated, quantized readings; issue 34.5): loaded, warned
+    put("duplicated rows", csv_text + "\n".join(csv_lines[1:4]) + "\n", "warn")
     put("empty sensor id", csv_text.replace("\nS02,", "\n,", 1), "refuse")
     put("unknown split value", csv_text.replace(",test\n", ",tset\n", 1), "refuse")
     put("sensor with one point", csv_text + "S99,33000,20,900,train\n", "refuse")
@@ -356,7 +358,8 @@ def _load(case: Case) -> tuple[str, str]:
         return "exception", f"{type(e).__name__}: {e}"[:300]
     columns = ["sensor_id", *NUMERIC, "split"]
     got = fleet.frame[columns].sort_values(columns).reset_index(drop=True)
-    return "loaded", str(int(pd.util.hash_pandas_object(got, index=False).sum()))
+    kind = "warned" if fleet.meta.get("warnings") else "loaded"  # loaded, and said why to look
+    return kind, str(int(pd.util.hash_pandas_object(got, index=False).sum()))
 
 
 def _worker(limit_bytes: int) -> None:
@@ -419,7 +422,11 @@ def _classify(case: Case, kind: str, detail: str, reference: str) -> str:
     if kind in ("exception", "unclear"):
         return "traceback"
     if kind == "clear":
-        return "wrongly refused" if case.expect == "valid" else "clear error"
+        return "wrongly refused" if case.expect in ("valid", "warn") else "clear error"
+    if case.expect == "warn":  # must load and say so
+        return "accepted, warned" if kind == "warned" else "silently accepted"
+    if kind == "warned":  # a warning on a case that expects none: judged as loaded
+        kind = "loaded"
     same = detail == reference
     if case.expect == "refuse":
         return "silently accepted"
@@ -457,6 +464,7 @@ def main() -> None:
         "silently accepted",
         "hang",
         "accepted, valid",
+        "accepted, warned",
         "accepted, intact",
         "accepted, undetectable",
         "wrongly refused",

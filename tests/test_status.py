@@ -262,8 +262,8 @@ def test_the_printed_table_counts_excluded_sensors_and_fits_100_columns():
     assert "—" in cells and "20" in cells  # coverage not stated; 20 sensors excluded
     notes = excluded_note(table)
     assert notes == [
-        "fedprior_fixed (all pts): 40 of 40 sensors excluded from the means: 40 weak",
-        "fedpoly_p3_longer_name (all pts): 20 of 40 sensors excluded from the means: 20 rejected",
+        "fedprior_fixed: 40 of 40 sensors excluded from the means: 40 weak",
+        "fedpoly_p3_longer_name: 20 of 40 sensors excluded from the means: 20 rejected",
     ]
 
 
@@ -352,7 +352,9 @@ def test_a_role_with_no_ok_sensor_reads_n_a_not_diverged():
         }
     )
     assert cell(row, "rmse_mean_new", short=True) == "n/a"
-    assert cell(row, "rmse_mean_reference", short=True) == "0.05"
+    assert (
+        cell(row, "rmse_mean_reference", short=True) == "0.0500"
+    )  # 3 significant digits, zeros kept (issue 37.2)
     # a role with one ok sensor whose value is NaN is a real non-finite number: "diverged"
     partly = row.copy()
     partly["excluded_new"] = 19
@@ -380,3 +382,32 @@ def test_a_role_named_with_an_underscore_with_no_ok_sensor_reads_n_a():
     partly = row.copy()
     partly["excluded_new_unit"] = 19
     assert cell(partly, "rmse_mean_new_unit", short=True) == "diverged"
+
+
+# ---- down-weighted is not rejected (issue 37.2) ------------------------------------------
+def test_a_down_weighting_in_the_final_rounds_is_ok_and_said_as_such():
+    """fedprior's M-step weight is recorded like a rejection (reason "prior outlier: …"), but
+    the reply was aggregated: status ok, its reason says down-weighted; a size rejection in
+    the same rounds is still "rejected". The run's notes say which is which."""
+    from fedcal.experiment import status_notes
+
+    low = "prior outlier: distance 120 > cut-off 64.8, M-step weight 0.29"
+    flat = history(1.0, 1.0)
+    final = pd.DataFrame(
+        [{"client_index": 0, "client": "S0", "status": "ok"},
+         {"client_index": 1, "client": "S1", "status": "ok"}]
+    )  # fmt: skip
+    records = [
+        {"round": 50, "client_index": 0, "client": "S0", "reason": low, "ratio": 120.0,
+         "threshold": 64.8},
+        {"round": 50, "client_index": 1, "client": "S1", "reason": "size", "ratio": 52.0,
+         "threshold": 10.0},
+    ]  # fmt: skip
+    status, why = sensor_statuses(final, flat, records, {}, 50, "rmse")
+    assert status == ["ok", "rejected"]
+    assert why[0] == f"down-weighted in round 50 (still aggregated): {low}"
+    final["status"] = status
+    notes = status_notes(final, pd.DataFrame(records))
+    assert f"server down-weighted S0's reply in 1 round(s) (50): {low} (still aggregated)" in notes
+    assert "server rejected S1's reply in 1 round(s) (50): size 52 > threshold 10" in notes
+    assert not any("rejected S0" in n for n in notes)

@@ -228,6 +228,12 @@ def load_outline(config: RunConfig, path: str) -> FleetOutline:
     )
 
 
+def _with_warnings(fleet: Fleet) -> tuple[Fleet, str]:
+    """The fleet and its loader's warnings (repeated rows, an undeclared time column), one
+    line each (issue 34.5)."""
+    return fleet, "\n".join(fleet.meta.get("warnings", ()))
+
+
 def load_run_data(
     config: RunConfig, train_points: Sequence[int] = (0,)
 ) -> tuple[Fleet | FleetOutline, str]:
@@ -240,9 +246,9 @@ def load_run_data(
     path = config.data.path
     frame_needed = any(train_points) or config.designs or config.fleet_seeds
     if not path or path.startswith("builtin:") or frame_needed:
-        return load_data(config), ""
+        return _with_warnings(load_data(config))
     if not path.lower().endswith(PARQUET_SUFFIXES):
-        return load_data(config), ""
+        return _with_warnings(load_data(config))
     try:
         return load_outline(config, path), ""
     except SensorSplitError as err:

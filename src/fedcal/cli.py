@@ -302,8 +302,8 @@ def _experiment(
     torch.set_num_threads(1)  # tiny models: threading overhead dominates
     try:  # a Parquet file by row groups when nothing needs its whole frame (issue 25.1)
         fleet, note = load_run_data(cfg, train_points)
-        if note:
-            err_console.print(f"note: {escape(note)}")
+        for line in note.splitlines():  # one line each (issue 37.2)
+            err_console.print(f"note: {escape(line)}", soft_wrap=True)
         if auto_chunk:  # no --chunk-size: chosen from the fleet's units and rows (config.json)
             cfg, note = with_auto_chunk(cfg, fleet)
             if note:
@@ -344,9 +344,8 @@ def _experiment(
                 noted.add((method, note))
                 err_console.print(f"note ({method}): {escape(note)}")
 
-        def on_status(label: str, note: str) -> None:  # sensors not ok, rejections
-            if not quiet:
-                err_console.print(f"status ({escape(label)}): {escape(note)}", soft_wrap=True)
+        def on_status(label: str, note: str) -> None:  # sensors not ok, rejections:
+            pass  # per_sensor.csv and rejections.csv; the table's "not ok" lines (issue 37.2)
 
         failures: list[str] = []
 
@@ -411,8 +410,8 @@ def _print_table(table, unit: str, show_bytes: bool) -> None:
 
     for t in rich_tables(table, table_columns(table, unit, show_bytes), unit):
         console.print(t)
-    for line in excluded_note(table):  # which statuses the "excl." column counts
-        console.print(f"excl. {escape(line)}", soft_wrap=True)
+    for line in excluded_note(table):  # which statuses the "not ok" column counts
+        console.print(f"not ok: {escape(line)}", soft_wrap=True)
 
 
 # Fixed choices, as the schema's Literal types (tests/cli/test_cli_api_habits.py checks they

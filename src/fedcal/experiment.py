@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
@@ -57,7 +58,7 @@ from fedcal.build import (  # noqa: F401  (re-exported: callers import the build
     with_raw_column,
 )
 from fedcal.config import ConfigError, RunConfig
-from fedcal.core.aggregation import AggregationError, check_policy
+from fedcal.core.aggregation import AggregationError, check_policy, is_downweighting
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.atomic import write_text, write_with
 from fedcal.core.coverage import SEVERITY, coverage_check
@@ -209,6 +210,7 @@ def summary_row(
             for role, rows in groups.items():
                 for how in ("mean", "worst"):
                     row[f"{name}_{how}_{role}"] = fleet_stat(final.loc[rows & ok, col], how, name)
+    row.update(all_sensor_means(final, task.primary_metric, groups))
     if task.kind == "regression":
         row["rmse_mean_pct_fs"] = 100.0 * row["rmse_mean"] / fs
         row["max_abs_worst_pct_fs"] = 100.0 * row["max_abs_worst"] / fs
@@ -222,6 +224,67 @@ def summary_row(
     row["rejected"] = int(final["rejected_rounds"].sum()) if "rejected_rounds" in final else 0
     row["failed"] = 0
     return row
+
+
+def all_sensor_means(
+    final: pd.DataFrame, metric: str, groups: dict[str, pd.Series] | None = None
+) -> dict[str, Any]:
+    """The primary metric's mean over every sensor with a finite test error, whatever its
+    status (issue 34.4: weak, unconverged and rejected ones counted), ``<metric>_mean_all``,
+    and ``unscored`` the sensors without one (diverged, refused: never silently dropped);
+    per role with ``groups`` (``<metric>_mean_all_<role>``, ``unscored_<role>``)."""
+    column = f"test_{metric}"
+    if column not in final.columns:
+        return {}
+    values = final[column].to_numpy(float)
+    finite = np.isfinite(values)
+    out: dict[str, Any] = {}
+    for role, rows in {"": np.ones(len(final), bool), **(groups or {})}.items():
+        use = np.asarray(rows, bool)
+        tail = f"_{role}" if role else ""
+        scored = values[use & finite]
+        out[f"{metric}_mean_all{tail}"] = float(scored.mean()) if len(scored) else math.nan
+        out[f"unscored{tail}"] = int((use & ~finite).sum())
+    return out
+
+
+def common_sensor_means(summary: pd.DataFrame, runs: dict[int, tuple[Path, str]]) -> pd.DataFrame:
+    """``summary`` with each run's primary-metric mean over the sensors that every method of
+    its group (same fleet, design, point budget and seed) has ``ok`` (issue 34.4):
+    ``<metric>_mean_common`` and ``common_sensors`` (per role too, ``…_<role>``). ``runs``:
+    per summary row, its per_sensor.csv and primary metric; a failed method has none and
+    does not narrow the set (its row says ``failed``)."""
+    finals = {}
+    for i, (path, metric) in runs.items():
+        if path.is_file():
+            final = pd.read_csv(path)
+            if f"test_{metric}" in final.columns and "status" in final.columns:
+                finals[i] = (final, metric)
+    out = summary.copy()
+    keys = [c for c in ("design", "fleet_seed", "train_points", "seed") if c in out.columns]
+    for _, part in out.groupby(keys, sort=False, dropna=False):
+        present = [i for i in part.index if i in finals]
+        if len(present) < 2:
+            continue
+        common = set.intersection(
+            *(
+                set(f.loc[f["status"] == "ok", "client"].astype(str))
+                for f, _ in (finals[i] for i in present)
+            )
+        )
+        for i in present:
+            final, metric = finals[i]
+            chosen = final[final["client"].astype(str).isin(common)]
+            roles = {"": chosen}
+            if "role" in final.columns:
+                roles.update({str(r): g for r, g in chosen.groupby("role", sort=True)})
+            for role, rows in roles.items():
+                tail = f"_{role}" if role else ""
+                values = rows[f"test_{metric}"].to_numpy(float)
+                mean = float(values.mean()) if len(values) else math.nan
+                out.loc[i, f"{metric}_mean_common{tail}"] = mean
+                out.loc[i, f"common_sensors{tail}"] = len(values)
+    return out
 
 
 def save_models(
@@ -477,8 +540,11 @@ def status_notes(final: pd.DataFrame, rejections: pd.DataFrame, limit: int = 10)
                 f"{len(which)} of {len(final)} sensor(s) {name}, excluded from the means: {shown}"
                 " (status_reason in per_sensor.csv)"
             )
-    if not rejections.empty:
-        groups = list(rejections.groupby("client", sort=False))
+    if rejections.empty:
+        return notes
+    lowered = rejections["reason"].map(is_downweighting)
+    for part, verb in ((rejections[~lowered], "rejected"), (rejections[lowered], "down-weighted")):
+        groups = list(part.groupby("client", sort=False))
         for client, rows in groups[:limit]:
             last = rows.iloc[-1]
             rounds = rows["round"].astype(int)
@@ -487,12 +553,13 @@ def status_notes(final: pd.DataFrame, rejections: pd.DataFrame, limit: int = 10)
                 if last["reason"] == "size"
                 else f": {last['reason']}"
             )
+            span = f"{rounds.min()}–{rounds.max()}" if rounds.max() > rounds.min() else rounds.min()
             notes.append(
-                f"server rejected {client}'s reply in {len(rows)} round(s) "
-                f"({rounds.min()}–{rounds.max()}){size}"
+                f"server {verb} {client}'s reply in {len(rows)} round(s) ({span}){size}"
+                + (" (still aggregated)" if verb == "down-weighted" else "")
             )
         if len(groups) > limit:
-            notes.append(f"… and {len(groups) - limit} more client(s) rejected (rejections.csv)")
+            notes.append(f"… and {len(groups) - limit} more client(s) {verb} (rejections.csv)")
     return notes
 
 
@@ -507,7 +574,8 @@ def coverage_checks(
     NaN when any of them states none, where this judges the ones that do), per role with
     ``roles`` (``coverage_check_<role>``), else over all; ``coverage_check`` is the most
     severe verdict (``core.coverage.SEVERITY``; "" not judged), ``coverage_check_note`` the
-    lines.
+    lines. The notes returned (for the console) leave out a band miss within chance over the
+    units ("low", "high"): that one is in the file and the table's mark (issue 37.2).
     Nothing for a method that states no interval. The sensors' statuses are unchanged: one
     unit's coverage on its few test points is too noisy to judge (docs/statuses.md).
     """
@@ -521,7 +589,7 @@ def coverage_checks(
         role_of = final["client"].astype(str).map(roles).astype(str).to_numpy()
         groups = {r: usable & (role_of == r) for r in sorted(set(role_of))}
     fields: dict[str, str] = {}
-    notes, verdicts = [], []
+    notes, verdicts, loud = [], [], []
     for role, rows in groups.items():
         check = coverage_check(coverage[rows], points[rows])
         if role:
@@ -530,10 +598,12 @@ def coverage_checks(
         note = check.message(f"{role} units" if role else "units")
         if note:
             notes.append(note)
+            if check.verdict not in ("low", "high"):  # a band miss within chance: file only
+                loud.append(note)
     fields["coverage_check"] = next((v for v in SEVERITY if v in verdicts), "")
     if notes:
         fields["coverage_check_note"] = "; ".join(notes)
-    return fields, notes
+    return fields, loud
 
 
 def identification_note(state: dict[str, Any]) -> str:
@@ -686,6 +756,7 @@ def run_experiment(
         if on_skip is not None:
             on_skip(method, reason)
     rows: list[dict[str, Any]] = []
+    runs: dict[int, tuple[Path, str]] = {}  # summary row → (per_sensor.csv, primary metric)
     for labels, variant, tp, subset, tensors, task, built in plans:
         fs, roles = full_scale(variant), variant.roles
         for method, algorithm in built:
@@ -693,6 +764,7 @@ def run_experiment(
                 run_dir = _in_place(out, out / "runs" / _run_name(method, labels, tp, seed))
                 done = run_dir / "done.json"
                 if done.exists():
+                    runs[len(rows)] = (run_dir / "per_sensor.csv", task.primary_metric)
                     rows.append(_read_done(done, out))
                     continue
                 run_dir.mkdir(parents=True, exist_ok=True)
@@ -800,6 +872,9 @@ def run_experiment(
                         row["weak_directions"] = exported["identification"]["weak_directions"]
                     if note and on_note is not None:
                         on_note(method, note)
+                    drift = exported.get("drift")
+                    if isinstance(drift, dict) and drift.get("note") and on_note is not None:
+                        on_note(method, drift["note"])  # e.g. no time column: fedprior's model
                     chosen = selection_note(exported, final)
                     if chosen:  # the time-respecting choice (algorithms/fedprior_choice.py)
                         row["selection_note"] = chosen
@@ -823,9 +898,11 @@ def run_experiment(
                         on_note(method, note.split(" ", 1)[1])
                 _write_text(done, json.dumps(row, indent=2))
                 (run_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
+                runs[len(rows)] = (run_dir / "per_sensor.csv", task.primary_metric)
                 rows.append(row)
                 _write_csv(out / "summary.csv", _ordered(pd.DataFrame(rows)))
-    summary = _ordered(pd.DataFrame(rows))
+    summary = common_sensor_means(pd.DataFrame(rows), runs)  # like with like (issue 34.4)
+    summary = _ordered(summary)
     _write_csv(out / "summary.csv", summary)
     return summary
 

@@ -12,7 +12,8 @@ applies, in this order:
 ``rejected``
     the server screened its reply out in one of the final rounds: the last
     ``max(1, ceil(REJECTED_WINDOW × rounds))`` rounds run (its model then rests on
-    a state the federation did not accept).
+    a state the federation did not accept). A down-weighting (fedprior's M-step weight,
+    its reply still aggregated) is not a rejection: reported as "down-weighted".
 ``weak``
     its predictions lean on directions the fleet's data do not determine
     (``client_status`` flag ``"weak"``; fedprior: the weakly identified directions).
@@ -47,6 +48,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from fedcal.core.aggregation import is_downweighting
 from fedcal.models.basis import legendre_exponents, legendre_products
 
 STATUSES = ("ok", "weak", "unconverged", "rejected", "diverged", "refused")
@@ -150,10 +152,7 @@ def sensor_statuses(
     """
     tol = UNCONVERGED_TOL if tolerance is None else float(tolerance)
     first_final = rounds - final_window(rounds) + 1
-    late: dict[int, Mapping] = {}
-    for r in rejections:
-        if int(r["round"]) >= first_final:
-            late[int(r["client_index"])] = r  # the last one
+    late, lowered = _final_records(rejections, first_final)
     column = f"train_{metric}"
     if metric in HIGHER_IS_BETTER and column in history.columns:  # judge its error rate
         history = history.assign(**{column: 1.0 - history[column]})
@@ -198,11 +197,28 @@ def sensor_statuses(
                 f"train {metric} {e:.3g} is {e / f:.3g}× its own least-squares fit's {f:.3g} "
                 f"(factor {OWN_FIT_FACTOR:g})"
             )
+        elif i in lowered:
+            r = lowered[i]
+            status = "ok"
+            why = f"down-weighted in round {int(r['round'])} (still aggregated): {r['reason']}"
         else:
             status, why = "ok", ""
         statuses.append(status)
         reasons.append(why)
     return statuses, reasons
+
+
+def _final_records(
+    rejections: Sequence[Mapping], first_final: int
+) -> tuple[dict[int, Mapping], dict[int, Mapping]]:
+    """Per client index, its last rejection and its last down-weighting in the final rounds
+    (a down-weighting is no rejection: its reply was aggregated; ok, said in its reason)."""
+    late: dict[int, Mapping] = {}
+    lowered: dict[int, Mapping] = {}
+    for r in rejections:
+        if int(r["round"]) >= first_final:
+            (lowered if is_downweighting(r["reason"]) else late)[int(r["client_index"])] = r
+    return late, lowered
 
 
 def counts(statuses: pd.Series) -> dict[str, int]:

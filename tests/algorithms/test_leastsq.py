@@ -139,3 +139,28 @@ def test_per_sensor_fit_is_weak_where_its_points_do_not_determine_a_direction():
     # a pooled fit states no per-sensor weakness
     pooled = LeastSquares(Task(MLP(in_features=2)), degree=2, pooled=True)
     assert pooled.client_status({}, fit(pooled, data)[0], test, torch.ones(2, 10)) == {}
+
+
+def test_the_pooled_fit_through_the_default_policy_is_the_exact_fit_of_unequal_units():
+    """Issue 34: the server's default policy (size screen, adaptive clip 3× the median) left
+    the pooled fit's sums of the largest units scaled down when leastsq declared a "mean"
+    reply: units with 50× and 20× the rows (and noisier targets) were clipped and the pooled
+    fit was not least squares. Summed statistics are never clipped: the fit equals lstsq on
+    every row pooled, to rounding, and the round records no clip."""
+    from fedcal.core.aggregation import AggregationPolicy, aggregate
+
+    rng = np.random.default_rng(1)
+    coef = torch.tensor(rng.normal(0.0, 1.0, (6, 10)), dtype=F64)
+    data = cohort([500, 200, 10, 10, 12, 10], coef, noise=0.3)
+    alg = LeastSquares(Task(MLP(in_features=3)), degree=2, pooled=True, ridge=1e-12)
+    server = alg.server_init({})
+    down = alg.broadcast(server)
+    reply = alg.client_update(expand(down, 6), {}, data).reply
+    new, accepted, metrics = aggregate(
+        alg, server, down, reply, data.count.to(F64), AggregationPolicy(), 0
+    )
+    assert accepted.all() and metrics.get("clipped", 0.0) == 0.0
+    mask = torch.arange(data.x.shape[1]) < data.count.unsqueeze(1)
+    design = monomial_design(data.x, alg.exponents)[mask]
+    want = torch.linalg.lstsq(design, data.y[..., 0][mask].unsqueeze(-1)).solution[:, 0]
+    assert torch.allclose(new["coef"], want, rtol=1e-8, atol=1e-10)

@@ -469,7 +469,9 @@ def test_mixed_384_and_6_row_fleet_keeps_every_honest_unit_and_rejects_a_x1000_o
         assert accepted.tolist() == [i != client for i in range(8)], (name, client)
         assert [r["client"] for r in record] == [client]
         assert record[0]["reason"] == "size" and record[0]["threshold"] == 10.0
-        assert record[0]["ratio"] > 100.0
+        # fedpoly's screen judges the unit's fit RMS √(rᵀA⁺r/n) (issue 34.3): A and r both
+        # × 1000 move it by √1000 (targets × 1000 would move it by 1000)
+        assert record[0]["ratio"] > (0.9 * 1000**0.5 if name == "fedpoly" else 100.0)
 
 
 def test_the_old_rule_rejected_the_reference_units_of_a_mixed_fleet():

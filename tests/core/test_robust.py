@@ -102,11 +102,16 @@ def test_leave_one_out_distances_by_hand():
     m = t(0.0, 1.0, 5.0).reshape(3, 1)
     d = loo_distances(m, (m * m).reshape(3, 1, 1))
     assert d.tolist() == pytest.approx([2.25, 0.36, 81.0], rel=1e-12)
-    # a posterior variance adds tr(R⁻¹ V): unit 1 with V = 1 → 2.25 + 1/4 (its own S grows,
-    # the others' R does not); the others' R grows by 1/2, so theirs fall
+    # a posterior variance V widens the law the unit's mean is judged by and adds at most 1
+    # (issue 34.3): unit 1 with V = 1 against R = 4: d²/(R + V) + min(V/R, 1) = 9/5 + 1/4
+    # (before: 9/4 + 1/4); the others' R grows by 1/2, so theirs fall
     second = (m * m).reshape(3, 1, 1) + t(1.0, 0.0, 0.0).reshape(3, 1, 1)
     d = loo_distances(m, second)
-    assert d.tolist() == pytest.approx([2.5, 1.5**2 / 6.75, 4.5**2 / 0.75], rel=1e-12)
+    assert d.tolist() == pytest.approx([1.8 + 0.25, 1.5**2 / 6.75, 4.5**2 / 0.75], rel=1e-12)
+    # a vague unit (V = 100, 25 × R): 9/104 + 1, not 9/4 + 25 (it was "far" by its vagueness)
+    second = (m * m).reshape(3, 1, 1) + t(100.0, 0.0, 0.0).reshape(3, 1, 1)
+    d = loo_distances(m, second)
+    assert float(d[0]) == pytest.approx(9.0 / 104.0 + 1.0, rel=1e-12)
 
 
 def test_outlier_weights_by_hand():

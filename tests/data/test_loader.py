@@ -249,20 +249,28 @@ def test_parquet_string_column_converted_or_reported(tmp_path):
 # --------------------------------------------------------------------------- duplicates
 
 
-def test_duplicate_rows(tmp_path):
+def test_repeated_rows_are_kept_and_counted_in_one_warning(tmp_path):
+    """Without a time column, repeated rows (same sensor, inputs, target) are data (issue
+    34.5: dry days of a rain gauge, quantized readings): kept, their share in one line."""
     rows = good_rows()
-    rows.insert(5, rows[1])  # line 7 duplicates line 3
-    err = load_error(write_csv(tmp_path, rows))
-    msg = str(err)
-    assert "fleet.csv" in msg and "line 7 duplicates line 3" in msg
-    assert "sensor_id" in msg and "pressure_hpa" in msg and err.rows == [3, 7]
+    rows.insert(5, rows[1])  # line 7 repeats line 3
+    fleet = load_fleet(write_csv(tmp_path, rows))
+    assert len(fleet.frame) == len(rows)
+    (warning,) = fleet.meta["warnings"]
+    share = 100 * 1 / len(rows)
+    assert "fleet.csv: 1 repeated rows" in warning  # the file named, its share next
+    assert f"({share:.3g} % of the rows" in warning and "line 7 repeats line 3" in warning
 
 
-def test_duplicate_detected_numerically_and_across_splits(tmp_path):
+def test_a_repeat_is_found_numerically_and_across_splits(tmp_path):
     rows = good_rows()
     rows.append("S1,30010.0,21.00,905,test")  # same point as line 3, written differently
-    msg = str(load_error(write_csv(tmp_path, rows)))
-    assert f"line {len(rows) + 1} duplicates line 3" in msg
+    (warning,) = load_fleet(write_csv(tmp_path, rows)).meta["warnings"]
+    assert f"line {len(rows) + 1} repeats line 3" in warning
+
+
+def test_a_clean_file_has_no_warning(tmp_path):
+    assert "warnings" not in load_fleet(write_csv(tmp_path, good_rows())).meta
 
 
 def test_same_inputs_different_target_is_fine(tmp_path):

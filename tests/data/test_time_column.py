@@ -29,10 +29,15 @@ def test_identical_values_at_distinct_times_are_data_and_at_one_time_a_duplicate
     rows[3] = rows[2].replace("2024-01-03", "2024-01-04")  # same values as the day before
     path = write(tmp_path, rows)
     kw = {"features": ("pm25_raw", "rh"), "target": "pm25_ref", "split_column": None}
-    with pytest.raises(FleetDataError, match="duplicate rows"):
-        load_fleet(path, **kw)  # without a time column they look like a duplicate
+    # without a time column they are repeated rows: kept, said, and the time column named
+    untimed = load_fleet(path, **kw)
+    repeated, recommended = untimed.meta["warnings"]
+    assert "1 repeated rows (6.25 % of the rows" in repeated and len(untimed.frame) == 16
+    assert "column 'time' looks like each row's time; declare it (--time-column time" in (
+        recommended
+    )
     fleet = load_fleet(path, time_column="time", **kw)
-    assert len(fleet.frame) == 16
+    assert len(fleet.frame) == 16 and "warnings" not in fleet.meta
     rows[3] = rows[2]  # now the same time too: a real duplicate (line 5 repeats line 4)
     with pytest.raises(FleetDataError, match="line 5 duplicates line 4"):
         load_fleet(write(tmp_path, rows), time_column="time", **kw)

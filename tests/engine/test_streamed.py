@@ -154,7 +154,9 @@ def test_the_calibrated_intervals_probe_streams():
         assert [(r["client"], r["reason"]) for r in mine] == [
             (r["client"], r["reason"]) for r in record
         ]
-        assert metrics["downweighted"] >= 1  # the recomputed, re-weighted replies (step 4)
+        # the recomputed, re-weighted replies (step 4); in round 0 the prior is the vague
+        # start, and a 10-row unit's offset is within its own uncertainty (issue 34.3)
+        assert metrics["downweighted"] >= (1 if rnd else 0)
         assert s_metrics == pytest.approx(metrics, nan_ok=True)
         # the probe: 5 rows (not the screened unit's 4), the tied unit first in m_i order
         x = flatten(whole.reply)

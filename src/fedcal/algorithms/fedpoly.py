@@ -56,6 +56,7 @@ from torch import Tensor
 from fedcal.core.algorithm import Algorithm, ClientResult, SettingError
 from fedcal.core.data import ClientData
 from fedcal.core.identify import NULL_SHARE, null_projector, null_share
+from fedcal.core.robust import explained_rms, gram_problems
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree, leaves
 from fedcal.models.basis import legendre
@@ -98,6 +99,25 @@ class FedPoly(Algorithm):
     uploads = ("statistics",)  # Gram matrix A_i and r_i of the projected design
 
     reply_aggregation = "sum"  # Σ of Gram matrices and right-hand sides
+
+    def screen_view(
+        self, replies: dict[str, Tensor], rows: Tensor, broadcast: Tree
+    ) -> dict[str, Tensor]:
+        """What the size screen judges (issue 34.3): the RMS of the unit's own fit of its
+        projected target by the shared terms, √(r_iᵀA_i⁺r_i / n_i), in the units of y
+        (:func:`fedcal.core.robust.explained_rms`), not A_i and r_i: their size grows with
+        the unit's inputs (a shared term x³T³ of 3 honest readings at 3× the range made
+        A_i 3·10⁴ × the fleet's and the unit was rejected), not with a lie. Targets × f
+        give f × its value; A_i is checked for being a Gram (positive semi-definite)."""
+        return {"fit_rms": explained_rms(replies["gram"], replies["rhs"], rows)}
+
+    def inconsistent_replies(
+        self, server: Tree, replies: Tree, weights: Tensor, accepted: Tensor
+    ) -> dict[int, str] | None:
+        """A projected Gram A_i that is not positive semi-definite cannot be Z_iᵀW_iZ_i."""
+        idx = accepted.nonzero()[:, 0]
+        whys = gram_problems(replies["gram"].index_select(0, idx), None, constant_first=False)
+        return {int(idx[j]): why for j, why in sorted(whys.items())}
 
     def __post_init__(self) -> None:
         # A TOML config gives lists; terms are compared as tuples.

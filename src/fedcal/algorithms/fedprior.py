@@ -164,7 +164,7 @@ from fedcal.algorithms.fedprior_choice import TimeChoice
 from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
 from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
 from fedcal.algorithms.fedprior_noise import NoiseModel
-from fedcal.algorithms.fedprior_robust import RobustUploads, _weighted
+from fedcal.algorithms.fedprior_robust import RobustUploads, _capped_noise, _weighted
 from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
 from fedcal.algorithms.fedprior_status import PriorStatus
@@ -855,6 +855,8 @@ class FedPrior(
         robust = self.outlier_weights(server, replies)
         if robust is not None and bool((robust.weights != 1).any()):  # all 1: the plain sums
             replies = _weighted(replies, robust.weights)
+        if self.robust != "off":  # residual sums: a bounded pull on σ², not a size screen
+            replies = _capped_noise(replies)
         skip = ("cand", "interval", "noise", "choice")
         forward = self.choice_update(replies["choice"], order) if "choice" in replies else None
         total = {k: v[order].sum(0) for k, v in replies.items() if k not in skip}

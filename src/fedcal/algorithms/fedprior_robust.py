@@ -24,6 +24,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from fedcal.core.honesty import capped_residuals, fitted_rms, support_problems
 from fedcal.core.robust import (
     OutlierWeights,
     inconsistencies,
@@ -32,6 +33,9 @@ from fedcal.core.robust import (
     prior_frame,
 )
 from fedcal.core.tree import Tree, flatten, per_client
+
+#: The statistics the size screen judged before issue 34.3 (and still does with robust = "off").
+SIZED = ("mean", "second", "gls_gram", "gls_rhs", "rss", "n", "support", "branch_support")
 
 
 class RobustUploads:
@@ -45,6 +49,21 @@ class RobustUploads:
         aggregation rejects them with this reason; None when off. Needs each client's own
         upload."""
         return self._inconsistent(self._frames(server), replies, weights, accepted)
+
+    def screen_view(
+        self, replies: dict[str, Tensor], rows: Tensor, broadcast: Tree
+    ) -> dict[str, Tensor]:
+        """What the server's size screen judges (issue 34.3): with the consistency check on,
+        only the RMS of the unit's own posterior fit √(mᵀGm/n), in the units of y
+        (:func:`fedcal.core.honesty.fitted_rms`). The other statistics are whitened by the
+        prior and checked for consistency (W, H in [0, I], m = μ + LLᵀ·rhs, n declared,
+        support in [0, 1]), the residual sum is bounded in the fleet noise
+        (:func:`fedcal.core.honesty.capped_residuals`): none of them is a size that an
+        honest unit with more or fewer rows, or more noise, would exceed. ``robust = "off"``:
+        every fitted statistic is sized as before (as a sum: raw or per row)."""
+        if self.robust == "off":
+            return {f"sum/{k}": replies[k] for k in SIZED if k in replies}
+        return {"fit_rms": fitted_rms(replies["mean"], replies["gram"], rows)}
 
     def consistency_check(self, server: Tree) -> Callable[..., dict[int, str] | None]:
         """:meth:`inconsistent_replies` bound to one round's ``server``, called as
@@ -100,6 +119,10 @@ class RobustUploads:
                 for j, why in enumerate(inconsistencies(cand, frame.mu, frame.sigma, frame=frame)):
                     if why is not None and whys[j] is None:
                         whys[j] = f"candidate {k}: {why}"
+        for key in ("support", "branch_support"):  # shares of information in [0, 1]
+            for j, why in support_problems(sub[key]).items() if key in sub else ():
+                if whys[j] is None:
+                    whys[j] = why if key == "support" else f"branch {why}"
         if "interval/dof" in sub:  # residual degrees of freedom ≤ rows, squared residuals ≥ 0
             dof, fit, n = sub["interval/dof"], sub["interval/fit"], sub["n"]
             wrong = ~((fit >= 0) & (dof <= n * (1 + 1e-9)))
@@ -154,4 +177,21 @@ def _weighted(replies: Tree, w: Tensor) -> Tree:
             out[key] = {k: u * per_client(w.to(u.dtype), u) for k, u in v.items()}
         else:
             out[key] = v * per_client(w.to(v.dtype), v)
+    return out
+
+
+def _capped_noise(replies: Tree) -> Tree:
+    """The residual sums the fleet noise is learned from, each unit's capped at
+    :data:`~fedcal.core.honesty.RESIDUAL_CAP` × the fleet's median per row (the expected RSS
+    per row; with the calibrated interval also its fit per residual degree of freedom):
+    replies unchanged where no unit exceeds it (issue 34.3)."""
+    out = dict(replies)
+    rss, over = capped_residuals(replies["rss"], replies["n"])
+    if bool(over.any()):
+        out["rss"] = rss
+    if "interval" in replies and "fit" in replies["interval"]:
+        part = replies["interval"]
+        fit, over = capped_residuals(part["fit"], part["dof"])
+        if bool(over.any()):
+            out["interval"] = {**part, "fit": fit}
     return out

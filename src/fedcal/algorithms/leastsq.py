@@ -88,6 +88,11 @@ class LeastSquares(Algorithm):
     name = "leastsq"
     uploads = ("statistics",)  # pooled: Gram sums; per sensor nothing leaves the client
     one_shot = True  # closed form: later rounds repeat round 1 (module doc)
+    # The server sums the statistics (Σ G_i, Σ X_iᵀy_i, Σ n_i). Declared "mean" before
+    # (issue 34), the adaptive clip scaled the largest units' sums by a factor < 1: 4 of
+    # 16 channels of the gas network, pooled RMSE 109 ppm instead of the exact fit's 95.8.
+    # Sums are screened (their fit RMS) and checked, never clipped (core/aggregation.py).
+    reply_aggregation = "sum"
 
     @property
     def federated(self) -> bool:  # type: ignore[override]

@@ -358,6 +358,17 @@ def aggregate(
     return new_server, cohort.accepted, metrics
 
 
+#: How a down-weighting's record begins (its reason): the unit was aggregated, with a weight
+#: below one half, not rejected (:func:`is_downweighting`; reports say "down-weighted").
+DOWNWEIGHTED = "prior outlier"
+
+
+def is_downweighting(reason: object) -> bool:
+    """Whether a record's ``reason`` is a down-weighting (:data:`DOWNWEIGHTED`), not a
+    rejection: its reply entered the aggregate with its M-step weight."""
+    return str(reason).startswith(DOWNWEIGHTED)
+
+
 def _record_downweighted(
     algorithm: Algorithm,
     server: Tree,
@@ -383,7 +394,7 @@ def _record_downweighted(
             {
                 "client": int(idx[j]),
                 "reason": (
-                    f"prior outlier: distance {float(robust.distances[j]):.3g} > cut-off "
+                    f"{DOWNWEIGHTED}: distance {float(robust.distances[j]):.3g} > cut-off "
                     f"{robust.cutoff:.3g}, M-step weight {float(robust.weights[j]):.2g}"
                 ),
                 "ratio": float(robust.distances[j]),

@@ -28,19 +28,23 @@ unit. Two defences, both pure functions of one round's per-unit uploads:
    passes 1. It is judged by where its posterior lies in the distribution the *other*
    units imply: with the others' moments c₋ᵢ = mean_j≠i m_j, R₋ᵢ = mean_j≠i S_j − c₋ᵢc₋ᵢᵀ,
 
-       δ_i = E[(c_i − c₋ᵢ)ᵀ R₋ᵢ⁻¹ (c_i − c₋ᵢ)] = tr(R₋ᵢ⁻¹ (S_i − m_i c₋ᵢᵀ − c₋ᵢ m_iᵀ + c₋ᵢc₋ᵢᵀ)),
+       δ_i = d̃ᵀ(I + Ṽ_i)⁻¹d̃ + Σ_k min(λ_k(Ṽ_i), 1),   d̃ = L⁻¹(m_i − c₋ᵢ), Ṽ_i = L⁻¹V_iL⁻ᵀ,
 
-   a per-unit quantity (a data-rich unit's δ is that of its coefficients, not of its row
-   count). Leaving the unit out matters: one unit in N inflates a moment estimate that
-   includes it until its own distance is at most ≈ N (masking), and M-estimators of scatter
-   break down at 1/(p + 1) (Maronna 1976), one unit of 20 for p = 16. Under the model δ_i
-   follows Hotelling's leave-one-out law (a scaled F; χ²_p when the others are too few to
-   name one, :func:`reference_quantiles`). The cut-off is its 0.999 quantile times
-   max(1, median δ / its median) (a consistency factor, so a fleet whose spread is not
-   Gaussian is judged against itself), and the M-step weight is w_i = min(1, (k/δ_i)²):
-   1 for every unit inside, and a redescending weight outside whose pull on Σ,
-   w_i δ_i = k²/δ_i, vanishes as the unit moves away (a Huber weight k/δ_i would leave it
-   a constant pull, which EM's iteration amplifies).
+   R₋ᵢ = LLᵀ: for V_i ≪ R₋ᵢ the expectation E[(c_i − c₋ᵢ)ᵀR₋ᵢ⁻¹(c_i − c₋ᵢ)] over the unit's
+   posterior (its first version), while a unit's own uncertainty widens the law its mean is
+   judged by and adds at most 1 per direction (issue 34.3: a 6-row unit under the vague
+   start was "far" by its vagueness, not by its data). A per-unit quantity (a data-rich
+   unit's δ is that of its coefficients, not of its row count). Leaving the unit out
+   matters: one unit in N inflates a moment estimate that includes it until its own distance
+   is at most ≈ N (masking), and M-estimators of scatter break down at 1/(p + 1) (Maronna
+   1976), one unit of 20 for p = 16. Under the model δ_i follows Hotelling's leave-one-out
+   law (a scaled F; χ²_p when the others are too few to name one,
+   :func:`reference_quantiles`). The cut-off is its 0.999 quantile times max(1, median δ /
+   its median) (a consistency factor, so a fleet whose spread is not Gaussian is judged
+   against itself), and the M-step weight is w_i = min(1, (k/δ_i)²): 1 for every unit
+   inside, and a redescending weight outside whose pull on Σ, w_i δ_i = k²/δ_i, vanishes as
+   the unit moves away (a Huber weight k/δ_i would leave it a constant pull, which EM's
+   iteration amplifies).
 
 Both need each unit's own upload; under secure aggregation (the server sees only sums)
 neither applies and the M-step is the plain sum (docs/safety.md says so).
@@ -344,10 +348,30 @@ def loo_distances(mean: Tensor, second: Tensor) -> Tensor:
         centre = (total_m - mb) / (c - 1)
         scatter = _sym((total_s - sb) / (c - 1) - centre.unsqueeze(-1) * centre.unsqueeze(-2))
         d = mb - centre
-        own = _sym(sb - mb.unsqueeze(-1) * mb.unsqueeze(-2)) + d.unsqueeze(-1) * d.unsqueeze(-2)
         chol = safe_cholesky(scatter)[0]
-        out.append(torch.diagonal(torch.cholesky_solve(own, chol), dim1=-2, dim2=-1).sum(-1))
+        out.append(_honest_distance(d, _sym(sb - mb.unsqueeze(-1) * mb.unsqueeze(-2)), chol))
     return torch.cat(out)
+
+
+def _honest_distance(d: Tensor, v: Tensor, chol: Tensor) -> Tensor:
+    """δ_i = d̃ᵀ(I + Ṽ)⁻¹d̃ + Σ_k min(λ_k(Ṽ), 1) per unit, d̃ = L⁻¹d, Ṽ = L⁻¹VL⁻ᵀ, R = LLᵀ
+    (module doc, 2; issue 34.3): a unit's own uncertainty V_i widens the law its mean is
+    judged by (a few-row unit's mean is far from the others' by its noise, not by a lie)
+    and adds at most 1 per direction. With V_i ≪ R it is dᵀR⁻¹d + tr(R⁻¹V_i), the
+    expectation of before; a data-rich unit is judged as before. V_i ⪯ Σ is checked
+    (:func:`inconsistencies`, d), so a forger gains at most Σ's width."""
+    lower = torch.linalg.solve_triangular(chol, v, upper=False)
+    white = _sym(torch.linalg.solve_triangular(chol, lower.transpose(-2, -1), upper=False))
+    dw = torch.linalg.solve_triangular(chol, d.unsqueeze(-1), upper=False)
+    eye = torch.eye(v.shape[-1], dtype=F64)
+    widened = safe_cholesky(white + eye)[0]
+    far = torch.linalg.solve_triangular(widened, dw, upper=False)[..., 0].pow(2).sum(-1)
+    trace = torch.diagonal(white, dim1=-2, dim2=-1).sum(-1)
+    own = trace.clone()
+    doubt = (~(trace <= 1.0)).nonzero()[:, 0]  # λ_max ≤ tr (PSD): below 1, nothing capped
+    if len(doubt):
+        own[doubt] = _eigvalsh(white[doubt]).clamp(min=0.0, max=1.0).sum(-1)
+    return far + own
 
 
 @dataclass(frozen=True)

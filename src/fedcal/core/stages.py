@@ -210,9 +210,12 @@ def measure(cohort: Cohort, rnd: Round) -> Cohort:
 def screen(cohort: Cohort, rnd: Round, factor: float) -> Cohort:
     """Reject a client whose size exceeds ``factor`` × the accepted cohort's scale.
 
-    A model update's size is ‖Δ_i‖ over the judged leaves / their median (Blanchard
-    et al. 2017; Yin et al. 2018); summed statistics are sized leaf by leaf and per
-    declared row (:func:`statistic_sizes`, ``weights`` are the rows). Each rejection is
+    A model update's size is ‖Δ_i‖ over the judged leaves against their median (Blanchard
+    et al. 2017; Yin et al. 2018), as it is and per declared row, against the others'
+    rows-weighted median too, whichever is smaller (:func:`statistic_sizes`: local training
+    takes steps ∝ rows, so a data-rich unit's update is larger by its information, not by
+    a lie; issue 34.3); with equal rows, the plain median ratio. Summed statistics are sized
+    leaf by leaf the same way (``weights`` are the rows). Each rejection is
     recorded as ``{"client", "reason": "size", "ratio": its size, "threshold": factor}``.
     With ``rnd.view`` the screen sizes the algorithm's scale-free quantities instead
     (issue 20 item 3: leaves that grow with a unit's inputs or rows would reject honest
@@ -230,8 +233,9 @@ def screen(cohort: Cohort, rnd: Round, factor: float) -> Cohort:
         # replies are its updates, so nothing is formed (statistics are small per unit).
         judged = {k: cohort.replies[k] for k in rnd.judged}
         sizes = statistic_sizes(judged, accepted, cohort.weights)
-    else:
-        sizes = relative(root_sum((cohort.squares[k] for k in rnd.judged), n), accepted)
+    else:  # a model update: local training takes steps ∝ rows, so also judged per row
+        norms = root_sum((cohort.squares[k] for k in rnd.judged), n)
+        sizes = statistic_sizes({"update": norms.unsqueeze(1)}, accepted, cohort.weights)
     outlier = accepted & (sizes > factor)
     records = tuple(
         {"client": i, "reason": "size", "ratio": float(sizes[i]), "threshold": float(factor)}

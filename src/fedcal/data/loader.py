@@ -817,12 +817,18 @@ def _check_bounds(raw, label, values, bounds) -> None:
             )
 
 
-def _check_duplicates(raw, label, client_column, ids, values) -> None:
+def _check_duplicates(raw, label, client_column, ids, values, timed: bool) -> str:
+    """Rows of one sensor identical in inputs and target (and time, ``timed``).
+
+    With a time column such rows are one record written twice: refused, naming the rows.
+    Without one they are legitimate in zero-inflated or quantized data (dry days of a rain
+    gauge, a sensor's integer counts; issue 34.5): returned as a one-line warning with
+    their share and the first of them ("" when none)."""
     cols = [client_column, *values]
     key = pd.DataFrame({"_id": ids, **{f"_{k}": v for k, v in enumerate(values.values())}})
     dup = key.duplicated(keep="first").to_numpy()
     if not dup.any():
-        return
+        return ""
     gid = key.groupby(list(key.columns), sort=False).ngroup().to_numpy()
     first = pd.Series(np.arange(len(gid))).groupby(gid).transform("min").to_numpy()
     items = [(int(raw.rows[i]), int(raw.rows[first[i]])) for i in np.flatnonzero(dup)]
@@ -830,10 +836,41 @@ def _check_duplicates(raw, label, client_column, ids, values) -> None:
     if len(items) > MAX_LISTED:
         shown += f" and {len(items) - MAX_LISTED} more"
     names = ", ".join(map(repr, cols))
-    raise FleetDataError(
-        label,
-        f"duplicate rows (same sensor, inputs and target; columns {names}): {shown}",
-        sorted({r for pair in items for r in pair}),
+    if timed:
+        raise FleetDataError(
+            label,
+            f"duplicate rows (same sensor, time, inputs and target; columns {names}): {shown}",
+            sorted({r for pair in items for r in pair}),
+        )
+    share = len(items) / len(dup)
+    first_pair = f"{raw.kind} {items[0][0]} repeats {raw.kind} {items[0][1]}"
+    return (
+        f"{label}: {len(items)} repeated rows ({100 * share:.3g} % of the rows: same sensor, "
+        f"inputs and target; e.g. {first_pair}) kept as data (legitimate in zero-inflated or "
+        "quantized readings; a record written twice would count twice)"
+    )
+
+
+#: Column names that hold a row's time (lowercase; also any name containing one of them).
+TIME_NAMES = ("time", "date", "timestamp", "datetime")
+
+
+def _undeclared_time(raw, label, used: Sequence[str]) -> str:
+    """A one-line recommendation when the table has a time-like column not declared as the
+    time column (issue 34.5): "" when none. A time column lets the split and the model
+    choice respect time (the future is not in the training rows) and drift be learned."""
+    names = [
+        c
+        for c in raw.frame.columns
+        if c not in (*used, SPLIT_COLUMN, SOURCE_LINE)
+        and any(t in str(c).lower() for t in TIME_NAMES)
+    ]
+    if not names:
+        return ""
+    return (
+        f"{label}: column {names[0]!r} looks like each row's time; declare it (--time-column "
+        f"{names[0]}, and --split-by time for field data) so that tests lie in each sensor's "
+        "future and drift can be learned"
     )
 
 
@@ -991,8 +1028,9 @@ def load_fleet(
     field, in this order): readable file of a supported type with data rows;
     required columns present; sensor ids non-empty; features and target
     finite numbers; split values known; values inside the physical bounds
-    (see the module docstring); no duplicate rows (same sensor, features and
-    target — same inputs with different targets are fine); every sensor has
+    (see the module docstring); no duplicate records (same sensor, time, features and
+    target, with a time column; without one, repeated rows are kept and counted in
+    ``meta["warnings"]``, as is an undeclared time-like column); every sensor has
     at least ``min_train_points`` train and ``min_test_points`` test points.
     Before any of it, the file must be a regular file of at most ``max_bytes``
     (default :func:`max_file_bytes`), and values must be of sane magnitude and
@@ -1083,7 +1121,9 @@ def _fleet_of(
 
     _check_values(raw, label, values, bounds, plausible, whole)
     keyed = values if times is None else {**values, time_column: times}  # distinct times: data
-    _check_duplicates(raw, label, client_column, ids, keyed)
+    warned = [_check_duplicates(raw, label, client_column, ids, keyed, times is not None)]
+    if not time_column:
+        warned.append(_undeclared_time(raw, label, [client_column, *numeric]))
     _check_roles(raw, label, client_column, ids)
 
     order = list(pd.unique(pd.Series(ids)))
@@ -1122,6 +1162,8 @@ def _fleet_of(
             meta.update(split="time")
     if time_column:
         meta["time_column"] = time_column
+    if any(warned):  # said once by the command that loaded it (build.load_run_data)
+        meta["warnings"] = [w for w in warned if w]
     return Fleet(frame, features, target, client_column, meta)
 
 

@@ -46,7 +46,7 @@ from torch import Tensor
 from fedcal.core.aggregation import AggregationPolicy, _columns, _record_downweighted
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData
-from fedcal.core.stages import Round, finite_rows, statistic_sizes
+from fedcal.core.stages import Round, finite_rows, statistic_sizes, view_sizes
 from fedcal.core.tree import Tree, expand, flatten, gather, num_bytes, unflatten
 from fedcal.engine import chunks
 
@@ -69,6 +69,11 @@ def reply_bytes(algorithm: Algorithm, down: Tree, states: Tree, data: ClientData
     one = torch.arange(1)
     out = algorithm.client_update(expand(down, 1), gather(states, one), data.select(one))
     return num_bytes(out.reply, per_client_axis=True)
+
+
+def _view_norms(view: dict[str, Tensor], k: int) -> dict[str, Tensor]:
+    """Each view leaf's per-client norm (k,) float64 (a view holds no model leaf)."""
+    return {key: v.reshape(k, -1).to(torch.float64).norm(dim=1) for key, v in view.items()}
 
 
 def _norms(flat: dict[str, Tensor], keys: tuple[str, ...], n: int) -> dict[str, Tensor]:
@@ -122,9 +127,12 @@ def streamed_round(
         finite[start : start + k] = ok
         sq = _norms(flat, rnd.floating, k)
         total[start : start + k] = torch.stack(list(sq.values())).square().sum(0).sqrt()
-        for key in rnd.judged:
+        # the size screen's input: the algorithm's scale-free view (issue 34.3) or the leaves
+        view = algorithm.screen_view
+        parts = _view_norms(view(flat, weights[rows], down), k) if view is not None else sq
+        for key in parts if view is not None else rnd.judged:
             judged_norms.setdefault(key, torch.zeros(n, dtype=torch.float64))
-            judged_norms[key][start : start + k] = sq[key]
+            judged_norms[key][start : start + k] = parts[key]
         keep = ok.clone()
         if check is not None:
             bad = check(out.reply, weights[rows], ok)
@@ -165,7 +173,10 @@ def streamed_round(
     if policy.screen_factor > 0:
         if any_ok and judged_norms:
             one = {key: v.unsqueeze(1) for key, v in judged_norms.items()}
-            sizes = statistic_sizes(one, accepted, weights)
+            if algorithm.screen_view is not None:  # a view's leaves are sized as views are
+                sizes = view_sizes(one, accepted, weights, {})
+            else:
+                sizes = statistic_sizes(one, accepted, weights)
             outlier = accepted & (sizes > policy.screen_factor)
             records += [
                 {

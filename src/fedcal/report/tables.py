@@ -25,13 +25,28 @@ POOLED = ("seed", "fleet_seed")  # averaged over: training seeds and fleet seeds
 HEADLINE = ("rmse_mean", "rmse_worst", "mae_mean", "max_abs_worst", "accuracy_mean")
 DIVERGED = "diverged"
 
-UNITS = {"hpa": "hPa", "pa": "Pa", "kpa": "kPa", "c": "°C", "k": "K", "percent": "%", "ppm": "ppm"}
+UNITS = {
+    "hpa": "hPa",
+    "pa": "Pa",
+    "kpa": "kPa",
+    "c": "°C",
+    "degc": "°C",
+    "k": "K",
+    "percent": "%",
+    "pct": "%",
+    "ppm": "ppm",
+    "ppb": "ppb",
+    "ugm3": "µg/m³",
+    "mm": "mm",
+}
 
 
 def target_unit(column: str) -> str:
-    """The unit a column name ends with (``pressure_hpa`` → hPa), or '' if none is known."""
+    """The unit a column name ends with (``pressure_hpa`` → hPa), or '' if none is known: a
+    suffix that names no unit (``pm25_ref``) is not printed as one ("errors in ref",
+    issue 37.2)."""
     suffix = column.rsplit("_", 1)[-1].lower() if "_" in column else ""
-    return UNITS.get(suffix, suffix)
+    return UNITS.get(suffix, "")
 
 
 def _nan_mean(values: pd.Series) -> float:
@@ -71,7 +86,8 @@ def aggregate(summary: pd.DataFrame) -> pd.DataFrame:
         bad |= summary["status"].fillna(DIVERGED).astype(str) != "ok"
     # cost columns and sensor counts stay meaningful for a diverged run; error metrics do not
     counts = ("sensors", "excluded", "rejected", "failed", *STATUS_COUNTS)
-    errors = [c for c in metrics if not c.startswith(("wall_s", "bytes_")) and c not in counts]
+    tallies = ("wall_s", "bytes_", "unscored", "common_sensors", "sensors_", "excluded_")
+    errors = [c for c in metrics if not c.startswith(tallies) and c not in counts]
     summary[errors] = summary[errors].astype(float).mask(bad, np.nan)
     summary["diverged_seeds"] = bad.astype(int)
     order = {m: i for i, m in enumerate(pd.unique(summary["method"]))}
@@ -99,9 +115,9 @@ CHECK_SIDE = {
     "high": "above the 93–97 % band (beyond its test points' noise, within chance over units)",
 }
 CHECK_LEGEND = (
-    "!: the stated 95 % intervals covered fewer test points than 95 % beyond chance over the "
-    "units; ^: more than 99 %; ?: below 93 % and ~: above 97 %, beyond the noise of these "
-    "units' test points (one-sided tests at 1 %: coverage_check in summary.csv)"
+    "!/^: the stated 95 % intervals covered below 95 % / above 99 % beyond chance over the "
+    "units; ?/~: below 93 % / above 97 % beyond the noise of their test points "
+    "(coverage_check_note in summary.csv)"
 )
 
 
@@ -127,10 +143,12 @@ def _check_column(column: str) -> str:
     return ""
 
 
-def check_notes(table: pd.DataFrame) -> list[str]:
+def check_notes(table: pd.DataFrame, console: bool = False) -> list[str]:
     """One line per method (and role) whose stated intervals a run judged off (beyond chance,
-    or outside the 93–97 % band), then the markers' legend; empty when none."""
-    lines = []
+    or outside the 93–97 % band), then the markers' legend; empty when none. ``console``:
+    only the verdicts beyond chance over the units (the user must act), and the legend of
+    the marks shown (issue 37.2)."""
+    lines, marked = [], False
     runs = [c for c in table.columns if c.startswith(CHECK) and c.endswith("_runs")]
     for _, row in table.iterrows():
         for column in runs:
@@ -141,7 +159,10 @@ def check_notes(table: pd.DataFrame) -> list[str]:
             role = check.removeprefix(CHECK).strip("_")
             if role == "" and len(runs) > 1:
                 continue  # a mixed fleet's overall verdict: its roles' lines say it
-            parts = [f"{row['train_points'] or 'all'} pts"] if "train_points" in row else []
+            marked = True
+            if console and verdict not in ("under", "over"):
+                continue  # within chance over the units: the mark and the file say it
+            parts = [f"{row['train_points']} pts"] if row.get("train_points") else []
             parts += [f"{role} units"] if role else []
             where = f" ({', '.join(parts)})" if parts else ""
             lines.append(
@@ -149,7 +170,7 @@ def check_notes(table: pd.DataFrame) -> list[str]:
                 f"in {int(row[column])} of {int(row['seeds'])} run(s) "
                 f"({CHECK_MARK[verdict]}; coverage_check_note in summary.csv)"
             )
-    return [*lines, CHECK_LEGEND] if lines else []
+    return [*lines, CHECK_LEGEND] if marked else []
 
 
 def sections_of(table: pd.DataFrame):
@@ -158,14 +179,16 @@ def sections_of(table: pd.DataFrame):
     for values, part in table.groupby(keys, sort=False):
         named = dict(zip(keys, values, strict=True))
         tp = named["train_points"]
-        title = "calibration points per sensor: " + ("all" if tp == 0 else str(tp))
-        if "design" in named:
-            title = f"design {named['design']}, " + title
-        yield title, part
+        # "all" is not said: a mixed fleet's new units have their few points whatever it is
+        parts = [f"design {named['design']}"] if "design" in named else []
+        parts += [f"calibration points per sensor: {tp}"] if tp else []
+        yield ", ".join(parts), part
 
 
-def fmt_num(value: float, digits: int = 3) -> str:
-    """A short number: ``digits`` significant digits, no exponent between 1e-3 and 1e5."""
+def fmt_num(value: float, digits: int = 3, keep_zeros: bool = False) -> str:
+    """A short number: ``digits`` significant digits, no exponent between 1e-3 and 1e5;
+    ``keep_zeros``: trailing zeros kept, so numbers compare digit for digit (0.100 vs 3.10,
+    issue 37.2), else stripped (counts, costs)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return DIVERGED
     v = float(value)
@@ -177,19 +200,21 @@ def fmt_num(value: float, digits: int = 3) -> str:
         magnitude = math.floor(math.log10(abs(v)))
         decimals = max(digits - 1 - magnitude, 0)
         text = f"{v:.{decimals}f}"
+        if keep_zeros:
+            return text
         return text.rstrip("0").rstrip(".") if "." in text else text
     return f"{v:.{digits - 1}e}".replace("e+0", "e").replace("e-0", "e-").replace("e+", "e")
 
 
-def fmt_pm(mean: float, std: float, digits: int = 3) -> str:
+def fmt_pm(mean: float, std: float, digits: int = 3, keep_zeros: bool = False) -> str:
     """``mean ±std`` (std to 2 digits); ``diverged`` for a NaN mean; the mean alone without std."""
     if mean is None or math.isnan(float(mean)):
         return DIVERGED
     if std is None or math.isnan(float(std)):
-        return fmt_num(mean, digits)
+        return fmt_num(mean, digits, keep_zeros)
     if abs(float(std)) <= 1e-9 * abs(float(mean)):
         std = 0.0  # float noise of identical seeds (a closed-form method), not a spread
-    return f"{fmt_num(mean, digits)} ±{fmt_num(std, 2)}"
+    return f"{fmt_num(mean, digits, keep_zeros)} ±{fmt_num(std, 2)}"
 
 
 def table_columns(
@@ -206,11 +231,18 @@ def table_columns(
     u = f" ({unit})" if unit and full else ""  # terminal tables name the unit in the title
     mixed = not full and "rmse_mean_new" in table.columns
     if mixed:  # mixed fleet: new and reference units, each with its coverage
-        cols = [(f"{m}_{r}", f"{h} {r[:3]}") for r, ms in MIXED for m, h in ms]
+        cols = []
+        for r, ms in MIXED:
+            for m, h in ms:
+                cols.append((f"{m}_{r}", f"{h} {r[:3]}"))
+                if m == "rmse_mean":  # like with like (issue 34.4), where it differs
+                    cols += [(c, f"{h} {r[:3]}") for c, h in like_with_like(table, f"_{r}")]
         cols = [c for c in cols if c[0] in table.columns]
     elif "rmse_mean" in table.columns:
+        same = like_with_like(table, "", full)
         cols = [
-            ("rmse_mean", f"RMSE mean{u}"),
+            ("rmse_mean", f"RMSE {'ok' if same else 'mean'}{u}"),
+            *((c, f"{h}{u}") for c, h in same),
             ("rmse_worst", f"RMSE worst{u}"),
         ]
         if full:
@@ -224,6 +256,10 @@ def table_columns(
                 if f"rmse_mean_{role}" in table.columns:
                     cols += [
                         (f"rmse_mean_{role}", f"RMSE mean {role}{u}"),
+                        *(
+                            (c, f"{h} {role}{u}")
+                            for c, h in like_with_like(table, f"_{role}", True)
+                        ),
                         (f"rmse_worst_{role}", f"RMSE worst {role}{u}"),
                     ]
                     if f"coverage95_mean_{role}" in table.columns:  # fedprior's 95 % interval
@@ -241,12 +277,31 @@ def table_columns(
             cols.append((COVERAGE, "cov95 mean/min"))
     cols.append(("wall_s", "wall s"))
     if "excluded" in table.columns:
-        cols.append(("excluded", "excl."))  # sensors not ok (mean count over seeds)
+        cols.append(("excluded", "not ok"))  # sensors not ok (mean count over seeds)
     elif "diverged" in table.columns and (table["diverged"].fillna(0) > 0).any():
         cols.append(("diverged", "diverged sensors"))  # mean count over seeds
     if show_bytes and not mixed:  # (a mixed fleet's terminal table has no room: HTML has it)
         cols.append(("bytes_up_per_round", "up kB/round"))
     return cols
+
+
+def like_with_like(table: pd.DataFrame, role: str = "", full: bool = False) -> list:
+    """The columns that rank methods on the same sensors (issue 34.4), ``(column, header)``:
+    the RMSE over the sensors every method has ok (``rmse_mean_common``) where some method
+    has fewer ok sensors than that set's sensors, and over every sensor (``rmse_mean_all``)
+    where some sensor is not ok (else each equals the ok mean); the same in every table
+    (``full``: Markdown, HTML). ``role``: a mixed fleet's suffix (``_new``)."""
+    sensors = table.get(f"sensors{role}", table.get("sensors"))
+    excluded = table.get(f"excluded{role}")
+    out = []
+    common = table.get(f"common_sensors{role}")
+    ok = sensors - excluded if sensors is not None and excluded is not None else None
+    if common is not None and ok is not None and bool((common < ok).any()):
+        out.append((f"rmse_mean_common{role}", "RMSE common"))
+    written = f"rmse_mean_all{role}" in table.columns and excluded is not None
+    if written and bool((excluded > 0).any()):
+        out.append((f"rmse_mean_all{role}", "RMSE all"))
+    return out
 
 
 # a mixed fleet's terminal columns, per role ("new", "ref"): errors and interval coverage
@@ -294,7 +349,8 @@ def cell(row: pd.Series, column: str, short: bool = False) -> str:
         mean, worst = row["coverage95_mean"], row.get("coverage95_worst", float("nan"))
         if mean != mean:
             return DECLINED
-        return f"{fmt_num(mean, 2)}{mark}/{fmt_num(worst, 2) if worst == worst else DECLINED}"
+        low = fmt_num(worst, 2, keep_zeros=True) if worst == worst else DECLINED
+        return f"{fmt_num(mean, 2, keep_zeros=True)}{mark}/{low}"
     if mark and not pd.isna(row[column]):  # a coverage judged off: its mean marked
         mean, gap, std = cell(row.drop(check), column, short).partition(" ")
         return f"{mean}{mark}{gap}{std}"
@@ -308,9 +364,17 @@ def cell(row: pd.Series, column: str, short: bool = False) -> str:
         return DECLINED
     if missing and column not in ("wall_s", "excluded") and _none_ok(row, column):
         return NONE_OK
-    if column in MEAN_ONLY or (short and column in SHORT):
-        return fmt_num(mean)
-    return fmt_pm(mean, std)
+    # errors keep their trailing zeros (0.100 vs 3.10); counts and costs do not
+    zeros = not column.startswith(("bytes_", "wall_s", "excluded", "diverged", "common_sens"))
+    one_run = row.get("seeds", 2) == 1  # one seed: no spread to state (never "±0")
+    if column in MEAN_ONLY or (short and column in SHORT) or one_run:
+        text = fmt_num(mean, keep_zeros=zeros)
+    else:
+        text = fmt_pm(mean, std, keep_zeros=zeros)
+    if "_mean_all" in column:  # over every sensor: those with no error are counted apart
+        unscored = row.get(f"unscored{column.partition('_mean_all')[2]}", 0)
+        text += f" +{fmt_num(unscored)} unscored" if unscored and unscored > 0 else ""
+    return text
 
 
 def _none_ok(row: pd.Series, column: str = "") -> bool:
@@ -338,7 +402,7 @@ def excluded_note(table: pd.DataFrame) -> list[str]:
         if not row.get("excluded", 0) > 0:
             continue
         parts = [f"{fmt_num(row[c])} {name}" for c, name in present.items() if row[c] > 0]
-        where = f" ({row['train_points'] or 'all'} pts)" if "train_points" in row else ""
+        where = f" ({row['train_points']} pts)" if row.get("train_points") else ""
         total = fmt_num(row.get("sensors", float("nan")))
         lines.append(
             f"{row['method']}{where}: {fmt_num(row['excluded'])} of {total} sensors "
@@ -351,9 +415,11 @@ def rich_tables(table: pd.DataFrame, columns: list[tuple[str, str]], unit: str =
     """One rich table per point budget; nothing is cut: a narrow terminal wraps cells."""
     out = []
     for title, part in sections_of(table):
+        spread = bool((part.get("seeds", pd.Series([1])) > 1).any())
+        said = [title] if title else []
         if unit:
-            title += f"; errors on held-out points in {unit}, mean ±std over seeds"
-        t = Table(title=title, title_justify="left", pad_edge=False)
+            said.append(f"errors on held-out points in {unit}" + ", mean ±std over runs" * spread)
+        t = Table(title="; ".join(said) or None, title_justify="left", pad_edge=False)
         rows = [
             [str(row["method"])]
             + (
@@ -380,15 +446,32 @@ def rich_tables(table: pd.DataFrame, columns: list[tuple[str, str]], unit: str =
         captions = []
         if any(c.endswith(("_new", "_reference")) for c, _ in columns):  # the mixed-fleet legend
             captions.append(
-                "new: units calibrated with few points; ref: fully calibrated reference units; "
+                "new: units calibrated with few points; ref: reference units; "
                 f"cov95: share of held-out points inside the 95 % interval ({NO_INTERVAL}: no σ)"
             )
-        captions += check_notes(part)  # coverages judged off, and the marks
+        captions += like_legend(part, columns)
+        captions += check_notes(part, console=True)  # beyond chance, and the marks
         if captions:
             t.caption = "\n".join(captions)
             t.caption_justify = "left"
         out.append(t)
     return out
+
+
+def like_legend(part: pd.DataFrame, columns: list[tuple[str, str]]) -> list[str]:
+    """One line saying what "RMSE ok / common / all" average over, when shown."""
+    shown = {c for c, _ in columns}
+    if not any("_mean_common" in c or "_mean_all" in c for c in shown):
+        return []
+    said = ["ok: each method's own ok sensors"]
+    common = [c for c in part.columns if c.startswith("common_sensors") and c in part]
+    if any("_mean_common" in c for c in shown) and common:
+        n = part[sorted(common, key=len)[0]]
+        many = fmt_num(n.min()) if n.min() == n.max() else f"{fmt_num(n.min())}–{fmt_num(n.max())}"
+        said.append(f"common: the {many} sensors every method has ok")
+    if any("_mean_all" in c for c in shown):
+        said.append("all: every sensor with an error, whatever its status (unscored: none)")
+    return ["RMSE " + "; ".join(said)]
 
 
 def to_markdown(table: pd.DataFrame, columns: list[tuple[str, str]]) -> str:
@@ -408,7 +491,7 @@ def to_markdown(table: pd.DataFrame, columns: list[tuple[str, str]]) -> str:
             lines.append(f"| {row['method']} | " + " | ".join(cells) + " |")
         notes = excluded_note(part)  # which statuses the "excl." column counts
         if notes:
-            lines += ["", *(f"excl. {line}  " for line in notes)]
+            lines += ["", *(f"not ok: {line}  " for line in notes)]
         checks = check_notes(part)  # coverages judged off, and the marks
         if checks:
             lines += ["", *(f"{line}  " for line in checks)]
