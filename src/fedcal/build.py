@@ -468,12 +468,7 @@ def with_raw_column(algorithm: Algorithm, config: RunConfig, tensors: Any) -> Al
     if not name or "raw_input" not in {f.name for f in fields(algorithm)}:
         return algorithm
     j = list(config.data.features).index(name)
-    sc = tensors.scaler
-    x_off, x_sc = float(np.ravel(sc.x_offset)[j]), float(np.ravel(sc.x_scale)[j])
-    y_off, y_sc = float(np.ravel(sc.y_offset)[0]), float(np.ravel(sc.y_scale)[0])
-    return dataclasses.replace(
-        algorithm, raw_input=j, raw_map=((x_off - y_off) / y_sc, x_sc / y_sc)
-    )
+    return dataclasses.replace(algorithm, raw_input=j).with_scaler(tensors.scaler)
 
 
 def build_recorded(

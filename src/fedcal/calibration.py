@@ -555,7 +555,7 @@ def unit_diagnostics(prior: PriorModel, result: Calibration) -> tuple[pd.DataFra
     )
     if alg.unit_columns is not None:  # fedprior_drift: recalibrate_at
         with torch.no_grad():
-            table = table.assign(**alg.unit_columns(personal, train))
+            table = table.assign(**alg.labelled_units(alg.unit_columns(personal, train)))
     # One row per calibration point, unit by unit in row order (the columns at once).
     unit, row = np.nonzero(mask)
     if not len(unit):

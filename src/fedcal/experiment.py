@@ -820,6 +820,7 @@ def run_experiment(
                 if algorithm.unit_columns is not None:  # e.g. recalibrate_at
                     with torch.no_grad():
                         extra = algorithm.unit_columns(result.personal, tensors.train)
+                    extra = algorithm.labelled_units(extra)  # e.g. fallback codes as names
                     for name, values in extra.items():
                         final[name] = np.asarray(values)[final["client_index"].to_numpy(int)]
                 if roles is not None:  # mixed fleets: each sensor's role beside its id

@@ -42,9 +42,10 @@ median: ``weak`` (docs/statuses.md).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -102,6 +103,18 @@ def ridge_solve(gram: Tensor, rhs: Tensor) -> Tensor:
 
 class TimeChoice:
     """Forward-chaining choice, simple candidates and the no-harm fall-back (module doc)."""
+
+    unit_labels: ClassVar[dict[str, tuple[str, ...]]] = {"fallback": ("prior", *SIMPLE)}
+
+    def with_scaler(self, scaler: Any) -> Any:
+        """``raw_map`` from the run's scaler (``raw_input`` ≥ 0): y = x_raw in data units is
+        y_s = (x_s·s_x + o_x − o_y) / s_y in scaled units."""
+        if self.raw_input < 0:
+            return self
+        j = self.raw_input
+        x_off, x_sc = float(np.ravel(scaler.x_offset)[j]), float(np.ravel(scaler.x_scale)[j])
+        y_off, y_sc = float(np.ravel(scaler.y_offset)[0]), float(np.ravel(scaler.y_scale)[0])
+        return dataclasses.replace(self, raw_map=((x_off - y_off) / y_sc, x_sc / y_sc))
 
     # ---- when and on what ----------------------------------------------------------
     def choosing(self, data: ClientData) -> bool:
@@ -413,12 +426,12 @@ class TimeChoice:
         return flags
 
     def unit_columns(self, params: Tree, train: ClientData) -> dict:
-        """Per unit: ``fallback``, the model it ships (no harm), and ``sigma_scale``, the
+        """Per unit: ``fallback``, the model it ships (no harm; a code, named by
+        :attr:`unit_labels` where the tables are written), and ``sigma_scale``, the
         factor its σ got from its own later rows (:meth:`_scale_sigma`)."""
         if "fallback" not in params or self.choose == "off":
             return {}
-        names = np.array(["prior", *SIMPLE], dtype=object)
-        out = {"fallback": names[params["fallback"].to(torch.long).numpy()]}
+        out = {"fallback": params["fallback"].to(F64).numpy()}  # codes: unit_labels
         if "sigma_scale" in params:
             out["sigma_scale"] = params["sigma_scale"].to(F64).numpy()
         return out

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
+import numpy as np
 import torch
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from torch import Tensor
@@ -222,6 +223,9 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
     # unit_columns(personal, train) -> {column: (clients,) values}: extra per-unit outputs
     # (fedprior_drift's recalibrate_at), written to per_sensor.csv and units.csv.
     unit_columns: ClassVar[Callable[[Tree, Any], dict] | None] = None
+    # unit_labels: {column: names}: a unit_columns column sent as a number (a Flower reply
+    # carries numbers only) that the tables write as names[code] (fedprior's fallback).
+    unit_labels: ClassVar[dict[str, tuple[str, ...]]] = {}
     # inconsistent_replies(server, replies, weights, accepted) -> {client: reason} | None:
     # uploads that contradict their declared row count or the broadcast model (issue 21,
     # core/robust.py); the aggregation rejects them after screening. Needs each reply.
@@ -299,6 +303,21 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
                 named = base  # the outermost base whose settings build this class
         body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown)
         return f"{named.__qualname__}({body})"
+
+    def with_scaler(self, scaler: Any) -> Algorithm:
+        """The algorithm told the run's scaler, for settings stated in data units (fedprior's
+        raw reading, ``raw_map``). Unchanged by default; the simulator, ``calibrate`` and both
+        sides of a Flower run call it once the scaler is known."""
+        return self
+
+    def labelled_units(self, columns: dict) -> dict:
+        """:attr:`unit_columns`' values with each :attr:`unit_labels` column as names."""
+        out = dict(columns)
+        for name, labels in self.unit_labels.items():
+            if name in out:
+                codes = np.asarray(out[name], dtype=float).astype(int)
+                out[name] = np.asarray(labels, dtype=object)[codes]
+        return out
 
     # ---- the contract -------------------------------------------------
     def server_init(self, params: Tree) -> Tree:
