@@ -144,17 +144,29 @@ def test_raw_reading_and_pooled_line_from_sums():
     x = torch.linspace(-1, 1, 7, dtype=F64).reshape(1, -1, 1)
     phi = legendre_products(x, alg.terms)
     assert torch.allclose((phi * alg.raw_coef).sum(-1), 0.3 + 2.0 * x[..., 0])
-    # the pooled line is the least-squares line of all units' rows stacked (numpy reference)
+    # the pooled line on all rows is the least-squares line through every unit's fitted
+    # values ŷ = φᵀm_i at its rows, stacked (numpy reference; from screened uploads only)
     train, _ = curved_past(units=5, rows=30)
     down = expand(alg.broadcast(alg.server_init({})), 5)
     state = alg.client_init(down)
-    up = alg.choice_uploads(down, state, train)
-    out = alg.choice_update(up, torch.arange(5))
-    xs = train.x[..., 0][train.mask > 0].numpy()
-    ys = train.y[..., 0][train.mask > 0].numpy()
+    phi = legendre_products(train.x.to(F64), alg.terms) * train.mask.unsqueeze(-1)
+    gram = phi.transpose(1, 2) @ phi
+    mean = torch.randn(5, len(alg.terms), dtype=F64, generator=torch.Generator().manual_seed(0))
+    up = alg.choice_uploads(down, state, train, gram, mean)
+    out = alg.choice_update(up, torch.arange(5), gram, True)
+    real = train.mask > 0
+    xs = train.x[..., 0][real].numpy()
+    fitted = (phi * mean.unsqueeze(1)).sum(-1)[real].numpy()
     design = np.column_stack([np.ones_like(xs), np.sqrt(3) * xs])
-    ref = np.linalg.lstsq(design, ys, rcond=None)[0]
+    ref = np.linalg.lstsq(design, fitted, rcond=None)[0]
     assert np.allclose(out["pooled_all"].numpy(), ref, atol=1e-7)
+    # each fold's pooled line: the least-squares line of the fold's fit rows stacked
+    for k, (fit, _) in enumerate(alg.folds(train)):
+        keep = (fit > 0).numpy()
+        xk, yk = train.x[..., 0].numpy()[keep], train.y[..., 0].numpy()[keep]
+        dk = np.column_stack([np.ones_like(xk), np.sqrt(3) * xk])
+        ref = np.linalg.lstsq(dk, yk, rcond=None)[0]
+        assert np.allclose(out["pooled_fold"][k].numpy(), ref, atol=1e-7)
 
 
 def test_sigma_scaled_by_the_units_own_future():

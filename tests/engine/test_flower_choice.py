@@ -27,9 +27,7 @@ def test_fedprior_with_the_choice_and_a_raw_column_on_flower_equals_the_simulato
     params = {**CONFIG.method_params["fedprior"], "choose": "time"}
     fleet = drifting_fleet(make_fleet)
     data = replace(CONFIG.data, raw_column=CONFIG.data.features[0])
-    config = replace(
-        CONFIG, data=data, method_params={**CONFIG.method_params, "fedprior": params}
-    )
+    config = replace(CONFIG, data=data, method_params={**CONFIG.method_params, "fedprior": params})
     cfgs = _node_cfgs(fleet, tmp_path, SITES)
     fed = federation(config, "fedprior", seed=4)
     result = run_federation(fed, InProcess(cfgs, 23, None, None, None, []))

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedcal.algorithms.fedprior_choice_checks import fitted_rhs
 from fedcal.core.bayes import F64, Moments, moments, posterior
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree
@@ -169,8 +170,12 @@ class TimeChoice:
         return coef
 
     # ---- client: the uploads -----------------------------------------------------------
-    def choice_uploads(self, down: Tree, state: Tree, data: ClientData) -> Tree:
-        """A unit's scores of every candidate and its linear moments (module doc)."""
+    def choice_uploads(
+        self, down: Tree, state: Tree, data: ClientData, gram: Tensor, mean: Tensor
+    ) -> Tree:
+        """A unit's scores of every candidate, its folds' linear moments and (G m) on the
+        linear terms (``gram``, ``mean``: its design Gram and posterior mean as uploaded;
+        fedprior_choice_checks)."""
         design = self.design(data.x, data.branch)
         y = data.y[..., 0].to(F64)
         lin = torch.tensor(self._linear_terms())
@@ -199,12 +204,12 @@ class TimeChoice:
         best = torch.where(have, mse, math.inf).amin(1, keepdim=True).clamp_min(1e-300)
         score = torch.log(mse.clamp_min(1e-300) / best).clamp(0.0, self.choice_clip)
         score = torch.where(have & (rows > 0).unsqueeze(1), score, 0.0)
-        full = moments(design, y, data.mask.to(F64))
         return {
             "score": score,
             "scored": (rows > 0).to(F64),
-            "lin_gram": torch.stack([*grams, full.gram[:, lin][:, :, lin]], 1),
-            "lin_rhs": torch.stack([*rhss, full.rhs[:, lin]], 1),
+            "lin_gram": torch.stack(grams, 1),
+            "lin_rhs": torch.stack(rhss, 1),
+            "fit_rhs": fitted_rhs(gram, mean, lin),
         }
 
     def _candidate_coefs(self, down: Tree, state: Tree, early: Moments) -> Tensor:
@@ -226,13 +231,24 @@ class TimeChoice:
         return post.mean.reshape(c, k, p) * self.masks.unsqueeze(0)
 
     # ---- server ------------------------------------------------------------------------
-    def choice_update(self, replies: Tree, order: Tensor) -> Tree:
-        """The pooled lines (per fold and on all rows) and the fleet's summed scores."""
+    def choice_update(self, replies: Tree, order: Tensor, gram: Tensor, per_unit: bool) -> Tree:
+        """The pooled lines and the fleet's summed scores. ``per_unit`` (not streamed sums):
+        each unit's score clipped to [0, ``choice_clip``], ``scored`` to {0, 1}, non-finite
+        entries 0 (the consistency check refuses such replies; this bounds them without it).
+        The line on all rows is fitted from (Σ G_i,lin, Σ (G_i m_i)_lin) of the screened
+        Grams and posterior means (fedprior_choice_checks), the folds' from their moments."""
+        if per_unit:
+            replies = {
+                k: torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0) for k, v in replies.items()
+            }
+            replies["score"] = replies["score"].clamp(0.0, self.choice_clip)
+            replies["scored"] = (replies["scored"] > 0.5).to(F64)
         total = {k: v[order].sum(0) for k, v in replies.items()}
-        coef = ridge_solve(total["lin_gram"], total["lin_rhs"])  # (folds + 1, L)
+        lin = torch.tensor(self._linear_terms())
+        g = gram[order].sum(0).to(F64)[lin][:, lin]
         return {
-            "pooled_fold": coef[:FOLDS],
-            "pooled_all": coef[FOLDS],
+            "pooled_fold": ridge_solve(total["lin_gram"], total["lin_rhs"]),
+            "pooled_all": ridge_solve(g, total["fit_rhs"]),
             "pooled_ok": torch.tensor(1.0, dtype=F64),
             "forward_scores": total["score"],
             "forward_scored": total["scored"],
