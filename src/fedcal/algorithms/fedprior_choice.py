@@ -94,10 +94,11 @@ def late_sse(late: Moments, coef: Tensor) -> Tensor:
 
 
 def ridge_solve(gram: Tensor, rhs: Tensor) -> Tensor:
-    """Least squares from moments, a 1e-9 relative ridge so that a unit without enough rows
-    (or a constant input) still gets a (poor) line, never a crash."""
+    """Least squares from moments, a 1e-9 ridge relative to the Gram's mean diagonal and at
+    least 1e-9 (absolute: a unit with no rows gets the line 0, never NaN), so that a unit
+    without enough rows (or a constant input) still gets a (poor) line, never a crash."""
     eye = torch.eye(gram.shape[-1], dtype=F64)
-    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-300)
+    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1.0)
     a = gram + 1e-9 * scale.unsqueeze(-1).unsqueeze(-1) * eye
     return torch.linalg.solve(a, rhs.unsqueeze(-1))[..., 0]
 
@@ -130,20 +131,24 @@ class TimeChoice:
         return torch.arange(data.x.shape[1], dtype=F64).expand(data.x.shape[:2])
 
     def folds(self, data: ClientData) -> list[tuple[Tensor, Tensor]]:
-        """(fit, scored) row masks (clients, rows) of the forward-chaining folds."""
+        """(fit, scored) row masks (clients, rows) of the forward-chaining folds, cut by each
+        row's rank in its unit's time order (ties: row order), so that a unit whose rows share
+        one time stamp still has folds. A fold counts for a unit only if it fits at least
+        (linear terms + 1) rows; otherwise its scored rows are none (a unit with no counted
+        fold is unscored)."""
         t, real = self._times(data), data.mask > 0
-        first = torch.where(real, t, math.inf).amin(1, keepdim=True)
-        last = torch.where(real, t, -math.inf).amax(1, keepdim=True)
-        span = (last - first).clamp_min(0.0)
+        order = torch.argsort(torch.where(real, t, math.inf), dim=1, stable=True)
+        rank = torch.argsort(order, dim=1).to(F64)
+        n = real.sum(1, keepdim=True).to(F64)
         h = self.choice_holdout
-        # fold k (0..FOLDS-1): fit before the (FOLDS - k)-th last h of the span, score that h
-        cuts = [first + (1 - j * h) * span for j in range(FOLDS, -1, -1)]  # ..., 1 - h, 1
+        # fold k (0..FOLDS-1): fit the rows before the (FOLDS - k)-th last h, score that h
+        cuts = [torch.floor((1 - j * h) * n) for j in range(FOLDS, -1, -1)]  # ..., 1 - h, 1
+        least = len(self._linear_terms() or [0]) + 1
         out = []
         for k in range(FOLDS):
-            fit = real & (t < cuts[k])
-            scored = real & (t >= cuts[k])
-            if k + 1 < FOLDS:
-                scored = scored & (t < cuts[k + 1])
+            fit = real & (rank < cuts[k])
+            scored = real & (rank >= cuts[k]) & (rank < cuts[k + 1])
+            scored = scored & (fit.sum(1, keepdim=True) >= least)
             out.append((fit.to(F64), scored.to(F64)))
         return out
 
@@ -233,7 +238,7 @@ class TimeChoice:
     # ---- server ------------------------------------------------------------------------
     def choice_update(self, replies: Tree, order: Tensor, gram: Tensor, per_unit: bool) -> Tree:
         """The pooled lines and the fleet's summed scores. ``per_unit`` (not streamed sums):
-        each unit's score clipped to [0, ``choice_clip``], ``scored`` to {0, 1}, non-finite
+        each unit's score clipped to [0, ``choice_clip``], ``scored`` to [0, 1], non-finite
         entries 0 (the consistency check refuses such replies; this bounds them without it).
         The line on all rows is fitted from (Σ G_i,lin, Σ (G_i m_i)_lin) of the screened
         Grams and posterior means (fedprior_choice_checks), the folds' from their moments."""
@@ -242,7 +247,7 @@ class TimeChoice:
                 k: torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0) for k, v in replies.items()
             }
             replies["score"] = replies["score"].clamp(0.0, self.choice_clip)
-            replies["scored"] = (replies["scored"] > 0.5).to(F64)
+            replies["scored"] = replies["scored"].clamp(0.0, 1.0)  # (× an outlier weight)
         total = {k: v[order].sum(0) for k, v in replies.items()}
         lin = torch.tensor(self._linear_terms())
         g = gram[order].sum(0).to(F64)[lin][:, lin]
