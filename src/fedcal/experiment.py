@@ -59,7 +59,7 @@ from fedcal.build import (  # noqa: F401  (re-exported: callers import the build
 )
 from fedcal.config import ConfigError, RunConfig
 from fedcal.core.aggregation import AggregationError, check_policy, is_downweighting
-from fedcal.core.algorithm import Algorithm
+from fedcal.core.algorithm import Algorithm, fleet_medians
 from fedcal.core.atomic import write_text, write_with
 from fedcal.core.coverage import SEVERITY, coverage_check
 from fedcal.core.paths import read_json
@@ -435,6 +435,30 @@ def _design_counts(tensors: FleetTensors, units: int) -> dict[str, int] | None:
 REJECTION_COLUMNS = ["round", "client_index", "client", "reason", "ratio", "threshold"]
 
 
+def _status_server(
+    algorithm: Algorithm, result: RunResult, tensors: FleetTensors, chunk_size: int
+) -> Any:
+    """The server ``client_status`` reads: with the fleet's medians of the algorithm's
+    :attr:`~fedcal.core.algorithm.Algorithm.status_values` over every unit (taken chunk by
+    chunk), so that ``chunk_size`` changes no status."""
+    if algorithm.status_values is None:
+        return result.server
+    n, found = tensors.num_clients, {}
+    for rows in spans(n, chunk_size):
+        with torch.no_grad():
+            got = algorithm.status_values(
+                _clients(result.personal, rows, n),
+                _clients(tensors.test.x, rows, n).to(torch.float64),
+                _clients(tensors.test.mask, rows, n),
+            )
+        for key, v in got.items():
+            found.setdefault(key, []).append(v)
+    if not found:
+        return result.server
+    medians = fleet_medians({k: torch.cat(v) for k, v in found.items()})
+    return {**result.server, "status_medians": medians}
+
+
 def judge_sensors(
     algorithm: Algorithm,
     result: RunResult,
@@ -454,10 +478,11 @@ def judge_sensors(
     run's peak memory (issue 25.1).
     """
     parts: list[dict[str, np.ndarray]] = []
+    server = _status_server(algorithm, result, tensors, chunk_size)
     for rows in spans(tensors.num_clients, chunk_size):
         with torch.no_grad():
             got = algorithm.client_status(
-                result.server,
+                server,
                 _clients(result.personal, rows, tensors.num_clients),
                 _clients(tensors.test.x, rows, tensors.num_clients).to(torch.float64),
                 _clients(tensors.test.mask, rows, tensors.num_clients),

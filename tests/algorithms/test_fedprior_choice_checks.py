@@ -40,7 +40,7 @@ def _fleet() -> Fleet:
         split = np.where(t < 1, "train", "test")
         rows += [
             dict(sensor_id=f"S{i:02d}", time=a, x=b, y=c, split=d)
-            for a, b, c, d in zip(t, x, y, split)
+            for a, b, c, d in zip(t, x, y, split, strict=True)
         ]
     return Fleet(pd.DataFrame(rows), ("x",), "y", "sensor_id", {"time_column": "time"})
 
@@ -75,7 +75,7 @@ def _run(forge: str):
 
 @pytest.mark.parametrize("forge", ["score", "pooled"])
 def test_a_forged_unit_moves_neither_the_basis_nor_the_pooled_line(forge) -> None:
-    alg, clean, honest = _run("")
+    _, clean, honest = _run("")
     _, res, forged = _run(forge)
     assert int(res.server["choice"]) == int(clean.server["choice"])
     # the forger's rounds are refused (it only loses its own weight in the prior): the

@@ -52,6 +52,7 @@ import torch
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_choice_checks import fitted_rhs
+from fedcal.core.algorithm import fleet_medians
 from fedcal.core.bayes import F64, Moments, moments, posterior
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree
@@ -443,7 +444,8 @@ class TimeChoice:
         """PriorStatus's flags, and ``weak`` for an implausible unit (fedprior_choice)."""
         flags = super().client_status(server, personal, x, mask)  # PriorStatus's
         if self.choose != "off":
-            flags["weak"] = flags["weak"] | self.implausible_units(personal, x, mask)
+            medians = server.get("status_medians")  # over the whole fleet (a chunked judge)
+            flags["weak"] = flags["weak"] | self.implausible_units(personal, x, mask, medians)
         return flags
 
     def unit_columns(self, params: Tree, train: ClientData) -> dict:
@@ -468,29 +470,41 @@ class TimeChoice:
         return state
 
     # ---- status ------------------------------------------------------------------------
-    def implausible_units(self, personal: Tree, x: Tensor, mask: Tensor) -> Tensor:
-        """(clients,) units whose validation RMSE or mean predictive σ, each over the unit's
-        own target spread (the standard deviation of its calibration targets: a rain gauge
-        of a wet site is not implausible for its larger errors), is more than
-        ``implausible`` times the fleet's median (module doc)."""
+    def status_values(self, personal: Tree, x: Tensor, mask: Tensor) -> dict[str, Tensor]:
+        """(clients,) each unit's validation RMSE and mean predictive σ at ``x`` (its test
+        inputs, where its errors are measured), each over the unit's own target spread (the
+        standard deviation of its calibration targets: a rain gauge of a wet site is not
+        implausible for its larger errors); NaN where not measured."""
+        if self.choose == "off":
+            return {}
         n = x.shape[0]
-        flag = torch.zeros(n, dtype=torch.bool)
         spread = personal.get("target_sd")
         spread = torch.ones(n, dtype=F64) if spread is None else spread.to(F64).reshape(n)
         spread = torch.where(spread > 0, spread, math.nan)
+        out = {}
         if "val_mse" in personal:
-            val = personal["val_mse"].to(F64).reshape(n)
-            rmse = val.clamp_min(0.0).sqrt() / spread
-            ok = torch.isfinite(rmse) & (val >= 0)  # -1: not measured
-            if int(ok.sum()) >= 3:
-                flag |= ok & (rmse > self.implausible * rmse[ok].median())
+            val = personal["val_mse"].to(F64).reshape(n)  # -1: not measured
+            out["rmse"] = torch.where(val >= 0, val.clamp_min(0.0).sqrt() / spread, math.nan)
         std = self.predictive_std(personal, x)
         if std is not None:
             m = mask.to(F64)
             s = (std.to(F64)[..., 0] * m).sum(1) / m.sum(1).clamp_min(1.0) / spread
-            ok = torch.isfinite(s)
-            if int(ok.sum()) >= 3:
-                flag |= ok & (s > self.implausible * s[ok].median())
+            out["sigma"] = torch.where(m.sum(1) > 0, s, math.nan)
+        return out
+
+    def implausible_units(
+        self, personal: Tree, x: Tensor, mask: Tensor, medians: dict | None = None
+    ) -> Tensor:
+        """(clients,) units whose :meth:`status_values` exceed ``implausible`` times the
+        fleet's median (``medians``: over every unit of the fleet, as a chunked caller
+        passes them; None: over these units, at least 3 measured; module doc)."""
+        values = self.status_values(personal, x, mask)
+        medians = fleet_medians(values) if medians is None else medians
+        flag = torch.zeros(x.shape[0], dtype=torch.bool)
+        for name, v in values.items():
+            ref = medians.get(name)
+            if ref is not None and bool(torch.isfinite(ref)):
+                flag |= torch.isfinite(v) & (v > self.implausible * ref)
         return flag
 
 
