@@ -459,6 +459,30 @@ def _resolve_choice(cls: type, values: dict[str, Any], config: RunConfig) -> dic
     return {**values, "choose": "time" if timed else "off"}
 
 
+def choice_note(config: RunConfig) -> str:
+    """One line when fedprior's ``choose = "auto"`` resolves to "off" for the run's methods
+    (:func:`_resolve_choice`: no time column, or client-level DP), naming the raw column it
+    then leaves unused; "" when the choice acts or no method has it."""
+    if config.data.time_column and not config.privacy.epsilon > 0:
+        return ""
+    off = []
+    for name in config.methods:
+        try:
+            cls, values = method_settings(name, config)
+        except (ConfigError, KeyError, ValueError):
+            continue  # refused later, with its own message
+        asked = config.method_params.get(name, {}).get("choose", "auto")
+        if "choose" in {f.name for f in fields(cls)} and asked == "auto":
+            off.append(name)
+    if not off:
+        return ""
+    why = "client-level DP" if config.privacy.epsilon > 0 else "no time column"
+    note = f"choose=auto: off for {', '.join(off)} ({why})"
+    if config.data.raw_column:
+        note += f"; raw column {config.data.raw_column!r} unused"
+    return note
+
+
 def with_raw_column(algorithm: Algorithm, config: RunConfig, tensors: Any) -> Algorithm:
     """``algorithm`` told which input reads the target itself (``[data] raw_column``) and
     how, in its scaled units: y = x_raw is y_s = (x_s·s_x + o_x − o_y) / s_y (the run's
