@@ -52,6 +52,17 @@ import torch
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_choice_checks import fitted_rhs
+from fedcal.algorithms.fedprior_choice_parts import (
+    FOLDS,
+    late_sse,
+    linear_index,
+    pick_err,
+    pick_mse,
+    pooled_lines,
+    repeat_moments,
+    ridge_solve,
+    subset,
+)
 from fedcal.core.algorithm import fleet_medians
 from fedcal.core.bayes import F64, Moments, moments, posterior
 from fedcal.core.data import ClientData
@@ -61,47 +72,6 @@ SIMPLE = ("own_linear", "pooled_linear", "raw")
 MIN_SCORED = 5  # scored rows a unit needs before the no-harm test may replace its model
 SIGMA_PRIOR_ROWS = 20.0  # pseudo-rows at ratio 1 of a unit's forward σ scale (_scale_sigma)
 CHOICE_KEYS = ("pooled_fold", "pooled_all", "pooled_ok", "forward_scores", "forward_scored")
-FOLDS = 2
-
-
-def subset(data: ClientData, keep: Tensor) -> ClientData:
-    """The unit's rows where ``keep`` (clients, rows) is set, gathered to the front
-    (``count`` = their number); the others after them as padding."""
-    keep = keep > 0
-    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
-
-    def take(v: Tensor | None) -> Tensor | None:
-        if v is None:
-            return None
-        idx = order.reshape(*order.shape, *([1] * (v.dim() - 2))).expand_as(v)
-        return torch.gather(v, 1, idx)
-
-    return ClientData(
-        take(data.x),
-        take(data.y),
-        keep.sum(1),
-        data.seeds,
-        data.index,
-        take(data.branch),
-        take(data.time),
-        None,
-    )
-
-
-def late_sse(late: Moments, coef: Tensor) -> Tensor:
-    """Σ (y − φᵀc)² over the scored rows from their moments: yy − 2cᵀb + cᵀGc."""
-    quad = (coef.unsqueeze(-2) @ late.gram @ coef.unsqueeze(-1))[..., 0, 0]
-    return (late.yy - 2 * (coef * late.rhs).sum(-1) + quad).clamp_min(0.0)
-
-
-def ridge_solve(gram: Tensor, rhs: Tensor) -> Tensor:
-    """Least squares from moments, a 1e-9 ridge relative to the Gram's mean diagonal and at
-    least 1e-9 (absolute: a unit with no rows gets the line 0, never NaN), so that a unit
-    without enough rows (or a constant input) still gets a (poor) line, never a crash."""
-    eye = torch.eye(gram.shape[-1], dtype=F64)
-    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1.0)
-    a = gram + 1e-9 * scale.unsqueeze(-1).unsqueeze(-1) * eye
-    return torch.linalg.solve(a, rhs.unsqueeze(-1))[..., 0]
 
 
 class TimeChoice:
@@ -161,7 +131,7 @@ class TimeChoice:
 
     def _linear_terms(self) -> list[int] | None:
         """Indices in :attr:`terms` of the constant and each input's first-order term."""
-        return _linear_index(self.terms, self.num_inputs)
+        return linear_index(self.terms, self.num_inputs)
 
     @cached_property
     def raw_coef(self) -> Tensor | None:
@@ -202,7 +172,7 @@ class TimeChoice:
             if self.raw_coef is not None:
                 simple[:, 2] = self.raw_coef
             both = torch.cat([coefs, simple], 1)
-            sse.append(late_sse(_expand(late, both.shape[1]), both))
+            sse.append(late_sse(repeat_moments(late, both.shape[1]), both))
         mse = sum(sse) / rows.clamp_min(1.0).unsqueeze(1)
         have = torch.ones(mse.shape[1], dtype=torch.bool)
         have[-2] = pooled is not None
@@ -329,10 +299,10 @@ class TimeChoice:
         have = torch.tensor([True, True, pooled is not None, self.raw_coef is not None])
         simple = torch.where(have[1:].unsqueeze(1), mse[1:], math.inf)
         best = simple.argmin(0)  # (clients,) 0 own, 1 pooled, 2 raw
-        d = err[0] - _pick(err[1:], best)
+        d = err[0] - pick_err(err[1:], best)
         mean = (d * scored_all).sum(1) / n.clamp_min(1.0)
         var = ((d - mean.unsqueeze(1)) ** 2 * scored_all).sum(1) / (n - 1).clamp_min(1.0)
-        base = _pick_rows(mse[1:], best)
+        base = pick_mse(mse[1:], best)
         bar = self.choice_margin * base + self.choice_z * (var / n.clamp_min(1.0)).sqrt()
         worse = (n >= MIN_SCORED) & (mean > bar)
         out["val_mse"] = torch.where(n > 0, mse[0], -1.0)
@@ -506,42 +476,3 @@ class TimeChoice:
             if ref is not None and bool(torch.isfinite(ref)):
                 flag |= torch.isfinite(v) & (v > self.implausible * ref)
         return flag
-
-
-def pooled_lines(down: Tree, terms: int) -> tuple[Tensor, Tensor] | None:
-    """The broadcast pooled lines ((1 or clients, folds, L), (1 or clients, L)), or None
-    before the fleet has summed any (a broadcast may carry a clients axis)."""
-    if "pooled_ok" not in down or not float(down["pooled_ok"].reshape(-1)[0]) > 0:
-        return None
-    fold = down["pooled_fold"].to(F64).reshape(-1, FOLDS, terms)
-    return fold, down["pooled_all"].to(F64).reshape(-1, terms)
-
-
-def _expand(stats: Moments, k: int) -> Moments:
-    """Moments (clients, …) repeated for k candidates: (clients, k, …)."""
-    return Moments(
-        stats.gram.unsqueeze(1).expand(-1, k, -1, -1),
-        stats.rhs.unsqueeze(1).expand(-1, k, -1),
-        stats.yy.unsqueeze(1).expand(-1, k),
-        stats.n.unsqueeze(1).expand(-1, k),
-    )
-
-
-def _pick(err: Tensor, best: Tensor) -> Tensor:
-    """err (3, clients, rows) at each client's ``best`` candidate: (clients, rows)."""
-    return err.permute(1, 0, 2)[torch.arange(err.shape[1]), best]
-
-
-def _pick_rows(mse: Tensor, best: Tensor) -> Tensor:
-    """mse (3, clients) at each client's ``best``: (clients,)."""
-    return mse.T[torch.arange(mse.shape[1]), best]
-
-
-def _linear_index(terms: tuple[tuple[int, ...], ...], inputs: int) -> list[int] | None:
-    """Indices of the constant and of each input's P̃₁ term, or None if any is missing."""
-    where = {t: i for i, t in enumerate(terms)}
-    wanted = [tuple([0] * inputs)]
-    wanted += [tuple(1 if j == k else 0 for j in range(inputs)) for k in range(inputs)]
-    if any(w not in where for w in wanted):
-        return None
-    return [where[w] for w in wanted]
