@@ -5,16 +5,19 @@ later rows, not by in-sample evidence (BIC rewards a basis that explains the pas
 seasonal error). A mixin of :class:`~fedcal.algorithms.fedprior.FedPrior` (and fedprior_drift),
 acting with a time column (``choose``: "auto", "time" = also row order as time, "off").
 
-**Forward chaining.** Each unit's calibration span [t₀, t₁] gives two folds: fit on the rows
-before t₀ + (1 − 2h)·span and score the rows of the next h·span; fit before t₀ + (1 − h)·span
-and score the last h·span (h = ``choice_holdout``, 0.25). Candidates:
+**Forward chaining.** Each unit's n calibration rows, ranked in time order (ties: row order),
+give two folds: fit on the first ⌊(1 − 2h)n⌋ and score the next ones up to ⌊(1 − h)n⌋; fit on
+those and score the rest (h = ``choice_holdout``, 0.25). A fold counts only if it fits at
+least (linear terms + 1) rows (:meth:`TimeChoice.folds`). Candidates:
 
 * every basis the fleet prior may use (``select = "bic"``'s candidates; without selection the
   basis in use), each unit's posterior under that candidate's broadcast prior from its early
   rows (:func:`fedcal.core.bayes.posterior`);
 * **own linear**: the unit's own least-squares line (with intercept) from its early rows;
-* **pooled linear**: one least-squares line from the fleet's summed early-row moments
-  (Σ_i Φ_iᵀΦ_i, Σ_i Φ_iᵀy_i on the constant and first-order terms: sums only leave a unit);
+* **pooled linear**: per fold one least-squares line from the fleet's summed early-row
+  moments (Σ_i Φ_iᵀΦ_i, Σ_i Φ_iᵀy_i on the constant and first-order terms: sums only leave a
+  unit); the line shipped on fall-back from the screened Grams and posterior means,
+  Σ_i G_i,lin b = Σ_i (G_i m_i)_lin (:mod:`~fedcal.algorithms.fedprior_choice_checks`);
 * **raw**: the uncorrected reading, where a feature measures the target itself
   (``[data] raw_column``: ``raw_input`` and its map into the scaled target, ``raw_map``).
 
