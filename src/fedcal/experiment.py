@@ -375,8 +375,12 @@ def export_state(
     fleet: Fleet | FleetOutline,
     tensors: FleetTensors,
     method: str,
+    choose: str = "",
 ) -> PriorModel | None:
     """The algorithm's reusable server state (fedprior's fleet prior) as the fitted value.
+
+    ``choose``: the time-respecting choice the configuration asked for; "auto" is recorded
+    as "auto" (calibrate resolves it by its own data's time column), not as this run's.
 
     Adds what is needed to apply it to new units: the method and its parameters,
     feature and target names, the scaler, and the range of each input the fleet
@@ -420,7 +424,16 @@ def export_state(
         "design_counts": _design_counts(tensors, fleet.num_clients),
         "created_by": created_by(),
     }
+    if "choose" in doc["method_params"] and choose == "auto":  # calibrate resolves it by its data
+        doc["method_params"]["choose"] = "auto"
     return PriorModel.from_dict(doc, f"{method}: the trained prior")
+
+
+def _asked_choose(config: RunConfig, method: str) -> str:
+    """The ``choose`` the configuration gives ``method`` (or its base's table), "auto" if none."""
+    params = config.method_params.get(method, {})
+    base = config.method_params.get(str(params.get("base", "")), {})
+    return str(params.get("choose", base.get("choose", "auto")))
 
 
 def _design_counts(tensors: FleetTensors, units: int) -> dict[str, int] | None:
@@ -884,7 +897,9 @@ def run_experiment(
                 if privacy:
                     row["epsilon"] = privacy["epsilon"]
                     row["noise_multiplier"] = privacy["noise_multiplier"]
-                fitted = export_state(algorithm, result.server, subset, tensors, method)
+                fitted = export_state(
+                    algorithm, result.server, subset, tensors, method, _asked_choose(config, method)
+                )
                 deploy = getattr(algorithm, "deploy_state", None)  # fedprior: issue 33
                 if fitted is not None and deploy is not None:
                     model = deploy(result.server, tensors.train)
