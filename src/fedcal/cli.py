@@ -772,15 +772,9 @@ def calibrate(
             write_mac(out, key)
     except (FileNotFoundError, ValueError, ConfigError, FleetDataError) as err:
         _fail(str(err))
-    unit = target_unit(units.prior.target)
-    t = Table(title=f"{len(table)} unit(s) calibrated against {path}", title_justify="left")
-    columns = [c for c in table.columns if c != "sensor_id"]
-    t.add_column("sensor")
-    for c in columns:
-        t.add_column(c.replace("_", " ") + (f" ({unit})" if c.endswith(("sd", "rmse")) else ""))
-    for _, row in table.iterrows():
-        t.add_row(str(row["sensor_id"]), *[f"{row[c]:.4g}" for c in columns])
-    console.print(t)
+    _print_calibrated(
+        table, out, units.prior.target, f"{len(table)} unit(s) calibrated against {path}"
+    )
     from fedcal.calibration import declined_note
 
     note = declined_note(units.prior, units.result)
@@ -788,6 +782,53 @@ def calibrate(
         console.print(f"[yellow]{note}[/]")
     _print_findings(out)
     console.print(f"wrote {out}/coefficients.csv, per_sensor.csv, units.csv and a run directory")
+
+
+# calibrate's console: what each unit states (its σ, not the fleet's noise), then, when the
+# file has test rows, how that held; every other column is in per_sensor.csv / units.csv.
+_CALIBRATED = (
+    ("points", "points", False),
+    ("status", "status", False),
+    ("sigma_mean", "σ mean over range", True),
+    ("sigma_max", "σ max", True),
+    ("test_rmse", "test RMSE", True),
+    ("test_coverage95", "coverage 95 %", False),
+)
+
+
+def _print_calibrated(table, out: Path, target: str, title: str) -> None:
+    """One row per unit: points, QA status, the σ it states over the prior's operating range
+    (units.csv: mean and max; "—" where its interval was declined) and, with test rows, its
+    test RMSE and the coverage of its stated 95 % interval (per_sensor.csv)."""
+    import pandas as pd
+
+    from fedcal.report.tables import fmt_num, target_unit
+
+    unit = target_unit(target)
+    qa = pd.read_csv(out / "units.csv", dtype={"sensor_id": str})[
+        ["sensor_id", "status", "sigma_mean", "sigma_max"]
+    ]
+    rows = table.astype({"sensor_id": str}).merge(qa, on="sensor_id", how="left")
+    shown = [
+        (c, label, in_unit)
+        for c, label, in_unit in _CALIBRATED
+        if c in rows and (not c.startswith("test_") or rows[c].notna().any())
+    ]
+    t = Table(title=title, title_justify="left")
+    t.add_column("sensor")
+    for _, label, in_unit in shown:
+        t.add_column(label + (f" ({unit})" if in_unit and unit else ""), justify="right")
+
+    def text(value) -> str:
+        if isinstance(value, str):
+            return value
+        if value is None or value != value:  # NaN: no σ stated / not scored
+            return "—"
+        return fmt_num(value, keep_zeros=True) if isinstance(value, float) else str(value)
+
+    for _, row in rows.iterrows():
+        t.add_row(str(row["sensor_id"]), *[text(row[c]) for c, _, _ in shown])
+    console.print(t)
 
 
 def _check_mac(run_dirs: list[Path], key: bytes) -> None:

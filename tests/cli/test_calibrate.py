@@ -14,6 +14,7 @@ from fedcal import calibration
 from fedcal.cli import app
 from fedcal.core.tree import expand
 from fedcal.data.simulator import FleetSpec, simulate_fleet
+from fedcal.report.tables import fmt_num
 
 runner = CliRunner(env={"COLUMNS": "200"})
 
@@ -51,6 +52,12 @@ def test_calibrate_writes_coefficients_and_a_run_directory_that_export_and_predi
     assert list(coef["sensor_id"]) == ["NEW-S000", "NEW-S001", "NEW-S002"]
     assert list(coef["points"]) == [6, 6, 6]
     per_sensor = pd.read_csv(out / "per_sensor.csv")
+    # the console states each unit's own σ over the range (units.csv), not the fleet noise
+    units = pd.read_csv(out / "units.csv")
+    assert "σ mean over range (hPa)" in result.output and "noise sd" not in result.output
+    for _, unit in units.iterrows():
+        line = next(x for x in result.output.splitlines() if unit["sensor_id"] in x)
+        assert fmt_num(unit["sigma_mean"], keep_zeros=True) in line, line
     # 6 chamber points each, off-grid test points: far below a per-unit fit's ~3 hPa
     assert per_sensor["test_rmse"].max() < 0.5
     assert per_sensor["test_coverage95"].mean() >= 0.85
