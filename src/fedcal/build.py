@@ -468,7 +468,7 @@ def choice_note(config: RunConfig) -> str:
     off = []
     for name in config.methods:
         try:
-            cls, values = method_settings(name, config)
+            cls, _ = method_settings(name, config)
         except (ConfigError, KeyError, ValueError):
             continue  # refused later, with its own message
         asked = config.method_params.get(name, {}).get("choose", "auto")
