@@ -21,19 +21,20 @@ from .test_flower_wire import CONFIG, POLICY, SITES, _assert_same_as_simulator, 
 pytest.importorskip("flwr")
 
 
+@pytest.mark.parametrize("method", ["fedprior", "fedprior_drift"])
 def test_fedprior_with_the_choice_and_a_raw_column_on_flower_equals_the_simulator(
-    make_fleet, tmp_path
+    make_fleet, tmp_path, method
 ) -> None:
     params = {**CONFIG.method_params["fedprior"], "choose": "time"}
     fleet = drifting_fleet(make_fleet)
     data = replace(CONFIG.data, raw_column=CONFIG.data.features[0])
-    config = replace(CONFIG, data=data, method_params={**CONFIG.method_params, "fedprior": params})
+    config = replace(CONFIG, data=data, method_params={**CONFIG.method_params, method: params})
     cfgs = _node_cfgs(fleet, tmp_path, SITES)
-    fed = federation(config, "fedprior", seed=4)
+    fed = federation(config, method, seed=4)
     result = run_federation(fed, InProcess(cfgs, 23, None, None, None, []))
     assert fed.rejected == {} and all(f == {} for f in fed.failed.values())
     tensors = prepare(fleet, dtype="float64")
-    alg = with_raw_column(build(config, "fedprior", 2), config, tensors)
+    alg = with_raw_column(build(config, method, 2), config, tensors)
     assert alg.choose == "time" and alg.raw_coef is not None
     # the Flower server's algorithm has the raw candidate with the simulator's map
     assert fed.algorithm.raw_input == alg.raw_input == 0
