@@ -31,6 +31,7 @@ from fedcal.config import ConfigError, RunConfig, to_layout
 from fedcal.core.aggregation import AggregationError, AggregationPolicy
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.classification import ClassificationTask
+from fedcal.core.errors import did_you_mean
 from fedcal.core.task import Task
 from fedcal.data.fleet import BAROMETRIC_FEATURES, SPLIT_COLUMN, Fleet
 from fedcal.models import build_model
@@ -643,7 +644,8 @@ def check_methods(
     unknown = [m for m in names if m not in REGISTRY and variants.get(m) not in REGISTRY]
     if unknown:
         raise ConfigError(
-            f"unknown method(s) {', '.join(unknown)}; known: {', '.join(sorted(REGISTRY))}"
+            f"unknown method(s) {', '.join(unknown)}{did_you_mean(unknown, [*REGISTRY, *variants])}"
+            f"; known: {', '.join(sorted(REGISTRY))}"
         )
     # a classification method needs classes; a regression method (FedAvg…) may run on either
     other = [
