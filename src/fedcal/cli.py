@@ -294,7 +294,7 @@ def _experiment(
 ) -> None:
     import torch
 
-    from fedcal.build import load_run_data, validate_methods, with_auto_chunk
+    from fedcal.build import choice_note, load_run_data, validate_methods, with_auto_chunk
     from fedcal.data.loader import FleetDataError
     from fedcal.experiment import run_experiment
     from fedcal.report.tables import aggregate
@@ -302,6 +302,7 @@ def _experiment(
     torch.set_num_threads(1)  # tiny models: threading overhead dominates
     try:  # a Parquet file by row groups when nothing needs its whole frame (issue 25.1)
         fleet, note = load_run_data(cfg, train_points)
+        note = "\n".join(x for x in (note, choice_note(cfg)) if x)  # e.g. choose=auto: off
         for line in note.splitlines():  # one line each (issue 37.2)
             err_console.print(f"note: {escape(line)}", soft_wrap=True)
         if auto_chunk:  # no --chunk-size: chosen from the fleet's units and rows (config.json)
