@@ -118,7 +118,20 @@ def summarize(net: str, base: pd.DataFrame, run: Path, methods: list[str]) -> li
             rows.append({**row, "statuses": "failed"})
             continue
         table = table.assign(**{CLIENT_COLUMN: table["client"].astype(str)})
-        both = table.merge(base, on=CLIENT_COLUMN)
+        run_ids, base_ids = set(table[CLIENT_COLUMN]), set(base[CLIENT_COLUMN].astype(str))
+        missing = sorted(base_ids ^ run_ids)  # a mean over fewer sensors is not "all sensors"
+        if missing:
+            shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
+            rows.append(
+                {
+                    **row,
+                    "statuses": f"failed: {len(missing)} sensor(s) not in both "
+                    f"the run and the simple fits ({shown})",
+                }
+            )
+            continue
+        both = table.merge(base.astype({CLIENT_COLUMN: str}), on=CLIENT_COLUMN)
+        assert len(both) == len(base), f"{net} {method}: sensors repeated in the merge"
         rmse = both["test_rmse"].to_numpy(float)
         status = both["status"].astype(str)
         far = (rmse > 3 * both["own_linear"].to_numpy()) & (status == "ok").to_numpy()

@@ -61,6 +61,26 @@ class NotFittedError(ValueError):
     """A :class:`FleetPrior` used before ``fit`` or ``load``."""
 
 
+def _check_path(value: Any, where: str) -> None:
+    """One line for a folder or file argument that is not a path (e.g. a DataFrame)."""
+    if not isinstance(value, (str, Path)):
+        kind = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+        raise TypeError(f"{where}: expected a folder or file path (str or Path), got {kind}")
+
+
+def _check_data(X: Any, where: str) -> None:
+    """One line for an input that is neither a DataFrame nor a file path (e.g. a NumPy array)."""
+    if isinstance(X, (pd.DataFrame, str, Path)):
+        return
+    kind = f"{type(X).__module__}.{type(X).__qualname__}".removeprefix("builtins.")
+    hint = (
+        ": an array has no column names; wrap it, e.g. pd.DataFrame(X, columns=[...])"
+        if isinstance(X, np.ndarray) or hasattr(X, "__array__")
+        else ""
+    )
+    raise TypeError(f"{where}: expected a pandas DataFrame or a CSV/Parquet path, got {kind}{hint}")
+
+
 def _read_dir(folder: Path, run: Path) -> dict[str, bytes]:
     """The run-folder files of one run: the top-level files and ``runs/<run>/*``."""
     # read under the run folder's guards (regular files only, size limit): core/paths.py
@@ -131,6 +151,7 @@ class FleetPrior(BaseEstimator):
         without one a seeded share is held out, as ``fedcal run`` does. ``y`` is unused
         (the target is a column of ``X``, scikit-learn's convention for grouped data).
         """
+        _check_data(X, "FleetPrior.fit(X)")
         import torch
 
         from fedcal.build import load_configured, validate_methods
@@ -167,6 +188,7 @@ class FleetPrior(BaseEstimator):
         """A stored prior: a run directory of ``fedcal run`` or :meth:`save`, or a prior.json."""
         from fedcal.calibration import find_prior, load_prior
 
+        _check_path(run_dir, "FleetPrior.load(run_dir)")
         path = find_prior(run_dir, method, seed, train_points)
         model = load_prior(path)
         prior = cls(
@@ -234,6 +256,7 @@ class FleetPrior(BaseEstimator):
         units.csv gains ``recalibrate_at``). The closed form of
         :func:`fedcal.calibration.calibrate`; nothing of the reference fleet is needed.
         """
+        _check_data(X, "FleetPrior.calibrate(X)")
         import torch
 
         from fedcal import calibration
@@ -269,6 +292,7 @@ class CalibratedUnits:
     prior: PriorModel
     fleet: Any  # fedcal.data.fleet.Fleet
     result: Any  # fedcal.calibration.Calibration
+    ranges: dict[str, Any] | None = None  # loaded units: their saved valid_range.json
 
     @property
     def sensor_ids(self) -> list[str]:
@@ -296,7 +320,11 @@ class CalibratedUnits:
         )
 
     def predict(
-        self, X: Data, return_std: bool = False, return_interval: bool = False
+        self,
+        X: Data,
+        return_std: bool = False,
+        return_interval: bool = False,
+        return_range: bool = False,
     ) -> np.ndarray | tuple[np.ndarray, ...]:
         """Calibrated target for each row of ``X`` (sensor column + features), in its unit.
 
@@ -304,17 +332,68 @@ class CalibratedUnits:
         and its noise level). With ``return_interval``: also the half-width of the stated
         95 % interval (±1.96 σ; with a direction term the sweep mixture's, the interval
         the run scores: :meth:`fedcal.report.export.CalibratedFleet.interval_rows`).
-        Rows keep ``X``'s order; a sensor not calibrated here is a KeyError naming it.
+        With ``return_range``: also ``in_range`` per row (bool), as ``fedcal predict``'s
+        column: every input within the unit's calibrated span widened by 5 % of it
+        (:func:`fedcal.report.export.in_range`); False: extrapolated, not calibrated.
+        Returns ``mean`` alone, or the tuple of ``mean`` and those asked for, in this
+        order: ``(mean, std, halfwidth, in_range)``. Rows keep ``X``'s order; a sensor not
+        calibrated here is a KeyError naming it.
         """
         from fedcal.data.loader import load_readings
+        from fedcal.report.export import in_range
 
+        _check_data(X, "CalibratedUnits.predict(X)")
         models = self.models
         frame = load_readings(X, models.features, models.sensor_column)
         mean, std = models.predict_rows(frame)
-        out = (mean,) + ((std,) if return_std else ())
+        out: tuple[np.ndarray, ...] = (mean, std) if return_std else (mean,)
         if return_interval:
             out += (models.interval_rows(frame),)
+        if return_range:
+            inside = np.zeros(len(frame), dtype=bool)
+            ranges, x = self.valid_range, frame[list(models.features)].to_numpy(float)
+            for sensor, rows in frame.groupby(models.sensor_column, sort=False).indices.items():
+                inside[rows] = in_range(x[rows], ranges[str(sensor)], models.features)
+            out = (*out, inside)
         return out if len(out) > 1 else mean
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> CalibratedUnits:
+        """A ``fedcal calibrate`` output folder (or :meth:`save`'s), loaded back.
+
+        The units' models are the stored ones (``model.safetensors``: predictions equal
+        the saved units' bit for bit, tested), with the prior (``prior.json``) and the
+        calibration points (``calibration_points.csv``: coefficients, valid range).
+        """
+        from fedcal.calibration import load_prior
+        from fedcal.data.loader import load_fleet
+        from fedcal.report.export import choose_method, load_models
+        from fedcal.report.rundir import read_table, read_valid_ranges
+
+        _check_path(run_dir, "CalibratedUnits.load(run_dir)")
+        run_dir = Path(run_dir)
+        if not (run_dir / "calibration_points.csv").is_file():
+            raise FileNotFoundError(
+                f"{run_dir}: not a `fedcal calibrate` output (no calibration_points.csv)"
+            )
+        method = choose_method(run_dir, None)
+        prior = load_prior(run_dir / "runs" / f"{method}_tp0_seed0" / "prior.json")
+        column = prior.sensor_column
+        points = read_table(run_dir / "calibration_points.csv", dtype={"sensor_id": str})
+        frame = points[["sensor_id", *prior.features, prior.target]].rename(
+            columns={"sensor_id": column}
+        )
+        fleet = load_fleet(
+            frame.assign(split="train"),
+            features=prior.features,
+            target=prior.target,
+            client_column=column,
+            min_train_points=1,
+            min_test_points=0,
+        )
+        models = load_models(run_dir, method, drop_diverged=True)
+        ranges = read_valid_ranges(run_dir, method, 0, 0)  # as saved (the points' CSV rounds)
+        return cls(prior, fleet, _loaded_calibration(prior, fleet, models), ranges)
 
     @property
     def coefficients(self) -> pd.DataFrame:
@@ -342,7 +421,7 @@ class CalibratedUnits:
         """Per unit, the span of its calibration points (inputs and target)."""
         from fedcal.experiment import valid_ranges
 
-        return valid_ranges(self.fleet)
+        return self.ranges if self.ranges is not None else valid_ranges(self.fleet)
 
     def to_c_header(self, path: str | Path) -> Path:
         """Write the C header of ``fedcal export --format c`` (``report.export.to_c_header``)."""
@@ -382,3 +461,30 @@ def _prior_config(prior: PriorModel):
     from fedcal.calibration import _config
 
     return _config(prior)
+
+
+def _loaded_calibration(prior: PriorModel, fleet: Any, models: Any) -> Any:
+    """The :class:`fedcal.calibration.Calibration` of stored units: their saved parameters
+    (a unit whose calibration failed: NaN, as it was saved), their calibration points as
+    tensors, and the prior's server state (:func:`fedcal.calibration.prior_server`)."""
+    import torch
+
+    from fedcal.calibration import Calibration, prior_server
+    from fedcal.core.bayes import F64
+    from fedcal.core.data import ClientData
+    from fedcal.core.tree import stack, tree_map
+    from fedcal.engine.simulation import FleetTensors
+
+    scaler = models.scaler
+
+    def scaled(split: str) -> ClientData:
+        arrays = [(scaler.x(x), scaler.y(y)) for x, y in fleet.arrays(split)]
+        return ClientData.from_arrays(arrays, dtype=F64)
+
+    ids = tuple(map(str, fleet.client_ids))
+    tensors = FleetTensors(scaled("train"), scaled("test"), scaler, ids)
+    failed = tree_map(
+        lambda t: torch.full_like(t, float("nan")), next(iter(models.params.values()))
+    )
+    personal = stack([models.params.get(sid, failed) for sid in ids])
+    return Calibration(models.algorithm, tensors, personal, prior_server(prior, scaler))

@@ -31,6 +31,7 @@ from fedcal.config import ConfigError, RunConfig, to_layout
 from fedcal.core.aggregation import AggregationError, AggregationPolicy
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.classification import ClassificationTask
+from fedcal.core.errors import did_you_mean
 from fedcal.core.task import Task
 from fedcal.data.fleet import BAROMETRIC_FEATURES, SPLIT_COLUMN, Fleet
 from fedcal.models import build_model
@@ -459,6 +460,30 @@ def _resolve_choice(cls: type, values: dict[str, Any], config: RunConfig) -> dic
     return {**values, "choose": "time" if timed else "off"}
 
 
+def choice_note(config: RunConfig) -> str:
+    """One line when fedprior's ``choose = "auto"`` resolves to "off" for the run's methods
+    (:func:`_resolve_choice`: no time column, or client-level DP), naming the raw column it
+    then leaves unused; "" when the choice acts or no method has it."""
+    if config.data.time_column and not config.privacy.epsilon > 0:
+        return ""
+    off = []
+    for name in config.methods:
+        try:
+            cls, _ = method_settings(name, config)
+        except (ConfigError, KeyError, ValueError):
+            continue  # refused later, with its own message
+        asked = config.method_params.get(name, {}).get("choose", "auto")
+        if "choose" in {f.name for f in fields(cls)} and asked == "auto":
+            off.append(name)
+    if not off:
+        return ""
+    why = "client-level DP" if config.privacy.epsilon > 0 else "no time column"
+    note = f"choose=auto: off for {', '.join(off)} ({why})"
+    if config.data.raw_column:
+        note += f"; raw column {config.data.raw_column!r} unused"
+    return note
+
+
 def with_raw_column(algorithm: Algorithm, config: RunConfig, tensors: Any) -> Algorithm:
     """``algorithm`` told which input reads the target itself (``[data] raw_column``) and
     how, in its scaled units: y = x_raw is y_s = (x_s·s_x + o_x − o_y) / s_y (the run's
@@ -468,12 +493,7 @@ def with_raw_column(algorithm: Algorithm, config: RunConfig, tensors: Any) -> Al
     if not name or "raw_input" not in {f.name for f in fields(algorithm)}:
         return algorithm
     j = list(config.data.features).index(name)
-    sc = tensors.scaler
-    x_off, x_sc = float(np.ravel(sc.x_offset)[j]), float(np.ravel(sc.x_scale)[j])
-    y_off, y_sc = float(np.ravel(sc.y_offset)[0]), float(np.ravel(sc.y_scale)[0])
-    return dataclasses.replace(
-        algorithm, raw_input=j, raw_map=((x_off - y_off) / y_sc, x_sc / y_sc)
-    )
+    return dataclasses.replace(algorithm, raw_input=j).with_scaler(tensors.scaler)
 
 
 def build_recorded(
@@ -624,7 +644,8 @@ def check_methods(
     unknown = [m for m in names if m not in REGISTRY and variants.get(m) not in REGISTRY]
     if unknown:
         raise ConfigError(
-            f"unknown method(s) {', '.join(unknown)}; known: {', '.join(sorted(REGISTRY))}"
+            f"unknown method(s) {', '.join(unknown)}{did_you_mean(unknown, [*REGISTRY, *variants])}"
+            f"; known: {', '.join(sorted(REGISTRY))}"
         )
     # a classification method needs classes; a regression method (FedAvg…) may run on either
     other = [

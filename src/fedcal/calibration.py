@@ -149,7 +149,7 @@ def calibrate(prior: PriorModel, fleet: Fleet, source: str = "data") -> Calibrat
             f"{list(prior.features)} → {prior.target}"
         )
     check_inputs(prior, fleet, source)
-    algorithm = prior_algorithm(prior, source)
+    algorithm = prior_algorithm(prior, source, timed=fleet.row_times("train") is not None)
     scaler = prior.scaler
 
     def scaled(split: str) -> ClientData:
@@ -555,7 +555,7 @@ def unit_diagnostics(prior: PriorModel, result: Calibration) -> tuple[pd.DataFra
     )
     if alg.unit_columns is not None:  # fedprior_drift: recalibrate_at
         with torch.no_grad():
-            table = table.assign(**alg.unit_columns(personal, train))
+            table = table.assign(**alg.labelled_units(alg.unit_columns(personal, train)))
     # One row per calibration point, unit by unit in row order (the columns at once).
     unit, row = np.nonzero(mask)
     if not len(unit):
@@ -625,16 +625,22 @@ def prior_server(prior: PriorModel, scaler: Scaler | None = None) -> Tree:
     return server
 
 
-def prior_algorithm(prior: PriorModel, source: str = "prior.json") -> FedPrior:
+def prior_algorithm(prior: PriorModel, source: str = "prior.json", timed: bool = False) -> FedPrior:
     """The fedprior algorithm a stored prior was learned with (its chosen basis, fixed).
 
     What :func:`calibrate` builds, and readers of a prior that have no units' data yet
-    (``fedcal plan``): the prior's configuration, its basis terms checked against it.
+    (``fedcal plan``): the prior's configuration, its basis terms checked against it. A
+    prior recorded with ``choose = "auto"`` has the time-respecting choice on only for data
+    with their own time column (``timed``): a file without one is not read as if its row
+    order were time. Its raw reading's map is the prior's scaler's (``with_scaler``).
     """
     cfg = _config(prior)
     algorithm = build_algorithm(prior.method, cfg, build_task(cfg, len(prior.features)))
     if not isinstance(algorithm, FedPrior):
         raise ValueError(f"{source}: prior method {prior.method!r} is not a fedprior method")
+    if prior.provenance.method_params.get("choose") == "auto":
+        algorithm = replace(algorithm, choose="time" if timed else "off")
+    algorithm = algorithm.with_scaler(prior.scaler)
     if tuple(map(tuple, algorithm.terms)) != prior.basis.terms or (
         tuple(map(tuple, algorithm.branch_terms)) != prior.basis.branch_terms
     ):

@@ -33,13 +33,15 @@ the same command resumes from the last checkpoint).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -53,15 +55,10 @@ from rich.progress import (
 )
 from rich.table import Column, Table
 
-from fedcal.config import (
-    ConfigError,
-    RunConfig,
-    check_design,
-    file_sets,
-    load_config,
-    override,
-)
-from fedcal.report.tables import target_unit
+from fedcal.core.errors import ConfigError
+
+if TYPE_CHECKING:  # imported in the commands: `fedcal --help` loads no torch, pandas or scipy
+    from fedcal.config import RunConfig
 
 DEBUG_FLAG = "--debug"
 
@@ -99,9 +96,18 @@ app = _App(
     no_args_is_help=True,
     help=__doc__.split("\n")[0],
     pretty_exceptions_show_locals=False,
+    suggest_commands=False,  # click suggests a mistyped command itself (once, not twice)
 )
 console = Console()
 err_console = Console(stderr=True)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from fedcal import __version__
+
+        console.print(f"fedcal {__version__}", highlight=False)
+        raise typer.Exit()
 
 
 @app.callback()
@@ -109,10 +115,23 @@ def _options(
     debug: Annotated[
         bool, typer.Option(DEBUG_FLAG, help="on an internal error, show the full trace")
     ] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="print the version and exit"
+        ),
+    ] = False,
 ) -> None:
     # --debug is taken out of the command line by _App (so it works after a
     # subcommand too); declared here so that --help lists it.
     pass
+
+
+def target_unit(column: str) -> str:
+    """:func:`fedcal.report.tables.target_unit`, imported when a command needs it."""
+    from fedcal.report.tables import target_unit as unit_of
+
+    return unit_of(column)
 
 
 KeyFileOpt = Annotated[
@@ -179,6 +198,8 @@ def _resolve(
     Each option goes through the schema (:func:`fedcal.config.override`), so its error
     names the option, the section and the field.
     """
+    from fedcal.config import check_design, load_config, override
+
     cfg = load_config(config)
     if methods is not None:
         names = _csv_list(methods)
@@ -273,7 +294,7 @@ def _experiment(
 ) -> None:
     import torch
 
-    from fedcal.build import load_run_data, validate_methods, with_auto_chunk
+    from fedcal.build import choice_note, load_run_data, validate_methods, with_auto_chunk
     from fedcal.data.loader import FleetDataError
     from fedcal.experiment import run_experiment
     from fedcal.report.tables import aggregate
@@ -281,6 +302,7 @@ def _experiment(
     torch.set_num_threads(1)  # tiny models: threading overhead dominates
     try:  # a Parquet file by row groups when nothing needs its whole frame (issue 25.1)
         fleet, note = load_run_data(cfg, train_points)
+        note = "\n".join(x for x in (note, choice_note(cfg)) if x)  # e.g. choose=auto: off
         for line in note.splitlines():  # one line each (issue 37.2)
             err_console.print(f"note: {escape(line)}", soft_wrap=True)
         if auto_chunk:  # no --chunk-size: chosen from the fleet's units and rows (config.json)
@@ -393,6 +415,37 @@ def _print_table(table, unit: str, show_bytes: bool) -> None:
         console.print(f"not ok: {escape(line)}", soft_wrap=True)
 
 
+# Fixed choices, as the schema's Literal types (tests/cli/test_cli_api_habits.py checks they
+# agree); written here so that `fedcal --help` imports no schema (and no torch).
+AGGREGATION_RULES = ("mean", "median", "trimmed_mean", "krum")
+SPLIT_BY = ("random", "time")
+EXPORT_FORMATS = ("c", "json", "onnx")
+SIMULATOR_CHOICES = {
+    "preset": ("nominal", "harsh"),
+    "family": ("quartz", "silicon"),
+    "test_design": ("cycle", "random"),
+}
+
+
+@functools.cache
+def _shipped() -> dict:
+    """The shipped default configuration (configs/default.toml), read with tomllib alone."""
+    import tomllib
+    from importlib import resources
+
+    return tomllib.loads(resources.files("fedcal").joinpath("configs/default.toml").read_text())
+
+
+def _default(section: str, key: str, schema: str = "") -> str:
+    """' (default: 3, or --config's)': the shipped value a run uses unless set.
+
+    Parentheses, not typer's "[default: …]": square brackets are rich markup in help text.
+    """
+    value = _shipped().get(section, {}).get(key, schema)  # schema: the field's own default
+    text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    return f" (default: {text or 'none'}, or --config's)"
+
+
 OutOpt = Annotated[
     Path | None, typer.Option("--out", help="run directory (default: runs/<kind>-<config hash>)")
 ]
@@ -400,9 +453,14 @@ DataOpt = Annotated[
     Path | None, typer.Option("--data", help="CSV or Parquet fleet (default: the simulator)")
 ]
 FeaturesOpt = Annotated[
-    str | None, typer.Option("--features", help="input columns, comma separated")
+    str | None,
+    typer.Option(
+        "--features", help="input columns, comma separated" + _default("data", "features")
+    ),
 ]
-TargetOpt = Annotated[str | None, typer.Option("--target", help="target column")]
+TargetOpt = Annotated[
+    str | None, typer.Option("--target", help="target column" + _default("data", "target"))
+]
 SensorOpt = Annotated[
     str | None,
     typer.Option("--sensor-column", help="column of sensor ids (default: the run's, or sensor_id)"),
@@ -410,12 +468,24 @@ SensorOpt = Annotated[
 MethodOpt = Annotated[
     str | None, typer.Option("--method", help="which method (default: the run's only one)")
 ]
-MethodsOpt = Annotated[str | None, typer.Option("--methods", help="comma separated, or 'all'")]
-SeedsOpt = Annotated[int | None, typer.Option("--seeds", help="number of training seeds")]
-RoundsOpt = Annotated[int | None, typer.Option("--rounds", help="federated rounds")]
+MethodsOpt = Annotated[
+    str | None,
+    typer.Option("--methods", help="comma separated, or 'all'" + _default("run", "methods")),
+]
+SeedsOpt = Annotated[
+    int | None,
+    typer.Option("--seeds", help="number of training seeds" + _default("run", "seeds")),
+]
+RoundsOpt = Annotated[
+    int | None, typer.Option("--rounds", help="federated rounds" + _default("engine", "rounds"))
+]
 AggregationOpt = Annotated[
     str | None,
-    typer.Option("--aggregation", help="server rule: mean, median, trimmed_mean or krum"),
+    typer.Option(
+        "--aggregation",
+        help="server rule" + _default("aggregation", "rule"),
+        click_type=click.Choice(AGGREGATION_RULES),
+    ),
 ]
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", help="TOML file overriding the defaults")
@@ -424,18 +494,29 @@ QuietOpt = Annotated[
     bool, typer.Option("--quiet", "-q", help="no progress bar and no table; errors only")
 ]
 DeviceOpt = Annotated[
-    str | None, typer.Option("--device", help="where clients train: cpu (default), cuda, cuda:N")
+    str | None,
+    typer.Option(
+        "--device", help="where clients train: cpu, cuda, cuda:N" + _default("engine", "device")
+    ),
 ]
 ChunkOpt = Annotated[
     int | None,
-    typer.Option("--chunk-size", help="clients trained at once (0 = all); bounds memory"),
+    typer.Option(
+        "--chunk-size",
+        help="clients trained at once (0 = all); bounds memory (default: chosen from the fleet)",
+    ),
 ]
 TimeColumnOpt = Annotated[
     str | None, typer.Option("--time-column", help="column of each row's time (number or date)")
 ]
 SplitByOpt = Annotated[
     str | None,
-    typer.Option("--split-by", help="random, or time: each sensor's last test fraction is test"),
+    typer.Option(
+        "--split-by",
+        help="random, or time: each sensor's last test fraction is test"
+        + _default("data", "split_by", "random"),
+        click_type=click.Choice(SPLIT_BY),
+    ),
 ]
 RawColumnOpt = Annotated[
     str | None,
@@ -460,7 +541,9 @@ def train(
     train_points: Annotated[
         str | None,
         typer.Option(
-            "--train-points", help="calibration points per sensor (0 = all), or a sweep: 12,24,48"
+            "--train-points",
+            help="calibration points per sensor (0 = all), or a sweep: 12,24,48"
+            + _default("data", "train_points"),
         ),
     ] = None,
     designs: Annotated[
@@ -481,6 +564,8 @@ def train(
     key_file: KeyFileOpt = None,
 ) -> None:
     """``fedcal run`` and ``fedcal compare``: one definition (compare also shows bytes sent)."""
+    from fedcal.config import file_sets, override
+
     kind = ctx.info_name or "run"
     key = _mac_key(key_file)
     try:
@@ -532,11 +617,20 @@ def simulate(
     out: Annotated[Path, typer.Option("--out", help="fleet file to write (.csv or .parquet)")],
     sensors: Annotated[int, typer.Option(help="number of sensors")] = 20,
     seed: Annotated[int, typer.Option(help="fleet seed")] = 0,
-    preset: Annotated[str, typer.Option(help="nominal or harsh")] = "nominal",
-    family: Annotated[str, typer.Option(help="quartz or silicon")] = "quartz",
+    preset: Annotated[
+        str, typer.Option(help="noise preset", click_type=click.Choice(SIMULATOR_CHOICES["preset"]))
+    ] = "nominal",
+    family: Annotated[
+        str,
+        typer.Option(help="sensor family", click_type=click.Choice(SIMULATOR_CHOICES["family"])),
+    ] = "quartz",
     lots: Annotated[int, typer.Option(help="latent production lots")] = 1,
     test_design: Annotated[
-        str, typer.Option(help="cycle (seed protocol) or random (off-grid)")
+        str,
+        typer.Option(
+            help="cycle (seed protocol) or random (off-grid)",
+            click_type=click.Choice(SIMULATOR_CHOICES["test_design"]),
+        ),
     ] = "cycle",
     train_design: Annotated[
         str, typer.Option(help="calibration points: campaign (384) or PxT, e.g. 3x2 (6 points)")
@@ -569,6 +663,7 @@ def methods(config: ConfigOpt = None) -> None:
 
     from fedcal.algorithms import REGISTRY
     from fedcal.build import method_values
+    from fedcal.config import load_config
 
     try:
         cfg = load_config(config)
@@ -626,7 +721,9 @@ def export(
     fmt: Annotated[
         str,
         typer.Option(
-            "--format", help="c (header for firmware), json, or onnx (one file per sensor)"
+            "--format",
+            help="c (header for firmware), json, or onnx (one file per sensor)",
+            click_type=click.Choice(EXPORT_FORMATS),
         ),
     ] = "c",
     out: Annotated[
@@ -781,6 +878,96 @@ def calibrate(
         console.print(f"[yellow]{note}[/]")
     _print_findings(out)
     console.print(f"wrote {out}/coefficients.csv, per_sensor.csv, units.csv and a run directory")
+
+
+DECISION_RULES = ("guarded", "simple")  # fedcal.report.certificate.RULES (tested equal)
+
+
+@app.command()
+def certificate(
+    run_dir: Annotated[Path, typer.Argument(help="the output directory of fedcal calibrate")],
+    out: Annotated[Path, typer.Option("--out", help="directory for <unit>.html and <unit>.pdf")],
+    reference: Annotated[
+        str | None,
+        typer.Option(help="the reference instrument (make, model, serial, its certificate)"),
+    ] = None,
+    reference_column: Annotated[
+        str | None,
+        typer.Option(help="or: the column of --data naming each unit's reference instrument"),
+    ] = None,
+    data: Annotated[
+        Path | None, typer.Option(help="with --reference-column: the calibration data file")
+    ] = None,
+    spec: Annotated[
+        float | None,
+        typer.Option(
+            help="specification S: error within ±S (target unit) at k = 2; "
+            "adds a statement of conformity"
+        ),
+    ] = None,
+    rule: Annotated[
+        str,
+        typer.Option(
+            "--decision-rule",
+            help="with --spec: guarded (guard band w = U, ILAC-G8 4.2.2) or simple (w = 0)",
+            click_type=click.Choice(DECISION_RULES),
+        ),
+    ] = "guarded",
+    issued: Annotated[
+        str | None, typer.Option(help="date of issue, YYYY-MM-DD (default: today, UTC)")
+    ] = None,
+    sensor: Annotated[
+        list[str] | None, typer.Option("--sensor", help="only this unit id (repeatable)")
+    ] = None,
+    measurand_unit: Annotated[
+        str | None,
+        typer.Option(help="the measurand's unit, e.g. hPa (default: from a known column suffix)"),
+    ] = None,
+    sensor_column: SensorOpt = None,
+    key_file: KeyFileOpt = None,
+) -> None:
+    """Write a calibration certificate per unit (HTML and PDF): U at k = 2, range, status.
+
+    docs/certificate.md says what each field means; U = 2u, u the unit's predictive
+    standard uncertainty as `fedcal predict` states it. A unit without one gets a
+    certificate that says so and states no U.
+    """
+    import datetime
+
+    from fedcal.core.paths import check_dir_output
+    from fedcal.report.certificate import reference_ids
+    from fedcal.report.certificate_pdf import write_certificates
+
+    key = _mac_key(key_file)
+    try:
+        check_dir_output(out, "--out", [run_dir], [*([data] if data else [])])
+        if key is not None:  # a signed calibrate output: refused unsigned or edited
+            _check_mac([run_dir], key)
+        if issued is not None:
+            datetime.date.fromisoformat(issued)  # a date, or a one-line error
+        if reference_column is not None and data is None:
+            raise ValueError("--reference-column needs --data (the file given to calibrate)")
+        refs = None
+        if reference_column is not None:
+            column = sensor_column or _calibrated_column(run_dir)
+            refs = reference_ids(data, column, reference_column)
+        certs = write_certificates(
+            run_dir, out, refs, reference, spec, rule, issued, sensor, measurand_unit
+        )
+    except (FileNotFoundError, ValueError, KeyError, ConfigError) as err:
+        _fail(str(err).strip("'\""))
+    for c in certs:
+        stated = f"U ≤ {c.u_max:.3g} {c.symbol}" if not c.declined else "no U stated"
+        verdict = f", {c.conformity.verdict}" if c.conformity is not None else ""
+        console.print(f"{c.unit}: {c.certificate_id} ({c.status}; {stated}{verdict})")
+    console.print(f"wrote {len(certs)} certificate(s) to {out} (<unit>.html, <unit>.pdf)")
+
+
+def _calibrated_column(run_dir: Path) -> str:
+    """The sensor column of a calibrate output (its config.json)."""
+    from fedcal.core.paths import read_json
+
+    return str(read_json(run_dir / "config.json")["data"]["client_column"])
 
 
 # calibrate's console: what each unit states (its σ, not the fleet's noise), then, when the

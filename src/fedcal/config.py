@@ -32,6 +32,7 @@ from pydantic.dataclasses import dataclass
 
 from fedcal.core.aggregation import AggregationRules
 from fedcal.core.algorithm import Recipe, SettingError, check_settings, setting_types
+from fedcal.core.errors import ConfigError, did_you_mean
 from fedcal.core.paths import PathError, read_text, safe_name
 from fedcal.core.schema import (
     MAX_ROUNDS,
@@ -49,10 +50,6 @@ from fedcal.data.fleet import BAROMETRIC_FEATURES, BAROMETRIC_TARGET, CLIENT_COL
 from fedcal.data.simulator import FleetSpec, parse_design
 from fedcal.engine.settings import EngineSettings
 from fedcal.models import build_model
-
-
-class ConfigError(ValueError):
-    """A configuration file or option that cannot be used; names the file and the field."""
 
 
 def _design(value: str, where: str) -> str:
@@ -331,7 +328,8 @@ def check_method_tables(
             if "base" in tables.get(base, {}) if isinstance(base, str) else False:
                 known = f"{known} (a variant cannot be the base of another)"
             raise ConfigError(
-                f"{where} [{section}] {what}: unknown method {base!r}; known: {known}"
+                f"{where} [{section}] {what}: unknown method {base!r}"
+                f"{did_you_mean([str(base)], registry)}; known: {known}"
             )
         if name in registry and base != name:
             raise ConfigError(
@@ -465,7 +463,8 @@ def apply(base: RunConfig, raw: Any, where: str) -> RunConfig:
         ]
         if unknown:
             raise ConfigError(
-                f"{where} [run] methods: unknown method(s) {', '.join(unknown)}; known: "
+                f"{where} [run] methods: unknown method(s) {', '.join(unknown)}"
+                f"{did_you_mean(unknown, [*registry, *cfg.method_params])}; known: "
                 f"{', '.join(sorted(registry))} and the variants of [methods]"
             )
     return cfg

@@ -59,7 +59,7 @@ from fedcal.build import (  # noqa: F401  (re-exported: callers import the build
 )
 from fedcal.config import ConfigError, RunConfig
 from fedcal.core.aggregation import AggregationError, check_policy, is_downweighting
-from fedcal.core.algorithm import Algorithm
+from fedcal.core.algorithm import Algorithm, fleet_medians
 from fedcal.core.atomic import write_text, write_with
 from fedcal.core.coverage import SEVERITY, coverage_check
 from fedcal.core.paths import read_json
@@ -375,8 +375,12 @@ def export_state(
     fleet: Fleet | FleetOutline,
     tensors: FleetTensors,
     method: str,
+    choose: str = "",
 ) -> PriorModel | None:
     """The algorithm's reusable server state (fedprior's fleet prior) as the fitted value.
+
+    ``choose``: the time-respecting choice the configuration asked for; "auto" is recorded
+    as "auto" (calibrate resolves it by its own data's time column), not as this run's.
 
     Adds what is needed to apply it to new units: the method and its parameters,
     feature and target names, the scaler, and the range of each input the fleet
@@ -420,7 +424,16 @@ def export_state(
         "design_counts": _design_counts(tensors, fleet.num_clients),
         "created_by": created_by(),
     }
+    if "choose" in doc["method_params"] and choose == "auto":  # calibrate resolves it by its data
+        doc["method_params"]["choose"] = "auto"
     return PriorModel.from_dict(doc, f"{method}: the trained prior")
+
+
+def _asked_choose(config: RunConfig, method: str) -> str:
+    """The ``choose`` the configuration gives ``method`` (or its base's table), "auto" if none."""
+    params = config.method_params.get(method, {})
+    base = config.method_params.get(str(params.get("base", "")), {})
+    return str(params.get("choose", base.get("choose", "auto")))
 
 
 def _design_counts(tensors: FleetTensors, units: int) -> dict[str, int] | None:
@@ -433,6 +446,30 @@ def _design_counts(tensors: FleetTensors, units: int) -> dict[str, int] | None:
 
 
 REJECTION_COLUMNS = ["round", "client_index", "client", "reason", "ratio", "threshold"]
+
+
+def _status_server(
+    algorithm: Algorithm, result: RunResult, tensors: FleetTensors, chunk_size: int
+) -> Any:
+    """The server ``client_status`` reads: with the fleet's medians of the algorithm's
+    :attr:`~fedcal.core.algorithm.Algorithm.status_values` over every unit (taken chunk by
+    chunk), so that ``chunk_size`` changes no status."""
+    if algorithm.status_values is None:
+        return result.server
+    n, found = tensors.num_clients, {}
+    for rows in spans(n, chunk_size):
+        with torch.no_grad():
+            got = algorithm.status_values(
+                _clients(result.personal, rows, n),
+                _clients(tensors.test.x, rows, n).to(torch.float64),
+                _clients(tensors.test.mask, rows, n),
+            )
+        for key, v in got.items():
+            found.setdefault(key, []).append(v)
+    if not found:
+        return result.server
+    medians = fleet_medians({k: torch.cat(v) for k, v in found.items()})
+    return {**result.server, "status_medians": medians}
 
 
 def judge_sensors(
@@ -454,10 +491,11 @@ def judge_sensors(
     run's peak memory (issue 25.1).
     """
     parts: list[dict[str, np.ndarray]] = []
+    server = _status_server(algorithm, result, tensors, chunk_size)
     for rows in spans(tensors.num_clients, chunk_size):
         with torch.no_grad():
             got = algorithm.client_status(
-                result.server,
+                server,
                 _clients(result.personal, rows, tensors.num_clients),
                 _clients(tensors.test.x, rows, tensors.num_clients).to(torch.float64),
                 _clients(tensors.test.mask, rows, tensors.num_clients),
@@ -820,6 +858,7 @@ def run_experiment(
                 if algorithm.unit_columns is not None:  # e.g. recalibrate_at
                     with torch.no_grad():
                         extra = algorithm.unit_columns(result.personal, tensors.train)
+                    extra = algorithm.labelled_units(extra)  # e.g. fallback codes as names
                     for name, values in extra.items():
                         final[name] = np.asarray(values)[final["client_index"].to_numpy(int)]
                 if roles is not None:  # mixed fleets: each sensor's role beside its id
@@ -858,7 +897,9 @@ def run_experiment(
                 if privacy:
                     row["epsilon"] = privacy["epsilon"]
                     row["noise_multiplier"] = privacy["noise_multiplier"]
-                fitted = export_state(algorithm, result.server, subset, tensors, method)
+                fitted = export_state(
+                    algorithm, result.server, subset, tensors, method, _asked_choose(config, method)
+                )
                 deploy = getattr(algorithm, "deploy_state", None)  # fedprior: issue 33
                 if fitted is not None and deploy is not None:
                     model = deploy(result.server, tensors.train)

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from fedcal.algorithms.fedprior import FedPrior
-from fedcal.algorithms.fedprior_choice import FOLDS, subset
+from fedcal.algorithms.fedprior_choice import FOLDS, ridge_solve, subset
 from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData
 from fedcal.core.task import Task
@@ -78,12 +78,11 @@ def test_folds_score_later_rows_than_they_fit():
         last_fit = torch.where(fit > 0, t, -np.inf).amax(1)
         first_scored = torch.where(scored > 0, t, np.inf).amin(1)
         assert bool((last_fit < first_scored).all())
-    # the scored rows of the two folds: [½, ¾) and [¾, 1] of each unit's span
-    span_lo = torch.where(train.mask > 0, t, np.inf).amin(1, keepdim=True)
-    span_hi = torch.where(train.mask > 0, t, -np.inf).amax(1, keepdim=True)
-    rel = (t - span_lo) / (span_hi - span_lo)
-    assert bool(((folds[0][1] > 0) == ((rel >= 0.5) & (rel < 0.75) & (train.mask > 0))).all())
-    assert bool(((folds[1][1] > 0) == ((rel >= 0.75) & (train.mask > 0))).all())
+    # the scored rows of the two folds: ranks [⌊n/2⌋, ⌊3n/4⌋) and [⌊3n/4⌋, n) in time order
+    rank = torch.argsort(torch.argsort(torch.where(train.mask > 0, t, np.inf), dim=1), dim=1)
+    real = train.mask > 0
+    assert bool(((folds[0][1] > 0) == ((rank >= 25) & (rank < 37) & real)).all())
+    assert bool(((folds[1][1] > 0) == ((rank >= 37) & real)).all())
     part = subset(train, folds[0][0])
     assert torch.equal(part.count, folds[0][0].sum(1).long())
 
@@ -144,17 +143,29 @@ def test_raw_reading_and_pooled_line_from_sums():
     x = torch.linspace(-1, 1, 7, dtype=F64).reshape(1, -1, 1)
     phi = legendre_products(x, alg.terms)
     assert torch.allclose((phi * alg.raw_coef).sum(-1), 0.3 + 2.0 * x[..., 0])
-    # the pooled line is the least-squares line of all units' rows stacked (numpy reference)
+    # the pooled line on all rows is the least-squares line through every unit's fitted
+    # values ŷ = φᵀm_i at its rows, stacked (numpy reference; from screened uploads only)
     train, _ = curved_past(units=5, rows=30)
     down = expand(alg.broadcast(alg.server_init({})), 5)
     state = alg.client_init(down)
-    up = alg.choice_uploads(down, state, train)
-    out = alg.choice_update(up, torch.arange(5))
-    xs = train.x[..., 0][train.mask > 0].numpy()
-    ys = train.y[..., 0][train.mask > 0].numpy()
+    phi = legendre_products(train.x.to(F64), alg.terms) * train.mask.unsqueeze(-1)
+    gram = phi.transpose(1, 2) @ phi
+    mean = torch.randn(5, len(alg.terms), dtype=F64, generator=torch.Generator().manual_seed(0))
+    up = alg.choice_uploads(down, state, train, gram, mean)
+    out = alg.choice_update(up, torch.arange(5), gram, True)
+    real = train.mask > 0
+    xs = train.x[..., 0][real].numpy()
+    fitted = (phi * mean.unsqueeze(1)).sum(-1)[real].numpy()
     design = np.column_stack([np.ones_like(xs), np.sqrt(3) * xs])
-    ref = np.linalg.lstsq(design, ys, rcond=None)[0]
+    ref = np.linalg.lstsq(design, fitted, rcond=None)[0]
     assert np.allclose(out["pooled_all"].numpy(), ref, atol=1e-7)
+    # each fold's pooled line: the least-squares line of the fold's fit rows stacked
+    for k, (fit, _) in enumerate(alg.folds(train)):
+        keep = (fit > 0).numpy()
+        xk, yk = train.x[..., 0].numpy()[keep], train.y[..., 0].numpy()[keep]
+        dk = np.column_stack([np.ones_like(xk), np.sqrt(3) * xk])
+        ref = np.linalg.lstsq(dk, yk, rcond=None)[0]
+        assert np.allclose(out["pooled_fold"][k].numpy(), ref, atol=1e-7)
 
 
 def test_sigma_scaled_by_the_units_own_future():
@@ -192,3 +203,36 @@ def test_sigma_scaled_by_the_units_own_future():
     # the fit on the first ¾ states σ ≈ √((2 · 0.05² + 0.15²)/3) = 0.096 for rows at 0.15:
     # r ≈ (0.15 / 0.096)² = 2.4, shrunk with 50 rows against 20 pseudo-rows: √r̃ ≈ 1.4
     assert 1.15 < float(personal["sigma_scale"].median()) < 1.7
+
+
+def test_a_unit_whose_rows_share_one_time_is_scored_and_a_tiny_one_is_not():
+    """Review B: one time stamp for every calibration row gave a span of 0, folds fitted on
+    0 rows and a NaN reply refused every round. Folds by rank: ties in row order."""
+    rng = np.random.default_rng(0)
+    train, times = [], []
+    for i in range(8):
+        rows = 3 if i == 1 else 40  # unit 1: 3 rows, folds fit 1 and 2 < 2 + 1: unscored
+        x = rng.uniform(-1, 1, rows)
+        y = (0.5 + 1.5 * x if i == 0 else x) + 0.05 * rng.standard_normal(rows)
+        train.append((x[:, None], y[:, None]))
+        times.append(np.zeros(rows) if i == 0 else np.arange(float(rows)))
+    data = ClientData.from_arrays(train, tuple(range(8)), F64, time=times)
+    alg = make(degree=1, raw_input=0, raw_map=(0.0, 1.0))
+    (fit0, sc0), (fit1, sc1) = alg.folds(data)
+    assert [int(fit0[0].sum()), int(sc0[0].sum()), int(fit1[0].sum()), int(sc1[0].sum())] == [
+        20,
+        10,
+        30,
+        10,
+    ]
+    assert float(sc0[0] @ fit0[0]) == 0 and bool((fit0[0][:20] == 1).all())  # row order
+    assert float(sc0[1].sum() + sc1[1].sum()) == 0
+    run = run_rounds(alg, data, 6)
+    line = ridge_solve(torch.zeros(2, 2, dtype=F64), torch.zeros(2, dtype=F64))
+    assert torch.equal(line, torch.zeros(2, dtype=F64))  # no rows: the line 0, not NaN
+    assert bool(torch.isfinite(run.server["forward_scores"]).all())
+    # every unit but the tiny one; unit 0 (another line) with its outlier weight in (0, 1)
+    assert 6.0 < float(run.server["forward_scored"]) < 7.0
+    pred = alg.predict(run.personal, data.x)[..., 0]
+    err = float(((pred[0] - data.y[0, :, 0]) ** 2).mean().sqrt())
+    assert err < 0.1  # its own line (noise 0.05), not a refused unit's prior mean

@@ -298,6 +298,15 @@ PRIOR_DOC = {
     "range_nan": json_edit(lambda d: d["input_range"].update(frequency_hz=[NAN, 1.0]) or d),
     "range_reversed": json_edit(lambda d: d["input_range"].update(temperature_c=[60, -40]) or d),
     "method_params_bad": json_edit(lambda d: d["method_params"].update(lr="fast") or d),
+    # issue 35: magnitudes no prior in scaled units holds (calibrate wrote outputs before)
+    "mu_1e300": json_edit(lambda d: _set("mu", [1e300] * len(d["mu"]))(d)),
+    "sigma_x1e300": json_edit(
+        lambda d: _set("sigma", [[v * 1e300 for v in r] for r in d["sigma"]])(d)
+    ),
+    "noise_1e308": json_edit(_set("noise_var", 1e308)),
+    "probe_rows_negative": json_edit(lambda d: d["interval"].update(probe_rows=-7) or d),
+    "tau_1e308": json_edit(lambda d: d["interval"].update(discrepancy_var=1e308) or d),
+    "identification_5": json_edit(_set("identification", 5)),
 }
 ESCAPES = ["../../../ESCAPED", "/ABS/ESCAPED", "", "a\x00b", "a\nb", ".."]
 

@@ -93,6 +93,18 @@ def test_an_edited_file_is_named_even_with_its_checksum_recomputed(signed, tmp_p
     _refused(result, f"{model}: MAC mismatch")
 
 
+@pytest.mark.parametrize("text", ["[1, 2]", "5", '"mac"', "null", "{}", '{"format": 1}'])
+def test_a_mac_file_of_other_json_is_refused_in_one_line(signed, tmp_path, text) -> None:
+    """JSON that is no MAC object (a list, a number, …) is refused, not an AttributeError."""
+    run = _copy(signed, tmp_path)
+    (run / MAC_FILE).write_text(text)
+    key = ["--key-file", str(signed / "key")]
+    _refused(_predict(signed, run, tmp_path / "a.csv", *key), f"{MAC_FILE}: not a fedcal MAC")
+    result = runner.invoke(app, ["export", str(run), "--format", "json", *key])
+    _refused(result, f"{MAC_FILE}: not a fedcal MAC")
+    assert not (tmp_path / "a.csv").exists()
+
+
 def test_calibrate_checks_the_prior_and_signs_its_output(signed, tmp_path, monkeypatch) -> None:
     run = _copy(signed, tmp_path)
     prior = run / PRIOR / "prior.json"

@@ -14,7 +14,7 @@ import torch
 
 from fedcal.core.data import ClientData, minibatches
 from fedcal.core.tree import expand
-from fedcal.models.mlp import LANES, MLP, _tanh, sigmoid_lanes
+from fedcal.models.mlp import ACTIVATIONS, LANES, MLP, _tanh, sigmoid_lanes
 
 
 def _cohort(c: int, rows: int, seed: int = 0) -> ClientData:
@@ -24,10 +24,11 @@ def _cohort(c: int, rows: int, seed: int = 0) -> ClientData:
     return ClientData(x, y, torch.full((c,), rows), tuple(range(100, 100 + c)))
 
 
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("c", [2, 3, 5, 7])
 @pytest.mark.parametrize("rows", [3, 7, 13])
-def test_one_unit_trains_to_the_same_bits_alone_and_in_a_cohort(c, rows) -> None:
-    model = MLP(in_features=2, hidden=(6, 5))
+def test_one_unit_trains_to_the_same_bits_alone_and_in_a_cohort(c, rows, activation) -> None:
+    model = MLP(in_features=2, hidden=(6, 5), activation=activation)
     params = model.init(torch.Generator().manual_seed(4), torch.float64)
     data = _cohort(c, rows)
     body = ["l0.weight", "l0.bias", "l1.weight", "l1.bias"]
@@ -51,3 +52,23 @@ def test_sigmoid_lanes_is_sigma_and_position_free() -> None:
     assert torch.allclose(_tanh(w), torch.tanh(w), rtol=0, atol=1e-15)
     _tanh(w).sum().backward()  # differentiable (the autograd path of other methods)
     assert torch.allclose(w.grad, 1 - torch.tanh(w.detach()) ** 2, rtol=0, atol=1e-14)
+
+
+def test_silu_through_lanes_is_silu_and_its_derivative() -> None:
+    """The lane-padded silu is torch's silu to rounding; its derivative is autograd's.
+    Tolerance: each side is a few roundings of O(1) factors (σ's exp ≤ 1 ulp, a product,
+    a sum), so 8 ulps of the value, relative and absolute (near silu' = 0, z ≈ −1.28)."""
+    from fedcal.models.mlp import DERIVATIVES
+
+    tol = 8 * torch.finfo(torch.float64).eps
+
+    z = torch.linspace(-30, 30, 2 * LANES + 3, dtype=torch.float64, requires_grad=True)
+    h = ACTIVATIONS["silu"](z)
+    ref = torch.nn.functional.silu(z.detach())
+    assert torch.allclose(h.detach(), ref, rtol=tol, atol=tol)
+    (grad,) = torch.autograd.grad(torch.nn.functional.silu(z).sum(), z)
+    got = DERIVATIVES["silu"](z.detach(), h.detach())
+    assert torch.allclose(got, grad, rtol=tol, atol=tol)
+    for start in range(0, 40, 3):  # position-free, as sigmoid_lanes
+        one = ACTIVATIONS["silu"](z.detach()[start : start + 1])[0]
+        assert torch.equal(ACTIVATIONS["silu"](z.detach()[start:])[0], one)

@@ -29,7 +29,11 @@ def v1_doc() -> dict:
         "noise_var": 2.5e-05,
         "noise": "sensor",
         "noise_prior_points": 4.0,
-        "identification": {"informed_units": 12, "weak_terms": [], "weak_directions": 0},
+        "identification": {
+            "informed_units": [0.5, 12.0, 12.0, 16.0],
+            "weak_terms": ["b·1"],
+            "weak_directions": 1,
+        },
         "interval": {
             "rule": "calibrated",
             "discrepancy_var": 1e-06,
@@ -62,6 +66,11 @@ def v1_doc() -> dict:
         "input_range": {"frequency_hz": [28000.0, 32000.0], "temperature_c": [-10.0, 50.0]},
         "num_units": 16,
     }
+
+
+def _dense(diagonal: float, off: float, p: int = 4) -> list[list[float]]:
+    """A p×p SPD matrix: ``diagonal`` on it, ``off`` elsewhere (eigenvalues d − o, d + (p−1)o)."""
+    return [[diagonal if i == j else off for j in range(p)] for i in range(p)]
 
 
 def write(tmp_path, doc: dict, name: str = "prior.json"):
@@ -118,6 +127,28 @@ def test_a_newer_format_is_refused_with_how_to_retrain(tmp_path):
         (lambda d: d.update(format_version="2"), "format_version"),
         (lambda d: d.update(drift={"q": 0.1, "time_scale": 1.0, "seen": [[1.0]]}), "drift.seen"),
         (lambda d: d.update(drift={"q": -0.1, "time_scale": 1.0, "seen": [[1.0]]}), "drift.q"),
+        # issue 35: magnitudes no prior in scaled units holds (calibrate served them before)
+        (lambda d: d.update(mu=[1e300] * 4), "mu.0"),
+        (lambda d: d["mu"].__setitem__(2, -2e6), "mu.2"),
+        (lambda d: d.update(sigma=[[v * 1e300 for v in r] for r in d["sigma"]]), "sigma: an entry"),
+        (lambda d: d.update(sigma=_dense(0.9e8, 0.8e8)), "sigma: an eigenvalue"),  # 3.3e8
+        (lambda d: d.update(noise_var=1e308), "noise_var"),
+        (lambda d: d.update(noise_gamma=[1e300, 0.0]), "noise_gamma.0"),
+        (lambda d: d.update(noise_prior_points=-1.0), "noise_prior_points"),
+        (lambda d: d["interval"].update(discrepancy_var=1e308), "interval.discrepancy_var"),
+        (lambda d: d["interval"].update(discrepancy_var=float("inf")), "interval.discrepancy_var"),
+        (lambda d: d["interval"].update(discrepancy_var_own=1e308), "interval.discrepancy_var_own"),
+        (lambda d: d["interval"].update(probe_rows=-7), "interval.probe_rows"),
+        (lambda d: d["interval"].update(probe_rows=6.5), "interval.probe_rows"),
+        (lambda d: d["interval"].update(probe_rows=float("nan")), "interval.probe_rows"),
+        (lambda d: d.update(identification=5), "identification: expected an object, got 5"),
+        (lambda d: d["identification"].update(informed_units=12), "identification.informed_units"),
+        (
+            lambda d: d["identification"].update(weak_directions=-1),
+            "identification.weak_directions",
+        ),
+        (lambda d: d["identification"].update(weak_terms=[3]), "identification.weak_terms.0"),
+        (lambda d: d["identification"].update(extra=1), "identification.extra"),
     ],
 )
 def test_a_tampered_file_is_refused_in_one_line_naming_the_field(tmp_path, change, field):
@@ -157,3 +188,22 @@ def test_a_declined_interval_keeps_its_nan(tmp_path):
     model = PriorModel.load(write(tmp_path, doc))
     assert math.isnan(model.interval.discrepancy_var) and model.interval.declined == 4
     assert PriorModel.load(model.save(tmp_path / "c.json")) == model
+
+
+def test_the_largest_honest_magnitudes_load(tmp_path):
+    """The bounds leave room for every honest prior: the gas network's Σ reaches an eigenvalue
+    of 1.2e5 (45 terms of 8 correlated inputs), its |μ| 7.5; a probe of 0 rows (none);
+    σ², τ² at their observed largest (0.3, 0.02) — and at the bounds themselves."""
+    from fedcal.core.runfiles import MAX_MEAN, MAX_VARIANCE
+
+    for sigma, mu, noise, tau in [
+        (_dense(1.2e5, 0.0), -7.5, 0.3, 0.02),
+        (_dense(MAX_VARIANCE / 4, MAX_VARIANCE / 4 - 1.0), MAX_MEAN, MAX_VARIANCE, MAX_VARIANCE),
+    ]:
+        doc = v1_doc()
+        doc.update(sigma=sigma, noise_var=noise)
+        doc["mu"][1] = mu
+        doc["interval"].update(discrepancy_var=tau, probe_rows=0.0)
+        model = PriorModel.load(write(tmp_path, doc))
+        assert model.mean[1] == mu and model.noise.variance == noise
+        assert model.interval.discrepancy_var == tau and model.interval.probe_rows == 0.0

@@ -585,7 +585,7 @@ class FedPrior(
                 cand_own if self.noise == "sensor" else state["cand_noise_var"]
             )
         if "pooled_ok" in down and self.choosing(data):  # forward scores (fedprior_choice)
-            reply["choice"] = self.choice_uploads(down, state, data)
+            reply["choice"] = self.choice_uploads(down, state, data, gram, chosen["mean"])
         fit_mse = post.rss / full.n.clamp_min(1.0)
         # jitter: the relative jitter a near-singular factorization needed (0: none; 1: an
         # eigenvalue floor), per unit and round in the run's metrics (core.bayes.safe_cholesky).
@@ -858,7 +858,9 @@ class FedPrior(
         if self.robust != "off":  # residual sums: a bounded pull on σ², not a size screen
             replies = _capped_noise(replies)
         skip = ("cand", "interval", "noise", "choice")
-        forward = self.choice_update(replies["choice"], order) if "choice" in replies else None
+        forward = None
+        if "choice" in replies:  # per unit unless already summed (fedprior_stream)
+            forward = self.choice_update(replies["choice"], order, replies["gram"], units is None)
         total = {k: v[order].sum(0) for k, v in replies.items() if k not in skip}
         pinned = self._unidentified_branch(total.pop("branch_support", None))
         if "interval" in replies:  # the restricted noise update's sums (module doc, I1)

@@ -5,16 +5,19 @@ later rows, not by in-sample evidence (BIC rewards a basis that explains the pas
 seasonal error). A mixin of :class:`~fedcal.algorithms.fedprior.FedPrior` (and fedprior_drift),
 acting with a time column (``choose``: "auto", "time" = also row order as time, "off").
 
-**Forward chaining.** Each unit's calibration span [t₀, t₁] gives two folds: fit on the rows
-before t₀ + (1 − 2h)·span and score the rows of the next h·span; fit before t₀ + (1 − h)·span
-and score the last h·span (h = ``choice_holdout``, 0.25). Candidates:
+**Forward chaining.** Each unit's n calibration rows, ranked in time order (ties: row order),
+give two folds: fit on the first ⌊(1 − 2h)n⌋ and score the next ones up to ⌊(1 − h)n⌋; fit on
+those and score the rest (h = ``choice_holdout``, 0.25). A fold counts only if it fits at
+least (linear terms + 1) rows (:meth:`TimeChoice.folds`). Candidates:
 
 * every basis the fleet prior may use (``select = "bic"``'s candidates; without selection the
   basis in use), each unit's posterior under that candidate's broadcast prior from its early
   rows (:func:`fedcal.core.bayes.posterior`);
 * **own linear**: the unit's own least-squares line (with intercept) from its early rows;
-* **pooled linear**: one least-squares line from the fleet's summed early-row moments
-  (Σ_i Φ_iᵀΦ_i, Σ_i Φ_iᵀy_i on the constant and first-order terms: sums only leave a unit);
+* **pooled linear**: per fold one least-squares line from the fleet's summed early-row
+  moments (Σ_i Φ_iᵀΦ_i, Σ_i Φ_iᵀy_i on the constant and first-order terms: sums only leave a
+  unit); the line shipped on fall-back from the screened Grams and posterior means,
+  Σ_i G_i,lin b = Σ_i (G_i m_i)_lin (:mod:`~fedcal.algorithms.fedprior_choice_checks`);
 * **raw**: the uncorrected reading, where a feature measures the target itself
   (``[data] raw_column``: ``raw_input`` and its map into the scaled target, ``raw_map``).
 
@@ -42,14 +45,28 @@ median: ``weak`` (docs/statuses.md).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from functools import cached_property
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from fedcal.algorithms.fedprior_choice_checks import fitted_rhs
+from fedcal.algorithms.fedprior_choice_parts import (
+    FOLDS,
+    late_sse,
+    linear_index,
+    pick_err,
+    pick_mse,
+    pooled_lines,
+    repeat_moments,
+    ridge_solve,
+    subset,
+)
+from fedcal.core.algorithm import fleet_medians
 from fedcal.core.bayes import F64, Moments, moments, posterior
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree
@@ -58,50 +75,22 @@ SIMPLE = ("own_linear", "pooled_linear", "raw")
 MIN_SCORED = 5  # scored rows a unit needs before the no-harm test may replace its model
 SIGMA_PRIOR_ROWS = 20.0  # pseudo-rows at ratio 1 of a unit's forward σ scale (_scale_sigma)
 CHOICE_KEYS = ("pooled_fold", "pooled_all", "pooled_ok", "forward_scores", "forward_scored")
-FOLDS = 2
-
-
-def subset(data: ClientData, keep: Tensor) -> ClientData:
-    """The unit's rows where ``keep`` (clients, rows) is set, gathered to the front
-    (``count`` = their number); the others after them as padding."""
-    keep = keep > 0
-    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
-
-    def take(v: Tensor | None) -> Tensor | None:
-        if v is None:
-            return None
-        idx = order.reshape(*order.shape, *([1] * (v.dim() - 2))).expand_as(v)
-        return torch.gather(v, 1, idx)
-
-    return ClientData(
-        take(data.x),
-        take(data.y),
-        keep.sum(1),
-        data.seeds,
-        data.index,
-        take(data.branch),
-        take(data.time),
-        None,
-    )
-
-
-def late_sse(late: Moments, coef: Tensor) -> Tensor:
-    """Σ (y − φᵀc)² over the scored rows from their moments: yy − 2cᵀb + cᵀGc."""
-    quad = (coef.unsqueeze(-2) @ late.gram @ coef.unsqueeze(-1))[..., 0, 0]
-    return (late.yy - 2 * (coef * late.rhs).sum(-1) + quad).clamp_min(0.0)
-
-
-def ridge_solve(gram: Tensor, rhs: Tensor) -> Tensor:
-    """Least squares from moments, a 1e-9 relative ridge so that a unit without enough rows
-    (or a constant input) still gets a (poor) line, never a crash."""
-    eye = torch.eye(gram.shape[-1], dtype=F64)
-    scale = gram.diagonal(dim1=-2, dim2=-1).mean(-1).clamp_min(1e-300)
-    a = gram + 1e-9 * scale.unsqueeze(-1).unsqueeze(-1) * eye
-    return torch.linalg.solve(a, rhs.unsqueeze(-1))[..., 0]
 
 
 class TimeChoice:
     """Forward-chaining choice, simple candidates and the no-harm fall-back (module doc)."""
+
+    unit_labels: ClassVar[dict[str, tuple[str, ...]]] = {"fallback": ("prior", *SIMPLE)}
+
+    def with_scaler(self, scaler: Any) -> Any:
+        """``raw_map`` from the run's scaler (``raw_input`` ≥ 0): y = x_raw in data units is
+        y_s = (x_s·s_x + o_x − o_y) / s_y in scaled units."""
+        if self.raw_input < 0:
+            return self
+        j = self.raw_input
+        x_off, x_sc = float(np.ravel(scaler.x_offset)[j]), float(np.ravel(scaler.x_scale)[j])
+        y_off, y_sc = float(np.ravel(scaler.y_offset)[0]), float(np.ravel(scaler.y_scale)[0])
+        return dataclasses.replace(self, raw_map=((x_off - y_off) / y_sc, x_sc / y_sc))
 
     # ---- when and on what ----------------------------------------------------------
     def choosing(self, data: ClientData) -> bool:
@@ -116,20 +105,24 @@ class TimeChoice:
         return torch.arange(data.x.shape[1], dtype=F64).expand(data.x.shape[:2])
 
     def folds(self, data: ClientData) -> list[tuple[Tensor, Tensor]]:
-        """(fit, scored) row masks (clients, rows) of the forward-chaining folds."""
+        """(fit, scored) row masks (clients, rows) of the forward-chaining folds, cut by each
+        row's rank in its unit's time order (ties: row order), so that a unit whose rows share
+        one time stamp still has folds. A fold counts for a unit only if it fits at least
+        (linear terms + 1) rows; otherwise its scored rows are none (a unit with no counted
+        fold is unscored)."""
         t, real = self._times(data), data.mask > 0
-        first = torch.where(real, t, math.inf).amin(1, keepdim=True)
-        last = torch.where(real, t, -math.inf).amax(1, keepdim=True)
-        span = (last - first).clamp_min(0.0)
+        order = torch.argsort(torch.where(real, t, math.inf), dim=1, stable=True)
+        rank = torch.argsort(order, dim=1).to(F64)
+        n = real.sum(1, keepdim=True).to(F64)
         h = self.choice_holdout
-        # fold k (0..FOLDS-1): fit before the (FOLDS - k)-th last h of the span, score that h
-        cuts = [first + (1 - j * h) * span for j in range(FOLDS, -1, -1)]  # ..., 1 - h, 1
+        # fold k (0..FOLDS-1): fit the rows before the (FOLDS - k)-th last h, score that h
+        cuts = [torch.floor((1 - j * h) * n) for j in range(FOLDS, -1, -1)]  # ..., 1 - h, 1
+        least = len(self._linear_terms() or [0]) + 1
         out = []
         for k in range(FOLDS):
-            fit = real & (t < cuts[k])
-            scored = real & (t >= cuts[k])
-            if k + 1 < FOLDS:
-                scored = scored & (t < cuts[k + 1])
+            fit = real & (rank < cuts[k])
+            scored = real & (rank >= cuts[k]) & (rank < cuts[k + 1])
+            scored = scored & (fit.sum(1, keepdim=True) >= least)
             out.append((fit.to(F64), scored.to(F64)))
         return out
 
@@ -141,7 +134,7 @@ class TimeChoice:
 
     def _linear_terms(self) -> list[int] | None:
         """Indices in :attr:`terms` of the constant and each input's first-order term."""
-        return _linear_index(self.terms, self.num_inputs)
+        return linear_index(self.terms, self.num_inputs)
 
     @cached_property
     def raw_coef(self) -> Tensor | None:
@@ -156,8 +149,12 @@ class TimeChoice:
         return coef
 
     # ---- client: the uploads -----------------------------------------------------------
-    def choice_uploads(self, down: Tree, state: Tree, data: ClientData) -> Tree:
-        """A unit's scores of every candidate and its linear moments (module doc)."""
+    def choice_uploads(
+        self, down: Tree, state: Tree, data: ClientData, gram: Tensor, mean: Tensor
+    ) -> Tree:
+        """A unit's scores of every candidate, its folds' linear moments and (G m) on the
+        linear terms (``gram``, ``mean``: its design Gram and posterior mean as uploaded;
+        fedprior_choice_checks)."""
         design = self.design(data.x, data.branch)
         y = data.y[..., 0].to(F64)
         lin = torch.tensor(self._linear_terms())
@@ -178,7 +175,7 @@ class TimeChoice:
             if self.raw_coef is not None:
                 simple[:, 2] = self.raw_coef
             both = torch.cat([coefs, simple], 1)
-            sse.append(late_sse(_expand(late, both.shape[1]), both))
+            sse.append(late_sse(repeat_moments(late, both.shape[1]), both))
         mse = sum(sse) / rows.clamp_min(1.0).unsqueeze(1)
         have = torch.ones(mse.shape[1], dtype=torch.bool)
         have[-2] = pooled is not None
@@ -186,12 +183,12 @@ class TimeChoice:
         best = torch.where(have, mse, math.inf).amin(1, keepdim=True).clamp_min(1e-300)
         score = torch.log(mse.clamp_min(1e-300) / best).clamp(0.0, self.choice_clip)
         score = torch.where(have & (rows > 0).unsqueeze(1), score, 0.0)
-        full = moments(design, y, data.mask.to(F64))
         return {
             "score": score,
             "scored": (rows > 0).to(F64),
-            "lin_gram": torch.stack([*grams, full.gram[:, lin][:, :, lin]], 1),
-            "lin_rhs": torch.stack([*rhss, full.rhs[:, lin]], 1),
+            "lin_gram": torch.stack(grams, 1),
+            "lin_rhs": torch.stack(rhss, 1),
+            "fit_rhs": fitted_rhs(gram, mean, lin),
         }
 
     def _candidate_coefs(self, down: Tree, state: Tree, early: Moments) -> Tensor:
@@ -213,13 +210,24 @@ class TimeChoice:
         return post.mean.reshape(c, k, p) * self.masks.unsqueeze(0)
 
     # ---- server ------------------------------------------------------------------------
-    def choice_update(self, replies: Tree, order: Tensor) -> Tree:
-        """The pooled lines (per fold and on all rows) and the fleet's summed scores."""
+    def choice_update(self, replies: Tree, order: Tensor, gram: Tensor, per_unit: bool) -> Tree:
+        """The pooled lines and the fleet's summed scores. ``per_unit`` (not streamed sums):
+        each unit's score clipped to [0, ``choice_clip``], ``scored`` to [0, 1], non-finite
+        entries 0 (the consistency check refuses such replies; this bounds them without it).
+        The line on all rows is fitted from (Σ G_i,lin, Σ (G_i m_i)_lin) of the screened
+        Grams and posterior means (fedprior_choice_checks), the folds' from their moments."""
+        if per_unit:
+            replies = {
+                k: torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0) for k, v in replies.items()
+            }
+            replies["score"] = replies["score"].clamp(0.0, self.choice_clip)
+            replies["scored"] = replies["scored"].clamp(0.0, 1.0)  # (× an outlier weight)
         total = {k: v[order].sum(0) for k, v in replies.items()}
-        coef = ridge_solve(total["lin_gram"], total["lin_rhs"])  # (folds + 1, L)
+        lin = torch.tensor(self._linear_terms())
+        g = gram[order].sum(0).to(F64)[lin][:, lin]
         return {
-            "pooled_fold": coef[:FOLDS],
-            "pooled_all": coef[FOLDS],
+            "pooled_fold": ridge_solve(total["lin_gram"], total["lin_rhs"]),
+            "pooled_all": ridge_solve(g, total["fit_rhs"]),
             "pooled_ok": torch.tensor(1.0, dtype=F64),
             "forward_scores": total["score"],
             "forward_scored": total["scored"],
@@ -294,10 +302,10 @@ class TimeChoice:
         have = torch.tensor([True, True, pooled is not None, self.raw_coef is not None])
         simple = torch.where(have[1:].unsqueeze(1), mse[1:], math.inf)
         best = simple.argmin(0)  # (clients,) 0 own, 1 pooled, 2 raw
-        d = err[0] - _pick(err[1:], best)
+        d = err[0] - pick_err(err[1:], best)
         mean = (d * scored_all).sum(1) / n.clamp_min(1.0)
         var = ((d - mean.unsqueeze(1)) ** 2 * scored_all).sum(1) / (n - 1).clamp_min(1.0)
-        base = _pick_rows(mse[1:], best)
+        base = pick_mse(mse[1:], best)
         bar = self.choice_margin * base + self.choice_z * (var / n.clamp_min(1.0)).sqrt()
         worse = (n >= MIN_SCORED) & (mean > bar)
         out["val_mse"] = torch.where(n > 0, mse[0], -1.0)
@@ -409,16 +417,17 @@ class TimeChoice:
         """PriorStatus's flags, and ``weak`` for an implausible unit (fedprior_choice)."""
         flags = super().client_status(server, personal, x, mask)  # PriorStatus's
         if self.choose != "off":
-            flags["weak"] = flags["weak"] | self.implausible_units(personal, x, mask)
+            medians = server.get("status_medians")  # over the whole fleet (a chunked judge)
+            flags["weak"] = flags["weak"] | self.implausible_units(personal, x, mask, medians)
         return flags
 
     def unit_columns(self, params: Tree, train: ClientData) -> dict:
-        """Per unit: ``fallback``, the model it ships (no harm), and ``sigma_scale``, the
+        """Per unit: ``fallback``, the model it ships (no harm; a code, named by
+        :attr:`unit_labels` where the tables are written), and ``sigma_scale``, the
         factor its σ got from its own later rows (:meth:`_scale_sigma`)."""
         if "fallback" not in params or self.choose == "off":
             return {}
-        names = np.array(["prior", *SIMPLE], dtype=object)
-        out = {"fallback": names[params["fallback"].to(torch.long).numpy()]}
+        out = {"fallback": params["fallback"].to(F64).numpy()}  # codes: unit_labels
         if "sigma_scale" in params:
             out["sigma_scale"] = params["sigma_scale"].to(F64).numpy()
         return out
@@ -434,66 +443,39 @@ class TimeChoice:
         return state
 
     # ---- status ------------------------------------------------------------------------
-    def implausible_units(self, personal: Tree, x: Tensor, mask: Tensor) -> Tensor:
-        """(clients,) units whose validation RMSE or mean predictive σ, each over the unit's
-        own target spread (the standard deviation of its calibration targets: a rain gauge
-        of a wet site is not implausible for its larger errors), is more than
-        ``implausible`` times the fleet's median (module doc)."""
+    def status_values(self, personal: Tree, x: Tensor, mask: Tensor) -> dict[str, Tensor]:
+        """(clients,) each unit's validation RMSE and mean predictive σ at ``x`` (its test
+        inputs, where its errors are measured), each over the unit's own target spread (the
+        standard deviation of its calibration targets: a rain gauge of a wet site is not
+        implausible for its larger errors); NaN where not measured."""
+        if self.choose == "off":
+            return {}
         n = x.shape[0]
-        flag = torch.zeros(n, dtype=torch.bool)
         spread = personal.get("target_sd")
         spread = torch.ones(n, dtype=F64) if spread is None else spread.to(F64).reshape(n)
         spread = torch.where(spread > 0, spread, math.nan)
+        out = {}
         if "val_mse" in personal:
-            val = personal["val_mse"].to(F64).reshape(n)
-            rmse = val.clamp_min(0.0).sqrt() / spread
-            ok = torch.isfinite(rmse) & (val >= 0)  # -1: not measured
-            if int(ok.sum()) >= 3:
-                flag |= ok & (rmse > self.implausible * rmse[ok].median())
+            val = personal["val_mse"].to(F64).reshape(n)  # -1: not measured
+            out["rmse"] = torch.where(val >= 0, val.clamp_min(0.0).sqrt() / spread, math.nan)
         std = self.predictive_std(personal, x)
         if std is not None:
             m = mask.to(F64)
             s = (std.to(F64)[..., 0] * m).sum(1) / m.sum(1).clamp_min(1.0) / spread
-            ok = torch.isfinite(s)
-            if int(ok.sum()) >= 3:
-                flag |= ok & (s > self.implausible * s[ok].median())
+            out["sigma"] = torch.where(m.sum(1) > 0, s, math.nan)
+        return out
+
+    def implausible_units(
+        self, personal: Tree, x: Tensor, mask: Tensor, medians: dict | None = None
+    ) -> Tensor:
+        """(clients,) units whose :meth:`status_values` exceed ``implausible`` times the
+        fleet's median (``medians``: over every unit of the fleet, as a chunked caller
+        passes them; None: over these units, at least 3 measured; module doc)."""
+        values = self.status_values(personal, x, mask)
+        medians = fleet_medians(values) if medians is None else medians
+        flag = torch.zeros(x.shape[0], dtype=torch.bool)
+        for name, v in values.items():
+            ref = medians.get(name)
+            if ref is not None and bool(torch.isfinite(ref)):
+                flag |= torch.isfinite(v) & (v > self.implausible * ref)
         return flag
-
-
-def pooled_lines(down: Tree, terms: int) -> tuple[Tensor, Tensor] | None:
-    """The broadcast pooled lines ((1 or clients, folds, L), (1 or clients, L)), or None
-    before the fleet has summed any (a broadcast may carry a clients axis)."""
-    if "pooled_ok" not in down or not float(down["pooled_ok"].reshape(-1)[0]) > 0:
-        return None
-    fold = down["pooled_fold"].to(F64).reshape(-1, FOLDS, terms)
-    return fold, down["pooled_all"].to(F64).reshape(-1, terms)
-
-
-def _expand(stats: Moments, k: int) -> Moments:
-    """Moments (clients, …) repeated for k candidates: (clients, k, …)."""
-    return Moments(
-        stats.gram.unsqueeze(1).expand(-1, k, -1, -1),
-        stats.rhs.unsqueeze(1).expand(-1, k, -1),
-        stats.yy.unsqueeze(1).expand(-1, k),
-        stats.n.unsqueeze(1).expand(-1, k),
-    )
-
-
-def _pick(err: Tensor, best: Tensor) -> Tensor:
-    """err (3, clients, rows) at each client's ``best`` candidate: (clients, rows)."""
-    return err.permute(1, 0, 2)[torch.arange(err.shape[1]), best]
-
-
-def _pick_rows(mse: Tensor, best: Tensor) -> Tensor:
-    """mse (3, clients) at each client's ``best``: (clients,)."""
-    return mse.T[torch.arange(mse.shape[1]), best]
-
-
-def _linear_index(terms: tuple[tuple[int, ...], ...], inputs: int) -> list[int] | None:
-    """Indices of the constant and of each input's P̃₁ term, or None if any is missing."""
-    where = {t: i for i, t in enumerate(terms)}
-    wanted = [tuple([0] * inputs)]
-    wanted += [tuple(1 if j == k else 0 for j in range(inputs)) for k in range(inputs)]
-    if any(w not in where for w in wanted):
-        return None
-    return [where[w] for w in wanted]

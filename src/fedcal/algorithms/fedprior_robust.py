@@ -24,6 +24,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from fedcal.algorithms.fedprior_choice_checks import choice_problems
 from fedcal.core.honesty import capped_residuals, fitted_rms, support_problems
 from fedcal.core.robust import (
     OutlierWeights,
@@ -137,6 +138,10 @@ class RobustUploads:
             for j in wrong.nonzero()[:, 0].tolist():
                 if whys[j] is None:
                     whys[j] = f"selection scores beyond ±{self.select_clip:g} or full basis ≠ 0"
+        if "choice/score" in sub:  # fedprior_choice's unscreened uploads, bounded and tied
+            lin = torch.tensor(self._linear_terms())
+            for j, why in choice_problems(sub, self.choice_clip, lin).items():
+                whys[j] = whys[j] or why
         return {int(idx[j]): why for j, why in enumerate(whys) if why is not None}
 
     def _gram_counts_rows(self, server: Tree) -> bool:

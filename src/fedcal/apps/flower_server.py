@@ -95,6 +95,9 @@ def algorithm_spec(config: RunConfig, method: str) -> AlgorithmSpec:
     """
     _refuse_whiten(config)
     cls, values = method_settings(method, config)
+    raw = config.data.raw_column  # fedprior's raw reading: its map follows the scaler
+    if raw and "raw_input" in {f.name for f in dataclasses.fields(cls)}:
+        values = {**values, "raw_input": list(config.data.features).index(raw)}
     m = config.model
     model = ModelSpec(m.family, tuple(m.hidden), m.activation, tuple(m.poly_orders), m.head_layers)
     return AlgorithmSpec(method, cls.name, values, model)
@@ -108,7 +111,11 @@ def build(config: RunConfig, method: str, num_features: int, num_classes: int = 
     """
     _refuse_whiten(config)
     meta = {"task": "classification", "num_classes": num_classes} if num_classes else None
-    return build_algorithm(method, config, build_task(config, num_features, meta))
+    algorithm = build_algorithm(method, config, build_task(config, num_features, meta))
+    raw = config.data.raw_column  # as algorithm_spec: the map is set with the scaler
+    if raw and "raw_input" in {f.name for f in dataclasses.fields(algorithm)}:
+        algorithm = dataclasses.replace(algorithm, raw_input=list(config.data.features).index(raw))
+    return algorithm
 
 
 def _with_rounds(config: RunConfig, rounds: int) -> RunConfig:

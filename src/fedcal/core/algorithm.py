@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
+import numpy as np
 import torch
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from torch import Tensor
@@ -222,6 +223,14 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
     # unit_columns(personal, train) -> {column: (clients,) values}: extra per-unit outputs
     # (fedprior_drift's recalibrate_at), written to per_sensor.csv and units.csv.
     unit_columns: ClassVar[Callable[[Tree, Any], dict] | None] = None
+    # unit_labels: {column: names}: a unit_columns column sent as a number (a Flower reply
+    # carries numbers only) that the tables write as names[code] (fedprior's fallback).
+    unit_labels: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # status_values(personal, x, mask) -> {name: (clients,) values}: per-unit values that
+    # client_status compares with the fleet's median (fedprior_choice's implausible rule). A
+    # caller that judges the units in chunks passes the medians over every unit
+    # (:func:`fleet_medians`) as server["status_medians"], so chunking changes no status.
+    status_values: ClassVar[Callable[[Tree, Tensor, Tensor], dict] | None] = None
     # inconsistent_replies(server, replies, weights, accepted) -> {client: reason} | None:
     # uploads that contradict their declared row count or the broadcast model (issue 21,
     # core/robust.py); the aggregation rejects them after screening. Needs each reply.
@@ -299,6 +308,21 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
                 named = base  # the outermost base whose settings build this class
         body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown)
         return f"{named.__qualname__}({body})"
+
+    def with_scaler(self, scaler: Any) -> Algorithm:
+        """The algorithm told the run's scaler, for settings stated in data units (fedprior's
+        raw reading, ``raw_map``). Unchanged by default; the simulator, ``calibrate`` and both
+        sides of a Flower run call it once the scaler is known."""
+        return self
+
+    def labelled_units(self, columns: dict) -> dict:
+        """:attr:`unit_columns`' values with each :attr:`unit_labels` column as names."""
+        out = dict(columns)
+        for name, labels in self.unit_labels.items():
+            if name in out:
+                codes = np.asarray(out[name], dtype=float).astype(int)
+                out[name] = np.asarray(labels, dtype=object)[codes]
+        return out
 
     # ---- the contract -------------------------------------------------
     def server_init(self, params: Tree) -> Tree:
@@ -439,6 +463,18 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
     def local_loss(self, params: Tree, data: ClientData) -> Tensor:
         """Mean loss over each client's rows (clients,)."""
         return self.task.loss(params, data.x, data.y, data.mask)
+
+
+def fleet_medians(values: dict[str, Tensor], least: int = 3) -> dict[str, Tensor]:
+    """Each value's median over its finite entries (torch's: the lower middle one), NaN
+    with fewer than ``least`` of them (:attr:`Algorithm.status_values`)."""
+    out = {}
+    for name, v in values.items():
+        ok = v[torch.isfinite(v)]
+        out[name] = (
+            ok.median() if ok.numel() >= least else torch.tensor(float("nan"), dtype=v.dtype)
+        )
+    return out
 
 
 @functools.cache

@@ -105,7 +105,9 @@ def check_mac(run_dir: str | Path, key: bytes) -> None:
         doc = json.loads(read_text(path, max_bytes=1 << 24))
     except (PathError, ValueError, RecursionError) as e:
         raise MacError(f"{path}: unreadable MAC file ({type(e).__name__})") from None
-    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(doc, dict):  # JSON, but a list, a number, a string: no MAC file
+        raise MacError(f"{path}: not a fedcal MAC file (expected a JSON object)")
+    files = doc.get("files")
     if (
         doc.get("format") != MAC_FORMAT
         or not isinstance(files, dict)

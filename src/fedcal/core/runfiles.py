@@ -6,12 +6,14 @@ scaler and sensor ids) are written by fedcal but read back from a folder anyone
 may have edited. Each is validated with pydantic (typed, finite numbers, no
 coercion) and then for what the types cannot say: lengths that agree, a
 covariance that is symmetric positive definite, a positive noise level, spans
-with min ≤ max. A problem is a :class:`RunFileError`: one line naming the file
-and the field.
+with min ≤ max, magnitudes a prior in scaled units can hold (:data:`MAX_MEAN`,
+:data:`MAX_VARIANCE`). A problem is a :class:`RunFileError`: one line naming the
+file and the field.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -25,6 +27,12 @@ Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # "0.1" is n
 Positive = Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)]
 Text = Annotated[str, Field(strict=True, min_length=1, max_length=200)]
 MAX_TERMS = 4096  # a basis of more terms than this is no fedcal prior
+# Plausible magnitudes in scaled units (target and inputs scaled to O(1)): an honest prior
+# holds |μ| ≤ 16, σ² ≤ 0.3 and Σ's eigenvalues ≤ 1.2e5 (the largest seen: the gas
+# network's 45 terms of 8 correlated inputs; the simulator's ≤ 1); 1e300 is an edit.
+MAX_MEAN = 1e6
+MAX_VARIANCE = 1e8  # Σ's eigenvalues, σ², τ², a² (scaled target units squared)
+MAX_ROWS = 10**9  # a count of calibration rows
 
 
 class RunFileError(ValueError):
@@ -54,14 +62,27 @@ class ScalerDoc(_Doc):
 NonNegative = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
 
 
+Variance = Annotated[float, Field(strict=True, ge=0, le=MAX_VARIANCE, allow_inf_nan=False)]
+
+
 class IntervalDoc(_Doc):
     """``interval`` of a calibrated-interval prior (fedprior I1–I4): what a new unit reads."""
 
     discrepancy_var: Annotated[float, Field(strict=True)]  # NaN: none learned (declined)
-    probe_rows: Annotated[float, Field(strict=True)]  # NaN/0: no probe
+    probe_rows: Annotated[float, Field(strict=True, ge=0, le=MAX_ROWS)]  # 0: no probe
     declined: Annotated[int, Field(strict=True, ge=0)]
     weak_projector: list[list[Finite]] | None = None
-    discrepancy_var_own: NonNegative | None = None  # null: no τ² covered (declined)
+    discrepancy_var_own: Variance | None = None  # null: no τ² covered (declined)
+
+
+class IdentificationDoc(BaseModel):
+    """``identification`` (:meth:`fedcal.algorithms.fedprior.FedPrior.identification`):
+    the effective count of units informing each direction, the weak terms, their number."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    informed_units: list[Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]]
+    weak_terms: list[Text]
+    weak_directions: Annotated[int, Field(strict=True, ge=0, le=MAX_TERMS)]
 
 
 class ShortDoc(_Doc):
@@ -97,13 +118,18 @@ class PriorDoc(_Doc):
     branch_terms: list[list[Annotated[int, Field(strict=True, ge=0)]]] = Field(
         default_factory=list, max_length=MAX_TERMS
     )
-    mu: list[Finite]
+    mu: list[Annotated[float, Field(strict=True, ge=-MAX_MEAN, le=MAX_MEAN, allow_inf_nan=False)]]
     sigma: list[list[Finite]]
-    noise_var: Positive
+    noise_var: Annotated[float, Field(strict=True, gt=0, le=MAX_VARIANCE, allow_inf_nan=False)]
     scaler: ScalerDoc
     input_range: dict[str, list[Finite]]
     interval: IntervalDoc | None = None
     drift: DriftDoc | None = None
+    identification: IdentificationDoc | None = None
+    noise_prior_points: NonNegative | None = None
+    noise_student: Annotated[int, Field(strict=True, ge=0, le=1)] | None = None
+    # σ²(x) = σ² exp(γᵀx), x scaled: |γ| ≤ 100 keeps exp finite (an honest fit: |γ| ~ 1)
+    noise_gamma: list[Annotated[float, Field(strict=True, ge=-100, le=100)]] | None = None
 
 
 def _check_scaler(path: str | Path, scaler: ScalerDoc, features: int, where: str) -> None:
@@ -119,6 +145,43 @@ def _check_scaler(path: str | Path, scaler: ScalerDoc, features: int, where: str
 def _check_span(path: str | Path, field: str, span: list[float]) -> None:
     if len(span) != 2 or span[0] > span[1]:
         raise RunFileError(f"{path}: {field}: expected [min, max] with min <= max, got {span!r}")
+
+
+def _check_sigma(path: str | Path, sigma: np.ndarray) -> None:
+    """Σ symmetric positive definite, its eigenvalues ≤ :data:`MAX_VARIANCE` (an entry
+    above it implies one: |Σ_jk| ≤ √(Σ_jj Σ_kk) ≤ λ_max; checked first, before eigvalsh
+    could overflow)."""
+    scale = float(np.abs(sigma).max()) or 1.0
+    if scale > MAX_VARIANCE:
+        raise RunFileError(
+            f"{path}: sigma: an entry of {scale:.3g} (> {MAX_VARIANCE:g} in scaled units): "
+            "not a fleet prior's covariance"
+        )
+    if not np.allclose(sigma, sigma.T, rtol=0.0, atol=1e-9 * scale):
+        raise RunFileError(f"{path}: sigma: not symmetric")
+    values = np.linalg.eigvalsh(sigma)
+    if float(values.min()) <= 0.0:
+        raise RunFileError(f"{path}: sigma: not positive definite")
+    if float(values.max()) > MAX_VARIANCE:
+        raise RunFileError(
+            f"{path}: sigma: an eigenvalue of {float(values.max()):.3g} (> {MAX_VARIANCE:g} "
+            "in scaled units): not a fleet prior's covariance"
+        )
+
+
+def _check_interval(path: str | Path, interval: IntervalDoc) -> None:
+    """τ² NaN (declined) or in [0, :data:`MAX_VARIANCE`]; the probe's rows a count."""
+    tau = interval.discrepancy_var
+    if not (math.isnan(tau) or 0.0 <= tau <= MAX_VARIANCE):
+        raise RunFileError(
+            f"{path}: interval.discrepancy_var: a variance must be NaN (declined) or in "
+            f"[0, {MAX_VARIANCE:g}], got {tau}"
+        )
+    if not float(interval.probe_rows).is_integer():
+        raise RunFileError(
+            f"{path}: interval.probe_rows: expected a whole number of rows, "
+            f"got {interval.probe_rows}"
+        )
 
 
 def check_prior(path: str | Path, raw: Any) -> dict[str, Any]:
@@ -142,15 +205,14 @@ def check_prior(path: str | Path, raw: Any) -> dict[str, Any]:
         raise RunFileError(f"{path}: mu: {len(doc.mu)} values for {p} basis term(s)")
     if len(doc.sigma) != p or any(len(row) != p for row in doc.sigma):
         raise RunFileError(f"{path}: sigma: expected a {p}×{p} matrix")
-    sigma = np.asarray(doc.sigma, float)
-    scale = float(np.abs(sigma).max()) or 1.0
-    if not np.allclose(sigma, sigma.T, rtol=0.0, atol=1e-9 * scale):
-        raise RunFileError(f"{path}: sigma: not symmetric")
-    if float(np.linalg.eigvalsh(sigma).min()) <= 0.0:
-        raise RunFileError(f"{path}: sigma: not positive definite")
+    _check_sigma(path, np.asarray(doc.sigma, float))
+    if doc.interval is not None:
+        _check_interval(path, doc.interval)
     nf = len(doc.features)
     if any(len(t) != nf for t in [*doc.terms, *doc.branch_terms]):
         raise RunFileError(f"{path}: terms: each term needs one exponent per feature ({nf})")
+    if doc.noise_gamma is not None and len(doc.noise_gamma) != nf:
+        raise RunFileError(f"{path}: noise_gamma: expected {nf} value(s), one per feature")
     _check_scaler(path, doc.scaler, nf, "scaler")
     unknown = sorted(set(doc.input_range) - set(doc.features))
     if unknown:
@@ -218,11 +280,40 @@ def _check_covariance(where: str, name: str, cov: np.ndarray) -> None:
             raise RunFileError(f"{where}: {name}: covariance not positive definite")
 
 
+# A deployed unit's discrepancy terms (fedcal.algorithms.fedprior_deployed.deploy_shapes):
+# leaf → (lowest, highest, lowest allowed, what it is). κ²s²(t/1.96)² > 0; a² ≥ 0 (0: the
+# unit does not use D2–D4); β > 0; ℓ in [1e-3, 1e3] scaled inputs (the fitted grid: 0.03–2);
+# the design rows' mask 0 or 1 (checked apart).
+GP_BOUNDS = {
+    "gp_scale": (0.0, math.inf, False, "a σ scale factor κ²s²(t/1.96)²"),
+    "gp_amp": (0.0, MAX_VARIANCE, True, "a discrepancy variance a²"),
+    "gp_beta": (0.0, 1e3, False, "a basis-variance factor β"),
+    "gp_len": (1e-3, 1e3, True, "a length scale ℓ (scaled inputs)"),
+}
+
+
+def _check_gp(where: str, name: str, leaf: str, values: np.ndarray) -> None:
+    """A deployed unit's D2–D4 terms in their ranges (:data:`GP_BOUNDS`), its mask 0/1."""
+    if leaf == "gp_mask":
+        if not np.isin(values, (0.0, 1.0)).all():
+            raise RunFileError(f"{where}: {name}: a design-row mask other than 0 or 1")
+        return
+    lo, hi, closed, what = GP_BOUNDS[leaf]
+    low_ok = values >= lo if closed else values > lo
+    if not (low_ok & (values <= hi)).all():
+        bad = float(values[~(low_ok & (values <= hi))].reshape(-1)[0])
+        span = f"{'[' if closed else '('}{lo:g}, {hi:g}{']' if hi < math.inf else ')'}"
+        raise RunFileError(
+            f"{where}: {name}: {what} of {bad:.3g}, outside {span}: an edited or broken model"
+        )
+
+
 def check_model_params(path: str | Path, sensor: str, leaves: dict[str, Any]) -> None:
     """One sensor's parameters of a model file (flat ``{name: tensor}``), beyond finiteness
     (:func:`fedcal.core.tensorfile.check_finite`): floating point, positive noise
     variances, non-negative other variances, positive-definite covariances (``cov``,
-    ``*_cov``) — what prior.json's Σ and σ² are held to (:func:`check_prior`)."""
+    ``*_cov``) — what prior.json's Σ and σ² are held to (:func:`check_prior`) — and a
+    deployed unit's discrepancy terms in range (:func:`_check_gp`)."""
     where = f"{path}: sensor {sensor!r}"
     for name, tensor in leaves.items():
         if str(tensor.dtype) not in MODEL_DTYPES:
@@ -238,3 +329,5 @@ def check_model_params(path: str | Path, sensor: str, leaves: dict[str, Any]) ->
             raise RunFileError(f"{where}: {name}: a variance < 0")
         if leaf == "cov" or leaf.endswith("_cov"):
             _check_covariance(where, name, values)
+        if leaf in GP_BOUNDS or leaf == "gp_mask":
+            _check_gp(where, name, leaf, values)

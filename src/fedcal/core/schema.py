@@ -40,6 +40,7 @@ _KINDS = {
     "list_type": "expected a list",
     "dict_type": "expected a table",
     "dataclass_type": "expected a table",
+    "model_type": "expected an object",  # a run file's JSON part (core/runfiles.py)
 }
 
 

@@ -48,6 +48,17 @@ def _tanh(z: Tensor) -> Tensor:
     return sigmoid_lanes(2.0 * z).mul(2.0).sub(1.0)
 
 
+def _silu(z: Tensor) -> Tensor:
+    """silu(z) = z·σ(z), σ by :func:`sigmoid_lanes` (a product rounds the same anywhere)."""
+    return z * sigmoid_lanes(z)
+
+
+def _silu_derivative(z: Tensor, h: Tensor) -> Tensor:
+    """silu'(z) = σ(z)·(1 + z·(1 − σ(z))), σ by :func:`sigmoid_lanes`."""
+    s = sigmoid_lanes(z)
+    return s * (1.0 + z * (1.0 - s))
+
+
 def _twice_less_one(s: Tensor, minus_one: Tensor | None = None) -> Tensor:
     """2s − 1 in place, in one pass: 2s is exact, so the fused −1 + 2·s rounds once,
     as ``s.mul_(2).sub_(1)`` does in two."""
@@ -59,12 +70,14 @@ def _one(like: Tensor) -> Tensor:
     return torch.ones((), dtype=like.dtype, device=like.device)
 
 
-ACTIVATIONS = {"tanh": _tanh, "relu": torch.relu, "silu": torch.nn.functional.silu}
+# Every transcendental through sigmoid_lanes: a unit's bits do not depend on its cohort
+# (relu has none: max(z, 0) and its step are exact on either path).
+ACTIVATIONS = {"tanh": _tanh, "relu": torch.relu, "silu": _silu}
 # Derivative of each activation written in terms of its input z and output h.
 DERIVATIVES = {
     "tanh": lambda z, h: torch.addcmul(_one(h), h, h, value=-1.0),  # 1 − h², one pass
     "relu": lambda z, h: (z > 0).to(h.dtype),
-    "silu": lambda z, h: torch.sigmoid(z) * (1.0 + z * (1.0 - torch.sigmoid(z))),
+    "silu": _silu_derivative,
 }
 
 

@@ -17,17 +17,17 @@ The file. :meth:`PriorModel.save` writes ``prior.json`` with ``format_version``
 (:data:`FORMAT_VERSION`); :meth:`PriorModel.load` reads it and files without one
 (version 1: what fedcal wrote before the version existed, the same layout), and
 refuses a newer version with a line saying how to re-train. Loading validates: the
-schema and shapes of :func:`fedcal.core.runfiles.check_prior` (finite numbers, Σ
-symmetric positive definite, σ² > 0, lengths that agree with the terms), then the
-parts that check does not type (variances ≥ 0, the weak-direction projector's shape,
-the noise model's numbers, pinned direction terms among the direction terms) and
-known parts only. A problem is one line naming the file and the field.
+schema, shapes and magnitudes of :func:`fedcal.core.runfiles.check_prior` (finite
+numbers, |μ| and Σ's eigenvalues, σ², τ² within plausible bounds in scaled units, Σ
+symmetric positive definite, σ² > 0, lengths that agree with the terms, the noise
+model's numbers, the identification record's schema), then the parts that check does
+not type (the weak-direction projector's shape, pinned direction terms among the
+direction terms) and known parts only. A problem is one line naming the file and the field.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -249,7 +249,7 @@ class PriorModel:
         return cls(
             mean=_frozen(doc["mu"]),
             covariance=_frozen(doc["sigma"]),
-            noise=_noise(doc, source),
+            noise=_noise(doc),
             basis=basis,
             scaler=Scaler.from_dict(doc["scaler"]),
             input_range={c: (float(lo), float(hi)) for c, (lo, hi) in doc["input_range"].items()},
@@ -341,28 +341,13 @@ def _basis(doc: dict[str, Any], source: str, family: str) -> Basis:
     )
 
 
-def _noise(doc: dict[str, Any], source: str) -> NoiseModel:
+def _noise(doc: dict[str, Any]) -> NoiseModel:
+    """The noise model (its numbers checked by :func:`check_prior`)."""
     gamma = doc.get("noise_gamma")
-    if gamma is not None:
-        ok = isinstance(gamma, list) and all(
-            isinstance(g, int | float) and not isinstance(g, bool) for g in gamma
-        )
-        if not ok or len(gamma) != len(doc["features"]) or not all(map(math.isfinite, gamma)):
-            raise RunFileError(
-                f"{source}: noise_gamma: expected {len(doc['features'])} finite values"
-            )
-        gamma = tuple(float(g) for g in gamma)
-    student = doc.get("noise_student")
-    if student is not None and (isinstance(student, bool) or student not in (0, 1)):
-        raise RunFileError(f"{source}: noise_student: expected 0 or 1")
+    gamma = None if gamma is None else tuple(float(g) for g in gamma)
     points = doc.get("noise_prior_points")
-    if points is not None and not (_number(points) and math.isfinite(points) and points >= 0):
-        raise RunFileError(f"{source}: noise_prior_points: expected a finite number >= 0")
+    student = doc.get("noise_student")
     return NoiseModel(float(doc["noise_var"]), doc.get("noise"), points, gamma, student)
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 def _provenance(doc: dict[str, Any], source: str, version: int) -> Provenance:
@@ -383,10 +368,7 @@ def _provenance(doc: dict[str, Any], source: str, version: int) -> Provenance:
 def _interval(raw: Any, source: str, size: int) -> IntervalPart | None:
     if raw is None:
         return None
-    where = f"{source}: interval"
-    tau = float(raw["discrepancy_var"])
-    if tau < 0 or math.isinf(tau):  # NaN: declined; a variance is never negative
-        raise RunFileError(f"{where}.discrepancy_var: a variance must be >= 0, got {tau}")
+    where = f"{source}: interval"  # τ², probe_rows, τ²_own checked by check_prior
     weak = raw.get("weak_projector")
     if weak is not None:
         weak = _frozen(weak)
@@ -395,7 +377,7 @@ def _interval(raw: Any, source: str, size: int) -> IntervalPart | None:
     dof = raw.get("residual_dof")
     return IntervalPart(
         rule=str(raw.get("rule", "calibrated")),
-        discrepancy_var=tau,
+        discrepancy_var=float(raw["discrepancy_var"]),
         probe_rows=float(raw["probe_rows"]),
         declined=int(raw["declined"]),
         reason=str(raw.get("reason", "")),

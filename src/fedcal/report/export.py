@@ -21,6 +21,7 @@ import torch
 
 from fedcal.config import ConfigError, from_json
 from fedcal.core.algorithm import Algorithm
+from fedcal.core.errors import did_you_mean
 from fedcal.core.paths import read_json
 from fedcal.core.tree import Tree, flatten, stack
 from fedcal.data.scaling import Scaler
@@ -309,8 +310,10 @@ def load_models(
                 f"{folder / 'model.pt'}: a pickled model of an older fedcal, which is no longer "
                 "read (unpickling can run code); rerun the experiment into a new --out"
             )
+        known = sorted({p.name.rsplit("_tp", 1)[0] for p in run_dir.glob("runs/*_tp*_seed*")})
         raise FileNotFoundError(
             f"no model for method {method!r}, seed {seed} in {run_dir} ({path} missing)"
+            + did_you_mean([method], known)
         )
     config_path = run_dir / "config.json"
     record = read_json(config_path)  # guarded: a regular file, strict JSON (core/paths.py)

@@ -211,7 +211,7 @@ def run_round(content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict
     spec, seed, dtype = load_run(run_path(node_cfg["state-dir"], site.site_id, run_id))
     method, dtype = spec.method, DTYPES[dtype]
     scaler = Scaler.from_dict(json.loads(str(ctl["scaler"])))
-    alg = spec.build(len(site.features), site.num_classes)
+    alg = spec.build(len(site.features), site.num_classes).with_scaler(scaler)
     # The node decides what leaves it, whatever the server asks (see policy.py): a refused
     # request trains nothing, sends nothing of the data and leaves the state untouched.
     refusal = NodePolicy.from_node_config(node_cfg).refusal(method, alg.name, type(alg).uploads)

@@ -132,7 +132,10 @@ def run_federation(
         log(INFO, "[fedcal] message %d/%d done in %.1f s", t, fed.rounds, t_exchange)
 
     units = fed.unit_columns()  # per_sensor.csv's extra columns (recalibrate_at), as fedcal run
-    result["final"] = [{**row, **units.get(row["client_index"], {})} for row in fed.final_rows()]
+    labelled = fed.algorithm.labelled_units if fed.algorithm is not None else dict
+    result["final"] = [
+        {**row, **labelled(units.get(row["client_index"], {}))} for row in fed.final_rows()
+    ]
     result["last_used"] = {str(i): r for i, r in sorted(fed.last_used.items())}
     return result
 

@@ -298,7 +298,8 @@ class Federation:
         self.scaler = scaler_from_moments(
             features, target, moments, self.scaling, not classification
         )
-        self.algorithm = self.spec.build(len(features), self.shape["num-classes"])
+        algorithm = self.spec.build(len(features), self.shape["num-classes"])
+        self.algorithm = algorithm.with_scaler(self.scaler)  # e.g. fedprior's raw_map
         if self.secure is not None:
             from fedcal.engine.flower.secagg import refusal
 
