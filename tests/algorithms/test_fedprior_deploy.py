@@ -80,7 +80,7 @@ def test_the_emulation_counts_of_a_two_point_design_by_hand():
     needed = [0.64, 1.0, 2.25, 6.25]  # κ² at which each held row comes inside
     em = two_point_emulation([c * Z**2 * v for c in needed], vc, sn)
     sums = deploy.scale_sums(em, beta, amp, torch.ones(2, dtype=F64), units=1)
-    assert sums["held"][0].tolist() == [4.0, 0.0, 0.0, 0.0, 0.0]
+    assert sums["held"][0].tolist() == [4.0] + [0.0] * (len(deploy.FAMILIES) - 1)
     inf = deploy.NU_GRID.index(math.inf)
     for g, kappa in enumerate(deploy.KAPPA_GRID.tolist()):
         by_hand = sum(kappa**2 >= c * (1 + 1e-12) for c in needed)
@@ -111,6 +111,25 @@ def test_kappa_is_the_smallest_that_covers_95_percent_pooled():
     assert deploy.NU_GRID[n] in deploy.NU_GRID
     assert 1.44 - 0.03 < kappa < 1.45 + 0.03  # within the grid's 2.3 % step
     assert family[0] == pytest.approx(0.95, abs=0.02)
+
+
+def test_each_familys_coverage_is_read_at_the_interpolated_kappa():
+    # pooled share k/150 at grid point k: 95 % falls between grid points 142 and 143, at
+    # κ interpolated; a single family's share there is the pooled one, 0.95 exactly, not
+    # grid point 143's 0.9533 (review fix 6)
+    k = len(deploy.KAPPA_GRID)
+    ramp = torch.arange(k, dtype=F64) / (k - 1) * 100.0
+    nf, nn = len(deploy.FAMILIES), len(deploy.NU_GRID)
+    inside = torch.zeros(1, nf, nn, k, dtype=F64)
+    inside[0, 0] = ramp
+    held = torch.zeros(1, nf, dtype=F64)
+    held[0, 0] = 100.0
+    _, kappa, family = deploy.choose(
+        {"inside": inside, "held": held, "score": torch.zeros(1, nn, k, dtype=F64)}
+    )
+    lo, hi = float(deploy.KAPPA_GRID[142]), float(deploy.KAPPA_GRID[143])
+    assert lo < kappa < hi and kappa == pytest.approx(lo + 0.5 * (hi - lo), rel=1e-12)
+    assert family[0] == pytest.approx(0.95, abs=1e-12)
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +187,14 @@ def test_a_bad_discrepancy_in_the_prior_file_is_refused(deployment, tmp_path):
     )
     with pytest.raises(ValueError, match=r"^prior.json: discrepancy.amplitude: expected a finite"):
         calibrate(model, fleet, "new.csv")
+    # a² within the file's absolute bound but beyond 1e10 × this prior's σ²: not learned here
+    noise = model.noise.variance
+    assert 1e10 * noise < 1e9
+    big = dataclasses.replace(
+        prior.model_, discrepancy={**prior.model_.discrepancy, "amplitude": 1e9}
+    )
+    with pytest.raises(ValueError, match=r"^prior.json: discrepancy.amplitude: .* noise variance"):
+        calibrate(big, fleet, "new.csv")
     # and the file: loading it is refused, in one line naming the file and the field
     doc = prior.model_.to_dict()
     doc["discrepancy"] = {**doc["discrepancy"], "lengths": [0.05, -1.0]}
@@ -176,3 +203,134 @@ def test_a_bad_discrepancy_in_the_prior_file_is_refused(deployment, tmp_path):
     with pytest.raises(ValueError) as err:
         PriorModel.load(path)
     assert "discrepancy.lengths" in str(err.value) and "\n" not in str(err.value)
+
+
+def _reference_data(prior):
+    """The prior's algorithm, its server state, and the reference fleet as the run's
+    ClientData (scaled), from ``deployment``'s campaign units."""
+    from fedcal.api import FleetPrior  # noqa: F401  (the fixture's prior)
+    from fedcal.calibration import prior_algorithm, prior_server
+    from fedcal.core.data import ClientData
+    from fedcal.data.loader import load_fleet
+    from fedcal.data.simulator import FleetSpec, simulate_fleet
+
+    model = prior.model_
+    frame = simulate_fleet(FleetSpec(num_reference=4, num_new=0), 0).frame
+    fleet = load_fleet(
+        frame[frame["split"] == "train"],
+        features=list(model.features),
+        target=model.target,
+        test_fraction=0.0,
+        min_train_points=1,
+        min_test_points=0,
+    )
+    arrays = [(model.scaler.x(x), model.scaler.y(y)) for x, y in fleet.arrays("train")]
+    data = ClientData.from_arrays(arrays, dtype=F64, branch=fleet.branch_signs("train"))
+    return prior_algorithm(model), prior_server(model), data
+
+
+def test_a_unit_of_33_to_64_points_gets_the_learned_sigma_from_a_reference_only_prior(
+    deployment,
+):
+    # A prior of reference units only has no probe: fedprior's I2/I4 learned nothing for
+    # any small design, so an 8x5 (40-point) unit must take the discrepancy model (a² > 0),
+    # not I4's τ² learned by 384-point units on their own rows (issue 33, review fix 1).
+    from fedcal.data.simulator import FleetSpec, simulate_fleet
+
+    prior, _, _ = deployment
+    columns = ["sensor_id", "frequency_hz", "temperature_c", "pressure_hpa", "direction", "split"]
+    spec = FleetSpec(num_reference=4, num_new=2, train_design="8x5", test_design="random")
+    frame = simulate_fleet(spec, 0).frame
+    new = frame[(frame["role"] == "new") & (frame["split"] == "train")][columns]
+    assert set(new.groupby("sensor_id").size()) == {40}
+    units = prior.calibrate(new)
+    assert prior.model_.discrepancy["max_points"] >= 40
+    assert (units.result.personal["gp_amp"] > 0).all()
+    assert all(r == "" for r in units.result.reasons)
+
+
+def test_no_discrepancy_is_learned_with_per_sensor_noise(deployment):
+    # κ learned under the fleet σ² would be applied under each unit's σ_i² (review fix 2)
+    import dataclasses
+
+    prior, _, _ = deployment
+    alg, server, data = _reference_data(prior)
+    assert alg.deploy == "learn" and alg.noise == "fleet"
+    assert alg.deploy_state(server, data) is not None  # the control: learned with one σ²
+    sensor = dataclasses.replace(alg, noise="sensor")
+    assert sensor.deploy_state(server, data) is None
+
+
+def test_leave_one_out_mean_is_the_gls_refit_without_the_unit_in_a_mixed_fleet(deployment):
+    # 4 campaign units (384 points) and 4 units of 6 points: removing unit i must remove its
+    # GLS weight, so μ_(−i) is m_step's solve without i's terms, shifted by the full solve's
+    # own step (exactly μ − (G − G_i)⁺R_i at the fixed point): checked against m_step.
+    from fedcal.core.bayes import m_step, moments, posterior
+    from fedcal.core.data import ClientData
+
+    prior, _, _ = deployment
+    alg, server, big = _reference_data(prior)
+    rows = [(big.x[i, :6].numpy(), big.y[i, :6].numpy()) for i in range(4)]
+    full = [
+        (big.x[i, : int(big.count[i])].numpy(), big.y[i, : int(big.count[i])].numpy())
+        for i in range(4)
+    ]
+    data = ClientData.from_arrays(full + rows, dtype=F64)
+    n = data.num_clients
+    down = {
+        k: v.unsqueeze(0).expand(n, *v.shape)
+        for k, v in alg.broadcast(server).items()
+        if k != "cand"
+    }
+    refs = torch.tensor([0, 2, 5])
+    loo = deploy._leave_one_out(alg, down, data, refs)
+    z = alg.design(data.x.to(F64), None).to(F64)
+    post = posterior(
+        moments(z, data.y[..., 0].to(F64), data.mask.to(F64)),
+        down["mu"][0].to(F64),
+        down["sigma"][0].to(F64),
+        down["noise_var"].to(F64),
+    )
+    mu = down["mu"][0].to(F64)
+    ones = torch.ones(n, dtype=F64)
+
+    def solve(units: torch.Tensor) -> torch.Tensor:
+        g, r = post.gls_gram[units].sum(0), post.gls_rhs[units].sum(0)
+        s2 = post.mean[units]
+        return m_step(g, r, s2.sum(0), s2.T @ s2, ones[units].sum(), mu, alg.mean_scale)[0]
+
+    base = solve(torch.arange(n))
+    worst = 0.0
+    for k, i in enumerate(refs.tolist()):
+        exact = mu + solve(torch.tensor([j for j in range(n) if j != i])) - base
+        scale = float((exact - mu).abs().max())
+        assert scale > 0
+        # both solve (G − G_i + I/s²) by eigenvalues: they agree to the solve's rounding,
+        # ε·cond·(|μ| + the shift) (cond of the campaign units' GLS gram: ~1e7 here)
+        keep = [j for j in range(n) if j != i]
+        gram = post.gls_gram[keep].sum(0) + torch.eye(mu.shape[0], dtype=F64) / alg.mean_scale**2
+        cond = float(torch.linalg.cond(gram))
+        tol = 16 * torch.finfo(F64).eps * cond * (float(mu.abs().max()) + scale)
+        diff = float((loo["mu"][k] - exact).abs().max())
+        assert diff <= tol, (i, diff, tol, cond)
+        assert tol < 0.05 * scale  # the check is tighter than the shift it checks
+        # the equal-weight rule μ − (m_i − μ)/(N − 1) misses it by far more
+        old = mu - (post.mean[i] - mu) / (n - 1)
+        worst = max(worst, float((old - exact).abs().max()) / tol)
+    assert worst > 10  # measured 18 here (4 campaign units of 8: near-equal weights)
+
+
+def test_a_fleet_with_few_point_units_learns_no_discrepancy(deployment):
+    # its few-point units give I2 its τ²; removing one of its references would change Σ
+    # and the identified directions, which the leave-one-out does not follow (review fix 3)
+    from fedcal.core.data import ClientData
+
+    prior, _, _ = deployment
+    alg, server, big = _reference_data(prior)
+    units = [
+        (big.x[i, : int(big.count[i])].numpy(), big.y[i, : int(big.count[i])].numpy())
+        for i in range(4)
+    ]
+    assert alg.deploy_state(server, ClientData.from_arrays(units, dtype=F64)) is not None
+    few = [(big.x[0, :32].numpy(), big.y[0, :32].numpy())]  # probe_rows = 32 rows
+    assert alg.deploy_state(server, ClientData.from_arrays(units + few, dtype=F64)) is None

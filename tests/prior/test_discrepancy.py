@@ -58,6 +58,21 @@ def test_round_trip_through_strict_json(nu0):
         ("kappa", "1.1", "discrepancy.kappa"),
         ("version", 99, "discrepancy.version"),
         ("box_lo", [-1.0], "discrepancy.box_lo"),
+        # beyond what the references' grids can learn (review fix 5): was an OverflowError,
+        # a LinAlgError, or accepted
+        ("kappa", 1e200, "discrepancy.kappa"),
+        ("kappa", 0.1, "discrepancy.kappa"),
+        ("beta", 100.0, "discrepancy.beta"),
+        ("beta", 1e-5, "discrepancy.beta"),
+        ("amplitude", 1e308, "discrepancy.amplitude"),
+        ("lengths", [1e-300, 0.05], "discrepancy.lengths"),
+        ("lengths", [0.05, 1e6], "discrepancy.lengths"),
+        ("max_points", 10**9, "discrepancy.max_points"),
+        ("units", -1, "discrepancy.units"),
+        ("coverage", [{"family": "3x2", "held": 10.0, "coverage": 1.5}], "discrepancy.coverage"),
+        ("coverage", [{"family": "3x2", "held": -1.0, "coverage": 0.9}], "discrepancy.coverage"),
+        ("coverage", [{"family": 7, "held": 10.0, "coverage": 0.9}], "discrepancy.coverage"),
+        ("level_tol", 5.0, "discrepancy.level_tol"),
     ],
 )
 def test_a_bad_field_is_refused_in_one_line_naming_it(field, value, says):

@@ -6,11 +6,15 @@ later from ``prior.json`` gets its σ.
 
 E1. **Who learns.** Units with at least :data:`REFERENCE_ROWS` calibration rows (a full
     campaign: every design below is a small part of it; at most :data:`MAX_REFERENCES` of
-    them, evenly in the fleet's order, so a 10,000-unit fleet costs what 64 units do).
-    Fewer than two: nothing is learned (prior.json has no ``discrepancy``; ``calibrate``
+    them, evenly in the fleet's order, so a 10,000-unit fleet's emulation costs what 64
+    units' does; the leave-one-out's fleet sums are one chunked pass). Only a fleet of
+    such units learns (a fleet with few-point units has I2's τ² from them, :func:`learn`);
+    fewer than two: nothing is learned (prior.json has no ``discrepancy``; ``calibrate``
     keeps fedprior I2–I4's rule).
 E2. **The designs each emulates** (:func:`unit_designs`), as new units are measured: P × T
-    grids 3×2, 4×3, 6×4 (pressure ends and temperature ends included) and two draws each
+    grids 3×2, 4×3, 6×4, 8×5 (6–40 points, pressure ends and temperature ends included;
+    a new unit of up to :data:`~fedcal.algorithms.fedprior_deployed.DEPLOY_ROWS` = 64
+    points takes the model, so 41–64 points are beyond the largest emulated) and two draws each
     of random 2- and 3-plateau designs (plateaus spread over at least half the span,
     3–4 points per plateau, pressure ends included), in positions of the unit's
     own span (:func:`~fedcal.algorithms.fedprior_interval._unit_span`). The plateau input
@@ -31,9 +35,12 @@ E4. **ν₀, κ** (given β, a², ℓ; uploaded per ν₀ of :data:`NU_GRID` and
     :data:`KAPPA_GRID`: the held-out rows inside the 95 % interval of D3–D4, per design
     family, and the summed Student-t log density): for each ν₀ the smallest κ whose
     pooled coverage reaches 95 % (linear between grid values); ν₀ is the one whose
-    log score at its κ is highest (∞ included: no per-unit scale).
+    log score at its κ is highest (∞ included: no per-unit scale). One length scale ℓ
+    is fitted, shared by every input (the record lists it once per input).
 E5. **The record** (:class:`~fedcal.prior.discrepancy.Discrepancy`): β, a², ℓ, κ, ν₀, each
-    family's coverage at κ, and the span of designs emulated (fewest points, plateaus,
+    family's coverage at κ (in-sample: κ was chosen on those very rows, so the pooled
+    share is 95 % by construction; a family's own share says how even the fit is), and
+    the span of designs emulated (fewest points, plateaus,
     share of each input's span) by which :func:`~fedcal.prior.discrepancy.design_reason`
     declines a new unit's design the references did not span.
 
@@ -51,11 +58,15 @@ import torch
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_deployed import DEPLOY_ROWS, prior_in_use
+from fedcal.algorithms.fedprior_loo import _leave_one_out
 from fedcal.core.bayes import F64, moments
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree, gather
 from fedcal.models.basis import legendre_products
 from fedcal.prior.discrepancy import (
+    AMP_RATIO_MAX,
+    BETA_RANGE,
+    KAPPA_RANGE,
     Z95,
     Discrepancy,
     interval_factor,
@@ -70,14 +81,16 @@ MAX_REFERENCES = 64  # E1: at most this many reference units emulate (evenly cho
 HELD_ROWS = 128  # E2: held-out rows scored per emulated design, at most about this many
 LEVEL_TOL = 0.02  # rows within 2 % of the span are one level (plateau)
 # E3: a² relative to the fleet's noise σ² (0.25 decades), ℓ in scaled inputs ([-1, 1])
-AMP_GRID = torch.logspace(-2, 10, 49, dtype=F64)
+AMP_GRID = torch.logspace(-2, math.log10(AMP_RATIO_MAX), 49, dtype=F64)
 LENGTH_GRID = (0.03, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0, 2.0)
-BETA_GRID = torch.logspace(-2, 0.5, 11, dtype=F64)  # β of D2 (the basis part's factor)
+BETA_GRID = torch.logspace(
+    *(math.log10(b) for b in BETA_RANGE), 11, dtype=F64
+)  # β of D2 (the basis part's factor)
 NU_GRID = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, math.inf)  # E4
-KAPPA_GRID = torch.logspace(math.log10(0.25), math.log10(8.0), 151, dtype=F64)
+KAPPA_GRID = torch.logspace(*(math.log10(k) for k in KAPPA_RANGE), 151, dtype=F64)
 # E2: (name, pressure positions per plateau or None: random, plateaus or None: random)
-FAMILIES = ("3x2", "4x3", "6x4", "2-plateau", "3-plateau")
-GRIDS = {"3x2": (3, 2), "4x3": (4, 3), "6x4": (6, 4)}
+FAMILIES = ("3x2", "4x3", "6x4", "8x5", "2-plateau", "3-plateau")
+GRIDS = {"3x2": (3, 2), "4x3": (4, 3), "6x4": (6, 4), "8x5": (8, 5)}
 DRAWS = 2  # random designs per random family and unit
 
 
@@ -181,7 +194,9 @@ def _emulation(alg, down: Tree, data: ClientData, refs: Tensor) -> dict[str, Ten
     xb, yb, mb = x[idx], y[idx], mask[idx]
     bb = None if branch is None else branch[idx]
     sub = {k: v for k, v in down.items() if k != "cand"}
-    down_b = gather({**sub, **_leave_one_out(alg, sub, data)}, idx)
+    loo = _leave_one_out(alg, sub, data, refs)  # rows in refs' order
+    at = torch.searchsorted(refs, idx)  # refs ascending: each pseudo-unit's reference row
+    down_b = {**gather(sub, idx), **gather(loo, at)}
     z = alg.design(xb, bb).to(F64)
     state = {"noise_var": down_b["noise_var"]}  # the fleet's σ² (a new unit has no own yet)
     coef, cov, noise = alg._fit(down_b, state, moments(z, yb, keep))
@@ -218,36 +233,6 @@ def _emulation(alg, down: Tree, data: ClientData, refs: Tensor) -> dict[str, Ten
         "resid": resid,
         "dof": km.sum(1),
     }
-
-
-def _leave_one_out(alg, down: Tree, data: ClientData) -> Tree:
-    """Each unit's prior without itself (E2), to first order in 1/N: with m_i, V_i its
-    posterior from all its rows under the fleet prior and S_i = (m_i − μ)(m_i − μ)ᵀ + V_i
-    its share of the M-step's second moment, μ_(−i) = μ − (m_i − μ)/(N − 1) and, whitened
-    by Σ (M_i = Σ^(−½) S_i Σ^(−½)), Σ_(−i) = Σ^(½) [I + (1 − λ)(I − M_i)/(N − 1)]₊ Σ^(½)
-    (λ the M-step's shrinkage; the bracket's eigenvalues kept ≥ ½: a first-order removal
-    is not trusted to shrink a direction more, e.g. the vague start's). Computed by the
-    unit from the broadcast and its own fit. A reference unit emulates as a new unit is
-    calibrated: against a prior it is not in."""
-    n = data.num_clients
-    x, y, mask = data.x.to(F64), data.y[..., 0].to(F64), data.mask.to(F64)
-    z = alg.design(x, data.branch).to(F64)
-    state = {"noise_var": down["noise_var"]}
-    coef, cov, _ = alg._fit(down, state, moments(z, y, mask))
-    mu, sigma = down["mu"].to(F64), down["sigma"].to(F64)
-    keep = down["mask"].to(F64) if "mask" in down else torch.ones_like(mu)
-    dev = (coef - mu) * keep
-    share = dev.unsqueeze(-1) * dev.unsqueeze(-2) + cov
-    lam = alg.shrinkage_units / (n + alg.shrinkage_units)
-    vals, vecs = torch.linalg.eigh(0.5 * (sigma + sigma.mT))
-    root = vecs * vals.clamp_min(1e-300).sqrt().unsqueeze(-2)  # Σ^(½) = root rootᵀ ... up to U
-    inv = vecs / vals.clamp_min(1e-300).sqrt().unsqueeze(-2)
-    white = inv.mT @ share @ inv
-    eye = torch.eye(mu.shape[-1], dtype=F64)
-    inner = eye + (1 - lam) * (eye - white) / max(n - 1, 1)
-    w, u = torch.linalg.eigh(0.5 * (inner + inner.mT))
-    inner = (u * w.clamp_min(0.5).unsqueeze(-2)) @ u.mT
-    return {"mu": mu - dev / max(n - 1, 1), "sigma": root @ inner @ root.mT}
 
 
 def _thin(held: Tensor, cap: int = HELD_ROWS) -> Tensor:
@@ -366,20 +351,31 @@ def choose(sums: dict[str, Tensor]) -> tuple[int, float, list[float]]:
             best, kappa, best_score = n, k, float(score[n, g])
     if best < 0:
         return -1, math.nan, []
-    g = int(
-        torch.searchsorted(KAPPA_GRID, torch.tensor(kappa, dtype=F64)).clamp_max(
-            len(KAPPA_GRID) - 1
-        )
-    )
-    fam = (inside[:, best, g] / held.clamp_min(1.0)).tolist()
-    return best, kappa, fam
+    return best, kappa, _at_kappa(inside[:, best] / held.clamp_min(1.0).unsqueeze(-1), kappa)
+
+
+def _at_kappa(share: Tensor, kappa: float) -> list[float]:
+    """Each family's coverage ``share`` (F, κ grid) at ``kappa``, linear between grid values
+    as κ itself is (:func:`_first_covering`)."""
+    g = int(torch.searchsorted(KAPPA_GRID, torch.tensor(kappa, dtype=F64)))
+    if g == 0 or g >= len(KAPPA_GRID):
+        return share[:, min(g, len(KAPPA_GRID) - 1)].tolist()
+    lo, hi = float(KAPPA_GRID[g - 1]), float(KAPPA_GRID[g])
+    w = (kappa - lo) / (hi - lo)
+    return ((1 - w) * share[:, g - 1] + w * share[:, g]).tolist()
 
 
 def learn(alg, server: Tree, data: ClientData) -> Discrepancy | None:
-    """E1–E5 on the final prior: the model, or None (fewer than two reference units, or no
-    κ of the grid covers)."""
+    """E1–E5 on the final prior: the model, or None (fewer than two reference units, a
+    fleet with few-point units, or no κ of the grid covers).
+
+    A fleet with units of fewer than :data:`REFERENCE_ROWS` rows learns nothing here: its
+    few-point units give I2 its τ² directly, and removing one of its few references there
+    changes which directions the prior determines and Σ itself (measured on 3 campaign
+    units among 24 six-point units: the exact refit without one moved the prior mean on its
+    rows by 79 hPa and its σ from 116 to 179 hPa, which no one-step removal reproduces)."""
     refs = torch.nonzero(data.count >= REFERENCE_ROWS)[:, 0]
-    if refs.numel() < 2:
+    if refs.numel() < 2 or refs.numel() < data.num_clients:
         return None
     if refs.numel() > MAX_REFERENCES:  # evenly over the fleet's order: bounded memory and time
         refs = refs[torch.linspace(0, refs.numel() - 1, MAX_REFERENCES).round().long()]
@@ -434,7 +430,6 @@ def _span_record(em: dict[str, Tensor], data: ClientData, refs: Tensor) -> dict:
     # half of the narrowest emulated is asked of a new design there; the plateaus' in full
     share = torch.where(torch.arange(share.shape[0]) == j, share, 0.5 * share)
     fewest = [2] * x.shape[-1]  # E2: two plateaus, and pressure ends on each
-    fewest[j] = 2
     return {
         "box_lo": tuple(lo.tolist()),
         "box_hi": tuple(hi.tolist()),

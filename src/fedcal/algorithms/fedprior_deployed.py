@@ -19,7 +19,10 @@ from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree
 from fedcal.models.basis import legendre_products
 from fedcal.prior.discrepancy import (
+    AMP_RATIO_MAX,
+    MAX_POINTS,
     Discrepancy,
+    DiscrepancyError,
     design_reason,
     interval_factor,
     prior_distance,
@@ -28,7 +31,7 @@ from fedcal.prior.discrepancy import (
     unit_scale,
 )
 
-DEPLOY_ROWS = 64  # a calibrated unit carries at most this many design rows (D2)
+DEPLOY_ROWS = MAX_POINTS  # a calibrated unit carries at most this many design rows (D2)
 
 
 def prior_in_use(down: Tree) -> tuple[Tensor, Tensor]:
@@ -110,20 +113,30 @@ def deployed(alg, raw: dict, down: Tree, personal: Tree, data: ClientData, names
     federation held out for (the mixed-fleet path) keeps exactly the σ the run gives it.
     The discrepancy model (D2–D4) fills the gap where fedprior declines for want of a
     learned design: a unit smaller than the fleet's probe, a prior whose fleet had no
-    few-point unit (reference units only), or no unit that held out / no τ² that
-    covered. There the unit's design is judged (:func:`design_reason`): spanned, it gets
-    D2–D4's σ (I2's τ² replaced by it); not spanned, no σ and the reason. Declines for
-    other causes (no residual degrees of freedom, weakly identified directions, I4's
+    few-point unit (reference units only: any unit of up to the model's ``max_points``,
+    whose I4 τ² the references learned on their own 384-point rows), or no unit that held
+    out / no τ² that covered. There the unit's design is judged (:func:`design_reason`):
+    spanned, it gets D2–D4's σ (I2's τ² replaced by it); not spanned, no σ and the reason.
+    Declines for other causes (no residual degrees of freedom, weakly identified directions, I4's
     own-row τ² not found) stand."""
     model = Discrepancy.from_dict(raw)
+    fleet_noise = float(down["noise_var"].to(F64).reshape(-1)[0])
+    if not model.amplitude <= AMP_RATIO_MAX * fleet_noise:
+        raise DiscrepancyError(
+            f"prior.json: discrepancy.amplitude: {model.amplitude!r} exceeds "
+            f"{AMP_RATIO_MAX:g} × the prior's noise variance {fleet_noise:g} (the range learned)"
+        )
     extra, reasons = deploy_terms(alg, model, down, personal, data, names)
     n, probe = data.count.to(F64), down["probe_n"].to(F64).reshape(-1)
     code = down["declined"].to(F64).reshape(-1)
-    unknown = (n < probe) | ((probe == 0) & (n <= alg.probe_rows))
+    # a prior without a probe (reference units only): I2/I4 learned nothing for any design
+    # of up to the model's max_points (I4's τ² is the 384-point references' on their own rows)
+    unprobed = (probe == 0) & (n <= model.max_points)
+    unknown = (n < probe) | unprobed
     unlearned = unknown | ((n < 2 * probe) & ((code == 2) | (code == 3)))
     weak = alg.weak_units(down, personal["cov"], personal["noise_var"], data)
     own = personal.get("declined", torch.zeros(data.num_clients, dtype=F64)) > 0
-    use = own & unlearned & ~weak & (code != 1) & (n <= model.max_points)
+    use = (own | unprobed) & unlearned & ~weak & (code != 1) & (n <= model.max_points)
     off = torch.zeros_like(extra["gp_amp"])
     extra["gp_amp"] = torch.where(use, extra["gp_amp"], off)
     extra["gp_scale"] = torch.where(use, extra["gp_scale"], off + 1.0)

@@ -417,9 +417,13 @@ class CalibratedInterval:
         """The prior's design-dependent error model learned by the reference units at the
         run's end (:mod:`fedcal.algorithms.fedprior_deploy`, E1–E5), as prior.json's
         ``"discrepancy"``; None when not learned (``deploy = "off"``, the model's own
-        interval, the noise model's weighted rows or drift: not emulated; fewer than two
-        reference units)."""
+        interval, the noise model's weighted rows or drift: not emulated; ``noise =
+        "sensor"``: the emulation fits with the fleet's σ² while ``calibrate`` states a
+        unit's σ with its own σ_i², so κ would be learned for another noise rule; fewer than
+        two reference units)."""
         if self.deploy != "learn" or self.interval != "calibrated" or self.noise_weighted:
+            return None
+        if self.noise == "sensor":  # κ learned under the fleet σ², applied under σ_i²
             return None
         if hasattr(self, "drift_fit"):  # fedprior_drift: its fit is not the one emulated
             return None

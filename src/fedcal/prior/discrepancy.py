@@ -7,7 +7,8 @@ explicit basis, Rasmussen & Williams 2006 §2.7, O'Hagan 1978):
 
 D1. y_i(x) = φ(x)ᵀc_i + δ_i(x) + ε, c_i ~ N(μ, Σ) (the fleet prior), ε ~ N(0, σ_i²),
     δ_i ~ GP(0, a²·k(x, x')), k(x, x') = exp(−½ Σ_j (x_j − x'_j)²/ℓ_j²) over the scaled
-    inputs (one length scale per input).
+    inputs (the record keeps one ℓ_j per input; the reference units' emulation fits one
+    ℓ shared by every input, so they are equal).
 D2. The unit's prediction stays the basis's posterior mean ŷ(x) = φ(x)ᵀm_i (the
     coefficients every export carries). It is linear in the unit's readings:
     ŷ(x) − φ(x)ᵀμ = g(x)ᵀ(y_D − Z_Dμ), g(x) = A φ(x), A = Z_D V_i[:, c] / σ_i² (n × p; Z_D
@@ -52,6 +53,13 @@ from torch import Tensor
 F64 = torch.float64
 VERSION = 1
 Z95 = 1.959964
+# The ranges the reference units' grids search (fedcal.algorithms.fedprior_deploy E3–E4) and
+# the emulation's limit: a model outside them was not learned by fedcal (_check refuses it).
+KAPPA_RANGE = (0.25, 8.0)  # κ
+BETA_RANGE = (0.01, 10**0.5)  # β
+AMP_RATIO_MAX = 1e10  # a² ≤ this × the fleet's σ² (scaled target: σ² ≤ 1, so a² ≤ this too)
+LENGTH_RANGE = (1e-3, 1e3)  # ℓ, scaled inputs ([-1, 1])
+MAX_POINTS = 64  # the most design rows a calibrated unit carries (max_points ≤ this)
 
 
 class DiscrepancyError(ValueError):
@@ -68,8 +76,9 @@ class Discrepancy:
     ``max_points`` points, at least ``min_levels[j]`` distinct levels of input j (within
     ``level_tol`` of the span), spanning at least ``min_span[j]`` of input j's span;
     ``coverage``: per emulated design family (name, held-out rows, share inside the
-    stated 95 % interval at the chosen κ): the selection record; ``units``: how many
-    reference units emulated.
+    stated 95 % interval at the chosen κ): the selection record, in-sample (κ was chosen
+    on those rows: the pooled share is 95 % by construction, not a held-out check);
+    ``units``: how many reference units emulated.
     """
 
     beta: float
@@ -133,7 +142,9 @@ class Discrepancy:
                     args[key] = _integer(raw[key], key)
             args["coverage"] = tuple(
                 (
-                    str(c["family"]),
+                    c["family"]
+                    if isinstance(c["family"], str)
+                    else _fail("coverage", "expected a family name (a string)"),
                     _number(c["held"], "coverage"),
                     _number(c["coverage"], "coverage"),
                 )
@@ -169,12 +180,25 @@ def _integer(v: Any, field: str) -> int:
     return int(v)
 
 
+def _within(m: Discrepancy, key: str, lo: float, hi: float) -> None:
+    v = getattr(m, key)
+    if not (
+        isinstance(v, int | float) and math.isfinite(v) and lo * (1 - 1e-9) <= v <= hi * (1 + 1e-9)
+    ):
+        _fail(key, f"expected a number in [{lo:g}, {hi:g}] (the range learned), got {v!r}")
+
+
 def _check(m: Discrepancy) -> None:
-    """Finite, positive variances and length scales, consistent sizes: else a one-line error."""
-    for key in ("beta", "amplitude", "kappa", "level_tol"):
-        v = getattr(m, key)
-        if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
-            _fail(key, f"expected a finite positive number, got {v!r}")
+    """Every field within what the references' emulation can learn (κ, β in their grids'
+    ranges, a² ≤ :data:`AMP_RATIO_MAX`, ℓ in :data:`LENGTH_RANGE`, at most
+    :data:`MAX_POINTS` design points, coverage shares in [0, 1]), consistent sizes: else
+    a one-line error naming the field."""
+    _within(m, "kappa", *KAPPA_RANGE)
+    _within(m, "beta", *BETA_RANGE)
+    _within(m, "level_tol", 1e-9, 1.0)
+    a = m.amplitude
+    if not (isinstance(a, int | float) and math.isfinite(a) and 0 < a <= AMP_RATIO_MAX):
+        _fail("amplitude", f"expected a finite positive number ≤ {AMP_RATIO_MAX:g}, got {a!r}")
     if not (m.nu0 > 0 and not math.isnan(m.nu0)):
         _fail("nu0", f"expected a positive number or null (∞), got {m.nu0!r}")
     d = len(m.lengths)
@@ -183,8 +207,9 @@ def _check(m: Discrepancy) -> None:
     for key in ("box_lo", "box_hi", "min_levels", "min_span"):
         if len(getattr(m, key)) != d:
             _fail(key, f"expected {d} values (one per input), got {len(getattr(m, key))}")
-    if not all(math.isfinite(v) and v > 0 for v in m.lengths):
-        _fail("lengths", f"expected finite positive length scales, got {list(m.lengths)}")
+    lo, hi = LENGTH_RANGE
+    if not all(math.isfinite(v) and lo <= v <= hi for v in m.lengths):
+        _fail("lengths", f"expected length scales in [{lo:g}, {hi:g}], got {list(m.lengths)}")
     if not all(
         math.isfinite(a) and math.isfinite(b) and a < b
         for a, b in zip(m.box_lo, m.box_hi, strict=True)
@@ -195,10 +220,24 @@ def _check(m: Discrepancy) -> None:
             "min_points",
             f"expected 1 <= min_points <= max_points, got {m.min_points}, {m.max_points}",
         )
+    if m.max_points > MAX_POINTS:
+        _fail(
+            "max_points",
+            f"expected at most {MAX_POINTS} (the emulation's limit), got {m.max_points}",
+        )
     if not all(v >= 1 for v in m.min_levels):
         _fail("min_levels", "expected at least 1 level per input")
     if not all(0 <= v <= 1 for v in m.min_span):
         _fail("min_span", "expected shares of the span in [0, 1]")
+    if m.units < 0:
+        _fail("units", f"expected a count ≥ 0, got {m.units}")
+    for family, held, share in m.coverage:
+        if not isinstance(family, str):
+            _fail("coverage", f"expected a family name (a string), got {family!r}")
+        if not held >= 0:
+            _fail("coverage", f"{family}: expected held rows ≥ 0, got {held!r}")
+        if not 0 <= share <= 1:
+            _fail("coverage", f"{family}: expected a share in [0, 1], got {share!r}")
 
 
 def kernel(a: Tensor, b: Tensor, lengths: Tensor) -> Tensor:
