@@ -243,8 +243,11 @@ def test_command_line_values_go_through_the_schema(tmp_path):
     cfg = default_config()
     with pytest.raises(ConfigError, match=r"--rounds \[engine\] rounds: must be >= 1, got 0"):
         override(cfg, {"engine": {"rounds": 0}}, "--rounds")
+    # a fixed choice is refused by the option itself, naming the allowed values (issue 37.5)
     result = runner.invoke(app, ["run", "--aggregation", "mode", "--out", str(tmp_path / "o")])
-    assert result.exit_code == 2 and "--aggregation [aggregation] rule" in result.output
+    assert result.exit_code == 2 and "'mode' is not one of 'mean', 'median'" in result.output
+    with pytest.raises(ConfigError, match=r"--aggregation \[aggregation\] rule"):
+        override(cfg, {"aggregation": {"rule": "mode"}}, "--aggregation")
     result = runner.invoke(app, ["compare", "--seeds", "0", "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "--seeds [run] seeds: must be >= 1" in result.output
 
