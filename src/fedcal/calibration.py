@@ -297,6 +297,9 @@ def write(out: Path, prior: PriorModel, fleet: Fleet, result: Calibration) -> pd
     out = Path(out)
     cfg = _config(prior)
     method = prior.method
+    if hasattr(result.algorithm, "choose"):  # "auto" as calibrate resolved it by its data:
+        params = {**cfg.method_params.get(method, {}), "choose": result.algorithm.choose}
+        cfg = replace(cfg, method_params={**cfg.method_params, method: params})  # load's shapes
     run_dir = out / "runs" / f"{method}_tp0_seed0"
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = run_record(cfg, [method], [0])

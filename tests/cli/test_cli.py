@@ -1,5 +1,7 @@
 """The command line as a user and a script call it."""
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -243,10 +245,16 @@ def test_flower_nodes_state_dirs_stay_under_the_state_dir(tmp_path, files):
     data, _ = files
     sites = tmp_path / "sites.csv"
     sites.write_text("sensor_id,site\nS00,../../ESCAPED\nS01,/abs/ESCAPED\nS02,lab a\n")
-    state = tmp_path / "flower-state"
+    # a short state folder: under pytest-xdist tmp_path is long enough that a worker's
+    # socket path would pass the 107-byte limit of a Unix socket (refused, rightly)
+    short = Path(tempfile.mkdtemp(prefix="fc", dir="/tmp"))
+    state = short / "flower-state"
     args = ["flower-nodes", "--data", str(data), "--out", str(tmp_path / "nodes")]
     args += ["--sites", str(sites), "--state-dir", str(state), "--workers"]
-    result = runner.invoke(app, args)
+    try:
+        result = runner.invoke(app, args)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
     assert result.exit_code == 0, result.output
     dirs = [line.split("state-dir='", 1)[1].split("'", 1)[0] for line in
             result.output.splitlines() if "state-dir='" in line]  # fmt: skip
