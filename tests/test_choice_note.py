@@ -22,3 +22,5 @@ def test_choice_note_names_why_and_the_unused_raw_column() -> None:
     stated = replace(cfg, method_params={"fedprior": {"choose": "off"}})
     assert choice_note(stated) == ""  # asked for: nothing to say
     assert choice_note(replace(cfg, methods=("fedavg",))) == ""  # no method has the choice
+    chamber = replace(cfg, data=replace(data, raw_column=""))
+    assert choice_note(chamber) == ""  # no time, no raw column: nothing given goes unused

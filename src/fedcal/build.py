@@ -463,8 +463,11 @@ def _resolve_choice(cls: type, values: dict[str, Any], config: RunConfig) -> dic
 def choice_note(config: RunConfig) -> str:
     """One line when fedprior's ``choose = "auto"`` resolves to "off" for the run's methods
     (:func:`_resolve_choice`: no time column, or client-level DP), naming the raw column it
-    then leaves unused; "" when the choice acts or no method has it."""
+    then leaves unused; "" when the choice acts, no method has it, or nothing the user gave
+    goes unused (a chamber fleet: no time column, no raw column — auto means off there)."""
     if config.data.time_column and not config.privacy.epsilon > 0:
+        return ""
+    if not config.data.time_column and not config.data.raw_column:
         return ""
     off = []
     for name in config.methods:
