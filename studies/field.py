@@ -21,8 +21,6 @@ every number in ``<out>/field.csv``.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,6 +30,7 @@ import pandas as pd
 from fedcal.data.field import TARGET, TIME_COLUMN, FieldSpec, field_frame, seconds, shorten
 from fedcal.data.fleet import CLIENT_COLUMN, SPLIT_COLUMN
 from fedcal.data.loader import time_split
+from fedcal_support.scripts import compare_in
 
 NETWORKS = {  # name: (spec, features)
     "2 features (raw, RH)": (FieldSpec(), ("pm25_raw", "rh")),
@@ -183,11 +182,7 @@ def main() -> None:
                     target=TARGET,
                     time=TIME_COLUMN,
                 ).replace("'", '"')
-                (where / "run.toml").write_text(config)
-                cmd = [sys.executable, "-c", "from fedcal.cli import app; app()", "compare"]
-                cmd += ["--config", str(where / "run.toml"), "--out", str(where / "run"), "-q"]
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                (where / "stderr.txt").write_text(done.stdout + done.stderr)
+                compare_in(where, config)
                 for method in methods:
                     table = per_sensor(where / "run", method)
                     row = {"network": net, "colocation": "short" if short else "full"}

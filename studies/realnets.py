@@ -28,17 +28,16 @@ with an interval; declined units counted). Markdown on stdout, every number in
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from fedcal.data.field import TARGET, FieldSpec, field_frame, hard_units, seconds
 from fedcal.data.fleet import CLIENT_COLUMN, SPLIT_COLUMN
 from fedcal.data.loader import time_split
 from fedcal_support import realnets
+from fedcal_support.realnets import baselines, summarize
+from fedcal_support.scripts import compare_in
 
 METHODS = ("fedprior", "fedprior_drift", "fedprior_bic")
 CONFIG = """\
@@ -74,81 +73,6 @@ def simulated(seed: int) -> tuple[pd.DataFrame, tuple[str, ...], str, str]:
     return frame, spec.features(), TARGET, "pm25_raw"
 
 
-def baselines(frame: pd.DataFrame, features: tuple[str, ...], target: str) -> pd.DataFrame:
-    """Per sensor: test RMSE of its own linear least squares and of the pooled one."""
-    train = frame[frame[SPLIT_COLUMN] == "train"]
-
-    def design(part: pd.DataFrame) -> np.ndarray:
-        return np.column_stack([np.ones(len(part)), part[list(features)].to_numpy(float)])
-
-    pooled = np.linalg.lstsq(design(train), train[target].to_numpy(float), rcond=None)[0]
-    rows = []
-    for sid, part in frame.groupby(CLIENT_COLUMN, sort=True):
-        tr, te = part[part[SPLIT_COLUMN] == "train"], part[part[SPLIT_COLUMN] == "test"]
-        own = np.linalg.lstsq(design(tr), tr[target].to_numpy(float), rcond=None)[0]
-        y = te[target].to_numpy(float)
-        rows.append(
-            {
-                CLIENT_COLUMN: str(sid),
-                "own_linear": float(np.sqrt(np.mean((design(te) @ own - y) ** 2))),
-                "pooled_linear": float(np.sqrt(np.mean((design(te) @ pooled - y) ** 2))),
-            }
-        )
-    return pd.DataFrame(rows)
-
-
-def per_sensor(run: Path, method: str) -> pd.DataFrame | None:
-    for f in sorted((run / "runs").glob(f"{method}*/per_sensor.csv")):
-        table = pd.read_csv(f)
-        if table["method"].iloc[0] == method:
-            return table
-    return None
-
-
-def summarize(net: str, base: pd.DataFrame, run: Path, methods: list[str]) -> list[dict]:
-    best = min(base["own_linear"].mean(), base["pooled_linear"].mean())
-    rows = [
-        {"network": net, "method": m, "rmse_mean": base[m].mean(), "rmse_worst": base[m].max()}
-        for m in ("own_linear", "pooled_linear")
-    ]
-    for method in methods:
-        table = per_sensor(run, method)
-        row: dict = {"network": net, "method": method}
-        if table is None:
-            rows.append({**row, "statuses": "failed"})
-            continue
-        table = table.assign(**{CLIENT_COLUMN: table["client"].astype(str)})
-        run_ids, base_ids = set(table[CLIENT_COLUMN]), set(base[CLIENT_COLUMN].astype(str))
-        missing = sorted(base_ids ^ run_ids)  # a mean over fewer sensors is not "all sensors"
-        if missing:
-            shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
-            rows.append(
-                {
-                    **row,
-                    "statuses": f"failed: {len(missing)} sensor(s) not in both "
-                    f"the run and the simple fits ({shown})",
-                }
-            )
-            continue
-        both = table.merge(base.astype({CLIENT_COLUMN: str}), on=CLIENT_COLUMN)
-        assert len(both) == len(base), f"{net} {method}: sensors repeated in the merge"
-        rmse = both["test_rmse"].to_numpy(float)
-        status = both["status"].astype(str)
-        far = (rmse > 3 * both["own_linear"].to_numpy()) & (status == "ok").to_numpy()
-        row.update(rmse_mean=rmse.mean(), rmse_worst=rmse.max(), ratio=rmse.mean() / best)
-        row["statuses"] = ", ".join(f"{k} {v}" for k, v in status.value_counts().items())
-        row["ok_far"] = int(far.sum())
-        if "test_coverage95" in both:
-            cov = both["test_coverage95"].to_numpy(float)
-            row["coverage_mean"] = float(np.nanmean(cov)) if np.isfinite(cov).any() else np.nan
-            row["declined"] = int((~np.isfinite(cov)).sum())
-        for col in ("choice", "fallback"):
-            if col in both:
-                row[col] = ", ".join(f"{k} {v}" for k, v in both[col].value_counts().items())
-        rows.append(row)
-    return rows
-
-
 def run_network(
     where: Path, frame: pd.DataFrame, spec: tuple, methods: list[str], net: str
 ) -> list[dict]:
@@ -162,11 +86,7 @@ def run_network(
         target=target,
         raw=raw,
     ).replace("'", '"')
-    (where / "run.toml").write_text(config)
-    cmd = [sys.executable, "-c", "from fedcal.cli import app; app()", "compare"]
-    cmd += ["--config", str(where / "run.toml"), "--out", str(where / "run"), "-q"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    (where / "stderr.txt").write_text(done.stdout + done.stderr)
+    compare_in(where, config)
     rows = summarize(net, baselines(frame, features, target), where / "run", methods)
     for row in rows:
         print(row, flush=True)

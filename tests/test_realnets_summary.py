@@ -1,12 +1,13 @@
-"""studies/realnets.py (review B of issue 34): the "all sensors" mean of a method is over
-every sensor of the simple fits; a sensor missing from the run is reported, not dropped."""
+"""The real-network study's summary (fedcal_support.realnets; review B of issue 34): the
+"all sensors" mean of a method is over every sensor of the simple fits; a sensor missing
+from the run is reported, not dropped."""
 
 from __future__ import annotations
 
 import pandas as pd
 
 from fedcal.data.fleet import CLIENT_COLUMN
-from studies import realnets
+from fedcal_support import realnets
 
 
 def _run(tmp_path, sensors):
