@@ -845,6 +845,27 @@ class FedPrior(
         )
         return (*start, torch.tensor(self.init_noise**2, dtype=F64))
 
+    def _candidate_updates(
+        self, server: Tree, cand: Tree, total: Tree, count: Tensor, metric: Tensor, pinned: Tensor
+    ) -> dict[str, Tensor]:
+        """Every candidate basis's M-step on its own summed statistics (``select = "bic"``),
+        stacked over the candidates; the fleet's restart, if any, for all of them."""
+        new: dict[str, list[Tensor]] = {"mu": [], "sigma": [], "noise_var": []}
+        restart = self._restart(server, pinned, total["gram"])
+        for k, m in enumerate(self.masks):
+            part = {**{key: v[k] for key, v in cand.items()}, "n": total["n"]}
+            out = restart or self._prior_update(
+                server["cand"]["mu"][k],
+                part,
+                count,
+                metric * m.unsqueeze(0) * m.unsqueeze(1),
+                server["cand"]["noise_var"][k],
+                pinned,
+            )
+            for key, v in zip(("mu", "sigma", "noise_var"), out, strict=True):
+                new[key].append(v)
+        return {**{key: torch.stack(v) for key, v in new.items()}, "support": cand["support"]}
+
     def server_update(
         self, server: Tree, replies: Tree, weights: Tensor, units: Tensor | None = None
     ) -> Tree:
@@ -887,25 +908,7 @@ class FedPrior(
             return {**new, **self._interval_update(server, replies, order, total)}
         cand = {k: v[order].sum(0) for k, v in replies["cand"].items()}
         masks = self.masks
-        new: dict[str, list[Tensor]] = {"mu": [], "sigma": [], "noise_var": []}
-        restart = self._restart(server, pinned, total["gram"])
-        for k in range(masks.shape[0]):
-            part = {key: v[k] for key, v in cand.items()}
-            part["n"] = total["n"]
-            m = masks[k]
-            out = self._prior_update(
-                server["cand"]["mu"][k],
-                part,
-                count,
-                metric * m.unsqueeze(0) * m.unsqueeze(1),
-                server["cand"]["noise_var"][k],
-                pinned,
-            )
-            out = restart or out
-            for key, v in zip(("mu", "sigma", "noise_var"), out, strict=True):
-                new[key].append(v)
-        stacked = {key: torch.stack(v) for key, v in new.items()}
-        stacked["support"] = cand["support"]
+        stacked = self._candidate_updates(server, cand, total, count, metric, pinned)
         # BIC of the fleet's evidence (Schwarz 1978): Σ_i log p(y_i | θ_k) − ½ d_k log N,
         # the evidence at the broadcast θ_k (each candidate's EM converges to its maximum).
         # (the ψ coordinates J out of the model are no parameters)
