@@ -61,24 +61,6 @@ ALLOWED: dict[str, str] = {
     "fedcal/report/linear_export.py": "report",
     "fedcal/report/linear_export.py::c_header lines": "report",
     "fedcal/report/tables.py::table_columns complexity": "report",
-    # split (issue 35.4), not reached this session
-    "fedcal/core/privacy.py": "split",
-    "fedcal/core/privacy.py::release_moments lines": "split",
-    "fedcal/core/privacy.py::release_moments complexity": "split",
-    "fedcal/core/robust.py::inconsistencies lines": "split",
-    "fedcal/core/robust.py::inconsistencies complexity": "split",
-    "fedcal/core/stages.py": "split",
-    "fedcal/data/simulator.py": "split",
-    "fedcal/engine/flower/client.py::run_round lines": "split",
-    "fedcal/engine/flower/client.py::run_round complexity": "split",
-    "fedcal/engine/flower/loop.py::run_federation lines": "split",
-    "fedcal/engine/flower/secagg.py": "split",
-    "fedcal/engine/flower/secagg.py::secure_exchange lines": "split",
-    "fedcal/engine/flower/secagg.py::secure_exchange complexity": "split",
-    "fedcal/engine/flower/server.py": "split",
-    "fedcal/engine/flower/server.py::Federation.absorb lines": "split",
-    "fedcal/engine/flower/server.py::Federation.absorb complexity": "split",
-    "fedcal/engine/flower/validation.py::check_handshake complexity": "split",
 }
 
 
