@@ -395,10 +395,10 @@ def _experiment(
         raise typer.Exit(code=1)
 
 
-def _write_html(run_dir: Path, html: Path, quiet: bool) -> None:
+def _write_html(run_dir: Path, html: Path, quiet: bool, certificates: Path | None = None) -> None:
     from fedcal.report.html import build_report
 
-    report = build_report(run_dir, html)
+    report = build_report(run_dir, html, certificates=certificates)
     if not quiet:
         console.print(
             f"HTML report: [bold]{report.path.resolve()}[/] ({len(report.figures)} figures)",
@@ -1203,6 +1203,13 @@ def report(
         Path | None,
         typer.Option("--html", help="write a self-contained HTML report (figures embedded)"),
     ] = None,
+    certificates: Annotated[
+        Path | None,
+        typer.Option(
+            help="with --html: the folder of fedcal certificate's <unit>.html/.pdf, linked "
+            "from each unit's section (default: RUN_DIR/certificates)"
+        ),
+    ] = None,
 ) -> None:
     """Print the mean ± std table of a run directory; with --html, write the full report."""
     from fedcal.report.rundir import RunDir
@@ -1216,7 +1223,7 @@ def report(
                 _check_out(html, run_dir, option="--html")
             _print_units(run_dir)
             if html is not None:
-                _write_html(run_dir, html, quiet=False)
+                _write_html(run_dir, html, quiet=False, certificates=certificates)
         except (OSError, ValueError, ConfigError) as err:
             _fail(str(err))
         return
@@ -1233,7 +1240,7 @@ def report(
 
         torch.set_num_threads(1)
         try:  # the run's tables and models, read through the same guards
-            _write_html(run_dir, html, quiet=False)
+            _write_html(run_dir, html, quiet=False, certificates=certificates)
         except (OSError, ValueError, ConfigError) as err:
             _fail(str(err))
     unit = target_unit(cfg.data.target)
