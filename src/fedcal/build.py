@@ -11,7 +11,8 @@ An algorithm's parameters (:func:`method_settings`), lowest precedence first:
    method's own values;
 2. the shipped ``[train]`` recipe, for recipe fields the method does not set itself;
 3. ``[train]`` values the user set (file or command line): they beat the method's own;
-4. ``[methods.<base>]`` for a variant, then ``[methods.<name>]``.
+4. the settings of the preset the table names (``preset = "chamber"``, :mod:`fedcal.presets`);
+5. ``[methods.<base>]`` for a variant, then ``[methods.<name>]``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from fedcal.core.task import Task
 from fedcal.data.fleet import BAROMETRIC_FEATURES, SPLIT_COLUMN, Fleet
 from fedcal.models import build_model
 from fedcal.models.basis import Basis, whitened
+from fedcal.presets import PresetError, expanded
 
 
 def load_data(config: RunConfig) -> Fleet:
@@ -386,6 +388,10 @@ def method_settings(name: str, config: RunConfig) -> tuple[type[Algorithm], dict
     if base != name:
         own = {**config.method_params.get(base, {}), **own}
         own.pop("base", None)
+    try:  # a named preset's settings, the table's own keys on top (fedcal.presets)
+        own = expanded(own, cls, name)
+    except PresetError as err:
+        raise ConfigError(f"[methods.{name}] preset: {err}") from None
     known = {f.name for f in fields(cls)} - {"task"}
     keep_own = _own_recipe(cls) - config.recipe_overrides()
     values: dict[str, Any] = {

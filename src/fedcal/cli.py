@@ -55,6 +55,7 @@ from rich.progress import (
 )
 from rich.table import Column, Table
 
+from fedcal.core import runnames
 from fedcal.core.errors import ConfigError
 
 if TYPE_CHECKING:  # imported in the commands: `fedcal --help` loads no torch, pandas or scipy
@@ -192,6 +193,7 @@ def _resolve(
     split_by: str | None = None,
     sensor_column: str | None = None,
     raw_column: str | None = None,
+    preset: str | None = None,
 ) -> RunConfig:
     """The configuration file with the command line's options on top, validated like the file.
 
@@ -236,6 +238,13 @@ def _resolve(
             None if fleet_seeds is None else _int_list(fleet_seeds, "--fleet-seeds"),
         ),
     ]
+    if preset is not None:  # the preset's method's table names it (fedcal.presets)
+        from fedcal.presets import PRESET_KEY, PRESETS
+
+        if preset not in PRESETS:
+            raise ConfigError(f"--preset: unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+        table = {PRESETS[preset].method: {PRESET_KEY: preset}}
+        cfg = override(cfg, {"methods": table}, "--preset")
     # one override per section, so fields checked together (features vs target) see each other
     given: dict[str, tuple[list[str], dict]] = {}
     for option, section, key, value in options:
@@ -522,6 +531,13 @@ RawColumnOpt = Annotated[
     str | None,
     typer.Option("--raw-column", help="the feature that reads the target itself (uncorrected)"),
 ]
+PresetOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--preset",
+        help="fedprior's settings by name: chamber, field, field-drift (docs/which-prior.md)",
+    ),
+]
 HtmlOpt = Annotated[
     Path | None, typer.Option("--html", help="also write the HTML report to this file")
 ]
@@ -561,6 +577,7 @@ def train(
     split_by: SplitByOpt = None,
     sensor_column: SensorOpt = None,
     raw_column: RawColumnOpt = None,
+    preset: PresetOpt = None,
     key_file: KeyFileOpt = None,
 ) -> None:
     """``fedcal run`` and ``fedcal compare``: one definition (compare also shows bytes sent)."""
@@ -586,6 +603,7 @@ def train(
             split_by,
             sensor_column,
             raw_column,
+            preset,
         )
         points = (
             tuple(_int_list(train_points, "--train-points"))
@@ -967,7 +985,7 @@ def _calibrated_column(run_dir: Path) -> str:
     """The sensor column of a calibrate output (its config.json)."""
     from fedcal.core.paths import read_json
 
-    return str(read_json(run_dir / "config.json")["data"]["client_column"])
+    return str(read_json(run_dir / runnames.CONFIG)["data"]["client_column"])
 
 
 # calibrate's console: what each unit states (its σ, not the fleet's noise), then, when the
@@ -991,7 +1009,7 @@ def _print_calibrated(table, out: Path, target: str, title: str) -> None:
     from fedcal.report.tables import fmt_num, target_unit
 
     unit = target_unit(target)
-    qa = pd.read_csv(out / "units.csv", dtype={"sensor_id": str})[
+    qa = pd.read_csv(out / runnames.UNITS, dtype={"sensor_id": str})[
         ["sensor_id", "status", "sigma_mean", "sigma_max"]
     ]
     rows = table.astype({"sensor_id": str}).merge(qa, on="sensor_id", how="left")
@@ -1031,7 +1049,7 @@ def _print_units(run_dir: Path) -> None:
     """The per-unit table of a calibrate output (units.csv) and its QA findings."""
     from fedcal.report.rundir import read_table
 
-    units = read_table(run_dir / "units.csv", dtype={"sensor_id": str})  # guarded
+    units = read_table(run_dir / runnames.UNITS, dtype={"sensor_id": str})  # guarded
     points = ", ".join(map(str, sorted(set(units["points"].astype(int)))))
     t = Table(
         title=f"{len(units)} new unit(s); calibration points per unit: {points}",
@@ -1052,7 +1070,7 @@ def _print_findings(out: Path) -> None:
     """The QA findings of a calibrate run (units.csv): units unlike the fleet, failed units."""
     from fedcal.report.rundir import read_table
 
-    units = read_table(out / "units.csv", dtype={"sensor_id": str})  # guarded
+    units = read_table(out / runnames.UNITS, dtype={"sensor_id": str})  # guarded
     bad = units[units["status"] != "ok"]
     for r in bad.itertuples():
         why = f" (fleet distance d² {r.d2:.3g} > {r.d2_threshold:.3g})" * (r.status != "failed")
@@ -1208,7 +1226,7 @@ def report(
     from fedcal.report.rundir import RunDir
     from fedcal.report.tables import aggregate, table_columns, to_markdown
 
-    if (run_dir / "units.csv").exists():  # a `fedcal calibrate` output: one row per new unit
+    if (run_dir / runnames.UNITS).exists():  # a `fedcal calibrate` output: one row per new unit
         if markdown:
             _fail("--markdown: a calibrate output's units table prints as a table only")
         try:

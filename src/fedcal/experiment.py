@@ -58,6 +58,7 @@ from fedcal.build import (  # noqa: F401  (re-exported: callers import the build
     with_raw_column,
 )
 from fedcal.config import ConfigError, RunConfig
+from fedcal.core import runnames
 from fedcal.core.aggregation import AggregationError, check_policy, is_downweighting
 from fedcal.core.algorithm import Algorithm, fleet_medians
 from fedcal.core.atomic import write_text, write_with
@@ -78,8 +79,8 @@ from fedcal.engine.simulation import (
     simulate,
 )
 from fedcal.prior.model import PriorModel, created_by
+from fedcal.status import COUNT_COLUMNS, NOT_OK, own_fit_rmse, sensor_statuses
 from fedcal.status import counts as status_counts
-from fedcal.status import own_fit_rmse, sensor_statuses
 
 # Metrics whose worst sensor is the minimum: accuracy, and the coverage of nominal 95 %
 # intervals (worst = farthest below nominal). Every other metric is an error (worst = max).
@@ -102,11 +103,7 @@ SUMMARY_COLUMNS = [
     "bytes_down_per_round",
     "sensors",
     "excluded",
-    "weak",
-    "unconverged",
-    "rejected_sensors",
-    "diverged",
-    "refused",
+    *COUNT_COLUMNS.values(),  # one count per status other than ok (fedcal.status)
     "rejected",
     "failed",
 ]
@@ -121,8 +118,8 @@ def one_line(err: BaseException, limit: int = 300) -> str:
     return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 
-MODEL_FILE = "model.safetensors"
-CHECKPOINT_FILE = "checkpoint.safetensors"
+MODEL_FILE = runnames.MODEL  # (names kept: calibration and the exports import them)
+CHECKPOINT_FILE = runnames.CHECKPOINT
 
 
 class RunDirectoryError(ConfigError):
@@ -568,7 +565,7 @@ def status_notes(final: pd.DataFrame, rejections: pd.DataFrame, limit: int = 10)
     threshold), at most ``limit`` clients named (the rest are in rejections.csv)."""
     notes = []
     status = final["status"].astype(str)
-    for name in ("refused", "diverged", "rejected", "weak", "unconverged"):
+    for name in NOT_OK:
         which = final.loc[status == name, "client"].astype(str).tolist()
         if which:
             shown = ", ".join(which[:limit]) + (
@@ -752,7 +749,7 @@ def run_experiment(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     resolved = run_record(config, methods, train_points)
-    config_path = out / "config.json"
+    config_path = out / runnames.CONFIG
     text = json.dumps(resolved, indent=2, sort_keys=True, default=list)
     # The data's content, not just its path: a file replaced at the same path is another run.
     digest = _data_digest(variants)
@@ -763,10 +760,11 @@ def run_experiment(
         json.dumps({**resolved, "data_sha256": digest}, indent=2, sort_keys=True, default=list),
     )
     _write_text(
-        out / "fleet.json", json.dumps(_provenance(variants), indent=2, sort_keys=True, default=str)
+        out / runnames.FLEET,
+        json.dumps(_provenance(variants), indent=2, sort_keys=True, default=str),
     )
     if privacy:
-        _write_text(out / "privacy.json", json.dumps(privacy, indent=2))
+        _write_text(out / runnames.PRIVACY, json.dumps(privacy, indent=2))
     # Every method is built (and its aggregation policy checked) for every fleet variant and
     # budget before anything trains: a method that cannot run is known before the first round.
     plans = []
@@ -799,10 +797,10 @@ def run_experiment(
         fs, roles = full_scale(variant), variant.roles
         for method, algorithm in built:
             for seed in range(config.seeds):
-                run_dir = _in_place(out, out / "runs" / _run_name(method, labels, tp, seed))
-                done = run_dir / "done.json"
+                run_dir = _in_place(out, out / runnames.RUNS / _run_name(method, labels, tp, seed))
+                done = run_dir / runnames.DONE
                 if done.exists():
-                    runs[len(rows)] = (run_dir / "per_sensor.csv", task.primary_metric)
+                    runs[len(rows)] = (run_dir / runnames.PER_SENSOR, task.primary_metric)
                     rows.append(_read_done(done, out))
                     continue
                 run_dir.mkdir(parents=True, exist_ok=True)
@@ -833,13 +831,13 @@ def run_experiment(
                         on_fail(label, reason)
                     failed = {"method": method, "seed": seed, "train_points": tp, "failed": 1}
                     rows.append({**labels, **failed})
-                    _write_csv(out / "summary.csv", _ordered(pd.DataFrame(rows)))
+                    _write_csv(out / runnames.SUMMARY, _ordered(pd.DataFrame(rows)))
                     break  # the other seeds of this method would fail alike
                 (run_dir / "failed.txt").unlink(missing_ok=True)
                 history = pd.DataFrame(result.history)
                 history.insert(0, "method", method)
                 history.insert(1, "seed", seed)
-                _write_csv(run_dir / "metrics.csv", history)
+                _write_csv(run_dir / runnames.METRICS, history)
                 _write_csv(run_dir / "aggregation.csv", pd.DataFrame(result.extra["aggregation"]))
                 statuses, reasons, rejections = judge_sensors(
                     algorithm,
@@ -850,7 +848,7 @@ def run_experiment(
                     config.unconverged_tol,
                     config.engine.chunk_size,
                 )
-                _write_csv(run_dir / "rejections.csv", rejections)
+                _write_csv(run_dir / runnames.REJECTIONS, rejections)
                 final = pd.DataFrame(result.final)
                 final["status"], final["status_reason"] = statuses, reasons
                 final.insert(0, "method", method)
@@ -864,7 +862,7 @@ def run_experiment(
                 if roles is not None:  # mixed fleets: each sensor's role beside its id
                     role_column = final["client"].astype(str).map(roles)
                     final.insert(final.columns.get_loc("client") + 1, "role", role_column)
-                _write_csv(run_dir / "per_sensor.csv", final)
+                _write_csv(run_dir / runnames.PER_SENSOR, final)
                 save_models(
                     run_dir / MODEL_FILE,
                     result,
@@ -878,7 +876,7 @@ def run_experiment(
                 if task.kind == "regression":
                     ranges = subset.valid_ranges if outline else valid_ranges(subset)
                     ranges = json.dumps(ranges, indent=1)
-                    _write_text(run_dir / "valid_range.json", ranges)
+                    _write_text(run_dir / runnames.VALID_RANGE, ranges)
                 row = {
                     **labels,
                     **summary_row(method, seed, tp, result, fs, task, roles, statuses),
@@ -906,7 +904,7 @@ def run_experiment(
                     if model is not None:
                         fitted = dataclasses.replace(fitted, discrepancy=model)
                 if fitted is not None:
-                    fitted.save(run_dir / "prior.json")
+                    fitted.save(run_dir / runnames.PRIOR)
                     exported = fitted.to_dict()
                     note = identification_note(exported)
                     if "identification" in exported:
@@ -939,12 +937,12 @@ def run_experiment(
                         on_note(method, note.split(" ", 1)[1])
                 _write_text(done, json.dumps(row, indent=2))
                 (run_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
-                runs[len(rows)] = (run_dir / "per_sensor.csv", task.primary_metric)
+                runs[len(rows)] = (run_dir / runnames.PER_SENSOR, task.primary_metric)
                 rows.append(row)
-                _write_csv(out / "summary.csv", _ordered(pd.DataFrame(rows)))
+                _write_csv(out / runnames.SUMMARY, _ordered(pd.DataFrame(rows)))
     summary = common_sensor_means(pd.DataFrame(rows), runs)  # like with like (issue 34.4)
     summary = _ordered(summary)
-    _write_csv(out / "summary.csv", summary)
+    _write_csv(out / runnames.SUMMARY, summary)
     return summary
 
 
@@ -1070,12 +1068,7 @@ def fleet_variants(config: RunConfig, fleet: Fleet) -> list[tuple[dict[str, Any]
 
 
 def _run_name(method: str, labels: dict[str, Any], tp: int, seed: int) -> str:
-    parts = [method]
-    if "design" in labels:
-        parts.append(str(labels["design"]))
-    if "fleet_seed" in labels:
-        parts.append(f"fs{labels['fleet_seed']}")
-    return "_".join([*parts, f"tp{tp}", f"seed{seed}"])
+    return runnames.run_name(method, tp, seed, labels.get("design"), labels.get("fleet_seed"))
 
 
 def _where(labels: dict[str, Any]) -> str:

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from fedcal.core import runnames
 from fedcal.core.atomic import write_text
 from fedcal.core.paths import read_json
 from fedcal.report import figures
@@ -47,6 +48,7 @@ from fedcal.report.tables import (
     table_columns,
     target_unit,
 )
+from fedcal.status import Status
 
 MAX_DETAIL_METHODS = 6  # residual and map panels: the best methods, one row each
 MAX_ROUND_METHODS = 10  # lines in the error-against-round figure
@@ -128,7 +130,7 @@ def _statuses(per_sensor: pd.DataFrame, seed: int) -> dict[str, dict[str, str]]:
     if per_sensor.empty or "status" not in per_sensor.columns:
         return {}
     part = per_sensor[per_sensor["seed"] == seed]
-    status = part["status"].fillna("diverged").astype(str)
+    status = part["status"].fillna(Status.DIVERGED).astype(str)
     out: dict[str, dict[str, str]] = {}
     for method, client, value in zip(part["method"], part["client"], status, strict=True):
         out.setdefault(str(method), {})[str(client)] = value
@@ -137,7 +139,7 @@ def _statuses(per_sensor: pd.DataFrame, seed: int) -> dict[str, dict[str, str]]:
 
 def build_report(run_dir: str | Path, out: str | Path, seed: int | None = None) -> Report:
     """Write the HTML report of ``run_dir`` to ``out`` (atomically) and say what it holds."""
-    if (Path(run_dir) / "units.csv").exists():
+    if (Path(run_dir) / runnames.UNITS).exists():
         return build_calibration_report(run_dir, out)
     run = RunDir.open(run_dir)
     cfg = run.config
@@ -326,12 +328,12 @@ def build_calibration_report(run_dir: str | Path, out: str | Path) -> Report:
     run_dir, out = Path(run_dir), Path(out)
     report = Report(out)
     ids = {"sensor_id": str}  # ids like "007" stay text
-    units = read_table(run_dir / "units.csv", dtype=ids)
+    units = read_table(run_dir / runnames.UNITS, dtype=ids)
     qa_level = float(units["qa_level"].iloc[0]) if len(units) else float("nan")  # as flagged
     coef = read_table(run_dir / "coefficients.csv", dtype=ids)
     points = read_table(run_dir / "calibration_points.csv", dtype=ids)
-    per_sensor = read_table(run_dir / "per_sensor.csv", dtype=ids)
-    prior_files = sorted(run_dir.glob("runs/*/prior.json"))
+    per_sensor = read_table(run_dir / runnames.PER_SENSOR, dtype=ids)
+    prior_files = sorted(run_dir.glob(f"{runnames.RUNS}/*/{runnames.PRIOR}"))
     prior = read_json(prior_files[0], allow_nan=True) if prior_files else {}
     target = prior.get("target", "target")
     unit = target_unit(target)
@@ -432,7 +434,7 @@ def build_calibration_report(run_dir: str | Path, out: str | Path) -> Report:
         "Calibrated − reference at each unit's own calibration points, with ±2σ bars.",
         _frame_html(points, "points", digits=7),
     )
-    config = read_json(run_dir / "config.json")
+    config = read_json(run_dir / runnames.CONFIG)
     config_text = "\n".join(
         f"{key} = {json.dumps(value, sort_keys=True)}" for key, value in sorted(config.items())
     )

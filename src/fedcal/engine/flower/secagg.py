@@ -69,10 +69,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedcal.engine.flower.kinds import REFUSED, SECAGG, Kind, Stage
+
 if TYPE_CHECKING:
     from flwr.app import RecordDict
 
-SECAGG = "secagg"  # the record name of the protocol's messages and replies
 MAX_BITS = 84  # fraction bits at most: e = round(x/q), |e| ≤ 2⁸⁴, in two 64-bit limbs
 LIMB = 2.0**42  # e = hi·2⁴² + lo: |hi|, lo ≤ 2⁴² per sensor
 MAX_SENSORS = 1 << 20  # N·2⁴² < 2⁶³ for both limbs' sums: 1,048,576 sensors
@@ -393,7 +394,7 @@ def site_stage(content: RecordDict, node_cfg: Mapping, run_id: int, node_id: int
     cfg = content[SECAGG]
     stage, t = str(cfg["stage"]), int(cfg["round"])
     path = _secrets_path(node_cfg, run_id)
-    if stage == "setup":
+    if stage == Stage.SETUP:
         (sk1, pk1), (sk2, pk2) = generate_key_pairs(), generate_key_pairs()
         s = {
             "round": t,
@@ -408,7 +409,7 @@ def site_stage(content: RecordDict, node_cfg: Mapping, run_id: int, node_id: int
         _save(path, s)
         return RecordDict({SECAGG: ConfigRecord({"pk1": s["pk1"], "pk2": s["pk2"]})})
     s = _load(path, t, stage)
-    if stage == "share":
+    if stage == Stage.SHARE:
         ids = [int(n) for n in cfg["ids"]]
         keys = dict(zip(ids, zip(cfg["pk1"], cfg["pk2"], strict=True), strict=True))
         if keys.get(s["me"]) != (s["pk1"], s["pk2"]):
@@ -439,7 +440,7 @@ def site_stage(content: RecordDict, node_cfg: Mapping, run_id: int, node_id: int
         )
         _save(path, s)
         return RecordDict({SECAGG: ConfigRecord({"dsts": dsts, "ctxts": ctxts})})
-    if stage == "unmask":
+    if stage == Stage.UNMASK:
         active = [int(n) for n in cfg["active"]]
         dead = [int(n) for n in cfg["dead"]]
         if set(active) & set(dead):
@@ -476,7 +477,7 @@ def site_round(content: RecordDict, node_cfg: Mapping, run_id: int, run) -> Reco
 
     cfg = content[SECAGG]
     t = int(cfg["round"])
-    s = _load(_secrets_path(node_cfg, run_id), t, "collect")
+    s = _load(_secrets_path(node_cfg, run_id), t, Stage.COLLECT)
     if "seed" not in s:
         raise RuntimeError(f"secure aggregation: collect of round {t} before its key shares")
     keys = {int(n): (bytes.fromhex(a), bytes.fromhex(b)) for n, (a, b) in s["keys"].items()}
@@ -493,7 +494,7 @@ def site_round(content: RecordDict, node_cfg: Mapping, run_id: int, run) -> Reco
         )
     inner = RecordDict({k: v for k, v in content.items() if k != SECAGG})
     reply = run(inner, node_cfg, run_id)
-    if "refused" in reply:
+    if REFUSED in reply:
         return reply
     layout = Layout.from_json(str(cfg["layout"]))
     parts, common, _ = split_parts(reply)
@@ -568,7 +569,8 @@ def secure_exchange(
     """
     from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 
-    from fedcal.engine.flower.wire import CONTROL, to_numpy
+    from fedcal.engine.flower.kinds import CONTROL
+    from fedcal.engine.flower.wire import to_numpy
 
     training = sorted(n for n, c in contents.items() if list(c[CONTROL]["train"]))
     others = {n: c for n, c in contents.items() if n not in training}
@@ -591,21 +593,21 @@ def secure_exchange(
 
     # 1. setup: public keys
     msgs = {
-        n: _message({"stage": "setup", "round": t, "threshold": thr[n], "neighbours": ring[n]})
+        n: _message({"stage": Stage.SETUP, "round": t, "threshold": thr[n], "neighbours": ring[n]})
         for n in training
     }
     replies, failed = _relay(transport, msgs, t)
     failures.update({n: f"secure aggregation setup: {why}" for n, why in failed.items()})
     pks = {n: (bytes(r[SECAGG]["pk1"]), bytes(r[SECAGG]["pk2"])) for n, r in replies.items()}
     u1 = set(pks)
-    alive(u1, "setup")
+    alive(u1, Stage.SETUP)
     # 2. share keys: each site's encrypted shares for its neighbours
     msgs = {}
     for n in sorted(u1):
         ids = [m for m in ring[n] if m in u1]
         msgs[n] = _message(
             {
-                "stage": "share",
+                "stage": Stage.SHARE,
                 "round": t,
                 "ids": ids,
                 "pk1": [pks[m][0] for m in ids],
@@ -627,19 +629,19 @@ def secure_exchange(
 
     msgs = dict(others)
     for n in sorted(u2):
-        rec = {"stage": "collect", "round": t, "srcs": inbox[n][0], "ctxts": inbox[n][1]}
+        rec = {"stage": Stage.COLLECT, "round": t, "srcs": inbox[n][0], "ctxts": inbox[n][1]}
         rec["layout"] = layout.to_json()
         msgs[n] = RecordDict({**dict(contents[n].items()), SECAGG: ConfigRecord(rec)})
     for n in training:
         if n not in u2 and n not in failures:
             failures[n] = "secure aggregation: left out before its key shares"
-    replies, failed = transport.exchange(msgs, "train", t)
+    replies, failed = transport.exchange(msgs, Kind.TRAIN, t)
     failures.update(failed)
     masked: dict[int, np.ndarray] = {}
     included: dict[int, list[int]] = {}
     for n in sorted(u2):
         rep = replies.get(n)
-        if rep is None or "refused" in rep:
+        if rep is None or REFUSED in rep:
             continue
         try:
             y = to_numpy(rep[f"{SECAGG}-masked"]["y"])
@@ -656,14 +658,14 @@ def secure_exchange(
             continue
         masked[n], included[n] = y, inc
     u3 = set(masked)
-    alive(u3, "collect")
+    alive(u3, Stage.COLLECT)
     # 4. unmask: shares of active sites' seeds and of dropped sites' sk1
     msgs = {}
     for n in sorted(u3):
         near = [m for m in ring[n] if m in u2]
         active = [m for m in near if m in u3]
         dead = [m for m in near if m not in u3]
-        msgs[n] = _message({"stage": "unmask", "round": t, "active": active, "dead": dead})
+        msgs[n] = _message({"stage": Stage.UNMASK, "round": t, "active": active, "dead": dead})
     answers, failed = _relay(transport, msgs, t)
     shares: dict[int, list[bytes]] = {n: [] for n in u2}
     for rep in answers.values():

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fedcal.data.scaling import needs_moments, scaler_from_moments
-from fedcal.engine.flower.wire import CONTROL, split_parts, to_numpy, tree_to_record
+from fedcal.engine.flower.kinds import CONTROL, REFUSED
+from fedcal.engine.flower.wire import split_parts, to_numpy, tree_to_record
 
 if TYPE_CHECKING:
     from flwr.app import RecordDict
@@ -197,7 +198,7 @@ class Federation:
 
         usable: dict[int, list] = {}
         for nid, rep in replies.items():
-            if "refused" in rep:
+            if REFUSED in rep:
                 self.refused[str(nid)] = f"node {nid} {rep['refused'].get('reason', 'refused')}"
                 continue
             parts, _, bad = split_parts(rep)
@@ -502,7 +503,7 @@ class Federation:
 
         failures = dict(failures)
         for nid, rep in replies.items():
-            if "refused" in rep:
+            if REFUSED in rep:
                 failures[nid] = f"node {nid} {rep['refused'].get('reason', 'refused')}"
                 self.dropped[str(nid)] = failures[nid]
         sites = self.sites()

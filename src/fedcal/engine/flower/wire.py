@@ -32,7 +32,6 @@ if TYPE_CHECKING:  # Flower and torch are imported lazily (ClientApp start-up ti
     from fedcal.core.tree import Tree
 
 SEP = "/"  # the separator of fedcal.core.tree.flatten
-CONTROL = "fedcal"  # name of the ConfigRecord that steers a message
 PART = ":"  # "<client index>:<record name>": one sensor's records in a site message
 GROUP = "*"  # "*<group>:<record name>": the records of a group of sensors, stacked
 GROUPS = "groups"  # ConfigRecord: group → its sensors' client indices (in stacking order)
