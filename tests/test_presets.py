@@ -45,8 +45,8 @@ def test_a_preset_of_an_unknown_setting_or_another_method_is_refused(monkeypatch
         preset_settings("typo", REGISTRY["fedprior"], "fp")
     with pytest.raises(PresetError, match=r"unknown preset 'feld' \(did you mean field"):
         preset_settings("feld", REGISTRY["fedprior"], "fp")
-    with pytest.raises(PresetError, match=r"'field-drift' is for fedprior_drift"):
-        preset_settings("field-drift", REGISTRY["fedprior"], "fp")
+    with pytest.raises(PresetError, match=r"'field' is for fedprior_drift"):
+        preset_settings("field", REGISTRY["fedprior"], "fp")
     # a subclass takes its base's presets
     assert preset_settings("chamber", REGISTRY["fedprior_drift"], "d")["own_folds"] == 5
 
@@ -85,7 +85,7 @@ def test_no_shipped_table_repeats_a_value_its_class_or_preset_gives() -> None:
 def test_the_shipped_default_is_the_class_with_its_preset() -> None:
     cfg = load_config(None)
     recipe = dataclasses.asdict(cfg.train)
-    for name, preset in (("fedprior", "chamber"), ("fedprior_drift", "field-drift")):
+    for name, preset in (("fedprior", "chamber"), ("fedprior_drift", "field")):
         assert cfg.method_params[name] == {PRESET_KEY: preset}
         cls = REGISTRY[name]
         want = {**_defaults(cls), **PRESETS[preset].settings}
@@ -94,7 +94,8 @@ def test_the_shipped_default_is_the_class_with_its_preset() -> None:
         assert {k: v for k, v in got.items() if k not in run_resolved} == {
             k: v for k, v in want.items() if k not in run_resolved
         }
-    # fedprior_drift keeps no own-fold τ² (what its table gave before the presets: 0)
+    # fedprior_drift keeps no own-fold τ² (what its table gave before the presets: 0); the
+    # class refuses one beside its short co-location step, so chamber's cannot be used on it
     assert method_values("fedprior_drift", cfg)["own_folds"] == 0
     assert method_values("fedprior", cfg)["own_folds"] == 5
 
@@ -102,11 +103,11 @@ def test_the_shipped_default_is_the_class_with_its_preset() -> None:
 def test_an_explicit_key_beats_the_preset_and_a_variant_inherits_it(tmp_path) -> None:
     path = tmp_path / "my.toml"
     path.write_text(
-        '[methods.fedprior]\npreset = "field"\nown_folds = 3\n'
+        '[methods.fedprior]\npreset = "chamber"\nown_folds = 3\n'
         '[methods.fp_sensor]\nbase = "fedprior"\nnoise = "sensor"\n'
     )
     cfg = load_config(path)
-    assert cfg.method_params["fedprior"] == {PRESET_KEY: "field", "own_folds": 3}
+    assert cfg.method_params["fedprior"] == {PRESET_KEY: "chamber", "own_folds": 3}
     values = method_values("fedprior", cfg)
     assert (values["own_folds"], values["select"], values["interval"]) == (3, "bic", "calibrated")
     variant = method_values("fp_sensor", cfg)
@@ -119,8 +120,8 @@ def test_an_explicit_key_beats_the_preset_and_a_variant_inherits_it(tmp_path) ->
         ('preset = "feld"', r"my.toml \[methods.fedprior\] preset: unknown preset 'feld'"),
         ("preset = 3", r"my.toml \[methods.fedprior\] preset: unknown preset 3; known:"),
         (
-            'preset = "field-drift"',
-            r"my.toml \[methods.fedprior\] preset: preset 'field-drift' is for fedprior_drift",
+            'preset = "field"',
+            r"my.toml \[methods.fedprior\] preset: preset 'field' is for fedprior_drift",
         ),
     ],
 )
@@ -144,3 +145,14 @@ def test_config_json_records_the_preset_name_and_the_resolved_settings() -> None
         k: v for k, v in cfg.method_params.items() if k in back.method_params
     }
     assert from_json(to_json(cfg)) == cfg
+
+
+def test_a_preset_whose_values_its_method_refuses_is_one_line(tmp_path) -> None:
+    """chamber's own-fold τ² beside fedprior_drift's short co-location step: the class's own
+    check, at load, naming the table (why the field preset has none)."""
+    path = tmp_path / "my.toml"
+    path.write_text(
+        '[run]\nmethods = ["fedprior_drift"]\n[methods.fedprior_drift]\npreset = "chamber"\n'
+    )
+    with pytest.raises(ConfigError, match=r"\[methods.fedprior_drift\] own_folds: 5 with short_co"):
+        load_config(path)

@@ -535,7 +535,8 @@ PresetOpt = Annotated[
     str | None,
     typer.Option(
         "--preset",
-        help="fedprior's settings by name: chamber, field, field-drift (docs/which-prior.md)",
+        help="the fleet prior's settings by name: chamber (fedprior), field (fedprior_drift);"
+        " see docs/which-prior.md",
     ),
 ]
 HtmlOpt = Annotated[

@@ -1,9 +1,9 @@
 """Named presets of a method's settings: a few documented choices instead of every combination.
 
 fedprior has 29 settings of its own (8 string switches and 2 booleans: 4,608 combinations);
-a user picks one of the presets below (``[methods.fedprior] preset = "field"``, or
-``fedcal run --preset field``) and changes single settings only where a page says why
-(docs/which-prior.md).
+a user picks one of the presets below (``[methods.fedprior_drift] preset = "field"``, or
+``fedcal run --methods fedprior_drift --preset field``) and changes single settings only
+where a page says why (docs/which-prior.md).
 
 **One place for defaults.** A preset lists only the settings in which it differs from its
 method's class defaults (the dataclass fields, e.g. ``FedPrior.select = "none"``); the
@@ -58,18 +58,12 @@ PRESETS: Mapping[str, Preset] = MappingProxyType(
             "shipped default",
         ),
         "field": Preset(
-            "fedprior",
-            _frozen({**_CALIBRATED, "own_folds": 5}),
-            "co-located field units with a time column, when no drift is expected or "
-            "the run must be fedprior's (no walk): the time-respecting basis choice and "
-            "the no-harm fall-back are on with a time column (choose = auto)",
-        ),
-        "field-drift": Preset(
             "fedprior_drift",
             _frozen(_CALIBRATED),
-            "co-located field units with a time column whose calibration ages (gain or "
+            "co-located field units with a time column (a calibration that ages: gain or "
             "baseline drift): each unit's coefficients walk from its last calibration "
-            "point and σ grows with the time since",
+            "point and σ grows with the time since; q = 0 (fedprior) when no drift is "
+            "found or without a time column",
         ),
     }
 )

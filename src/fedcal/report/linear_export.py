@@ -237,7 +237,7 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
         basis, terms = LEGENDRE.name, [*alg.private_terms, *alg.shared_terms]
         coef = torch.cat([params["private"], params["shared"]], -1).numpy()
     elif isinstance(alg, LeastSquares):
-        basis, terms = alg.basis, [tuple(t) for t in alg.exponents.tolist()]
+        basis, terms = alg.family, [tuple(t) for t in alg.exponents.tolist()]
         coef = params["coef"].numpy()
     else:
         return None
