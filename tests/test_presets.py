@@ -156,3 +156,14 @@ def test_a_preset_whose_values_its_method_refuses_is_one_line(tmp_path) -> None:
     )
     with pytest.raises(ConfigError, match=r"\[methods.fedprior_drift\] own_folds: 5 with short_co"):
         load_config(path)
+
+
+def test_the_command_line_preset_names_the_table_of_its_method() -> None:
+    from fedcal.cli import _resolve
+
+    cfg = _resolve(None, methods="fedprior_drift", preset="field")
+    assert cfg.method_params["fedprior_drift"][PRESET_KEY] == "field"
+    cfg = _resolve(None, methods="fedprior", preset="chamber")
+    assert method_values("fedprior", cfg)["own_folds"] == 5
+    with pytest.raises(ConfigError, match=r"--preset: unknown preset 'lab'; known: chamber, field"):
+        _resolve(None, preset="lab")
