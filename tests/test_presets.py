@@ -159,7 +159,7 @@ def test_a_preset_whose_values_its_method_refuses_is_one_line(tmp_path) -> None:
 
 
 def test_the_command_line_preset_names_the_table_of_its_method() -> None:
-    from fedcal.cli import _resolve
+    from fedcal.cli.options import _resolve
 
     cfg = _resolve(None, methods="fedprior_drift", preset="field")
     assert cfg.method_params["fedprior_drift"][PRESET_KEY] == "field"

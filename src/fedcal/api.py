@@ -217,8 +217,12 @@ class FleetPrior(BaseEstimator):
         if files is None:  # loaded: the stored run folder, or the bare prior.json
             path = self.source_
             folder = path.parent.parent.parent
-            is_run = (folder / runnames.CONFIG).is_file() and path.parent.parent.name == "runs"
-            files = _read_dir(folder, path.parent) if is_run else {"prior.json": path.read_bytes()}
+            is_run = (folder / runnames.CONFIG).is_file()
+            is_run = is_run and path.parent.parent.name == runnames.RUNS
+            if is_run:
+                files = _read_dir(folder, path.parent)
+            else:
+                files = {runnames.PRIOR: path.read_bytes()}
         for name, blob in files.items():
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             write_bytes(out / name, blob)

@@ -28,7 +28,8 @@ from fedcal.models.basis import (
     register_family,
 )
 from fedcal.models.mlp import MLP
-from fedcal.report.linear_export import LinearForm, c_header
+from fedcal.report.linear_c import c_header
+from fedcal.report.linear_export import LinearForm
 
 F64 = torch.float64
 
