@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedcal.engine.flower.kinds import CONTROL as CONTROL  # re-exported
+
 if TYPE_CHECKING:  # Flower and torch are imported lazily (ClientApp start-up time)
     from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
