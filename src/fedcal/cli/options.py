@@ -32,6 +32,17 @@ def _int_list(text: str, option: str) -> list[int]:
     return values
 
 
+def _with_preset(cfg: RunConfig, preset: str) -> RunConfig:
+    """``--preset``: the table of the preset's method names it (:mod:`fedcal.presets`)."""
+    from fedcal.config import override
+    from fedcal.presets import PRESET_KEY, PRESETS
+
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset: unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    table = {PRESETS[preset].method: {PRESET_KEY: preset}}
+    return override(cfg, {"methods": table}, "--preset")
+
+
 def _resolve(
     config: Path | None,
     data: Path | None = None,
@@ -94,13 +105,8 @@ def _resolve(
             None if fleet_seeds is None else _int_list(fleet_seeds, "--fleet-seeds"),
         ),
     ]
-    if preset is not None:  # the preset's method's table names it (fedcal.presets)
-        from fedcal.presets import PRESET_KEY, PRESETS
-
-        if preset not in PRESETS:
-            raise ConfigError(f"--preset: unknown preset {preset!r}; known: {', '.join(PRESETS)}")
-        table = {PRESETS[preset].method: {PRESET_KEY: preset}}
-        cfg = override(cfg, {"methods": table}, "--preset")
+    if preset is not None:
+        cfg = _with_preset(cfg, preset)
     # one override per section, so fields checked together (features vs target) see each other
     given: dict[str, tuple[list[str], dict]] = {}
     for option, section, key, value in options:
