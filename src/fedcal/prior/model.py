@@ -39,7 +39,6 @@ from fedcal.core.atomic import write_text
 from fedcal.core.paths import read_json
 from fedcal.core.runfiles import RunFileError, check_prior
 from fedcal.data.scaling import Scaler
-from fedcal.prior.discrepancy import Discrepancy
 
 FORMAT_VERSION = 2  # 1: no format_version key (fedcal before the value); 2: this module
 KIND = "fedprior"
@@ -480,6 +479,10 @@ def _discrepancy(raw: Any, source: str) -> dict[str, Any] | None:
     if raw is not None and not isinstance(raw, dict):
         raise RunFileError(f"{source}: discrepancy: expected an object")
     if raw is not None:  # validated here (one line naming the field), carried as written
+        # imported here: the discrepancy module's kernels use torch, and a prior without
+        # this part (the chamber default) is read by the torch-free path (issue 37.1)
+        from fedcal.prior.discrepancy import Discrepancy
+
         try:
             Discrepancy.from_dict(raw, str(source))
         except ValueError as err:
