@@ -28,7 +28,6 @@ from fedcal import calibration
 from fedcal.algorithms.fedprior import FedPrior
 from fedcal.cli import app
 from fedcal.core import bayes, identify
-from fedcal.data.fleet import Fleet
 from fedcal.data.loader import load_fleet
 from fedcal.data.simulator import FleetSpec, simulate_fleet
 from fedcal.prior import posterior as npost
@@ -75,23 +74,8 @@ def _both(run, new_file, method):
     )  # fmt: skip
     assert npost.unsupported(prior) == ""
     torch_path = calibration.calibrate(prior, fleet)
-    x, y, mask, branch = _padded(prior, fleet)
+    x, y, mask, branch = npost.padded_rows(prior, fleet)
     return prior, torch_path, npost.calibrate_units(prior, x, y, mask, branch), x, y, mask
-
-
-def _padded(prior: PriorModel, fleet: Fleet):
-    """The new units' scaled calibration rows, padded like ClientData.from_arrays."""
-    arrays = [(prior.scaler.x(x), prior.scaler.y(y)[:, 0]) for x, y in fleet.arrays("train")]
-    rows = max(len(x) for x, _ in arrays)
-    c, f = len(arrays), arrays[0][0].shape[1]
-    x, y, mask = np.zeros((c, rows, f)), np.zeros((c, rows)), np.zeros((c, rows))
-    branch = np.zeros((c, rows))
-    signs = fleet.branch_signs("train")
-    for i, (xi, yi) in enumerate(arrays):
-        x[i, : len(xi)], y[i, : len(yi)], mask[i, : len(xi)] = xi, yi, 1.0
-        if signs is not None:
-            branch[i, : len(xi)] = signs[i]
-    return x, y, mask, (branch if prior.basis.branch_terms else None)
 
 
 def _close(a, b, what, tol):

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedcal.data.fleet import Fleet
 from fedcal.prior.legendre import legendre_products, linearized_products
 from fedcal.prior.model import PriorModel
 
@@ -323,3 +324,40 @@ def predictive_std(units: Units, x: np.ndarray) -> np.ndarray:
         gap = ((legendre_products(x, units.terms) - phi) * units.coef[:, None, :p]).sum(-1)
         var = var + np.where(beyond, gap * gap, 0.0)
     return np.sqrt(var)
+
+
+def padded_rows(
+    prior: PriorModel, fleet: Fleet, split: str = "train"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """(x, y, mask, branch) of ``fleet``'s ``split`` rows scaled by the prior's scaler, padded
+    per unit at the end as :meth:`fedcal.core.data.ClientData.from_arrays` pads them (unit
+    order: ``fleet.client_ids``); ``branch`` None without a direction term in the prior."""
+    arrays = fleet.arrays(split)
+    signs = fleet.branch_signs(split) if prior.basis.branch_terms else None
+    rows = max(max((len(xi) for xi, _ in arrays), default=0), 1)
+    c = len(arrays)
+    x, y = np.zeros((c, rows, len(prior.features))), np.zeros((c, rows))
+    mask = np.zeros((c, rows))
+    branch = None if not prior.basis.branch_terms else np.zeros((c, rows))
+    for i, (xi, yi) in enumerate(arrays):
+        k = len(xi)
+        x[i, :k], y[i, :k], mask[i, :k] = prior.scaler.x(xi), prior.scaler.y(yi)[:, 0], 1.0
+        if branch is not None and signs is not None:
+            branch[i, :k] = signs[i]
+    return x, y, mask, branch
+
+
+def calibrate_fleet(prior: PriorModel, fleet: Fleet, source: str = "data") -> Units:
+    """Every unit of ``fleet`` against ``prior`` from its calibration (train) rows: the
+    columns must be the prior's, and a variant this module does not cover is refused in one
+    line (:func:`unsupported`; ``fedcal calibrate`` takes the torch path for it)."""
+    if tuple(fleet.features) != prior.features or fleet.target != prior.target:
+        raise ValueError(
+            f"{source}: columns {list(fleet.features)} → {fleet.target} do not match the "
+            f"prior's {list(prior.features)} → {prior.target}"
+        )
+    why = unsupported(prior, timed=fleet.row_times("train") is not None)
+    if why:
+        raise ValueError(f"{source}: {why} is calibrated by the torch path (fedcal calibrate)")
+    x, y, mask, branch = padded_rows(prior, fleet)
+    return calibrate_units(prior, x, y, mask, branch)

@@ -1,0 +1,136 @@
+"""Issue 37.1: what a calibration station runs, with torch not importable.
+
+Each check runs in a child process whose ``sys.meta_path`` refuses ``torch`` (any import of
+it, direct or through a fedcal module, raises ImportError). Covered: the command line's
+``--help``/``--version`` (and that they load no torch, pandas or scipy), and the station's
+numbers — a stored prior loaded and validated, new units read from a file and calibrated
+(:func:`fedcal.prior.posterior.calibrate_fleet`), their predictions and predictive σ — equal
+to the same calls in this process, where torch is importable. CI also runs this file in a
+clean environment built from the wheel (.ci/run). The commands ``calibrate``, ``predict``,
+``plan``, ``export``, ``certificate``, ``report`` still import torch (docs/not-done.md).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from fedcal import calibration
+from fedcal.cli import app
+from fedcal.data.loader import load_fleet
+from fedcal.data.simulator import FleetSpec, simulate_fleet
+from fedcal.prior import posterior
+from fedcal.prior.model import PriorModel
+
+runner = CliRunner(env={"COLUMNS": "200"})
+COLS = ["sensor_id", "frequency_hz", "temperature_c", "pressure_hpa", "split"]
+
+BLOCK = """
+import sys
+
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this test")
+        return None
+
+sys.meta_path.insert(0, NoTorch())
+"""
+
+STATION = """
+import json, sys
+import numpy as np
+from fedcal.data.loader import load_fleet
+from fedcal.prior import posterior
+from fedcal.prior.model import PriorModel
+
+prior = PriorModel.load(sys.argv[1])
+fleet = load_fleet(sys.argv[2], prior.features, prior.target, test_fraction=0.0,
+                   min_train_points=1, min_test_points=0)
+units = posterior.calibrate_fleet(prior, fleet, sys.argv[2])
+x, _, _, _ = posterior.padded_rows(prior, fleet, "test")
+np.savez(sys.argv[3], coef=units.coef, cov=units.cov, noise=units.noise_var,
+         pred=posterior.predict(units, x), std=posterior.predictive_std(units, x))
+print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))))
+"""
+
+
+def _child(code: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", BLOCK + code, *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_blocker_blocks():
+    res = _child("import torch")
+    assert res.returncode != 0 and "torch is blocked" in res.stderr
+
+
+@pytest.mark.parametrize("args", [["--help"], ["calibrate", "--help"], ["--version"]])
+def test_help_and_version_need_no_torch_and_load_no_heavy_module(args):
+    code = (
+        "from fedcal.cli import app\n"
+        "try:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+        "heavy = [m for m in ('torch', 'pandas', 'scipy') if m in sys.modules]\n"
+        "print('HEAVY', heavy, 'EXIT', code)\n"
+    )
+    res = _child(code, *args)
+    assert res.returncode == 0, res.stderr
+    assert "HEAVY [] EXIT 0" in res.stdout, res.stdout[-500:]
+
+
+@pytest.fixture(scope="module")
+def station(tmp_path_factory):
+    """A fedprior run on 12 reference units + 4 with a 3x2 design; 3 new 3x2 units with
+    held-out test rows."""
+    root = tmp_path_factory.mktemp("torch_free")
+    fleet_file = root / "fleet.csv"
+    spec = FleetSpec(num_reference=12, num_new=4, train_design="3x2")
+    simulate_fleet(spec, seed=3).frame.to_csv(fleet_file, index=False)
+    cfg = root / "prior.toml"
+    cfg.write_text("[engine]\nrounds = 30\neval_every = 30\n")
+    out = root / "fleet_run"
+    args = ["run", "--data", str(fleet_file), "--methods", "fedprior", "--seeds", "1"]
+    result = runner.invoke(app, [*args, "--config", str(cfg), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    new = simulate_fleet(FleetSpec(num_sensors=3, train_design="3x2", test_design="random"), 9)
+    new_file = root / "new_units.csv"
+    new.frame.assign(sensor_id="NEW-" + new.frame["sensor_id"])[COLS].to_csv(new_file, index=False)
+    return calibration.find_prior(out), new_file, root
+
+
+def test_the_station_calibrates_and_predicts_without_torch(station):
+    prior_file, new_file, root = station
+    res = _child(STATION, str(prior_file), str(new_file), str(root / "child.npz"))
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == []  # no torch module loaded
+    child = np.load(root / "child.npz")
+    prior = PriorModel.load(prior_file)  # the same calls here, torch importable
+    fleet = load_fleet(
+        new_file, prior.features, prior.target, test_fraction=0.0, min_train_points=1,
+        min_test_points=0,
+    )  # fmt: skip
+    units = posterior.calibrate_fleet(prior, fleet)
+    x = posterior.padded_rows(prior, fleet, "test")[0]
+    here = {
+        "coef": units.coef, "cov": units.cov, "noise": units.noise_var,
+        "pred": posterior.predict(units, x), "std": posterior.predictive_std(units, x),
+    }  # fmt: skip
+    for key, value in here.items():  # the same code on the same inputs: the same bits
+        np.testing.assert_array_equal(child[key], value, err_msg=key)
+    assert np.isfinite(child["std"]).any() and child["coef"].shape[0] == 3
+
+
+def test_a_variant_the_numpy_path_does_not_cover_is_refused_in_one_line(station):
+    prior_file, new_file, _ = station
+    doc = json.loads(Path(prior_file).read_text())
+    prior = PriorModel.from_dict({**doc, "noise_gamma": [0.1, 0.0]})
+    fleet = load_fleet(new_file, prior.features, prior.target, test_fraction=0.0)
+    with pytest.raises(ValueError, match=r"^new\.csv: noise over the inputs .* torch path"):
+        posterior.calibrate_fleet(prior, fleet, "new.csv")
