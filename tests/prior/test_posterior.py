@@ -28,6 +28,7 @@ from fedcal import calibration
 from fedcal.algorithms.fedprior import FedPrior
 from fedcal.cli import app
 from fedcal.core import bayes, identify
+from fedcal.data.fleet import Fleet
 from fedcal.data.loader import load_fleet
 from fedcal.data.simulator import FleetSpec, simulate_fleet
 from fedcal.prior import posterior as npost
@@ -68,14 +69,18 @@ def trained(tmp_path_factory):
 
 def _both(run, new_file, method):
     prior = PriorModel.load(calibration.find_prior(run, method))
-    fleet = load_fleet(
-        new_file, prior.features, prior.target, test_fraction=0.0, min_train_points=1,
-        min_test_points=0,
-    )  # fmt: skip
+    fleet = _fleet(new_file, prior)
     assert npost.unsupported(prior) == ""
     torch_path = calibration.calibrate(prior, fleet)
     x, y, mask, branch = npost.padded_rows(prior, fleet)
     return prior, torch_path, npost.calibrate_units(prior, x, y, mask, branch), x, y, mask
+
+
+def _fleet(new_file, prior: PriorModel) -> Fleet:
+    return load_fleet(
+        new_file, prior.features, prior.target, test_fraction=0.0, min_train_points=1,
+        min_test_points=0,
+    )  # fmt: skip
 
 
 def _close(a, b, what, tol):
@@ -127,6 +132,25 @@ def test_numpy_units_equal_the_torch_path(trained, method):
     _close(npost.predict(units, grid), t_pred, "predict", tol)
     _close(npost.predictive_std(units, grid), t_std, "predictive_std", tol)
     assert np.isfinite(t_std).any()  # some unit states a σ: the comparison is not vacuous
+
+
+@pytest.mark.parametrize("method", ["fedprior_sensor", "fedprior_branch"])
+def test_the_planner_s_units_equal_the_torch_path(trained, method):
+    """``plan`` calibrates a design's expected readings at the fleet's σ² (noise given):
+    :func:`fedcal.calibration.unit_posteriors` with ``noise_var`` against NumPy's."""
+    prior, ref, _, x, y, mask = _both(*trained, method)
+    sigma2 = prior.noise.variance
+    with torch.no_grad():
+        theirs = calibration.unit_posteriors(
+            ref.algorithm, ref.server, ref.tensors.train, noise_var=torch.tensor(sigma2)
+        )
+    branch = npost.padded_rows(prior, _fleet(trained[1], prior))[3]
+    ours = npost.calibrate_units(prior, x, y, mask, branch, noise_var=sigma2)
+    assert (ours.noise_var == sigma2).all()
+    _close(ours.coef, theirs["coef"].numpy(), "coef", TOL)
+    _close(ours.cov, theirs["cov"].numpy(), "cov", TOL)
+    if ours.disc_var is not None:
+        assert (ours.declined == (theirs["declined"].numpy() > 0)).all()
 
 
 def test_the_covered_variants_and_the_declined_units_are_exercised(trained):
