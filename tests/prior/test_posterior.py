@@ -32,6 +32,7 @@ from fedcal.data.fleet import Fleet
 from fedcal.data.loader import load_fleet
 from fedcal.data.simulator import FleetSpec, simulate_fleet
 from fedcal.prior import posterior as npost
+from fedcal.prior import station
 from fedcal.prior.model import PriorModel
 
 runner = CliRunner(env={"COLUMNS": "200"})
@@ -151,6 +152,41 @@ def test_the_planner_s_units_equal_the_torch_path(trained, method):
     _close(ours.cov, theirs["cov"].numpy(), "cov", TOL)
     if ours.disc_var is not None:
         assert (ours.declined == (theirs["declined"].numpy() > 0)).all()
+
+
+@pytest.mark.parametrize("method", ["fedprior", "fedprior_sensor", "fedprior_branch"])
+def test_the_station_s_checks_equal_the_torch_path(trained, method):
+    """Range guard passed, fleet distance d², its dof and threshold, and the status written
+    to units.csv (:func:`fedcal.calibration.unit_diagnostics`) against NumPy's. d² = ‖P_A e‖²
+    is a sum of squares of whitened residuals: both paths factor the same C_i, so it agrees
+    to the backward error of that factorization (≈ n·ε·κ(C_i), n ≤ 20 rows; measured below
+    1e-9 relative with the fleet's σ²: asserted at 1e-8), plus, with per-unit noise, the
+    relative error σ_i² carries (:func:`_noise_bound`: d² moves with C_i, elasticity ≤ 1
+    in σ_i²; measured 5e-8). The status at its threshold: equal."""
+    prior, ref, units, _, y, mask = _both(*trained, method)
+    ours = station.calibrate_fleet(prior, _fleet(trained[1], prior))
+    table, _ = calibration.unit_diagnostics(prior, ref)
+    assert list(ours.ids) == list(map(str, table["sensor_id"]))
+    tol = 1e-8 + _noise_bound(prior, units, y, mask)
+    _close(ours.checks["d2"], table["d2"].to_numpy(), "d2", tol)
+    assert (ours.checks["dof"] == table["dof"].to_numpy()).all()
+    _close(ours.checks["d2_threshold"], table["d2_threshold"].to_numpy(), "threshold", 0.0)
+    assert list(ours.status) == list(table["status"])
+    assert (ours.checks["unlike_fleet"] == table["unlike_fleet"].to_numpy()).all()
+
+
+def test_a_unit_outside_the_prior_s_range_is_refused_like_calibrate(trained, tmp_path):
+    prior = PriorModel.load(calibration.find_prior(trained[0], "fedprior"))
+    frame = pd.read_csv(trained[1])
+    frame.loc[0, "temperature_c"] = 95.0  # a calibration row of NEW-S000 beyond the range
+    moved = tmp_path / "moved.csv"
+    frame.to_csv(moved, index=False)
+    fleet = _fleet(moved, prior)
+    with pytest.raises(ValueError) as ours:
+        station.calibrate_fleet(prior, fleet, "moved.csv")
+    with pytest.raises(ValueError) as theirs:
+        calibration.calibrate(prior, fleet, "moved.csv")
+    assert str(ours.value) == str(theirs.value) and "NEW-S000" in str(ours.value)
 
 
 def test_the_covered_variants_and_the_declined_units_are_exercised(trained):

@@ -4,7 +4,8 @@ Each check runs in a child process whose ``sys.meta_path`` refuses ``torch`` (an
 it, direct or through a fedcal module, raises ImportError). Covered: the command line's
 ``--help``/``--version`` (and that they load no torch, pandas or scipy), and the station's
 numbers — a stored prior loaded and validated, new units read from a file and calibrated
-(:func:`fedcal.prior.posterior.calibrate_fleet`), their predictions and predictive σ — equal
+(:func:`fedcal.prior.station.calibrate_fleet`: posterior, range guard, fleet
+distance, status), their predictions and predictive σ — equal
 to the same calls in this process, where torch is importable. CI also runs this file in a
 clean environment built from the wheel (.ci/run). The commands ``calibrate``, ``predict``,
 ``plan``, ``export``, ``certificate``, ``report`` still import torch (docs/not-done.md).
@@ -25,7 +26,7 @@ from fedcal import calibration
 from fedcal.cli import app
 from fedcal.data.loader import load_fleet
 from fedcal.data.simulator import FleetSpec, simulate_fleet
-from fedcal.prior import posterior
+from fedcal.prior import posterior, station
 from fedcal.prior.model import PriorModel
 
 runner = CliRunner(env={"COLUMNS": "200"})
@@ -47,15 +48,17 @@ STATION = """
 import json, sys
 import numpy as np
 from fedcal.data.loader import load_fleet
-from fedcal.prior import posterior
+from fedcal.prior import posterior, station
 from fedcal.prior.model import PriorModel
 
 prior = PriorModel.load(sys.argv[1])
 fleet = load_fleet(sys.argv[2], prior.features, prior.target, test_fraction=0.0,
                    min_train_points=1, min_test_points=0)
-units = posterior.calibrate_fleet(prior, fleet, sys.argv[2])
+done = station.calibrate_fleet(prior, fleet, sys.argv[2])
+units = done.units
 x, _, _, _ = posterior.padded_rows(prior, fleet, "test")
 np.savez(sys.argv[3], coef=units.coef, cov=units.cov, noise=units.noise_var,
+         d2=done.checks["d2"], status=done.status.astype(str),
          pred=posterior.predict(units, x), std=posterior.predictive_std(units, x))
 print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))))
 """
@@ -86,7 +89,7 @@ def test_help_and_version_need_no_torch_and_load_no_heavy_module(args):
 
 
 @pytest.fixture(scope="module")
-def station(tmp_path_factory):
+def trained(tmp_path_factory):
     """A fedprior run on 12 reference units + 4 with a 3x2 design; 3 new 3x2 units with
     held-out test rows."""
     root = tmp_path_factory.mktemp("torch_free")
@@ -105,8 +108,8 @@ def station(tmp_path_factory):
     return calibration.find_prior(out), new_file, root
 
 
-def test_the_station_calibrates_and_predicts_without_torch(station):
-    prior_file, new_file, root = station
+def test_the_station_calibrates_and_predicts_without_torch(trained):
+    prior_file, new_file, root = trained
     res = _child(STATION, str(prior_file), str(new_file), str(root / "child.npz"))
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout.strip().splitlines()[-1]) == []  # no torch module loaded
@@ -116,10 +119,12 @@ def test_the_station_calibrates_and_predicts_without_torch(station):
         new_file, prior.features, prior.target, test_fraction=0.0, min_train_points=1,
         min_test_points=0,
     )  # fmt: skip
-    units = posterior.calibrate_fleet(prior, fleet)
+    done = station.calibrate_fleet(prior, fleet)
+    units = done.units
     x = posterior.padded_rows(prior, fleet, "test")[0]
     here = {
         "coef": units.coef, "cov": units.cov, "noise": units.noise_var,
+        "d2": done.checks["d2"], "status": done.status.astype(str),
         "pred": posterior.predict(units, x), "std": posterior.predictive_std(units, x),
     }  # fmt: skip
     for key, value in here.items():  # the same code on the same inputs: the same bits
@@ -127,10 +132,10 @@ def test_the_station_calibrates_and_predicts_without_torch(station):
     assert np.isfinite(child["std"]).any() and child["coef"].shape[0] == 3
 
 
-def test_a_variant_the_numpy_path_does_not_cover_is_refused_in_one_line(station):
-    prior_file, new_file, _ = station
+def test_a_variant_the_numpy_path_does_not_cover_is_refused_in_one_line(trained):
+    prior_file, new_file, _ = trained
     doc = json.loads(Path(prior_file).read_text())
     prior = PriorModel.from_dict({**doc, "noise_gamma": [0.1, 0.0]})
     fleet = load_fleet(new_file, prior.features, prior.target, test_fraction=0.0)
     with pytest.raises(ValueError, match=r"^new\.csv: noise over the inputs .* torch path"):
-        posterior.calibrate_fleet(prior, fleet, "new.csv")
+        station.calibrate_fleet(prior, fleet, "new.csv")

@@ -345,19 +345,3 @@ def padded_rows(
         if branch is not None and signs is not None:
             branch[i, :k] = signs[i]
     return x, y, mask, branch
-
-
-def calibrate_fleet(prior: PriorModel, fleet: Fleet, source: str = "data") -> Units:
-    """Every unit of ``fleet`` against ``prior`` from its calibration (train) rows: the
-    columns must be the prior's, and a variant this module does not cover is refused in one
-    line (:func:`unsupported`; ``fedcal calibrate`` takes the torch path for it)."""
-    if tuple(fleet.features) != prior.features or fleet.target != prior.target:
-        raise ValueError(
-            f"{source}: columns {list(fleet.features)} → {fleet.target} do not match the "
-            f"prior's {list(prior.features)} → {prior.target}"
-        )
-    why = unsupported(prior, timed=fleet.row_times("train") is not None)
-    if why:
-        raise ValueError(f"{source}: {why} is calibrated by the torch path (fedcal calibrate)")
-    x, y, mask, branch = padded_rows(prior, fleet)
-    return calibrate_units(prior, x, y, mask, branch)
