@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
@@ -57,7 +58,9 @@ fleet = load_fleet(sys.argv[2], prior.features, prior.target, test_fraction=0.0,
 done = station.calibrate_fleet(prior, fleet, sys.argv[2])
 units = done.units
 x, _, _, _ = posterior.padded_rows(prior, fleet, "test")
+one = done.predict(done.ids[0], fleet.arrays("test")[0][0])
 np.savez(sys.argv[3], coef=units.coef, cov=units.cov, noise=units.noise_var,
+         one_mean=one[0], one_std=one[1],
          d2=done.checks["d2"], status=done.status.astype(str),
          pred=posterior.predict(units, x), std=posterior.predictive_std(units, x))
 print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))))
@@ -125,11 +128,40 @@ def test_the_station_calibrates_and_predicts_without_torch(trained):
     here = {
         "coef": units.coef, "cov": units.cov, "noise": units.noise_var,
         "d2": done.checks["d2"], "status": done.status.astype(str),
+        "one_mean": done.predict(done.ids[0], fleet.arrays("test")[0][0])[0],
+        "one_std": done.predict(done.ids[0], fleet.arrays("test")[0][0])[1],
         "pred": posterior.predict(units, x), "std": posterior.predictive_std(units, x),
     }  # fmt: skip
     for key, value in here.items():  # the same code on the same inputs: the same bits
         np.testing.assert_array_equal(child[key], value, err_msg=key)
     assert np.isfinite(child["std"]).any() and child["coef"].shape[0] == 3
+
+
+def test_the_station_s_values_are_fedcal_predict_s_after_fedcal_calibrate(trained):
+    """The torch-free values of one unit's held-out readings against the commands (torch):
+    ``fedcal calibrate`` then ``fedcal predict`` — its <target>_calibrated and _std columns,
+    to 1e-10 relative (fleet noise: tests/prior/test_posterior.py's derivation)."""
+    prior_file, new_file, root = trained
+    res = _child(STATION, str(prior_file), str(new_file), str(root / "child2.npz"))
+    assert res.returncode == 0, res.stderr
+    child = np.load(root / "child2.npz")
+    out = root / "calibrated"
+    args = ["calibrate", "--prior", str(prior_file), "--data", str(new_file), "--out", str(out)]
+    assert runner.invoke(app, args).exit_code == 0
+    prior = PriorModel.load(prior_file)
+    frame = pd.read_csv(new_file)
+    first = frame[(frame["sensor_id"] == frame["sensor_id"].iloc[0]) & (frame["split"] == "test")]
+    readings = root / "readings.csv"
+    first[["sensor_id", *prior.features]].to_csv(readings, index=False)
+    served = root / "served.csv"
+    args = ["predict", str(out), "--data", str(readings), "--out", str(served)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    table = pd.read_csv(served)
+    for ours, column in (("one_mean", "_calibrated"), ("one_std", "_std")):
+        theirs = table[prior.target + column].to_numpy()
+        scale = np.abs(theirs).max()
+        assert np.abs(child[ours] - theirs).max() <= 1e-10 * scale, column
 
 
 def test_a_variant_the_numpy_path_does_not_cover_is_refused_in_one_line(trained):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedcal.data.fleet import Fleet
+from fedcal.data.scaling import Scaler
 from fedcal.prior import posterior, qa
 from fedcal.prior.model import PriorModel
 
@@ -26,10 +27,29 @@ class Station:
     ids: tuple[str, ...]
     units: posterior.Units
     checks: dict[str, np.ndarray]
+    scaler: Scaler
 
     @property
     def status(self) -> np.ndarray:
         return self.checks["status"]
+
+    def predict(self, unit: str, readings: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(calibrated value, predictive σ) in the target's unit for one unit's raw
+        ``readings`` (rows, inputs) in the prior's feature order; σ NaN when its interval
+        was declined. Beyond the unit's support box: the guarded extrapolation (module
+        :mod:`fedcal.prior.posterior`)."""
+        if unit not in self.ids:
+            raise KeyError(f"unit {unit!r} was not calibrated here ({len(self.ids)} units)")
+        i = self.ids.index(unit)
+        one = posterior.Units(**{
+            k: (v[i : i + 1] if isinstance(v, np.ndarray) else v)
+            for k, v in self.units.__dict__.items()
+        })  # fmt: skip
+        x = self.scaler.x(np.asarray(readings, dtype=np.float64))[None]
+        y_scale = float(np.asarray(self.scaler.y_scale).ravel()[0])
+        y_offset = float(np.asarray(self.scaler.y_offset).ravel()[0])
+        mean = posterior.predict(one, x)[0] * y_scale + y_offset
+        return mean, posterior.predictive_std(one, x)[0] * abs(y_scale)
 
 
 def calibrate_fleet(prior: PriorModel, fleet: Fleet, source: str = "data") -> Station:
@@ -47,4 +67,4 @@ def calibrate_fleet(prior: PriorModel, fleet: Fleet, source: str = "data") -> St
     x, y, mask, branch = posterior.padded_rows(prior, fleet)
     units = posterior.calibrate_units(prior, x, y, mask, branch)
     checks = qa.units_qa(prior, units, x, y, mask, branch)
-    return Station(tuple(map(str, fleet.client_ids)), units, checks)
+    return Station(tuple(map(str, fleet.client_ids)), units, checks, prior.scaler)
