@@ -39,7 +39,7 @@ import sys
 class NoTorch:
     def find_spec(self, name, path=None, target=None):
         if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is blocked in this test")
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)  # as if absent
         return None
 
 sys.meta_path.insert(0, NoTorch())
@@ -75,7 +75,7 @@ def _child(code: str, *args: str) -> subprocess.CompletedProcess:
 
 def test_the_blocker_blocks():
     res = _child("import torch")
-    assert res.returncode != 0 and "torch is blocked" in res.stderr
+    assert res.returncode != 0 and "No module named 'torch'" in res.stderr
 
 
 @pytest.mark.parametrize("args", [["--help"], ["calibrate", "--help"], ["--version"]])
@@ -162,6 +162,16 @@ def test_the_station_s_values_are_fedcal_predict_s_after_fedcal_calibrate(traine
         theirs = table[prior.target + column].to_numpy()
         scale = np.abs(theirs).max()
         assert np.abs(child[ours] - theirs).max() <= 1e-10 * scale, column
+
+
+def test_a_command_that_still_needs_torch_says_so_in_one_line(trained):
+    prior_file, new_file, root = trained
+    code = "from fedcal.cli import app\napp(sys.argv[1:])\n"
+    args = ["calibrate", "--prior", str(prior_file), "--data", str(new_file)]
+    res = _child(code, *args, "--out", str(root / "no_torch"))
+    assert res.returncode == 3, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs torch, which is not installed: pip install" in lines[0]
 
 
 def test_a_variant_the_numpy_path_does_not_cover_is_refused_in_one_line(trained):
