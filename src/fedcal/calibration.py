@@ -59,14 +59,15 @@ from fedcal.experiment import (
 )
 from fedcal.prior.discrepancy import Discrepancy, unit_scale
 from fedcal.prior.model import PriorModel
-from fedcal.prior.qa import (  # the range guard and the QA threshold: torch-free, re-exported
+from fedcal.prior.qa import (  # the range guard, QA threshold and grid: torch-free, re-exported
+    GRID_POINTS,  # noqa: F401  (calibration.GRID_POINTS: tests/report/test_calibration_report.py)
     QA_LEVEL,
     RANGE_TOLERANCE,  # noqa: F401  (calibration.RANGE_TOLERANCE: benchmarks/prior_scale.py)
     check_inputs,
     distance_threshold,
+    operating_grid,
 )
 
-GRID_POINTS = 2000  # σ over the operating range: a tensor grid of about this many points
 NOISE_ITERATIONS = 25  # fixed-point iterations of a unit's own noise level (converged: tested)
 DISTANCE_CHUNK = 4096  # units per batched solve of the fleet distance (memory bound)
 GRID_CHUNK = 512  # units per σ grid evaluation: (units, grid) float64, ~8 MB (fastest measured)
@@ -365,14 +366,6 @@ def fleet_distance(
         d2[idx] = proj.square().sum(-1)[ok].numpy()
         dof[idx] = kept.sum(-1)[ok].numpy()
     return d2, dof
-
-
-def operating_grid(prior: PriorModel, points: int = GRID_POINTS) -> np.ndarray:
-    """A tensor grid over the prior fleet's calibrated input range (raw units)."""
-    ranges = [prior.input_range[c] for c in prior.features]
-    side = max(3, round(points ** (1 / len(ranges))))
-    axes = [np.linspace(lo, hi, side) for lo, hi in ranges]
-    return np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, len(ranges))
 
 
 def grid_sigma(alg: FedPrior, personal: Tree, grid: torch.Tensor) -> np.ndarray:

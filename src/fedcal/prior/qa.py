@@ -9,6 +9,8 @@ the fleet and its status — what ``calibrate`` writes to ``units.csv``, without
 * :func:`distance_threshold`: Hotelling's prediction threshold of d² at ``QA_LEVEL``.
 * :func:`unit_status`: "failed" (a posterior that is not finite), "unlike the fleet" (d²
   above its threshold) or "ok".
+* :func:`sigma_over_range`: each unit's predictive σ over a tensor grid of the prior's
+  calibrated input range (:func:`operating_grid`), its mean and max in the target's unit.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import numpy as np
 
 from fedcal.data.fleet import SPLIT_COLUMN, Fleet
 from fedcal.prior.model import PriorModel
-from fedcal.prior.posterior import Units, design
+from fedcal.prior.posterior import Units, design, predictive_std
 
 QA_LEVEL = 0.999  # a unit beyond this χ² quantile of the fleet distance is flagged
 RANGE_TOLERANCE = 0.05  # inputs may exceed the fleet's calibrated range by 5 % of its span
 RANK_TOL = 1e-10  # singular values of A = L⁻¹Z kept (relative to the largest)
 DISTANCE_CHUNK = 4096  # units per batched solve (memory bound)
+GRID_POINTS = 2000  # σ over the operating range: a tensor grid of about this many points
+GRID_CHUNK = 256  # units per σ grid evaluation: (units, grid, p) float64, ~8 MB at p = 20
 STATUS_OK, STATUS_UNLIKE, STATUS_FAILED = "ok", "unlike the fleet", "failed"
 
 
@@ -131,6 +135,32 @@ def unit_status(coef: np.ndarray, d2: np.ndarray, threshold: np.ndarray) -> np.n
     return status.astype(object)
 
 
+def operating_grid(prior: PriorModel, points: int = GRID_POINTS) -> np.ndarray:
+    """A tensor grid over the prior fleet's calibrated input range (raw units)."""
+    ranges = [prior.input_range[c] for c in prior.features]
+    side = max(3, round(points ** (1 / len(ranges))))
+    axes = [np.linspace(lo, hi, side) for lo, hi in ranges]
+    return np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, len(ranges))
+
+
+def sigma_over_range(prior: PriorModel, units: Units) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, max) per unit of the predictive σ over :func:`operating_grid`, in the target's
+    unit (NaN for a unit whose interval was declined). The grid lies in the prior's range,
+    inside every unit's support box: nothing on it is extrapolated."""
+    grid = prior.scaler.x(operating_grid(prior))
+    y_scale = abs(float(np.asarray(prior.scaler.y_scale).ravel()[0]))
+    means, maxes = [], []
+    for i in range(0, len(units.coef), GRID_CHUNK):
+        part = Units(**{
+            k: (v[i : i + GRID_CHUNK] if isinstance(v, np.ndarray) else v)
+            for k, v in units.__dict__.items()
+        })  # fmt: skip
+        sigma = predictive_std(part, np.broadcast_to(grid, (len(part.coef), *grid.shape)))
+        means.append(sigma.mean(-1))
+        maxes.append(sigma.max(-1))
+    return np.concatenate(means) * y_scale, np.concatenate(maxes) * y_scale
+
+
 def units_qa(
     prior: PriorModel,
     units: Units,
@@ -139,10 +169,13 @@ def units_qa(
     mask: np.ndarray,
     branch: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """``units.csv``'s QA columns: d2, dof, d2_threshold, p_value, unlike_fleet, status."""
+    """``units.csv``'s QA columns: d2, dof, d2_threshold, p_value, unlike_fleet, status,
+    sigma_mean, sigma_max."""
     d2, dof = fleet_distance(prior, x, y, mask, branch, units.noise_var)
     threshold, p_value = distance_threshold(d2, dof, prior.num_units)
     unlike = np.isfinite(d2) & (d2 > threshold)
     status = unit_status(units.coef, d2, threshold)
+    sigma_mean, sigma_max = sigma_over_range(prior, units)
     return {"d2": d2, "dof": dof, "d2_threshold": threshold, "p_value": p_value,
-            "unlike_fleet": unlike, "status": status}  # fmt: skip
+            "unlike_fleet": unlike, "status": status, "sigma_mean": sigma_mean,
+            "sigma_max": sigma_max}  # fmt: skip
