@@ -14,6 +14,7 @@ clean environment built from the wheel (.ci/run). The commands ``calibrate``, ``
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -67,9 +68,14 @@ print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("
 """
 
 
-def _child(code: str, *args: str) -> subprocess.CompletedProcess:
+def _child(code: str, *args: str, block: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200"}
     return subprocess.run(
-        [sys.executable, "-c", BLOCK + code, *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", (BLOCK if block else "import sys\n") + code, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
 
 
@@ -162,6 +168,21 @@ def test_the_station_s_values_are_fedcal_predict_s_after_fedcal_calibrate(traine
         theirs = table[prior.target + column].to_numpy()
         scale = np.abs(theirs).max()
         assert np.abs(child[ours] - theirs).max() <= 1e-10 * scale, column
+
+
+def test_report_of_a_calibrate_output_runs_without_torch(trained):
+    """``fedcal report OUT`` of a calibrate output (its units table and QA findings): the
+    same output with torch blocked as without."""
+    prior_file, new_file, root = trained
+    out = root / "for_report"
+    args = ["calibrate", "--prior", str(prior_file), "--data", str(new_file), "--out", str(out)]
+    assert runner.invoke(app, args).exit_code == 0
+    code = "from fedcal.cli import app\napp(sys.argv[1:])\n"
+    blocked = _child(code, "report", str(out))
+    normal = _child(code, "report", str(out), block=False)
+    assert blocked.returncode == 0, blocked.stderr
+    assert normal.returncode == 0 and blocked.stdout == normal.stdout
+    assert "NEW-S000" in blocked.stdout and "QA" in blocked.stdout
 
 
 def test_a_command_that_still_needs_torch_says_so_in_one_line(trained):
