@@ -192,7 +192,8 @@ def calibrate_units(
         gram, rhs = gram * m[:, None] * m[None, :], rhs * m
     mu, sigma, fleet = prior.mean, prior.covariance, prior.noise.variance
     noise = np.full(c, fleet if noise_var is None else float(noise_var))
-    if noise_var is None and prior.noise.kind == "sensor":
+    kind = prior.noise.kind or prior.provenance.method_params.get("noise", "fleet")  # v1 files
+    if noise_var is None and kind == "sensor":
         nu = prior.provenance.method_params.get("noise_prior_points", NOISE_PRIOR_POINTS)
         for _ in range(NOISE_ITERATIONS):
             rss = posterior(gram, rhs, yy, mu, sigma, noise)[2]
