@@ -128,12 +128,20 @@ def _value(key: str, value: object, label: str = "") -> str:
     return f'<span data-key="{html.escape(key)}" data-value="{exact}">{text}</span>'
 
 
+def _leaves(value: object, key: str, label: str = "") -> list[tuple[str, str, object]]:
+    """(dotted key, label relative to the row, leaf value) of a nested dict."""
+    if isinstance(value, dict) and value:
+        return [
+            leaf
+            for k in sorted(value)
+            for leaf in _leaves(value[k], f"{key}.{k}", f"{label}.{k}" if label else k)
+        ]
+    return [(key, label, value)]
+
+
 def _row(key: str, name: str, value: object, strong: bool) -> str:
     """A table row: a plain value, or a nested table's values on one line (k = v; …)."""
-    if isinstance(value, dict) and value:
-        shown = "; ".join(_value(f"{key}.{k}", value[k], k) for k in sorted(value))
-    else:
-        shown = _value(key, value)
+    shown = "; ".join(_value(k, v, label) for k, label, v in _leaves(value, key))
     head = f"<b>{html.escape(name)}</b>" if strong else html.escape(name)
     return f"<tr><th>{head}</th><td>{shown}</td></tr>"
 
@@ -142,19 +150,21 @@ def config_tables(config: dict, methods: list[str] = ()) -> str:
     """The resolved configuration (config.json) as one two-column table per section, laid
     out side by side; a nested table's values on one line. Each value carries its dotted
     key (data-key) and exact JSON value (data-value). ``methods``: the run's, in bold."""
-    groups: dict[str, list[tuple[str, object]]] = {}
+    groups: dict[str, list[tuple[str, object]]] = {"": []}  # "": the top-level values
     for key, value in sorted(config.items()):
         if isinstance(value, dict) and value:
             groups[key] = sorted(value.items())
         else:
-            groups.setdefault("run", []).append((key, value))
+            groups[""].append((key, value))
     out = ['<div class="config">']
     for section, rows in groups.items():
-        prefix = "" if section == "run" else f"{section}."
+        prefix = f"{section}." if section else ""
         body = "".join(
             _row(prefix + k, k, v, section == "methods" and k in methods) for k, v in rows
         )
-        out.append(f'<table class="config"><caption>{html.escape(section)}</caption>{body}</table>')
+        caption = html.escape(section or "run folder")
+        if rows:
+            out.append(f'<table class="config"><caption>{caption}</caption>{body}</table>')
     out.append("</div>")
     return "".join(out)
 
@@ -188,10 +198,11 @@ def unit_sections(
     """One collapsible section per unit, ``id="unit-<id>"``: its summary line, its
     certificate links (if any) and its detail HTML; ``rows``: {unit: (line, detail)}."""
     out = []
-    for unit, (line, detail) in list(rows.items())[:MAX_UNIT_SECTIONS]:
+    for k, (unit, (line, detail)) in enumerate(list(rows.items())[:MAX_UNIT_SECTIONS]):
         cert = f'<p class="cert">{links[unit]}</p>' if unit in links else ""
+        first = " open" * (k == 0)  # the first one open: the reader sees what each holds
         out.append(
-            f'<details class="unit" id="unit-{html.escape(unit)}"><summary>'
+            f'<details class="unit" id="unit-{html.escape(unit)}"{first}><summary>'
             f"<b>{html.escape(unit)}</b> {line}</summary>{cert}{detail}</details>"
         )
     shown = min(len(rows), MAX_UNIT_SECTIONS)
