@@ -58,6 +58,10 @@ eval_every = 50
 [methods.fedprior_bic]         # before issue 34: the in-sample (BIC) choice, no fall-back
 base = "fedprior"
 choose = "off"
+
+[methods.fedprior_modelsigma]  # fedprior with the model's own σ after calibration
+base = "fedprior"
+choice_interval = "off"
 """
 
 

@@ -174,3 +174,18 @@ def test_a_forged_forward_upload_is_refused_and_bounded() -> None:
     n = float(fwd["units"][:, 0].sum())
     moved = (clipped["cover"].sum(0) - fwd["cover"].sum(0)) / n
     assert float(moved.abs().max()) <= 1.0 / n + 1e-12
+
+
+def test_without_a_time_column_sigma_is_the_models_bit_for_bit() -> None:
+    """A chamber fleet (no time column): a run resolves ``choose = "auto"`` to "off" (no
+    forward keys at all); in-process "auto" keeps them, unused. Either way the σ the
+    evaluation reads (timed) is predictive_std exactly."""
+    train, _ = _fleet(6, 40, lambda i, t: 0.1 + 0 * t)
+    chamber = ClientData(train.x, train.y, train.count, train.seeds, train.index)
+    for choose in ("off", "auto"):
+        alg = make(degree=1, choose=choose)
+        run = run_rounds(alg, chamber, 4)
+        if choose == "off":
+            assert not any(k.startswith("fwd_") for k in [*run.server, *run.personal])
+        timed = alg.predictive_std_timed(run.personal, chamber)
+        assert torch.equal(timed, alg.predictive_std(run.personal, chamber.x))
