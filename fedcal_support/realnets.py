@@ -210,7 +210,8 @@ def future_interval(run: Path, method: str) -> str:
             continue
         if "declined" in record:
             return f"declined: {record['declined']}"
-        return f"κ {record['kappa']:.3f}, ρ/T {record['rate_per_time']:.3g} per time unit"
+        rho = record["rate_per_time"] * record["time_scale"]  # per fleet time scale T
+        return f"κ {record['kappa']:.3f}, ρ {rho:.3g}"
     return ""
 
 
