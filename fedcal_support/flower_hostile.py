@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fedcal.engine.flower.kinds import Kind
 from fedcal.engine.flower.loop import HANDSHAKE, run_federation
 
 if TYPE_CHECKING:
@@ -63,12 +64,13 @@ class InProcess:
         self, contents: Mapping[int, RecordDict], kind: str, t: int
     ) -> tuple[dict[int, RecordDict], dict[int, str]]:
         from fedcal.engine.flower.client import answer_handshake, run_round
-        from fedcal.engine.flower.secagg import SECAGG, site_round, site_stage
+        from fedcal.engine.flower.secagg import SECAGG
+        from fedcal.engine.flower.secagg_site import site_round, site_stage
 
         if kind == SECAGG:  # a step of secure aggregation: keys and shares, not data
             cfgs = self.node_cfgs
             return {n: site_stage(c, cfgs[n], self.run_id, n) for n, c in contents.items()}, {}
-        if kind == "handshake":
+        if kind == Kind.HANDSHAKE:
             return {
                 n: self._deliver(HANDSHAKE, n, answer_handshake(c, self.node_cfgs[n], self.run_id))
                 for n, c in contents.items()

@@ -50,6 +50,7 @@ from fedcal.data.fleet import BAROMETRIC_FEATURES, BAROMETRIC_TARGET, CLIENT_COL
 from fedcal.data.simulator import FleetSpec, parse_design
 from fedcal.engine.settings import EngineSettings
 from fedcal.models import build_model
+from fedcal.presets import PRESET_KEY, PresetError, expanded, preset_settings
 
 
 def _design(value: str, where: str) -> str:
@@ -338,7 +339,12 @@ def check_method_tables(
             )
         cls = registry[base]
         types = setting_types(cls)
-        values = {k: v for k, v in params.items() if k != "base"}
+        values = {k: v for k, v in params.items() if k not in ("base", PRESET_KEY)}
+        if PRESET_KEY in params:  # a named preset (fedcal.presets): known and for this method
+            try:
+                preset_settings(params[PRESET_KEY], cls, name)
+            except PresetError as err:
+                raise ConfigError(f"{where} [{section}] {PRESET_KEY}: {err}") from None
         for key, value in values.items():
             if key not in types:
                 raise ConfigError(
@@ -352,7 +358,7 @@ def check_method_tables(
             if not _finite(value):
                 raise ConfigError(f"{where} [{section}] {key}: must be finite, got {value!r}")
         if task is not None and cls.task_kind == task.kind:
-            _task_checks(cls, values, task, f"{where} [{section}]")
+            _task_checks(cls, expanded(params, cls, name), task, f"{where} [{section}]")
         out[name] = dict(params)
     return out
 

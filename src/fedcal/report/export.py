@@ -20,11 +20,13 @@ import numpy as np
 import torch
 
 from fedcal.config import ConfigError, from_json
+from fedcal.core import runnames
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.errors import did_you_mean
 from fedcal.core.paths import read_json
 from fedcal.core.tree import Tree, flatten, stack
 from fedcal.data.scaling import Scaler
+from fedcal.status import Status
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ def choose_method(run_dir: str | Path, method: str | None) -> str:
     """
     if method:
         return method
-    path = Path(run_dir) / "config.json"
+    path = Path(run_dir) / runnames.CONFIG
     try:  # read under the run folder's guards (regular file, size limit)
         methods = list(read_json(path)["run"]["methods"])
     except (KeyError, TypeError) as e:
@@ -302,7 +304,7 @@ def load_models(
     from fedcal.experiment import MODEL_FILE, load_model_file
 
     run_dir = Path(run_dir)
-    folder = run_dir / "runs" / f"{safe_name(method, 'method')}_tp{train_points}_seed{seed}"
+    folder = runnames.run_path(run_dir, safe_name(method, "method"), train_points, seed)
     path = folder / MODEL_FILE
     if not path.exists():
         if (folder / "model.pt").exists():
@@ -310,12 +312,14 @@ def load_models(
                 f"{folder / 'model.pt'}: a pickled model of an older fedcal, which is no longer "
                 "read (unpickling can run code); rerun the experiment into a new --out"
             )
-        known = sorted({p.name.rsplit("_tp", 1)[0] for p in run_dir.glob("runs/*_tp*_seed*")})
+        known = sorted(
+            {p.name.rsplit("_tp", 1)[0] for p in run_dir.glob(f"{runnames.RUNS}/*_tp*_seed*")}
+        )
         raise FileNotFoundError(
             f"no model for method {method!r}, seed {seed} in {run_dir} ({path} missing)"
             + did_you_mean([method], known)
         )
-    config_path = run_dir / "config.json"
+    config_path = run_dir / runnames.CONFIG
     record = read_json(config_path)  # guarded: a regular file, strict JSON (core/paths.py)
     try:
         cfg = from_json(record, str(config_path))
@@ -327,7 +331,7 @@ def load_models(
         raise TensorFileError(
             path, f"holds a model of method {meta.get('method')!r}, not {method!r}: moved or edited"
         )
-    refused = _refused_sensors(folder / "per_sensor.csv")
+    refused = _refused_sensors(folder / runnames.PER_SENSOR)
     excluded: dict[str, str] = {}
     for sensor in list(params):
         try:
@@ -383,10 +387,10 @@ def _refused_sensors(path: Path) -> dict[str, str]:
     except (OSError, ValueError, csv.Error):
         return {}  # unreadable: no sensor is excused, a NaN model stays an error
     return {
-        str(r.get("client")): "refused"
+        str(r.get("client")): Status.REFUSED
         + (f" ({r['status_reason']})" if r.get("status_reason") else "")
         for r in rows
-        if r.get("status") == "refused" and r.get("client") is not None
+        if r.get("status") == Status.REFUSED and r.get("client") is not None
     }
 
 
@@ -433,9 +437,12 @@ def _c_range_lines(sensors: list[str], columns: list[str], valid_range: dict) ->
     ``fedcal_in_range`` is :func:`in_range` (``fedcal predict``'s column): every input in
     [lo − m·w, hi + m·w], m = ``RANGE_MARGIN``. The bounds are :func:`range_bounds`'s float64
     values, written with 17 significant digits (exact), and compared in double with the
-    input widened from float (exact), so the header's flag equals predict's for every
-    float input, at the bounds too; a NaN input is out of range, as in predict.
+    reading (``fedcal_in_range_f64``; ``fedcal_in_range`` widens a float reading, exact), so
+    the header's flag equals predict's for every input, at the bounds too; a NaN input is out
+    of range, as in predict.
     """
+    from fedcal.report.linear_c import float_entry
+
     missing = [s for s in sensors if s not in valid_range]
     if missing:
         raise ValueError(f"no valid range for sensor(s) {', '.join(missing)}")
@@ -471,14 +478,14 @@ def _c_range_lines(sensors: list[str], columns: list[str], valid_range: dict) ->
         f"{{{widened(1)}}};",
         "/* 1 if every raw input lies within sensor `sensor`'s in-range bounds (a bound itself",
         " * is inside), else 0 (also for NaN): fedcal predict's in_range column. */",
-        "static inline int fedcal_in_range(int sensor, const float *x) {",
+        "static inline int fedcal_in_range_f64(int sensor, const double *x) {",
         "    for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) {",
-        "        double v = (double)x[j];",
-        "        if (!(v >= fedcal_range_lo[sensor][j] && v <= fedcal_range_hi[sensor][j]))",
+        "        if (!(x[j] >= fedcal_range_lo[sensor][j] && x[j] <= fedcal_range_hi[sensor][j]))",
         "            return 0;",
         "    }",
         "    return 1;",
         "}",
+        *float_entry("int", "fedcal_in_range", "fedcal_in_range_f64"),
     ]
 
 
@@ -513,7 +520,8 @@ def to_c_header(
     when the method has a predictive σ; its form is checked against the model's
     own predictions before it is written.
     """
-    from fedcal.report.linear_export import c_header, check_form, linear_form
+    from fedcal.report.linear_c import c_header, find_unit_lines
+    from fedcal.report.linear_export import check_form, linear_form
 
     form = linear_form(fleet, method)
     if form is not None:
@@ -563,6 +571,7 @@ def to_c_header(
     ]
     if valid_range:
         lines += _c_range_lines(sensors, [*fleet.features, fleet.target], valid_range)
+    lines += find_unit_lines()
     for i, sid in enumerate(sensors):
         p = fleet.params[sid]
         for k in range(layers):

@@ -5,8 +5,10 @@ Every such method predicts, per unit i and raw input x (F features),
     z = (x − x_offset) / x_scale                       (the run's scaler)
     u = z, or u_j = 2(z_j − lo_ij)/(hi_ij − lo_ij) − 1 (polynomial: its own calibrated span)
     ŷ = y_offset + y_scale · Σ_t c_it ψ_t(u)
-    φ_t(u) = Π_j P̃_{a_tj}(u_j)  (Legendre: P̃_n = √(2n+1)·P_n, Bonnet's recurrence)
-           or Π_j u_j^{a_tj}    (monomial: leastsq)
+    φ_t(u) = Π_j p_{a_tj}(u_j)   (p_n of the method's registered basis family,
+                                 fedcal.models.basis.FAMILIES: Legendre P̃_n = √(2n+1)·P_n
+                                 by Bonnet's recurrence, or u^n, leastsq's monomials;
+                                 the C header takes the family's C form, or refuses)
     ψ_t(u) = φ_t(ū) + Σ_j ∂φ_t/∂u_j(ū)·(u_j − ū_j),  ū = clamp(u, box_lo_i, box_hi_i)
 
 ψ is the extrapolation guard (:func:`fedcal.models.basis.linearized_products`):
@@ -31,7 +33,7 @@ the form has none (``FEDCAL_HAS_STD 0``, no σ function).
 :func:`check_form` evaluates that form in NumPy and refuses it unless it equals
 the algorithm's own ``predict`` and ``predictive_std`` (so a change of the
 model that the form does not carry stops the export, not the firmware);
-:func:`c_header` writes the C99 header and :func:`json_block` the JSON.
+:func:`fedcal.report.linear_c.c_header` writes the C99 header and :func:`json_block` the JSON.
 Precision choices (measured, docs/firmware.md): input scaling, the recurrence
 and the sums in double; coefficients stored as double; the factor, the additive
 variance and a per-unit support box as float (the polynomial's one box: double).
@@ -39,7 +41,6 @@ variance and a per-unit support box as float (the polynomial's one box: double).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
@@ -47,7 +48,8 @@ import numpy as np
 import torch
 
 from fedcal.core.tree import stack
-from fedcal.report.gp_export import JSON_FORMULA, DeployedSigma, c_lines, deployed_sigma, json_unit
+from fedcal.models.basis import LEGENDRE, basis_family
+from fedcal.report.gp_export import JSON_FORMULA, DeployedSigma, deployed_sigma, json_unit
 
 # C types of the stages, each overridable with -D at compile time (for the precision study).
 STAGES = {
@@ -66,7 +68,7 @@ class LinearForm:
     """One run's models as basis terms and per-unit numbers (see the module docstring)."""
 
     method: str
-    basis: str  # "legendre" or "monomial"
+    basis: str  # a registered basis family (fedcal.models.basis.FAMILIES)
     terms: np.ndarray  # (T, F) int exponents
     coef: np.ndarray  # (S, T) scaled target units
     lo: np.ndarray | None  # (S, F) polynomial's unit map (scaled inputs), else None
@@ -109,26 +111,13 @@ class LinearForm:
         return u
 
     def _per_input(self, u: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Per input order n: the basis values and their derivatives d/du (rows, F) each.
-
-        Legendre: Bonnet (n+1)P_{n+1} = (2n+1)uP_n − nP_{n−1} and
-        P'_{n+1} = P'_{n−1} + (2n+1)P_n on the plain P_n, then ×√(2n+1) for both.
-        """
+        """Per input order n: the basis values and their derivatives d/du (rows, F) each,
+        from the registered family (:data:`fedcal.models.basis.FAMILIES`) in float64."""
         top = int(self.terms.max(initial=0))
-        if self.basis == "monomial":
-            per = [u**n for n in range(top + 1)]
-            der = [n * u ** max(n - 1, 0) for n in range(top + 1)]
-            return per, der
-        per, der = [np.ones_like(u), u], [np.zeros_like(u), np.ones_like(u)]
-        for n in range(1, top):
-            per.append(((2 * n + 1) * u * per[n] - n * per[n - 1]) / (n + 1))
-            der.append(der[n - 1] + (2 * n + 1) * per[n])
-        norm = [math.sqrt(2 * n + 1) for n in range(top + 1)]
-        per, der = per[: top + 1], der[: top + 1]  # order 0: drop the seeded P_1
-        return (
-            [c * v for c, v in zip(norm, per, strict=True)],
-            [c * d for c, d in zip(norm, der, strict=True)],
-        )
+        family, ut = basis_family(self.basis), torch.from_numpy(np.asarray(u, np.float64))
+        per = [v.numpy() for v in family.values(ut, top)]
+        der = [d.numpy() for d in family.derivatives(ut, top)]
+        return per, der
 
     def features(self, z: np.ndarray, unit: int) -> np.ndarray:
         """φ(u) for scaled inputs z (rows, F) of unit ``unit`` → (rows, T), float64."""
@@ -224,7 +213,7 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
     lo = hi = factor = add_var = box_lo = box_hi = stated = deployed = None
     per_unit = True
     if isinstance(alg, FedPrior):
-        basis = "legendre"
+        basis = LEGENDRE.name
         terms = [*alg.terms, *alg.branch_terms]
         p = len(alg.terms)
         coef = np.zeros((len(sensors), len(terms)))
@@ -238,16 +227,16 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
         if "box" in params:  # the guard's box (scaled inputs); a model saved before: none
             box_lo, box_hi = params["box"][:, 0].numpy(), params["box"][:, 1].numpy()
     elif isinstance(alg, PolynomialCalibration):
-        basis, terms = "legendre", [tuple(t) for t in alg.exponents.tolist()]
+        basis, terms = LEGENDRE.name, [tuple(t) for t in alg.exponents.tolist()]
         coef = params["coef"].numpy()
         lo, hi = params["lo"].numpy(), params["hi"].numpy()
         edge = np.full((1, lo.shape[-1]), 1.0 + 2 * RANGE_MARGIN)  # in u: every unit's box
         box_lo, box_hi, per_unit = -edge, edge, False
     elif isinstance(alg, FedPoly):
-        basis, terms = "legendre", [*alg.private_terms, *alg.shared_terms]
+        basis, terms = LEGENDRE.name, [*alg.private_terms, *alg.shared_terms]
         coef = torch.cat([params["private"], params["shared"]], -1).numpy()
     elif isinstance(alg, LeastSquares):
-        basis, terms = "monomial", [tuple(t) for t in alg.exponents.tolist()]
+        basis, terms = alg.family, [tuple(t) for t in alg.exponents.tolist()]
         coef = params["coef"].numpy()
     else:
         return None
@@ -344,332 +333,6 @@ def check_form(fleet, form: LinearForm, valid_range: dict | None = None) -> None
                 )
 
 
-def _has_std_lines(form: LinearForm) -> list[str]:
-    """``fedcal_has_std``: per unit 1 if it has a stated σ, 0 if not (module docstring)."""
-    if not form.has_std:
-        return []
-    flags = ", ".join(str(int(form.states_std(i))) for i in range(len(form.sensors)))
-    lines = [
-        "/* 1: the unit has a stated predictive σ (fedcal_calibrate_std); 0: none was stated",
-        " * (e.g. its interval was declined): fedcal_calibrate_std returns NAN for it. */",
-        f"static const unsigned char fedcal_has_std[FEDCAL_NUM_SENSORS] = {{{flags}}};",
-    ]
-    missing = form.unstated
-    if missing:
-        lines.insert(
-            0,
-            f"/* No σ stated for {len(missing)} of {len(form.sensors)} units: "
-            f"{', '.join(missing)}. */",
-        )
-    return lines
-
-
-def _lit(v: float, kind: str) -> str:
-    if not math.isfinite(v):
-        return "NAN" if math.isnan(v) else ("INFINITY" if v > 0 else "-INFINITY")
-    return f"{float(v):.17e}" if kind == "double" else f"{float(v):.9e}f"
-
-
-def _rows(values: np.ndarray, kind: str) -> str:
-    if values.ndim == 1:
-        return "{" + ", ".join(_lit(v, kind) for v in values) + "}"
-    return "{" + ",\n    ".join(_rows(v, kind) for v in values) + "}"
-
-
-def c_header(fleet, form: LinearForm, guard: str, range_lines: list[str]) -> str:
-    """The C99 header of a :class:`LinearForm` (API as the MLP header, plus σ, and
-    ``fedcal_beyond_support`` when the form has the extrapolation guard's box: some input
-    outside it, the clamp of ``fedcal_features``, i.e. the method's ``beyond_support``)."""
-    s = fleet.scaler
-    t, f = form.terms.shape
-    top = int(form.terms.max(initial=0))
-    n_s = len(form.sensors)
-    packed = None
-    if form.has_std:
-        idx = np.tril_indices(t)
-        # Row-major packed lower triangle: L[r][c] for c ≤ r.
-        packed = np.stack([L[idx] for L in form.factor])
-    kind = "Legendre products P~a(u0)·P~b(u1)·…" if form.basis == "legendre" else "monomials"
-    lines = [
-        f"/* fedcal calibration ({form.method}): {n_s} units, {t} basis terms ({kind}).",
-        f" * inputs: {', '.join(fleet.features)}; output: {fleet.target}.",
-        f" * Footprint: {form.bytes_per_unit()} bytes of constants per unit"
-        + (
-            f", + {form.deployed.bytes_per_unit()} per unit whose σ is the prior's discrepancy"
-            " model's"
-            if form.deployed is not None
-            else ""
-        )
-        + ". See docs/firmware.md.",
-        " * Generated by fedcal export; do not edit. */",
-        f"#ifndef {guard}",
-        f"#define {guard}",
-        "#include <math.h>",
-        *(f"#ifndef {name}\n#define {name} {ctype}\n#endif" for name, ctype in STAGES.items()),
-        f"#define FEDCAL_NUM_SENSORS {n_s}",
-        f"#define FEDCAL_NUM_INPUTS {f}",
-        f"#define FEDCAL_NUM_TERMS {t}",
-        f"#define FEDCAL_MAX_ORDER {top}",
-        f"#define FEDCAL_HAS_STD {int(form.has_std)}",
-        *_has_std_lines(form),
-        f"static const double fedcal_x_offset[FEDCAL_NUM_INPUTS] = {_rows(s.x_offset, 'double')};",
-        f"static const double fedcal_x_scale[FEDCAL_NUM_INPUTS] = {_rows(s.x_scale, 'double')};",
-        f"static const double fedcal_y_offset = {_lit(s.y_offset[0], 'double')};",
-        f"static const double fedcal_y_scale = {_lit(s.y_scale[0], 'double')};",
-        "static const char *const fedcal_sensor_ids[FEDCAL_NUM_SENSORS] = {"
-        + ", ".join(json.dumps(sid) for sid in form.sensors)
-        + "};",
-        "/* Exponents of each basis term, one per input. */",
-        "static const unsigned char fedcal_terms[FEDCAL_NUM_TERMS][FEDCAL_NUM_INPUTS] = {"
-        + ", ".join("{" + ", ".join(str(int(a)) for a in term) + "}" for term in form.terms)
-        + "};",
-        "/* Each unit's coefficients (scaled target units). */",
-        "static const FEDCAL_COEF_T fedcal_coef[FEDCAL_NUM_SENSORS][FEDCAL_NUM_TERMS] = "
-        f"{_rows(form.coef, 'double')};",
-    ]
-    if form.lo is not None:
-        lines += [
-            "/* Each unit's input span (scaled), mapped onto [-1, 1]. */",
-            "static const double fedcal_u_lo[FEDCAL_NUM_SENSORS][FEDCAL_NUM_INPUTS] = "
-            f"{_rows(form.lo, 'double')};",
-            "static const double fedcal_u_hi[FEDCAL_NUM_SENSORS][FEDCAL_NUM_INPUTS] = "
-            f"{_rows(form.hi, 'double')};",
-        ]
-    if form.has_std:
-        lines += [
-            "/* Each unit's factor L (packed lower triangle, row-major) of its predictive",
-            " * covariance of the basis terms, and its additive variance (scaled units). */",
-            "static const FEDCAL_STD_T fedcal_chol[FEDCAL_NUM_SENSORS]"
-            f"[FEDCAL_NUM_TERMS * (FEDCAL_NUM_TERMS + 1) / 2] = {_rows(packed, 'float')};",
-            "static const FEDCAL_STD_T fedcal_var_add[FEDCAL_NUM_SENSORS] = "
-            f"{_rows(form.add_var, 'float')};",
-        ]
-    guarded = form.box_lo is not None
-    if guarded:
-        rows_box = n_s if form.box_per_unit else 1
-        where = "each unit's" if form.box_per_unit else "every unit's (one box)"
-        # per unit: FEDCAL_BOX_T (float; measured, docs/firmware.md); one shared box: double
-        box_t = "FEDCAL_BOX_T" if form.box_per_unit else "double"
-        lines += [
-            f"/* Extrapolation guard: {where} support box in the basis's coordinates u;",
-            " * beyond it the basis continues along its tangent plane at the nearest point. */",
-            f"#define FEDCAL_BOX_UNITS {rows_box}",
-            f"static const {box_t} fedcal_box_lo[FEDCAL_BOX_UNITS][FEDCAL_NUM_INPUTS] = "
-            f"{_rows(form.box_lo, 'double')};",
-            f"static const {box_t} fedcal_box_hi[FEDCAL_BOX_UNITS][FEDCAL_NUM_INPUTS] = "
-            f"{_rows(form.box_hi, 'double')};",
-        ]
-    lines += range_lines
-    if form.basis == "legendre":
-        norms = ", ".join(_lit(math.sqrt(2 * n + 1), "double") for n in range(top + 1))
-        per_input = [
-            f"static const double fedcal_norm[FEDCAL_MAX_ORDER + 1] = {{{norms}}};",
-            "/* p[n] = sqrt(2n+1) P_n(u), Bonnet: (n+1) P_{n+1} = (2n+1) u P_n - n P_{n-1}.",
-            " * dp[n] = d p[n]/du (when dp is not NULL). Differentiating Bonnet:",
-            " *   (n+1) P'_{n+1} = (2n+1) (P_n + u P'_n) - n P'_{n-1},",
-            " * and u P'_n - P'_{n-1} = n P_n (from the generating function",
-            " * (1 - 2ut + t^2)^(-1/2) = sum_n P_n(u) t^n), so (n+1) P'_{n+1} =",
-            " * (2n+1)(n+1) P_n + (n+1) P'_{n-1}, i.e.",
-            " *   P'_{n+1} = P'_{n-1} + (2n+1) P_n,   P'_0 = 0, P'_1 = 1;",
-            " * the normalization is a constant factor: dp[n] = sqrt(2n+1) P'_n(u). */",
-            "static inline void fedcal_basis_1d(FEDCAL_BASIS_T u, FEDCAL_BASIS_T *p,"
-            " FEDCAL_BASIS_T *dp) {",
-            "    p[0] = (FEDCAL_BASIS_T)1;",
-            "    if (dp) dp[0] = (FEDCAL_BASIS_T)0;",
-            "    if (FEDCAL_MAX_ORDER >= 1) {",
-            "        p[1] = u;",
-            "        if (dp) dp[1] = (FEDCAL_BASIS_T)1;",
-            "    }",
-            "    for (int n = 1; n < FEDCAL_MAX_ORDER; ++n) {",
-            "        p[n + 1] = ((FEDCAL_BASIS_T)(2 * n + 1) * u * p[n]"
-            " - (FEDCAL_BASIS_T)n * p[n - 1]) / (FEDCAL_BASIS_T)(n + 1);",
-            "        if (dp) dp[n + 1] = dp[n - 1] + (FEDCAL_BASIS_T)(2 * n + 1) * p[n];",
-            "    }",
-            "    for (int n = 0; n <= FEDCAL_MAX_ORDER; ++n) {",
-            "        p[n] *= (FEDCAL_BASIS_T)fedcal_norm[n];",
-            "        if (dp) dp[n] *= (FEDCAL_BASIS_T)fedcal_norm[n];",
-            "    }",
-            "}",
-        ]
-    else:
-        per_input = [
-            "/* p[n] = u^n (no extrapolation guard: dp is never used). */",
-            "static inline void fedcal_basis_1d(FEDCAL_BASIS_T u, FEDCAL_BASIS_T *p,"
-            " FEDCAL_BASIS_T *dp) {",
-            "    (void)dp;",
-            "    p[0] = (FEDCAL_BASIS_T)1;",
-            "    for (int n = 1; n <= FEDCAL_MAX_ORDER; ++n) p[n] = p[n - 1] * u;",
-            "}",
-        ]
-    unit_map = (
-        [
-            "        FEDCAL_SCALE_T span = fedcal_u_hi[sensor][j] - fedcal_u_lo[sensor][j];",
-            "        if (!(span > 0)) span = 1;",
-            "        z = 2 * (z - fedcal_u_lo[sensor][j]) / span - 1;",
-        ]
-        if form.lo is not None
-        else []
-    )
-    box_row = "sensor" if form.box_per_unit else "0"
-    if guarded:
-        clamp = [
-            f"        FEDCAL_SCALE_T lo = (FEDCAL_SCALE_T)fedcal_box_lo[{box_row}][j];",
-            f"        FEDCAL_SCALE_T hi = (FEDCAL_SCALE_T)fedcal_box_hi[{box_row}][j];",
-            "        FEDCAL_SCALE_T zc = z < lo ? lo : (z > hi ? hi : z); /* clamp; NaN stays */",
-            "        step[j] = (FEDCAL_BASIS_T)(z - zc);",
-            "        if (phi) fedcal_basis_1d((FEDCAL_BASIS_T)z, p[j], 0);",
-            "        fedcal_basis_1d((FEDCAL_BASIS_T)zc, q[j], dq[j]);",
-        ]
-        products = [
-            "        if (phi) {",
-            "            FEDCAL_BASIS_T v = 1;",
-            "            for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) v *= p[j][a[j]];",
-            "            phi[t] = v;",
-            "        }",
-            "        /* psi_t = prod_j q_j + sum_j step_j dq_j prod_{k != j} q_k (tangent) */",
-            "        FEDCAL_BASIS_T v = 1, slope = 0;",
-            "        for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) {",
-            "            FEDCAL_BASIS_T part = dq[j][a[j]] * step[j];",
-            "            v *= q[j][a[j]];",
-            "            for (int k = 0; k < FEDCAL_NUM_INPUTS; ++k)",
-            "                if (k != j) part *= q[k][a[k]];",
-            "            slope += part;",
-            "        }",
-            "        psi[t] = v + slope;",
-        ]
-        decl = [
-            "    FEDCAL_BASIS_T p[FEDCAL_NUM_INPUTS][FEDCAL_MAX_ORDER + 1];",
-            "    FEDCAL_BASIS_T q[FEDCAL_NUM_INPUTS][FEDCAL_MAX_ORDER + 1];",
-            "    FEDCAL_BASIS_T dq[FEDCAL_NUM_INPUTS][FEDCAL_MAX_ORDER + 1];",
-            "    FEDCAL_BASIS_T step[FEDCAL_NUM_INPUTS];",
-        ]
-        doc = [
-            "/* The basis terms of sensor `sensor` at raw inputs x: phi[t] = phi_t(u) (skipped",
-            " * when phi is NULL) and the guarded psi[t] = phi_t(ub) + sum_j d phi_t/du_j(ub)",
-            " * (u_j - ub_j), ub = clamp(u, box_lo, box_hi): psi = phi inside the box. */",
-        ]
-    else:
-        clamp = ["        fedcal_basis_1d((FEDCAL_BASIS_T)z, p[j], 0);"]
-        products = [
-            "        FEDCAL_BASIS_T v = 1;",
-            "        for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) v *= p[j][a[j]];",
-            "        if (phi) phi[t] = v;",
-            "        psi[t] = v;",
-        ]
-        decl = ["    FEDCAL_BASIS_T p[FEDCAL_NUM_INPUTS][FEDCAL_MAX_ORDER + 1];"]
-        doc = [
-            "/* The basis terms phi[t] of sensor `sensor` at raw inputs x (no extrapolation",
-            " * guard in this method: psi = phi; phi may be NULL). */",
-        ]
-    lines += [
-        *per_input,
-        *doc,
-        "static inline void fedcal_features(int sensor, const float *x, FEDCAL_BASIS_T *phi,"
-        " FEDCAL_BASIS_T *psi) {",
-        *decl,
-        "    (void)sensor;",
-        "    for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) {",
-        "        FEDCAL_SCALE_T z = ((FEDCAL_SCALE_T)x[j] - (FEDCAL_SCALE_T)fedcal_x_offset[j])"
-        " / (FEDCAL_SCALE_T)fedcal_x_scale[j];",
-        *unit_map,
-        *clamp,
-        "    }",
-        "    for (int t = 0; t < FEDCAL_NUM_TERMS; ++t) {",
-        "        const unsigned char *a = fedcal_terms[t];",
-        *products,
-        "    }",
-        "}",
-        "/* Calibrated output (double) of sensor `sensor` (index into fedcal_sensor_ids). */",
-        "static inline double fedcal_calibrate_d(int sensor, const float *x) {",
-        "    FEDCAL_BASIS_T psi[FEDCAL_NUM_TERMS];",
-        "    FEDCAL_SUM_T y = 0;",
-        "    fedcal_features(sensor, x, 0, psi);",
-        "    for (int t = 0; t < FEDCAL_NUM_TERMS; ++t)",
-        "        y += (FEDCAL_SUM_T)fedcal_coef[sensor][t] * (FEDCAL_SUM_T)psi[t];",
-        "    return (double)(y * (FEDCAL_SUM_T)fedcal_y_scale + (FEDCAL_SUM_T)fedcal_y_offset);",
-        "}",
-        "/* Calibrated output of sensor `sensor` (index into fedcal_sensor_ids), raw inputs x. */",
-        "static inline float fedcal_calibrate(int sensor, const float *x) {",
-        "    return (float)fedcal_calibrate_d(sensor, x);",
-        "}",
-    ]
-    lines += [f"#define FEDCAL_HAS_GUARD {int(guarded)}"]
-    if guarded:
-        lines += [
-            "/* 1 where the extrapolation guard linearizes: some input beyond the unit's support",
-            " * box (fedcal's beyond_support; the clamp of fedcal_features, same coordinates",
-            " * and stored box), else 0. */",
-            "static inline int fedcal_beyond_support(int sensor, const float *x) {",
-            "    (void)sensor;",
-            "    for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) {",
-            "        FEDCAL_SCALE_T z = ((FEDCAL_SCALE_T)x[j] - (FEDCAL_SCALE_T)fedcal_x_offset[j])"
-            " / (FEDCAL_SCALE_T)fedcal_x_scale[j];",
-            *unit_map,
-            f"        if (z < (FEDCAL_SCALE_T)fedcal_box_lo[{box_row}][j] ||"
-            f" z > (FEDCAL_SCALE_T)fedcal_box_hi[{box_row}][j])",
-            "            return 1;",
-            "    }",
-            "    return 0;",
-            "}",
-        ]
-    if form.has_std:
-        lines += _std_lines(form)
-    lines += [f"#endif /* {guard} */", ""]
-    return "\n".join(lines)
-
-
-def _std_lines(form: LinearForm) -> list[str]:
-    """``fedcal_calibrate_std_d`` (double) and ``fedcal_calibrate_std`` (float): the basis
-    form's σ (FEDCAL_STD_T arithmetic), or a deployed unit's (double: report.gp_export)."""
-    deployed = form.deployed is not None
-    lines = c_lines(form.deployed) if deployed else []
-    gp = (
-        [
-            "    if (fedcal_gp_row[sensor] >= 0) /* the prior's discrepancy model (double) */",
-            "        return fabs(fedcal_y_scale)"
-            " * sqrt(fedcal_deployed_var(fedcal_gp_row[sensor], x, phi) + (double)(g * g));",
-        ]
-        if deployed
-        else []
-    )
-    return [
-        *lines,
-        "/* Predictive standard deviation (posterior + noise + model form beyond the box) of",
-        " * fedcal_calibrate, in the output's unit:",
-        " * |y_scale| * sqrt(|L^T phi|^2 + var_add + g^2), phi unguarded, and",
-        " * g = sum_t c_t (phi_t - psi_t) (the polynomial minus its tangent-plane",
-        " * continuation; 0 inside the support box); a unit calibrated from the prior's",
-        " * discrepancy model (fedcal_gp_row >= 0): |y_scale| * sqrt(v + g^2) in double;",
-        " * NAN for a unit without a stated σ (fedcal_has_std[sensor] == 0). */",
-        "static inline double fedcal_calibrate_std_d(int sensor, const float *x) {",
-        "    FEDCAL_BASIS_T phi[FEDCAL_NUM_TERMS], psi[FEDCAL_NUM_TERMS];",
-        "    if (!fedcal_has_std[sensor]) return NAN; /* no σ stated for this unit */",
-        "    const FEDCAL_STD_T *L = fedcal_chol[sensor];",
-        "    FEDCAL_STD_T var = fedcal_var_add[sensor];",
-        "    FEDCAL_SUM_T y_phi = 0, y_psi = 0, g;",
-        "    fedcal_features(sensor, x, phi, psi);",
-        "    for (int c = 0; c < FEDCAL_NUM_TERMS; ++c) {",
-        "        y_phi += (FEDCAL_SUM_T)fedcal_coef[sensor][c] * (FEDCAL_SUM_T)phi[c];",
-        "        y_psi += (FEDCAL_SUM_T)fedcal_coef[sensor][c] * (FEDCAL_SUM_T)psi[c];",
-        "    }",
-        "    g = y_phi - y_psi;",
-        *gp,
-        "    for (int c = 0; c < FEDCAL_NUM_TERMS; ++c) {",
-        "        /* (L^T phi)_c = sum over rows r >= c of L[r][c] phi[r] */",
-        "        FEDCAL_STD_T w = 0;",
-        "        for (int r = c; r < FEDCAL_NUM_TERMS; ++r)",
-        "            w += L[r * (r + 1) / 2 + c] * (FEDCAL_STD_T)phi[r];",
-        "        var += w * w;",
-        "    }",
-        "    var += (FEDCAL_STD_T)(g * g);",
-        "    return fabs(fedcal_y_scale) * sqrt((double)var);",
-        "}",
-        "static inline float fedcal_calibrate_std(int sensor, const float *x) {",
-        "    return (float)fedcal_calibrate_std_d(sensor, x);",
-        "}",
-    ]
-
-
 def json_block(fleet, form: LinearForm) -> dict:
     """The JSON ``model`` of a linear-in-basis run: everything that rebuilds ŷ and σ."""
     s = fleet.scaler
@@ -677,11 +340,7 @@ def json_block(fleet, form: LinearForm) -> dict:
         "family": "linear_basis",
         "method": form.method,
         "basis": form.basis,
-        "normalization": (
-            "P~n(u) = sqrt(2n+1) * P_n(u), P_n the Legendre polynomials"
-            if form.basis == "legendre"
-            else "u^n"
-        ),
+        "normalization": basis_family(form.basis).normalization,
         "formula": (
             "z = (x - scaler.x_offset) / scaler.x_scale; "
             + (
