@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import torch
 
+from fedcal.algorithms.fedprior import FedPrior
 from fedcal.algorithms.fedprior_choice_checks import choice_problems
 from fedcal.algorithms.fedprior_forward import (
     RATES,
@@ -17,12 +19,18 @@ from fedcal.algorithms.fedprior_forward import (
     forward_fit,
     forward_reason,
 )
+from fedcal.apps.flower_server import build
+from fedcal.build import build_policy
+from fedcal.core.algorithm import ClientResult
 from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData
 from fedcal.core.tree import flatten
+from fedcal.engine.simulation import EngineConfig, prepare, simulate
 from fedcal_support.rounds import run_rounds
 
 from .test_fedprior_choice import make
+from .test_fedprior_choice_checks import CFG, FORGER
+from .test_fedprior_choice_checks import _fleet as choice_fleet
 
 Z = 1.959964
 
@@ -189,3 +197,39 @@ def test_without_a_time_column_sigma_is_the_models_bit_for_bit() -> None:
             assert not any(k.startswith("fwd_") for k in [*run.server, *run.personal])
         timed = alg.predictive_std_timed(run.personal, chamber)
         assert torch.equal(timed, alg.predictive_std(run.personal, chamber.x))
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardForger(FedPrior):
+    """Unit FORGER claims its rows are never covered: coverage 2 at κ = 0.5 falling to 0."""
+
+    forge: bool = False
+
+    def client_update(self, down, state, data):
+        out = super().client_update(down, state, data)
+        if not self.forge or "choice" not in out.reply:
+            return out
+        c = {k: v.clone() for k, v in out.reply["choice"].items()}
+        c["fwd_cover"][FORGER] = torch.linspace(2, 0, len(SCALES), dtype=F64)
+        c["fwd_cover_sq"][FORGER] = c["fwd_cover"][FORGER] ** 2
+        return ClientResult({**out.reply, "choice": c}, out.state, out.metrics)
+
+
+def _forged_run(forge: bool):
+    base = build(CFG, "fedprior", 1)
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}
+    alg = ForwardForger(**fields, forge=forge)
+    eng = EngineConfig(rounds=8, seed=0, dtype="float64", aggregation=build_policy(CFG)[0])
+    return simulate(alg, prepare(choice_fleet(), dtype="float64"), eng)
+
+
+def test_a_unit_forging_its_forward_coverage_is_refused_in_a_run() -> None:
+    """The engine's consistency check refuses the forger's replies in every round; the
+    fleet's factor is then the honest units' (within one grid step of the clean run's)."""
+    clean, res = _forged_run(False), _forged_run(True)
+    assert not clean.extra["rejections"]
+    reasons = {r["reason"] for r in res.extra["rejections"] if r["client_index"] == FORGER}
+    assert len(reasons) == 1 and "forward interval uploads outside" in reasons.pop()
+    step = float(SCALES[1] / SCALES[0])
+    ratio = float(res.server["fwd_scale"]) / float(clean.server["fwd_scale"])
+    assert 1 / step - 1e-9 <= ratio <= step + 1e-9
