@@ -45,7 +45,7 @@ from fedcal.core.bayes import F64, predictive_var
 from fedcal.core.data import ClientData
 from fedcal.core.paths import safe_name
 from fedcal.core.tree import Tree, expand, gather
-from fedcal.data.fleet import SPLIT_COLUMN, Fleet
+from fedcal.data.fleet import Fleet
 from fedcal.data.scaling import Scaler
 from fedcal.engine.evaluation import errors
 from fedcal.engine.simulation import FleetTensors, RunResult
@@ -60,10 +60,15 @@ from fedcal.experiment import (
 )
 from fedcal.prior.discrepancy import Discrepancy, unit_scale
 from fedcal.prior.model import PriorModel
+from fedcal.prior.qa import (  # the range guard, QA threshold and grid: torch-free, re-exported
+    GRID_POINTS,  # noqa: F401  (calibration.GRID_POINTS: tests/report/test_calibration_report.py)
+    QA_LEVEL,
+    RANGE_TOLERANCE,  # noqa: F401  (calibration.RANGE_TOLERANCE: benchmarks/prior_scale.py)
+    check_inputs,
+    distance_threshold,
+    operating_grid,
+)
 
-QA_LEVEL = 0.999  # a unit beyond this χ² quantile of the fleet distance is flagged
-GRID_POINTS = 2000  # σ over the operating range: a tensor grid of about this many points
-RANGE_TOLERANCE = 0.05  # inputs may exceed the fleet's calibrated range by 5 % of its span
 NOISE_ITERATIONS = 25  # fixed-point iterations of a unit's own noise level (converged: tested)
 DISTANCE_CHUNK = 4096  # units per batched solve of the fleet distance (memory bound)
 GRID_CHUNK = 512  # units per σ grid evaluation: (units, grid) float64, ~8 MB (fastest measured)
@@ -109,28 +114,6 @@ def _config(prior: PriorModel) -> RunConfig:
         features=prior.features, target=prior.target, client_column=prior.sensor_column
     )
     return replace(cfg, data=data, methods=(method,), seeds=1)
-
-
-def check_inputs(prior: PriorModel, fleet: Fleet, source: str) -> None:
-    """Refuse units calibrated outside the range the fleet's prior was learned over.
-
-    Only calibration (train) rows are judged: a unit's held-out rows beyond the range are
-    scored with the extrapolation guard (linearized, ``beyond_support`` in per_sensor.csv).
-    """
-    calibration_rows = fleet.frame[fleet.frame[SPLIT_COLUMN] == "train"]
-    # Every sensor's span at once (one grouped min/max per column, not a loop over sensors).
-    groups = calibration_rows.groupby(fleet.client_column, sort=False)
-    for c, (lo, hi) in prior.input_range.items():
-        slack = RANGE_TOLERANCE * (hi - lo)
-        span = groups[c].agg(["min", "max"])
-        bad = span[(span["min"] < lo - slack) | (span["max"] > hi + slack)]
-        if len(bad):  # the first such sensor in the file's order
-            sensor, (low, high) = bad.index[0], bad.iloc[0]
-            raise ValueError(
-                f"{source}: sensor {sensor}: {c} spans {low:.6g}…{high:.6g}, "
-                f"outside the prior fleet's calibrated range {lo:.6g}…{hi:.6g} (±5 %): "
-                "this prior cannot calibrate it"
-            )
 
 
 @dataclass(frozen=True)
@@ -384,44 +367,6 @@ def fleet_distance(
         d2[idx] = proj.square().sum(-1)[ok].numpy()
         dof[idx] = kept.sum(-1)[ok].numpy()
     return d2, dof
-
-
-def distance_threshold(
-    d2: np.ndarray, dof: np.ndarray, num_units: int | None, level: float = QA_LEVEL
-) -> tuple[np.ndarray, np.ndarray]:
-    """The QA threshold of d² and its p-value, per unit.
-
-    The prior's Σ is estimated from the fleet's N units, so a new unit's d² is
-    not χ²(dof) but Hotelling's prediction statistic: d² · N(N − d)/(d(N − 1)(N + 1))
-    ~ F(d, N − d) (d = dof). Threshold: the F quantile at ``level`` mapped back;
-    for large N it tends to the χ²(d) quantile (used when N is not recorded).
-    A fleet of N ≤ d units cannot judge a d-dimensional distance: NaN (not flagged).
-    Measured (fleet seed 2, 10 fully calibrated units, new units with a 3x2 design:
-    tests/report/test_calibration_report.py): a typical new unit reached d² = 38.5
-    with d = 6, above χ²(6)'s 99.9 % quantile 22.5 — χ² ignores that Σ was
-    estimated from 10 units; Hotelling's threshold is 750.
-    """
-    from scipy.stats import chi2, f
-
-    d = np.maximum(dof, 1).astype(float)
-    if num_units is None:
-        threshold = np.where(dof > 0, chi2.ppf(level, d), np.nan)
-        return threshold, np.where(dof > 0, chi2.sf(d2, d), np.nan)
-    n = float(num_units)
-    ok = (dof > 0) & (n > d)
-    den = np.where(ok, n - d, 1.0)
-    factor = d * (n - 1.0) * (n + 1.0) / (n * den)
-    threshold = np.where(ok, factor * f.ppf(level, d, den), np.nan)
-    p_value = np.where(ok, f.sf(d2 / factor, d, den), np.nan)
-    return threshold, p_value
-
-
-def operating_grid(prior: PriorModel, points: int = GRID_POINTS) -> np.ndarray:
-    """A tensor grid over the prior fleet's calibrated input range (raw units)."""
-    ranges = [prior.input_range[c] for c in prior.features]
-    side = max(3, round(points ** (1 / len(ranges))))
-    axes = [np.linspace(lo, hi, side) for lo, hi in ranges]
-    return np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, len(ranges))
 
 
 def grid_sigma(alg: FedPrior, personal: Tree, grid: torch.Tensor) -> np.ndarray:

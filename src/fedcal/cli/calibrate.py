@@ -215,7 +215,7 @@ def _print_calibrated(table, out: Path, target: str, title: str) -> None:
 
 def _print_units(run_dir: Path) -> None:
     """The per-unit table of a calibrate output (units.csv) and its QA findings."""
-    from fedcal.report.rundir import read_table
+    from fedcal.core.csvfile import read_table  # torch-free
 
     units = read_table(run_dir / runnames.UNITS, dtype={"sensor_id": str})  # guarded
     points = ", ".join(map(str, sorted(set(units["points"].astype(int)))))
@@ -236,7 +236,7 @@ def _print_units(run_dir: Path) -> None:
 
 def _print_findings(out: Path) -> None:
     """The QA findings of a calibrate run (units.csv): units unlike the fleet, failed units."""
-    from fedcal.report.rundir import read_table
+    from fedcal.core.csvfile import read_table  # torch-free
 
     units = read_table(out / runnames.UNITS, dtype={"sensor_id": str})  # guarded
     bad = units[units["status"] != "ok"]

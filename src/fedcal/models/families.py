@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # torch is imported where a family is evaluated: the registry itself
+    from torch import Tensor  # is read torch-free (prior.json's check on a calibration station)
 
 
 def legendre(x: Tensor, order: int) -> list[Tensor]:
@@ -26,6 +27,8 @@ def legendre(x: Tensor, order: int) -> list[Tensor]:
     Bonnet's recurrence (n+1)·P_{n+1} = (2n+1)·x·P_n − n·P_{n−1}, then the
     normalization that gives unit mean square on [-1, 1].
     """
+    import torch
+
     values = [torch.ones_like(x)]
     if order >= 1:
         values.append(x)
@@ -36,6 +39,8 @@ def legendre(x: Tensor, order: int) -> list[Tensor]:
 
 def legendre_derivatives(x: Tensor, order: int) -> list[Tensor]:
     """d/dx √(2n+1)·P_n(x) for n = 0..order: P'_{n+1} = P'_{n−1} + (2n+1)·P_n (P'_0 = 0)."""
+    import torch
+
     values = legendre(x, order)  # normalized: P_n = values[n] / √(2n+1)
     plain = [v / math.sqrt(2 * n + 1) for n, v in enumerate(values)]
     ders = [torch.zeros_like(x)]
@@ -71,9 +76,11 @@ class BasisFamily:
     def products(self, x: Tensor, exponents: Tensor | Sequence[Sequence[int]]) -> Tensor:
         """φ_k(x) = Π_j p_{a_kj}(x_j) for each exponent tuple: (..., rows, F) → (..., rows, T),
         float64."""
+        import torch
+
         if self.design is not None:
             return self.design(x, exponents)
-        if isinstance(exponents, Tensor):
+        if isinstance(exponents, torch.Tensor):
             exponents = [tuple(int(a) for a in row) for row in exponents.tolist()]
         x = x.to(torch.float64)
         if not exponents:
@@ -148,6 +155,8 @@ def _legendre_c(order: int) -> list[str]:
 
 def monomials(x: Tensor, order: int) -> list[Tensor]:
     """x^n for n = 0..order."""
+    import torch
+
     values = [torch.ones_like(x)]
     for _ in range(order):
         values.append(values[-1] * x)
@@ -156,12 +165,16 @@ def monomials(x: Tensor, order: int) -> list[Tensor]:
 
 def monomial_derivatives(x: Tensor, order: int) -> list[Tensor]:
     """d/dx x^n = n·x^(n−1) for n = 0..order."""
+    import torch
+
     values = monomials(x, max(order - 1, 0))
     return [torch.zeros_like(x), *(n * values[n - 1] for n in range(1, order + 1))]
 
 
 def monomial_products(x: Tensor, exponents: Tensor | Sequence[Sequence[int]]) -> Tensor:
     """x^e for each exponent row: (..., rows, F) → (..., rows, terms), float64."""
+    import torch
+
     e = torch.as_tensor(exponents, dtype=torch.float64).reshape(-1, x.shape[-1])
     return x.to(torch.float64).unsqueeze(-2).pow(e).prod(-1)
 

@@ -8,8 +8,6 @@ models compute on the run's own held-out points (model.pt via
 
 from __future__ import annotations
 
-import csv
-import io
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +17,8 @@ import torch
 
 from fedcal.config import RunConfig, from_json
 from fedcal.core import runnames
-from fedcal.core.paths import PathError, read_json, read_text, safe_name
+from fedcal.core.csvfile import read_table  # torch-free; read_table is re-exported here
+from fedcal.core.paths import PathError, read_json, safe_name
 from fedcal.core.runfiles import RunFileError, check_valid_ranges
 from fedcal.core.tree import stack
 from fedcal.data.fleet import SPLIT_COLUMN, Fleet
@@ -33,37 +32,6 @@ def _run_config(raw: dict) -> RunConfig:
 
 
 SUMMARY_COLUMNS = ("method", "seed", "train_points")
-
-
-def read_table(
-    path: Path, required: tuple[str, ...] = (), dtype: dict | None = None
-) -> pd.DataFrame:
-    """A CSV of a run folder through the guarded reader (regular file, size limit).
-
-    ``required`` columns must be there; anything else is a RunFileError naming the file.
-    """
-    text = read_text(path)
-    try:
-        widths = [(i, len(r)) for i, r in enumerate(csv.reader(io.StringIO(text)), 1) if r]
-    except csv.Error as e:  # e.g. a field over the csv module's limit (131,072 characters)
-        raise RunFileError(f"{path}: not a readable CSV table ({e})") from None
-    for line, width in widths[1:]:
-        if width != widths[0][1]:  # pandas would fill a cut row with NaN: a "diverged" run
-            raise RunFileError(
-                f"{path}: line {line} has {width} fields, the header {widths[0][1]}: "
-                "truncated or edited"
-            )
-    try:
-        frame = pd.read_csv(io.StringIO(text), dtype=dtype)
-    except (ValueError, pd.errors.ParserError) as e:  # EmptyDataError is a ValueError
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise RunFileError(f"{path}: not a readable CSV table ({first})") from None
-    missing = [c for c in required if c not in frame.columns]
-    if missing:
-        raise RunFileError(f"{path}: missing column(s) {', '.join(missing)}")
-    if required and len(frame) == 0:
-        raise RunFileError(f"{path}: no rows")
-    return frame
 
 
 def check_summary(path: Path, frame: pd.DataFrame) -> pd.DataFrame:
