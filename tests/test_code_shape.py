@@ -39,7 +39,6 @@ ALLOWED: dict[str, str] = {
     "fedcal/planning.py": "light",
     # vocab (issue 35.2: presets, one place for defaults)
     "fedcal/config.py": "vocab",
-    "fedcal/config.py::apply complexity": "vocab",
     # compose (issue 35.1: FedPrior's mixins → parts) and fieldcov (fedprior_drift)
     "fedcal/algorithms/fedprior.py": "compose",
     "fedcal/algorithms/fedprior.py::FedPrior.dp_statistics lines": "compose",

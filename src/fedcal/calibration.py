@@ -40,6 +40,7 @@ from fedcal.algorithms.fedprior_deployed import DEPLOY_ROWS, deployed
 from fedcal.algorithms.fedprior_interval import DECLINE, NO_PROBE
 from fedcal.build import build_algorithm, build_task, run_record
 from fedcal.config import DataConfig, RunConfig, from_dict
+from fedcal.core import runnames
 from fedcal.core.bayes import F64, predictive_var
 from fedcal.core.data import ClientData
 from fedcal.core.paths import safe_name
@@ -79,10 +80,10 @@ def find_prior(path: str | Path, method: str = "fedprior", seed: int = 0, train_
     path = Path(path)
     if path.exists() and not path.is_dir():  # a FIFO or device too: load_prior refuses it
         return path
-    folder = f"{safe_name(method, '--method')}_tp{train_points}_seed{seed}"
-    candidate = path / "runs" / folder / "prior.json"
+    folder = runnames.run_name(safe_name(method, "--method"), train_points, seed)
+    candidate = path / runnames.RUNS / folder / runnames.PRIOR
     if not candidate.exists():
-        found = sorted(p.parent.name for p in path.glob("runs/*/prior.json"))
+        found = sorted(p.parent.name for p in path.glob(f"{runnames.RUNS}/*/{runnames.PRIOR}"))
         hint = f"; runs with a prior: {', '.join(found)}" if found else ""
         raise FileNotFoundError(f"no fleet prior at {candidate}{hint}")
     return candidate
@@ -283,11 +284,11 @@ def write(out: Path, prior: PriorModel, fleet: Fleet, result: Calibration) -> pd
     if hasattr(result.algorithm, "choose"):  # "auto" as calibrate resolved it by its data:
         params = {**cfg.method_params.get(method, {}), "choose": result.algorithm.choose}
         cfg = replace(cfg, method_params={**cfg.method_params, method: params})  # load's shapes
-    run_dir = out / "runs" / f"{method}_tp0_seed0"
+    run_dir = runnames.run_path(out, method)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = run_record(cfg, [method], [0])
-    _write_text(out / "config.json", json.dumps(resolved, indent=2, sort_keys=True, default=list))
-    prior.save(run_dir / "prior.json")
+    _write_text(out / runnames.CONFIG, json.dumps(resolved, indent=2, sort_keys=True, default=list))
+    prior.save(run_dir / runnames.PRIOR)
     run = RunResult([], [], result.personal, result.server, {}, 0.0, 0.0, 0.0)
     save_models(
         run_dir / MODEL_FILE, run, result.tensors, cfg, result.algorithm, method, 0, fleet.meta
@@ -302,13 +303,13 @@ def write(out: Path, prior: PriorModel, fleet: Fleet, result: Calibration) -> pd
         has_test = result.tensors.test.count.numpy() > 0
         for k, v in test.items():
             per_sensor[f"test_{k}"] = np.where(has_test, v.numpy(), np.nan)
-    _write_csv(out / "per_sensor.csv", per_sensor)
+    _write_csv(out / runnames.PER_SENSOR, per_sensor)
     units, points = unit_diagnostics(prior, result)
-    _write_csv(out / "units.csv", units)
+    _write_csv(out / runnames.UNITS, units)
     _write_csv(out / "calibration_points.csv", points)
     # What the report and the exports read from a run directory: the valid input range of
     # each unit and a summary row.
-    _write_text(run_dir / "valid_range.json", json.dumps(valid_ranges(fleet), indent=1))
+    _write_text(run_dir / runnames.VALID_RANGE, json.dumps(valid_ranges(fleet), indent=1))
     row: dict[str, Any] = {"method": method, "seed": 0, "train_points": 0}
     for col in per_sensor.columns:
         if col.startswith("test_"):
@@ -322,7 +323,7 @@ def write(out: Path, prior: PriorModel, fleet: Fleet, result: Calibration) -> pd
         row["rmse_mean_pct_fs"] = 100.0 * row["rmse_mean"] / fs
         row["max_abs_worst_pct_fs"] = 100.0 * row["max_abs_worst"] / fs
     row.update(wall_s=0.0, bytes_up_per_round=0.0, bytes_down_per_round=0.0)
-    _write_csv(out / "summary.csv", pd.DataFrame([row]))
+    _write_csv(out / runnames.SUMMARY, pd.DataFrame([row]))
     return per_sensor
 
 

@@ -9,6 +9,7 @@ import typer
 
 from fedcal.cli.base import _check_out, _fail, _print_table, _write_html, app, console, target_unit
 from fedcal.cli.calibrate import _print_units
+from fedcal.core import runnames
 from fedcal.core.errors import ConfigError
 
 
@@ -29,7 +30,7 @@ def report(
     ] = None,
 ) -> None:
     """Print the mean ± std table of a run directory; with --html, write the full report."""
-    if (run_dir / "units.csv").exists():  # a `fedcal calibrate` output (torch-free sans --html)
+    if (run_dir / runnames.UNITS).exists():  # a `fedcal calibrate` output (torch-free sans --html)
         if markdown:
             _fail("--markdown: a calibrate output's units table prints as a table only")
         try:

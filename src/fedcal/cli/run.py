@@ -36,6 +36,7 @@ from fedcal.cli.options import (
     HtmlOpt,
     MethodsOpt,
     OutOpt,
+    PresetOpt,
     QuietOpt,
     RawColumnOpt,
     RoundsOpt,
@@ -234,6 +235,7 @@ def train(
     split_by: SplitByOpt = None,
     sensor_column: SensorOpt = None,
     raw_column: RawColumnOpt = None,
+    preset: PresetOpt = None,
     key_file: KeyFileOpt = None,
 ) -> None:
     """``fedcal run`` and ``fedcal compare``: one definition (compare also shows bytes sent)."""
@@ -259,6 +261,7 @@ def train(
             split_by,
             sensor_column,
             raw_column,
+            preset,
         )
         points = (
             tuple(_int_list(train_points, "--train-points"))

@@ -39,10 +39,11 @@ from fedcal.core.atomic import write_text
 from fedcal.core.paths import read_json
 from fedcal.core.runfiles import RunFileError, check_prior
 from fedcal.data.scaling import Scaler
+from fedcal.models.families import FAMILIES, LEGENDRE
 
 FORMAT_VERSION = 2  # 1: no format_version key (fedcal before the value); 2: this module
 KIND = "fedprior"
-BASIS_FAMILIES = ("legendre",)  # normalized Legendre products (fedcal.models.basis)
+BASIS_FAMILIES = FAMILIES  # the registered basis families (fedcal.models.basis.FAMILIES)
 RETRAIN = "re-train the prior with this fedcal (`fedcal run --methods fedprior ...`)"
 # Every part a prior.json may hold (v1 and v2); anything else is refused.
 # fmt: off
@@ -241,9 +242,10 @@ class PriorModel:
         if unknown:
             raise RunFileError(f"{source}: {unknown[0]}: not a part of a fleet prior")
         check_prior(source, doc)  # schema, shapes, finite, Σ SPD, σ² > 0 (one place)
-        family = doc.get("basis_family", "legendre")
+        family = doc.get("basis_family", LEGENDRE.name)  # v1: always Legendre
         if family not in BASIS_FAMILIES:
-            raise RunFileError(f"{source}: basis_family: {family!r} is not one of {BASIS_FAMILIES}")
+            known = ", ".join(sorted(BASIS_FAMILIES))
+            raise RunFileError(f"{source}: basis_family: {family!r} is not one of {known}")
         basis = _basis(doc, source, family)
         return cls(
             mean=_frozen(doc["mu"]),

@@ -16,12 +16,14 @@ import pandas as pd
 import torch
 
 from fedcal.config import RunConfig, from_json
+from fedcal.core import runnames
 from fedcal.core.csvfile import read_table  # torch-free; read_table is re-exported here
 from fedcal.core.paths import PathError, read_json, safe_name
 from fedcal.core.runfiles import RunFileError, check_valid_ranges
 from fedcal.core.tree import stack
 from fedcal.data.fleet import SPLIT_COLUMN, Fleet
 from fedcal.report.export import CalibratedFleet, load_models
+from fedcal.status import Status
 
 
 def _run_config(raw: dict) -> RunConfig:
@@ -58,12 +60,12 @@ class RunDir:
     @staticmethod
     def open(path: str | Path) -> RunDir:
         path = Path(path)
-        summary_path = path / "summary.csv"
+        summary_path = path / runnames.SUMMARY
         if not summary_path.exists():
             raise FileNotFoundError(
                 f"{summary_path} does not exist: not a fedcal run directory, or no run finished yet"
             )
-        raw = read_json(path / "config.json")
+        raw = read_json(path / runnames.CONFIG)
         if not isinstance(raw, dict):
             raise RunFileError(f"{path / 'config.json'}: expected a JSON object")
         summary = check_summary(summary_path, read_table(summary_path, SUMMARY_COLUMNS))
@@ -78,7 +80,7 @@ class RunDir:
         return sorted(int(t) for t in pd.unique(self.summary["train_points"]))
 
     def run_path(self, method: str, train_points: int, seed: int) -> Path:
-        return self.path / "runs" / f"{safe_name(method, 'method')}_tp{train_points}_seed{seed}"
+        return runnames.run_path(self.path, safe_name(method, "method"), train_points, seed)
 
     def _concat(self, name: str, train_points: int) -> pd.DataFrame:
         frames = []
@@ -96,16 +98,16 @@ class RunDir:
         them, for a figure that marks each sensor by its status
         (:func:`fedcal.report.figures.per_sensor_rmse`, which draws no diverged sensor).
         """
-        frame = self._concat("per_sensor.csv", train_points)
+        frame = self._concat(runnames.PER_SENSOR, train_points)
         if mask and "status" in frame.columns:
-            bad = frame["status"].fillna("diverged").astype(str) != "ok"
+            bad = frame["status"].fillna(Status.DIVERGED).astype(str) != "ok"
             errors = [c for c in frame.columns if c.startswith(("test_", "train_"))]
             frame[errors] = frame[errors].astype(float).mask(bad, np.nan)
         return frame
 
     def metrics(self, train_points: int) -> pd.DataFrame:
         """Every (method, seed, round, sensor)'s errors at one point budget."""
-        return self._concat("metrics.csv", train_points)
+        return self._concat(runnames.METRICS, train_points)
 
     def fleet(self) -> Fleet:
         """The run's fleet, rebuilt from its configuration (the simulator, or the data file)."""
@@ -194,8 +196,8 @@ def read_valid_ranges(
     From the run's ``valid_range.json``; a run written before that file existed
     gets it recomputed from its fleet (the simulator, or the data file).
     """
-    folder = f"{safe_name(method, 'method')}_tp{train_points}_seed{seed}"
-    path = Path(run_dir) / "runs" / folder / "valid_range.json"
+    folder = runnames.run_path(run_dir, safe_name(method, "method"), train_points, seed)
+    path = folder / runnames.VALID_RANGE
     if path.exists():
         return check_valid_ranges(path, read_json(path))
     from fedcal.experiment import valid_ranges
@@ -265,6 +267,6 @@ def load_served(
     :func:`check_plausible` (magnitudes against the recorded ranges)."""
     models = load_models(run_dir, method, seed, train_points)
     ranges = read_valid_ranges(run_dir, method, seed, train_points)
-    folder = f"{safe_name(method, 'method')}_tp{train_points}_seed{seed}"
-    check_plausible(models, ranges, Path(run_dir) / "runs" / folder / "model.safetensors")
+    folder = runnames.run_path(run_dir, safe_name(method, "method"), train_points, seed)
+    check_plausible(models, ranges, folder / runnames.MODEL)
     return models, ranges
