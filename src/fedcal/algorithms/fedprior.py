@@ -204,10 +204,8 @@ class FedPrior(
     EvidenceSelection,
     CalibratedInterval,
     NoiseModel,
-    SupportBox,
     PriorStatus,
     RobustUploads,
-    StreamedSums,
     Algorithm,
 ):
     @property
@@ -384,6 +382,21 @@ class FedPrior(
         """Columns of the design: φ's terms, then ψ's (the prior is over both)."""
         return len(self.terms) + len(self.branch_terms)
 
+    # ---- the parts (each declared by what it reads; built once: the fields are frozen) ----
+    @cached_property
+    def support_box(self) -> SupportBox:
+        """The extrapolation guard over φ (fedprior_support)."""
+        return SupportBox(self.num_inputs, self.terms)
+
+    @cached_property
+    def streamed(self) -> StreamedSums:
+        """Whether and how the M-step runs from the replies' sums (fedprior_stream)."""
+        return StreamedSums(self.robust, self.interval, self.noise_shape, self.noise_tail)
+
+    def beyond_support(self, params: Tree, x: Tensor) -> Tensor:
+        """(clients, rows) bool: rows outside the unit's support box (linearized, flagged)."""
+        return self.support_box.beyond(params, x)
+
     def personal_shapes(self) -> dict[str, tuple[int, ...]]:
         """One sensor's :meth:`personalize` tree: shapes a loaded model file must have."""
         p = self.num_features
@@ -436,17 +449,17 @@ class FedPrior(
             start.update(self._choice_init())
         if self.select == "none":
             mask = {"mask": self.masks[-1].clone()} if self.branch_orders else {}
-            return {**start, "box": self._open_box(), **mask}
+            return {**start, "box": self.support_box.open_box(), **mask}
         k = len(self.candidates)
         # Round 0 screens with the largest candidate (the basis asked for), as without selection.
         fleet_keys = ("mu", "sigma", "noise_var", "support")
         chosen = {"mask": self.masks[-1].clone(), "choice": torch.tensor(k - 1)}
         chosen["scores"] = torch.zeros(k, dtype=F64)
         if not self.each_candidate:  # select_by = "marginal": one EM, on the full basis
-            return {**start, "box": self._open_box(), **chosen}
+            return {**start, "box": self.support_box.open_box(), **chosen}
         return {
             **start,
-            "box": self._open_box(),
+            "box": self.support_box.open_box(),
             **chosen,
             "cand": {key: start[key].expand(k, *start[key].shape).clone() for key in fleet_keys},
         }
@@ -895,7 +908,7 @@ class FedPrior(
                 server, pinned, total["gram"]
             ) or self._prior_update(server["mu"], total, count, metric, server["noise_var"], pinned)
             new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
-            new["box"] = self._input_box(total["gram"])
+            new["box"] = self.support_box.fleet_box(total["gram"])
             if self.select != "none":  # select_by = "marginal": the noisy-BIC choice
                 new.update(self.marginal_choice(total["select"], count, pinned))
             if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
@@ -926,7 +939,7 @@ class FedPrior(
         return {
             **self._choice_state(server, forward),
             **{key: v[choice] for key, v in stacked.items()},
-            "box": self._input_box(total["gram"]),
+            "box": self.support_box.fleet_box(total["gram"]),
             "mask": masks[choice] * (~pinned).to(F64),
             **({"pinned": pinned.to(F64)} if self.branch_orders else {}),
             "choice": torch.tensor(choice),
@@ -939,6 +952,32 @@ class FedPrior(
                 else {}
             ),
         }
+
+    # ---- a round streamed chunk by chunk (engine/streamed.py; fedprior_stream) ----
+    def server_update_sums(self, server: Tree, sums: Tree, count: Tensor) -> Tree:
+        """``server_update`` from Σ_i reply_i (``sums``, no clients axis) and N (``count``)."""
+        one = self.streamed.as_cohort(sums)
+        return self.server_update(server, one, torch.ones(1, dtype=torch.float64), units=count)
+
+    def streaming_refused(self) -> str | None:
+        """None when :meth:`server_update_sums` equals ``server_update``; else why not."""
+        own = type(self).server_update is not FedPrior.server_update
+        return self.streamed.refused(self.name, own)
+
+    @property
+    def outlier_inputs(self) -> tuple[str, ...]:
+        return self.streamed.outlier_inputs
+
+    @property
+    def picked_leaves(self) -> tuple[str, ...]:
+        return self.streamed.picked_leaves
+
+    @property
+    def pick_inputs(self) -> tuple[str, ...]:
+        return self.streamed.pick_inputs
+
+    def pick_reply(self, keys: Tree) -> int | None:
+        return self.streamed.pick_reply(keys)
 
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
         """The unit's posterior model (:meth:`_personal`), or its best simple fit where that
@@ -971,7 +1010,7 @@ class FedPrior(
             weak = self.weak_units(down, cov, out["noise_var"], data)
             declined = (code == 1) | weak | (small & (code > 1) & (code != 5)) | unknown | lost
             out["declined"] = declined.to(F64)
-        out["box"] = self._unit_box(down.get("box"), data)
+        out["box"] = self.support_box.unit_box(down.get("box"), data)
         if self.noise_shape == "inputs":  # σ²(x) = σ_i² exp(γᵀx) (fedprior_noise)
             gamma = down.get("noise_gamma", torch.zeros(self.num_inputs, dtype=F64))
             out["noise_gamma"] = gamma.to(F64).expand(data.num_clients, -1).clone()
@@ -981,7 +1020,7 @@ class FedPrior(
         """ψ(x)ᵀm_c (ψ = φ inside the support box, its tangent-plane continuation beyond):
         with a direction term, the branch average (the field's b is unknown)."""
         p = len(self.terms)
-        phi, _ = self._guarded(params, x, self.terms)
+        phi, _ = self.support_box.guarded(params, x)
         value = (phi * params["coef"][..., :p].to(F64).unsqueeze(1)).sum(-1)
         return value.unsqueeze(-1).to(x.dtype)
 
@@ -999,7 +1038,7 @@ class FedPrior(
             var = var + excess
         if "gp_x" in params:  # the prior's design-dependent error (fedprior_deploy, D2–D4)
             var = deployed_var(self, params, x, var)
-        phi, beyond = self._guarded(params, x, self.terms)
+        phi, beyond = self.support_box.guarded(params, x)
         if any_beyond(beyond):  # beyond the support: + (polynomial − linearized)² (model form)
             coef = params["coef"][..., : len(self.terms)].to(F64).unsqueeze(1)
             gap = ((legendre_products(x, self.terms) - phi) * coef).sum(-1)

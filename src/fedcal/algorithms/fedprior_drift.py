@@ -533,7 +533,7 @@ class FedPriorDrift(ShortColocation, FedPrior):
     def _drift_var(self, params: Tree, x: Tensor, time: Tensor) -> Tensor:
         """(q/T) · max(t − t_i, 0) · φ(x)ᵀ Σ_d φ(x) per row (clients, rows)."""
         p = len(self.terms)
-        phi, _ = self._guarded(params, x.to(F64), self.terms)
+        phi, _ = self.support_box.guarded(params, x.to(F64))
         cov = params["drift_cov"].to(F64)[..., :p, :p]
         spread = ((phi @ cov) * phi).sum(-1)
         dt = (time.to(F64) - params["t_ref"].to(F64).unsqueeze(1)).clamp_min(0.0)
