@@ -152,8 +152,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Annotated, Literal
 
 import torch
@@ -164,7 +165,7 @@ from fedcal.algorithms.fedprior_choice import TimeChoice
 from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
 from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
 from fedcal.algorithms.fedprior_noise import NoiseModel
-from fedcal.algorithms.fedprior_robust import RobustUploads, _capped_noise, _weighted
+from fedcal.algorithms.fedprior_robust import RobustUploads, capped_noise, weighted
 from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
 from fedcal.algorithms.fedprior_status import PriorStatus
@@ -186,6 +187,7 @@ from fedcal.core.bayes import (
 )
 from fedcal.core.data import ClientData
 from fedcal.core.privacy import Statistic
+from fedcal.core.robust import OutlierWeights
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree
 from fedcal.models.basis import (
@@ -205,7 +207,6 @@ class FedPrior(
     CalibratedInterval,
     NoiseModel,
     PriorStatus,
-    RobustUploads,
     Algorithm,
 ):
     @property
@@ -392,6 +393,14 @@ class FedPrior(
     def streamed(self) -> StreamedSums:
         """Whether and how the M-step runs from the replies' sums (fedprior_stream)."""
         return StreamedSums(self.robust, self.interval, self.noise_shape, self.noise_tail)
+
+    @cached_property
+    def robust_uploads(self) -> RobustUploads:
+        """The consistency check and the M-step's outlier weights (fedprior_robust)."""
+        k = len(self.candidates) if self.each_candidate else 0
+        lin = self._linear_terms()
+        lin = None if lin is None else tuple(lin)
+        return RobustUploads(self.robust, k, self.select_clip, self.choice_clip, lin)
 
     def beyond_support(self, params: Tree, x: Tensor) -> Tensor:
         """(clients, rows) bool: rows outside the unit's support box (linearized, flagged)."""
@@ -888,9 +897,9 @@ class FedPrior(
         order = canonical_order(replies["mean"])
         robust = self.outlier_weights(server, replies)
         if robust is not None and bool((robust.weights != 1).any()):  # all 1: the plain sums
-            replies = _weighted(replies, robust.weights)
+            replies = weighted(replies, robust.weights)
         if self.robust != "off":  # residual sums: a bounded pull on σ², not a size screen
-            replies = _capped_noise(replies)
+            replies = capped_noise(replies)
         skip = ("cand", "interval", "noise", "choice")
         forward = None
         if "choice" in replies:  # per unit unless already summed (fedprior_stream)
@@ -952,6 +961,40 @@ class FedPrior(
                 else {}
             ),
         }
+
+    # ---- a hostile site or unit (issue 21; fedprior_robust) ----
+    def screen_view(
+        self, replies: dict[str, Tensor], rows: Tensor, broadcast: Tree
+    ) -> dict[str, Tensor]:
+        """What the server's size screen judges (:meth:`RobustUploads.screen_view`)."""
+        return self.robust_uploads.screen_view(replies, rows)
+
+    def inconsistent_replies(
+        self, server: Tree, replies: Tree, weights: Tensor, accepted: Tensor
+    ) -> dict[int, str] | None:
+        """Clients whose upload contradicts its declared rows or the broadcast prior, with
+        the reason (:meth:`RobustUploads.inconsistent`); None when off."""
+        frames = self.robust_uploads.frames(server, self._gram_counts_rows(server))
+        return self.robust_uploads.inconsistent(frames, replies, weights, accepted)
+
+    def consistency_check(self, server: Tree) -> Callable[..., dict[int, str] | None]:
+        """:meth:`inconsistent_replies` bound to one round's ``server``, called as
+        ``check(replies, weights, accepted)``, its priors' frames formed once, not once per
+        chunk of a streamed round; a subclass's own :meth:`inconsistent_replies`
+        (fedprior_drift adds checks) bound as it is."""
+        if type(self).inconsistent_replies is not FedPrior.inconsistent_replies:
+            return partial(self.inconsistent_replies, server)
+        frames = self.robust_uploads.frames(server, self._gram_counts_rows(server))
+        return partial(self.robust_uploads.inconsistent, frames)
+
+    def _gram_counts_rows(self, server: Tree) -> bool:
+        """Whether the uploaded Gram is the design's ΦᵀΦ, whose constant term is the unit's
+        row count (a consistency check); fedprior_drift's whitened Gram is not."""
+        return True
+
+    def outlier_weights(self, server: Tree, replies: Tree) -> OutlierWeights | None:
+        """Each client's M-step weight (:meth:`RobustUploads.outlier_weights`)."""
+        return self.robust_uploads.outlier_weights(server, replies)
 
     # ---- a round streamed chunk by chunk (engine/streamed.py; fedprior_stream) ----
     def server_update_sums(self, server: Tree, sums: Tree, count: Tensor) -> Tree:
