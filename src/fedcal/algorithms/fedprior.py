@@ -203,7 +203,6 @@ BRANCH_UNIDENTIFIED = 0.25
 @dataclass(frozen=True)
 class FedPrior(
     TimeChoice,
-    EvidenceSelection,
     CalibratedInterval,
     NoiseModel,
     PriorStatus,
@@ -384,6 +383,40 @@ class FedPrior(
         return len(self.terms) + len(self.branch_terms)
 
     # ---- the parts (each declared by what it reads; built once: the fields are frozen) ----
+    @cached_property
+    def selection(self) -> EvidenceSelection:
+        """The candidate bases and the basis in use (fedprior_select)."""
+        return EvidenceSelection(
+            self.select,
+            self.select_by,
+            self.select_clip,
+            self.dp_select_share,
+            self.rank,
+            self.num_inputs,
+            self._tensor_basis(),
+            self.orders,
+            self.degree,
+            self.terms,
+            self.branch_orders,
+            self.branch_terms,
+            self.branch_select,
+        )
+
+    @property
+    def candidates(self) -> tuple[dict, ...]:
+        """The bases ``select = "bic"`` chooses from (:attr:`EvidenceSelection.candidates`)."""
+        return self.selection.candidates
+
+    @property
+    def masks(self) -> Tensor:
+        """(candidates, features): each candidate's terms (:attr:`EvidenceSelection.masks`)."""
+        return self.selection.masks
+
+    @property
+    def each_candidate(self) -> bool:
+        """Whether every candidate runs its own EM (:attr:`EvidenceSelection.each_candidate`)."""
+        return self.selection.each_candidate
+
     @cached_property
     def support_box(self) -> SupportBox:
         """The extrapolation guard over φ (fedprior_support)."""
@@ -600,7 +633,7 @@ class FedPrior(
         own = self._sensor_noise(post.rss, full.n, down["noise_var"])
         new_state = {"noise_var": own if self.noise == "sensor" else state["noise_var"]}
         if marginal:
-            reply["select"] = self.marginal_scores(down, state, full)
+            reply["select"] = self.selection.marginal_scores(down, self._noise(down, state), full)
         if self.each_candidate:
             reply["cand"], cand_own = self._candidates_e_step(down, state, full)
             new_state["cand_noise_var"] = (
@@ -629,6 +662,25 @@ class FedPrior(
             "support": data_support(gram, noise, self.init_scale),
             **({} if n is None else _residual_terms(post, gram, noise, n)),
         }
+
+    def _candidates_e_step(self, down: Tree, state: Tree, full: Moments):
+        """Every candidate's E-step at once: (clients, candidates, ...) statistics.
+
+        Candidate k uses the moments ``full`` of its own terms (the others' rows and
+        columns of G and b zeroed): its posterior, GLS terms and marginal likelihood
+        log p(y_i | μ_k, Σ_k, σ_k²) are those of the sub-basis model exactly (the
+        unused coordinates see no data and keep their prior).
+        """
+        stats, c, p, k = self.selection.candidate_moments(down, full)
+        cand = down["cand"]
+        noise = state["cand_noise_var"] if self.noise == "sensor" else cand["noise_var"]
+        noise = noise.reshape(-1)
+        post = posterior(stats, cand["mu"].reshape(-1, p), cand["sigma"].reshape(-1, p, p), noise)
+        out = self._e_step_sums(
+            post, stats.gram, noise, stats.n if self.interval == "calibrated" else None
+        )
+        own = self._sensor_noise(post.rss, stats.n, cand["noise_var"].reshape(-1))
+        return {key: v.reshape(c, k, *v.shape[1:]) for key, v in out.items()}, own.reshape(c, k)
 
     def dp_statistics(self, down: Tree) -> dict[str, Statistic]:
         """Client-level DP: each uploaded statistic's public map and bound (core/privacy).
@@ -733,7 +785,7 @@ class FedPrior(
             ),
         }
         if self.select != "none":  # select_by = "marginal": the candidates' scores, last
-            out["select"] = self.dp_select_statistic(out)
+            out["select"] = self.selection.dp_select_statistic(out)
         return out
 
     def _prior_update(
@@ -919,7 +971,7 @@ class FedPrior(
             new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
             new["box"] = self.support_box.fleet_box(total["gram"])
             if self.select != "none":  # select_by = "marginal": the noisy-BIC choice
-                new.update(self.marginal_choice(total["select"], count, pinned))
+                new.update(self.selection.marginal_choice(total["select"], count, pinned))
             if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
                 noise = replies["noise"]
                 new.update(self._noise_updates(server, noise, order, total["n"], replies["n"]))
@@ -934,7 +986,7 @@ class FedPrior(
         # BIC of the fleet's evidence (Schwarz 1978): Σ_i log p(y_i | θ_k) − ½ d_k log N,
         # the evidence at the broadcast θ_k (each candidate's EM converges to its maximum).
         # (the ψ coordinates J out of the model are no parameters)
-        free = self._prior_parameters(masks * (~pinned).to(F64))
+        free = self.selection.prior_parameters(masks * (~pinned).to(F64))
         scores = cand["loglik"] - 0.5 * free * math.log(float(count))
         # ties: the smaller candidate (listed first); a candidate whose model is an earlier
         # one's once J is out (it differs only in pinned ψ terms) is that one, not a rival

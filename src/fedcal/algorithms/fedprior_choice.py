@@ -198,7 +198,7 @@ class TimeChoice:
             mask = self._model_mask(down)
             coef = post.mean if mask is None else post.mean * mask
             return coef.unsqueeze(1)
-        stats, c, p, k = self._candidate_moments(down, early)
+        stats, c, p, k = self.selection.candidate_moments(down, early)
         cand = down["cand"]
         noise = state["cand_noise_var"] if self.noise == "sensor" else cand["noise_var"]
         post = posterior(

@@ -498,7 +498,7 @@ class FedPriorDrift(ShortColocation, FedPrior):
     def _seen(self, server: Tree) -> Tensor:
         """The projection onto the directions of the basis in use that at least
         ``min_informed`` units' data determine (fedprior's identification rule)."""
-        _, idx = self.chosen_features(server)
+        _, idx = self.selection.chosen_features(server)
         support = server["support"][idx][:, idx]
         vals, vecs = torch.linalg.eigh(0.5 * (support + support.T))
         keep = vecs[:, vals >= self.min_informed]
@@ -566,7 +566,7 @@ class FedPriorDrift(ShortColocation, FedPrior):
 
     def export_state(self, server: Tree) -> dict:
         state = super().export_state(server)
-        _, idx = self.chosen_features(server)
+        _, idx = self.selection.chosen_features(server)
         q, scale = float(server["drift"]["q"]), float(server["drift"]["scale"])
         state["drift"] = {
             "model": "random walk of the coefficients, variance q·|t − t_i|·Σ/T",

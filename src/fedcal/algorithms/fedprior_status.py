@@ -49,7 +49,7 @@ class PriorStatus:
         load on it (at least half the largest loading). With ``select = "bic"``:
         the chosen basis's terms only.
         """
-        names, idx = self.chosen_features(server)
+        names, idx = self.selection.chosen_features(server)
         support = server["support"][idx][:, idx]
         if not torch.any(support != 0):
             return {"informed_units": [], "weak_terms": [], "weak_directions": 0}
@@ -83,7 +83,7 @@ class PriorStatus:
         unit whose own points determine W has a small V_i along W and is not weak.
         """
         n = x.shape[0]
-        _, idx = self.chosen_features(server)
+        _, idx = self.selection.chosen_features(server)
         support = server["support"][idx][:, idx]
         none = torch.zeros(n, dtype=torch.bool)
         # a diverged fleet's support (not finite): no flag, its status is the divergence rule's
@@ -108,9 +108,9 @@ class PriorStatus:
         ``selection`` records the choice (parameters that rebuild that basis) and
         every candidate's score.
         """
-        terms, _ = self.chosen(server)
-        _, idx = self.chosen_features(server)  # μ and Σ over (c, h) jointly
-        psi, pinned = self.chosen_branch(server), []
+        terms, _ = self.selection.chosen(server)
+        _, idx = self.selection.chosen_features(server)  # μ and Σ over (c, h) jointly
+        psi, pinned = self.selection.chosen_branch(server), []
         if psi and "pinned" in server and bool((server["pinned"] > 0).any()):
             # Part of ψ is out of the model (FedPrior._unidentified_branch): ψ is stored whole
             # (μ_J = 0, Σ_JJ = floor, uncoupled) with J named, so the rebuilt basis is the
