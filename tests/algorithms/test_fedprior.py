@@ -163,7 +163,7 @@ def test_an_unobserved_direction_is_reported_and_keeps_a_vague_prior():
     torch.testing.assert_close(
         unseen.T @ server["sigma"] @ unseen, alg.init_scale**2 * torch.eye(2, dtype=F64)
     )
-    ident = alg.identification(server)
+    ident = alg.prior_status.identification(server)
     assert ident["weak_directions"] == 2
     assert any("P2(x1)" in t for t in ident["weak_terms"])
     # off the two levels the prediction carries the vague prior's σ (init_scale = 1)

@@ -205,7 +205,6 @@ class FedPrior(
     TimeChoice,
     CalibratedInterval,
     NoiseModel,
-    PriorStatus,
     Algorithm,
 ):
     @property
@@ -401,6 +400,13 @@ class FedPrior(
             self.branch_terms,
             self.branch_select,
         )
+
+    @cached_property
+    def prior_status(self) -> PriorStatus:
+        """Identification, each unit's status, the exported prior (fedprior_status): the
+        contract's ``client_status`` and ``export_state`` (fedprior_choice's) call it."""
+        settings = (self.noise, self.noise_prior_points, self.noise_shape, self.interval)
+        return PriorStatus(self.selection, self.min_informed, *settings)
 
     @property
     def candidates(self) -> tuple[dict, ...]:

@@ -415,7 +415,7 @@ class TimeChoice:
 
     def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
         """PriorStatus's flags, and ``weak`` for an implausible unit (fedprior_choice)."""
-        flags = super().client_status(server, personal, x, mask)  # PriorStatus's
+        flags = self.prior_status.client_status(server, personal, x, mask)
         if self.choose != "off":
             medians = server.get("status_medians")  # over the whole fleet (a chunked judge)
             flags["weak"] = flags["weak"] | self.implausible_units(personal, x, mask, medians)
@@ -433,7 +433,7 @@ class TimeChoice:
         return out
 
     def export_state(self, server: Tree) -> dict:
-        state = super().export_state(server)  # PriorStatus's
+        state = self.prior_status.export_state(server, self.interval_note(server))
         record = self.choice_record(server)
         if record is not None:  # the time-respecting choice (fedprior_choice)
             selection = state.setdefault("selection", {"rule": "none", "chosen": {}})
