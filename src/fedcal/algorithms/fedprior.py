@@ -164,7 +164,7 @@ from torch import Tensor
 from fedcal.algorithms.fedprior_choice import TimeChoice
 from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
 from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
-from fedcal.algorithms.fedprior_noise import NoiseModel
+from fedcal.algorithms.fedprior_noise import NoiseModel, sensor_noise
 from fedcal.algorithms.fedprior_robust import RobustUploads, capped_noise, weighted
 from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
@@ -204,7 +204,6 @@ BRANCH_UNIDENTIFIED = 0.25
 class FedPrior(
     TimeChoice,
     CalibratedInterval,
-    NoiseModel,
     Algorithm,
 ):
     @property
@@ -424,6 +423,13 @@ class FedPrior(
         return self.selection.each_candidate
 
     @cached_property
+    def noise_model(self) -> NoiseModel:
+        """σ²(x) in the inputs, Student-t or trimmed rows (fedprior_noise, N1–N7)."""
+        return NoiseModel(
+            self.noise_shape, self.noise_tail, self.noise_dof, self.noise_prior_points
+        )
+
+    @cached_property
     def support_box(self) -> SupportBox:
         """The extrapolation guard over φ (fedprior_support)."""
         return SupportBox(self.num_inputs, self.terms)
@@ -543,7 +549,7 @@ class FedPrior(
         their data alone fix: formed once by the engine (``ClientData.derived``) instead of
         every round (issue 25.1). None with row weights (fedprior_noise): those moments
         depend on the broadcast."""
-        if self.noise_weighted:
+        if self.noise_model.weighted:
             return None
         full = self._moments(dataclasses.replace(data, derived=None))
         out = {f"fedprior/{k}": v for k, v in full._asdict().items()}
@@ -565,13 +571,13 @@ class FedPrior(
         cached = data.derived or {}
         made_by = cached.get("fedprior/design")  # the design that formed them (derive)
         mine = made_by is not None and bool((made_by == self._design_key).all())
-        if mine and "fedprior/gram" in cached and (down is None or not self.noise_weighted):
+        if mine and "fedprior/gram" in cached and (down is None or not self.noise_model.weighted):
             return Moments(*(cached[f"fedprior/{k}"] for k in Moments._fields))
         design = self.design(data.x, data.branch)
-        rw = None if down is None else self._row_weights(down, data, design)
+        rw = None if down is None else self.noise_model.row_weights(down, data, design)
         if rw is None:
             return moments(design, data.y[..., 0], data.mask)
-        return self._weighted_moments(design, data, rw)
+        return self.noise_model.moments(design, data, rw)
 
     def _posterior(self, down: Tree, state: Tree, full: Moments) -> tuple[Moments, Posterior]:
         """The posterior under the broadcast prior; with selection, the chosen candidate's."""
@@ -588,8 +594,7 @@ class FedPrior(
 
     def _sensor_noise(self, rss: Tensor, n: Tensor, fleet: Tensor) -> Tensor:
         """σ_i² = (r_i + ν σ²)/(n_i + ν): the MAP under a scaled-inv-χ²(ν, σ²) prior."""
-        nu = self.noise_prior_points
-        return (rss + nu * fleet) / (n + nu)
+        return sensor_noise(rss, n, fleet, self.noise_prior_points)
 
     def _client_moments(self, down: Tree, data: ClientData) -> Moments:
         """The moments the E-step uses (fedprior_drift whitens them by its drift)."""
@@ -605,10 +610,12 @@ class FedPrior(
         # out of the model), whatever candidate is chosen: its E-step and noise model too
         marginal = self.select != "none" and not self.each_candidate
         em = {k: v for k, v in down.items() if k != "mask"} if marginal else down
-        if self.noise_weighted:  # rows weighted by 1/σ²(x) and t-weights (fedprior_noise, N1/N4)
+        if (
+            self.noise_model.weighted
+        ):  # rows weighted by 1/σ²(x) and t-weights (fedprior_noise, N1/N4)
             design = self.design(data.x, data.branch)
-            rw = self._row_weights(em, data, design)
-            full = self._weighted_moments(design, data, rw)
+            rw = self.noise_model.row_weights(em, data, design)
+            full = self.noise_model.moments(design, data, rw)
         else:
             full = self._client_moments(down, data)  # once: candidates' are masks of these
         # With selection the chosen candidate's E-step is also in the batch below, but is
@@ -633,9 +640,11 @@ class FedPrior(
                 **self._heldout(down, state, data, rw),
             }
         if self.noise_shape == "inputs":  # γ's score, information and evidence (N2)
-            reply["noise"] = self._noise_terms(em, data, design, post, rw[1])
+            reply["noise"] = self.noise_model.uploads(em, data, design, post, rw[1])
         if self.noise_tail == "auto":  # the tail's evidence d_i (N6)
-            reply.setdefault("noise", {})["tail_ratio"] = self._tail_ratio(em, data, design)
+            reply.setdefault("noise", {})["tail_ratio"] = self.noise_model.tail_ratio(
+                em, data, design
+            )
         own = self._sensor_noise(post.rss, full.n, down["noise_var"])
         new_state = {"noise_var": own if self.noise == "sensor" else state["noise_var"]}
         if marginal:
@@ -715,7 +724,7 @@ class FedPrior(
         Legendre terms of inputs in [−1, 1], ‖Φ_iᵀΦ_i‖_F ≤ n_i p; the support's
         eigenvalues lie in [0, 1).
         """
-        if self.noise_weighted:
+        if self.noise_model.weighted:
             raise ValueError(
                 "fedprior: client-level DP covers noise_shape = 'constant' and noise_tail = "
                 "'gaussian' only (the noise model's sums and row weights are not bounded)"
@@ -980,7 +989,7 @@ class FedPrior(
                 new.update(self.selection.marginal_choice(total["select"], count, pinned))
             if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
                 noise = replies["noise"]
-                new.update(self._noise_updates(server, noise, order, total["n"], replies["n"]))
+                new.update(self.noise_model.updates(server, noise, order, total["n"], replies["n"]))
             new.update(self._choice_state(server, forward))
             if self.branch_orders:  # the features in use, without the ψ coordinates out of it
                 new["mask"] = new.get("mask", self.masks[-1]) * (~pinned).to(F64)
@@ -1014,7 +1023,7 @@ class FedPrior(
             "cand": stacked,
             **self._interval_update(server, replies, order, total),
             **(
-                self._noise_updates(server, replies["noise"], order, total["n"], replies["n"])
+                self.noise_model.updates(server, replies["noise"], order, total["n"], replies["n"])
                 if "noise" in replies
                 else {}
             ),
@@ -1134,7 +1143,7 @@ class FedPrior(
         """
         q, s = self.variance_form(params)
         var = predictive_var(self.variance_design(x), q, s)
-        excess = self.noise_excess(params, x)  # σ_i²(exp(γᵀg(x)) − 1): σ²(x) at the query
+        excess = self.noise_model.excess(params, x)  # σ_i²(exp(γᵀg(x)) − 1): σ²(x) at the query
         if excess is not None:
             var = var + excess
         if "gp_x" in params:  # the prior's design-dependent error (fedprior_deploy, D2–D4)

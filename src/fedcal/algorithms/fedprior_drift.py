@@ -282,7 +282,7 @@ class FedPriorDrift(ShortColocation, FedPrior):
 
     def check_task(self, task) -> None:
         super().check_task(task)
-        if self.noise_weighted:  # its whitened moments assume one constant noise per unit
+        if self.noise_model.weighted:  # its whitened moments assume one constant noise per unit
             raise SettingError(
                 "noise_shape",
                 "fedprior_drift supports noise_shape = 'constant' and noise_tail = 'gaussian' "
