@@ -146,10 +146,10 @@ def progress_bar(quiet: bool) -> Progress:
     )
 
 
-def _write_html(run_dir: Path, html: Path, quiet: bool) -> None:
+def _write_html(run_dir: Path, html: Path, quiet: bool, certificates: Path | None = None) -> None:
     from fedcal.report.html import build_report
 
-    report = build_report(run_dir, html)
+    report = build_report(run_dir, html, certificates=certificates)
     if not quiet:
         console.print(
             f"HTML report: [bold]{report.path.resolve()}[/] ({len(report.figures)} figures)",

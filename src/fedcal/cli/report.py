@@ -20,6 +20,13 @@ def report(
         Path | None,
         typer.Option("--html", help="write a self-contained HTML report (figures embedded)"),
     ] = None,
+    certificates: Annotated[
+        Path | None,
+        typer.Option(
+            help="with --html: the folder of fedcal certificate's <unit>.html/.pdf, linked "
+            "from each unit's section (default: RUN_DIR/certificates)"
+        ),
+    ] = None,
 ) -> None:
     """Print the mean ± std table of a run directory; with --html, write the full report."""
     from fedcal.report.rundir import RunDir
@@ -33,7 +40,7 @@ def report(
                 _check_out(html, run_dir, option="--html")
             _print_units(run_dir)
             if html is not None:
-                _write_html(run_dir, html, quiet=False)
+                _write_html(run_dir, html, quiet=False, certificates=certificates)
         except (OSError, ValueError, ConfigError) as err:
             _fail(str(err))
         return
@@ -50,7 +57,7 @@ def report(
 
         torch.set_num_threads(1)
         try:  # the run's tables and models, read through the same guards
-            _write_html(run_dir, html, quiet=False)
+            _write_html(run_dir, html, quiet=False, certificates=certificates)
         except (OSError, ValueError, ConfigError) as err:
             _fail(str(err))
     unit = target_unit(cfg.data.target)
