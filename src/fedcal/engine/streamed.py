@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from fedcal.core.aggregation import AggregationPolicy, _columns, _record_downweighted
-from fedcal.core.algorithm import Algorithm, ClientResult
+from fedcal.core.algorithm import Algorithm, BindsConsistency, ClientResult, StreamsSums
 from fedcal.core.data import ClientData
 from fedcal.core.stages import Round, finite_rows, statistic_sizes, view_sizes
 from fedcal.core.tree import Tree, expand, flatten, gather, num_bytes, unflatten
@@ -57,12 +57,11 @@ STREAM_ABOVE = 512 * 2**20
 
 def eligible(algorithm: Algorithm, policy: AggregationPolicy) -> str | None:
     """None when this round can be streamed; else why not, in one line."""
-    if algorithm.reply_aggregation != "sum" or algorithm.server_update_sums is None:
+    if algorithm.reply_aggregation != "sum" or not isinstance(algorithm, StreamsSums):
         return f"{algorithm.name}: its server update needs each client's reply"
     if policy.rule != "mean" or policy.dp:
         return f"{algorithm.name}: rule {policy.rule!r} / DP read each client's coordinates"
-    refused = algorithm.streaming_refused
-    return None if refused is None else refused()
+    return algorithm.streaming_refused()
 
 
 def reply_bytes(algorithm: Algorithm, down: Tree, states: Tree, data: ClientData) -> int:
@@ -174,8 +173,10 @@ def _first_pass(
     acc = _Pass.empty(n)
     check = None  # the consistency check bound to this round's server (its prior whitened once)
     if algorithm.inconsistent_replies is not None:
-        bind = algorithm.consistency_check
-        check = partial(algorithm.inconsistent_replies, server) if bind is None else bind(server)
+        if isinstance(algorithm, BindsConsistency):
+            check = algorithm.consistency_check(server)
+        else:
+            check = partial(algorithm.inconsistent_replies, server)
     for rows in chunks.spans(n, chunk_size):
         k = len(rows)
         out = algorithm.client_update(expand(down, k), gather(states, rows), data.select(rows))
