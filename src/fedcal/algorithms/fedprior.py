@@ -163,6 +163,7 @@ from torch import Tensor
 
 from fedcal.algorithms.fedprior_choice import TimeChoice
 from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
+from fedcal.algorithms.fedprior_dp import PrivateStatistics
 from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
 from fedcal.algorithms.fedprior_noise import NoiseModel, sensor_noise
 from fedcal.algorithms.fedprior_robust import RobustUploads, capped_noise, weighted
@@ -183,7 +184,6 @@ from fedcal.core.bayes import (
     posterior,
     predictive_var,
     regularize,
-    safe_cholesky,
 )
 from fedcal.core.data import ClientData
 from fedcal.core.privacy import Statistic
@@ -427,6 +427,20 @@ class FedPrior(
         """σ²(x) in the inputs, Student-t or trimmed rows (fedprior_noise, N1–N7)."""
         return NoiseModel(
             self.noise_shape, self.noise_tail, self.noise_dof, self.noise_prior_points
+        )
+
+    @cached_property
+    def private_statistics(self) -> PrivateStatistics:
+        """The uploaded statistics' DP maps and bounds (fedprior_dp)."""
+        return PrivateStatistics(
+            self.num_features,
+            self.dp_max_rows,
+            self.init_scale,
+            self.init_noise,
+            self.dp_whiten,
+            self.dp_second_weight,
+            bool(self.branch_orders),
+            self.selection,
         )
 
     @cached_property
@@ -698,32 +712,9 @@ class FedPrior(
         return {key: v.reshape(c, k, *v.shape[1:]) for key, v in out.items()}, own.reshape(c, k)
 
     def dp_statistics(self, down: Tree) -> dict[str, Statistic]:
-        """Client-level DP: each uploaded statistic's public map and bound (core/privacy).
-
-        Maps come from the broadcast only (Σ = L Lᵀ, μ, σ²) and the vague start s
-        (``init_scale``). The GLS terms in the prior's whitened coordinates are
-        bounded by construction: Lᵀ gls_gram_i L = A_i⁻¹B_i has eigenvalues in [0, 1)
-        and Lᵀ gls_rhs_i = z̄_i = L⁻¹(m_i − μ), bounded by 2√p (twice a prior draw's
-        typical norm). The posterior mean and second moment are taken about μ in the
-        units of the vague start, with ‖m_i − μ‖ ≤ 2√p s and
-        ‖E[(c_i − μ)(c_i − μ)ᵀ]‖_F ≤ (2√p s)² + p s²; with ``dp_whiten`` in the broadcast
-        prior's units instead, L⁻¹(m_i − μ), bounded by 2√p and (2√p)² + p (measured,
-        studies/dp_scale.py: with adapted bounds the fleet's spread is resolved down to
-        a smaller scale; with the declared worst-case bounds whitening feeds the noise back
-        round after round). The GLS Gram and the support are declared about I (their
-        value for a unit whose points determine every direction, most of a large fleet:
-        small deviations, so small adapted bounds). Second-moment eigenvalues the noise
-        hides take the smaller of the noise floor (what the fleet's spread is at most)
-        and the vague start s² (whitened: the floor), and the support's are not
-        counted, so the server keeps μ and s² there (its weak-direction rule).
-        rss_i/σ² ≈ n_i ≤ ``dp_max_rows`` (bound 1.5×, by the broadcast σ²: a fixed
-        scale would drown the RSS of good units in noise), and the noisy Σ rss at most
-        the vague start's noise variance × Σ n (σ² never vaguer than the start) and at
-        least 10⁻⁸ of it (σ ≥ 10⁻⁴ of the start: without this floor, noise draws that
-        sent σ² toward 0 made new units' posterior Cholesky fail at ε = 1); with
-        Legendre terms of inputs in [−1, 1], ‖Φ_iᵀΦ_i‖_F ≤ n_i p; the support's
-        eigenvalues lie in [0, 1).
-        """
+        """Client-level DP: each uploaded statistic's public map and bound (core/privacy;
+        :class:`~fedcal.algorithms.fedprior_dp.PrivateStatistics`), for the settings DP
+        covers."""
         if self.noise_model.weighted:
             raise ValueError(
                 "fedprior: client-level DP covers noise_shape = 'constant' and noise_tail = "
@@ -740,68 +731,7 @@ class FedPrior(
                 "fedprior: client-level DP with select = 'bic' needs select_by = 'marginal' "
                 "(one bounded score vector per unit), or select = 'none' (fedprior_fixed)"
             )
-        p = self.num_features
-        chol = safe_cholesky(down["sigma"].to(F64))[0]
-        mu, rows, s = down["mu"].to(F64), float(self.dp_max_rows), self.init_scale
-        z = 2.0 * p**0.5
-        second = (z * s) ** 2 + p * s * s
-        noise_var = down["noise_var"].to(F64)
-        # gls_gram and support are taken about their value for a unit whose points determine
-        # every direction (Lᵀ gls_gram L → I, support → I): most of a large fleet's units,
-        # whose deviation is small, so an adapted bound (core.privacy.AdaptiveClip) is too.
-        eye = torch.eye(p, dtype=F64)
-        sigma_inv = torch.cholesky_inverse(chol)
-        moment_map = None
-        if self.dp_whiten:  # z = L⁻¹(m − μ): the broadcast prior's units, not the vague start's
-            moment_map = torch.linalg.solve_triangular(chol, eye, upper=False)
-            second = z**2 + p
-            s = 1.0
-        out = {
-            "mean": Statistic(z * s, "vector", moment_map, center=mu),
-            "second": Statistic(
-                second,
-                "second_moment",
-                moment_map,
-                center=mu,
-                first="mean",
-                noise_floor=True,
-                maximum=second,
-                unresolved=None if self.dp_whiten else s * s,
-                weight=self.dp_second_weight,
-            ),
-            "gls_gram": Statistic(
-                p**0.5, "psd", chol.T, center=sigma_inv, maximum=1.0, noise_floor=True
-            ),
-            "gls_rhs": Statistic(z, "vector", chol.T),
-            "rss": Statistic(
-                1.5 * rows,
-                "positive",
-                1.0 / noise_var,
-                minimum=1.0,
-                ratio=(
-                    "n",
-                    (1e-4 * self.init_noise) ** 2 / noise_var,
-                    self.init_noise**2 / noise_var,
-                ),
-            ),
-            "n": Statistic(rows, "positive", minimum=1.0, maximum=rows),
-            "gram": Statistic(rows * p, "psd", minimum=1e-9 * rows, noise_floor=True),
-            "support": Statistic(
-                p**0.5, "psd", center=eye, maximum=1.0, noise_floor=True, unresolved=0.0
-            ),
-            **(
-                {
-                    "branch_support": Statistic(
-                        p**0.5, "psd", center=eye, maximum=1.0, noise_floor=True, unresolved=0.0
-                    )
-                }
-                if self.branch_orders
-                else {}
-            ),
-        }
-        if self.select != "none":  # select_by = "marginal": the candidates' scores, last
-            out["select"] = self.selection.dp_select_statistic(out)
-        return out
+        return self.private_statistics.statistics(down)
 
     def _prior_update(
         self,
