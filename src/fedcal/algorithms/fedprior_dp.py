@@ -23,7 +23,32 @@ from fedcal.core.tree import Tree
 
 @dataclass(frozen=True)
 class PrivateStatistics:
-    """The DP maps and bounds of one round's uploads (module doc)."""
+    """The DP maps and bounds of one round's uploads (module doc).
+
+    Maps come from the broadcast only (Σ = L Lᵀ, μ, σ²) and the vague start s
+    (``init_scale``). The GLS terms in the prior's whitened coordinates are
+    bounded by construction: Lᵀ gls_gram_i L = A_i⁻¹B_i has eigenvalues in [0, 1)
+    and Lᵀ gls_rhs_i = z̄_i = L⁻¹(m_i − μ), bounded by 2√p (twice a prior draw's
+    typical norm). The posterior mean and second moment are taken about μ in the
+    units of the vague start, with ‖m_i − μ‖ ≤ 2√p s and
+    ‖E[(c_i − μ)(c_i − μ)ᵀ]‖_F ≤ (2√p s)² + p s²; with ``dp_whiten`` in the broadcast
+    prior's units instead, L⁻¹(m_i − μ), bounded by 2√p and (2√p)² + p (measured,
+    studies/dp_scale.py: with adapted bounds the fleet's spread is resolved down to
+    a smaller scale; with the declared worst-case bounds whitening feeds the noise back
+    round after round). The GLS Gram and the support are declared about I (their
+    value for a unit whose points determine every direction, most of a large fleet:
+    small deviations, so small adapted bounds). Second-moment eigenvalues the noise
+    hides take the smaller of the noise floor (what the fleet's spread is at most)
+    and the vague start s² (whitened: the floor), and the support's are not
+    counted, so the server keeps μ and s² there (its weak-direction rule).
+    rss_i/σ² ≈ n_i ≤ ``dp_max_rows`` (bound 1.5×, by the broadcast σ²: a fixed
+    scale would drown the RSS of good units in noise), and the noisy Σ rss at most
+    the vague start's noise variance × Σ n (σ² never vaguer than the start) and at
+    least 10⁻⁸ of it (σ ≥ 10⁻⁴ of the start: without this floor, noise draws that
+    sent σ² toward 0 made new units' posterior Cholesky fail at ε = 1); with
+    Legendre terms of inputs in [−1, 1], ‖Φ_iᵀΦ_i‖_F ≤ n_i p; the support's
+    eigenvalues lie in [0, 1).
+    """
 
     features: int  # p: columns of the design [φ, b·ψ]
     max_rows: float  # rows a unit may hold (public; the campaign)
@@ -35,32 +60,8 @@ class PrivateStatistics:
     selection: EvidenceSelection  # select_by = "marginal": the scores' statistic
 
     def statistics(self, down: Tree) -> dict[str, Statistic]:
-        """Client-level DP: each uploaded statistic's public map and bound (core/privacy).
-
-        Maps come from the broadcast only (Σ = L Lᵀ, μ, σ²) and the vague start s
-        (``init_scale``). The GLS terms in the prior's whitened coordinates are
-        bounded by construction: Lᵀ gls_gram_i L = A_i⁻¹B_i has eigenvalues in [0, 1)
-        and Lᵀ gls_rhs_i = z̄_i = L⁻¹(m_i − μ), bounded by 2√p (twice a prior draw's
-        typical norm). The posterior mean and second moment are taken about μ in the
-        units of the vague start, with ‖m_i − μ‖ ≤ 2√p s and
-        ‖E[(c_i − μ)(c_i − μ)ᵀ]‖_F ≤ (2√p s)² + p s²; with ``dp_whiten`` in the broadcast
-        prior's units instead, L⁻¹(m_i − μ), bounded by 2√p and (2√p)² + p (measured,
-        studies/dp_scale.py: with adapted bounds the fleet's spread is resolved down to
-        a smaller scale; with the declared worst-case bounds whitening feeds the noise back
-        round after round). The GLS Gram and the support are declared about I (their
-        value for a unit whose points determine every direction, most of a large fleet:
-        small deviations, so small adapted bounds). Second-moment eigenvalues the noise
-        hides take the smaller of the noise floor (what the fleet's spread is at most)
-        and the vague start s² (whitened: the floor), and the support's are not
-        counted, so the server keeps μ and s² there (its weak-direction rule).
-        rss_i/σ² ≈ n_i ≤ ``dp_max_rows`` (bound 1.5×, by the broadcast σ²: a fixed
-        scale would drown the RSS of good units in noise), and the noisy Σ rss at most
-        the vague start's noise variance × Σ n (σ² never vaguer than the start) and at
-        least 10⁻⁸ of it (σ ≥ 10⁻⁴ of the start: without this floor, noise draws that
-        sent σ² toward 0 made new units' posterior Cholesky fail at ε = 1); with
-        Legendre terms of inputs in [−1, 1], ‖Φ_iᵀΦ_i‖_F ≤ n_i p; the support's
-        eigenvalues lie in [0, 1).
-        """
+        """Client-level DP: each uploaded statistic's public map and bound (core/privacy; the
+        bounds: class doc)."""
         p = self.features
         chol = safe_cholesky(down["sigma"].to(F64))[0]
         mu, rows, s = down["mu"].to(F64), float(self.max_rows), self.init_scale

@@ -118,6 +118,13 @@ class RobustUploads:
             for j, why in support_problems(sub[key]).items() if key in sub else ():
                 if whys[j] is None:
                     whys[j] = why if key == "support" else f"branch {why}"
+        self._score_problems(sub, whys)
+        return {int(idx[j]): why for j, why in enumerate(whys) if why is not None}
+
+    def _score_problems(self, sub: dict[str, Tensor], whys: list) -> None:
+        """The unscreened residual terms and scores of :meth:`inconsistent` (bounded here,
+        the first reason of a client kept): the interval's residual terms, the marginal
+        selection scores, fedprior_choice's forward scores."""
         if "interval/dof" in sub:  # residual degrees of freedom ≤ rows, squared residuals ≥ 0
             dof, fit, n = sub["interval/dof"], sub["interval/fit"], sub["n"]
             wrong = ~((fit >= 0) & (dof <= n * (1 + 1e-9)))
@@ -136,7 +143,6 @@ class RobustUploads:
             lin = torch.tensor(self.linear_terms)
             for j, why in choice_problems(sub, self.choice_clip, lin).items():
                 whys[j] = whys[j] or why
-        return {int(idx[j]): why for j, why in enumerate(whys) if why is not None}
 
     def outlier_weights(self, server: Tree, replies: Tree) -> OutlierWeights | None:
         """Each client's M-step weight from its leave-one-out distance to the others' prior

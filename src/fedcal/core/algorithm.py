@@ -32,7 +32,7 @@ import typing
 from abc import ABCMeta, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal, NamedTuple, Protocol, runtime_checkable
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -234,9 +234,9 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
     # outlier_weights(server, replies) -> core.robust.OutlierWeights | None: the M-step
     # weight of each used client (fedprior); those below 1/2 are reported as rejections.
     outlier_weights: ClassVar[Callable[..., Any] | None] = None
-    # Optional hooks of one family (fedprior's) are not declared here: the protocols
-    # StreamsSums, BindsConsistency, TimedStd and DerivesData below name them, and the engine
-    # tests an algorithm against the protocol (isinstance) before it calls them.
+    # Optional hooks of one family (fedprior's) are not declared here: the protocols of
+    # core/hooks.py (StreamsSums, BindsConsistency, TimedStd, DerivesData) name them, and
+    # the engine tests an algorithm against the protocol (isinstance) before it calls them.
     # reads_seeds: whether client_update/personalize read ClientData.seeds (minibatches,
     # noise); a closed form that does not (fedprior) spares the engine a seed per client
     # and round (issue 25.1: 0.26 s a round at 10,000 units).
@@ -471,56 +471,3 @@ def options(cls: type) -> dict[str, tuple]:
             choices = tuple(c for lit in literals for c in typing.get_args(lit))
             found[f.name] = choices + ((None,) if type(None) in args else ())
     return found
-
-
-# ---- optional hooks of one family, tested by the engine (isinstance), not on the base ----
-@runtime_checkable
-class StreamsSums(Protocol):
-    """A "sum" server update that runs from Σ_i reply_i and the unit count alone, so the
-    engine may stream a round chunk by chunk (engine/streamed.py; fedprior).
-
-    ``server_update_sums(server, sums, count)``: the server update from the sums;
-    ``streaming_refused()``: why not for these settings, or None; ``outlier_inputs``: the
-    reply leaves ``outlier_weights`` reads per unit (kept when streaming);
-    ``picked_leaves``: reply leaves that are one client's, not summed, taken from the used
-    client ``pick_reply(keys)`` names (None: zeros), ``keys`` its ``pick_inputs`` kept per
-    client (fedprior's calibrated-interval probe: an arg-min, not a sum)."""
-
-    outlier_inputs: tuple[str, ...]
-    picked_leaves: tuple[str, ...]
-    pick_inputs: tuple[str, ...]
-
-    def server_update_sums(self, server: Tree, sums: Tree, count: Tensor) -> Tree: ...
-
-    def streaming_refused(self) -> str | None: ...
-
-    def pick_reply(self, keys: Tree) -> int | None: ...
-
-
-@runtime_checkable
-class BindsConsistency(Protocol):
-    """``consistency_check(server)`` -> ``check(replies, weights, accepted)``: the algorithm's
-    ``inconsistent_replies`` bound to one round's server, its per-round pieces formed once (a
-    streamed round calls it once per chunk); without it the engine binds
-    ``inconsistent_replies`` itself."""
-
-    def consistency_check(self, server: Tree) -> Callable[..., dict[int, str] | None]: ...
-
-
-@runtime_checkable
-class TimedStd(Protocol):
-    """``predictive_std_timed(params, data)`` -> (clients, rows, 1): σ at each row's time,
-    for a model whose uncertainty grows after calibration (fedprior_drift); evaluation uses
-    it instead of ``predictive_std``."""
-
-    def predictive_std_timed(self, params: Tree, data: Any) -> Tensor: ...
-
-
-@runtime_checkable
-class DerivesData(Protocol):
-    """``derive(data)`` -> {name: (clients, ...) tensor} | None: per-client tensors that
-    depend on the clients' data alone (fedprior's moments), formed once by the engine and
-    passed back as ``ClientData.derived`` every round; ``client_update`` gives the same result
-    without them. A subclass sets ``derive = None`` to opt out."""
-
-    def derive(self, data: Any) -> dict[str, Tensor] | None: ...

@@ -18,8 +18,9 @@ import torch
 from torch import Tensor
 
 from fedcal.core.aggregation import finite_rows
-from fedcal.core.algorithm import Algorithm, TimedStd
+from fedcal.core.algorithm import Algorithm
 from fedcal.core.data import ClientData
+from fedcal.core.hooks import TimedStd
 from fedcal.core.tree import Tree, expand
 from fedcal.data.scaling import Scaler
 

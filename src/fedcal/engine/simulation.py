@@ -26,8 +26,9 @@ from pydantic import InstanceOf
 from torch import Tensor
 
 from fedcal.core.aggregation import PLAIN, AggregationPolicy, aggregate, finite_rows
-from fedcal.core.algorithm import Algorithm, ClientResult, DerivesData
+from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import HOST, ClientData, client_round_seed
+from fedcal.core.hooks import DerivesData
 from fedcal.core.schema import Seed, checked
 from fedcal.core.tree import Tree, expand, gather, num_bytes, per_client, scatter, tree_map
 from fedcal.engine import chunks, streamed

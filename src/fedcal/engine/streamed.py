@@ -45,8 +45,9 @@ import torch
 from torch import Tensor
 
 from fedcal.core.aggregation import AggregationPolicy, _columns, _record_downweighted
-from fedcal.core.algorithm import Algorithm, BindsConsistency, ClientResult, StreamsSums
+from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData
+from fedcal.core.hooks import BindsConsistency, StreamsSums
 from fedcal.core.stages import Round, finite_rows, statistic_sizes, view_sizes
 from fedcal.core.tree import Tree, expand, flatten, gather, num_bytes, unflatten
 from fedcal.engine import chunks
