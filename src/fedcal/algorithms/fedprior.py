@@ -122,11 +122,14 @@ Intervals (``interval = "calibrated"``, issue 20): the noise on residual degrees
 a discrepancy variance learned by a design-matched hold-out, or no interval where the fleet
 cannot learn one (:mod:`fedcal.algorithms.fedprior_interval`, steps I1–I3).
 
-One idea per file: this module is the model and its federated EM (with the DP bounds of the
-statistics the E-step uploads, :meth:`FedPrior.dp_statistics`); :class:`FedPrior` adds the
-mixins of the evidence selection (``fedprior_select``), the calibrated interval
-(``fedprior_interval``), the support box (``fedprior_support``) and what a user keeps —
-identification, each unit's status, the exported prior (``fedprior_status``).
+One idea per file: this module is the model and its federated EM; :class:`FedPrior` holds
+its parts, each a frozen dataclass declared by the settings it reads (docs/design.md, "The
+flagship algorithms"): the evidence selection (``selection``, fedprior_select), the exported
+prior and statuses (``prior_status``, fedprior_status), the support box (``support_box``,
+fedprior_support), the defence (``robust_uploads``, fedprior_robust), the noise model
+(``noise_model``, fedprior_noise), the streamed M-step (``streamed``, fedprior_stream) and the
+DP bounds (``private_statistics``, fedprior_dp). The calibrated interval (fedprior_interval)
+and the time-respecting choice (fedprior_choice) are still mixins.
 
 Defaults (ours, measured on mixed fleets of 20 fully calibrated + 20 new
 units, 3 fleet seeds, off-grid test points; docs/results/): Legendre orders (4, 3),
