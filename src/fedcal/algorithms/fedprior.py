@@ -86,7 +86,7 @@ swept one way, or no row has a direction, the rows see c + h along ψ (or nothin
 and a split by the vague start put half of each unit's ψ part in h, which the field's
 branch average drops (230–240 hPa on all-few fleets). Each unit uploads the data support
 of the whole design (``branch_support``); the ψ coordinates J that the summed support's
-weak subspace holds (:meth:`FedPrior._unidentified_branch`) are pinned, μ_J = 0 and
+weak subspace holds (fedprior_pins) are pinned, μ_J = 0 and
 Σ_JJ = ``floor`` (masked out of every E-step), the M-step runs on the others, the EM
 starts again from the vague start when J changes and its columns held data, and the
 BIC counts no parameter for J: from then on the run is the run without the term, one
@@ -127,8 +127,9 @@ its parts, each a frozen dataclass declared by the settings it reads (docs/desig
 flagship algorithms"): the evidence selection (``selection``, fedprior_select), the exported
 prior and statuses (``prior_status``, fedprior_status), the support box (``support_box``,
 fedprior_support), the defence (``robust_uploads``, fedprior_robust), the noise model
-(``noise_model``, fedprior_noise), the streamed M-step (``streamed``, fedprior_stream) and the
-DP bounds (``private_statistics``, fedprior_dp). The calibrated interval (fedprior_interval)
+(``noise_model``, fedprior_noise), the streamed M-step (``streamed``, fedprior_stream), the
+direction term's pinned coordinates (``branch_pins``, fedprior_pins) and the DP bounds
+(``private_statistics``, fedprior_dp). The calibrated interval (fedprior_interval)
 and the time-respecting choice (fedprior_choice) are still mixins.
 
 Defaults (ours, measured on mixed fleets of 20 fully calibrated + 20 new
@@ -169,6 +170,7 @@ from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
 from fedcal.algorithms.fedprior_dp import PrivateStatistics
 from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
 from fedcal.algorithms.fedprior_noise import NoiseModel, sensor_noise
+from fedcal.algorithms.fedprior_pins import BranchPins
 from fedcal.algorithms.fedprior_robust import RobustUploads, capped_noise, weighted
 from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
@@ -198,9 +200,6 @@ from fedcal.models.basis import (
     legendre_exponents,
     legendre_products,
 )
-
-# ψ coordinate j is unidentified when more than this share of e_j lies in the weak subspace
-BRANCH_UNIDENTIFIED = 0.25
 
 
 @dataclass(frozen=True)
@@ -447,6 +446,12 @@ class FedPrior(
         )
 
     @cached_property
+    def branch_pins(self) -> BranchPins:
+        """The direction term's coordinates the fleet's data do not identify (fedprior_pins)."""
+        start = (self.min_informed, self.floor, self.init_scale, self.init_noise)
+        return BranchPins(len(self.terms), self.num_features, *start)
+
+    @cached_property
     def support_box(self) -> SupportBox:
         """The extrapolation guard over φ (fedprior_support)."""
         return SupportBox(self.num_inputs, self.terms)
@@ -514,7 +519,7 @@ class FedPrior(
         if self.noise_tail == "auto":  # Gaussian rows until the fleet's evidence says t (N6)
             start["noise_student"] = torch.tensor(0.0, dtype=F64)
             start["tail_ratio"] = torch.tensor(0.0, dtype=F64)
-        if self.branch_orders:  # ψ coordinates out of the model (none yet): _unidentified_branch
+        if self.branch_orders:  # ψ coordinates out of the model (none yet): BranchPins.unidentified
             start["pinned"] = torch.zeros(p, dtype=F64)
         if self.choice_on:  # fedprior_choice's pooled lines and summed scores
             start.update(self._choice_init())
@@ -542,7 +547,7 @@ class FedPrior(
         down.update({k: server[k] for k in INTERVAL_KEYS if k in server})
         noise_keys = ("noise_gamma", "noise_gamma_fit", "noise_student")
         down.update({k: server[k] for k in noise_keys if k in server})
-        if "pinned" in server:  # ψ coordinates out of the model (_unidentified_branch)
+        if "pinned" in server:  # ψ coordinates out of the model (BranchPins.unidentified)
             down["pinned"] = server["pinned"]
         if self.select != "none":
             down["mask"] = server["mask"]
@@ -604,7 +609,7 @@ class FedPrior(
 
     def _model_mask(self, down: Tree) -> Tensor | None:
         """The features in the model (the chosen basis without the ψ coordinates J out of
-        it: :meth:`_unidentified_branch`); None: all of them."""
+        it: BranchPins.unidentified); None: all of them."""
         if "mask" in down:
             return down["mask"]
         return 1.0 - down["pinned"] if "pinned" in down else None
@@ -647,7 +652,7 @@ class FedPrior(
         # The design's own Gram ΦᵀΦ (the input box's sums, the row-count check), unweighted.
         gram = full.gram if rw is None else moments(design, data.y[..., 0], data.mask).gram
         reply.update(n=full.n, gram=gram, support=chosen["support"])
-        if self.branch_orders:  # the whole design's, whatever J: _unidentified_branch's input
+        if self.branch_orders:  # the whole design's, whatever J: BranchPins.unidentified's input
             reply["branch_support"] = data_support(gram, self._noise(down, state), self.init_scale)
         if self.interval == "calibrated" and "probe_x" in down:
             # Unscreened ("interval/"): a unit's residual terms scale with its rows.
@@ -746,9 +751,10 @@ class FedPrior(
         pinned: Tensor | None = None,
     ):
         """One M-step from client sums: (μ, Σ, σ², support) (module doc, step 2); the ψ
-        coordinates ``pinned`` out of the model (:meth:`_unidentified_branch`)."""
+        coordinates ``pinned`` out of the model (:meth:`BranchPins.unidentified`)."""
         if pinned is not None and bool(pinned.any()):  # the M-step of the model without them
-            return self._pinned_update(old_mu, total, count, metric, old_noise, pinned)
+            args = (old_mu, total, count, metric, old_noise, pinned)
+            return self.branch_pins.pinned_update(self._prior_update, *args)
         mu, sigma_hat = m_step(
             total["gls_gram"],
             total["gls_rhs"],
@@ -778,102 +784,13 @@ class FedPrior(
             noise_var = torch.where(dof >= 1.0, total["fit"] / dof.clamp_min(1.0), old_noise)
         return mu, sigma, noise_var
 
-    def _unidentified_branch(self, support: Tensor | None) -> Tensor:
-        """J (features,) bool: the direction term's ψ coordinates that the fleet's data do not
-        tell apart from the rest of the design (issue 20), from the whole design's support.
-
-        ψ coordinate j is unidentified when the weak subspace W of the summed support
-        (directions fewer than ``min_informed`` units determine; module doc,
-        "Identification") holds more than :data:`BRANCH_UNIDENTIFIED` of its unit vector,
-        ‖P_W e_j‖² > 1/4: no row has a direction (b = 0: ‖P_W e_j‖² = 1) or every unit swept
-        one way, so its rows see c + h along ψ only (‖P_W e_j‖² = 1/2, φ ⊇ ψ). ``support``
-        is the summed ``branch_support`` upload, the support of the whole design [φ, b·ψ]
-        whatever J and the basis chosen (in a sub-basis without φ's ψ terms, b·ψ of one-way
-        units would pass for those terms; and J's own columns are masked out of the E-step).
-        """
-        pinned = torch.zeros(self.num_features, dtype=torch.bool)
-        if support is None:  # no direction term
-            return pinned
-        vals, vecs = torch.linalg.eigh(0.5 * (support + support.T))
-        weak = vecs[len(self.terms) :, vals < self.min_informed]
-        pinned[len(self.terms) :] = (weak**2).sum(1) > BRANCH_UNIDENTIFIED
-        return pinned
-
-    def _pinned_update(
-        self,
-        old_mu: Tensor,
-        total: dict,
-        count: Tensor,
-        metric: Tensor,
-        old_noise: Tensor,
-        pinned: Tensor,
-    ):
-        """The M-step with the ψ coordinates J out of the model: the step on the other
-        coordinates K alone (their blocks of every sum; the units' posteriors already have
-        h_J ≈ 0), then μ_J = 0, Σ_J· = Σ_·J = 0, Σ_JJ = ``floor`` I, so every unit's
-        posterior keeps h_J ≈ 0 and c takes all of c + h (:meth:`_pin`).
-
-        The weak directions among K come from the support's K block: a unit whose points
-        saw c_j + h_j counts at least half along c_j there (a conservative count). Without
-        this, a unit swept one way split c + h by the vague start and predicted the branch
-        average of a term no unit identifies (issue 20: 230–240 hPa on all-few fleets)."""
-        full = pinned.shape[0]
-        keep = torch.nonzero(~pinned)[:, 0]
-
-        def block(v: Tensor) -> Tensor:
-            if v.dim() >= 1 and v.shape[-1] == full:
-                v = v[..., keep]
-            if v.dim() >= 2 and v.shape[-2] == full:
-                v = v[..., keep, :]
-            return v
-
-        sub = {k: block(v) for k, v in total.items()}
-        mu_k, sigma_k, noise_var = self._prior_update(
-            old_mu[keep], sub, count, block(metric), old_noise
-        )
-        mu = torch.zeros(full, dtype=F64)
-        mu[keep] = mu_k
-        sigma = torch.zeros(full, full, dtype=F64)
-        sigma[keep.unsqueeze(1), keep.unsqueeze(0)] = sigma_k
-        return (*self._pin(mu, sigma, pinned), noise_var)
-
-    def _pin(self, mu: Tensor, sigma: Tensor, pinned: Tensor) -> tuple[Tensor, Tensor]:
-        """μ_J = 0, Σ_J· = Σ_·J = 0, Σ_JJ = ``floor`` I: h_J ≈ 0 in every posterior."""
-        mu, sigma = mu.clone(), sigma.clone()
-        mu[pinned] = 0.0
-        sigma[pinned] = 0.0
-        sigma[:, pinned] = 0.0
-        j = torch.nonzero(pinned)[:, 0]
-        sigma[j, j] = self.floor
-        return mu, sigma
-
-    def _restart(
-        self, server: Tree, pinned: Tensor, gram: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor] | None:
-        """The vague start with J pinned when J changed this round and its columns held data
-        (the summed Gram ``gram``), else None.
-
-        The EM so far ran on a model whose unidentified term split c + h by the start; its
-        estimates along c carry that split, so the EM starts again on the model without J
-        (from then on, round for round, the EM of the model without the term: one round
-        later). Columns without data (b = 0 everywhere) split nothing: no restart."""
-        if "pinned" not in server or torch.equal(server["pinned"] > 0, pinned):
-            return None
-        if not bool(torch.any(gram[pinned] != 0)):
-            return None
-        p = pinned.shape[0]
-        start = self._pin(
-            torch.zeros(p, dtype=F64), self.init_scale**2 * torch.eye(p, dtype=F64), pinned
-        )
-        return (*start, torch.tensor(self.init_noise**2, dtype=F64))
-
     def _candidate_updates(
         self, server: Tree, cand: Tree, total: Tree, count: Tensor, metric: Tensor, pinned: Tensor
     ) -> dict[str, Tensor]:
         """Every candidate basis's M-step on its own summed statistics (``select = "bic"``),
         stacked over the candidates; the fleet's restart, if any, for all of them."""
         new: dict[str, list[Tensor]] = {"mu": [], "sigma": [], "noise_var": []}
-        restart = self._restart(server, pinned, total["gram"])
+        restart = self.branch_pins.restart(server, pinned, total["gram"])
         for k, m in enumerate(self.masks):
             part = {**{key: v[k] for key, v in cand.items()}, "n": total["n"]}
             out = restart or self._prior_update(
@@ -905,7 +822,7 @@ class FedPrior(
         if "choice" in replies:  # per unit unless already summed (fedprior_stream)
             forward = self.choice_update(replies["choice"], order, replies["gram"], units is None)
         total = {k: v[order].sum(0) for k, v in replies.items() if k not in skip}
-        pinned = self._unidentified_branch(total.pop("branch_support", None))
+        pinned = self.branch_pins.unidentified(total.pop("branch_support", None))
         if "interval" in replies:  # the restricted noise update's sums (module doc, I1)
             total.update({k: replies["interval"][k][order].sum(0) for k in ("dof", "fit")})
         count = torch.tensor(float(replies["mean"].shape[0]), dtype=F64) if units is None else units
@@ -913,7 +830,7 @@ class FedPrior(
             count = robust.weights[order].sum() if bool((robust.weights != 1).any()) else count
         metric = total["gram"] / total["n"].clamp_min(1.0)
         if not self.each_candidate:
-            mu, sigma, noise_var = self._restart(
+            mu, sigma, noise_var = self.branch_pins.restart(
                 server, pinned, total["gram"]
             ) or self._prior_update(server["mu"], total, count, metric, server["noise_var"], pinned)
             new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}

@@ -133,7 +133,7 @@ class EvidenceSelection:
     def candidate_moments(self, down: Tree, full: Moments) -> tuple[Moments, int, int, int]:
         """The moments ``full`` (clients, ...) masked to each candidate's terms, flattened to
         (clients × candidates, ...) rows, and (clients, p, candidates); ψ coordinates out of
-        the model (``pinned``, FedPrior._pinned_update) are out of every candidate."""
+        the model (``pinned``, fedprior_pins.BranchPins) are out of every candidate."""
         masks = self.masks
         if "pinned" in down:
             masks = masks * (1.0 - down["pinned"].to(F64).reshape(-1, masks.shape[1])[:1])

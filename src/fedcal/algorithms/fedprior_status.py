@@ -126,7 +126,7 @@ class PriorStatus:
         _, idx = self.selection.chosen_features(server)  # μ and Σ over (c, h) jointly
         psi, pinned = self.selection.chosen_branch(server), []
         if psi and "pinned" in server and bool((server["pinned"] > 0).any()):
-            # Part of ψ is out of the model (FedPrior._unidentified_branch): ψ is stored whole
+            # Part of ψ is out of the model (fedprior_pins): ψ is stored whole
             # (μ_J = 0, Σ_JJ = floor, uncoupled) with J named, so the rebuilt basis is the
             # chosen candidate's and a calibrated unit pins the same terms.
             base = (
