@@ -218,6 +218,13 @@ def step_fedprior(size: int, tmp: Path, args) -> dict:
         "round_only_cpu_s": sum(c for _, c in bare[steady]) / len(bare[steady]),
         "eval_cpu_s": evals[-1][1],  # the last evaluation of every unit, CPU
         "bytes_up_per_round": result.bytes_up_per_round,
+        # per unit: the mean over the rounds run, and the last round's (issue 36.1: once the
+        # basis is chosen only its statistics travel); the rounds run (fewer than --rounds
+        # when the prior converged) and the basis chosen
+        "up_kb_per_unit": result.bytes_up_per_round / size / 1e3,
+        "up_kb_per_unit_last": result.extra.get("bytes_up", [0])[-1] / size / 1e3,
+        "rounds_done": result.rounds_done,
+        "choice": int(result.server["choice"]) if "choice" in result.server else -1,
         "build_peak_rss_mb": build_rss_mb,
         "streamed": refused is None and assembled > streamed.STREAM_ABOVE,
         **({"stream_refused": refused} if refused else {}),

@@ -48,11 +48,22 @@ def _frozen(settings: dict[str, Any]) -> Mapping[str, Any]:
 # configuration has run with since issue 20 (docs/uncertainty.md, docs/results).
 _CALIBRATED = {"select": "bic", "interval": "calibrated"}
 
+# What travels when (issue 36.1, fedprior_rounds R1–R3): the basis chosen once the BIC choice
+# stays 3 rounds (its candidates on about 2,000 units' draws after the first round), the
+# hold-out once (the last round), and the run ends one round after the prior moves less than
+# 1e-5 (relative) in a round. At 1,000 units or fewer every unit draws the candidates.
+_AT_SCALE = {
+    "select_patience": 3,
+    "select_units": 2000,
+    "holdout": "final",
+    "converge_tol": 1e-5,
+}
+
 PRESETS: Mapping[str, Preset] = MappingProxyType(
     {
         "chamber": Preset(
             "fedprior",
-            _frozen({**_CALIBRATED, "own_folds": 5}),
+            _frozen({**_CALIBRATED, "own_folds": 5, **_AT_SCALE}),
             "a chamber-calibrated fleet without a time column (designed pressure × "
             "temperature grids; reference units and new units of a few points): the "
             "shipped default",

@@ -172,6 +172,7 @@ from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterva
 from fedcal.algorithms.fedprior_noise import NoiseModel, sensor_noise
 from fedcal.algorithms.fedprior_pins import BranchPins
 from fedcal.algorithms.fedprior_robust import RobustUploads, capped_noise, weighted
+from fedcal.algorithms.fedprior_rounds import RoundSchedule
 from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
 from fedcal.algorithms.fedprior_status import PriorStatus
@@ -194,7 +195,7 @@ from fedcal.core.data import ClientData
 from fedcal.core.privacy import Statistic
 from fedcal.core.robust import OutlierWeights
 from fedcal.core.task import Task
-from fedcal.core.tree import Tree
+from fedcal.core.tree import Tree, gather
 from fedcal.models.basis import (
     any_beyond,
     legendre_exponents,
@@ -276,6 +277,19 @@ class FedPrior(
     # their own rows in this many folds (fedprior_interval, I4); 0: they get none (I3). Part
     # of the calibrated interval: no effect with interval = "posterior" (as probe_rows)
     own_folds: Annotated[int, Field(ge=0)] = 0
+    # Issue 36.1 (fedprior_rounds, R1–R3): > 0: with select = "bic" the choice is frozen once
+    # the same candidate is chosen this many rounds in a row (then only its statistics
+    # travel); 0: every candidate every round
+    select_patience: Annotated[int, Field(ge=0)] = 0
+    # > 0: after the first round the candidates' E-steps run on a sample of about this many
+    # units (each unit's own draw against the broadcast rate); 0: on every unit
+    select_units: Annotated[int, Field(ge=0)] = 0
+    # "final": the calibrated interval's hold-out fits and counts (I2, I4) only in the last
+    # round (the engine's, or the one after convergence); "every": every round
+    holdout: Literal["every", "final"] = "every"
+    # > 0: the run ends one round (the hold-out's) after the prior's relative change per round
+    # falls below this (the engine's rounds stay the cap); 0: the engine's rounds
+    converge_tol: Annotated[float, Field(ge=0.0)] = 0.0
     # "learn": at the run's end the units with at least fedprior_deploy.REFERENCE_ROWS rows
     # learn the prior's design-dependent error model (prior.json "discrepancy", issue 33);
     # "off": not learned. deploy_rows > 0: a unit calibrated from such a prior carries its
@@ -428,6 +442,26 @@ class FedPrior(
         return self.selection.each_candidate
 
     @cached_property
+    def rounds_schedule(self) -> RoundSchedule:
+        """What travels when: the basis chosen once, the hold-out once, the stop (R1–R3 of
+        fedprior_rounds)."""
+        return RoundSchedule(
+            self.select_patience,
+            self.holdout,
+            self.converge_tol,
+            self.each_candidate,
+            self.select_units,
+        )
+
+    def last_round(self, server: Tree) -> Tree:
+        """The server before the engine's last round (fedprior_rounds R2: it holds out)."""
+        return self.rounds_schedule.last(server)
+
+    def finished(self, server: Tree) -> bool:
+        """Whether the run is done before the engine's rounds (fedprior_rounds R3)."""
+        return self.rounds_schedule.finished(server)
+
+    @cached_property
     def noise_model(self) -> NoiseModel:
         """σ²(x) in the inputs, Student-t or trimmed rows (fedprior_noise, N1–N7)."""
         return NoiseModel(
@@ -527,6 +561,7 @@ class FedPrior(
             start["pinned"] = torch.zeros(p, dtype=F64)
         if self.choice_on:  # fedprior_choice's pooled lines and summed scores
             start.update(self._choice_init())
+        start.update(self.rounds_schedule.init())  # R1–R3's bookkeeping (none when off)
         if self.select == "none":
             mask = {"mask": self.masks[-1].clone()} if self.branch_orders else {}
             return {**start, "box": self.support_box.open_box(), **mask}
@@ -557,8 +592,12 @@ class FedPrior(
             down["mask"] = server["mask"]
         if "pooled_ok" in server:  # the fleet's pooled lines (fedprior_choice), once summed
             down.update({k: server[k] for k in self.choice_broadcast if k in server})
-        if self.each_candidate:
+        if "holdout_now" in server:  # fedprior_rounds R2: whether this round holds out
+            down["holdout_now"] = server["holdout_now"]
+        if self.each_candidate and "cand" in server:  # (R1: not once the choice is frozen)
             down["cand"] = {k: server["cand"][k] for k in ("mu", "sigma", "noise_var")}
+            if "cand_rate" in server:  # R1: the share of units whose draw runs the candidates
+                down["cand_rate"] = server["cand_rate"]
         return down
 
     def client_init(self, down: Tree) -> Tree:
@@ -663,7 +702,7 @@ class FedPrior(
             reply["interval"] = {
                 "dof": chosen["dof"],
                 "fit": chosen["fit"],
-                **self._heldout(down, state, data, rw),
+                **self._heldout(down, state, data, rw, self.rounds_schedule.holds_out(down)),
             }
         if self.noise_shape == "inputs":  # γ's score, information and evidence (N2)
             reply["noise"] = self.noise_model.uploads(em, data, design, post, rw[1])
@@ -675,11 +714,13 @@ class FedPrior(
         new_state = {"noise_var": own if self.noise == "sensor" else state["noise_var"]}
         if marginal:
             reply["select"] = self.selection.marginal_scores(down, self._noise(down, state), full)
-        if self.each_candidate:
+        if self.each_candidate and "cand" in down:  # (R1: until the choice is frozen)
             reply["cand"], cand_own = self._candidates_e_step(down, state, full)
             new_state["cand_noise_var"] = (
                 cand_own if self.noise == "sensor" else state["cand_noise_var"]
             )
+        elif "cand_noise_var" in state:  # R1: frozen, the candidates' σ_i² kept as they were
+            new_state["cand_noise_var"] = state["cand_noise_var"]
         if "pooled_ok" in down and self.choosing(data):  # forward scores (fedprior_choice)
             reply["choice"] = self.choice_uploads(down, state, data, gram, chosen["mean"])
         fit_mse = post.rss / full.n.clamp_min(1.0)
@@ -712,6 +753,9 @@ class FedPrior(
         log p(y_i | μ_k, Σ_k, σ_k²) are those of the sub-basis model exactly (the
         unused coordinates see no data and keep their prior).
         """
+        sampled = self.rounds_schedule.sampled(down, full.rhs)
+        if sampled is not None:  # R1: the candidates of the sampled units only, zeros elsewhere
+            return self._sampled_candidates(down, state, full, sampled)
         stats, c, p, k = self.selection.candidate_moments(down, full)
         cand = down["cand"]
         noise = state["cand_noise_var"] if self.noise == "sensor" else cand["noise_var"]
@@ -721,7 +765,28 @@ class FedPrior(
             post, stats.gram, noise, stats.n if self.interval == "calibrated" else None
         )
         own = self._sensor_noise(post.rss, stats.n, cand["noise_var"].reshape(-1))
-        return {key: v.reshape(c, k, *v.shape[1:]) for key, v in out.items()}, own.reshape(c, k)
+        out = {key: v.reshape(c, k, *v.shape[1:]) for key, v in out.items()}
+        if "cand_rate" in down:  # R1: which units' terms the candidates' sums hold
+            out["unit"], out["n"] = torch.ones(c, k, dtype=F64), full.n.unsqueeze(1).expand(c, k)
+        return out, own.reshape(c, k)
+
+    def _sampled_candidates(self, down: Tree, state: Tree, full: Moments, sampled: Tensor):
+        """:meth:`_candidates_e_step` of the ``sampled`` units (R1 of fedprior_rounds), zeros
+        for the others (their upload holds no candidate terms: ``unit`` 0)."""
+        idx = torch.nonzero(sampled)[:, 0]
+        run = idx if idx.numel() else torch.zeros(1, dtype=torch.long)  # (shapes: one unit)
+        sub_down = gather(down, run)
+        sub_down["cand_rate"] = torch.ones_like(sub_down["cand_rate"])  # every one of them
+        sub_full = Moments(*(v.index_select(0, run) for v in full))
+        part, own_part = self._candidates_e_step(sub_down, gather(state, run), sub_full)
+        c = full.n.shape[0]
+        out = {key: v.new_zeros(c, *v.shape[1:]) for key, v in part.items()}
+        own = state["cand_noise_var"].clone()
+        if idx.numel():
+            for key, v in part.items():
+                out[key][idx] = v
+            own[idx] = own_part
+        return out, own
 
     def dp_statistics(self, down: Tree) -> dict[str, Statistic]:
         """Client-level DP: each uploaded statistic's public map and bound (core/privacy;
@@ -795,12 +860,16 @@ class FedPrior(
         stacked over the candidates; the fleet's restart, if any, for all of them."""
         new: dict[str, list[Tensor]] = {"mu": [], "sigma": [], "noise_var": []}
         restart = self.branch_pins.restart(server, pinned, total["gram"])
+        units = count
+        if "unit" in cand:  # R1: the sampled units' sums (their n, their count)
+            units = cand["unit"][0].clamp_min(1.0)
         for k, m in enumerate(self.masks):
-            part = {**{key: v[k] for key, v in cand.items()}, "n": total["n"]}
+            part = {**{key: v[k] for key, v in cand.items()}}
+            part["n"] = part["n"] if "unit" in cand else total["n"]
             out = restart or self._prior_update(
                 server["cand"]["mu"][k],
                 part,
-                count,
+                units,
                 metric * m.unsqueeze(0) * m.unsqueeze(1),
                 server["cand"]["noise_var"][k],
                 pinned,
@@ -833,13 +902,20 @@ class FedPrior(
         if robust is not None:  # Σ w_i units (exactly N when every weight is 1)
             count = robust.weights[order].sum() if bool((robust.weights != 1).any()) else count
         metric = total["gram"] / total["n"].clamp_min(1.0)
-        if not self.each_candidate:
+        frozen = self.each_candidate and "cand" not in replies  # R1: the chosen EM alone
+        if frozen:  # the candidate's own M-step: its design metric (fedprior_rounds R1)
+            m = self.masks[int(server["choice"])]
+            metric = metric * m.unsqueeze(0) * m.unsqueeze(1)
+        if not self.each_candidate or frozen:
             mu, sigma, noise_var = self.branch_pins.restart(
                 server, pinned, total["gram"]
             ) or self._prior_update(server["mu"], total, count, metric, server["noise_var"], pinned)
             new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
             new["box"] = self.support_box.fleet_box(total["gram"])
-            if self.select != "none":  # select_by = "marginal": the noisy-BIC choice
+            if frozen:  # the choice as frozen
+                new.update({k: server[k] for k in ("choice", "scores")})
+                new["mask"] = self.masks[int(server["choice"])]
+            elif self.select != "none":  # select_by = "marginal": the noisy-BIC choice
                 new.update(self.selection.marginal_choice(total["select"], count, pinned))
             if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
                 noise = replies["noise"]
@@ -848,7 +924,8 @@ class FedPrior(
             if self.branch_orders:  # the features in use, without the ψ coordinates out of it
                 new["mask"] = new.get("mask", self.masks[-1]) * (~pinned).to(F64)
                 new["pinned"] = pinned.to(F64)
-            return {**new, **self._interval_update(server, replies, order, total)}
+            new.update(self._interval_update(server, replies, order, total))
+            return self.rounds_schedule.after(server, new, count)
         cand = {k: v[order].sum(0) for k, v in replies["cand"].items()}
         masks = self.masks
         stacked = self._candidate_updates(server, cand, total, count, metric, pinned)
@@ -856,7 +933,8 @@ class FedPrior(
         # the evidence at the broadcast θ_k (each candidate's EM converges to its maximum).
         # (the ψ coordinates J out of the model are no parameters)
         free = self.selection.prior_parameters(masks * (~pinned).to(F64))
-        scores = cand["loglik"] - 0.5 * free * math.log(float(count))
+        units = cand["unit"][0].clamp_min(1.0) if "unit" in cand else count  # R1: the sample's
+        scores = cand["loglik"] - 0.5 * free * math.log(float(units))
         # ties: the smaller candidate (listed first); a candidate whose model is an earlier
         # one's once J is out (it differs only in pinned ψ terms) is that one, not a rival
         eff = masks * (~pinned).to(F64)
@@ -866,7 +944,7 @@ class FedPrior(
             choice = self.forward_choice(
                 torch.where(same, math.inf, forward["forward_scores"][:-3])
             )
-        return {
+        new = {
             **self._choice_state(server, forward),
             **{key: v[choice] for key, v in stacked.items()},
             "box": self.support_box.fleet_box(total["gram"]),
@@ -882,6 +960,7 @@ class FedPrior(
                 else {}
             ),
         }
+        return self.rounds_schedule.after(server, new, count)
 
     # ---- a hostile site or unit (issue 21; fedprior_robust) ----
     def screen_view(

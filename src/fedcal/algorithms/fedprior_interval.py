@@ -76,6 +76,7 @@ from torch import Tensor
 
 from fedcal.algorithms.fedprior_deploy import learn
 from fedcal.algorithms.fedprior_noise import weighted_moments
+from fedcal.algorithms.fedprior_rounds import carried_interval
 from fedcal.algorithms.fedprior_select import _masked
 from fedcal.core.bayes import (
     F64,
@@ -195,6 +196,7 @@ class CalibratedInterval:
         state: Tree,
         data: ClientData,
         weights: tuple[Tensor, Tensor] | None = None,
+        count: bool = True,
     ) -> Tree:
         """A unit's design-matched hold-out (step I2): its uploads to the interval's sums.
 
@@ -211,6 +213,8 @@ class CalibratedInterval:
         (the server's candidate probe: chamber set points, no targets). ``weights``: the noise
         model's row weights and inliers (fedprior_noise, N5): the probe fit is weighted, σ²(x)
         is stated at each held row, and rows the robust fit marks as outliers are not counted.
+        ``count`` False (fedprior_rounds R2, a round without the hold-out): the probe design
+        only, no fits and no counts.
         """
         x, y, mask = data.x.to(F64), data.y[..., 0].to(F64), data.mask.to(F64)
         c, rows = mask.shape
@@ -218,6 +222,10 @@ class CalibratedInterval:
         px, pb, pn = down["probe_x"].to(F64), down["probe_b"].to(F64), down["probe_n"].to(F64)
         valid = (torch.arange(px.shape[1]).unsqueeze(0) < pn.unsqueeze(1)).to(F64)
         u = _unit_span(x, mask)  # positions within the unit's own calibrated span
+        n = data.count.to(F64)
+        probe = self._probe_upload(u, branch, n)
+        if not count:  # R2 (fedprior_rounds): this round uploads the probe design only
+            return probe
         dist = torch.cdist(px, u) + 1e3 * ((pb.unsqueeze(-1) * branch.unsqueeze(-2)) < 0)
         dist = dist.masked_fill(mask.unsqueeze(1) == 0, math.inf)
         able = ((data.count.to(F64) >= 2 * pn) & (pn > 0)).to(F64).unsqueeze(1)
@@ -236,19 +244,24 @@ class CalibratedInterval:
         if weights is not None:  # N5: held rows the robust fit marks outliers not counted
             held = held * weights[1]
         inside = self._fit_count(down, state, design, x, y, keep, held, weights)
-        n = data.count.to(F64)
-        own = (n <= self.probe_rows).to(F64)
-        r = min(rows, self.probe_rows)
-        probe_x = torch.zeros(c, self.probe_rows, x.shape[-1], dtype=F64)
-        probe_x[:, :r] = u[:, :r] * own.reshape(-1, 1, 1)
-        probe_b = torch.zeros(c, self.probe_rows, dtype=F64)
-        probe_b[:, :r] = branch[:, :r] * own.unsqueeze(1)
-        out = {"x": probe_x, "b": probe_b, "n": n * own, "inside": inside, "held": held.sum(1)}
+        out = {**probe, "inside": inside, "held": held.sum(1)}
         if self.own_folds:  # I4: the rich units hold out their own rows, fold by fold
             out["inside_own"], out["held_own"] = self._own_counts(
                 down, state, design, x, y, mask, able[:, 0], weights
             )
         return out
+
+    def _probe_upload(self, u: Tensor, branch: Tensor, n: Tensor) -> Tree:
+        """A unit's candidate probe (I2): its inputs' span positions ``u`` and directions if it
+        has at most ``probe_rows`` rows (zeros otherwise), and its row count (0 otherwise)."""
+        c, rows = branch.shape
+        own = (n <= self.probe_rows).to(F64)
+        r = min(rows, self.probe_rows)
+        probe_x = torch.zeros(c, self.probe_rows, u.shape[-1], dtype=F64)
+        probe_x[:, :r] = u[:, :r] * own.reshape(-1, 1, 1)
+        probe_b = torch.zeros(c, self.probe_rows, dtype=F64)
+        probe_b[:, :r] = branch[:, :r] * own.unsqueeze(1)
+        return {"x": probe_x, "b": probe_b, "n": n * own}
 
     def _own_counts(
         self,
@@ -389,6 +402,8 @@ class CalibratedInterval:
         if j is not None:
             out.update(probe_x=iv["x"][j], probe_b=iv["b"][j], probe_n=iv["n"][j])
         out["dof"] = total["dof"]
+        if "held" not in iv:  # R2 (fedprior_rounds): no hold-out this round, τ² carried over
+            return carried_interval(server, self._weak_state(server, total, out))
         code = 0
         if float(server["probe_n"]) > 0:  # the units held out against this probe
             held = float(iv["held"].sum())
@@ -404,15 +419,20 @@ class CalibratedInterval:
                 held_own = float(iv["held_own"].sum())
                 if held_own > 0:
                     out["disc_own"] = self._tau_of(iv["inside_own"].sum(0) / held_own)
-        # Directions of the basis in use that too few units' points determine (the
-        # identification rule): their projector, for each unit's own test in personalize
-        # (I3: no interval for a unit whose σ² they carry more than half of).
-        used = torch.nonzero(server["mask"] if "mask" in server else self.masks[-1])[:, 0]
-        weak = unlearned_directions(total["support"][used][:, used], self.min_informed)
-        out["weak_proj"][used.unsqueeze(1), used.unsqueeze(0)] = weak @ weak.T
+        out = self._weak_state(server, total, out)
         if float(total["dof"]) < 1.0:
             code = 1
         out["declined"] = torch.tensor(float(code), dtype=F64)
+        return out
+
+    def _weak_state(self, server: Tree, total: dict, out: Tree) -> Tree:
+        """``out`` with I3's projector onto the weakly identified directions of the basis in
+        use (those too few units' points determine, the identification rule), for each unit's
+        own test in personalize (no interval for a unit whose σ² they carry more than half of).
+        """
+        used = torch.nonzero(server["mask"] if "mask" in server else self.masks[-1])[:, 0]
+        weak = unlearned_directions(total["support"][used][:, used], self.min_informed)
+        out["weak_proj"][used.unsqueeze(1), used.unsqueeze(0)] = weak @ weak.T
         return out
 
     def deploy_state(self, server: Tree, data: ClientData) -> dict | None:

@@ -75,7 +75,7 @@ class RobustUploads:
             return None
         frames = {"main": prior_frame(server["mu"], server["sigma"])}
         frames["constant_first"] = constant_first
-        if self.candidates:
+        if self.candidates and "cand" in server:  # (not once the choice is frozen: R1)
             cand = server["cand"]
             frames["cand"] = [
                 prior_frame(cand["mu"][k], cand["sigma"][k]) for k in range(self.candidates)
@@ -108,10 +108,14 @@ class RobustUploads:
             constant_first=frames["constant_first"],
             frame=top,
         )
-        if self.candidates:
+        if self.candidates and "cand/mean" in sub:  # (not once the choice is frozen: R1)
             for k, frame in enumerate(frames["cand"]):
                 cand = {key: sub[f"cand/{key}"][:, k] for key in keys}
+                # (R1 of fedprior_rounds: a unit outside the candidates' sample uploads none)
+                drew = sub["cand/unit"][:, k] > 0 if "cand/unit" in sub else None
                 for j, why in enumerate(inconsistencies(cand, frame.mu, frame.sigma, frame=frame)):
+                    if drew is not None and not bool(drew[j]):
+                        continue
                     if why is not None and whys[j] is None:
                         whys[j] = f"candidate {k}: {why}"
         for key in ("support", "branch_support"):  # shares of information in [0, 1]

@@ -67,3 +67,15 @@ class DerivesData(Protocol):
     without them. A subclass sets ``derive = None`` to opt out."""
 
     def derive(self, data: Any) -> dict[str, Tensor] | None: ...
+
+
+@runtime_checkable
+class EndsRounds(Protocol):
+    """An algorithm that may end its run before the engine's rounds (fedprior's convergence,
+    issue 36.1): ``finished(server)`` after a round's server update says the run is done (the
+    engine evaluates and stops there); ``last_round(server)`` -> the server the cap's last
+    round starts from (fedprior: that round holds out its interval's rows)."""
+
+    def finished(self, server: Tree) -> bool: ...
+
+    def last_round(self, server: Tree) -> Tree: ...

@@ -28,7 +28,7 @@ from torch import Tensor
 from fedcal.core.aggregation import PLAIN, AggregationPolicy, aggregate, finite_rows
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import HOST, ClientData, client_round_seed
-from fedcal.core.hooks import DerivesData
+from fedcal.core.hooks import DerivesData, EndsRounds
 from fedcal.core.schema import Seed, checked
 from fedcal.core.tree import Tree, expand, gather, num_bytes, per_client, scatter, tree_map
 from fedcal.engine import chunks, streamed
@@ -131,10 +131,17 @@ def simulate(
     fleet = with_derived(algorithm, fleet, config.chunk_size, device)
     counts = fleet.train.count.to(torch.float64)
     t0 = time.perf_counter() - run.elapsed
+    # An algorithm that ends its run itself (EndsRounds: fedprior's convergence, issue 36.1)
+    # is told of the cap's last round and stops after the round it reports finished.
+    ends = isinstance(algorithm, EndsRounds)
+    if ends and algorithm.finished(run.server):  # resumed after its finished round
+        rounds = run.start_round
     for t in range(run.start_round, rounds):
+        if ends and t == rounds - 1:
+            run.server = algorithm.last_round(run.server)
         ids, result = _train_round(run, algorithm, fleet, counts, config, t, device)
-        last = t == rounds - 1
-        if evaluates(t, rounds, config.eval_every):  # always after the last round
+        last = t == rounds - 1 or (ends and algorithm.finished(run.server))
+        if last or evaluates(t, rounds, config.eval_every):  # always after the last round
             _evaluate_round(run, algorithm, fleet, config, t, device, last, result, ids)
             if on_round is not None:
                 on_round(t + 1, run.summary)
@@ -152,6 +159,9 @@ def simulate(
                 run.rounds_log,
                 run.rejections,
             )
+        if last:
+            rounds = t + 1  # the rounds done (fewer than the cap when the algorithm finished)
+            break
     wall = time.perf_counter() - t0
     if run.start_round >= rounds:  # resumed after the last round: evaluate it here
         run.last_rows, _, run.personal = _evaluate(
@@ -168,7 +178,13 @@ def simulate(
         bytes_up_per_round=float(np.mean(run.bytes_up)) if run.bytes_up else 0.0,
         bytes_down_per_round=float(np.mean(run.bytes_down)) if run.bytes_down else 0.0,
         rounds_done=rounds,
-        extra={"aggregation": run.rounds_log, "rejections": run.rejections},
+        # bytes_up: each round's upload of the whole cohort (a reply that shrinks in time,
+        # fedprior's once its basis is chosen, issue 36.1)
+        extra={
+            "aggregation": run.rounds_log,
+            "rejections": run.rejections,
+            "bytes_up": run.bytes_up,
+        },
     )
 
 

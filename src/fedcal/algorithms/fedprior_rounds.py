@@ -1,0 +1,195 @@
+"""The fleet prior's rounds at a manufacturer's scale (issue 36.1): what travels when.
+
+Three settings of :class:`~fedcal.algorithms.fedprior.FedPrior` decide which of a round's
+uploads a unit computes and sends; every one of them is 0 / "every" by default (every
+candidate every round, the hold-out every round, a fixed number of rounds: the run as before).
+
+R1. **The basis chosen once** (``select_patience`` = k > 0, with ``select = "bic"``). The
+    candidates' EMs run as before, every candidate's statistics in every unit's upload, until
+    the server's BIC choice has been the same candidate for k rounds in a row. Then the
+    choice is frozen: the server drops the candidates' states (``cand``), the broadcast and
+    the uploads carry the chosen basis's prior and statistics only (16 KB a unit instead of
+    215 KB at orders (4, 3): 20 candidates), and the chosen candidate's EM goes on from its
+    own iterate. The chosen EM's M-step is the candidate path's (its masked design metric,
+    its own σ²), so the numbers after the freeze are those of the every-round run whenever
+    that run keeps the same choice to its end (tested on a small fleet).
+R2. **The hold-out once** (``holdout = "final"``, with ``interval = "calibrated"``). I2 and
+    I4's fits and counts (the calibrated interval's hold-out: a posterior per unit and per
+    own fold, its rows counted against 142 τ² values) are computed only in the round the
+    server marks (``holdout_now``): the engine's last round (:meth:`RoundSchedule.last`),
+    or the round after the prior has converged (R3). Every round still uploads the probe
+    design (its inputs' span positions: the server's choice of the probe, a few hundred
+    bytes) and the residual terms of I1 (σ²'s sums). The τ² of the final model is the
+    every-round run's: both are learned in the last round, against the same broadcast
+    prior and the same probe. Between hold-outs the server keeps the τ² it had (0 before
+    the first), so an intermediate evaluation states the model's own interval.
+R3. **Rounds to convergence** (``converge_tol`` = ε > 0). After each M-step the server
+    measures the prior's change, δ = max(‖μ' − μ‖ / ‖μ‖, ‖Σ' − Σ‖_F / ‖Σ‖_F, |σ'² − σ²| / σ²),
+    once the basis is frozen (or without selection); the first round with δ < ε marks the
+    next round for the hold-out (R2), and after that round the run is finished
+    (:meth:`RoundSchedule.finished`: the simulator stops there and evaluates; ``rounds``
+    stays the cap). ECME converges linearly: with rate ρ, the distance to the fixed point
+    after δ < ε is at most ε ρ / (1 − ρ) in the same relative measure.
+
+:class:`RoundSchedule` is a part of FedPrior (``rounds_schedule``), declared by those three
+settings; its functions read and write only the server's bookkeeping keys
+(:data:`SCHEDULE_KEYS`) and the prior (μ, Σ, σ²).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fedcal.core.bayes import F64
+from fedcal.core.tree import Tree
+
+# The server's bookkeeping: rounds the choice has stayed, the last change δ of the prior,
+# whether the next round holds out (R2) and whether the run is finished (R3).
+SCHEDULE_KEYS = ("choice_stable", "prior_change", "holdout_now", "finished")
+
+
+def prior_change(old: Tree, new: Tree) -> float:
+    """δ of R3: the largest relative change of μ, Σ (Frobenius) and σ² over one round."""
+    out = 0.0
+    for key in ("mu", "sigma", "noise_var"):
+        a, b = old[key].to(F64), new[key].to(F64)
+        scale = float(a.norm())
+        out = max(out, float((b - a).norm()) / scale if scale > 0 else float(b.norm()))
+    return out
+
+
+@dataclass(frozen=True)
+class RoundSchedule:
+    """R1–R3 of the module doc, declared by ``select_patience``, ``holdout``,
+    ``converge_tol`` and whether the basis is selected by its candidates' EMs."""
+
+    select_patience: int
+    holdout: str
+    converge_tol: float
+    candidates: bool  # select = "bic" with select_by = "candidates"
+    select_units: int = 0  # R1: the candidates' sample after the first round (0: every unit)
+
+    @property
+    def active(self) -> bool:
+        """Whether the server keeps the schedule's bookkeeping (any of R1–R3 on)."""
+        return bool(
+            self.select_patience or self.holdout == "final" or self.converge_tol or self.sampling
+        )
+
+    @property
+    def sampling(self) -> bool:
+        """Whether the candidates run on a sample of the units (R1, ``select_units``)."""
+        return bool(self.select_units and self.candidates)
+
+    def sampled(self, down: Tree, own: Tensor) -> Tensor | None:
+        """(clients,) bool: the units whose own draw (:func:`unit_draw` of ``own``, (clients,
+        m)) falls below the broadcast rate, or None when every unit runs the candidates."""
+        if "cand_rate" not in down:
+            return None
+        rate = down["cand_rate"].to(F64).reshape(-1)
+        if bool((rate >= 1.0).all()):
+            return None
+        return unit_draw(own) < rate
+
+    def init(self) -> Tree:
+        """The bookkeeping's start (empty when every setting is off: the earlier state)."""
+        if not self.active:
+            return {}
+        zero = torch.tensor(0.0, dtype=F64)
+        rate = {"cand_rate": torch.tensor(1.0, dtype=F64)} if self.sampling else {}
+        return {
+            **rate,
+            "choice_stable": zero.clone(),
+            "prior_change": torch.tensor(float("inf"), dtype=F64),
+            "holdout_now": zero.clone(),
+            "finished": zero.clone(),
+        }
+
+    def holds_out(self, down: Tree) -> bool:
+        """Whether this round's units fit and count the hold-out (I2, I4)."""
+        if self.holdout != "final" or "holdout_now" not in down:
+            return True
+        return bool((down["holdout_now"] > 0).any())  # one flag, broadcast to each unit
+
+    def last(self, server: Tree) -> Tree:
+        """The server before the engine's last round: that round holds out (R2)."""
+        if self.holdout != "final":
+            return server
+        return {**server, "holdout_now": torch.tensor(1.0, dtype=F64)}
+
+    def finished(self, server: Tree) -> bool:
+        """Whether the run is done (R3): the round after convergence held out."""
+        return float(server.get("finished", 0.0)) > 0
+
+    def after(self, old: Tree, new: Tree, units: Tensor) -> Tree:
+        """The bookkeeping after a server update ``old`` → ``new`` (R1's freeze and sample
+        rate from the ``units`` of this round, R3's test)."""
+        if not self.active:
+            return new
+        out = dict(new)
+        cand = "cand" in new
+        if cand and self.sampling:  # R1: about select_units units draw the candidates
+            out["cand_rate"] = torch.tensor(min(1.0, self.select_units / float(units)), dtype=F64)
+        if cand:  # R1: rounds in a row with this choice (0 in the first round)
+            same = "cand" in old and int(old["choice"]) == int(new["choice"])
+            stable = float(old["choice_stable"]) + 1 if same else 0.0
+            out["choice_stable"] = torch.tensor(stable, dtype=F64)
+            if self.select_patience and stable + 1 >= self.select_patience:
+                out.pop("cand")  # frozen: the chosen candidate's EM goes on alone
+                out.pop("cand_rate", None)
+        held = float(old.get("holdout_now", 0.0)) > 0
+        change = prior_change(old, new) if not cand else float("inf")
+        out["prior_change"] = torch.tensor(change, dtype=F64)
+        converged = bool(self.converge_tol) and change < self.converge_tol
+        # R3: converged → the next round holds out; a round that held out after convergence
+        # (or, without R3, any that held out) ends the bookkeeping's run
+        done = held and float(old.get("prior_change", float("inf"))) < self.converge_tol
+        out["finished"] = tensor_flag(done)
+        # (once converged every round holds out: an engine that does not stop still ends
+        # on a round that held out against its prior)
+        out["holdout_now"] = tensor_flag(converged)
+        return out
+
+
+def unit_draw(values: Tensor) -> Tensor:
+    """Each unit's own uniform draw in [0, 1) from its data, (clients,): the bits of its row of
+    ``values`` (clients, m) float64 (fedprior: Φᵀy, which its own readings fix) folded through
+    splitmix64's finalizer. The same unit draws the same number every round and on any
+    machine, and needs nobody else's data or a shared seed."""
+    bits = values.to(F64).reshape(values.shape[0], -1).contiguous().view(torch.int64)
+    h = torch.zeros(values.shape[0], dtype=torch.int64)
+    for j in range(bits.shape[1]):
+        h = _mix(h ^ bits[:, j])
+    return ((h >> 11) & ((1 << 53) - 1)).to(F64) / float(1 << 53)
+
+
+def _mix(h: Tensor) -> Tensor:
+    """splitmix64's finalizer on int64 (wrapping products; logical shifts by masking)."""
+    h = h + -7046029254386353131  # the golden-ratio increment 0x9E3779B97F4A7C15
+    for shift, mult in ((30, -4658895280553007687), (27, -7723592293110705685)):
+        h = (h ^ ((h >> shift) & ((1 << (64 - shift)) - 1))) * mult
+    return h ^ ((h >> 31) & ((1 << 33) - 1))
+
+
+def carried_interval(server: Tree, fresh: Tree) -> Tree:
+    """I3 in a round without the hold-out (R2): the τ² values and the decline the server had,
+    the probe and the residual degrees of freedom of this round (``fresh``)."""
+    out = dict(fresh)
+    for key in ("disc_var", "disc_own"):
+        if key in server:
+            out[key] = server[key]
+    code = float(server["declined"])
+    if float(fresh["dof"]) < 1.0:  # I1's decline is this round's
+        code = 1.0
+    elif code == 1.0:
+        code = 0.0
+    out["declined"] = torch.tensor(code, dtype=F64)
+    return out
+
+
+def tensor_flag(value: bool) -> Tensor:
+    """A bookkeeping flag as the server's float64 scalar."""
+    return torch.tensor(float(value), dtype=F64)
