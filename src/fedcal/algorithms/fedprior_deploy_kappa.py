@@ -11,9 +11,10 @@ E4b. **κ_k** (:func:`choose`): for each ν₀, at every knot holding at least
      :data:`MIN_KNOT_HELD` weighted held-out rows, the smallest κ whose weighted pooled
      coverage reaches 95 % (:func:`first_covering`: linear between grid values). The
      knot is placed at the weighted geometric mean size of its designs,
-     n̄_k = exp(Σ_b w_bk log n_b / Σ_b w_bk) (also a weighted sum: Σ w_bk log n_b is
-     uploaded), so a knot sits where its designs are, never beyond the largest
-     emulated. ν₀ is the one whose summed log score at its knots' κ_k is highest (∞
+     n̄_k = exp(Σ_b w_bk h_b log n_b / Σ_b w_bk h_b) (h_b its held-out rows; also a
+     weighted sum: Σ w_bk h_b log n_b is uploaded), so a knot sits where its designs are, never beyond the largest
+     emulated (a knot within 10 % of the previous one's size is dropped: the same
+     designs). ν₀ is the one whose summed log score at its knots' κ_k is highest (∞
      included). The pooled κ (every design at once) is kept as the record's summary
      ``kappa``. A design of n points then takes κ(n) of D3 (log κ linear in log n between
      the knots (n̄_k, κ_k)).
@@ -38,6 +39,7 @@ NU_GRID = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, math.inf)  # E4
 KAPPA_GRID = torch.logspace(*(math.log10(k) for k in KAPPA_RANGE), 151, dtype=F64)
 KNOTS = (6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 48.0, 64.0)  # E4a: design sizes, ×1.33–1.5 apart
 MIN_KNOT_HELD = 256.0  # E4b: weighted held-out rows a knot needs (about 2 designs' worth)
+KNOT_GAP = 1.1  # E4b: a knot's size at least this × the previous knot's
 
 
 def knot_weights(points: Tensor) -> Tensor:
@@ -111,10 +113,11 @@ def choose(sums: dict[str, Tensor]) -> KappaChoice:
 
 
 def _ascending(knots: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
-    """The knots with strictly ascending sizes (a knot not beyond the previous one's size
-    is dropped: possible only when a knot's designs all sit near its neighbour)."""
+    """The knots, each at least :data:`KNOT_GAP` × the previous one's size (a knot closer
+    than that is dropped: two knots whose designs are the same ones, e.g. 40-point designs
+    shared by the 32- and 48-point knots when none is larger, say the same thing)."""
     out: list[tuple[float, float]] = []
     for n, kappa in knots:
-        if not out or n > out[-1][0] * (1 + 1e-9):
+        if not out or n >= out[-1][0] * KNOT_GAP:
             out.append((round(n, 4), kappa))
     return tuple(out)
