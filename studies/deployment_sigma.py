@@ -13,10 +13,14 @@ Simulators: ``fedcal`` (fedcal.data.simulator, quartz nominal, the 384-point cam
 ``crosscheck`` (studies/crosscheck.py's independent generator; reference designs grid,
 stagger, lhs). Prints one Markdown row per (simulator, reference design, new design):
 coverage mean over units and seeds [per seed], worst unit, units declined, RMSE mean and
-worst (hPa), mean stated σ; per_unit.csv and the priors' selection records go to --out.
+worst (hPa), mean stated σ, and for the planner's designs ``fedcal plan``'s forecast RMS σ
+over the RMS of the σ ``calibrate`` then states (per seed); per_unit.csv and the priors'
+selection records go to --out.
 
-    python studies/deployment_sigma.py --sim fedcal --fleet-seeds 0,1,2 --rounds 20
-    python studies/deployment_sigma.py --sim crosscheck --ref-designs grid,stagger,lhs
+    python studies/deployment_sigma.py --sim fedcal --fleet-seeds 0,1,2 --rounds 20 \
+        --designs 3x2,4x3,6x4,plan2,plan3,6x6,8x5,8x6,10x6,8x8
+    python studies/deployment_sigma.py --sim crosscheck --ref-designs grid,stagger,lhs \
+        --fleet-seeds 0,1,2 --rounds 20 --designs 3x2,4x3,6x4,plan2,plan3,8x5,8x6
 """
 
 from __future__ import annotations
