@@ -6,18 +6,18 @@ E4a. **Knots.** Each emulated design b (a pseudo-unit of n_b points) is shared b
      (log n_{k±1} − log n_k) for the neighbours k, 0 elsewhere (Σ_k w_bk = 1; a design
      below the first knot or beyond the last is the end knot's). A unit uploads, per knot,
      ν₀ and κ of the grids, Σ_b w_bk · (its held-out rows of b inside the 95 % interval),
-     Σ_b w_bk · (its held-out rows of b) and Σ_b w_bk · (their Student-t log density).
+     Σ_b w_bk h_b (h_b its held-out rows of b), Σ_b w_bk h_b log n_b and Σ_b w_bk · (their
+     Student-t log density).
 E4b. **κ_k** (:func:`choose`): for each ν₀, at every knot holding at least
      :data:`MIN_KNOT_HELD` weighted held-out rows, the smallest κ whose weighted pooled
      coverage reaches 95 % (:func:`first_covering`: linear between grid values). The
      knot is placed at the weighted geometric mean size of its designs,
-     n̄_k = exp(Σ_b w_bk h_b log n_b / Σ_b w_bk h_b) (h_b its held-out rows; also a
-     weighted sum: Σ w_bk h_b log n_b is uploaded), so a knot sits where its designs are, never beyond the largest
-     emulated (a knot within 10 % of the previous one's size is dropped: the same
-     designs). ν₀ is the one whose summed log score at its knots' κ_k is highest (∞
-     included). The pooled κ (every design at once) is kept as the record's summary
-     ``kappa``. A design of n points then takes κ(n) of D3 (log κ linear in log n between
-     the knots (n̄_k, κ_k)).
+     n̄_k = exp(Σ_b w_bk h_b log n_b / Σ_b w_bk h_b), so a knot sits where its designs
+     are, never beyond the largest emulated; a knot within :data:`KNOT_GAP` (10 %) of
+     the previous one's size is dropped (the same designs). ν₀ is the one whose summed
+     log score at its knots' κ_k is highest (∞ included). The pooled κ (every design at
+     once) is kept as the record's summary ``kappa``. A design of n points then takes
+     κ(n) of D3 (log κ linear in log n between the knots (n̄_k, κ_k)).
 
 Why per size (measured, docs/uncertainty.md "Deployment"): with one κ pooled over 6- to
 40-point designs, the 40-point family covered 0.81–0.92 of its held-out rows at that κ and
