@@ -82,6 +82,8 @@ def _install() -> None:
     import fedcal.engine.simulation as simulation
     import fedcal.engine.streamed as streamed
     import fedcal.experiment as experiment
+    import fedcal.experiment.execute as execute
+    import fedcal.experiment.record as record
     import fedcal.report.tables as tables
 
     _wrap(build, "load_run_data", "load (load_run_data)")
@@ -92,12 +94,14 @@ def _install() -> None:
     _wrap(simulation, "aggregate", "round: aggregate (assembled)")
     _wrap(simulation, "_evaluate", "evaluation")
     _wrap(simulation, "save_checkpoint", "checkpoint")
-    _wrap(experiment, "simulate", "engine (simulate)")
-    _wrap(experiment, "judge_sensors", "write: statuses (judge_sensors)")
-    _wrap(experiment, "_write_csv", "write: a CSV")
-    _wrap(experiment, "save_models", "write: model.safetensors")
-    _wrap(experiment, "export_state", "write: prior (export_state)")
-    _wrap(experiment, "summary_row", "write: summary_row")
+    # fedcal.experiment's steps, where each is called (the package's modules, top down)
+    _wrap(execute, "simulate", "engine (simulate)")
+    _wrap(record, "judge_sensors", "write: statuses (judge_sensors)")
+    _wrap(record, "_write_csv", "write: a CSV")
+    _wrap(execute, "_write_csv", "write: a CSV")
+    _wrap(record, "save_models", "write: model.safetensors")
+    _wrap(record, "export_state", "write: prior (export_state)")
+    _wrap(record, "summary_row", "write: summary_row")
     _wrap(experiment, "run_experiment", "run_experiment")
     _wrap(tables, "aggregate", "report: table")
 

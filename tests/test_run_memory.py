@@ -149,7 +149,7 @@ def test_a_nan_unit_is_diverged_and_the_others_unchanged(trained):
 def test_the_run_chooses_and_records_a_chunk_size(fleet_file, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import fedcal.build as build
+    import fedcal.build.data as build  # where the run reads AUTO_CHUNK_ROWS
     from fedcal.cli import app
 
     cfg = config(fleet_file)
@@ -181,7 +181,7 @@ def test_a_chunk_size_in_the_users_config_file_is_their_choice(fleet_file, tmp_p
     ``--chunk-size 0`` does; a file without it, or the shipped default's 0, is no choice."""
     from typer.testing import CliRunner
 
-    import fedcal.build as build
+    import fedcal.build.data as build  # where the run reads AUTO_CHUNK_ROWS
     from fedcal.cli import app
     from fedcal.config import file_sets
 
@@ -206,7 +206,7 @@ def test_auto_chunk_counts_a_whole_table_fleets_padded_rows(fleet_file, tmp_path
     """A fleet read as one table (CSV) with one unit 41 times as many rows as before: the
     engine pads every unit to the largest train and the largest test count, so the rows a
     unit are that unit's, 41 × its 12 train + 60 test rows = 2,952 — not the average."""
-    import fedcal.build as build
+    import fedcal.build.data as build  # where the run reads AUTO_CHUNK_ROWS
 
     frame = pd.read_parquet(fleet_file)
     first = frame[frame["sensor_id"] == frame["sensor_id"].iloc[0]]

@@ -100,10 +100,11 @@ def test_progress_bar_only_on_a_terminal(files, tmp_path, monkeypatch):
     data, cfg = files
     result = runner.invoke(app, run_args(data, cfg, "local", tmp_path / "p"))
     assert result.exit_code == 0 and "ETA" not in result.output and "rounds" not in result.output
-    monkeypatch.setattr(cli, "err_console", Console(force_terminal=True))
+    # the bar reads the console of the module that defines it (fedcal.cli.base)
+    monkeypatch.setattr(cli.base, "err_console", Console(force_terminal=True))
     assert cli.progress_bar(quiet=False).disable is False
     assert cli.progress_bar(quiet=True).disable is True
-    monkeypatch.setattr(cli, "err_console", Console(force_terminal=False))
+    monkeypatch.setattr(cli.base, "err_console", Console(force_terminal=False))
     assert cli.progress_bar(quiet=False).disable is True
 
 

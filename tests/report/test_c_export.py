@@ -544,3 +544,68 @@ def test_c_flags_equal_predict_at_the_edges(runs, tmp_path, method):
     else:
         box = np.abs(fleet.params[s]["box"].double().numpy())
         assert np.all(gap[differ] <= np.spacing(box.max().astype(np.float32)))
+
+
+def full_precision_probes(ranges: dict, sensors: list[str], rows: int = 40):
+    """Sensor indices and raw inputs in float64 that a float cannot hold (a frequency
+    counter's readings), inside each unit's calibrated span."""
+    rng = np.random.default_rng(11)
+    idx, xs = [], []
+    for i, s in enumerate(sensors):
+        lo = np.array([ranges[s]["frequency_hz"][0], ranges[s]["temperature_c"][0]])
+        hi = np.array([ranges[s]["frequency_hz"][1], ranges[s]["temperature_c"][1]])
+        xs.append(lo + rng.uniform(0.0, 1.0, (rows, 2)) * (hi - lo))
+        idx += [i] * rows
+    return np.array(idx), np.concatenate(xs)
+
+
+@pytest.mark.parametrize("method", ["fedprior", "polynomial", "leastsq"])
+def test_double_readings_equal_predict_and_find_unit_by_id(runs, tmp_path, method):
+    """The ``_f64`` functions take the readings in double: at full-precision frequencies
+    the header's value is ``fedcal predict``'s (readings written with 17 digits) within
+    1e-9 relative (issue 37.5; the float entry points round the reading first: measured
+    ~1e-3 hPa, docs/firmware.md); σ within the float factor's 1 %; the two flags are
+    predict's in_range and the method's own beyond_support. ``fedcal_find_unit`` finds
+    every unit by its id and -1 for an unknown id; ``fedcal_unit_coef`` is that unit's
+    coefficient row, NULL for an unknown id."""
+    run, _, _ = runs
+    header = tmp_path / "cal.h"
+    args = ["export", str(run), "--method", method, "--format", "c", "--out", str(header)]
+    assert runner.invoke(app, args).exit_code == 0
+    fleet = load_models(run, method)
+    sensors = sorted(fleet.params)
+    idx, x = full_precision_probes(read_valid_ranges(run, method), sensors)
+    assert not np.array_equal(x.astype(np.float32).astype(float), x)  # not float-exact
+    got = cheader.evaluate(cheader.build(header, tmp_path / "build"), idx, x)
+    written = predict_cli(run, method, sensors, idx, x, tmp_path, digits=17)
+    want = written["pressure_hpa_calibrated"].to_numpy()
+    assert np.max(np.abs(got[:, 6] / want - 1)) <= 1e-9
+    assert np.array_equal(got[:, 8], written["in_range"].to_numpy().astype(float))
+    if fleet.algorithm.beyond_support is not None:
+        assert np.array_equal(got[:, 9], beyond_support(fleet, sensors, idx, x).astype(float))
+    if method == "fedprior":
+        for i, s in enumerate(sensors):
+            rows = idx == i
+            sigma = predictive_std(fleet, s, x[rows]).ravel()
+            assert np.max(np.abs(got[rows, 7] / sigma - 1)) < 0.01
+    found = cheader.find_units(header, tmp_path / "find", [*reversed(sensors), "NOPE", ""])
+    assert [k for k, _, _ in found] == [*reversed(range(len(sensors))), -1, -1]
+    assert [name for _, _, name in found[: len(sensors)]] == list(reversed(sensors))
+    assert all(same for _, same, _ in found)
+
+
+def test_mlp_header_finds_a_unit_by_id(compare_run, tmp_path):
+    """The MLP header has ``fedcal_find_unit`` too (index by id string, -1 if unknown)."""
+    _, run, _, _ = compare_run
+    header = tmp_path / "mlp.h"
+    args = ["export", str(run), "--method", "fedgmi", "--train-points", "12"]
+    args += ["--format", "c", "--out", str(header)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    sensors = sorted(load_models(run, "fedgmi", train_points=12).params)
+    found = cheader.find_units(header, tmp_path / "find", [sensors[-1], sensors[0], "x"])
+    assert [(k, name) for k, _, name in found] == [
+        (len(sensors) - 1, sensors[-1]),
+        (0, sensors[0]),
+        (-1, "-"),
+    ]

@@ -131,11 +131,11 @@ def test_sigma_and_residuals_are_what_the_exported_models_compute(calibrated):
 def test_the_html_report_of_a_calibrate_run_has_every_section(calibrated, tmp_path):
     _, out, _ = calibrated
     report = build_report(out, tmp_path / "cal.html")
-    assert report.figures == ["fleet-distance", "sigma", "residuals"]
+    assert report.figures == ["fleet-distance", "sigma", "residuals", "prior"]
     text = (tmp_path / "cal.html").read_text()
     for section in ("units", "fleet-distance", "coefficients", "sigma", "residuals", "config"):
         assert f'<section id="{section}">' in text
-    assert len(re.findall(r'src="data:image/png;base64,', text)) == 3
+    assert len(re.findall(r'src="data:image/png;base64,', text)) == 4
     assert "is not in this run" not in text
     assert "calibration points per unit: 6" in text and "1 QA finding(s)" in text
     findings = re.search(r"<b>QA findings:</b>(.*?)</p>", text).group(1)

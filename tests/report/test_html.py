@@ -21,7 +21,7 @@ from fedcal.report.rundir import RunDir, plateaus, residuals
 from fedcal.report.screenshot import find_browser, screenshot
 from fedcal.report.tables import MEAN_ONLY, fmt_num, fmt_pm
 
-FIGURES = ["rounds", "per-sensor", "residuals", "error-map", "sweep"]
+FIGURES = ["rounds", "per-sensor", "unit-errors", "residuals", "error-map", "sweep"]
 
 
 class Page(HTMLParser):
@@ -33,6 +33,7 @@ class Page(HTMLParser):
         self.images: dict[str, list[str]] = {}
         self.cells: list[dict] = []
         self.refs: list[str] = []
+        self.links: list[str] = []
         self._tp = None
         self._method = None
         self._cell = None
@@ -40,9 +41,10 @@ class Page(HTMLParser):
 
     def handle_starttag(self, tag, attrs):
         a = dict(attrs)
-        for key in ("src", "href"):
-            if key in a:
-                self.refs.append(a[key])
+        if "src" in a:
+            self.refs.append(a["src"])
+        if "href" in a:
+            self.links.append(a["href"])
         if tag == "section":
             self.section = a["id"]
         elif tag == "img":
@@ -102,9 +104,12 @@ def test_every_figure_is_embedded_and_nothing_is_fetched(compare_run):
     assert "Not shown: no shown method gives a predictive distribution" in html.read_text()
     assert all(ref.startswith("data:") for ref in page.refs)  # no network, no other file
     assert not re.search(r"https?://", html.read_text())
-    assert '<section id="config">' in html.read_text() and "&quot;rounds&quot;: 3" in (
-        html.read_text()
-    )
+    # links (not loaded): only to files beside the run, relative, that exist (summary.csv)
+    assert page.links and all((html.parent / link).is_file() for link in page.links)
+    assert '<section id="config">' in html.read_text()
+    assert 'data-key="engine.rounds" data-value="3"' in html.read_text()
+    # no figure of dots: with a closed-form method, the round figure draws the others
+    assert "One evaluation only (closed form, see the summary): polynomial" in html.read_text()
 
 
 def test_summary_numbers_equal_summary_csv(compare_run):
@@ -130,8 +135,10 @@ def test_summary_numbers_equal_summary_csv(compare_run):
         else:
             assert cell["text"] == fmt_pm(values.mean(), values.std(), keep_zeros=True)
         checked += 1
-    # methods × budgets × columns (6 errors, wall s, excluded sensors, up kB)
-    assert checked == 3 * 2 * 9
+    # methods × budgets × columns: every column (6 errors, wall s, excluded sensors, up kB)
+    # and the legible tables (all units: RMSE mean, worst, max|err| worst, not ok; cost:
+    # wall s, up kB)
+    assert checked == 3 * 2 * (9 + 4 + 2)
 
 
 def test_a_diverged_seed_is_shown_as_diverged(compare_run, tmp_path):

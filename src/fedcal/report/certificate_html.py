@@ -268,7 +268,7 @@ def _fields_html(rows: list[tuple[str, str]], sid: str) -> str:
 
 def to_html(c: Certificate, version: str = "") -> str:
     """The certificate as one self-contained HTML page (A4 when printed)."""
-    from fedcal.report.html import _png
+    from fedcal.report.html_page import png as _png
 
     body = []
     for sid, title, paragraphs, rows in sections(c):

@@ -433,9 +433,12 @@ def _c_range_lines(sensors: list[str], columns: list[str], valid_range: dict) ->
     ``fedcal_in_range`` is :func:`in_range` (``fedcal predict``'s column): every input in
     [lo − m·w, hi + m·w], m = ``RANGE_MARGIN``. The bounds are :func:`range_bounds`'s float64
     values, written with 17 significant digits (exact), and compared in double with the
-    input widened from float (exact), so the header's flag equals predict's for every
-    float input, at the bounds too; a NaN input is out of range, as in predict.
+    reading (``fedcal_in_range_f64``; ``fedcal_in_range`` widens a float reading, exact), so
+    the header's flag equals predict's for every input, at the bounds too; a NaN input is out
+    of range, as in predict.
     """
+    from fedcal.report.linear_c import float_entry
+
     missing = [s for s in sensors if s not in valid_range]
     if missing:
         raise ValueError(f"no valid range for sensor(s) {', '.join(missing)}")
@@ -471,14 +474,14 @@ def _c_range_lines(sensors: list[str], columns: list[str], valid_range: dict) ->
         f"{{{widened(1)}}};",
         "/* 1 if every raw input lies within sensor `sensor`'s in-range bounds (a bound itself",
         " * is inside), else 0 (also for NaN): fedcal predict's in_range column. */",
-        "static inline int fedcal_in_range(int sensor, const float *x) {",
+        "static inline int fedcal_in_range_f64(int sensor, const double *x) {",
         "    for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) {",
-        "        double v = (double)x[j];",
-        "        if (!(v >= fedcal_range_lo[sensor][j] && v <= fedcal_range_hi[sensor][j]))",
+        "        if (!(x[j] >= fedcal_range_lo[sensor][j] && x[j] <= fedcal_range_hi[sensor][j]))",
         "            return 0;",
         "    }",
         "    return 1;",
         "}",
+        *float_entry("int", "fedcal_in_range", "fedcal_in_range_f64"),
     ]
 
 
@@ -513,7 +516,8 @@ def to_c_header(
     when the method has a predictive σ; its form is checked against the model's
     own predictions before it is written.
     """
-    from fedcal.report.linear_export import c_header, check_form, linear_form
+    from fedcal.report.linear_c import c_header, find_unit_lines
+    from fedcal.report.linear_export import check_form, linear_form
 
     form = linear_form(fleet, method)
     if form is not None:
@@ -563,6 +567,7 @@ def to_c_header(
     ]
     if valid_range:
         lines += _c_range_lines(sensors, [*fleet.features, fleet.target], valid_range)
+    lines += find_unit_lines()
     for i, sid in enumerate(sensors):
         p = fleet.params[sid]
         for k in range(layers):

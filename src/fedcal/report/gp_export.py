@@ -149,7 +149,7 @@ def c_lines(block: DeployedSigma) -> list[str]:
         "static const double fedcal_gp_cross[FEDCAL_GP_UNITS][FEDCAL_GP_POINTS]"
         f"[FEDCAL_NUM_TERMS] = {_rows(block.cross)};",
         "/* v of deployed unit row `g` at raw inputs x, unguarded basis terms phi. */",
-        "static inline double fedcal_deployed_var(int g, const float *x,"
+        "static inline double fedcal_deployed_var(int g, const double *x,"
         " const FEDCAL_BASIS_T *phi) {",
         "    const double *W = fedcal_gp_quad[g];",
         "    double var = fedcal_gp_const[g];",
@@ -161,7 +161,7 @@ def c_lines(block: DeployedSigma) -> list[str]:
         "    for (int n = 0; n < fedcal_gp_count[g]; ++n) {",
         "        double d2 = 0, b = 0;",
         "        for (int j = 0; j < FEDCAL_NUM_INPUTS; ++j) {",
-        "            double z = ((double)x[j] - fedcal_x_offset[j]) / fedcal_x_scale[j];",
+        "            double z = (x[j] - fedcal_x_offset[j]) / fedcal_x_scale[j];",
         "            double d = (z - fedcal_gp_points[g][n][j]) / fedcal_gp_len[g][j];",
         "            d2 += d * d;",
         "        }",

@@ -5,16 +5,24 @@ no script, stylesheet or font from elsewhere, so the file opens offline and can
 be mailed as is. Sections (each a ``<section id=…>``; a section whose figure
 does not apply says why instead):
 
-``summary``      the mean ±std table over seeds (every cell carries its exact
-                 value in ``data-value``/``data-std``, equal to summary.csv's);
-``rounds``       error against round per method: median and worst sensor;
+``summary``      per point budget, one table per role (new units, reference units;
+                 else all units) with the columns that fit 1280 px, and the cost;
+                 every column in a collapsed table (and summary.csv); every cell
+                 carries its exact value in ``data-value``/``data-std`` (summary.csv's);
+``rounds``       error against round of the iterative methods: median and worst sensor;
 ``per-sensor``   per-sensor test RMSE by method;
+``unit-errors``  each unit's test RMSE beside the σ it states, per role;
+``prior``        the fleet prior's spread across units (a method with prior.json);
 ``residuals``    residual against reference, one line per temperature plateau,
                  best and worst sensor of each shown method;
 ``error-map``    RMS residual over the (reference, temperature) plane;
 ``sweep``        calibration-point sweep (runs with several budgets);
 ``uncertainty``  ±2σ predictive bands (methods with ``predictive_std``);
-``config``       the resolved configuration (config.json).
+``config``       the resolved configuration (config.json), a table per section;
+``units``        one collapsible section per unit (``id="unit-<id>"``): every
+                 method's error, σ, coverage and status, and a link to the unit's
+                 certificate where ``fedcal certificate`` wrote one
+                 (:mod:`fedcal.report.html_parts`).
 
 The output of ``fedcal calibrate`` (new units against a stored fleet prior;
 it has ``units.csv``) gets a calibration report per unit instead
@@ -23,21 +31,25 @@ it has ``units.csv``) gets a calibration report per unit instead
 
 from __future__ import annotations
 
-import base64
 import html
-import io
-import json
 import math
-from dataclasses import dataclass, field
+import os
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from fedcal.core.atomic import write_text
 from fedcal.core.paths import read_json
-from fedcal.report import figures
-from fedcal.report.rundir import RunDir, read_table, residuals, temperature_column
+from fedcal.report import figures, figures_units
+from fedcal.report.html_page import STYLE, Report, png, write_page
+from fedcal.report.html_parts import (
+    certificate_links,
+    config_tables,
+    role_summary,
+    run_unit_rows,
+    unit_sections,
+)
+from fedcal.report.rundir import RunDir, residuals, temperature_column
 from fedcal.report.tables import (
     aggregate,
     cell,
@@ -50,35 +62,6 @@ from fedcal.report.tables import (
 
 MAX_DETAIL_METHODS = 6  # residual and map panels: the best methods, one row each
 MAX_ROUND_METHODS = 10  # lines in the error-against-round figure
-
-STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1150px; color: #222; }
-h1 { font-size: 1.5em; } h2 { font-size: 1.2em; border-bottom: 1px solid #ccc; }
-table { border-collapse: collapse; font-size: 0.9em; margin-bottom: 1em; }
-th, td { border: 1px solid #ccc; padding: 3px 8px; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
-td.diverged { color: crimson; font-weight: bold; }
-img { max-width: 100%; } .note { color: #555; font-style: italic; }
-pre { background: #f6f6f6; padding: 1em; font-size: 0.8em; white-space: pre-wrap; }
-"""
-
-
-@dataclass
-class Report:
-    """What :func:`build_report` wrote: the file, the sections that hold a figure, the notes."""
-
-    path: Path
-    figures: list[str] = field(default_factory=list)
-    notes: dict[str, str] = field(default_factory=dict)
-
-
-def _png(fig) -> str:
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def _ranked(table: pd.DataFrame, budget: int) -> list[str]:
@@ -135,10 +118,21 @@ def _statuses(per_sensor: pd.DataFrame, seed: int) -> dict[str, dict[str, str]]:
     return out
 
 
-def build_report(run_dir: str | Path, out: str | Path, seed: int | None = None) -> Report:
-    """Write the HTML report of ``run_dir`` to ``out`` (atomically) and say what it holds."""
+def build_report(
+    run_dir: str | Path,
+    out: str | Path,
+    seed: int | None = None,
+    certificates: str | Path | None = None,
+) -> Report:
+    """Write the HTML report of ``run_dir`` to ``out`` (atomically) and say what it holds.
+
+    ``certificates``: the folder ``fedcal certificate`` wrote (``<unit>.html``/``.pdf``),
+    linked from each unit's section; default: the run folder's ``certificates/``."""
+    certificates = Path(certificates) if certificates else Path(run_dir) / "certificates"
     if (Path(run_dir) / "units.csv").exists():
-        return build_calibration_report(run_dir, out)
+        from fedcal.report.html_calibration import build_calibration_report
+
+        return build_calibration_report(run_dir, out, certificates)
     run = RunDir.open(run_dir)
     cfg = run.config
     out = Path(out)
@@ -149,11 +143,16 @@ def build_report(run_dir: str | Path, out: str | Path, seed: int | None = None) 
     budget = 0 if 0 in run.budgets else max(run.budgets)
     seed = int(run.summary["seed"].min()) if seed is None else seed
     ranked = _ranked(table, budget)
+    if "rmse_mean_new" in table.columns:  # a mixed fleet: the new units' result ranks
+        part = table[table["train_points"] == budget].sort_values(
+            "rmse_mean_new", na_position="last", kind="stable"
+        )
+        ranked = list(pd.unique(part["method"]))
     sections: list[tuple[str, str, str]] = []  # (id, title, body)
 
     def figure(section: str, title: str, fig, caption: str) -> None:
         report.figures.append(section)
-        body = f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{_png(fig)}">'
+        body = f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{png(fig)}">'
         sections.append((section, title, body + f"<figcaption>{caption}</figcaption></figure>"))
 
     def note(section: str, title: str, why: str) -> None:
@@ -162,17 +161,8 @@ def build_report(run_dir: str | Path, out: str | Path, seed: int | None = None) 
 
     budget_text = "all calibration points" if budget == 0 else f"{budget} calibration points"
     metrics = run.metrics(budget)
-    shown = ranked[:MAX_ROUND_METHODS]
-    if regression and not metrics.empty and "test_rmse" in metrics:
-        figure(
-            "rounds",
-            "Error against round",
-            figures.error_vs_round(metrics, shown, unit),
-            f"Test RMSE after each round ({budget_text}), mean over seeds of the median and of "
-            f"the worst sensor. Methods: the {len(shown)} best of {len(ranked)}.",
-        )
-    else:
-        note("rounds", "Error against round", "the run has no per-round test RMSE (metrics.csv)")
+    metrics = metrics if regression else pd.DataFrame()
+    _round_figure(metrics, ranked, unit, budget_text, figure, note)
 
     per_sensor = run.per_sensor(budget, mask=False)  # every status, marked in the figure
     if regression and not per_sensor.empty:
@@ -185,8 +175,20 @@ def build_report(run_dir: str | Path, out: str | Path, seed: int | None = None) 
             "are drawn with their own marker (legend) and left out of the means; diverged "
             "and refused sensors are named.",
         )
+        shown = ranked[: figures_units.MAX_UNIT_METHODS]
+        figure(
+            "unit-errors",
+            "Each unit's error and its stated σ",
+            figures_units.unit_error_and_sigma(per_sensor, shown, unit),
+            f"Per unit ({budget_text}, mean over seeds), new and reference units apart: the "
+            "test RMSE against the reference (dot) and, for a method that states one, the σ it "
+            "states averaged over the unit's test points (dash). Where σ is right the dot sits "
+            "on the dash; the stated 95 % interval is ±1.96σ (each unit's coverage: its "
+            f"section under Units). Methods: the {len(shown)} best.",
+        )
     else:
         note("per-sensor", "Per-sensor RMSE by method", "the run has no per-sensor test RMSE")
+    _prior_figure(run, ranked, budget, seed, unit, figure, note)
 
     detail = ranked[:MAX_DETAIL_METHODS]
     res: dict[str, pd.DataFrame] = {}
@@ -265,13 +267,18 @@ def build_report(run_dir: str | Path, out: str | Path, seed: int | None = None) 
             "no shown method gives a predictive distribution (predictive_std)",
         )
 
-    # one line per section (wrapped by the page), not one line per list item
-    config_text = "\n".join(
-        f"{key} = {json.dumps(value, sort_keys=True)}"
-        for key, value in sorted(run.raw_config.items())
-    )
-    sections.append(("config", "Resolved configuration", f"<pre>{html.escape(config_text)}</pre>"))
+    config_html = config_tables(run.raw_config, run.methods)
+    title = "Configuration (config.json; this run's methods in bold)"
+    sections.append(("config", title, config_html))
+    means = figures_units.unit_means(per_sensor) if not per_sensor.empty else pd.DataFrame()
+    if not means.empty:
+        status = figures.sensor_points(per_sensor, ranked)[["method", "client", "status"]]
+        means = means.merge(status, on=["method", "client"], how="left")
+        rows = run_unit_rows(means, ranked, unit)
+        links = certificate_links(list(rows), certificates, out)
+        sections.append(("units", "Units", _units_intro(links) + unit_sections(rows, links)))
     best = ranked[0] if ranked else "—"
+    summary_csv = html.escape(_relative(run.path / "summary.csv", out))
     head = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -280,185 +287,88 @@ def build_report(run_dir: str | Path, out: str | Path, seed: int | None = None) 
         f"<h1>fedcal report: {html.escape(str(run.path))}</h1>",
         f"<p>{len(run.methods)} methods × {run.summary['seed'].nunique()} seeds; "
         f"target {html.escape(cfg.data.target)}, inputs {html.escape(', '.join(cfg.data.features))}"
-        f"; errors on held-out points. Lowest fleet-mean RMSE ({budget_text}): "
-        f"<b>{html.escape(best)}</b>.</p>",
-        '<section id="summary"><h2>Summary (mean ±std over seeds)</h2>',
+        f"; errors on held-out points. {_best_text(table, budget, budget_text, best)}</p>",
+        '<section id="summary"><h2>Summary</h2>',
+        role_summary(table, unit),
+        "<details><summary>Every column (mean ±std over runs; also "
+        f'<a href="{summary_csv}">summary.csv</a>, one row per run)</summary><div class="wide">',
         summary_html(table, unit),
-        "</section>",
+        "</div></details></section>",
     ]
-    _write_page(out, head, sections)
+    write_page(out, head, sections)
     return report
 
 
-def _frame_html(frame: pd.DataFrame, klass: str, digits: int = 4) -> str:
-    """A table of a DataFrame; numbers carry their exact value in ``data-value``."""
-    out = [f'<table class="{klass}"><tr>']
-    out += [f"<th>{html.escape(str(c))}</th>" for c in frame.columns]
-    out.append("</tr>")
-    for _, row in frame.iterrows():
-        out.append("<tr>")
-        for c in frame.columns:
-            v = row[c]
-            if isinstance(v, (float, np.floating)) and not isinstance(v, bool):
-                text = "nan" if math.isnan(v) else f"{v:.{digits}g}"
-                out.append(
-                    f'<td class="num" data-column="{html.escape(str(c))}" '
-                    f'data-value="{float(v)!r}">{text}</td>'
-                )
-            else:
-                out.append(f'<td data-column="{html.escape(str(c))}">{html.escape(str(v))}</td>')
-        out.append("</tr>")
-    out.append("</table>")
-    return "".join(out)
+def _relative(path: Path, page: Path) -> str:
+    """``path`` as a link from the page ``page`` (POSIX separators)."""
+    return Path(os.path.relpath(Path(path).resolve(), Path(page).resolve().parent)).as_posix()
 
 
-def build_calibration_report(run_dir: str | Path, out: str | Path) -> Report:
-    """The report of a ``fedcal calibrate`` output: one calibration report per new unit.
-
-    Sections: ``units`` (status, distance from the fleet, σ, residuals, test
-    errors when held-out rows were given; units unlike the fleet are named as QA
-    findings), ``fleet-distance``, ``coefficients`` (with the basis they are
-    coefficients of), ``sigma`` (predictive σ over the prior's operating range),
-    ``residuals`` (at the calibration points), ``config``. Numbers from
-    ``units.csv``, ``coefficients.csv``, ``calibration_points.csv`` and
-    ``per_sensor.csv`` (:func:`fedcal.calibration.unit_diagnostics`).
-    """
-    run_dir, out = Path(run_dir), Path(out)
-    report = Report(out)
-    ids = {"sensor_id": str}  # ids like "007" stay text
-    units = read_table(run_dir / "units.csv", dtype=ids)
-    qa_level = float(units["qa_level"].iloc[0]) if len(units) else float("nan")  # as flagged
-    coef = read_table(run_dir / "coefficients.csv", dtype=ids)
-    points = read_table(run_dir / "calibration_points.csv", dtype=ids)
-    per_sensor = read_table(run_dir / "per_sensor.csv", dtype=ids)
-    prior_files = sorted(run_dir.glob("runs/*/prior.json"))
-    prior = read_json(prior_files[0], allow_nan=True) if prior_files else {}
-    target = prior.get("target", "target")
-    unit = target_unit(target)
-    sections: list[tuple[str, str, str]] = []
-
-    def figure(section: str, title: str, fig, caption: str, extra: str = "") -> None:
-        report.figures.append(section)
-        body = f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{_png(fig)}">'
-        body += f"<figcaption>{caption}</figcaption></figure>{extra}"
-        sections.append((section, title, body))
-
-    flagged = units[units["status"] != "ok"]
-    findings = (
-        "<p><b>QA findings:</b> "
-        + "; ".join(
-            f"{html.escape(r.sensor_id)}: {html.escape(r.status)} "
-            f"(d² = {r.d2:.3g} &gt; {r.d2_threshold:.3g})"
-            if r.status == "unlike the fleet"
-            else f"{html.escape(r.sensor_id)}: {html.escape(r.status)}"
-            for r in flagged.itertuples()
+def _best_text(table: pd.DataFrame, budget: int, budget_text: str, best: str) -> str:
+    """The opening sentence's result: the lowest new-unit RMSE in a mixed fleet, else the
+    lowest fleet-mean RMSE."""
+    part = table[table["train_points"] == budget]
+    if "rmse_mean_new" in part.columns and part["rmse_mean_new"].notna().any():
+        row = part.loc[part["rmse_mean_new"].astype(float).idxmin()]
+        return (
+            f"Lowest new-unit RMSE ({budget_text} for the reference units): "
+            f"<b>{html.escape(str(row['method']))}</b>."
         )
-        + "</p>"
-        if len(flagged)
-        else "<p>QA: every unit is like the fleet (no finding).</p>"
+    return f"Lowest fleet-mean RMSE ({budget_text}): <b>{html.escape(best)}</b>."
+
+
+def _units_intro(links: dict[str, str]) -> str:
+    said = (
+        f"{len(links)} unit(s) link their calibration certificate."
+        if links
+        else "No certificate found for these units (fedcal certificate RUN --out DIR, then "
+        "fedcal report --certificates DIR)."
     )
-    tests = [c for c in per_sensor.columns if c.startswith("test_")]
-    table = units.merge(per_sensor[["sensor_id", *tests]], on="sensor_id", how="left")
-    shown = ["sensor_id", "points", "status", "d2", "dof", "d2_threshold", "p_value"]
-    shown += ["sigma_mean", "sigma_max", "resid_rms", "resid_max_abs", *tests]
-    sections.append(
-        (
-            "units",
-            "New units",
-            findings
-            + _frame_html(table[shown], "units")
-            + f'<p class="note">d²: the unit\'s distance from the fleet — the Mahalanobis '
-            "distance of its coefficients' posterior mean under the fleet prior (its "
-            "distribution for a unit of the fleet, N(μ, Σ − V)); with Σ estimated from the "
-            "fleet's N units, d² of a unit of the fleet follows Hotelling's prediction law "
-            "(d²·N(N−dof)/(dof(N−1)(N+1)) ~ F(dof, N−dof)); above its "
-            f"{qa_level:.1%} quantile (d2_threshold) a unit is flagged as unlike the fleet. "
-            f"σ in {html.escape(unit)} over the fleet's operating range; residuals "
-            f"(calibrated − reference, {html.escape(unit)}) at the unit's calibration points.</p>",
-        )
+    return (
+        '<p class="note">Each unit: every method\'s errors on its held-out points (mean over '
+        f"runs), the σ it states and its status. {said}</p>"
+    )
+
+
+def _round_figure(metrics, ranked, unit, budget_text, figure, note) -> None:
+    """Error against round of the methods evaluated at two rounds or more (a closed-form
+    method has one evaluation: a dot says nothing; its error is in the summary)."""
+    if metrics.empty or "test_rmse" not in metrics:
+        note("rounds", "Error against round", "the run has no per-round test RMSE (metrics.csv)")
+        return
+    rounds = metrics.groupby("method")["round"].nunique()
+    iterative = [m for m in ranked if rounds.get(m, 0) >= 2][:MAX_ROUND_METHODS]
+    single = [m for m in ranked if 0 < rounds.get(m, 0) < 2]
+    if not iterative:
+        why = "every method has one evaluated round (closed form, or [engine] eval_every ≥ rounds)"
+        note("rounds", "Error against round", why)
+        return
+    also = f" One evaluation only (closed form, see the summary): {', '.join(single)}." * bool(
+        single
     )
     figure(
-        "fleet-distance",
-        "Distance from the fleet",
-        figures.unit_fleet_distance(units),
-        f"Each unit's d² over its {qa_level:.1%} threshold; red: unlike the fleet.",
+        "rounds",
+        "Error against round",
+        figures.error_vs_round(metrics, iterative, unit),
+        f"Test RMSE after each evaluated round ({budget_text}), mean over seeds of the median "
+        f"and of the worst sensor. Methods: {', '.join(iterative)}.{also}",
     )
-    features = prior.get("features", [])
-    scaler = prior.get("scaler", {})
-    maps = (
-        ", ".join(
-            f"x{j} = ({html.escape(c)} − {scaler['x_offset'][j]:.6g}) / {scaler['x_scale'][j]:.6g}"
-            for j, c in enumerate(features)
-        )
-        if scaler
-        else ""
-    )
-    basis_text = (
-        f"<p>{html.escape(target)} = Σ_k c_k φ_k(x) in {html.escape(unit)}, with {maps}; "
-        "φ_k products of normalized Legendre polynomials P̃n = √(2n+1)·Pn of the scaled "
-        "inputs (each of unit mean square on [−1, 1]). So '1' is the unit's mean output "
-        "over the fleet's scaled input box, P1(x) terms its linear sensitivities, higher "
-        "orders the curvature; terms b·… are half the up/down sweep split. noise_sd: the "
-        f"unit's noise σ ({html.escape(unit)}).</p>"
-    )
-    sections.append(
-        (
-            "coefficients",
-            "Coefficients",
-            basis_text + _frame_html(coef, "coefficients", digits=6),
-        )
-    )
-    figure(
-        "sigma",
-        "Predictive σ over the operating range",
-        figures.unit_sigma(units, unit),
-        "Mean and maximum predictive σ (posterior + noise) of each unit over a grid of the "
-        "prior fleet's calibrated input range"
-        + (
-            ": "
-            + ", ".join(
-                f"{html.escape(c)} {lo:.6g}…{hi:.6g}"
-                for c, (lo, hi) in prior["input_range"].items()
+
+
+def _prior_figure(run, ranked, budget, seed, unit, figure, note) -> None:
+    """The fleet prior's spread across units, from the best method with a prior.json."""
+    for method in ranked:
+        path = run.run_path(method, budget, seed) / "prior.json"
+        if path.is_file():
+            prior = read_json(path, allow_nan=True)
+            figure(
+                "prior",
+                "The fleet prior: how units differ",
+                figures_units.prior_spread(prior, unit),
+                f"{html.escape(method)}'s prior (seed {seed}): left, per basis term the spread "
+                "across units √Σkk (bars) against the fleet mean |μk| (dots); right, the 1σ "
+                "spread of a unit's calibration curve around the fleet's mean curve over the "
+                "prior's input range — what a new unit's few points must resolve.",
             )
-            if "input_range" in prior
-            else ""
-        )
-        + ".",
-    )
-    figure(
-        "residuals",
-        "Residuals at the calibration points",
-        figures.unit_residuals(points, target, unit),
-        "Calibrated − reference at each unit's own calibration points, with ±2σ bars.",
-        _frame_html(points, "points", digits=7),
-    )
-    config = read_json(run_dir / "config.json")
-    config_text = "\n".join(
-        f"{key} = {json.dumps(value, sort_keys=True)}" for key, value in sorted(config.items())
-    )
-    sections.append(("config", "Resolved configuration", f"<pre>{html.escape(config_text)}</pre>"))
-    points_per_unit = sorted(set(units["points"].astype(int)))
-    head = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>fedcal calibration report: {html.escape(str(run_dir))}</title>",
-        f"<style>{STYLE}</style></head><body>",
-        f"<h1>fedcal calibration report: {html.escape(str(run_dir))}</h1>",
-        f"<p>{len(units)} new unit(s) calibrated against a fleet prior "
-        f"({html.escape(str(prior_files[0]) if prior_files else 'prior.json')}); calibration "
-        f"points per unit: {', '.join(map(str, points_per_unit))}; target "
-        f"{html.escape(target)}, inputs {html.escape(', '.join(features))}; "
-        f"{len(flagged)} QA finding(s).</p>",
-    ]
-    _write_page(out, head, sections)
-    return report
-
-
-def _write_page(out: Path, head: list[str], sections: list[tuple[str, str, str]]) -> None:
-    """The page: its head, then one <section> per (id, title, HTML content), atomically."""
-    body = [
-        f'<section id="{sid}"><h2>{html.escape(title)}</h2>{content}</section>'
-        for sid, title, content in sections
-    ]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_text(out, "\n".join([*head, *body, "</body></html>", ""]))
+            return
+    note("prior", "The fleet prior", "no shown method learns a fleet prior (prior.json)")
