@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from fedcal.core import runnames
 from fedcal.core.paths import read_json
 from fedcal.report import figures, figures_units
 from fedcal.report.html_page import STYLE, Report, png, write_page
@@ -59,6 +60,7 @@ from fedcal.report.tables import (
     table_columns,
     target_unit,
 )
+from fedcal.status import Status
 
 MAX_DETAIL_METHODS = 6  # residual and map panels: the best methods, one row each
 MAX_ROUND_METHODS = 10  # lines in the error-against-round figure
@@ -111,7 +113,7 @@ def _statuses(per_sensor: pd.DataFrame, seed: int) -> dict[str, dict[str, str]]:
     if per_sensor.empty or "status" not in per_sensor.columns:
         return {}
     part = per_sensor[per_sensor["seed"] == seed]
-    status = part["status"].fillna("diverged").astype(str)
+    status = part["status"].fillna(Status.DIVERGED).astype(str)
     out: dict[str, dict[str, str]] = {}
     for method, client, value in zip(part["method"], part["client"], status, strict=True):
         out.setdefault(str(method), {})[str(client)] = value
@@ -129,7 +131,7 @@ def build_report(
     ``certificates``: the folder ``fedcal certificate`` wrote (``<unit>.html``/``.pdf``),
     linked from each unit's section; default: the run folder's ``certificates/``."""
     certificates = Path(certificates) if certificates else Path(run_dir) / "certificates"
-    if (Path(run_dir) / "units.csv").exists():
+    if (Path(run_dir) / runnames.UNITS).exists():
         from fedcal.report.html_calibration import build_calibration_report
 
         return build_calibration_report(run_dir, out, certificates)
@@ -278,7 +280,7 @@ def build_report(
         links = certificate_links(list(rows), certificates, out)
         sections.append(("units", "Units", _units_intro(links) + unit_sections(rows, links)))
     best = ranked[0] if ranked else "—"
-    summary_csv = html.escape(_relative(run.path / "summary.csv", out))
+    summary_csv = html.escape(_relative(run.path / runnames.SUMMARY, out))
     head = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -358,7 +360,7 @@ def _round_figure(metrics, ranked, unit, budget_text, figure, note) -> None:
 def _prior_figure(run, ranked, budget, seed, unit, figure, note) -> None:
     """The fleet prior's spread across units, from the best method with a prior.json."""
     for method in ranked:
-        path = run.run_path(method, budget, seed) / "prior.json"
+        path = run.run_path(method, budget, seed) / runnames.PRIOR
         if path.is_file():
             prior = read_json(path, allow_nan=True)
             figure(

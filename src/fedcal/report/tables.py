@@ -18,12 +18,13 @@ import pandas as pd
 from rich.table import Table
 
 from fedcal.core.coverage import SEVERITY
+from fedcal.status import COUNT_COLUMNS, Status
 
 SWEEP_KEYS = ("design", "train_points")  # a table section per value (design: chamber sweeps)
 POOLED = ("seed", "fleet_seed")  # averaged over: training seeds and fleet seeds together
 # errors every run of a task writes: NaN in one of them means the run diverged
 HEADLINE = ("rmse_mean", "rmse_worst", "mae_mean", "max_abs_worst", "accuracy_mean")
-DIVERGED = "diverged"
+DIVERGED = Status.DIVERGED
 
 UNITS = {
     "hpa": "hPa",
@@ -88,6 +89,10 @@ def aggregate(summary: pd.DataFrame) -> pd.DataFrame:
     counts = ("sensors", "excluded", "rejected", "failed", *STATUS_COUNTS)
     tallies = ("wall_s", "bytes_", "unscored", "common_sensors", "sensors_", "excluded_")
     errors = [c for c in metrics if not c.startswith(tallies) and c not in counts]
+    # The means over every sensor are not masked: they count each sensor with a finite error
+    # whatever its status, and the ones without (diverged, refused) as unscored apart —
+    # a run whose sensors are all excluded still shows them (issue 34.4).
+    errors = [c for c in errors if "_mean_all" not in c]
     summary[errors] = summary[errors].astype(float).mask(bad, np.nan)
     summary["diverged_seeds"] = bad.astype(int)
     order = {m: i for i, m in enumerate(pd.unique(summary["method"]))}
@@ -321,14 +326,8 @@ MEAN_ONLY = (
 )
 DECLINED = "—"  # a coverage the method does not state (no interval), not a failure
 NONE_OK = "n/a"  # every sensor of the run excluded: no number to show ("excl." says so)
-# the summary's count per status other than ok (fedcal.status.COUNT_COLUMNS)
-STATUS_COUNTS = {
-    "weak": "weak",
-    "unconverged": "unconverged",
-    "rejected_sensors": "rejected",
-    "diverged": "diverged",
-    "refused": "refused",
-}
+# the summary's count column per status other than ok, and the status it counts
+STATUS_COUNTS = {column: str(status) for status, column in COUNT_COLUMNS.items()}
 
 
 COVERAGE = "coverage95"  # the terminal's one coverage cell: "mean/min" over sensors
