@@ -140,7 +140,7 @@ def build_report(
     out = Path(out)
     report = Report(out)
     table = aggregate(run.summary)
-    unit = target_unit(cfg.data.target)
+    unit = target_unit(cfg.data.target, cfg.data.target_unit)
     regression = "rmse_mean" in table.columns
     budget = 0 if 0 in run.budgets else max(run.budgets)
     seed = int(run.summary["seed"].min()) if seed is None else seed

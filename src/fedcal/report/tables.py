@@ -12,6 +12,7 @@ no number ("n/a"). A coverage the method declines to state (NaN) is "—".
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pandas as pd
@@ -42,10 +43,16 @@ UNITS = {
 }
 
 
-def target_unit(column: str) -> str:
-    """The unit a column name ends with (``pressure_hpa`` → hPa), or '' if none is known: a
-    suffix that names no unit (``pm25_ref``) is not printed as one ("errors in ref",
-    issue 37.2)."""
+def target_unit(column: str, declared: str = "") -> str:
+    """The target's unit as printed: the one the user declared (``[data] target_unit``,
+    ``--unit``), else the one the column's name states in brackets (``pressure [hPa]``,
+    ``pm25 (µg/m³)``), else a known unit suffix (``pressure_hpa`` → hPa), else '': a suffix
+    that names no unit (``pm25_ref``) is not printed as one ("errors in ref", issue 37.2)."""
+    if declared:
+        return declared
+    bracketed = re.search(r"[\[(]\s*([^\[\]()]{1,32}?)\s*[\])]\s*$", column)
+    if bracketed and not re.fullmatch(r"[\d\s.,+-]*", bracketed.group(1)):  # "x(1)": an index
+        return bracketed.group(1)
     suffix = column.rsplit("_", 1)[-1].lower() if "_" in column else ""
     return UNITS.get(suffix, "")
 
