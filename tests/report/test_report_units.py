@@ -123,9 +123,16 @@ def test_links_go_to_the_certificates_that_exist_and_only_those(mixed, tmp_path)
     for unit in others:  # no certificate written: no link
         assert 'class="certificate"' not in units[unit]
     assert "1 of 3 unit(s) link their certificate" in text
-    # without --certificates: the run folder's certificates/, which this one has not
+    # without --certificates: certificates/ beside the report (a hand-over folder)
     build_report(cal, tmp_path / "plain.html")
     assert 'class="certificate"' not in (tmp_path / "plain.html").read_text()
+    (tmp_path / "handover").mkdir()
+    (tmp_path / "handover" / "certificates").symlink_to(certs, target_is_directory=True)
+    build_report(cal, tmp_path / "handover" / "report.html")
+    text = (tmp_path / "handover" / "report.html").read_text()
+    hrefs = re.findall(r'<a class="certificate" href="([^"]+)">', text)
+    assert sorted(hrefs) == [f"certificates/{certified}.html", f"certificates/{certified}.pdf"]
+    assert all((tmp_path / "handover" / unquote(h)).is_file() for h in hrefs)
 
 
 def test_the_config_table_holds_config_json_s_values(mixed):

@@ -127,8 +127,9 @@ def build_report(
     """Write the HTML report of ``run_dir`` to ``out`` (atomically) and say what it holds.
 
     ``certificates``: the folder ``fedcal certificate`` wrote (``<unit>.html``/``.pdf``),
-    linked from each unit's section; default: the run folder's ``certificates/``."""
-    certificates = Path(certificates) if certificates else Path(run_dir) / "certificates"
+    linked from each unit's section; default: ``certificates/`` beside the report ``out``
+    (``fedcal certificate`` refuses to write into the run folder it reads)."""
+    certificates = Path(certificates) if certificates else Path(out).parent / "certificates"
     if (Path(run_dir) / "units.csv").exists():
         from fedcal.report.html_calibration import build_calibration_report
 
@@ -322,7 +323,8 @@ def _units_intro(links: dict[str, str]) -> str:
         f"{len(links)} unit(s) link their calibration certificate."
         if links
         else "No certificate found for these units (fedcal certificate RUN --out DIR, then "
-        "fedcal report --certificates DIR)."
+        "fedcal report RUN --html FILE --certificates DIR; default DIR: certificates/ beside "
+        "FILE)."
     )
     return (
         '<p class="note">Each unit: every method\'s errors on its held-out points (mean over '

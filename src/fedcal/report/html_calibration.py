@@ -27,7 +27,7 @@ def build_calibration_report(
     ``residuals`` (at the calibration points), ``prior`` (the fleet prior's spread across
     units), ``config`` (a table per section), ``unit-list`` (a section per unit: its
     points, coefficients and a link to its certificate from ``certificates``, default the
-    run folder's ``certificates/``). Numbers from
+    ``certificates/`` beside the report). Numbers from
     ``units.csv``, ``coefficients.csv``, ``calibration_points.csv`` and
     ``per_sensor.csv`` (:func:`fedcal.calibration.unit_diagnostics`).
     """
@@ -67,14 +67,20 @@ def build_calibration_report(
     )
     tests = [c for c in per_sensor.columns if c.startswith("test_")]
     table = units.merge(per_sensor[["sensor_id", *tests]], on="sensor_id", how="left")
-    shown = ["sensor_id", "points", "status", "d2", "dof", "d2_threshold", "p_value"]
-    shown += ["sigma_mean", "sigma_max", "resid_rms", "resid_max_abs", *tests]
+    # the columns that fit 1280 px; every column in a collapsed table (and units.csv)
+    shown = ["sensor_id", "points", "status", "d2", "p_value", "sigma_mean", "sigma_max"]
+    shown += ["resid_rms", *[c for c in ("test_rmse", "test_coverage95") if c in tests]]
+    every = ["sensor_id", "points", "status", "d2", "dof", "d2_threshold", "p_value"]
+    every += ["sigma_mean", "sigma_max", "resid_rms", "resid_max_abs", *tests]
+    full = frame_html(table[every], "units-all").replace("data-column=", "data-field=")
     sections.append(
         (
             "units",
             "New units",
             findings
             + frame_html(table[shown], "units")
+            + "<details><summary>Every column (also units.csv, per_sensor.csv)</summary>"
+            + f'<div class="wide">{full}</div></details>'
             + f'<p class="note">d²: the unit\'s distance from the fleet — the Mahalanobis '
             "distance of its coefficients' posterior mean under the fleet prior (its "
             "distribution for a unit of the fleet, N(μ, Σ − V)); with Σ estimated from the "
@@ -113,7 +119,10 @@ def build_calibration_report(
         (
             "coefficients",
             "Coefficients",
-            basis_text + frame_html(coef, "coefficients", digits=6),
+            basis_text
+            + "<details><summary>Every unit's coefficients (also coefficients.csv; each unit's "
+            + "in its section under Units)</summary>"
+            + f'<div class="wide">{frame_html(coef, "coefficients", digits=6)}</div></details>',
         )
     )
     figure(
@@ -152,7 +161,7 @@ def build_calibration_report(
     config = read_json(run_dir / "config.json")
     sections.append(("config", "Configuration (config.json)", config_tables(config)))
     rows = _unit_rows(units, points, coef, unit)
-    where = Path(certificates) if certificates else run_dir / "certificates"
+    where = Path(certificates) if certificates else out.parent / "certificates"
     links = certificate_links(list(rows), where, out)
     said = f"{len(links)} of {len(rows)} unit(s) link their certificate (from {where})."
     said = f"Each unit's calibration points and coefficients. {said}"
@@ -187,10 +196,12 @@ def _unit_rows(units, points, coef, unit: str) -> dict[str, tuple[str, str]]:
         )
         own = points[points["sensor_id"] == sid].drop(columns="sensor_id")
         coefficients = coef[coef["sensor_id"] == sid].drop(columns="sensor_id")
+        terms = coefficients.T.reset_index()  # one row per term: fits any width
+        terms.columns = ["term", "coefficient"][: terms.shape[1]]
         detail = (
-            '<div class="wide">'
+            '<div class="unit-detail">'
             + frame_html(own, "unit-points", digits=7)
-            + frame_html(coefficients, "unit-coef", digits=6).replace("data-column=", "data-field=")
+            + frame_html(terms, "unit-coef", digits=6).replace("data-column=", "data-field=")
             + "</div>"
         )
         out[sid] = (line, detail)
