@@ -63,7 +63,8 @@ class InProcess:
         self, contents: Mapping[int, RecordDict], kind: str, t: int
     ) -> tuple[dict[int, RecordDict], dict[int, str]]:
         from fedcal.engine.flower.client import answer_handshake, run_round
-        from fedcal.engine.flower.secagg import SECAGG, site_round, site_stage
+        from fedcal.engine.flower.secagg import SECAGG
+        from fedcal.engine.flower.secagg_site import site_round, site_stage
 
         if kind == SECAGG:  # a step of secure aggregation: keys and shares, not data
             cfgs = self.node_cfgs

@@ -182,7 +182,7 @@ def test_the_scale_stage_resolves_each_coordinate_relative_to_its_own_spread():
     and means 0.3 + 1e-3: stage 1's scales are each within a factor 2 of the coordinate's
     variance and its median within half its std, where one bound for all (the second
     moment's absolute noise, ≈ σ·B/N ≈ 1e-4 here) would hide the last four."""
-    from fedcal.core.privacy import _scale_stage
+    from fedcal.core.dp_release import _scale_stage
 
     g = torch.Generator().manual_seed(7)
     sd = torch.logspace(-1, -9, 5, dtype=F64)
@@ -251,7 +251,7 @@ def test_the_scaled_release_follows_the_keys_not_the_rows_order():
 
 def _scale_var(coef, noise0, sigma=0.0, seed=0):
     """The scale stage's variances v on ``coef`` in its rows' order (no median noise)."""
-    from fedcal.core.privacy import _scale_stage
+    from fedcal.core.dp_release import _scale_stage
 
     budget = StagedBudget(1.0, 1e-5, (1.0, 1.0, 1.0), 0.0, 1, 1.0, 1.0)
     start = Whitening(coef.mean(0), None, torch.tensor(noise0, dtype=F64))

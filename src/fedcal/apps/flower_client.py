@@ -28,7 +28,7 @@ def handshake(msg: Message, context: Context) -> Message:
     from fedcal.engine.flower.secagg import SECAGG
 
     if SECAGG in msg.content:
-        from fedcal.engine.flower.secagg import site_stage
+        from fedcal.engine.flower.secagg_site import site_stage
 
         node = msg.metadata.dst_node_id
         content = site_stage(msg.content, context.node_config, context.run_id, node)
@@ -49,7 +49,7 @@ def train(msg: Message, context: Context) -> Message:
     from fedcal.engine.flower.worker import run_round_here_or_on_worker
 
     if SECAGG in msg.content:  # the statistics leave only inside the masked sum
-        from fedcal.engine.flower.secagg import site_round
+        from fedcal.engine.flower.secagg_site import site_round
 
         content = site_round(
             msg.content, context.node_config, context.run_id, run_round_here_or_on_worker

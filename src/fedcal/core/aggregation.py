@@ -62,12 +62,8 @@ from pydantic import Field, model_validator
 from torch import Tensor
 
 from fedcal.core import stages
-from fedcal.core.schema import MAX_CLIENTS, Float, Int, checked
-from fedcal.core.stages import (
+from fedcal.core.measures import (
     NORM_BLOCK,
-    Cohort,
-    Round,
-    Stage,
     coordinate_rule,
     finite_rows,
     krum_scores,
@@ -76,6 +72,8 @@ from fedcal.core.stages import (
     statistic_sizes,
     weighted_median_of_others,
 )
+from fedcal.core.schema import MAX_CLIENTS, Float, Int, checked
+from fedcal.core.stages import Cohort, Round, Stage
 from fedcal.core.tree import Tree, flatten, unflatten
 
 if TYPE_CHECKING:

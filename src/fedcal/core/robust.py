@@ -263,38 +263,42 @@ def inconsistencies(
     if gram is not None:
         for i, why in gram_problems(gram, n, constant_first).items():
             out[i] = why
+    rows = None if n is None or declared is None else (n, declared)
     for j in bad.nonzero()[:, 0].tolist():
         i = int(idx[j])
-        if out[i] is not None:
-            continue
-        one = {k: float(v[j]) for k, v in g.items()}
-        if n is not None and declared is not None and float(n[i]) != float(declared[i]):
-            out[i] = (
-                f"declares {float(n[i]):g} rows in its statistics, {float(declared[i]):g} counted"
-            )
-        elif not math.isfinite(one["rss"]):
-            out[i] = f"residual sum of squares not finite ({one['rss']:.3g})"
-        elif not one["rss"] >= 0:
-            out[i] = f"negative residual sum of squares {one['rss']:.3g}"
-        elif one["w_low"] < -tol:
-            out[i] = (
-                "posterior covariance S − m mᵀ not positive semi-definite "
-                f"(whitened eigenvalue {one['w_low']:.3g})"
-            )
-        elif one["w_high"] > 1 + tol:
-            out[i] = f"posterior wider than the prior (whitened eigenvalue {one['w_high']:.3g})"
-        elif one["h_low"] < -tol or one["h_high"] > 1 + tol:
-            out[i] = (
-                f"GLS Gram outside [0, Σ⁻¹] (whitened eigenvalues {one['h_low']:.3g}…"
-                f"{one['h_high']:.3g})"
-            )
-        elif one["woodbury"] > tol or one["woodbury"] != one["woodbury"]:
-            out[i] = f"GLS Gram and posterior covariance disagree (gap {one['woodbury']:.3g})"
-        elif not math.isfinite(one["rhs"]):
-            out[i] = f"GLS right-hand side or posterior mean not finite (gap {one['rhs']:.3g})"
-        else:
-            out[i] = f"posterior mean and GLS right-hand side disagree (gap {one['rhs']:.3g})"
+        if out[i] is None:
+            out[i] = _verdict({k: float(v[j]) for k, v in g.items()}, i, rows, tol)
     return out
+
+
+def _verdict(one: dict[str, float], i: int, rows: tuple[Tensor, Tensor] | None, tol: float) -> str:
+    """Why unit ``i``'s upload is inconsistent, from its whitened gaps ``one``: the first
+    failed check in :func:`inconsistencies`' order, in one line with the measured value
+    (``rows``: the declared row counts in its statistics and as the server counts them)."""
+    if rows is not None and float(rows[0][i]) != float(rows[1][i]):
+        n, declared = rows
+        return f"declares {float(n[i]):g} rows in its statistics, {float(declared[i]):g} counted"
+    if not math.isfinite(one["rss"]):
+        return f"residual sum of squares not finite ({one['rss']:.3g})"
+    if not one["rss"] >= 0:
+        return f"negative residual sum of squares {one['rss']:.3g}"
+    if one["w_low"] < -tol:
+        return (
+            "posterior covariance S − m mᵀ not positive semi-definite "
+            f"(whitened eigenvalue {one['w_low']:.3g})"
+        )
+    if one["w_high"] > 1 + tol:
+        return f"posterior wider than the prior (whitened eigenvalue {one['w_high']:.3g})"
+    if one["h_low"] < -tol or one["h_high"] > 1 + tol:
+        return (
+            f"GLS Gram outside [0, Σ⁻¹] (whitened eigenvalues {one['h_low']:.3g}…"
+            f"{one['h_high']:.3g})"
+        )
+    if one["woodbury"] > tol or one["woodbury"] != one["woodbury"]:
+        return f"GLS Gram and posterior covariance disagree (gap {one['woodbury']:.3g})"
+    if not math.isfinite(one["rhs"]):
+        return f"GLS right-hand side or posterior mean not finite (gap {one['rhs']:.3g})"
+    return f"posterior mean and GLS right-hand side disagree (gap {one['rhs']:.3g})"
 
 
 def gram_problems(gram: Tensor, n: Tensor | None, constant_first: bool) -> dict[int, str]:

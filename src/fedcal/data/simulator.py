@@ -144,17 +144,11 @@ training rows do not depend on the test design (own noise stream).
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
-import re
 from collections.abc import Iterator
-from functools import cache
-from typing import Annotated, Literal
 
 import numpy as np
 import pandas as pd
-from pydantic import Field, model_validator
 
-from fedcal.core.schema import MAX_CLIENTS, Float, Int, Str, checked
 from fedcal.data.fleet import (
     BAROMETRIC_FEATURES,
     BAROMETRIC_TARGET,
@@ -162,556 +156,45 @@ from fedcal.data.fleet import (
     ROLE_COLUMN,
     Fleet,
 )
-
-PSI_TO_HPA = 68.94757
-CAMPAIGN = "campaign"
-ROLES = ("reference", "new")
-
-# Per preset: white noise (hPa), hysteresis half-amplitude range (hPa), ripple bound (hPa).
-PRESET_VALUES: dict[str, dict] = {
-    "nominal": {"noise": 0.01, "hysteresis": (0.02, 0.10), "ripple": 0.03},
-    "harsh": {"noise": 0.05, "hysteresis": (0.10, 0.50), "ripple": 0.15},
-}
-
-# Spreads in units of the parent units' per-coefficient std.
-SENSOR_SPREAD = 0.25  # a sensor around its parent unit (num_lots == 1)
-LOT_SPREAD = 0.25  # a lot centre around its parent unit (num_lots > 1)
-WITHIN_LOT_SPREAD = 0.05  # a sensor around its lot centre
-
-# Quartz: the full scale used to rescale C (the average unit reaches x = X_FULL_SCALE here).
-QUARTZ_FULL_SCALE_HPA = 1550.0
-X_FULL_SCALE = -0.2
-QUARTZ_PARAMS = ("U0_us", "Y1", "Y2", "C1_hpa", "c2", "c3", "D1", "T1_us", "T2", "T3", "T4")
-
-# Silicon: p = P / SILICON_P_SCALE, t = (T − SILICON_T_REF) / SILICON_T_SCALE.
-SILICON_P_SCALE = 1600.0
-SILICON_T_REF = 20.0
-SILICON_T_SCALE = 100.0
-# name: (nominal, spread between production units)
-SILICON_NOMINAL: dict[str, tuple[float, float]] = {
-    "f0_hz": (30_000.0, 450.0),
-    "k01": (-3.0e-3, 4.5e-4),
-    "k02": (-4.0e-4, 2.0e-4),
-    "k03": (1.0e-4, 5.0e-5),
-    "k10": (0.15, 7.5e-3),
-    "k11": (-3.0e-3, 6.0e-4),
-    "k12": (6.0e-4, 3.0e-4),
-    "k13": (-1.5e-4, 7.5e-5),
-    "k20": (-0.01125, 1.1e-3),
-    "k21": (2.0e-4, 5.0e-5),
-    "k22": (-4.0e-5, 2.0e-5),
-    "k23": (0.0, 0.0),
-    "k30": (1.6875e-3, 3.0e-4),
-    "k31": (-3.0e-5, 1.0e-5),
-    "k32": (0.0, 0.0),
-    "k33": (0.0, 0.0),
-    "k40": (-3.164e-4, 1.0e-4),
-    "k41": (0.0, 0.0),
-    "k42": (0.0, 0.0),
-    "k43": (0.0, 0.0),
-}
-SILICON_PARAMS = tuple(SILICON_NOMINAL)
-_SILICON_POOL_SEED = 20_240_601  # fixed: the synthetic production history of the family
-_NUM_POOL_UNITS = 21
-
-# Stream purposes (first element of a SeedSequence spawn key).
-_S_PARENTS, _S_LOT, _S_LOT_ASSIGN, _S_CHAMBER, _S_RANDOM_TEST, _S_SENSOR, _S_NOISE = range(7)
-_S_DESIGN_CHAMBER = 7
-_S_POINTS_CHAMBER = 8
-POINTS = "points"  # train_design: the explicit chamber points of ``design_points``
-
-_DESIGN_PATTERN = re.compile(r"(\d+)x(\d+)")
-
-
-def parse_design(design: str) -> tuple[int, int] | None:
-    """``"campaign"`` → None; ``"PxT"`` → (P, T) pressure levels × temperature plateaus.
-
-    Raises ValueError (one line, naming the value) for anything else, P < 2 or T < 1.
-    """
-    if design == CAMPAIGN:
-        return None
-    match = _DESIGN_PATTERN.fullmatch(str(design).strip().lower())
-    if match is None:
-        raise ValueError(f"{design!r} is not 'campaign' or PxT like '3x2'")
-    p, t = int(match[1]), int(match[2])
-    if p < 2 or t < 1:
-        raise ValueError(f"{design!r}: need at least 2 pressure levels and 1 temperature plateau")
-    return p, t
-
-
-NonNegative = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0)]
-Hpa = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=0.0, le=1e4)]
-Count = Annotated[int, Field(strict=True, ge=0, le=MAX_CLIENTS)]
-
-
-@checked
-class FleetSpec:
-    """Settings of a simulated fleet; defaults reproduce the seed's protocol.
-
-    ``num_sensors`` sizes a plain fleet; a mixed fleet (``num_reference`` or
-    ``num_new`` > 0) has ``num_reference + num_new`` units instead (see the
-    module doc, "Chamber designs"). Every field is typed and range-checked
-    (:func:`fedcal.core.schema.checked`); the configuration's ``[fleet]`` is this
-    class plus the fleet seed.
-    """
-
-    num_sensors: Int = Field(default=20, ge=1, le=MAX_CLIENTS)
-    pressure_levels_hpa: tuple[Hpa, ...] = Field(
-        default=tuple(float(p) for p in range(50, 1551, 100)), min_length=2, max_length=1000
-    )
-    temperature_plateaus_c: tuple[Float, ...] = Field(
-        default=(-40.0, -20.0, 0.0, 20.0, 40.0, 60.0), min_length=1, max_length=1000
-    )
-    train_sweeps: Int = Field(default=4, ge=0, le=1000)
-    test_points_per_plateau: Int = Field(default=10, ge=0, le=100_000)
-    test_design: Literal["cycle", "random"] = "cycle"
-    family: Literal["quartz", "silicon"] = "quartz"
-    preset: Literal["nominal", "harsh"] = "nominal"
-    heterogeneity: Float = Field(default=1.0, ge=0.0, le=100.0)
-    num_lots: Int = Field(default=1, ge=1, le=MAX_CLIENTS)
-    pressure_noise_hpa: Hpa | None = None  # None: the preset's
-    hysteresis_hpa: tuple[Hpa, Hpa] | None = None  # (lo, hi) half-amplitudes; None: preset's
-    ripple_hpa: Hpa | None = None
-    temperature_bias_c: Float = 0.2
-    temperature_gain_std: NonNegative = 0.002
-    temperature_noise_c: NonNegative = 0.01
-    plateau_offset_c: NonNegative = 0.2
-    drift_hpa_per_year: Float = 0.0
-    test_delay_years: NonNegative = 0.0
-    train_design: Str = CAMPAIGN  # "campaign" (16 P x 6 T x 4 sweeps) or "PxT", e.g. "3x2"
-    num_reference: Count = 0  # mixed fleet: reference units
-    num_new: Count = 0  # + new units; 0, 0 = plain fleet
-    reference_design: Str = CAMPAIGN
-    # train_design = "points": each unit's chamber points (pressure hPa, set point °C, sweep
-    # "up"/"down") in measurement order, e.g. a `fedcal plan` design.csv (module doc).
-    design_points: tuple[tuple[Hpa, Float, Literal["up", "down"]], ...] = Field(
-        default=(), max_length=100_000
-    )
-
-    @model_validator(mode="after")
-    def _designs(self) -> FleetSpec:
-        for name in ("train_design", "reference_design"):
-            if getattr(self, name) == POINTS:
-                if not self.design_points:
-                    raise ValueError(f"{name}: 'points' needs design_points (none given)")
-                continue
-            try:
-                parse_design(getattr(self, name))
-            except ValueError as err:
-                raise ValueError(f"{name}: {err}") from None
-        return self
-
-    @property
-    def mixed(self) -> bool:
-        """A fleet of reference units and new units (roles recorded)."""
-        return self.num_reference + self.num_new > 0
-
-    @property
-    def sensor_count(self) -> int:
-        return self.num_reference + self.num_new if self.mixed else self.num_sensors
-
-    def role(self, i: int) -> str | None:
-        """ "reference" or "new" for unit ``i`` of a mixed fleet; None in a plain fleet."""
-        if not self.mixed:
-            return None
-        return ROLES[0] if i < self.num_reference else ROLES[1]
-
-    def design(self, i: int) -> str:
-        """The chamber design that calibrates unit ``i``."""
-        return self.reference_design if self.role(i) == ROLES[0] else self.train_design
-
-    # Effective non-ideality levels (explicit overrides win over the preset).
-    @property
-    def noise_hpa(self) -> float:
-        p = PRESET_VALUES[self.preset]["noise"]
-        return p if self.pressure_noise_hpa is None else float(self.pressure_noise_hpa)
-
-    @property
-    def hysteresis_range_hpa(self) -> tuple[float, float]:
-        h = self.hysteresis_hpa
-        lo, hi = PRESET_VALUES[self.preset]["hysteresis"] if h is None else h
-        return float(lo), float(hi)
-
-    @property
-    def ripple_bound_hpa(self) -> float:
-        r = PRESET_VALUES[self.preset]["ripple"]
-        return r if self.ripple_hpa is None else float(self.ripple_hpa)
-
-
-# ---------------------------------------------------------------------------
-# Parent units of each family
-
-
-def load_digiquartz_units() -> pd.DataFrame:
-    """The 21 real Digiquartz units as shipped (C in psia, periods in µs); a fresh copy."""
-    return _digiquartz_units().copy()
-
-
-@cache
-def _digiquartz_units() -> pd.DataFrame:
-    path = importlib.resources.files("fedcal.data") / "resources" / "digiquartz_coefficients.csv"
-    with path.open("r") as fh:
-        return pd.read_csv(fh)
-
-
-@cache
-def quartz_c_scale() -> float:
-    """Common factor from a unit's C1 [hPa] to the barometer's C1 [hPa] (see module doc)."""
-    units = _digiquartz_units()
-    d1 = units["D1"].mean()
-    c_target = QUARTZ_FULL_SCALE_HPA / (X_FULL_SCALE - d1 * X_FULL_SCALE**2)
-    return float(c_target / (units["C1_psia"].mean() * PSI_TO_HPA))
-
-
-@cache
-def _family_pool(family: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(parent units (K, d), ids (K,), per-coefficient spread (d,)) of a family."""
-    if family == "quartz":
-        u = _digiquartz_units()
-        c1 = u["C1_psia"].to_numpy(float)
-        pool = np.column_stack(
-            [
-                u["U0_us"],
-                u["Y1"],
-                u["Y2"],
-                c1 * PSI_TO_HPA * quartz_c_scale(),
-                u["C2_psia"] / c1,
-                u["C3_psia"] / c1,
-                u["D1"],
-                u["T1_us"],
-                u["T2"],
-                u["T3"],
-                u["T4"],
-            ]
-        ).astype(float)
-        ids = u["serial"].to_numpy(np.int64)
-        sigma = pool.std(axis=0, ddof=1)
-    else:
-        nominal = np.array([v[0] for v in SILICON_NOMINAL.values()])
-        sigma = np.array([v[1] for v in SILICON_NOMINAL.values()])
-        rng = np.random.Generator(np.random.PCG64(_SILICON_POOL_SEED))
-        pool = nominal + sigma * rng.standard_normal((_NUM_POOL_UNITS, len(nominal)))
-        ids = np.arange(_NUM_POOL_UNITS, dtype=np.int64)
-    for a in (pool, ids, sigma):
-        a.setflags(write=False)
-    return pool, ids, sigma
-
-
-def param_names(family: str) -> tuple[str, ...]:
-    """The coefficient names of a sensor family's frequency model (columns of sensor_parameters)."""
-    return QUARTZ_PARAMS if family == "quartz" else SILICON_PARAMS
-
-
-@cache
-def _pool_response(family: str) -> np.ndarray:
-    """Each parent unit's frequencies on a coarse (P, T) grid, (K, 9): its behaviour."""
-    pool, _, _ = _family_pool(family)
-    p, t = np.meshgrid([50.0, 800.0, 1550.0], [-40.0, 10.0, 60.0])
-    names = param_names(family)
-    return np.stack(
-        [frequency(family, p.ravel(), t.ravel(), dict(zip(names, u, strict=True))) for u in pool]
-    )
-
-
-def _lot_parents(family: str, first: int, num_lots: int) -> list[int]:
-    """Parent unit of each lot: greedy farthest-point in behaviour, from unit ``first``.
-
-    Lots then differ in how they respond, not only in coefficients that barely
-    move the frequency; beyond the K units the order repeats.
-    """
-    resp = _pool_response(family)
-    order = [first]
-    dist = np.linalg.norm(resp - resp[first], axis=1)
-    for _ in range(len(resp) - 1):
-        nxt = int(np.argmax(dist))
-        order.append(nxt)
-        dist = np.minimum(dist, np.linalg.norm(resp - resp[nxt], axis=1))
-    return [order[lot % len(order)] for lot in range(num_lots)]
-
-
-# ---------------------------------------------------------------------------
-# Forward models
-
-
-def quartz_frequency(pressure_hpa, temperature_c, coeffs) -> np.ndarray:
-    """Pressure-resonator frequency (Hz) of a Digiquartz sensor at true (P, T).
-
-    ``coeffs`` maps the quartz parameter names (:data:`QUARTZ_PARAMS`) to values.
-    """
-    p = np.asarray(pressure_hpa, dtype=float)
-    t = np.asarray(temperature_c, dtype=float)
-    y1, y2 = coeffs["Y1"], coeffs["Y2"]
-    # Y2·U² + Y1·U − T = 0, the root near 0 in its cancellation-free form.
-    u = 2.0 * t / (y1 + np.sign(y1) * np.sqrt(y1 * y1 + 4.0 * y2 * t))
-    c = coeffs["C1_hpa"] * (1.0 + coeffs["c2"] * u + coeffs["c3"] * u * u)
-    d = coeffs["D1"]
-    t0 = coeffs["T1_us"] + coeffs["T2"] * u + coeffs["T3"] * u**2 + coeffs["T4"] * u**3
-    q = p / c
-    # D·x² − x + q = 0, the root near q.
-    x = 2.0 * q / (1.0 + np.sqrt(1.0 - 4.0 * d * q))
-    tau_us = t0 / np.sqrt(1.0 - x)
-    return 1e6 / tau_us
-
-
-def silicon_frequency(pressure_hpa, temperature_c, coeffs) -> np.ndarray:
-    """Resonator frequency (Hz) of the silicon family at true (P, T) (see module doc)."""
-    p = np.asarray(pressure_hpa, dtype=float) / SILICON_P_SCALE
-    t = (np.asarray(temperature_c, dtype=float) - SILICON_T_REF) / SILICON_T_SCALE
-    poly = np.zeros(np.broadcast(p, t).shape)
-    for k in range(5):
-        a_k = 1.0 if k == 0 else coeffs[f"k{k}0"]
-        a_k = a_k + sum(coeffs[f"k{k}{j}"] * t**j for j in (1, 2, 3))
-        poly = poly + a_k * p**k
-    return coeffs["f0_hz"] * poly
-
-
-def frequency(family: str, pressure_hpa, temperature_c, coeffs) -> np.ndarray:
-    """The family's resonator frequency (Hz) at (P, T), coefficients by :func:`param_names`."""
-    if family == "quartz":
-        return quartz_frequency(pressure_hpa, temperature_c, coeffs)
-    return silicon_frequency(pressure_hpa, temperature_c, coeffs)
-
-
-# ---------------------------------------------------------------------------
-# Sensors
-
-
-def _rng(seed: int, *key: int) -> np.random.Generator:
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=key)))
-
-
-def _lot_of(spec: FleetSpec, seed: int, i: int) -> int:
-    lots = spec.num_lots
-    if lots == 1:
-        return 0
-    block, pos = divmod(i, lots)
-    return int(_rng(seed, _S_LOT_ASSIGN, block).permutation(lots)[pos])
-
-
-def sensor_parameters(spec: FleetSpec = FleetSpec(), seed: int = 0) -> pd.DataFrame:
-    """Ground truth of every sensor, indexed by ``sensor_id``.
-
-    Columns: ``lot``, ``parent`` (serial of the real quartz unit, or index of
-    the synthetic silicon unit; for lots, the lot's parent), the family's
-    coefficients (quartz: :data:`QUARTZ_PARAMS` plus ``C2_hpa``, ``C3_hpa``;
-    silicon: :data:`SILICON_PARAMS`), and the per-sensor non-ideality levels
-    ``hysteresis_hpa``, ``ripple_amp_hpa``, ``temperature_bias_c``,
-    ``temperature_gain``, ``drift_hpa_per_year``, plus the ripple's shape
-    (``ripple_nu``, ``ripple_mu``, ``ripple_phase``, ``ripple_weight``: 3-tuples).
-    """
-    _check_seed(seed)
-    pool, ids, sigma = _family_pool(spec.family)
-    names = param_names(spec.family)
-    ref = pool.mean(axis=0)
-    k_units, d = pool.shape
-    parents = _rng(seed, _S_PARENTS).permutation(k_units)
-    lot_parents = _lot_parents(spec.family, int(parents[0]), spec.num_lots)
-    lot_centres: dict[int, tuple[int, np.ndarray]] = {}
-    h_lo, h_hi = spec.hysteresis_range_hpa
-    rows = []
-    for i in range(spec.sensor_count):
-        r = _rng(seed, _S_SENSOR, i)
-        # Fixed draw order whatever the spec, so one seed means the same sensor.
-        z_coef = r.standard_normal(d)
-        u_hyst = r.uniform()
-        u_ripple = r.uniform()
-        nu = r.uniform(1.5, 4.0, 3)
-        mu = r.uniform(0.0, 1.5, 3)
-        phase = r.uniform(0.0, 2.0 * np.pi, 3)
-        weight = r.uniform(0.2, 1.0, 3)
-        z_bias, z_gain = r.standard_normal(2)
-        u_drift = r.uniform(0.5, 1.0)
-        s_drift = 1.0 if r.uniform() < 0.5 else -1.0
-
-        lot = _lot_of(spec, seed, i)
-        if spec.num_lots == 1:
-            parent = int(parents[i % k_units])
-            theta = pool[parent] + SENSOR_SPREAD * sigma * z_coef
-        else:
-            if lot not in lot_centres:
-                parent_l = lot_parents[lot]
-                z_lot = _rng(seed, _S_LOT, lot).standard_normal(d)
-                lot_centres[lot] = (parent_l, pool[parent_l] + LOT_SPREAD * sigma * z_lot)
-            parent, centre = lot_centres[lot]
-            theta = centre + WITHIN_LOT_SPREAD * sigma * z_coef
-        theta = ref + spec.heterogeneity * (theta - ref)
-
-        row = {"sensor_id": _sensor_id(i), "lot": lot, "parent": int(ids[parent])}
-        row.update(dict(zip(names, theta.tolist(), strict=True)))
-        if spec.family == "quartz":
-            row["C2_hpa"] = row["c2"] * row["C1_hpa"]
-            row["C3_hpa"] = row["c3"] * row["C1_hpa"]
-        row.update(
-            hysteresis_hpa=h_lo + (h_hi - h_lo) * u_hyst,
-            ripple_amp_hpa=spec.ripple_bound_hpa * (0.5 + 0.5 * u_ripple),
-            temperature_bias_c=spec.temperature_bias_c * z_bias,
-            temperature_gain=spec.temperature_gain_std * z_gain,
-            drift_hpa_per_year=spec.drift_hpa_per_year * u_drift * s_drift,
-            ripple_nu=tuple(nu.tolist()),
-            ripple_mu=tuple(mu.tolist()),
-            ripple_phase=tuple(phase.tolist()),
-            ripple_weight=tuple(weight.tolist()),
-        )
-        rows.append(row)
-    return pd.DataFrame(rows).set_index("sensor_id")
-
-
-def _sensor_id(i: int) -> str:
-    return f"S{i:03d}"
-
-
-def _check_seed(seed: int) -> None:
-    if not isinstance(seed, int | np.integer) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-
-
-# ---------------------------------------------------------------------------
-# Protocol
-
-
-def measurement_plan(
-    spec: FleetSpec = FleetSpec(), seed: int = 0, design: str | None = None
-) -> pd.DataFrame:
-    """The chamber schedule of every unit of one design, in measurement order.
-
-    ``design`` defaults to ``spec.train_design``. Columns: ``pressure_hpa``
-    (true, reference gauge), ``temperature_true_c`` (chamber, setpoint +
-    plateau offset), ``plateau`` (index into the design's plateaus, −1 for
-    random test points), ``sweep``, ``direction``, ``split``. Test rows are the
-    campaign's whatever the design.
-    """
-    _check_seed(seed)
-    design = spec.train_design if design is None else design
-    campaign = _campaign_plan(spec, seed)
-    if design == POINTS:
-        train = _points_plan(spec, seed)
-    elif (grid := parse_design(design)) is None:
-        return campaign
-    else:
-        train = _grid_plan(spec, seed, *grid)
-    test = campaign[campaign["split"] == "test"]
-    return pd.concat([train, test], ignore_index=True)
-
-
-def design_levels(spec: FleetSpec, num_levels: int, num_plateaus: int) -> tuple[np.ndarray, ...]:
-    """(pressure levels, temperature setpoints) of a PxT design: evenly spread, ends included."""
-    levels = np.asarray(spec.pressure_levels_hpa, dtype=float)
-    plateaus = np.asarray(spec.temperature_plateaus_c, dtype=float)
-    p = np.linspace(levels.min(), levels.max(), num_levels)
-    if num_plateaus == 1:
-        t = np.array([(plateaus.min() + plateaus.max()) / 2.0])
-    else:
-        t = np.linspace(plateaus.min(), plateaus.max(), num_plateaus)
-    return p, t
-
-
-def _grid_plan(spec: FleetSpec, seed: int, num_levels: int, num_plateaus: int) -> pd.DataFrame:
-    """Training rows of a PxT design: one ascending sweep per plateau, cold to hot."""
-    p, t = design_levels(spec, num_levels, num_plateaus)
-    offsets = spec.plateau_offset_c * _rng(
-        seed, _S_DESIGN_CHAMBER, num_levels, num_plateaus
-    ).standard_normal(num_plateaus)
-    n = num_levels * num_plateaus
-    return pd.DataFrame(
-        {
-            "pressure_hpa": np.tile(p, num_plateaus),
-            "temperature_true_c": np.repeat(t + offsets, num_levels),
-            "plateau": np.repeat(np.arange(num_plateaus, dtype=np.int64), num_levels),
-            "sweep": np.zeros(n, dtype=np.int64),
-            "direction": np.full(n, "up", dtype=object),
-            "split": np.full(n, "train", dtype=object),
-        }
-    )
-
-
-def _points_plan(spec: FleetSpec, seed: int) -> pd.DataFrame:
-    """Training rows of the explicit design ``design_points``, in the given order.
-
-    Plateaus are the distinct set points in order of first appearance; each one's true
-    temperature is its set point plus N(0, ``plateau_offset_c``²) from its own stream
-    (seed, plateau index), shared by every unit of the design (one chamber run).
-    """
-    pressure = np.array([p for p, _, _ in spec.design_points], dtype=float)
-    setpoint = np.array([t for _, t, _ in spec.design_points], dtype=float)
-    plateaus, index = np.unique(setpoint, return_inverse=True)
-    first = [int(np.flatnonzero(index == k)[0]) for k in range(len(plateaus))]
-    order = np.argsort(first)  # plateau numbers in order of first appearance
-    rank = np.empty(len(plateaus), dtype=np.int64)
-    rank[order] = np.arange(len(plateaus))
-    offsets = spec.plateau_offset_c * _rng(seed, _S_POINTS_CHAMBER).standard_normal(len(plateaus))
-    plateau = rank[index]
-    n = len(pressure)
-    return pd.DataFrame(
-        {
-            "pressure_hpa": pressure,
-            "temperature_true_c": setpoint + offsets[plateau],
-            "plateau": plateau.astype(np.int64),
-            "sweep": np.zeros(n, dtype=np.int64),
-            "direction": np.array([d for _, _, d in spec.design_points], dtype=object),
-            "split": np.full(n, "train", dtype=object),
-        }
-    )
-
-
-def _campaign_plan(spec: FleetSpec, seed: int) -> pd.DataFrame:
-    levels = np.asarray(spec.pressure_levels_hpa, dtype=float)
-    plateaus = np.asarray(spec.temperature_plateaus_c, dtype=float)
-    n_sweeps = spec.train_sweeps + 1  # the test cycle is sweep index train_sweeps
-    offsets = spec.plateau_offset_c * _rng(seed, _S_CHAMBER).standard_normal(
-        (len(plateaus), n_sweeps)
-    )
-    cycle = spec.test_design == "cycle"
-    n_up = (spec.test_points_per_plateau + 1) // 2
-    n_down = spec.test_points_per_plateau // 2
-    up_idx = np.round(np.linspace(0, len(levels) - 1, n_up)).astype(int)
-    down_idx = np.round(np.linspace(0, len(levels) - 1, n_down)).astype(int)[::-1]
-
-    cols: dict[str, list] = {k: [] for k in ("p", "t", "plateau", "sweep", "dir", "split")}
-
-    def add(p, t, plateau, sweep, direction, split):
-        n = len(p)
-        cols["p"].append(np.asarray(p, float))
-        cols["t"].append(np.broadcast_to(np.asarray(t, float), (n,)))
-        cols["plateau"].append(np.full(n, plateau, dtype=np.int64))
-        cols["sweep"].append(np.full(n, sweep, dtype=np.int64))
-        cols["dir"].append(np.full(n, direction, dtype=object))
-        cols["split"].append(np.full(n, split, dtype=object))
-
-    for j, t_set in enumerate(plateaus):
-        for s in range(spec.train_sweeps):
-            up = s % 2 == 0
-            add(levels if up else levels[::-1], t_set + offsets[j, s], j, s, _dir(up), "train")
-        if cycle:
-            t_test = t_set + offsets[j, spec.train_sweeps]
-            add(levels[up_idx], t_test, j, spec.train_sweeps, "up", "test")
-            add(levels[down_idx], t_test, j, spec.train_sweeps, "down", "test")
-    if not cycle:
-        n = spec.test_points_per_plateau * len(plateaus)
-        r = _rng(seed, _S_RANDOM_TEST)
-        p = r.uniform(levels.min(), levels.max(), n)
-        t = r.uniform(plateaus.min(), plateaus.max(), n)
-        ups = r.uniform(size=n) < 0.5
-        for k in range(n):
-            add(p[k : k + 1], t[k], -1, spec.train_sweeps, _dir(bool(ups[k])), "test")
-    cat = {k: np.concatenate(v) if v else np.zeros(0) for k, v in cols.items()}
-    return pd.DataFrame(
-        {
-            "pressure_hpa": cat["p"].astype(float),
-            "temperature_true_c": cat["t"].astype(float),
-            "plateau": cat["plateau"].astype(np.int64),
-            "sweep": cat["sweep"].astype(np.int64),
-            "direction": cat["dir"].astype(object),
-            "split": cat["split"].astype(object),
-        }
-    )
-
-
-def _dir(up: bool) -> str:
-    return "up" if up else "down"
-
-
-# ---------------------------------------------------------------------------
-# The fleet
+from fedcal.data.fleetspec import (
+    _S_NOISE,
+    CAMPAIGN,
+    LOT_SPREAD,
+    POINTS,
+    PRESET_VALUES,
+    PSI_TO_HPA,
+    QUARTZ_FULL_SCALE_HPA,
+    QUARTZ_PARAMS,
+    ROLES,
+    SENSOR_SPREAD,
+    SILICON_NOMINAL,
+    SILICON_P_SCALE,
+    SILICON_PARAMS,
+    SILICON_T_REF,
+    SILICON_T_SCALE,
+    WITHIN_LOT_SPREAD,
+    X_FULL_SCALE,
+    Count,
+    FleetSpec,
+    Hpa,
+    NonNegative,
+    parse_design,
+)
+from fedcal.data.protocol import (
+    design_levels,
+    measurement_plan,
+)
+from fedcal.data.sensor_models import (
+    _check_seed,
+    _rng,
+    frequency,
+    load_digiquartz_units,
+    param_names,
+    quartz_c_scale,
+    quartz_frequency,
+    sensor_parameters,
+    silicon_frequency,
+)
 
 
 def noise_draws(seed: int, sensor: int, is_test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -843,3 +326,43 @@ def _ripple(p: np.ndarray, t: np.ndarray, prm) -> np.ndarray:
     ):
         total = total + wk * np.sin(2.0 * np.pi * (nu * p / 1600.0 + mu * (t + 40.0) / 100.0) + ph)
     return prm["ripple_amp_hpa"] * total / w.sum()
+
+
+# The simulator's names, wherever they live (the fleet's settings, the sensors' physics, the
+# protocol): callers import them from here.
+__all__ = [
+    "CAMPAIGN",
+    "LOT_SPREAD",
+    "POINTS",
+    "PRESET_VALUES",
+    "PSI_TO_HPA",
+    "QUARTZ_FULL_SCALE_HPA",
+    "QUARTZ_PARAMS",
+    "ROLES",
+    "SENSOR_SPREAD",
+    "SILICON_NOMINAL",
+    "SILICON_PARAMS",
+    "SILICON_P_SCALE",
+    "SILICON_T_REF",
+    "SILICON_T_SCALE",
+    "WITHIN_LOT_SPREAD",
+    "X_FULL_SCALE",
+    "Count",
+    "FleetSpec",
+    "Hpa",
+    "NonNegative",
+    "design_levels",
+    "frequency",
+    "load_digiquartz_units",
+    "measurement_plan",
+    "noise_draws",
+    "param_names",
+    "parse_design",
+    "quartz_c_scale",
+    "quartz_frequency",
+    "sensor_parameters",
+    "silicon_frequency",
+    "simulate_chunks",
+    "simulate_fleet",
+    "simulated_meta",
+]

@@ -14,11 +14,10 @@ round, client), and the checkpoint holds the complete state.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -27,20 +26,15 @@ from pydantic import InstanceOf
 from torch import Tensor
 
 from fedcal.core.aggregation import PLAIN, AggregationPolicy, aggregate, finite_rows
-from fedcal.core.algorithm import Algorithm
+from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import HOST, ClientData, client_round_seed
 from fedcal.core.schema import Seed, checked
-from fedcal.core.tensorfile import TensorFileError, load_trees, save_trees
 from fedcal.core.tree import Tree, expand, gather, num_bytes, per_client, scatter, tree_map
-from fedcal.data.fleet import Fleet
-from fedcal.data.scaling import (
-    Scaler,
-    client_moments,
-    fit_scaler,
-    needs_moments,
-    scaler_from_moments,
-)
 from fedcal.engine import chunks, streamed
+
+# re-exported: callers import the tensors and the checkpoint's error from here too
+from fedcal.engine.checkpoint import CheckpointError as CheckpointError
+from fedcal.engine.checkpoint import _fingerprint, load_checkpoint, save_checkpoint
 from fedcal.engine.evaluation import evaluate_cohort
 from fedcal.engine.memory import keep_freed_memory
 from fedcal.engine.schedule import (
@@ -58,119 +52,11 @@ from fedcal.engine.settings import (
     refused_clients,
     unjudged,
 )
+from fedcal.engine.tensors import DTYPES, FleetTensors
+from fedcal.engine.tensors import prepare as prepare
+from fedcal.engine.tensors import prepare_chunks as prepare_chunks
 
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
 AGGREGATION = 3  # seed purpose of the server's DP noise (clients use 0.., see core.data)
-
-
-@dataclass(frozen=True)
-class FleetTensors:
-    """A fleet as padded tensors (scaled), with the scaler to undo the target scale."""
-
-    train: ClientData
-    test: ClientData
-    scaler: Scaler
-    client_ids: tuple[str, ...]
-    target_unit: str = ""
-
-    @property
-    def num_clients(self) -> int:
-        return len(self.client_ids)
-
-
-def prepare(fleet: Fleet, scaling: str = "auto", dtype: str = "float32") -> FleetTensors:
-    """Scale a fleet (see :mod:`fedcal.data.scaling`) and pad it into tensors."""
-    train = fleet.arrays("train")
-    test = fleet.arrays("test")
-    # Class labels (meta "task" = "classification") are indices, not quantities.
-    classification = fleet.meta.get("task") == "classification"
-    scaler = fit_scaler(fleet.features, fleet.target, train, scaling, not classification)
-    torch_dtype = DTYPES[dtype]
-
-    def scaled(arrays: list[tuple[np.ndarray, np.ndarray]], split: str) -> ClientData:
-        return ClientData.from_arrays(
-            [(scaler.x(x), scaler.y(y)) for x, y in arrays],
-            dtype=torch_dtype,
-            branch=fleet.branch_signs(split),  # None without a direction column
-            time=fleet.row_times(split),  # None without a time column
-        )
-
-    unit = fleet.target.rsplit("_", 1)[-1] if "_" in fleet.target else ""
-    return FleetTensors(
-        scaled(train, "train"),
-        scaled(test, "test"),
-        scaler,
-        tuple(map(str, fleet.client_ids)),
-        unit,
-    )
-
-
-def prepare_chunks(
-    parts: Callable[[], Iterable[Fleet]], scaling: str = "auto", dtype: str = "float32"
-) -> FleetTensors:
-    """:func:`prepare` of the fleet whose sensors ``parts()`` yields a few at a time (disjoint
-    sensor sets, in order: ``simulate_chunks``' frames, a Parquet file's row groups), without
-    the whole fleet's frame (issue 25.1: 100,000 units). The same tensors as :func:`prepare`
-    of their concatenation (tested to the bit). ``parts`` is called twice when the scaler
-    needs federated statistics (a first pass sums each client's, :func:`client_moments`),
-    once when every column has a physical range (the barometer)."""
-    chunks_ = iter(parts())
-    first = next(chunks_, None)
-    if first is None:
-        raise ValueError("prepare_chunks: the fleet has no sensors")
-    classification = first.meta.get("task") == "classification"
-    moments: list[dict[str, np.ndarray]] = []
-    if needs_moments(first.features, first.target, scaling, not classification):
-        for part in parts():  # a first pass: each client's sums only
-            moments += [client_moments(x, y) for x, y in part.arrays("train")]
-    scaler = scaler_from_moments(first.features, first.target, moments, scaling, not classification)
-    torch_dtype = DTYPES[dtype]
-    train: list[ClientData] = []
-    test: list[ClientData] = []
-    ids: list[str] = []
-    seen: set[str] = set()
-    for part in itertools.chain([first], chunks_):
-        for split, out in (("train", train), ("test", test)):
-            out.append(
-                ClientData.from_arrays(
-                    [(scaler.x(x), scaler.y(y)) for x, y in part.arrays(split)],
-                    dtype=torch_dtype,
-                    branch=part.branch_signs(split),
-                    time=part.row_times(split),
-                )
-            )
-        new = list(map(str, part.client_ids))
-        again = next((i for i in new if i in seen), None)
-        if again is not None:  # two units with one id: a sensor's rows split over two parts
-            raise ValueError(f"prepare_chunks: sensor {again!r} is in two parts of the fleet")
-        seen.update(new)
-        ids += new
-    unit = first.target.rsplit("_", 1)[-1] if "_" in first.target else ""
-    return FleetTensors(_stacked(train), _stacked(test), scaler, tuple(ids), unit)
-
-
-def _stacked(parts: list[ClientData]) -> ClientData:
-    """Chunks' padded data as one cohort, padded to the longest client (zeros, as
-    :meth:`ClientData.from_arrays` pads); each chunk freed once copied."""
-    rows = max(p.x.shape[1] for p in parts)
-    n = sum(p.num_clients for p in parts)
-
-    def joined(get: Callable[[ClientData], Tensor | None]) -> Tensor | None:
-        if get(parts[0]) is None:
-            return None
-        sample = get(parts[0])
-        out = sample.new_zeros((n, rows, *sample.shape[2:]))
-        at = 0
-        for p in parts:
-            t = get(p)
-            out[at : at + t.shape[0], : t.shape[1]] = t
-            at += t.shape[0]
-        return out
-
-    x, y = joined(lambda p: p.x), joined(lambda p: p.y)
-    branch, time_ = joined(lambda p: p.branch), joined(lambda p: p.time)
-    count = torch.cat([p.count for p in parts])
-    return ClientData(x, y, count, (0,) * n, tuple(range(n)), branch, time_)
 
 
 @checked
@@ -200,91 +86,25 @@ class RunResult:
     extra: dict = field(default_factory=dict)
 
 
-def _fingerprint(algorithm: Algorithm, fleet: FleetTensors, config: EngineConfig) -> str:
-    # The algorithm as configured, not its class's repr: a method moved to a class of its
-    # own that a setting selects (fedgmi_bayes) keeps resuming (Algorithm.configured_repr).
-    h = hashlib.sha256(algorithm.configured_repr().encode())
-    # Where and in how many chunks a run computes does not change its numbers: a run
-    # may resume with another chunk size or device. (Fields in their order of before
-    # EngineSettings: the fingerprints of existing checkpoints stay the same.)
-    full = asdict(config)
-    keys = ("rounds", "participation", "eval_every", "seed", "dtype", "init_seed", "aggregation")
-    schedule = {k: full[k] for k in keys}
-    if isinstance(schedule["aggregation"], dict):  # a DP run's secret noise seed: new per run
-        schedule["aggregation"].pop("dp_noise_secret", None)
-    h.update(repr(schedule).encode())
-    for t in (fleet.train.x, fleet.train.y, fleet.test.x, fleet.test.y):
-        h.update(t.numpy().tobytes())
-    if fleet.train.branch is not None:  # sweep directions change fedprior_branch's data
-        h.update(fleet.train.branch.numpy().tobytes())
-    if fleet.train.time is not None:  # row times change fedprior_drift's data
-        h.update(fleet.train.time.numpy().tobytes())
-    return h.hexdigest()
+@dataclass
+class _Run:
+    """A run between rounds: its state (what a checkpoint holds) and what it measured."""
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from (corrupt, or of another run).
-
-    ``str()`` names the file, the problem and what to do; ``path`` and
-    ``problem`` let a caller give its own advice.
-    """
-
-    def __init__(self, path: str | Path, problem: str) -> None:
-        self.path, self.problem = str(path), problem
-        super().__init__(
-            f"checkpoint {path}: {problem}; remove it to start this run afresh, "
-            "or choose another output directory"
-        )
-
-    def __reduce__(self):
-        return (type(self), (self.path, self.problem))
-
-
-def save_checkpoint(
-    path: Path,
-    fingerprint: str,
-    round_done: int,
-    elapsed: float,
-    server: Tree,
-    states: Tree,
-    history: list[dict],
-    rejected: Tensor,
-    rounds_log: list[dict],
-    rejections: list[dict] | None = None,
-) -> None:
-    """Tensors and JSON only (no pickle), checksummed, written atomically.
-
-    ``rejected`` counts, per client, the rounds its reply was rejected; ``rounds_log``
-    is the aggregation's per-round record, ``rejections`` each rejection with its reason.
-    """
-    save_trees(
-        path,
-        {"server": server, "states": states, "rejected": {"rounds": rejected}},
-        {"fingerprint": fingerprint, "round": round_done, "elapsed": elapsed},
-        {"history": history, "aggregation": rounds_log, "rejections": rejections or []},
-    )
-
-
-def load_checkpoint(path: Path, fingerprint: str) -> tuple:
-    """``(server, states, history, round, elapsed, rejected, rounds_log, rejections)`` of this
-    very run (a checkpoint of before rejections were recorded: none)."""
-    try:
-        trees, meta, blobs = load_trees(path)
-        same = meta["fingerprint"] == fingerprint
-        saved = (trees["server"], trees["states"], list(blobs["history"]))
-        round_done, elapsed = int(meta["round"]), float(meta["elapsed"])
-        extra = (
-            trees["rejected"]["rounds"],
-            list(blobs["aggregation"]),
-            list(blobs.get("rejections", [])),
-        )
-    except TensorFileError as e:
-        raise CheckpointError(path, e.problem) from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(path, f"incomplete ({type(e).__name__}: {e})") from None
-    if not same:
-        raise CheckpointError(path, "belongs to another run (algorithm, data or config differ)")
-    return (*saved, round_done, elapsed, *extra)
+    server: Tree
+    states: Tree
+    history: list[dict]
+    start_round: int
+    elapsed: float
+    rejected: Tensor  # rounds each client's reply was rejected
+    rounds_log: list[dict]
+    rejections: list[dict]  # every rejection: round, client, reason, ratio, threshold
+    fingerprint: str
+    bytes_up: list[int] = field(default_factory=list)
+    bytes_down: list[int] = field(default_factory=list)
+    reply_size: list[int] = field(default_factory=list)  # one client's reply bytes (_streams)
+    personal: Tree | None = None  # after the last round: every client's personal model
+    last_rows: list[dict] | None = None  # after the last round: the evaluation's rows
+    summary: dict = field(default_factory=dict)  # the latest evaluation's fleet summary
 
 
 def simulate(
@@ -305,147 +125,199 @@ def simulate(
     # A closed-form method (Algorithm.one_shot) is done after one round: later rounds
     # would repeat it exactly, so they are not run.
     rounds = 1 if algorithm.one_shot else config.rounds
-    dtype = DTYPES[config.dtype]
     device = chunks.resolve_device(config.device)
-    n = fleet.num_clients
-    init_gen = torch.Generator().manual_seed(
-        config.seed if config.init_seed is None else config.init_seed
-    )
-    server = algorithm.server_init(algorithm.task.model.init(init_gen, dtype))
-    states = tree_map(
-        lambda t: t.contiguous().clone(),
-        algorithm.client_init(expand(algorithm.broadcast(server), n)),
-    )
-    history: list[dict] = []
-    start_round, elapsed = 0, 0.0
-    fingerprint = _fingerprint(algorithm, fleet, config)
-    if checkpoint is not None and Path(checkpoint).exists():
-        (server, states, history, start_round, elapsed, rejected, rounds_log, rejections) = (
-            load_checkpoint(Path(checkpoint), fingerprint)
-        )
-    else:
-        rejected = torch.zeros(n, dtype=torch.int64)  # rounds each client's reply was rejected
-        rounds_log: list[dict] = []
-        rejections: list[dict] = []  # every rejection: round, client, reason, ratio, threshold
-
+    run = _start(algorithm, fleet, config, checkpoint)
     fleet = with_derived(algorithm, fleet, config.chunk_size, device)
     counts = fleet.train.count.to(torch.float64)
-    bytes_up, bytes_down = [], []
-    reply_size: list[int] = []  # one client's reply bytes, measured once (_streams)
-    t0 = time.perf_counter() - elapsed
-    for t in range(start_round, rounds):
-        idx = cohort(config.seed, t, n, config.participation)
-        ids = idx.tolist()
-        # The whole fleet in order (cohort() sorts): no gathered copy of every client's
-        # state or data.
-        everyone = len(ids) == n
-        data = (fleet.train if everyone else fleet.train.select(idx)).with_seeds(
-            _seeds(algorithm, train_seeds, config.seed, t, ids)
-        )
-        down = algorithm.broadcast(server)
-        before = states if everyone else gather(states, idx)
-        record: list[dict] = []
-        if _streams(algorithm, config, down, before, data, device, reply_size):
-            result, server, accepted, agg = streamed.streamed_round(
-                algorithm,
-                server,
-                down,
-                before,
-                data,
-                counts.index_select(0, idx),
-                config.aggregation,
-                config.chunk_size,
-                record,
-            )
-        else:
-            result = chunks.client_update(algorithm, down, before, data, config.chunk_size, device)
-            state_ok = finite_rows(result.state)
-            server, accepted, agg = aggregate(
-                algorithm,
-                server,
-                down,
-                result.reply,
-                counts.index_select(0, idx),
-                config.aggregation,
-                round_seed=client_round_seed(config.seed, t, 0, AGGREGATION),
-                eligible=state_ok if state_ok.numel() else None,
-                record=record,
-            )
-        rejections.extend(
-            {
-                "round": t + 1,
-                "client_index": ids[r["client"]],
-                **{k: r[k] for k in r if k != "client"},
-            }
-            for r in record
-        )
-        mostly_refused(t, len(refused_clients(record)), len(ids), config.max_rejected_share)
-        kept = _roll_back(result.state, before, accepted)
-        states = (
-            tree_map(lambda t, r: r.to(t.dtype), states, kept)
-            if everyone
-            else scatter(states, idx, kept)
-        )
-        rejected = rejected.index_add(0, idx, (~accepted).to(torch.int64))
-        if unjudged(algorithm, agg):  # too few units to judge: said, not silent (issue 36.4)
-            agg = {**agg, "unjudged": 1.0}
-        rounds_log.append({"round": t + 1, "cohort": len(ids), **agg})
-        if algorithm.federated:  # a non-federated reference line communicates nothing
-            bytes_up.append(num_bytes(result.reply, per_client_axis=True) * len(ids))
-            bytes_down.append(num_bytes(down) * len(ids))
+    t0 = time.perf_counter() - run.elapsed
+    for t in range(run.start_round, rounds):
+        ids, result = _train_round(run, algorithm, fleet, counts, config, t, device)
         last = t == rounds - 1
         if evaluates(t, rounds, config.eval_every):  # always after the last round
-            rows, summary, evaluated = _evaluate(
-                algorithm, fleet, server, states, config, t, device, keep_personal=last
-            )
-            if last:
-                personal, last_rows = evaluated, rows
-            # The round's client metrics (train loss, FedGMI's α, …) for those who trained.
-            values = {name: v.tolist() for name, v in result.metrics.items()}
-            trained = {i: {name: v[j] for name, v in values.items()} for j, i in enumerate(ids)}
-            history.extend(
-                history_row(
-                    row,
-                    t + 1,
-                    int(rejected[row["client_index"]]),
-                    trained.get(row["client_index"], {}),
-                    list(values),
-                )
-                for row in rows
-            )
+            _evaluate_round(run, algorithm, fleet, config, t, device, last, result, ids)
             if on_round is not None:
-                on_round(t + 1, summary)
+                on_round(t + 1, run.summary)
         if checkpoint is not None and (last or (t + 1) % checkpoint_every == 0):
             elapsed_now = time.perf_counter() - t0
             save_checkpoint(
                 Path(checkpoint),
-                fingerprint,
+                run.fingerprint,
                 t + 1,
                 elapsed_now,
-                server,
-                states,
-                history,
-                rejected,
-                rounds_log,
-                rejections,
+                run.server,
+                run.states,
+                run.history,
+                run.rejected,
+                run.rounds_log,
+                run.rejections,
             )
     wall = time.perf_counter() - t0
-    if start_round >= rounds:  # resumed after the last round: evaluate it here
-        last_rows, _, personal = _evaluate(
-            algorithm, fleet, server, states, config, rounds - 1, device, keep_personal=True
+    if run.start_round >= rounds:  # resumed after the last round: evaluate it here
+        run.last_rows, _, run.personal = _evaluate(
+            algorithm, fleet, run.server, run.states, config, rounds - 1, device, keep_personal=True
         )
-    final = [final_row(row, int(rejected[row["client_index"]])) for row in last_rows]
+    final = [final_row(row, int(run.rejected[row["client_index"]])) for row in run.last_rows]
     return RunResult(
-        history=history,
+        history=run.history,
         final=final,
-        personal=personal,
-        server=server,
-        states=states,
+        personal=run.personal,
+        server=run.server,
+        states=run.states,
         wall_s=wall,
-        bytes_up_per_round=float(np.mean(bytes_up)) if bytes_up else 0.0,
-        bytes_down_per_round=float(np.mean(bytes_down)) if bytes_down else 0.0,
+        bytes_up_per_round=float(np.mean(run.bytes_up)) if run.bytes_up else 0.0,
+        bytes_down_per_round=float(np.mean(run.bytes_down)) if run.bytes_down else 0.0,
         rounds_done=rounds,
-        extra={"aggregation": rounds_log, "rejections": rejections},
+        extra={"aggregation": run.rounds_log, "rejections": run.rejections},
+    )
+
+
+def _start(
+    algorithm: Algorithm, fleet: FleetTensors, config: EngineConfig, checkpoint: Path | None
+) -> _Run:
+    """The run's initial state, or its checkpoint's when there is one of this very run."""
+    n = fleet.num_clients
+    init_gen = torch.Generator().manual_seed(
+        config.seed if config.init_seed is None else config.init_seed
+    )
+    server = algorithm.server_init(algorithm.task.model.init(init_gen, DTYPES[config.dtype]))
+    states = tree_map(
+        lambda t: t.contiguous().clone(),
+        algorithm.client_init(expand(algorithm.broadcast(server), n)),
+    )
+    fingerprint = _fingerprint(algorithm, fleet, config)
+    if checkpoint is not None and Path(checkpoint).exists():
+        saved = load_checkpoint(Path(checkpoint), fingerprint)
+        return _Run(*saved, fingerprint=fingerprint)
+    rejected = torch.zeros(n, dtype=torch.int64)
+    return _Run(server, states, [], 0, 0.0, rejected, [], [], fingerprint)
+
+
+def _train_round(
+    run: _Run,
+    algorithm: Algorithm,
+    fleet: FleetTensors,
+    counts: Tensor,
+    config: EngineConfig,
+    t: int,
+    device: torch.device,
+) -> tuple[list[int], ClientResult]:
+    """Round ``t``: the cohort's client step and the server's aggregation; the new states
+    (a rejected client's rolled back), the rejections and the round's log into ``run``."""
+    n = fleet.num_clients
+    idx = cohort(config.seed, t, n, config.participation)
+    ids = idx.tolist()
+    # The whole fleet in order (cohort() sorts): no gathered copy of every client's
+    # state or data.
+    everyone = len(ids) == n
+    data = (fleet.train if everyone else fleet.train.select(idx)).with_seeds(
+        _seeds(algorithm, train_seeds, config.seed, t, ids)
+    )
+    down = algorithm.broadcast(run.server)
+    before = run.states if everyone else gather(run.states, idx)
+    record: list[dict] = []
+    weights = counts.index_select(0, idx)
+    result, accepted, agg = _aggregate_round(
+        run, algorithm, config, down, before, data, weights, t, device, record
+    )
+    run.rejections.extend(
+        {
+            "round": t + 1,
+            "client_index": ids[r["client"]],
+            **{k: r[k] for k in r if k != "client"},
+        }
+        for r in record
+    )
+    mostly_refused(t, len(refused_clients(record)), len(ids), config.max_rejected_share)
+    kept = _roll_back(result.state, before, accepted)
+    run.states = (
+        tree_map(lambda t, r: r.to(t.dtype), run.states, kept)
+        if everyone
+        else scatter(run.states, idx, kept)
+    )
+    run.rejected = run.rejected.index_add(0, idx, (~accepted).to(torch.int64))
+    if unjudged(algorithm, agg):  # too few units to judge: said, not silent (issue 36.4)
+        agg = {**agg, "unjudged": 1.0}
+    run.rounds_log.append({"round": t + 1, "cohort": len(ids), **agg})
+    if algorithm.federated:  # a non-federated reference line communicates nothing
+        run.bytes_up.append(num_bytes(result.reply, per_client_axis=True) * len(ids))
+        run.bytes_down.append(num_bytes(down) * len(ids))
+    return ids, result
+
+
+def _aggregate_round(
+    run: _Run,
+    algorithm: Algorithm,
+    config: EngineConfig,
+    down: Tree,
+    before: Tree,
+    data: ClientData,
+    weights: Tensor,
+    t: int,
+    device: torch.device,
+    record: list[dict],
+) -> tuple[ClientResult, Tensor, dict[str, float]]:
+    """The cohort's client step and aggregation, streamed chunk by chunk when it must be
+    (:func:`_streams`), else assembled; the new server into ``run``."""
+    if _streams(algorithm, config, down, before, data, device, run.reply_size):
+        result, run.server, accepted, agg = streamed.streamed_round(
+            algorithm,
+            run.server,
+            down,
+            before,
+            data,
+            weights,
+            config.aggregation,
+            config.chunk_size,
+            record,
+        )
+        return result, accepted, agg
+    result = chunks.client_update(algorithm, down, before, data, config.chunk_size, device)
+    state_ok = finite_rows(result.state)
+    run.server, accepted, agg = aggregate(
+        algorithm,
+        run.server,
+        down,
+        result.reply,
+        weights,
+        config.aggregation,
+        round_seed=client_round_seed(config.seed, t, 0, AGGREGATION),
+        eligible=state_ok if state_ok.numel() else None,
+        record=record,
+    )
+    return result, accepted, agg
+
+
+def _evaluate_round(
+    run: _Run,
+    algorithm: Algorithm,
+    fleet: FleetTensors,
+    config: EngineConfig,
+    t: int,
+    device: torch.device,
+    last: bool,
+    result: ClientResult,
+    ids: list[int],
+) -> None:
+    """Every client's personal model scored after round ``t``: the history's rows (with the
+    round's client metrics for those who trained) and the summary into ``run``; the last
+    round's rows and models kept."""
+    rows, run.summary, evaluated = _evaluate(
+        algorithm, fleet, run.server, run.states, config, t, device, keep_personal=last
+    )
+    if last:
+        run.personal, run.last_rows = evaluated, rows
+    # The round's client metrics (train loss, FedGMI's α, …) for those who trained.
+    values = {name: v.tolist() for name, v in result.metrics.items()}
+    trained = {i: {name: v[j] for name, v in values.items()} for j, i in enumerate(ids)}
+    run.history.extend(
+        history_row(
+            row,
+            t + 1,
+            int(run.rejected[row["client_index"]]),
+            trained.get(row["client_index"], {}),
+            list(values),
+        )
+        for row in rows
     )
 
 

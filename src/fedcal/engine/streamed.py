@@ -38,6 +38,7 @@ to its own size (a reply 10⁶× the others' costs ~10⁻¹⁰ of the total).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -80,6 +81,30 @@ def _norms(flat: dict[str, Tensor], keys: tuple[str, ...], n: int) -> dict[str, 
     return {k: flat[k].reshape(n, -1).to(torch.float64).norm(dim=1) for k in keys}
 
 
+@dataclass
+class _Pass:
+    """What the first pass over the chunks keeps (module doc, step 1)."""
+
+    n: int
+    sums: dict[str, Tensor]  # float64 running sums of the kept rows
+    finite: Tensor  # (n,) each client's reply (and state) finite
+    total: Tensor  # (n,) each client's update norm over the floating leaves
+    small: chunks.Assembly  # new states and client metrics
+    judged_norms: dict[str, Tensor] = field(default_factory=dict)  # the size screen's input
+    reasons: dict[int, str] = field(default_factory=dict)  # the consistency check's
+    inputs: dict[str, Tensor] = field(default_factory=dict)  # the M-step weight's leaves
+    keys: dict[str, Tensor] = field(default_factory=dict)  # the leaves pick_reply reads
+    first_reply: dict[str, Tensor] | None = None
+    rnd: Round | None = None
+    checked: bool = False  # the algorithm checks consistency (a rejected_inconsistent column)
+    reason: str = "non-finite reply"
+
+    @classmethod
+    def empty(cls, n: int) -> _Pass:
+        finite = torch.ones(n, dtype=torch.bool)
+        return cls(n, {}, finite, torch.zeros(n, dtype=torch.float64), chunks.Assembly(n))
+
+
 def streamed_round(
     algorithm: Algorithm,
     server: Tree,
@@ -99,80 +124,132 @@ def streamed_round(
     """
     n = data.num_clients
     weights = weights.to(torch.float64)
-    sums: dict[str, Tensor] = {}
-    finite = torch.ones(n, dtype=torch.bool)
-    total = torch.zeros(n, dtype=torch.float64)
-    judged_norms: dict[str, Tensor] = {}
-    reasons: dict[int, str] = {}
-    inputs: dict[str, Tensor] = {}  # per client, the leaves its M-step weight is computed from
-    keys: dict[str, Tensor] = {}  # per client, the leaves pick_reply chooses from
-    small = chunks.Assembly(n)
-    first_reply: Tree | None = None
-    rnd: Round | None = None
+    acc = _first_pass(algorithm, server, down, states, data, weights, chunk_size)
+    trees = acc.small.trees()
+    result = ClientResult(unflatten(acc.first_reply), trees["state"], trees["metrics"])
+    accepted, records, metrics, outlier = _decisions(acc, algorithm, policy, weights)
+    # Screened-out clients were summed (their size needed the whole cohort): weight 0. Clients
+    # the algorithm's M-step down-weights (its outlier weights, from the kept inputs): w_i.
+    factor = torch.ones(n, dtype=torch.float64)
+    factor[outlier & ~torch.tensor([i in acc.reasons for i in range(n)])] = 0.0
+    metrics = _columns(metrics)
+    if not accepted.any():
+        if record is not None:
+            record.extend(records)
+        return result, server, accepted, {**metrics, "accepted": 0.0}
+    metrics["accepted"] = float(accepted.sum())
+    used = accepted.nonzero()[:, 0]
+    count = torch.tensor(float(len(used)), dtype=torch.float64)
+    if acc.inputs:
+        rows = {key: v.index_select(0, used) for key, v in acc.inputs.items()}
+        robust = algorithm.outlier_weights(server, unflatten(rows))
+        if robust is not None and bool((robust.weights != 1).any()):
+            factor[used] = robust.weights.to(torch.float64)
+            count = robust.weights.to(torch.float64).sum()
+        if record is not None:
+            record.extend(records)
+            records = []
+        _record_downweighted(algorithm, server, rows, accepted, metrics, record, robust)
+    _reweight(acc.sums, algorithm, factor, down, states, data)
+    if algorithm.picked_leaves:  # one used client's leaves, not their sum (step 5)
+        _pick(acc.sums, algorithm, acc.keys, used, down, states, data)
+    if record is not None:
+        record.extend(records)
+    dtypes = {key: v.dtype for key, v in acc.first_reply.items()}
+    totals = unflatten({key: v.to(dtypes[key]) for key, v in acc.sums.items()})
+    return result, algorithm.server_update_sums(server, totals, count), accepted, metrics
+
+
+def _first_pass(
+    algorithm: Algorithm,
+    server: Tree,
+    down: Tree,
+    states: Tree,
+    data: ClientData,
+    weights: Tensor,
+    chunk_size: int,
+) -> _Pass:
+    """Step 1: every chunk's client update, measured, checked and summed."""
+    n = data.num_clients
+    acc = _Pass.empty(n)
     check = None  # the consistency check bound to this round's server (its prior whitened once)
     if algorithm.inconsistent_replies is not None:
         bind = algorithm.consistency_check
         check = partial(algorithm.inconsistent_replies, server) if bind is None else bind(server)
-    checked = False  # the algorithm checks consistency (else no rejected_inconsistent column)
     for rows in chunks.spans(n, chunk_size):
-        start, k = int(rows[0]), len(rows)
+        k = len(rows)
         out = algorithm.client_update(expand(down, k), gather(states, rows), data.select(rows))
-        flat = flatten(out.reply)
-        if rnd is None:
-            rnd = Round.of(down, flat, "sum", algorithm.unscreened_replies)
-            first_reply = {key: v[:1].clone() for key, v in flat.items()}
-        ok, state_ok = finite_rows(out.reply), finite_rows(out.state)
-        ok = ok & state_ok if state_ok.numel() else ok  # a stateless client: its reply only
-        reason = "non-finite reply or state" if state_ok.numel() else "non-finite reply"
-        finite[start : start + k] = ok
-        sq = _norms(flat, rnd.floating, k)
-        total[start : start + k] = torch.stack(list(sq.values())).square().sum(0).sqrt()
-        # the size screen's input: the algorithm's scale-free view (issue 34.3) or the leaves
-        view = algorithm.screen_view
-        parts = _view_norms(view(flat, weights[rows], down), k) if view is not None else sq
-        for key in parts if view is not None else rnd.judged:
-            judged_norms.setdefault(key, torch.zeros(n, dtype=torch.float64))
-            judged_norms[key][start : start + k] = parts[key]
-        keep = ok.clone()
-        if check is not None:
-            bad = check(out.reply, weights[rows], ok)
-            checked = checked or bad is not None
-            for j, why in (bad or {}).items():
-                reasons[start + j] = why
-                keep[j] = False
-        whole = bool(keep.all())  # most chunks: every row summed, no masked copy
-        for key, v in flat.items():
-            part = (v if whole and v.is_contiguous() else v[keep]).to(torch.float64).sum(0)
-            sums[key] = sums[key] + part if key in sums else part
-        small.add({"state": out.state, "metrics": out.metrics}, start)
-        for key in algorithm.outlier_inputs:  # the M-step weights' inputs
-            inputs.setdefault(key, flat[key].new_empty((n, *flat[key].shape[1:])))
-            inputs[key][start : start + k] = flat[key]
-        for key in algorithm.pick_inputs:
-            keys.setdefault(key, flat[key].new_empty((n, *flat[key].shape[1:])))
-            keys[key][start : start + k] = flat[key]
-        del out, flat
-    trees = small.trees()
-    result = ClientResult(unflatten(first_reply), trees["state"], trees["metrics"])
+        _absorb_chunk(acc, algorithm, out, rows, weights, down, check)
+        del out
+    return acc
 
-    # The chain's decisions, in the assembled path's order (core.aggregation.chain).
-    accepted = finite.clone()
+
+def _absorb_chunk(
+    acc: _Pass,
+    algorithm: Algorithm,
+    out: ClientResult,
+    rows: Tensor,
+    weights: Tensor,
+    down: Tree,
+    check,
+) -> None:
+    """One chunk's replies into the pass: finite flags, norms, consistency, sums, the kept
+    per-client leaves."""
+    n, start, k = acc.n, int(rows[0]), len(rows)
+    flat = flatten(out.reply)
+    if acc.rnd is None:
+        acc.rnd = Round.of(down, flat, "sum", algorithm.unscreened_replies)
+        acc.first_reply = {key: v[:1].clone() for key, v in flat.items()}
+    rnd = acc.rnd
+    ok, state_ok = finite_rows(out.reply), finite_rows(out.state)
+    ok = ok & state_ok if state_ok.numel() else ok  # a stateless client: its reply only
+    acc.reason = "non-finite reply or state" if state_ok.numel() else "non-finite reply"
+    acc.finite[start : start + k] = ok
+    sq = _norms(flat, rnd.floating, k)
+    acc.total[start : start + k] = torch.stack(list(sq.values())).square().sum(0).sqrt()
+    # the size screen's input: the algorithm's scale-free view (issue 34.3) or the leaves
+    view = algorithm.screen_view
+    parts = _view_norms(view(flat, weights[rows], down), k) if view is not None else sq
+    for key in parts if view is not None else rnd.judged:
+        acc.judged_norms.setdefault(key, torch.zeros(n, dtype=torch.float64))
+        acc.judged_norms[key][start : start + k] = parts[key]
+    keep = ok.clone()
+    if check is not None:
+        bad = check(out.reply, weights[rows], ok)
+        acc.checked = acc.checked or bad is not None
+        for j, why in (bad or {}).items():
+            acc.reasons[start + j] = why
+            keep[j] = False
+    whole = bool(keep.all())  # most chunks: every row summed, no masked copy
+    for key, v in flat.items():
+        part = (v if whole and v.is_contiguous() else v[keep]).to(torch.float64).sum(0)
+        acc.sums[key] = acc.sums[key] + part if key in acc.sums else part
+    acc.small.add({"state": out.state, "metrics": out.metrics}, start)
+    for key in algorithm.outlier_inputs:  # the M-step weights' inputs
+        acc.inputs.setdefault(key, flat[key].new_empty((n, *flat[key].shape[1:])))
+        acc.inputs[key][start : start + k] = flat[key]
+    for key in algorithm.pick_inputs:
+        acc.keys.setdefault(key, flat[key].new_empty((n, *flat[key].shape[1:])))
+        acc.keys[key][start : start + k] = flat[key]
+
+
+def _decisions(
+    acc: _Pass, algorithm: Algorithm, policy: AggregationPolicy, weights: Tensor
+) -> tuple[Tensor, list[dict], dict[str, float], Tensor]:
+    """Step 2: the chain's decisions, in the assembled path's order (core.aggregation.chain):
+    ``(accepted, records, metrics, size outliers)``."""
+    accepted = acc.finite.clone()
     records = [
-        {
-            "client": i,
-            "reason": reason,
-            "ratio": float("nan"),
-            "threshold": 0.0,
-        }
+        {"client": i, "reason": acc.reason, "ratio": float("nan"), "threshold": 0.0}
         for i in (~accepted).nonzero()[:, 0].tolist()
     ]
     metrics = {"rejected_nonfinite": float((~accepted).sum())}
     any_ok = bool(accepted.any())
-    metrics["median_update_norm"] = float(total[accepted].median()) if any_ok else float("nan")
-    outlier = torch.zeros(n, dtype=torch.bool)
+    metrics["median_update_norm"] = float(acc.total[accepted].median()) if any_ok else float("nan")
+    outlier = torch.zeros(acc.n, dtype=torch.bool)
     if policy.screen_factor > 0:
-        if any_ok and judged_norms:
-            one = {key: v.unsqueeze(1) for key, v in judged_norms.items()}
+        if any_ok and acc.judged_norms:
+            one = {key: v.unsqueeze(1) for key, v in acc.judged_norms.items()}
             if algorithm.screen_view is not None:  # a view's leaves are sized as views are
                 sizes = view_sizes(one, accepted, weights, {})
             else:
@@ -189,62 +266,53 @@ def streamed_round(
             ]
         metrics["rejected_norm"] = float(outlier.sum())
         accepted &= ~outlier
-    late = sorted(i for i in reasons if bool(accepted[i]))
-    if checked:
+    late = sorted(i for i in acc.reasons if bool(accepted[i]))
+    if acc.checked:
         for i in late:
             accepted[i] = False
             records.append(
-                {"client": i, "reason": reasons[i], "ratio": float("nan"), "threshold": 0.0}
+                {"client": i, "reason": acc.reasons[i], "ratio": float("nan"), "threshold": 0.0}
             )
         metrics["rejected_inconsistent"] = float(len(late))
-    # Screened-out clients were summed (their size needed the whole cohort): weight 0. Clients
-    # the algorithm's M-step down-weights (its outlier weights, from the kept inputs): w_i.
-    factor = torch.ones(n, dtype=torch.float64)
-    factor[outlier & ~torch.tensor([i in reasons for i in range(n)])] = 0.0
-    metrics = _columns(metrics)
-    if not accepted.any():
-        if record is not None:
-            record.extend(records)
-        return result, server, accepted, {**metrics, "accepted": 0.0}
-    metrics["accepted"] = float(accepted.sum())
-    used = accepted.nonzero()[:, 0]
-    count = torch.tensor(float(len(used)), dtype=torch.float64)
-    if inputs:
-        rows = {key: v.index_select(0, used) for key, v in inputs.items()}
-        robust = algorithm.outlier_weights(server, unflatten(rows))
-        if robust is not None and bool((robust.weights != 1).any()):
-            factor[used] = robust.weights.to(torch.float64)
-            count = robust.weights.to(torch.float64).sum()
-        if record is not None:
-            record.extend(records)
-            records = []
-        _record_downweighted(algorithm, server, rows, accepted, metrics, record, robust)
+    return accepted, records, metrics, outlier
+
+
+def _reweight(
+    sums: dict[str, Tensor],
+    algorithm: Algorithm,
+    factor: Tensor,
+    down: Tree,
+    states: Tree,
+    data: ClientData,
+) -> None:
+    """Step 4: Σ (w_i − 1)·reply_i over the few clients whose weight is not 1, their replies
+    recomputed, added to the sums."""
     fix = (factor != 1).nonzero()[:, 0]
-    if len(fix):  # Σ (w_i − 1)·reply_i over these few clients, their replies recomputed
-        again = algorithm.client_update(
-            expand(down, len(fix)), gather(states, fix), data.select(fix)
+    if not len(fix):
+        return
+    again = algorithm.client_update(expand(down, len(fix)), gather(states, fix), data.select(fix))
+    w = factor[fix] - 1.0
+    for key, v in flatten(again.reply).items():
+        v = v.to(torch.float64)
+        sums[key] = sums[key] + (v * w.reshape(-1, *[1] * (v.dim() - 1))).sum(0)
+
+
+def _pick(
+    sums: dict[str, Tensor],
+    algorithm: Algorithm,
+    keys: dict[str, Tensor],
+    used: Tensor,
+    down: Tree,
+    states: Tree,
+    data: ClientData,
+) -> None:
+    """Step 5: the picked leaves from the one used client ``pick_reply`` names (its reply
+    recomputed), zeros when it names none."""
+    j = algorithm.pick_reply(unflatten({key: v.index_select(0, used) for key, v in keys.items()}))
+    one = None if j is None else used[j : j + 1]
+    if one is not None:
+        one = flatten(
+            algorithm.client_update(expand(down, 1), gather(states, one), data.select(one)).reply
         )
-        w = factor[fix] - 1.0
-        for key, v in flatten(again.reply).items():
-            v = v.to(torch.float64)
-            sums[key] = sums[key] + (v * w.reshape(-1, *[1] * (v.dim() - 1))).sum(0)
-    if algorithm.picked_leaves:  # one used client's leaves, not their sum (step 5)
-        j = algorithm.pick_reply(
-            unflatten({key: v.index_select(0, used) for key, v in keys.items()})
-        )
-        one = None if j is None else used[j : j + 1]
-        if one is not None:
-            one = flatten(
-                algorithm.client_update(
-                    expand(down, 1), gather(states, one), data.select(one)
-                ).reply
-            )
-        for key in algorithm.picked_leaves:
-            sums[key] = (
-                torch.zeros_like(sums[key]) if one is None else one[key][0].to(torch.float64)
-            )
-    if record is not None:
-        record.extend(records)
-    dtypes = {key: v.dtype for key, v in first_reply.items()}
-    totals = unflatten({key: v.to(dtypes[key]) for key, v in sums.items()})
-    return result, algorithm.server_update_sums(server, totals, count), accepted, metrics
+    for key in algorithm.picked_leaves:
+        sums[key] = torch.zeros_like(sums[key]) if one is None else one[key][0].to(torch.float64)

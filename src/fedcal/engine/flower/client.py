@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -188,6 +189,20 @@ def _refused(site: SiteData, reason: str, t: int) -> RecordDict:
     return RecordDict({"refused": ConfigRecord(record)})
 
 
+@dataclass
+class _SiteState:
+    """A site's private trees and bookkeeping between messages (its state file)."""
+
+    state: Any  # committed private state, one row per sensor
+    pending: Any  # the last training round's new state, until the server's verdict
+    pending_round: list[int]  # per sensor: round of its row of "pending" (-1: none)
+    trained: list[int]  # per sensor: last round whose update is in "state"
+    personal: Any  # personalized models of the last evaluation
+    personal_round: int
+    evals: list[dict]  # per sensor: the last evaluation's metrics
+    joined: int  # the round the site joined at
+
+
 def run_round(content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict:
     """A site's work on round message ``t``: commit ``t − 1``, evaluate it, train ``t``.
 
@@ -197,11 +212,7 @@ def run_round(content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict
     import torch
     from flwr.app import ConfigRecord
 
-    from fedcal.core.aggregation import finite_rows
-    from fedcal.core.tree import expand, gather, scatter
     from fedcal.data.scaling import Scaler
-    from fedcal.engine.evaluation import evaluate_cohort
-    from fedcal.engine.schedule import personalize_seeds, train_seeds
     from fedcal.engine.simulation import DTYPES
 
     torch.set_num_threads(1)
@@ -218,84 +229,29 @@ def run_round(content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict
     if refusal is not None:
         return _refused(site, refusal, t)
     indices = site.client_indices
-    position = {index: k for k, index in enumerate(indices)}
     train_indices = [int(i) for i in ctl["train"]]
-    foreign = [i for i in train_indices if i not in position]
+    foreign = [i for i in train_indices if i not in indices]
     if foreign:
         raise ValueError(f"site {site.site_id}: asked to train clients {foreign}, not its sensors")
-    n = len(indices)
     down = record_to_tree(content["down"])
     path = state_path(node_cfg["state-dir"], site.site_id, run_id)
-
-    # The private trees: from the site's file, else new from this broadcast (round 0 or late).
-    if path.exists():
-        saved = load_state(path)
-        if list(saved["sensor_ids"]) != list(site.sensor_ids):
-            raise ValueError(f"{path}: holds sensors {saved['sensor_ids']}, not this site's")
-        if int(saved["message_round"]) >= t:
-            raise RuntimeError(
-                f"site {site.site_id}: got round {t} after round {saved['message_round']} "
-                "(out of order)"
-            )
-        state, pending = saved["state"], saved["pending"]
-        pending_round, trained = list(saved["pending_round"]), list(saved["trained_round"])
-        personal, personal_round = saved["personal"], int(saved["personal_round"])
-        evals, joined = list(saved["eval"]), int(saved["joined"])
-    else:
-        state, pending = alg.client_init(expand(down, n)), None
-        pending_round, trained = [-1] * n, [-1] * n
-        personal, personal_round, evals, joined = None, -1, [{}] * n, t
-
+    st = _site_state(path, site, t, alg, down)
     # 1. The server's verdict on the last training round: keep what it used, drop the rest.
-    last_used = dict(zip(ctl["accepted-index"], ctl["accepted-round"], strict=True))
-    if pending is not None:
-        keep = [k for k in range(n) if 0 <= pending_round[k] == last_used.get(indices[k], -1)]
-        if keep:
-            rows = torch.tensor(keep)
-            state = scatter(state, rows, gather(pending, rows))
-            for k in keep:
-                trained[k] = pending_round[k]
-        pending, pending_round = None, [-1] * n
-
+    _commit(st, dict(zip(ctl["accepted-index"], ctl["accepted-round"], strict=True)), indices)
     parts: dict[int, dict] = {i: {} for i in indices}  # one RecordDict for all, at the end
     train_data = _cohort_data(
         site.train, scaler, dtype, indices, site.train_branch, site.train_time
     )
     # 2. Evaluate round t − 1: the broadcast of message t is the server after round t − 1.
+    finite = None
     if eval_round >= 0:
         test_data = _cohort_data(
             site.test, scaler, dtype, indices, site.test_branch, site.test_time
         )
-        seeds = personalize_seeds(seed, eval_round, indices)
-        scored = evaluate_cohort(alg, down, state, train_data.with_seeds(seeds), test_data, scaler)
-        personal, finite = scored.personal, scored.finite
-        evals = []
-        for k, index in enumerate(indices):
-            row = {f"test_{name}": float(v[k]) for name, v in scored.test.items()}
-            row.update({f"train_{name}": float(v[k]) for name, v in scored.train.items()})
-            parts[index]["eval"] = metrics_to_record(row)
-            evals.append(row)
-        if alg.unit_columns is not None:  # e.g. fedprior_drift's recalibrate_at: per_sensor.csv
-            with torch.no_grad():
-                columns = alg.unit_columns(personal, train_data)
-            for k, index in enumerate(indices):
-                per_unit = {name: float(v[k]) for name, v in columns.items()}
-                parts[index]["units"] = metrics_to_record(per_unit)
-        personal_round = eval_round
+        evaluated = (down, train_data, test_data, scaler, seed, eval_round)
+        finite = _evaluate(st, alg, evaluated, indices, parts)
     # 3. Train round t for the sensors asked; the new state stays pending until the verdict.
-    state_ok: dict[int, bool] = {}
-    if train_indices:
-        rows = torch.tensor([position[i] for i in train_indices])
-        seeds = train_seeds(seed, t, train_indices)
-        data = train_data.select(rows).with_seeds(seeds)
-        result = alg.client_update(expand(down, len(train_indices)), gather(state, rows), data)
-        pending = scatter(state, rows, result.state)
-        ok = finite_rows(result.state)
-        for j, index in enumerate(train_indices):
-            pending_round[position[index]] = t
-            parts[index]["reply"] = tree_to_record(client_row(result.reply, j))
-            parts[index]["train"] = metrics_to_record({m: v[j] for m, v in result.metrics.items()})
-            state_ok[index] = bool(ok[j]) if ok.numel() else True
+    state_ok = _train(st, alg, down, train_data, train_indices, indices, seed, t, parts)
     for k, index in enumerate(indices):
         info: dict[str, Any] = {
             "sensor-id": site.sensor_ids[k],
@@ -315,11 +271,125 @@ def run_round(content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict
         "client_indices": list(indices),
         "method": method,
         "message_round": t,
-        "joined": joined,
-        "trained_round": trained,  # per sensor: last round whose update is in "state"
-        "pending_round": pending_round,  # per sensor: round of its row of "pending" (-1: none)
-        "personal_round": personal_round,
-        "eval": evals,
+        "joined": st.joined,
+        "trained_round": st.trained,  # per sensor: last round whose update is in "state"
+        "pending_round": st.pending_round,  # per sensor: round of its row of "pending" (-1: none)
+        "personal_round": st.personal_round,
+        "eval": st.evals,
     }
-    save_state(path, {"state": state, "pending": pending, "personal": personal}, meta)
+    trees = {"state": st.state, "pending": st.pending, "personal": st.personal}
+    save_state(path, trees, meta)
     return join_parts(parts, {"site": ConfigRecord({"site-id": site.site_id, "round": t})})
+
+
+def _site_state(path: Path, site: SiteData, t: int, alg, down) -> _SiteState:
+    """The private trees: from the site's file, else new from this broadcast (round 0 or
+    late)."""
+    from fedcal.core.tree import expand
+
+    n = len(site.client_indices)
+    if not path.exists():
+        state = alg.client_init(expand(down, n))
+        return _SiteState(state, None, [-1] * n, [-1] * n, None, -1, [{}] * n, t)
+    saved = load_state(path)
+    if list(saved["sensor_ids"]) != list(site.sensor_ids):
+        raise ValueError(f"{path}: holds sensors {saved['sensor_ids']}, not this site's")
+    if int(saved["message_round"]) >= t:
+        raise RuntimeError(
+            f"site {site.site_id}: got round {t} after round {saved['message_round']} "
+            "(out of order)"
+        )
+    return _SiteState(
+        saved["state"],
+        saved["pending"],
+        list(saved["pending_round"]),
+        list(saved["trained_round"]),
+        saved["personal"],
+        int(saved["personal_round"]),
+        list(saved["eval"]),
+        int(saved["joined"]),
+    )
+
+
+def _commit(st: _SiteState, last_used: Mapping[int, int], indices: list[int]) -> None:
+    """Step 1: the pending rows of the round the server used become the state; the others
+    are dropped (the state from before that round stays)."""
+    import torch
+
+    from fedcal.core.tree import gather, scatter
+
+    if st.pending is None:
+        return
+    n = len(indices)
+    keep = [k for k in range(n) if 0 <= st.pending_round[k] == last_used.get(indices[k], -1)]
+    if keep:
+        rows = torch.tensor(keep)
+        st.state = scatter(st.state, rows, gather(st.pending, rows))
+        for k in keep:
+            st.trained[k] = st.pending_round[k]
+    st.pending, st.pending_round = None, [-1] * n
+
+
+def _evaluate(st: _SiteState, alg, evaluated: tuple, indices: list[int], parts: dict) -> Any:
+    """Step 2: every sensor's personalized model after round ``eval_round`` scored (and its
+    per-unit columns); the parts' ``eval`` (and ``units``) records; each model's finite flag."""
+    import torch
+
+    from fedcal.engine.evaluation import evaluate_cohort
+    from fedcal.engine.schedule import personalize_seeds
+
+    down, train_data, test_data, scaler, seed, eval_round = evaluated
+    seeds = personalize_seeds(seed, eval_round, indices)
+    scored = evaluate_cohort(alg, down, st.state, train_data.with_seeds(seeds), test_data, scaler)
+    st.personal, finite = scored.personal, scored.finite
+    st.evals = []
+    for k, index in enumerate(indices):
+        row = {f"test_{name}": float(v[k]) for name, v in scored.test.items()}
+        row.update({f"train_{name}": float(v[k]) for name, v in scored.train.items()})
+        parts[index]["eval"] = metrics_to_record(row)
+        st.evals.append(row)
+    if alg.unit_columns is not None:  # e.g. fedprior_drift's recalibrate_at: per_sensor.csv
+        with torch.no_grad():
+            columns = alg.unit_columns(st.personal, train_data)
+        for k, index in enumerate(indices):
+            per_unit = {name: float(v[k]) for name, v in columns.items()}
+            parts[index]["units"] = metrics_to_record(per_unit)
+    st.personal_round = eval_round
+    return finite
+
+
+def _train(
+    st: _SiteState,
+    alg,
+    down,
+    train_data: ClientData,
+    train_indices: list[int],
+    indices: list[int],
+    seed: int,
+    t: int,
+    parts: dict,
+) -> dict[int, bool]:
+    """Step 3: round ``t``'s client update of the sensors asked; the new state pending, the
+    parts' ``reply`` and ``train`` records; per sensor trained, whether its state is finite."""
+    import torch
+
+    from fedcal.core.aggregation import finite_rows
+    from fedcal.core.tree import expand, gather, scatter
+    from fedcal.engine.schedule import train_seeds
+
+    state_ok: dict[int, bool] = {}
+    if not train_indices:
+        return state_ok
+    position = {index: k for k, index in enumerate(indices)}
+    rows = torch.tensor([position[i] for i in train_indices])
+    seeds = train_seeds(seed, t, train_indices)
+    data = train_data.select(rows).with_seeds(seeds)
+    result = alg.client_update(expand(down, len(train_indices)), gather(st.state, rows), data)
+    st.pending = scatter(st.state, rows, result.state)
+    ok = finite_rows(result.state)
+    for j, index in enumerate(train_indices):
+        st.pending_round[position[index]] = t
+        parts[index]["reply"] = tree_to_record(client_row(result.reply, j))
+        parts[index]["train"] = metrics_to_record({m: v[j] for m, v in result.metrics.items()})
+        state_ok[index] = bool(ok[j]) if ok.numel() else True
+    return state_ok

@@ -59,77 +59,20 @@ def run_federation(
     that fails (fewer than ``min_nodes`` online, no usable handshake, fewer than
     ``min-replies`` trained clients) raises, with what happened so far in ``result``.
     """
-    from flwr.common.logger import log
-
     result = {} if result is None else result
     timings: dict[str, Any] = {"rounds": []}
     result["timings"] = timings
     t0 = time.monotonic()
-    nodes = sorted(transport.online(HANDSHAKE, wait_for=min_nodes))
-    if len(nodes) < min_nodes:
-        raise RuntimeError(f"only {len(nodes)} SuperNodes online, min-nodes is {min_nodes}")
-    contents = {n: fed.handshake_content() for n in nodes}
-    replies, failures = transport.exchange(contents, "handshake", HANDSHAKE)
-    if failures:
-        log(WARNING, "[fedcal] handshake failures: %s", failures)
-    result["handshake_failures"] = {str(k): v for k, v in failures.items()}
-    try:
-        fed.register(replies)
-    finally:
-        result["handshake_refusals"] = fed.refused
-        result["handshake_rejected"] = fed.handshake_rejected
-    if fed.refused or fed.handshake_rejected:
-        log(WARNING, "[fedcal] handshake: %s", {**fed.refused, **fed.handshake_rejected})
-    _report_members(fed, result)
+    _handshake(fed, transport, result, min_nodes)
     timings["handshake_s"] = time.monotonic() - t0
-    log(INFO, "[fedcal] %s on %d sensors: %s", fed.method, len(fed.members), fed.sensors())
-
     for t in range(fed.rounds + 1):
         t_round = time.monotonic()
-        online = transport.online(t)
-        late = {n: fed.handshake_content() for n in sorted(online - fed.known_nodes())}
-        if late:  # nodes that connected since: greet them, their sensors join now
-            replies, failures = transport.exchange(late, "handshake", t)
-            admitted = fed.admit(t, replies, online)
-            log(INFO, "[fedcal] round %d: nodes %s joined (%s failed)", t, admitted, failures)
-            _report_members(fed, result)
-        contents = fed.messages(t, online=online)
-        kind = "train" if t < fed.rounds else "evaluate"
-        if fed.secure is not None and kind == "train":
-            replies, failures = _secure_round(fed, transport, contents, t, result)
-        else:
-            replies, failures = transport.exchange(contents, kind, t)
-        t_exchange = time.monotonic() - t_round
-        if failures:
-            log(WARNING, "[fedcal] round %d failures: %s", t, failures)
-        try:
-            fed.absorb(t, contents, replies, failures)
-        finally:  # a run that fails here still reports who refused or sent what
-            result["failures"] = fed.failed
-            result["dropped"] = fed.dropped
-            result["rejected"] = fed.rejected
-            result["participation"] = fed.log
-        for index, why in fed.failed.get(str(t), {}).items():
-            if why.startswith("node ") and " refused " in why:
-                log(WARNING, "[fedcal] round %d: client %s: %s", t, index, why)
-        for index, why in fed.rejected.get(str(t), {}).items():
-            log(WARNING, "[fedcal] round %d: reply of client %s rejected: %s", t, index, why)
-        entry = fed.log[-1] if fed.log and fed.log[-1].get("round") == t else {}
-        for r in entry.get("screening", []):  # screened out by the server's aggregation
-            log(
-                WARNING,
-                "[fedcal] round %d: reply of client %s screened out: %s (ratio %.3g, threshold %g)",
-                t,
-                r["client"],
-                r["reason"],
-                r["ratio"],
-                r["threshold"],
-            )
+        t_exchange = _round(fed, transport, t, result)
         timings["rounds"].append(
             {"round": t, "exchange_s": t_exchange, "total_s": time.monotonic() - t_round}
         )
         result["history"] = fed.history
-        log(INFO, "[fedcal] message %d/%d done in %.1f s", t, fed.rounds, t_exchange)
+        _log(INFO, "[fedcal] message %d/%d done in %.1f s", t, fed.rounds, t_exchange)
 
     units = fed.unit_columns()  # per_sensor.csv's extra columns (recalibrate_at), as fedcal run
     labelled = fed.algorithm.labelled_units if fed.algorithm is not None else dict
@@ -140,6 +83,88 @@ def run_federation(
     return result
 
 
+def _log(level: int, *args: Any) -> None:
+    """Flower's logger (imported when a run logs: the engine imports no Flower otherwise)."""
+    from flwr.common.logger import log
+
+    log(level, *args)
+
+
+def _handshake(
+    fed: Federation, transport: Transport, result: dict[str, Any], min_nodes: int
+) -> None:
+    """The first handshake: at least ``min_nodes`` online, their sensors registered."""
+    nodes = sorted(transport.online(HANDSHAKE, wait_for=min_nodes))
+    if len(nodes) < min_nodes:
+        raise RuntimeError(f"only {len(nodes)} SuperNodes online, min-nodes is {min_nodes}")
+    contents = {n: fed.handshake_content() for n in nodes}
+    replies, failures = transport.exchange(contents, "handshake", HANDSHAKE)
+    if failures:
+        _log(WARNING, "[fedcal] handshake failures: %s", failures)
+    result["handshake_failures"] = {str(k): v for k, v in failures.items()}
+    try:
+        fed.register(replies)
+    finally:
+        result["handshake_refusals"] = fed.refused
+        result["handshake_rejected"] = fed.handshake_rejected
+    if fed.refused or fed.handshake_rejected:
+        _log(WARNING, "[fedcal] handshake: %s", {**fed.refused, **fed.handshake_rejected})
+    _report_members(fed, result)
+    _log(INFO, "[fedcal] %s on %d sensors: %s", fed.method, len(fed.members), fed.sensors())
+
+
+def _round(fed: Federation, transport: Transport, t: int, result: dict[str, Any]) -> float:
+    """Message ``t``: late nodes greeted, the message exchanged (through SecAgg+ in a secure
+    training round), the replies folded in and what was refused logged; the exchange's
+    seconds."""
+    t_round = time.monotonic()
+    online = transport.online(t)
+    late = {n: fed.handshake_content() for n in sorted(online - fed.known_nodes())}
+    if late:  # nodes that connected since: greet them, their sensors join now
+        replies, failures = transport.exchange(late, "handshake", t)
+        admitted = fed.admit(t, replies, online)
+        _log(INFO, "[fedcal] round %d: nodes %s joined (%s failed)", t, admitted, failures)
+        _report_members(fed, result)
+    contents = fed.messages(t, online=online)
+    kind = "train" if t < fed.rounds else "evaluate"
+    if fed.secure is not None and kind == "train":
+        replies, failures = _secure_round(fed, transport, contents, t, result)
+    else:
+        replies, failures = transport.exchange(contents, kind, t)
+    t_exchange = time.monotonic() - t_round
+    if failures:
+        _log(WARNING, "[fedcal] round %d failures: %s", t, failures)
+    try:
+        fed.absorb(t, contents, replies, failures)
+    finally:  # a run that fails here still reports who refused or sent what
+        result["failures"] = fed.failed
+        result["dropped"] = fed.dropped
+        result["rejected"] = fed.rejected
+        result["participation"] = fed.log
+    _log_refused(fed, t)
+    return t_exchange
+
+
+def _log_refused(fed: Federation, t: int) -> None:
+    """Round ``t``'s refusals, rejected replies and screened-out replies, one line each."""
+    for index, why in fed.failed.get(str(t), {}).items():
+        if why.startswith("node ") and " refused " in why:
+            _log(WARNING, "[fedcal] round %d: client %s: %s", t, index, why)
+    for index, why in fed.rejected.get(str(t), {}).items():
+        _log(WARNING, "[fedcal] round %d: reply of client %s rejected: %s", t, index, why)
+    entry = fed.log[-1] if fed.log and fed.log[-1].get("round") == t else {}
+    for r in entry.get("screening", []):  # screened out by the server's aggregation
+        _log(
+            WARNING,
+            "[fedcal] round %d: reply of client %s screened out: %s (ratio %.3g, threshold %g)",
+            t,
+            r["client"],
+            r["reason"],
+            r["ratio"],
+            r["threshold"],
+        )
+
+
 def _secure_round(
     fed: Federation, transport: Transport, contents: Mapping[int, RecordDict], t: int, result
 ) -> tuple[dict[int, RecordDict], dict[int, str]]:
@@ -147,7 +172,8 @@ def _secure_round(
     keeps only the unmasked sum (``fed.secure_sum``) for :meth:`Federation.absorb`."""
     from flwr.common.logger import log
 
-    from fedcal.engine.flower.secagg import disabled, secure_exchange
+    from fedcal.engine.flower.secagg import disabled
+    from fedcal.engine.flower.secagg_server import secure_exchange
 
     if "secure_aggregation" not in result:
         off = disabled(fed.policy)

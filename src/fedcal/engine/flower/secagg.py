@@ -61,21 +61,24 @@ from __future__ import annotations
 import base64
 import json
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from flwr.app import RecordDict
-
 SECAGG = "secagg"  # the record name of the protocol's messages and replies
+
+
 MAX_BITS = 84  # fraction bits at most: e = round(x/q), |e| ≤ 2⁸⁴, in two 64-bit limbs
+
+
 LIMB = 2.0**42  # e = hi·2⁴² + lo: |hi|, lo ≤ 2⁴² per sensor
+
+
 MAX_SENSORS = 1 << 20  # N·2⁴² < 2⁶³ for both limbs' sums: 1,048,576 sensors
+
+
 # fedprior's GLS Gram Φᵀ C⁻¹ Φ grows as n/σ² (measured up to 7.4e7 on the default fleet,
 # 384 points, fleet seeds 0 and 1; its other statistics stay below 1e4): 2³⁶ ≈ 6.9e10,
 # quantum 2⁻⁴⁸. Every other statistic: ``range`` 2²⁰, quantum 2⁻⁶⁴ (84 fraction bits).
@@ -189,9 +192,6 @@ def disabled(policy) -> list[str]:
     return [*out, "per-reply checks of shapes, dtypes and finiteness (each site checks its own)"]
 
 
-# ----------------------------------------------------------------------------
-# fixed point
-# ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Layout:
     """The summed vector: leaves (name, shape, range) in the reply's order, fraction bits.
@@ -291,9 +291,6 @@ def quantization_bound(layout: Layout, sensors: int) -> dict[str, float]:
     return {name: sensors * r * 2.0**-layout.bits / 2 for name, _, r in layout.leaves}
 
 
-# ----------------------------------------------------------------------------
-# masks and keys
-# ----------------------------------------------------------------------------
 def prg(key: bytes, n: int) -> np.ndarray:
     """n uniform 64-bit words: the ChaCha20 key stream of a 32-byte key (nonce 0)."""
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
@@ -344,188 +341,6 @@ def threshold_of(settings: SecureAggregation, group: int) -> int:
     return max(2, min(group, math.ceil(settings.threshold * group)))
 
 
-# ----------------------------------------------------------------------------
-# the site's side
-# ----------------------------------------------------------------------------
-def _secrets_path(node_cfg: Mapping, run_id: int) -> Path:
-    from fedcal.engine.flower.nodes import safe_name
-
-    site = safe_name(str(node_cfg["site-id"]))
-    return Path(str(node_cfg["state-dir"])) / f"{site}-run{run_id}-secagg.json"
-
-
-def _save(path: Path, secrets: dict) -> None:
-    from fedcal.core.atomic import write_text
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({k: v.hex() if isinstance(v, bytes) else v for k, v in secrets.items()})
-    old = os.umask(0o177)  # the site's secrets: readable by its own user only
-    try:
-        write_text(path, text)
-    finally:
-        os.umask(old)
-
-
-def _load(path: Path, t: int, stage: str) -> dict:
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise RuntimeError(f"secure aggregation: {stage} of round {t} before its setup") from None
-    if raw.get("round") != t:
-        raise RuntimeError(
-            f"secure aggregation: {stage} of round {t}, setup was round {raw.get('round')}"
-        )
-    hexed = ("sk1", "pk1", "sk2", "pk2", "seed")
-    return {k: bytes.fromhex(v) if k in hexed else v for k, v in raw.items()}
-
-
-def site_stage(content: RecordDict, node_cfg: Mapping, run_id: int, node_id: int) -> RecordDict:
-    """A site's answer to a setup, share-keys or unmask message (step 1, 2 or 4)."""
-    from flwr.app import ConfigRecord, RecordDict
-    from flwr.common.secure_aggregation.crypto.shamir import create_shares
-    from flwr.common.secure_aggregation.crypto.symmetric_encryption import encrypt
-    from flwr.supercore.primitives.asymmetric import (
-        generate_key_pairs,
-        private_key_to_bytes,
-        public_key_to_bytes,
-    )
-
-    cfg = content[SECAGG]
-    stage, t = str(cfg["stage"]), int(cfg["round"])
-    path = _secrets_path(node_cfg, run_id)
-    if stage == "setup":
-        (sk1, pk1), (sk2, pk2) = generate_key_pairs(), generate_key_pairs()
-        s = {
-            "round": t,
-            "me": node_id,
-            "threshold": int(cfg["threshold"]),
-            "neighbours": [int(n) for n in cfg["neighbours"]],
-            "sk1": private_key_to_bytes(sk1),
-            "pk1": public_key_to_bytes(pk1),
-            "sk2": private_key_to_bytes(sk2),
-            "pk2": public_key_to_bytes(pk2),
-        }
-        _save(path, s)
-        return RecordDict({SECAGG: ConfigRecord({"pk1": s["pk1"], "pk2": s["pk2"]})})
-    s = _load(path, t, stage)
-    if stage == "share":
-        ids = [int(n) for n in cfg["ids"]]
-        keys = dict(zip(ids, zip(cfg["pk1"], cfg["pk2"], strict=True), strict=True))
-        if keys.get(s["me"]) != (s["pk1"], s["pk2"]):
-            raise ValueError("secure aggregation: the server relayed a wrong key for this site")
-        if not set(ids) <= set(s["neighbours"]):
-            raise ValueError(
-                "secure aggregation: keys of sites that are not this site's neighbours"
-            )
-        if len(ids) < s["threshold"]:
-            raise ValueError(
-                f"secure aggregation: {len(ids)} neighbours, threshold {s['threshold']}"
-            )
-        if len({k for pair in keys.values() for k in pair}) != 2 * len(keys):
-            raise ValueError("secure aggregation: two sites relayed with the same public key")
-        seed = os.urandom(32)
-        seed_shares = create_shares(seed, s["threshold"], len(ids))
-        sk1_shares = create_shares(s["sk1"], s["threshold"], len(ids))
-        dsts, ctxts, held = [], [], {}
-        for n, b, k in zip(ids, seed_shares, sk1_shares, strict=True):
-            if n == s["me"]:
-                held[str(n)] = [b.hex(), k.hex()]
-                continue
-            plain = json.dumps({"src": s["me"], "dst": n, "b": b.hex(), "sk1": k.hex()}).encode()
-            dsts.append(n)
-            ctxts.append(encrypt(_fernet_key(s["sk2"], keys[n][1]), plain))
-        s.update(
-            seed=seed, keys={str(n): [a.hex(), b.hex()] for n, (a, b) in keys.items()}, held=held
-        )
-        _save(path, s)
-        return RecordDict({SECAGG: ConfigRecord({"dsts": dsts, "ctxts": ctxts})})
-    if stage == "unmask":
-        active = [int(n) for n in cfg["active"]]
-        dead = [int(n) for n in cfg["dead"]]
-        if set(active) & set(dead):
-            raise ValueError(
-                f"secure aggregation: {sorted(set(active) & set(dead))} both active and dead"
-            )
-        if len(active) < s["threshold"]:
-            raise ValueError(
-                f"secure aggregation: {len(active)} active neighbours, threshold {s['threshold']}"
-            )
-        held = s.get("held", {})
-        missing = [n for n in active + dead if str(n) not in held]
-        if missing:
-            raise ValueError(f"secure aggregation: holds no share of sites {missing}")
-        shares = [bytes.fromhex(held[str(n)][0]) for n in active]
-        shares += [bytes.fromhex(held[str(n)][1]) for n in dead]
-        path.unlink(missing_ok=True)  # the round is over for this site
-        return RecordDict({SECAGG: ConfigRecord({"ids": active + dead, "shares": shares})})
-    raise ValueError(f"secure aggregation: unknown stage {stage!r}")
-
-
-def site_round(content: RecordDict, node_cfg: Mapping, run_id: int, run) -> RecordDict:
-    """Step 3: the round message run by ``run`` (the site's round handler), its sensors'
-    statistics replaced by their masked fixed-point sum.
-
-    A sensor whose statistics or new private state are not finite is left out of the
-    sum (as the server leaves such a reply out in a plain run); the others' indices
-    travel in the clear (the server knows whom it asked to train).
-    """
-    from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
-    from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt
-
-    from fedcal.engine.flower.wire import join_parts, split_parts, to_numpy
-
-    cfg = content[SECAGG]
-    t = int(cfg["round"])
-    s = _load(_secrets_path(node_cfg, run_id), t, "collect")
-    if "seed" not in s:
-        raise RuntimeError(f"secure aggregation: collect of round {t} before its key shares")
-    keys = {int(n): (bytes.fromhex(a), bytes.fromhex(b)) for n, (a, b) in s["keys"].items()}
-    held = dict(s["held"])
-    sources = [int(n) for n in cfg["srcs"]]
-    for src, ctxt in zip(sources, cfg["ctxts"], strict=True):
-        shared = json.loads(decrypt(_fernet_key(s["sk2"], keys[src][1]), ctxt))
-        if shared["src"] != src or shared["dst"] != s["me"]:
-            raise ValueError(f"secure aggregation: a share from {shared['src']} relayed as {src}'s")
-        held[str(src)] = [shared["b"], shared["sk1"]]
-    if len(sources) + 1 < s["threshold"]:
-        raise ValueError(
-            f"secure aggregation: {len(sources)} neighbours left, threshold {s['threshold']}"
-        )
-    inner = RecordDict({k: v for k, v in content.items() if k != SECAGG})
-    reply = run(inner, node_cfg, run_id)
-    if "refused" in reply:
-        return reply
-    layout = Layout.from_json(str(cfg["layout"]))
-    parts, common, _ = split_parts(reply)
-    included, stats = [], []
-    for index in sorted(parts):
-        part = parts[index]
-        if "reply" not in part:
-            continue
-        leaves = {k: to_numpy(v) for k, v in part["reply"].items()}
-        finite = all(np.isfinite(v).all() for v in leaves.values())
-        if finite and part["info"].get("state-finite", True) is not False:
-            included.append(int(index))
-            stats.append(leaves)
-        del part["reply"]  # the statistics leave the site only inside the masked sum
-    vector = encode(layout, stats).view(np.uint64)
-    with np.errstate(over="ignore"):
-        vector = vector + prg(s["seed"], layout.size)
-        for src in sources:  # the neighbours that shared keys with this site
-            vector = vector + pair_mask(
-                s["me"], src, _pair_key(s["sk1"], keys[src][0]), layout.size
-            )
-    s["held"] = held
-    _save(_secrets_path(node_cfg, run_id), s)
-    common = dict(common)
-    common[SECAGG] = ConfigRecord({"included": included, "round": t})
-    common[f"{SECAGG}-masked"] = ArrayRecord({"y": Array(np.ascontiguousarray(vector))})
-    return join_parts(parts, common)
-
-
-# ----------------------------------------------------------------------------
-# the server's side
-# ----------------------------------------------------------------------------
 @dataclass
 class SecureSum:
     """What the server learns in one secure round: the sums and who is in them."""
@@ -541,164 +356,3 @@ class SecureSum:
 
 class SecureAggregationError(RuntimeError):
     """A round whose sum cannot be recovered (too few sites or shares)."""
-
-
-def _relay(transport, stage_msgs, t):
-    """One protocol step over the round loop's transport (a query message per site)."""
-    return transport.exchange(stage_msgs, SECAGG, t)
-
-
-def _message(values: dict) -> RecordDict:
-    from flwr.app import ConfigRecord, RecordDict
-
-    return RecordDict({SECAGG: ConfigRecord(values)})
-
-
-def secure_exchange(
-    settings: SecureAggregation,
-    layout: Layout,
-    transport,
-    contents: Mapping[int, RecordDict],
-    t: int,
-) -> tuple[dict[int, RecordDict], dict[int, str], SecureSum]:
-    """Round ``t``'s train messages through SecAgg+ (steps 1–4) among the sites that train.
-
-    Returns the replies (per-sensor parts without statistics), the failures (a site
-    that failed a step sits the round out), and the unmasked :class:`SecureSum`.
-    """
-    from flwr.common.secure_aggregation.crypto.shamir import combine_shares
-
-    from fedcal.engine.flower.wire import CONTROL, to_numpy
-
-    training = sorted(n for n, c in contents.items() if list(c[CONTROL]["train"]))
-    others = {n: c for n, c in contents.items() if n not in training}
-    if len(training) < 2:
-        raise SecureAggregationError(
-            f"round {t}: secure aggregation needs at least 2 sites training, got {len(training)}"
-        )
-    ring = neighbours(training, settings.shares)
-    thr = {n: threshold_of(settings, len(ring[n])) for n in training}
-    failures: dict[int, str] = {}
-
-    def alive(group: set[int], step: str) -> None:
-        for n in sorted(group):
-            have = len(set(ring[n]) & group)
-            if have < thr[n]:
-                raise SecureAggregationError(
-                    f"round {t}: secure aggregation {step}: site {n} has {have} live neighbours, "
-                    f"threshold {thr[n]}; failed: {failures}"
-                )
-
-    # 1. setup: public keys
-    msgs = {
-        n: _message({"stage": "setup", "round": t, "threshold": thr[n], "neighbours": ring[n]})
-        for n in training
-    }
-    replies, failed = _relay(transport, msgs, t)
-    failures.update({n: f"secure aggregation setup: {why}" for n, why in failed.items()})
-    pks = {n: (bytes(r[SECAGG]["pk1"]), bytes(r[SECAGG]["pk2"])) for n, r in replies.items()}
-    u1 = set(pks)
-    alive(u1, "setup")
-    # 2. share keys: each site's encrypted shares for its neighbours
-    msgs = {}
-    for n in sorted(u1):
-        ids = [m for m in ring[n] if m in u1]
-        msgs[n] = _message(
-            {
-                "stage": "share",
-                "round": t,
-                "ids": ids,
-                "pk1": [pks[m][0] for m in ids],
-                "pk2": [pks[m][1] for m in ids],
-            }
-        )
-    replies, failed = _relay(transport, msgs, t)
-    failures.update({n: f"secure aggregation share-keys: {why}" for n, why in failed.items()})
-    u2 = set(replies)
-    alive(u2, "share-keys")
-    inbox: dict[int, tuple[list[int], list[bytes]]] = {n: ([], []) for n in u2}
-    for src, rep in replies.items():
-        for dst, ctxt in zip(rep[SECAGG]["dsts"], rep[SECAGG]["ctxts"], strict=True):
-            if int(dst) in u2 and int(dst) in ring[src]:
-                inbox[int(dst)][0].append(src)
-                inbox[int(dst)][1].append(bytes(ctxt))
-    # 3. collect: the train message with the ciphertexts addressed to the site
-    from flwr.app import ConfigRecord, RecordDict
-
-    msgs = dict(others)
-    for n in sorted(u2):
-        rec = {"stage": "collect", "round": t, "srcs": inbox[n][0], "ctxts": inbox[n][1]}
-        rec["layout"] = layout.to_json()
-        msgs[n] = RecordDict({**dict(contents[n].items()), SECAGG: ConfigRecord(rec)})
-    for n in training:
-        if n not in u2 and n not in failures:
-            failures[n] = "secure aggregation: left out before its key shares"
-    replies, failed = transport.exchange(msgs, "train", t)
-    failures.update(failed)
-    masked: dict[int, np.ndarray] = {}
-    included: dict[int, list[int]] = {}
-    for n in sorted(u2):
-        rep = replies.get(n)
-        if rep is None or "refused" in rep:
-            continue
-        try:
-            y = to_numpy(rep[f"{SECAGG}-masked"]["y"])
-            inc = [int(i) for i in rep[SECAGG]["included"]]
-        except KeyError:
-            failures[n] = "secure aggregation: reply without a masked vector"
-            replies.pop(n)
-            continue
-        if y.dtype != np.uint64 or y.shape != (layout.size,):
-            failures[n] = (
-                f"secure aggregation: masked vector {y.dtype}{y.shape}, not uint64({layout.size},)"
-            )
-            replies.pop(n)
-            continue
-        masked[n], included[n] = y, inc
-    u3 = set(masked)
-    alive(u3, "collect")
-    # 4. unmask: shares of active sites' seeds and of dropped sites' sk1
-    msgs = {}
-    for n in sorted(u3):
-        near = [m for m in ring[n] if m in u2]
-        active = [m for m in near if m in u3]
-        dead = [m for m in near if m not in u3]
-        msgs[n] = _message({"stage": "unmask", "round": t, "active": active, "dead": dead})
-    answers, failed = _relay(transport, msgs, t)
-    shares: dict[int, list[bytes]] = {n: [] for n in u2}
-    for rep in answers.values():
-        for owner, share in zip(rep[SECAGG]["ids"], rep[SECAGG]["shares"], strict=True):
-            if int(owner) in shares:
-                shares[int(owner)].append(bytes(share))
-    with np.errstate(over="ignore"):
-        total = np.zeros(layout.size, dtype=np.uint64)
-        for y in masked.values():
-            total = total + y
-        for n in sorted(u2):
-            if len(shares[n]) < thr[n]:
-                raise SecureAggregationError(
-                    f"round {t}: secure aggregation unmask: {len(shares[n])} shares of site {n}'s "
-                    f"secret, threshold {thr[n]}; failed: {failed}"
-                )
-            secret = combine_shares(shares[n])
-            if n in u3:  # an active site: remove its self-mask
-                total = total - prg(secret, layout.size)
-            else:  # a dropped site: remove the pairwise masks its live neighbours added
-                for m in ring[n]:
-                    if m in u3 and m != n:
-                        total = total - pair_mask(m, n, _pair_key(secret, pks[m][0]), layout.size)
-    sums, count, clipped = decode(layout, total)
-    for rep in replies.values():  # the protocol's records are not the run's business
-        for key in (SECAGG, f"{SECAGG}-masked"):
-            if key in rep:
-                del rep[key]
-    outcome = SecureSum(
-        sums,
-        count,
-        clipped,
-        included,
-        sorted(u2 - u3),
-        quantization_bound(layout, count),
-        sum(int(y.nbytes) for y in masked.values()),
-    )
-    return replies, failures, outcome

@@ -32,79 +32,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fedcal.data.scaling import needs_moments, scaler_from_moments
-from fedcal.engine.flower.wire import CONTROL, split_parts, to_numpy, tree_to_record
+from fedcal.data.scaling import scaler_from_moments
+from fedcal.engine.flower.wire import CONTROL, tree_to_record
 
 if TYPE_CHECKING:
     from flwr.app import RecordDict
 
     from fedcal.core.aggregation import AggregationPolicy
-    from fedcal.core.algorithm import Algorithm
-    from fedcal.core.tree import Tree
     from fedcal.engine.flower.secagg import Layout, SecureAggregation, SecureSum
     from fedcal.engine.flower.spec import AlgorithmSpec
-
-
-def aggregate(
-    algorithm: Algorithm,
-    server: Tree,
-    replies: Tree,
-    weights,
-    policy,
-    round_seed: int,
-    eligible=None,
-    record: list | None = None,
-) -> tuple[Tree, object, dict]:
-    """The one step where (validated) replies stacked ``(clients, …)`` become the next server.
-
-    The simulator's own step (:func:`fedcal.core.aggregation.aggregate`): screening,
-    clipping, the robust rule and DP noise of the run's ``[aggregation]`` /
-    ``[privacy]`` policy, then the algorithm's ``server_update``, with the capped
-    row counts as weights and the simulator's seed for the noise — so a Flower
-    run equals the simulator's. ``eligible``: clients whose new private state is
-    finite (the simulator rejects the others). ``record`` receives each rejection's
-    reason (see the core function). Returns ``(server, accepted, metrics)``.
-    """
-    from fedcal.core.aggregation import aggregate as aggregate_replies
-
-    down = algorithm.broadcast(server)
-    return aggregate_replies(
-        algorithm,
-        server,
-        down,
-        replies,
-        weights,
-        policy,
-        round_seed,
-        eligible=eligible,
-        record=record,
-    )
-
-
-def stack_padded(trees: list[Mapping]) -> Tree:
-    """Stack one tree per client into a client tree, zero-padding ragged leaves.
-
-    A leaf whose shape depends on the client's row count (``centralized``
-    uploads its rows) is padded with zeros to the largest reply, as
-    :class:`fedcal.core.data.ClientData` pads rows; the row count travels
-    with it, so the padding is never read as data.
-    """
-    import torch
-
-    from fedcal.core.tree import tree_map
-
-    def pad_and_stack(*leaves):
-        shape = [max(sizes) for sizes in zip(*(t.shape for t in leaves), strict=True)]
-        padded = []
-        for t in leaves:
-            if list(t.shape) != shape:
-                out = t.new_zeros(shape)
-                out[tuple(slice(0, n) for n in t.shape)] = t
-                t = out
-            padded.append(t)
-        return torch.stack(padded)
-
-    return tree_map(pad_and_stack, trees[0], *trees[1:])
 
 
 @dataclass(frozen=True)
@@ -193,28 +129,9 @@ class Federation:
 
     def _read_handshakes(self, replies: Mapping[int, RecordDict]) -> dict[int, list]:
         """Node id → [(client index, its part)] of usable handshakes; the rest is recorded."""
-        from fedcal.engine.flower.validation import check_handshake
+        from fedcal.engine.flower.handshakes import read_handshakes
 
-        usable: dict[int, list] = {}
-        for nid, rep in replies.items():
-            if "refused" in rep:
-                self.refused[str(nid)] = f"node {nid} {rep['refused'].get('reason', 'refused')}"
-                continue
-            parts, _, bad = split_parts(rep)
-            why = f"malformed record names {bad}" if bad else None
-            if not parts and why is None:
-                why = "handshake names no sensor"
-            for index, part in sorted(parts.items()):
-                if why is None:
-                    # the sums are checked only if this run's scaling reads them
-                    why = check_handshake(part, "moments" in part or self._moments_needed(part))
-                if why is None and part["info"]["client-index"] != index:
-                    why = f"part {index} describes client {part['info']['client-index']}"
-            if why is not None:
-                self.handshake_rejected[str(nid)] = f"node {nid}: {why}"
-                continue
-            usable[nid] = sorted(parts.items())
-        return usable
+        return read_handshakes(replies, self.scaling, self.refused, self.handshake_rejected)
 
     def _admit(self, nid: int, parts: list, online: set[int] | None) -> str | None:
         """Add a node's sensors as members; why not, if they cannot be."""
@@ -247,6 +164,7 @@ class Federation:
         """
         import torch
 
+        from fedcal.engine.flower.handshakes import fleet_moments
         from fedcal.engine.simulation import DTYPES
 
         if not replies:
@@ -276,25 +194,11 @@ class Federation:
         self.num_clients = int(self.shape["num-clients"])
         features = tuple(json.loads(str(self.shape["features"])))
         target, classification = str(self.shape["target"]), bool(self.shape["classification"])
-        moments = []
-        if needs_moments(features, target, self.scaling, not classification):
-            if self.policy.dp:  # the scaler's un-noised fleet statistics go to every site
-                raise RuntimeError(
-                    f"scaling {self.scaling!r}: client-level DP needs every column on a physical "
-                    f"range ({', '.join([*features, target])}: federated statistics would be "
-                    "released un-noised, outside ε)"
-                )
-            if len(self.members) < self.num_clients:
-                raise RuntimeError(
-                    f"scaling needs federated statistics of all {self.num_clients} clients, "
-                    f"only {len(self.members)} answered the handshake"
-                    + "".join(f"; {why}" for why in self.refused.values())
-                    + "".join(f"; {why}" for why in self.handshake_rejected.values())
-                )
-            parts = {i: p for ps in usable.values() for i, p in ps}
-            for index in self.members:
-                rec = parts[index]["moments"]
-                moments.append({k: to_numpy(rec[k]) for k in rec})
+        refusals = [*self.refused.values(), *self.handshake_rejected.values()]
+        columns = (features, target, classification)
+        moments = fleet_moments(
+            usable, self.members, self.scaling, columns, self.policy.dp, self.num_clients, refusals
+        )
         self.scaler = scaler_from_moments(
             features, target, moments, self.scaling, not classification
         )
@@ -328,16 +232,6 @@ class Federation:
                 self.joined[str(nid)] = t
                 admitted.append(nid)
         return admitted
-
-    def _moments_needed(self, part: RecordDict) -> bool:
-        """Whether this sensor's declared columns need its scaling sums (False if unreadable)."""
-        try:
-            info = part["info"]
-            features = tuple(json.loads(str(info["features"])))
-            target, regression = str(info["target"]), not bool(info["classification"])
-        except Exception:  # the info check reports it
-            return False
-        return needs_moments(features, target, self.scaling, regression)
 
     # -- rounds ---------------------------------------------------------------
     def evaluates(self, t: int) -> bool:
@@ -406,67 +300,6 @@ class Federation:
         )
         return Layout.of({k: shape for k, (_, shape) in spec.leaves.items()}, self.secure)
 
-    def _absorb_secure(self, t: int, entry: dict[str, Any], parts: Mapping, claimed) -> list[int]:
-        """Round ``t``'s update from the unmasked sum alone (secure runs); the sensors in it.
-
-        The algorithm's ``server_update`` reads sums and the count of units only
-        (``reply_aggregation = "sum"``), so it is given the sum as one row and N − 1
-        rows of zeros: the same sums, the same N. Screening, robust rules and per-reply
-        checks need each reply and do not run (:func:`fedcal.engine.flower.secagg.disabled`).
-        """
-        import numpy as np
-        import torch
-
-        from fedcal.core.tree import unflatten
-
-        out = self.secure_sum
-        if out is None:
-            raise RuntimeError(f"round {t}: a secure run without its secure sum")
-        self.secure_sums[t] = out
-        sites = self.sites()
-        done = []
-        for nid, indices in out.included.items():
-            bad = [i for i in indices if i not in sites.get(nid, []) or i not in claimed]
-            if bad:
-                raise RuntimeError(f"round {t}: site {nid} summed sensors {bad} it was not asked")
-            done.extend(indices)
-        done = sorted(done)
-        if len(done) != out.count:
-            raise RuntimeError(
-                f"round {t}: the secure sum counts {out.count} sensors, the sites name {len(done)}"
-            )
-        entry["trained"] = done
-        entry["secure"] = {
-            "sites": sorted(out.included),
-            "dropped_sites": out.dropped,
-            "clipped_entries": out.clipped,
-            "quantization_bound": out.bound,
-        }
-        bad = [k for k, v in out.sums.items() if not np.isfinite(v).all()]
-        if bad or not done:
-            return []
-        stacked = {}
-        for key, v in out.sums.items():
-            rows = torch.zeros((len(done), *v.shape), dtype=torch.float64)
-            rows[0] = torch.from_numpy(v)
-            stacked[key] = rows
-        weights = torch.ones(len(done), dtype=torch.float64)
-        self.server = self.algorithm.server_update(self.server, unflatten(stacked), weights)
-        entry["aggregation"] = {"accepted": float(len(done)), "clipped_entries": float(out.clipped)}
-        entry["bytes_up"] = out.bytes_up
-        for i in done:
-            self.last_used[i] = t
-        return done
-
-    def _parts(self, nid: int, rep: RecordDict) -> tuple[dict[int, RecordDict], str | None]:
-        """A site's reply as parts for its own sensors, or why the whole reply is unusable."""
-        parts, _, bad = split_parts(rep)
-        mine = {m for m, member in self.members.items() if member.node_id == nid}
-        foreign = sorted(set(parts) - mine)
-        if bad or foreign:
-            return {}, f"site reply with malformed record names {bad} or other sites' {foreign}"
-        return parts, None
-
     def absorb(
         self,
         t: int,
@@ -483,22 +316,9 @@ class Federation:
         weight is the train-row count it claims, capped at the count it declared
         at the handshake.
         """
-        import torch
-
-        from fedcal.core.data import client_round_seed
-        from fedcal.core.tree import num_bytes
-        from fedcal.engine.flower.validation import (
-            capped_weight,
-            check_eval,
-            check_info,
-            check_reply,
-            check_units,
-            expected_reply,
-            implausible_metrics,
-        )
-        from fedcal.engine.schedule import final_row, history_row, result_row
-        from fedcal.engine.settings import refused_clients
-        from fedcal.engine.simulation import AGGREGATION, DTYPES
+        from fedcal.engine.flower.replies import claimed_rows, site_parts
+        from fedcal.engine.flower.validation import expected_reply
+        from fedcal.engine.simulation import DTYPES
 
         failures = dict(failures)
         for nid, rep in replies.items():
@@ -508,95 +328,103 @@ class Federation:
         sites = self.sites()
         self.failed[str(t)] = {i: why for n, why in failures.items() for i in sites.get(n, [])}
         rejected: dict[int, str] = {}
-        parts: dict[int, RecordDict] = {}
-        for nid, rep in replies.items():
-            if nid in failures:
-                continue
-            mine, why = self._parts(nid, rep)
-            for index in sites.get(nid, []):
-                if why is not None:
-                    rejected[index] = why
-                elif index not in mine:
-                    rejected[index] = "no part for this sensor in its site's reply"
-                else:
-                    parts[index] = mine[index]
-        claimed: dict[int, int] = {}
-        for index in sorted(parts):
-            rows, why = check_info(parts[index], index)
-            if why is None:
-                claimed[index] = rows
-            else:
-                rejected[index] = why
+        parts = site_parts(replies, failures, sites, self.members, rejected)
+        claimed = claimed_rows(parts, rejected)
         parts = {i: p for i, p in parts.items() if i in claimed}
         spec = expected_reply(
             self.algorithm, self.server, self.scaler, self.num_features, DTYPES[self.dtype]
         )
-        eval_round = self.eval_round(t)
-        if eval_round >= 0:
-            trained = self._train_metrics.get(eval_round, {})
-            names = list(dict.fromkeys(k for mets in trained.values() for k in mets))
-            for index in sorted(parts):
-                part, m = parts[index], self.members[index]
-                why = check_eval(part, spec) if "eval" in part else "no evaluation"
-                if why is not None:
-                    rejected[index] = why
-                    continue
-                metrics = dict(part["eval"])
-                test = {k[5:]: v for k, v in metrics.items() if k.startswith("test_")}
-                train = {k[6:]: v for k, v in metrics.items() if k.startswith("train_")}
-                finite = part["info"].get("personal-finite", True) is not False
-                why = implausible_metrics(metrics, finite)
-                if why is not None:  # errors, coverage, σ are >= 0; a finite model's are finite
-                    rejected[index] = why
-                    continue
-                row = result_row(index, m.sensor_id, test, train, finite)
-                if eval_round == self.rounds - 1 and self.algorithm.unit_columns is not None:
-                    units, why = check_units(part.get("units"), row)
-                    if why is not None:  # e.g. recalibrate_at missing or not a number
-                        rejected[index] = why
-                        continue
-                    self._units[index] = units
-                rejected_rounds = self.rejected_rounds.get(index, 0)
-                self.history.append(
-                    history_row(row, eval_round + 1, rejected_rounds, trained.get(index, {}), names)
-                )
-                if eval_round == self.rounds - 1:
-                    self._final.append(final_row(row, rejected_rounds))
+        if self.eval_round(t) >= 0:
+            self._absorb_eval(self.eval_round(t), parts, spec, rejected)
         if t >= self.rounds:
             if rejected:
                 self.rejected[str(t)] = rejected
             return
         asked = sorted(i for n in sent for i in sent[n][CONTROL]["train"])
         if self.secure is not None:
-            entry: dict[str, Any] = {"round": t, "asked": asked}
-            if rejected:
-                self.rejected[str(t)] = rejected
-                entry["rejected"] = {str(i): why for i, why in sorted(rejected.items())}
-            self.log.append(entry)
-            done = self._absorb_secure(t, entry, parts, claimed)
-            self._check_replies(t, done, rejected)
-            self._check_refused(t, asked, rejected, set())
-            self._train_metrics[t] = {i: dict(parts[i]["train"]) for i in done if i in parts}
-            return
-        # a site pads its cohort to its longest sensor (see validation.check_reply)
-        longest = {n: max(self.members[i].num_train for i in ix) for n, ix in sites.items()}
-        uploads: dict[int, Tree] = {}
-        for index in asked:
-            part = parts.get(index)
-            if part is None or "reply" not in part:
-                continue
-            padded = longest[self.members[index].node_id]
-            tree, why = check_reply(part, spec, self.members[index].num_train, padded)
-            if why is None:
-                uploads[index] = tree
-            else:
+            self._absorb_secure(t, asked, parts, claimed, rejected)
+        else:
+            self._absorb_train(t, asked, parts, claimed, spec, rejected)
+
+    def _absorb_eval(
+        self, eval_round: int, parts: Mapping[int, RecordDict], spec, rejected: dict[int, str]
+    ) -> None:
+        """Round ``eval_round``'s evaluation rows into the history (and the final rows and
+        per-unit columns after the last round); a malformed one is rejected."""
+        from fedcal.engine.flower.replies import eval_row
+        from fedcal.engine.schedule import final_row, history_row
+
+        trained = self._train_metrics.get(eval_round, {})
+        names = list(dict.fromkeys(k for mets in trained.values() for k in mets))
+        last = eval_round == self.rounds - 1
+        columns = last and self.algorithm.unit_columns is not None
+        for index in sorted(parts):
+            m = self.members[index]
+            row, units, why = eval_row(parts[index], spec, index, m.sensor_id, columns)
+            if why is not None:
                 rejected[index] = why
-        done = sorted(uploads)
-        entry: dict[str, Any] = {"round": t, "asked": asked, "trained": done}
+                continue
+            if columns:
+                self._units[index] = units
+            rejected_rounds = self.rejected_rounds.get(index, 0)
+            self.history.append(
+                history_row(row, eval_round + 1, rejected_rounds, trained.get(index, {}), names)
+            )
+            if last:
+                self._final.append(final_row(row, rejected_rounds))
+
+    def _logged(self, t: int, entry: dict[str, Any], rejected: Mapping[int, str]) -> None:
+        """The round's log entry, with its rejections (also in :attr:`rejected`)."""
         if rejected:
             self.rejected[str(t)] = rejected
             entry["rejected"] = {str(i): why for i, why in sorted(rejected.items())}
         self.log.append(entry)
+
+    def _absorb_secure(
+        self, t: int, asked: list[int], parts: Mapping, claimed, rejected: dict[int, str]
+    ) -> None:
+        """Round ``t``'s training from the unmasked sum (:func:`replies.secure_update`)."""
+        from fedcal.engine.flower.replies import secure_update
+
+        entry: dict[str, Any] = {"round": t, "asked": asked}
+        self._logged(t, entry, rejected)
+        out = self.secure_sum
+        if out is None:
+            raise RuntimeError(f"round {t}: a secure run without its secure sum")
+        self.secure_sums[t] = out
+        self.server, done = secure_update(
+            self.algorithm, self.server, out, self.sites(), claimed, t, entry
+        )
+        for i in done:
+            self.last_used[i] = t
+        self._check_replies(t, done, rejected)
+        self._check_refused(t, asked, rejected, set())
+        self._train_metrics[t] = {i: dict(parts[i]["train"]) for i in done if i in parts}
+
+    def _absorb_train(
+        self,
+        t: int,
+        asked: list[int],
+        parts: Mapping[int, RecordDict],
+        claimed: Mapping[int, int],
+        spec,
+        rejected: dict[int, str],
+    ) -> None:
+        """Round ``t``'s checked replies aggregated (the simulator's step) into the server;
+        each reply used or screened out, as the round's log says."""
+        import torch
+
+        from fedcal.core.data import client_round_seed
+        from fedcal.core.tree import num_bytes
+        from fedcal.engine.flower.replies import aggregate, checked_uploads, stack_padded
+        from fedcal.engine.flower.validation import capped_weight
+        from fedcal.engine.settings import refused_clients
+        from fedcal.engine.simulation import AGGREGATION
+
+        uploads = checked_uploads(asked, parts, spec, self.members, self.sites(), rejected)
+        done = sorted(uploads)
+        entry: dict[str, Any] = {"round": t, "asked": asked, "trained": done}
+        self._logged(t, entry, rejected)
         self._check_replies(t, done, rejected)
         if not done:
             return
@@ -646,22 +474,12 @@ class Federation:
         mostly_refused(t, len(refused), len(replied), self.max_rejected_share)
 
     def _check_replies(self, t: int, done: list[int], rejected: Mapping[int, str]) -> None:
-        """Required: min-replies out of the round's cohort, counting members that are
-        offline, dropped or not yet joined as missing."""
+        """Required: min-replies out of the round's cohort (:func:`replies.enough_replies`)."""
+        from fedcal.engine.flower.replies import enough_replies
+
         planned = [i for i in self.cohort(t) if i in self.members]
-        required = max(1, min(self.min_replies, len(planned)))
-        if len(done) < required:
-            missing = {
-                self.members[i].sensor_id: self.failed[str(t)].get(
-                    i, rejected.get(i, "offline or dropped")
-                )
-                for i in planned
-                if i not in done
-            }
-            raise RuntimeError(
-                f"round {t}: {len(done)} of {len(planned)} clients trained, at least "
-                f"{required} required (min-replies); failed: {missing}"
-            )
+        failed = self.failed[str(t)]
+        enough_replies(t, done, planned, self.members, failed, rejected, self.min_replies)
 
     def final_rows(self) -> list[dict]:
         """The last evaluation per client (the simulator's ``final``, the same columns)."""

@@ -245,7 +245,7 @@ def check_handshake(content: Any, moments: bool) -> str | None:
     """Why a handshake reply is unusable (None: fine); ``moments``: scaling sums expected."""
     import json
 
-    from flwr.app import ArrayRecord, ConfigRecord
+    from flwr.app import ConfigRecord
 
     info = content.get("info")
     if not isinstance(info, ConfigRecord):
@@ -275,10 +275,17 @@ def check_handshake(content: Any, moments: bool) -> str | None:
         return f"handshake info features={info['features']!r} is not a JSON list of names"
     if not moments:
         return None
-    record = content.get("moments")
+    return _check_moments(content.get("moments"), len(features), info["num-train"])
+
+
+def _check_moments(record: Any, num_features: int, num_train: int) -> str | None:
+    """Why a handshake's scaling sums are unusable (None: fine): the five sums, finite, of
+    their dtypes and widths, the counts and squares non-negative, ``n`` the declared rows."""
+    from flwr.app import ArrayRecord
+
     if not isinstance(record, ArrayRecord):
         return "handshake without its scaling sums"
-    width = {"n": 1, "sx": len(features), "sxx": len(features), "sy": 1, "syy": 1}
+    width = {"n": 1, "sx": num_features, "sxx": num_features, "sy": 1, "syy": 1}
     if set(record.keys()) != set(width):
         return f"scaling sums {sorted(record.keys())}, expected {sorted(width)}"
     for key, n in width.items():
@@ -292,9 +299,6 @@ def check_handshake(content: Any, moments: bool) -> str | None:
             return f"scaling sum {key!r}: {arr.dtype} {arr.shape}, expected {want}"
         if key in ("n", "sxx", "syy") and (arr < 0).any():
             return f"scaling sum {key!r} is negative"
-    if int(to_numpy(record["n"])[0]) != info["num-train"]:
-        return (
-            f"scaling sums count {int(to_numpy(record['n'])[0])} rows, "
-            f"info says {info['num-train']}"
-        )
+    if int(to_numpy(record["n"])[0]) != num_train:
+        return f"scaling sums count {int(to_numpy(record['n'])[0])} rows, info says {num_train}"
     return None
