@@ -59,7 +59,6 @@ ALLOWED: dict[str, str] = {
     "fedcal/report/html.py::build_report lines": "report",
     "fedcal/report/html.py::build_report complexity": "report",
     "fedcal/report/html_calibration.py::build_calibration_report lines": "report",
-    "fedcal/report/tables.py::table_columns complexity": "report",
 }
 
 
