@@ -168,7 +168,8 @@ def residuals_by_plateau(
     unit: str,
     statuses: dict[str, dict[str, str]] | None = None,
 ) -> Figure:
-    """Residual against reference, one line per temperature plateau; best and worst sensor.
+    """Residual against reference, one line per temperature plateau (off-grid points: dots
+    per temperature bin); best and worst sensor.
 
     ``statuses`` ({method: {sensor: status}}, the shown seed's): a sensor that is not ok
     has its status in the panel's title (it is left out of the means)."""
@@ -191,7 +192,13 @@ def residuals_by_plateau(
             for g in np.unique(groups):
                 part = s[groups == g].sort_values(target)
                 label = f"{round(part[temperature].mean()):d} °C" if temperature else None
-                ax.plot(part[target], part["residual"], marker=".", label=label)
+                # off-grid points binned by temperature (no plateau): dots, not a zigzag line
+                binned = temperature and np.ptp(part[temperature].to_numpy(float)) > 5.0
+                if binned:
+                    lo, hi = part[temperature].min(), part[temperature].max()
+                    label = f"{round(lo):d}…{round(hi):d} °C"
+                style = {"linestyle": "none", "marker": "o", "markersize": 3} if binned else {}
+                ax.plot(part[target], part["residual"], **({"marker": "."} | style), label=label)
             ax.axhline(0, color="black", linewidth=0.6)
             status = (statuses or {}).get(method, {}).get(str(sensor), "ok")
             marked = "" if status == "ok" else f" [{status}, not in the means]"

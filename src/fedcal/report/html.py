@@ -220,7 +220,8 @@ def build_report(
                 res, fleet.target, temperature, unit, _statuses(per_sensor, seed)
             ),
             f"Predicted − reference on the held-out points, seed {seed}, {budget_text}; one line "
-            "per temperature plateau; left the method's best sensor, right its worst "
+            "per temperature plateau (off-grid points: dots per temperature bin); left the "
+            "method's best sensor, right its worst "
             "(a status other than ok in its title). "
             f"Methods: the {len(detail)} best.",
         )
