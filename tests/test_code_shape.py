@@ -54,9 +54,6 @@ ALLOWED: dict[str, str] = {
     "fedcal/prior/discrepancy.py::_check complexity": "sigma3",
     # report (issue 37.4–6: report/*)
     "fedcal/report/export.py::load_models lines": "report",
-    "fedcal/report/html.py::build_report lines": "report",
-    "fedcal/report/html.py::build_report complexity": "report",
-    "fedcal/report/html_calibration.py::build_calibration_report lines": "report",
 }
 
 
