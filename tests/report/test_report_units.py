@@ -152,3 +152,21 @@ def test_the_config_table_holds_config_json_s_values(mixed):
     for key, value in want.items():
         assert json.loads(html.unescape(shown[key])) == value, key
     assert "<pre>" not in page.read_text()  # no raw dump
+
+
+def test_the_per_sensor_figure_keeps_new_and_reference_units_apart(mixed):
+    """A mixed fleet's per-sensor boxes are per (method, role): each box's dots are that
+    role's units' test RMSE (a box over both roles would span 0.05 to 3 hPa)."""
+    from fedcal.report.figures import per_sensor_rmse
+    from fedcal.report.rundir import RunDir
+
+    run, *_ = mixed
+    per_sensor = RunDir.open(run).per_sensor(0, mask=False)
+    ax = per_sensor_rmse(per_sensor, ["fedprior", "polynomial"], "hPa").axes[0]
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels == ["fedprior\nnew", "fedprior\nref", "polynomial\nnew", "polynomial\nref"]
+    dots = {c.get_gid(): sorted(c.get_offsets()[:, 1]) for c in ax.collections}
+    for method in ("fedprior", "polynomial"):
+        for role in ("new", "reference"):
+            own = per_sensor.query("method == @method and role == @role")["test_rmse"]
+            assert dots[f"{method}|ok|{role}"] == pytest.approx(sorted(own))

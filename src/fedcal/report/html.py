@@ -212,7 +212,8 @@ def _sensor_figures(page: _Page, per_sensor: pd.DataFrame) -> None:
         "per-sensor",
         "Per-sensor RMSE by method",
         figures.per_sensor_rmse(per_sensor, page.ranked, page.unit),
-        f"Each sensor's test RMSE ({page.budget_text}), mean over seeds; best method first. "
+        f"Each sensor's test RMSE ({page.budget_text}), mean over seeds; best method first "
+        "(a mixed fleet: its new and reference units apart). "
         "Boxes: the ok sensors; sensors of another status (weak, unconverged, rejected) "
         "are drawn with their own marker (legend) and left out of the means; diverged "
         "and refused sensors are named.",
