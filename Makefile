@@ -4,6 +4,8 @@
 #               polynomial, fedcal's fleet prior (with its interval coverage) and FedGMI (the
 #               seed's method), new and reference units apart; write the HTML report
 #   make test   install (first time) and run the test suite
+# Both install everything (".[all]": core + flower, onnx, studies, dev); a core-only install
+# is `pip install .` (docs/getting-started.md#install).
 # The seed's protocol instead: .venv/bin/fedcal run --config seed
 # torch's CPU-only build (a smaller download, no CUDA libraries), on a machine with internet:
 #   make run TORCH_INDEX=https://download.pytorch.org/whl/cpu
@@ -19,7 +21,7 @@ $(STAMP): pyproject.toml
 	@echo "fedcal: installing into $(VENV) (first time: a few minutes; torch is the largest download)"
 	$(PYTHON) -m venv $(VENV)
 	$(if $(TORCH_INDEX),$(BIN)/pip install --progress-bar on --index-url $(TORCH_INDEX) torch)
-	$(BIN)/pip install --progress-bar on -e ".[dev,flower]"
+	$(BIN)/pip install --progress-bar on -e ".[all]"
 	touch $(STAMP)
 
 run: $(STAMP)

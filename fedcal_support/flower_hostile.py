@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fedcal.engine.flower.kinds import Kind
 from fedcal.engine.flower.loop import HANDSHAKE, run_federation
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class InProcess:
         if kind == SECAGG:  # a step of secure aggregation: keys and shares, not data
             cfgs = self.node_cfgs
             return {n: site_stage(c, cfgs[n], self.run_id, n) for n, c in contents.items()}, {}
-        if kind == "handshake":
+        if kind == Kind.HANDSHAKE:
             return {
                 n: self._deliver(HANDSHAKE, n, answer_handshake(c, self.node_cfgs[n], self.run_id))
                 for n, c in contents.items()

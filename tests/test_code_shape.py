@@ -35,15 +35,10 @@ MAX_FILE_LINES = 500
 # "path::qualname lines" (a function over 80 lines), "path::qualname complexity" (over 15).
 ALLOWED: dict[str, str] = {
     # light (issue 37.1: the cli package; calibration, planning, api; prior/model.py)
-    "fedcal/cli/run.py::_experiment lines": "light",
-    "fedcal/cli/run.py::_experiment complexity": "light",
-    "fedcal/cli/plan.py::plan lines": "light",
     "fedcal/calibration.py": "light",
     "fedcal/planning.py": "light",
-    "fedcal/prior/model.py::PriorModel.to_dict complexity": "light",
     # vocab (issue 35.2: presets, one place for defaults)
     "fedcal/config.py": "vocab",
-    "fedcal/config.py::apply complexity": "vocab",
     # compose (issue 35.1: FedPrior's mixins → parts) and fieldcov (fedprior_drift)
     "fedcal/algorithms/fedprior.py": "compose",
     "fedcal/algorithms/fedprior.py::FedPrior.dp_statistics lines": "compose",

@@ -411,3 +411,39 @@ def test_a_down_weighting_in_the_final_rounds_is_ok_and_said_as_such():
     assert f"server down-weighted S0's reply in 1 round(s) (50): {low} (still aggregated)" in notes
     assert "server rejected S1's reply in 1 round(s) (50): size 52 > threshold 10" in notes
     assert not any("rejected S0" in n for n in notes)
+
+
+def test_the_status_vocabulary_is_one_enum_in_order_of_precedence():
+    """Status is declared once, least severe first; its members are the strings the files
+    hold; the first rule that applies in sensor_statuses is the most severe one."""
+    from fedcal.report.figures import sensor_points
+    from fedcal.report.tables import STATUS_COUNTS
+    from fedcal.status import COUNT_COLUMNS, NOT_OK, STATUSES, Status, most_severe
+
+    assert [str(s) for s in STATUSES] == [
+        "ok", "unconverged", "weak", "rejected", "diverged", "refused"
+    ]  # fmt: skip
+    assert Status.WEAK == "weak" and f"{Status.REFUSED}" == "refused"
+    assert NOT_OK == ("refused", "diverged", "rejected", "weak", "unconverged")
+    assert set(COUNT_COLUMNS) == set(STATUSES[1:])
+    assert sorted(STATUS_COUNTS.values()) == sorted(str(s) for s in STATUSES[1:])
+    # every pair of flags: the more severe one wins, by the rules' order
+    final = pd.DataFrame([{"client_index": 0, "client": "A", "status": "ok"}])
+    flags = {"refused": np.array([True]), "weak": np.array([True])}
+    got, _ = sensor_statuses(final, pd.DataFrame(), [], flags, 1, "rmse")
+    assert got == [most_severe(["refused", "weak"])] == ["refused"]
+    assert type(got[0]) is str  # a plain string in per_sensor.csv, not an enum member
+    # a status no member spells ranks just above ok (another fedcal's file)
+    assert most_severe(["ok", "mystery"]) == "mystery"
+    assert most_severe(["mystery", "unconverged"]) == "unconverged"
+    table = pd.DataFrame(
+        {
+            "method": ["m"] * 4,
+            "client": ["A", "A", "B", "B"],
+            "test_rmse": [1.0, 1.0, 2.0, 2.0],
+            "status": ["weak", "unconverged", "ok", None],
+        }
+    )
+    points = sensor_points(table, ["m"]).set_index("client")
+    assert points.loc["A", "status"] == "weak" and points.loc["B", "status"] == "diverged"
+    assert not points.loc["B", "drawn"]

@@ -46,6 +46,7 @@ import numpy as np
 import pandas as pd
 from sklearn.base import BaseEstimator
 
+from fedcal.core import runnames
 from fedcal.core.paths import read_regular, safe_name
 from fedcal.data.fleet import BAROMETRIC_FEATURES, BAROMETRIC_TARGET, CLIENT_COLUMN
 
@@ -216,8 +217,12 @@ class FleetPrior(BaseEstimator):
         if files is None:  # loaded: the stored run folder, or the bare prior.json
             path = self.source_
             folder = path.parent.parent.parent
-            is_run = (folder / "config.json").is_file() and path.parent.parent.name == "runs"
-            files = _read_dir(folder, path.parent) if is_run else {"prior.json": path.read_bytes()}
+            is_run = (folder / runnames.CONFIG).is_file()
+            is_run = is_run and path.parent.parent.name == runnames.RUNS
+            if is_run:
+                files = _read_dir(folder, path.parent)
+            else:
+                files = {runnames.PRIOR: path.read_bytes()}
         for name, blob in files.items():
             (out / name).parent.mkdir(parents=True, exist_ok=True)
             write_bytes(out / name, blob)
@@ -377,7 +382,7 @@ class CalibratedUnits:
                 f"{run_dir}: not a `fedcal calibrate` output (no calibration_points.csv)"
             )
         method = choose_method(run_dir, None)
-        prior = load_prior(run_dir / "runs" / f"{method}_tp0_seed0" / "prior.json")
+        prior = load_prior(runnames.run_path(run_dir, method) / runnames.PRIOR)
         column = prior.sensor_column
         points = read_table(run_dir / "calibration_points.csv", dtype={"sensor_id": str})
         frame = points[["sensor_id", *prior.features, prior.target]].rename(

@@ -40,11 +40,12 @@ from fedcal.algorithms.fedprior_deployed import DEPLOY_ROWS, deployed
 from fedcal.algorithms.fedprior_interval import DECLINE, NO_PROBE
 from fedcal.build import build_algorithm, build_task, run_record
 from fedcal.config import DataConfig, RunConfig, from_dict
+from fedcal.core import runnames
 from fedcal.core.bayes import F64, predictive_var
 from fedcal.core.data import ClientData
 from fedcal.core.paths import safe_name
 from fedcal.core.tree import Tree, expand, gather
-from fedcal.data.fleet import SPLIT_COLUMN, Fleet
+from fedcal.data.fleet import Fleet
 from fedcal.data.scaling import Scaler
 from fedcal.engine.evaluation import errors
 from fedcal.engine.simulation import FleetTensors, RunResult
@@ -59,10 +60,15 @@ from fedcal.experiment import (
 )
 from fedcal.prior.discrepancy import Discrepancy, unit_scale
 from fedcal.prior.model import PriorModel
+from fedcal.prior.qa import (  # the range guard, QA threshold and grid: torch-free, re-exported
+    GRID_POINTS,  # noqa: F401  (calibration.GRID_POINTS: tests/report/test_calibration_report.py)
+    QA_LEVEL,
+    RANGE_TOLERANCE,  # noqa: F401  (calibration.RANGE_TOLERANCE: benchmarks/prior_scale.py)
+    check_inputs,
+    distance_threshold,
+    operating_grid,
+)
 
-QA_LEVEL = 0.999  # a unit beyond this χ² quantile of the fleet distance is flagged
-GRID_POINTS = 2000  # σ over the operating range: a tensor grid of about this many points
-RANGE_TOLERANCE = 0.05  # inputs may exceed the fleet's calibrated range by 5 % of its span
 NOISE_ITERATIONS = 25  # fixed-point iterations of a unit's own noise level (converged: tested)
 DISTANCE_CHUNK = 4096  # units per batched solve of the fleet distance (memory bound)
 GRID_CHUNK = 512  # units per σ grid evaluation: (units, grid) float64, ~8 MB (fastest measured)
@@ -74,10 +80,10 @@ def find_prior(path: str | Path, method: str = "fedprior", seed: int = 0, train_
     path = Path(path)
     if path.exists() and not path.is_dir():  # a FIFO or device too: load_prior refuses it
         return path
-    folder = f"{safe_name(method, '--method')}_tp{train_points}_seed{seed}"
-    candidate = path / "runs" / folder / "prior.json"
+    folder = runnames.run_name(safe_name(method, "--method"), train_points, seed)
+    candidate = path / runnames.RUNS / folder / runnames.PRIOR
     if not candidate.exists():
-        found = sorted(p.parent.name for p in path.glob("runs/*/prior.json"))
+        found = sorted(p.parent.name for p in path.glob(f"{runnames.RUNS}/*/{runnames.PRIOR}"))
         hint = f"; runs with a prior: {', '.join(found)}" if found else ""
         raise FileNotFoundError(f"no fleet prior at {candidate}{hint}")
     return candidate
@@ -108,28 +114,6 @@ def _config(prior: PriorModel) -> RunConfig:
         features=prior.features, target=prior.target, client_column=prior.sensor_column
     )
     return replace(cfg, data=data, methods=(method,), seeds=1)
-
-
-def check_inputs(prior: PriorModel, fleet: Fleet, source: str) -> None:
-    """Refuse units calibrated outside the range the fleet's prior was learned over.
-
-    Only calibration (train) rows are judged: a unit's held-out rows beyond the range are
-    scored with the extrapolation guard (linearized, ``beyond_support`` in per_sensor.csv).
-    """
-    calibration_rows = fleet.frame[fleet.frame[SPLIT_COLUMN] == "train"]
-    # Every sensor's span at once (one grouped min/max per column, not a loop over sensors).
-    groups = calibration_rows.groupby(fleet.client_column, sort=False)
-    for c, (lo, hi) in prior.input_range.items():
-        slack = RANGE_TOLERANCE * (hi - lo)
-        span = groups[c].agg(["min", "max"])
-        bad = span[(span["min"] < lo - slack) | (span["max"] > hi + slack)]
-        if len(bad):  # the first such sensor in the file's order
-            sensor, (low, high) = bad.index[0], bad.iloc[0]
-            raise ValueError(
-                f"{source}: sensor {sensor}: {c} spans {low:.6g}…{high:.6g}, "
-                f"outside the prior fleet's calibrated range {lo:.6g}…{hi:.6g} (±5 %): "
-                "this prior cannot calibrate it"
-            )
 
 
 @dataclass(frozen=True)
@@ -300,11 +284,11 @@ def write(out: Path, prior: PriorModel, fleet: Fleet, result: Calibration) -> pd
     if hasattr(result.algorithm, "choose"):  # "auto" as calibrate resolved it by its data:
         params = {**cfg.method_params.get(method, {}), "choose": result.algorithm.choose}
         cfg = replace(cfg, method_params={**cfg.method_params, method: params})  # load's shapes
-    run_dir = out / "runs" / f"{method}_tp0_seed0"
+    run_dir = runnames.run_path(out, method)
     run_dir.mkdir(parents=True, exist_ok=True)
     resolved = run_record(cfg, [method], [0])
-    _write_text(out / "config.json", json.dumps(resolved, indent=2, sort_keys=True, default=list))
-    prior.save(run_dir / "prior.json")
+    _write_text(out / runnames.CONFIG, json.dumps(resolved, indent=2, sort_keys=True, default=list))
+    prior.save(run_dir / runnames.PRIOR)
     run = RunResult([], [], result.personal, result.server, {}, 0.0, 0.0, 0.0)
     save_models(
         run_dir / MODEL_FILE, run, result.tensors, cfg, result.algorithm, method, 0, fleet.meta
@@ -319,13 +303,13 @@ def write(out: Path, prior: PriorModel, fleet: Fleet, result: Calibration) -> pd
         has_test = result.tensors.test.count.numpy() > 0
         for k, v in test.items():
             per_sensor[f"test_{k}"] = np.where(has_test, v.numpy(), np.nan)
-    _write_csv(out / "per_sensor.csv", per_sensor)
+    _write_csv(out / runnames.PER_SENSOR, per_sensor)
     units, points = unit_diagnostics(prior, result)
-    _write_csv(out / "units.csv", units)
+    _write_csv(out / runnames.UNITS, units)
     _write_csv(out / "calibration_points.csv", points)
     # What the report and the exports read from a run directory: the valid input range of
     # each unit and a summary row.
-    _write_text(run_dir / "valid_range.json", json.dumps(valid_ranges(fleet), indent=1))
+    _write_text(run_dir / runnames.VALID_RANGE, json.dumps(valid_ranges(fleet), indent=1))
     row: dict[str, Any] = {"method": method, "seed": 0, "train_points": 0}
     for col in per_sensor.columns:
         if col.startswith("test_"):
@@ -339,7 +323,7 @@ def write(out: Path, prior: PriorModel, fleet: Fleet, result: Calibration) -> pd
         row["rmse_mean_pct_fs"] = 100.0 * row["rmse_mean"] / fs
         row["max_abs_worst_pct_fs"] = 100.0 * row["max_abs_worst"] / fs
     row.update(wall_s=0.0, bytes_up_per_round=0.0, bytes_down_per_round=0.0)
-    _write_csv(out / "summary.csv", pd.DataFrame([row]))
+    _write_csv(out / runnames.SUMMARY, pd.DataFrame([row]))
     return per_sensor
 
 
@@ -383,44 +367,6 @@ def fleet_distance(
         d2[idx] = proj.square().sum(-1)[ok].numpy()
         dof[idx] = kept.sum(-1)[ok].numpy()
     return d2, dof
-
-
-def distance_threshold(
-    d2: np.ndarray, dof: np.ndarray, num_units: int | None, level: float = QA_LEVEL
-) -> tuple[np.ndarray, np.ndarray]:
-    """The QA threshold of d² and its p-value, per unit.
-
-    The prior's Σ is estimated from the fleet's N units, so a new unit's d² is
-    not χ²(dof) but Hotelling's prediction statistic: d² · N(N − d)/(d(N − 1)(N + 1))
-    ~ F(d, N − d) (d = dof). Threshold: the F quantile at ``level`` mapped back;
-    for large N it tends to the χ²(d) quantile (used when N is not recorded).
-    A fleet of N ≤ d units cannot judge a d-dimensional distance: NaN (not flagged).
-    Measured (fleet seed 2, 10 fully calibrated units, new units with a 3x2 design:
-    tests/report/test_calibration_report.py): a typical new unit reached d² = 38.5
-    with d = 6, above χ²(6)'s 99.9 % quantile 22.5 — χ² ignores that Σ was
-    estimated from 10 units; Hotelling's threshold is 750.
-    """
-    from scipy.stats import chi2, f
-
-    d = np.maximum(dof, 1).astype(float)
-    if num_units is None:
-        threshold = np.where(dof > 0, chi2.ppf(level, d), np.nan)
-        return threshold, np.where(dof > 0, chi2.sf(d2, d), np.nan)
-    n = float(num_units)
-    ok = (dof > 0) & (n > d)
-    den = np.where(ok, n - d, 1.0)
-    factor = d * (n - 1.0) * (n + 1.0) / (n * den)
-    threshold = np.where(ok, factor * f.ppf(level, d, den), np.nan)
-    p_value = np.where(ok, f.sf(d2 / factor, d, den), np.nan)
-    return threshold, p_value
-
-
-def operating_grid(prior: PriorModel, points: int = GRID_POINTS) -> np.ndarray:
-    """A tensor grid over the prior fleet's calibrated input range (raw units)."""
-    ranges = [prior.input_range[c] for c in prior.features]
-    side = max(3, round(points ** (1 / len(ranges))))
-    axes = [np.linspace(lo, hi, side) for lo, hi in ranges]
-    return np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, len(ranges))
 
 
 def grid_sigma(alg: FedPrior, personal: Tree, grid: torch.Tensor) -> np.ndarray:

@@ -50,6 +50,7 @@ from fedcal.data.fleet import BAROMETRIC_FEATURES, BAROMETRIC_TARGET, CLIENT_COL
 from fedcal.data.simulator import FleetSpec, parse_design
 from fedcal.engine.settings import EngineSettings
 from fedcal.models import build_model
+from fedcal.presets import PRESET_KEY, PresetError, expanded, preset_settings
 
 
 def _design(value: str, where: str) -> str:
@@ -338,7 +339,12 @@ def check_method_tables(
             )
         cls = registry[base]
         types = setting_types(cls)
-        values = {k: v for k, v in params.items() if k != "base"}
+        values = {k: v for k, v in params.items() if k not in ("base", PRESET_KEY)}
+        if PRESET_KEY in params:  # a named preset (fedcal.presets): known and for this method
+            try:
+                preset_settings(params[PRESET_KEY], cls, name)
+            except PresetError as err:
+                raise ConfigError(f"{where} [{section}] {PRESET_KEY}: {err}") from None
         for key, value in values.items():
             if key not in types:
                 raise ConfigError(
@@ -352,7 +358,7 @@ def check_method_tables(
             if not _finite(value):
                 raise ConfigError(f"{where} [{section}] {key}: must be finite, got {value!r}")
         if task is not None and cls.task_kind == task.kind:
-            _task_checks(cls, values, task, f"{where} [{section}]")
+            _task_checks(cls, expanded(params, cls, name), task, f"{where} [{section}]")
         out[name] = dict(params)
     return out
 
@@ -426,48 +432,61 @@ def apply(base: RunConfig, raw: Any, where: str) -> RunConfig:
     if "train" in raw and isinstance(raw["train"], dict):
         updates["train_set"] = tuple(sorted({*base.train_set, *raw["train"]}))
     if "methods" in raw:
-        tables = raw["methods"]
-        if not isinstance(tables, dict):
-            raise ConfigError(f"{where} [methods]: must be a table of per-method tables")
-        params = {k: dict(v) for k, v in base.method_params.items()}
-        for method, values in tables.items():
-            _method_name(method, f"{where} [methods]")
-            if not isinstance(values, dict):
-                raise ConfigError(f"{where} [methods.{method}]: expected a table, got {values!r}")
-            params[method] = {**params.get(method, {}), **values}
-        updates["method_params"] = params
+        updates["method_params"] = _merged_tables(base, raw["methods"], where)
     cfg = dataclasses.replace(base, **updates)
     if "methods" in raw:
-        # each table as it will be used (a variant's base may come from the default), on
-        # the task this configuration describes
-        tables = {m: cfg.method_params[m] for m in raw["methods"]}
-        # A table the file inherits unchanged for a method it does not run (a run's
-        # config.json lists every default table, e.g. fedpoly_p3 beside a 3-input fleet) is
-        # checked without the task: it will not be built on it.
-        runs = set(cfg.methods)
-        on_task = {
-            m: t
-            for m, t in tables.items()
-            if "all" in runs or m in runs or t != base.method_params.get(m)
-        }
-        check_method_tables(on_task, where, described_task(cfg))
-        check_method_tables({m: t for m, t in tables.items() if m not in on_task}, where)
+        _check_tables(cfg, base, raw["methods"], where)
     if "run" in raw or "methods" in raw:
-        for m in cfg.methods:  # a method name becomes a run folder's name
-            _method_name(m, f"{where} [run] methods")
-        registry = _registry()
-        unknown = [
-            m
-            for m in cfg.methods
-            if m != "all" and m not in registry and "base" not in cfg.method_params.get(m, {})
-        ]
-        if unknown:
-            raise ConfigError(
-                f"{where} [run] methods: unknown method(s) {', '.join(unknown)}"
-                f"{did_you_mean(unknown, [*registry, *cfg.method_params])}; known: "
-                f"{', '.join(sorted(registry))} and the variants of [methods]"
-            )
+        _check_run_methods(cfg, where)
     return cfg
+
+
+def _merged_tables(base: RunConfig, tables: Any, where: str) -> dict[str, dict[str, Any]]:
+    """``base``'s ``[methods.*]`` tables with ``tables``' keys on top, table by table."""
+    if not isinstance(tables, dict):
+        raise ConfigError(f"{where} [methods]: must be a table of per-method tables")
+    params = {k: dict(v) for k, v in base.method_params.items()}
+    for method, values in tables.items():
+        _method_name(method, f"{where} [methods]")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{where} [methods.{method}]: expected a table, got {values!r}")
+        params[method] = {**params.get(method, {}), **values}
+    return params
+
+
+def _check_tables(cfg: RunConfig, base: RunConfig, raw: dict[str, Any], where: str) -> None:
+    """Each table ``raw`` names, as it will be used (a variant's base may come from the
+    default), on the task this configuration describes."""
+    tables = {m: cfg.method_params[m] for m in raw}
+    # A table the file inherits unchanged for a method it does not run (a run's
+    # config.json lists every default table, e.g. fedpoly_p3 beside a 3-input fleet) is
+    # checked without the task: it will not be built on it.
+    runs = set(cfg.methods)
+    on_task = {
+        m: t
+        for m, t in tables.items()
+        if "all" in runs or m in runs or t != base.method_params.get(m)
+    }
+    check_method_tables(on_task, where, described_task(cfg))
+    check_method_tables({m: t for m, t in tables.items() if m not in on_task}, where)
+
+
+def _check_run_methods(cfg: RunConfig, where: str) -> None:
+    """``[run] methods``: safe folder names, each registered or a variant of [methods]."""
+    for m in cfg.methods:  # a method name becomes a run folder's name
+        _method_name(m, f"{where} [run] methods")
+    registry = _registry()
+    unknown = [
+        m
+        for m in cfg.methods
+        if m != "all" and m not in registry and "base" not in cfg.method_params.get(m, {})
+    ]
+    if unknown:
+        raise ConfigError(
+            f"{where} [run] methods: unknown method(s) {', '.join(unknown)}"
+            f"{did_you_mean(unknown, [*registry, *cfg.method_params])}; known: "
+            f"{', '.join(sorted(registry))} and the variants of [methods]"
+        )
 
 
 def to_layout(cfg: RunConfig) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from enum import StrEnum
 
 import numpy as np
 import pandas as pd
@@ -51,14 +52,29 @@ import torch
 from fedcal.core.aggregation import is_downweighting
 from fedcal.models.basis import legendre_exponents, legendre_products
 
-STATUSES = ("ok", "weak", "unconverged", "rejected", "diverged", "refused")
+
+class Status(StrEnum):
+    """A sensor's status, declared once, least severe first: the order of precedence (module
+    doc: the first rule that applies is the most severe). A member is its string (JSON, CSV:
+    ``Status.WEAK == "weak"``)."""
+
+    OK = "ok"
+    UNCONVERGED = "unconverged"
+    WEAK = "weak"
+    REJECTED = "rejected"
+    DIVERGED = "diverged"
+    REFUSED = "refused"
+
+
+STATUSES = tuple(Status)  # every status, least severe first
+NOT_OK = tuple(reversed(STATUSES[1:]))  # the excluded ones, most severe first (run notes)
 # the summary's count column of each status other than ok ("diverged" as before)
 COUNT_COLUMNS = {
-    "weak": "weak",
-    "unconverged": "unconverged",
-    "rejected": "rejected_sensors",
-    "diverged": "diverged",
-    "refused": "refused",
+    Status.WEAK: "weak",
+    Status.UNCONVERGED: "unconverged",
+    Status.REJECTED: "rejected_sensors",
+    Status.DIVERGED: "diverged",
+    Status.REFUSED: "refused",
 }
 REJECTED_WINDOW = 0.1  # "final rounds": the last 10 % of the rounds (at least one)
 HIGHER_IS_BETTER = ("accuracy",)  # metrics whose error is 1 − metric (convergence)
@@ -97,6 +113,17 @@ def own_fit_rmse(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.
             out[idx] = (resid / n[idx]).sqrt()
         done |= use
     return out
+
+
+def severity(status: str) -> float:
+    """A status's rank, least severe first (:data:`STATUSES`); a name no member spells
+    (another fedcal's file) is not ok: ranked just above ok."""
+    return STATUSES.index(status) if status in STATUSES else 0.5
+
+
+def most_severe(statuses: Sequence[str]) -> str:
+    """The most severe of ``statuses`` (ties between unknown names broken by name)."""
+    return max(statuses, key=lambda s: (severity(s), s))
 
 
 def final_window(rounds: int) -> int:
@@ -169,10 +196,10 @@ def sensor_statuses(
     for _, row in final.iterrows():
         i = int(row["client_index"])
         flag = {name: bool(np.asarray(v)[i]) for name, v in flags.items()}
-        if flag.get("refused"):
-            status, why = "refused", "the method declined to calibrate this sensor"
-        elif row.get("status", "ok") != "ok":
-            status, why = "diverged", "non-finite model or test error"
+        if flag.get(Status.REFUSED):
+            status, why = Status.REFUSED, "the method declined to calibrate this sensor"
+        elif row.get("status", Status.OK) != Status.OK:
+            status, why = Status.DIVERGED, "non-finite model or test error"
         elif i in late:
             r = late[i]
             ratio = float(r.get("ratio", float("nan")))
@@ -181,29 +208,29 @@ def sensor_statuses(
                 if r["reason"] == "size" and ratio == ratio
                 else str(r["reason"])
             )
-            status, why = "rejected", f"reply screened out in round {int(r['round'])}: {what}"
-        elif flag.get("weak"):
-            status, why = "weak", "leans on directions the fleet's data do not determine"
+            status, why = Status.REJECTED, f"reply screened out in round {int(r['round'])}: {what}"
+        elif flag.get(Status.WEAK):
+            status, why = Status.WEAK, "leans on directions the fleet's data do not determine"
         elif falling.get(i, 0.0) > tol:
-            status = "unconverged"
+            status = Status.UNCONVERGED
             why = (
                 f"train {metric} still falling {100 * falling[i]:.2g} %/round at the end "
                 f"(tolerance {100 * tol:g} %)"
             )
         elif i in far:
             e, f = far[i]
-            status = "unconverged"
+            status = Status.UNCONVERGED
             why = (
                 f"train {metric} {e:.3g} is {e / f:.3g}× its own least-squares fit's {f:.3g} "
                 f"(factor {OWN_FIT_FACTOR:g})"
             )
         elif i in lowered:
             r = lowered[i]
-            status = "ok"
+            status = Status.OK
             why = f"down-weighted in round {int(r['round'])} (still aggregated): {r['reason']}"
         else:
-            status, why = "ok", ""
-        statuses.append(status)
+            status, why = Status.OK, ""
+        statuses.append(str(status))
         reasons.append(why)
     return statuses, reasons
 
@@ -224,7 +251,7 @@ def _final_records(
 def counts(statuses: pd.Series) -> dict[str, int]:
     """The summary's counts: sensors, excluded (not ok) and one column per other status."""
     values = statuses.astype(str)
-    out = {"sensors": len(values), "excluded": int((values != "ok").sum())}
+    out = {"sensors": len(values), "excluded": int((values != Status.OK).sum())}
     for status, column in COUNT_COLUMNS.items():
         out[column] = int((values == status).sum())
     return out

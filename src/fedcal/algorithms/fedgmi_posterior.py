@@ -104,6 +104,7 @@ from fedcal.core.identify import UNLEARNED_SHARE, unlearned_directions, unlearne
 from fedcal.core.robust import count_problems, gram_problems
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree, weighted_mean
+from fedcal.status import Status
 
 MIN_INFORMED = 2.0  # a head direction fewer units' points determine is unlearned (fedprior's)
 
@@ -299,11 +300,11 @@ class FedGMIPosterior(FedGMI):
             return {}  # evaluate="local", or a diverged fleet (its own status)
         weak = unlearned_directions(support.to(F64), MIN_INFORMED)
         if not weak.shape[1]:
-            return {"weak": torch.zeros(x.shape[0], dtype=torch.bool)}
+            return {Status.WEAK: torch.zeros(x.shape[0], dtype=torch.bool)}
         dtype = personal[head_names(self.task)[0]].dtype  # the body's (x may come as float64)
         design = head_design(self.task, personal, x.to(dtype))
         share = unlearned_share(design, personal["head_cov"], personal["noise_var"], weak, mask)
-        return {"weak": share > UNLEARNED_SHARE}
+        return {Status.WEAK: share > UNLEARNED_SHARE}
 
     def predictive_std(self, params: Tree, x: Tensor) -> Tensor | None:
         """√(Φ(x) V_i Φ(x)ᵀ + σ²) per row (clients, rows, 1) when the model carries V_i."""

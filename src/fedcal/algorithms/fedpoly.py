@@ -60,6 +60,7 @@ from fedcal.core.robust import explained_rms, gram_problems
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree, leaves
 from fedcal.models.basis import legendre
+from fedcal.status import Status
 
 F64 = torch.float64
 
@@ -204,7 +205,7 @@ class FedPoly(Algorithm):
         if "null" not in personal:
             return {}
         design = legendre_design(x, self.private_terms)
-        return {"weak": null_share(design, personal["null"], mask) > NULL_SHARE}
+        return {Status.WEAK: null_share(design, personal["null"], mask) > NULL_SHARE}
 
     def predict(self, params: Tree, x: Tensor) -> Tensor:
         value = (legendre_design(x, self.private_terms) * params["private"].unsqueeze(1)).sum(-1)

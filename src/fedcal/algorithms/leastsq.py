@@ -6,6 +6,9 @@ polynomial in the scaled inputs x ∈ ℝ^F:
 
     y ≈ Σ_{|e| ≤ d} c_e · x^e,   x^e = Π_j x_j^{e_j}   (C(F + d, d) terms; F = 3, d = 2: 10)
 
+(``family = "monomial"``, the default; any registered basis family of
+:mod:`fedcal.models.basis` gives the same span with other terms, e.g. ``"legendre"``.)
+
 * ``pooled = false`` (per-sensor fit, not federated): each sensor solves its own
   ridge-regularized normal equations (X_iᵀX_i + λI) c_i = X_iᵀy_i on its
   calibration points; with fewer points than terms λ → 0 picks the
@@ -45,7 +48,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import torch
-from pydantic import Field
+from pydantic import AfterValidator, Field
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
@@ -54,6 +57,9 @@ from fedcal.core.identify import NULL_REL as NULL_REL  # re-exported (docs)
 from fedcal.core.identify import NULL_SHARE, null_projector, null_share
 from fedcal.core.robust import count_problems, explained_rms, gram_problems
 from fedcal.core.tree import Tree
+from fedcal.models.basis import basis_family
+from fedcal.models.basis import monomial_products as monomial_design  # noqa: F401 (re-exported)
+from fedcal.status import Status
 
 F64 = torch.float64
 
@@ -69,10 +75,9 @@ def total_degree_exponents(num_inputs: int, degree: int) -> Tensor:
     return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), num_inputs)
 
 
-def monomial_design(x: Tensor, exponents: Tensor) -> Tensor:
-    """x^e for each exponent row: (..., rows, F) → (..., rows, terms), float64."""
-    x = x.to(F64).unsqueeze(-2)  # (..., rows, 1, F)
-    return x.pow(exponents.to(F64)).prod(-1)
+def _registered(name: str) -> str:
+    basis_family(name)  # a one-line ValueError naming the known families
+    return name
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,8 @@ class LeastSquares(Algorithm):
     degree: Annotated[int, Field(ge=0)] = 2
     pooled: bool = False
     ridge: Annotated[float, Field(gt=0.0)] = 1e-8  # λ, relative to the number of points (safety)
+    # the basis family of the terms (fedcal.models.basis.FAMILIES): x^e, or e.g. "legendre"
+    family: Annotated[str, AfterValidator(_registered)] = "monomial"
 
     name = "leastsq"
     uploads = ("statistics",)  # pooled: Gram sums; per sensor nothing leaves the client
@@ -103,9 +110,13 @@ class LeastSquares(Algorithm):
     def exponents(self) -> Tensor:
         return total_degree_exponents(self.task.model.in_features, self.degree)
 
+    def design(self, x: Tensor) -> Tensor:
+        """The terms at ``x`` in the configured family: (..., rows, F) → (..., rows, terms)."""
+        return basis_family(self.family).products(x, self.exponents)
+
     def _statistics(self, data: ClientData) -> tuple[Tensor, Tensor, Tensor]:
         """Per client: XᵀWX (clients, B, B), XᵀWy (clients, B), row count (clients,)."""
-        design = monomial_design(data.x, self.exponents)
+        design = self.design(data.x)
         w = data.mask.to(F64).unsqueeze(-1)
         gram = design.transpose(1, 2) @ (w * design)
         moment = ((w * design) * data.y[..., :1].to(F64)).sum(1)
@@ -166,10 +177,10 @@ class LeastSquares(Algorithm):
         exceeds NULL_SHARE (module doc); a pooled fit: none."""
         if "null" not in personal:
             return {}
-        design = monomial_design(x, self.exponents)
-        return {"weak": null_share(design, personal["null"], mask) > NULL_SHARE}
+        design = self.design(x)
+        return {Status.WEAK: null_share(design, personal["null"], mask) > NULL_SHARE}
 
     def predict(self, params: Tree, x: Tensor) -> Tensor:
         """Σ_e c_e x^e per client: (clients, rows, 1) in the dtype of ``x``."""
-        design = monomial_design(x, self.exponents)
+        design = self.design(x)
         return (design * params["coef"].unsqueeze(1)).sum(-1, keepdim=True).to(x.dtype)

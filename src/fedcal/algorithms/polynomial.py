@@ -105,6 +105,7 @@ from fedcal.models.basis import (
     linearized_products,
     orders_by_size,
 )
+from fedcal.status import Status
 
 F64 = torch.float64
 # Beyond a sensor's calibrated range by more than this fraction of the span (per side),
@@ -472,7 +473,7 @@ class PolynomialCalibration(Algorithm):
 
     def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
         """A refused sensor (module doc: too few points for any surface) is "refused"."""
-        return {"refused": ~torch.isfinite(personal["coef"]).all(-1)}
+        return {Status.REFUSED: ~torch.isfinite(personal["coef"]).all(-1)}
 
     def predict(self, params: Tree, x: Tensor) -> Tensor:
         """Σ a_α Π_k L̃_{α_k}(u_k) per client: (clients, rows, 1) in the dtype of ``x``.

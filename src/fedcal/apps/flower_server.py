@@ -58,6 +58,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedcal.build import build_algorithm, build_policy, build_task, method_settings
 from fedcal.config import ConfigError, RunConfig, default_config, from_json, load_config
+from fedcal.core import runnames
 from fedcal.engine.flower.grid import GridTransport
 from fedcal.engine.flower.loop import run_federation
 from fedcal.engine.flower.secagg import SecureAggregation
@@ -212,7 +213,7 @@ def main(grid: Grid, context: Context) -> None:
         text = json.dumps(result, indent=1, default=str)
         from fedcal.core.atomic import write_text
 
-        write_text(out / "result.json", text)
+        write_text(out / runnames.RESULT, text)
 
 
 def _run(grid: Grid, cfg: dict[str, Any], result: dict[str, Any], out: Path) -> None:

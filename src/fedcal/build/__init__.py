@@ -11,7 +11,8 @@ An algorithm's parameters (:func:`method_settings`), lowest precedence first:
    method's own values;
 2. the shipped ``[train]`` recipe, for recipe fields the method does not set itself;
 3. ``[train]`` values the user set (file or command line): they beat the method's own;
-4. ``[methods.<base>]`` for a variant, then ``[methods.<name>]``.
+4. the settings of the preset the table names (``preset = "chamber"``, :mod:`fedcal.presets`);
+5. ``[methods.<base>]`` for a variant, then ``[methods.<name>]``.
 
 The package: ``data`` (the fleet: simulator, file, row groups, chunk size), ``method``
 (task and algorithm), ``policy`` (aggregation, privacy, engine settings), ``checks`` (the

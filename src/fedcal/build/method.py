@@ -18,6 +18,7 @@ from fedcal.core.task import Task
 from fedcal.data.fleet import BAROMETRIC_FEATURES, Fleet
 from fedcal.models import build_model
 from fedcal.models.basis import Basis, whitened
+from fedcal.presets import PresetError, expanded
 
 
 def task_kind(fleet: Fleet) -> str:
@@ -104,6 +105,10 @@ def method_settings(name: str, config: RunConfig) -> tuple[type[Algorithm], dict
     if base != name:
         own = {**config.method_params.get(base, {}), **own}
         own.pop("base", None)
+    try:  # a named preset's settings, the table's own keys on top (fedcal.presets)
+        own = expanded(own, cls, name)
+    except PresetError as err:
+        raise ConfigError(f"[methods.{name}] preset: {err}") from None
     known = {f.name for f in fields(cls)} - {"task"}
     keep_own = _own_recipe(cls) - config.recipe_overrides()
     values: dict[str, Any] = {

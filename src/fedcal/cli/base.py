@@ -36,7 +36,8 @@ class _App(typer.Typer):
     themselves (``error: …``, exit 2). Anything else is an internal error:
     one line on stderr and exit 3, unless ``--debug`` (anywhere on the line)
     or ``FEDCAL_DEBUG=1`` asks for the full trace. Tracebacks never show local
-    variables (they may hold data or paths a user should not paste).
+    variables (they may hold data or paths a user should not paste). A command that
+    needs torch where it is not installed says so in one line (exit 3).
     """
 
     def __call__(self, *args, **kwargs):
@@ -48,6 +49,9 @@ class _App(typer.Typer):
         except Exception as err:
             if debug:
                 raise
+            if _missing_torch(err):
+                sys.stderr.write(f"fedcal: {NO_TORCH}\n")
+                sys.exit(3)
             text = str(err).strip().splitlines()
             detail = f": {text[0]}" if text else ""
             sys.stderr.write(
@@ -55,6 +59,19 @@ class _App(typer.Typer):
                 f"(run with {DEBUG_FLAG} for the full trace)\n"
             )
             sys.exit(3)
+
+
+NO_TORCH = (
+    "this command needs torch, which is not installed: pip install torch==2.13.0 "
+    "(the CPU build: docs/getting-started.md#install); a stored prior's calibration without "
+    "torch: fedcal.prior.station (docs/python-api.md)"
+)
+
+
+def _missing_torch(err: BaseException) -> bool:
+    """Whether ``err`` is torch (or a part of it) not being importable."""
+    name = getattr(err, "name", None) or ""
+    return isinstance(err, ImportError) and (name == "torch" or name.startswith("torch."))
 
 
 app = _App(

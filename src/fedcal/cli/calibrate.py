@@ -12,6 +12,7 @@ from rich.table import Table
 
 from fedcal.cli.base import KeyFileOpt, _check_mac, _fail, _mac_key, app, console
 from fedcal.cli.options import SensorOpt, TimeColumnOpt
+from fedcal.core import runnames
 from fedcal.core.errors import ConfigError
 
 
@@ -162,7 +163,7 @@ def _calibrated_column(run_dir: Path) -> str:
     """The sensor column of a calibrate output (its config.json)."""
     from fedcal.core.paths import read_json
 
-    return str(read_json(run_dir / "config.json")["data"]["client_column"])
+    return str(read_json(run_dir / runnames.CONFIG)["data"]["client_column"])
 
 
 # calibrate's console: what each unit states (its σ, not the fleet's noise), then, when the
@@ -186,7 +187,7 @@ def _print_calibrated(table, out: Path, target: str, title: str) -> None:
     from fedcal.report.tables import fmt_num, target_unit
 
     unit = target_unit(target)
-    qa = pd.read_csv(out / "units.csv", dtype={"sensor_id": str})[
+    qa = pd.read_csv(out / runnames.UNITS, dtype={"sensor_id": str})[
         ["sensor_id", "status", "sigma_mean", "sigma_max"]
     ]
     rows = table.astype({"sensor_id": str}).merge(qa, on="sensor_id", how="left")
@@ -214,9 +215,9 @@ def _print_calibrated(table, out: Path, target: str, title: str) -> None:
 
 def _print_units(run_dir: Path) -> None:
     """The per-unit table of a calibrate output (units.csv) and its QA findings."""
-    from fedcal.report.rundir import read_table
+    from fedcal.core.csvfile import read_table  # torch-free
 
-    units = read_table(run_dir / "units.csv", dtype={"sensor_id": str})  # guarded
+    units = read_table(run_dir / runnames.UNITS, dtype={"sensor_id": str})  # guarded
     points = ", ".join(map(str, sorted(set(units["points"].astype(int)))))
     t = Table(
         title=f"{len(units)} new unit(s); calibration points per unit: {points}",
@@ -235,9 +236,9 @@ def _print_units(run_dir: Path) -> None:
 
 def _print_findings(out: Path) -> None:
     """The QA findings of a calibrate run (units.csv): units unlike the fleet, failed units."""
-    from fedcal.report.rundir import read_table
+    from fedcal.core.csvfile import read_table  # torch-free
 
-    units = read_table(out / "units.csv", dtype={"sensor_id": str})  # guarded
+    units = read_table(out / runnames.UNITS, dtype={"sensor_id": str})  # guarded
     bad = units[units["status"] != "ok"]
     for r in bad.itertuples():
         why = f" (fleet distance d² {r.d2:.3g} > {r.d2_threshold:.3g})" * (r.status != "failed")

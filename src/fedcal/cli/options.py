@@ -32,6 +32,17 @@ def _int_list(text: str, option: str) -> list[int]:
     return values
 
 
+def _with_preset(cfg: RunConfig, preset: str) -> RunConfig:
+    """``--preset``: the table of the preset's method names it (:mod:`fedcal.presets`)."""
+    from fedcal.config import override
+    from fedcal.presets import PRESET_KEY, PRESETS
+
+    if preset not in PRESETS:
+        raise ConfigError(f"--preset: unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    table = {PRESETS[preset].method: {PRESET_KEY: preset}}
+    return override(cfg, {"methods": table}, "--preset")
+
+
 def _resolve(
     config: Path | None,
     data: Path | None = None,
@@ -49,6 +60,7 @@ def _resolve(
     split_by: str | None = None,
     sensor_column: str | None = None,
     raw_column: str | None = None,
+    preset: str | None = None,
 ) -> RunConfig:
     """The configuration file with the command line's options on top, validated like the file.
 
@@ -93,6 +105,8 @@ def _resolve(
             None if fleet_seeds is None else _int_list(fleet_seeds, "--fleet-seeds"),
         ),
     ]
+    if preset is not None:
+        cfg = _with_preset(cfg, preset)
     # one override per section, so fields checked together (features vs target) see each other
     given: dict[str, tuple[list[str], dict]] = {}
     for option, section, key, value in options:
@@ -215,6 +229,14 @@ SplitByOpt = Annotated[
 RawColumnOpt = Annotated[
     str | None,
     typer.Option("--raw-column", help="the feature that reads the target itself (uncorrected)"),
+]
+PresetOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--preset",
+        help="the fleet prior's settings by name: chamber (fedprior), field (fedprior_drift);"
+        " see docs/which-prior.md",
+    ),
 ]
 HtmlOpt = Annotated[
     Path | None, typer.Option("--html", help="also write the HTML report to this file")

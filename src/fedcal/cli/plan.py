@@ -50,7 +50,7 @@ def plan(
     from fedcal import calibration, planning
     from fedcal.core.atomic import write_text
     from fedcal.core.paths import check_file_output, run_folders_of
-    from fedcal.data.loader import FleetDataError, load_fleet
+    from fedcal.data.loader import FleetDataError
 
     torch.set_num_threads(1)
     try:
@@ -67,41 +67,9 @@ def plan(
         if next_:
             if unit is None or spec is None:
                 _fail("--next needs --unit FILE and --spec")
-            fleet = load_fleet(
-                unit,
-                doc.features,
-                doc.target,
-                test_fraction=0.0,
-                min_train_points=1,
-                min_test_points=0,
-            )
-            step = planning.unit_next(planner, fleet, spec, count, str(unit))
-            console.print(
-                f"unit now: RMS σ {step.now.rms:.4g} {unit_name}, worst σ {step.now.worst:.4g} "
-                f"over the range → {'meets' if step.done else 'does not meet'} spec {spec:g}"
-            )
-            for p, t, d, after, minutes in step.steps:
-                console.print(
-                    f"next: {p:g} hPa at {t:g} °C, {d}: RMS σ → {after:.4g} ({minutes:g} min)"
-                )
-            if step.steps:
-                frame = planning._as_design([s[:3] for s in step.steps]).frame()
-                if out is not None:
-                    write_text(out, frame.to_csv(index=False))  # atomic
+            _next_points(planner, doc, unit, spec, count, out, unit_name)
             return
-        if plateaus is not None and points is not None:
-            result = planning.optimize(planner, plateaus, points)
-            best = {"planned": result.design, "start": result.start}
-        elif spec is not None:
-            found = planning.cheapest(planner, spec, max_plateaus, max_points)
-            if not found:
-                _fail(
-                    f"no design of ≤ {max_plateaus} plateaus and ≤ {max_points} points "
-                    f"meets {spec:g}"
-                )
-            best = {"planned": found[0].design}
-        else:
-            _fail("give --plateaus and --points, or --spec, or --unit with --next")
+        best = _best_design(planner, plateaus, points, spec, max_plateaus, max_points)
         table = planning.compare(planner, {**best, **planning.standard_grids(chamber)}, spec)
         if out is not None:
             write_text(out, best["planned"].frame().to_csv(index=False))  # atomic
@@ -111,3 +79,43 @@ def plan(
     console.out(table.to_string(index=False, float_format=lambda v: f"{v:.4g}"), highlight=False)
     if out is not None:
         console.print(f"wrote {out} ({best['planned'].size} points)")
+
+
+def _next_points(planner, doc, unit: Path, spec: float, count: int, out, unit_name: str) -> None:
+    """--unit FILE --next: whether the unit meets --spec now, else its next point(s)."""
+    from fedcal import planning
+    from fedcal.core.atomic import write_text
+    from fedcal.data.loader import load_fleet
+
+    fleet = load_fleet(
+        unit, doc.features, doc.target, test_fraction=0.0, min_train_points=1, min_test_points=0
+    )
+    step = planning.unit_next(planner, fleet, spec, count, str(unit))
+    console.print(
+        f"unit now: RMS σ {step.now.rms:.4g} {unit_name}, worst σ {step.now.worst:.4g} "
+        f"over the range → {'meets' if step.done else 'does not meet'} spec {spec:g}"
+    )
+    for p, t, d, after, minutes in step.steps:
+        console.print(f"next: {p:g} hPa at {t:g} °C, {d}: RMS σ → {after:.4g} ({minutes:g} min)")
+    if step.steps:
+        frame = planning._as_design([s[:3] for s in step.steps]).frame()
+        if out is not None:
+            write_text(out, frame.to_csv(index=False))  # atomic
+
+
+def _best_design(planner, plateaus, points, spec, max_plateaus: int, max_points: int) -> dict:
+    """{"planned": design[, "start": the grid it started from]}: --plateaus/--points' optimum,
+    or --spec's cheapest design."""
+    from fedcal import planning
+
+    if plateaus is not None and points is not None:
+        result = planning.optimize(planner, plateaus, points)
+        return {"planned": result.design, "start": result.start}
+    if spec is not None:
+        found = planning.cheapest(planner, spec, max_plateaus, max_points)
+        if not found:
+            limits = f"≤ {max_plateaus} plateaus and ≤ {max_points} points"
+            _fail(f"no design of {limits} meets {spec:g}")
+        return {"planned": found[0].design}
+    _fail("give --plateaus and --points, or --spec, or --unit with --next")
+    raise AssertionError  # _fail exits

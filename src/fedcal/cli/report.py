@@ -9,6 +9,7 @@ import typer
 
 from fedcal.cli.base import _check_out, _fail, _print_table, _write_html, app, console, target_unit
 from fedcal.cli.calibrate import _print_units
+from fedcal.core import runnames
 from fedcal.core.errors import ConfigError
 
 
@@ -29,10 +30,7 @@ def report(
     ] = None,
 ) -> None:
     """Print the mean ± std table of a run directory; with --html, write the full report."""
-    from fedcal.report.rundir import RunDir
-    from fedcal.report.tables import aggregate, table_columns, to_markdown
-
-    if (run_dir / "units.csv").exists():  # a `fedcal calibrate` output: one row per new unit
+    if (run_dir / runnames.UNITS).exists():  # a `fedcal calibrate` output (torch-free sans --html)
         if markdown:
             _fail("--markdown: a calibrate output's units table prints as a table only")
         try:
@@ -44,6 +42,9 @@ def report(
         except (OSError, ValueError, ConfigError) as err:
             _fail(str(err))
         return
+    from fedcal.report.rundir import RunDir
+    from fedcal.report.tables import aggregate, table_columns, to_markdown
+
     try:  # the run folder's guards: regular files, size limits, checked tables and JSON
         if html is not None:
             _check_out(html, run_dir, option="--html")

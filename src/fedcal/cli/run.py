@@ -36,6 +36,7 @@ from fedcal.cli.options import (
     HtmlOpt,
     MethodsOpt,
     OutOpt,
+    PresetOpt,
     QuietOpt,
     RawColumnOpt,
     RoundsOpt,
@@ -73,14 +74,36 @@ def _experiment(
     auto_chunk: bool = False,
     key: bytes | None = None,
 ) -> None:
+    """Load the fleet, run every method, print the table; exit 1 on a failure or divergence."""
     import torch
 
+    torch.set_num_threads(1)  # tiny models: threading overhead dominates
+    cfg, fleet, names = _prepare(cfg, train_points, source, auto_chunk)
+    out = out or _default_out(kind, cfg, list(train_points))
+    summary, failures = _run(cfg, fleet, out, train_points, len(names), quiet)
+    if key is not None:  # signed: predict/export/calibrate --prior with the key check it
+        from fedcal.core.mac import write_mac
+
+        write_mac(out, key)
+    if not quiet:
+        from fedcal.report.tables import aggregate
+
+        table = aggregate(summary)
+        _print_table(table, target_unit(cfg.data.target), show_bytes)
+        console.print(
+            f"results in [bold]{out}[/] (summary.csv, runs/*/per_sensor.csv, "
+            "runs/*/model.safetensors)"
+        )
+    if html is not None:
+        _write_html(out, html, quiet)
+    _print_failures(summary, failures)
+
+
+def _prepare(cfg: RunConfig, train_points: tuple[int, ...], source: str, auto_chunk: bool):
+    """(cfg, fleet, method names): the run's data and its methods checked, notes printed."""
     from fedcal.build import choice_note, load_run_data, validate_methods, with_auto_chunk
     from fedcal.data.loader import FleetDataError
-    from fedcal.experiment import run_experiment
-    from fedcal.report.tables import aggregate
 
-    torch.set_num_threads(1)  # tiny models: threading overhead dominates
     try:  # a Parquet file by row groups when nothing needs its whole frame (issue 25.1)
         fleet, note = load_run_data(cfg, train_points)
         note = "\n".join(x for x in (note, choice_note(cfg)) if x)  # e.g. choose=auto: off
@@ -95,9 +118,48 @@ def _experiment(
         _fail(f"{source} {err}" if str(err).startswith("[") else str(err))
     except FleetDataError as err:
         _fail(str(err))
-    out = out or _default_out(kind, cfg, list(train_points))
+    return cfg, fleet, names
+
+
+class _Hooks:
+    """The run's callbacks: the progress bar, skipped methods, notes (once each), failures."""
+
+    def __init__(self, progress, bar, quiet: bool) -> None:
+        self.progress, self.bar, self.quiet = progress, bar, quiet
+        self.seen: dict[str, int] = {}
+        self.noted: set[tuple[str, str]] = set()
+        self.failures: list[str] = []
+
+    def on_progress(self, label: str, t: int, summary: dict) -> None:
+        step = t - self.seen.get(label, 0)
+        self.seen[label] = t
+        first = next(iter(summary.values()), None)  # the round's first metric, short
+        shown = f": {first:.3g}" if first is not None else ""
+        self.progress.update(self.bar, advance=step, description=f"{label}{shown}")
+
+    def on_skip(self, method: str, why: str) -> None:
+        if not self.quiet:
+            err_console.print(f"skipped {method}: {escape(why)}")
+
+    def on_note(self, method: str, note: str) -> None:  # what a user must know: even --quiet
+        if (method, note) not in self.noted:  # once, not once per seed and design
+            self.noted.add((method, note))
+            err_console.print(f"note ({method}): {escape(note)}")
+
+    def on_status(self, label: str, note: str) -> None:  # sensors not ok, rejections:
+        pass  # per_sensor.csv and rejections.csv; the table's "not ok" lines (issue 37.2)
+
+    def on_fail(self, label: str, reason: str) -> None:
+        self.failures.append(f"{label}: {reason}")
+        err_console.print(f"[bold red]failed[/] {escape(label)}: {escape(reason)}")
+
+
+def _run(cfg: RunConfig, fleet, out: Path, train_points: tuple[int, ...], methods: int, quiet):
+    """(summary, failures): every method × seed × budget × design × fleet seed, with a bar."""
+    from fedcal.experiment import run_experiment
+
     total = (
-        len(names)
+        methods
         * cfg.seeds
         * len(train_points)
         * cfg.engine.rounds
@@ -105,36 +167,7 @@ def _experiment(
         * max(len(cfg.fleet_seeds), 1)
     )
     with progress_bar(quiet) as progress:
-        bar = progress.add_task("starting", total=total)
-        seen: dict[str, int] = {}
-
-        def on_progress(label: str, t: int, summary: dict) -> None:
-            step = t - seen.get(label, 0)
-            seen[label] = t
-            first = next(iter(summary.values()), None)  # the round's first metric, short
-            shown = f": {first:.3g}" if first is not None else ""
-            progress.update(bar, advance=step, description=f"{label}{shown}")
-
-        def on_skip(method: str, why: str) -> None:
-            if not quiet:
-                err_console.print(f"skipped {method}: {escape(why)}")
-
-        noted: set[tuple[str, str]] = set()
-
-        def on_note(method: str, note: str) -> None:  # what a user must know: even with --quiet
-            if (method, note) not in noted:  # once, not once per seed and design
-                noted.add((method, note))
-                err_console.print(f"note ({method}): {escape(note)}")
-
-        def on_status(label: str, note: str) -> None:  # sensors not ok, rejections:
-            pass  # per_sensor.csv and rejections.csv; the table's "not ok" lines (issue 37.2)
-
-        failures: list[str] = []
-
-        def on_fail(label: str, reason: str) -> None:
-            failures.append(f"{label}: {reason}")
-            err_console.print(f"[bold red]failed[/] {escape(label)}: {escape(reason)}")
-
+        hooks = _Hooks(progress, progress.add_task("starting", total=total), quiet)
         try:
             summary = run_experiment(
                 cfg,
@@ -142,27 +175,19 @@ def _experiment(
                 out,
                 cfg.methods,
                 train_points,
-                on_progress,
-                on_skip=on_skip,
-                on_fail=on_fail,
-                on_note=on_note,
-                on_status=on_status,
+                hooks.on_progress,
+                on_skip=hooks.on_skip,
+                on_fail=hooks.on_fail,
+                on_note=hooks.on_note,
+                on_status=hooks.on_status,
             )
         except ConfigError as err:
             _fail(str(err))
-    if key is not None:  # signed: predict/export/calibrate --prior with the key check it
-        from fedcal.core.mac import write_mac
+    return summary, hooks.failures
 
-        write_mac(out, key)
-    if not quiet:
-        table = aggregate(summary)
-        _print_table(table, target_unit(cfg.data.target), show_bytes)
-        console.print(
-            f"results in [bold]{out}[/] (summary.csv, runs/*/per_sensor.csv, "
-            "runs/*/model.safetensors)"
-        )
-    if html is not None:
-        _write_html(out, html, quiet)
+
+def _print_failures(summary, failures: list[str]) -> None:
+    """Diverged sensors and failed methods, one line each; exit 1 if any."""
     has = "diverged" in summary.columns
     diverged = summary[summary["diverged"].fillna(0) > 0] if has else summary.iloc[0:0]
     for _, row in diverged.iterrows():
@@ -210,6 +235,7 @@ def train(
     split_by: SplitByOpt = None,
     sensor_column: SensorOpt = None,
     raw_column: RawColumnOpt = None,
+    preset: PresetOpt = None,
     key_file: KeyFileOpt = None,
 ) -> None:
     """``fedcal run`` and ``fedcal compare``: one definition (compare also shows bytes sent)."""
@@ -235,6 +261,7 @@ def train(
             split_by,
             sensor_column,
             raw_column,
+            preset,
         )
         points = (
             tuple(_int_list(train_points, "--train-points"))

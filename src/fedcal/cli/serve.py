@@ -58,6 +58,8 @@ def export(
         _fail(f"--format must be 'c', 'json' or 'onnx', got {fmt!r}")
     if fmt == "onnx" and out is None:
         _fail("--format onnx writes one file per sensor: give a directory with --out")
+    if fmt == "onnx":
+        _need_onnx()
     try:
         _check_out(out, run_dir, directory=fmt == "onnx")
         method = choose_method(run_dir, method)
@@ -92,6 +94,14 @@ def export(
         _print_footprint(fleet, method)
     _print_excluded(fleet)
     _print_without_sigma(fleet)
+
+
+def _need_onnx() -> None:
+    """--format onnx: onnx is an extra (pyproject.toml); one line when it is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("onnx") is None:
+        _fail("--format onnx needs the onnx package: pip install 'fedcal[onnx]'")
 
 
 def _print_without_sigma(fleet) -> None:

@@ -31,13 +31,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from fedcal.core import runnames
+
 MAX_NAME_BYTES = 200  # a file name is at most 255 bytes; room for "_tp48_seed0.onnx"
 DEFAULT_MAX_BYTES = 2 * 1024**3  # a file larger than this is refused unread
 # Run-folder files and configurations; data files have their own ($FEDCAL_MAX_FILE_BYTES).
 MAX_BYTES_ENV = "FEDCAL_MAX_RUN_FILE_BYTES"
 # What a run folder holds and fedcal reads back: no output of another command may be one.
-RUN_FILES = ("config.json", "summary.csv", "fleet.json")
-RUNS_SUBDIR = "runs"
+RUN_FILES = (runnames.CONFIG, runnames.SUMMARY, runnames.FLEET)
+RUNS_SUBDIR = runnames.RUNS
 
 FILE_KINDS = {  # what a path is when it is no regular file (data and run files)
     stat.S_IFIFO: "a named pipe (FIFO)",

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from fedcal.core.data import PERSONALIZE, TRAIN, client_round_seed
+from fedcal.status import Status
 
 # what :func:`fedcal.engine.evaluation.interval_metrics` adds: NaN where no interval is stated
 INTERVAL_METRICS = ("coverage95", "pred_sd")
@@ -67,7 +68,7 @@ def result_row(
     # An interval the method declines to state (NaN coverage95/pred_sd) is no divergence.
     errs = [v for k, v in test.items() if k not in INTERVAL_METRICS]
     finite = model_finite and all(math.isfinite(float(v)) for v in errs)
-    row["status"] = "ok" if finite else "diverged"
+    row["status"] = str(Status.OK if finite else Status.DIVERGED)
     return row
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import pandas as pd
 
 from fedcal.build import engine_settings
+from fedcal.core import runnames
 from fedcal.core.algorithm import Algorithm
 from fedcal.engine.simulation import CheckpointError, EngineConfig, RunResult, simulate
 from fedcal.experiment.builds import Cell
@@ -47,12 +48,12 @@ class Summary:
         self.rows.append(row)
 
     def write(self) -> None:
-        _write_csv(self.out / "summary.csv", _ordered(pd.DataFrame(self.rows)))
+        _write_csv(self.out / runnames.SUMMARY, _ordered(pd.DataFrame(self.rows)))
 
     def finish(self) -> pd.DataFrame:
         """The summary with the means over the common sensors (like with like, issue 34.4)."""
         summary = _ordered(common_sensor_means(pd.DataFrame(self.rows), self.runs))
-        _write_csv(self.out / "summary.csv", summary)
+        _write_csv(self.out / runnames.SUMMARY, summary)
         return summary
 
 
@@ -76,10 +77,10 @@ def run_seed(
 ) -> bool:
     """One run: read back if done, else trained and recorded; False if it failed."""
     out, tp, metric = plan.out, cell.train_points, cell.task.primary_metric
-    run_dir = _in_place(out, out / "runs" / _run_name(method, cell.labels, tp, seed))
-    done = run_dir / "done.json"
+    run_dir = _in_place(out, out / runnames.RUNS / _run_name(method, cell.labels, tp, seed))
+    done = run_dir / runnames.DONE
     if done.exists():
-        summary.add(_read_done(done, out), run_dir / "per_sensor.csv", metric)
+        summary.add(_read_done(done, out), run_dir / runnames.PER_SENSOR, metric)
         return True
     run_dir.mkdir(parents=True, exist_ok=True)
     engine = EngineConfig(**engine_settings(plan.config), seed=seed, aggregation=plan.policy)
@@ -97,7 +98,7 @@ def run_seed(
         summary.write()
         return False
     trained = Trained(method, algorithm, seed, label, run_dir, result)
-    summary.add(record_run(plan, cell, trained, hooks), run_dir / "per_sensor.csv", metric)
+    summary.add(record_run(plan, cell, trained, hooks), run_dir / runnames.PER_SENSOR, metric)
     summary.write()
     return True
 

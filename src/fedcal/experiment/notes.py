@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 from fedcal.core.aggregation import is_downweighting
+from fedcal.status import NOT_OK
 
 
 def status_notes(final: pd.DataFrame, rejections: pd.DataFrame, limit: int = 10) -> list[str]:
@@ -18,7 +19,7 @@ def status_notes(final: pd.DataFrame, rejections: pd.DataFrame, limit: int = 10)
     threshold), at most ``limit`` clients named (the rest are in rejections.csv)."""
     notes = []
     status = final["status"].astype(str)
-    for name in ("refused", "diverged", "rejected", "weak", "unconverged"):
+    for name in NOT_OK:  # most severe first
         which = final.loc[status == name, "client"].astype(str).tolist()
         if which:
             shown = ", ".join(which[:limit]) + (

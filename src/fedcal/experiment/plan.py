@@ -22,6 +22,7 @@ from fedcal.build import (
     task_kind,
 )
 from fedcal.config import ConfigError, RunConfig
+from fedcal.core import runnames
 from fedcal.core.aggregation import AggregationPolicy
 from fedcal.data.fleet import Fleet
 from fedcal.experiment.rundir import _check_same_run, _data_digest, _provenance, _write_text
@@ -118,7 +119,7 @@ def open_run_directory(plan: RunPlan) -> None:
     out = plan.out
     out.mkdir(parents=True, exist_ok=True)
     resolved = run_record(plan.config, plan.methods, plan.train_points)
-    config_path = out / "config.json"
+    config_path = out / runnames.CONFIG
     text = json.dumps(resolved, indent=2, sort_keys=True, default=list)
     # The data's content, not just its path: a file replaced at the same path is another run.
     digest = _data_digest(plan.variants)
@@ -129,6 +130,6 @@ def open_run_directory(plan: RunPlan) -> None:
         json.dumps({**resolved, "data_sha256": digest}, indent=2, sort_keys=True, default=list),
     )
     provenance = json.dumps(_provenance(plan.variants), indent=2, sort_keys=True, default=str)
-    _write_text(out / "fleet.json", provenance)
+    _write_text(out / runnames.FLEET, provenance)
     if plan.privacy:
-        _write_text(out / "privacy.json", json.dumps(plan.privacy, indent=2))
+        _write_text(out / runnames.PRIVACY, json.dumps(plan.privacy, indent=2))

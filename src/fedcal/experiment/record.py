@@ -16,6 +16,7 @@ import pandas as pd
 import torch
 
 from fedcal.build import FleetOutline, valid_ranges
+from fedcal.core import runnames
 from fedcal.core.algorithm import Algorithm
 from fedcal.engine.simulation import RunResult
 from fedcal.experiment.builds import Cell
@@ -71,7 +72,7 @@ def record_run(plan: RunPlan, cell: Cell, run: Trained, hooks: Hooks) -> dict[st
     if cell.task.kind == "regression":
         outline = isinstance(cell.subset, FleetOutline)
         ranges = cell.subset.valid_ranges if outline else valid_ranges(cell.subset)
-        _write_text(run_dir / "valid_range.json", json.dumps(ranges, indent=1))
+        _write_text(run_dir / runnames.VALID_RANGE, json.dumps(ranges, indent=1))
     row = {
         **cell.labels,
         **summary_row(
@@ -93,7 +94,7 @@ def record_run(plan: RunPlan, cell: Cell, run: Trained, hooks: Hooks) -> dict[st
         row["noise_multiplier"] = plan.privacy["noise_multiplier"]
     record_prior(row, final, plan, cell, run, hooks)
     run_notes(row, history, run, hooks)
-    _write_text(run_dir / "done.json", json.dumps(row, indent=2))
+    _write_text(run_dir / runnames.DONE, json.dumps(row, indent=2))
     (run_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
     return row
 
@@ -103,7 +104,7 @@ def write_history(run: Trained) -> pd.DataFrame:
     history = pd.DataFrame(run.result.history)
     history.insert(0, "method", run.method)
     history.insert(1, "seed", run.seed)
-    _write_csv(run.run_dir / "metrics.csv", history)
+    _write_csv(run.run_dir / runnames.METRICS, history)
     _write_csv(run.run_dir / "aggregation.csv", pd.DataFrame(run.result.extra["aggregation"]))
     return history
 
@@ -123,7 +124,7 @@ def write_sensors(
         config.unconverged_tol,
         config.engine.chunk_size,
     )
-    _write_csv(run.run_dir / "rejections.csv", rejections)
+    _write_csv(run.run_dir / runnames.REJECTIONS, rejections)
     final = pd.DataFrame(result.final)
     final["status"], final["status_reason"] = statuses, reasons
     final.insert(0, "method", run.method)
@@ -137,7 +138,7 @@ def write_sensors(
     if cell.roles is not None:  # mixed fleets: each sensor's role beside its id
         role_column = final["client"].astype(str).map(cell.roles)
         final.insert(final.columns.get_loc("client") + 1, "role", role_column)
-    _write_csv(run.run_dir / "per_sensor.csv", final)
+    _write_csv(run.run_dir / runnames.PER_SENSOR, final)
     return final, rejections, statuses
 
 
@@ -180,7 +181,7 @@ def record_prior(
             fitted = dataclasses.replace(fitted, discrepancy=model)
     if fitted is None:
         return
-    fitted.save(run.run_dir / "prior.json")
+    fitted.save(run.run_dir / runnames.PRIOR)
     exported = fitted.to_dict()
     note = identification_note(exported)
     if "identification" in exported:

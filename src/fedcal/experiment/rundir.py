@@ -12,9 +12,11 @@ from typing import Any
 import pandas as pd
 
 from fedcal.config import ConfigError
+from fedcal.core import runnames
 from fedcal.core.atomic import write_text, write_with
 from fedcal.core.paths import read_json
 from fedcal.data.fleet import Fleet
+from fedcal.status import COUNT_COLUMNS
 
 SUMMARY_COLUMNS = [
     "method",
@@ -33,11 +35,7 @@ SUMMARY_COLUMNS = [
     "bytes_down_per_round",
     "sensors",
     "excluded",
-    "weak",
-    "unconverged",
-    "rejected_sensors",
-    "diverged",
-    "refused",
+    *COUNT_COLUMNS.values(),  # one count per status other than ok (fedcal.status)
     "rejected",
     "failed",
 ]
@@ -52,10 +50,10 @@ def one_line(err: BaseException, limit: int = 300) -> str:
     return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 
-MODEL_FILE = "model.safetensors"
+MODEL_FILE = runnames.MODEL  # (names kept: calibration and the exports import them)
 
 
-CHECKPOINT_FILE = "checkpoint.safetensors"
+CHECKPOINT_FILE = runnames.CHECKPOINT
 
 
 class RunDirectoryError(ConfigError):
@@ -158,12 +156,7 @@ def _ordered(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def _run_name(method: str, labels: dict[str, Any], tp: int, seed: int) -> str:
-    parts = [method]
-    if "design" in labels:
-        parts.append(str(labels["design"]))
-    if "fleet_seed" in labels:
-        parts.append(f"fs{labels['fleet_seed']}")
-    return "_".join([*parts, f"tp{tp}", f"seed{seed}"])
+    return runnames.run_name(method, tp, seed, labels.get("design"), labels.get("fleet_seed"))
 
 
 def _where(labels: dict[str, Any]) -> str:

@@ -1,11 +1,16 @@
-"""Model families with a named feature-extractor / head split."""
+"""Model families with a named feature-extractor / head split.
+
+The package imports no torch itself: the stored prior's check reads the basis registry
+(:mod:`fedcal.models.families`) on a calibration station without torch; the models are
+imported where one is built.
+"""
 
 from __future__ import annotations
 
-from fedcal.core.task import Model
-from fedcal.models.basis import Basis
-from fedcal.models.classifier import HypersphereClassifier
-from fedcal.models.mlp import MLP
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fedcal.core.task import Model
 
 FAMILIES = ("mlp", "basis", "classifier")
 
@@ -24,6 +29,10 @@ def build_model(
     ``poly_orders`` (one Legendre order per input) and ``poly_domain`` (the
     scaled interval of each input mapped onto [-1, 1]) are read by ``"basis"`` only.
     """
+    from fedcal.models.basis import Basis
+    from fedcal.models.classifier import HypersphereClassifier
+    from fedcal.models.mlp import MLP
+
     if family == "mlp":
         return MLP(in_features, tuple(hidden), out_features, activation)
     if family == "basis":

@@ -82,6 +82,17 @@ import torch
 from torch import Tensor
 
 from fedcal.core.tree import Tree
+from fedcal.models.families import (  # noqa: F401 (re-exported: callers import them here)
+    FAMILIES,
+    LEGENDRE,
+    MONOMIAL,
+    BasisFamily,
+    basis_family,
+    legendre,
+    legendre_derivatives,
+    monomial_products,
+    register_family,
+)
 from fedcal.models.mlp import (
     ACTIVATIONS,
     DERIVATIVES,
@@ -97,20 +108,6 @@ def _constants(
 ) -> tuple[Tensor, Tensor]:
     # The whitening as tensors, built once per model and dtype (not at every step).
     return torch.tensor(center, dtype=dtype), torch.tensor(transform, dtype=dtype)
-
-
-def legendre(x: Tensor, order: int) -> list[Tensor]:
-    """Normalized Legendre values √(2n+1)·P_n(x) for n = 0..order (each shaped like x).
-
-    Bonnet's recurrence (n+1)·P_{n+1} = (2n+1)·x·P_n − n·P_{n−1}, then the
-    normalization that gives unit mean square on [-1, 1].
-    """
-    values = [torch.ones_like(x)]
-    if order >= 1:
-        values.append(x)
-    for n in range(1, order):
-        values.append(((2 * n + 1) * x * values[n] - n * values[n - 1]) / (n + 1))
-    return [math.sqrt(2 * n + 1) * v for n, v in enumerate(values)]
 
 
 #: The most terms a Legendre-product basis may have: a fleet prior's p × p covariance and
@@ -190,32 +187,7 @@ def legendre_products(x: Tensor, exponents: Sequence[Sequence[int]]) -> Tensor:
     Float64: these columns feed least-squares solves whose Gram matrices square
     their condition number.
     """
-    x = x.to(torch.float64)
-    num_inputs = x.shape[-1]
-    if not exponents:
-        return x.new_zeros(*x.shape[:-1], 0)
-    tops = [max(t[j] for t in exponents) for j in range(num_inputs)]
-    values = [legendre(x[..., j], tops[j]) for j in range(num_inputs)]
-    cols = []
-    for term in exponents:
-        col = torch.ones_like(x[..., 0])
-        for j, a in enumerate(term):
-            if a:
-                col = col * values[j][a]
-        cols.append(col)
-    return torch.stack(cols, dim=-1)
-
-
-def legendre_derivatives(x: Tensor, order: int) -> list[Tensor]:
-    """d/dx √(2n+1)·P_n(x) for n = 0..order: P'_{n+1} = P'_{n−1} + (2n+1)·P_n (P'_0 = 0)."""
-    values = legendre(x, order)  # normalized: P_n = values[n] / √(2n+1)
-    plain = [v / math.sqrt(2 * n + 1) for n, v in enumerate(values)]
-    ders = [torch.zeros_like(x)]
-    if order >= 1:
-        ders.append(torch.ones_like(x))
-    for n in range(1, order):
-        ders.append(ders[n - 1] + (2 * n + 1) * plain[n])
-    return [math.sqrt(2 * n + 1) * d for n, d in enumerate(ders)]
+    return LEGENDRE.products(x, exponents)
 
 
 #: How far beyond the fleet's inputs a prior's surface is trusted: its mean ± this many

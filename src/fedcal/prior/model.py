@@ -39,11 +39,11 @@ from fedcal.core.atomic import write_text
 from fedcal.core.paths import read_json
 from fedcal.core.runfiles import RunFileError, check_prior
 from fedcal.data.scaling import Scaler
-from fedcal.prior.discrepancy import Discrepancy
+from fedcal.models.families import FAMILIES, LEGENDRE
 
 FORMAT_VERSION = 2  # 1: no format_version key (fedcal before the value); 2: this module
 KIND = "fedprior"
-BASIS_FAMILIES = ("legendre",)  # normalized Legendre products (fedcal.models.basis)
+BASIS_FAMILIES = FAMILIES  # the registered basis families (fedcal.models.basis.FAMILIES)
 RETRAIN = "re-train the prior with this fedcal (`fedcal run --methods fedprior ...`)"
 # Every part a prior.json may hold (v1 and v2); anything else is refused.
 # fmt: off
@@ -242,9 +242,10 @@ class PriorModel:
         if unknown:
             raise RunFileError(f"{source}: {unknown[0]}: not a part of a fleet prior")
         check_prior(source, doc)  # schema, shapes, finite, Σ SPD, σ² > 0 (one place)
-        family = doc.get("basis_family", "legendre")
+        family = doc.get("basis_family", LEGENDRE.name)  # v1: always Legendre
         if family not in BASIS_FAMILIES:
-            raise RunFileError(f"{source}: basis_family: {family!r} is not one of {BASIS_FAMILIES}")
+            known = ", ".join(sorted(BASIS_FAMILIES))
+            raise RunFileError(f"{source}: basis_family: {family!r} is not one of {known}")
         basis = _basis(doc, source, family)
         return cls(
             mean=_frozen(doc["mu"]),
@@ -270,37 +271,25 @@ class PriorModel:
         b, nz, pv = self.basis, self.noise, self.provenance
         out: dict[str, Any] = {"format_version": FORMAT_VERSION, "kind": KIND}
         out["basis_family"] = b.family
-        if pv.created_by is not None:
-            out["created_by"] = pv.created_by
+        _put(out, "created_by", pv.created_by)
         out["terms"] = [list(t) for t in b.terms]
-        if b.term_names is not None:
-            out["term_names"] = list(b.term_names)
+        _put(out, "term_names", _listed(b.term_names))
         out["mu"] = self.mean.tolist()
         out["sigma"] = self.covariance.tolist()
         out["noise_var"] = nz.variance
-        if nz.kind is not None:
-            out["noise"] = nz.kind
-        if nz.prior_points is not None:
-            out["noise_prior_points"] = nz.prior_points
-        if self.identification is not None:
-            out["identification"] = self.identification
-        if nz.gamma is not None:
-            out["noise_gamma"] = list(nz.gamma)
-        if nz.student is not None:
-            out["noise_student"] = nz.student
-        if self.interval is not None:
-            out["interval"] = _interval_dict(self.interval)
+        _put(out, "noise", nz.kind)
+        _put(out, "noise_prior_points", nz.prior_points)
+        _put(out, "identification", self.identification)
+        _put(out, "noise_gamma", _listed(nz.gamma))
+        _put(out, "noise_student", nz.student)
+        _put(out, "interval", self.interval and _interval_dict(self.interval))
         if b.branch_terms:
             out["branch_terms"] = [list(t) for t in b.branch_terms]
             out["branch_term_names"] = list(b.branch_term_names)
-        if b.pinned:
-            out["branch_pinned"] = [list(t) for t in b.pinned]
-        if self.selection is not None:
-            out["selection"] = _selection_dict(self.selection)
-        if self.drift is not None:
-            out["drift"] = _drift_dict(self.drift)
-        if self.discrepancy is not None:
-            out["discrepancy"] = self.discrepancy
+        _put(out, "branch_pinned", [list(t) for t in b.pinned] or None)
+        _put(out, "selection", self.selection and _selection_dict(self.selection))
+        _put(out, "drift", self.drift and _drift_dict(self.drift))
+        _put(out, "discrepancy", self.discrepancy)
         out["method"] = pv.method
         out["method_params"] = pv.method_params
         out["features"] = list(self.features)
@@ -308,11 +297,19 @@ class PriorModel:
         out["sensor_column"] = self.sensor_column
         out["scaler"] = self.scaler.to_dict()
         out["input_range"] = {c: list(v) for c, v in self.input_range.items()}
-        if pv.num_units is not None:
-            out["num_units"] = pv.num_units
-        if pv.design_counts is not None:
-            out["design_counts"] = pv.design_counts
+        _put(out, "num_units", pv.num_units)
+        _put(out, "design_counts", pv.design_counts)
         return out
+
+
+def _put(out: dict[str, Any], key: str, value: Any) -> None:
+    """``out[key] = value`` unless the part is absent (None): the file omits it."""
+    if value is not None:
+        out[key] = value
+
+
+def _listed(values: Any) -> list | None:
+    return None if values is None else list(values)
 
 
 # ---- the parts, read and checked -------------------------------------------------------
@@ -480,6 +477,10 @@ def _discrepancy(raw: Any, source: str) -> dict[str, Any] | None:
     if raw is not None and not isinstance(raw, dict):
         raise RunFileError(f"{source}: discrepancy: expected an object")
     if raw is not None:  # validated here (one line naming the field), carried as written
+        # imported here: the discrepancy module's kernels use torch, and a prior without
+        # this part (the chamber default) is read by the torch-free path (issue 37.1)
+        from fedcal.prior.discrepancy import Discrepancy
+
         try:
             Discrepancy.from_dict(raw, str(source))
         except ValueError as err:

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from fedcal.core import runnames
 from fedcal.core.paths import read_regular
 from fedcal.prior.model import PriorModel
 from fedcal.report.export import RANGE_MARGIN, choose_method, load_models, range_bounds
@@ -239,29 +240,29 @@ class CalibrationRun:
         from fedcal.report.rundir import check_plausible, read_valid_ranges
 
         run_dir = Path(run_dir)
-        if not (run_dir / "units.csv").is_file():
+        if not (run_dir / runnames.UNITS).is_file():
             raise FileNotFoundError(
                 f"{run_dir}: not a `fedcal calibrate` output (no units.csv): certificates are "
                 "written for new units calibrated against a fleet prior"
             )
         method = choose_method(run_dir, None)
-        prior_path = run_dir / "runs" / f"{method}_tp0_seed0" / "prior.json"
+        prior_path = runnames.run_path(run_dir, method) / runnames.PRIOR
         prior = PriorModel.load(prior_path)  # validated (one line naming the field)
         ids = {"sensor_id": str}
-        summary = read_table(run_dir / "summary.csv")
+        summary = read_table(run_dir / runnames.SUMMARY)
         note = summary.get("coverage_note", pd.Series([""])).fillna("").iloc[0]
-        stamp = (run_dir / "units.csv").stat().st_mtime
+        stamp = (run_dir / runnames.UNITS).stat().st_mtime
         models = load_models(run_dir, method, drop_diverged=True)  # a failed unit: no model
         ranges = read_valid_ranges(run_dir, method, 0, 0)
-        check_plausible(models, ranges, prior_path.parent / "model.safetensors")  # as predict
+        check_plausible(models, ranges, prior_path.parent / runnames.MODEL)  # as predict
         return cls(
             path=run_dir,
             prior=prior,
             prior_info=prior_info(prior_path, prior),
-            units=read_table(run_dir / "units.csv", dtype=ids).set_index("sensor_id"),
+            units=read_table(run_dir / runnames.UNITS, dtype=ids).set_index("sensor_id"),
             coefficients=read_table(run_dir / "coefficients.csv", dtype=ids).set_index("sensor_id"),
             points=read_table(run_dir / "calibration_points.csv", dtype=ids),
-            per_sensor=read_table(run_dir / "per_sensor.csv", dtype=ids).set_index("sensor_id"),
+            per_sensor=read_table(run_dir / runnames.PER_SENSOR, dtype=ids).set_index("sensor_id"),
             ranges=ranges,
             models=models,
             declined_note=str(note),

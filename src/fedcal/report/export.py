@@ -20,11 +20,13 @@ import numpy as np
 import torch
 
 from fedcal.config import ConfigError, from_json
+from fedcal.core import runnames
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.errors import did_you_mean
 from fedcal.core.paths import read_json
 from fedcal.core.tree import Tree, flatten, stack
 from fedcal.data.scaling import Scaler
+from fedcal.status import Status
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,7 @@ def choose_method(run_dir: str | Path, method: str | None) -> str:
     """
     if method:
         return method
-    path = Path(run_dir) / "config.json"
+    path = Path(run_dir) / runnames.CONFIG
     try:  # read under the run folder's guards (regular file, size limit)
         methods = list(read_json(path)["run"]["methods"])
     except (KeyError, TypeError) as e:
@@ -302,7 +304,7 @@ def load_models(
     from fedcal.experiment import MODEL_FILE, load_model_file
 
     run_dir = Path(run_dir)
-    folder = run_dir / "runs" / f"{safe_name(method, 'method')}_tp{train_points}_seed{seed}"
+    folder = runnames.run_path(run_dir, safe_name(method, "method"), train_points, seed)
     path = folder / MODEL_FILE
     if not path.exists():
         if (folder / "model.pt").exists():
@@ -310,12 +312,14 @@ def load_models(
                 f"{folder / 'model.pt'}: a pickled model of an older fedcal, which is no longer "
                 "read (unpickling can run code); rerun the experiment into a new --out"
             )
-        known = sorted({p.name.rsplit("_tp", 1)[0] for p in run_dir.glob("runs/*_tp*_seed*")})
+        known = sorted(
+            {p.name.rsplit("_tp", 1)[0] for p in run_dir.glob(f"{runnames.RUNS}/*_tp*_seed*")}
+        )
         raise FileNotFoundError(
             f"no model for method {method!r}, seed {seed} in {run_dir} ({path} missing)"
             + did_you_mean([method], known)
         )
-    config_path = run_dir / "config.json"
+    config_path = run_dir / runnames.CONFIG
     record = read_json(config_path)  # guarded: a regular file, strict JSON (core/paths.py)
     try:
         cfg = from_json(record, str(config_path))
@@ -327,7 +331,7 @@ def load_models(
         raise TensorFileError(
             path, f"holds a model of method {meta.get('method')!r}, not {method!r}: moved or edited"
         )
-    refused = _refused_sensors(folder / "per_sensor.csv")
+    refused = _refused_sensors(folder / runnames.PER_SENSOR)
     excluded: dict[str, str] = {}
     for sensor in list(params):
         try:
@@ -383,10 +387,10 @@ def _refused_sensors(path: Path) -> dict[str, str]:
     except (OSError, ValueError, csv.Error):
         return {}  # unreadable: no sensor is excused, a NaN model stays an error
     return {
-        str(r.get("client")): "refused"
+        str(r.get("client")): Status.REFUSED
         + (f" ({r['status_reason']})" if r.get("status_reason") else "")
         for r in rows
-        if r.get("status") == "refused" and r.get("client") is not None
+        if r.get("status") == Status.REFUSED and r.get("client") is not None
     }
 
 
@@ -446,12 +450,16 @@ def to_c_header(
     from fedcal.report.mlp_c import mlp_header, range_lines
 
     form = linear_form(fleet, method)
-    if form is not None:
-        check_form(fleet, form, valid_range)
-        ranges = (
-            range_lines(list(form.sensors), [*fleet.features, fleet.target], valid_range)
-            if valid_range
-            else []
-        )
-        return c_header(fleet, form, guard, ranges)
-    return mlp_header(fleet, guard, valid_range)
+    sensors = list(form.sensors) if form is not None else sorted(fleet.params)
+    ranges = []
+    if valid_range:
+        missing = [s for s in sensors if s not in valid_range]
+        if missing:
+            raise ValueError(f"no valid range for sensor(s) {', '.join(missing)}")
+        bounds = [range_bounds(valid_range[s], tuple(fleet.features)) for s in sensors]
+        columns = [*fleet.features, fleet.target]
+        ranges = range_lines(sensors, columns, valid_range, bounds, RANGE_MARGIN)
+    if form is None:
+        return mlp_header(fleet, guard, ranges)
+    check_form(fleet, form, valid_range)
+    return c_header(fleet, form, guard, ranges)

@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
 from fedcal.report.rundir import plateaus
+from fedcal.status import Status, most_severe
 
 COLORS = plt.get_cmap("tab10").colors
 
@@ -78,12 +79,11 @@ def error_vs_round(metrics: pd.DataFrame, methods: list[str], unit: str) -> Figu
 # A sensor's dot by its status: ok in the method's colour, every other status its own marker
 # and colour, named in the legend (statuses: fedcal.status, docs/statuses.md).
 STATUS_STYLE = {
-    "weak": ("s", "darkorange"),
-    "unconverged": ("^", "tab:purple"),
-    "rejected": ("X", "crimson"),
+    Status.WEAK: ("s", "darkorange"),
+    Status.UNCONVERGED: ("^", "tab:purple"),
+    Status.REJECTED: ("X", "crimson"),
 }
-NOT_DRAWN = ("diverged", "refused")  # no calibration to draw: named in the panel instead
-SEVERITY = ("ok", "unconverged", "weak", "rejected", "diverged", "refused")  # status.py's order
+NOT_DRAWN = (Status.DIVERGED, Status.REFUSED)  # no calibration to draw: named in the panel
 
 
 def sensor_points(per_sensor: pd.DataFrame, methods: list[str]) -> pd.DataFrame:
@@ -95,13 +95,13 @@ def sensor_points(per_sensor: pd.DataFrame, methods: list[str]) -> pd.DataFrame:
     for method in methods:
         part = per_sensor[per_sensor["method"] == method]
         status = part["status"] if "status" in part else pd.Series("ok", index=part.index)
-        status = status.fillna("diverged").astype(str)
+        status = status.fillna(Status.DIVERGED).astype(str)
         for client, idx in part.groupby("client", sort=True).groups.items():
             rmse = float(part.loc[idx, "test_rmse"].astype(float).to_numpy().mean())
             seen = set(status[idx])
-            # a status outside SEVERITY (another fedcal's file) is not ok: ranked just above
+            # a status no Status spells (another fedcal's file) is not ok: ranked just above
             # it; ties broken by name, not by the set's hash order (determinism)
-            worst = max(seen, key=lambda s: (SEVERITY.index(s) if s in SEVERITY else 0.5, s))
+            worst = most_severe(sorted(seen))
             drawn = bool(np.isfinite(rmse)) and worst not in NOT_DRAWN
             rows.append(
                 {"method": method, "client": client, "rmse": rmse, "status": worst, "drawn": drawn}

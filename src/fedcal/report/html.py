@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from fedcal.core import runnames
 from fedcal.core.paths import read_json
 from fedcal.report import figures, figures_units
 from fedcal.report.html_page import STYLE, Report, png, write_page
@@ -60,6 +61,7 @@ from fedcal.report.tables import (
     table_columns,
     target_unit,
 )
+from fedcal.status import Status
 
 MAX_DETAIL_METHODS = 6  # residual and map panels: the best methods, one row each
 MAX_ROUND_METHODS = 10  # lines in the error-against-round figure
@@ -112,7 +114,7 @@ def _statuses(per_sensor: pd.DataFrame, seed: int) -> dict[str, dict[str, str]]:
     if per_sensor.empty or "status" not in per_sensor.columns:
         return {}
     part = per_sensor[per_sensor["seed"] == seed]
-    status = part["status"].fillna("diverged").astype(str)
+    status = part["status"].fillna(Status.DIVERGED).astype(str)
     out: dict[str, dict[str, str]] = {}
     for method, client, value in zip(part["method"], part["client"], status, strict=True):
         out.setdefault(str(method), {})[str(client)] = value
@@ -166,7 +168,7 @@ def build_report(
     linked from each unit's section; default: ``certificates/`` beside the report ``out``
     (``fedcal certificate`` refuses to write into the run folder it reads)."""
     certificates = Path(certificates) if certificates else Path(out).parent / "certificates"
-    if (Path(run_dir) / "units.csv").exists():
+    if (Path(run_dir) / runnames.UNITS).exists():
         from fedcal.report.html_calibration import build_calibration_report
 
         return build_calibration_report(run_dir, out, certificates)
@@ -333,7 +335,7 @@ def _head(page: _Page) -> list[str]:
     run, cfg = page.run, page.run.config
     best = page.ranked[0] if page.ranked else "—"
     result = _best_text(page.table, page.budget, page.budget_text, best)
-    summary_csv = html.escape(_relative(run.path / "summary.csv", page.out))
+    summary_csv = html.escape(_relative(run.path / runnames.SUMMARY, page.out))
     return [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -412,7 +414,7 @@ def _round_figure(metrics, ranked, unit, budget_text, figure, note) -> None:
 def _prior_figure(run, ranked, budget, seed, unit, figure, note) -> None:
     """The fleet prior's spread across units, from the best method with a prior.json."""
     for method in ranked:
-        path = run.run_path(method, budget, seed) / "prior.json"
+        path = run.run_path(method, budget, seed) / runnames.PRIOR
         if path.is_file():
             prior = read_json(path, allow_nan=True)
             figure(

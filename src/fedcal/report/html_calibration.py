@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from fedcal.core import runnames
 from fedcal.core.paths import read_json
 from fedcal.report import figures, figures_units
 from fedcal.report.html_page import STYLE, Report, frame_html, png, write_page
@@ -34,12 +35,12 @@ def build_calibration_report(
     run_dir, out = Path(run_dir), Path(out)
     report = Report(out)
     ids = {"sensor_id": str}  # ids like "007" stay text
-    units = read_table(run_dir / "units.csv", dtype=ids)
+    units = read_table(run_dir / runnames.UNITS, dtype=ids)
     qa_level = float(units["qa_level"].iloc[0]) if len(units) else float("nan")  # as flagged
     coef = read_table(run_dir / "coefficients.csv", dtype=ids)
     points = read_table(run_dir / "calibration_points.csv", dtype=ids)
-    per_sensor = read_table(run_dir / "per_sensor.csv", dtype=ids)
-    prior_files = sorted(run_dir.glob("runs/*/prior.json"))
+    per_sensor = read_table(run_dir / runnames.PER_SENSOR, dtype=ids)
+    prior_files = sorted(run_dir.glob(f"{runnames.RUNS}/*/{runnames.PRIOR}"))
     prior = read_json(prior_files[0], allow_nan=True) if prior_files else {}
     target = prior.get("target", "target")
     unit = target_unit(target)
@@ -82,7 +83,7 @@ def build_calibration_report(
             "across units √Σkk (bars) against the fleet mean |μk| (dots); right, the 1σ spread "
             "of a unit's calibration curve around the fleet's mean curve before calibration.",
         )
-    config = read_json(run_dir / "config.json")
+    config = read_json(run_dir / runnames.CONFIG)
     sections.append(("config", "Configuration (config.json)", config_tables(config)))
     where = Path(certificates) if certificates else out.parent / "certificates"
     sections.append(("unit-list", "Units", _unit_list(units, points, coef, unit, where, out)))

@@ -24,6 +24,7 @@ import math
 
 import numpy as np
 
+from fedcal.models.basis import LEGENDRE, MONOMIAL, basis_family
 from fedcal.report.gp_export import c_lines
 from fedcal.report.linear_export import STAGES, LinearForm
 
@@ -91,7 +92,9 @@ def _has_std_lines(form: LinearForm) -> list[str]:
 def _preamble(fleet, form: LinearForm, guard: str) -> list[str]:
     """The opening comment, includes, stage types and sizes."""
     t, f = form.terms.shape
-    kind = "Legendre products P~a(u0)·P~b(u1)·…" if form.basis == "legendre" else "monomials"
+    kind = {LEGENDRE.name: "Legendre products P~a(u0)·P~b(u1)·…", MONOMIAL.name: "monomials"}.get(
+        form.basis, f"{form.basis} products p_a(u0)·p_b(u1)·…"
+    )
     deployed = (
         f", + {form.deployed.bytes_per_unit()} per unit whose σ is the prior's discrepancy model's"
         if form.deployed is not None
@@ -177,50 +180,10 @@ def _box_lines(form: LinearForm) -> list[str]:
     ]
 
 
-LEGENDRE_1D = [
-    "/* p[n] = sqrt(2n+1) P_n(u), Bonnet: (n+1) P_{n+1} = (2n+1) u P_n - n P_{n-1}.",
-    " * dp[n] = d p[n]/du (when dp is not NULL). Differentiating Bonnet:",
-    " *   (n+1) P'_{n+1} = (2n+1) (P_n + u P'_n) - n P'_{n-1},",
-    " * and u P'_n - P'_{n-1} = n P_n (from the generating function",
-    " * (1 - 2ut + t^2)^(-1/2) = sum_n P_n(u) t^n), so (n+1) P'_{n+1} =",
-    " * (2n+1)(n+1) P_n + (n+1) P'_{n-1}, i.e.",
-    " *   P'_{n+1} = P'_{n-1} + (2n+1) P_n,   P'_0 = 0, P'_1 = 1;",
-    " * the normalization is a constant factor: dp[n] = sqrt(2n+1) P'_n(u). */",
-    "static inline void fedcal_basis_1d(FEDCAL_BASIS_T u, FEDCAL_BASIS_T *p, FEDCAL_BASIS_T *dp) {",
-    "    p[0] = (FEDCAL_BASIS_T)1;",
-    "    if (dp) dp[0] = (FEDCAL_BASIS_T)0;",
-    "    if (FEDCAL_MAX_ORDER >= 1) {",
-    "        p[1] = u;",
-    "        if (dp) dp[1] = (FEDCAL_BASIS_T)1;",
-    "    }",
-    "    for (int n = 1; n < FEDCAL_MAX_ORDER; ++n) {",
-    "        p[n + 1] = ((FEDCAL_BASIS_T)(2 * n + 1) * u * p[n]"
-    " - (FEDCAL_BASIS_T)n * p[n - 1]) / (FEDCAL_BASIS_T)(n + 1);",
-    "        if (dp) dp[n + 1] = dp[n - 1] + (FEDCAL_BASIS_T)(2 * n + 1) * p[n];",
-    "    }",
-    "    for (int n = 0; n <= FEDCAL_MAX_ORDER; ++n) {",
-    "        p[n] *= (FEDCAL_BASIS_T)fedcal_norm[n];",
-    "        if (dp) dp[n] *= (FEDCAL_BASIS_T)fedcal_norm[n];",
-    "    }",
-    "}",
-]
-MONOMIAL_1D = [
-    "/* p[n] = u^n (no extrapolation guard: dp is never used). */",
-    "static inline void fedcal_basis_1d(FEDCAL_BASIS_T u, FEDCAL_BASIS_T *p, FEDCAL_BASIS_T *dp) {",
-    "    (void)dp;",
-    "    p[0] = (FEDCAL_BASIS_T)1;",
-    "    for (int n = 1; n <= FEDCAL_MAX_ORDER; ++n) p[n] = p[n - 1] * u;",
-    "}",
-]
-
-
 def _basis_1d(form: LinearForm) -> list[str]:
-    """``fedcal_basis_1d``: the one-input basis values (and derivatives) up to the top order."""
-    if form.basis != "legendre":
-        return MONOMIAL_1D
-    top = int(form.terms.max(initial=0))
-    norms = ", ".join(_lit(math.sqrt(2 * n + 1), "double") for n in range(top + 1))
-    return [f"static const double fedcal_norm[FEDCAL_MAX_ORDER + 1] = {{{norms}}};", *LEGENDRE_1D]
+    """``fedcal_basis_1d``: the one-input basis values (and derivatives) up to the top order,
+    in the C form of the form's registered basis family (:mod:`fedcal.models.basis`)."""
+    return basis_family(form.basis).c_lines(int(form.terms.max(initial=0)))
 
 
 def _scaled_input(form: LinearForm) -> list[str]:
@@ -370,7 +333,13 @@ def c_header(fleet, form: LinearForm, guard: str, range_lines: list[str]) -> str
     """The C99 header of a :class:`LinearForm` (API as the MLP header, plus σ, the ``_f64``
     double-reading functions, ``fedcal_find_unit``/``fedcal_unit_coef``, and
     ``fedcal_beyond_support`` when the form has the extrapolation guard's box: some input
-    outside it, the clamp of ``fedcal_features_f64``, i.e. the method's ``beyond_support``)."""
+    outside it, the clamp of ``fedcal_features_f64``, i.e. the method's ``beyond_support``).
+    A basis family without a C form is refused in one line, before anything is written."""
+    if basis_family(form.basis).c_lines is None:
+        raise ValueError(
+            f"C export: the basis family {form.basis!r} of {form.method} has no C form "
+            "(fedcal.models.basis.BasisFamily.c_lines); export it as JSON or ONNX instead"
+        )
     lines = [
         *_preamble(fleet, form, guard),
         *_constants(fleet, form),

@@ -5,8 +5,10 @@ Every such method predicts, per unit i and raw input x (F features),
     z = (x − x_offset) / x_scale                       (the run's scaler)
     u = z, or u_j = 2(z_j − lo_ij)/(hi_ij − lo_ij) − 1 (polynomial: its own calibrated span)
     ŷ = y_offset + y_scale · Σ_t c_it ψ_t(u)
-    φ_t(u) = Π_j P̃_{a_tj}(u_j)  (Legendre: P̃_n = √(2n+1)·P_n, Bonnet's recurrence)
-           or Π_j u_j^{a_tj}    (monomial: leastsq)
+    φ_t(u) = Π_j p_{a_tj}(u_j)   (p_n of the method's registered basis family,
+                                 fedcal.models.basis.FAMILIES: Legendre P̃_n = √(2n+1)·P_n
+                                 by Bonnet's recurrence, or u^n, leastsq's monomials;
+                                 the C header takes the family's C form, or refuses)
     ψ_t(u) = φ_t(ū) + Σ_j ∂φ_t/∂u_j(ū)·(u_j − ū_j),  ū = clamp(u, box_lo_i, box_hi_i)
 
 ψ is the extrapolation guard (:func:`fedcal.models.basis.linearized_products`):
@@ -46,6 +48,7 @@ import numpy as np
 import torch
 
 from fedcal.core.tree import stack
+from fedcal.models.basis import LEGENDRE, basis_family
 from fedcal.report.gp_export import JSON_FORMULA, DeployedSigma, deployed_sigma, json_unit
 
 # C types of the stages, each overridable with -D at compile time (for the precision study).
@@ -65,7 +68,7 @@ class LinearForm:
     """One run's models as basis terms and per-unit numbers (see the module docstring)."""
 
     method: str
-    basis: str  # "legendre" or "monomial"
+    basis: str  # a registered basis family (fedcal.models.basis.FAMILIES)
     terms: np.ndarray  # (T, F) int exponents
     coef: np.ndarray  # (S, T) scaled target units
     lo: np.ndarray | None  # (S, F) polynomial's unit map (scaled inputs), else None
@@ -108,26 +111,13 @@ class LinearForm:
         return u
 
     def _per_input(self, u: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Per input order n: the basis values and their derivatives d/du (rows, F) each.
-
-        Legendre: Bonnet (n+1)P_{n+1} = (2n+1)uP_n − nP_{n−1} and
-        P'_{n+1} = P'_{n−1} + (2n+1)P_n on the plain P_n, then ×√(2n+1) for both.
-        """
+        """Per input order n: the basis values and their derivatives d/du (rows, F) each,
+        from the registered family (:data:`fedcal.models.basis.FAMILIES`) in float64."""
         top = int(self.terms.max(initial=0))
-        if self.basis == "monomial":
-            per = [u**n for n in range(top + 1)]
-            der = [n * u ** max(n - 1, 0) for n in range(top + 1)]
-            return per, der
-        per, der = [np.ones_like(u), u], [np.zeros_like(u), np.ones_like(u)]
-        for n in range(1, top):
-            per.append(((2 * n + 1) * u * per[n] - n * per[n - 1]) / (n + 1))
-            der.append(der[n - 1] + (2 * n + 1) * per[n])
-        norm = [math.sqrt(2 * n + 1) for n in range(top + 1)]
-        per, der = per[: top + 1], der[: top + 1]  # order 0: drop the seeded P_1
-        return (
-            [c * v for c, v in zip(norm, per, strict=True)],
-            [c * d for c, d in zip(norm, der, strict=True)],
-        )
+        family, ut = basis_family(self.basis), torch.from_numpy(np.asarray(u, np.float64))
+        per = [v.numpy() for v in family.values(ut, top)]
+        der = [d.numpy() for d in family.derivatives(ut, top)]
+        return per, der
 
     def features(self, z: np.ndarray, unit: int) -> np.ndarray:
         """φ(u) for scaled inputs z (rows, F) of unit ``unit`` → (rows, T), float64."""
@@ -223,7 +213,7 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
     lo = hi = factor = add_var = box_lo = box_hi = stated = deployed = None
     per_unit = True
     if isinstance(alg, FedPrior):
-        basis = "legendre"
+        basis = LEGENDRE.name
         terms = [*alg.terms, *alg.branch_terms]
         p = len(alg.terms)
         coef = np.zeros((len(sensors), len(terms)))
@@ -237,16 +227,16 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
         if "box" in params:  # the guard's box (scaled inputs); a model saved before: none
             box_lo, box_hi = params["box"][:, 0].numpy(), params["box"][:, 1].numpy()
     elif isinstance(alg, PolynomialCalibration):
-        basis, terms = "legendre", [tuple(t) for t in alg.exponents.tolist()]
+        basis, terms = LEGENDRE.name, [tuple(t) for t in alg.exponents.tolist()]
         coef = params["coef"].numpy()
         lo, hi = params["lo"].numpy(), params["hi"].numpy()
         edge = np.full((1, lo.shape[-1]), 1.0 + 2 * RANGE_MARGIN)  # in u: every unit's box
         box_lo, box_hi, per_unit = -edge, edge, False
     elif isinstance(alg, FedPoly):
-        basis, terms = "legendre", [*alg.private_terms, *alg.shared_terms]
+        basis, terms = LEGENDRE.name, [*alg.private_terms, *alg.shared_terms]
         coef = torch.cat([params["private"], params["shared"]], -1).numpy()
     elif isinstance(alg, LeastSquares):
-        basis, terms = "monomial", [tuple(t) for t in alg.exponents.tolist()]
+        basis, terms = alg.family, [tuple(t) for t in alg.exponents.tolist()]
         coef = params["coef"].numpy()
     else:
         return None
@@ -350,11 +340,7 @@ def json_block(fleet, form: LinearForm) -> dict:
         "family": "linear_basis",
         "method": form.method,
         "basis": form.basis,
-        "normalization": (
-            "P~n(u) = sqrt(2n+1) * P_n(u), P_n the Legendre polynomials"
-            if form.basis == "legendre"
-            else "u^n"
-        ),
+        "normalization": basis_family(form.basis).normalization,
         "formula": (
             "z = (x - scaler.x_offset) / scaler.x_scale; "
             + (

@@ -9,17 +9,19 @@ import json
 
 import numpy as np
 
-from fedcal.report.export import RANGE_MARGIN, range_bounds
 from fedcal.report.linear_c import find_unit_lines, float_entry
 
 ACTIVATIONS = {"tanh": "tanhf(v)", "relu": "(v > 0.0f ? v : 0.0f)", "silu": "v / (1.0f + expf(-v))"}
 
 
-def range_lines(sensors: list[str], columns: list[str], valid_range: dict) -> list[str]:
+def range_lines(
+    sensors: list[str], columns: list[str], valid_range: dict, bounds: list, margin: float
+) -> list[str]:
     """Per-sensor min/max of each input and of the output, and ``fedcal_in_range``.
 
     ``fedcal_in_range`` is :func:`in_range` (``fedcal predict``'s column): every input in
-    [lo − m·w, hi + m·w], m = ``RANGE_MARGIN``. The bounds are :func:`range_bounds`'s float64
+    [lo − m·w, hi + m·w], m = ``margin`` (``export.RANGE_MARGIN``). ``bounds``: per sensor
+    those (lo, hi) arrays, :func:`fedcal.report.export.range_bounds`'s float64
     values, written with 17 significant digits (exact), and compared in double with the
     reading (``fedcal_in_range_f64``; ``fedcal_in_range`` widens a float reading, exact), so
     the header's flag equals predict's for every input, at the bounds too; a NaN input is out
@@ -39,8 +41,6 @@ def range_lines(sensors: list[str], columns: list[str], valid_range: dict) -> li
     def flat(col_index: int) -> str:
         return ", ".join(c_float(valid_range[s][target][col_index]) for s in sensors)
 
-    bounds = [range_bounds(valid_range[s], tuple(inputs)) for s in sensors]
-
     def widened(side: int) -> str:
         return ", ".join("{" + ", ".join(c_double(v) for v in b[side]) + "}" for b in bounds)
 
@@ -51,7 +51,7 @@ def range_lines(sensors: list[str], columns: list[str], valid_range: dict) -> li
         f"static const float fedcal_x_max[FEDCAL_NUM_SENSORS][FEDCAL_NUM_INPUTS] = {{{rows(1)}}};",
         f"static const float fedcal_y_min[FEDCAL_NUM_SENSORS] = {{{flat(0)}}};",
         f"static const float fedcal_y_max[FEDCAL_NUM_SENSORS] = {{{flat(1)}}};",
-        f"#define FEDCAL_RANGE_MARGIN {RANGE_MARGIN!r}",
+        f"#define FEDCAL_RANGE_MARGIN {margin!r}",
         "/* fedcal predict's in-range bounds per input: the span widened by FEDCAL_RANGE_MARGIN",
         " * of its width w on each side, lo - m*w and hi + m*w (computed by fedcal export). */",
         "static const double fedcal_range_lo[FEDCAL_NUM_SENSORS][FEDCAL_NUM_INPUTS] = "
@@ -148,9 +148,10 @@ def _calibrate(layers: int, width: int, act_c: str) -> list[str]:
     ]
 
 
-def mlp_header(fleet, guard: str, valid_range: dict | None) -> str:
+def mlp_header(fleet, guard: str, ranges: list[str]) -> str:
     """The C99 header of an MLP run: scaler, ids (``fedcal_find_unit``), the valid range
-    (with ``valid_range``), every sensor's float32 weights and ``fedcal_calibrate``."""
+    lines (:func:`range_lines`, or none), every sensor's float32 weights and
+    ``fedcal_calibrate``."""
     sensors, layers, sizes = _layers(fleet)
     activation = fleet.model.get("activation", "tanh")
     s = fleet.scaler
@@ -173,11 +174,7 @@ def mlp_header(fleet, guard: str, valid_range: dict | None) -> str:
         "static const char *const fedcal_sensor_ids[FEDCAL_NUM_SENSORS] = {"
         + ", ".join(json.dumps(sid) for sid in sensors)
         + "};",
-        *(
-            range_lines(sensors, [*fleet.features, fleet.target], valid_range)
-            if valid_range
-            else []
-        ),
+        *ranges,
         *find_unit_lines(),
         *_weights(fleet, sensors, layers),
         *_calibrate(layers, max(sizes), ACTIVATIONS[activation]),

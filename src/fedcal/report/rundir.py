@@ -8,8 +8,6 @@ models compute on the run's own held-out points (model.pt via
 
 from __future__ import annotations
 
-import csv
-import io
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,11 +16,14 @@ import pandas as pd
 import torch
 
 from fedcal.config import RunConfig, from_json
-from fedcal.core.paths import PathError, read_json, read_text, safe_name
+from fedcal.core import runnames
+from fedcal.core.csvfile import read_table  # torch-free; read_table is re-exported here
+from fedcal.core.paths import PathError, read_json, safe_name
 from fedcal.core.runfiles import RunFileError, check_valid_ranges
 from fedcal.core.tree import stack
 from fedcal.data.fleet import SPLIT_COLUMN, Fleet
 from fedcal.report.export import CalibratedFleet, load_models
+from fedcal.status import Status
 
 
 def _run_config(raw: dict) -> RunConfig:
@@ -31,37 +32,6 @@ def _run_config(raw: dict) -> RunConfig:
 
 
 SUMMARY_COLUMNS = ("method", "seed", "train_points")
-
-
-def read_table(
-    path: Path, required: tuple[str, ...] = (), dtype: dict | None = None
-) -> pd.DataFrame:
-    """A CSV of a run folder through the guarded reader (regular file, size limit).
-
-    ``required`` columns must be there; anything else is a RunFileError naming the file.
-    """
-    text = read_text(path)
-    try:
-        widths = [(i, len(r)) for i, r in enumerate(csv.reader(io.StringIO(text)), 1) if r]
-    except csv.Error as e:  # e.g. a field over the csv module's limit (131,072 characters)
-        raise RunFileError(f"{path}: not a readable CSV table ({e})") from None
-    for line, width in widths[1:]:
-        if width != widths[0][1]:  # pandas would fill a cut row with NaN: a "diverged" run
-            raise RunFileError(
-                f"{path}: line {line} has {width} fields, the header {widths[0][1]}: "
-                "truncated or edited"
-            )
-    try:
-        frame = pd.read_csv(io.StringIO(text), dtype=dtype)
-    except (ValueError, pd.errors.ParserError) as e:  # EmptyDataError is a ValueError
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise RunFileError(f"{path}: not a readable CSV table ({first})") from None
-    missing = [c for c in required if c not in frame.columns]
-    if missing:
-        raise RunFileError(f"{path}: missing column(s) {', '.join(missing)}")
-    if required and len(frame) == 0:
-        raise RunFileError(f"{path}: no rows")
-    return frame
 
 
 def check_summary(path: Path, frame: pd.DataFrame) -> pd.DataFrame:
@@ -90,12 +60,12 @@ class RunDir:
     @staticmethod
     def open(path: str | Path) -> RunDir:
         path = Path(path)
-        summary_path = path / "summary.csv"
+        summary_path = path / runnames.SUMMARY
         if not summary_path.exists():
             raise FileNotFoundError(
                 f"{summary_path} does not exist: not a fedcal run directory, or no run finished yet"
             )
-        raw = read_json(path / "config.json")
+        raw = read_json(path / runnames.CONFIG)
         if not isinstance(raw, dict):
             raise RunFileError(f"{path / 'config.json'}: expected a JSON object")
         summary = check_summary(summary_path, read_table(summary_path, SUMMARY_COLUMNS))
@@ -110,7 +80,7 @@ class RunDir:
         return sorted(int(t) for t in pd.unique(self.summary["train_points"]))
 
     def run_path(self, method: str, train_points: int, seed: int) -> Path:
-        return self.path / "runs" / f"{safe_name(method, 'method')}_tp{train_points}_seed{seed}"
+        return runnames.run_path(self.path, safe_name(method, "method"), train_points, seed)
 
     def _concat(self, name: str, train_points: int) -> pd.DataFrame:
         frames = []
@@ -128,16 +98,16 @@ class RunDir:
         them, for a figure that marks each sensor by its status
         (:func:`fedcal.report.figures.per_sensor_rmse`, which draws no diverged sensor).
         """
-        frame = self._concat("per_sensor.csv", train_points)
+        frame = self._concat(runnames.PER_SENSOR, train_points)
         if mask and "status" in frame.columns:
-            bad = frame["status"].fillna("diverged").astype(str) != "ok"
+            bad = frame["status"].fillna(Status.DIVERGED).astype(str) != "ok"
             errors = [c for c in frame.columns if c.startswith(("test_", "train_"))]
             frame[errors] = frame[errors].astype(float).mask(bad, np.nan)
         return frame
 
     def metrics(self, train_points: int) -> pd.DataFrame:
         """Every (method, seed, round, sensor)'s errors at one point budget."""
-        return self._concat("metrics.csv", train_points)
+        return self._concat(runnames.METRICS, train_points)
 
     def fleet(self) -> Fleet:
         """The run's fleet, rebuilt from its configuration (the simulator, or the data file)."""
@@ -226,8 +196,8 @@ def read_valid_ranges(
     From the run's ``valid_range.json``; a run written before that file existed
     gets it recomputed from its fleet (the simulator, or the data file).
     """
-    folder = f"{safe_name(method, 'method')}_tp{train_points}_seed{seed}"
-    path = Path(run_dir) / "runs" / folder / "valid_range.json"
+    folder = runnames.run_path(run_dir, safe_name(method, "method"), train_points, seed)
+    path = folder / runnames.VALID_RANGE
     if path.exists():
         return check_valid_ranges(path, read_json(path))
     from fedcal.experiment import valid_ranges
@@ -297,6 +267,6 @@ def load_served(
     :func:`check_plausible` (magnitudes against the recorded ranges)."""
     models = load_models(run_dir, method, seed, train_points)
     ranges = read_valid_ranges(run_dir, method, seed, train_points)
-    folder = f"{safe_name(method, 'method')}_tp{train_points}_seed{seed}"
-    check_plausible(models, ranges, Path(run_dir) / "runs" / folder / "model.safetensors")
+    folder = runnames.run_path(run_dir, safe_name(method, "method"), train_points, seed)
+    check_plausible(models, ranges, folder / runnames.MODEL)
     return models, ranges

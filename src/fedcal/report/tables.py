@@ -19,12 +19,13 @@ from rich.table import Table
 
 from fedcal.core.coverage import SEVERITY
 from fedcal.report.columns import COVERAGE, MIXED, like_with_like, table_columns  # noqa: F401 (re-exported)
+from fedcal.status import COUNT_COLUMNS, Status
 
 SWEEP_KEYS = ("design", "train_points")  # a table section per value (design: chamber sweeps)
 POOLED = ("seed", "fleet_seed")  # averaged over: training seeds and fleet seeds together
 # errors every run of a task writes: NaN in one of them means the run diverged
 HEADLINE = ("rmse_mean", "rmse_worst", "mae_mean", "max_abs_worst", "accuracy_mean")
-DIVERGED = "diverged"
+DIVERGED = Status.DIVERGED
 
 UNITS = {
     "hpa": "hPa",
@@ -232,14 +233,8 @@ MEAN_ONLY = (
 )
 DECLINED = "—"  # a coverage the method does not state (no interval), not a failure
 NONE_OK = "n/a"  # every sensor of the run excluded: no number to show ("excl." says so)
-# the summary's count per status other than ok (fedcal.status.COUNT_COLUMNS)
-STATUS_COUNTS = {
-    "weak": "weak",
-    "unconverged": "unconverged",
-    "rejected_sensors": "rejected",
-    "diverged": "diverged",
-    "refused": "refused",
-}
+# the summary's count column per status other than ok, and the status it counts
+STATUS_COUNTS = {column: str(status) for status, column in COUNT_COLUMNS.items()}
 
 
 # terminal cells shown as the mean alone (worst values, the new units' mean): room at 100 columns

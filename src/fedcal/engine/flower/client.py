@@ -42,11 +42,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fedcal.data.scaling import needs_moments
+from fedcal.engine.flower.kinds import CONTROL, REFUSED, SITE
 from fedcal.engine.flower.nodes import SiteData, load_for_node, safe_name
 from fedcal.engine.flower.policy import NodePolicy
 from fedcal.engine.flower.spec import AlgorithmSpec
 from fedcal.engine.flower.wire import (
-    CONTROL,
     client_row,
     join_parts,
     metrics_to_record,
@@ -90,7 +90,7 @@ def answer_handshake(content: RecordDict, node_cfg: Mapping, run_id: int) -> Rec
             "refused to send its scaling sums (n, Σx, Σx²): statistics not allowed by its "
             f"node config ({policy.describe('allow-uploads')})"
         )
-        return RecordDict({"refused": ConfigRecord({"reason": why, "site-id": site.site_id})})
+        return RecordDict({REFUSED: ConfigRecord({"reason": why, "site-id": site.site_id})})
     parts = {}
     for k, (sensor, index) in enumerate(zip(site.sensor_ids, site.client_indices, strict=True)):
         info = {
@@ -108,7 +108,7 @@ def answer_handshake(content: RecordDict, node_cfg: Mapping, run_id: int) -> Rec
             part["moments"] = ArrayRecord({n: Array(v) for n, v in site.moments(k).items()})
         parts[index] = part
     save_run(run_path(node_cfg["state-dir"], site.site_id, run_id), run)
-    return join_parts(parts, {"site": ConfigRecord({"site-id": site.site_id})})
+    return join_parts(parts, {SITE: ConfigRecord({"site-id": site.site_id})})
 
 
 # ----------------------------------------------------------------------------
@@ -186,7 +186,7 @@ def _refused(site: SiteData, reason: str, t: int) -> RecordDict:
     from flwr.app import ConfigRecord, RecordDict
 
     record = {"reason": reason, "site-id": site.site_id, "round": t}
-    return RecordDict({"refused": ConfigRecord(record)})
+    return RecordDict({REFUSED: ConfigRecord(record)})
 
 
 @dataclass
@@ -279,7 +279,7 @@ def run_round(content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict
     }
     trees = {"state": st.state, "pending": st.pending, "personal": st.personal}
     save_state(path, trees, meta)
-    return join_parts(parts, {"site": ConfigRecord({"site-id": site.site_id, "round": t})})
+    return join_parts(parts, {SITE: ConfigRecord({"site-id": site.site_id, "round": t})})
 
 
 def _site_state(path: Path, site: SiteData, t: int, alg, down) -> _SiteState:

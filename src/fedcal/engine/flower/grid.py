@@ -15,7 +15,16 @@ from dataclasses import dataclass
 from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
+from fedcal.engine.flower.kinds import Kind
 from fedcal.engine.flower.loop import HANDSHAKE
+
+# the Flower message type that carries each kind of exchange (kinds.Kind)
+FLOWER_TYPES = {
+    Kind.HANDSHAKE: MessageType.QUERY,
+    Kind.SECAGG: MessageType.QUERY,
+    Kind.TRAIN: MessageType.TRAIN,
+    Kind.EVALUATE: MessageType.EVALUATE,
+}
 
 
 def wait_for_nodes(grid: Grid, count: int, timeout: float, poll: float) -> list[int]:
@@ -84,12 +93,11 @@ class GridTransport:
     def exchange(
         self, contents: dict[int, RecordDict], kind: str, t: int
     ) -> tuple[dict[int, RecordDict], dict[int, str]]:
-        if kind == "handshake":
-            message_type = MessageType.QUERY
-            group = "handshake" if t == HANDSHAKE else f"handshake-{t}"
-        elif kind == "secagg":  # a step of secure aggregation (fedcal.engine.flower.secagg)
-            message_type, group = MessageType.QUERY, f"secagg-{t}"
+        message_type = FLOWER_TYPES[Kind(kind)]
+        if kind == Kind.HANDSHAKE:
+            group = str(Kind.HANDSHAKE) if t == HANDSHAKE else f"{Kind.HANDSHAKE}-{t}"
+        elif kind == Kind.SECAGG:  # a step of secure aggregation (fedcal.engine.flower.secagg)
+            group = f"{Kind.SECAGG}-{t}"
         else:
-            message_type = MessageType.TRAIN if kind == "train" else MessageType.EVALUATE
             group = str(t)
         return exchange(self.grid, contents, message_type, group, self.ttl, self.timeout, self.poll)

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from fedcal.data.scaling import needs_moments
+from fedcal.engine.flower.kinds import REFUSED
 from fedcal.engine.flower.wire import split_parts, to_numpy
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ def read_handshakes(
 
     usable: dict[int, list] = {}
     for nid, rep in replies.items():
-        if "refused" in rep:
+        if REFUSED in rep:
             refused[str(nid)] = f"node {nid} {rep['refused'].get('reason', 'refused')}"
             continue
         parts, _, bad = split_parts(rep)

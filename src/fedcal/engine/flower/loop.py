@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from logging import INFO, WARNING
 from typing import TYPE_CHECKING, Any, Protocol
 
+from fedcal.engine.flower.kinds import Kind
+
 if TYPE_CHECKING:
     from flwr.app import RecordDict
 
@@ -37,8 +39,8 @@ class Transport(Protocol):
         self, contents: Mapping[int, RecordDict], kind: str, t: int
     ) -> tuple[dict[int, RecordDict], dict[int, str]]:
         """Send each node its content; ``(replies, failures)`` by node id, a failure being why
-        no usable reply came (crash, timeout, …). ``kind``: "handshake", "train" or
-        "evaluate" (the last message); ``t``: the message round (``HANDSHAKE``: the first
+        no usable reply came (crash, timeout, …). ``kind``: a ``kinds.Kind`` (evaluate: the
+        last message); ``t``: the message round (``HANDSHAKE``: the first
         handshake)."""
         ...
 
@@ -98,7 +100,7 @@ def _handshake(
     if len(nodes) < min_nodes:
         raise RuntimeError(f"only {len(nodes)} SuperNodes online, min-nodes is {min_nodes}")
     contents = {n: fed.handshake_content() for n in nodes}
-    replies, failures = transport.exchange(contents, "handshake", HANDSHAKE)
+    replies, failures = transport.exchange(contents, Kind.HANDSHAKE, HANDSHAKE)
     if failures:
         _log(WARNING, "[fedcal] handshake failures: %s", failures)
     result["handshake_failures"] = {str(k): v for k, v in failures.items()}
@@ -121,13 +123,13 @@ def _round(fed: Federation, transport: Transport, t: int, result: dict[str, Any]
     online = transport.online(t)
     late = {n: fed.handshake_content() for n in sorted(online - fed.known_nodes())}
     if late:  # nodes that connected since: greet them, their sensors join now
-        replies, failures = transport.exchange(late, "handshake", t)
+        replies, failures = transport.exchange(late, Kind.HANDSHAKE, t)
         admitted = fed.admit(t, replies, online)
         _log(INFO, "[fedcal] round %d: nodes %s joined (%s failed)", t, admitted, failures)
         _report_members(fed, result)
     contents = fed.messages(t, online=online)
-    kind = "train" if t < fed.rounds else "evaluate"
-    if fed.secure is not None and kind == "train":
+    kind = Kind.TRAIN if t < fed.rounds else Kind.EVALUATE
+    if fed.secure is not None and kind == Kind.TRAIN:
         replies, failures = _secure_round(fed, transport, contents, t, result)
     else:
         replies, failures = transport.exchange(contents, kind, t)

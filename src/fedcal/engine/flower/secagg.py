@@ -67,8 +67,7 @@ from typing import Any
 
 import numpy as np
 
-SECAGG = "secagg"  # the record name of the protocol's messages and replies
-
+from fedcal.engine.flower.kinds import SECAGG as SECAGG  # re-exported: the record's name
 
 MAX_BITS = 84  # fraction bits at most: e = round(x/q), |e| ≤ 2⁸⁴, in two 64-bit limbs
 

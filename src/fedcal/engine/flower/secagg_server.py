@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fedcal.engine.flower.kinds import REFUSED, Kind, Stage
 from fedcal.engine.flower.secagg import (
     SECAGG,
     Layout,
@@ -74,7 +75,7 @@ def secure_exchange(
     Returns the replies (per-sensor parts without statistics), the failures (a site
     that failed a step sits the round out), and the unmasked :class:`SecureSum`.
     """
-    from fedcal.engine.flower.wire import CONTROL
+    from fedcal.engine.flower.kinds import CONTROL
 
     training = sorted(n for n, c in contents.items() if list(c[CONTROL]["train"]))
     if len(training) < 2:
@@ -108,13 +109,13 @@ def _setup(run: _Protocol, transport, training: list[int]) -> dict[int, tuple[by
     """Step 1, setup: each site's two public keys."""
     t, ring, thr = run.t, run.ring, run.thr
     msgs = {
-        n: _message({"stage": "setup", "round": t, "threshold": thr[n], "neighbours": ring[n]})
+        n: _message({"stage": Stage.SETUP, "round": t, "threshold": thr[n], "neighbours": ring[n]})
         for n in training
     }
     replies, failed = _relay(transport, msgs, t)
     run.failures.update({n: f"secure aggregation setup: {why}" for n, why in failed.items()})
     pks = {n: (bytes(r[SECAGG]["pk1"]), bytes(r[SECAGG]["pk2"])) for n, r in replies.items()}
-    run.alive(set(pks), "setup")
+    run.alive(set(pks), Stage.SETUP)
     return pks
 
 
@@ -129,7 +130,7 @@ def _share_keys(
         ids = [m for m in ring[n] if m in u1]
         msgs[n] = _message(
             {
-                "stage": "share",
+                "stage": Stage.SHARE,
                 "round": t,
                 "ids": ids,
                 "pk1": [pks[m][0] for m in ids],
@@ -165,19 +166,19 @@ def _collect(
     t = run.t
     msgs = {n: c for n, c in contents.items() if n not in training}
     for n in sorted(u2):
-        rec = {"stage": "collect", "round": t, "srcs": inbox[n][0], "ctxts": inbox[n][1]}
+        rec = {"stage": Stage.COLLECT, "round": t, "srcs": inbox[n][0], "ctxts": inbox[n][1]}
         rec["layout"] = layout.to_json()
         msgs[n] = RecordDict({**dict(contents[n].items()), SECAGG: ConfigRecord(rec)})
     for n in training:
         if n not in u2 and n not in run.failures:
             run.failures[n] = "secure aggregation: left out before its key shares"
-    replies, failed = transport.exchange(msgs, "train", t)
+    replies, failed = transport.exchange(msgs, Kind.TRAIN, t)
     run.failures.update(failed)
     masked: dict[int, np.ndarray] = {}
     included: dict[int, list[int]] = {}
     for n in sorted(u2):
         rep = replies.get(n)
-        if rep is None or "refused" in rep:
+        if rep is None or REFUSED in rep:
             continue
         y, inc, why = _masked_vector(rep, layout)
         if why is not None:
@@ -185,7 +186,7 @@ def _collect(
             replies.pop(n)
             continue
         masked[n], included[n] = y, inc
-    run.alive(set(masked), "collect")
+    run.alive(set(masked), Stage.COLLECT)
     return replies, masked, included
 
 
@@ -223,7 +224,7 @@ def _unmask(
         near = [m for m in ring[n] if m in u2]
         active = [m for m in near if m in u3]
         dead = [m for m in near if m not in u3]
-        msgs[n] = _message({"stage": "unmask", "round": t, "active": active, "dead": dead})
+        msgs[n] = _message({"stage": Stage.UNMASK, "round": t, "active": active, "dead": dead})
     answers, failed = _relay(transport, msgs, t)
     shares: dict[int, list[bytes]] = {n: [] for n in u2}
     for rep in answers.values():

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fedcal.engine.flower.kinds import REFUSED, Stage
 from fedcal.engine.flower.secagg import (
     SECAGG,
     Layout,
@@ -73,7 +74,7 @@ def site_stage(content: RecordDict, node_cfg: Mapping, run_id: int, node_id: int
     cfg = content[SECAGG]
     stage, t = str(cfg["stage"]), int(cfg["round"])
     path = _secrets_path(node_cfg, run_id)
-    if stage == "setup":
+    if stage == Stage.SETUP:
         (sk1, pk1), (sk2, pk2) = generate_key_pairs(), generate_key_pairs()
         s = {
             "round": t,
@@ -88,7 +89,7 @@ def site_stage(content: RecordDict, node_cfg: Mapping, run_id: int, node_id: int
         _save(path, s)
         return RecordDict({SECAGG: ConfigRecord({"pk1": s["pk1"], "pk2": s["pk2"]})})
     s = _load(path, t, stage)
-    if stage == "share":
+    if stage == Stage.SHARE:
         ids = [int(n) for n in cfg["ids"]]
         keys = dict(zip(ids, zip(cfg["pk1"], cfg["pk2"], strict=True), strict=True))
         if keys.get(s["me"]) != (s["pk1"], s["pk2"]):
@@ -119,7 +120,7 @@ def site_stage(content: RecordDict, node_cfg: Mapping, run_id: int, node_id: int
         )
         _save(path, s)
         return RecordDict({SECAGG: ConfigRecord({"dsts": dsts, "ctxts": ctxts})})
-    if stage == "unmask":
+    if stage == Stage.UNMASK:
         active = [int(n) for n in cfg["active"]]
         dead = [int(n) for n in cfg["dead"]]
         if set(active) & set(dead):
@@ -156,7 +157,7 @@ def site_round(content: RecordDict, node_cfg: Mapping, run_id: int, run) -> Reco
 
     cfg = content[SECAGG]
     t = int(cfg["round"])
-    s = _load(_secrets_path(node_cfg, run_id), t, "collect")
+    s = _load(_secrets_path(node_cfg, run_id), t, Stage.COLLECT)
     if "seed" not in s:
         raise RuntimeError(f"secure aggregation: collect of round {t} before its key shares")
     keys = {int(n): (bytes.fromhex(a), bytes.fromhex(b)) for n, (a, b) in s["keys"].items()}
@@ -173,7 +174,7 @@ def site_round(content: RecordDict, node_cfg: Mapping, run_id: int, run) -> Reco
         )
     inner = RecordDict({k: v for k, v in content.items() if k != SECAGG})
     reply = run(inner, node_cfg, run_id)
-    if "refused" in reply:
+    if REFUSED in reply:
         return reply
     layout = Layout.from_json(str(cfg["layout"]))
     parts, common, _ = split_parts(reply)

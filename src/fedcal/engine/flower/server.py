@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fedcal.data.scaling import scaler_from_moments
-from fedcal.engine.flower.wire import CONTROL, tree_to_record
+from fedcal.engine.flower.kinds import CONTROL, REFUSED
+from fedcal.engine.flower.wire import tree_to_record
 
 if TYPE_CHECKING:
     from flwr.app import RecordDict
@@ -322,7 +323,7 @@ class Federation:
 
         failures = dict(failures)
         for nid, rep in replies.items():
-            if "refused" in rep:
+            if REFUSED in rep:
                 failures[nid] = f"node {nid} {rep['refused'].get('reason', 'refused')}"
                 self.dropped[str(nid)] = failures[nid]
         sites = self.sites()

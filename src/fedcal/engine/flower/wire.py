@@ -26,13 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from fedcal.engine.flower.kinds import CONTROL as CONTROL  # re-exported
+
 if TYPE_CHECKING:  # Flower and torch are imported lazily (ClientApp start-up time)
     from flwr.app import ArrayRecord, MetricRecord, RecordDict
 
     from fedcal.core.tree import Tree
 
 SEP = "/"  # the separator of fedcal.core.tree.flatten
-CONTROL = "fedcal"  # name of the ConfigRecord that steers a message
 PART = ":"  # "<client index>:<record name>": one sensor's records in a site message
 GROUP = "*"  # "*<group>:<record name>": the records of a group of sensors, stacked
 GROUPS = "groups"  # ConfigRecord: group → its sensors' client indices (in stacking order)

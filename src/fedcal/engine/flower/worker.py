@@ -79,7 +79,7 @@ def run_round_here_or_on_worker(content: RecordDict, node_cfg: Mapping, run_id: 
 # ----------------------------------------------------------------------------
 def _answer(conn: socket.socket, node_cfg: Mapping[str, str]) -> None:
     from fedcal.engine.flower.client import run_round
-    from fedcal.engine.flower.wire import CONTROL
+    from fedcal.engine.flower.kinds import CONTROL
 
     header = json.loads(recv_frame(conn))
     content = recv_frame(conn)

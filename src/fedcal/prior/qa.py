@@ -1,0 +1,181 @@
+"""A new unit's checks against a stored prior, in NumPy: the range guard, its distance from
+the fleet and its status — what ``calibrate`` writes to ``units.csv``, without torch.
+
+* :func:`check_inputs`: a unit calibrated outside the range the prior was learned over is
+  refused (only its calibration rows; 5 % of each input's span of slack).
+* :func:`fleet_distance`: d²_i = (m_i − μ)ᵀ(Σ − V_i)⁺(m_i − μ), computed in data space with
+  C_i = Z_iΣZ_iᵀ + σ_i²I = LLᵀ, e = L⁻¹(y_i − Z_iμ), A = L⁻¹Z_i: d²_i = ‖P_A e‖², with rank(A)
+  degrees of freedom (:func:`fedcal.calibration.fleet_distance`, the torch form).
+* :func:`distance_threshold`: Hotelling's prediction threshold of d² at ``QA_LEVEL``.
+* :func:`unit_status`: "failed" (a posterior that is not finite), "unlike the fleet" (d²
+  above its threshold) or "ok".
+* :func:`sigma_over_range`: each unit's predictive σ over a tensor grid of the prior's
+  calibrated input range (:func:`operating_grid`), its mean and max in the target's unit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedcal.data.fleet import SPLIT_COLUMN, Fleet
+from fedcal.prior.model import PriorModel
+from fedcal.prior.posterior import Units, design, predictive_std
+
+QA_LEVEL = 0.999  # a unit beyond this χ² quantile of the fleet distance is flagged
+RANGE_TOLERANCE = 0.05  # inputs may exceed the fleet's calibrated range by 5 % of its span
+RANK_TOL = 1e-10  # singular values of A = L⁻¹Z kept (relative to the largest)
+DISTANCE_CHUNK = 4096  # units per batched solve (memory bound)
+GRID_POINTS = 2000  # σ over the operating range: a tensor grid of about this many points
+GRID_CHUNK = 256  # units per σ grid evaluation: (units, grid, p) float64, ~8 MB at p = 20
+STATUS_OK, STATUS_UNLIKE, STATUS_FAILED = "ok", "unlike the fleet", "failed"
+
+
+def check_inputs(prior: PriorModel, fleet: Fleet, source: str) -> None:
+    """Refuse units calibrated outside the range the fleet's prior was learned over.
+
+    Only calibration (train) rows are judged: a unit's held-out rows beyond the range are
+    scored with the extrapolation guard (linearized, ``beyond_support`` in per_sensor.csv).
+    """
+    calibration_rows = fleet.frame[fleet.frame[SPLIT_COLUMN] == "train"]
+    # Every sensor's span at once (one grouped min/max per column, not a loop over sensors).
+    groups = calibration_rows.groupby(fleet.client_column, sort=False)
+    for c, (lo, hi) in prior.input_range.items():
+        slack = RANGE_TOLERANCE * (hi - lo)
+        span = groups[c].agg(["min", "max"])
+        bad = span[(span["min"] < lo - slack) | (span["max"] > hi + slack)]
+        if len(bad):  # the first such sensor in the file's order
+            sensor, (low, high) = bad.index[0], bad.iloc[0]
+            raise ValueError(
+                f"{source}: sensor {sensor}: {c} spans {low:.6g}…{high:.6g}, "
+                f"outside the prior fleet's calibrated range {lo:.6g}…{hi:.6g} (±5 %): "
+                "this prior cannot calibrate it"
+            )
+
+
+def fleet_distance(
+    prior: PriorModel,
+    x: np.ndarray,
+    y: np.ndarray,
+    mask: np.ndarray,
+    branch: np.ndarray | None,
+    noise_var: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(d², dof) per unit (module docstring); NaN and 0 where C_i does not factor. Padding
+    rows get Z = 0, r = 0 and variance 1: C_i is block-diagonal, A's extra singular values 0."""
+    real = (np.asarray(mask) > 0).astype(np.float64)
+    zed = design(prior, x, branch) * real[..., None]
+    resid = (y - zed @ prior.mean) * real
+    noise = np.where(real > 0, noise_var[:, None], 1.0)
+    cov = zed @ prior.covariance @ np.swapaxes(zed, -1, -2)
+    cov = cov + noise[..., None] * np.eye(cov.shape[-1])
+    d2 = np.full(len(x), np.nan)
+    dof = np.zeros(len(x), dtype=int)
+    for i in range(0, len(x), DISTANCE_CHUNK):  # batched; a chunk with a C_i that does not
+        rows = np.arange(i, min(i + DISTANCE_CHUNK, len(x)))  # factor goes one unit at a time
+        try:
+            _distances(cov[rows], resid[rows], zed[rows], rows, d2, dof)
+        except np.linalg.LinAlgError:
+            for r in rows:
+                try:
+                    _distances(cov[[r]], resid[[r]], zed[[r]], np.array([r]), d2, dof)
+                except np.linalg.LinAlgError:
+                    continue
+    return d2, dof
+
+
+def _distances(cov, resid, zed, rows, d2, dof) -> None:
+    """d² and dof of a batch of units into ``d2``/``dof`` at ``rows`` (raises LinAlgError
+    when a C_i does not factor); units with a non-finite residual stay NaN."""
+    chol = np.linalg.cholesky(cov)
+    e = np.linalg.solve(chol, resid[..., None])[..., 0]
+    a = np.linalg.solve(chol, zed)
+    u, sv, _ = np.linalg.svd(a, full_matrices=False)
+    top = sv.max(-1, keepdims=True) if sv.shape[-1] else sv
+    kept = sv > RANK_TOL * top
+    proj = (np.swapaxes(u, -1, -2) @ e[..., None])[..., 0] * kept
+    ok = np.isfinite(resid).all(-1)
+    d2[rows[ok]] = np.square(proj).sum(-1)[ok]
+    dof[rows[ok]] = kept.sum(-1)[ok]
+
+
+def distance_threshold(
+    d2: np.ndarray, dof: np.ndarray, num_units: int | None, level: float = QA_LEVEL
+) -> tuple[np.ndarray, np.ndarray]:
+    """The QA threshold of d² and its p-value, per unit.
+
+    Σ is estimated from the fleet's N units, so a new unit's d² is Hotelling's prediction
+    statistic: d² · N(N − d)/(d(N − 1)(N + 1)) ~ F(d, N − d) (d = dof); the threshold is the
+    F quantile at ``level`` mapped back; for large N it tends to the χ²(d) quantile (used
+    when N is not recorded). A fleet of N ≤ d units cannot judge a d-dimensional distance:
+    NaN (not flagged). Measured (tests/report/test_calibration_report.py): a typical new unit
+    of a 10-unit fleet reached d² = 38.5 with d = 6, above χ²(6)'s 99.9 % quantile 22.5;
+    Hotelling's threshold is 750.
+    """
+    from scipy.stats import chi2, f
+
+    d = np.maximum(dof, 1).astype(float)
+    if num_units is None:
+        threshold = np.where(dof > 0, chi2.ppf(level, d), np.nan)
+        return threshold, np.where(dof > 0, chi2.sf(d2, d), np.nan)
+    n = float(num_units)
+    ok = (dof > 0) & (n > d)
+    den = np.where(ok, n - d, 1.0)
+    factor = d * (n - 1.0) * (n + 1.0) / (n * den)
+    threshold = np.where(ok, factor * f.ppf(level, d, den), np.nan)
+    p_value = np.where(ok, f.sf(d2 / factor, d, den), np.nan)
+    return threshold, p_value
+
+
+def unit_status(coef: np.ndarray, d2: np.ndarray, threshold: np.ndarray) -> np.ndarray:
+    """Per unit "failed" (its coefficients not finite), "unlike the fleet" (d² above its
+    threshold) or "ok" (object array, as ``units.csv`` writes it)."""
+    finite = np.isfinite(coef).all(-1)
+    unlike = np.isfinite(d2) & (d2 > threshold)
+    status = np.where(~finite, STATUS_FAILED, np.where(unlike, STATUS_UNLIKE, STATUS_OK))
+    return status.astype(object)
+
+
+def operating_grid(prior: PriorModel, points: int = GRID_POINTS) -> np.ndarray:
+    """A tensor grid over the prior fleet's calibrated input range (raw units)."""
+    ranges = [prior.input_range[c] for c in prior.features]
+    side = max(3, round(points ** (1 / len(ranges))))
+    axes = [np.linspace(lo, hi, side) for lo, hi in ranges]
+    return np.stack(np.meshgrid(*axes, indexing="ij"), -1).reshape(-1, len(ranges))
+
+
+def sigma_over_range(prior: PriorModel, units: Units) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, max) per unit of the predictive σ over :func:`operating_grid`, in the target's
+    unit (NaN for a unit whose interval was declined). The grid lies in the prior's range,
+    inside every unit's support box: nothing on it is extrapolated."""
+    grid = prior.scaler.x(operating_grid(prior))
+    y_scale = abs(float(np.asarray(prior.scaler.y_scale).ravel()[0]))
+    means, maxes = [], []
+    for i in range(0, len(units.coef), GRID_CHUNK):
+        part = Units(**{
+            k: (v[i : i + GRID_CHUNK] if isinstance(v, np.ndarray) else v)
+            for k, v in units.__dict__.items()
+        })  # fmt: skip
+        sigma = predictive_std(part, np.broadcast_to(grid, (len(part.coef), *grid.shape)))
+        means.append(sigma.mean(-1))
+        maxes.append(sigma.max(-1))
+    return np.concatenate(means) * y_scale, np.concatenate(maxes) * y_scale
+
+
+def units_qa(
+    prior: PriorModel,
+    units: Units,
+    x: np.ndarray,
+    y: np.ndarray,
+    mask: np.ndarray,
+    branch: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
+    """``units.csv``'s QA columns: d2, dof, d2_threshold, p_value, unlike_fleet, status,
+    sigma_mean, sigma_max."""
+    d2, dof = fleet_distance(prior, x, y, mask, branch, units.noise_var)
+    threshold, p_value = distance_threshold(d2, dof, prior.num_units)
+    unlike = np.isfinite(d2) & (d2 > threshold)
+    status = unit_status(units.coef, d2, threshold)
+    sigma_mean, sigma_max = sigma_over_range(prior, units)
+    return {"d2": d2, "dof": dof, "d2_threshold": threshold, "p_value": p_value,
+            "unlike_fleet": unlike, "status": status, "sigma_mean": sigma_mean,
+            "sigma_max": sigma_max}  # fmt: skip
