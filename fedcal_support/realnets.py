@@ -29,6 +29,7 @@ and the files written stay out of the repository.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tempfile
@@ -199,6 +200,21 @@ def per_sensor(run: Path, method: str) -> pd.DataFrame | None:
     return None
 
 
+def future_interval(run: Path, method: str) -> str:
+    """The run's interval after calibration (prior.json ``selection.forward.interval``): its
+    factor κ and growth, or "declined: why"; "" when the method has none."""
+    for f in sorted((run / "runs").glob(f"{method}*/prior.json")):
+        state = json.loads(f.read_text())
+        record = (state.get("selection") or {}).get("forward", {}).get("interval")
+        if f.parent.name.split("_tp")[0] != method or record is None:
+            continue
+        if "declined" in record:
+            return f"declined: {record['declined']}"
+        rho = record["rate_per_time"] * record["time_scale"]  # per fleet time scale T
+        return f"κ {record['kappa']:.3f}, ρ {rho:.3g}"
+    return ""
+
+
 def summarize(net: str, base: pd.DataFrame, run: Path, methods: list[str]) -> list[dict]:
     best = min(base["own_linear"].mean(), base["pooled_linear"].mean())
     rows = [
@@ -235,7 +251,9 @@ def summarize(net: str, base: pd.DataFrame, run: Path, methods: list[str]) -> li
         if "test_coverage95" in both:
             cov = both["test_coverage95"].to_numpy(float)
             row["coverage_mean"] = float(np.nanmean(cov)) if np.isfinite(cov).any() else np.nan
+            row["coverage_worst"] = float(np.nanmin(cov)) if np.isfinite(cov).any() else np.nan
             row["declined"] = int((~np.isfinite(cov)).sum())
+        row["future_interval"] = future_interval(run, method)
         for col in ("choice", "fallback"):
             if col in both:
                 row[col] = ", ".join(f"{k} {v}" for k, v in both[col].value_counts().items())

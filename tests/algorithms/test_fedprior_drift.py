@@ -76,7 +76,7 @@ def coverage(pred, std, data) -> float:
 @pytest.fixture(scope="module")
 def drifting():
     train, test = planted(q=0.5)
-    alg = make()
+    alg = make(choice_interval="off")  # the walk's σ alone (fedprior_forward's κ: its tests)
     return alg, train, test, run_rounds(alg, train, 12)
 
 
@@ -155,7 +155,8 @@ def test_recalibrate_at_is_when_the_mean_sigma_reaches_the_ratio(drifting):
 
 def test_without_drift_the_estimate_is_zero_and_predictions_are_fedpriors():
     train, test = planted(q=0.0, units=20, seed=3)
-    alg, base = make(select="bic"), make(FedPrior, select="bic")
+    alg = make(select="bic", choice_interval="off")
+    base = make(FedPrior, select="bic", choice_interval="off")
     server, _, personal, _ = run_rounds(alg, train, 10)
     _, _, personal0, _ = run_rounds(base, train, 10)
     assert float(server["drift"]["q"]) == 0.0
@@ -199,7 +200,8 @@ def test_whitened_moments_equal_the_dense_covariance(bins):
 def test_without_a_time_column_it_is_fedprior_exactly():
     train, test = planted(q=0.5, units=12, rows=20, future=5)
     bare, bare_test = (ClientData(d.x, d.y, d.count, d.seeds) for d in (train, test))
-    alg, base = make(select="bic"), make(FedPrior, select="bic")
+    alg = make(select="bic", choice_interval="off")
+    base = make(FedPrior, select="bic", choice_interval="off")
     server, _, personal, _ = run_rounds(alg, bare, 6)
     server0, _, personal0, _ = run_rounds(base, bare, 6)
     assert float(server["drift"]["q"]) == 0.0 and float(server["drift"]["scale"]) == 0.0

@@ -167,3 +167,24 @@ def test_fedprior_drift_without_a_time_column_says_it_is_fedprior_in_one_line(tm
         on_note=lambda m, n: notes.append((m, n)),
     )
     assert ("fedprior_drift", NO_TIME) in notes and "\n" not in NO_TIME
+
+
+def test_a_run_whose_sensors_are_all_excluded_still_shows_its_mean_over_every_sensor():
+    # `fedcal run` on the seed protocol: every sensor unconverged, so the ok means are NaN;
+    # the mean over all sensors (7.8 and 8.6 on two seeds) is shown, the ok mean is "n/a".
+    summary = pd.DataFrame(
+        {
+            "method": ["local", "local"],
+            "seed": [0, 1],
+            "rmse_mean": [math.nan, math.nan],
+            "rmse_worst": [math.nan, math.nan],
+            "rmse_mean_all": [7.8, 8.6],
+            "unscored": [0, 0],
+            "sensors": [20, 20],
+            "excluded": [20, 20],
+        }
+    )
+    row = aggregate(summary).iloc[0]
+    assert row["rmse_mean_all"] == pytest.approx(8.2)
+    assert cell(row, "rmse_mean_all").startswith("8.20 ±")
+    assert cell(row, "rmse_mean") == "n/a"

@@ -308,6 +308,9 @@ class FedPrior(
     # model's σ. Measured (docs/field.md): the validation quarter's errors did not predict
     # the future's — Antwerp 0.93 → 0.99, PurpleAir 0.90 → 0.89; only the gas array gained.
     choice_sigma: Literal["scale", "off"] = "off"
+    # "forward": σ after a unit's calibration from the fleet's forward folds (κ, growth ρ), or
+    # declined where they show it cannot be trusted (fedprior_forward); "off": the model's σ
+    choice_interval: Literal["forward", "off"] = "forward"
     # a unit whose validation RMSE or mean σ exceeds this × the fleet's median: "weak"
     implausible: Annotated[float, Field(gt=1.0)] = 5.0
     # the input that reads the target itself ([data] raw_column; -1: none) and its map into
@@ -395,6 +398,7 @@ class FedPrior(
             shapes["noise_gamma"] = (self.num_inputs,)
         if self.choose != "off":  # the no-harm fall-back and the validation MSE (fedprior_choice)
             shapes.update(fallback=(), val_mse=(), sigma_scale=(), target_sd=())
+            shapes.update(self.forward_shapes())  # κ, ρ/T after calibration (fedprior_forward)
         if self.deploy_rows:  # the unit's design for the prior's discrepancy σ (fedprior_deploy)
             shapes.update(deploy_shapes(self.deploy_rows, self.num_inputs, len(self.terms)))
         return shapes
@@ -463,7 +467,7 @@ class FedPrior(
         if self.select != "none":
             down["mask"] = server["mask"]
         if "pooled_ok" in server:  # the fleet's pooled lines (fedprior_choice), once summed
-            down.update({k: server[k] for k in ("pooled_fold", "pooled_all", "pooled_ok")})
+            down.update({k: server[k] for k in self.choice_broadcast if k in server})
         if self.each_candidate:
             down["cand"] = {k: server["cand"][k] for k in ("mu", "sigma", "noise_var")}
         return down

@@ -57,6 +57,7 @@ from torch import Tensor
 from fedcal.algorithms.fedprior_choice_checks import fitted_rhs
 from fedcal.algorithms.fedprior_choice_parts import (
     FOLDS,
+    fleet_time_scale,
     late_sse,
     linear_index,
     pick_err,
@@ -66,6 +67,13 @@ from fedcal.algorithms.fedprior_choice_parts import (
     ridge_solve,
     subset,
 )
+from fedcal.algorithms.fedprior_forward import (
+    FORWARD_KEYS,
+    ForwardInterval,
+    bound_terms,
+    forward_fit,
+    forward_record,
+)
 from fedcal.core.algorithm import fleet_medians
 from fedcal.core.bayes import F64, Moments, moments, posterior
 from fedcal.core.data import ClientData
@@ -73,12 +81,21 @@ from fedcal.core.tree import Tree
 
 SIMPLE = ("own_linear", "pooled_linear", "raw")
 MIN_SCORED = 5  # scored rows a unit needs before the no-harm test may replace its model
-SIGMA_PRIOR_ROWS = 20.0  # pseudo-rows at ratio 1 of a unit's forward σ scale (_scale_sigma)
-CHOICE_KEYS = ("pooled_fold", "pooled_all", "pooled_ok", "forward_scores", "forward_scored")
+CHOICE_KEYS = (
+    "pooled_fold",
+    "pooled_all",
+    "pooled_ok",
+    "forward_scores",
+    "forward_scored",
+    *FORWARD_KEYS,
+    "fwd_check",
+)
+SPAN_CAP = 32.0  # a declared span counts at most this × the median in T (as fedprior_drift)
 
 
-class TimeChoice:
-    """Forward-chaining choice, simple candidates and the no-harm fall-back (module doc)."""
+class TimeChoice(ForwardInterval):
+    """Forward-chaining choice, simple candidates and the no-harm fall-back (module doc);
+    the interval after calibration (:mod:`~fedcal.algorithms.fedprior_forward`)."""
 
     unit_labels: ClassVar[dict[str, tuple[str, ...]]] = {"fallback": ("prior", *SIMPLE)}
 
@@ -160,7 +177,10 @@ class TimeChoice:
         lin = torch.tensor(self._linear_terms())
         pooled = pooled_lines(down, len(lin))
         sse, grams, rhss, rows = [], [], [], torch.zeros(data.num_clients, dtype=F64)
+        fwd = []
         for k, (fit, scored) in enumerate(self.folds(data)):
+            if self.choice_interval == "forward":
+                fwd.append(self.forward_fold(down, state, data, fit, scored))
             early, late = moments(design, y, fit), moments(design, y, scored)
             rows = rows + late.n
             coefs = self._candidate_coefs(down, state, early)  # (clients, K, p)
@@ -183,12 +203,17 @@ class TimeChoice:
         best = torch.where(have, mse, math.inf).amin(1, keepdim=True).clamp_min(1e-300)
         score = torch.log(mse.clamp_min(1e-300) / best).clamp(0.0, self.choice_clip)
         score = torch.where(have & (rows > 0).unsqueeze(1), score, 0.0)
+        t, real = self._times(data), data.mask > 0
+        span = torch.where(real, t, -math.inf).amax(1) - torch.where(real, t, math.inf).amin(1)
         return {
             "score": score,
             "scored": (rows > 0).to(F64),
             "lin_gram": torch.stack(grams, 1),
             "lin_rhs": torch.stack(rhss, 1),
             "fit_rhs": fitted_rhs(gram, mean, lin),
+            "span": torch.where(real.any(1), span, 0.0),
+            "span_n": torch.ones(data.num_clients, dtype=F64),
+            **{f"fwd_{k}": torch.stack([f[k] for f in fwd], 1) for k in (fwd or [{}])[0]},
         }
 
     def _candidate_coefs(self, down: Tree, state: Tree, early: Moments) -> Tensor:
@@ -216,22 +241,35 @@ class TimeChoice:
         entries 0 (the consistency check refuses such replies; this bounds them without it).
         The line on all rows is fitted from (Σ G_i,lin, Σ (G_i m_i)_lin) of the screened
         Grams and posterior means (fedprior_choice_checks), the folds' from their moments."""
+        fwd = {k[4:]: v for k, v in replies.items() if k.startswith("fwd_")}
+        span, span_n = replies.get("span"), replies.get("span_n")
+        drop = ("span", "span_n")
+        replies = {k: v for k, v in replies.items() if not k.startswith("fwd_") and k not in drop}
         if per_unit:
             replies = {
                 k: torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0) for k, v in replies.items()
             }
             replies["score"] = replies["score"].clamp(0.0, self.choice_clip)
             replies["scored"] = replies["scored"].clamp(0.0, 1.0)  # (× an outlier weight)
+            fwd = bound_terms(fwd) if fwd else fwd
         total = {k: v[order].sum(0) for k, v in replies.items()}
         lin = torch.tensor(self._linear_terms())
         g = gram[order].sum(0).to(F64)[lin][:, lin]
-        return {
+        out = {
             "pooled_fold": ridge_solve(total["lin_gram"], total["lin_rhs"]),
             "pooled_all": ridge_solve(g, total["fit_rhs"]),
             "pooled_ok": torch.tensor(1.0, dtype=F64),
             "forward_scores": total["score"],
             "forward_scored": total["scored"],
         }
+        if fwd and span is not None:  # the interval after calibration (fedprior_forward)
+            span = torch.nan_to_num(span.to(F64), nan=0.0, posinf=0.0).clamp_min(0.0)
+            if per_unit:  # T: the mean span, each capped (as fedprior_drift's)
+                scale = fleet_time_scale(span, order, SPAN_CAP)
+            else:  # streamed sums: Σ span / Σ units
+                scale = span.sum() / span_n.to(F64).sum().clamp_min(1.0)
+            out.update(forward_fit({k: v[order].sum(0) for k, v in fwd.items()}, scale))
+        return out
 
     def forward_choice(self, scores: Tensor) -> int:
         """The basis of least summed score (ties: the smaller, listed first)."""
@@ -258,6 +296,7 @@ class TimeChoice:
             "note": "score: Σ over units of clip(log(MSE / the unit's best MSE), 0, "
             f"{self.choice_clip:g}); lower is better; simple candidates are shipped per unit "
             "by the no-harm fall-back",
+            **({"interval": forward_record(server)} if "fwd_scale" in server else {}),
         }
 
     # ---- client: no harm at personalization ----------------------------------------------
@@ -272,6 +311,8 @@ class TimeChoice:
         count = m.sum(1).clamp_min(1.0)
         mean = (y * m).sum(1) / count
         out["target_sd"] = (((y - mean.unsqueeze(1)) ** 2 * m).sum(1) / count).sqrt()
+        if self.choice_interval == "forward":  # κ, ρ/T after calibration
+            out = self.forward_personal(down, data, out)
         if not self.choosing(data):
             return out
         lin = torch.tensor(self._linear_terms())
@@ -313,44 +354,6 @@ class TimeChoice:
             out = self._scale_sigma(out, err[0] * last, stated, last, ~worse)
         if bool(worse.any()):
             out = self._ship_simple(out, down, data, design, best, worse, base)
-        return out
-
-    def _stated_var(self, params: Tree, data: ClientData) -> Tensor:
-        """(clients, rows) the predictive variance ``params`` states at ``data``'s rows (at
-        each row's time for fedprior_drift); NaN where it states none."""
-        timed = getattr(self, "predictive_std_timed", None)
-        std = timed(params, data) if timed is not None else self.predictive_std(params, data.x)
-        if std is None:
-            return torch.full(data.mask.shape, math.nan, dtype=F64)
-        return std.to(F64)[..., 0] ** 2
-
-    def _scale_sigma(
-        self, out: Tree, sq_err: Tensor, stated: Tensor, scored: Tensor, which: Tensor
-    ) -> Tree:
-        """Each unit's variance scaled so that its fit on all but the last h of its span
-        would have covered 95 % of that last h (the fold most like use): with z_r = |e_r| /
-        √v_r on the scored rows (e the error, v the variance that fit stated there) and q
-        their 95 % quantile, r = (q / 1.96)², shrunk to 1 by ``SIGMA_PRIOR_ROWS``
-        pseudo-rows, r̃ = (n r + n₀) / (n + n₀). A quantile, not Σe²/Σv: hourly PM errors are
-        heavy-tailed, and the mean-square ratio over-covered (Antwerp 0.986, docs/field.md).
-        The posterior covariance, every ``*_var`` of the unit and fedprior_drift's walk
-        covariance times r̃ (its σ times √r̃, at every time)."""
-        ok = torch.isfinite(stated) | (scored == 0)
-        v = torch.where(scored > 0, torch.nan_to_num(stated, nan=0.0), 0.0)
-        n = scored.sum(1)
-        z = torch.where((scored > 0) & (v > 0), (sq_err / v.clamp_min(1e-300)).sqrt(), math.nan)
-        q = torch.nanquantile(z, 0.95, dim=1)
-        ratio = (n * (q / 1.959964) ** 2 + SIGMA_PRIOR_ROWS) / (n + SIGMA_PRIOR_ROWS)
-        mean_v = v.sum(1) / n.clamp_min(1.0)
-        use = which & ok.all(1) & (n > 0) & (mean_v > 0) & torch.isfinite(ratio)
-        r = torch.where(use, ratio, 1.0)
-        out["cov"] = out["cov"].to(F64) * r.reshape(-1, 1, 1)
-        if "drift_cov" in out:  # fedprior_drift: the walk's growth after t_i too
-            out["drift_cov"] = out["drift_cov"].to(F64) * r.reshape(-1, 1, 1)
-        for key in [k for k in out if k.endswith("_var")]:
-            if tuple(out[key].shape) == tuple(r.shape):
-                out[key] = out[key].to(F64) * r
-        out["sigma_scale"] = r.sqrt()
         return out
 
     def _ship_simple(
@@ -399,19 +402,29 @@ class TimeChoice:
         k = len(self.candidates) if self.each_candidate else 1
         k, lin = k + len(SIMPLE), 1 + self.num_inputs
         zero = torch.tensor(0.0, dtype=F64)
-        return {
+        start = {
             "pooled_fold": torch.zeros(FOLDS, lin, dtype=F64),
             "pooled_all": torch.zeros(lin, dtype=F64),
             "pooled_ok": zero.clone(),
             "forward_scores": torch.zeros(k, dtype=F64),
             "forward_scored": zero.clone(),
         }
+        if self.choice_interval == "off":
+            return start
+        return {
+            **start,
+            "fwd_scale": torch.tensor(1.0, dtype=F64),
+            "fwd_rate": zero.clone(),
+            "fwd_declined": zero.clone(),
+            "fwd_T": zero.clone(),
+            "fwd_check": torch.full((3,), -1.0, dtype=F64),
+        }
 
     def _choice_state(self, server: Tree, forward: Tree | None) -> Tree:
         """The pooled lines and forward scores to keep (last round's without new sums)."""
         if "pooled_ok" not in server:
             return {}
-        return {k: server[k] for k in CHOICE_KEYS} if forward is None else forward
+        return {k: server[k] for k in CHOICE_KEYS if k in server} if forward is None else forward
 
     def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
         """PriorStatus's flags, and ``weak`` for an implausible unit (fedprior_choice)."""
@@ -430,6 +443,9 @@ class TimeChoice:
         out = {"fallback": params["fallback"].to(F64).numpy()}  # codes: unit_labels
         if "sigma_scale" in params:
             out["sigma_scale"] = params["sigma_scale"].to(F64).numpy()
+        if "fwd_scale" in params:  # κ on σ after calibration; NaN: declined (fedprior_forward)
+            declined = params["fwd_declined"].to(F64) > 0
+            out["future_scale"] = torch.where(declined, math.nan, params["fwd_scale"]).numpy()
         return out
 
     def export_state(self, server: Tree) -> dict:

@@ -11,7 +11,10 @@ c. each fold's linear Gram has its constant term (P̃₀ = 1: the fold's row cou
 d. ``fit_rhs`` = (G_i m_i) on the linear terms, G_i the unit's design Gram and m_i its
    posterior mean (both screened: the consistency check and the fit RMS): the pooled line a
    unit falls back to is fitted from these (Σ_i G_i,lin Σ_i (G_i m_i)_lin), so no unit
-   moves it by more than its own screened fit does.
+   moves it by more than its own screened fit does;
+e. the interval after calibration's uploads (``fwd_*``, its span): coverage fractions in
+   [0, 1] rising in κ, bounded scores, a finite span ≥ 0 and ``span_n`` 1
+   (:func:`~fedcal.algorithms.fedprior_forward.forward_problems`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fedcal.algorithms.fedprior_forward import forward_problems
 from fedcal.core.bayes import F64
 
 REL = 1e-9  # relative rounding allowed in (G m)'s recomputation (float64, p ≤ a few 100)
@@ -55,4 +59,11 @@ def choice_problems(sub: dict[str, Tensor], clip: float, lin: Tensor) -> dict[in
     off = (fit - want).abs().amax(-1) > REL * len(sub["mean"][0]) * scale.clamp_min(1e-300)
     for j in (off & finite).nonzero()[:, 0].tolist():
         whys.setdefault(j, "choice fit_rhs is not the unit's Gram times its posterior mean")
+    if "choice/fwd_units" in sub:  # e.
+        for j, why in forward_problems(sub).items():
+            whys.setdefault(j, why)
+        span, one = sub["choice/span"].to(F64), sub["choice/span_n"].to(F64)
+        bad = ~(torch.isfinite(span) & (span >= 0) & (one == 1))
+        for j in bad.nonzero()[:, 0].tolist():
+            whys.setdefault(j, "choice span not finite and ≥ 0, or span_n not 1")
     return whys

@@ -91,3 +91,18 @@ def linear_index(terms: tuple[tuple[int, ...], ...], inputs: int) -> list[int] |
     if any(w not in where for w in wanted):
         return None
     return [where[w] for w in wanted]
+
+
+def fleet_time_scale(span: Tensor, order: Tensor, cap: float) -> Tensor:
+    """The fleet's time scale T: the mean declared span, each capped at ``cap`` × the median.
+
+    One forged, huge span would otherwise make T (and so q/T) as large (small) as it likes,
+    switching the drift off; capped, it moves T by at most (cap − 1)·median/units. Honest
+    fleets whose spans lie within ``cap`` × their median get the plain mean. A median of 0
+    (most units at a single time) leaves the spans uncapped.
+    """
+    span = span.to(F64)
+    med = span.median()
+    if float(med) > 0:
+        span = span.clamp_max(cap * med)
+    return span[order].sum(0) / max(float(span.shape[0]), 1.0)

@@ -118,6 +118,7 @@ from pydantic import Field
 from torch import Tensor
 
 from fedcal.algorithms.fedprior import FedPrior
+from fedcal.algorithms.fedprior_choice_parts import fleet_time_scale
 from fedcal.algorithms.fedprior_short import SHORT_WINDOWS, ShortColocation
 from fedcal.core.algorithm import ClientResult, SettingError
 from fedcal.core.bayes import F64, Moments, moments, posterior, safe_cholesky
@@ -543,9 +544,9 @@ class FedPriorDrift(ShortColocation, FedPrior):
         """:meth:`predictive_std` at each row's time: + the walk since t_i (module doc)."""
         std = self.predictive_std(params, data.x)
         if data.time is None or "drift_rate" not in params:
-            return std
+            return self.forward_std(params, data, std)  # fedprior_forward's, after t_i
         var = std.to(F64)[..., 0] ** 2 + self._drift_var(params, data.x, data.time)
-        return var.sqrt().unsqueeze(-1).to(std.dtype)
+        return self.forward_std(params, data, var.sqrt().unsqueeze(-1).to(std.dtype))
 
     def unit_columns(self, params: Tree, train: ClientData) -> dict[str, np.ndarray]:
         """Per unit (clients,): ``recalibrate_at`` — when its mean predictive σ over its own
@@ -670,21 +671,6 @@ def bound_short_sse(sse: Tensor, held: Tensor, clip: float) -> Tensor:
     scale = level.median(0).values  # (W,)
     bound = clip * held.unsqueeze(1) * scale.unsqueeze(0)
     return torch.maximum(torch.minimum(gain, bound), -bound)
-
-
-def fleet_time_scale(span: Tensor, order: Tensor, cap: float) -> Tensor:
-    """The fleet's time scale T: the mean declared span, each capped at ``cap`` × the median.
-
-    One forged, huge span would otherwise make T (and so q/T) as large (small) as it likes,
-    switching the drift off; capped, it moves T by at most (cap − 1)·median/units. Honest
-    fleets whose spans lie within ``cap`` × their median get the plain mean. A median of 0
-    (most units at a single time) leaves the spans uncapped.
-    """
-    span = span.to(F64)
-    med = span.median()
-    if float(med) > 0:
-        span = span.clamp_max(cap * med)
-    return span[order].sum(0) / max(float(span.shape[0]), 1.0)
 
 
 def _short_uploads(flat: Tree) -> Tensor | None:

@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from fedcal.cli.base import KeyFileOpt, _check_mac, _fail, _mac_key, app, console
-from fedcal.cli.options import SensorOpt, TimeColumnOpt
+from fedcal.cli.options import PriorMethodOpt, RunPointsOpt, RunSeedOpt, SensorOpt, TimeColumnOpt
 from fedcal.core import runnames
 from fedcal.core.errors import ConfigError
 
@@ -26,11 +26,9 @@ def calibrate(
         typer.Option("--data", help="CSV/Parquet of the new units' calibration points"),
     ],
     out: Annotated[Path, typer.Option("--out", help="directory to write (a run directory)")],
-    method: Annotated[str, typer.Option(help="which fedprior method of the run")] = "fedprior",
-    seed: Annotated[int, typer.Option(help="which training seed of the run")] = 0,
-    train_points: Annotated[
-        int, typer.Option("--train-points", help="which point budget of the run (0 = all)")
-    ] = 0,
+    method: PriorMethodOpt = "fedprior",
+    seed: RunSeedOpt = 0,
+    train_points: RunPointsOpt = 0,
     sensor_column: SensorOpt = None,
     time_column: TimeColumnOpt = None,
     key_file: KeyFileOpt = None,

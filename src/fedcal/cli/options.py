@@ -176,6 +176,11 @@ SensorOpt = Annotated[
 MethodOpt = Annotated[
     str | None, typer.Option("--method", help="which method (default: the run's only one)")
 ]
+RunSeedOpt = Annotated[int, typer.Option("--seed", help="which training seed of the run")]
+RunPointsOpt = Annotated[
+    int, typer.Option("--train-points", help="which point budget of the run (0 = all)")
+]
+PriorMethodOpt = Annotated[str, typer.Option("--method", help="which fedprior method of the run")]
 MethodsOpt = Annotated[
     str | None,
     typer.Option("--methods", help="comma separated, or 'all'" + _default("run", "methods")),

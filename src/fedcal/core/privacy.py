@@ -1,23 +1,8 @@
-"""Privacy accounting for client-level DP, by Opacus's RDP accountant.
-
-One federated round of DP-FedAvg (McMahan et al. 2018) is one application of
-the sampled Gaussian mechanism to the *clients*: each client's update is
-clipped to L2 norm C, the sum gets N(0, σ²C²) noise, and a client takes part
-with probability q (``participation``). Rényi-DP composition over rounds and
-the conversion to (ε, δ) are Opacus's (``opacus.accountants.RDPAccountant``,
-Mironov 2017; Mironov, Talwar & Zhang 2019; conversion of Balle et al. 2020),
-an established, tested implementation rather than ours.
-
-With ``participation = 1`` every client takes part every round and the
-accountant is exact (the Gaussian mechanism, RDP α/2σ² per round). With
-``participation < 1`` the engine draws a fixed-size cohort, while the
-accountant assumes Poisson sampling with rate q; the reported ε is then the
-customary approximation, and says so (``poisson_assumed``).
-
-The module gathers the names of three: :mod:`fedcal.core.dp_accounting` (the accountant,
-a staged release's budget), :mod:`fedcal.core.dp_sums` (declared statistics clipped,
-noised and projected; adaptive clipping) and :mod:`fedcal.core.dp_release` (the one-shot
-staged release of a fleet's moments); callers import them from here.
+"""Client-level differential privacy, by name: the accountant and a staged budget
+(:mod:`fedcal.core.dp_accounting`, Opacus's RDP accountant), declared statistics clipped,
+noised and projected with adaptive clipping (:mod:`fedcal.core.dp_sums`), and the staged
+one-shot release of a fleet's moments (:mod:`fedcal.core.dp_release`). Callers import
+them from here.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,8 +179,12 @@ def _parquet_record(frame: pd.DataFrame, client_column: str | None) -> dict:
     return record
 
 
-def _check_parquet_record(frame: pd.DataFrame, raw_record: bytes, label: str) -> None:
-    redo = "the file is corrupt, or was changed by a tool that kept fedcal's metadata"
+REDO = "the file is corrupt, or was changed by a tool that kept fedcal's metadata"
+
+
+def _read_record(raw_record: bytes, label: str) -> tuple[int, str, dict | None, str | None]:
+    """fedcal's metadata of a Parquet file (:func:`_parquet_record`): its rows, digest, rows
+    per sensor (None: not recorded) and client column."""
     try:
         record = json.loads(raw_record)
         rows, digest = int(record["rows"]), str(record["sha256"])
@@ -187,24 +192,46 @@ def _check_parquet_record(frame: pd.DataFrame, raw_record: bytes, label: str) ->
         column = record.get("client_column")
     except (ValueError, TypeError, KeyError, UnicodeDecodeError):
         raise FleetDataError(
-            label, f"fedcal's metadata in the file is unreadable: {redo}"
+            label, f"fedcal's metadata in the file is unreadable: {REDO}"
         ) from None
-    if len(frame) != rows:
-        raise FleetDataError(label, f"has {len(frame)} rows, its metadata records {rows}: {redo}")
-    if per_sensor is not None and column in frame.columns:
-        have = frame[column].astype(str).value_counts().to_dict()
-        wrong = sorted(set(have) | set(per_sensor), key=str)
-        wrong = [k for k in wrong if have.get(k, 0) != per_sensor.get(k, 0)]
+    return rows, digest, per_sensor, column
+
+
+def _check_record(
+    label: str,
+    recorded: tuple[int, str, dict | None, str | None],
+    rows: int,
+    counts: dict | None,
+    digest: Callable[[], str],
+) -> None:
+    """A table as read — its rows, rows per sensor (None: not counted) and digest (computed
+    last, only if the rest agrees) — against the metadata recorded beside it."""
+    want_rows, want_digest, per_sensor, column = recorded
+    if rows != want_rows:
+        raise FleetDataError(label, f"has {rows} rows, its metadata records {want_rows}: {REDO}")
+    if per_sensor is not None and counts is not None:
+        wrong = sorted(set(counts) | set(per_sensor), key=str)
+        wrong = [k for k in wrong if counts.get(k, 0) != per_sensor.get(k, 0)]
         if wrong:
             listed = ", ".join(
-                f"{k!r}: {have.get(k, 0)} read, {per_sensor.get(k, 0)} recorded"
+                f"{k!r}: {counts.get(k, 0)} read, {per_sensor.get(k, 0)} recorded"
                 for k in wrong[:MAX_LISTED]
             )
             raise FleetDataError(
-                label, f"rows per sensor differ from its metadata ({listed}): {redo}", [], column
+                label, f"rows per sensor differ from its metadata ({listed}): {REDO}", [], column
             )
-    if _frame_digest(frame) != digest:
-        raise FleetDataError(label, f"content differs from the digest in its metadata: {redo}")
+    if digest() != want_digest:
+        raise FleetDataError(label, f"content differs from the digest in its metadata: {REDO}")
+
+
+def _check_parquet_record(frame: pd.DataFrame, raw_record: bytes, label: str) -> None:
+    """A Parquet table read whole against fedcal's metadata in its file."""
+    recorded = _read_record(raw_record, label)
+    per_sensor, column = recorded[2], recorded[3]
+    counts = None
+    if per_sensor is not None and column in frame.columns:
+        counts = frame[column].astype(str).value_counts().to_dict()
+    _check_record(label, recorded, len(frame), counts, lambda: _frame_digest(frame))
 
 
 def _read_parquet(path: Path, label: str, max_bytes: int) -> _Raw:

@@ -16,7 +16,7 @@ import pandas as pd
 
 from fedcal.core.atomic import write_with
 from fedcal.data.assembly import _Assembly, _fleet_of
-from fedcal.data.fileerrors import MAX_LISTED, FleetDataError, SensorSplitError
+from fedcal.data.fileerrors import FleetDataError, SensorSplitError
 from fedcal.data.fleet import (
     CLIENT_COLUMN,
     SPLIT_COLUMN,
@@ -27,10 +27,12 @@ from fedcal.data.reading import (
     PARQUET_META_KEY,
     PARQUET_SUFFIXES,
     SOURCE_LINE,
+    _check_record,
     _file_format,
     _open_regular,
     _parquet_problem,
     _Raw,
+    _read_record,
     _tidy_parquet_frame,
     max_file_bytes,
 )
@@ -170,33 +172,11 @@ def _whole_file_stats(source, plausible: Mapping[str, Plausible]) -> dict[str, t
 def _check_streamed_record(source, raw_record: bytes, label: str) -> None:
     """:func:`_check_parquet_record` of a Parquet file read a column of a row group at a
     time (:func:`_streamed_record`)."""
-    redo = "the file is corrupt, or was changed by a tool that kept fedcal's metadata"
-    try:
-        record = json.loads(raw_record)
-        rows, digest = int(record["rows"]), str(record["sha256"])
-        per_sensor = record.get("rows_per_sensor")
-        column = record.get("client_column")
-    except (ValueError, TypeError, KeyError, UnicodeDecodeError):
-        raise FleetDataError(
-            label, f"fedcal's metadata in the file is unreadable: {redo}"
-        ) from None
+    recorded = _read_record(raw_record, label)
+    per_sensor, column = recorded[2], recorded[3]
     have = _streamed_record(source, column if per_sensor is not None else None)
-    if have["rows"] != rows:
-        raise FleetDataError(label, f"has {have['rows']} rows, its metadata records {rows}: {redo}")
-    if per_sensor is not None and "rows_per_sensor" in have:
-        counts = have["rows_per_sensor"]
-        wrong = sorted(set(counts) | set(per_sensor), key=str)
-        wrong = [k for k in wrong if counts.get(k, 0) != per_sensor.get(k, 0)]
-        if wrong:
-            listed = ", ".join(
-                f"{k!r}: {counts.get(k, 0)} read, {per_sensor.get(k, 0)} recorded"
-                for k in wrong[:MAX_LISTED]
-            )
-            raise FleetDataError(
-                label, f"rows per sensor differ from its metadata ({listed}): {redo}", [], column
-            )
-    if have["sha256"] != digest:
-        raise FleetDataError(label, f"content differs from the digest in its metadata: {redo}")
+    counts = have.get("rows_per_sensor") if per_sensor is not None else None
+    _check_record(label, recorded, have["rows"], counts, lambda: have["sha256"])
 
 
 def save_chunks(

@@ -38,6 +38,7 @@ to its own size (a reply 10⁶× the others' costs ~10⁻¹⁰ of the total).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -124,7 +125,8 @@ def streamed_round(
     """
     n = data.num_clients
     weights = weights.to(torch.float64)
-    acc = _first_pass(algorithm, server, down, states, data, weights, chunk_size)
+    check = _consistency_check(algorithm, server)
+    acc = _first_pass(algorithm, check, down, states, data, weights, chunk_size)
     trees = acc.small.trees()
     result = ClientResult(unflatten(acc.first_reply), trees["state"], trees["metrics"])
     accepted, records, metrics, outlier = _decisions(acc, algorithm, policy, weights)
@@ -160,9 +162,18 @@ def streamed_round(
     return result, algorithm.server_update_sums(server, totals, count), accepted, metrics
 
 
+def _consistency_check(algorithm: Algorithm, server: Tree) -> Callable[..., dict] | None:
+    """The consistency check bound to this round's server (its prior whitened once), if the
+    algorithm has one."""
+    if algorithm.inconsistent_replies is None:
+        return None
+    bind = algorithm.consistency_check
+    return partial(algorithm.inconsistent_replies, server) if bind is None else bind(server)
+
+
 def _first_pass(
     algorithm: Algorithm,
-    server: Tree,
+    check: Callable[..., dict] | None,
     down: Tree,
     states: Tree,
     data: ClientData,
@@ -172,10 +183,6 @@ def _first_pass(
     """Step 1: every chunk's client update, measured, checked and summed."""
     n = data.num_clients
     acc = _Pass.empty(n)
-    check = None  # the consistency check bound to this round's server (its prior whitened once)
-    if algorithm.inconsistent_replies is not None:
-        bind = algorithm.consistency_check
-        check = partial(algorithm.inconsistent_replies, server) if bind is None else bind(server)
     for rows in chunks.spans(n, chunk_size):
         k = len(rows)
         out = algorithm.client_update(expand(down, k), gather(states, rows), data.select(rows))

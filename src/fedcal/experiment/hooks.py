@@ -19,20 +19,16 @@ class Hooks:
     on_status: Callable[[str, str], None] | None = None
 
     def skip(self, method: str, reason: str) -> None:
-        if self.on_skip is not None:
-            self.on_skip(method, reason)
+        _say(self.on_skip, method, reason)
 
     def fail(self, label: str, reason: str) -> None:
-        if self.on_fail is not None:
-            self.on_fail(label, reason)
+        _say(self.on_fail, label, reason)
 
     def note(self, method: str, message: str) -> None:
-        if self.on_note is not None:
-            self.on_note(method, message)
+        _say(self.on_note, method, message)
 
     def status(self, label: str, message: str) -> None:
-        if self.on_status is not None:
-            self.on_status(label, message)
+        _say(self.on_status, label, message)
 
     def progress(self, label: str) -> Callable[[int, dict], None] | None:
         """The engine's per-round callback for run ``label`` (None: no progress wanted)."""
@@ -40,3 +36,8 @@ class Hooks:
             return None
         on_progress = self.on_progress
         return lambda t, s: on_progress(label, t, s)
+
+
+def _say(callback: Callable[..., None] | None, *args: str) -> None:
+    if callback is not None:
+        callback(*args)

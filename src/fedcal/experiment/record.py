@@ -19,17 +19,11 @@ from fedcal.build import FleetOutline, valid_ranges
 from fedcal.core import runnames
 from fedcal.core.algorithm import Algorithm
 from fedcal.engine.simulation import RunResult
+from fedcal.experiment import notes
 from fedcal.experiment.builds import Cell
 from fedcal.experiment.hooks import Hooks
 from fedcal.experiment.judging import judge_sensors
 from fedcal.experiment.modelfiles import _asked_choose, export_state, save_models
-from fedcal.experiment.notes import (
-    identification_note,
-    jitter_note,
-    selection_note,
-    status_notes,
-    unjudged_note,
-)
 from fedcal.experiment.plan import RunPlan
 from fedcal.experiment.rundir import (
     CHECKPOINT_FILE,
@@ -86,9 +80,12 @@ def record_run(plan: RunPlan, cell: Cell, run: Trained, hooks: Hooks) -> dict[st
             statuses,
         ),
     }
-    for note in status_notes(final, rejections):
+    for note in notes.status_notes(final, rejections):
         hooks.status(run.label, note)
-    judge_intervals(row, final, plan, cell, run, hooks)
+    checked, loud = judge_intervals(final, cell, run.seed, plan.config.seeds)
+    row.update(checked)
+    for note in loud:
+        hooks.note(run.method, note)
     if plan.privacy:
         row["epsilon"] = plan.privacy["epsilon"]
         row["noise_multiplier"] = plan.privacy["noise_multiplier"]
@@ -143,21 +140,15 @@ def write_sensors(
 
 
 def judge_intervals(
-    row: dict[str, Any],
-    final: pd.DataFrame,
-    plan: RunPlan,
-    cell: Cell,
-    run: Trained,
-    hooks: Hooks,
-) -> None:
-    """The stated intervals judged on the test rows: into ``row``, the loud notes said."""
+    final: pd.DataFrame, cell: Cell, seed: int, seeds: int
+) -> tuple[dict[str, str], list[str]]:
+    """The stated intervals judged on the test rows: the row's fields and the loud notes,
+    each naming the run when the cell has several (sweep labels, budget, seed)."""
     has_test = cell.tensors.test.count.cpu().numpy()[final["client_index"].to_numpy(int)]
     checked, check_notes = coverage_checks(final, cell.roles, has_test)
-    row.update(checked)
-    tp, seed = cell.train_points, run.seed
-    where = _where(cell.labels) + f" tp={tp}" * bool(tp) + f" seed={seed}" * (plan.config.seeds > 1)
-    for note in check_notes:
-        hooks.note(run.method, f"{where.strip()}: {note}" if where.strip() else note)
+    tp = cell.train_points
+    where = (_where(cell.labels) + f" tp={tp}" * bool(tp) + f" seed={seed}" * (seeds > 1)).strip()
+    return checked, [f"{where}: {note}" if where else note for note in check_notes]
 
 
 def record_prior(
@@ -183,7 +174,7 @@ def record_prior(
         return
     fitted.save(run.run_dir / runnames.PRIOR)
     exported = fitted.to_dict()
-    note = identification_note(exported)
+    note = notes.identification_note(exported)
     if "identification" in exported:
         row["weak_directions"] = exported["identification"]["weak_directions"]
     if note:
@@ -191,7 +182,7 @@ def record_prior(
     drift = exported.get("drift")
     if isinstance(drift, dict) and drift.get("note"):
         hooks.note(method, drift["note"])  # e.g. no time column: fedprior's model
-    chosen = selection_note(exported, final)
+    chosen = notes.selection_note(exported, final)
     if chosen:  # the time-respecting choice (algorithms/fedprior_choice.py)
         row["selection_note"] = chosen
         hooks.note(method, chosen)
@@ -209,8 +200,8 @@ def run_notes(row: dict[str, Any], history: pd.DataFrame, run: Trained, hooks: H
         hooks.note(method, own_note)
     if "jitter" in history and (history["jitter"] > 0).any():
         worst = float(history["jitter"].max())
-        hooks.note(method, jitter_note(history["jitter"], worst))
-    note = unjudged_note(run.result.extra["aggregation"])
+        hooks.note(method, notes.jitter_note(history["jitter"], worst))
+    note = notes.unjudged_note(run.result.extra["aggregation"])
     if note:  # the robust M-step judged nobody: marked in the row, and said
         row["unjudged_rounds"] = int(note.split(" ", 1)[0])
         hooks.note(method, note.split(" ", 1)[1])

@@ -90,6 +90,10 @@ def aggregate(summary: pd.DataFrame) -> pd.DataFrame:
     counts = ("sensors", "excluded", "rejected", "failed", *STATUS_COUNTS)
     tallies = ("wall_s", "bytes_", "unscored", "common_sensors", "sensors_", "excluded_")
     errors = [c for c in metrics if not c.startswith(tallies) and c not in counts]
+    # The means over every sensor are not masked: they count each sensor with a finite error
+    # whatever its status, and the ones without (diverged, refused) as unscored apart —
+    # a run whose sensors are all excluded still shows them (issue 34.4).
+    errors = [c for c in errors if "_mean_all" not in c]
     summary[errors] = summary[errors].astype(float).mask(bad, np.nan)
     summary["diverged_seeds"] = bad.astype(int)
     order = {m: i for i, m in enumerate(pd.unique(summary["method"]))}

@@ -125,12 +125,16 @@ def claimed_rows(parts: Mapping[int, RecordDict], rejected: dict[int, str]) -> d
 
     claimed: dict[int, int] = {}
     for index in sorted(parts):
-        rows, why = check_info(parts[index], index)
-        if why is None:
-            claimed[index] = rows
-        else:
-            rejected[index] = why
+        _sort_out(index, *check_info(parts[index], index), claimed, rejected)
     return claimed
+
+
+def _sort_out(index: int, value: Any, why: str | None, kept: dict, rejected: dict) -> None:
+    """``value`` kept under ``index``, or ``why`` not recorded as its rejection."""
+    if why is None:
+        kept[index] = value
+    else:
+        rejected[index] = why
 
 
 def eval_row(
@@ -180,11 +184,8 @@ def checked_uploads(
         if part is None or "reply" not in part:
             continue
         padded = longest[members[index].node_id]
-        tree, why = check_reply(part, spec, members[index].num_train, padded)
-        if why is None:
-            uploads[index] = tree
-        else:
-            rejected[index] = why
+        checked = check_reply(part, spec, members[index].num_train, padded)
+        _sort_out(index, *checked, uploads, rejected)
     return uploads
 
 
