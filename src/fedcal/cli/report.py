@@ -25,7 +25,7 @@ def report(
         Path | None,
         typer.Option(
             help="with --html: the folder of fedcal certificate's <unit>.html/.pdf, linked "
-            "from each unit's section (default: RUN_DIR/certificates)"
+            "from each unit's section (default: certificates/ beside the --html file)"
         ),
     ] = None,
 ) -> None:
