@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from fedcal.cli.base import _fail, app, console, target_unit
+from fedcal.cli.options import PriorMethodOpt, RunSeedOpt
 from fedcal.core.errors import ConfigError
 
 
@@ -36,8 +37,8 @@ def plan(
         False
     ),
     count: Annotated[int, typer.Option(help="with --next: how many next points")] = 1,
-    method: Annotated[str, typer.Option(help="which fedprior method of the run")] = "fedprior",
-    seed: Annotated[int, typer.Option(help="which training seed of the run")] = 0,
+    method: PriorMethodOpt = "fedprior",
+    seed: RunSeedOpt = 0,
 ) -> None:
     """Plan a new unit's chamber points from the fleet prior (fedcal.planning).
 

@@ -18,7 +18,7 @@ from fedcal.cli.base import (
     console,
     err_console,
 )
-from fedcal.cli.options import EXPORT_FORMATS, MethodOpt, SensorOpt
+from fedcal.cli.options import EXPORT_FORMATS, MethodOpt, RunPointsOpt, RunSeedOpt, SensorOpt
 from fedcal.core.errors import ConfigError
 
 
@@ -26,10 +26,8 @@ from fedcal.core.errors import ConfigError
 def export(
     run_dir: Annotated[Path, typer.Argument(help="a run directory of fedcal run/compare")],
     method: MethodOpt = None,
-    seed: Annotated[int, typer.Option(help="which training seed")] = 0,
-    train_points: Annotated[
-        int, typer.Option("--train-points", help="which point budget (0 = all)")
-    ] = 0,
+    seed: RunSeedOpt = 0,
+    train_points: RunPointsOpt = 0,
     fmt: Annotated[
         str,
         typer.Option(
@@ -152,10 +150,8 @@ def predict(
         Path, typer.Option("--out", help="CSV to write: the input rows plus the calibrated target")
     ],
     method: MethodOpt = None,
-    seed: Annotated[int, typer.Option(help="which training seed")] = 0,
-    train_points: Annotated[
-        int, typer.Option("--train-points", help="which point budget (0 = all)")
-    ] = 0,
+    seed: RunSeedOpt = 0,
+    train_points: RunPointsOpt = 0,
     strict: Annotated[
         bool,
         typer.Option(
