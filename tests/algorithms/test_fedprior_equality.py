@@ -7,8 +7,8 @@ predictive σ at their first test row, the chosen candidate. The refactor only m
 so the numbers are the same to the last bit on one machine and thread count; the tolerance,
 1e-12 relative, leaves room for BLAS's thread-dependent rounding (fedprior_drift's σ(t)
 differs by 3e-15 between one thread and the default) and a change of summation order (none
-was made: the bitwise runs are in the report of issue 35 part 1). A change of model (a new default, a fix) must update these figures in the
-same commit, saying why.
+was made: the bitwise runs are in the report of issue 35 part 1). A change of model (a new
+default, a fix) must update these figures in the same commit, saying why.
 """
 
 from __future__ import annotations
