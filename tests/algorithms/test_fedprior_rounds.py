@@ -104,8 +104,7 @@ def _planted_run(alg: FedPrior, data, rounds: int):
     server = alg.server_init({})
     states = alg.client_init(expand(alg.broadcast(server), n))
     for t in range(rounds):
-        if t == rounds - 1:
-            server = alg.last_round(server)
+        server = alg.before_round(server, t, rounds, n)
         result = alg.client_update(expand(alg.broadcast(server), n), states, data)
         states = result.state
         server = alg.server_update(server, result.reply, data.count)
@@ -183,3 +182,27 @@ def test_a_units_draw_is_its_own_and_uniform():
     assert bool(((u >= 0) & (u < 1)).all())
     share = float((u < 0.1).to(torch.float64).mean())
     assert abs(share - 0.1) <= 4 * (0.1 * 0.9 / 20000) ** 0.5
+
+
+def test_the_candidates_on_a_sample_choose_as_the_whole_fleet(mixed):
+    """R1's sample (select_units = 12 of 30 units): from the first round the units whose own
+    draw is below 12/30 upload the candidates' terms (and ``unit`` 1), the others zeros and
+    are not rejected for them (the consistency check reads the sample's rows only); the BIC
+    choice is the whole fleet's here, and after the freeze every unit's statistics count."""
+    alg, tensors = mixed
+    sample = dataclasses.replace(alg, select_units=12, converge_tol=0.0)
+    run = _run(sample, tensors, 8)
+    every = _run(dataclasses.replace(alg, **EVERY), tensors, 8)
+    assert int(run.server["choice"]) == int(every.server["choice"])
+    assert not run.extra["rejections"]
+    n = tensors.num_clients
+    data = tensors.train
+    draws = unit_draw(sample._moments(data).rhs)
+    drawn = int((draws < 12 / n).sum())
+    assert 4 <= drawn <= 20  # ~12 of 30 (± 3 binomial sd)
+    server = sample.server_init({})
+    server = sample.before_round(server, 0, 8, n)
+    assert float(server["cand_rate"]) == pytest.approx(12 / n)
+    down = expand(sample.broadcast(server), n)
+    reply = sample.client_update(down, sample.client_init(down), data).reply
+    assert torch.equal(reply["cand"]["unit"][:, 0] > 0, draws < 12 / n)

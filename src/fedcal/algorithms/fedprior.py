@@ -453,9 +453,10 @@ class FedPrior(
             self.select_units,
         )
 
-    def last_round(self, server: Tree) -> Tree:
-        """The server before the engine's last round (fedprior_rounds R2: it holds out)."""
-        return self.rounds_schedule.last(server)
+    def before_round(self, server: Tree, t: int, rounds: int, units: int) -> Tree:
+        """The server before round ``t`` of ``rounds`` over ``units`` units (fedprior_rounds:
+        R2's last round holds out, R1's sample rate)."""
+        return self.rounds_schedule.before(server, t, rounds, units)
 
     def finished(self, server: Tree) -> bool:
         """Whether the run is done before the engine's rounds (fedprior_rounds R3)."""

@@ -13,10 +13,19 @@ R1. **The basis chosen once** (``select_patience`` = k > 0, with ``select = "bic
     own iterate. The chosen EM's M-step is the candidate path's (its masked design metric,
     its own σ²), so the numbers after the freeze are those of the every-round run whenever
     that run keeps the same choice to its end (tested on a small fleet).
+    With ``select_units`` = S > 0 the candidates' E-steps run on a sample: a unit computes
+    and uploads them only when its own draw u_i (:func:`unit_draw`, from the bits of its
+    Φᵀy: no seed, nobody else's data) is below the broadcast rate min(1, S / N) (N the
+    fleet's units, from the engine before the first round, else the first round's count);
+    the others upload zeros and ``unit`` 0. The candidates' M-steps and the BIC use the
+    sample's sums, its n and its count N_s (the BIC's log N_s). At N ≤ S every unit draws
+    (the run as without it); above, the choice is the sample's BIC choice (measured against
+    the whole fleet's at 10,000 units, docs/benchmarks.md) and the chosen EM then runs on
+    every unit.
 R2. **The hold-out once** (``holdout = "final"``, with ``interval = "calibrated"``). I2 and
     I4's fits and counts (the calibrated interval's hold-out: a posterior per unit and per
     own fold, its rows counted against 142 τ² values) are computed only in the round the
-    server marks (``holdout_now``): the engine's last round (:meth:`RoundSchedule.last`),
+    server marks (``holdout_now``): the engine's last round (:meth:`RoundSchedule.before`),
     or the round after the prior has converged (R3). Every round still uploads the probe
     design (its inputs' span positions: the server's choice of the probe, a few hundred
     bytes) and the residual terms of I1 (σ²'s sums). The τ² of the final model is the
@@ -70,7 +79,7 @@ class RoundSchedule:
     holdout: str
     converge_tol: float
     candidates: bool  # select = "bic" with select_by = "candidates"
-    select_units: int = 0  # R1: the candidates' sample after the first round (0: every unit)
+    select_units: int = 0  # R1: the candidates' sample of about this many units (0: every unit)
 
     @property
     def active(self) -> bool:
@@ -114,11 +123,16 @@ class RoundSchedule:
             return True
         return bool((down["holdout_now"] > 0).any())  # one flag, broadcast to each unit
 
-    def last(self, server: Tree) -> Tree:
-        """The server before the engine's last round: that round holds out (R2)."""
-        if self.holdout != "final":
-            return server
-        return {**server, "holdout_now": torch.tensor(1.0, dtype=F64)}
+    def before(self, server: Tree, t: int, rounds: int, units: int) -> Tree:
+        """The server before round ``t`` of an engine's ``rounds`` over ``units`` units: the
+        last round holds out (R2); the candidates' rate is select_units / units from the
+        first round on (R1; without this hook, from the second, by the first's count)."""
+        out = dict(server)
+        if self.holdout == "final" and t == rounds - 1:
+            out["holdout_now"] = torch.tensor(1.0, dtype=F64)
+        if self.sampling and "cand_rate" in server and units > 0:
+            out["cand_rate"] = torch.tensor(min(1.0, self.select_units / units), dtype=F64)
+        return out
 
     def finished(self, server: Tree) -> bool:
         """Whether the run is done (R3): the round after convergence held out."""

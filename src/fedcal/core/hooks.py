@@ -71,11 +71,13 @@ class DerivesData(Protocol):
 
 @runtime_checkable
 class EndsRounds(Protocol):
-    """An algorithm that may end its run before the engine's rounds (fedprior's convergence,
-    issue 36.1): ``finished(server)`` after a round's server update says the run is done (the
-    engine evaluates and stops there); ``last_round(server)`` -> the server the cap's last
-    round starts from (fedprior: that round holds out its interval's rows)."""
+    """An algorithm that schedules its own rounds (fedprior's, issue 36.1): before round ``t``
+    of a run capped at ``rounds`` over ``units`` clients the engine passes the server through
+    ``before_round(server, t, rounds, units)`` (fedprior: the last round holds out its
+    interval's rows; the candidates' sample rate from the fleet's size); after a round's
+    server update ``finished(server)`` says the run is done (the engine evaluates and stops
+    there)."""
 
     def finished(self, server: Tree) -> bool: ...
 
-    def last_round(self, server: Tree) -> Tree: ...
+    def before_round(self, server: Tree, t: int, rounds: int, units: int) -> Tree: ...

@@ -131,14 +131,14 @@ def simulate(
     fleet = with_derived(algorithm, fleet, config.chunk_size, device)
     counts = fleet.train.count.to(torch.float64)
     t0 = time.perf_counter() - run.elapsed
-    # An algorithm that ends its run itself (EndsRounds: fedprior's convergence, issue 36.1)
-    # is told of the cap's last round and stops after the round it reports finished.
+    # An algorithm that schedules its rounds (EndsRounds: fedprior's, issue 36.1) sees each
+    # round's index, the cap and the fleet's size first, and stops the run when finished.
     ends = isinstance(algorithm, EndsRounds)
     if ends and algorithm.finished(run.server):  # resumed after its finished round
         rounds = run.start_round
     for t in range(run.start_round, rounds):
-        if ends and t == rounds - 1:
-            run.server = algorithm.last_round(run.server)
+        if ends:  # (fedprior: the last round holds out; its sample from the fleet's size)
+            run.server = algorithm.before_round(run.server, t, rounds, fleet.num_clients)
         ids, result = _train_round(run, algorithm, fleet, counts, config, t, device)
         last = t == rounds - 1 or (ends and algorithm.finished(run.server))
         if last or evaluates(t, rounds, config.eval_every):  # always after the last round
