@@ -52,6 +52,8 @@ import tempfile
 import time
 from pathlib import Path
 
+PER_ROUND: list[tuple[float, float, bool]] = []  # the last _train's rounds (wall, CPU, cand)
+
 
 def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -167,6 +169,19 @@ def _train(
             evals.append((time.perf_counter() - w, time.process_time() - c))
 
     simulation._evaluate = timed
+    # Each round's own wall and CPU seconds (client steps, sums, server; no evaluation), and
+    # whether the candidates' statistics travelled in it (fedprior's basis not yet frozen).
+    train_round = simulation._train_round
+    per_round: list[tuple[float, float, bool]] = []
+
+    def round_timed(run, *a, **k):
+        w, c, cand = time.perf_counter(), time.process_time(), "cand" in run.server
+        try:
+            return train_round(run, *a, **k)
+        finally:
+            per_round.append((time.perf_counter() - w, time.process_time() - c, cand))
+
+    simulation._train_round = round_timed
     engine = EngineConfig(rounds=rounds, seed=0, eval_every=eval_every, chunk_size=chunk_size)
     start = (0, time.perf_counter(), time.process_time())
     result = simulate(
@@ -180,6 +195,8 @@ def _train(
     wall = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in itertools.pairwise(marks)]
     cpu = [(b[2] - a[2]) / (b[0] - a[0]) for a, b in itertools.pairwise(marks)]
     simulation._evaluate = evaluate
+    simulation._train_round = train_round
+    PER_ROUND[:] = per_round  # (read by step_fedprior)
     # Without the evaluation that ends each span (one per span: on_round follows it).
     bare = [
         ((b[1] - a[1] - e[0]) / (b[0] - a[0]), (b[2] - a[2] - e[1]) / (b[0] - a[0]))
@@ -226,9 +243,25 @@ def step_fedprior(size: int, tmp: Path, args) -> dict:
         "rounds_done": result.rounds_done,
         "choice": int(result.server["choice"]) if "choice" in result.server else -1,
         "build_peak_rss_mb": build_rss_mb,
+        # each round without its evaluation: those that still carried every candidate's
+        # statistics (choosing), and those after the basis was frozen (issue 36.1)
+        **_split_rounds(PER_ROUND),
         "streamed": refused is None and assembled > streamed.STREAM_ABOVE,
         **({"stream_refused": refused} if refused else {}),
     }
+
+
+def _split_rounds(rounds: list[tuple[float, float, bool]]) -> dict:
+    """Mean wall and CPU seconds of the rounds that chose (candidates) and of the rest."""
+    out = {}
+    for label, keep in (("choosing", True), ("chosen", False)):
+        part = [(w, c) for w, c, cand in rounds if cand == keep]
+        out[f"{label}_rounds"] = len(part)
+        if part:
+            out[f"{label}_round_s"] = sum(w for w, _ in part) / len(part)
+            out[f"{label}_round_cpu_s"] = sum(c for _, c in part) / len(part)
+    out["all_rounds_s"] = sum(w for w, _, _ in rounds)
+    return out
 
 
 def _setting(kv: str) -> tuple[str, object]:
