@@ -37,8 +37,12 @@ R3. **Rounds to convergence** (``converge_tol`` = ε > 0). After each M-step the
     once the basis is frozen (or without selection); the first round with δ < ε marks the
     next round for the hold-out (R2), and after that round the run is finished
     (:meth:`RoundSchedule.finished`: the simulator stops there and evaluates; ``rounds``
-    stays the cap). ECME converges linearly: with rate ρ, the distance to the fixed point
-    after δ < ε is at most ε ρ / (1 − ρ) in the same relative measure.
+    stays the cap). Opt-in, off in the shipped preset: measured (docs/benchmarks.md, "Issue
+    36.1"), σ² converges sublinearly (its change per round decays like 1/t, not ρ^t), so no
+    rate bound holds after the stop, and on a fleet of 12 campaign + 4 3x2 units the stop at
+    ε = 1e-4 (round 11) kept τ² = 0 where the 30-round run learns 1.4e-9 (of the order of
+    σ² itself): the interval of the few-point units changed. Fewer rounds need an accelerated
+    σ² update (not built).
 
 :class:`RoundSchedule` is a part of FedPrior (``rounds_schedule``), declared by those three
 settings; its functions read and write only the server's bookkeeping keys
