@@ -903,30 +903,61 @@ class FedPrior(
         if robust is not None:  # Σ w_i units (exactly N when every weight is 1)
             count = robust.weights[order].sum() if bool((robust.weights != 1).any()) else count
         metric = total["gram"] / total["n"].clamp_min(1.0)
-        frozen = self.each_candidate and "cand" not in replies  # R1: the chosen EM alone
+        args = (server, replies, order, total, count, metric, pinned, forward)
+        if not self.each_candidate or "cand" not in replies:  # (R1: the choice frozen)
+            return self.rounds_schedule.after(server, self._one_em_update(*args), count)
+        return self.rounds_schedule.after(server, self._candidates_update(*args), count)
+
+    def _one_em_update(
+        self,
+        server: Tree,
+        replies: Tree,
+        order: Tensor,
+        total: dict,
+        count: Tensor,
+        metric: Tensor,
+        pinned: Tensor,
+        forward: Tree | None,
+    ) -> Tree:
+        """The server update of one EM: without selection, under ``select_by = "marginal"``,
+        or the chosen candidate's once the choice is frozen (fedprior_rounds R1)."""
+        frozen = self.each_candidate  # R1: the chosen EM alone
         if frozen:  # the candidate's own M-step: its design metric (fedprior_rounds R1)
             m = self.masks[int(server["choice"])]
             metric = metric * m.unsqueeze(0) * m.unsqueeze(1)
-        if not self.each_candidate or frozen:
-            mu, sigma, noise_var = self.branch_pins.restart(
-                server, pinned, total["gram"]
-            ) or self._prior_update(server["mu"], total, count, metric, server["noise_var"], pinned)
-            new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
-            new["box"] = self.support_box.fleet_box(total["gram"])
-            if frozen:  # the choice as frozen
-                new.update({k: server[k] for k in ("choice", "scores")})
-                new["mask"] = self.masks[int(server["choice"])]
-            elif self.select != "none":  # select_by = "marginal": the noisy-BIC choice
-                new.update(self.selection.marginal_choice(total["select"], count, pinned))
-            if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
-                noise = replies["noise"]
-                new.update(self.noise_model.updates(server, noise, order, total["n"], replies["n"]))
-            new.update(self._choice_state(server, forward))
-            if self.branch_orders:  # the features in use, without the ψ coordinates out of it
-                new["mask"] = new.get("mask", self.masks[-1]) * (~pinned).to(F64)
-                new["pinned"] = pinned.to(F64)
-            new.update(self._interval_update(server, replies, order, total))
-            return self.rounds_schedule.after(server, new, count)
+        mu, sigma, noise_var = self.branch_pins.restart(
+            server, pinned, total["gram"]
+        ) or self._prior_update(server["mu"], total, count, metric, server["noise_var"], pinned)
+        new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
+        new["box"] = self.support_box.fleet_box(total["gram"])
+        if frozen:  # the choice as frozen
+            new.update({k: server[k] for k in ("choice", "scores")})
+            new["mask"] = self.masks[int(server["choice"])]
+        elif self.select != "none":  # select_by = "marginal": the noisy-BIC choice
+            new.update(self.selection.marginal_choice(total["select"], count, pinned))
+        if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
+            noise = replies["noise"]
+            new.update(self.noise_model.updates(server, noise, order, total["n"], replies["n"]))
+        new.update(self._choice_state(server, forward))
+        if self.branch_orders:  # the features in use, without the ψ coordinates out of it
+            new["mask"] = new.get("mask", self.masks[-1]) * (~pinned).to(F64)
+            new["pinned"] = pinned.to(F64)
+        new.update(self._interval_update(server, replies, order, total))
+        return new
+
+    def _candidates_update(
+        self,
+        server: Tree,
+        replies: Tree,
+        order: Tensor,
+        total: dict,
+        count: Tensor,
+        metric: Tensor,
+        pinned: Tensor,
+        forward: Tree | None,
+    ) -> Tree:
+        """The server update while every candidate's EM runs (``select = "bic"``): each
+        candidate's M-step and the fleet's BIC choice."""
         cand = {k: v[order].sum(0) for k, v in replies["cand"].items()}
         masks = self.masks
         stacked = self._candidate_updates(server, cand, total, count, metric, pinned)
@@ -961,7 +992,7 @@ class FedPrior(
                 else {}
             ),
         }
-        return self.rounds_schedule.after(server, new, count)
+        return new
 
     # ---- a hostile site or unit (issue 21; fedprior_robust) ----
     def screen_view(

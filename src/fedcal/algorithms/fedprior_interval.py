@@ -76,7 +76,7 @@ from torch import Tensor
 
 from fedcal.algorithms.fedprior_deploy import learn
 from fedcal.algorithms.fedprior_noise import weighted_moments
-from fedcal.algorithms.fedprior_rounds import carried_interval
+from fedcal.algorithms.fedprior_rounds import carried_interval, probe_design
 from fedcal.algorithms.fedprior_select import _masked
 from fedcal.core.bayes import (
     F64,
@@ -223,7 +223,7 @@ class CalibratedInterval:
         valid = (torch.arange(px.shape[1]).unsqueeze(0) < pn.unsqueeze(1)).to(F64)
         u = _unit_span(x, mask)  # positions within the unit's own calibrated span
         n = data.count.to(F64)
-        probe = self._probe_upload(u, branch, n)
+        probe = probe_design(u, branch, n, self.probe_rows)
         if not count:  # R2 (fedprior_rounds): this round uploads the probe design only
             return probe
         dist = torch.cdist(px, u) + 1e3 * ((pb.unsqueeze(-1) * branch.unsqueeze(-2)) < 0)
@@ -250,18 +250,6 @@ class CalibratedInterval:
                 down, state, design, x, y, mask, able[:, 0], weights
             )
         return out
-
-    def _probe_upload(self, u: Tensor, branch: Tensor, n: Tensor) -> Tree:
-        """A unit's candidate probe (I2): its inputs' span positions ``u`` and directions if it
-        has at most ``probe_rows`` rows (zeros otherwise), and its row count (0 otherwise)."""
-        c, rows = branch.shape
-        own = (n <= self.probe_rows).to(F64)
-        r = min(rows, self.probe_rows)
-        probe_x = torch.zeros(c, self.probe_rows, u.shape[-1], dtype=F64)
-        probe_x[:, :r] = u[:, :r] * own.reshape(-1, 1, 1)
-        probe_b = torch.zeros(c, self.probe_rows, dtype=F64)
-        probe_b[:, :r] = branch[:, :r] * own.unsqueeze(1)
-        return {"x": probe_x, "b": probe_b, "n": n * own}
 
     def _own_counts(
         self,
@@ -419,6 +407,9 @@ class CalibratedInterval:
                 held_own = float(iv["held_own"].sum())
                 if held_own > 0:
                     out["disc_own"] = self._tau_of(iv["inside_own"].sum(0) / held_own)
+        # Directions of the basis in use that too few units' points determine (the
+        # identification rule): their projector, for each unit's own test in personalize
+        # (I3: no interval for a unit whose σ² they carry more than half of).
         out = self._weak_state(server, total, out)
         if float(total["dof"]) < 1.0:
             code = 1
@@ -426,10 +417,7 @@ class CalibratedInterval:
         return out
 
     def _weak_state(self, server: Tree, total: dict, out: Tree) -> Tree:
-        """``out`` with I3's projector onto the weakly identified directions of the basis in
-        use (those too few units' points determine, the identification rule), for each unit's
-        own test in personalize (no interval for a unit whose σ² they carry more than half of).
-        """
+        """``out`` with I3's projector onto the basis's weakly identified directions."""
         used = torch.nonzero(server["mask"] if "mask" in server else self.masks[-1])[:, 0]
         weak = unlearned_directions(total["support"][used][:, used], self.min_informed)
         out["weak_proj"][used.unsqueeze(1), used.unsqueeze(0)] = weak @ weak.T

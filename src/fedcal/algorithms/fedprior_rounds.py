@@ -192,6 +192,20 @@ def _mix(h: Tensor) -> Tensor:
     return h ^ ((h >> 31) & ((1 << 33) - 1))
 
 
+def probe_design(u: Tensor, branch: Tensor, n: Tensor, probe_rows: int) -> Tree:
+    """A unit's candidate probe of I2, uploaded every round (R2): its inputs' span positions
+    ``u`` and directions if it has at most ``probe_rows`` rows (zeros otherwise), and its row
+    count (0 otherwise)."""
+    c, rows = branch.shape
+    own = (n <= probe_rows).to(F64)
+    r = min(rows, probe_rows)
+    probe_x = torch.zeros(c, probe_rows, u.shape[-1], dtype=F64)
+    probe_x[:, :r] = u[:, :r] * own.reshape(-1, 1, 1)
+    probe_b = torch.zeros(c, probe_rows, dtype=F64)
+    probe_b[:, :r] = branch[:, :r] * own.unsqueeze(1)
+    return {"x": probe_x, "b": probe_b, "n": n * own}
+
+
 def carried_interval(server: Tree, fresh: Tree) -> Tree:
     """I3 in a round without the hold-out (R2): the τ² values and the decline the server had,
     the probe and the residual degrees of freedom of this round (``fresh``)."""
