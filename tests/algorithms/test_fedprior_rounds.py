@@ -207,3 +207,23 @@ def test_the_candidates_on_a_sample_choose_as_the_whole_fleet(mixed):
     down = expand(sample.broadcast(server), n)
     reply = sample.client_update(down, sample.client_init(down), data).reply
     assert torch.equal(reply["cand"]["unit"][:, 0] > 0, draws < 12 / n)
+
+
+def test_a_forged_candidate_in_the_sample_is_still_rejected(mixed):
+    """The consistency check reads the candidates of the units in the sample (R1): a drawn
+    unit whose candidate RSS is negative is rejected for it, naming the candidate; the
+    undrawn units' zero terms are not judged."""
+    alg, tensors = mixed
+    sample = dataclasses.replace(alg, select_units=12)
+    data = tensors.train
+    n = data.num_clients
+    server = sample.before_round(sample.server_init({}), 0, 8, n)
+    down = expand(sample.broadcast(server), n)
+    reply = sample.client_update(down, sample.client_init(down), data).reply
+    drawn = torch.nonzero(reply["cand"]["unit"][:, 0] > 0)[:, 0]
+    j = int(drawn[0])
+    accepted = torch.ones(n, dtype=torch.bool)
+    assert sample.inconsistent_replies(server, reply, data.count, accepted) == {}
+    reply["cand"]["rss"][j, 3] = -1.0
+    found = sample.inconsistent_replies(server, reply, data.count, accepted)
+    assert list(found) == [j] and found[j].startswith("candidate 3:")

@@ -109,13 +109,14 @@ class RobustUploads:
             frame=top,
         )
         if self.candidates and "cand/mean" in sub:  # (not once the choice is frozen: R1)
-            for k, frame in enumerate(frames["cand"]):
-                cand = {key: sub[f"cand/{key}"][:, k] for key in keys}
-                # (R1 of fedprior_rounds: a unit outside the candidates' sample uploads none)
-                drew = sub["cand/unit"][:, k] > 0 if "cand/unit" in sub else None
-                for j, why in enumerate(inconsistencies(cand, frame.mu, frame.sigma, frame=frame)):
-                    if drew is not None and not bool(drew[j]):
-                        continue
+            # (R1 of fedprior_rounds: the units outside the candidates' sample upload none)
+            rows = torch.arange(len(whys))
+            if "cand/unit" in sub:
+                rows = torch.nonzero(sub["cand/unit"][:, 0] > 0)[:, 0]
+            for k, frame in enumerate(frames["cand"] if rows.numel() else ()):
+                cand = {key: sub[f"cand/{key}"][rows, k] for key in keys}
+                found = inconsistencies(cand, frame.mu, frame.sigma, frame=frame)
+                for j, why in zip(rows.tolist(), found, strict=True):
                     if why is not None and whys[j] is None:
                         whys[j] = f"candidate {k}: {why}"
         for key in ("support", "branch_support"):  # shares of information in [0, 1]
