@@ -438,7 +438,7 @@ def to_json(fleet: CalibratedFleet, valid_range: dict | None = None, method: str
             "valid_range": valid_range or {},
             "excluded": dict(fleet.excluded),
             "sensors": {
-                sid: {k: v.double().tolist() for k, v in p.items()}
+                sid: {k: np.asarray(v, dtype=np.float64).tolist() for k, v in p.items()}
                 for sid, p in fleet.params.items()
             },
         },
