@@ -11,7 +11,7 @@ refused — and evaluates each unit's posterior with :mod:`fedcal.prior.posterio
 
 (the guarded basis ψ, (Q, s) of :func:`fedcal.prior.posterior.variance_form`), and the 95 %
 half-width 1.96 σ, or with a direction term the sweep mixture's
-(:func:`mixture_halfwidth`, :meth:`fedcal.algorithms.fedprior.FedPrior.interval_halfwidth`).
+(:func:`fedcal.prior.posterior.interval_halfwidth`).
 Equal to the torch path within rounding (tests/prior/test_torch_free.py). A model this path
 does not cover (another method; drift, the deployment discrepancy model, …: parameters
 beyond :data:`COVERED`, or :func:`fedcal.prior.posterior.unsupported`) raises
@@ -33,13 +33,10 @@ from fedcal.core.paths import read_json, safe_name
 from fedcal.core.runfiles import check_model_meta, check_model_params
 from fedcal.data.scaling import Scaler
 from fedcal.prior import posterior
-from fedcal.prior.legendre import legendre_products
 from fedcal.prior.model import PriorModel
 from fedcal.report.export import CalibratedFleet, _refused_sensors
 
 COVERED = frozenset({"coef", "cov", "noise_var", "box", "disc_var", "declined"})
-Z95 = 1.959964  # = FedPrior.interval_halfwidth's (tested equal through the half-widths)
-BISECTIONS = 60  # = fedcal.core.bayes.mixture_halfwidth's halvings
 
 
 class NeedsTorch(ImportError):
@@ -55,25 +52,6 @@ def torch_available() -> bool:
         return importlib.util.find_spec("torch") is not None
     except (ImportError, ValueError):
         return False
-
-
-def mixture_halfwidth(shift: np.ndarray, sd: np.ndarray, level: float = 0.95) -> np.ndarray:
-    """:func:`fedcal.core.bayes.mixture_halfwidth` in NumPy: w with P(|e| ≤ w) = ``level``,
-    e ~ ½N(m, s²) + ½N(−m, s²), by bisection on [0, |m| + 6s]; NaN in either input: NaN."""
-    from scipy.special import ndtr
-
-    m, s = np.abs(shift), np.maximum(sd, 1e-300)
-
-    def mass(w: np.ndarray) -> np.ndarray:
-        inner = ndtr((w - m) / s) - ndtr((-w - m) / s)
-        return 0.5 * (inner + ndtr((w + m) / s) - ndtr((-w + m) / s))
-
-    lo, hi = np.zeros_like(m), m + 6.0 * s
-    for _ in range(BISECTIONS):
-        mid = 0.5 * (lo + hi)
-        low = mass(mid) < level
-        lo, hi = np.where(low, mid, lo), np.where(low, hi, mid)
-    return np.where(np.isnan(shift) | np.isnan(sd), np.nan, 0.5 * (lo + hi))
 
 
 @dataclass(frozen=True)
@@ -128,14 +106,7 @@ class StationFleet(CalibratedFleet):
             if str(sensor) not in self.params:
                 raise KeyError(f"sensor {sensor!r} is not in this run")
             units, x = self.units([str(sensor)]), self._scaled(x_all[rows])
-            std = posterior.predictive_std(units, x)[0]
-            if not self.branch_terms:
-                half[rows] = Z95 * std * scale
-                continue
-            p = len(self.terms)
-            m = (legendre_products(x, self.branch_terms)[0] * units.coef[0, p:]).sum(-1)
-            s = np.sqrt(np.maximum(std * std - m * m, 0.0))
-            half[rows] = mixture_halfwidth(m, s) * scale
+            half[rows] = posterior.interval_halfwidth(units, x)[0] * scale
         return half
 
     def without_sigma(self) -> list[str]:
