@@ -593,7 +593,7 @@ def record_template() -> dict[str, Any]:
     prior's columns and method), the model settings and, per input count, the task model's
     repr and head layers. Shipped as ``fedcal/prior/calibrate_record.json`` for
     :mod:`fedcal.prior.calibrate_dir` (no torch); tests/prior/test_calibrate_dir.py holds
-    the file equal to this (``python -m fedcal.prior.calibrate_dir`` rewrites it)."""
+    the file equal to this (``python -m fedcal.calibration`` rewrites it)."""
     cfg = replace(from_dict({}, "defaults"), data=DataConfig(), methods=(), seeds=1)
     tasks = {str(n): build_task(cfg, n) for n in RECORD_FEATURES}
     return {
@@ -602,3 +602,10 @@ def record_template() -> dict[str, Any]:
         "model_repr": {n: repr(t.model) for n, t in tasks.items()},
         "head_layers": {n: t.head_layers for n, t in tasks.items()},
     }
+
+
+if __name__ == "__main__":  # rewrite the shipped record (fedcal/prior/calibrate_record.json)
+    from fedcal.prior.calibrate_dir import TEMPLATE
+
+    TEMPLATE.write_text(json.dumps(record_template(), indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {TEMPLATE}")

@@ -393,7 +393,7 @@ def test_the_torch_free_pieces_equal_the_torch_ones(trained):
     with pytest.raises(TensorFileError, match="checksum mismatch"):
         load_trees(bad)
     assert calibrate_dir.template() == json.loads(json.dumps(record_template())), (
-        "fedcal/prior/calibrate_record.json is stale: python -m fedcal.prior.calibrate_dir"
+        "fedcal/prior/calibrate_record.json is stale: python -m fedcal.calibration"
     )
     assert DECLINE[4] == calibrate_dir.DECLINE_SMALL and calibrate_dir.NO_PROBE == NO_PROBE
 

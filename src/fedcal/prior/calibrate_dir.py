@@ -47,7 +47,8 @@ NO_PROBE = (
 
 
 def template() -> dict[str, Any]:
-    """The shipped defaults (:func:`fedcal.calibration.record_template`)."""
+    """The shipped defaults (:func:`fedcal.calibration.record_template`; ``python -m
+    fedcal.calibration`` rewrites them)."""
     return json.loads(TEMPLATE.read_text(encoding="utf-8"))
 
 
@@ -251,9 +252,3 @@ def write(out: Path, prior: PriorModel, fleet: Fleet, done: Station) -> pd.DataF
     write_table(out / runnames.SUMMARY, pd.DataFrame([summary_row(prior, fleet, per_sensor, note)]))
     return per_sensor
 
-
-if __name__ == "__main__":  # rewrite the shipped template (needs torch: fedcal.calibration)
-    from fedcal.calibration import record_template
-
-    TEMPLATE.write_text(json.dumps(record_template(), indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {TEMPLATE}")
