@@ -48,13 +48,7 @@ ALLOWED: dict[str, str] = {
     # sigma3 (issue 33: the deployment discrepancy)
     "fedcal/prior/discrepancy.py::_check complexity": "sigma3",
     # report (issue 37.4–6: report/*)
-    "fedcal/report/export.py": "report",
     "fedcal/report/export.py::load_models lines": "report",
-    "fedcal/report/export.py::to_c_header lines": "report",
-    "fedcal/report/html.py::build_report lines": "report",
-    "fedcal/report/html.py::build_report complexity": "report",
-    "fedcal/report/html_calibration.py::build_calibration_report lines": "report",
-    "fedcal/report/tables.py::table_columns complexity": "report",
 }
 
 

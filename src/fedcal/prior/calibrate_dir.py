@@ -251,4 +251,3 @@ def write(out: Path, prior: PriorModel, fleet: Fleet, done: Station) -> pd.DataF
     note = declined_note(prior, done.units)
     write_table(out / runnames.SUMMARY, pd.DataFrame([summary_row(prior, fleet, per_sensor, note)]))
     return per_sensor
-
