@@ -87,7 +87,10 @@ def model_bytes(prior: PriorModel, fleet: Fleet, done: Station, record: dict) ->
 
     n = str(len(prior.features))
     if n not in record["model_repr"]:
-        raise ValueError(f"{len(prior.features)} inputs: beyond the torch-free record (1-8)")
+        raise ValueError(
+            f"{len(prior.features)} inputs: beyond the torch-free record (1-8 inputs); "
+            "calibrate it with torch: pip install 'fedcal[neural]'"
+        )
     u = done.units
     leaves = {"coef": u.coef, "cov": u.cov, "noise_var": u.noise_var}
     if u.disc_var is not None:
