@@ -197,19 +197,27 @@ def secure_update(
     claimed: Mapping[int, int],
     t: int,
     entry: dict[str, Any],
-) -> tuple[Tree, list[int]]:
-    """Round ``t``'s update from the unmasked sum alone (secure runs): ``(server, the
-    sensors in it)`` (the server unchanged and none when the sum is not finite).
+) -> tuple[Tree, list[int], list[int]]:
+    """Round ``t``'s update from the unmasked sums alone (secure runs): ``(server, the
+    sensors in the M-step, the sensors left out with their group)`` (the server unchanged
+    and none when the sum is not finite).
 
     The algorithm's ``server_update`` reads sums and the count of units only
     (``reply_aggregation = "sum"``), so it is given the sum as one row and N − 1
-    rows of zeros: the same sums, the same N. Screening, robust rules and per-reply
-    checks need each reply and do not run (:func:`fedcal.engine.flower.secagg.disabled`).
+    rows of zeros: the same sums, the same N, with its per-unit robust step off (the
+    one row is no unit). Screening, robust rules and per-reply checks need each reply
+    and do not run (:func:`fedcal.engine.flower.secagg.disabled`); with ``secagg-groups``
+    a robust fedprior judges each group's sum against the others'
+    (:mod:`~fedcal.engine.flower.secagg_groups`) and leaves out the groups beyond its
+    cut-offs.
     """
+    import dataclasses
+
     import numpy as np
     import torch
 
     from fedcal.core.tree import unflatten
+    from fedcal.engine.flower.secagg_groups import judged, kept_sums
 
     done = []
     for nid, indices in out.included.items():
@@ -231,17 +239,51 @@ def secure_update(
     }
     bad = [k for k, v in out.sums.items() if not np.isfinite(v).all()]
     if bad or not done:
-        return server, []
+        return server, [], []
+    verdict = judged(algorithm, server, out)
+    sums, left_sites, record = kept_sums(out, verdict)
+    left = sorted(i for n in left_sites for i in out.included.get(n, []))
+    used = [i for i in done if i not in left]
+    if verdict is not None:
+        entry["secure"]["groups"] = {
+            str(g): {"sites": nodes, "sensors": count}
+            for g, (nodes, _, count) in out.groups.items()
+        }
+    if record:
+        entry["screening"] = [
+            {**r, "client": i} for r in record for i in out.included.get(r["site"], [])
+        ]
+        entry["screened"] = left
+    if not used:
+        return server, [], left
     stacked = {}
-    for key, v in out.sums.items():
-        rows = torch.zeros((len(done), *v.shape), dtype=torch.float64)
+    for key, v in sums.items():
+        rows = torch.zeros((len(used), *v.shape), dtype=torch.float64)
         rows[0] = torch.from_numpy(v)
         stacked[key] = rows
-    weights = torch.ones(len(done), dtype=torch.float64)
-    server = algorithm.server_update(server, unflatten(stacked), weights)
-    entry["aggregation"] = {"accepted": float(len(done)), "clipped_entries": float(out.clipped)}
+    weights = torch.ones(len(used), dtype=torch.float64)
+    plain = algorithm
+    if getattr(algorithm, "robust", "off") != "off":  # its per-unit step: the one row is no unit
+        plain = dataclasses.replace(algorithm, robust="off")
+    server = plain.server_update(server, unflatten(stacked), weights)
+    entry["aggregation"] = {"accepted": float(len(used)), "clipped_entries": float(out.clipped)}
+    if getattr(algorithm, "robust", "off") != "off":
+        entry["aggregation"].update(_group_metrics(out, verdict))
     entry["bytes_up"] = out.bytes_up
-    return server, done
+    return server, used, left
+
+
+def _group_metrics(out, verdict) -> dict[str, float]:
+    """A robust secure round's record: its groups, those left out, and ``unjudged`` when
+    no group could be judged against the others (fewer than 3 consistent groups: only the
+    summed identities were checked, or with one sum nothing; said, not silent)."""
+    groups = max(1, len(out.groups))
+    row = {"groups": float(groups)}
+    if verdict is not None:
+        row["groups_left_out"] = float((~verdict.kept).sum())
+    if verdict is None or bool(verdict.distances.isnan().all()):
+        row["unjudged"] = 1.0
+    return row
 
 
 def enough_replies(

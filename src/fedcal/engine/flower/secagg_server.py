@@ -21,6 +21,7 @@ from fedcal.engine.flower.secagg import (
     SecureSum,
     _pair_key,
     decode,
+    group_of,
     neighbours,
     pair_mask,
     prg,
@@ -69,25 +70,46 @@ def secure_exchange(
     transport,
     contents: Mapping[int, RecordDict],
     t: int,
+    members: list[int] | None = None,
 ) -> tuple[dict[int, RecordDict], dict[int, str], SecureSum]:
     """Round ``t``'s train messages through SecAgg+ (steps 1–4) among the sites that train.
 
     Returns the replies (per-sensor parts without statistics), the failures (a site
     that failed a step sits the round out), and the unmasked :class:`SecureSum`.
+    With ``secagg-groups``, the groups are those of ``members`` (every site of the
+    federation; default the training ones), fixed for the run: a site left alone in its
+    group this round (the others offline) is not asked to train, since its group's sum
+    would be its own statistics.
     """
     from fedcal.engine.flower.kinds import CONTROL
 
     training = sorted(n for n, c in contents.items() if list(c[CONTROL]["train"]))
+    fixed = group_of(sorted(set(members or []) | set(training)), settings.groups)
+    alone = (
+        {n for n in training if sum(fixed[m] == fixed[n] for m in training) < 2}
+        if settings.groups >= 2
+        else set()
+    )
+    contents = {n: c for n, c in contents.items() if n not in alone}
+    training = [n for n in training if n not in alone]
     if len(training) < 2:
         raise SecureAggregationError(
             f"round {t}: secure aggregation needs at least 2 sites training, got {len(training)}"
         )
-    ring = neighbours(training, settings.shares)
+    group = {n: fixed[n] for n in training}
+    ring: dict[int, list[int]] = {}
+    for g in sorted(set(group.values())):  # the masks cancel within each group's sum
+        ring.update(neighbours([n for n in training if group[n] == g], settings.shares))
     run = _Protocol(t, ring, {n: threshold_of(settings, len(ring[n])) for n in training})
+    run.failures.update({n: "secure aggregation: alone in its group this round" for n in alone})
     pks = _setup(run, transport, training)
     u2, inbox = _share_keys(run, transport, pks)
     replies, masked, included = _collect(run, transport, contents, training, u2, inbox, layout)
-    total = _unmask(run, transport, u2, masked, pks, layout)
+    totals = _unmask(run, transport, u2, masked, pks, layout, group)
+    with np.errstate(over="ignore"):
+        total = np.zeros(layout.size, dtype=np.uint64)
+        for v in totals.values():
+            total = total + v
     sums, count, clipped = decode(layout, total)
     for rep in replies.values():  # the protocol's records are not the run's business
         for key in (SECAGG, f"{SECAGG}-masked"):
@@ -102,6 +124,11 @@ def secure_exchange(
         quantization_bound(layout, count),
         sum(int(y.nbytes) for y in masked.values()),
     )
+    if settings.groups >= 2:
+        outcome.groups = {
+            g: (sorted(n for n in masked if group[n] == g), *decode(layout, v)[:2])
+            for g, v in sorted(totals.items())
+        }
     return replies, run.failures, outcome
 
 
@@ -212,10 +239,11 @@ def _unmask(
     masked: dict[int, np.ndarray],
     pks: dict[int, tuple[bytes, bytes]],
     layout: Layout,
-) -> np.ndarray:
-    """Step 4, unmask: shares of active sites' seeds and of dropped sites' sk1; the sum of
-    the masked vectors with every mask removed (a site failing this step is named only if
-    its secret cannot be rebuilt)."""
+    group: Mapping[int, int],
+) -> dict[int, np.ndarray]:
+    """Step 4, unmask: shares of active sites' seeds and of dropped sites' sk1; per group of
+    sites, the sum of its masked vectors with every mask removed (a site failing this step
+    is named only if its secret cannot be rebuilt)."""
     from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 
     t, ring, thr, u3 = run.t, run.ring, run.thr, set(masked)
@@ -232,10 +260,11 @@ def _unmask(
             if int(owner) in shares:
                 shares[int(owner)].append(bytes(share))
     with np.errstate(over="ignore"):
-        total = np.zeros(layout.size, dtype=np.uint64)
-        for y in masked.values():
-            total = total + y
+        totals = {g: np.zeros(layout.size, dtype=np.uint64) for g in sorted(set(group.values()))}
+        for n, y in masked.items():
+            totals[group[n]] = totals[group[n]] + y
         for n in sorted(u2):
+            total = totals[group[n]]
             if len(shares[n]) < thr[n]:
                 raise SecureAggregationError(
                     f"round {t}: secure aggregation unmask: {len(shares[n])} shares of site {n}'s "
@@ -248,4 +277,5 @@ def _unmask(
                 for m in ring[n]:
                     if m in u3 and m != n:
                         total = total - pair_mask(m, n, _pair_key(secret, pks[m][0]), layout.size)
-    return total
+            totals[group[n]] = total
+    return {g: v for g, v in totals.items() if any(group[n] == g for n in masked)}

@@ -1,0 +1,73 @@
+"""Robust and secure together (issue 36.2): a secure round's groups judged from their sums.
+
+With ``secagg-groups`` G ≥ 2 (:class:`~fedcal.engine.flower.secagg.SecureAggregation`) the
+sites are split into G fixed groups of at least two (:func:`~fedcal.engine.flower.secagg.group_of`)
+and each group's statistics are summed securely on their own: the server learns G sums, not
+one, and never a site's. fedprior's robust M-step (``robust`` ≠ "off") then checks the
+identities each group's sums must obey and, with three or more consistent groups, judges each
+one's posterior moments against the others' (:func:`fedcal.core.group_check.group_verdict`,
+in the chosen basis's coordinates); a group that fails is left out, with its units, and
+the M-step reads the kept groups' sums. When every group is kept the sum is the one secure
+sum of every site, bit for bit (no false rejection costs a clean run anything).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedcal.core.group_check import GroupVerdict, group_verdict
+from fedcal.core.robust import prior_frame
+from fedcal.core.tree import Tree
+from fedcal.engine.flower.secagg import SecureSum
+
+#: The leaves the groups are judged by: fedprior's posterior means, second moments and GLS
+#: right-hand sides.
+MOMENTS = ("mean", "second", "gls_rhs")
+
+
+def judged(algorithm: Any, server: Tree, out: SecureSum) -> GroupVerdict | None:
+    """The verdict on each group of ``out`` (in sorted group order), or None when nothing is
+    judged: one sum, ``robust = "off"``, or an upload without posterior moments."""
+    if len(out.groups) < 2 or getattr(algorithm, "robust", "off") == "off":
+        return None
+    if any(k not in out.sums for k in MOMENTS) or "mu" not in server:
+        return None
+    order = sorted(out.groups)
+    sums = {
+        k: torch.stack([torch.from_numpy(np.asarray(out.groups[g][1][k])) for g in order])
+        for k in MOMENTS
+    }
+    counts = torch.tensor([float(out.groups[g][2]) for g in order], dtype=torch.float64)
+    used = torch.nonzero(server["mask"])[:, 0] if "mask" in server else slice(None)
+    frame = prior_frame(server["mu"], server["sigma"])
+    return group_verdict(sums, counts, frame, used)
+
+
+def kept_sums(
+    out: SecureSum, verdict: GroupVerdict | None
+) -> tuple[dict[str, np.ndarray], list[int], list[dict[str, Any]]]:
+    """(the sums the M-step reads, the sites left out, a record per left-out group's site:
+    group, reason, ratio, threshold). Every group kept: the one secure sum itself."""
+    if verdict is None or bool(verdict.kept.all()):
+        return out.sums, [], []
+    order = sorted(out.groups)
+    kept = [g for g, ok in zip(order, verdict.kept.tolist(), strict=True) if ok]
+    sums = {k: np.zeros_like(v) for k, v in out.sums.items()}
+    for g in kept:
+        for k, v in out.groups[g][1].items():
+            sums[k] = np.asarray(sums[k] + v)
+    left, record = [], []
+    for j, g in enumerate(order):
+        why = verdict.reason(j)
+        if why is None:
+            continue
+        ratio, limit = float(verdict.distances[j]), float(verdict.cutoffs[j])
+        for n in out.groups[g][0]:
+            left.append(n)
+            record.append(
+                {"site": n, "group": g, "reason": why, "ratio": ratio, "threshold": limit}
+            )
+    return sums, sorted(left), record
