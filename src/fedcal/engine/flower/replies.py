@@ -217,7 +217,7 @@ def secure_update(
     import torch
 
     from fedcal.core.tree import unflatten
-    from fedcal.engine.flower.secagg_groups import judged, kept_sums
+    from fedcal.engine.flower.secagg_groups import judge_groups
 
     done = []
     for nid, indices in out.included.items():
@@ -240,20 +240,8 @@ def secure_update(
     bad = [k for k, v in out.sums.items() if not np.isfinite(v).all()]
     if bad or not done:
         return server, [], []
-    verdict = judged(algorithm, server, out)
-    sums, left_sites, record = kept_sums(out, verdict)
-    left = sorted(i for n in left_sites for i in out.included.get(n, []))
+    sums, left = judge_groups(algorithm, server, out, entry)
     used = [i for i in done if i not in left]
-    if verdict is not None:
-        entry["secure"]["groups"] = {
-            str(g): {"sites": nodes, "sensors": count}
-            for g, (nodes, _, count) in out.groups.items()
-        }
-    if record:
-        entry["screening"] = [
-            {**r, "client": i} for r in record for i in out.included.get(r["site"], [])
-        ]
-        entry["screened"] = left
     if not used:
         return server, [], left
     stacked = {}
@@ -266,24 +254,11 @@ def secure_update(
     if getattr(algorithm, "robust", "off") != "off":  # its per-unit step: the one row is no unit
         plain = dataclasses.replace(algorithm, robust="off")
     server = plain.server_update(server, unflatten(stacked), weights)
-    entry["aggregation"] = {"accepted": float(len(used)), "clipped_entries": float(out.clipped)}
-    if getattr(algorithm, "robust", "off") != "off":
-        entry["aggregation"].update(_group_metrics(out, verdict))
+    entry.setdefault("aggregation", {}).update(
+        {"accepted": float(len(used)), "clipped_entries": float(out.clipped)}
+    )
     entry["bytes_up"] = out.bytes_up
     return server, used, left
-
-
-def _group_metrics(out, verdict) -> dict[str, float]:
-    """A robust secure round's record: its groups, those left out, and ``unjudged`` when
-    no group could be judged against the others (fewer than 3 consistent groups: only the
-    summed identities were checked, or with one sum nothing; said, not silent)."""
-    groups = max(1, len(out.groups))
-    row = {"groups": float(groups)}
-    if verdict is not None:
-        row["groups_left_out"] = float((~verdict.kept).sum())
-    if verdict is None or bool(verdict.distances.isnan().all()):
-        row["unjudged"] = 1.0
-    return row
 
 
 def enough_replies(

@@ -53,7 +53,10 @@ rejection, client-level DP noise calibrated on per-unit clipping — and
 statistics that are not sums (fedprior's ``interval = "calibrated"`` picks one
 unit's design as the probe). :func:`refusal` names them; screening is
 disabled (said in the run's output) rather than refused, since it is on by
-default.
+default. fedprior's robust M-step runs with ``groups`` ≥ 2 (issue 36.2): one
+secure sum per fixed group of at least two sites, each group's sums checked
+and judged against the others' (:mod:`~fedcal.engine.flower.secagg_groups`);
+the server then learns G sums instead of one.
 """
 
 from __future__ import annotations

@@ -71,3 +71,40 @@ def kept_sums(
                 {"site": n, "group": g, "reason": why, "ratio": ratio, "threshold": limit}
             )
     return sums, sorted(left), record
+
+
+def judge_groups(
+    algorithm: Any, server: Tree, out: SecureSum, entry: dict[str, Any]
+) -> tuple[dict[str, np.ndarray], list[int]]:
+    """(the sums the M-step reads, the sensors left out with their group) of a secure
+    round, its verdicts recorded in the round's log ``entry``: the groups (``secure``), a
+    ``screening`` row per sensor left out, and, for a robust algorithm, the aggregation's
+    ``groups``, ``groups_left_out`` and ``unjudged`` (:func:`group_metrics`)."""
+    verdict = judged(algorithm, server, out)
+    sums, left_sites, record = kept_sums(out, verdict)
+    left = sorted(i for n in left_sites for i in out.included.get(n, []))
+    if verdict is not None:
+        entry["secure"]["groups"] = {
+            str(g): {"sites": nodes, "sensors": count}
+            for g, (nodes, _, count) in out.groups.items()
+        }
+    if record:
+        entry["screening"] = [
+            {**r, "client": i} for r in record for i in out.included.get(r["site"], [])
+        ]
+        entry["screened"] = left
+    if getattr(algorithm, "robust", "off") != "off":
+        entry["aggregation"] = group_metrics(out, verdict)
+    return sums, left
+
+
+def group_metrics(out: SecureSum, verdict: GroupVerdict | None) -> dict[str, float]:
+    """A robust secure round's record: its groups, those left out, and ``unjudged`` when
+    no group could be judged against the others (fewer than 3 consistent groups: only the
+    summed identities were checked, or with one sum nothing; said, not silent)."""
+    row = {"groups": float(max(1, len(out.groups)))}
+    if verdict is not None:
+        row["groups_left_out"] = float((~verdict.kept).sum())
+    if verdict is None or bool(verdict.distances.isnan().all()):
+        row["unjudged"] = 1.0
+    return row
