@@ -20,7 +20,7 @@ from scipy.stats import f as f_dist
 
 from fedcal.apps.flower_server import federation
 from fedcal.config import EngineSection, RunConfig
-from fedcal.core.group_check import group_distances, group_verdict, mean_cutoff
+from fedcal.core.group_check import group_distances, group_verdict, mean_law
 from fedcal.core.robust import prior_frame
 from fedcal.core.tree import flatten
 from fedcal.engine.flower.secagg import SecureAggregation, group_of
@@ -105,8 +105,21 @@ def test_group_distance_and_cut_off_by_their_formulas() -> None:
     spread = 15.0 / 8 - centre**2
     want = (4.0 / 2 - centre) ** 2 / spread / (1 / 2 + 1 / 8)
     assert float(got[0]) == pytest.approx(want, rel=1e-12)
+    # too few others to name a law (N₋g ≤ p + 1, as for units): consistent, not judged
+    mu = torch.zeros(5, dtype=torch.float64)
+    frame = prior_frame(mu, torch.eye(5, dtype=torch.float64))
+    few = {
+        "mean": torch.zeros(3, 5, dtype=torch.float64),
+        "second": torch.eye(5, dtype=torch.float64).expand(3, 5, 5) * 0.5,
+        "gls_rhs": torch.zeros(3, 5, dtype=torch.float64),
+    }
+    verdict = group_verdict(few, torch.tensor([1.0, 2.0, 3.0]), frame, slice(None))
+    assert verdict.kept.all() and verdict.distances.isnan().all()  # N₋g ≤ 5 < p + 2 = 7
     n, p = 20, 3
-    assert mean_cutoff(p, n) == pytest.approx(p * (n - 1) / (n - p) * f_dist.ppf(0.999, p, n - p))
+    scale = p * (n - 1) / (n - p)
+    assert mean_law(p, n) == pytest.approx(
+        (scale * f_dist.ppf(0.999, p, n - p), scale * f_dist.median(p, n - p))
+    )
 
 
 def test_groups_are_fixed_by_node_ids_and_never_hold_a_single_site() -> None:

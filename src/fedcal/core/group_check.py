@@ -40,7 +40,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from scipy.stats import chi2
 from scipy.stats import f as f_dist
 from torch import Tensor
 
@@ -72,13 +71,15 @@ class GroupVerdict:
         return None
 
 
-def mean_cutoff(dim: int, others: int) -> float:
-    """The 0.999 quantile of δ_g (module doc, 2): Hotelling's T²(dim, others − 1), χ²_dim
-    when the others are too few to name it."""
-    if others > dim + 1:
-        n = float(others)
-        return dim * (n - 1) / (n - dim) * float(f_dist.ppf(CUTOFF_QUANTILE, dim, n - dim))
-    return float(chi2.ppf(CUTOFF_QUANTILE, dim))
+def mean_law(dim: int, others: int) -> tuple[float, float]:
+    """(0.999 quantile, median) of δ_g for a group drawn like the others (module doc, 2):
+    Hotelling's T²(dim, others − 1); needs others > dim + 1 (else nobody is judged)."""
+    n = float(others)
+    scale = dim * (n - 1) / (n - dim)
+    return (
+        scale * float(f_dist.ppf(CUTOFF_QUANTILE, dim, n - dim)),
+        scale * float(f_dist.median(dim, n - dim)),
+    )
 
 
 def summed_inconsistencies(
@@ -133,13 +134,19 @@ def group_verdict(
     ok = [g for g, w in enumerate(why) if w is None]
     dist = torch.full((len(why),), torch.nan, dtype=F64)
     cut = torch.full((len(why),), torch.nan, dtype=F64)
-    if len(ok) >= 3:
-        idx = torch.tensor(ok)
-        m = sums["mean"].to(F64)[idx][:, used]
-        s = sums["second"].to(F64)[idx][:, used][:, :, used]
-        dist[idx] = group_distances(m, s, counts[idx])
-        others = counts[idx].sum() - counts[idx]
-        cut[idx] = torch.tensor(
-            [mean_cutoff(m.shape[-1], int(o)) for o in others.tolist()], dtype=F64
-        )
+    if len(ok) < 3:
+        return GroupVerdict(tuple(why), dist, cut)
+    idx = torch.tensor(ok)
+    m = sums["mean"].to(F64)[idx][:, used]
+    p = m.shape[-1]
+    others = (counts[idx].sum() - counts[idx]).tolist()
+    if min(others) <= p + 1:  # the others' moments cannot name a law for δ: not judged
+        return GroupVerdict(tuple(why), dist, cut)
+    s = sums["second"].to(F64)[idx][:, used][:, :, used]
+    d = group_distances(m, s, counts[idx])
+    laws = torch.tensor([mean_law(p, int(o)) for o in others], dtype=F64)
+    # a consistency factor, as for units (core/robust.py): a fleet whose spread is not
+    # Gaussian is judged against itself, by the groups' median distance over the law's
+    factor = max(1.0, float((d / laws[:, 1]).median()))
+    dist[idx], cut[idx] = d, laws[:, 0] * factor
     return GroupVerdict(tuple(why), dist, cut)
