@@ -13,10 +13,14 @@ Simulators: ``fedcal`` (fedcal.data.simulator, quartz nominal, the 384-point cam
 ``crosscheck`` (studies/crosscheck.py's independent generator; reference designs grid,
 stagger, lhs). Prints one Markdown row per (simulator, reference design, new design):
 coverage mean over units and seeds [per seed], worst unit, units declined, RMSE mean and
-worst (hPa), mean stated σ; per_unit.csv and the priors' selection records go to --out.
+worst (hPa), mean stated σ, and for the planner's designs ``fedcal plan``'s forecast RMS σ
+over the RMS of the σ ``calibrate`` then states (per seed); per_unit.csv and the priors'
+selection records go to --out.
 
-    python studies/deployment_sigma.py --sim fedcal --fleet-seeds 0,1,2 --rounds 20
-    python studies/deployment_sigma.py --sim crosscheck --ref-designs grid,stagger,lhs
+    python studies/deployment_sigma.py --sim fedcal --fleet-seeds 0,1,2 --rounds 20 \
+        --designs 3x2,4x3,6x4,plan2,plan3,6x6,8x5,8x6,10x6,8x8
+    python studies/deployment_sigma.py --sim crosscheck --ref-designs grid,stagger,lhs \
+        --fleet-seeds 0,1,2 --rounds 20 --designs 3x2,4x3,6x4,plan2,plan3,8x5,8x6
 """
 
 from __future__ import annotations
@@ -125,6 +129,7 @@ def score(prior: FleetPrior, frame: pd.DataFrame) -> pd.DataFrame:
     per = out.groupby("sensor_id").agg(
         rmse=("err", lambda e: float(np.sqrt(np.mean(e**2)))),
         sd=("sd", "mean"),
+        sd_rms=("sd", lambda s: float(np.sqrt(np.mean(s**2)))),
     )
     inside = (out["err"].abs() <= 1.959964 * out["sd"]).groupby(out["sensor_id"]).mean()
     per["coverage"] = np.where(per["sd"].notna(), inside, np.nan)
@@ -144,7 +149,8 @@ def plan_points(prior: FleetPrior, plateaus: int, points: int, pressures=None, t
     )
     plan = prior.plan(plateaus, points, chamber)
     frame = plan.design.frame()
-    return tuple((float(p), float(t), str(d)) for p, t, d in frame.itertuples(index=False))
+    pts = tuple((float(p), float(t), str(d)) for p, t, d in frame.itertuples(index=False))
+    return pts, plan.expected.rms  # the planner's forecast: RMS σ over the operating range
 
 
 def run_fleet(sim: str, ref_design: str, seed: int, designs, args, log) -> list[dict]:
@@ -164,11 +170,12 @@ def run_fleet(sim: str, ref_design: str, seed: int, designs, args, log) -> list[
     rows = []
     for design in designs:
         t1 = time.perf_counter()
+        forecast = np.nan
         if design in PLANS:
             kw = {}
             if sim == "crosscheck":
                 kw = {"pressures": tuple(np.arange(100.0, 1301.0, 100.0)), "temps": (-10.0, 50.0)}
-            pts = plan_points(prior, *PLANS[design], **kw)
+            pts, forecast = plan_points(prior, *PLANS[design], **kw)
             frame = (
                 fedcal_fleet(seed, design, pts)
                 if sim == "fedcal"
@@ -185,6 +192,7 @@ def run_fleet(sim: str, ref_design: str, seed: int, designs, args, log) -> list[
             ref=ref_design,
             design=design,
             seed=seed,
+            forecast_rms=forecast,
             wall_s=time.perf_counter() - t1,
             fit_s=fit_s,
         )
@@ -196,8 +204,8 @@ def run_fleet(sim: str, ref_design: str, seed: int, designs, args, log) -> list[
 def table(per: pd.DataFrame) -> str:
     out = [
         "| simulator / references | new design | cov95 mean [per seed] | worst unit | "
-        "declined | RMSE mean | RMSE worst | σ mean |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "declined | RMSE mean | RMSE worst | σ mean | plan's σ / stated σ (RMS) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for (sim, ref, design), g in per.groupby(["sim", "ref", "design"], sort=False):
         seeds = g.groupby("seed")["coverage"].mean()
@@ -209,9 +217,21 @@ def table(per: pd.DataFrame) -> str:
             f"| {sim} / {ref} | {design} | {cov} | {g['coverage'].min():.3f} | "
             f"{declined} of {len(g)}{f' (+{refused} refused)' if refused else ''} | "
             f"{g['rmse'].mean():.4g} | {g['rmse'].max():.4g} | "
-            f"{g['sd'].mean():.4g} |"
+            f"{g['sd'].mean():.4g} | {_forecast(g)} |"
         )
     return "\n".join(out)
+
+
+def _forecast(g: pd.DataFrame) -> str:
+    """The planner's forecast RMS σ over the stated σ's RMS at the new units' test points,
+    per seed (plan designs only): `plan`'s forecast against what `calibrate` then states."""
+    if "forecast_rms" not in g or g["forecast_rms"].isna().all():
+        return ""
+    ratio = [
+        float(s["forecast_rms"].iloc[0] / np.sqrt(np.nanmean(s["sd_rms"] ** 2)))
+        for _, s in g.groupby("seed")
+    ]
+    return ", ".join(f"{r:.2f}" for r in ratio)
 
 
 def main() -> None:

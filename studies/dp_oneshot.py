@@ -89,7 +89,8 @@ def _coordinates(kind: str, algorithm, data, used) -> torch.Tensor | None:
         return prediction_coordinates(gram, float(gram[0, 0]))
     if kind != "grid":
         raise ValueError(f"--coordinates {kind!r}: expected none, grid or campaign")
-    box = algorithm._input_box(gram)  # public: the campaign's range (the study's premise)
+    # public: the campaign's range (the study's premise)
+    box = algorithm.support_box.fleet_box(gram)
     axes = [torch.linspace(0.0, 1.0, k, dtype=torch.float64) for k in (16, 6)]
     unit = torch.stack([g.flatten() for g in torch.meshgrid(*axes, indexing="ij")], -1)
     points = box[0] + unit * (box[1] - box[0])

@@ -59,7 +59,7 @@ def _design(design: str, args: argparse.Namespace, base) -> None:
     coef, noise, used, _ = local_fits(alg, tensors.train, 2 * alg.num_features)
     data = tensors.train
     gram = moments(alg.design(data.x[used]), data.y[used][..., 0], data.mask[used]).gram
-    box = alg._input_box(gram.sum(0))
+    box = alg.support_box.fleet_box(gram.sum(0))
     s2 = noise.mean()
     for kind in ("none", "grid", "campaign"):
         r = _coordinates(kind, alg, data, used)

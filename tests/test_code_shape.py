@@ -41,20 +41,12 @@ ALLOWED: dict[str, str] = {
     "fedcal/config.py": "vocab",
     # compose (issue 35.1: FedPrior's mixins → parts) and fieldcov (fedprior_drift)
     "fedcal/algorithms/fedprior.py": "compose",
-    "fedcal/algorithms/fedprior.py::FedPrior.dp_statistics lines": "compose",
     "fedcal/algorithms/fedprior_short.py::ShortColocation._short_holdout lines": "compose",
-    "fedcal/algorithms/fedprior_robust.py::RobustUploads._inconsistent complexity": "compose",
     "fedcal/algorithms/fedprior_drift.py": "fieldcov / compose",
     # sigma3 (issue 33: the deployment discrepancy)
     "fedcal/prior/discrepancy.py::_check complexity": "sigma3",
     # report (issue 37.4–6: report/*)
-    "fedcal/report/export.py": "report",
     "fedcal/report/export.py::load_models lines": "report",
-    "fedcal/report/export.py::to_c_header lines": "report",
-    "fedcal/report/html.py::build_report lines": "report",
-    "fedcal/report/html.py::build_report complexity": "report",
-    "fedcal/report/html_calibration.py::build_calibration_report lines": "report",
-    "fedcal/report/tables.py::table_columns complexity": "report",
 }
 
 

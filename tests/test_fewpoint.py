@@ -238,10 +238,11 @@ def test_shipped_fewpoint_and_generic_configs():
     generic = load_config("generic")
     assert generic.data.path == "builtin:humidity" and generic.fleet_seeds == (0, 1, 2)
     assert generic.method_params["fedprior"]["basis"] == "total"
-    assert generic.method_params["fedprior"]["degree"] == 2
     fleet = load_data(generic)
     assert fleet.num_clients == 40 and fleet.target == "rh_percent"
     task = build_task(generic, 3, fleet.meta)
+    prior = build_algorithm("fedprior", generic, task)  # degree 2: the class's, not repeated
+    assert prior.basis == "total" and prior.degree == 2
     pooled = build_algorithm("pooled_ls", generic, task)
     assert pooled.pooled and pooled.degree == 2 and len(pooled.exponents) == 10
     assert "leastsq" in REGISTRY

@@ -547,7 +547,7 @@ def prior_server(prior: PriorModel, scaler: Scaler | None = None) -> Tree:
             own = iv.discrepancy_var_own
             server["disc_own"] = torch.tensor(math.nan if own is None else float(own), dtype=F64)
     basis = prior.basis
-    if basis.pinned:  # ψ terms out of the model (FedPrior._unidentified_branch)
+    if basis.pinned:  # ψ terms out of the model (fedprior_pins.BranchPins.unidentified)
         out = [0.0] * len(basis.terms) + [float(t in basis.pinned) for t in basis.branch_terms]
         server["pinned"] = torch.tensor(out, dtype=F64)
     if prior.noise.gamma is not None:  # the noise in the inputs, σ² exp(γᵀx) (fedprior_noise)

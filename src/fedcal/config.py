@@ -66,6 +66,10 @@ class DataConfig:
     path: Str = ""  # CSV/Parquet fleet; empty = the embedded simulator
     features: tuple[Name, ...] = Field(default=BAROMETRIC_FEATURES, min_length=1, max_length=64)
     target: Name = BAROMETRIC_TARGET
+    # The target's unit as tables, reports and certificates print it (e.g. "hPa", "µg/m³");
+    # empty: read from the column's name where it says one ("pressure [hPa]", "pressure_hpa"),
+    # else none is printed — never guessed from another word (issue 37.2).
+    target_unit: Annotated[str, Field(strict=True, max_length=32)] = ""
     client_column: Name = CLIENT_COLUMN
     split_column: Name = SPLIT_COLUMN
     test_fraction: Float = Field(default=0.135, gt=0.0, lt=1.0)  # file without a split column

@@ -163,7 +163,7 @@ def test_an_unobserved_direction_is_reported_and_keeps_a_vague_prior():
     torch.testing.assert_close(
         unseen.T @ server["sigma"] @ unseen, alg.init_scale**2 * torch.eye(2, dtype=F64)
     )
-    ident = alg.identification(server)
+    ident = alg.prior_status.identification(server)
     assert ident["weak_directions"] == 2
     assert any("P2(x1)" in t for t in ident["weak_terms"])
     # off the two levels the prediction carries the vague prior's σ (init_scale = 1)
@@ -228,9 +228,9 @@ def test_candidates_are_every_sub_basis_smallest_first():
     assert masks.shape == (6, 6) and masks[-1].sum() == 6 and masks[0].tolist()[0] == 1.0
     assert masks[0].sum() == 1  # the constant only
     # BIC's d_k: μ (p) + full Σ (p(p+1)/2) + σ²; with rank r: p·r − r(r−1)/2 loadings + p
-    d = alg._prior_parameters(torch.tensor([[1.0, 1, 1, 1, 0, 0]], dtype=F64))
+    d = alg.selection.prior_parameters(torch.tensor([[1.0, 1, 1, 1, 0, 0]], dtype=F64))
     assert d.tolist() == [4 + 10 + 1]
-    d1 = make(orders=(2, 1), select="bic", rank=1)._prior_parameters(masks[-1:])
+    d1 = make(orders=(2, 1), select="bic", rank=1).selection.prior_parameters(masks[-1:])
     assert d1.tolist() == [6 + (6 + 6) + 1]
     total = FedPrior(Task(MLP(in_features=3)), degree=2, select="bic")
     assert total.candidates == ({"degree": 0}, {"degree": 1}, {"degree": 2})

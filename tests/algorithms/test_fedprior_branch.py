@@ -155,11 +155,11 @@ def test_bic_can_choose_psi_too_none_for_no_directions_the_planted_shape_otherwi
     x, y, b, _, _, _ = planted()
     alg = prior(branch_orders=(2, 0), select="bic", branch_select=True)
     assert len(alg.candidates) == 16 * 4 and alg.masks.shape == (64, 16 + 3)
-    psi_sets = {tuple(map(tuple, alg.candidate_branch_terms(c))) for c in alg.candidates}
+    psi_sets = {tuple(map(tuple, alg.selection.candidate_branch_terms(c))) for c in alg.candidates}
     assert psi_sets == {(), ((0, 0),), ((0, 0), (1, 0)), ((0, 0), (1, 0), (2, 0))}
     assert alg.candidates[-1] == {"orders": [3, 3], "branch_orders": [2, 0]}  # round 0: all
     for k, cand in enumerate(alg.candidates):
-        q = len(alg.candidate_branch_terms(cand))
+        q = len(alg.selection.candidate_branch_terms(cand))
         assert int(alg.masks[k, 16:].sum()) == q and list(alg.masks[k, 16 : 16 + q]) == [1.0] * q
 
     server, _, personal = fit(alg, cohort(x, y, b), 20)
@@ -194,18 +194,18 @@ def test_the_chosen_basis_read_from_the_mask_is_each_candidate_s_own():
     p = len(alg.terms)
     for k, cand in enumerate(alg.candidates):
         server = {"mask": alg.masks[k], "choice": torch.tensor(k)}
-        terms, idx = alg.chosen(server)
-        assert terms == alg.candidate_terms(cand)
+        terms, idx = alg.selection.chosen(server)
+        assert terms == alg.selection.candidate_terms(cand)
         assert idx.tolist() == [alg.terms.index(t) for t in terms]
-        psi = alg.candidate_branch_terms(cand)
-        assert alg.chosen_branch(server) == psi
-        names, features = alg.chosen_features(server)
+        psi = alg.selection.candidate_branch_terms(cand)
+        assert alg.selection.chosen_branch(server) == psi
+        names, features = alg.selection.chosen_features(server)
         assert features.tolist() == idx.tolist() + [p + alg.branch_terms.index(t) for t in psi]
         assert len(names) == len(features) and names[0] == "1"
         assert names[len(terms) :] == [f"b·{n}" for n in map(term_name, psi)]
     fixed = prior(branch_orders=(1, 0))  # no selection: the whole design, no mask needed
-    assert fixed.chosen({})[1].tolist() == list(range(len(fixed.terms)))
-    assert fixed.chosen_features({})[1].tolist() == list(range(fixed.num_features))
+    assert fixed.selection.chosen({})[1].tolist() == list(range(len(fixed.terms)))
+    assert fixed.selection.chosen_features({})[1].tolist() == list(range(fixed.num_features))
 
 
 def test_a_bic_reply_carries_the_full_gram_and_the_chosen_candidate_s_statistics():

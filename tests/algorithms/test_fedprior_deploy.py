@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fedcal.algorithms import fedprior_deploy as deploy
+from fedcal.algorithms import fedprior_deploy_kappa as knots
 from fedcal.core.bayes import F64
 
 Z = 1.959964
@@ -80,7 +81,9 @@ def test_the_emulation_counts_of_a_two_point_design_by_hand():
     needed = [0.64, 1.0, 2.25, 6.25]  # κ² at which each held row comes inside
     em = two_point_emulation([c * Z**2 * v for c in needed], vc, sn)
     sums = deploy.scale_sums(em, beta, amp, torch.ones(2, dtype=F64), units=1)
-    assert sums["held"][0].tolist() == [4.0] + [0.0] * (len(deploy.FAMILIES) - 1)
+    # a 2-point design sits below the first knot (6 points): all its weight is that knot's
+    assert sums["held"][0].tolist() == [4.0] + [0.0] * (len(knots.KNOTS) - 1)
+    assert float(sums["logn"][0, 0]) == pytest.approx(4.0 * math.log(2.0), rel=1e-12)
     inf = deploy.NU_GRID.index(math.inf)
     for g, kappa in enumerate(deploy.KAPPA_GRID.tolist()):
         by_hand = sum(kappa**2 >= c * (1 + 1e-12) for c in needed)
@@ -91,7 +94,7 @@ def test_the_emulation_counts_of_a_two_point_design_by_hand():
     g1 = int(torch.argmin((deploy.KAPPA_GRID - 1.0).abs()))
     k2 = float(deploy.KAPPA_GRID[g1]) ** 2
     want = sum(-0.5 * (math.log(2 * math.pi * k2 * v) + c * Z**2 / k2) for c in needed)
-    assert float(sums["score"][0, inf, g1]) == pytest.approx(want, rel=1e-12)
+    assert float(sums["score"][0, 0, inf, g1]) == pytest.approx(want, rel=1e-12)
     # pass 1 (E3): at β, a² of the grid the same density with κ = 1
     b = int(torch.argmin((deploy.BETA_GRID - beta).abs()))
     a = int(torch.argmin((deploy.AMP_GRID * sn - amp).abs()))
@@ -103,33 +106,99 @@ def test_the_emulation_counts_of_a_two_point_design_by_hand():
 
 
 def test_kappa_is_the_smallest_that_covers_95_percent_pooled():
-    # 100 held rows: row k comes inside at κ = 0.5 + k/100; 95 % inside from κ = 1.44 + ε
+    # 100 held rows: row k comes inside at κ = 0.5 + k/100; 95 % inside from κ = 1.44 + ε.
+    # 100 rows are fewer than a knot needs (MIN_KNOT_HELD): one κ for every size, no knots
     needed = [(0.5 + k / 100) ** 2 for k in range(100)]
     em = two_point_emulation([c * Z**2 * 1.0 for c in needed], 0.0, 1.0)
     sums = deploy.scale_sums(em, 1.0, 1e-300, torch.ones(2, dtype=F64), units=1)
-    n, kappa, family = deploy.choose(sums)
-    assert deploy.NU_GRID[n] in deploy.NU_GRID
-    assert 1.44 - 0.03 < kappa < 1.45 + 0.03  # within the grid's 2.3 % step
-    assert family[0] == pytest.approx(0.95, abs=0.02)
+    pick = knots.choose(sums)
+    assert pick.nu >= 0 and pick.knots == ()
+    assert 1.44 - 0.03 < pick.kappa < 1.45 + 0.03  # within the grid's 2.3 % step
 
 
-def test_each_familys_coverage_is_read_at_the_interpolated_kappa():
-    # pooled share k/150 at grid point k: 95 % falls between grid points 142 and 143, at
-    # κ interpolated; a single family's share there is the pooled one, 0.95 exactly, not
-    # grid point 143's 0.9533 (review fix 6)
-    k = len(deploy.KAPPA_GRID)
-    ramp = torch.arange(k, dtype=F64) / (k - 1) * 100.0
-    nf, nn = len(deploy.FAMILIES), len(deploy.NU_GRID)
-    inside = torch.zeros(1, nf, nn, k, dtype=F64)
-    inside[0, 0] = ramp
-    held = torch.zeros(1, nf, dtype=F64)
-    held[0, 0] = 100.0
-    _, kappa, family = deploy.choose(
-        {"inside": inside, "held": held, "score": torch.zeros(1, nn, k, dtype=F64)}
+def sized_emulation(sizes: list[int], planted, rows: int = 300) -> dict[str, torch.Tensor]:
+    """One pseudo-unit per size n, v = 1 on ``rows`` held rows (A = 0: q = 1; Z_D = 0 and
+    r = 1: d² = n, so s_i² = 1 for every ν₀), errors |e_j| = planted(n)·1.96·(j + ½)/285:
+    exactly 285 of 300 (95 %) inside ±1.96·κ at κ = planted(n)."""
+    b, nmax = len(sizes), max(sizes)
+    t = (torch.arange(rows, dtype=F64) + 0.5) / (0.95 * rows)
+    km = torch.stack([(torch.arange(nmax) < n).to(F64) for n in sizes])
+    return {
+        "family": torch.zeros(b, dtype=torch.long),
+        "unit": torch.arange(b),
+        "held": torch.ones(b, rows, dtype=F64),
+        "err2": torch.stack([(planted(n) * Z * t).square() for n in sizes]),
+        "vc": torch.zeros(b, rows, dtype=F64),
+        "sn": torch.ones(b, rows, dtype=F64),
+        "x": torch.zeros(b, rows, 2, dtype=F64),
+        "phi": torch.ones(b, rows, 1, dtype=F64),
+        "xd": torch.linspace(-1, 1, nmax, dtype=F64).reshape(1, -1, 1).expand(b, -1, 2).clone(),
+        "km": km,
+        "a": torch.zeros(b, nmax, 1, dtype=F64),
+        "zd": torch.zeros(b, nmax, 1, dtype=F64),
+        "sigma": torch.ones(1, 1, dtype=F64),
+        "noise": torch.ones(b, dtype=F64),
+        "resid": km.clone(),
+        "dof": km.sum(1),
+    }
+
+
+def test_a_planted_kappa_of_the_design_size_is_recovered():
+    # κ(n) = 0.8·(n/6)^0.3 planted on designs of 6, 12, 24, 48 points (each on a knot):
+    # each knot recovers its κ to the grid's interpolation (the share is linear in κ
+    # between grid points only approximately: ±1 % here), at the design's own size, and
+    # the model's κ(n) between knots is the log-log interpolation
+    from fedcal.prior.discrepancy import interval_factor, kappa_at
+
+    def planted(n: int) -> float:
+        return 0.8 * (n / 6) ** 0.3
+
+    sizes = [6, 12, 24, 48]
+    em = sized_emulation(sizes * 2, planted)
+    sums = deploy.scale_sums(em, 1.0, 1e-300, torch.ones(2, dtype=F64), units=len(sizes) * 2)
+    pick = knots.choose(sums)
+    assert [n for n, _ in pick.knots] == pytest.approx(sizes, rel=1e-9)
+    nu0 = knots.NU_GRID[pick.nu]
+    for n, kappa in pick.knots:  # the stated scale κ²(t/1.96)² at s² = 1 is the planted κ²
+        tf = float(interval_factor(nu0, torch.tensor([n], dtype=F64))[0])
+        assert kappa * math.sqrt(tf) == pytest.approx(planted(n), rel=0.01), n
+    model = _model_with(pick)
+    if math.isinf(nu0):  # between knots, log κ linear in log n: 0.8·(n/6)^0.3 exactly
+        for n in (8.0, 17.0, 36.0):
+            got = float(kappa_at(model, torch.tensor([n], dtype=F64))[0])
+            assert got == pytest.approx(planted(n), rel=0.01)
+    # beyond the knots κ is the end knot's (no extrapolation; design_reason declines there)
+    ends = kappa_at(model, torch.tensor([2.0, 60.0], dtype=F64)).tolist()
+    assert ends == pytest.approx([pick.knots[0][1], pick.knots[-1][1]], rel=1e-12)
+
+
+def _model_with(pick):
+    from fedcal.prior.discrepancy import Discrepancy
+
+    return Discrepancy(
+        beta=1.0,
+        amplitude=1e-9,
+        lengths=(0.05, 0.05),
+        kappa=pick.kappa,
+        nu0=knots.NU_GRID[pick.nu],
+        box_lo=(-1.0, -1.0),
+        box_hi=(1.0, 1.0),
+        min_points=6,
+        max_points=48,
+        min_levels=(2, 2),
+        min_span=(0.5, 0.5),
+        kappa_points=pick.knots,
     )
-    lo, hi = float(deploy.KAPPA_GRID[142]), float(deploy.KAPPA_GRID[143])
-    assert lo < kappa < hi and kappa == pytest.approx(lo + 0.5 * (hi - lo), rel=1e-12)
-    assert family[0] == pytest.approx(0.95, abs=1e-12)
+
+
+def test_a_design_between_two_knots_is_shared_by_them_in_log_n():
+    w = knots.knot_weights(torch.tensor([6.0, 4.0, 10.0, 100.0, 36.0**0.5 * 8**0.5]))
+    assert w.sum(1).tolist() == pytest.approx([1.0] * 5, rel=1e-12)
+    assert w[0, 0] == 1.0 and w[1, 0] == 1.0 and w[3, -1] == 1.0  # on / below / beyond
+    i12 = knots.KNOTS.index(12.0)
+    share = math.log(12 / 10) / math.log(12 / 8)  # 10 points: between the 8 and 12 knots
+    assert float(w[2, i12 - 1]) == pytest.approx(share, rel=1e-12)
+    assert float(w[2, i12]) == pytest.approx(1 - share, rel=1e-12)
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +316,30 @@ def test_a_unit_of_33_to_64_points_gets_the_learned_sigma_from_a_reference_only_
     assert prior.model_.discrepancy["max_points"] >= 40
     assert (units.result.personal["gp_amp"] > 0).all()
     assert all(r == "" for r in units.result.reasons)
+
+
+def test_a_unit_larger_than_the_largest_emulated_design_is_declined_with_its_reason(
+    deployment,
+):
+    # the campaign units emulate up to their max-grid (10×6 = 60 points): a 64-point unit
+    # (8×8) would take κ(n) extrapolated, so it gets no σ and says why (issue 33, session 12)
+    from fedcal.data.simulator import FleetSpec, simulate_fleet
+
+    prior, _, _ = deployment
+    largest = prior.model_.discrepancy["max_points"]
+    assert largest == 60 and prior.model_.discrepancy["kappa_points"][-1][0] <= largest
+    columns = ["sensor_id", "frequency_hz", "temperature_c", "pressure_hpa", "direction", "split"]
+    spec = FleetSpec(num_reference=4, num_new=1, train_design="8x8", test_design="random")
+    frame = simulate_fleet(spec, 0).frame
+    new = frame[(frame["role"] == "new") & (frame["split"] == "train")][columns]
+    units = prior.calibrate(new)
+    assert units.result.reasons == (
+        "no σ: 64 points, more than the largest design the reference units emulated (60), "
+        "so how far its error exceeds the model's was not learned",
+    )
+    test = frame[(frame["role"] == "new") & (frame["split"] == "test")]
+    _, std = units.predict(test[columns[:3]], return_std=True)
+    assert np.isnan(std).all()
 
 
 def test_no_discrepancy_is_learned_with_per_sensor_noise(deployment):

@@ -44,7 +44,7 @@ def test_a_units_score_is_its_evidence_under_the_marginal_prior():
         "mask": alg.masks[-1],
     }
     full = alg._moments(data)
-    scores = alg.marginal_scores(expand(down, 3), alg.client_init(expand(down, 3)), full)
+    scores = alg.selection.marginal_scores(expand(down, 3), expand(down, 3)["noise_var"], full)
     for i in range(3):
         n = int(data.count[i])
         x, y = data.x[i, :n].to(F64), data.y[i, :n, 0].to(F64)

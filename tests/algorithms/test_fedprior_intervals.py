@@ -319,7 +319,7 @@ def test_weak_directions_decline_only_the_units_whose_variance_they_carry():
     test_d = ClientData.from_arrays(test, seeds, F64)
     alg = FedPrior(Task(MLP()), basis="total", degree=2, interval="calibrated")
     server, _, personal, _ = run_rounds(alg, train_d, 15)
-    assert alg.identification(server)["weak_directions"] >= 1
+    assert alg.prior_status.identification(server)["weak_directions"] >= 1
     assert bool((server["weak_proj"] != 0).any()) and int(server["declined"]) != 5
     assert personal["declined"].eq(0).all()
     assert torch.isfinite(alg.predictive_std(personal, test_d.x)).all()

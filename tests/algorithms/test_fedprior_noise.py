@@ -141,7 +141,7 @@ def test_outlier_weights_are_the_hand_computed_t_weights():
         "noise_var": torch.tensor(s2, dtype=F64),
     }
     down = expand(down, 1)
-    weight, inlier = alg._row_weights(down, data, alg.design(data.x))
+    weight, inlier = alg.noise_model.row_weights(down, data, alg.design(data.x))
     kappa = t_weight_constant(4.0)
     # By hand: three IRLS steps, z = e²/s², u = (ν+1)/(ν + z) (0 beyond 6 σ), w = u/κ, then the
     # unit's own scale s² = (Σ w e² + ν₀σ²)/(n + ν₀), ν₀ = 4 pseudo-points at σ² = 0.04.
@@ -208,7 +208,7 @@ def test_tail_evidence_is_the_reference_log_likelihood_ratio():
     e = np.array([0.05, -0.1, 0.2, 0.0, -0.15, 0.1, 1.4, -0.05, 0.12])  # one gross outlier
     data = ClientData.from_arrays([(x[0], (fit + e)[:, None])], (0,), F64)
     down = {"mu": mu, "sigma": 1e-14 * torch.eye(3, dtype=F64), "noise_var": torch.tensor(0.01)}
-    d = alg._tail_ratio(expand(down, 1), data, alg.design(data.x))
+    d = alg.noise_model.tail_ratio(expand(down, 1), data, alg.design(data.x))
     gauss = stats.norm.logpdf(e, scale=math.sqrt(np.mean(e * e))).sum()
     _, _, scale = stats.t.fit(e, f0=4.0, floc=0.0)
     student = stats.t.logpdf(e, 4.0, scale=scale).sum()
@@ -325,7 +325,7 @@ def test_trim_keeps_gaussian_weights_and_drops_only_the_t_fit_s_gross_outliers()
     down = expand(
         {"mu": mu, "sigma": 1e-14 * torch.eye(3, dtype=F64), "noise_var": torch.tensor(0.04)}, 1
     )
-    weight, inlier = alg._row_weights(down, data, alg.design(data.x))
+    weight, inlier = alg.noise_model.row_weights(down, data, alg.design(data.x))
     assert weight[0].tolist() == [1.0, 1.0, 1.0, 0.0] and inlier[0].tolist() == weight[0].tolist()
     dirty = planted((0.0, 0.0), units=20, seed=2, outliers=0.05)
     clean = planted((0.0, 0.0), units=20, seed=2)
@@ -338,5 +338,5 @@ def test_trim_keeps_gaussian_weights_and_drops_only_the_t_fit_s_gross_outliers()
     assert abs(trimmed / true - 1) < 0.015, (f, trimmed, true)  # outliers out of σ² and of n
     # without outliers no row is cut at the Gaussian fit's prior: the fit is the Gaussian one
     down = expand(trim.broadcast(plain.server), clean.num_clients)
-    weight, _ = trim._row_weights(down, clean, trim.design(clean.x))
+    weight, _ = trim.noise_model.row_weights(down, clean, trim.design(clean.x))
     assert torch.equal(weight, clean.mask.to(F64))

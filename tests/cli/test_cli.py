@@ -1,5 +1,6 @@
 """The command line as a user and a script call it."""
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -297,3 +298,32 @@ def test_report_reprints_a_run_as_markdown(tmp_path, files):
     assert result.output.startswith("| method | RMSE mean (hPa) |")
     assert f"| local | {fmt_num(mean)} ±{fmt_num(std, 2)} |" in result.output
     assert runner.invoke(app, ["report", str(tmp_path / "nothing")]).exit_code == 2
+
+
+def test_the_target_unit_is_the_declared_one_then_the_column_name_s(tmp_path, files):
+    """Issue 37.2: a ``--unit`` instead of guesses; a unit the column's name states in
+    brackets is read; config.json records the declared one (the report reads it back)."""
+    data, cfg = files
+    frame = pd.read_csv(data).rename(columns={"pressure_hpa": "p_ref"})
+    renamed = tmp_path / "ref.csv"
+    frame.to_csv(renamed, index=False)
+    base = ["run", "--data", str(renamed), "--target", "p_ref", "--methods", "local"]
+    base += ["--seeds", "1", "--config", str(cfg)]
+    said = runner.invoke(app, [*base, "--out", str(tmp_path / "a")])
+    assert said.exit_code == 0, said.output
+    assert "held-out points in" not in " ".join(said.output.split())  # no unit: none guessed
+    declared = runner.invoke(app, [*base, "--unit", "kPa", "--out", str(tmp_path / "b")])
+    assert declared.exit_code == 0, declared.output
+    assert "held-out points in kPa" in " ".join(declared.output.split())
+    recorded = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert recorded["data"]["target_unit"] == "kPa"
+    again = runner.invoke(app, ["report", str(tmp_path / "b")])
+    assert again.exit_code == 0 and "in kPa" in " ".join(again.output.split()), again.output
+
+
+def test_a_unit_in_the_column_s_name_is_read_and_an_index_is_not():
+    from fedcal.report.tables import target_unit
+
+    assert target_unit("pressure [hPa]") == "hPa" and target_unit("o3 (ppb)") == "ppb"
+    assert target_unit("pm25 (µg/m³)") == "µg/m³" and target_unit("x(1)") == ""
+    assert target_unit("pressure_hpa", "kPa") == "kPa"  # declared beats the name

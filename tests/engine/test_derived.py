@@ -1,4 +1,4 @@
-"""Per-client data an algorithm derives once (``Algorithm.derive``, ``ClientData.derived``).
+"""Per-client data an algorithm derives once (``DerivesData.derive``, ``ClientData.derived``).
 
 fedprior's moments (Φ_iᵀΦ_i, Φ_iᵀy_i, y_iᵀy_i, n_i) depend on a unit's data alone: the engine
 forms them once (:func:`fedcal.engine.simulation.with_derived`) and every round's E-step and

@@ -14,6 +14,7 @@ from fedcal.prior.discrepancy import (
     DiscrepancyError,
     design_reason,
     interval_factor,
+    kappa_at,
     prior_distance,
     smoother_q,
     unit_scale,
@@ -43,7 +44,7 @@ def model(**kw) -> Discrepancy:
 
 @pytest.mark.parametrize("nu0", [math.inf, 8.0])
 def test_round_trip_through_strict_json(nu0):
-    m = model(nu0=nu0)
+    m = model(nu0=nu0, kappa_points=((6.0, 0.9), (24.0, 1.2), (60.0, 1.3)))
     text = json.dumps(m.to_dict(), allow_nan=False)  # strict JSON: ∞ is written as null
     assert Discrepancy.from_dict(json.loads(text)) == m
 
@@ -73,6 +74,13 @@ def test_round_trip_through_strict_json(nu0):
         ("coverage", [{"family": "3x2", "held": -1.0, "coverage": 0.9}], "discrepancy.coverage"),
         ("coverage", [{"family": 7, "held": 10.0, "coverage": 0.9}], "discrepancy.coverage"),
         ("level_tol", 5.0, "discrepancy.level_tol"),
+        # κ(n)'s knots (session 12): sizes ascending within max_points, κ in its range
+        ("kappa_points", [[12.0, 1.0], [6.0, 1.1]], "discrepancy.kappa_points"),
+        ("kappa_points", [[6.0, 1.0], [80.0, 1.1]], "discrepancy.kappa_points"),
+        ("kappa_points", [[6.0, 50.0]], "discrepancy.kappa_points"),
+        ("kappa_points", [[6.0, 1.0, 2.0]], "discrepancy.kappa_points"),
+        ("kappa_points", [[6.0, "1"]], "discrepancy.kappa_points"),
+        ("kappa_points", 1.0, "discrepancy.kappa_points"),
     ],
 )
 def test_a_bad_field_is_refused_in_one_line_naming_it(field, value, says):
@@ -166,3 +174,21 @@ def test_a_design_the_references_did_not_span_is_declined_with_its_reason():
     assert "1 level(s) of temperature_c" in why[1] and "at least 2" in why[1]
     assert "temperature_c spans 10 %" in why[2]
     assert "4 points, fewer than" in why[3]
+    # more points than the largest design emulated (max_points): declined, κ(n) not learned
+    small = model(min_points=4, max_points=5)
+    assert design_reason(small, x[:1], mask[:1], ["f", "t"]) == [
+        "no σ: 6 points, more than the largest design the reference units emulated (5), "
+        "so how far its error exceeds the model's was not learned"
+    ]
+
+
+def test_kappa_of_the_design_size_by_hand():
+    # knots (6, 1), (24, 2): log κ linear in log n, so κ(12) = 2^(log 2 / log 4) = √2;
+    # constant beyond the ends; a record without knots: its one κ at every size
+    m = model(kappa_points=((6.0, 1.0), (24.0, 2.0)))
+    n = torch.tensor([3.0, 6.0, 12.0, 24.0, 40.0], dtype=F64)
+    assert kappa_at(m, n).tolist() == pytest.approx([1.0, 1.0, math.sqrt(2), 2.0, 2.0], rel=1e-12)
+    assert kappa_at(model(), n).tolist() == [1.1] * 5
+    old = model().to_dict()
+    del old["kappa_points"]  # a file written before the knots loads with one κ
+    assert Discrepancy.from_dict(old).kappa_points == ()

@@ -123,9 +123,16 @@ def test_links_go_to_the_certificates_that_exist_and_only_those(mixed, tmp_path)
     for unit in others:  # no certificate written: no link
         assert 'class="certificate"' not in units[unit]
     assert "1 of 3 unit(s) link their certificate" in text
-    # without --certificates: the run folder's certificates/, which this one has not
+    # without --certificates: certificates/ beside the report (a hand-over folder)
     build_report(cal, tmp_path / "plain.html")
     assert 'class="certificate"' not in (tmp_path / "plain.html").read_text()
+    (tmp_path / "handover").mkdir()
+    (tmp_path / "handover" / "certificates").symlink_to(certs, target_is_directory=True)
+    build_report(cal, tmp_path / "handover" / "report.html")
+    text = (tmp_path / "handover" / "report.html").read_text()
+    hrefs = re.findall(r'<a class="certificate" href="([^"]+)">', text)
+    assert sorted(hrefs) == [f"certificates/{certified}.html", f"certificates/{certified}.pdf"]
+    assert all((tmp_path / "handover" / unquote(h)).is_file() for h in hrefs)
 
 
 def test_the_config_table_holds_config_json_s_values(mixed):
@@ -145,3 +152,21 @@ def test_the_config_table_holds_config_json_s_values(mixed):
     for key, value in want.items():
         assert json.loads(html.unescape(shown[key])) == value, key
     assert "<pre>" not in page.read_text()  # no raw dump
+
+
+def test_the_per_sensor_figure_keeps_new_and_reference_units_apart(mixed):
+    """A mixed fleet's per-sensor boxes are per (method, role): each box's dots are that
+    role's units' test RMSE (a box over both roles would span 0.05 to 3 hPa)."""
+    from fedcal.report.figures import per_sensor_rmse
+    from fedcal.report.rundir import RunDir
+
+    run, *_ = mixed
+    per_sensor = RunDir.open(run).per_sensor(0, mask=False)
+    ax = per_sensor_rmse(per_sensor, ["fedprior", "polynomial"], "hPa").axes[0]
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels == ["fedprior\nnew", "fedprior\nref", "polynomial\nnew", "polynomial\nref"]
+    dots = {c.get_gid(): sorted(c.get_offsets()[:, 1]) for c in ax.collections}
+    for method in ("fedprior", "polynomial"):
+        for role in ("new", "reference"):
+            own = per_sensor.query("method == @method and role == @role")["test_rmse"]
+            assert dots[f"{method}|ok|{role}"] == pytest.approx(sorted(own))

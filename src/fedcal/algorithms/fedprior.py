@@ -86,7 +86,7 @@ swept one way, or no row has a direction, the rows see c + h along ψ (or nothin
 and a split by the vague start put half of each unit's ψ part in h, which the field's
 branch average drops (230–240 hPa on all-few fleets). Each unit uploads the data support
 of the whole design (``branch_support``); the ψ coordinates J that the summed support's
-weak subspace holds (:meth:`FedPrior._unidentified_branch`) are pinned, μ_J = 0 and
+weak subspace holds (fedprior_pins) are pinned, μ_J = 0 and
 Σ_JJ = ``floor`` (masked out of every E-step), the M-step runs on the others, the EM
 starts again from the vague start when J changes and its columns held data, and the
 BIC counts no parameter for J: from then on the run is the run without the term, one
@@ -122,11 +122,15 @@ Intervals (``interval = "calibrated"``, issue 20): the noise on residual degrees
 a discrepancy variance learned by a design-matched hold-out, or no interval where the fleet
 cannot learn one (:mod:`fedcal.algorithms.fedprior_interval`, steps I1–I3).
 
-One idea per file: this module is the model and its federated EM (with the DP bounds of the
-statistics the E-step uploads, :meth:`FedPrior.dp_statistics`); :class:`FedPrior` adds the
-mixins of the evidence selection (``fedprior_select``), the calibrated interval
-(``fedprior_interval``), the support box (``fedprior_support``) and what a user keeps —
-identification, each unit's status, the exported prior (``fedprior_status``).
+One idea per file: this module is the model and its federated EM; :class:`FedPrior` holds
+its parts, each a frozen dataclass declared by the settings it reads (docs/design.md, "The
+flagship algorithms"): the evidence selection (``selection``, fedprior_select), the exported
+prior and statuses (``prior_status``, fedprior_status), the support box (``support_box``,
+fedprior_support), the defence (``robust_uploads``, fedprior_robust), the noise model
+(``noise_model``, fedprior_noise), the streamed M-step (``streamed``, fedprior_stream), the
+direction term's pinned coordinates (``branch_pins``, fedprior_pins) and the DP bounds
+(``private_statistics``, fedprior_dp). The calibrated interval (fedprior_interval)
+and the time-respecting choice (fedprior_choice) are still mixins.
 
 Defaults (ours, measured on mixed fleets of 20 fully calibrated + 20 new
 units, 3 fleet seeds, off-grid test points; docs/results/): Legendre orders (4, 3),
@@ -152,8 +156,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Annotated, Literal
 
 import torch
@@ -162,9 +167,11 @@ from torch import Tensor
 
 from fedcal.algorithms.fedprior_choice import TimeChoice
 from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
+from fedcal.algorithms.fedprior_dp import PrivateStatistics
 from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
-from fedcal.algorithms.fedprior_noise import NoiseModel
-from fedcal.algorithms.fedprior_robust import RobustUploads, _capped_noise, _weighted
+from fedcal.algorithms.fedprior_noise import NoiseModel, sensor_noise
+from fedcal.algorithms.fedprior_pins import BranchPins
+from fedcal.algorithms.fedprior_robust import RobustUploads, capped_noise, weighted
 from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
 from fedcal.algorithms.fedprior_status import PriorStatus
@@ -182,10 +189,10 @@ from fedcal.core.bayes import (
     posterior,
     predictive_var,
     regularize,
-    safe_cholesky,
 )
 from fedcal.core.data import ClientData
 from fedcal.core.privacy import Statistic
+from fedcal.core.robust import OutlierWeights
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree
 from fedcal.models.basis import (
@@ -194,20 +201,11 @@ from fedcal.models.basis import (
     legendre_products,
 )
 
-# ψ coordinate j is unidentified when more than this share of e_j lies in the weak subspace
-BRANCH_UNIDENTIFIED = 0.25
-
 
 @dataclass(frozen=True)
 class FedPrior(
     TimeChoice,
-    EvidenceSelection,
     CalibratedInterval,
-    NoiseModel,
-    SupportBox,
-    PriorStatus,
-    RobustUploads,
-    StreamedSums,
     Algorithm,
 ):
     @property
@@ -387,6 +385,97 @@ class FedPrior(
         """Columns of the design: φ's terms, then ψ's (the prior is over both)."""
         return len(self.terms) + len(self.branch_terms)
 
+    # ---- the parts (each declared by what it reads; built once: the fields are frozen) ----
+    @cached_property
+    def selection(self) -> EvidenceSelection:
+        """The candidate bases and the basis in use (fedprior_select)."""
+        return EvidenceSelection(
+            self.select,
+            self.select_by,
+            self.select_clip,
+            self.dp_select_share,
+            self.rank,
+            self.num_inputs,
+            self._tensor_basis(),
+            self.orders,
+            self.degree,
+            self.terms,
+            self.branch_orders,
+            self.branch_terms,
+            self.branch_select,
+        )
+
+    @cached_property
+    def prior_status(self) -> PriorStatus:
+        """Identification, each unit's status, the exported prior (fedprior_status): the
+        contract's ``client_status`` and ``export_state`` (fedprior_choice's) call it."""
+        settings = (self.noise, self.noise_prior_points, self.noise_shape, self.interval)
+        return PriorStatus(self.selection, self.min_informed, *settings)
+
+    @property
+    def candidates(self) -> tuple[dict, ...]:
+        """The bases ``select = "bic"`` chooses from (:attr:`EvidenceSelection.candidates`)."""
+        return self.selection.candidates
+
+    @property
+    def masks(self) -> Tensor:
+        """(candidates, features): each candidate's terms (:attr:`EvidenceSelection.masks`)."""
+        return self.selection.masks
+
+    @property
+    def each_candidate(self) -> bool:
+        """Whether every candidate runs its own EM (:attr:`EvidenceSelection.each_candidate`)."""
+        return self.selection.each_candidate
+
+    @cached_property
+    def noise_model(self) -> NoiseModel:
+        """σ²(x) in the inputs, Student-t or trimmed rows (fedprior_noise, N1–N7)."""
+        return NoiseModel(
+            self.noise_shape, self.noise_tail, self.noise_dof, self.noise_prior_points
+        )
+
+    @cached_property
+    def private_statistics(self) -> PrivateStatistics:
+        """The uploaded statistics' DP maps and bounds (fedprior_dp)."""
+        return PrivateStatistics(
+            self.num_features,
+            self.dp_max_rows,
+            self.init_scale,
+            self.init_noise,
+            self.dp_whiten,
+            self.dp_second_weight,
+            bool(self.branch_orders),
+            self.selection,
+        )
+
+    @cached_property
+    def branch_pins(self) -> BranchPins:
+        """The direction term's coordinates the fleet's data do not identify (fedprior_pins)."""
+        start = (self.min_informed, self.floor, self.init_scale, self.init_noise)
+        return BranchPins(len(self.terms), self.num_features, *start)
+
+    @cached_property
+    def support_box(self) -> SupportBox:
+        """The extrapolation guard over φ (fedprior_support)."""
+        return SupportBox(self.num_inputs, self.terms)
+
+    @cached_property
+    def streamed(self) -> StreamedSums:
+        """Whether and how the M-step runs from the replies' sums (fedprior_stream)."""
+        return StreamedSums(self.robust, self.interval, self.noise_shape, self.noise_tail)
+
+    @cached_property
+    def robust_uploads(self) -> RobustUploads:
+        """The consistency check and the M-step's outlier weights (fedprior_robust)."""
+        k = len(self.candidates) if self.each_candidate else 0
+        lin = self._linear_terms()
+        lin = None if lin is None else tuple(lin)
+        return RobustUploads(self.robust, k, self.select_clip, self.choice_clip, lin)
+
+    def beyond_support(self, params: Tree, x: Tensor) -> Tensor:
+        """(clients, rows) bool: rows outside the unit's support box (linearized, flagged)."""
+        return self.support_box.beyond(params, x)
+
     def personal_shapes(self) -> dict[str, tuple[int, ...]]:
         """One sensor's :meth:`personalize` tree: shapes a loaded model file must have."""
         p = self.num_features
@@ -434,23 +523,23 @@ class FedPrior(
         if self.noise_tail == "auto":  # Gaussian rows until the fleet's evidence says t (N6)
             start["noise_student"] = torch.tensor(0.0, dtype=F64)
             start["tail_ratio"] = torch.tensor(0.0, dtype=F64)
-        if self.branch_orders:  # ψ coordinates out of the model (none yet): _unidentified_branch
+        if self.branch_orders:  # ψ coordinates out of the model (none yet): BranchPins.unidentified
             start["pinned"] = torch.zeros(p, dtype=F64)
         if self.choice_on:  # fedprior_choice's pooled lines and summed scores
             start.update(self._choice_init())
         if self.select == "none":
             mask = {"mask": self.masks[-1].clone()} if self.branch_orders else {}
-            return {**start, "box": self._open_box(), **mask}
+            return {**start, "box": self.support_box.open_box(), **mask}
         k = len(self.candidates)
         # Round 0 screens with the largest candidate (the basis asked for), as without selection.
         fleet_keys = ("mu", "sigma", "noise_var", "support")
         chosen = {"mask": self.masks[-1].clone(), "choice": torch.tensor(k - 1)}
         chosen["scores"] = torch.zeros(k, dtype=F64)
         if not self.each_candidate:  # select_by = "marginal": one EM, on the full basis
-            return {**start, "box": self._open_box(), **chosen}
+            return {**start, "box": self.support_box.open_box(), **chosen}
         return {
             **start,
-            "box": self._open_box(),
+            "box": self.support_box.open_box(),
             **chosen,
             "cand": {key: start[key].expand(k, *start[key].shape).clone() for key in fleet_keys},
         }
@@ -462,7 +551,7 @@ class FedPrior(
         down.update({k: server[k] for k in INTERVAL_KEYS if k in server})
         noise_keys = ("noise_gamma", "noise_gamma_fit", "noise_student")
         down.update({k: server[k] for k in noise_keys if k in server})
-        if "pinned" in server:  # ψ coordinates out of the model (_unidentified_branch)
+        if "pinned" in server:  # ψ coordinates out of the model (BranchPins.unidentified)
             down["pinned"] = server["pinned"]
         if self.select != "none":
             down["mask"] = server["mask"]
@@ -486,7 +575,7 @@ class FedPrior(
         their data alone fix: formed once by the engine (``ClientData.derived``) instead of
         every round (issue 25.1). None with row weights (fedprior_noise): those moments
         depend on the broadcast."""
-        if self.noise_weighted:
+        if self.noise_model.weighted:
             return None
         full = self._moments(dataclasses.replace(data, derived=None))
         out = {f"fedprior/{k}": v for k, v in full._asdict().items()}
@@ -508,13 +597,13 @@ class FedPrior(
         cached = data.derived or {}
         made_by = cached.get("fedprior/design")  # the design that formed them (derive)
         mine = made_by is not None and bool((made_by == self._design_key).all())
-        if mine and "fedprior/gram" in cached and (down is None or not self.noise_weighted):
+        if mine and "fedprior/gram" in cached and (down is None or not self.noise_model.weighted):
             return Moments(*(cached[f"fedprior/{k}"] for k in Moments._fields))
         design = self.design(data.x, data.branch)
-        rw = None if down is None else self._row_weights(down, data, design)
+        rw = None if down is None else self.noise_model.row_weights(down, data, design)
         if rw is None:
             return moments(design, data.y[..., 0], data.mask)
-        return self._weighted_moments(design, data, rw)
+        return self.noise_model.moments(design, data, rw)
 
     def _posterior(self, down: Tree, state: Tree, full: Moments) -> tuple[Moments, Posterior]:
         """The posterior under the broadcast prior; with selection, the chosen candidate's."""
@@ -524,15 +613,14 @@ class FedPrior(
 
     def _model_mask(self, down: Tree) -> Tensor | None:
         """The features in the model (the chosen basis without the ψ coordinates J out of
-        it: :meth:`_unidentified_branch`); None: all of them."""
+        it: BranchPins.unidentified); None: all of them."""
         if "mask" in down:
             return down["mask"]
         return 1.0 - down["pinned"] if "pinned" in down else None
 
     def _sensor_noise(self, rss: Tensor, n: Tensor, fleet: Tensor) -> Tensor:
         """σ_i² = (r_i + ν σ²)/(n_i + ν): the MAP under a scaled-inv-χ²(ν, σ²) prior."""
-        nu = self.noise_prior_points
-        return (rss + nu * fleet) / (n + nu)
+        return sensor_noise(rss, n, fleet, self.noise_prior_points)
 
     def _client_moments(self, down: Tree, data: ClientData) -> Moments:
         """The moments the E-step uses (fedprior_drift whitens them by its drift)."""
@@ -548,10 +636,12 @@ class FedPrior(
         # out of the model), whatever candidate is chosen: its E-step and noise model too
         marginal = self.select != "none" and not self.each_candidate
         em = {k: v for k, v in down.items() if k != "mask"} if marginal else down
-        if self.noise_weighted:  # rows weighted by 1/σ²(x) and t-weights (fedprior_noise, N1/N4)
+        if (
+            self.noise_model.weighted
+        ):  # rows weighted by 1/σ²(x) and t-weights (fedprior_noise, N1/N4)
             design = self.design(data.x, data.branch)
-            rw = self._row_weights(em, data, design)
-            full = self._weighted_moments(design, data, rw)
+            rw = self.noise_model.row_weights(em, data, design)
+            full = self.noise_model.moments(design, data, rw)
         else:
             full = self._client_moments(down, data)  # once: candidates' are masks of these
         # With selection the chosen candidate's E-step is also in the batch below, but is
@@ -566,7 +656,7 @@ class FedPrior(
         # The design's own Gram ΦᵀΦ (the input box's sums, the row-count check), unweighted.
         gram = full.gram if rw is None else moments(design, data.y[..., 0], data.mask).gram
         reply.update(n=full.n, gram=gram, support=chosen["support"])
-        if self.branch_orders:  # the whole design's, whatever J: _unidentified_branch's input
+        if self.branch_orders:  # the whole design's, whatever J: BranchPins.unidentified's input
             reply["branch_support"] = data_support(gram, self._noise(down, state), self.init_scale)
         if self.interval == "calibrated" and "probe_x" in down:
             # Unscreened ("interval/"): a unit's residual terms scale with its rows.
@@ -576,13 +666,15 @@ class FedPrior(
                 **self._heldout(down, state, data, rw),
             }
         if self.noise_shape == "inputs":  # γ's score, information and evidence (N2)
-            reply["noise"] = self._noise_terms(em, data, design, post, rw[1])
+            reply["noise"] = self.noise_model.uploads(em, data, design, post, rw[1])
         if self.noise_tail == "auto":  # the tail's evidence d_i (N6)
-            reply.setdefault("noise", {})["tail_ratio"] = self._tail_ratio(em, data, design)
+            reply.setdefault("noise", {})["tail_ratio"] = self.noise_model.tail_ratio(
+                em, data, design
+            )
         own = self._sensor_noise(post.rss, full.n, down["noise_var"])
         new_state = {"noise_var": own if self.noise == "sensor" else state["noise_var"]}
         if marginal:
-            reply["select"] = self.marginal_scores(down, state, full)
+            reply["select"] = self.selection.marginal_scores(down, self._noise(down, state), full)
         if self.each_candidate:
             reply["cand"], cand_own = self._candidates_e_step(down, state, full)
             new_state["cand_noise_var"] = (
@@ -612,34 +704,30 @@ class FedPrior(
             **({} if n is None else _residual_terms(post, gram, noise, n)),
         }
 
-    def dp_statistics(self, down: Tree) -> dict[str, Statistic]:
-        """Client-level DP: each uploaded statistic's public map and bound (core/privacy).
+    def _candidates_e_step(self, down: Tree, state: Tree, full: Moments):
+        """Every candidate's E-step at once: (clients, candidates, ...) statistics.
 
-        Maps come from the broadcast only (Σ = L Lᵀ, μ, σ²) and the vague start s
-        (``init_scale``). The GLS terms in the prior's whitened coordinates are
-        bounded by construction: Lᵀ gls_gram_i L = A_i⁻¹B_i has eigenvalues in [0, 1)
-        and Lᵀ gls_rhs_i = z̄_i = L⁻¹(m_i − μ), bounded by 2√p (twice a prior draw's
-        typical norm). The posterior mean and second moment are taken about μ in the
-        units of the vague start, with ‖m_i − μ‖ ≤ 2√p s and
-        ‖E[(c_i − μ)(c_i − μ)ᵀ]‖_F ≤ (2√p s)² + p s²; with ``dp_whiten`` in the broadcast
-        prior's units instead, L⁻¹(m_i − μ), bounded by 2√p and (2√p)² + p (measured,
-        studies/dp_scale.py: with adapted bounds the fleet's spread is resolved down to
-        a smaller scale; with the declared worst-case bounds whitening feeds the noise back
-        round after round). The GLS Gram and the support are declared about I (their
-        value for a unit whose points determine every direction, most of a large fleet:
-        small deviations, so small adapted bounds). Second-moment eigenvalues the noise
-        hides take the smaller of the noise floor (what the fleet's spread is at most)
-        and the vague start s² (whitened: the floor), and the support's are not
-        counted, so the server keeps μ and s² there (its weak-direction rule).
-        rss_i/σ² ≈ n_i ≤ ``dp_max_rows`` (bound 1.5×, by the broadcast σ²: a fixed
-        scale would drown the RSS of good units in noise), and the noisy Σ rss at most
-        the vague start's noise variance × Σ n (σ² never vaguer than the start) and at
-        least 10⁻⁸ of it (σ ≥ 10⁻⁴ of the start: without this floor, noise draws that
-        sent σ² toward 0 made new units' posterior Cholesky fail at ε = 1); with
-        Legendre terms of inputs in [−1, 1], ‖Φ_iᵀΦ_i‖_F ≤ n_i p; the support's
-        eigenvalues lie in [0, 1).
+        Candidate k uses the moments ``full`` of its own terms (the others' rows and
+        columns of G and b zeroed): its posterior, GLS terms and marginal likelihood
+        log p(y_i | μ_k, Σ_k, σ_k²) are those of the sub-basis model exactly (the
+        unused coordinates see no data and keep their prior).
         """
-        if self.noise_weighted:
+        stats, c, p, k = self.selection.candidate_moments(down, full)
+        cand = down["cand"]
+        noise = state["cand_noise_var"] if self.noise == "sensor" else cand["noise_var"]
+        noise = noise.reshape(-1)
+        post = posterior(stats, cand["mu"].reshape(-1, p), cand["sigma"].reshape(-1, p, p), noise)
+        out = self._e_step_sums(
+            post, stats.gram, noise, stats.n if self.interval == "calibrated" else None
+        )
+        own = self._sensor_noise(post.rss, stats.n, cand["noise_var"].reshape(-1))
+        return {key: v.reshape(c, k, *v.shape[1:]) for key, v in out.items()}, own.reshape(c, k)
+
+    def dp_statistics(self, down: Tree) -> dict[str, Statistic]:
+        """Client-level DP: each uploaded statistic's public map and bound (core/privacy;
+        :class:`~fedcal.algorithms.fedprior_dp.PrivateStatistics`), for the settings DP
+        covers."""
+        if self.noise_model.weighted:
             raise ValueError(
                 "fedprior: client-level DP covers noise_shape = 'constant' and noise_tail = "
                 "'gaussian' only (the noise model's sums and row weights are not bounded)"
@@ -655,68 +743,7 @@ class FedPrior(
                 "fedprior: client-level DP with select = 'bic' needs select_by = 'marginal' "
                 "(one bounded score vector per unit), or select = 'none' (fedprior_fixed)"
             )
-        p = self.num_features
-        chol = safe_cholesky(down["sigma"].to(F64))[0]
-        mu, rows, s = down["mu"].to(F64), float(self.dp_max_rows), self.init_scale
-        z = 2.0 * p**0.5
-        second = (z * s) ** 2 + p * s * s
-        noise_var = down["noise_var"].to(F64)
-        # gls_gram and support are taken about their value for a unit whose points determine
-        # every direction (Lᵀ gls_gram L → I, support → I): most of a large fleet's units,
-        # whose deviation is small, so an adapted bound (core.privacy.AdaptiveClip) is too.
-        eye = torch.eye(p, dtype=F64)
-        sigma_inv = torch.cholesky_inverse(chol)
-        moment_map = None
-        if self.dp_whiten:  # z = L⁻¹(m − μ): the broadcast prior's units, not the vague start's
-            moment_map = torch.linalg.solve_triangular(chol, eye, upper=False)
-            second = z**2 + p
-            s = 1.0
-        out = {
-            "mean": Statistic(z * s, "vector", moment_map, center=mu),
-            "second": Statistic(
-                second,
-                "second_moment",
-                moment_map,
-                center=mu,
-                first="mean",
-                noise_floor=True,
-                maximum=second,
-                unresolved=None if self.dp_whiten else s * s,
-                weight=self.dp_second_weight,
-            ),
-            "gls_gram": Statistic(
-                p**0.5, "psd", chol.T, center=sigma_inv, maximum=1.0, noise_floor=True
-            ),
-            "gls_rhs": Statistic(z, "vector", chol.T),
-            "rss": Statistic(
-                1.5 * rows,
-                "positive",
-                1.0 / noise_var,
-                minimum=1.0,
-                ratio=(
-                    "n",
-                    (1e-4 * self.init_noise) ** 2 / noise_var,
-                    self.init_noise**2 / noise_var,
-                ),
-            ),
-            "n": Statistic(rows, "positive", minimum=1.0, maximum=rows),
-            "gram": Statistic(rows * p, "psd", minimum=1e-9 * rows, noise_floor=True),
-            "support": Statistic(
-                p**0.5, "psd", center=eye, maximum=1.0, noise_floor=True, unresolved=0.0
-            ),
-            **(
-                {
-                    "branch_support": Statistic(
-                        p**0.5, "psd", center=eye, maximum=1.0, noise_floor=True, unresolved=0.0
-                    )
-                }
-                if self.branch_orders
-                else {}
-            ),
-        }
-        if self.select != "none":  # select_by = "marginal": the candidates' scores, last
-            out["select"] = self.dp_select_statistic(out)
-        return out
+        return self.private_statistics.statistics(down)
 
     def _prior_update(
         self,
@@ -728,9 +755,10 @@ class FedPrior(
         pinned: Tensor | None = None,
     ):
         """One M-step from client sums: (μ, Σ, σ², support) (module doc, step 2); the ψ
-        coordinates ``pinned`` out of the model (:meth:`_unidentified_branch`)."""
+        coordinates ``pinned`` out of the model (:meth:`BranchPins.unidentified`)."""
         if pinned is not None and bool(pinned.any()):  # the M-step of the model without them
-            return self._pinned_update(old_mu, total, count, metric, old_noise, pinned)
+            args = (old_mu, total, count, metric, old_noise, pinned)
+            return self.branch_pins.pinned_update(self._prior_update, *args)
         mu, sigma_hat = m_step(
             total["gls_gram"],
             total["gls_rhs"],
@@ -760,102 +788,13 @@ class FedPrior(
             noise_var = torch.where(dof >= 1.0, total["fit"] / dof.clamp_min(1.0), old_noise)
         return mu, sigma, noise_var
 
-    def _unidentified_branch(self, support: Tensor | None) -> Tensor:
-        """J (features,) bool: the direction term's ψ coordinates that the fleet's data do not
-        tell apart from the rest of the design (issue 20), from the whole design's support.
-
-        ψ coordinate j is unidentified when the weak subspace W of the summed support
-        (directions fewer than ``min_informed`` units determine; module doc,
-        "Identification") holds more than :data:`BRANCH_UNIDENTIFIED` of its unit vector,
-        ‖P_W e_j‖² > 1/4: no row has a direction (b = 0: ‖P_W e_j‖² = 1) or every unit swept
-        one way, so its rows see c + h along ψ only (‖P_W e_j‖² = 1/2, φ ⊇ ψ). ``support``
-        is the summed ``branch_support`` upload, the support of the whole design [φ, b·ψ]
-        whatever J and the basis chosen (in a sub-basis without φ's ψ terms, b·ψ of one-way
-        units would pass for those terms; and J's own columns are masked out of the E-step).
-        """
-        pinned = torch.zeros(self.num_features, dtype=torch.bool)
-        if support is None:  # no direction term
-            return pinned
-        vals, vecs = torch.linalg.eigh(0.5 * (support + support.T))
-        weak = vecs[len(self.terms) :, vals < self.min_informed]
-        pinned[len(self.terms) :] = (weak**2).sum(1) > BRANCH_UNIDENTIFIED
-        return pinned
-
-    def _pinned_update(
-        self,
-        old_mu: Tensor,
-        total: dict,
-        count: Tensor,
-        metric: Tensor,
-        old_noise: Tensor,
-        pinned: Tensor,
-    ):
-        """The M-step with the ψ coordinates J out of the model: the step on the other
-        coordinates K alone (their blocks of every sum; the units' posteriors already have
-        h_J ≈ 0), then μ_J = 0, Σ_J· = Σ_·J = 0, Σ_JJ = ``floor`` I, so every unit's
-        posterior keeps h_J ≈ 0 and c takes all of c + h (:meth:`_pin`).
-
-        The weak directions among K come from the support's K block: a unit whose points
-        saw c_j + h_j counts at least half along c_j there (a conservative count). Without
-        this, a unit swept one way split c + h by the vague start and predicted the branch
-        average of a term no unit identifies (issue 20: 230–240 hPa on all-few fleets)."""
-        full = pinned.shape[0]
-        keep = torch.nonzero(~pinned)[:, 0]
-
-        def block(v: Tensor) -> Tensor:
-            if v.dim() >= 1 and v.shape[-1] == full:
-                v = v[..., keep]
-            if v.dim() >= 2 and v.shape[-2] == full:
-                v = v[..., keep, :]
-            return v
-
-        sub = {k: block(v) for k, v in total.items()}
-        mu_k, sigma_k, noise_var = self._prior_update(
-            old_mu[keep], sub, count, block(metric), old_noise
-        )
-        mu = torch.zeros(full, dtype=F64)
-        mu[keep] = mu_k
-        sigma = torch.zeros(full, full, dtype=F64)
-        sigma[keep.unsqueeze(1), keep.unsqueeze(0)] = sigma_k
-        return (*self._pin(mu, sigma, pinned), noise_var)
-
-    def _pin(self, mu: Tensor, sigma: Tensor, pinned: Tensor) -> tuple[Tensor, Tensor]:
-        """μ_J = 0, Σ_J· = Σ_·J = 0, Σ_JJ = ``floor`` I: h_J ≈ 0 in every posterior."""
-        mu, sigma = mu.clone(), sigma.clone()
-        mu[pinned] = 0.0
-        sigma[pinned] = 0.0
-        sigma[:, pinned] = 0.0
-        j = torch.nonzero(pinned)[:, 0]
-        sigma[j, j] = self.floor
-        return mu, sigma
-
-    def _restart(
-        self, server: Tree, pinned: Tensor, gram: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor] | None:
-        """The vague start with J pinned when J changed this round and its columns held data
-        (the summed Gram ``gram``), else None.
-
-        The EM so far ran on a model whose unidentified term split c + h by the start; its
-        estimates along c carry that split, so the EM starts again on the model without J
-        (from then on, round for round, the EM of the model without the term: one round
-        later). Columns without data (b = 0 everywhere) split nothing: no restart."""
-        if "pinned" not in server or torch.equal(server["pinned"] > 0, pinned):
-            return None
-        if not bool(torch.any(gram[pinned] != 0)):
-            return None
-        p = pinned.shape[0]
-        start = self._pin(
-            torch.zeros(p, dtype=F64), self.init_scale**2 * torch.eye(p, dtype=F64), pinned
-        )
-        return (*start, torch.tensor(self.init_noise**2, dtype=F64))
-
     def _candidate_updates(
         self, server: Tree, cand: Tree, total: Tree, count: Tensor, metric: Tensor, pinned: Tensor
     ) -> dict[str, Tensor]:
         """Every candidate basis's M-step on its own summed statistics (``select = "bic"``),
         stacked over the candidates; the fleet's restart, if any, for all of them."""
         new: dict[str, list[Tensor]] = {"mu": [], "sigma": [], "noise_var": []}
-        restart = self._restart(server, pinned, total["gram"])
+        restart = self.branch_pins.restart(server, pinned, total["gram"])
         for k, m in enumerate(self.masks):
             part = {**{key: v[k] for key, v in cand.items()}, "n": total["n"]}
             out = restart or self._prior_update(
@@ -879,15 +818,15 @@ class FedPrior(
         order = canonical_order(replies["mean"])
         robust = self.outlier_weights(server, replies)
         if robust is not None and bool((robust.weights != 1).any()):  # all 1: the plain sums
-            replies = _weighted(replies, robust.weights)
+            replies = weighted(replies, robust.weights)
         if self.robust != "off":  # residual sums: a bounded pull on σ², not a size screen
-            replies = _capped_noise(replies)
+            replies = capped_noise(replies)
         skip = ("cand", "interval", "noise", "choice")
         forward = None
         if "choice" in replies:  # per unit unless already summed (fedprior_stream)
             forward = self.choice_update(replies["choice"], order, replies["gram"], units is None)
         total = {k: v[order].sum(0) for k, v in replies.items() if k not in skip}
-        pinned = self._unidentified_branch(total.pop("branch_support", None))
+        pinned = self.branch_pins.unidentified(total.pop("branch_support", None))
         if "interval" in replies:  # the restricted noise update's sums (module doc, I1)
             total.update({k: replies["interval"][k][order].sum(0) for k in ("dof", "fit")})
         count = torch.tensor(float(replies["mean"].shape[0]), dtype=F64) if units is None else units
@@ -895,16 +834,16 @@ class FedPrior(
             count = robust.weights[order].sum() if bool((robust.weights != 1).any()) else count
         metric = total["gram"] / total["n"].clamp_min(1.0)
         if not self.each_candidate:
-            mu, sigma, noise_var = self._restart(
+            mu, sigma, noise_var = self.branch_pins.restart(
                 server, pinned, total["gram"]
             ) or self._prior_update(server["mu"], total, count, metric, server["noise_var"], pinned)
             new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
-            new["box"] = self._input_box(total["gram"])
+            new["box"] = self.support_box.fleet_box(total["gram"])
             if self.select != "none":  # select_by = "marginal": the noisy-BIC choice
-                new.update(self.marginal_choice(total["select"], count, pinned))
+                new.update(self.selection.marginal_choice(total["select"], count, pinned))
             if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
                 noise = replies["noise"]
-                new.update(self._noise_updates(server, noise, order, total["n"], replies["n"]))
+                new.update(self.noise_model.updates(server, noise, order, total["n"], replies["n"]))
             new.update(self._choice_state(server, forward))
             if self.branch_orders:  # the features in use, without the ψ coordinates out of it
                 new["mask"] = new.get("mask", self.masks[-1]) * (~pinned).to(F64)
@@ -916,7 +855,7 @@ class FedPrior(
         # BIC of the fleet's evidence (Schwarz 1978): Σ_i log p(y_i | θ_k) − ½ d_k log N,
         # the evidence at the broadcast θ_k (each candidate's EM converges to its maximum).
         # (the ψ coordinates J out of the model are no parameters)
-        free = self._prior_parameters(masks * (~pinned).to(F64))
+        free = self.selection.prior_parameters(masks * (~pinned).to(F64))
         scores = cand["loglik"] - 0.5 * free * math.log(float(count))
         # ties: the smaller candidate (listed first); a candidate whose model is an earlier
         # one's once J is out (it differs only in pinned ψ terms) is that one, not a rival
@@ -930,7 +869,7 @@ class FedPrior(
         return {
             **self._choice_state(server, forward),
             **{key: v[choice] for key, v in stacked.items()},
-            "box": self._input_box(total["gram"]),
+            "box": self.support_box.fleet_box(total["gram"]),
             "mask": masks[choice] * (~pinned).to(F64),
             **({"pinned": pinned.to(F64)} if self.branch_orders else {}),
             "choice": torch.tensor(choice),
@@ -938,11 +877,71 @@ class FedPrior(
             "cand": stacked,
             **self._interval_update(server, replies, order, total),
             **(
-                self._noise_updates(server, replies["noise"], order, total["n"], replies["n"])
+                self.noise_model.updates(server, replies["noise"], order, total["n"], replies["n"])
                 if "noise" in replies
                 else {}
             ),
         }
+
+    # ---- a hostile site or unit (issue 21; fedprior_robust) ----
+    def screen_view(
+        self, replies: dict[str, Tensor], rows: Tensor, broadcast: Tree
+    ) -> dict[str, Tensor]:
+        """What the server's size screen judges (:meth:`RobustUploads.screen_view`)."""
+        return self.robust_uploads.screen_view(replies, rows)
+
+    def inconsistent_replies(
+        self, server: Tree, replies: Tree, weights: Tensor, accepted: Tensor
+    ) -> dict[int, str] | None:
+        """Clients whose upload contradicts its declared rows or the broadcast prior, with
+        the reason (:meth:`RobustUploads.inconsistent`); None when off."""
+        frames = self.robust_uploads.frames(server, self._gram_counts_rows(server))
+        return self.robust_uploads.inconsistent(frames, replies, weights, accepted)
+
+    def consistency_check(self, server: Tree) -> Callable[..., dict[int, str] | None]:
+        """:meth:`inconsistent_replies` bound to one round's ``server``, called as
+        ``check(replies, weights, accepted)``, its priors' frames formed once, not once per
+        chunk of a streamed round; a subclass's own :meth:`inconsistent_replies`
+        (fedprior_drift adds checks) bound as it is."""
+        if type(self).inconsistent_replies is not FedPrior.inconsistent_replies:
+            return partial(self.inconsistent_replies, server)
+        frames = self.robust_uploads.frames(server, self._gram_counts_rows(server))
+        return partial(self.robust_uploads.inconsistent, frames)
+
+    def _gram_counts_rows(self, server: Tree) -> bool:
+        """Whether the uploaded Gram is the design's ΦᵀΦ, whose constant term is the unit's
+        row count (a consistency check); fedprior_drift's whitened Gram is not."""
+        return True
+
+    def outlier_weights(self, server: Tree, replies: Tree) -> OutlierWeights | None:
+        """Each client's M-step weight (:meth:`RobustUploads.outlier_weights`)."""
+        return self.robust_uploads.outlier_weights(server, replies)
+
+    # ---- a round streamed chunk by chunk (engine/streamed.py; fedprior_stream) ----
+    def server_update_sums(self, server: Tree, sums: Tree, count: Tensor) -> Tree:
+        """``server_update`` from Σ_i reply_i (``sums``, no clients axis) and N (``count``)."""
+        one = self.streamed.as_cohort(sums)
+        return self.server_update(server, one, torch.ones(1, dtype=torch.float64), units=count)
+
+    def streaming_refused(self) -> str | None:
+        """None when :meth:`server_update_sums` equals ``server_update``; else why not."""
+        own = type(self).server_update is not FedPrior.server_update
+        return self.streamed.refused(self.name, own)
+
+    @property
+    def outlier_inputs(self) -> tuple[str, ...]:
+        return self.streamed.outlier_inputs
+
+    @property
+    def picked_leaves(self) -> tuple[str, ...]:
+        return self.streamed.picked_leaves
+
+    @property
+    def pick_inputs(self) -> tuple[str, ...]:
+        return self.streamed.pick_inputs
+
+    def pick_reply(self, keys: Tree) -> int | None:
+        return self.streamed.pick_reply(keys)
 
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
         """The unit's posterior model (:meth:`_personal`), or its best simple fit where that
@@ -975,7 +974,7 @@ class FedPrior(
             weak = self.weak_units(down, cov, out["noise_var"], data)
             declined = (code == 1) | weak | (small & (code > 1) & (code != 5)) | unknown | lost
             out["declined"] = declined.to(F64)
-        out["box"] = self._unit_box(down.get("box"), data)
+        out["box"] = self.support_box.unit_box(down.get("box"), data)
         if self.noise_shape == "inputs":  # σ²(x) = σ_i² exp(γᵀx) (fedprior_noise)
             gamma = down.get("noise_gamma", torch.zeros(self.num_inputs, dtype=F64))
             out["noise_gamma"] = gamma.to(F64).expand(data.num_clients, -1).clone()
@@ -985,7 +984,7 @@ class FedPrior(
         """ψ(x)ᵀm_c (ψ = φ inside the support box, its tangent-plane continuation beyond):
         with a direction term, the branch average (the field's b is unknown)."""
         p = len(self.terms)
-        phi, _ = self._guarded(params, x, self.terms)
+        phi, _ = self.support_box.guarded(params, x)
         value = (phi * params["coef"][..., :p].to(F64).unsqueeze(1)).sum(-1)
         return value.unsqueeze(-1).to(x.dtype)
 
@@ -998,12 +997,12 @@ class FedPrior(
         """
         q, s = self.variance_form(params)
         var = predictive_var(self.variance_design(x), q, s)
-        excess = self.noise_excess(params, x)  # σ_i²(exp(γᵀg(x)) − 1): σ²(x) at the query
+        excess = self.noise_model.excess(params, x)  # σ_i²(exp(γᵀg(x)) − 1): σ²(x) at the query
         if excess is not None:
             var = var + excess
         if "gp_x" in params:  # the prior's design-dependent error (fedprior_deploy, D2–D4)
             var = deployed_var(self, params, x, var)
-        phi, beyond = self._guarded(params, x, self.terms)
+        phi, beyond = self.support_box.guarded(params, x)
         if any_beyond(beyond):  # beyond the support: + (polynomial − linearized)² (model form)
             coef = params["coef"][..., : len(self.terms)].to(F64).unsqueeze(1)
             gap = ((legendre_products(x, self.terms) - phi) * coef).sum(-1)

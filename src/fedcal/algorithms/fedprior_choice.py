@@ -223,7 +223,7 @@ class TimeChoice(ForwardInterval):
             mask = self._model_mask(down)
             coef = post.mean if mask is None else post.mean * mask
             return coef.unsqueeze(1)
-        stats, c, p, k = self._candidate_moments(down, early)
+        stats, c, p, k = self.selection.candidate_moments(down, early)
         cand = down["cand"]
         noise = state["cand_noise_var"] if self.noise == "sensor" else cand["noise_var"]
         post = posterior(
@@ -428,7 +428,7 @@ class TimeChoice(ForwardInterval):
 
     def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
         """PriorStatus's flags, and ``weak`` for an implausible unit (fedprior_choice)."""
-        flags = super().client_status(server, personal, x, mask)  # PriorStatus's
+        flags = self.prior_status.client_status(server, personal, x, mask)
         if self.choose != "off":
             medians = server.get("status_medians")  # over the whole fleet (a chunked judge)
             flags["weak"] = flags["weak"] | self.implausible_units(personal, x, mask, medians)
@@ -449,7 +449,7 @@ class TimeChoice(ForwardInterval):
         return out
 
     def export_state(self, server: Tree) -> dict:
-        state = super().export_state(server)  # PriorStatus's
+        state = self.prior_status.export_state(server, self.interval_note(server))
         record = self.choice_record(server)
         if record is not None:  # the time-respecting choice (fedprior_choice)
             selection = state.setdefault("selection", {"rule": "none", "chosen": {}})

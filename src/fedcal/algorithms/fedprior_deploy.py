@@ -12,9 +12,14 @@ E1. **Who learns.** Units with at least :data:`REFERENCE_ROWS` calibration rows 
     fewer than two: nothing is learned (prior.json has no ``discrepancy``; ``calibrate``
     keeps fedprior I2–I4's rule).
 E2. **The designs each emulates** (:func:`unit_designs`), as new units are measured: P × T
-    grids 3×2, 4×3, 6×4, 8×5 (6–40 points, pressure ends and temperature ends included;
-    a new unit of up to :data:`~fedcal.algorithms.fedprior_deployed.DEPLOY_ROWS` = 64
-    points takes the model, so 41–64 points are beyond the largest emulated) and two draws each
+    grids 3×2, 4×3, 6×4, 8×5 (6–40 points, pressure ends and temperature ends included),
+    the largest grid the unit's campaign holds within
+    :data:`~fedcal.algorithms.fedprior_deployed.DEPLOY_ROWS` = 64 points ("max-grid":
+    T = its plateaus (≤ 8), P = min(its fewest ascending levels on a plateau − 1, ⌊64/T⌋),
+    so that every plateau keeps held-out levels; kept if over 40 points: a 384-point
+    fedcal campaign 10×6 = 60; a 9-level cross-check grid 8×5, not kept; a unit without
+    plateaus none; the model's ``max_points`` is the largest size emulated, beyond which a
+    new unit is declined) and two draws each
     of random 2- and 3-plateau designs (plateaus spread over at least half the span,
     3–4 points per plateau, pressure ends included), in positions of the unit's
     own span (:func:`~fedcal.algorithms.fedprior_interval._unit_span`). The plateau input
@@ -31,15 +36,19 @@ E2. **The designs each emulates** (:func:`unit_designs`), as new units are measu
 E3. **β, a², ℓ** (uploaded: for each point of :data:`BETA_GRID` × :data:`AMP_GRID` ×
     :data:`LENGTH_GRID`, the summed Gaussian log density of its held-out errors under
     β v_c + σ² + a² q): the server takes the arg-max of the pooled sums.
-E4. **ν₀, κ** (given β, a², ℓ; uploaded per ν₀ of :data:`NU_GRID` and κ of
-    :data:`KAPPA_GRID`: the held-out rows inside the 95 % interval of D3–D4, per design
-    family, and the summed Student-t log density): for each ν₀ the smallest κ whose
-    pooled coverage reaches 95 % (linear between grid values); ν₀ is the one whose
-    log score at its κ is highest (∞ included: no per-unit scale). One length scale ℓ
-    is fitted, shared by every input (the record lists it once per input).
-E5. **The record** (:class:`~fedcal.prior.discrepancy.Discrepancy`): β, a², ℓ, κ, ν₀, each
-    family's coverage at κ (in-sample: κ was chosen on those very rows, so the pooled
-    share is 95 % by construction; a family's own share says how even the fit is), and
+E4. **ν₀, κ(n)** (given β, a², ℓ; uploaded per knot of design size, ν₀ of
+    :data:`~fedcal.algorithms.fedprior_deploy_kappa.NU_GRID` and κ of its ``KAPPA_GRID``:
+    the held-out rows inside the 95 % interval of D3–D4 and the summed Student-t log
+    density, each design weighted by its nearness to the knot in log n): per knot the
+    smallest κ whose coverage reaches 95 %, ν₀ the one whose log score at those κ is
+    highest (∞ included: no per-unit scale): :mod:`fedcal.algorithms.fedprior_deploy_kappa`
+    E4a–E4b. Then (a second upload, sums only) each family's held-out rows inside its
+    designs' κ(n) interval: the record's coverage. One length scale ℓ is fitted, shared by
+    every input (the record lists it once per input).
+E5. **The record** (:class:`~fedcal.prior.discrepancy.Discrepancy`): β, a², ℓ, κ (pooled),
+    the knots of κ(n), ν₀, each family's coverage at κ(n) (in-sample: κ was chosen on those
+    very rows, so each knot's weighted share is 95 % by construction; a family's own share
+    says how even the fit is), and
     the span of designs emulated (fewest points, plateaus,
     share of each input's span) by which :func:`~fedcal.prior.discrepancy.design_reason`
     declines a new unit's design the references did not span.
@@ -52,11 +61,19 @@ final prior, once: not every round.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from fedcal.algorithms.fedprior_deploy_kappa import (
+    KAPPA_GRID,
+    NU_GRID,
+    KappaChoice,
+    choose,
+    knot_weights,
+)
 from fedcal.algorithms.fedprior_deployed import DEPLOY_ROWS, prior_in_use
 from fedcal.algorithms.fedprior_loo import _leave_one_out
 from fedcal.core.bayes import F64, moments
@@ -66,10 +83,10 @@ from fedcal.models.basis import legendre_products
 from fedcal.prior.discrepancy import (
     AMP_RATIO_MAX,
     BETA_RANGE,
-    KAPPA_RANGE,
     Z95,
     Discrepancy,
     interval_factor,
+    kappa_at,
     prior_distance,
     smoother,
     smoother_q,
@@ -86,10 +103,8 @@ LENGTH_GRID = (0.03, 0.05, 0.1, 0.2, 0.35, 0.6, 1.0, 2.0)
 BETA_GRID = torch.logspace(
     *(math.log10(b) for b in BETA_RANGE), 11, dtype=F64
 )  # β of D2 (the basis part's factor)
-NU_GRID = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, math.inf)  # E4
-KAPPA_GRID = torch.logspace(*(math.log10(k) for k in KAPPA_RANGE), 151, dtype=F64)
-# E2: (name, pressure positions per plateau or None: random, plateaus or None: random)
-FAMILIES = ("3x2", "4x3", "6x4", "8x5", "2-plateau", "3-plateau")
+# E2: the fixed grids, the random plateau designs, the unit's largest grid (≤ DEPLOY_ROWS)
+FAMILIES = ("3x2", "4x3", "6x4", "8x5", "2-plateau", "3-plateau", "max-grid")
 GRIDS = {"3x2": (3, 2), "4x3": (4, 3), "6x4": (6, 4), "8x5": (8, 5)}
 DRAWS = 2  # random designs per random family and unit
 
@@ -115,10 +130,13 @@ def plateau_input(x: np.ndarray) -> int:
     return int(len(count) - 1 - np.argmin(count[::-1]))
 
 
-def _draw(rng: np.random.Generator, family: str) -> list[tuple[float, list[float]]]:
-    """A design as (plateau position, pressure positions) in the unit's span (E2)."""
-    if family in GRIDS:
-        p, t = GRIDS[family]
+def _draw(
+    rng: np.random.Generator, family: str, largest: tuple[int, int] | None = None
+) -> list[tuple[float, list[float]]]:
+    """A design as (plateau position, pressure positions) in the unit's span (E2);
+    ``largest`` the unit's own max-grid (P, T)."""
+    if family in GRIDS or family == "max-grid":
+        p, t = GRIDS.get(family, largest)
         return [(tk, list(np.linspace(0, 1, p))) for tk in np.linspace(0, 1, t)]
     if family == "2-plateau":
         t1 = rng.uniform(0, 0.5)
@@ -143,10 +161,13 @@ def unit_designs(x: np.ndarray, up: np.ndarray, seed: int) -> list[tuple[int, np
     # hypercube's levels chain into wide clusters: no plateaus)
     width = np.array([np.ptp(u[ids == k, j]) for k in range(len(centres))])
     plateaus = d == 2 and len(centres) >= 2 and len(x) >= 3 * len(centres) and width.max() <= 0.05
+    largest = _largest_grid(u, up, ids, len(centres), j) if plateaus else None
     out = []
     for f, family in enumerate(FAMILIES):
-        for _ in range(1 if family in GRIDS else DRAWS):
-            design, rows, used = _draw(rng, family), [], set()
+        if family == "max-grid" and largest is None:
+            continue
+        for _ in range(1 if family in GRIDS or family == "max-grid" else DRAWS):
+            design, rows, used = _draw(rng, family, largest), [], set()
             for tk, ps in design:
                 if plateaus:
                     free = [k for k in range(len(centres)) if k not in used]
@@ -172,6 +193,26 @@ def unit_designs(x: np.ndarray, up: np.ndarray, seed: int) -> list[tuple[int, np
                         rows.append(int(pool[int(np.argmin(dist))]))
             out.append((f, np.array(sorted(rows))))
     return out
+
+
+def _largest_grid(
+    u: np.ndarray, up: np.ndarray, ids: np.ndarray, plateaus: int, j: int
+) -> tuple[int, int] | None:
+    """E2's max-grid (P, T) of a campaign unit: T = its plateaus (≤ 8), P = its fewest
+    ascending levels of the other input on a plateau, less one, within DEPLOY_ROWS / T;
+    None unless larger than the largest fixed grid (40 points)."""
+    t = min(plateaus, 8)
+    fewest = min(
+        len(
+            _level_ids(
+                u[(ids == k) & up if ((ids == k) & up).any() else ids == k, 1 - j], LEVEL_TOL
+            )[1]
+        )
+        for k in range(plateaus)
+    )
+    p = min(fewest - 1, DEPLOY_ROWS // t)
+    fixed = max(a * b for a, b in GRIDS.values())
+    return (p, t) if p >= 2 and p * t > fixed else None
 
 
 def _emulation(alg, down: Tree, data: ClientData, refs: Tensor) -> dict[str, Tensor]:
@@ -278,11 +319,10 @@ def _t_logpdf(e2: Tensor, scale2: Tensor, nu: Tensor | float) -> Tensor:
     )
 
 
-def scale_sums(
-    em: dict[str, Tensor], beta: float, amplitude: float, lengths: Tensor, units: int
-) -> dict[str, Tensor]:
-    """E4's uploads per unit: ``inside`` (units, families, ν₀, κ) held-out rows within the
-    95 % interval, ``held`` (units, families), ``score`` (units, ν₀, κ) the t log density."""
+def _standardised(
+    em: dict[str, Tensor], beta: float, amplitude: float, lengths: Tensor
+) -> tuple[Tensor, Tensor]:
+    """v = β v_c + σ² + a² q on the held-out rows (D2) and d_i²/n_i of each design (D4)."""
     q = smoother_q(em["x"], em["phi"], em["xd"], em["km"], em["a"], lengths)
     v = beta * em["vc"] + em["sn"] + amplitude * q
     d2 = prior_distance(
@@ -295,74 +335,57 @@ def scale_sums(
         lengths,
         em["resid"],
     )
-    ratio = d2 / em["dof"]
-    nf, b = len(FAMILIES), em["held"].shape[0]
-    onehot = torch.zeros(b, nf, dtype=F64)
-    onehot[torch.arange(b), em["family"]] = 1.0
+    return v, d2 / em["dof"]
+
+
+def _scaled(em: dict[str, Tensor], v: Tensor, ratio: Tensor, nu0: float) -> Tensor:
+    """s_i² (t/1.96)² v (D3–D4 without κ²) per held-out row."""
+    s2 = unit_scale(nu0, em["dof"], ratio).unsqueeze(-1)
+    return interval_factor(nu0, em["dof"]).unsqueeze(-1) * s2 * v
+
+
+def scale_sums(
+    em: dict[str, Tensor], beta: float, amplitude: float, lengths: Tensor, units: int
+) -> dict[str, Tensor]:
+    """E4's uploads per unit (E4a of :mod:`~fedcal.algorithms.fedprior_deploy_kappa`):
+    ``inside`` (units, knots, ν₀, κ) weighted held-out rows within the 95 % interval,
+    ``held`` (units, knots) weighted held-out rows, ``logn`` (units, knots) their weighted
+    log design size, ``score`` (units, knots, ν₀, κ) the weighted t log density."""
+    v, ratio = _standardised(em, beta, amplitude, lengths)
     inside, score = [], []
     k2 = KAPPA_GRID.square().reshape(-1, 1, 1)
     for nu0 in NU_GRID:
-        s2 = unit_scale(nu0, em["dof"], ratio).unsqueeze(-1)
-        tf = interval_factor(nu0, em["dof"]).unsqueeze(-1)
-        need = em["err2"] / (Z95**2 * tf * s2 * v).clamp_min(1e-300)  # κ² at which e is inside
-        within = (need.unsqueeze(0) <= k2).to(F64) * em["held"].unsqueeze(0)  # (K, B, rows)
-        inside.append(within.sum(-1).T.unsqueeze(1) * onehot.unsqueeze(-1))  # (B, F, K)
+        scaled = _scaled(em, v, ratio, nu0)
+        need = em["err2"] / (Z95**2 * scaled).clamp_min(1e-300)  # κ² at which e is inside
+        within = (need.unsqueeze(0) <= k2).to(F64) * em["held"].unsqueeze(0)  # (G, B, rows)
+        inside.append(within.sum(-1).T)  # (B, G)
         nu = nu0 if math.isinf(nu0) else (nu0 + em["dof"]).unsqueeze(-1)
-        dens = _t_logpdf(em["err2"].unsqueeze(0), k2 * s2 * v, nu)
-        score.append((dens * em["held"].unsqueeze(0)).sum(-1).T)  # (B, K)
-    inside_b = torch.stack(inside, 2)  # (B, F, N, K)
-    held_b = em["held"].sum(-1, keepdim=True) * onehot  # (B, F)
+        dens = _t_logpdf(em["err2"].unsqueeze(0), k2 * scaled, nu)
+        score.append((dens * em["held"].unsqueeze(0)).sum(-1).T)  # (B, G)
+    w = knot_weights(em["dof"])  # (B, knots)
+    rows = em["held"].sum(-1, keepdim=True)  # (B, 1)
+    spread = w.reshape(*w.shape, 1, 1)
     return {
-        "inside": _per_unit(inside_b, em["unit"], units),
-        "held": _per_unit(held_b, em["unit"], units),
-        "score": _per_unit(torch.stack(score, 1), em["unit"], units),
+        "inside": _per_unit(spread * torch.stack(inside, 1).unsqueeze(1), em["unit"], units),
+        "held": _per_unit(w * rows, em["unit"], units),
+        "logn": _per_unit(w * rows * em["dof"].log().unsqueeze(-1), em["unit"], units),
+        "score": _per_unit(spread * torch.stack(score, 1).unsqueeze(1), em["unit"], units),
     }
 
 
-def _first_covering(share: Tensor, target: float = 0.95) -> float:
-    """The smallest κ of :data:`KAPPA_GRID` whose coverage ``share`` reaches ``target``
-    (linear between grid values); NaN if none."""
-    ok = torch.nonzero(share >= target)
-    if ok.numel() == 0:
-        return math.nan
-    g = int(ok[0, 0])
-    if g == 0:
-        return float(KAPPA_GRID[0])
-    w = float((target - share[g - 1]) / (share[g] - share[g - 1]))
-    return float(KAPPA_GRID[g - 1] + w * (KAPPA_GRID[g] - KAPPA_GRID[g - 1]))
-
-
-def choose(sums: dict[str, Tensor]) -> tuple[int, float, list[float]]:
-    """E4's server step: (ν₀ index, κ, each family's coverage at κ) from pooled sums."""
-    inside, held = sums["inside"].sum(0), sums["held"].sum(0)  # (F, N, K), (F,)
-    pooled = inside.sum(0) / held.sum()  # (N, K)
-    score = sums["score"].sum(0)
-    best, kappa, best_score = -1, math.nan, -math.inf
-    for n in range(len(NU_GRID)):
-        k = _first_covering(pooled[n])
-        if math.isnan(k):
-            continue
-        g = int(
-            torch.searchsorted(KAPPA_GRID, torch.tensor(k, dtype=F64)).clamp_max(
-                len(KAPPA_GRID) - 1
-            )
-        )
-        if float(score[n, g]) > best_score:
-            best, kappa, best_score = n, k, float(score[n, g])
-    if best < 0:
-        return -1, math.nan, []
-    return best, kappa, _at_kappa(inside[:, best] / held.clamp_min(1.0).unsqueeze(-1), kappa)
-
-
-def _at_kappa(share: Tensor, kappa: float) -> list[float]:
-    """Each family's coverage ``share`` (F, κ grid) at ``kappa``, linear between grid values
-    as κ itself is (:func:`_first_covering`)."""
-    g = int(torch.searchsorted(KAPPA_GRID, torch.tensor(kappa, dtype=F64)))
-    if g == 0 or g >= len(KAPPA_GRID):
-        return share[:, min(g, len(KAPPA_GRID) - 1)].tolist()
-    lo, hi = float(KAPPA_GRID[g - 1]), float(KAPPA_GRID[g])
-    w = (kappa - lo) / (hi - lo)
-    return ((1 - w) * share[:, g - 1] + w * share[:, g]).tolist()
+def family_sums(em: dict[str, Tensor], model: Discrepancy, units: int) -> tuple[Tensor, Tensor]:
+    """E4's second upload (E5's record): per unit and design family, the held-out rows
+    inside the 95 % interval of its designs' κ(n) (D3), and the held-out rows: (units, F)."""
+    lengths = torch.tensor(model.lengths, dtype=F64)
+    v, ratio = _standardised(em, model.beta, model.amplitude, lengths)
+    k2 = kappa_at(model, em["dof"]).square().unsqueeze(-1)
+    inside = (em["err2"] <= Z95**2 * k2 * _scaled(em, v, ratio, model.nu0)).to(F64)
+    onehot = torch.zeros(len(em["family"]), len(FAMILIES), dtype=F64)
+    onehot[torch.arange(len(em["family"])), em["family"]] = 1.0
+    per = (inside * em["held"]).sum(-1, keepdim=True) * onehot
+    return _per_unit(per, em["unit"], units), _per_unit(
+        em["held"].sum(-1, keepdim=True) * onehot, em["unit"], units
+    )
 
 
 def learn(alg, server: Tree, data: ClientData) -> Discrepancy | None:
@@ -391,29 +414,29 @@ def learn(alg, server: Tree, data: ClientData) -> Discrepancy | None:
         b, a, ell = np.unravel_index(int(torch.argmax(hyper)), tuple(hyper.shape))
         beta, amplitude = float(BETA_GRID[b]), float(AMP_GRID[a]) * noise
         lengths = torch.full((data.x.shape[-1],), LENGTH_GRID[ell], dtype=F64)
-        sums = scale_sums(em, beta, amplitude, lengths, data.num_clients)
-        n, kappa, fam = choose(sums)
-    if n < 0:
-        return None
-    return Discrepancy(
-        beta=beta,
-        amplitude=amplitude,
-        lengths=tuple(lengths.tolist()),
-        kappa=kappa,
-        nu0=NU_GRID[n],
-        **_span_record(em, data, refs),
-        level_tol=LEVEL_TOL,
+        pick: KappaChoice = choose(scale_sums(em, beta, amplitude, lengths, data.num_clients))
+        if pick.nu < 0:
+            return None
+        model = Discrepancy(
+            beta=beta,
+            amplitude=amplitude,
+            lengths=tuple(lengths.tolist()),
+            kappa=pick.kappa,
+            nu0=NU_GRID[pick.nu],
+            **_span_record(em, data, refs),
+            level_tol=LEVEL_TOL,
+            units=int(refs.numel()),
+            kappa_points=pick.knots,
+        )
+        inside, held = (t.sum(0) for t in family_sums(em, model, data.num_clients))
+    return replace(
+        model,
         coverage=tuple(
-            (f, float(h), round(c, 4))
-            for f, h, c in zip(FAMILIES, _family_held(em).tolist(), fam, strict=True)
+            (f, float(h), round(float(i / h), 4))
+            for f, h, i in zip(FAMILIES, held.tolist(), inside.tolist(), strict=True)
+            if h > 0
         ),
-        units=int(refs.numel()),
     )
-
-
-def _family_held(em: dict[str, Tensor]) -> Tensor:
-    out = torch.zeros(len(FAMILIES), dtype=F64)
-    return out.index_add_(0, em["family"], em["held"].sum(-1))
 
 
 def _span_record(em: dict[str, Tensor], data: ClientData, refs: Tensor) -> dict:
@@ -434,7 +457,7 @@ def _span_record(em: dict[str, Tensor], data: ClientData, refs: Tensor) -> dict:
         "box_lo": tuple(lo.tolist()),
         "box_hi": tuple(hi.tolist()),
         "min_points": int(em["km"].sum(1).min()),
-        "max_points": DEPLOY_ROWS,
+        "max_points": int(em["km"].sum(1).max()),  # the largest emulated (D3: κ(n) learned)
         "min_levels": tuple(fewest),
         "min_span": tuple(share.clamp(0.0, 1.0).tolist()),
     }

@@ -3,7 +3,7 @@
 The model is :mod:`fedcal.prior.discrepancy` (D1–D4), learned by the fleet's reference
 units (:mod:`fedcal.algorithms.fedprior_deploy`). ``fedcal calibrate`` (:func:`deployed`)
 adds to each new unit's parameters what D2–D4 need at any query point: its design rows
-X_D, the smoother A, β, a², ℓ and the factor κ² s_i² (t/1.96)² (:func:`deploy_shapes`);
+X_D, the smoother A, β, a², ℓ and the factor κ(n_i)² s_i² (t/1.96)² (:func:`deploy_shapes`);
 :meth:`~fedcal.algorithms.fedprior.FedPrior.predictive_std` applies them
 (:func:`deployed_var`), so ``predict``'s ``_std``, the run's coverage and the Python API
 state the same σ.
@@ -25,6 +25,7 @@ from fedcal.prior.discrepancy import (
     DiscrepancyError,
     design_reason,
     interval_factor,
+    kappa_at,
     prior_distance,
     smoother,
     smoother_q,
@@ -91,7 +92,7 @@ def deploy_terms(
     d2 = prior_distance(zd, model.beta * sigma, noise, xd, km, model.amplitude, lengths, resid)
     dof = km.sum(1)
     s2 = unit_scale(model.nu0, dof, d2 / dof.clamp_min(1.0))
-    scale = model.kappa**2 * s2 * interval_factor(model.nu0, dof)
+    scale = kappa_at(model, dof).square() * s2 * interval_factor(model.nu0, dof)  # D3: κ(n)
     reasons = design_reason(model, x, mask, names)
     out = {
         "gp_x": xd,
@@ -113,8 +114,10 @@ def deployed(alg, raw: dict, down: Tree, personal: Tree, data: ClientData, names
     federation held out for (the mixed-fleet path) keeps exactly the σ the run gives it.
     The discrepancy model (D2–D4) fills the gap where fedprior declines for want of a
     learned design: a unit smaller than the fleet's probe, a prior whose fleet had no
-    few-point unit (reference units only: any unit of up to the model's ``max_points``,
-    whose I4 τ² the references learned on their own 384-point rows), or no unit that held
+    few-point unit (reference units only: any unit of up to :data:`DEPLOY_ROWS` points,
+    whose I4 τ² the references learned on their own 384-point rows; one of more than the
+    model's ``max_points``, the largest design emulated, is declined with its reason), or
+    no unit that held
     out / no τ² that covered. There the unit's design is judged (:func:`design_reason`):
     spanned, it gets D2–D4's σ (I2's τ² replaced by it); not spanned, no σ and the reason.
     Declines for other causes (no residual degrees of freedom, weakly identified directions, I4's
@@ -130,13 +133,14 @@ def deployed(alg, raw: dict, down: Tree, personal: Tree, data: ClientData, names
     n, probe = data.count.to(F64), down["probe_n"].to(F64).reshape(-1)
     code = down["declined"].to(F64).reshape(-1)
     # a prior without a probe (reference units only): I2/I4 learned nothing for any design
-    # of up to the model's max_points (I4's τ² is the 384-point references' on their own rows)
-    unprobed = (probe == 0) & (n <= model.max_points)
+    # of up to DEPLOY_ROWS (I4's τ² is the 384-point references' on their own rows); beyond
+    # the model's max_points design_reason declines (κ(n) not learned there)
+    unprobed = (probe == 0) & (n <= DEPLOY_ROWS)
     unknown = (n < probe) | unprobed
     unlearned = unknown | ((n < 2 * probe) & ((code == 2) | (code == 3)))
     weak = alg.weak_units(down, personal["cov"], personal["noise_var"], data)
     own = personal.get("declined", torch.zeros(data.num_clients, dtype=F64)) > 0
-    use = (own | unprobed) & unlearned & ~weak & (code != 1) & (n <= model.max_points)
+    use = (own | unprobed) & unlearned & ~weak & (code != 1) & (n <= DEPLOY_ROWS)
     off = torch.zeros_like(extra["gp_amp"])
     extra["gp_amp"] = torch.where(use, extra["gp_amp"], off)
     extra["gp_scale"] = torch.where(use, extra["gp_scale"], off + 1.0)

@@ -283,7 +283,7 @@ class FedPriorDrift(ShortColocation, FedPrior):
 
     def check_task(self, task) -> None:
         super().check_task(task)
-        if self.noise_weighted:  # its whitened moments assume one constant noise per unit
+        if self.noise_model.weighted:  # its whitened moments assume one constant noise per unit
             raise SettingError(
                 "noise_shape",
                 "fedprior_drift supports noise_shape = 'constant' and noise_tail = 'gaussian' "
@@ -499,7 +499,7 @@ class FedPriorDrift(ShortColocation, FedPrior):
     def _seen(self, server: Tree) -> Tensor:
         """The projection onto the directions of the basis in use that at least
         ``min_informed`` units' data determine (fedprior's identification rule)."""
-        _, idx = self.chosen_features(server)
+        _, idx = self.selection.chosen_features(server)
         support = server["support"][idx][:, idx]
         vals, vecs = torch.linalg.eigh(0.5 * (support + support.T))
         keep = vecs[:, vals >= self.min_informed]
@@ -534,7 +534,7 @@ class FedPriorDrift(ShortColocation, FedPrior):
     def _drift_var(self, params: Tree, x: Tensor, time: Tensor) -> Tensor:
         """(q/T) · max(t − t_i, 0) · φ(x)ᵀ Σ_d φ(x) per row (clients, rows)."""
         p = len(self.terms)
-        phi, _ = self._guarded(params, x.to(F64), self.terms)
+        phi, _ = self.support_box.guarded(params, x.to(F64))
         cov = params["drift_cov"].to(F64)[..., :p, :p]
         spread = ((phi @ cov) * phi).sum(-1)
         dt = (time.to(F64) - params["t_ref"].to(F64).unsqueeze(1)).clamp_min(0.0)
@@ -567,7 +567,7 @@ class FedPriorDrift(ShortColocation, FedPrior):
 
     def export_state(self, server: Tree) -> dict:
         state = super().export_state(server)
-        _, idx = self.chosen_features(server)
+        _, idx = self.selection.chosen_features(server)
         q, scale = float(server["drift"]["q"]), float(server["drift"]["scale"])
         state["drift"] = {
             "model": "random walk of the coefficients, variance q·|t − t_i|·Σ/T",

@@ -273,7 +273,7 @@ class ForwardInterval:
     def _spread_w(self, params: Tree, x: Tensor, sigma: Tensor) -> Tensor:
         """(clients, rows) w(x) = φ(x)ᵀΣφ(x), φ guarded by ``params``' box, Σ on φ's terms."""
         p = len(self.terms)
-        phi, _ = self._guarded(params, x.to(F64), self.terms)
+        phi, _ = self.support_box.guarded(params, x.to(F64))
         return ((phi @ sigma.to(F64)[..., :p, :p]) * phi).sum(-1)
 
     def _fleet_spread(self, down: Tree) -> Tensor:

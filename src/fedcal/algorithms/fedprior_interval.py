@@ -373,7 +373,9 @@ class CalibratedInterval:
         q, s = self.variance_form({"coef": coef, "cov": cov, "noise_var": noise})
         var = predictive_var(self.variance_design(x), q, s)
         if "noise_gamma" in down:
-            excess = self.noise_excess({"noise_var": noise, "noise_gamma": down["noise_gamma"]}, x)
+            excess = self.noise_model.excess(
+                {"noise_var": noise, "noise_gamma": down["noise_gamma"]}, x
+            )
             var = var if excess is None else var + excess
         return mean, var
 
@@ -421,7 +423,7 @@ class CalibratedInterval:
         "sensor"``: the emulation fits with the fleet's σ² while ``calibrate`` states a
         unit's σ with its own σ_i², so κ would be learned for another noise rule; fewer than
         two reference units)."""
-        if self.deploy != "learn" or self.interval != "calibrated" or self.noise_weighted:
+        if self.deploy != "learn" or self.interval != "calibrated" or self.noise_model.weighted:
             return None
         if self.noise == "sensor":  # κ learned under the fleet σ², applied under σ_i²
             return None

@@ -75,13 +75,14 @@ N7. **Gross outliers out, Gaussian rows** (``noise_tail = "trim"``): the unit ru
     (measured to cost RMSE on field networks whose large residuals are real) and the
     removal of gross outliers (what a few bad calibration points need).
 Use: the predictive variance is φᵀVφ + σ_i² exp(γᵀ g(x)) (+ τ²) at the query input
-(:meth:`NoiseModel.noise_excess` adds σ_i²(exp(γᵀg) − 1) to the constant-noise form, which
+(:meth:`NoiseModel.excess` adds σ_i²(exp(γᵀg) − 1) to the constant-noise form, which
 the linear exports reproduce only with γ = 0: they refuse otherwise).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
@@ -114,6 +115,11 @@ def weighted_moments(design: Tensor, y: Tensor, mask: Tensor, weight: Tensor) ->
     )
 
 
+def sensor_noise(rss: Tensor, n: Tensor, fleet: Tensor, nu: float) -> Tensor:
+    """σ_i² = (r_i + ν σ²)/(n_i + ν): the MAP under a scaled-inv-χ²(ν, σ²) prior."""
+    return (rss + nu * fleet) / (n + nu)
+
+
 def _rows(v: Tensor) -> Tensor:
     """A per-unit vector (clients, k) or a fleet's (k,) against rows (clients, rows, k)."""
     v = v.to(F64)
@@ -138,14 +144,24 @@ def t_weight_constant(nu: float) -> float:
     return float(np.sum(w * (nu + 1) * x * x / (nu + x * x)) / math.sqrt(2 * math.pi))
 
 
+@dataclass(frozen=True)
 class NoiseModel:
-    """Steps N1–N6 (module doc): a mixin of :class:`~fedcal.algorithms.fedprior.FedPrior`."""
+    """Steps N1–N7 (module doc): a part of :class:`~fedcal.algorithms.fedprior.FedPrior` (its
+    ``noise_model``), declared by the settings that shape the noise: ``noise_shape``,
+    ``noise_tail``, ``noise_dof`` (ν of the t rows) and ``noise_prior_points`` (ν of each
+    unit's own scale, :func:`sensor_noise`)."""
+
+    noise_shape: str  # "constant" or "inputs"
+    noise_tail: str  # "gaussian", "student", "auto" or "trim"
+    noise_dof: float
+    noise_prior_points: float
 
     @property
-    def noise_weighted(self) -> bool:
+    def weighted(self) -> bool:
+        """Whether rows carry weights (the E-step's moments depend on the broadcast)."""
         return self.noise_shape != "constant" or self.noise_tail != "gaussian"
 
-    def _student_in_use(self, down: Tree) -> bool:
+    def student_in_use(self, down: Tree) -> bool:
         """Whether rows are Student-t this round: always with ``"student"``; with ``"auto"``
         while the fleet's evidence chose it (N6; round 0 and a model without it: Gaussian)."""
         if self.noise_tail == "auto":
@@ -153,11 +169,11 @@ class NoiseModel:
         return self.noise_tail in ("student", "trim")
 
     @cached_property
-    def _kappa(self) -> float:
+    def kappa(self) -> float:
         return t_weight_constant(self.noise_dof)
 
     @staticmethod
-    def noise_features(x: Tensor, box: Tensor | None = None) -> Tensor:
+    def features(x: Tensor, box: Tensor | None = None) -> Tensor:
         """g(x): the scaled inputs, clamped to ``box`` (clients, 2, inputs) or (2, inputs)."""
         g = x.to(F64)
         if box is not None:
@@ -168,38 +184,38 @@ class NoiseModel:
             g = torch.maximum(torch.minimum(g, hi), lo)
         return g
 
-    def _noise_gamma(self, down: Tree) -> Tensor | None:
+    def gamma(self, down: Tree) -> Tensor | None:
         """γ in use (N3), or None when the noise does not depend on the inputs."""
         if self.noise_shape == "constant" or "noise_gamma" not in down:
             return None
         return down["noise_gamma"].to(F64)
 
-    def noise_excess(self, params: Tree, x: Tensor) -> Tensor | None:
+    def excess(self, params: Tree, x: Tensor) -> Tensor | None:
         """σ_i²(exp(γᵀg(x)) − 1) per row (clients, rows): what σ²(x) adds to the constant
         noise of ``variance_form``; None when γ is not in the model."""
         gamma = params.get("noise_gamma")
         if gamma is None or self.noise_shape == "constant":
             return None
         gamma = gamma.to(F64)
-        g = self.noise_features(x, params.get("box"))
+        g = self.features(x, params.get("box"))
         lin = (g * _rows(gamma)).sum(-1)
         noise = params["noise_var"].to(F64).reshape(-1, 1)
         return noise * torch.expm1(lin)
 
-    def _row_weights(
+    def row_weights(
         self, down: Tree, data: ClientData, design: Tensor, noise: Tensor | None = None
     ) -> tuple[Tensor, Tensor] | None:
         """(w, inlier) per row (clients, rows): w = ω u/κ (N1, N4) and whether the robust fit
         keeps the row as an inlier (N5); None when the model is today's (no weights)."""
-        if not self.noise_weighted:
+        if not self.weighted:
             return None
         c, rows = data.mask.shape
-        gamma = self._noise_gamma(down)
+        gamma = self.gamma(down)
         omega = torch.ones(c, rows, dtype=F64)
         if gamma is not None:
-            omega = torch.exp(-(self.noise_features(data.x) * _rows(gamma)).sum(-1))
+            omega = torch.exp(-(self.features(data.x) * _rows(gamma)).sum(-1))
         inlier = torch.ones(c, rows, dtype=F64)
-        if self.noise_tail == "gaussian" or not self._student_in_use(down):
+        if self.noise_tail == "gaussian" or not self.student_in_use(down):
             return omega, inlier
         y, mask = data.y[..., 0].to(F64), data.mask.to(F64)
         if "mask" in down:  # the chosen basis only (terms outside it are not in the model)
@@ -210,33 +226,31 @@ class NoiseModel:
         for _ in range(IRLS_STEPS):
             stats = weighted_moments(design, y, mask, weight)
             post = posterior(stats, down["mu"], down["sigma"], scale)
-            z2 = omega * self._expected_sq(design, y, post) / scale.unsqueeze(-1)
+            z2 = omega * self.expected_sq(design, y, post) / scale.unsqueeze(-1)
             u = (nu + 1.0) / (nu + z2) * (z2 <= OUTLIER_Z2)  # a gross outlier: skipped
-            weight = omega * u / self._kappa
+            weight = omega * u / self.kappa
             # the unit's own scale, shrunk toward the fleet's: a row is judged against its
             # unit's spread (units differ in noise; their rows are not outliers of the fleet's)
-            r = (weight * mask * self._expected_sq(design, y, post)).sum(1)
-            scale = self._sensor_noise(r, stats.n, fleet)
+            r = (weight * mask * self.expected_sq(design, y, post)).sum(1)
+            scale = sensor_noise(r, stats.n, fleet, self.noise_prior_points)
         inlier = (z2 <= OUTLIER_Z2).to(F64)
         if self.noise_tail == "trim":  # N7: Gaussian rows, the t fit's gross outliers out
             return omega * inlier, inlier
         return weight, inlier
 
-    def _weighted_moments(
-        self, design: Tensor, data: ClientData, rw: tuple[Tensor, Tensor]
-    ) -> Moments:
+    def moments(self, design: Tensor, data: ClientData, rw: tuple[Tensor, Tensor]) -> Moments:
         """The E-step moments of weighted rows (N1, N4); under ``trim`` (N7) the cut rows are
         out of the model, so out of n too: σ² = RSS / n over the inliers (counting them would
         lower σ² by the outlier share)."""
         count = data.mask * rw[1] if self.noise_tail == "trim" else data.mask
         return weighted_moments(design, data.y[..., 0], count, rw[0])
 
-    def _tail_ratio(self, down: Tree, data: ClientData, design: Tensor) -> Tensor:
+    def tail_ratio(self, down: Tree, data: ClientData, design: Tensor) -> Tensor:
         """d_i = ℓ_i^t − ℓ_i^N per unit (N6): each tail's log-likelihood at its own fit."""
         forced = {**down, "noise_student": torch.tensor(1.0, dtype=F64)}
-        t_weight, _ = self._row_weights(forced, data, design)
+        t_weight, _ = self.row_weights(forced, data, design)
         gauss = {**down, "noise_student": torch.tensor(0.0, dtype=F64)}
-        omega, _ = self._row_weights(gauss, data, design)
+        omega, _ = self.row_weights(gauss, data, design)
         y, mask = data.y[..., 0].to(F64), data.mask.to(F64)
         if "mask" in down:
             design = design.to(F64) * _rows(down["mask"])
@@ -247,7 +261,7 @@ class NoiseModel:
         fits = []
         for w in (omega, t_weight):
             post = posterior(weighted_moments(design, y, mask, w), down["mu"], down["sigma"], scale)
-            fits.append(omega * self._expected_sq(design, y, post) * mask)
+            fits.append(omega * self.expected_sq(design, y, post) * mask)
         # Gaussian, scale profiled: −½ n (log 2π s² + 1)
         s_n = (fits[0].sum(1) / n).clamp_min(1e-300)
         loglik_n = -0.5 * n * (math.log(2 * math.pi) + torch.log(s_n) + 1.0)
@@ -263,35 +277,33 @@ class NoiseModel:
         ok = (mask.sum(1) > 1).to(F64)  # one row: nothing about the tail within the unit
         return (loglik_t - loglik_n) * ok
 
-    def _noise_updates(
+    def updates(
         self, server: Tree, noise: Tree, order: Tensor, rows: Tensor, unit_rows: Tensor
     ) -> Tree:
         """γ's step and test (N2–N3) and the tail's test (N6), as the model has them, on each
         unit's evidence clipped to ± NOISE_EVIDENCE_CLIP · n_i (:func:`clip_evidence`)."""
         noise = clip_evidence(noise, unit_rows, NOISE_EVIDENCE_CLIP)
-        out = self._noise_update(server, noise, order, rows) if "score" in noise else {}
+        out = self.gamma_update(server, noise, order, rows) if "score" in noise else {}
         if "tail_ratio" in noise:
-            out.update(self._tail_update(noise, order, rows))
+            out.update(self.tail_update(noise, order, rows))
         return out
 
     @staticmethod
-    def _tail_update(noise: Tree, order: Tensor, rows: Tensor) -> Tree:
+    def tail_update(noise: Tree, order: Tensor, rows: Tensor) -> Tree:
         """The server's step N6: Student-t rows while 2 Σ d_i > log Σ n_i (BIC, one ν)."""
         ratio = noise["tail_ratio"][order].sum(0)
         chosen = 2.0 * float(ratio) > TAIL_PENALTY * math.log(max(float(rows), 2.0))
         return {"noise_student": torch.tensor(float(chosen), dtype=F64), "tail_ratio": ratio}
 
     @staticmethod
-    def _expected_sq(design: Tensor, y: Tensor, post) -> Tensor:
+    def expected_sq(design: Tensor, y: Tensor, post) -> Tensor:
         """E[(y_r − φ_rᵀc)²] = (y_r − φ_rᵀm)² + φ_rᵀVφ_r per row (clients, rows)."""
         phi = design.to(F64)
         resid = y - (phi * post.mean.unsqueeze(1)).sum(-1)
         spread = torch.einsum("crp,cpq,crq->cr", phi, post.cov, phi)
         return resid * resid + spread.clamp_min(0.0)
 
-    def _noise_terms(
-        self, down: Tree, data: ClientData, design: Tensor, post, inlier: Tensor
-    ) -> Tree:
+    def uploads(self, down: Tree, data: ClientData, design: Tensor, post, inlier: Tensor) -> Tree:
         """A unit's uploads for γ (N2): score, information, log-likelihood ratio d_i, over the
         rows the robust fit keeps (``inlier``; all without Student-t rows)."""
         mask, y = data.mask.to(F64) * inlier, data.y[..., 0].to(F64)
@@ -299,8 +311,8 @@ class NoiseModel:
         gamma = down["noise_gamma_fit"].to(F64)
         if "mask" in down:  # the chosen basis only, as the posterior's
             design = design.to(F64) * _rows(down["mask"])
-        g = self.noise_features(data.x)
-        a = self._expected_sq(design, y, post) * mask
+        g = self.features(data.x)
+        a = self.expected_sq(design, y, post) * mask
         lin = (g * _rows(gamma)).sum(-1)
         a_g = a * torch.exp(-lin)
         big_a = a_g.sum(1).clamp_min(1e-300)
@@ -319,7 +331,7 @@ class NoiseModel:
             "ratio": ratio * ok,
         }
 
-    def _noise_update(self, server: Tree, noise: Tree, order: Tensor, rows: Tensor) -> Tree:
+    def gamma_update(self, server: Tree, noise: Tree, order: Tensor, rows: Tensor) -> Tree:
         """The server's steps N2–N3: γ's scoring step and the evidence test."""
         score = noise["score"][order].sum(0)
         info = noise["info"][order].sum(0)

@@ -175,7 +175,8 @@ def oneshot_prior(
         "mu": mean,
         "sigma": cov,
         "noise_var": released.noise.to(F64).reshape(()),
-        "box": algorithm._input_box(gram.sum(0)),  # public: the reference campaign's design
+        # public: the reference campaign's design
+        "box": algorithm.support_box.fleet_box(gram.sum(0)),
     }
     metrics["oneshot_units"] = float(used.sum())
     metrics["oneshot_unidentified"] = float(skipped)  # enough rows, fit not identified

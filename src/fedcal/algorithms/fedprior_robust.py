@@ -10,16 +10,19 @@ needing each client's own upload (so neither runs under secure aggregation):
   ``consistency`` stage, with its reason;
 * :meth:`RobustUploads.outlier_weights` — each unit's leave-one-out distance to the others'
   moments in the chosen basis; units beyond the cut-off enter the M-step's sums with the
-  weight min(1, (cut-off/distance)²) (:func:`_weighted`), and are reported.
+  weight min(1, (cut-off/distance)²) (:func:`weighted`), and are reported.
 
-:class:`RobustUploads` is a mixin of :class:`~fedcal.algorithms.fedprior.FedPrior` (it reads
-its ``robust``, ``select`` and ``masks``); ``robust = "off"`` gives the plain sums.
+:class:`RobustUploads` is a part of :class:`~fedcal.algorithms.fedprior.FedPrior` (its
+``robust_uploads``), declared by what it reads: ``robust``, the number of candidate bases
+whose statistics each unit uploads (``select = "bic"`` with ``select_by = "candidates"``; 0
+otherwise), the clips of the unscreened selection and choice scores, and the linear terms of
+the basis (fedprior_choice's bound); the hooks of the contract are FedPrior's and call it.
+``robust = "off"`` gives the plain sums.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -39,21 +42,17 @@ from fedcal.core.tree import Tree, flatten, per_client
 SIZED = ("mean", "second", "gls_gram", "gls_rhs", "rss", "n", "support", "branch_support")
 
 
+@dataclass(frozen=True)
 class RobustUploads:
     """The consistency check and the M-step weights of fedprior's uploads (module doc)."""
 
-    def inconsistent_replies(
-        self, server: Tree, replies: Tree, weights: Tensor, accepted: Tensor
-    ) -> dict[int, str] | None:
-        """Clients whose upload contradicts its declared row count or the broadcast prior
-        (:func:`fedcal.core.robust.inconsistencies`, every candidate's statistics too): the
-        aggregation rejects them with this reason; None when off. Needs each client's own
-        upload."""
-        return self._inconsistent(self._frames(server), replies, weights, accepted)
+    robust: str  # "off", "check" or "full"
+    candidates: int  # candidate bases each unit uploads statistics of (0: none)
+    select_clip: float  # |each marginal selection score| ≤ this (select_by = "marginal")
+    choice_clip: float  # fedprior_choice's score clip
+    linear_terms: tuple[int, ...] | None  # the constant and first-order terms (choice)
 
-    def screen_view(
-        self, replies: dict[str, Tensor], rows: Tensor, broadcast: Tree
-    ) -> dict[str, Tensor]:
+    def screen_view(self, replies: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
         """What the server's size screen judges (issue 34.3): with the consistency check on,
         only the RMS of the unit's own posterior fit √(mᵀGm/n), in the units of y
         (:func:`fedcal.core.honesty.fitted_rms`). The other statistics are whitened by the
@@ -66,35 +65,30 @@ class RobustUploads:
             return {f"sum/{k}": replies[k] for k in SIZED if k in replies}
         return {"fit_rms": fitted_rms(replies["mean"], replies["gram"], rows)}
 
-    def consistency_check(self, server: Tree) -> Callable[..., dict[int, str] | None]:
-        """:meth:`inconsistent_replies` bound to one round's ``server``, called as
-        ``check(replies, weights, accepted)``: the broadcast priors' whitening and tolerance
-        (:func:`~fedcal.core.robust.prior_frame`) formed once, not once per chunk of a
-        streamed round. A subclass that overrides :meth:`inconsistent_replies`
-        (fedprior_drift adds checks) gets its own method bound as it is."""
-        if type(self).inconsistent_replies is not RobustUploads.inconsistent_replies:
-            return partial(self.inconsistent_replies, server)
-        return partial(self._inconsistent, self._frames(server))
-
-    def _frames(self, server: Tree) -> dict | None:
+    def frames(self, server: Tree, constant_first: bool = True) -> dict | None:
         """What one round's checks read of ``server``: the broadcast priors the uploads are
-        checked against (the chosen basis's, and every candidate's with ``select = "bic"``)
-        and whether the Gram's constant term is the row count; None when off."""
+        checked against (the chosen basis's, and every candidate's with ``select = "bic"``),
+        formed once a round (:func:`~fedcal.core.robust.prior_frame`), and
+        ``constant_first``: whether the Gram's constant term is the row count (the design's
+        ΦᵀΦ; fedprior_drift's whitened Gram is not); None when off."""
         if self.robust == "off":
             return None
         frames = {"main": prior_frame(server["mu"], server["sigma"])}
-        frames["constant_first"] = self._gram_counts_rows(server)
-        if self.each_candidate:
+        frames["constant_first"] = constant_first
+        if self.candidates:
             cand = server["cand"]
             frames["cand"] = [
-                prior_frame(cand["mu"][k], cand["sigma"][k]) for k in range(self.masks.shape[0])
+                prior_frame(cand["mu"][k], cand["sigma"][k]) for k in range(self.candidates)
             ]
         return frames
 
-    def _inconsistent(
+    def inconsistent(
         self, frames: dict | None, replies: Tree, weights: Tensor, accepted: Tensor
     ) -> dict[int, str] | None:
-        """:meth:`inconsistent_replies` under the priors ``frames`` (:meth:`_frames`)."""
+        """Clients whose upload contradicts its declared row count or the broadcast prior
+        (:func:`fedcal.core.robust.inconsistencies`, every candidate's statistics too) under
+        the priors ``frames`` (:meth:`frames`): the aggregation rejects them with this
+        reason; None when off. Needs each client's own upload."""
         if frames is None:
             return None
         idx = accepted.nonzero()[:, 0]
@@ -114,7 +108,7 @@ class RobustUploads:
             constant_first=frames["constant_first"],
             frame=top,
         )
-        if self.each_candidate:
+        if self.candidates:
             for k, frame in enumerate(frames["cand"]):
                 cand = {key: sub[f"cand/{key}"][:, k] for key in keys}
                 for j, why in enumerate(inconsistencies(cand, frame.mu, frame.sigma, frame=frame)):
@@ -124,6 +118,13 @@ class RobustUploads:
             for j, why in support_problems(sub[key]).items() if key in sub else ():
                 if whys[j] is None:
                     whys[j] = why if key == "support" else f"branch {why}"
+        self._score_problems(sub, whys)
+        return {int(idx[j]): why for j, why in enumerate(whys) if why is not None}
+
+    def _score_problems(self, sub: dict[str, Tensor], whys: list) -> None:
+        """The unscreened residual terms and scores of :meth:`inconsistent` (bounded here,
+        the first reason of a client kept): the interval's residual terms, the marginal
+        selection scores, fedprior_choice's forward scores."""
         if "interval/dof" in sub:  # residual degrees of freedom ≤ rows, squared residuals ≥ 0
             dof, fit, n = sub["interval/dof"], sub["interval/fit"], sub["n"]
             wrong = ~((fit >= 0) & (dof <= n * (1 + 1e-9)))
@@ -139,15 +140,9 @@ class RobustUploads:
                 if whys[j] is None:
                     whys[j] = f"selection scores beyond ±{self.select_clip:g} or full basis ≠ 0"
         if "choice/score" in sub:  # fedprior_choice's unscreened uploads, bounded and tied
-            lin = torch.tensor(self._linear_terms())
+            lin = torch.tensor(self.linear_terms)
             for j, why in choice_problems(sub, self.choice_clip, lin).items():
                 whys[j] = whys[j] or why
-        return {int(idx[j]): why for j, why in enumerate(whys) if why is not None}
-
-    def _gram_counts_rows(self, server: Tree) -> bool:
-        """Whether the uploaded Gram is the design's ΦᵀΦ, whose constant term is the unit's
-        row count (a consistency check); fedprior_drift's whitened Gram is not."""
-        return True
 
     def outlier_weights(self, server: Tree, replies: Tree) -> OutlierWeights | None:
         """Each client's M-step weight from its leave-one-out distance to the others' prior
@@ -166,7 +161,7 @@ class RobustUploads:
         return outlier_weights(dist, p, c - 1)
 
 
-def _weighted(replies: Tree, w: Tensor) -> Tree:
+def weighted(replies: Tree, w: Tensor) -> Tree:
     """Each client's statistics times its M-step weight w_i (core/robust.py); the interval's
     probe design (inputs, rows) is not a statistic and is kept."""
     out: dict = {}
@@ -185,7 +180,7 @@ def _weighted(replies: Tree, w: Tensor) -> Tree:
     return out
 
 
-def _capped_noise(replies: Tree) -> Tree:
+def capped_noise(replies: Tree) -> Tree:
     """The residual sums the fleet noise is learned from, each unit's capped at
     :data:`~fedcal.core.honesty.RESIDUAL_CAP` × the fleet's median per row (the expected RSS
     per row; with the calibrated interval also its fit per residual degree of freedom):

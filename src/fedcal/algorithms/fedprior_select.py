@@ -21,18 +21,22 @@ honest units, and judging by them rejected honest units (measured: a mixed
 3×2 fleet fell to 7.9 hPa). A client rejected by that test is left out of
 every candidate's sums.
 
-:class:`EvidenceSelection` is a mixin of :class:`~fedcal.algorithms.fedprior.FedPrior`: the
-candidates and their masks over the full design, every candidate's E-step in one batch
-(client side), each candidate's number of prior parameters for the BIC (server side, which
-runs every candidate's M-step in ``FedPrior.server_update``), and the basis in use read back
-from the server's ``mask``. It reads the prior's basis fields (``select``, ``orders``,
-``degree``, ``branch_orders``, ``branch_select``, ``rank``, ``noise``, ``interval``), its
-``terms`` and ``branch_terms``, and its E-step (``_e_step_sums``, ``_sensor_noise``).
+:class:`EvidenceSelection` is a part of :class:`~fedcal.algorithms.fedprior.FedPrior` (its
+``selection``): the candidates and their masks over the full design, each candidate's moments
+(client side: FedPrior runs every candidate's E-step on them in one batch), each candidate's
+number of prior parameters for the BIC (server side, which runs every candidate's M-step in
+``FedPrior.server_update``), the marginal scores and choice (``select_by = "marginal"``), and
+the basis in use read back from the server's ``mask``. Its declared state: the selection's
+settings (``select``, ``select_by``, ``select_clip``, ``dp_select_share``), the basis's
+(``tensor``: orders or total degree, ``orders``, ``degree``, ``branch_orders``,
+``branch_select``, ``rank``), the number of inputs and the full basis's ``terms`` and
+``branch_terms``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -45,8 +49,23 @@ from fedcal.core.tree import Tree
 from fedcal.models.basis import legendre_exponents, orders_by_size
 
 
+@dataclass(frozen=True)
 class EvidenceSelection:
-    """The candidates of ``select = "bic"``, their E-step and the basis in use."""
+    """The candidates of ``select = "bic"``, their moments, the BIC and the basis in use."""
+
+    select: str  # "none" or "bic"
+    select_by: str  # "candidates" (each its own EM) or "marginal" (one EM, scores)
+    select_clip: float  # |a unit's marginal score| ≤ this (nats)
+    dp_select_share: float  # the scores' share of a DP round's budget
+    rank: int  # Σ's factors (0: full), for the parameter count
+    inputs: int
+    tensor: bool  # the basis is the tensor product of ``orders`` (else total ``degree``)
+    orders: tuple[int, ...]
+    degree: int
+    terms: tuple[tuple[int, ...], ...]  # φ's, the full basis
+    branch_orders: tuple[int, ...]
+    branch_terms: tuple[tuple[int, ...], ...]  # ψ's, the full direction term
+    branch_select: bool
 
     @cached_property
     def candidates(self) -> tuple[dict[str, Any], ...]:
@@ -58,7 +77,7 @@ class EvidenceSelection:
         """
         if self.select == "none":
             return ({},)
-        if self._tensor_basis():
+        if self.tensor:
             out = [{"orders": list(o)} for o in orders_by_size(self.orders)]
         else:
             out = [{"degree": d} for d in range(self.degree + 1)]
@@ -81,15 +100,15 @@ class EvidenceSelection:
             return self.branch_terms
         if not candidate["branch_orders"]:
             return ()
-        return legendre_exponents(self.num_inputs, orders=candidate["branch_orders"])
+        return legendre_exponents(self.inputs, orders=candidate["branch_orders"])
 
     def candidate_terms(self, candidate: dict[str, Any]) -> tuple[tuple[int, ...], ...]:
         """The terms of one candidate, in its own basis order (constant first)."""
         if "orders" not in candidate and "degree" not in candidate:
             return self.terms
         if "orders" in candidate:
-            return legendre_exponents(self.num_inputs, orders=candidate["orders"])
-        return legendre_exponents(self.num_inputs, degree=candidate["degree"])
+            return legendre_exponents(self.inputs, orders=candidate["orders"])
+        return legendre_exponents(self.inputs, degree=candidate["degree"])
 
     @cached_property
     def masks(self) -> Tensor:
@@ -111,10 +130,10 @@ class EvidenceSelection:
             )
         return out
 
-    def _candidate_moments(self, down: Tree, full: Moments) -> tuple[Moments, int, int, int]:
+    def candidate_moments(self, down: Tree, full: Moments) -> tuple[Moments, int, int, int]:
         """The moments ``full`` (clients, ...) masked to each candidate's terms, flattened to
         (clients × candidates, ...) rows, and (clients, p, candidates); ψ coordinates out of
-        the model (``pinned``, FedPrior._pinned_update) are out of every candidate."""
+        the model (``pinned``, fedprior_pins.BranchPins) are out of every candidate."""
         masks = self.masks
         if "pinned" in down:
             masks = masks * (1.0 - down["pinned"].to(F64).reshape(-1, masks.shape[1])[:1])
@@ -129,32 +148,13 @@ class EvidenceSelection:
         )
         return stats, c, p, k
 
-    def _candidates_e_step(self, down: Tree, state: Tree, full: Moments):
-        """Every candidate's E-step at once: (clients, candidates, ...) statistics.
-
-        Candidate k uses the moments ``full`` of its own terms (the others' rows and
-        columns of G and b zeroed): its posterior, GLS terms and marginal likelihood
-        log p(y_i | μ_k, Σ_k, σ_k²) are those of the sub-basis model exactly (the
-        unused coordinates see no data and keep their prior).
-        """
-        stats, c, p, k = self._candidate_moments(down, full)
-        cand = down["cand"]
-        noise = state["cand_noise_var"] if self.noise == "sensor" else cand["noise_var"]
-        noise = noise.reshape(-1)
-        post = posterior(stats, cand["mu"].reshape(-1, p), cand["sigma"].reshape(-1, p, p), noise)
-        out = self._e_step_sums(
-            post, stats.gram, noise, stats.n if self.interval == "calibrated" else None
-        )
-        own = self._sensor_noise(post.rss, stats.n, cand["noise_var"].reshape(-1))
-        return {key: v.reshape(c, k, *v.shape[1:]) for key, v in out.items()}, own.reshape(c, k)
-
     @property
     def each_candidate(self) -> bool:
         """Whether every candidate runs its own EM (``select = "bic"``, ``select_by =
         "candidates"``); with ``select_by = "marginal"`` one EM runs on the full basis."""
         return self.select != "none" and self.select_by == "candidates"
 
-    def marginal_scores(self, down: Tree, state: Tree, full: Moments) -> Tensor:
+    def marginal_scores(self, down: Tree, noise: Tensor, full: Moments) -> Tensor:
         """Each unit's score of every candidate (clients, candidates) for ``select_by =
         "marginal"``: its log-evidence under the candidate's marginal of the broadcast full
         prior, relative to the full basis and clipped to ± b = ``select_clip``,
@@ -162,13 +162,14 @@ class EvidenceSelection:
             s_ik = clip(log N(y_i; Φ_ik μ_k, Φ_ik Σ_kk Φ_ikᵀ + σ² I) − log p(y_i | μ, Σ, σ²), ±b)
 
         (μ_k, Σ_kk: μ and Σ restricted to candidate k's terms; the full basis scores 0).
-        Computed as :meth:`_candidates_e_step` does, on the moments masked to the
-        candidate's terms (the other coefficients see no data and do not move y).
+        Computed as the candidates' E-step is (``FedPrior._candidates_e_step``), on the
+        moments masked to the candidate's terms (the other coefficients see no data and do
+        not move y). ``noise``: the unit's σ² (the fleet's or its own).
         """
-        stats, c, p, k = self._candidate_moments(down, full)
+        stats, c, p, k = self.candidate_moments(down, full)
         mu = down["mu"].to(F64).expand(c, p).unsqueeze(1).expand(c, k, p).reshape(-1, p)
         sigma = down["sigma"].to(F64).expand(c, p, p).unsqueeze(1).expand(c, k, p, p)
-        noise = self._noise(down, state).to(F64).expand(c).unsqueeze(1).expand(c, k)
+        noise = noise.to(F64).expand(c).unsqueeze(1).expand(c, k)
         post = posterior(stats, mu, sigma.reshape(-1, p, p), noise.reshape(-1))
         loglik = post.loglik.reshape(c, k)
         # The last candidate is the full basis. Clipped per candidate, not by the vector's
@@ -185,7 +186,7 @@ class EvidenceSelection:
         EM counts them, ``FedPrior.server_update``)."""
         masks = self.masks
         eff = masks if pinned is None else masks * (~pinned).to(F64)
-        scores = total.to(F64) - 0.5 * self._prior_parameters(eff) * math.log(float(count))
+        scores = total.to(F64) - 0.5 * self.prior_parameters(eff) * math.log(float(count))
         # ties: the smaller candidate (listed first); one that differs from an earlier one
         # only in pinned ψ terms is that one, not a rival
         same = (eff.unsqueeze(0) == eff.unsqueeze(1)).all(-1).tril(-1).any(-1)
@@ -211,7 +212,7 @@ class EvidenceSelection:
         bound = self.select_clip * math.sqrt(len(self.candidates))
         return Statistic(bound, "vector", weight=math.sqrt(share / (1 - share) * rest))
 
-    def _prior_parameters(self, masks: Tensor) -> Tensor:
+    def prior_parameters(self, masks: Tensor) -> Tensor:
         """Free parameters d_k of each candidate's prior: μ (p), Σ (full or rank r + D), σ²."""
         p = masks.sum(1)
         if self.rank:

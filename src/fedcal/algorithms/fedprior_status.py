@@ -1,6 +1,9 @@
 """What a user keeps of a fleet prior: identification, each unit's status, the exported prior.
 
-:class:`PriorStatus` is a mixin of :class:`~fedcal.algorithms.fedprior.FedPrior`:
+:class:`PriorStatus` is a part of :class:`~fedcal.algorithms.fedprior.FedPrior` (its
+``prior_status``), declared by the basis in use (the
+:class:`~fedcal.algorithms.fedprior_select.EvidenceSelection` part: terms, candidates,
+masks), ``min_informed`` and the noise and interval settings the exported prior records:
 
 * :meth:`~PriorStatus.identification`: how many units' points determine each direction of
   the basis in use, and the weakly identified terms (the module doc of
@@ -13,19 +16,21 @@
   ``prior.json``. The hook of the algorithm contract (:meth:`fedcal.core.algorithm.Algorithm.
   export_state`), so it lives with the algorithm: the report layer, above it, only reads it.
 
-It reads the basis in use from :class:`~fedcal.algorithms.fedprior_select.EvidenceSelection`
-and the interval's state from :class:`~fedcal.algorithms.fedprior_interval.CalibratedInterval`.
+The calibrated interval's one-line note is passed in (``note``: fedprior_interval's
+``interval_note``). fedprior_choice's ``client_status`` and ``export_state`` (the contract's
+hooks of FedPrior) call this part and add the time-respecting choice's flags and record.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from fedcal.algorithms.fedprior_select import term_name
+from fedcal.algorithms.fedprior_select import EvidenceSelection, term_name
 from fedcal.core.bayes import F64
 from fedcal.core.identify import UNLEARNED_SHARE, unlearned_directions, unlearned_share
 from fedcal.core.tree import Tree
@@ -35,8 +40,16 @@ from fedcal.models.basis import legendre_products
 WEAK_SHARE = UNLEARNED_SHARE
 
 
+@dataclass(frozen=True)
 class PriorStatus:
     """Identification, client status and the exported prior (module doc)."""
+
+    selection: EvidenceSelection  # the candidates and the basis in use
+    min_informed: float  # a direction informed by fewer units is weakly identified
+    noise: str  # "fleet" or "sensor" (recorded for fedcal calibrate)
+    noise_prior_points: float
+    noise_shape: str  # "constant" or "inputs" (γ recorded)
+    interval: str  # "posterior" or "calibrated" (its record)
 
     def identification(self, server: Tree) -> dict[str, Any]:
         """How many units' data informed each direction of the basis, and which are weak.
@@ -49,7 +62,7 @@ class PriorStatus:
         load on it (at least half the largest loading). With ``select = "bic"``:
         the chosen basis's terms only.
         """
-        names, idx = self.chosen_features(server)
+        names, idx = self.selection.chosen_features(server)
         support = server["support"][idx][:, idx]
         if not torch.any(support != 0):
             return {"informed_units": [], "weak_terms": [], "weak_directions": 0}
@@ -83,7 +96,7 @@ class PriorStatus:
         unit whose own points determine W has a small V_i along W and is not weak.
         """
         n = x.shape[0]
-        _, idx = self.chosen_features(server)
+        _, idx = self.selection.chosen_features(server)
         support = server["support"][idx][:, idx]
         none = torch.zeros(n, dtype=torch.bool)
         # a diverged fleet's support (not finite): no flag, its status is the divergence rule's
@@ -92,34 +105,39 @@ class PriorStatus:
         weak_in_chosen = unlearned_directions(support, self.min_informed)
         if not weak_in_chosen.shape[1]:
             return {"weak": none}
-        p = len(self.terms)
+        p = len(self.selection.terms)
         full = torch.zeros(server["support"].shape[0], weak_in_chosen.shape[1], dtype=F64)
         full[idx] = weak_in_chosen
         w = full[:p]  # φ's coordinates (a direction term's share is not in predict)
-        phi = legendre_products(x.to(F64), self.terms)  # (clients, rows, p)
+        phi = legendre_products(x.to(F64), self.selection.terms)  # (clients, rows, p)
         cov = personal["cov"].to(F64)[..., :p, :p]
         share = unlearned_share(phi, cov, personal["noise_var"].reshape(n), w, mask)
         return {"weak": share > WEAK_SHARE}
 
-    def export_state(self, server: Tree) -> dict[str, Any]:
-        """The fleet prior as JSON-able data: what ``fedcal calibrate`` needs.
+    def export_state(self, server: Tree, note: str = "") -> dict[str, Any]:
+        """The fleet prior as JSON-able data: what ``fedcal calibrate`` needs; ``note``: why
+        no interval is stated for (some) units (the calibrated interval's record).
 
         With ``select = "bic"`` it is the chosen basis's prior (its own terms), and
         ``selection`` records the choice (parameters that rebuild that basis) and
         every candidate's score.
         """
-        terms, _ = self.chosen(server)
-        _, idx = self.chosen_features(server)  # μ and Σ over (c, h) jointly
-        psi, pinned = self.chosen_branch(server), []
+        terms, _ = self.selection.chosen(server)
+        _, idx = self.selection.chosen_features(server)  # μ and Σ over (c, h) jointly
+        psi, pinned = self.selection.chosen_branch(server), []
         if psi and "pinned" in server and bool((server["pinned"] > 0).any()):
-            # Part of ψ is out of the model (FedPrior._unidentified_branch): ψ is stored whole
+            # Part of ψ is out of the model (fedprior_pins): ψ is stored whole
             # (μ_J = 0, Σ_JJ = floor, uncoupled) with J named, so the rebuilt basis is the
             # chosen candidate's and a calibrated unit pins the same terms.
-            base = self.masks[int(server["choice"])] if "choice" in server else self.masks[-1]
-            idx, p = torch.nonzero(base)[:, 0], len(self.terms)
-            psi = tuple(self.branch_terms[j - p] for j in idx.tolist() if j >= p)
+            base = (
+                self.selection.masks[int(server["choice"])]
+                if "choice" in server
+                else self.selection.masks[-1]
+            )
+            idx, p = torch.nonzero(base)[:, 0], len(self.selection.terms)
+            psi = tuple(self.selection.branch_terms[j - p] for j in idx.tolist() if j >= p)
             out = [j for j in idx.tolist() if j >= p and float(server["pinned"][j]) > 0]
-            pinned = [list(self.branch_terms[j - p]) for j in out]
+            pinned = [list(self.selection.branch_terms[j - p]) for j in out]
         state = {
             "kind": "fedprior",
             "terms": [list(t) for t in terms],
@@ -142,7 +160,7 @@ class PriorStatus:
                 "probe_rows": float(server["probe_n"]),
                 "residual_dof": float(server["dof"]),
                 "declined": int(server["declined"]),
-                "reason": self.interval_note(server),
+                "reason": note,
             }
             if "weak_proj" in server:  # I3: weakly identified directions (each unit's test)
                 weak = server["weak_proj"][idx][:, idx]
@@ -155,14 +173,14 @@ class PriorStatus:
             state["branch_term_names"] = [f"b·{term_name(t)}" for t in psi]
         if pinned:  # ψ terms out of the model (read back by fedcal.calibration.prior_server)
             state["branch_pinned"] = pinned
-        if self.select != "none":
+        if self.selection.select != "none":
             state["selection"] = {
-                "rule": self.select,
-                "chosen": self.candidates[int(server["choice"])],
-                "candidates": list(self.candidates),
+                "rule": self.selection.select,
+                "chosen": self.selection.candidates[int(server["choice"])],
+                "candidates": list(self.selection.candidates),
                 "scores": [round(float(v), 3) for v in server["scores"]],
             }
-        if self.branch_orders and not psi:  # the direction term is out (unidentified): a
+        if self.selection.branch_orders and not psi:  # the direction term is out (unidentified): a
             # prior without it, rebuilt as such (``fedcal calibrate`` applies ``chosen``)
             selection = state.setdefault("selection", {"rule": "identification", "chosen": {}})
             selection["chosen"] = {**selection["chosen"], "branch_orders": []}

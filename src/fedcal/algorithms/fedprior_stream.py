@@ -12,9 +12,15 @@ unit's key (its design's rows n and m_i, :attr:`pick_inputs`), chooses the unit 
 :meth:`pick_reply` among the used units, and takes the probe leaves (:attr:`picked_leaves`)
 from that unit's reply; the hold-out counts are sums. A subclass with its own
 ``server_update`` (fedprior_drift) reads more of each unit's reply and is refused.
+
+:class:`StreamedSums` is a part of :class:`~fedcal.algorithms.fedprior.FedPrior` (its
+``streamed``), declared by the four settings that decide whether a round may be streamed; the
+engine's hooks (``server_update_sums``, ``streaming_refused``, …) are FedPrior's and call it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,22 +36,30 @@ def canonical_order(mean: Tensor) -> Tensor:
     return torch.from_numpy(np.lexsort(mean.numpy().T[::-1]).copy())
 
 
+@dataclass(frozen=True)
 class StreamedSums:
-    """:meth:`server_update_sums` and when it is refused; a mixin of ``FedPrior``."""
+    """Whether and how fedprior's M-step runs from the replies' sums (module doc), declared by
+    the settings that decide it: ``robust`` (per-unit M-step weights), ``interval`` (the
+    probe's one-unit leaves), ``noise_shape`` and ``noise_tail`` (per-unit clipped
+    evidence)."""
 
-    def streaming_refused(self) -> str | None:
-        """None when :meth:`server_update_sums` equals ``server_update``; else why not."""
-        # the server update in use must be the one of the class that mixes these sums in
-        owner = next(c for c in type(self).__mro__ if "server_update" in vars(c))
-        if StreamedSums not in owner.__bases__:
-            return f"{self.name}: its server update is its own (per-unit replies)"
+    robust: str
+    interval: str
+    noise_shape: str
+    noise_tail: str
+
+    def refused(self, name: str, own_update: bool) -> str | None:
+        """None when the M-step from the sums equals ``server_update``; else why not.
+        ``own_update``: the algorithm's server update is not fedprior's (a subclass's own)."""
+        if own_update:
+            return f"{name}: its server update is its own (per-unit replies)"
         if self.noise_shape != "constant" or self.noise_tail != "gaussian":
-            return f"{self.name}: the noise model's evidence is clipped unit by unit"
+            return f"{name}: the noise model's evidence is clipped unit by unit"
         return None
 
     @property
     def outlier_inputs(self) -> tuple[str, ...]:
-        """The reply leaves :meth:`outlier_weights` reads per unit (m_i, S_i): kept per unit
+        """The reply leaves the M-step weights read per unit (m_i, S_i): kept per unit
         by a streamed round when ``robust = "full"``, (p + p²) numbers a unit."""
         return ("mean", "second") if self.robust == "full" else ()
 
@@ -59,7 +73,8 @@ class StreamedSums:
         """The reply leaves :meth:`pick_reply` reads per unit (n_i and m_i: p + 1 numbers)."""
         return ("interval/n", "mean") if self.interval == "calibrated" else ()
 
-    def pick_reply(self, keys: Tree) -> int | None:
+    @staticmethod
+    def pick_reply(keys: Tree) -> int | None:
         """Which used unit's :attr:`picked_leaves` the server reads (row of ``keys``, the
         :attr:`pick_inputs` of the used units in client order): the probe's unit as
         ``server_update`` chooses it (:func:`~fedcal.algorithms.fedprior_interval.probe_unit`
@@ -68,15 +83,11 @@ class StreamedSums:
         j = probe_unit(keys["interval"]["n"][order])
         return None if j is None else int(order[j])
 
-    def server_update_sums(self, server: Tree, sums: Tree, count: Tensor) -> Tree:
-        """``server_update`` from Σ_i reply_i (``sums``, no clients axis) and N (``count``).
-
-        The sums as a cohort of one, so that the M-step is the same code; N replaces the
-        cohort's size (the only place the M-step counts units).
-        """
-        one = {k: _one(v) for k, v in sums.items()}
-        return self.server_update(server, one, torch.ones(1, dtype=torch.float64), units=count)
-
-
-def _one(v):
-    return {k: _one(u) for k, u in v.items()} if isinstance(v, dict) else v.unsqueeze(0)
+    @staticmethod
+    def as_cohort(sums: Tree) -> Tree:
+        """Σ_i reply_i (no clients axis) as a cohort of one, so that the M-step from the sums
+        is ``server_update``'s code (N then replaces the cohort's size)."""
+        return {
+            k: StreamedSums.as_cohort(v) if isinstance(v, dict) else v.unsqueeze(0)
+            for k, v in sums.items()
+        }

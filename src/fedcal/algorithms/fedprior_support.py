@@ -2,24 +2,27 @@
 
 The server keeps the fleet's input support, each input's
 mean ± :data:`~fedcal.models.basis.SUPPORT_STDS` standard deviations from the summed Gram
-(:meth:`SupportBox._input_box`), widened per unit to its own training range; beyond it the
+(:meth:`SupportBox.fleet_box`), widened per unit to its own training range; beyond it the
 prediction is ψ(x)ᵀm with ψ the basis continued along its tangent plane at the nearest
 point of the box (:func:`~fedcal.models.basis.linearized_products`): linear growth, not
 the d-th power. The predictive variance there is φᵀVφ + σ² + (φ(x)ᵀm − ψ(x)ᵀm)²: the
 posterior term on the unguarded basis (wider than ψᵀVψ: the coefficients' uncertainty is
 not linearized away, and the firmware export evaluates one form) and a one-σ model-form
 allowance (what the polynomial and its linearization disagree by); such rows are
-flagged (:meth:`SupportBox.beyond_support`, ``beyond_support`` in
+flagged (:meth:`SupportBox.beyond`, ``beyond_support`` in
 per_sensor.csv and the summary).
 
-:class:`SupportBox` is a mixin of :class:`~fedcal.algorithms.fedprior.FedPrior` (it reads
-its ``num_inputs`` and ``terms``): the server's box in ``server_update``, each unit's in
-``personalize``, the guarded basis in ``predict`` and ``predictive_std``.
+:class:`SupportBox` is a part of :class:`~fedcal.algorithms.fedprior.FedPrior` (its
+``support_box``), declared by the number of inputs and the basis terms φ: the server's box in
+``server_update`` (:meth:`~SupportBox.fleet_box`), each unit's in ``personalize``
+(:meth:`~SupportBox.unit_box`), the guarded basis in ``predict`` and ``predictive_std``
+(:meth:`~SupportBox.guarded`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -30,15 +33,20 @@ from fedcal.core.tree import Tree
 from fedcal.models.basis import SUPPORT_STDS, legendre_products, linearized_products
 
 
+@dataclass(frozen=True)
 class SupportBox:
-    """The extrapolation guard's methods (:func:`fedcal.models.basis.linearized_products`)."""
+    """The extrapolation guard (:func:`fedcal.models.basis.linearized_products`) of the basis
+    ``terms`` (exponent tuples, constant first) over ``inputs`` scaled inputs."""
 
-    def _open_box(self) -> Tensor:
+    inputs: int
+    terms: tuple[tuple[int, ...], ...]
+
+    def open_box(self) -> Tensor:
         """(2, inputs): no support known yet (round 0): nothing is extrapolation."""
-        inf = torch.full((self.num_inputs,), math.inf, dtype=F64)
+        inf = torch.full((self.inputs,), math.inf, dtype=F64)
         return torch.stack([-inf, inf])
 
-    def _input_box(self, gram: Tensor) -> Tensor:
+    def fleet_box(self, gram: Tensor) -> Tensor:
         """The fleet's input support (2, inputs) from its summed Gram Σ_i Φ_iᵀΦ_i.
 
         Row/column 0 is the constant term and e_j the term P̃_1(x_j) = √3·x_j, so
@@ -47,12 +55,12 @@ class SupportBox:
         unit's rows, nor its own range, leave it). The box is m_j ± SUPPORT_STDS·s_j; an
         input without a linear term stays open.
         """
-        box = self._open_box()
+        box = self.open_box()
         n = gram[0, 0]
         if not float(n) > 0:
             return box
-        for j in range(self.num_inputs):
-            e_j = tuple(int(k == j) for k in range(self.num_inputs))
+        for j in range(self.inputs):
+            e_j = tuple(int(k == j) for k in range(self.inputs))
             if e_j not in self.terms:
                 continue
             k = self.terms.index(e_j)
@@ -61,7 +69,8 @@ class SupportBox:
             box[0, j], box[1, j] = mean - SUPPORT_STDS * std, mean + SUPPORT_STDS * std
         return box
 
-    def _unit_box(self, fleet_box: Tensor | None, data: ClientData) -> Tensor:
+    @staticmethod
+    def unit_box(fleet_box: Tensor | None, data: ClientData) -> Tensor:
         """(clients, 2, inputs): the fleet's box widened to each unit's own training range.
 
         Without a fleet box (a model saved before the guard): the unit's own range.
@@ -79,14 +88,15 @@ class SupportBox:
             [torch.minimum(lo, fleet_box[:, 0]), torch.maximum(hi, fleet_box[:, 1])], 1
         )
 
-    def _guarded(self, params: Tree, x: Tensor, terms) -> tuple[Tensor, Tensor]:
-        """(ψ(x), beyond) of ``terms``: the basis linearized beyond the unit's box, per row."""
+    def guarded(self, params: Tree, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(ψ(x), beyond): the basis linearized beyond the unit's box ``params["box"]``, per
+        row (no box: φ(x), nothing beyond)."""
         if "box" not in params:
-            phi = legendre_products(x, terms)
+            phi = legendre_products(x, self.terms)
             return phi, torch.zeros(phi.shape[:-1], dtype=torch.bool)
         box = params["box"].to(F64)
-        return linearized_products(x, terms, box[:, 0].unsqueeze(1), box[:, 1].unsqueeze(1))
+        return linearized_products(x, self.terms, box[:, 0].unsqueeze(1), box[:, 1].unsqueeze(1))
 
-    def beyond_support(self, params: Tree, x: Tensor) -> Tensor:
+    def beyond(self, params: Tree, x: Tensor) -> Tensor:
         """(clients, rows) bool: rows outside the unit's support box (linearized, flagged)."""
-        return self._guarded(params, x, self.terms)[1]
+        return self.guarded(params, x)[1]

@@ -110,11 +110,11 @@ def _options(
     pass
 
 
-def target_unit(column: str) -> str:
+def target_unit(column: str, declared: str = "") -> str:
     """:func:`fedcal.report.tables.target_unit`, imported when a command needs it."""
     from fedcal.report.tables import target_unit as unit_of
 
-    return unit_of(column)
+    return unit_of(column, declared)
 
 
 KeyFileOpt = Annotated[

@@ -10,8 +10,15 @@ import click
 import typer
 from rich.table import Table
 
-from fedcal.cli.base import KeyFileOpt, _check_mac, _fail, _mac_key, app, console
-from fedcal.cli.options import PriorMethodOpt, RunPointsOpt, RunSeedOpt, SensorOpt, TimeColumnOpt
+from fedcal.cli.base import KeyFileOpt, _check_mac, _fail, _mac_key, app, console, target_unit
+from fedcal.cli.options import (
+    PriorMethodOpt,
+    RunPointsOpt,
+    RunSeedOpt,
+    SensorOpt,
+    TimeColumnOpt,
+    UnitOpt,
+)
 from fedcal.core import runnames
 from fedcal.core.errors import ConfigError
 
@@ -31,6 +38,7 @@ def calibrate(
     train_points: RunPointsOpt = 0,
     sensor_column: SensorOpt = None,
     time_column: TimeColumnOpt = None,
+    unit: UnitOpt = None,
     key_file: KeyFileOpt = None,
 ) -> None:
     """Calibrate new units from a few points each, against a trained fleet prior.
@@ -63,7 +71,10 @@ def calibrate(
     except (FileNotFoundError, ValueError, ConfigError, FleetDataError) as err:
         _fail(str(err))
     _print_calibrated(
-        table, out, units.prior.target, f"{len(table)} unit(s) calibrated against {path}"
+        table,
+        out,
+        target_unit(units.prior.target, unit or ""),
+        f"{len(table)} unit(s) calibrated against {path}",
     )
     from fedcal.calibration import declined_note
 
@@ -176,15 +187,14 @@ _CALIBRATED = (
 )
 
 
-def _print_calibrated(table, out: Path, target: str, title: str) -> None:
+def _print_calibrated(table, out: Path, unit: str, title: str) -> None:
     """One row per unit: points, QA status, the σ it states over the prior's operating range
     (units.csv: mean and max; "—" where its interval was declined) and, with test rows, its
     test RMSE and the coverage of its stated 95 % interval (per_sensor.csv)."""
     import pandas as pd
 
-    from fedcal.report.tables import fmt_num, target_unit
+    from fedcal.report.tables import fmt_num
 
-    unit = target_unit(target)
     qa = pd.read_csv(out / runnames.UNITS, dtype={"sensor_id": str})[
         ["sensor_id", "status", "sigma_mean", "sigma_max"]
     ]

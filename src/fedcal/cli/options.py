@@ -61,6 +61,7 @@ def _resolve(
     sensor_column: str | None = None,
     raw_column: str | None = None,
     preset: str | None = None,
+    unit: str | None = None,
 ) -> RunConfig:
     """The configuration file with the command line's options on top, validated like the file.
 
@@ -91,6 +92,7 @@ def _resolve(
         ("--split-by", "data", "split_by", split_by),
         ("--sensor-column", "data", "client_column", sensor_column),
         ("--raw-column", "data", "raw_column", raw_column),
+        ("--unit", "data", "target_unit", unit),
         ("--methods", "run", "methods", _csv_list(methods)),
         ("--seeds", "run", "seeds", seeds),
         ("--rounds", "engine", "rounds", rounds),
@@ -234,6 +236,14 @@ SplitByOpt = Annotated[
 RawColumnOpt = Annotated[
     str | None,
     typer.Option("--raw-column", help="the feature that reads the target itself (uncorrected)"),
+]
+UnitOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--unit",
+        help="the target's unit as printed, e.g. hPa (default: from the target column's name, "
+        "e.g. pressure_hpa or 'pressure (hPa)', else none)",
+    ),
 ]
 PresetOpt = Annotated[
     str | None,

@@ -25,7 +25,7 @@ def report(
         Path | None,
         typer.Option(
             help="with --html: the folder of fedcal certificate's <unit>.html/.pdf, linked "
-            "from each unit's section (default: RUN_DIR/certificates)"
+            "from each unit's section (default: certificates/ beside the --html file)"
         ),
     ] = None,
 ) -> None:
@@ -61,7 +61,7 @@ def report(
             _write_html(run_dir, html, quiet=False, certificates=certificates)
         except (OSError, ValueError, ConfigError) as err:
             _fail(str(err))
-    unit = target_unit(cfg.data.target)
+    unit = target_unit(cfg.data.target, cfg.data.target_unit)
     if markdown:
         columns = table_columns(table, unit, True, full=True)
         console.out(to_markdown(table, columns), highlight=False)

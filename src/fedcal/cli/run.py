@@ -45,6 +45,7 @@ from fedcal.cli.options import (
     SplitByOpt,
     TargetOpt,
     TimeColumnOpt,
+    UnitOpt,
     _default,
     _int_list,
     _resolve,
@@ -89,7 +90,7 @@ def _experiment(
         from fedcal.report.tables import aggregate
 
         table = aggregate(summary)
-        _print_table(table, target_unit(cfg.data.target), show_bytes)
+        _print_table(table, target_unit(cfg.data.target, cfg.data.target_unit), show_bytes)
         console.print(
             f"results in [bold]{out}[/] (summary.csv, runs/*/per_sensor.csv, "
             "runs/*/model.safetensors)"
@@ -236,6 +237,7 @@ def train(
     sensor_column: SensorOpt = None,
     raw_column: RawColumnOpt = None,
     preset: PresetOpt = None,
+    unit: UnitOpt = None,
     key_file: KeyFileOpt = None,
 ) -> None:
     """``fedcal run`` and ``fedcal compare``: one definition (compare also shows bytes sent)."""
@@ -262,6 +264,7 @@ def train(
             sensor_column,
             raw_column,
             preset,
+            unit=unit,
         )
         points = (
             tuple(_int_list(train_points, "--train-points"))

@@ -216,10 +216,6 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
     # beyond_support(params, x) -> (clients, rows) bool: rows the model's extrapolation
     # guard treats as outside the client's calibrated range (reported by evaluation).
     beyond_support: ClassVar[Callable[[Tree, Tensor], Tensor] | None] = None
-    # predictive_std_timed(params, data) -> (clients, rows, 1): σ at each row's time, for a
-    # model whose uncertainty grows after calibration (fedprior_drift); evaluation uses it
-    # instead of predictive_std.
-    predictive_std_timed: ClassVar[Callable[[Tree, Any], Tensor] | None] = None
     # unit_columns(personal, train) -> {column: (clients,) values}: extra per-unit outputs
     # (fedprior_drift's recalibrate_at), written to per_sensor.csv and units.csv.
     unit_columns: ClassVar[Callable[[Tree, Any], dict] | None] = None
@@ -235,34 +231,16 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
     # uploads that contradict their declared row count or the broadcast model (issue 21,
     # core/robust.py); the aggregation rejects them after screening. Needs each reply.
     inconsistent_replies: ClassVar[Callable[..., dict[int, str] | None] | None] = None
-    # consistency_check(server) -> check(replies, weights, accepted): inconsistent_replies
-    # bound to one round's server, its per-round pieces formed once (a streamed round calls
-    # it once per chunk); None: the engine binds inconsistent_replies itself.
-    consistency_check: ClassVar[Callable[[Any], Callable[..., Any]] | None] = None
     # outlier_weights(server, replies) -> core.robust.OutlierWeights | None: the M-step
     # weight of each used client (fedprior); those below 1/2 are reported as rejections.
     outlier_weights: ClassVar[Callable[..., Any] | None] = None
-    # server_update_sums(server, sums, count) -> server: the server update from Σ_i reply_i
-    # and the unit count alone, so the engine may stream a "sum" round chunk by chunk
-    # (engine/streamed.py); streaming_refused() -> why not for these settings, or None;
-    # outlier_inputs: the reply leaves outlier_weights reads per unit (kept when streaming).
-    server_update_sums: ClassVar[Callable[..., Any] | None] = None
-    streaming_refused: ClassVar[Callable[[], str | None] | None] = None
-    outlier_inputs: ClassVar[tuple[str, ...]] = ()
-    # picked_leaves: reply leaves that are one client's, not summed; a streamed round keeps
-    # pick_inputs per client and takes them from the used client pick_reply(keys) -> row
-    # (None: zeros) names (fedprior's calibrated-interval probe: an arg-min, not a sum).
-    picked_leaves: ClassVar[tuple[str, ...]] = ()
-    pick_inputs: ClassVar[tuple[str, ...]] = ()
-    pick_reply: ClassVar[Callable[..., int | None] | None] = None
-    # derive(data) -> {name: (clients, ...) tensor} | None: per-client tensors that depend on
-    # the clients' data alone (fedprior's moments), formed once by the engine and passed back
-    # as ClientData.derived every round; client_update gives the same result without them.
+    # Optional hooks of one family (fedprior's) are not declared here: the protocols of
+    # core/hooks.py (StreamsSums, BindsConsistency, TimedStd, DerivesData) name them, and
+    # the engine tests an algorithm against the protocol (isinstance) before it calls them.
     # reads_seeds: whether client_update/personalize read ClientData.seeds (minibatches,
     # noise); a closed form that does not (fedprior) spares the engine a seed per client
     # and round (issue 25.1: 0.26 s a round at 10,000 units).
     reads_seeds: ClassVar[bool] = True
-    derive: ClassVar[Callable[[Any], dict[str, torch.Tensor] | None] | None] = None
     # Closed form: round 1 computes every model and later rounds repeat it exactly (a
     # per-sensor least-squares fit). The engine runs one round for it, whatever [engine]
     # rounds says: the same numbers (tested), 1/50 of the time at the default 50 rounds.

@@ -83,7 +83,7 @@ class ClientData:
     # methods with a time model read it (fedprior_drift).
     time: Tensor | None = None
     # Per-client tensors (clients, ...) an algorithm derived from these clients' data alone
-    # (:attr:`fedcal.core.algorithm.Algorithm.derive`: fedprior's moments), formed once by the
+    # (:class:`fedcal.core.hooks.DerivesData`: fedprior's moments), formed once by the
     # engine instead of every round; None when not formed (a Flower client, a new unit). Only
     # the algorithm that formed them reads them, and gives the same result without them.
     derived: dict[str, Tensor] | None = None

@@ -20,6 +20,7 @@ from torch import Tensor
 from fedcal.core.aggregation import finite_rows
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.data import ClientData
+from fedcal.core.hooks import TimedStd
 from fedcal.core.tree import Tree, expand
 from fedcal.data.scaling import Scaler
 
@@ -67,10 +68,12 @@ def errors(
     """The task's per-client metrics of ``params`` on ``data`` (target units)."""
     with torch.no_grad():
         pred = algorithm.predict(params, data.x)
-        timed = algorithm.predictive_std_timed  # σ at each row's time, or None
-        # fedprior_drift: its σ grows with time since calibration; the interval is stated for
-        # that σ(t) as for σ (±1.96 σ(t), or the sweep mixture's with a direction term)
-        std = timed(params, data) if timed else algorithm.predictive_std(params, data.x)
+        # fedprior_drift: its σ grows with time since calibration (σ at each row's time); the
+        # interval is stated for that σ(t) as for σ (±1.96 σ(t), or the sweep mixture's)
+        if isinstance(algorithm, TimedStd):
+            std = algorithm.predictive_std_timed(params, data)
+        else:
+            std = algorithm.predictive_std(params, data.x)
         half = algorithm.interval_halfwidth(params, data.x, std) if std is not None else None
     scale = torch.as_tensor(scaler.y_scale, dtype=pred.dtype, device=pred.device)
     out = algorithm.task.metrics(pred, data.y, data.mask, scale)

@@ -28,6 +28,7 @@ from torch import Tensor
 from fedcal.core.aggregation import PLAIN, AggregationPolicy, aggregate, finite_rows
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import HOST, ClientData, client_round_seed
+from fedcal.core.hooks import DerivesData
 from fedcal.core.schema import Seed, checked
 from fedcal.core.tree import Tree, expand, gather, num_bytes, per_client, scatter, tree_map
 from fedcal.engine import chunks, streamed
@@ -332,13 +333,13 @@ def _seeds(
 def with_derived(
     algorithm: Algorithm, fleet: FleetTensors, chunk_size: int, device: torch.device = HOST
 ) -> FleetTensors:
-    """The fleet with its training data's ``derived`` tensors (:attr:`Algorithm.derive`: what
+    """The fleet with its training data's ``derived`` tensors (:class:`DerivesData`: what
     the algorithm's client step reads of the data alone, e.g. fedprior's moments), formed once
     here, ``chunk_size`` clients at a time, instead of in every round (issue 25.1). Unchanged
     when the algorithm derives nothing. A fleet that already has them is trusted only when
     the algorithm derives the same for its first client (another basis made them otherwise:
     they are formed again)."""
-    if algorithm.derive is None:
+    if not isinstance(algorithm, DerivesData):
         return fleet
     train = fleet.train
     if train.derived is not None and train.num_clients:

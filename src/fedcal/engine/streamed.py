@@ -48,6 +48,7 @@ from torch import Tensor
 from fedcal.core.aggregation import AggregationPolicy, _columns, _record_downweighted
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData
+from fedcal.core.hooks import BindsConsistency, StreamsSums
 from fedcal.core.stages import Round, finite_rows, statistic_sizes, view_sizes
 from fedcal.core.tree import Tree, expand, flatten, gather, num_bytes, unflatten
 from fedcal.engine import chunks
@@ -58,12 +59,11 @@ STREAM_ABOVE = 512 * 2**20
 
 def eligible(algorithm: Algorithm, policy: AggregationPolicy) -> str | None:
     """None when this round can be streamed; else why not, in one line."""
-    if algorithm.reply_aggregation != "sum" or algorithm.server_update_sums is None:
+    if algorithm.reply_aggregation != "sum" or not isinstance(algorithm, StreamsSums):
         return f"{algorithm.name}: its server update needs each client's reply"
     if policy.rule != "mean" or policy.dp:
         return f"{algorithm.name}: rule {policy.rule!r} / DP read each client's coordinates"
-    refused = algorithm.streaming_refused
-    return None if refused is None else refused()
+    return algorithm.streaming_refused()
 
 
 def reply_bytes(algorithm: Algorithm, down: Tree, states: Tree, data: ClientData) -> int:
@@ -167,8 +167,9 @@ def _consistency_check(algorithm: Algorithm, server: Tree) -> Callable[..., dict
     algorithm has one."""
     if algorithm.inconsistent_replies is None:
         return None
-    bind = algorithm.consistency_check
-    return partial(algorithm.inconsistent_replies, server) if bind is None else bind(server)
+    if isinstance(algorithm, BindsConsistency):
+        return algorithm.consistency_check(server)
+    return partial(algorithm.inconsistent_replies, server)
 
 
 def _first_pass(

@@ -21,6 +21,15 @@ D2. The unit's prediction stays the basis's posterior mean ŷ(x) = φ(x)ᵀm_i (
     estimated from ~20 units in 9–20 dimensions): v(x) = β v_c(x) + σ_i² + a² q(x).
 D3. A scale κ, learned with them from the reference units, makes the nominal 95 %
     interval hold on the designs they emulate: the stated variance is κ² s_i² v(x).
+    κ depends on the design's size n (its number of points; ``kappa_points``, issue 33
+    session 12): the references learn κ_k at knots n_k (the smallest κ whose 95 %
+    interval covers 95 % of the held-out rows of the designs near n_k, each design
+    weighted by its distance to n_k in log n), and
+        log κ(n) = the linear interpolation of (log n_k, log κ_k) in log n,
+    κ(n) = κ_1 below the first knot and κ_K beyond the last (:func:`kappa_at`). A record
+    without knots (written before them) has one κ for every n. A design of more than
+    ``max_points`` points (the largest the references emulated) is declined
+    (:func:`design_reason`): its κ would be extrapolated.
 D4. σ per unit (a scaled-inverse-χ² fleet prior on the unit's scale, s₀² = 1 since κ
     holds the fleet's): the unit's readings about the prior mean, r = y_D − Z_Dμ, have
     covariance C = βZ_DΣZ_Dᵀ + a²K_DD + σ_i²I under D1; if the unit's whole error is
@@ -75,6 +84,8 @@ class Discrepancy:
     the designs the references emulated: at least ``min_points`` and at most
     ``max_points`` points, at least ``min_levels[j]`` distinct levels of input j (within
     ``level_tol`` of the span), spanning at least ``min_span[j]`` of input j's span;
+    ``kappa_points`` the knots (n_k, κ_k) of κ(n) (D3; empty: ``kappa`` for every n;
+    ``kappa`` is then the one κ pooled over all designs, kept as the summary);
     ``coverage``: per emulated design family (name, held-out rows, share inside the
     stated 95 % interval at the chosen κ): the selection record, in-sample (κ was chosen
     on those rows: the pooled share is 95 % by construction, not a held-out check);
@@ -95,6 +106,7 @@ class Discrepancy:
     level_tol: float = 0.02
     coverage: tuple[tuple[str, float, float], ...] = ()
     units: int = 0
+    kappa_points: tuple[tuple[float, float], ...] = ()
     version: int = VERSION
 
     def __post_init__(self) -> None:
@@ -107,6 +119,7 @@ class Discrepancy:
         for key in ("lengths", "box_lo", "box_hi", "min_levels", "min_span"):
             out[key] = list(out[key])
         out["coverage"] = [{"family": f, "held": h, "coverage": c} for f, h, c in self.coverage]
+        out["kappa_points"] = [list(k) for k in self.kappa_points]
         return out
 
     @classmethod
@@ -123,7 +136,8 @@ class Discrepancy:
         unknown = sorted(set(raw) - names)
         if unknown:
             raise DiscrepancyError(f"{where}: discrepancy.{unknown[0]}: unknown field")
-        missing = sorted(n for n in names - set(raw) if n not in ("level_tol", "coverage", "units"))
+        optional = ("level_tol", "coverage", "units", "kappa_points")
+        missing = sorted(n for n in names - set(raw) if n not in optional)
         if missing:
             raise DiscrepancyError(f"{where}: discrepancy.{missing[0]}: missing")
         args = dict(raw)
@@ -150,6 +164,10 @@ class Discrepancy:
                 )
                 for c in _list(raw.get("coverage", []), "coverage")
                 if isinstance(c, dict) or _fail("coverage", "expected objects")
+            )
+            args["kappa_points"] = tuple(
+                tuple(_number(v, "kappa_points") for v in _list(k, "kappa_points"))
+                for k in _list(raw.get("kappa_points", []), "kappa_points")
             )
             return cls(**args)
         except (KeyError, TypeError) as err:
@@ -231,6 +249,7 @@ def _check(m: Discrepancy) -> None:
         _fail("min_span", "expected shares of the span in [0, 1]")
     if m.units < 0:
         _fail("units", f"expected a count ≥ 0, got {m.units}")
+    _check_knots(m)
     for family, held, share in m.coverage:
         if not isinstance(family, str):
             _fail("coverage", f"expected a family name (a string), got {family!r}")
@@ -238,6 +257,43 @@ def _check(m: Discrepancy) -> None:
             _fail("coverage", f"{family}: expected held rows ≥ 0, got {held!r}")
         if not 0 <= share <= 1:
             _fail("coverage", f"{family}: expected a share in [0, 1], got {share!r}")
+
+
+def _check_knots(m: Discrepancy) -> None:
+    """``kappa_points``: pairs (n, κ), n strictly ascending in [1, ``max_points``] (κ(n)
+    is learned over the emulated sizes only), κ in :data:`KAPPA_RANGE`."""
+    lo, hi = KAPPA_RANGE
+    last = 0.0
+    for k in m.kappa_points:
+        if len(k) != 2:
+            _fail("kappa_points", f"expected pairs (points, κ), got {list(k)}")
+        n, kappa = k
+        if not (last < n <= m.max_points and n >= 1):
+            _fail(
+                "kappa_points",
+                f"expected design sizes ascending in [1, max_points = {m.max_points}], got {n!r}",
+            )
+        if not lo * (1 - 1e-9) <= kappa <= hi * (1 + 1e-9):
+            _fail(
+                "kappa_points", f"expected κ in [{lo:g}, {hi:g}] (the range learned), got {kappa}"
+            )
+        last = n
+
+
+def kappa_at(model: Discrepancy, points: Tensor) -> Tensor:
+    """κ(n) of D3 at design sizes ``points`` (any shape): log κ linear in log n between the
+    knots ``kappa_points``, constant beyond them; no knots: ``kappa`` everywhere."""
+    n = points.to(F64)
+    if not model.kappa_points:
+        return torch.full_like(n, model.kappa)
+    knots = torch.tensor(model.kappa_points, dtype=F64)
+    ln, lk = knots[:, 0].log(), knots[:, 1].log()
+    x = n.clamp(float(knots[0, 0]), float(knots[-1, 0])).log()
+    if len(knots) == 1:
+        return torch.full_like(n, float(knots[0, 1]))
+    i = (torch.searchsorted(ln, x.contiguous()) - 1).clamp(0, len(knots) - 2)
+    w = (x - ln[i]) / (ln[i + 1] - ln[i])
+    return torch.exp(lk[i] + w * (lk[i + 1] - lk[i]))
 
 
 def kernel(a: Tensor, b: Tensor, lengths: Tensor) -> Tensor:
@@ -323,9 +379,11 @@ def levels(x: Tensor, mask: Tensor, tol: float, span: Tensor) -> Tensor:
 def design_reason(model: Discrepancy, x: Tensor, mask: Tensor, names: list[str]) -> list[str]:
     """Per unit, "" if the references' emulation spans its design, else one line why not.
 
-    Spanned: at least ``min_points`` points, and per input at least ``min_levels`` levels
-    spanning at least ``min_span`` of the references' span. (A unit of more than
-    ``max_points`` points keeps fedprior's own interval: not judged here.)
+    Spanned: at least ``min_points`` and at most ``max_points`` points (the largest design
+    the references emulated: beyond it κ(n) of D3 would be extrapolated), and per input at
+    least ``min_levels`` levels spanning at least ``min_span`` of the references' span.
+    (A unit of more than 64 points, :data:`MAX_POINTS`, keeps fedprior's own interval: not
+    judged here.)
     """
     lo, hi = torch.tensor(model.box_lo, dtype=F64), torch.tensor(model.box_hi, dtype=F64)
     span = hi - lo
@@ -342,6 +400,12 @@ def design_reason(model: Discrepancy, x: Tensor, mask: Tensor, names: list[str])
             why = (
                 f"no σ: {int(n[i])} points, fewer than the smallest design the reference "
                 f"units emulated ({model.min_points})"
+            )
+        elif n[i] > model.max_points:
+            why = (
+                f"no σ: {int(n[i])} points, more than the largest design the reference units "
+                f"emulated ({model.max_points}), so how far its error exceeds the model's "
+                "was not learned"
             )
         for j, name in enumerate(names):
             if why:

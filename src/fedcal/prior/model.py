@@ -76,7 +76,7 @@ class Basis:
     """The prior's basis: φ's terms (one exponent per input) and the direction terms ψ.
 
     ``pinned``: direction terms out of the model (μ = 0, Σ at its floor, uncoupled:
-    :meth:`fedcal.algorithms.fedprior.FedPrior._unidentified_branch`).
+    :meth:`fedcal.algorithms.fedprior_pins.BranchPins.unidentified`).
     """
 
     family: str

@@ -114,11 +114,20 @@ def per_sensor_rmse(per_sensor: pd.DataFrame, methods: list[str], unit: str) -> 
     one dot per sensor, marked by status (:func:`sensor_points`), so that a reader sees
     which sensors the means exclude. Diverged and refused sensors have no error to draw:
     the panel names them with their status."""
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(methods) + 2), 4.5), layout="constrained")
     points = sensor_points(per_sensor, methods)
+    roles = _roles(per_sensor)  # a mixed fleet: new and reference units in boxes apart
+    if roles:
+        points["role"] = points["client"].map(roles)
+    groups = [(m, r) for m in methods for r in ("new", "reference")] if roles else methods
+    width = max(6, 0.9 * len(groups) + 2)
+    fig, ax = plt.subplots(figsize=(min(width, 11), 4.5), layout="constrained")
     missing, labelled = [], set()
-    for i, method in enumerate(methods):
+    for i, group in enumerate(groups):
+        method, role = group if roles else (group, None)
         part = points[points["method"] == method]
+        if role:
+            part = part[part["role"] == role]
+        color = _color(methods.index(method))
         gone = part[~part["drawn"]]
         missing += [
             f"{method}: {c} ({s})" for c, s in zip(gone["client"], gone["status"], strict=True)
@@ -131,22 +140,26 @@ def per_sensor_rmse(per_sensor: pd.DataFrame, methods: list[str], unit: str) -> 
             ax.boxplot(part.loc[ok, "rmse"].to_numpy(), positions=[i], widths=0.5, showfliers=False)
         offsets = np.linspace(-0.18, 0.18, len(part)) if len(part) > 1 else np.zeros(1)
         for status, rows in part.groupby("status", sort=False):
-            marker, color = STATUS_STYLE.get(status, ("o", _color(i)))
+            marker, dot = STATUS_STYLE.get(status, ("o", color))
             if status != "ok" and status not in STATUS_STYLE:
-                marker, color = "D", "dimgray"  # a status this figure does not know
+                marker, dot = "D", "dimgray"  # a status this figure does not know
             label = f"{status} (not in the means)" if status != "ok" else None
             ax.scatter(
                 i + offsets[part.index.get_indexer(rows.index)],
                 rows["rmse"],
                 s=10 if status == "ok" else 28,
                 marker=marker,
-                color=color,
+                color=dot,
                 zorder=3 if status == "ok" else 4,
                 label=label if label not in labelled else None,
-                gid=f"{method}|{status}",
+                gid=f"{method}|{status}" + (f"|{role}" if role else ""),
             )
             labelled.add(label)
-    ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
+    names = [f"{m}\n{r[:3]}" for m, r in groups] if roles else methods
+    if roles:
+        ax.set_xticks(range(len(groups)), names)
+    else:
+        ax.set_xticks(range(len(groups)), names, rotation=30, ha="right")
     ax.set_yscale("log")
     ax.set_ylabel(f"test RMSE per sensor ({unit})")
     ax.set_title("per-sensor test RMSE (one dot per sensor; box: the ok sensors)")
@@ -155,6 +168,14 @@ def per_sensor_rmse(per_sensor: pd.DataFrame, methods: list[str], unit: str) -> 
         ax.legend(fontsize=7, loc="lower right")
     _diverged_note(ax, missing, lead="no error to draw: ", wrap=True)
     return fig
+
+
+def _roles(per_sensor: pd.DataFrame) -> dict[str, str]:
+    """{sensor: role} of a mixed fleet (new and reference units both present), else {}."""
+    if "role" not in per_sensor:
+        return {}
+    roles = per_sensor.drop_duplicates("client").set_index("client")["role"].astype(str)
+    return roles.to_dict() if {"new", "reference"} <= set(roles) else {}
 
 
 def _sensor_rmse(res: pd.DataFrame) -> pd.Series:
@@ -168,7 +189,8 @@ def residuals_by_plateau(
     unit: str,
     statuses: dict[str, dict[str, str]] | None = None,
 ) -> Figure:
-    """Residual against reference, one line per temperature plateau; best and worst sensor.
+    """Residual against reference, one line per temperature plateau (off-grid points: dots
+    per temperature bin); best and worst sensor.
 
     ``statuses`` ({method: {sensor: status}}, the shown seed's): a sensor that is not ok
     has its status in the panel's title (it is left out of the means)."""
@@ -191,7 +213,13 @@ def residuals_by_plateau(
             for g in np.unique(groups):
                 part = s[groups == g].sort_values(target)
                 label = f"{round(part[temperature].mean()):d} °C" if temperature else None
-                ax.plot(part[target], part["residual"], marker=".", label=label)
+                # off-grid points binned by temperature (no plateau): dots, not a zigzag line
+                binned = temperature and np.ptp(part[temperature].to_numpy(float)) > 5.0
+                if binned:
+                    lo, hi = part[temperature].min(), part[temperature].max()
+                    label = f"{round(lo):d}…{round(hi):d} °C"
+                style = {"linestyle": "none", "marker": "o", "markersize": 3} if binned else {}
+                ax.plot(part[target], part["residual"], **({"marker": "."} | style), label=label)
             ax.axhline(0, color="black", linewidth=0.6)
             status = (statuses or {}).get(method, {}).get(str(sensor), "ok")
             marked = "" if status == "ok" else f" [{status}, not in the means]"

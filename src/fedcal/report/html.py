@@ -34,6 +34,7 @@ from __future__ import annotations
 import html
 import math
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +121,41 @@ def _statuses(per_sensor: pd.DataFrame, seed: int) -> dict[str, dict[str, str]]:
     return out
 
 
+@dataclass
+class _Page:
+    """What the run report's steps share: the run, its table at the shown budget, the
+    methods ranked, and the sections written so far (id, title, HTML)."""
+
+    run: RunDir
+    out: Path
+    report: Report
+    table: pd.DataFrame
+    unit: str
+    budget: int
+    seed: int
+    ranked: list[str]
+    sections: list[tuple[str, str, str]] = field(default_factory=list)
+
+    @property
+    def regression(self) -> bool:
+        return "rmse_mean" in self.table.columns
+
+    @property
+    def budget_text(self) -> str:
+        return "all calibration points" if self.budget == 0 else f"{self.budget} calibration points"
+
+    def figure(self, section: str, title: str, fig, caption: str) -> None:
+        self.report.figures.append(section)
+        body = f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{png(fig)}">'
+        self.sections.append(
+            (section, title, body + f"<figcaption>{caption}</figcaption></figure>")
+        )
+
+    def note(self, section: str, title: str, why: str) -> None:
+        self.report.notes[section] = why
+        self.sections.append((section, title, f'<p class="note">Not shown: {html.escape(why)}</p>'))
+
+
 def build_report(
     run_dir: str | Path,
     out: str | Path,
@@ -129,159 +165,178 @@ def build_report(
     """Write the HTML report of ``run_dir`` to ``out`` (atomically) and say what it holds.
 
     ``certificates``: the folder ``fedcal certificate`` wrote (``<unit>.html``/``.pdf``),
-    linked from each unit's section; default: the run folder's ``certificates/``."""
-    certificates = Path(certificates) if certificates else Path(run_dir) / "certificates"
+    linked from each unit's section; default: ``certificates/`` beside the report ``out``
+    (``fedcal certificate`` refuses to write into the run folder it reads)."""
+    certificates = Path(certificates) if certificates else Path(out).parent / "certificates"
     if (Path(run_dir) / runnames.UNITS).exists():
         from fedcal.report.html_calibration import build_calibration_report
 
         return build_calibration_report(run_dir, out, certificates)
+    page = _open(run_dir, Path(out), seed)
+    metrics = page.run.metrics(page.budget) if page.regression else pd.DataFrame()
+    _round_figure(metrics, page.ranked, page.unit, page.budget_text, page.figure, page.note)
+    per_sensor = page.run.per_sensor(page.budget, mask=False)  # every status, marked
+    _sensor_figures(page, per_sensor)
+    _prior_figure(page.run, page.ranked, page.budget, page.seed, page.unit, page.figure, page.note)
+    res, fleet, temperature = _residual_figures(page, per_sensor)
+    _sweep_figure(page, fleet)
+    _uncertainty_figure(page, res, fleet, temperature)
+    title = "Configuration (config.json; this run's methods in bold)"
+    page.sections.append(("config", title, config_tables(page.run.raw_config, page.run.methods)))
+    _units_section(page, per_sensor, certificates)
+    write_page(page.out, _head(page), page.sections)
+    return page.report
+
+
+def _open(run_dir: str | Path, out: Path, seed: int | None) -> _Page:
+    """The run, its table and the shown budget and seed; methods ranked by the fleet-mean
+    RMSE, or in a mixed fleet by the new units' (the result a reader looks for)."""
     run = RunDir.open(run_dir)
-    cfg = run.config
-    out = Path(out)
-    report = Report(out)
     table = aggregate(run.summary)
-    unit = target_unit(cfg.data.target)
-    regression = "rmse_mean" in table.columns
     budget = 0 if 0 in run.budgets else max(run.budgets)
-    seed = int(run.summary["seed"].min()) if seed is None else seed
     ranked = _ranked(table, budget)
-    if "rmse_mean_new" in table.columns:  # a mixed fleet: the new units' result ranks
+    if "rmse_mean_new" in table.columns:
         part = table[table["train_points"] == budget].sort_values(
             "rmse_mean_new", na_position="last", kind="stable"
         )
         ranked = list(pd.unique(part["method"]))
-    sections: list[tuple[str, str, str]] = []  # (id, title, body)
+    seed = int(run.summary["seed"].min()) if seed is None else seed
+    unit = target_unit(run.config.data.target, run.config.data.target_unit)
+    return _Page(run, out, Report(out), table, unit, budget, seed, ranked)
 
-    def figure(section: str, title: str, fig, caption: str) -> None:
-        report.figures.append(section)
-        body = f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{png(fig)}">'
-        sections.append((section, title, body + f"<figcaption>{caption}</figcaption></figure>"))
 
-    def note(section: str, title: str, why: str) -> None:
-        report.notes[section] = why
-        sections.append((section, title, f'<p class="note">Not shown: {html.escape(why)}</p>'))
+def _sensor_figures(page: _Page, per_sensor: pd.DataFrame) -> None:
+    """Per-sensor RMSE by method, and each unit's error beside its stated σ."""
+    if not page.regression or per_sensor.empty:
+        page.note("per-sensor", "Per-sensor RMSE by method", "the run has no per-sensor test RMSE")
+        return
+    page.figure(
+        "per-sensor",
+        "Per-sensor RMSE by method",
+        figures.per_sensor_rmse(per_sensor, page.ranked, page.unit),
+        f"Each sensor's test RMSE ({page.budget_text}), mean over seeds; best method first "
+        "(a mixed fleet: its new and reference units apart). "
+        "Boxes: the ok sensors; sensors of another status (weak, unconverged, rejected) "
+        "are drawn with their own marker (legend) and left out of the means; diverged "
+        "and refused sensors are named.",
+    )
+    shown = page.ranked[: figures_units.MAX_UNIT_METHODS]
+    page.figure(
+        "unit-errors",
+        "Each unit's error and its stated σ",
+        figures_units.unit_error_and_sigma(per_sensor, shown, page.unit),
+        f"Per unit ({page.budget_text}, mean over seeds), new and reference units apart: the "
+        "test RMSE against the reference (dot) and, for a method that states one, the σ it "
+        "states averaged over the unit's test points (dash). Where σ is right the dot sits "
+        "on the dash; the stated 95 % interval is ±1.96σ (each unit's coverage: its "
+        f"section under Units). Methods: the {len(shown)} best.",
+    )
 
-    budget_text = "all calibration points" if budget == 0 else f"{budget} calibration points"
-    metrics = run.metrics(budget)
-    metrics = metrics if regression else pd.DataFrame()
-    _round_figure(metrics, ranked, unit, budget_text, figure, note)
 
-    per_sensor = run.per_sensor(budget, mask=False)  # every status, marked in the figure
-    if regression and not per_sensor.empty:
-        figure(
-            "per-sensor",
-            "Per-sensor RMSE by method",
-            figures.per_sensor_rmse(per_sensor, ranked, unit),
-            f"Each sensor's test RMSE ({budget_text}), mean over seeds; best method first. "
-            "Boxes: the ok sensors; sensors of another status (weak, unconverged, rejected) "
-            "are drawn with their own marker (legend) and left out of the means; diverged "
-            "and refused sensors are named.",
-        )
-        shown = ranked[: figures_units.MAX_UNIT_METHODS]
-        figure(
-            "unit-errors",
-            "Each unit's error and its stated σ",
-            figures_units.unit_error_and_sigma(per_sensor, shown, unit),
-            f"Per unit ({budget_text}, mean over seeds), new and reference units apart: the "
-            "test RMSE against the reference (dot) and, for a method that states one, the σ it "
-            "states averaged over the unit's test points (dash). Where σ is right the dot sits "
-            "on the dash; the stated 95 % interval is ±1.96σ (each unit's coverage: its "
-            f"section under Units). Methods: the {len(shown)} best.",
-        )
-    else:
-        note("per-sensor", "Per-sensor RMSE by method", "the run has no per-sensor test RMSE")
-    _prior_figure(run, ranked, budget, seed, unit, figure, note)
+RESIDUAL_SECTIONS = (
+    ("residuals", "Residuals by temperature plateau"),
+    ("error-map", "Error over the (P, T) plane"),
+)
 
-    detail = ranked[:MAX_DETAIL_METHODS]
+
+def _residual_figures(page: _Page, per_sensor: pd.DataFrame):
+    """Residuals by plateau and the error map of the best methods; returns (residuals by
+    method, the fleet, its temperature column) for the figures that follow."""
+    detail = page.ranked[:MAX_DETAIL_METHODS]
     res: dict[str, pd.DataFrame] = {}
-    fleet = None
-    if regression:
+    fleet, why = None, "residuals apply to regression runs"
+    if page.regression:
         try:
-            fleet = run.fleet()
-            res = {m: residuals(run, fleet, m, budget, seed) for m in detail}
+            fleet = page.run.fleet()
+            res = {m: residuals(page.run, fleet, m, page.budget, page.seed) for m in detail}
         except (FileNotFoundError, ValueError, KeyError) as err:
             why = f"the run's models or data could not be read back ({err})"
-            for section, title in (
-                ("residuals", "Residuals by temperature plateau"),
-                ("error-map", "Error over the (P, T) plane"),
-            ):
-                note(section, title, why)
-    else:
-        for section, title in (
-            ("residuals", "Residuals by temperature plateau"),
-            ("error-map", "Error over the (P, T) plane"),
-        ):
-            note(section, title, "residuals apply to regression runs")
-    temperature = temperature_column(fleet) if fleet is not None else None
-    if res:
-        figure(
-            "residuals",
-            "Residuals by temperature plateau",
-            figures.residuals_by_plateau(
-                res, fleet.target, temperature, unit, _statuses(per_sensor, seed)
-            ),
-            f"Predicted − reference on the held-out points, seed {seed}, {budget_text}; one line "
-            "per temperature plateau; left the method's best sensor, right its worst "
-            "(a status other than ok in its title). "
-            f"Methods: the {len(detail)} best.",
-        )
-        if temperature:
-            figure(
-                "error-map",
-                "Error over the (P, T) plane",
-                figures.error_map(res, fleet.target, temperature, unit),
-                f"RMS over sensors of the held-out residual per cell, seed {seed}, "
-                f"{budget_text}; log colour scale, one scale per method.",
-            )
-        else:
-            note("error-map", "Error over the (P, T) plane", "the inputs have no temperature")
-
-    if regression and len(run.budgets) > 1:
-        counts = {tp: tp for tp in run.budgets}
-        if 0 in counts:
-            full = int(max(len(x) for x, _ in fleet.arrays("train"))) if fleet else None
-            counts[0] = full or max(run.budgets) * 2
-        figure(
-            "sweep",
-            "Calibration-point sweep",
-            figures.point_sweep(table, _ranked(table, min(run.budgets)), counts, unit),
-            "Fleet-mean test RMSE against calibration points per sensor, mean ± std over seeds.",
+    if not res:
+        for section, title in RESIDUAL_SECTIONS:
+            page.note(section, title, why)
+        return res, fleet, None
+    temperature = temperature_column(fleet)
+    page.figure(
+        "residuals",
+        "Residuals by temperature plateau",
+        figures.residuals_by_plateau(
+            res, fleet.target, temperature, page.unit, _statuses(per_sensor, page.seed)
+        ),
+        f"Predicted − reference on the held-out points, seed {page.seed}, {page.budget_text}; "
+        "one line per temperature plateau (off-grid points: dots per temperature bin); left "
+        "the method's best sensor, right its worst (a status other than ok in its title). "
+        f"Methods: the {len(detail)} best.",
+    )
+    if temperature:
+        page.figure(
+            "error-map",
+            "Error over the (P, T) plane",
+            figures.error_map(res, fleet.target, temperature, page.unit),
+            f"RMS over sensors of the held-out residual per cell, seed {page.seed}, "
+            f"{page.budget_text}; log colour scale, one scale per method.",
         )
     else:
-        note("sweep", "Calibration-point sweep", "the run has a single calibration-point budget")
+        page.note("error-map", "Error over the (P, T) plane", "the inputs have no temperature")
+    return res, fleet, temperature
 
+
+def _sweep_figure(page: _Page, fleet) -> None:
+    """Fleet-mean RMSE against calibration points, for a run with several budgets."""
+    budgets = page.run.budgets
+    if not page.regression or len(budgets) < 2:
+        why = "the run has a single calibration-point budget"
+        page.note("sweep", "Calibration-point sweep", why)
+        return
+    counts = {tp: tp for tp in budgets}
+    if 0 in counts:
+        full = int(max(len(x) for x, _ in fleet.arrays("train"))) if fleet else None
+        counts[0] = full or max(budgets) * 2
+    page.figure(
+        "sweep",
+        "Calibration-point sweep",
+        figures.point_sweep(page.table, _ranked(page.table, min(budgets)), counts, page.unit),
+        "Fleet-mean test RMSE against calibration points per sensor, mean ± std over seeds.",
+    )
+
+
+def _uncertainty_figure(page: _Page, res: dict, fleet, temperature) -> None:
+    """±2σ bands and residual / σ of the shown methods that state a σ."""
     with_std = {m: r for m, r in res.items() if np.isfinite(r["std"]).any()}
-    if with_std:
-        fig, coverage = figures.uncertainty_bands(with_std, fleet.target, temperature, unit)
-        cover = ", ".join(f"{m} {c:.1%}" for m, c in coverage.items())
-        figure(
-            "uncertainty",
-            "Predictive uncertainty",
-            fig,
-            "Left: the method's 2σ predictive band of its median sensor per temperature "
-            "plateau, with that sensor's |residual|. Right: residual / σ of every held-out "
-            f"point; share within ±1.96σ (95 % interval), all sensors: {cover}.",
-        )
-    else:
-        note(
-            "uncertainty",
-            "Predictive uncertainty",
-            "no shown method gives a predictive distribution (predictive_std)",
-        )
+    if not with_std:
+        why = "no shown method gives a predictive distribution (predictive_std)"
+        page.note("uncertainty", "Predictive uncertainty", why)
+        return
+    fig, coverage = figures.uncertainty_bands(with_std, fleet.target, temperature, page.unit)
+    cover = ", ".join(f"{m} {c:.1%}" for m, c in coverage.items())
+    page.figure(
+        "uncertainty",
+        "Predictive uncertainty",
+        fig,
+        "Left: the method's 2σ predictive band of its median sensor per temperature "
+        "plateau, with that sensor's |residual|. Right: residual / σ of every held-out "
+        f"point; share within ±1.96σ (95 % interval), all sensors: {cover}.",
+    )
 
-    config_html = config_tables(run.raw_config, run.methods)
-    title = "Configuration (config.json; this run's methods in bold)"
-    sections.append(("config", title, config_html))
-    means = figures_units.unit_means(per_sensor) if not per_sensor.empty else pd.DataFrame()
-    if not means.empty:
-        status = figures.sensor_points(per_sensor, ranked)[["method", "client", "status"]]
-        means = means.merge(status, on=["method", "client"], how="left")
-        rows = run_unit_rows(means, ranked, unit)
-        links = certificate_links(list(rows), certificates, out)
-        sections.append(("units", "Units", _units_intro(links) + unit_sections(rows, links)))
-    best = ranked[0] if ranked else "—"
-    summary_csv = html.escape(_relative(run.path / runnames.SUMMARY, out))
-    head = [
+
+def _units_section(page: _Page, per_sensor: pd.DataFrame, certificates: Path) -> None:
+    """A section per unit (every method's errors, σ, status; its certificate's links)."""
+    if per_sensor.empty:
+        return
+    means = figures_units.unit_means(per_sensor)
+    status = figures.sensor_points(per_sensor, page.ranked)[["method", "client", "status"]]
+    means = means.merge(status, on=["method", "client"], how="left")
+    rows = run_unit_rows(means, page.ranked, page.unit)
+    links = certificate_links(list(rows), certificates, page.out)
+    page.sections.append(("units", "Units", _units_intro(links) + unit_sections(rows, links)))
+
+
+def _head(page: _Page) -> list[str]:
+    """The page's head: title, the run in one sentence, the summary by role."""
+    run, cfg = page.run, page.run.config
+    best = page.ranked[0] if page.ranked else "—"
+    result = _best_text(page.table, page.budget, page.budget_text, best)
+    summary_csv = html.escape(_relative(run.path / runnames.SUMMARY, page.out))
+    return [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         f"<title>fedcal report: {html.escape(str(run.path))}</title>",
@@ -289,16 +344,14 @@ def build_report(
         f"<h1>fedcal report: {html.escape(str(run.path))}</h1>",
         f"<p>{len(run.methods)} methods × {run.summary['seed'].nunique()} seeds; "
         f"target {html.escape(cfg.data.target)}, inputs {html.escape(', '.join(cfg.data.features))}"
-        f"; errors on held-out points. {_best_text(table, budget, budget_text, best)}</p>",
+        f"; errors on held-out points. {result}</p>",
         '<section id="summary"><h2>Summary</h2>',
-        role_summary(table, unit),
+        role_summary(page.table, page.unit),
         "<details><summary>Every column (mean ±std over runs; also "
         f'<a href="{summary_csv}">summary.csv</a>, one row per run)</summary><div class="wide">',
-        summary_html(table, unit),
+        summary_html(page.table, page.unit),
         "</div></details></section>",
     ]
-    write_page(out, head, sections)
-    return report
 
 
 def _relative(path: Path, page: Path) -> str:
@@ -324,7 +377,8 @@ def _units_intro(links: dict[str, str]) -> str:
         f"{len(links)} unit(s) link their calibration certificate."
         if links
         else "No certificate found for these units (fedcal certificate RUN --out DIR, then "
-        "fedcal report --certificates DIR)."
+        "fedcal report RUN --html FILE --certificates DIR; default DIR: certificates/ beside "
+        "FILE)."
     )
     return (
         '<p class="note">Each unit: every method\'s errors on its held-out points (mean over '

@@ -28,7 +28,7 @@ def build_calibration_report(
     ``residuals`` (at the calibration points), ``prior`` (the fleet prior's spread across
     units), ``config`` (a table per section), ``unit-list`` (a section per unit: its
     points, coefficients and a link to its certificate from ``certificates``, default the
-    run folder's ``certificates/``). Numbers from
+    ``certificates/`` beside the report). Numbers from
     ``units.csv``, ``coefficients.csv``, ``calibration_points.csv`` and
     ``per_sensor.csv`` (:func:`fedcal.calibration.unit_diagnostics`).
     """
@@ -52,87 +52,20 @@ def build_calibration_report(
         body += f"<figcaption>{caption}</figcaption></figure>{extra}"
         sections.append((section, title, body))
 
-    flagged = units[units["status"] != "ok"]
-    findings = (
-        "<p><b>QA findings:</b> "
-        + "; ".join(
-            f"{html.escape(r.sensor_id)}: {html.escape(r.status)} "
-            f"(d² = {r.d2:.3g} &gt; {r.d2_threshold:.3g})"
-            if r.status == "unlike the fleet"
-            else f"{html.escape(r.sensor_id)}: {html.escape(r.status)}"
-            for r in flagged.itertuples()
-        )
-        + "</p>"
-        if len(flagged)
-        else "<p>QA: every unit is like the fleet (no finding).</p>"
-    )
-    tests = [c for c in per_sensor.columns if c.startswith("test_")]
-    table = units.merge(per_sensor[["sensor_id", *tests]], on="sensor_id", how="left")
-    shown = ["sensor_id", "points", "status", "d2", "dof", "d2_threshold", "p_value"]
-    shown += ["sigma_mean", "sigma_max", "resid_rms", "resid_max_abs", *tests]
-    sections.append(
-        (
-            "units",
-            "New units",
-            findings
-            + frame_html(table[shown], "units")
-            + f'<p class="note">d²: the unit\'s distance from the fleet — the Mahalanobis '
-            "distance of its coefficients' posterior mean under the fleet prior (its "
-            "distribution for a unit of the fleet, N(μ, Σ − V)); with Σ estimated from the "
-            "fleet's N units, d² of a unit of the fleet follows Hotelling's prediction law "
-            "(d²·N(N−dof)/(dof(N−1)(N+1)) ~ F(dof, N−dof)); above its "
-            f"{qa_level:.1%} quantile (d2_threshold) a unit is flagged as unlike the fleet. "
-            f"σ in {html.escape(unit)} over the fleet's operating range; residuals "
-            f"(calibrated − reference, {html.escape(unit)}) at the unit's calibration points.</p>",
-        )
-    )
+    sections.append(("units", "New units", _units_table(units, per_sensor, unit, qa_level)))
     figure(
         "fleet-distance",
         "Distance from the fleet",
         figures.unit_fleet_distance(units),
         f"Each unit's d² over its {qa_level:.1%} threshold; red: unlike the fleet.",
     )
-    features = prior.get("features", [])
-    scaler = prior.get("scaler", {})
-    maps = (
-        ", ".join(
-            f"x{j} = ({html.escape(c)} − {scaler['x_offset'][j]:.6g}) / {scaler['x_scale'][j]:.6g}"
-            for j, c in enumerate(features)
-        )
-        if scaler
-        else ""
-    )
-    basis_text = (
-        f"<p>{html.escape(target)} = Σ_k c_k φ_k(x) in {html.escape(unit)}, with {maps}; "
-        "φ_k products of normalized Legendre polynomials P̃n = √(2n+1)·Pn of the scaled "
-        "inputs (each of unit mean square on [−1, 1]). So '1' is the unit's mean output "
-        "over the fleet's scaled input box, P1(x) terms its linear sensitivities, higher "
-        "orders the curvature; terms b·… are half the up/down sweep split. noise_sd: the "
-        f"unit's noise σ ({html.escape(unit)}).</p>"
-    )
-    sections.append(
-        (
-            "coefficients",
-            "Coefficients",
-            basis_text + frame_html(coef, "coefficients", digits=6),
-        )
-    )
+    sections.append(("coefficients", "Coefficients", _coefficients(prior, coef, target, unit)))
     figure(
         "sigma",
         "Predictive σ over the operating range",
         figures.unit_sigma(units, unit),
         "Mean and maximum predictive σ (posterior + noise) of each unit over a grid of the "
-        "prior fleet's calibrated input range"
-        + (
-            ": "
-            + ", ".join(
-                f"{html.escape(c)} {lo:.6g}…{hi:.6g}"
-                for c, (lo, hi) in prior["input_range"].items()
-            )
-            if "input_range" in prior
-            else ""
-        )
-        + ".",
+        f"prior fleet's calibrated input range{_range_text(prior)}.",
     )
     figure(
         "residuals",
@@ -152,26 +85,9 @@ def build_calibration_report(
         )
     config = read_json(run_dir / runnames.CONFIG)
     sections.append(("config", "Configuration (config.json)", config_tables(config)))
-    rows = _unit_rows(units, points, coef, unit)
-    where = Path(certificates) if certificates else run_dir / "certificates"
-    links = certificate_links(list(rows), where, out)
-    said = f"{len(links)} of {len(rows)} unit(s) link their certificate (from {where})."
-    said = f"Each unit's calibration points and coefficients. {said}"
-    intro = f'<p class="note">{html.escape(said)}</p>'
-    sections.append(("unit-list", "Units", intro + unit_sections(rows, links)))
-    points_per_unit = sorted(set(units["points"].astype(int)))
-    head = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>fedcal calibration report: {html.escape(str(run_dir))}</title>",
-        f"<style>{STYLE}</style></head><body>",
-        f"<h1>fedcal calibration report: {html.escape(str(run_dir))}</h1>",
-        f"<p>{len(units)} new unit(s) calibrated against a fleet prior "
-        f"({html.escape(str(prior_files[0]) if prior_files else 'prior.json')}); calibration "
-        f"points per unit: {', '.join(map(str, points_per_unit))}; target "
-        f"{html.escape(target)}, inputs {html.escape(', '.join(features))}; "
-        f"{len(flagged)} QA finding(s).</p>",
-    ]
+    where = Path(certificates) if certificates else out.parent / "certificates"
+    sections.append(("unit-list", "Units", _unit_list(units, points, coef, unit, where, out)))
+    head = _head(run_dir, units, prior_files[0] if prior_files else None, prior)
     write_page(out, head, sections)
     return report
 
@@ -188,11 +104,121 @@ def _unit_rows(units, points, coef, unit: str) -> dict[str, tuple[str, str]]:
         )
         own = points[points["sensor_id"] == sid].drop(columns="sensor_id")
         coefficients = coef[coef["sensor_id"] == sid].drop(columns="sensor_id")
+        terms = coefficients.T.reset_index()  # one row per term: fits any width
+        terms.columns = ["term", "coefficient"][: terms.shape[1]]
         detail = (
-            '<div class="wide">'
+            '<div class="unit-detail">'
             + frame_html(own, "unit-points", digits=7)
-            + frame_html(coefficients, "unit-coef", digits=6).replace("data-column=", "data-field=")
+            + frame_html(terms, "unit-coef", digits=6).replace("data-column=", "data-field=")
             + "</div>"
         )
         out[sid] = (line, detail)
     return out
+
+
+def _units_table(units, per_sensor, unit: str, qa_level: float) -> str:
+    """The QA findings, the units table (the columns that fit 1280 px; every column
+    collapsed below it) and what d² is."""
+    flagged = units[units["status"] != "ok"]
+    findings = (
+        "<p><b>QA findings:</b> "
+        + "; ".join(
+            f"{html.escape(r.sensor_id)}: {html.escape(r.status)} "
+            f"(d² = {r.d2:.3g} &gt; {r.d2_threshold:.3g})"
+            if r.status == "unlike the fleet"
+            else f"{html.escape(r.sensor_id)}: {html.escape(r.status)}"
+            for r in flagged.itertuples()
+        )
+        + "</p>"
+        if len(flagged)
+        else "<p>QA: every unit is like the fleet (no finding).</p>"
+    )
+    tests = [c for c in per_sensor.columns if c.startswith("test_")]
+    table = units.merge(per_sensor[["sensor_id", *tests]], on="sensor_id", how="left")
+    # the columns that fit 1280 px; every column in a collapsed table (and units.csv)
+    shown = ["sensor_id", "points", "status", "d2", "p_value", "sigma_mean", "sigma_max"]
+    shown += ["resid_rms", *[c for c in ("test_rmse", "test_coverage95") if c in tests]]
+    every = ["sensor_id", "points", "status", "d2", "dof", "d2_threshold", "p_value"]
+    every += ["sigma_mean", "sigma_max", "resid_rms", "resid_max_abs", *tests]
+    full = frame_html(table[every], "units-all").replace("data-column=", "data-field=")
+    return (
+        findings
+        + frame_html(table[shown], "units")
+        + "<details><summary>Every column (also units.csv, per_sensor.csv)</summary>"
+        + f'<div class="wide">{full}</div></details>'
+        + f'<p class="note">d²: the unit\'s distance from the fleet — the Mahalanobis '
+        "distance of its coefficients' posterior mean under the fleet prior (its "
+        "distribution for a unit of the fleet, N(μ, Σ − V)); with Σ estimated from the "
+        "fleet's N units, d² of a unit of the fleet follows Hotelling's prediction law "
+        "(d²·N(N−dof)/(dof(N−1)(N+1)) ~ F(dof, N−dof)); above its "
+        f"{qa_level:.1%} quantile (d2_threshold) a unit is flagged as unlike the fleet. "
+        f"σ in {html.escape(unit)} over the fleet's operating range; residuals "
+        f"(calibrated − reference, {html.escape(unit)}) at the unit's calibration points.</p>",
+    )
+
+
+def _coefficients(prior: dict, coef, target: str, unit: str) -> str:
+    """What the coefficients are coefficients of (the basis, the input scaling); every
+    unit's coefficients collapsed below."""
+    features = prior.get("features", [])
+    scaler = prior.get("scaler", {})
+    maps = (
+        ", ".join(
+            f"x{j} = ({html.escape(c)} − {scaler['x_offset'][j]:.6g}) / {scaler['x_scale'][j]:.6g}"
+            for j, c in enumerate(features)
+        )
+        if scaler
+        else ""
+    )
+    basis_text = (
+        f"<p>{html.escape(target)} = Σ_k c_k φ_k(x) in {html.escape(unit)}, with {maps}; "
+        "φ_k products of normalized Legendre polynomials P̃n = √(2n+1)·Pn of the scaled "
+        "inputs (each of unit mean square on [−1, 1]). So '1' is the unit's mean output "
+        "over the fleet's scaled input box, P1(x) terms its linear sensitivities, higher "
+        "orders the curvature; terms b·… are half the up/down sweep split. noise_sd: the "
+        f"unit's noise σ ({html.escape(unit)}).</p>"
+    )
+    return (
+        basis_text
+        + "<details><summary>Every unit's coefficients (also coefficients.csv; each unit's "
+        + "in its section under Units)</summary>"
+        + f'<div class="wide">{frame_html(coef, "coefficients", digits=6)}</div></details>',
+    )
+
+
+def _unit_list(units, points, coef, unit: str, where: Path, out: Path) -> str:
+    """A section per unit, with its certificate's links where ``where`` holds them."""
+    rows = _unit_rows(units, points, coef, unit)
+    links = certificate_links(list(rows), where, out)
+    said = f"{len(links)} of {len(rows)} unit(s) link their certificate (from {where})."
+    said = f"Each unit's calibration points and coefficients. {said}"
+    return f'<p class="note">{html.escape(said)}</p>' + unit_sections(rows, links)
+
+
+def _range_text(prior: dict) -> str:
+    """ ": frequency_hz 32767…37514, temperature_c −40.6…60.7" (the prior's input range)."""
+    if "input_range" not in prior:
+        return ""
+    return ": " + ", ".join(
+        f"{html.escape(c)} {lo:.6g}…{hi:.6g}" for c, (lo, hi) in prior["input_range"].items()
+    )
+
+
+def _head(run_dir: Path, units, prior_file: Path | None, prior: dict) -> list[str]:
+    """The page's head: the units, the prior, the points per unit and the QA findings."""
+    target = prior.get("target", "target")
+    features = prior.get("features", [])
+    flagged = units[units["status"] != "ok"]
+    points_per_unit = sorted(set(units["points"].astype(int)))
+    return [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>fedcal calibration report: {html.escape(str(run_dir))}</title>",
+        f"<style>{STYLE}</style></head><body>",
+        f"<h1>fedcal calibration report: {html.escape(str(run_dir))}</h1>",
+        f"<p>{len(units)} new unit(s) calibrated against a fleet prior "
+        f"({html.escape(str(prior_file or 'prior.json'))}); calibration "
+        f"points per unit: {', '.join(map(str, points_per_unit))}; target "
+        f"{html.escape(target)}, inputs {html.escape(', '.join(features))}; "
+        f"{len(flagged)} QA finding(s).</p>",
+    ]

@@ -34,6 +34,7 @@ div.config { display: grid; grid-template-columns: repeat(auto-fill, minmax(340p
 table.config { width: 100%; } table.config caption { text-align: left; font-weight: bold; }
 table.config th { text-align: left; font-weight: normal; color: #555; vertical-align: top; }
 table.config td { overflow-wrap: break-word; }
+div.unit-detail { display: flex; gap: 1.5em; align-items: flex-start; flex-wrap: wrap; }
 details.unit { margin: 0.15em 0; } details.unit table { margin: 0.3em 0 0.6em 1.5em; }
 """
 

@@ -4,7 +4,9 @@ the configuration as a table, one section per unit with a link to its certificat
 Certificates: ``fedcal certificate RUN --out DIR`` writes ``DIR/<unit>.html`` and
 ``DIR/<unit>.pdf``; the report links a unit's files where they exist, relative to the
 report's own location (so the folder can be moved as a whole), from ``certificates``
-(``fedcal report --certificates DIR``) or else the run folder's ``certificates/``.
+(``fedcal report --certificates DIR``) or else ``certificates/`` beside the report
+(``fedcal certificate`` refuses to write into the run folder it reads). So a hand-over
+folder holds ``report.html`` and ``certificates/`` and links without an option.
 """
 
 from __future__ import annotations
@@ -146,6 +148,19 @@ def _row(key: str, name: str, value: object, strong: bool) -> str:
     return f"<tr><th>{head}</th><td>{shown}</td></tr>"
 
 
+def _rows_of(section: dict) -> list[tuple[str, object]]:
+    """A section's rows: (key, value), a table of tables (e.g. every method's settings)
+    opened into one row per inner table (``methods.fedprior``)."""
+    rows = []
+    for key, value in sorted(section.items()):
+        nested = isinstance(value, dict) and value
+        if nested and all(isinstance(v, dict) and v for v in value.values()):
+            rows += [(f"{key}.{k}", v) for k, v in _rows_of(value)]
+        else:
+            rows.append((key, value))
+    return rows
+
+
 def config_tables(config: dict, methods: list[str] = ()) -> str:
     """The resolved configuration (config.json) as one two-column table per section, laid
     out side by side; a nested table's values on one line. Each value carries its dotted
@@ -153,14 +168,15 @@ def config_tables(config: dict, methods: list[str] = ()) -> str:
     groups: dict[str, list[tuple[str, object]]] = {"": []}  # "": the top-level values
     for key, value in sorted(config.items()):
         if isinstance(value, dict) and value:
-            groups[key] = sorted(value.items())
+            groups[key] = _rows_of(value)
         else:
             groups[""].append((key, value))
     out = ['<div class="config">']
     for section, rows in groups.items():
         prefix = f"{section}." if section else ""
         body = "".join(
-            _row(prefix + k, k, v, section == "methods" and k in methods) for k, v in rows
+            _row(prefix + k, k, v, k.rpartition(".")[2] in methods and "methods" in section + k)
+            for k, v in rows
         )
         caption = html.escape(section or "run folder")
         if rows:
@@ -184,7 +200,7 @@ def certificate_links(units: list[str], where: Path | None, page: Path) -> dict[
         for ext in ("html", "pdf"):
             path = Path(where) / f"{name}.{ext}"
             if path.is_file():
-                rel = os.path.relpath(path.resolve(), page.resolve().parent)
+                rel = os.path.relpath(os.path.abspath(path), os.path.abspath(page.parent))
                 href = quote(Path(rel).as_posix())
                 links.append(f'<a class="certificate" href="{href}">certificate ({ext})</a>')
         if links:
@@ -251,4 +267,6 @@ def run_unit_rows(means: pd.DataFrame, methods: list[str], unit: str) -> dict:
         )
         table = f'<table class="unit"><tr><th>method</th>{head}</tr>{body}</table>'
         out[str(client)] = (line, table)
-    return out
+    roles = means.drop_duplicates("client").set_index("client")["role"].astype(str)
+    first = {"new": 0, "reference": 1}  # new units first: they are what a reader checks
+    return dict(sorted(out.items(), key=lambda kv: (first.get(roles.get(kv[0], ""), 2), kv[0])))
