@@ -245,3 +245,26 @@ def test_the_server_learns_each_groups_sum_and_nothing_finer(runs, toy, tmp_path
     # what went on the wire in a secure round: no sensor's statistics
     for t, _, data in wire:
         assert b"gls_rhs" not in data or t < 0
+
+
+def test_a_group_that_loses_a_site_beyond_its_threshold_is_left_out_not_the_round(
+    toy, tmp_path
+) -> None:
+    """Groups of two sites (threshold 2): the reply of sensor 0's site is lost in round 1.
+    That group cannot be unmasked; the round goes on with the other groups, the group-mate
+    sits it out (as a failed site: its state rolled back), and both are back in round 2
+    (before, such a group failed the whole round)."""
+    from fedcal.engine.flower.loop import run_federation
+
+    lost_node = 100  # sensor 0's site
+    mate = next(n for n in range(101, 100 + UNITS) if n % 6 == lost_node % 6)
+    fed = federation(_config("full"), "fedprior", seed=0, secure=SecureAggregation(groups=6))
+    lost = lambda t: {lost_node} if t == 1 else set()  # noqa: E731
+    run_federation(fed, InProcess(node_cfgs(toy, tmp_path / "g"), 9, lost=lost))
+    entry = next(e for e in fed.log if e.get("round") == 1 and "asked" in e)
+    gone = {0, mate - 100}
+    assert entry["trained"] == [i for i in range(UNITS) if i not in gone]
+    assert fed.failed["1"][mate - 100].endswith("its group fell below its threshold")
+    assert fed.secure_sums[1].count == UNITS - 2 and len(fed.secure_sums[1].groups) == 5
+    later = next(e for e in fed.log if e.get("round") == 2 and "asked" in e)
+    assert later["trained"] == list(range(UNITS))  # both back in the next round

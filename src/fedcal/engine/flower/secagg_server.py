@@ -52,16 +52,28 @@ class _Protocol:
     ring: dict[int, list[int]]  # site → its neighbours
     thr: dict[int, int]  # site → shares needed to rebuild its secrets
     failures: dict[int, str] = field(default_factory=dict)
+    group: dict[int, int] = field(default_factory=dict)  # site → its group (secagg-groups)
 
-    def alive(self, group: set[int], step: str) -> None:
-        """Every site of ``group`` still has its threshold of live neighbours."""
-        for n in sorted(group):
-            have = len(set(self.ring[n]) & group)
-            if have < self.thr[n]:
-                raise SecureAggregationError(
-                    f"round {self.t}: secure aggregation {step}: site {n} has {have} live "
-                    f"neighbours, threshold {self.thr[n]}; failed: {self.failures}"
-                )
+    def alive(self, live: set[int], step: str) -> set[int]:
+        """The sites of ``live`` that go on: every one still has its threshold of live
+        neighbours. In a grouped run a group where one has not is left out of the round
+        (its live sites failed), the others go on; else (or when no group is left) the
+        round fails."""
+        short = [n for n in sorted(live) if len(set(self.ring[n]) & live) < self.thr[n]]
+        if not short:
+            return live
+        lost = {self.group[n] for n in short} if self.group else set()
+        keep = {n for n in live if self.group and self.group[n] not in lost}
+        if not self.group or not keep:
+            n = short[0]
+            raise SecureAggregationError(
+                f"round {self.t}: secure aggregation {step}: site {n} has "
+                f"{len(set(self.ring[n]) & live)} live neighbours, threshold {self.thr[n]}; "
+                f"failed: {self.failures}"
+            )
+        for n in sorted(live - keep):
+            self.failures[n] = f"secure aggregation {step}: its group fell below its threshold"
+        return keep
 
 
 def secure_exchange(
@@ -100,11 +112,13 @@ def secure_exchange(
     ring: dict[int, list[int]] = {}
     for g in sorted(set(group.values())):  # the masks cancel within each group's sum
         ring.update(neighbours([n for n in training if group[n] == g], settings.shares))
-    run = _Protocol(t, ring, {n: threshold_of(settings, len(ring[n])) for n in training})
+    thr = {n: threshold_of(settings, len(ring[n])) for n in training}
+    run = _Protocol(t, ring, thr, group=group if settings.groups >= 2 else {})
     run.failures.update({n: "secure aggregation: alone in its group this round" for n in alone})
     pks = _setup(run, transport, training)
     u2, inbox = _share_keys(run, transport, pks)
     replies, masked, included = _collect(run, transport, contents, training, u2, inbox, layout)
+    u2 = {n for n in u2 if group[n] in {group[m] for m in masked}}  # groups left out: gone
     totals = _unmask(run, transport, u2, masked, pks, layout, group)
     with np.errstate(over="ignore"):
         total = np.zeros(layout.size, dtype=np.uint64)
@@ -142,8 +156,8 @@ def _setup(run: _Protocol, transport, training: list[int]) -> dict[int, tuple[by
     replies, failed = _relay(transport, msgs, t)
     run.failures.update({n: f"secure aggregation setup: {why}" for n, why in failed.items()})
     pks = {n: (bytes(r[SECAGG]["pk1"]), bytes(r[SECAGG]["pk2"])) for n, r in replies.items()}
-    run.alive(set(pks), Stage.SETUP)
-    return pks
+    live = run.alive(set(pks), Stage.SETUP)
+    return {n: k for n, k in pks.items() if n in live}
 
 
 def _share_keys(
@@ -166,10 +180,11 @@ def _share_keys(
         )
     replies, failed = _relay(transport, msgs, t)
     run.failures.update({n: f"secure aggregation share-keys: {why}" for n, why in failed.items()})
-    u2 = set(replies)
-    run.alive(u2, "share-keys")
+    u2 = run.alive(set(replies), "share-keys")
     inbox: dict[int, tuple[list[int], list[bytes]]] = {n: ([], []) for n in u2}
     for src, rep in replies.items():
+        if src not in u2:
+            continue
         for dst, ctxt in zip(rep[SECAGG]["dsts"], rep[SECAGG]["ctxts"], strict=True):
             if int(dst) in u2 and int(dst) in ring[src]:
                 inbox[int(dst)][0].append(src)
@@ -213,7 +228,10 @@ def _collect(
             replies.pop(n)
             continue
         masked[n], included[n] = y, inc
-    run.alive(set(masked), Stage.COLLECT)
+    live = run.alive(set(masked), Stage.COLLECT)
+    for n in set(masked) - live:  # its group was left out: its reply is not the round's
+        del masked[n], included[n]
+        replies.pop(n, None)
     return replies, masked, included
 
 
