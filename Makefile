@@ -4,8 +4,9 @@
 #               polynomial, fedcal's fleet prior (with its interval coverage) and FedGMI (the
 #               seed's method), new and reference units apart; write the HTML report
 #   make test   install (first time) and run the test suite
-# Both install everything (".[all]": core + flower, onnx, studies, dev); a core-only install
-# is `pip install .` (docs/getting-started.md#install).
+# Both install everything (".[all]": core + neural (torch), flower, onnx, studies, dev); a
+# core-only install, without torch (a calibration station: calibrate, predict, export,
+# certificate, report), is `pip install .` (docs/getting-started.md#install).
 # The seed's protocol instead: .venv/bin/fedcal run --config seed
 # torch's CPU-only build (a smaller download, no CUDA libraries), on a machine with internet:
 #   make run TORCH_INDEX=https://download.pytorch.org/whl/cpu

@@ -76,25 +76,32 @@ class InProcess:
                 for n, c in contents.items()
             }, {}
 
+        def hostile_round(c, cfg, run_id):  # a hostile site tampers before it masks its sum
+            return self._tampered(t, run_round(c, cfg, run_id))
+
         def run(c, cfg):
-            return (
-                site_round(c, cfg, self.run_id, run_round)
-                if SECAGG in c
-                else run_round(c, cfg, self.run_id)
-            )
+            if SECAGG not in c:
+                return run_round(c, cfg, self.run_id)
+            return site_round(c, cfg, self.run_id, hostile_round if self.tamper else run_round)
 
         replies = {n: self._deliver(t, n, run(c, self.node_cfgs[n])) for n, c in contents.items()}
         gone = {n: "reply lost" for n in (self.lost(t) if self.lost else set()) if n in replies}
         return {n: r for n, r in replies.items() if n not in gone}, gone
 
+    def _tampered(self, t: int, reply: RecordDict) -> RecordDict:
+        """``reply`` with each sensor's part as ``tamper`` rewrites it (a secure site's
+        statistics are tampered with before they are masked: that is where it can)."""
+        from fedcal.engine.flower.wire import join_parts, split_parts
+
+        if self.tamper is None:
+            return reply
+        parts, common, _ = split_parts(reply)
+        return join_parts({i: self.tamper(t, i, p) for i, p in parts.items()}, common)
+
     def _deliver(self, t: int, n: int, reply: RecordDict) -> RecordDict:
         from flwr.common.serde import recorddict_to_proto
 
-        from fedcal.engine.flower.wire import join_parts, split_parts
-
-        if self.tamper is not None:
-            parts, common, _ = split_parts(reply)
-            reply = join_parts({i: self.tamper(t, i, p) for i, p in parts.items()}, common)
+        reply = self._tampered(t, reply)
         self.wire.append((t, n, recorddict_to_proto(reply).SerializeToString()))
         return reply
 

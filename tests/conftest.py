@@ -7,11 +7,15 @@ import os
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 
 from fedcal.data.fleet import Fleet
 
-torch.set_num_threads(1)
+try:
+    import torch
+except ImportError:  # the core install (no torch): CI runs tests/prior/test_torch_free.py there
+    torch = None
+else:
+    torch.set_num_threads(1)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -25,6 +25,7 @@ which ``fedcal report --html`` turns into a calibration report per unit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, replace
@@ -43,7 +44,6 @@ from fedcal.config import DataConfig, RunConfig, from_dict
 from fedcal.core import runnames
 from fedcal.core.bayes import F64, predictive_var
 from fedcal.core.data import ClientData
-from fedcal.core.paths import safe_name
 from fedcal.core.tree import Tree, expand, gather
 from fedcal.data.fleet import Fleet
 from fedcal.data.scaling import Scaler
@@ -59,6 +59,7 @@ from fedcal.experiment import (
     valid_ranges,
 )
 from fedcal.prior.discrepancy import Discrepancy, unit_scale
+from fedcal.prior.find import find_prior  # noqa: F401 (torch-free; re-exported)
 from fedcal.prior.model import PriorModel
 from fedcal.prior.qa import (  # the range guard, QA threshold and grid: torch-free, re-exported
     GRID_POINTS,  # noqa: F401  (calibration.GRID_POINTS: tests/report/test_calibration_report.py)
@@ -73,20 +74,6 @@ NOISE_ITERATIONS = 25  # fixed-point iterations of a unit's own noise level (con
 DISTANCE_CHUNK = 4096  # units per batched solve of the fleet distance (memory bound)
 GRID_CHUNK = 512  # units per σ grid evaluation: (units, grid) float64, ~8 MB (fastest measured)
 GRID_RANK_TOL = 1e-11  # singular values of the grid's pair products kept (relative): not rounding
-
-
-def find_prior(path: str | Path, method: str = "fedprior", seed: int = 0, train_points: int = 0):
-    """``prior.json`` itself, or the one of ``method``/``seed`` in a run directory."""
-    path = Path(path)
-    if path.exists() and not path.is_dir():  # a FIFO or device too: load_prior refuses it
-        return path
-    folder = runnames.run_name(safe_name(method, "--method"), train_points, seed)
-    candidate = path / runnames.RUNS / folder / runnames.PRIOR
-    if not candidate.exists():
-        found = sorted(p.parent.name for p in path.glob(f"{runnames.RUNS}/*/{runnames.PRIOR}"))
-        hint = f"; runs with a prior: {', '.join(found)}" if found else ""
-        raise FileNotFoundError(f"no fleet prior at {candidate}{hint}")
-    return candidate
 
 
 def load_prior(path: Path) -> PriorModel:
@@ -595,3 +582,30 @@ def prior_algorithm(prior: PriorModel, source: str = "prior.json", timed: bool =
     ):
         raise ValueError("prior.json: its basis terms do not match its method parameters")
     return algorithm
+
+
+RECORD_FEATURES = range(1, 9)  # input counts the torch-free calibrate's record covers
+
+
+def record_template() -> dict[str, Any]:
+    """What a calibrate output's config.json and model file hold that is fedcal's defaults,
+    not the prior's: the run record of the default configuration (:func:`_config` less the
+    prior's columns and method), the model settings and, per input count, the task model's
+    repr and head layers. Shipped as ``fedcal/prior/calibrate_record.json`` for
+    :mod:`fedcal.prior.calibrate_dir` (no torch); tests/prior/test_calibrate_dir.py holds
+    the file equal to this (``python -m fedcal.calibration`` rewrites it)."""
+    cfg = replace(from_dict({}, "defaults"), data=DataConfig(), methods=(), seeds=1)
+    tasks = {str(n): build_task(cfg, n) for n in RECORD_FEATURES}
+    return {
+        "config": run_record(cfg, [], [0]),
+        "model": dataclasses.asdict(cfg.model),
+        "model_repr": {n: repr(t.model) for n, t in tasks.items()},
+        "head_layers": {n: t.head_layers for n, t in tasks.items()},
+    }
+
+
+if __name__ == "__main__":  # rewrite the shipped record (fedcal/prior/calibrate_record.json)
+    from fedcal.prior.calibrate_dir import TEMPLATE
+
+    TEMPLATE.write_text(json.dumps(record_template(), indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {TEMPLATE}")

@@ -44,13 +44,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-import torch
 
-from fedcal.core.aggregation import is_downweighting
-from fedcal.models.basis import legendre_exponents, legendre_products
+if TYPE_CHECKING:  # torch only where a status is computed (own_fit_rmse), not to read one
+    import torch
 
 
 class Status(StrEnum):
@@ -93,6 +93,10 @@ def own_fit_rmse(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.
     first of :data:`OWN_FIT_DEGREES` with p(d) ≤ n_i / 2 (at least as many residual degrees
     of freedom as terms); RMSE = √(‖y − Φĉ‖² / n_i) with ĉ the minimum-norm solution.
     """
+    import torch
+
+    from fedcal.models.basis import legendre_exponents, legendre_products
+
     x, m = x.to(torch.float64), mask.to(torch.float64)
     y = y.to(torch.float64).reshape(m.shape)
     n = m.sum(1)
@@ -240,6 +244,8 @@ def _final_records(
 ) -> tuple[dict[int, Mapping], dict[int, Mapping]]:
     """Per client index, its last rejection and its last down-weighting in the final rounds
     (a down-weighting is no rejection: its reply was aggregated; ok, said in its reason)."""
+    from fedcal.core.aggregation import is_downweighting
+
     late: dict[int, Mapping] = {}
     lowered: dict[int, Mapping] = {}
     for r in rejections:

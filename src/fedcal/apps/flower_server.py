@@ -28,6 +28,8 @@ Run config (declared in the Flower app's ``pyproject.toml``)::
     secagg-bits   fraction bits b of the fixed point (1 … 84; quantum q = R·2⁻ᵇ)
     secagg-shares neighbours per site incl. itself (SecAgg+ ring; 0: all sites)
     secagg-threshold  share of a site's neighbours whose key shares reconstruct its secrets
+    secagg-groups 0: one secure sum; G >= 2: one per fixed group of sites, each checked
+                  and (G >= 3) judged against the others' (robust fedprior, issue 36.2)
 
 A SuperNode that fails or does not answer within ``reply-timeout`` sits out
 that round and is asked again the next (its state is on its disk); one that
@@ -160,7 +162,7 @@ def federation(
             interval=values.get("interval", defaults.get("interval", "posterior")),
             robust=values.get("robust", defaults.get("robust", "off")),
         )
-        why = refusal(declared, build_policy(config)[0])
+        why = refusal(declared, build_policy(config)[0], secure)
         if why is not None:
             raise ConfigError(why)
     return Federation(
@@ -192,6 +194,7 @@ def secure_settings(cfg: dict[str, Any]) -> SecureAggregation | None:
         shares=int(cfg.get("secagg-shares", default.shares)),
         threshold=float(cfg.get("secagg-threshold", default.threshold)),
         bits=int(cfg.get("secagg-bits", default.bits)),
+        groups=int(cfg.get("secagg-groups", default.groups)),
     )
 
 

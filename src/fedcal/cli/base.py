@@ -49,8 +49,10 @@ class _App(typer.Typer):
         except Exception as err:
             if debug:
                 raise
-            if _missing_torch(err):
-                sys.stderr.write(f"fedcal: {NO_TORCH}\n")
+            if _missing_torch(err):  # what needed it (a model the NumPy path does not cover)
+                why = str(err).splitlines()[0] if str(err) else ""
+                why = "" if why.startswith("No module named") else f"{why}: "
+                sys.stderr.write(f"fedcal: {why}{NO_TORCH}\n")
                 sys.exit(3)
             text = str(err).strip().splitlines()
             detail = f": {text[0]}" if text else ""
@@ -62,9 +64,9 @@ class _App(typer.Typer):
 
 
 NO_TORCH = (
-    "this command needs torch, which is not installed: pip install torch==2.13.0 "
-    "(the CPU build: docs/getting-started.md#install); a stored prior's calibration without "
-    "torch: fedcal.prior.station (docs/python-api.md)"
+    "this needs torch, which is not installed: pip install 'fedcal[neural]' (the CPU build: "
+    "docs/getting-started.md#install); without it: calibrate, predict, export (c, json), "
+    "certificate and report of a fedprior prior"
 )
 
 

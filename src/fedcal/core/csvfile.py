@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from fedcal.core.atomic import write_with
 from fedcal.core.paths import read_text
 from fedcal.core.runfiles import RunFileError
 
@@ -46,3 +47,15 @@ def read_table(
     if required and len(frame) == 0:
         raise RunFileError(f"{path}: no rows")
     return frame
+
+
+def write_table(path: str | Path, frame: pd.DataFrame) -> None:
+    """``frame`` as CSV, atomically, written 10,000 rows at a time into the temporary file
+    (pandas' ``chunksize``): a 100,000-sensor table is never held as one string too."""
+
+    def write(tmp: Path) -> None:
+        # exclusive, as every writer (core.atomic); UTF-8 whatever the locale
+        with open(tmp, "x", newline="", encoding="utf-8") as fh:
+            frame.to_csv(fh, index=False, chunksize=10_000)
+
+    write_with(Path(path), write)

@@ -47,7 +47,8 @@ unit. Two defences, both pure functions of one round's per-unit uploads:
    iteration amplifies).
 
 Both need each unit's own upload; under secure aggregation (the server sees only sums)
-neither applies and the M-step is the plain sum (docs/safety.md says so).
+neither applies: with one sum the M-step is the plain sum, with groups of sites
+(``secagg-groups``) their summed counterparts judge groups (:mod:`fedcal.core.group_check`).
 """
 
 from __future__ import annotations

@@ -315,14 +315,13 @@ def check_model_params(path: str | Path, sensor: str, leaves: dict[str, Any]) ->
     ``*_cov``) — what prior.json's Σ and σ² are held to (:func:`check_prior`) — and a
     deployed unit's discrepancy terms in range (:func:`_check_gp`)."""
     where = f"{path}: sensor {sensor!r}"
-    for name, tensor in leaves.items():
-        if str(tensor.dtype) not in MODEL_DTYPES:
-            raise RunFileError(
-                f"{where}: {name}: dtype {str(tensor.dtype).removeprefix('torch.')}, "
-                "expected float32 or float64"
-            )
+    for name, tensor in leaves.items():  # torch tensors, or NumPy arrays (report/served.py)
+        kind = str(tensor.dtype).removeprefix("torch.")
+        if f"torch.{kind}" not in MODEL_DTYPES:
+            raise RunFileError(f"{where}: {name}: dtype {kind}, expected float32 or float64")
         leaf = name.rsplit("/", 1)[-1]
-        values = tensor.detach().double().numpy()
+        detached = tensor.detach() if hasattr(tensor, "detach") else tensor
+        values = np.asarray(detached, dtype=np.float64)
         if leaf.endswith("noise_var") and not (values > 0).all():
             raise RunFileError(f"{where}: {name}: a noise variance <= 0")
         if leaf.endswith("_var") and not (values >= 0).all():

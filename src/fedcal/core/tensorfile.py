@@ -28,25 +28,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fedcal.core.arrayfile import TensorFileError  # the torch-free reader's (re-exported)
 from fedcal.core.atomic import write_bytes
 from fedcal.core.paths import PathError, read_regular
 from fedcal.core.tree import Tree
 
-FORMAT = "fedcal-trees/1"
+FORMAT = "fedcal-trees/1"  # = fedcal.core.arrayfile.FORMAT
 _META_KEY = "fedcal"
 _BLOB = "__blob__/"
-
-
-class TensorFileError(ValueError):
-    """A model or checkpoint file that cannot be used; ``str()`` names the file."""
-
-    def __init__(self, path: str | Path, problem: str) -> None:
-        self.path = str(path)
-        self.problem = problem
-        super().__init__(f"{self.path}: {problem}")
-
-    def __reduce__(self):
-        return (type(self), (self.path, self.problem))
 
 
 def _skeleton(tree: Mapping, prefix: str, flat: dict[str, Tensor]) -> dict:

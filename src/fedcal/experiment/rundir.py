@@ -13,7 +13,8 @@ import pandas as pd
 
 from fedcal.config import ConfigError
 from fedcal.core import runnames
-from fedcal.core.atomic import write_text, write_with
+from fedcal.core.atomic import write_text
+from fedcal.core.csvfile import write_table
 from fedcal.core.paths import read_json
 from fedcal.data.fleet import Fleet
 from fedcal.status import COUNT_COLUMNS
@@ -68,15 +69,8 @@ def _write_text(path: Path, text: str) -> None:
 
 
 def _write_csv(path: Path, frame: pd.DataFrame) -> None:
-    """``frame`` as CSV, atomically, written 10,000 rows at a time into the temporary file
-    (pandas' ``chunksize``): a 100,000-sensor table is never held as one string too."""
-
-    def write(tmp: Path) -> None:
-        # exclusive, as every writer (core.atomic); UTF-8 whatever the locale
-        with open(tmp, "x", newline="", encoding="utf-8") as fh:
-            frame.to_csv(fh, index=False, chunksize=10_000)
-
-    write_with(path, write)
+    """:func:`fedcal.core.csvfile.write_table` (atomic, chunked; torch-free)."""
+    write_table(path, frame)
 
 
 def _data_digest(variants: list[tuple[dict[str, Any], Fleet]]) -> str:

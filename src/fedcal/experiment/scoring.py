@@ -16,6 +16,7 @@ from fedcal.build import (
     FleetOutline,
 )
 from fedcal.core.coverage import SEVERITY, coverage_check
+from fedcal.core.summarystats import HIGHER_IS_BETTER, fleet_stat  # noqa: F401 (re-exported)
 from fedcal.core.task import Task
 from fedcal.data.fleet import Fleet
 from fedcal.engine.simulation import (
@@ -25,7 +26,6 @@ from fedcal.status import counts as status_counts
 
 # Metrics whose worst sensor is the minimum: accuracy, and the coverage of nominal 95 %
 # intervals (worst = farthest below nominal). Every other metric is an error (worst = max).
-HIGHER_IS_BETTER = {"accuracy", "coverage95"}
 
 
 def full_scale(fleet: Fleet | FleetOutline) -> float:
@@ -34,20 +34,6 @@ def full_scale(fleet: Fleet | FleetOutline) -> float:
         return fleet.full_scale
     values = fleet.frame[fleet.target].to_numpy(float)
     return float(values.max() - values.min())
-
-
-def fleet_stat(values: pd.Series, how: str, name: str) -> float:
-    """Mean or worst of one metric over sensors; NaN if any sensor's value is not finite.
-
-    A diverged sensor (NaN or ±inf) must show in the summary, not vanish from
-    a mean (pandas skips NaN by default) or turn it into an infinite number.
-    """
-    v = values.to_numpy(dtype=float)
-    if len(v) == 0 or not np.isfinite(v).all():
-        return float("nan")
-    if how == "mean":
-        return float(v.mean())
-    return float(v.min() if name in HIGHER_IS_BETTER else v.max())
 
 
 def summary_row(

@@ -36,7 +36,7 @@ import pandas as pd
 from fedcal.core import runnames
 from fedcal.core.paths import read_regular
 from fedcal.prior.model import PriorModel
-from fedcal.report.export import RANGE_MARGIN, choose_method, load_models, range_bounds
+from fedcal.report.export import RANGE_MARGIN, choose_method, range_bounds
 from fedcal.report.rundir import plateaus, read_table
 from fedcal.report.tables import UNITS
 
@@ -238,6 +238,7 @@ class CalibrationRun:
     @classmethod
     def open(cls, run_dir: str | Path) -> CalibrationRun:
         from fedcal.report.rundir import check_plausible, read_valid_ranges
+        from fedcal.report.served import load_served_models
 
         run_dir = Path(run_dir)
         if not (run_dir / runnames.UNITS).is_file():
@@ -252,7 +253,8 @@ class CalibrationRun:
         summary = read_table(run_dir / runnames.SUMMARY)
         note = summary.get("coverage_note", pd.Series([""])).fillna("").iloc[0]
         stamp = (run_dir / runnames.UNITS).stat().st_mtime
-        models = load_models(run_dir, method, drop_diverged=True)  # a failed unit: no model
+        # a failed unit: no model; without torch the NumPy path (report/served.py)
+        models = load_served_models(run_dir, method, drop_diverged=True)
         ranges = read_valid_ranges(run_dir, method, 0, 0)
         check_plausible(models, ranges, prior_path.parent / runnames.MODEL)  # as predict
         return cls(

@@ -15,18 +15,19 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from fedcal.config import ConfigError, from_json
 from fedcal.core import runnames
-from fedcal.core.algorithm import Algorithm
-from fedcal.core.errors import did_you_mean
+from fedcal.core.errors import ConfigError, did_you_mean
 from fedcal.core.paths import read_json
-from fedcal.core.tree import Tree, flatten, stack
 from fedcal.data.scaling import Scaler
 from fedcal.status import Status
+
+if TYPE_CHECKING:  # torch is imported where a torch model is evaluated (issue 37.1)
+    from fedcal.core.algorithm import Algorithm
+    from fedcal.core.tree import Tree
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,10 @@ class CalibratedFleet:
             raise KeyError(
                 f"sensor {sensor!r} is not in this run; known: {', '.join(sorted(self.params))}"
             )
+        import torch
+
+        from fedcal.core.tree import stack
+
         params = stack([self.params[sensor]])
         dtype = next(iter(params.values())).dtype
         x = torch.as_tensor(self.scaler.x(np.asarray(x_raw, float)), dtype=dtype).unsqueeze(0)
@@ -90,6 +95,10 @@ class CalibratedFleet:
         treats ±ψᵀm_h as Gaussian: wider than the model's 95 % interval, a second interval
         that disagrees with the scored one. So this one is stated, not 1.96 σ.
         """
+        import torch
+
+        from fedcal.core.tree import stack
+
         column = sensor_column or self.sensor_column
         half = np.full(len(frame), np.nan)
         x_all = frame[list(self.features)].to_numpy(float)
@@ -117,6 +126,10 @@ class CalibratedFleet:
         sensors = sorted(self.params)
         if not sensors or getattr(self.algorithm, "predictive_std", None) is None:
             return []
+        import torch
+
+        from fedcal.core.tree import stack
+
         params = stack([self.params[s] for s in sensors])
         dtype = next(iter(params.values())).dtype
         at = torch.as_tensor(self.scaler.x_offset, dtype=dtype).reshape(1, 1, -1)
@@ -298,9 +311,11 @@ def load_models(
     so export and predict serve every other sensor. Every sensor refused: a ValueError.
     """
     from fedcal.build import build_recorded
+    from fedcal.config import from_json
     from fedcal.core.paths import read_json, safe_name
     from fedcal.core.runfiles import check_model_meta, check_model_params
     from fedcal.core.tensorfile import TensorFileError, check_finite
+    from fedcal.core.tree import flatten
     from fedcal.experiment import MODEL_FILE, load_model_file
 
     run_dir = Path(run_dir)
@@ -423,7 +438,7 @@ def to_json(fleet: CalibratedFleet, valid_range: dict | None = None, method: str
             "valid_range": valid_range or {},
             "excluded": dict(fleet.excluded),
             "sensors": {
-                sid: {k: v.double().tolist() for k, v in p.items()}
+                sid: {k: np.asarray(v, dtype=np.float64).tolist() for k, v in p.items()}
                 for sid, p in fleet.params.items()
             },
         },

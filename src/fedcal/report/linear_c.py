@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from fedcal.models.basis import LEGENDRE, MONOMIAL, basis_family
+from fedcal.models.families import LEGENDRE, MONOMIAL, basis_family
 from fedcal.report.gp_export import c_lines
 from fedcal.report.linear_export import STAGES, LinearForm
 

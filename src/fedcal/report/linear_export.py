@@ -45,10 +45,10 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from fedcal.core.tree import stack
-from fedcal.models.basis import LEGENDRE, basis_family
+from fedcal.models.families import LEGENDRE, basis_family
+from fedcal.prior import legendre as np_legendre
+from fedcal.prior import posterior
 from fedcal.report.gp_export import JSON_FORMULA, DeployedSigma, deployed_sigma, json_unit
 
 # C types of the stages, each overridable with -D at compile time (for the precision study).
@@ -114,6 +114,11 @@ class LinearForm:
         """Per input order n: the basis values and their derivatives d/du (rows, F) each,
         from the registered family (:data:`fedcal.models.basis.FAMILIES`) in float64."""
         top = int(self.terms.max(initial=0))
+        if self.basis == LEGENDRE.name:  # its NumPy recurrence (fedcal.prior.legendre): no torch
+            u = np.asarray(u, np.float64)
+            return np_legendre.legendre(u, top), np_legendre.legendre_derivatives(u, top)
+        import torch
+
         family, ut = basis_family(self.basis), torch.from_numpy(np.asarray(u, np.float64))
         per = [v.numpy() for v in family.values(ut, top)]
         der = [d.numpy() for d in family.derivatives(ut, top)]
@@ -200,17 +205,31 @@ def _factor(q: np.ndarray) -> np.ndarray:
 def linear_form(fleet, method: str = "") -> LinearForm | None:
     """The basis form of a run's models, or None when the method is not linear in a basis.
 
-    ``fleet`` is a :class:`fedcal.report.export.CalibratedFleet`.
+    ``fleet`` is a :class:`fedcal.report.export.CalibratedFleet`; one evaluated in NumPy
+    (:class:`fedcal.report.served.StationFleet`, no torch) gives its fedprior form from
+    :func:`fedcal.prior.posterior.variance_form`, the same (Q, s).
     """
+    if fleet.algorithm is None and hasattr(fleet, "units"):  # report/served.py: NumPy
+        sensors = tuple(sorted(fleet.params))
+        units = fleet.units(list(sensors))
+        p = len(fleet.terms)
+        coef = np.zeros_like(units.coef)
+        coef[:, :p] = units.coef[:, :p]  # the branch average: h does not enter ŷ
+        q, add_var = posterior.variance_form(units)
+        parts = (LEGENDRE.name, [*fleet.terms, *fleet.branch_terms], coef, q, add_var, None)
+        return _form(method, sensors, *parts, units.box[:, 0], units.box[:, 1])
+    import torch
+
     from fedcal.algorithms.fedpoly import FedPoly
     from fedcal.algorithms.fedprior import FedPrior
     from fedcal.algorithms.leastsq import LeastSquares
     from fedcal.algorithms.polynomial import RANGE_MARGIN, PolynomialCalibration
+    from fedcal.core.tree import stack
 
     alg = fleet.algorithm
     sensors = tuple(sorted(fleet.params))
     params = {k: v.to(torch.float64) for k, v in stack([fleet.params[s] for s in sensors]).items()}
-    lo = hi = factor = add_var = box_lo = box_hi = stated = deployed = None
+    lo = hi = q = add_var = box_lo = box_hi = deployed = None
     per_unit = True
     if isinstance(alg, FedPrior):
         basis = LEGENDRE.name
@@ -240,6 +259,20 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
         coef = params["coef"].numpy()
     else:
         return None
+    return _form(
+        method or getattr(alg, "name", ""), sensors, basis, terms, coef, q, add_var, deployed,
+        box_lo, box_hi, lo, hi, per_unit,
+    )  # fmt: skip
+
+
+def _form(
+    method: str, sensors: tuple[str, ...], basis: str, terms: list, coef: np.ndarray,
+    q: np.ndarray | None, add_var: np.ndarray | None, deployed: DeployedSigma | None,
+    box_lo: np.ndarray | None, box_hi: np.ndarray | None, lo: np.ndarray | None = None,
+    hi: np.ndarray | None = None, per_unit: bool = True,
+) -> LinearForm:  # fmt: skip
+    """The :class:`LinearForm` of a method's numbers: the used terms, the σ factor."""
+    factor = stated = None
     # Terms no unit uses (a basis chosen by the fleet's evidence zeroes the others) are dropped.
     used = np.any(coef != 0, 0) | np.isnan(coef).any(0)
     if factor is None and add_var is not None:
@@ -261,7 +294,7 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
             add_var = np.where(stated, add_var, 0.0)
             stated = None if stated.all() else stated
     return LinearForm(
-        method or getattr(alg, "name", ""),
+        method,
         basis,
         np.asarray(terms, dtype=int)[used].reshape(-1, len(terms[0]) if terms else 0),
         coef[:, used],
@@ -302,17 +335,9 @@ def check_form(fleet, form: LinearForm, valid_range: dict | None = None) -> None
     be NaN in both.
     """
     s = fleet.scaler
-    params = {
-        k: v.to(torch.float64)
-        for k, v in stack([fleet.params[sid] for sid in form.sensors]).items()
-    }
     z = np.stack([s.x(probe_points(fleet, valid_range, sid)) for sid in form.sensors])
-    zt = torch.as_tensor(z, dtype=torch.float64)
-    with torch.no_grad():
-        want = fleet.algorithm.predict(params, zt)[..., 0].double().numpy()
-        method = getattr(fleet.algorithm, "predictive_std", None)
-        want_std = method(params, zt) if method is not None else None
-    none_stated = want_std is None or not bool(torch.isfinite(want_std).any())
+    want, want_std = _model_values(fleet, form, z)
+    none_stated = want_std is None or not bool(np.isfinite(want_std).any())
     if none_stated != (not form.has_std):
         raise ValueError(f"{form.method}: the form and the model disagree on having a σ")
     tol = 1e-9
@@ -325,12 +350,35 @@ def check_form(fleet, form: LinearForm, valid_range: dict | None = None) -> None
                 f"model's predict by {gap:.3g}: not exported"
             )
         if std is not None and want_std is not None:
-            ref = want_std[i, :, 0].double().numpy()
+            ref = want_std[i]
             if not np.allclose(std, ref, rtol=tol, atol=0, equal_nan=True):
                 raise ValueError(
                     f"{form.method}: the exported σ of sensor {sensor} differs from the model's "
                     "predictive_std (a variance term outside variance_form?): not exported"
                 )
+
+
+def _model_values(fleet, form: LinearForm, z: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """(ŷ, σ or None) of the model itself at scaled inputs ``z`` (units, rows, F), scaled:
+    the algorithm's ``predict``/``predictive_std`` (torch), or for a NumPy-evaluated fleet
+    (report/served.py) :func:`fedcal.prior.posterior.predict` / ``predictive_std``."""
+    if fleet.algorithm is None and hasattr(fleet, "units"):
+        units = fleet.units(list(form.sensors))
+        return posterior.predict(units, z), posterior.predictive_std(units, z)
+    import torch
+
+    from fedcal.core.tree import stack
+
+    params = {
+        k: v.to(torch.float64)
+        for k, v in stack([fleet.params[sid] for sid in form.sensors]).items()
+    }
+    zt = torch.as_tensor(z, dtype=torch.float64)
+    with torch.no_grad():
+        want = fleet.algorithm.predict(params, zt)[..., 0].double().numpy()
+        method = getattr(fleet.algorithm, "predictive_std", None)
+        std = method(params, zt) if method is not None else None
+    return want, None if std is None else std[..., 0].double().numpy()
 
 
 def json_block(fleet, form: LinearForm) -> dict:

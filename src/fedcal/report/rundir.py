@@ -10,24 +10,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
-import torch
 
-from fedcal.config import RunConfig, from_json
 from fedcal.core import runnames
 from fedcal.core.csvfile import read_table  # torch-free; read_table is re-exported here
 from fedcal.core.paths import PathError, read_json, safe_name
 from fedcal.core.runfiles import RunFileError, check_valid_ranges
-from fedcal.core.tree import stack
 from fedcal.data.fleet import SPLIT_COLUMN, Fleet
 from fedcal.report.export import CalibratedFleet, load_models
 from fedcal.status import Status
 
+if TYPE_CHECKING:  # the run's configuration and torch models: imported where used (issue 37.1)
+    from fedcal.config import RunConfig
+
 
 def _run_config(raw: dict) -> RunConfig:
     """The RunConfig of a run directory's config.json (:func:`fedcal.config.from_json`)."""
+    from fedcal.config import from_json
+
     return from_json(raw, "config.json")
 
 
@@ -154,6 +157,10 @@ def predictive_std(fleet: CalibratedFleet, sensor: str, x_raw: np.ndarray) -> np
     method = getattr(fleet.algorithm, "predictive_std", None)
     if method is None:
         return None
+    import torch
+
+    from fedcal.core.tree import stack
+
     params = stack([fleet.params[sensor]])
     dtype = next(iter(params.values())).dtype
     x = torch.as_tensor(fleet.scaler.x(np.asarray(x_raw, float)), dtype=dtype).unsqueeze(0)
@@ -264,8 +271,11 @@ def load_served(
 ) -> tuple[CalibratedFleet, dict]:
     """The models ``predict`` and ``export`` serve, and their valid ranges, both checked:
     :func:`load_models` (shapes, dtypes, finite, variances, covariances) and
-    :func:`check_plausible` (magnitudes against the recorded ranges)."""
-    models = load_models(run_dir, method, seed, train_points)
+    :func:`check_plausible` (magnitudes against the recorded ranges). Without torch, a
+    fedprior model is read and evaluated in NumPy (:func:`fedcal.report.served.load_station`)."""
+    from fedcal.report.served import load_served_models
+
+    models = load_served_models(run_dir, method, seed, train_points)
     ranges = read_valid_ranges(run_dir, method, seed, train_points)
     folder = runnames.run_path(run_dir, safe_name(method, "method"), train_points, seed)
     check_plausible(models, ranges, folder / runnames.MODEL)

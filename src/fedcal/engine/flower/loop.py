@@ -183,7 +183,7 @@ def _secure_round(
         log(INFO, "[fedcal] secure aggregation (SecAgg+) on; disabled: %s", "; ".join(off))
     fed.secure_sum = None
     replies, failures, fed.secure_sum = secure_exchange(
-        fed.secure, fed.secure_layout(), transport, contents, t
+        fed.secure, fed.secure_layout(), transport, contents, t, sorted(fed.sites())
     )
     out = fed.secure_sum
     log(

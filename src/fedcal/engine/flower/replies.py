@@ -197,19 +197,27 @@ def secure_update(
     claimed: Mapping[int, int],
     t: int,
     entry: dict[str, Any],
-) -> tuple[Tree, list[int]]:
-    """Round ``t``'s update from the unmasked sum alone (secure runs): ``(server, the
-    sensors in it)`` (the server unchanged and none when the sum is not finite).
+) -> tuple[Tree, list[int], list[int]]:
+    """Round ``t``'s update from the unmasked sums alone (secure runs): ``(server, the
+    sensors in the M-step, the sensors left out with their group)`` (the server unchanged
+    and none when the sum is not finite).
 
     The algorithm's ``server_update`` reads sums and the count of units only
     (``reply_aggregation = "sum"``), so it is given the sum as one row and N − 1
-    rows of zeros: the same sums, the same N. Screening, robust rules and per-reply
-    checks need each reply and do not run (:func:`fedcal.engine.flower.secagg.disabled`).
+    rows of zeros: the same sums, the same N, with its per-unit robust step off (the
+    one row is no unit). Screening, robust rules and per-reply checks need each reply
+    and do not run (:func:`fedcal.engine.flower.secagg.disabled`); with ``secagg-groups``
+    a robust fedprior judges each group's sum against the others'
+    (:mod:`~fedcal.engine.flower.secagg_groups`) and leaves out the groups beyond its
+    cut-offs.
     """
+    import dataclasses
+
     import numpy as np
     import torch
 
     from fedcal.core.tree import unflatten
+    from fedcal.engine.flower.secagg_groups import judge_groups
 
     done = []
     for nid, indices in out.included.items():
@@ -231,17 +239,26 @@ def secure_update(
     }
     bad = [k for k, v in out.sums.items() if not np.isfinite(v).all()]
     if bad or not done:
-        return server, []
+        return server, [], []
+    sums, left = judge_groups(algorithm, server, out, entry)
+    used = [i for i in done if i not in left]
+    if not used:
+        return server, [], left
     stacked = {}
-    for key, v in out.sums.items():
-        rows = torch.zeros((len(done), *v.shape), dtype=torch.float64)
+    for key, v in sums.items():
+        rows = torch.zeros((len(used), *v.shape), dtype=torch.float64)
         rows[0] = torch.from_numpy(v)
         stacked[key] = rows
-    weights = torch.ones(len(done), dtype=torch.float64)
-    server = algorithm.server_update(server, unflatten(stacked), weights)
-    entry["aggregation"] = {"accepted": float(len(done)), "clipped_entries": float(out.clipped)}
+    weights = torch.ones(len(used), dtype=torch.float64)
+    plain = algorithm
+    if getattr(algorithm, "robust", "off") != "off":  # its per-unit step: the one row is no unit
+        plain = dataclasses.replace(algorithm, robust="off")
+    server = plain.server_update(server, unflatten(stacked), weights)
+    entry.setdefault("aggregation", {}).update(
+        {"accepted": float(len(used)), "clipped_entries": float(out.clipped)}
+    )
     entry["bytes_up"] = out.bytes_up
-    return server, done
+    return server, used, left
 
 
 def enough_replies(

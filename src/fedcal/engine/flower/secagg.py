@@ -53,7 +53,10 @@ rejection, client-level DP noise calibrated on per-unit clipping — and
 statistics that are not sums (fedprior's ``interval = "calibrated"`` picks one
 unit's design as the probe). :func:`refusal` names them; screening is
 disabled (said in the run's output) rather than refused, since it is on by
-default.
+default. fedprior's robust M-step runs with ``groups`` ≥ 2 (issue 36.2): one
+secure sum per fixed group of at least two sites, each group's sums checked
+and judged against the others' (:mod:`~fedcal.engine.flower.secagg_groups`);
+the server then learns G sums instead of one.
 """
 
 from __future__ import annotations
@@ -93,7 +96,11 @@ class SecureAggregation:
     component (``"gls_gram"`` for ``"cand/gls_gram"`` too) or a prefix (``"cand/"``);
     default :data:`DEFAULT_RANGES`. ``shares``: each site's neighbours including
     itself (SecAgg+'s ring; 0: every site, i.e. SecAgg); ``threshold``: the share of
-    them needed to reconstruct a secret (at least 2).
+    them needed to reconstruct a secret (at least 2). ``groups``: 0, one secure sum of
+    every site; G ≥ 2, the training sites split into G fixed groups of at least two sites,
+    one secure sum each, so that the server can check each group's sums and, with three or
+    more, judge each group against the others (:mod:`~fedcal.engine.flower.secagg_groups`,
+    issue 36.2).
     """
 
     range: float = 2.0**20
@@ -101,6 +108,7 @@ class SecureAggregation:
     bits: int = MAX_BITS  # fraction bits: q = R·2^-bits
     shares: int = 0
     threshold: float = 0.5
+    groups: int = 0  # ≥ 2: one secure sum per group of sites, judged (secagg_groups); 0: one sum
 
     def __post_init__(self) -> None:
         bad = {k: v for k, v in {"": self.range, **self.ranges}.items() if not v > 0}
@@ -112,6 +120,8 @@ class SecureAggregation:
             raise ValueError(f"secagg-bits: 1 … {MAX_BITS} fraction bits, got {self.bits}")
         if not 0 < self.threshold <= 1:
             raise ValueError(f"secagg-threshold: a fraction in (0, 1], got {self.threshold}")
+        if self.groups < 0 or self.groups == 1:
+            raise ValueError(f"secagg-groups: 0 (one sum) or >= 2 groups, got {self.groups}")
 
     @classmethod
     def parse_ranges(cls, text: str) -> dict[str, float]:
@@ -148,11 +158,13 @@ class SecureAggregation:
             "shares": self.shares,
             "threshold": self.threshold,
             "fraction_bits": self.bits,
+            "groups": self.groups,
         }
 
 
-def refusal(algorithm, policy) -> str | None:
-    """Why this algorithm under this ``[aggregation]`` policy cannot run under SecAgg+."""
+def refusal(algorithm, policy, settings: SecureAggregation | None = None) -> str | None:
+    """Why this algorithm under this ``[aggregation]`` policy cannot run under SecAgg+
+    (``settings``: its groups; a robust fedprior needs ``groups`` ≥ 2)."""
     name = getattr(algorithm, "name", type(algorithm).__name__)
     if getattr(algorithm, "reply_aggregation", "mean") != "sum":
         return (
@@ -164,11 +176,13 @@ def refusal(algorithm, policy) -> str | None:
             f"secure aggregation: {name} with interval = 'calibrated' uploads a unit's design "
             "(the probe is one unit's, not a sum); use interval = 'posterior'"
         )
-    if getattr(algorithm, "robust", "off") != "off":
+    grouped = settings is not None and settings.groups >= 2
+    if getattr(algorithm, "robust", "off") != "off" and not grouped:
         return (
             f"secure aggregation: {name} with robust = {algorithm.robust!r} checks each unit's "
             "upload and weighs it by its distance to the others, which needs each reply; the "
-            "server sees only the sum (use robust = 'off': no defence against a hostile site)"
+            "server sees only the sum (set secagg-groups >= 2: each group's secure sum checked, "
+            "and judged against the others'; or robust = 'off': no defence against a hostile site)"
         )
     if policy.rule != "mean":
         return (
@@ -335,6 +349,24 @@ def neighbours(nodes: list[int], shares: int) -> dict[int, list[int]]:
     return out
 
 
+def group_of(nodes: list[int], groups: int) -> dict[int, int]:
+    """Each site's group (secagg-groups): node id mod ``groups``, a group of fewer than two
+    sites merged into the smallest other one; fixed by the node ids, so a site's group does
+    not change when another drops out. ``groups`` < 2: every site in group 0."""
+    if groups < 2:
+        return {n: 0 for n in nodes}
+    out = {n: n % groups for n in sorted(nodes)}
+    while True:
+        sizes: dict[int, int] = {}
+        for g in out.values():
+            sizes[g] = sizes.get(g, 0) + 1
+        small = [g for g, k in sorted(sizes.items()) if k < 2]
+        if not small or len(sizes) == 1:
+            return out
+        into = min((g for g in sizes if g != small[0]), key=lambda g: (sizes[g], g))
+        out = {n: into if g == small[0] else g for n, g in out.items()}
+
+
 def threshold_of(settings: SecureAggregation, group: int) -> int:
     """Shares needed to reconstruct a secret among a group of ``group`` neighbours."""
     return max(2, min(group, math.ceil(settings.threshold * group)))
@@ -351,6 +383,9 @@ class SecureSum:
     dropped: list[int]  # sites that shared keys but whose vector never arrived (unmasked away)
     bound: dict[str, float]  # quantization_bound of each leaf
     bytes_up: int  # masked vectors received
+    # secagg-groups ≥ 3: group → (its sites whose vectors are in its sum, its sums by leaf,
+    # its sensor count); the server learns each group's sum. Empty: one sum.
+    groups: dict[int, tuple[list[int], dict[str, np.ndarray], int]] = field(default_factory=dict)
 
 
 class SecureAggregationError(RuntimeError):

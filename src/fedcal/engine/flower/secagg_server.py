@@ -21,6 +21,7 @@ from fedcal.engine.flower.secagg import (
     SecureSum,
     _pair_key,
     decode,
+    group_of,
     neighbours,
     pair_mask,
     prg,
@@ -51,16 +52,28 @@ class _Protocol:
     ring: dict[int, list[int]]  # site → its neighbours
     thr: dict[int, int]  # site → shares needed to rebuild its secrets
     failures: dict[int, str] = field(default_factory=dict)
+    group: dict[int, int] = field(default_factory=dict)  # site → its group (secagg-groups)
 
-    def alive(self, group: set[int], step: str) -> None:
-        """Every site of ``group`` still has its threshold of live neighbours."""
-        for n in sorted(group):
-            have = len(set(self.ring[n]) & group)
-            if have < self.thr[n]:
-                raise SecureAggregationError(
-                    f"round {self.t}: secure aggregation {step}: site {n} has {have} live "
-                    f"neighbours, threshold {self.thr[n]}; failed: {self.failures}"
-                )
+    def alive(self, live: set[int], step: str) -> set[int]:
+        """The sites of ``live`` that go on: every one still has its threshold of live
+        neighbours. In a grouped run a group where one has not is left out of the round
+        (its live sites failed), the others go on; else (or when no group is left) the
+        round fails."""
+        short = [n for n in sorted(live) if len(set(self.ring[n]) & live) < self.thr[n]]
+        if not short:
+            return live
+        lost = {self.group[n] for n in short} if self.group else set()
+        keep = {n for n in live if self.group and self.group[n] not in lost}
+        if not self.group or not keep:
+            n = short[0]
+            raise SecureAggregationError(
+                f"round {self.t}: secure aggregation {step}: site {n} has "
+                f"{len(set(self.ring[n]) & live)} live neighbours, threshold {self.thr[n]}; "
+                f"failed: {self.failures}"
+            )
+        for n in sorted(live - keep):
+            self.failures[n] = f"secure aggregation {step}: its group fell below its threshold"
+        return keep
 
 
 def secure_exchange(
@@ -69,25 +82,48 @@ def secure_exchange(
     transport,
     contents: Mapping[int, RecordDict],
     t: int,
+    members: list[int] | None = None,
 ) -> tuple[dict[int, RecordDict], dict[int, str], SecureSum]:
     """Round ``t``'s train messages through SecAgg+ (steps 1–4) among the sites that train.
 
     Returns the replies (per-sensor parts without statistics), the failures (a site
     that failed a step sits the round out), and the unmasked :class:`SecureSum`.
+    With ``secagg-groups``, the groups are those of ``members`` (every site of the
+    federation; default the training ones), fixed for the run: a site left alone in its
+    group this round (the others offline) is not asked to train, since its group's sum
+    would be its own statistics.
     """
     from fedcal.engine.flower.kinds import CONTROL
 
     training = sorted(n for n, c in contents.items() if list(c[CONTROL]["train"]))
+    fixed = group_of(sorted(set(members or []) | set(training)), settings.groups)
+    alone = (
+        {n for n in training if sum(fixed[m] == fixed[n] for m in training) < 2}
+        if settings.groups >= 2
+        else set()
+    )
+    contents = {n: c for n, c in contents.items() if n not in alone}
+    training = [n for n in training if n not in alone]
     if len(training) < 2:
         raise SecureAggregationError(
             f"round {t}: secure aggregation needs at least 2 sites training, got {len(training)}"
         )
-    ring = neighbours(training, settings.shares)
-    run = _Protocol(t, ring, {n: threshold_of(settings, len(ring[n])) for n in training})
+    group = {n: fixed[n] for n in training}
+    ring: dict[int, list[int]] = {}
+    for g in sorted(set(group.values())):  # the masks cancel within each group's sum
+        ring.update(neighbours([n for n in training if group[n] == g], settings.shares))
+    thr = {n: threshold_of(settings, len(ring[n])) for n in training}
+    run = _Protocol(t, ring, thr, group=group if settings.groups >= 2 else {})
+    run.failures.update({n: "secure aggregation: alone in its group this round" for n in alone})
     pks = _setup(run, transport, training)
     u2, inbox = _share_keys(run, transport, pks)
     replies, masked, included = _collect(run, transport, contents, training, u2, inbox, layout)
-    total = _unmask(run, transport, u2, masked, pks, layout)
+    u2 = {n for n in u2 if group[n] in {group[m] for m in masked}}  # groups left out: gone
+    totals = _unmask(run, transport, u2, masked, pks, layout, group)
+    with np.errstate(over="ignore"):
+        total = np.zeros(layout.size, dtype=np.uint64)
+        for v in totals.values():
+            total = total + v
     sums, count, clipped = decode(layout, total)
     for rep in replies.values():  # the protocol's records are not the run's business
         for key in (SECAGG, f"{SECAGG}-masked"):
@@ -102,6 +138,11 @@ def secure_exchange(
         quantization_bound(layout, count),
         sum(int(y.nbytes) for y in masked.values()),
     )
+    if settings.groups >= 2:
+        outcome.groups = {
+            g: (sorted(n for n in masked if group[n] == g), *decode(layout, v)[:2])
+            for g, v in sorted(totals.items())
+        }
     return replies, run.failures, outcome
 
 
@@ -115,8 +156,8 @@ def _setup(run: _Protocol, transport, training: list[int]) -> dict[int, tuple[by
     replies, failed = _relay(transport, msgs, t)
     run.failures.update({n: f"secure aggregation setup: {why}" for n, why in failed.items()})
     pks = {n: (bytes(r[SECAGG]["pk1"]), bytes(r[SECAGG]["pk2"])) for n, r in replies.items()}
-    run.alive(set(pks), Stage.SETUP)
-    return pks
+    live = run.alive(set(pks), Stage.SETUP)
+    return {n: k for n, k in pks.items() if n in live}
 
 
 def _share_keys(
@@ -139,10 +180,11 @@ def _share_keys(
         )
     replies, failed = _relay(transport, msgs, t)
     run.failures.update({n: f"secure aggregation share-keys: {why}" for n, why in failed.items()})
-    u2 = set(replies)
-    run.alive(u2, "share-keys")
+    u2 = run.alive(set(replies), "share-keys")
     inbox: dict[int, tuple[list[int], list[bytes]]] = {n: ([], []) for n in u2}
     for src, rep in replies.items():
+        if src not in u2:
+            continue
         for dst, ctxt in zip(rep[SECAGG]["dsts"], rep[SECAGG]["ctxts"], strict=True):
             if int(dst) in u2 and int(dst) in ring[src]:
                 inbox[int(dst)][0].append(src)
@@ -186,7 +228,10 @@ def _collect(
             replies.pop(n)
             continue
         masked[n], included[n] = y, inc
-    run.alive(set(masked), Stage.COLLECT)
+    live = run.alive(set(masked), Stage.COLLECT)
+    for n in set(masked) - live:  # its group was left out: its reply is not the round's
+        del masked[n], included[n]
+        replies.pop(n, None)
     return replies, masked, included
 
 
@@ -212,10 +257,11 @@ def _unmask(
     masked: dict[int, np.ndarray],
     pks: dict[int, tuple[bytes, bytes]],
     layout: Layout,
-) -> np.ndarray:
-    """Step 4, unmask: shares of active sites' seeds and of dropped sites' sk1; the sum of
-    the masked vectors with every mask removed (a site failing this step is named only if
-    its secret cannot be rebuilt)."""
+    group: Mapping[int, int],
+) -> dict[int, np.ndarray]:
+    """Step 4, unmask: shares of active sites' seeds and of dropped sites' sk1; per group of
+    sites, the sum of its masked vectors with every mask removed (a site failing this step
+    is named only if its secret cannot be rebuilt)."""
     from flwr.common.secure_aggregation.crypto.shamir import combine_shares
 
     t, ring, thr, u3 = run.t, run.ring, run.thr, set(masked)
@@ -232,10 +278,11 @@ def _unmask(
             if int(owner) in shares:
                 shares[int(owner)].append(bytes(share))
     with np.errstate(over="ignore"):
-        total = np.zeros(layout.size, dtype=np.uint64)
-        for y in masked.values():
-            total = total + y
+        totals = {g: np.zeros(layout.size, dtype=np.uint64) for g in sorted(set(group.values()))}
+        for n, y in masked.items():
+            totals[group[n]] = totals[group[n]] + y
         for n in sorted(u2):
+            total = totals[group[n]]
             if len(shares[n]) < thr[n]:
                 raise SecureAggregationError(
                     f"round {t}: secure aggregation unmask: {len(shares[n])} shares of site {n}'s "
@@ -248,4 +295,5 @@ def _unmask(
                 for m in ring[n]:
                     if m in u3 and m != n:
                         total = total - pair_mask(m, n, _pair_key(secret, pks[m][0]), layout.size)
-    return total
+            totals[group[n]] = total
+    return {g: v for g, v in totals.items() if any(group[n] == g for n in masked)}

@@ -209,7 +209,7 @@ class Federation:
         if self.secure is not None:
             from fedcal.engine.flower.secagg import refusal
 
-            why = refusal(self.algorithm, self.policy)
+            why = refusal(self.algorithm, self.policy, self.secure)
             if why is not None:
                 raise RuntimeError(why)
         if self.algorithm.one_shot:  # closed form: one round, as the simulator runs it
@@ -396,14 +396,16 @@ class Federation:
         if out is None:
             raise RuntimeError(f"round {t}: a secure run without its secure sum")
         self.secure_sums[t] = out
-        self.server, done = secure_update(
+        self.server, done, left = secure_update(
             self.algorithm, self.server, out, self.sites(), claimed, t, entry
         )
         for i in done:
             self.last_used[i] = t
-        self._check_replies(t, done, rejected)
-        self._check_refused(t, asked, rejected, set())
-        self._train_metrics[t] = {i: dict(parts[i]["train"]) for i in done if i in parts}
+        for i in left:  # its group was left out: its site rolls its state back
+            self.rejected_rounds[i] = self.rejected_rounds.get(i, 0) + 1
+        self._check_replies(t, done + left, rejected)
+        self._check_refused(t, asked, rejected, set(left))
+        self._train_metrics[t] = {i: dict(parts[i]["train"]) for i in done + left if i in parts}
 
     def _absorb_train(
         self,
