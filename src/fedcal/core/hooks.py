@@ -81,3 +81,11 @@ class EndsRounds(Protocol):
     def finished(self, server: Tree) -> bool: ...
 
     def before_round(self, server: Tree, t: int, rounds: int, units: int) -> Tree: ...
+
+
+def before_round(algorithm: Any, server: Tree, t: int, rounds: int, units: int) -> Tree:
+    """``server`` through ``algorithm.before_round`` for a training round ``t < rounds`` of
+    an algorithm that schedules its rounds (:class:`EndsRounds`); else unchanged."""
+    if t >= rounds or not isinstance(algorithm, EndsRounds):
+        return server
+    return algorithm.before_round(server, t, rounds, units)

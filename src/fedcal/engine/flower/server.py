@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fedcal.core.hooks import EndsRounds
+from fedcal.core.hooks import before_round  # fedprior_rounds (issue 36.1)
 from fedcal.data.scaling import scaler_from_moments
 from fedcal.engine.flower.kinds import CONTROL, REFUSED
 from fedcal.engine.flower.wire import tree_to_record
@@ -264,8 +264,7 @@ class Federation:
 
         training = set(self.cohort(t)) if t < self.rounds else set()
         eval_round = self.eval_round(t)
-        if t < self.rounds and isinstance(self.algorithm, EndsRounds):  # fedprior_rounds (36.1)
-            self.server = self.algorithm.before_round(self.server, t, self.rounds, self.num_clients)
+        self.server = before_round(self.algorithm, self.server, t, self.rounds, self.num_clients)
         down = tree_to_record(self.algorithm.broadcast(self.server))
         common = {
             "round": t,
