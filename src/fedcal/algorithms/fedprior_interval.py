@@ -243,7 +243,9 @@ class CalibratedInterval:
         design = self.design(x, data.branch)
         if weights is not None:  # N5: held rows the robust fit marks outliers not counted
             held = held * weights[1]
-        inside = self._fit_count(down, state, design, x, y, keep, held, weights)
+        inside = torch.zeros(c, TAU_GRID.shape[0], dtype=F64)  # no unit can hold out: none
+        if bool(able.any()):
+            inside = self._fit_count(down, state, design, x, y, keep, held, weights)
         out = {**probe, "inside": inside, "held": held.sum(1)}
         if self.own_folds:  # I4: the rich units hold out their own rows, fold by fold
             out["inside_own"], out["held_own"] = self._own_counts(
@@ -407,10 +409,7 @@ class CalibratedInterval:
                 held_own = float(iv["held_own"].sum())
                 if held_own > 0:
                     out["disc_own"] = self._tau_of(iv["inside_own"].sum(0) / held_own)
-        # Directions of the basis in use that too few units' points determine (the
-        # identification rule): their projector, for each unit's own test in personalize
-        # (I3: no interval for a unit whose σ² they carry more than half of).
-        out = self._weak_state(server, total, out)
+        out = self._weak_state(server, total, out)  # I3's weak directions (personalize)
         if float(total["dof"]) < 1.0:
             code = 1
         out["declined"] = torch.tensor(float(code), dtype=F64)
