@@ -607,5 +607,5 @@ def record_template() -> dict[str, Any]:
 if __name__ == "__main__":  # rewrite the shipped record (fedcal/prior/calibrate_record.json)
     from fedcal.prior.calibrate_dir import TEMPLATE
 
-    TEMPLATE.write_text(json.dumps(record_template(), indent=1) + "\n", encoding="utf-8")
+    _write_text(TEMPLATE, json.dumps(record_template(), indent=1) + "\n")
     print(f"wrote {TEMPLATE}")
