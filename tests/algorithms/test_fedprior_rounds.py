@@ -69,7 +69,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_the_shipped_prior_chooses_once_and_holds_out_once(mixed):
     alg, _ = mixed
     assert alg.select == "bic" and alg.interval == "calibrated"
-    assert (alg.select_patience, alg.holdout, alg.select_units) == (3, "final", 2000)
+    assert (alg.select_patience, alg.holdout, alg.select_units) == (8, "final", 2000)
     assert alg.converge_tol == 0.0  # R3 is opt-in (its stop lost a fleet's τ², module doc)
 
 
