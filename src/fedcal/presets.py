@@ -52,9 +52,9 @@ _CALIBRATED = {"select": "bic", "interval": "calibrated"}
 # stays 8 rounds (its candidates on about 2,000 units' own draws: every unit of a fleet of
 # 2,000 or fewer), and the hold-out once (the last round). 8, not 3: on `make run`'s mixed
 # fleet the choice led with orders (2, 3) for the first rounds and froze there after 3
-# (reference units 0.0489 hPa instead of 0.0453); the early rounds' EM is not converged. R3 (the stop at convergence) is
-# off: σ² converges sublinearly and a stop at 1e-4 a round lost a fleet's τ² (docs/benchmarks.md,
-# "Issue 36.1").
+# (reference units 0.0489 hPa instead of 0.0453); the early rounds' EM is not converged.
+# R3 (the stop at convergence) is off: σ² converges sublinearly and a stop at 1e-4 a round
+# lost a fleet's τ² (docs/benchmarks.md, "Issue 36.1").
 _AT_SCALE = {"select_patience": 8, "select_units": 2000, "holdout": "final"}
 
 PRESETS: Mapping[str, Preset] = MappingProxyType(

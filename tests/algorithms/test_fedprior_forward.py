@@ -233,3 +233,19 @@ def test_a_unit_forging_its_forward_coverage_is_refused_in_a_run() -> None:
     step = float(SCALES[1] / SCALES[0])
     ratio = float(res.server["fwd_scale"]) / float(clean.server["fwd_scale"])
     assert 1 / step - 1e-9 <= ratio <= step + 1e-9
+
+
+def test_the_chamber_preset_s_frozen_basis_stays_off_under_the_time_choice() -> None:
+    """The shipped preset freezes the BIC choice after ``select_patience`` stable rounds
+    (fedprior_rounds R1); the time-respecting choice scores every candidate each round, so
+    under it nothing is frozen: the run equals the one without a patience, bit for bit (a
+    frozen basis once made every field run fail with KeyError 'cand')."""
+    train, _ = _fleet(12, 120, lambda i, t: 0.1 + 0 * t)
+    runs = [
+        run_rounds(make(choose="time", select="bic", select_patience=p), train, 6) for p in (2, 0)
+    ]
+    assert "cand" in runs[0].server  # the candidates still travel after 6 rounds
+    frozen, every = (dict(flatten(r.server)) for r in runs)
+    assert frozen.keys() == every.keys()
+    for key, value in every.items():
+        assert torch.equal(frozen[key], value), key

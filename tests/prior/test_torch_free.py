@@ -264,7 +264,12 @@ print("TORCH", any(m.split(".")[0] == "torch" for m in sys.modules))
 # evaluate the same numbers by the same formulas (no solve): ≲ p²ε ≈ 1e-13 of the scale,
 # asserted at 1e-12; the exports and certificates write them rounded: byte-equal.
 SOLVE_TOL, SERVE_TOL = 1e-10, 1e-12
-DISTANCE_TOL = {"fedprior_sensor": 2e-6}
+# fedprior_branch: its unidentified ψ coordinates are pinned to a tight prior, so
+# C_i = ZΣZᵀ + σ²I spans a wide range and the two paths' Cholesky solves differ by ~κ·ε:
+# measured 1.2e-9 (session 12's first prior) and 1.5e-8 relative with the shipped preset's
+# (the basis frozen after 8 rounds, the hold-out once) — asserted at 1e-7, not derived from
+# each unit's κ (docs/not-done.md).
+DISTANCE_TOL = {"fedprior_sensor": 2e-6, "fedprior_branch": 1e-7}
 RELATIVE = ("d2", "p_value")
 
 
@@ -297,7 +302,10 @@ def _close(a: pd.DataFrame, b: pd.DataFrame, where: str, scale: float, method: s
             tol, ref = SOLVE_TOL, scale
         gap = np.abs(x - y).to_numpy()
         bad = np.nan_to_num(gap - tol * ref, nan=0.0) > 0
-        assert not bad.any(), f"{where}: {col}: {np.nanmax(gap):.3g} > {tol:g} × scale"
+        assert not bad.any(), (
+            f"{method} {where}: {col}: {np.nanmax(gap):.3g} > {tol:g} × scale; "
+            f"{x[bad].tolist()} vs {y[bad].tolist()}"
+        )
 
 
 def _compare_calibrated(ours: Path, torch_out: Path, method: str, scale: float) -> None:

@@ -446,7 +446,9 @@ class FedPrior(
         """What travels when: the basis chosen once, the hold-out once, the stop (R1–R3 of
         fedprior_rounds)."""
         return RoundSchedule(
-            self.select_patience,
+            # the time-respecting choice scores every candidate each round (its forward
+            # folds): the basis is never frozen under it
+            self.select_patience if self.choose == "off" else 0,
             self.holdout,
             self.converge_tol,
             self.each_candidate,

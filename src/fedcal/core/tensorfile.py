@@ -25,12 +25,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from fedcal.core.arrayfile import TensorFileError  # the torch-free reader's (re-exported)
+from fedcal.core.arrayfile import TensorFileError, load_arrays  # TensorFileError re-exported
 from fedcal.core.atomic import write_bytes
-from fedcal.core.paths import PathError, read_regular
 from fedcal.core.tree import Tree
 
 FORMAT = "fedcal-trees/1"  # = fedcal.core.arrayfile.FORMAT
@@ -54,12 +54,6 @@ def _skeleton(tree: Mapping, prefix: str, flat: dict[str, Tensor]) -> dict:
         else:
             raise TypeError(f"tree leaf {name!r} is {type(value).__name__}, not a Tensor")
     return out
-
-
-def _rebuild(skeleton: Mapping, flat: Mapping[str, Tensor]) -> Tree:
-    return {
-        k: _rebuild(v, flat) if isinstance(v, Mapping) else flat[v] for k, v in skeleton.items()
-    }
 
 
 def _digest(tensors: Mapping[str, Tensor], meta_text: str) -> str:
@@ -91,45 +85,20 @@ def save_trees(
 
 
 def load_trees(path: str | Path) -> tuple[dict[str, Tree], dict[str, Any], dict[str, Any]]:
-    """``(trees, meta, blobs)`` of a file written by :func:`save_trees`; verifies its checksum."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load
+    """``(trees, meta, blobs)`` of a file written by :func:`save_trees`; verifies its checksum.
 
-    path = Path(path)
-    try:  # a regular file within the size limit: a FIFO or /dev/zero is refused unread
-        data = read_regular(path)
-    except PathError as e:
-        raise TensorFileError(path, str(e).removeprefix(f"{path}: ")) from None
-    try:
-        flat = load(data)
-        # load() has validated the header: 8 bytes of length, then JSON.
-        size = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
-    except (SafetensorError, ValueError, OSError, RuntimeError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise TensorFileError(
-            path, f"not a fedcal tensor file, or truncated/corrupt ({first})"
-        ) from None
-    meta_text = header.get(_META_KEY)
-    if meta_text is None:
-        raise TensorFileError(path, "not a fedcal tensor file (no fedcal metadata)")
-    if header.get("sha256") != _digest(flat, meta_text):
-        raise TensorFileError(path, "corrupt: checksum mismatch (the file was altered or damaged)")
-    try:
-        info = json.loads(meta_text)
-        if info.get("format") != FORMAT:
-            raise TensorFileError(path, f"unsupported format {info.get('format')!r}")
-        trees = {name: _rebuild(sk, flat) for name, sk in info["structure"].items()}
-        blobs = {
-            name.removeprefix(_BLOB): json.loads(bytes(t.numpy()).decode())
-            for name, t in flat.items()
-            if name.startswith(_BLOB)
-        }
-    except (KeyError, TypeError, AttributeError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TensorFileError(path, f"corrupt metadata ({type(e).__name__}: {e})") from None
-    if not isinstance(info["meta"], dict):
-        raise TensorFileError(path, "corrupt metadata (meta is not a JSON object)")
-    return trees, info["meta"], blobs
+    Read by :func:`fedcal.core.arrayfile.load_arrays` (the one reader: the same guards,
+    checksum and one-line errors with or without torch), leaves as torch tensors."""
+    trees, meta, blobs = load_arrays(path)
+    return {name: _as_tensors(tree) for name, tree in trees.items()}, meta, blobs
+
+
+def _as_tensors(tree: Mapping) -> Tree:
+    # a copy: the reader's arrays may sit on a read-only buffer
+    return {
+        k: _as_tensors(v) if isinstance(v, Mapping) else torch.from_numpy(np.array(v))
+        for k, v in tree.items()
+    }
 
 
 def check_finite(path: str | Path, trees: Mapping[str, Tree], what: str = "") -> None:
