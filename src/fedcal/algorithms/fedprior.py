@@ -159,7 +159,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 import torch
 from pydantic import Field
@@ -905,24 +905,15 @@ class FedPrior(
         if robust is not None:  # Σ w_i units (exactly N when every weight is 1)
             count = robust.weights[order].sum() if bool((robust.weights != 1).any()) else count
         metric = total["gram"] / total["n"].clamp_min(1.0)
-        args = (server, replies, order, total, count, metric, pinned, forward)
+        args = RoundSums(server, replies, order, total, count, metric, pinned, forward)
         if not self.each_candidate or "cand" not in replies:  # (R1: the choice frozen)
-            return self.rounds_schedule.after(server, self._one_em_update(*args), count)
-        return self.rounds_schedule.after(server, self._candidates_update(*args), count)
+            return self.rounds_schedule.after(server, self._one_em_update(args), count)
+        return self.rounds_schedule.after(server, self._candidates_update(args), count)
 
-    def _one_em_update(
-        self,
-        server: Tree,
-        replies: Tree,
-        order: Tensor,
-        total: dict,
-        count: Tensor,
-        metric: Tensor,
-        pinned: Tensor,
-        forward: Tree | None,
-    ) -> Tree:
+    def _one_em_update(self, sums: RoundSums) -> Tree:
         """The server update of one EM: without selection, under ``select_by = "marginal"``,
         or the chosen candidate's once the choice is frozen (fedprior_rounds R1)."""
+        server, replies, order, total, count, metric, pinned, forward = sums
         frozen = self.each_candidate  # R1: the chosen EM alone
         if frozen:  # the candidate's own M-step: its design metric (fedprior_rounds R1)
             m = self.masks[int(server["choice"])]
@@ -947,19 +938,10 @@ class FedPrior(
         new.update(self._interval_update(server, replies, order, total))
         return new
 
-    def _candidates_update(
-        self,
-        server: Tree,
-        replies: Tree,
-        order: Tensor,
-        total: dict,
-        count: Tensor,
-        metric: Tensor,
-        pinned: Tensor,
-        forward: Tree | None,
-    ) -> Tree:
+    def _candidates_update(self, sums: RoundSums) -> Tree:
         """The server update while every candidate's EM runs (``select = "bic"``): each
         candidate's M-step and the fleet's BIC choice."""
+        server, replies, order, total, count, metric, pinned, forward = sums
         cand = {k: v[order].sum(0) for k, v in replies["cand"].items()}
         masks = self.masks
         stacked = self._candidate_updates(server, cand, total, count, metric, pinned)
@@ -1174,3 +1156,16 @@ class FedPrior(
         if "declined" in params:  # no interval stated for this unit (module doc, "Intervals")
             s = torch.where(params["declined"].to(F64) > 0, math.nan, s)
         return q, s
+
+
+class RoundSums(NamedTuple):
+    """One round's server-side sums, as both M-step paths (one EM, every candidate) read them."""
+
+    server: Tree
+    replies: Tree
+    order: Tensor
+    total: dict
+    count: Tensor
+    metric: Tensor
+    pinned: Tensor
+    forward: Tree | None
