@@ -52,7 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PER_ROUND: list[tuple[float, float, bool]] = []  # the last _train's rounds (wall, CPU, cand)
+PER_ROUND: list[tuple[float, float, str]] = []  # the last _train's rounds (wall, CPU, kind)
 
 
 def _peak_mb() -> float:
@@ -170,16 +170,20 @@ def _train(
 
     simulation._evaluate = timed
     # Each round's own wall and CPU seconds (client steps, sums, server; no evaluation), and
-    # whether the candidates' statistics travelled in it (fedprior's basis not yet frozen).
+    # its kind: "choosing" (the candidates' statistics travelled: fedprior's basis not yet
+    # frozen), "chosen" (after), "holdout" (the round that holds out, R2: the last).
     train_round = simulation._train_round
-    per_round: list[tuple[float, float, bool]] = []
+    per_round: list[tuple[float, float, str]] = []
 
     def round_timed(run, *a, **k):
-        w, c, cand = time.perf_counter(), time.process_time(), "cand" in run.server
+        w, c = time.perf_counter(), time.process_time()
+        kind = "choosing" if "cand" in run.server else "chosen"
+        if float(run.server.get("holdout_now", 0.0)) > 0:
+            kind = "holdout"
         try:
             return train_round(run, *a, **k)
         finally:
-            per_round.append((time.perf_counter() - w, time.process_time() - c, cand))
+            per_round.append((time.perf_counter() - w, time.process_time() - c, kind))
 
     simulation._train_round = round_timed
     engine = EngineConfig(rounds=rounds, seed=0, eval_every=eval_every, chunk_size=chunk_size)
@@ -240,6 +244,7 @@ def step_fedprior(size: int, tmp: Path, args) -> dict:
         # when the prior converged) and the basis chosen
         "up_kb_per_unit": result.bytes_up_per_round / size / 1e3,
         "up_kb_per_unit_last": result.extra.get("bytes_up", [0])[-1] / size / 1e3,
+        "up_kb_per_unit_first": result.extra.get("bytes_up", [0])[0] / size / 1e3,
         "rounds_done": result.rounds_done,
         "choice": int(result.server["choice"]) if "choice" in result.server else -1,
         "build_peak_rss_mb": build_rss_mb,
@@ -251,15 +256,17 @@ def step_fedprior(size: int, tmp: Path, args) -> dict:
     }
 
 
-def _split_rounds(rounds: list[tuple[float, float, bool]]) -> dict:
-    """Mean wall and CPU seconds of the rounds that chose (candidates) and of the rest."""
+def _split_rounds(rounds: list[tuple[float, float, str]]) -> dict:
+    """Mean wall and CPU seconds of the rounds that chose (candidates), of those after the
+    choice, and of the round that held out; the slowest of each (its wall, CPU)."""
     out = {}
-    for label, keep in (("choosing", True), ("chosen", False)):
-        part = [(w, c) for w, c, cand in rounds if cand == keep]
+    for label in ("choosing", "chosen", "holdout"):
+        part = [(w, c) for w, c, kind in rounds if kind == label]
         out[f"{label}_rounds"] = len(part)
         if part:
             out[f"{label}_round_s"] = sum(w for w, _ in part) / len(part)
             out[f"{label}_round_cpu_s"] = sum(c for _, c in part) / len(part)
+            out[f"{label}_round_max_s"] = max(w for w, _ in part)
     out["all_rounds_s"] = sum(w for w, _, _ in rounds)
     return out
 

@@ -24,7 +24,7 @@ from fedcal.core.algorithm import ClientResult
 from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData
 from fedcal.core.task import Task
-from fedcal.core.tree import expand, flatten
+from fedcal.core.tree import expand, flatten, gather, num_bytes
 from fedcal.engine import chunks, streamed
 from fedcal.engine.simulation import EngineConfig, prepare, simulate
 from fedcal.models.mlp import MLP
@@ -173,6 +173,57 @@ def test_the_calibrated_intervals_probe_streams():
             torch.testing.assert_close(
                 flatten(got)[key], v, rtol=1e-10, atol=max(1e-12, 1e-10 * scale), msg=key
             )
+        server, states = want, whole.state
+
+
+def test_a_sampled_round_streams_its_sample_apart():
+    """select = "bic" with its candidates on a sample (fedprior_rounds R1, select_units 8 of
+    20): the streamed round runs the units outside the sample under the broadcast without
+    the candidates (their replies hold no candidate leaf, not zeros), then the sample. Two
+    rounds equal the assembled round (every unit's reply, zeros outside the sample) within
+    1e-10 of each leaf's scale, the same decisions, the states to the bit; the upload is
+    each unit's own reply: the sample's full size, the others' without the candidates."""
+    alg, data = make(robust="full", select="bic", select_units=8), fleet()
+    policy = AggregationPolicy()
+    server = alg.server_init(alg.task.model.init(torch.Generator().manual_seed(0), F64))
+    states = alg.client_init(expand(alg.broadcast(server), UNITS))
+    weights = data.count.to(F64)
+    for t in range(2):
+        server = alg.before_round(server, t, 5, UNITS)  # the sample's rate: 8 / 20
+        down = alg.broadcast(server)
+        sampled = alg.sampled_clients(down, data)
+        assert 0 < int(sampled.sum()) < UNITS  # both groups (the units' own draws)
+        whole = chunks.client_update(alg, down, states, data)
+        want, accepted, metrics = aggregate(
+            alg, server, down, whole.reply, weights, policy, 0, eligible=finite_rows(whole.state)
+        )
+        upload: list[int] = []
+        result, got, s_acc, s_metrics = streamed.streamed_round(
+            alg, server, down, states, data, weights, policy, 6, None, upload
+        )
+        assert s_acc.tolist() == accepted.tolist()
+        assert s_metrics == pytest.approx(metrics, nan_ok=True)
+        for key, v in flatten(want).items():
+            scale = float(v.abs().max()) if v.is_floating_point() and v.numel() else 0.0
+            torch.testing.assert_close(
+                flatten(got)[key], v, rtol=1e-10, atol=max(1e-12, 1e-10 * scale), msg=key
+            )
+        for key, v in flatten(whole.state).items():
+            assert torch.equal(flatten(result.state)[key], v)
+        one = torch.arange(1)
+        lean = alg.client_update(
+            expand(alg.unsampled_broadcast(down), 1), gather(states, one), data.select(one)
+        ).reply
+        assert "cand" not in lean and "cand" in whole.reply
+        small, full = (
+            num_bytes(lean, per_client_axis=True),
+            streamed.reply_bytes(alg, down, states, data),
+        )
+        k = int(sampled.sum())
+        assert upload == [k * full + (UNITS - k) * small]
+        # what the others do not send: exactly the candidates' leaves
+        cand = {key: v[:1] for key, v in flatten(whole.reply["cand"]).items()}
+        assert full - small == num_bytes(cand, per_client_axis=True) > 0
         server, states = want, whole.state
 
 

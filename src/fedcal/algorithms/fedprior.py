@@ -757,7 +757,7 @@ class FedPrior(
         unused coordinates see no data and keep their prior).
         """
         sampled = self.rounds_schedule.sampled(down, full.rhs)
-        if sampled is not None:  # R1: the candidates of the sampled units only, zeros elsewhere
+        if sampled is not None and not bool(sampled.all()):  # R1: the sampled units', zeros else
             return self._sampled_candidates(down, state, full, sampled)
         stats, c, p, k = self.selection.candidate_moments(down, full)
         cand = down["cand"]
@@ -790,6 +790,19 @@ class FedPrior(
                 out[key][idx] = v
             own[idx] = own_part
         return out, own
+
+    def sampled_clients(self, down: Tree, data: ClientData) -> Tensor | None:
+        """The units that run the candidates this round (fedprior_rounds R1, by their own
+        draws), None: every unit the same reply (engine.streamed.SamplesClients)."""
+        if not self.each_candidate or "cand" not in down or self.noise_model.weighted:
+            return None
+        if "pooled_ok" in down and self.choosing(data):  # (its uploads read the candidates)
+            return None
+        return self.rounds_schedule.sampled(down, self._client_moments(down, data).rhs)
+
+    def unsampled_broadcast(self, down: Tree) -> Tree:
+        """What a unit outside the candidates' sample is sent (fedprior_rounds R1)."""
+        return self.rounds_schedule.unsampled(down)
 
     def dp_statistics(self, down: Tree) -> dict[str, Statistic]:
         """Client-level DP: each uploaded statistic's public map and bound (core/privacy;

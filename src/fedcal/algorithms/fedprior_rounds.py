@@ -107,6 +107,13 @@ class RoundSchedule:
             return None
         return unit_draw(own) < rate
 
+    def unsampled(self, down: Tree) -> Tree:
+        """The broadcast of a unit outside the candidates' sample (R1): without the
+        candidates' priors and rate, so its reply holds no candidate terms at all (the
+        engine's streamed round sends it instead of ``down``; the unit's own draw would
+        give it zeros there)."""
+        return {k: v for k, v in down.items() if k not in ("cand", "cand_rate")}
+
     def init(self) -> Tree:
         """The bookkeeping's start (empty when every setting is off: the earlier state)."""
         if not self.active:

@@ -76,6 +76,14 @@ def data_to(data: ClientData, device: torch.device) -> ClientData:
     )
 
 
+def _put(slot: Tensor, start: int | Tensor, rows: Tensor) -> None:
+    """``rows`` into ``slot`` from row ``start`` on (an int) or at the rows it names."""
+    if isinstance(start, Tensor):
+        slot.index_copy_(0, start, rows.to(slot.dtype))
+    else:
+        slot.narrow(0, start, rows.shape[0]).copy_(rows)
+
+
 class Assembly:
     """A cohort's client trees filled in chunk by chunk (:func:`client_update`).
 
@@ -90,7 +98,9 @@ class Assembly:
         self.slots: dict[tuple[str, ...], Tensor] = {}  # a leaf's path → its cohort tensor
         self.shape: dict[str, Tree] | None = None  # the first chunk's trees (their structure)
 
-    def add(self, part: dict[str, Tree], start: int) -> None:
+    def add(self, part: dict[str, Tree], start: int | Tensor) -> None:
+        """Copy one chunk's trees into the cohort's rows ``start, start + 1, …`` (an int), or
+        into the rows ``start`` names (a (k,) index tensor: a chunk of scattered clients)."""
         leaves = dict(_paths(part))
         if self.shape is None:
             self.shape = tree_map(lambda t: None, part)
@@ -104,13 +114,13 @@ class Assembly:
             slot = self.slots[path]
             owner = written.get(id(slot))
             if owner is None:
-                slot.narrow(0, start, t.shape[0]).copy_(t)
+                _put(slot, start, t)
                 written[id(slot)] = id(t)
             elif owner != id(t):
                 # Shared so far but two tensors in this chunk: this path gets its own copy
                 # of the rows written so far (equal, they were one tensor) and this chunk's.
                 own = slot.clone()
-                own.narrow(0, start, t.shape[0]).copy_(t)
+                _put(own, start, t)
                 self.slots[path] = own
                 written[id(own)] = id(t)
 

@@ -233,8 +233,9 @@ def _train_round(
     before = run.states if everyone else gather(run.states, idx)
     record: list[dict] = []
     weights = counts.index_select(0, idx)
+    upload: list[int] = []  # a streamed round's, client by client (a sample's are larger)
     result, accepted, agg = _aggregate_round(
-        run, algorithm, config, down, before, data, weights, t, device, record
+        run, algorithm, config, down, before, data, weights, t, device, record, upload
     )
     run.rejections.extend(
         {
@@ -256,7 +257,8 @@ def _train_round(
         agg = {**agg, "unjudged": 1.0}
     run.rounds_log.append({"round": t + 1, "cohort": len(ids), **agg})
     if algorithm.federated:  # a non-federated reference line communicates nothing
-        run.bytes_up.append(num_bytes(result.reply, per_client_axis=True) * len(ids))
+        one = num_bytes(result.reply, per_client_axis=True)
+        run.bytes_up.append(upload[0] if upload else one * len(ids))
         run.bytes_down.append(num_bytes(down) * len(ids))
     return ids, result
 
@@ -272,6 +274,7 @@ def _aggregate_round(
     t: int,
     device: torch.device,
     record: list[dict],
+    upload: list[int] | None = None,
 ) -> tuple[ClientResult, Tensor, dict[str, float]]:
     """The cohort's client step and aggregation, streamed chunk by chunk when it must be
     (:func:`_streams`), else assembled; the new server into ``run``."""
@@ -286,6 +289,7 @@ def _aggregate_round(
             config.aggregation,
             config.chunk_size,
             record,
+            upload,
         )
         return result, accepted, agg
     result = chunks.client_update(algorithm, down, before, data, config.chunk_size, device)

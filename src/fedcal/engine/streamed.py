@@ -31,6 +31,16 @@ Krum, coordinate rule or DP), a round is:
    the sums (zeros when it names none);
 6. ``server_update_sums(server, sums, count)``, count = Σ w_i over the used clients.
 
+A round in which a sample of the clients sends more (:class:`SamplesClients`: fedprior's
+candidate bases on about 2,000 units' own draws, fedprior_rounds R1) runs its pass 1 in two
+groups: the clients outside the sample under the broadcast without the sample's part, whose
+replies hold no such leaves (not zeros: at 100,000 units those were 25 GB a round written,
+checked and summed), then the sampled clients under the whole broadcast, in chunks of as
+many reply bytes as the others' chunks. A leaf that only the sample's replies hold is
+summed over the sample; every per-client number is the one the client computed, so the
+decisions are the one-group round's. The round's upload is then counted client by client
+(``upload``).
+
 The sums are in chunk order, not the assembled path's canonical order: equal within
 rounding (tested ≤ 1e-10 relative). A subtracted client leaves a rounding error relative
 to its own size (a reply 10⁶× the others' costs ~10⁻¹⁰ of the total).
@@ -41,6 +51,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -55,6 +66,18 @@ from fedcal.engine import chunks
 
 STREAM_ABOVE = 512 * 2**20
 """Bytes of assembled replies above which an eligible round is streamed (the engine's bound)."""
+
+
+@runtime_checkable
+class SamplesClients(Protocol):
+    """A round in which a sample of the clients replies with more leaves (module doc):
+    ``sampled_clients(down, data)`` -> (clients,) bool, the clients that reply in full this
+    round, or None (every client the same reply); ``unsampled_broadcast(down)``: what the
+    others are sent (their replies hold no leaf the full replies do not, and fewer)."""
+
+    def sampled_clients(self, down: Tree, data: ClientData) -> Tensor | None: ...
+
+    def unsampled_broadcast(self, down: Tree) -> Tree: ...
 
 
 def eligible(algorithm: Algorithm, policy: AggregationPolicy) -> str | None:
@@ -87,7 +110,7 @@ class _Pass:
     """What the first pass over the chunks keeps (module doc, step 1)."""
 
     n: int
-    sums: dict[str, Tensor]  # float64 running sums of the kept rows
+    sums: dict[str, Tensor]  # float64 running sums of the kept rows (a leaf: of its group's)
     finite: Tensor  # (n,) each client's reply (and state) finite
     total: Tensor  # (n,) each client's update norm over the floating leaves
     small: chunks.Assembly  # new states and client metrics
@@ -96,7 +119,9 @@ class _Pass:
     inputs: dict[str, Tensor] = field(default_factory=dict)  # the M-step weight's leaves
     keys: dict[str, Tensor] = field(default_factory=dict)  # the leaves pick_reply reads
     first_reply: dict[str, Tensor] | None = None
-    rnd: Round | None = None
+    rounds: dict[frozenset, Round] = field(default_factory=dict)  # a reply structure's Round
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # each leaf's reply dtype
+    bytes_up: int = 0  # the clients' replies, each counted
     checked: bool = False  # the algorithm checks consistency (a rejected_inconsistent column)
     reason: str = "non-finite reply"
 
@@ -116,13 +141,14 @@ def streamed_round(
     policy: AggregationPolicy,
     chunk_size: int,
     record: list[dict] | None = None,
+    upload: list[int] | None = None,
 ) -> tuple[ClientResult, Tree, Tensor, dict[str, float]]:
     """One round streamed (module doc): ``(result, new_server, accepted, metrics)``.
 
     ``result`` holds the cohort's new states and client metrics, and the first client's
-    reply as the reply (its size is the round's bytes up per client). ``weights``: the
-    clients' declared rows. Metrics and ``record`` as :func:`fedcal.core.aggregation.aggregate`.
-    """
+    reply as the reply. ``weights``: the clients' declared rows. Metrics and ``record`` as
+    :func:`fedcal.core.aggregation.aggregate`; ``upload`` gets the round's bytes up, each
+    client's reply counted (a sample's replies are larger than the others')."""
     n = data.num_clients
     weights = weights.to(torch.float64)
     check = _consistency_check(algorithm, server)
@@ -130,6 +156,8 @@ def streamed_round(
     trees = acc.small.trees()
     result = ClientResult(unflatten(acc.first_reply), trees["state"], trees["metrics"])
     accepted, records, metrics, outlier = _decisions(acc, algorithm, policy, weights)
+    if upload is not None:
+        upload.append(acc.bytes_up)
     # Screened-out clients were summed (their size needed the whole cohort): weight 0. Clients
     # the algorithm's M-step down-weights (its outlier weights, from the kept inputs): w_i.
     factor = torch.ones(n, dtype=torch.float64)
@@ -157,8 +185,7 @@ def streamed_round(
         _pick(acc.sums, algorithm, acc.keys, used, down, states, data)
     if record is not None:
         record.extend(records)
-    dtypes = {key: v.dtype for key, v in acc.first_reply.items()}
-    totals = unflatten({key: v.to(dtypes[key]) for key, v in acc.sums.items()})
+    totals = unflatten({key: v.to(acc.dtypes[key]) for key, v in acc.sums.items()})
     return result, algorithm.server_update_sums(server, totals, count), accepted, metrics
 
 
@@ -181,15 +208,37 @@ def _first_pass(
     weights: Tensor,
     chunk_size: int,
 ) -> _Pass:
-    """Step 1: every chunk's client update, measured, checked and summed."""
+    """Step 1: every chunk's client update, measured, checked and summed (a sample's group
+    first, when the algorithm samples: :func:`_groups`)."""
     n = data.num_clients
     acc = _Pass.empty(n)
-    for rows in chunks.spans(n, chunk_size):
-        k = len(rows)
-        out = algorithm.client_update(expand(down, k), gather(states, rows), data.select(rows))
-        _absorb_chunk(acc, algorithm, out, rows, weights, down, check)
-        del out
+    for group, sent in _groups(algorithm, down, data):
+        size = chunk_size
+        if group is not None and acc.bytes_up:  # the sample: chunks of the same bytes
+            one = group[:1]
+            full = reply_bytes(algorithm, sent, gather(states, one), data.select(one))
+            size = max(1, chunk_size * acc.bytes_up // max(1, n - len(group)) // max(1, full))
+        for span in chunks.spans(n if group is None else len(group), size):
+            rows = span if group is None else group.index_select(0, span)
+            k = len(rows)
+            out = algorithm.client_update(expand(sent, k), gather(states, rows), data.select(rows))
+            _absorb_chunk(acc, algorithm, out, rows, weights, sent, check)
+            del out
     return acc
+
+
+def _groups(algorithm: Algorithm, down: Tree, data: ClientData) -> list[tuple[Tensor | None, Tree]]:
+    """The clients of pass 1 and what each group is sent: ``[(None, down)]`` (every client,
+    in order), or the clients outside the sample under the algorithm's
+    ``unsampled_broadcast``, then the sampled ones under ``down`` (:class:`SamplesClients`;
+    both non-empty), the latter in chunks of as many reply bytes as the former's."""
+    if not isinstance(algorithm, SamplesClients):
+        return [(None, down)]
+    sampled = algorithm.sampled_clients(down, data)
+    if sampled is None or bool(sampled.all()) or not bool(sampled.any()):
+        return [(None, down)]
+    rest = algorithm.unsampled_broadcast(down)
+    return [((~sampled).nonzero()[:, 0], rest), (sampled.nonzero()[:, 0], down)]
 
 
 def _absorb_chunk(
@@ -203,42 +252,49 @@ def _absorb_chunk(
 ) -> None:
     """One chunk's replies into the pass: finite flags, norms, consistency, sums, the kept
     per-client leaves."""
-    n, start, k = acc.n, int(rows[0]), len(rows)
+    n, k = acc.n, len(rows)
     flat = flatten(out.reply)
-    if acc.rnd is None:
-        acc.rnd = Round.of(down, flat, "sum", algorithm.unscreened_replies)
+    shape = frozenset(flat)
+    if acc.first_reply is None:
         acc.first_reply = {key: v[:1].clone() for key, v in flat.items()}
-    rnd = acc.rnd
+    if shape not in acc.rounds:  # (one per reply structure: a sample's replies hold more)
+        acc.rounds[shape] = Round.of(down, flat, "sum", algorithm.unscreened_replies)
+    rnd = acc.rounds[shape]
+    acc.dtypes.update((key, v.dtype) for key, v in flat.items())
+    acc.bytes_up += num_bytes(out.reply, per_client_axis=True) * k
     ok, state_ok = finite_rows(out.reply), finite_rows(out.state)
     ok = ok & state_ok if state_ok.numel() else ok  # a stateless client: its reply only
     acc.reason = "non-finite reply or state" if state_ok.numel() else "non-finite reply"
-    acc.finite[start : start + k] = ok
+    acc.finite[rows] = ok
     sq = _norms(flat, rnd.floating, k)
-    acc.total[start : start + k] = torch.stack(list(sq.values())).square().sum(0).sqrt()
+    acc.total[rows] = torch.stack(list(sq.values())).square().sum(0).sqrt()
     # the size screen's input: the algorithm's scale-free view (issue 34.3) or the leaves
     view = algorithm.screen_view
     parts = _view_norms(view(flat, weights[rows], down), k) if view is not None else sq
     for key in parts if view is not None else rnd.judged:
         acc.judged_norms.setdefault(key, torch.zeros(n, dtype=torch.float64))
-        acc.judged_norms[key][start : start + k] = parts[key]
+        acc.judged_norms[key][rows] = parts[key]
     keep = ok.clone()
     if check is not None:
         bad = check(out.reply, weights[rows], ok)
         acc.checked = acc.checked or bad is not None
         for j, why in (bad or {}).items():
-            acc.reasons[start + j] = why
+            acc.reasons[int(rows[j])] = why
             keep[j] = False
     whole = bool(keep.all())  # most chunks: every row summed, no masked copy
     for key, v in flat.items():
         part = (v if whole and v.is_contiguous() else v[keep]).to(torch.float64).sum(0)
         acc.sums[key] = acc.sums[key] + part if key in acc.sums else part
-    acc.small.add({"state": out.state, "metrics": out.metrics}, start)
+    contiguous = int(rows[-1]) - int(rows[0]) == k - 1  # (spans of one group: in order)
+    acc.small.add(
+        {"state": out.state, "metrics": out.metrics}, int(rows[0]) if contiguous else rows
+    )
     for key in algorithm.outlier_inputs:  # the M-step weights' inputs
         acc.inputs.setdefault(key, flat[key].new_empty((n, *flat[key].shape[1:])))
-        acc.inputs[key][start : start + k] = flat[key]
+        acc.inputs[key][rows] = flat[key]
     for key in algorithm.pick_inputs:
         acc.keys.setdefault(key, flat[key].new_empty((n, *flat[key].shape[1:])))
-        acc.keys[key][start : start + k] = flat[key]
+        acc.keys[key][rows] = flat[key]
 
 
 def _decisions(
