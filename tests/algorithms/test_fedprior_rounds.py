@@ -227,3 +227,35 @@ def test_a_forged_candidate_in_the_sample_is_still_rejected(mixed):
     reply["cand"]["rss"][j, 3] = -1.0
     found = sample.inconsistent_replies(server, reply, data.count, accepted)
     assert list(found) == [j] and found[j].startswith("candidate 3:")
+
+
+@pytest.mark.parametrize("directions", [False, True])
+def test_the_probe_of_a_plain_round_is_computed_on_the_small_units_alone(directions):
+    """R2's upload in a round without the hold-out (``small_probe``): the probe design of
+    every unit (its inputs' span positions, directions and rows when it has at most
+    ``probe_rows`` rows, zeros otherwise), computed on the units that small only, equals
+    ``probe_design`` of every unit's span to the bit; no small unit: zeros."""
+    from fedcal.algorithms.fedprior_interval import _unit_span
+    from fedcal.algorithms.fedprior_rounds import probe_design, small_probe
+    from fedcal.core.bayes import F64
+    from fedcal.core.data import ClientData
+
+    gen = torch.Generator().manual_seed(3)
+    sizes = (5, 40, 8, 33, 6)
+    arrays = [
+        (torch.rand(n, 2, generator=gen, dtype=F64).numpy(), torch.rand(n, 1, dtype=F64).numpy())
+        for n in sizes
+    ]
+    data = ClientData.from_arrays(arrays, tuple(range(len(sizes))), F64)
+    if directions:
+        signs = torch.randint(0, 2, data.mask.shape, generator=gen).to(F64) * 2 - 1
+        data = dataclasses.replace(data, branch=signs * data.mask)
+    c, rows = data.mask.shape
+    branch = torch.zeros(c, rows, dtype=F64) if data.branch is None else data.branch
+    x, mask = data.x.to(F64), data.mask.to(F64)
+    for probe_rows in (8, 4):  # units of 5, 8, 6 rows are probes; then none is
+        want = probe_design(_unit_span(x, mask), branch, data.count.to(F64), probe_rows)
+        got = small_probe(data, probe_rows, _unit_span)
+        for key in ("x", "b", "n"):
+            assert torch.equal(got[key], want[key]), key
+        assert bool((got["n"] > 0).any()) == (probe_rows == 8)

@@ -76,7 +76,7 @@ from torch import Tensor
 
 from fedcal.algorithms.fedprior_deploy import learn
 from fedcal.algorithms.fedprior_noise import weighted_moments
-from fedcal.algorithms.fedprior_rounds import carried_interval, probe_design
+from fedcal.algorithms.fedprior_rounds import carried_interval, probe_design, small_probe
 from fedcal.algorithms.fedprior_select import _masked
 from fedcal.core.bayes import (
     F64,
@@ -216,6 +216,8 @@ class CalibratedInterval:
         ``count`` False (fedprior_rounds R2, a round without the hold-out): the probe design
         only, no fits and no counts.
         """
+        if not count:  # R2 (fedprior_rounds): this round uploads the probe design only
+            return small_probe(data, self.probe_rows, _unit_span)
         x, y, mask = data.x.to(F64), data.y[..., 0].to(F64), data.mask.to(F64)
         c, rows = mask.shape
         branch = torch.zeros(c, rows, dtype=F64) if data.branch is None else data.branch.to(F64)
@@ -224,8 +226,6 @@ class CalibratedInterval:
         u = _unit_span(x, mask)  # positions within the unit's own calibrated span
         n = data.count.to(F64)
         probe = probe_design(u, branch, n, self.probe_rows)
-        if not count:  # R2 (fedprior_rounds): this round uploads the probe design only
-            return probe
         dist = torch.cdist(px, u) + 1e3 * ((pb.unsqueeze(-1) * branch.unsqueeze(-2)) < 0)
         dist = dist.masked_fill(mask.unsqueeze(1) == 0, math.inf)
         able = ((data.count.to(F64) >= 2 * pn) & (pn > 0)).to(F64).unsqueeze(1)
