@@ -28,7 +28,7 @@ from fedcal.prior.plan import Base, Forecast
 
 
 def _t(a: Any) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(a, dtype=np.float64), dtype=F64)
+    return torch.tensor(np.asarray(a, dtype=np.float64), dtype=F64)  # a copy: may be read-only
 
 
 @dataclass(frozen=True)

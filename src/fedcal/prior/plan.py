@@ -199,8 +199,10 @@ def unit_rmse(
     s², e ∼ N(``shift``, ``cov``) (``shift`` = (0, m_h)), z = [φ, b·ψ] at the quadrature nodes
     ``field`` with the field's sweep b = ±1 at equal odds, weights ``weights``; the draws
     shifted so that their mean is ``j`` exactly (:mod:`fedcal.planning`'s docstring)."""
+    # The symmetric root Q√ΛQᵀ, not Q√Λ: unique, so the draws move with C by rounding only
+    # (an eigenbasis of near-equal eigenvalues is not, and would turn the draws with it).
     vals, vecs = np.linalg.eigh(0.5 * (cov + cov.T))
-    root = vecs * np.sqrt(np.maximum(vals, 0.0))
+    root = (vecs * np.sqrt(np.maximum(vals, 0.0))) @ vecs.T
     gen = np.random.default_rng(QUANTILE_SEED)
     z = gen.standard_normal((QUANTILE_DRAWS, len(cov))) @ root.T + shift
     g = len(field)
