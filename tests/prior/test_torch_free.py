@@ -397,6 +397,13 @@ def _printed(stdout: str) -> tuple[dict, list]:
     return dict(zip(names, row, strict=True)), steps
 
 
+API_PLAN = """
+from fedcal.api import FleetPrior
+FleetPrior.load(sys.argv[1]).plan(2, 6).design.frame().to_csv(sys.argv[2], index=False)
+print("TORCH", any(m.split(".")[0] == "torch" for m in sys.modules))
+"""
+
+
 def _plan_args(run: Path, method: str, out: Path, unit: Path) -> list[list[str]]:
     base = ["plan", "--prior", str(run), "--method", method]
     return [
@@ -407,7 +414,8 @@ def _plan_args(run: Path, method: str, out: Path, unit: Path) -> list[list[str]]
 
 def test_plan_runs_without_torch_and_equals_the_torch_path(trained):
     """With torch blocked, ``fedcal plan`` (a 2-plateau 6-point design, and sequential mode on
-    one new 3x2 unit) runs for each of :data:`METHODS`, no torch module loaded. Where torch is
+    one new 3x2 unit) runs for each of :data:`METHODS`, no torch module loaded, and
+    ``FleetPrior.load(run).plan(2, 6)`` gives the command's design. Where torch is
     installed, against the forecast the torch path makes
     (:class:`fedcal.planning_torch.TorchForecaster`, ``calibrate``'s ``unit_posteriors``): the
     same design.csv and next points, the printed RMS and worst σ equal to its values to the
@@ -425,6 +433,10 @@ def test_plan_runs_without_torch_and_equals_the_torch_path(trained):
             res = _child(CLI, *args)
             assert res.returncode == 0 and "TORCH False" in res.stderr, res.stderr[-2000:]
             printed[m, i] = _printed(res.stdout)
+    # the Python API's plan (FleetPrior.load(run).plan), torch blocked: the CLI's design
+    res = _child(API_PLAN, str(run), str(out / "api_2x6.csv"))
+    assert res.returncode == 0 and res.stdout.strip().endswith("TORCH False"), res.stderr
+    assert pd.read_csv(out / "api_2x6.csv").equals(pd.read_csv(out / "fedprior_2x6.csv"))
     if not torch_available():
         return  # the core environment: nothing to compare with (module docstring)
     from fedcal import planning
