@@ -98,11 +98,12 @@ def test_the_numpy_plan_chooses_the_torch_plan_s_design(both, budget):
     """The same design, or (a tie within rounding) one whose J equals it within the bound."""
     _, numpy_plan, torch_plan, _ = both
     ours, theirs = planning.optimize(numpy_plan, *budget), planning.optimize(torch_plan, *budget)
-    if ours.design != theirs.design:
-        j = planning.criterion(torch_plan, [ours.design, theirs.design])
-        assert abs(j[0] - j[1]) <= solve_bound(numpy_plan, [theirs.design])[0] * j[1]
-    assert ours.design.frame().equals(theirs.design.frame())
     tol = solve_bound(numpy_plan, [theirs.design])[0]
+    if ours.design != theirs.design:  # measured: never (every preset, every budget here)
+        j = planning.criterion(torch_plan, [ours.design, theirs.design])
+        assert abs(j[0] - j[1]) <= tol * j[1]
+    else:
+        assert ours.design.frame().equals(theirs.design.frame())
     assert ours.expected.rms == pytest.approx(theirs.expected.rms, rel=tol)
     assert ours.expected.worst == pytest.approx(theirs.expected.worst, rel=tol)
 
