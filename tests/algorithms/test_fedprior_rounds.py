@@ -259,3 +259,31 @@ def test_the_probe_of_a_plain_round_is_computed_on_the_small_units_alone(directi
         for key in ("x", "b", "n"):
             assert torch.equal(got[key], want[key]), key
         assert bool((got["n"] > 0).any()) == (probe_rows == 8)
+
+
+def test_a_holdout_round_where_no_unit_can_hold_out_counts_nothing():
+    """I2/I4 in the round that holds out, before any probe (probe_n 0) or with a probe no
+    unit has twice the rows of: no distances, fits or counts, zeros — and the probe upload
+    of the one unit of at most probe_rows rows (its span positions, its rows); with a probe
+    of 6 rows the 40-row units hold out the rows they do not keep."""
+    from fedcal.algorithms.fedprior_interval import TAU_GRID
+
+    data, *_ = planted_fleet(4, [40, 40, 6, 40])
+    alg = FedPrior(Task(MLP()), orders=(1, 1), interval="calibrated", own_folds=5, probe_rows=8)
+    server = alg.server_init(alg.task.model.init(torch.Generator().manual_seed(0), torch.float64))
+    state = alg.client_init(expand(alg.broadcast(server), 4))
+    grid = TAU_GRID.shape[0]
+    for probe_n in (0.0, 30.0):  # none yet; one of 30 rows (no unit has 60)
+        down = expand({**alg.broadcast(server), "probe_n": torch.tensor(probe_n)}, 4)
+        out = alg._heldout(down, state, data)
+        for key, shape in (("inside", (4, grid)), ("held", (4,))):
+            assert torch.equal(out[key], torch.zeros(shape, dtype=torch.float64))
+            assert torch.equal(out[f"{key}_own"], torch.zeros(shape, dtype=torch.float64))
+        assert out["n"].tolist() == [0.0, 0.0, 6.0, 0.0]
+        assert bool((out["x"][2, :6] > 0).any()) and not bool(out["x"][[0, 1, 3]].any())
+    spread = torch.linspace(0.05, 0.95, 8, dtype=torch.float64)  # 6 set points of 8 slots
+    probe = {"probe_n": torch.tensor(6.0), "probe_x": torch.stack([spread, spread.flip(0)], 1)}
+    out = alg._heldout(expand({**alg.broadcast(server), **probe}, 4), state, data)
+    held = out["held"].tolist()  # 40 rows less the kept: one to six (probe points may share one)
+    assert held[2] == 0.0 and all(34.0 <= held[i] < 40.0 for i in (0, 1, 3))
+    assert out["held_own"].tolist() == [40.0, 40.0, 0.0, 40.0]

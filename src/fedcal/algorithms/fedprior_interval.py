@@ -218,17 +218,24 @@ class CalibratedInterval:
         """
         if not count:  # R2 (fedprior_rounds): this round uploads the probe design only
             return small_probe(data, self.probe_rows, _unit_span)
+        pn = down["probe_n"].to(F64)
+        able = ((data.count.to(F64) >= 2 * pn) & (pn > 0)).to(F64).unsqueeze(1)
+        if not bool(able.any()):  # no unit can hold out (no probe yet): nothing to count
+            grid, c = TAU_GRID.shape[0], data.num_clients
+            none = {"inside": torch.zeros(c, grid, dtype=F64), "held": torch.zeros(c, dtype=F64)}
+            if self.own_folds:
+                none.update(inside_own=none["inside"].clone(), held_own=none["held"].clone())
+            return {**small_probe(data, self.probe_rows, _unit_span), **none}
         x, y, mask = data.x.to(F64), data.y[..., 0].to(F64), data.mask.to(F64)
         c, rows = mask.shape
         branch = torch.zeros(c, rows, dtype=F64) if data.branch is None else data.branch.to(F64)
-        px, pb, pn = down["probe_x"].to(F64), down["probe_b"].to(F64), down["probe_n"].to(F64)
+        px, pb = down["probe_x"].to(F64), down["probe_b"].to(F64)
         valid = (torch.arange(px.shape[1]).unsqueeze(0) < pn.unsqueeze(1)).to(F64)
         u = _unit_span(x, mask)  # positions within the unit's own calibrated span
         n = data.count.to(F64)
         probe = probe_design(u, branch, n, self.probe_rows)
         dist = torch.cdist(px, u) + 1e3 * ((pb.unsqueeze(-1) * branch.unsqueeze(-2)) < 0)
         dist = dist.masked_fill(mask.unsqueeze(1) == 0, math.inf)
-        able = ((data.count.to(F64) >= 2 * pn) & (pn > 0)).to(F64).unsqueeze(1)
         nearest = dist.argmin(-1)
         if data.branch is None:
             # No sweep directions: a probe design is one pass, so at each set point (rows
@@ -243,9 +250,7 @@ class CalibratedInterval:
         design = self.design(x, data.branch)
         if weights is not None:  # N5: held rows the robust fit marks outliers not counted
             held = held * weights[1]
-        inside = torch.zeros(c, TAU_GRID.shape[0], dtype=F64)  # no unit can hold out: none
-        if bool(able.any()):
-            inside = self._fit_count(down, state, design, x, y, keep, held, weights)
+        inside = self._fit_count(down, state, design, x, y, keep, held, weights)
         out = {**probe, "inside": inside, "held": held.sum(1)}
         if self.own_folds:  # I4: the rich units hold out their own rows, fold by fold
             out["inside_own"], out["held_own"] = self._own_counts(
