@@ -221,11 +221,7 @@ class CalibratedInterval:
         pn = down["probe_n"].to(F64)
         able = ((data.count.to(F64) >= 2 * pn) & (pn > 0)).to(F64).unsqueeze(1)
         if not bool(able.any()):  # no unit can hold out (no probe yet): nothing to count
-            grid, c = TAU_GRID.shape[0], data.num_clients
-            none = {"inside": torch.zeros(c, grid, dtype=F64), "held": torch.zeros(c, dtype=F64)}
-            if self.own_folds:
-                none.update(inside_own=none["inside"].clone(), held_own=none["held"].clone())
-            return {**small_probe(data, self.probe_rows, _unit_span), **none}
+            return small_probe(data, self.probe_rows, _unit_span, (len(TAU_GRID), self.own_folds))
         x, y, mask = data.x.to(F64), data.y[..., 0].to(F64), data.mask.to(F64)
         c, rows = mask.shape
         branch = torch.zeros(c, rows, dtype=F64) if data.branch is None else data.branch.to(F64)

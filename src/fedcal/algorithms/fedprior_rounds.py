@@ -216,13 +216,19 @@ def probe_design(u: Tensor, branch: Tensor, n: Tensor, probe_rows: int) -> Tree:
 
 
 def small_probe(
-    data: ClientData, probe_rows: int, span: Callable[[Tensor, Tensor], Tensor]
+    data: ClientData,
+    probe_rows: int,
+    span: Callable[[Tensor, Tensor], Tensor],
+    counts: tuple[int, bool] | None = None,
 ) -> Tree:
     """:func:`probe_design` in a round without the hold-out (R2), computed on the units with
     at most ``probe_rows`` rows alone (``span``: their inputs' span positions from (x, mask),
     fedprior_interval's ``_unit_span``); the others' upload is zeros, as probe_design's. The
     same numbers as probe_design of every unit, without every unit's span (at 100,000 units
-    of 444 rows, most of a plain round's interval cost)."""
+    of 444 rows, most of a plain round's interval cost). ``counts`` (grid, own folds): a
+    round that holds out where no unit can, with its zero counts (:func:`nothing_held`)."""
+    if counts is not None:
+        return {**small_probe(data, probe_rows, span), **nothing_held(data.num_clients, *counts)}
     n = data.count.to(F64)
     c, rows = data.mask.shape
     out = {
@@ -239,6 +245,15 @@ def small_probe(
     part = probe_design(span(sub.x.to(F64), mask), branch.to(F64), n[small], probe_rows)
     for key in ("x", "b"):
         out[key][small] = part[key]
+    return out
+
+
+def nothing_held(clients: int, grid: int, own: bool) -> Tree:
+    """I2's (and with ``own``, I4's) counts of a round that holds out where no unit can (no
+    probe yet, or none with twice its rows): zeros per unit, (clients, grid) and (clients,)."""
+    out = {"inside": torch.zeros(clients, grid, dtype=F64), "held": torch.zeros(clients, dtype=F64)}
+    if own:
+        out.update(inside_own=out["inside"].clone(), held_own=out["held"].clone())
     return out
 
 
