@@ -185,21 +185,30 @@ def test_a_units_draw_is_its_own_and_uniform():
     assert abs(share - 0.1) <= 4 * (0.1 * 0.9 / 20000) ** 0.5
 
 
-def test_the_candidates_on_a_sample_choose_as_the_whole_fleet(mixed):
+def test_the_candidates_on_a_sample_choose_as_the_drawn_units_alone(mixed):
     """R1's sample (select_units = 12 of 30 units): from the first round the units whose own
     draw is below 12/30 upload the candidates' terms (and ``unit`` 1), the others zeros and
     are not rejected for them (the consistency check reads the sample's rows only); the BIC
-    choice is the whole fleet's here, and after the freeze every unit's statistics count."""
+    choice is the one the drawn units make alone (a fleet of them, every unit drawing) — not
+    always the whole fleet's: here the 12 drawn choose candidate 15, the 30 units 13 (since
+    the running sums of ``moments`` changed the bits of Φᵀy, and so which units draw)."""
     alg, tensors = mixed
     sample = dataclasses.replace(alg, select_units=12, converge_tol=0.0)
     run = _run(sample, tensors, 8)
-    every = _run(dataclasses.replace(alg, **EVERY), tensors, 8)
-    assert int(run.server["choice"]) == int(every.server["choice"])
-    assert not run.extra["rejections"]
     n = tensors.num_clients
     data = tensors.train
     draws = unit_draw(sample._moments(data).rhs)
-    drawn = int((draws < 12 / n).sum())
+    idx = torch.nonzero(draws < 12 / n)[:, 0]
+    alone = dataclasses.replace(
+        tensors,
+        train=data.select(idx),
+        test=tensors.test.select(idx),
+        client_ids=tuple(tensors.client_ids[i] for i in idx.tolist()),
+    )
+    every = _run(dataclasses.replace(alg, **EVERY), alone, 8)
+    assert int(run.server["choice"]) == int(every.server["choice"])
+    assert not run.extra["rejections"]
+    drawn = len(idx)
     assert 4 <= drawn <= 20  # ~12 of 30 (± 3 binomial sd)
     server = sample.server_init({})
     server = sample.before_round(server, 0, 8, n)
