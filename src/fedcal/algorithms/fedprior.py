@@ -165,7 +165,9 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
+from fedcal.algorithms.fedprior_basis import DesignBasis, model_mask, unit_noise
 from fedcal.algorithms.fedprior_choice import TimeChoice
+from fedcal.algorithms.fedprior_deploy import learn
 from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
 from fedcal.algorithms.fedprior_dp import PrivateStatistics
 from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
@@ -206,7 +208,6 @@ from fedcal.models.basis import (
 @dataclass(frozen=True)
 class FedPrior(
     TimeChoice,
-    CalibratedInterval,
     Algorithm,
 ):
     @property
@@ -465,6 +466,25 @@ class FedPrior(
         return self.rounds_schedule.finished(server)
 
     @cached_property
+    def design_basis(self) -> DesignBasis:
+        """The design [φ, b·ψ] and the predictive form (fedprior_basis)."""
+        return DesignBasis(self.terms, self.branch_terms)
+
+    @cached_property
+    def calibrated(self) -> CalibratedInterval:
+        """The calibrated interval, I1–I4 (fedprior_interval)."""
+        settings = (self.interval, self.probe_rows, self.coverage_target, self.own_folds)
+        return CalibratedInterval(
+            *settings,
+            self.min_informed,
+            self.noise,
+            self.num_inputs,
+            self.design_basis,
+            self.noise_model,
+            self.selection,
+        )
+
+    @cached_property
     def noise_model(self) -> NoiseModel:
         """σ²(x) in the inputs, Student-t or trimmed rows (fedprior_noise, N1–N7)."""
         return NoiseModel(
@@ -530,17 +550,8 @@ class FedPrior(
         return shapes
 
     def design(self, x: Tensor, branch: Tensor | None = None) -> Tensor:
-        """[φ(x), b·ψ(x)]: (clients, rows, inputs) → (clients, rows, features), float64.
-
-        ``branch`` (clients, rows): each row's sweep sign b; None reads as 0 (no
-        direction known). Without ``branch_orders``: φ(x) only.
-        """
-        phi = legendre_products(x, self.terms)
-        if not self.branch_orders:
-            return phi
-        psi = legendre_products(x, self.branch_terms)
-        b = torch.zeros(x.shape[:-1], dtype=F64) if branch is None else branch.to(F64)
-        return torch.cat([phi, psi * b.unsqueeze(-1)], -1)
+        """[φ(x), b·ψ(x)] (:meth:`DesignBasis.design`)."""
+        return self.design_basis.design(x, branch)
 
     # ---- the contract --------------------------------------------------------
     def server_init(self, params: Tree) -> Tree:
@@ -552,7 +563,7 @@ class FedPrior(
             "support": torch.zeros(p, p, dtype=F64),
         }
         if self.interval == "calibrated":
-            start.update(self._interval_init())
+            start.update(self.calibrated.init())
         if self.noise_shape == "inputs":  # γ in use, its iterate and the fleet's ratio (N2, N3)
             zero = torch.zeros(self.num_inputs, dtype=F64)
             start.update(noise_gamma=zero, noise_gamma_fit=zero.clone())
@@ -610,7 +621,7 @@ class FedPrior(
         return state
 
     def _noise(self, down: Tree, state: Tree) -> Tensor:
-        return state["noise_var"] if self.noise == "sensor" else down["noise_var"]
+        return unit_noise(self.noise, down, state)
 
     def derive(self, data: ClientData) -> dict[str, Tensor] | None:
         """The units' unweighted moments (Φ_iᵀΦ_i, Φ_iᵀy_i, y_iᵀy_i, n_i) of step 1, which
@@ -653,12 +664,7 @@ class FedPrior(
         stats = full if mask is None else _masked(full, mask)
         return stats, posterior(stats, down["mu"], down["sigma"], self._noise(down, state))
 
-    def _model_mask(self, down: Tree) -> Tensor | None:
-        """The features in the model (the chosen basis without the ψ coordinates J out of
-        it: BranchPins.unidentified); None: all of them."""
-        if "mask" in down:
-            return down["mask"]
-        return 1.0 - down["pinned"] if "pinned" in down else None
+    _model_mask = staticmethod(model_mask)  # the features in the model (fedprior_basis)
 
     def _sensor_noise(self, rss: Tensor, n: Tensor, fleet: Tensor) -> Tensor:
         """σ_i² = (r_i + ν σ²)/(n_i + ν): the MAP under a scaled-inv-χ²(ν, σ²) prior."""
@@ -705,7 +711,9 @@ class FedPrior(
             reply["interval"] = {
                 "dof": chosen["dof"],
                 "fit": chosen["fit"],
-                **self._heldout(down, state, data, rw, self.rounds_schedule.holds_out(down)),
+                **self.calibrated.heldout(
+                    down, state, data, rw, self.rounds_schedule.holds_out(down)
+                ),
             }
         if self.noise_shape == "inputs":  # γ's score, information and evidence (N2)
             reply["noise"] = self.noise_model.uploads(em, data, design, post, rw[1])
@@ -935,7 +943,7 @@ class FedPrior(
         if self.branch_orders:  # the features in use, without the ψ coordinates out of it
             new["mask"] = new.get("mask", self.masks[-1]) * (~pinned).to(F64)
             new["pinned"] = pinned.to(F64)
-        new.update(self._interval_update(server, replies, order, total))
+        new.update(self.calibrated.update(server, replies, order, total))
         return new
 
     def _candidates_update(self, sums: RoundSums) -> Tree:
@@ -969,7 +977,7 @@ class FedPrior(
             "choice": torch.tensor(choice),
             "scores": scores,
             "cand": stacked,
-            **self._interval_update(server, replies, order, total),
+            **self.calibrated.update(server, replies, order, total),
             **(
                 self.noise_model.updates(server, replies["noise"], order, total["n"], replies["n"])
                 if "noise" in replies
@@ -1053,22 +1061,7 @@ class FedPrior(
         if m is not None:  # terms outside the chosen basis (or J) are not in the model (0, no σ)
             coef, cov = coef * m, cov * m.unsqueeze(-1) * m.unsqueeze(-2)
         out = {"coef": coef, "cov": cov, "noise_var": self._noise(down, state)}
-        if "disc_var" in down:  # τ² for units of the probe's size; declined: no interval
-            n, probe = data.count.to(F64), down["probe_n"].to(F64)
-            small = n < 2 * probe
-            # A unit smaller than any design the fleet held out for (only a unit calibrated
-            # later from prior.json can be): its model error was never learned.
-            unknown = (n < probe) | ((probe == 0) & (n <= self.probe_rows))
-            code = down["declined"]
-            # I4: the rich units' own-row τ² (NaN: none of the grid covered; 0 when off)
-            own = down.get("disc_own", torch.tensor(0.0, dtype=F64)).to(F64)
-            rich_var = torch.nan_to_num(own, nan=0.0).expand_as(n)
-            out["disc_var"] = torch.where(small, down["disc_var"].to(F64), rich_var)
-            lost = ~small & torch.isnan(own) & (probe > 0)
-            # I3: weakly identified directions decline the units they carry (weak_units)
-            weak = self.weak_units(down, cov, out["noise_var"], data)
-            declined = (code == 1) | weak | (small & (code > 1) & (code != 5)) | unknown | lost
-            out["declined"] = declined.to(F64)
+        out.update(self.calibrated.personal(down, cov, out["noise_var"], data))  # τ², I3
         out["box"] = self.support_box.unit_box(down.get("box"), data)
         if self.noise_shape == "inputs":  # σ²(x) = σ_i² exp(γᵀx) (fedprior_noise)
             gamma = down.get("noise_gamma", torch.zeros(self.num_inputs, dtype=F64))
@@ -1125,37 +1118,46 @@ class FedPrior(
         return mixture_halfwidth(m, s).to(x.dtype)
 
     def variance_design(self, x: Tensor) -> Tensor:
-        """z(x) = [φ(x), ψ(x)] (clients, rows, features), float64: no sign b (unknown in use)."""
-        phi = legendre_products(x, self.terms)
-        if not self.branch_orders:
-            return phi
-        return torch.cat([phi, legendre_products(x, self.branch_terms)], -1)
+        """z(x) = [φ(x), ψ(x)] (:meth:`DesignBasis.variance_design`)."""
+        return self.design_basis.variance_design(x)
 
     def variance_form(self, params: Tree) -> tuple[Tensor, Tensor]:
-        """(Q, s): the predictive variance as z(x)ᵀQ z(x) + s, z = :meth:`variance_design`.
+        """(Q, s): the predictive variance as z(x)ᵀQ z(x) + s (:meth:`DesignBasis.variance_form`):
+        the single place of the predictive variance, that :meth:`predictive_std` and the
+        firmware/JSON exports read."""
+        return self.design_basis.variance_form(params)
 
-        Q = blockdiag(V_cc, m_h m_hᵀ + V_hh) — the posterior covariance of c and,
-        with a direction term, E[h hᵀ] (b unknown: E[b] = 0, E[b²] = 1; module
-        doc) — and s = Σ of the unit's additive variances: every per-unit scalar
-        parameter named ``*_var`` (σ_i² = ``noise_var``; a further additive term
-        stored the same way is included). The single place of the predictive
-        variance: :meth:`predictive_std` and the firmware/JSON exports read it.
-        """
-        p = len(self.terms)
-        cov = params["cov"].to(F64)
-        q = torch.zeros_like(cov)
-        q[..., :p, :p] = cov[..., :p, :p]
-        if self.branch_orders:
-            m_h = params["coef"][..., p:].to(F64)
-            q[..., p:, p:] = m_h.unsqueeze(-1) * m_h.unsqueeze(-2) + cov[..., p:, p:]
-        batch = cov.shape[:-2]
-        s = torch.zeros(batch, dtype=F64)
-        for key, value in params.items():
-            if key.endswith("_var") and tuple(value.shape) == tuple(batch):
-                s = s + value.to(F64)  # σ_i², and τ_i² (disc_var) with a calibrated interval
-        if "declined" in params:  # no interval stated for this unit (module doc, "Intervals")
-            s = torch.where(params["declined"].to(F64) > 0, math.nan, s)
-        return q, s
+    # ---- the calibrated interval (fedprior_interval), as the exports and deploy read it ----
+    def interval_note(self, server: Tree) -> str:
+        """Why the run states no interval for (some) units (:meth:`CalibratedInterval.note`)."""
+        return self.calibrated.note(server)
+
+    def weak_units(self, down: Tree, cov: Tensor, noise: Tensor, data: ClientData) -> Tensor:
+        """I3's declined units (:meth:`CalibratedInterval.weak_units`)."""
+        return self.calibrated.weak_units(down, cov, noise, data)
+
+    def _fit(self, down: Tree, state: Tree, sub: Moments) -> tuple[Tensor, Tensor, Tensor]:
+        """A hold-out fit (:meth:`CalibratedInterval._fit`; fedprior_deploy's emulation)."""
+        return self.calibrated._fit(down, state, sub)
+
+    def _mean_var(self, coef: Tensor, cov: Tensor, noise: Tensor, x: Tensor, down: Tree):
+        """A hold-out's predictions (:meth:`CalibratedInterval._mean_var`; fedprior_deploy)."""
+        return self.calibrated._mean_var(coef, cov, noise, x, down)
+
+    def deploy_state(self, server: Tree, data: ClientData) -> dict | None:
+        """The prior's design-dependent error model learned by the reference units at the
+        run's end (:mod:`fedcal.algorithms.fedprior_deploy`, E1–E5), as prior.json's
+        ``"discrepancy"``; None when not learned (``deploy = "off"``, the model's own
+        interval, the noise model's weighted rows or drift: not emulated; ``noise =
+        "sensor"``: the emulation fits with the fleet's σ² while ``calibrate`` states a
+        unit's σ with its own σ_i², so κ would be learned for another noise rule; fewer than
+        two reference units)."""
+        if self.deploy != "learn" or self.interval != "calibrated" or self.noise_model.weighted:
+            return None
+        if self.noise == "sensor" or hasattr(self, "drift_fit"):  # fedprior_drift: not emulated
+            return None
+        model = learn(self, server, data)
+        return None if model is None else model.to_dict()
 
 
 class RoundSums(NamedTuple):

@@ -54,7 +54,7 @@ E5. **The record** (:class:`~fedcal.prior.discrepancy.Discrepancy`): β, a², �
     declines a new unit's design the references did not span.
 
 Only sums over a unit's own rows leave it (E3, E4); the engine here is the run's end
-(:meth:`~fedcal.algorithms.fedprior_interval.CalibratedInterval.deploy_state`), on the
+(:meth:`~fedcal.algorithms.fedprior.FedPrior.deploy_state`), on the
 final prior, once: not every round.
 """
 

@@ -239,7 +239,7 @@ class ShortColocation:
         k = int(torch.argmax(score[best]))  # ties: the smaller q_s
         beats = float(score[best, k] - score[best, 0]) > 0.5 * self.drift_test
         new["q"] = self._q_grid()[k].clone() if beats else torch.tensor(0.0, dtype=F64)
-        new["tau"] = self._tau_of(inside / held)
+        new["tau"] = self.calibrated.tau_of(inside / held)
         return new
 
     def _short_personal(self, down: Tree, data: ClientData, full: Moments) -> Moments:

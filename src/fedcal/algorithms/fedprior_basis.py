@@ -1,0 +1,95 @@
+"""The fleet prior's design and predictive form: [φ, b·ψ] and the variance z(x)ᵀQ z(x) + s.
+
+:class:`DesignBasis` is a part of :class:`~fedcal.algorithms.fedprior.FedPrior` (its
+``design_basis``), declared by the exponent tuples of φ (``terms``, constant first) and of ψ, the
+sweep direction's term (``branch_terms``, empty when off): the design a unit's moments are
+formed from (module doc of fedprior, "The chamber's sweep direction"), the design of its
+predictive variance (no sign b: unknown in use) and the one place of that variance,
+:meth:`DesignBasis.variance_form`, that ``predictive_std``, the calibrated interval's
+hold-out and the firmware/JSON exports read. Two functions of a broadcast that every part
+reads the same way: :func:`model_mask` (the features in the model) and :func:`unit_noise`
+(the σ² a unit's posterior uses).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fedcal.core.bayes import F64
+from fedcal.core.tree import Tree
+from fedcal.models.basis import legendre_products
+
+
+@dataclass(frozen=True)
+class DesignBasis:
+    """φ's terms and ψ's (module doc)."""
+
+    terms: tuple[tuple[int, ...], ...]
+    branch_terms: tuple[tuple[int, ...], ...]
+
+    def design(self, x: Tensor, branch: Tensor | None = None) -> Tensor:
+        """[φ(x), b·ψ(x)]: (clients, rows, inputs) → (clients, rows, features), float64.
+
+        ``branch`` (clients, rows): each row's sweep sign b; None reads as 0 (no
+        direction known). Without a direction term: φ(x) only.
+        """
+        phi = legendre_products(x, self.terms)
+        if not self.branch_terms:
+            return phi
+        psi = legendre_products(x, self.branch_terms)
+        b = torch.zeros(x.shape[:-1], dtype=F64) if branch is None else branch.to(F64)
+        return torch.cat([phi, psi * b.unsqueeze(-1)], -1)
+
+    def variance_design(self, x: Tensor) -> Tensor:
+        """z(x) = [φ(x), ψ(x)] (clients, rows, features), float64: no sign b (unknown in use)."""
+        phi = legendre_products(x, self.terms)
+        if not self.branch_terms:
+            return phi
+        return torch.cat([phi, legendre_products(x, self.branch_terms)], -1)
+
+    def mean(self, coef: Tensor, x: Tensor) -> Tensor:
+        """φ(x)ᵀm_c per row (clients, rows), float64: the prediction on φ's coefficients."""
+        p = len(self.terms)
+        return (legendre_products(x, self.terms) * coef.to(F64)[..., :p].unsqueeze(1)).sum(-1)
+
+    def variance_form(self, params: Tree) -> tuple[Tensor, Tensor]:
+        """(Q, s): the predictive variance as z(x)ᵀQ z(x) + s, z = :meth:`variance_design`.
+
+        Q = blockdiag(V_cc, m_h m_hᵀ + V_hh) — the posterior covariance of c and,
+        with a direction term, E[h hᵀ] (b unknown: E[b] = 0, E[b²] = 1; fedprior's module
+        doc) — and s = Σ of the unit's additive variances: every per-unit scalar
+        parameter named ``*_var`` (σ_i² = ``noise_var``; a further additive term
+        stored the same way is included); NaN where the unit's interval is declined.
+        """
+        p = len(self.terms)
+        cov = params["cov"].to(F64)
+        q = torch.zeros_like(cov)
+        q[..., :p, :p] = cov[..., :p, :p]
+        if self.branch_terms:
+            m_h = params["coef"][..., p:].to(F64)
+            q[..., p:, p:] = m_h.unsqueeze(-1) * m_h.unsqueeze(-2) + cov[..., p:, p:]
+        batch = cov.shape[:-2]
+        s = torch.zeros(batch, dtype=F64)
+        for key, value in params.items():
+            if key.endswith("_var") and tuple(value.shape) == tuple(batch):
+                s = s + value.to(F64)  # σ_i², and τ_i² (disc_var) with a calibrated interval
+        if "declined" in params:  # no interval stated for this unit (fedprior, "Intervals")
+            s = torch.where(params["declined"].to(F64) > 0, math.nan, s)
+        return q, s
+
+
+def model_mask(down: Tree) -> Tensor | None:
+    """The features in the model (the chosen basis without the ψ coordinates J out of it:
+    fedprior_pins); None: all of them."""
+    if "mask" in down:
+        return down["mask"]
+    return 1.0 - down["pinned"] if "pinned" in down else None
+
+
+def unit_noise(noise: str, down: Tree, state: Tree) -> Tensor:
+    """The σ² a unit's posterior uses: its own σ_i² (``noise = "sensor"``) or the fleet's."""
+    return state["noise_var"] if noise == "sensor" else down["noise_var"]
