@@ -262,7 +262,9 @@ def _own_counts_reference(alg, down, state, design, x, y, mask, able, weights):
     for k in range(alg.own_folds):
         part = mask * (fold == k).to(F64) * able.unsqueeze(1)
         fold_held = part if weights is None else part * weights[1]
-        inside += alg.calibrated._fit_count(down, state, design, x, y, mask - part, fold_held, weights)
+        inside += alg.calibrated._fit_count(
+            down, state, design, x, y, mask - part, fold_held, weights
+        )
         held += fold_held.sum(1)
     return inside, held
 
