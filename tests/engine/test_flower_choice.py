@@ -36,7 +36,7 @@ def test_fedprior_with_the_choice_and_a_raw_column_on_flower_equals_the_simulato
     assert fed.rejected == {} and all(f == {} for f in fed.failed.values())
     tensors = prepare(fleet, dtype="float64")
     alg = with_raw_column(build(config, method, 2), config, tensors)
-    assert alg.choose == "time" and alg.raw_coef is not None
+    assert alg.choose == "time" and alg.time_choice.raw_coef is not None
     # the Flower server's algorithm has the raw candidate with the simulator's map
     assert fed.algorithm.raw_input == alg.raw_input == 0
     np.testing.assert_allclose(fed.algorithm.raw_map, alg.raw_map, rtol=1e-12)

@@ -159,17 +159,18 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
-from typing import Annotated, Literal, NamedTuple
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 import torch
 from pydantic import Field
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_basis import DesignBasis, model_mask, unit_noise
-from fedcal.algorithms.fedprior_choice import TimeChoice
+from fedcal.algorithms.fedprior_choice import SIMPLE, TimeChoice
 from fedcal.algorithms.fedprior_deploy import learn
 from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
 from fedcal.algorithms.fedprior_dp import PrivateStatistics
+from fedcal.algorithms.fedprior_forward import ForwardInterval
 from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
 from fedcal.algorithms.fedprior_noise import NoiseModel, sensor_noise
 from fedcal.algorithms.fedprior_pins import BranchPins
@@ -206,10 +207,7 @@ from fedcal.models.basis import (
 
 
 @dataclass(frozen=True)
-class FedPrior(
-    TimeChoice,
-    Algorithm,
-):
+class FedPrior(Algorithm):
     @property
     def uses_local_epochs(self) -> bool:  # closed form (EM)
         return False
@@ -332,6 +330,8 @@ class FedPrior(
     raw_map: tuple[float, float] = (0.0, 1.0)
 
     name = "fedprior"
+    # per_sensor.csv's fallback column: codes on the wire, these names in the tables
+    unit_labels: ClassVar[dict[str, tuple[str, ...]]] = {"fallback": ("prior", *SIMPLE)}
     # m_i is the unit's posterior mean (its calibration); the rest are sufficient statistics.
     uploads = ("model", "statistics")
 
@@ -485,6 +485,26 @@ class FedPrior(
         )
 
     @cached_property
+    def time_choice(self) -> TimeChoice:
+        """The time-respecting choice, no harm and the interval after calibration
+        (fedprior_choice, fedprior_forward)."""
+        forward = ForwardInterval(self.choice_interval, self.terms, self.support_box)
+        settings = (self.choose, self.choice_holdout, self.choice_clip, self.choice_z)
+        return TimeChoice(
+            *settings,
+            self.choice_margin,
+            self.choice_sigma,
+            self.implausible,
+            self.noise,
+            self.raw_input,
+            self.raw_map,
+            self.num_inputs,
+            self.design_basis,
+            self.selection,
+            forward,
+        )
+
+    @cached_property
     def noise_model(self) -> NoiseModel:
         """σ²(x) in the inputs, Student-t or trimmed rows (fedprior_noise, N1–N7)."""
         return NoiseModel(
@@ -525,7 +545,7 @@ class FedPrior(
     def robust_uploads(self) -> RobustUploads:
         """The consistency check and the M-step's outlier weights (fedprior_robust)."""
         k = len(self.candidates) if self.each_candidate else 0
-        lin = self._linear_terms()
+        lin = self.time_choice.linear_terms
         lin = None if lin is None else tuple(lin)
         return RobustUploads(self.robust, k, self.select_clip, self.choice_clip, lin)
 
@@ -544,7 +564,9 @@ class FedPrior(
             shapes["noise_gamma"] = (self.num_inputs,)
         if self.choose != "off":  # the no-harm fall-back and the validation MSE (fedprior_choice)
             shapes.update(fallback=(), val_mse=(), sigma_scale=(), target_sd=())
-            shapes.update(self.forward_shapes())  # κ, ρ/T after calibration (fedprior_forward)
+            shapes.update(
+                self.time_choice.forward.shapes()
+            )  # κ, ρ/T after calibration (fedprior_forward)
         if self.deploy_rows:  # the unit's design for the prior's discrepancy σ (fedprior_deploy)
             shapes.update(deploy_shapes(self.deploy_rows, self.num_inputs, len(self.terms)))
         return shapes
@@ -573,8 +595,8 @@ class FedPrior(
             start["tail_ratio"] = torch.tensor(0.0, dtype=F64)
         if self.branch_orders:  # ψ coordinates out of the model (none yet): BranchPins.unidentified
             start["pinned"] = torch.zeros(p, dtype=F64)
-        if self.choice_on:  # fedprior_choice's pooled lines and summed scores
-            start.update(self._choice_init())
+        if self.time_choice.on:  # fedprior_choice's pooled lines and summed scores
+            start.update(self.time_choice.init())
         start.update(self.rounds_schedule.init())  # R1–R3's bookkeeping (none when off)
         if self.select == "none":
             mask = {"mask": self.masks[-1].clone()} if self.branch_orders else {}
@@ -605,7 +627,8 @@ class FedPrior(
         if self.select != "none":
             down["mask"] = server["mask"]
         if "pooled_ok" in server:  # the fleet's pooled lines (fedprior_choice), once summed
-            down.update({k: server[k] for k in self.choice_broadcast if k in server})
+            keys = self.time_choice.forward.broadcast_keys
+            down.update({k: server[k] for k in keys if k in server})
         if "holdout_now" in server:  # fedprior_rounds R2: whether this round holds out
             down["holdout_now"] = server["holdout_now"]
         if self.each_candidate and "cand" in server:  # (R1: not once the choice is frozen)
@@ -732,8 +755,9 @@ class FedPrior(
             )
         elif "cand_noise_var" in state:  # R1: frozen, the candidates' σ_i² kept as they were
             new_state["cand_noise_var"] = state["cand_noise_var"]
-        if "pooled_ok" in down and self.choosing(data):  # forward scores (fedprior_choice)
-            reply["choice"] = self.choice_uploads(down, state, data, gram, chosen["mean"])
+        if "pooled_ok" in down and self.time_choice.choosing(data):  # forward scores
+            args = (down, state, data, gram, chosen["mean"])
+            reply["choice"] = self.time_choice.uploads(self, *args)
         fit_mse = post.rss / full.n.clamp_min(1.0)
         # jitter: the relative jitter a near-singular factorization needed (0: none; 1: an
         # eigenvalue floor), per unit and round in the run's metrics (core.bayes.safe_cholesky).
@@ -904,7 +928,8 @@ class FedPrior(
         skip = ("cand", "interval", "noise", "choice")
         forward = None
         if "choice" in replies:  # per unit unless already summed (fedprior_stream)
-            forward = self.choice_update(replies["choice"], order, replies["gram"], units is None)
+            choice = (replies["choice"], order, replies["gram"], units is None)
+            forward = self.time_choice.update(*choice)
         total = {k: v[order].sum(0) for k, v in replies.items() if k not in skip}
         pinned = self.branch_pins.unidentified(total.pop("branch_support", None))
         if "interval" in replies:  # the restricted noise update's sums (module doc, I1)
@@ -939,7 +964,7 @@ class FedPrior(
         if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
             noise = replies["noise"]
             new.update(self.noise_model.updates(server, noise, order, total["n"], replies["n"]))
-        new.update(self._choice_state(server, forward))
+        new.update(self.time_choice.kept(server, forward))
         if self.branch_orders:  # the features in use, without the ψ coordinates out of it
             new["mask"] = new.get("mask", self.masks[-1]) * (~pinned).to(F64)
             new["pinned"] = pinned.to(F64)
@@ -965,11 +990,11 @@ class FedPrior(
         same = (eff.unsqueeze(0) == eff.unsqueeze(1)).all(-1).tril(-1).any(-1)
         choice = int(torch.argmax(torch.where(same, -math.inf, scores)))
         if forward is not None and float(forward["forward_scored"]) > 0:  # by each unit's future
-            choice = self.forward_choice(
+            choice = self.time_choice.pick(
                 torch.where(same, math.inf, forward["forward_scores"][:-3])
             )
         new = {
-            **self._choice_state(server, forward),
+            **self.time_choice.kept(server, forward),
             **{key: v[choice] for key, v in stacked.items()},
             "box": self.support_box.fleet_box(total["gram"]),
             "mask": masks[choice] * (~pinned).to(F64),
@@ -1052,7 +1077,7 @@ class FedPrior(
         out = self._personal(down, state, data)
         if self.choose == "off":
             return out
-        return self.no_harm(down, state, data, out)
+        return self.time_choice.no_harm(self, down, state, data, out)
 
     def _personal(self, down: Tree, state: Tree, data: ClientData) -> Tree:
         _, post = self._posterior(down, state, self._personal_moments(down, data))
@@ -1126,6 +1151,46 @@ class FedPrior(
         the single place of the predictive variance, that :meth:`predictive_std` and the
         firmware/JSON exports read."""
         return self.design_basis.variance_form(params)
+
+    # ---- the time-respecting choice's hooks (fedprior_choice, fedprior_forward) ----
+    def with_scaler(self, scaler: Any) -> FedPrior:
+        """``raw_map`` from the run's scaler (``raw_input`` ≥ 0; :meth:`TimeChoice.raw_map_of`)."""
+        if self.raw_input < 0:
+            return self
+        return dataclasses.replace(self, raw_map=self.time_choice.raw_map_of(scaler))
+
+    def predictive_std_timed(self, params: Tree, data: ClientData) -> Tensor | None:
+        """:meth:`predictive_std` at each row's time: after the unit's calibration, the
+        fleet's forward variance (:meth:`ForwardInterval.std`)."""
+        return self.time_choice.forward.std(params, data, self.predictive_std(params, data.x))
+
+    def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
+        """PriorStatus's flags, and ``weak`` for an implausible unit (fedprior_choice)."""
+        flags = self.prior_status.client_status(server, personal, x, mask)
+        if self.choose != "off":
+            medians = server.get("status_medians")  # over the whole fleet (a chunked judge)
+            args = (self, personal, x, mask, medians)
+            flags["weak"] = flags["weak"] | self.time_choice.implausible_units(*args)
+        return flags
+
+    def status_values(self, personal: Tree, x: Tensor, mask: Tensor) -> dict[str, Tensor]:
+        """The values the implausible rule compares (:meth:`TimeChoice.status_values`)."""
+        return self.time_choice.status_values(self, personal, x, mask)
+
+    def unit_columns(self, params: Tree, train: ClientData) -> dict:
+        """Per unit: the no-harm fall-back and σ factors (:meth:`TimeChoice.unit_columns`)."""
+        return self.time_choice.unit_columns(params)
+
+    def export_state(self, server: Tree) -> dict:
+        """The fleet prior (:meth:`PriorStatus.export_state`) with the time choice's record."""
+        state = self.prior_status.export_state(server, self.interval_note(server))
+        record = self.time_choice.record(server)
+        if record is not None:  # the time-respecting choice (fedprior_choice)
+            selection = state.setdefault("selection", {"rule": "none", "chosen": {}})
+            if self.each_candidate:
+                selection["rule"] = "forward"
+            selection["forward"] = record
+        return state
 
     # ---- the calibrated interval (fedprior_interval), as the exports and deploy read it ----
     def interval_note(self, server: Tree) -> str:

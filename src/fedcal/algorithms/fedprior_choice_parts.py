@@ -14,6 +14,13 @@ from fedcal.core.tree import Tree
 FOLDS = 2
 
 
+def row_times(data: ClientData) -> Tensor:
+    """(clients, rows) each row's time: the data's time column, or the row order without one."""
+    if data.time is not None:
+        return data.time.to(F64)
+    return torch.arange(data.x.shape[1], dtype=F64).expand(data.x.shape[:2])
+
+
 def subset(data: ClientData, keep: Tensor) -> ClientData:
     """The unit's rows where ``keep`` (clients, rows) is set, gathered to the front
     (``count`` = their number); the others after them as padding."""

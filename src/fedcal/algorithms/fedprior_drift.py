@@ -544,9 +544,9 @@ class FedPriorDrift(ShortColocation, FedPrior):
         """:meth:`predictive_std` at each row's time: + the walk since t_i (module doc)."""
         std = self.predictive_std(params, data.x)
         if data.time is None or "drift_rate" not in params:
-            return self.forward_std(params, data, std)  # fedprior_forward's, after t_i
+            return self.time_choice.forward.std(params, data, std)  # fedprior_forward's, after t_i
         var = std.to(F64)[..., 0] ** 2 + self._drift_var(params, data.x, data.time)
-        return self.forward_std(params, data, var.sqrt().unsqueeze(-1).to(std.dtype))
+        return self.time_choice.forward.std(params, data, var.sqrt().unsqueeze(-1).to(std.dtype))
 
     def unit_columns(self, params: Tree, train: ClientData) -> dict[str, np.ndarray]:
         """Per unit (clients,): ``recalibrate_at`` — when its mean predictive σ over its own
