@@ -182,7 +182,6 @@ class ShortColocation:
         model = model_mask(down)
         if model is not None:
             design = design * model.to(F64).reshape(-1, design.shape[-1]).unsqueeze(1)
-        p = design.shape[-1]
         noise = unit_noise(self.noise, down, state).to(F64).reshape(-1).expand(c)
         scale = down["drift"]["scale"].to(F64).reshape(-1)[0]
         walk = ((design @ drift_cov) * design).sum(-1) / scale  # φᵀΣ_dφ/T
@@ -195,7 +194,6 @@ class ShortColocation:
         probe = torch.tensor(0.0, dtype=F64) if probe is None else probe.to(F64).reshape(-1)[0]
         tau_probe = down.get("disc_var")
         tau_probe = 0.0 if tau_probe is None else tau_probe.to(F64).reshape(-1)[0]
-        tw = TEMPER_GRID.reshape(1, -1)
         if self.emulation == "span":
             # S2: windows over the whole span, every other row predicted (before or after)
             future = torch.ones_like(mask)
@@ -212,22 +210,9 @@ class ShortColocation:
             if self.emulation != "span":
                 beyond = t > end.unsqueeze(1)
             held = mask * future * beyond.to(F64) * long.to(F64).unsqueeze(1)
-            base = moments(design, y, keep)
-            if model is not None:
-                base = _masked(base, model)
-            stats = Moments(
-                (base.gram.unsqueeze(1) * tw.reshape(1, -1, 1, 1)).reshape(c * w_n, p, p),
-                (base.rhs.unsqueeze(1) * tw.unsqueeze(-1)).reshape(c * w_n, p),
-                (base.yy.unsqueeze(1) * tw).reshape(-1),
-                base.n.repeat_interleave(w_n, 0),
-            )
             # a window of fewer than twice the probe's rows states the probe's τ² in use (I3)
             small = (keep.sum(1) < 2 * probe).to(F64) * (probe > 0).to(F64)
-            post = posterior(stats, mu, sigma, noise.repeat_interleave(w_n, 0))
-            mean = post.mean.reshape(c, w_n, p)
-            cov = post.cov.reshape(c, w_n, p, p)
-            pred = torch.einsum("crp,cwp->cwr", design, mean)
-            spread = ((design.unsqueeze(1) @ cov) * design.unsqueeze(1)).sum(-1)
+            pred, spread = _tempered(design, y, keep, model, mu, sigma, noise)
             base_var = (noise + small * tau_probe).reshape(-1, 1, 1) + spread  # (c, W, rows)
             # time from the window to the row, either side (a walk's variance is |Δt|)
             dt = (t - end.unsqueeze(1)).clamp_min(0.0) + (start.unsqueeze(1) - t).clamp_min(0.0)
@@ -302,3 +287,35 @@ class ShortColocation:
         if math.isnan(float(tau)):
             out["declined"] = torch.where(short, 1.0, out["declined"].to(F64))
         return out
+
+
+def _tempered(
+    design: Tensor,
+    y: Tensor,
+    keep: Tensor,
+    model: Tensor | None,
+    mu: Tensor,
+    sigma: Tensor,
+    noise: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """S2's fits from a window's ``keep`` rows, its data's weight tempered by each w of
+    :data:`TEMPER_GRID` (moments w·G, w·b under the broadcast prior ``mu``, ``sigma``, each
+    repeated per w): the prediction φᵀm_w and the posterior spread φᵀV_wφ at every row,
+    (clients, W, rows) each."""
+    c, p, w_n = design.shape[0], design.shape[-1], len(TEMPER_GRID)
+    tw = TEMPER_GRID.reshape(1, -1)
+    base = moments(design, y, keep)
+    if model is not None:
+        base = _masked(base, model)
+    stats = Moments(
+        (base.gram.unsqueeze(1) * tw.reshape(1, -1, 1, 1)).reshape(c * w_n, p, p),
+        (base.rhs.unsqueeze(1) * tw.unsqueeze(-1)).reshape(c * w_n, p),
+        (base.yy.unsqueeze(1) * tw).reshape(-1),
+        base.n.repeat_interleave(w_n, 0),
+    )
+    post = posterior(stats, mu, sigma, noise.repeat_interleave(w_n, 0))
+    mean = post.mean.reshape(c, w_n, p)
+    cov = post.cov.reshape(c, w_n, p, p)
+    pred = torch.einsum("crp,cwp->cwr", design, mean)
+    spread = ((design.unsqueeze(1) @ cov) * design.unsqueeze(1)).sum(-1)
+    return pred, spread
