@@ -171,7 +171,8 @@ from fedcal.algorithms.fedprior_deploy import learn
 from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
 from fedcal.algorithms.fedprior_dp import PrivateStatistics
 from fedcal.algorithms.fedprior_forward import ForwardInterval
-from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
+from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval
+from fedcal.algorithms.fedprior_interval_parts import residual_terms
 from fedcal.algorithms.fedprior_noise import NoiseModel, sensor_noise
 from fedcal.algorithms.fedprior_pins import BranchPins
 from fedcal.algorithms.fedprior_robust import RobustUploads, capped_noise, weighted
@@ -777,7 +778,7 @@ class FedPrior(Algorithm):
             "rss": post.rss,
             "loglik": post.loglik,
             "support": data_support(gram, noise, self.init_scale),
-            **({} if n is None else _residual_terms(post, gram, noise, n)),
+            **({} if n is None else residual_terms(post, gram, noise, n)),
         }
 
     def _candidates_e_step(self, down: Tree, state: Tree, full: Moments):

@@ -75,6 +75,7 @@ from fedcal.algorithms.fedprior_choice_parts import (
     repeat_moments,
     ridge_solve,
     row_times,
+    ship_simple,
     subset,
 )
 from fedcal.algorithms.fedprior_forward import (
@@ -392,47 +393,8 @@ class TimeChoice:
         if self.sigma == "scale":
             out = scale_sigma(out, err[0] * last, stated, last, ~worse)
         if bool(worse.any()):
-            out = self._ship_simple(out, down, data, design, best, worse, base)
-        return out
-
-    def _ship_simple(
-        self,
-        out: Tree,
-        down: Tree,
-        data: ClientData,
-        design: Tensor,
-        best: Tensor,
-        worse: Tensor,
-        val: Tensor,
-    ) -> Tree:
-        """Replace the flagged units' model by their best simple candidate (all rows)."""
-        lin = torch.tensor(self.linear_terms)
-        y = data.y[..., 0].to(F64)
-        full = moments(design, y, data.mask.to(F64))
-        g, r = full.gram[:, lin][:, :, lin], full.rhs[:, lin]
-        p = design.shape[-1]
-        coef = torch.zeros(data.num_clients, 3, p, dtype=F64)
-        coef[:, 0, lin] = ridge_solve(g, r)
-        pooled = pooled_lines(down, len(lin))
-        if pooled is not None:
-            coef[:, 1, lin] = pooled[1]
-        if self.raw_coef is not None:
-            coef[:, 2] = self.raw_coef
-        chosen = coef[torch.arange(data.num_clients), best]
-        resid = late_sse(full, chosen) / full.n.clamp_min(1.0)
-        cov = torch.zeros(data.num_clients, p, p, dtype=F64)
-        own_cov = torch.linalg.pinv(g) * resid.unsqueeze(-1).unsqueeze(-1)
-        cov[:, lin.unsqueeze(1), lin.unsqueeze(0)] = own_cov
-        cov = torch.where((best == 0).reshape(-1, 1, 1), cov, 0.0)
-        w = worse.reshape(-1, 1)
-        out["coef"] = torch.where(w, chosen, out["coef"].to(F64))
-        out["cov"] = torch.where(w.unsqueeze(-1), cov, out["cov"].to(F64))
-        noise = torch.maximum(val, resid)  # its error on its own future, at least in-sample
-        out["noise_var"] = torch.where(worse, noise, out["noise_var"].to(F64).expand_as(noise))
-        if "disc_var" in out:
-            out["disc_var"] = torch.where(worse, 0.0, out["disc_var"].to(F64))
-        out["fallback"] = torch.where(worse, 1.0 + best.to(F64), 0.0)
-        out["val_mse"] = torch.where(worse, val, out["val_mse"])
+            simple = (lin, self.raw_coef, pooled_lines(down, len(lin)))
+            out = ship_simple(out, data, design, best, worse, base, *simple)
         return out
 
     # ---- server state, status and records -------------------------------------------------

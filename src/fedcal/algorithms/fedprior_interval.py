@@ -68,8 +68,8 @@ model (fedprior_noise: σ²(x) at a held row, the robust fit's row weights) and 
 :meth:`~CalibratedInterval.heldout`), the server's step I3 (:meth:`~CalibratedInterval.update`),
 a unit's τ² and decline at personalization (:meth:`~CalibratedInterval.personal`) and the
 one line a declined run prints (:meth:`~CalibratedInterval.note`). The residual terms of I1 are
-computed in the E-step (:func:`_residual_terms`); a unit's τ² enters its predictive variance
-through ``variance_form``.
+computed in the E-step (fedprior_interval_parts.residual_terms); a unit's τ² enters its
+predictive variance through ``variance_form``.
 """
 
 from __future__ import annotations
@@ -81,13 +81,13 @@ import torch
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_basis import DesignBasis, model_mask, unit_noise
+from fedcal.algorithms.fedprior_interval_parts import probe_unit, span_positions
 from fedcal.algorithms.fedprior_noise import NoiseModel, weighted_moments
 from fedcal.algorithms.fedprior_rounds import carried_interval, probe_design
 from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.core.bayes import (
     F64,
     Moments,
-    Posterior,
     count_within,
     mixture_mass,
     moments,
@@ -147,36 +147,6 @@ WEAK_NOTE = (
 )
 
 
-def _unit_span(x: Tensor, mask: Tensor) -> Tensor:
-    """Each row's inputs as positions in [0, 1] of its unit's own span (min to max per input).
-
-    A chamber design is a pattern over a unit's calibrated range (its ends included); units
-    of one fleet read different input values there (each resonator its own frequencies), so
-    the hold-out matches designs by these positions, not by raw inputs.
-    """
-    m = mask.unsqueeze(-1) > 0
-    lo = torch.where(m, x, math.inf).amin(1, keepdim=True)
-    hi = torch.where(m, x, -math.inf).amax(1, keepdim=True)
-    return torch.where(m, (x - lo) / (hi - lo).clamp_min(1e-12), 0.0)
-
-
-def probe_unit(n: Tensor) -> int | None:
-    """The probe's unit (I2): the smallest design among the units that upload one (n > 0);
-    ties by position in ``n`` (the server's canonical order). None: no unit uploads one."""
-    small = n > 0
-    if not bool(small.any()):
-        return None
-    return int(torch.argmin(torch.where(small, n, math.inf)))
-
-
-def _residual_terms(post: Posterior, gram: Tensor, noise: Tensor, n: Tensor) -> Tree:
-    """Residual degrees of freedom n_i − tr(G_i V_i)/σ_i² and the fit ‖y_i − Φ_i m_i‖²
-    (= E‖y_i − Φ_i c_i‖² − tr(G_i V_i)): the restricted noise update's terms (module doc,
-    "Intervals")."""
-    spent = (gram * post.cov).sum((-2, -1))
-    return {"dof": (n - spent / noise).clamp_min(0.0), "fit": (post.rss - spent).clamp_min(0.0)}
-
-
 @dataclass(frozen=True)
 class CalibratedInterval:
     """Steps I1–I4 of the calibrated interval (module doc), declared by what they read."""
@@ -226,7 +196,7 @@ class CalibratedInterval:
         """A unit's design-matched hold-out (step I2): its uploads to the interval's sums.
 
         A unit with at least twice the probe's rows keeps, for each probe row, its own
-        nearest row (by position in its own span, :func:`_unit_span`; a row of the
+        nearest row (by position in its own span, ``span_positions``; a row of the
         opposite sweep direction only if no other; without directions, its first visit of
         that set point), fits its posterior under the
         broadcast prior from those rows alone, and
@@ -246,7 +216,7 @@ class CalibratedInterval:
         branch = torch.zeros(c, rows, dtype=F64) if data.branch is None else data.branch.to(F64)
         px, pb, pn = down["probe_x"].to(F64), down["probe_b"].to(F64), down["probe_n"].to(F64)
         valid = (torch.arange(px.shape[1]).unsqueeze(0) < pn.unsqueeze(1)).to(F64)
-        u = _unit_span(x, mask)  # positions within the unit's own calibrated span
+        u = span_positions(x, mask)  # positions within the unit's own calibrated span
         n = data.count.to(F64)
         probe = probe_design(u, branch, n, self.probe_rows)
         if not count:  # R2 (fedprior_rounds): this round uploads the probe design only
