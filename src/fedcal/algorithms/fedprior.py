@@ -63,52 +63,15 @@ With ``select_by = "marginal"`` (what client-level DP needs) one EM runs on the 
 each unit uploads one clipped score per candidate, its evidence under the candidate's marginal
 of the full prior, noised with the sums (``EvidenceSelection.dp_select_statistic``).
 
-The chamber's sweep direction (``branch_orders``, issue 10). A unit with
-hysteresis reads differently on an ascending and a descending sweep, and the
-chamber knows which it ran (the data's ``direction`` column, a sign b = +1 up,
-−1 down, 0 unknown per row: :attr:`fedcal.core.data.ClientData.branch`). With
-``branch_orders`` set, each unit's model gains a branch term
+The chamber's sweep direction (``branch_orders``, issue 10): with it each unit's model gains
+a branch term b·ψ(x)ᵀh_i, b the row's sweep sign, and every step above runs on the design
+[φ, b·ψ] unchanged; in the field b is unknown and the prediction is the branch average
+(:mod:`~fedcal.algorithms.fedprior_basis`, where the design and its predictive form are;
+the coordinates the fleet's data do not identify: :mod:`~fedcal.algorithms.fedprior_pins`).
 
-    y = φ(x)ᵀc_i + b·ψ(x)ᵀh_i + ε,   (c_i, h_i) ~ N(μ, Σ) jointly,
-
-ψ the Legendre products up to ``branch_orders``: the design is [φ(x), b·ψ(x)]
-and every step above runs on it unchanged. Units calibrated up and down teach
-the fleet the mean and spread of h and its correlation with c; a unit swept one
-way sees only c + h along ψ, and the joint prior splits the two. In the field
-the direction is unknown (±1 with equal odds, E[b] = 0, E[b²] = 1), so the
-prediction is the branch average and the hysteresis widens the interval:
-
-    ŷ = φ(x)ᵀm_c,   Var = φ(x)ᵀV_cc φ(x) + σ² + ψ(x)ᵀ(m_h m_hᵀ + V_hh)ψ(x).
-
-Rows without a direction (b = 0) carry no branch term (today's model). A direction
-term the fleet's data do not identify is out of the model (issue 20): when every unit
-swept one way, or no row has a direction, the rows see c + h along ψ (or nothing of h),
-and a split by the vague start put half of each unit's ψ part in h, which the field's
-branch average drops (230–240 hPa on all-few fleets). Each unit uploads the data support
-of the whole design (``branch_support``); the ψ coordinates J that the summed support's
-weak subspace holds (fedprior_pins) are pinned, μ_J = 0 and
-Σ_JJ = ``floor`` (masked out of every E-step), the M-step runs on the others, the EM
-starts again from the vague start when J changes and its columns held data, and the
-BIC counts no parameter for J: from then on the run is the run without the term, one
-round later. With
-``select = "bic"`` the candidates are φ's sub-bases; ψ is in every candidate,
-unless ``branch_select``: then the candidates are φ's sub-bases × ψ's options
-(no term, or any orders vector ≤ ``branch_orders``), and the fleet's BIC also
-decides whether and which direction term the data support (a fleet without
-directions gets none: its ψ columns are empty, same evidence, more parameters).
-Measured by helper "hyst" (studies/fewpoint_direction.py) and here
-(docs/results/sweep-direction.md).
-
-Field networks (issue 26). ``basis = "auto"`` is the tensor basis of ``orders`` for the
-barometer's (frequency, temperature) and, for any other named features, the total-degree
-basis (the build sets it: :func:`fedcal.build._generic_basis`), its degree chosen by the
-fleet's BIC among 0..``degree`` under ``select = "bic"``. A basis of more than
-:data:`~fedcal.models.basis.MAX_TERMS` terms is refused in one line. Every Cholesky
-factorization goes through :func:`~fedcal.core.bayes.safe_cholesky` (jitter, then an
-eigenvalue floor, reported per unit and round as the ``jitter`` metric and in one printed
-line), so a near-singular Gram (collinear features, thousands of rows, σ² → 0) cannot end
-the run. Extrapolation guard (the fleet's input support box, and the basis continued along its
-tangent plane beyond it): :mod:`fedcal.algorithms.fedprior_support`.
+Field networks (issue 26): ``basis = "auto"``, every Cholesky through
+:func:`~fedcal.core.bayes.safe_cholesky`, and the extrapolation guard
+(:mod:`fedcal.algorithms.fedprior_support`): :mod:`~fedcal.algorithms.fedprior_basis`.
 
 Noise model (issues 20, 26; :mod:`fedcal.algorithms.fedprior_noise`, steps N1–N6): with
 ``noise_shape = "inputs"`` the noise variance is σ_i² exp(γᵀx) at scaled input x, γ learned
@@ -122,33 +85,22 @@ Intervals (``interval = "calibrated"``, issue 20): the noise on residual degrees
 a discrepancy variance learned by a design-matched hold-out, or no interval where the fleet
 cannot learn one (:mod:`fedcal.algorithms.fedprior_interval`, steps I1–I3).
 
-One idea per file: this module is the model and its federated EM; :class:`FedPrior` holds
-its parts, each a frozen dataclass declared by the settings it reads (docs/design.md, "The
-flagship algorithms"): the evidence selection (``selection``, fedprior_select), the exported
-prior and statuses (``prior_status``, fedprior_status), the support box (``support_box``,
-fedprior_support), the defence (``robust_uploads``, fedprior_robust), the noise model
-(``noise_model``, fedprior_noise), the streamed M-step (``streamed``, fedprior_stream), the
-direction term's pinned coordinates (``branch_pins``, fedprior_pins) and the DP bounds
-(``private_statistics``, fedprior_dp). The calibrated interval (fedprior_interval)
-and the time-respecting choice (fedprior_choice) are still mixins.
+One idea per file: this module is the model and its federated EM (the E-step in
+``client_update``, the M-step in ``server_update``); its settings, each declared once with its
+range and default, are :class:`~fedcal.algorithms.fedprior_settings.FedPriorSettings`, and
+:class:`FedPrior` holds its parts, each a frozen dataclass declared by the settings it reads
+(docs/design.md, "The flagship algorithms"): the design and predictive form
+(``design_basis``, fedprior_basis), the evidence selection (``selection``, fedprior_select),
+the exported prior and statuses (``prior_status``, fedprior_status), the support box
+(``support_box``, fedprior_support), the defence (``robust_uploads``, fedprior_robust), the
+noise model (``noise_model``, fedprior_noise), the streamed M-step (``streamed``,
+fedprior_stream), the rounds' schedule (``rounds_schedule``, fedprior_rounds), the direction
+term's pinned coordinates (``branch_pins``, fedprior_pins), the DP bounds
+(``private_statistics``, fedprior_dp), the calibrated interval (``calibrated``,
+fedprior_interval) and the time-respecting choice with its interval after calibration
+(``time_choice``, fedprior_choice and fedprior_forward). The engine's optional hooks are
+FedPrior's methods, each calling its part (core/hooks.py names them).
 
-Defaults (ours, measured on mixed fleets of 20 fully calibrated + 20 new
-units, 3 fleet seeds, off-grid test points; docs/results/): Legendre orders (4, 3),
-the silicon-resonator calibration surface of docs/simulated-fleet.md,
-which also spans a quartz unit to the noise floor — (3, 3) gives the same
-errors, so the prior does not overfit the larger basis; ``select = "none"``
-here, ``"bic"`` in the shipped configuration (it picks (3, 3) on the mixed
-fleets, and (2, 2)/(2, 3) on fleets of 12-point units where (4, 3) fails); no shrinkage (0.05
-toward the diagonal cost 15 % at 4×3 points: neighbouring Legendre terms of
-one unit's narrow frequency span are strongly correlated, and shrinking
-toward the diagonal discards what the fleet measured — EM's Σ stays positive
-definite without it, through the posterior covariances V_i); a floor of
-1e-12 on Σ's eigenvalues (absolute, scaled units); one fleet noise level
-(per-sensor levels narrowed the intervals of units with few points:
-coverage 0.78 against 0.88); a vague start
-(coefficients ±1, noise 0.1 in scaled units) that keeps round 0
-well-conditioned; 50 rounds of the engine are enough (EM's slowest rate is
-the fraction of units that cannot see a direction).
 """
 
 from __future__ import annotations
@@ -159,10 +111,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
-from typing import Annotated, Any, ClassVar, Literal, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
-from pydantic import Field
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_basis import DesignBasis, model_mask, unit_noise
@@ -179,10 +130,11 @@ from fedcal.algorithms.fedprior_robust import RobustUploads, capped_noise, weigh
 from fedcal.algorithms.fedprior_rounds import RoundSchedule
 from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
+from fedcal.algorithms.fedprior_settings import FedPriorSettings
 from fedcal.algorithms.fedprior_status import PriorStatus
 from fedcal.algorithms.fedprior_stream import StreamedSums, canonical_order
 from fedcal.algorithms.fedprior_support import SupportBox
-from fedcal.core.algorithm import Algorithm, ClientResult, SettingError
+from fedcal.core.algorithm import ClientResult, SettingError
 from fedcal.core.bayes import (
     F64,
     Moments,
@@ -208,127 +160,10 @@ from fedcal.models.basis import (
 
 
 @dataclass(frozen=True)
-class FedPrior(Algorithm):
+class FedPrior(FedPriorSettings):
     @property
     def uses_local_epochs(self) -> bool:  # closed form (EM)
         return False
-
-    # tensor basis: highest Legendre order per input
-    orders: tuple[Annotated[int, Field(ge=0)], ...] = (4, 3)
-    # "tensor" (orders), "total" (degree), "auto": tensor if orders fit
-    basis: Literal["auto", "tensor", "total"] = "auto"
-    degree: Annotated[int, Field(ge=0)] = 2  # total-degree basis: every product of order ≤ degree
-    # ν0: Σ ← (1 − λ)Σ̂ + λ diag(Σ̂), λ = ν0/(N + ν0)
-    shrinkage_units: Annotated[float, Field(ge=0.0)] = 2.0
-    rank: Annotated[int, Field(ge=0)] = 0  # > 0: Σ = W Wᵀ + D with this many factors; 0: full Σ
-    floor: Annotated[float, Field(gt=0.0)] = 1e-12  # eigenvalues of Σ ≥ floor (scaled units²)
-    # "fleet": one σ²; "sensor": σ_i² shrunk toward the fleet's
-    noise: Literal["fleet", "sensor"] = "fleet"
-    noise_prior_points: Annotated[float, Field(gt=0.0)] = 4.0  # ν of the per-sensor noise
-    # Noise in the inputs (fedprior_noise, N1–N3): "inputs": σ²(x) = σ_i² exp(γᵀx), γ shared
-    # by the fleet and in use only while its evidence beats BIC; "constant": one σ_i² over x.
-    noise_shape: Literal["constant", "inputs"] = "constant"
-    # "student": t-distributed rows by EM weights (N4), outliers neither pull nor inflate σ²
-    # "auto": t rows only while the fleet's likelihood under them beats BIC (N6)
-    # "trim": Gaussian rows without the gross outliers of the unit's t fit (N7)
-    noise_tail: Literal["gaussian", "student", "auto", "trim"] = "gaussian"
-    noise_dof: Annotated[float, Field(gt=2.0)] = 4.0  # ν of the Student-t rows
-    # prior std of every coefficient, and the noise std, before any data (scaled units)
-    init_scale: Annotated[float, Field(gt=0.0)] = 1.0
-    init_noise: Annotated[float, Field(gt=0.0)] = 0.1
-    # hyperprior N(0, s²) on μ (scaled units; inf: none)
-    mean_scale: Annotated[float, Field(ge=0.0)] = 10.0
-    # a direction informed by fewer units is weakly identified
-    min_informed: Annotated[float, Field(ge=0.0)] = 2.0
-    # "bic": the sub-basis of highest fleet evidence (BIC); "none": all
-    select: Literal["none", "bic"] = "none"
-    # How "bic" scores a candidate: "candidates": each candidate's own EM (every candidate's
-    # statistics uploaded); "marginal": EM on the full basis, each candidate scored by its
-    # evidence under the full prior's marginal, one score vector per unit (what client-level
-    # DP can bound and noise: fedprior_select.marginal_scores)
-    select_by: Literal["candidates", "marginal"] = "candidates"
-    # select_by = "marginal": each unit's score of a candidate is clipped to ± this (nats):
-    # bounded for DP (L2 ≤ select_clip √K), and no unit outweighs the penalty alone
-    select_clip: Annotated[float, Field(gt=0.0)] = 10.0
-    # client-level DP with select_by = "marginal": the scores' share of each round's budget
-    dp_select_share: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.1
-    # client-level DP: rows a unit may hold (public; the campaign)
-    dp_max_rows: Annotated[float, Field(ge=0.0)] = 384.0
-    # client-level DP: the mean and second moment whitened by the broadcast Σ (True) or in
-    # the vague start's units (False; dp_statistics)
-    dp_whiten: bool = False
-    # client-level DP: the second moment's weight in the joint sensitivity (core.privacy
-    # noise_std; 1: every statistic the same share of the budget)
-    dp_second_weight: Annotated[float, Field(gt=0.0)] = 1.0
-    # ψ: Legendre orders per input of b·ψ(x)ᵀh; () = off
-    branch_orders: tuple[Annotated[int, Field(ge=0)], ...] = ()
-    # With select = "bic" and branch_orders: ψ chosen too, among no term and every orders
-    # vector ≤ branch_orders (candidates = φ's sub-bases × these); False: ψ in every candidate.
-    branch_select: bool = False
-    # "posterior": φᵀVφ + σ², σ² = Σr/Σn (the model's own interval); "calibrated": σ² on residual
-    # degrees of freedom, + a discrepancy variance learned by design-matched hold-out, or no
-    # interval where the fleet cannot learn one (module doc, "Intervals").
-    interval: Literal["posterior", "calibrated"] = "posterior"
-    # a unit with at most this many rows may be the hold-out's probe design
-    probe_rows: Annotated[int, Field(ge=1)] = 32
-    # τ² is the smallest that covers this share of held-out rows
-    coverage_target: Annotated[float, Field(ge=0.0, le=1.0)] = 0.95
-    # > 0: units with ≥ 2× the probe's rows get a τ² of their own, learned by holding out
-    # their own rows in this many folds (fedprior_interval, I4); 0: they get none (I3). Part
-    # of the calibrated interval: no effect with interval = "posterior" (as probe_rows)
-    own_folds: Annotated[int, Field(ge=0)] = 0
-    # Issue 36.1 (fedprior_rounds, R1–R3): > 0: with select = "bic" the choice is frozen once
-    # the same candidate is chosen this many rounds in a row (then only its statistics
-    # travel); 0: every candidate every round
-    select_patience: Annotated[int, Field(ge=0)] = 0
-    # > 0: after the first round the candidates' E-steps run on a sample of about this many
-    # units (each unit's own draw against the broadcast rate); 0: on every unit
-    select_units: Annotated[int, Field(ge=0)] = 0
-    # "final": the calibrated interval's hold-out fits and counts (I2, I4) only in the last
-    # round (the engine's, or the one after convergence); "every": every round
-    holdout: Literal["every", "final"] = "every"
-    # > 0: the run ends one round (the hold-out's) after the prior's relative change per round
-    # falls below this (the engine's rounds stay the cap); 0: the engine's rounds
-    converge_tol: Annotated[float, Field(ge=0.0)] = 0.0
-    # "learn": at the run's end the units with at least fedprior_deploy.REFERENCE_ROWS rows
-    # learn the prior's design-dependent error model (prior.json "discrepancy", issue 33);
-    # "off": not learned. deploy_rows > 0: a unit calibrated from such a prior carries its
-    # design (at most this many rows) for that σ (set by fedcal calibrate, not by a user).
-    deploy: Literal["learn", "off"] = "learn"
-    deploy_rows: Annotated[int, Field(ge=0)] = 0
-    # Issue 21 (core/robust.py): "full" rejects uploads inconsistent with their declared count
-    # and down-weights units far from the others' prior in the M-step; "check": the first
-    # only; "off": neither (the plain sums; what secure aggregation would leave).
-    robust: Literal["off", "check", "full"] = "full"
-    # Issue 34 (fedprior_choice): the basis chosen by each unit's forward-chaining validation
-    # on its own past, the simple fits as candidates, and the no-harm fall-back. "auto": when
-    # the data have a time column (a run resolves it from [data] time_column: "time" with
-    # one, "off" without one or under client-level DP, so that every reply of the run has
-    # one structure); "time": also without one (row order as time); "off": never.
-    choose: Literal["auto", "time", "off"] = "auto"
-    # the share of a unit's calibration span each forward fold scores
-    choice_holdout: Annotated[float, Field(gt=0.0, lt=0.5)] = 0.25
-    # a unit's score of a candidate: log of its MSE over its best, clipped to this (nats)
-    choice_clip: Annotated[float, Field(gt=0.0)] = 5.0
-    # no harm: the unit ships its best simple fit when the model's validation squared error
-    # exceeds that fit's by more than this many standard errors
-    choice_z: Annotated[float, Field(ge=0.0)] = 2.0
-    # ... and by more than this share of that fit's validation MSE (a harm that matters)
-    choice_margin: Annotated[float, Field(ge=0.0)] = 0.1
-    # "scale": each unit's σ scaled so that its fit on all but its last quarter would have
-    # covered 95 % of that quarter (fedprior_choice._scale_sigma); "off" (default): the
-    # model's σ. Measured (docs/field.md): the validation quarter's errors did not predict
-    # the future's — Antwerp 0.93 → 0.99, PurpleAir 0.90 → 0.89; only the gas array gained.
-    choice_sigma: Literal["scale", "off"] = "off"
-    # "forward": σ after a unit's calibration from the fleet's forward folds (κ, growth ρ), or
-    # declined where they show it cannot be trusted (fedprior_forward); "off": the model's σ
-    choice_interval: Literal["forward", "off"] = "forward"
-    # a unit whose validation RMSE or mean σ exceeds this × the fleet's median: "weak"
-    implausible: Annotated[float, Field(gt=1.0)] = 5.0
-    # the input that reads the target itself ([data] raw_column; -1: none) and its map into
-    # the scaled target, y = raw_map[0] + raw_map[1]·x (set by the run from the scaler)
-    raw_input: Annotated[int, Field(ge=-1)] = -1
-    raw_map: tuple[float, float] = (0.0, 1.0)
 
     name = "fedprior"
     # per_sensor.csv's fallback column: codes on the wire, these names in the tables
@@ -350,11 +185,6 @@ class FedPrior(Algorithm):
     # (x⁴ for a quadratic), which honest units differ in by 10²–10³ (pollution episodes,
     # docs/statuses.md); every statistic the prior is fitted from is still size-screened.
     unscreened_replies = ("cand/", "interval/", "noise/", "gram", "select", "choice/")
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "orders", tuple(int(o) for o in self.orders))
-        object.__setattr__(self, "branch_orders", tuple(int(o) for o in self.branch_orders))
-        object.__setattr__(self, "raw_map", tuple(float(v) for v in self.raw_map))
 
     def check_task(self, task: Task) -> None:
         self.terms  # noqa: B018 — the basis against the model's inputs

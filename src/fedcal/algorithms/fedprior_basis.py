@@ -3,12 +3,59 @@
 :class:`DesignBasis` is a part of :class:`~fedcal.algorithms.fedprior.FedPrior` (its
 ``design_basis``), declared by the exponent tuples of φ (``terms``, constant first) and of ψ, the
 sweep direction's term (``branch_terms``, empty when off): the design a unit's moments are
-formed from (module doc of fedprior, "The chamber's sweep direction"), the design of its
+formed from (the chamber's sweep direction, below), the design of its
 predictive variance (no sign b: unknown in use) and the one place of that variance,
 :meth:`DesignBasis.variance_form`, that ``predictive_std``, the calibrated interval's
 hold-out and the firmware/JSON exports read. Two functions of a broadcast that every part
 reads the same way: :func:`model_mask` (the features in the model) and :func:`unit_noise`
 (the σ² a unit's posterior uses).
+
+The chamber's sweep direction (``branch_orders``, issue 10). A unit with
+hysteresis reads differently on an ascending and a descending sweep, and the
+chamber knows which it ran (the data's ``direction`` column, a sign b = +1 up,
+−1 down, 0 unknown per row: :attr:`fedcal.core.data.ClientData.branch`). With
+``branch_orders`` set, each unit's model gains a branch term
+
+    y = φ(x)ᵀc_i + b·ψ(x)ᵀh_i + ε,   (c_i, h_i) ~ N(μ, Σ) jointly,
+
+ψ the Legendre products up to ``branch_orders``: the design is [φ(x), b·ψ(x)]
+and every step of fedprior's EM runs on it unchanged. Units calibrated up and down teach
+the fleet the mean and spread of h and its correlation with c; a unit swept one
+way sees only c + h along ψ, and the joint prior splits the two. In the field
+the direction is unknown (±1 with equal odds, E[b] = 0, E[b²] = 1), so the
+prediction is the branch average and the hysteresis widens the interval:
+
+    ŷ = φ(x)ᵀm_c,   Var = φ(x)ᵀV_cc φ(x) + σ² + ψ(x)ᵀ(m_h m_hᵀ + V_hh)ψ(x).
+
+Rows without a direction (b = 0) carry no branch term (today's model). A direction
+term the fleet's data do not identify is out of the model (issue 20): when every unit
+swept one way, or no row has a direction, the rows see c + h along ψ (or nothing of h),
+and a split by the vague start put half of each unit's ψ part in h, which the field's
+branch average drops (230–240 hPa on all-few fleets). Each unit uploads the data support
+of the whole design (``branch_support``); the ψ coordinates J that the summed support's
+weak subspace holds (fedprior_pins) are pinned, μ_J = 0 and
+Σ_JJ = ``floor`` (masked out of every E-step), the M-step runs on the others, the EM
+starts again from the vague start when J changes and its columns held data, and the
+BIC counts no parameter for J: from then on the run is the run without the term, one
+round later. With
+``select = "bic"`` the candidates are φ's sub-bases; ψ is in every candidate,
+unless ``branch_select``: then the candidates are φ's sub-bases × ψ's options
+(no term, or any orders vector ≤ ``branch_orders``), and the fleet's BIC also
+decides whether and which direction term the data support (a fleet without
+directions gets none: its ψ columns are empty, same evidence, more parameters).
+Measured by helper "hyst" (studies/fewpoint_direction.py) and here
+(docs/results/sweep-direction.md).
+
+Field networks (issue 26). ``basis = "auto"`` is the tensor basis of ``orders`` for the
+barometer's (frequency, temperature) and, for any other named features, the total-degree
+basis (the build sets it: :func:`fedcal.build._generic_basis`), its degree chosen by the
+fleet's BIC among 0..``degree`` under ``select = "bic"``. A basis of more than
+:data:`~fedcal.models.basis.MAX_TERMS` terms is refused in one line. Every Cholesky
+factorization goes through :func:`~fedcal.core.bayes.safe_cholesky` (jitter, then an
+eigenvalue floor, reported per unit and round as the ``jitter`` metric and in one printed
+line), so a near-singular Gram (collinear features, thousands of rows, σ² → 0) cannot end
+the run. Extrapolation guard (the fleet's input support box, and the basis continued along its
+tangent plane beyond it): :mod:`fedcal.algorithms.fedprior_support`.
 """
 
 from __future__ import annotations
