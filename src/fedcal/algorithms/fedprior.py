@@ -141,7 +141,6 @@ from fedcal.core.bayes import (
     Posterior,
     data_support,
     m_step,
-    mixture_halfwidth,
     moments,
     posterior,
     predictive_var,
@@ -354,6 +353,8 @@ class FedPrior(FedPriorSettings):
             self.dp_second_weight,
             bool(self.branch_orders),
             self.selection,
+            self.noise_model.weighted,
+            self.interval,
         )
 
     @cached_property
@@ -417,13 +418,7 @@ class FedPrior(FedPriorSettings):
         }
         if self.interval == "calibrated":
             start.update(self.calibrated.init())
-        if self.noise_shape == "inputs":  # γ in use, its iterate and the fleet's ratio (N2, N3)
-            zero = torch.zeros(self.num_inputs, dtype=F64)
-            start.update(noise_gamma=zero, noise_gamma_fit=zero.clone())
-            start["noise_ratio"] = torch.tensor(0.0, dtype=F64)
-        if self.noise_tail == "auto":  # Gaussian rows until the fleet's evidence says t (N6)
-            start["noise_student"] = torch.tensor(0.0, dtype=F64)
-            start["tail_ratio"] = torch.tensor(0.0, dtype=F64)
+        start.update(self.noise_model.init(self.num_inputs))  # γ, the tail's test (N2–N6)
         if self.branch_orders:  # ψ coordinates out of the model (none yet): BranchPins.unidentified
             start["pinned"] = torch.zeros(p, dtype=F64)
         if self.time_choice.on:  # fedprior_choice's pooled lines and summed scores
@@ -656,24 +651,11 @@ class FedPrior(FedPriorSettings):
 
     def dp_statistics(self, down: Tree) -> dict[str, Statistic]:
         """Client-level DP: each uploaded statistic's public map and bound (core/privacy;
-        :class:`~fedcal.algorithms.fedprior_dp.PrivateStatistics`), for the settings DP
-        covers."""
-        if self.noise_model.weighted:
-            raise ValueError(
-                "fedprior: client-level DP covers noise_shape = 'constant' and noise_tail = "
-                "'gaussian' only (the noise model's sums and row weights are not bounded)"
-            )
-        if self.interval != "posterior":
-            raise ValueError(
-                "fedprior: client-level DP covers interval = 'posterior' only (the hold-out "
-                "uploads a unit's inputs)"
-            )
-        if self.each_candidate:
-            # Every candidate's statistics would need their own noise (20× the sensitivity).
-            raise ValueError(
-                "fedprior: client-level DP with select = 'bic' needs select_by = 'marginal' "
-                "(one bounded score vector per unit), or select = 'none' (fedprior_fixed)"
-            )
+        :class:`~fedcal.algorithms.fedprior_dp.PrivateStatistics`); a ValueError for the
+        settings DP does not cover (:meth:`PrivateStatistics.refusal`)."""
+        why = self.private_statistics.refusal()
+        if why is not None:
+            raise ValueError(why)
         return self.private_statistics.statistics(down)
 
     def _prior_update(
@@ -965,13 +947,7 @@ class FedPrior(FedPriorSettings):
         time), else :meth:`predictive_std`.
         """
         std = (self.predictive_std(params, x) if std is None else std).to(F64)
-        if not self.branch_orders:
-            return (1.959964 * std).to(x.dtype)
-        p = len(self.terms)
-        psi = legendre_products(x, self.branch_terms)
-        m = (psi * params["coef"][..., p:].to(F64).unsqueeze(1)).sum(-1).unsqueeze(-1)
-        s = (std * std - m * m).clamp_min(0.0).sqrt()
-        return mixture_halfwidth(m, s).to(x.dtype)
+        return self.design_basis.halfwidth(params, x, std).to(x.dtype)
 
     def variance_design(self, x: Tensor) -> Tensor:
         """z(x) = [φ(x), ψ(x)] (:meth:`DesignBasis.variance_design`)."""

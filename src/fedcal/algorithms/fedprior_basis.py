@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fedcal.core.bayes import F64
+from fedcal.core.bayes import F64, mixture_halfwidth
 from fedcal.core.tree import Tree
 from fedcal.models.basis import legendre_products
 
@@ -102,6 +102,19 @@ class DesignBasis:
         """φ(x)ᵀm_c per row (clients, rows), float64: the prediction on φ's coefficients."""
         p = len(self.terms)
         return (legendre_products(x, self.terms) * coef.to(F64)[..., :p].unsqueeze(1)).sum(-1)
+
+    def halfwidth(self, params: Tree, x: Tensor, std: Tensor) -> Tensor:
+        """The central 95 % interval's half-width per row (clients, rows, 1) for σ(x) =
+        ``std``: 1.96 σ; with a direction term the field's unknown sweep b = ±1 makes the
+        error the mixture ½N(ψᵀm_h, s²) + ½N(−ψᵀm_h, s²), s² = σ² − (ψᵀm_h)²
+        (:func:`~fedcal.core.bayes.mixture_halfwidth`), narrower than 1.96 σ."""
+        if not self.branch_terms:
+            return 1.959964 * std
+        p = len(self.terms)
+        psi = legendre_products(x, self.branch_terms)
+        m = (psi * params["coef"][..., p:].to(F64).unsqueeze(1)).sum(-1).unsqueeze(-1)
+        s = (std * std - m * m).clamp_min(0.0).sqrt()
+        return mixture_halfwidth(m, s)
 
     def variance_form(self, params: Tree) -> tuple[Tensor, Tensor]:
         """(Q, s): the predictive variance as z(x)ᵀQ z(x) + s, z = :meth:`variance_design`.
