@@ -75,7 +75,7 @@ BAND = (0.90, 0.97)  # where the carried-over factor's coverage of the later fol
 MIN_UNITS = 3
 A_CLIP = 10.0  # nats: the mean log variance ratio a unit may add for a ρ
 Z2_CLIP = 100.0  # a row's standardized squared error counts at most this (10 σ)
-SIGMA_PRIOR_ROWS = 20.0  # pseudo-rows at ratio 1 of a unit's own σ scale (_scale_sigma)
+SIGMA_PRIOR_ROWS = 20.0  # pseudo-rows at ratio 1 of a unit's own σ scale (scale_sigma)
 FORWARD_KEYS = ("fwd_scale", "fwd_rate", "fwd_declined", "fwd_T")
 Z95 = 1.959964
 

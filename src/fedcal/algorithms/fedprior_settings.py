@@ -142,7 +142,7 @@ class FedPriorSettings(Algorithm):
     # ... and by more than this share of that fit's validation MSE (a harm that matters)
     choice_margin: Annotated[float, Field(ge=0.0)] = 0.1
     # "scale": each unit's σ scaled so that its fit on all but its last quarter would have
-    # covered 95 % of that quarter (fedprior_choice._scale_sigma); "off" (default): the
+    # covered 95 % of that quarter (fedprior_forward.scale_sigma); "off" (default): the
     # model's σ. Measured (docs/field.md): the validation quarter's errors did not predict
     # the future's — Antwerp 0.93 → 0.99, PurpleAir 0.90 → 0.89; only the gas array gained.
     choice_sigma: Literal["scale", "off"] = "off"

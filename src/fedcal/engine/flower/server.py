@@ -492,7 +492,7 @@ class Federation:
 
     def unit_columns(self) -> dict[int, dict[str, float]]:
         """Per client index, the algorithm's per-unit columns at the last evaluation
-        (:attr:`~fedcal.core.algorithm.Algorithm.unit_columns`, e.g. ``recalibrate_at``:
+        (:class:`~fedcal.core.hooks.UnitColumns`, e.g. ``recalibrate_at``:
         what ``fedcal run`` adds to per_sensor.csv), as its site computed them."""
         return {i: dict(v) for i, v in sorted(self._units.items())}
 
