@@ -106,7 +106,6 @@ FedPrior's methods, each calling its part (core/hooks.py names them).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -473,39 +472,16 @@ class FedPrior(FedPriorSettings):
         return unit_noise(self.noise, down, state)
 
     def derive(self, data: ClientData) -> dict[str, Tensor] | None:
-        """The units' unweighted moments (Φ_iᵀΦ_i, Φ_iᵀy_i, y_iᵀy_i, n_i) of step 1, which
-        their data alone fix: formed once by the engine (``ClientData.derived``) instead of
-        every round (issue 25.1). None with row weights (fedprior_noise): those moments
-        depend on the broadcast."""
-        if self.noise_model.weighted:
-            return None
-        full = self._moments(dataclasses.replace(data, derived=None))
-        out = {f"fedprior/{k}": v for k, v in full._asdict().items()}
-        # which design made them: a fleet derived for another basis is not read (_moments)
-        out["fedprior/design"] = torch.full((data.num_clients,), self._design_key)
-        return out
-
-    @cached_property
-    def _design_key(self) -> int:
-        """A fingerprint of the design [φ, b·ψ]: its terms and branch terms (56 bits)."""
-        text = repr((self.terms, self.branch_terms)).encode()
-        return int.from_bytes(hashlib.sha256(text).digest()[:7], "big")
+        """The units' unweighted moments of step 1, which their data alone fix, formed once
+        by the engine (``ClientData.derived``; :meth:`DesignBasis.derived`) instead of every
+        round (issue 25.1). None with row weights (fedprior_noise): those depend on the
+        broadcast."""
+        return None if self.noise_model.weighted else self.design_basis.derived(data)
 
     def _moments(self, data: ClientData, down: Tree | None = None) -> Moments:
-        """The unit's moments of the whole design [φ, b·ψ] (module doc, step 1); with a
-        noise model in the inputs or Student-t rows, its rows weighted (fedprior_noise, N1).
-        The unweighted ones from :meth:`derive` when the engine formed them (the same
-        function of the same data)."""
-        cached = data.derived or {}
-        made_by = cached.get("fedprior/design")  # the design that formed them (derive)
-        mine = made_by is not None and bool((made_by == self._design_key).all())
-        if mine and "fedprior/gram" in cached and (down is None or not self.noise_model.weighted):
-            return Moments(*(cached[f"fedprior/{k}"] for k in Moments._fields))
-        design = self.design(data.x, data.branch)
-        rw = None if down is None else self.noise_model.row_weights(down, data, design)
-        if rw is None:
-            return moments(design, data.y[..., 0], data.mask)
-        return self.noise_model.moments(design, data, rw)
+        """The unit's moments of the design [φ, b·ψ] (module doc, step 1), its rows weighted
+        by the noise model under ``down`` (:meth:`DesignBasis.moments`)."""
+        return self.design_basis.moments(data, self.noise_model, down)
 
     def _posterior(self, down: Tree, state: Tree, full: Moments) -> tuple[Moments, Posterior]:
         """The posterior under the broadcast prior; with selection, the chosen candidate's."""

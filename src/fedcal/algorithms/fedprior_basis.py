@@ -60,15 +60,23 @@ tangent plane beyond it): :mod:`fedcal.algorithms.fedprior_support`.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from fedcal.core.bayes import F64, mixture_halfwidth
+from fedcal.core.bayes import F64, Moments, mixture_halfwidth, moments
+from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree
 from fedcal.models.basis import legendre_products
+
+if TYPE_CHECKING:
+    from fedcal.algorithms.fedprior_noise import NoiseModel
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,40 @@ class DesignBasis:
         psi = legendre_products(x, self.branch_terms)
         b = torch.zeros(x.shape[:-1], dtype=F64) if branch is None else branch.to(F64)
         return torch.cat([phi, psi * b.unsqueeze(-1)], -1)
+
+    @cached_property
+    def key(self) -> int:
+        """A fingerprint of the design [φ, b·ψ]: its terms and branch terms (56 bits)."""
+        text = repr((self.terms, self.branch_terms)).encode()
+        return int.from_bytes(hashlib.sha256(text).digest()[:7], "big")
+
+    def derived(self, data: ClientData) -> dict[str, Tensor]:
+        """The units' unweighted moments (Φ_iᵀΦ_i, Φ_iᵀy_i, y_iᵀy_i, n_i) as
+        ``ClientData.derived`` tensors (``fedprior/…``), with the :attr:`key` of the design
+        that formed them (a fleet derived for another basis is not read: :meth:`moments`)."""
+        full = self.moments(dataclasses.replace(data, derived=None))
+        out = {f"fedprior/{k}": v for k, v in full._asdict().items()}
+        out["fedprior/design"] = torch.full((data.num_clients,), self.key)
+        return out
+
+    def moments(
+        self, data: ClientData, noise: NoiseModel | None = None, down: Tree | None = None
+    ) -> Moments:
+        """A unit's moments of the design [φ, b·ψ] (fedprior's step 1); with a noise model
+        in the inputs or Student-t rows (``noise`` under the broadcast ``down``), its rows
+        weighted (fedprior_noise, N1). The unweighted ones from :meth:`derived` when the
+        engine formed them for this design (the same function of the same data)."""
+        cached = data.derived or {}
+        made_by = cached.get("fedprior/design")  # the design that formed them (derived)
+        mine = made_by is not None and bool((made_by == self.key).all())
+        weighted = noise is not None and noise.weighted
+        if mine and "fedprior/gram" in cached and (down is None or not weighted):
+            return Moments(*(cached[f"fedprior/{k}"] for k in Moments._fields))
+        design = self.design(data.x, data.branch)
+        rw = None if down is None or noise is None else noise.row_weights(down, data, design)
+        if rw is None:
+            return moments(design, data.y[..., 0], data.mask)
+        return noise.moments(design, data, rw)
 
     def variance_design(self, x: Tensor) -> Tensor:
         """z(x) = [φ(x), ψ(x)] (clients, rows, features), float64: no sign b (unknown in use)."""
