@@ -51,7 +51,7 @@ basis, how many units' own points determine it (the eigenvalues of
 fewer than ``min_informed`` units it keeps the vague start (μ unchanged,
 variance s²) instead of an estimate from one or two units, so predictions
 that lean on them carry a wide predictive σ rather than a confident number,
-and the run reports them as weakly identified (:meth:`FedPrior.identification`,
+and the run reports them as weakly identified (:meth:`PriorStatus.identification`,
 in the run's output and the exported prior). When every unit has fewer points
 than the basis has terms, lower the orders: the prior cannot be learned from
 such a fleet (measured in docs/results/fleet-prior.md).
@@ -100,7 +100,6 @@ term's pinned coordinates (``branch_pins``, fedprior_pins), the DP bounds
 fedprior_interval) and the time-respecting choice with its interval after calibration
 (``time_choice``, fedprior_choice and fedprior_forward). The engine's optional hooks are
 FedPrior's methods, each calling its part (core/hooks.py names them).
-
 """
 
 from __future__ import annotations
@@ -503,6 +502,7 @@ class FedPrior(FedPriorSettings):
         """The moments of a unit's personalized posterior (fedprior_drift: its walk's)."""
         return self._client_moments(down, data)
 
+    # ---- step 1, the E-step (module doc) ----
     def client_update(self, down: Tree, state: Tree, data: ClientData) -> ClientResult:
         design, rw = None, None
         # select_by = "marginal": the EM runs on the full basis (without the ψ coordinates J
@@ -625,15 +625,7 @@ class FedPrior(FedPriorSettings):
             own[idx] = own_part
         return out, own
 
-    def dp_statistics(self, down: Tree) -> dict[str, Statistic]:
-        """Client-level DP: each uploaded statistic's public map and bound (core/privacy;
-        :class:`~fedcal.algorithms.fedprior_dp.PrivateStatistics`); a ValueError for the
-        settings DP does not cover (:meth:`PrivateStatistics.refusal`)."""
-        why = self.private_statistics.refusal()
-        if why is not None:
-            raise ValueError(why)
-        return self.private_statistics.statistics(down)
-
+    # ---- step 2, the M-step (module doc) ----
     def _prior_update(
         self,
         old_mu: Tensor,
@@ -800,66 +792,7 @@ class FedPrior(FedPriorSettings):
         }
         return new
 
-    # ---- a hostile site or unit (issue 21; fedprior_robust) ----
-    def screen_view(
-        self, replies: dict[str, Tensor], rows: Tensor, broadcast: Tree
-    ) -> dict[str, Tensor]:
-        """What the server's size screen judges (:meth:`RobustUploads.screen_view`)."""
-        return self.robust_uploads.screen_view(replies, rows)
-
-    def inconsistent_replies(
-        self, server: Tree, replies: Tree, weights: Tensor, accepted: Tensor
-    ) -> dict[int, str] | None:
-        """Clients whose upload contradicts its declared rows or the broadcast prior, with
-        the reason (:meth:`RobustUploads.inconsistent`); None when off."""
-        frames = self.robust_uploads.frames(server, self._gram_counts_rows(server))
-        return self.robust_uploads.inconsistent(frames, replies, weights, accepted)
-
-    def consistency_check(self, server: Tree) -> Callable[..., dict[int, str] | None]:
-        """:meth:`inconsistent_replies` bound to one round's ``server``, called as
-        ``check(replies, weights, accepted)``, its priors' frames formed once, not once per
-        chunk of a streamed round; a subclass's own :meth:`inconsistent_replies`
-        (fedprior_drift adds checks) bound as it is."""
-        if type(self).inconsistent_replies is not FedPrior.inconsistent_replies:
-            return partial(self.inconsistent_replies, server)
-        frames = self.robust_uploads.frames(server, self._gram_counts_rows(server))
-        return partial(self.robust_uploads.inconsistent, frames)
-
-    def _gram_counts_rows(self, server: Tree) -> bool:
-        """Whether the uploaded Gram is the design's ΦᵀΦ, whose constant term is the unit's
-        row count (a consistency check); fedprior_drift's whitened Gram is not."""
-        return True
-
-    def outlier_weights(self, server: Tree, replies: Tree) -> OutlierWeights | None:
-        """Each client's M-step weight (:meth:`RobustUploads.outlier_weights`)."""
-        return self.robust_uploads.outlier_weights(server, replies)
-
-    # ---- a round streamed chunk by chunk (engine/streamed.py; fedprior_stream) ----
-    def server_update_sums(self, server: Tree, sums: Tree, count: Tensor) -> Tree:
-        """``server_update`` from Σ_i reply_i (``sums``, no clients axis) and N (``count``)."""
-        one = self.streamed.as_cohort(sums)
-        return self.server_update(server, one, torch.ones(1, dtype=torch.float64), units=count)
-
-    def streaming_refused(self) -> str | None:
-        """None when :meth:`server_update_sums` equals ``server_update``; else why not."""
-        own = type(self).server_update is not FedPrior.server_update
-        return self.streamed.refused(self.name, own)
-
-    @property
-    def outlier_inputs(self) -> tuple[str, ...]:
-        return self.streamed.outlier_inputs
-
-    @property
-    def picked_leaves(self) -> tuple[str, ...]:
-        return self.streamed.picked_leaves
-
-    @property
-    def pick_inputs(self) -> tuple[str, ...]:
-        return self.streamed.pick_inputs
-
-    def pick_reply(self, keys: Tree) -> int | None:
-        return self.streamed.pick_reply(keys)
-
+    # ---- step 3, the personal model (module doc) ----
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
         """The unit's posterior model (:meth:`_personal`), or its best simple fit where that
         predicted its own future better (fedprior_choice, no harm)."""
@@ -934,6 +867,76 @@ class FedPrior(FedPriorSettings):
         the single place of the predictive variance, that :meth:`predictive_std` and the
         firmware/JSON exports read."""
         return self.design_basis.variance_form(params)
+
+    # ---- client-level DP (fedprior_dp) ----
+    def dp_statistics(self, down: Tree) -> dict[str, Statistic]:
+        """Client-level DP: each uploaded statistic's public map and bound (core/privacy;
+        :class:`~fedcal.algorithms.fedprior_dp.PrivateStatistics`); a ValueError for the
+        settings DP does not cover (:meth:`PrivateStatistics.refusal`)."""
+        why = self.private_statistics.refusal()
+        if why is not None:
+            raise ValueError(why)
+        return self.private_statistics.statistics(down)
+
+    # ---- a hostile site or unit (issue 21; fedprior_robust) ----
+    def screen_view(
+        self, replies: dict[str, Tensor], rows: Tensor, broadcast: Tree
+    ) -> dict[str, Tensor]:
+        """What the server's size screen judges (:meth:`RobustUploads.screen_view`)."""
+        return self.robust_uploads.screen_view(replies, rows)
+
+    def inconsistent_replies(
+        self, server: Tree, replies: Tree, weights: Tensor, accepted: Tensor
+    ) -> dict[int, str] | None:
+        """Clients whose upload contradicts its declared rows or the broadcast prior, with
+        the reason (:meth:`RobustUploads.inconsistent`); None when off."""
+        frames = self.robust_uploads.frames(server, self._gram_counts_rows(server))
+        return self.robust_uploads.inconsistent(frames, replies, weights, accepted)
+
+    def consistency_check(self, server: Tree) -> Callable[..., dict[int, str] | None]:
+        """:meth:`inconsistent_replies` bound to one round's ``server``, called as
+        ``check(replies, weights, accepted)``, its priors' frames formed once, not once per
+        chunk of a streamed round; a subclass's own :meth:`inconsistent_replies`
+        (fedprior_drift adds checks) bound as it is."""
+        if type(self).inconsistent_replies is not FedPrior.inconsistent_replies:
+            return partial(self.inconsistent_replies, server)
+        frames = self.robust_uploads.frames(server, self._gram_counts_rows(server))
+        return partial(self.robust_uploads.inconsistent, frames)
+
+    def _gram_counts_rows(self, server: Tree) -> bool:
+        """Whether the uploaded Gram is the design's ΦᵀΦ, whose constant term is the unit's
+        row count (a consistency check); fedprior_drift's whitened Gram is not."""
+        return True
+
+    def outlier_weights(self, server: Tree, replies: Tree) -> OutlierWeights | None:
+        """Each client's M-step weight (:meth:`RobustUploads.outlier_weights`)."""
+        return self.robust_uploads.outlier_weights(server, replies)
+
+    # ---- a round streamed chunk by chunk (engine/streamed.py; fedprior_stream) ----
+    def server_update_sums(self, server: Tree, sums: Tree, count: Tensor) -> Tree:
+        """``server_update`` from Σ_i reply_i (``sums``, no clients axis) and N (``count``)."""
+        one = self.streamed.as_cohort(sums)
+        return self.server_update(server, one, torch.ones(1, dtype=torch.float64), units=count)
+
+    def streaming_refused(self) -> str | None:
+        """None when :meth:`server_update_sums` equals ``server_update``; else why not."""
+        own = type(self).server_update is not FedPrior.server_update
+        return self.streamed.refused(self.name, own)
+
+    @property
+    def outlier_inputs(self) -> tuple[str, ...]:
+        return self.streamed.outlier_inputs
+
+    @property
+    def picked_leaves(self) -> tuple[str, ...]:
+        return self.streamed.picked_leaves
+
+    @property
+    def pick_inputs(self) -> tuple[str, ...]:
+        return self.streamed.pick_inputs
+
+    def pick_reply(self, keys: Tree) -> int | None:
+        return self.streamed.pick_reply(keys)
 
     # ---- the time-respecting choice's hooks (fedprior_choice, fedprior_forward) ----
     def with_scaler(self, scaler: Any) -> FedPrior:
