@@ -51,12 +51,12 @@ settings; its functions read and write only the server's bookkeeping keys
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from fedcal.algorithms.fedprior_interval_parts import span_positions
 from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree
@@ -215,20 +215,15 @@ def probe_design(u: Tensor, branch: Tensor, n: Tensor, probe_rows: int) -> Tree:
     return {"x": probe_x, "b": probe_b, "n": n * own}
 
 
-def small_probe(
-    data: ClientData,
-    probe_rows: int,
-    span: Callable[[Tensor, Tensor], Tensor],
-    counts: tuple[int, bool] | None = None,
-) -> Tree:
+def small_probe(data: ClientData, probe_rows: int, counts: tuple[int, bool] | None = None) -> Tree:
     """:func:`probe_design` in a round without the hold-out (R2), computed on the units with
-    at most ``probe_rows`` rows alone (``span``: their inputs' span positions from (x, mask),
-    fedprior_interval's ``_unit_span``); the others' upload is zeros, as probe_design's. The
-    same numbers as probe_design of every unit, without every unit's span (at 100,000 units
-    of 444 rows, most of a plain round's interval cost). ``counts`` (grid, own folds): a
-    round that holds out where no unit can, with its zero counts (:func:`nothing_held`)."""
+    at most ``probe_rows`` rows alone (their inputs' span positions, ``span_positions``); the
+    others' upload is zeros, as probe_design's. The same numbers as probe_design of every
+    unit, without every unit's span (at 100,000 units of 444 rows, most of a plain round's
+    interval cost). ``counts`` (grid, own folds): a round that holds out where no unit can,
+    with its zero counts (:func:`nothing_held`)."""
     if counts is not None:
-        return {**small_probe(data, probe_rows, span), **nothing_held(data.num_clients, *counts)}
+        return {**small_probe(data, probe_rows), **nothing_held(data.num_clients, *counts)}
     n = data.count.to(F64)
     c, rows = data.mask.shape
     out = {
@@ -242,7 +237,7 @@ def small_probe(
     sub = data.select(small)
     mask = sub.mask.to(F64)
     branch = torch.zeros(len(small), rows, dtype=F64) if sub.branch is None else sub.branch
-    part = probe_design(span(sub.x.to(F64), mask), branch.to(F64), n[small], probe_rows)
+    part = probe_design(span_positions(sub.x.to(F64), mask), branch.to(F64), n[small], probe_rows)
     for key in ("x", "b"):
         out[key][small] = part[key]
     return out
