@@ -35,6 +35,7 @@ import pandas as pd
 
 from fedcal.core import runnames
 from fedcal.core.paths import read_regular
+from fedcal.prior.legendre import legendre_products
 from fedcal.prior.model import PriorModel
 from fedcal.report.export import RANGE_MARGIN, choose_method, range_bounds
 from fedcal.report.rundir import plateaus, read_table
@@ -143,29 +144,14 @@ def measurand_unit(target: str, given: str | None = None) -> str:
     return UNITS.get(suffix, NO_UNIT)
 
 
-def legendre_design(z: np.ndarray, terms: list[list[int]]) -> np.ndarray:
-    """Φ (rows, terms): φ_k(z) = Π_j √(2a_kj+1)·P_{a_kj}(z_j), the basis of coefficients.csv."""
-    from numpy.polynomial import legendre
-
-    cols = []
-    for orders in terms:
-        col = np.ones(len(z))
-        for j, a in enumerate(orders):
-            unit = np.zeros(a + 1)
-            unit[a] = 1.0
-            col = col * math.sqrt(2 * a + 1) * legendre.legval(z[:, j], unit)
-        cols.append(col)
-    return np.stack(cols, 1)
-
-
 def as_found(prior: PriorModel, x: np.ndarray) -> np.ndarray | None:
     """The design's typical calibration (the prior mean μ) at raw inputs ``x``: what the unit
     reads before its own adjustment. None for a prior with a direction term (needs b)."""
     if prior.basis.branch_terms:
         return None
-    terms = [list(t) for t in prior.basis.terms]
+    terms = prior.basis.terms  # φ of coefficients.csv (fedcal.prior.legendre: the one basis)
     mu = np.asarray(prior.mean, float)[: len(terms)]
-    y = legendre_design(prior.scaler.x(np.asarray(x, float)), terms) @ mu
+    y = legendre_products(prior.scaler.x(np.asarray(x, float)), terms) @ mu
     return prior.scaler.y_inverse(y.reshape(-1, 1))[:, 0]
 
 
