@@ -113,7 +113,7 @@ def _calibrate_numpy(path: Path, data: Path, out: Path, sensor_column, time_colu
         raise NeedsTorch(f"{path}: {why}")
     done = station.calibrate_fleet(model, fleet, str(data))
     table = calibrate_dir.write(out, model, fleet, done)
-    return table, model, calibrate_dir.declined_note(model, done.units)
+    return table, model, calibrate_dir.declined_note(model, done.units.declined)
 
 
 DECISION_RULES = ("guarded", "simple")  # fedcal.report.certificate.RULES (tested equal)
