@@ -13,6 +13,7 @@ coefficients and predictive-covariance factor (:mod:`fedcal.report.linear_export
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,33 +54,43 @@ class CalibratedFleet:
         """Calibrated target values for raw readings ``x_raw`` (rows, features) of ``sensor``."""
         return self.predict_with_std(sensor, x_raw)[0]
 
-    def predict_with_std(
-        self, sensor: str, x_raw: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """(calibrated values, predictive σ or None) in the target's unit, rows × 1 each.
-
-        σ is the method's own (``algorithm.predictive_std``, e.g. fedprior's posterior
-        and noise); None for a method without one.
-        """
+    def check_sensor(self, sensor: str) -> None:
+        """A KeyError naming why ``sensor`` has no model here: refused by the run, or unknown."""
         if sensor in self.excluded:
             raise KeyError(self.no_model(sensor))
         if sensor not in self.params:
             raise KeyError(
                 f"sensor {sensor!r} is not in this run; known: {', '.join(sorted(self.params))}"
             )
+
+    def predict_with_std(
+        self, sensor: str, x_raw: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """(calibrated values, predictive σ or None) in the target's unit, rows × 1 each.
+
+        σ is the method's own (:meth:`evaluate`, e.g. fedprior's posterior and noise); None
+        for a method without one.
+        """
+        self.check_sensor(sensor)
+        y, sd = self.evaluate(sensor, self.scaler.x(np.asarray(x_raw, float)))
+        scale = np.asarray(self.scaler.y_scale, float)
+        return self.scaler.y_inverse(y), None if sd is None else sd * np.abs(scale)
+
+    def evaluate(self, sensor: str, z: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """One sensor's model at scaled inputs ``z`` (rows, F): (ŷ, σ or None), scaled, rows × 1
+        each (``algorithm.predict`` and ``predictive_std``, torch; NumPy in
+        :class:`fedcal.report.served.StationFleet`)."""
         import torch
 
         from fedcal.core.tree import stack
 
         params = stack([self.params[sensor]])
         dtype = next(iter(params.values())).dtype
-        x = torch.as_tensor(self.scaler.x(np.asarray(x_raw, float)), dtype=dtype).unsqueeze(0)
+        x = torch.as_tensor(z, dtype=dtype).unsqueeze(0)
         with torch.no_grad():
             y = self.algorithm.predict(params, x)[0].double().numpy()
             std = self.algorithm.predictive_std(params, x)
-        scale = np.asarray(self.scaler.y_scale, float)
-        sd = None if std is None else std[0].double().numpy() * np.abs(scale)
-        return self.scaler.y_inverse(y), sd
+        return y, None if std is None else std[0].double().numpy()
 
     def interval_rows(self, frame, sensor_column: str | None = None) -> np.ndarray | None:
         """Per row of ``frame`` the half-width of the stated central 95 % interval (target
@@ -95,10 +106,6 @@ class CalibratedFleet:
         treats ±ψᵀm_h as Gaussian: wider than the model's 95 % interval, a second interval
         that disagrees with the scored one. So this one is stated, not 1.96 σ.
         """
-        import torch
-
-        from fedcal.core.tree import stack
-
         column = sensor_column or self.sensor_column
         half = np.full(len(frame), np.nan)
         x_all = frame[list(self.features)].to_numpy(float)
@@ -108,37 +115,53 @@ class CalibratedFleet:
                 continue  # no model: no interval
             if str(sensor) not in self.params:
                 raise KeyError(f"sensor {sensor!r} is not in this run")
-            params = stack([self.params[str(sensor)]])
-            dtype = next(iter(params.values())).dtype
-            x = torch.as_tensor(self.scaler.x(x_all[rows]), dtype=dtype).unsqueeze(0)
-            with torch.no_grad():
-                std = self.algorithm.predictive_std(params, x)
-                if std is None:
-                    return None
-                width = self.algorithm.interval_halfwidth(params, x, std)
-            half[rows] = width[0, :, 0].double().numpy() * scale
+            width = self.halfwidth(str(sensor), self.scaler.x(x_all[rows]))
+            if width is None:
+                return None
+            half[rows] = width * scale
         return half
+
+    def halfwidth(self, sensor: str, z: np.ndarray) -> np.ndarray | None:
+        """The stated 95 % half-width (scaled) at ``z`` (rows, F): (rows,), None without σ."""
+        import torch
+
+        from fedcal.core.tree import stack
+
+        params = stack([self.params[sensor]])
+        dtype = next(iter(params.values())).dtype
+        x = torch.as_tensor(z, dtype=dtype).unsqueeze(0)
+        with torch.no_grad():
+            std = self.algorithm.predictive_std(params, x)
+            if std is None:
+                return None
+            width = self.algorithm.interval_halfwidth(params, x, std)
+        return width[0, :, 0].double().numpy()
 
     def without_sigma(self) -> list[str]:
         """Sensors whose model states no predictive σ although the method has one (e.g.
-        fedprior's declined interval: σ NaN): every export leaves σ out for them and says so.
-        """
+        fedprior's declined interval: σ NaN, at the scaled inputs' centre 0): every export
+        leaves σ out for them and says so."""
         sensors = sorted(self.params)
-        if not sensors or getattr(self.algorithm, "predictive_std", None) is None:
+        std = self.sigma_at_centre(sensors) if sensors else None
+        if std is None:
             return []
+        finite = np.isfinite(std.reshape(len(sensors), -1)).all(-1)
+        return [s for s, ok in zip(sensors, finite.tolist(), strict=True) if not ok]
+
+    def sigma_at_centre(self, sensors: list[str]) -> np.ndarray | None:
+        """The sensors' σ (scaled) at the scaled inputs' centre: (sensors, 1), None without σ."""
+        if getattr(self.algorithm, "predictive_std", None) is None:
+            return None
         import torch
 
         from fedcal.core.tree import stack
 
         params = stack([self.params[s] for s in sensors])
         dtype = next(iter(params.values())).dtype
-        at = torch.as_tensor(self.scaler.x_offset, dtype=dtype).reshape(1, 1, -1)
+        at = torch.zeros(len(sensors), 1, len(self.features), dtype=dtype)
         with torch.no_grad():
-            std = self.algorithm.predictive_std(params, at.expand(len(sensors), 1, -1))
-        if std is None:
-            return []
-        finite = torch.isfinite(std.reshape(len(sensors), -1)).all(-1)
-        return [s for s, ok in zip(sensors, finite.tolist(), strict=True) if not ok]
+            std = self.algorithm.predictive_std(params, at)
+        return None if std is None else std.reshape(len(sensors), -1).double().numpy()
 
     def predict_rows(self, frame, sensor_column: str | None = None):
         """(mean, σ or None): one value per row of ``frame`` (its sensor column, features).
@@ -342,26 +365,16 @@ def load_models(
         raise ValueError(f"{config_path}: unreadable or not a fedcal run config ({e})") from None
     task, params, meta = load_model_file(path, cfg)
     check_model_meta(path, meta, len(cfg.data.features))
-    if meta.get("method", method) != method:  # a model moved under another method's name
-        raise TensorFileError(
-            path, f"holds a model of method {meta.get('method')!r}, not {method!r}: moved or edited"
-        )
-    refused = _refused_sensors(folder / runnames.PER_SENSOR)
-    excluded: dict[str, str] = {}
-    for sensor in list(params):
+    check_method(path, meta, method)
+
+    def problem(sensor: str) -> Exception | None:
         try:
             check_finite(path, {sensor: params[sensor]}, "sensor ")
-        except TensorFileError:
-            if sensor in refused:  # no model by the method's decision, recorded by the run
-                excluded[sensor] = refused[sensor]
-            elif not drop_diverged:
-                raise
-            del params[sensor]
-    if excluded and not params and not drop_diverged:
-        raise ValueError(
-            f"{path}: no sensor has a model: the method refused all {len(excluded)} "
-            f"({next(iter(excluded.values()))})"
-        )
+        except TensorFileError as err:
+            return err
+        return None
+
+    excluded = served_sensors(path, params, folder, drop_diverged, problem)
     resolved = record.get("resolved")
     methods = resolved.get("methods") if isinstance(resolved, dict) else None
     recorded = methods.get(method) if isinstance(methods, dict) else None
@@ -385,6 +398,46 @@ def load_models(
         cfg.data.client_column,
         excluded,
     )
+
+
+def check_method(path: Path, meta: dict, method: str) -> None:
+    """Refuse a model file whose metadata names another method (moved under this name)."""
+    from fedcal.core.arrayfile import TensorFileError
+
+    if meta.get("method", method) != method:
+        raise TensorFileError(
+            path, f"holds a model of method {meta.get('method')!r}, not {method!r}: moved or edited"
+        )
+
+
+def served_sensors(
+    path: Path,
+    params: dict,
+    folder: Path,
+    drop_diverged: bool,
+    problem: Callable[[str], Exception | None],
+) -> dict[str, str]:
+    """Leave out of ``params`` (in place) each sensor whose model ``problem`` finds not finite,
+    and return the ones the run refused ({sensor: the run's reason}, its per_sensor.csv): a
+    refused sensor has no model by the method's decision; any other is the problem raised,
+    unless ``drop_diverged``. Every sensor refused: a ValueError (:func:`load_models`)."""
+    refused = _refused_sensors(folder / runnames.PER_SENSOR)
+    excluded: dict[str, str] = {}
+    for sensor in list(params):
+        err = problem(sensor)
+        if err is None:
+            continue
+        if sensor in refused:  # no model by the method's decision, recorded by the run
+            excluded[sensor] = refused[sensor]
+        elif not drop_diverged:
+            raise err
+        del params[sensor]
+    if excluded and not params and not drop_diverged:
+        raise ValueError(
+            f"{path}: no sensor has a model: the method refused all {len(excluded)} "
+            f"({next(iter(excluded.values()))})"
+        )
+    return excluded
 
 
 def _refused_sensors(path: Path) -> dict[str, str]:
