@@ -5,7 +5,7 @@ on a calibration station (issue 37.1).
 :func:`fedcal.report.export.load_models` does — the model file (its checksum, metadata,
 finite and well-formed parameters: :func:`fedcal.core.arrayfile.load_arrays`,
 :func:`fedcal.core.runfiles.check_model_params`), the run's column names, the units the run
-refused (:func:`fedcal.report.export.served_sensors`, both paths') — and evaluates each
+refused (:mod:`fedcal.report.sensors`, both paths') — and evaluates each
 unit's posterior with :mod:`fedcal.prior.posterior` (NumPy) behind the torch path's
 :class:`~fedcal.report.export.CalibratedFleet` (its predictions, intervals and σ checks: one
 serving code, two evaluations, :meth:`~fedcal.report.export.CalibratedFleet.evaluate`):
@@ -37,7 +37,8 @@ from fedcal.core.runfiles import check_model_meta, check_model_params
 from fedcal.data.scaling import Scaler
 from fedcal.prior import posterior
 from fedcal.prior.model import PriorModel
-from fedcal.report.export import CalibratedFleet, check_method, served_sensors
+from fedcal.report.export import CalibratedFleet
+from fedcal.report.sensors import check_method, served_sensors
 
 COVERED = frozenset({"coef", "cov", "noise_var", "box", "disc_var", "declined"})
 
