@@ -223,8 +223,8 @@ class CalibrationRun:
 
     @classmethod
     def open(cls, run_dir: str | Path) -> CalibrationRun:
+        from fedcal.report.export import load_models
         from fedcal.report.rundir import check_plausible, read_valid_ranges
-        from fedcal.report.served import load_served_models
 
         run_dir = Path(run_dir)
         if not (run_dir / runnames.UNITS).is_file():
@@ -240,7 +240,7 @@ class CalibrationRun:
         note = summary.get("coverage_note", pd.Series([""])).fillna("").iloc[0]
         stamp = (run_dir / runnames.UNITS).stat().st_mtime
         # a failed unit: no model; without torch the NumPy path (report/served.py)
-        models = load_served_models(run_dir, method, drop_diverged=True)
+        models = load_models(run_dir, method, drop_diverged=True)
         ranges = read_valid_ranges(run_dir, method, 0, 0)
         check_plausible(models, ranges, prior_path.parent / runnames.MODEL)  # as predict
         return cls(

@@ -19,7 +19,8 @@ Equal to the torch path within rounding (tests/prior/test_torch_free.py). A mode
 does not cover (another method; drift, the deployment discrepancy model, …: parameters
 beyond :data:`COVERED`, or :func:`fedcal.prior.posterior.unsupported`) raises
 :class:`NeedsTorch`, which the command line turns into its one-line "needs torch" error.
-:func:`torch_available` says which path ``predict`` and ``certificate`` take.
+:func:`torch_available` says which path :func:`fedcal.report.export.load_models` takes (the
+one loader: it calls :func:`load_station` where torch is not installed).
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ import numpy as np
 
 from fedcal.core import runnames
 from fedcal.core.arrayfile import TensorFileError, load_arrays
-from fedcal.core.paths import read_json, safe_name
+from fedcal.core.paths import read_json
 from fedcal.core.runfiles import check_model_meta, check_model_params
 from fedcal.data.scaling import Scaler
 from fedcal.prior import posterior
 from fedcal.prior.model import PriorModel
-from fedcal.report.export import CalibratedFleet
+from fedcal.report.fleet import CalibratedFleet
 from fedcal.report.sensors import check_method, served_sensors
 
 COVERED = frozenset({"coef", "cov", "noise_var", "box", "disc_var", "declined"})
@@ -108,20 +109,13 @@ def _per_sensor(path: Path, trees: dict, meta: dict) -> dict[str, dict[str, np.n
 
 
 def load_station(
-    run_dir: str | Path,
-    method: str,
-    seed: int = 0,
-    train_points: int = 0,
-    drop_diverged: bool = False,
+    run_dir: Path, folder: Path, method: str, drop_diverged: bool = False
 ) -> StationFleet:
-    """:func:`fedcal.report.export.load_models` for a fedprior model, without torch (module
-    docstring): the same checks, the same ``excluded`` sensors; :class:`NeedsTorch` for a
-    model it does not cover."""
-    run_dir = Path(run_dir)
-    folder = runnames.run_path(run_dir, safe_name(method, "method"), train_points, seed)
+    """The rest of :func:`fedcal.report.export.load_models` for a fedprior model, without torch
+    (module docstring), once ``load_models`` found the run's ``folder`` and its model file:
+    the same checks, the same ``excluded`` sensors; :class:`NeedsTorch` for a model it does
+    not cover."""
     path = folder / runnames.MODEL
-    if not path.exists():
-        raise FileNotFoundError(f"no model for method {method!r}, seed {seed} in {run_dir}")
     if not (folder / runnames.PRIOR).is_file():
         raise NeedsTorch(f"{folder}: a run without prior.json (not a fedprior method)")
     prior = PriorModel.load(folder / runnames.PRIOR)
@@ -158,19 +152,3 @@ def load_station(
         None, params, Scaler.from_dict(meta["scaler"]), features, target, meta["model"], column,
         excluded, prior.basis.terms, prior.basis.branch_terms,
     )  # fmt: skip
-
-
-def load_served_models(
-    run_dir: str | Path,
-    method: str,
-    seed: int = 0,
-    train_points: int = 0,
-    drop_diverged: bool = False,
-) -> CalibratedFleet:
-    """The torch path (:func:`fedcal.report.export.load_models`) where torch is installed,
-    else :func:`load_station`."""
-    if torch_available():
-        from fedcal.report.export import load_models
-
-        return load_models(run_dir, method, seed, train_points, drop_diverged)
-    return load_station(run_dir, method, seed, train_points, drop_diverged)
