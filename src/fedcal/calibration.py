@@ -53,7 +53,7 @@ from fedcal.experiment import (
     _write_text,
     save_models,
 )
-from fedcal.prior import calibrate_dir
+from fedcal.prior import calibrate_dir, qa
 from fedcal.prior.discrepancy import Discrepancy, unit_scale
 from fedcal.prior.find import find_prior  # noqa: F401 (torch-free; re-exported)
 from fedcal.prior.model import PriorModel
@@ -66,7 +66,6 @@ from fedcal.prior.qa import (  # the range guard, QA threshold and grid: torch-f
 )
 
 NOISE_ITERATIONS = 25  # fixed-point iterations of a unit's own noise level (converged: tested)
-DISTANCE_CHUNK = 4096  # units per batched solve of the fleet distance (memory bound)
 GRID_CHUNK = 512  # units per σ grid evaluation: (units, grid) float64, ~8 MB (fastest measured)
 GRID_RANK_TOL = 1e-11  # singular values of the grid's pair products kept (relative): not rounding
 
@@ -284,33 +283,15 @@ def fleet_distance(
     ΣΦ_iᵀC_i⁻¹Φ_iΣ, so d²_i = ‖P_A e‖² (P_A the projection on A's columns) and,
     for a unit of the fleet, d²_i ~ χ² with rank(A) degrees of freedom (Φ_i of
     full row rank: d²_i = eᵀe, the whitened residual of its points under the
-    prior predictive).
+    prior predictive). The linear algebra is :func:`fedcal.prior.qa.distances` (NumPy: the
+    station's too), on this algorithm's design.
     """
-    mu, sigma = server["mu"].to(F64), server["sigma"].to(F64)
-    d2 = np.full(data.num_clients, np.nan)
-    dof = np.zeros(data.num_clients, dtype=int)
-    # Batched over units, DISTANCE_CHUNK at a time: a unit's padding rows get Φ = 0, r = 0
-    # and variance 1, so C_i is block-diagonal (its own block, then I), e and A are zero
-    # there and A's extra singular values are 0 (below the rank threshold): the unit's d².
-    for rows in torch.arange(data.num_clients).split(DISTANCE_CHUNK):
-        part = data.select(rows)
-        real = (part.mask > 0).to(F64)
-        design = algorithm.design(part.x, part.branch).to(F64) * real.unsqueeze(-1)
-        resid = (part.y[..., 0].to(F64) - design @ mu) * real
-        noise = noise_var.index_select(0, rows).to(F64).unsqueeze(-1)
-        cov = design @ sigma @ design.mT + torch.diag_embed(torch.where(real > 0, noise, 1.0))
-        chol, info = torch.linalg.cholesky_ex(cov)
-        e = torch.linalg.solve_triangular(chol, resid.unsqueeze(-1), upper=False)[..., 0]
-        a = torch.linalg.solve_triangular(chol, design, upper=False)
-        u, sv, _ = torch.linalg.svd(a, full_matrices=False)
-        top = sv.amax(-1, keepdim=True)
-        kept = sv > 1e-10 * top
-        proj = (u.mT @ e.unsqueeze(-1))[..., 0] * kept
-        ok = (info == 0) & torch.isfinite(resid).all(-1)
-        idx = rows.numpy()[ok.numpy()]
-        d2[idx] = proj.square().sum(-1)[ok].numpy()
-        dof[idx] = kept.sum(-1)[ok].numpy()
-    return d2, dof
+    real = (data.mask > 0).to(F64)
+    design = algorithm.design(data.x, data.branch).to(F64) * real.unsqueeze(-1)
+    return qa.distances(
+        design.numpy(), data.y[..., 0].to(F64).numpy(), real.numpy(),
+        server["mu"].to(F64).numpy(), server["sigma"].to(F64).numpy(), noise_var.to(F64).numpy(),
+    )  # fmt: skip
 
 
 def grid_sigma(alg: FedPrior, personal: Tree, grid: torch.Tensor) -> np.ndarray:
