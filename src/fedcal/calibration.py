@@ -399,9 +399,8 @@ def unit_diagnostics(prior: PriorModel, result: Calibration) -> tuple[pd.DataFra
         train.x.double().numpy().reshape(-1, train.x.shape[-1]) * scaler.x_scale + scaler.x_offset
     )
     raw_x = raw_x.reshape(n, -1, train.x.shape[-1])
-    finite = torch.isfinite(personal["coef"]).all(-1).numpy()
+    status = qa.unit_status(personal["coef"].numpy(), d2, threshold)  # the station's rule
     unlike = np.isfinite(d2) & (d2 > threshold)
-    status = np.where(~finite, "failed", np.where(unlike, "unlike the fleet", "ok"))
     checks = {
         "status": status, "d2": d2, "dof": dof, "d2_threshold": threshold, "p_value": p_value,
         "unlike_fleet": unlike, "sigma_mean": sigma_mean, "sigma_max": sigma_max,
