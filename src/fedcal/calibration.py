@@ -148,11 +148,14 @@ def unit_posteriors(
 ) -> Tree:
     """Each unit's posterior under the stored prior, with what its σ is made of.
 
-    The one place a unit's stated σ is formed off the federation: :func:`calibrate` calls
-    it on a unit's readings, the planner (:func:`fedcal.planning.posteriors`) on a
-    design's expected readings, so the σ ``plan`` forecasts is the σ ``calibrate``
-    states (a term added here reaches both: the prior's ``discrepancy`` model, issue 33,
-    with the features' ``names`` for its reasons, appended to ``reasons``). ``noise_var``
+    The one place a unit's stated σ is formed off the federation on the torch path:
+    :func:`calibrate` calls it on a unit's readings, the planner's torch path
+    (:class:`fedcal.planning_torch.TorchForecaster`, for the variants
+    :func:`fedcal.prior.posterior.unsupported` names; the others are planned in NumPy by
+    :func:`fedcal.prior.posterior.calibrate_units`) on a design's expected readings, so the
+    σ ``plan`` forecasts is the σ ``calibrate`` states (a term added here reaches both: the
+    prior's ``discrepancy`` model, issue 33, with the features' ``names`` for its reasons,
+    appended to ``reasons``). ``noise_var``
     None: each unit's own noise level, the fixed point of :func:`own_noise`; given (the
     planner: the fleet's σ²): that level — the fixed point's value for the fleet's
     typical unit, since under the prior predictive E[rss_i] = n_i σ² (rss_i = ‖y − Φm‖² +
@@ -422,8 +425,8 @@ def prior_server(prior: PriorModel, scaler: Scaler | None = None) -> Tree:
     extrapolated (the guard of :meth:`FedPrior.predict`). With a calibrated interval the
     fleet's hold-out result too (fedprior "Intervals", I2–I3): τ², the probe's size and the
     decline code, so a new unit gets the σ the federation gives a unit of its design. What
-    ``calibrate`` and the planner (:mod:`fedcal.planning`) broadcast. The parts were
-    validated when the value was made (:mod:`fedcal.prior.model`).
+    ``calibrate`` and the planner's torch path (:mod:`fedcal.planning_torch`) broadcast. The
+    parts were validated when the value was made (:mod:`fedcal.prior.model`).
     """
     scaler = prior.scaler if scaler is None else scaler
     span = np.array([prior.input_range[c] for c in prior.features], dtype=float).T
