@@ -104,11 +104,7 @@ class Calibration:
 
 def calibrate(prior: PriorModel, fleet: Fleet, source: str = "data") -> Calibration:
     """Each unit's posterior under the stored prior (see the module docstring)."""
-    if tuple(fleet.features) != prior.features or fleet.target != prior.target:
-        raise ValueError(
-            f"{source}: columns {list(fleet.features)} → {fleet.target} do not match the prior's "
-            f"{list(prior.features)} → {prior.target}"
-        )
+    qa.check_columns(prior, fleet, source)  # the station's checks
     check_inputs(prior, fleet, source)
     algorithm = prior_algorithm(prior, source, timed=fleet.row_times("train") is not None)
     scaler = prior.scaler

@@ -1,6 +1,7 @@
 """A new unit's checks against a stored prior, in NumPy: the range guard, its distance from
 the fleet and its status — what ``calibrate`` writes to ``units.csv``, without torch.
 
+* :func:`check_columns`: a file whose columns are not the prior's is refused.
 * :func:`check_inputs`: a unit calibrated outside the range the prior was learned over is
   refused (only its calibration rows; 5 % of each input's span of slack).
 * :func:`fleet_distance`: d²_i = (m_i − μ)ᵀ(Σ − V_i)⁺(m_i − μ), computed in data space with
@@ -29,6 +30,15 @@ DISTANCE_CHUNK = 4096  # units per batched solve (memory bound)
 GRID_POINTS = 2000  # σ over the operating range: a tensor grid of about this many points
 GRID_CHUNK = 256  # units per σ grid evaluation: (units, grid, p) float64, ~8 MB at p = 20
 STATUS_OK, STATUS_UNLIKE, STATUS_FAILED = "ok", "unlike the fleet", "failed"
+
+
+def check_columns(prior: PriorModel, fleet: Fleet, source: str) -> None:
+    """Refuse a file whose inputs and target are not the prior's (in the prior's order)."""
+    if tuple(fleet.features) != prior.features or fleet.target != prior.target:
+        raise ValueError(
+            f"{source}: columns {list(fleet.features)} → {fleet.target} do not match the "
+            f"prior's {list(prior.features)} → {prior.target}"
+        )
 
 
 def check_inputs(prior: PriorModel, fleet: Fleet, source: str) -> None:

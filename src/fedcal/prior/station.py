@@ -55,11 +55,7 @@ class Station:
 def calibrate_fleet(prior: PriorModel, fleet: Fleet, source: str = "data") -> Station:
     """Every unit of ``fleet`` against ``prior`` from its calibration (train) rows: the
     columns must be the prior's, the rows inside its calibrated range (:func:`qa.check_inputs`)."""
-    if tuple(fleet.features) != prior.features or fleet.target != prior.target:
-        raise ValueError(
-            f"{source}: columns {list(fleet.features)} → {fleet.target} do not match the "
-            f"prior's {list(prior.features)} → {prior.target}"
-        )
+    qa.check_columns(prior, fleet, source)
     why = posterior.unsupported(prior, timed=fleet.row_times("train") is not None)
     if why:
         raise ValueError(f"{source}: {why} is calibrated by the torch path (fedcal calibrate)")
