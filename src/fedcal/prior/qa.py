@@ -180,10 +180,7 @@ def sigma_over_range(prior: PriorModel, units: Units) -> tuple[np.ndarray, np.nd
     y_scale = abs(float(np.asarray(prior.scaler.y_scale).ravel()[0]))
     means, maxes = [], []
     for i in range(0, len(units.coef), GRID_CHUNK):
-        part = Units(**{
-            k: (v[i : i + GRID_CHUNK] if isinstance(v, np.ndarray) else v)
-            for k, v in units.__dict__.items()
-        })  # fmt: skip
+        part = units.rows(i, i + GRID_CHUNK)
         sigma = predictive_std(part, np.broadcast_to(grid, (len(part.coef), *grid.shape)))
         means.append(sigma.mean(-1))
         maxes.append(sigma.max(-1))

@@ -41,10 +41,7 @@ class Station:
         if unit not in self.ids:
             raise KeyError(f"unit {unit!r} was not calibrated here ({len(self.ids)} units)")
         i = self.ids.index(unit)
-        one = posterior.Units(**{
-            k: (v[i : i + 1] if isinstance(v, np.ndarray) else v)
-            for k, v in self.units.__dict__.items()
-        })  # fmt: skip
+        one = self.units.rows(i, i + 1)
         x = self.scaler.x(np.asarray(readings, dtype=np.float64))[None]
         y_scale = float(np.asarray(self.scaler.y_scale).ravel()[0])
         y_offset = float(np.asarray(self.scaler.y_offset).ravel()[0])
