@@ -6,7 +6,7 @@ matplotlib's PDF backend). Vocabulary: GUM (JCGM 100:2008) and ISO/IEC 17025:201
 
 **Expanded uncertainty.** U(x) = k·u(x) with k = 2 (:data:`K`), u(x) the unit's
 predictive standard uncertainty at the reading x exactly as ``predict`` states it
-(:meth:`fedcal.report.export.CalibratedFleet.predict_with_std`, the one prediction path of
+(:meth:`fedcal.report.fleet.CalibratedFleet.predict_with_std`, the one prediction path of
 ``fedcal predict`` and ``CalibratedUnits.predict``: the posterior of the unit's coefficients
 and its noise, plus the design's model error where the prior learned it). k = 2, not 1.96:
 the convention of calibration certificates (EA-4/02, ILAC-P14: "k = 2, which for a normal

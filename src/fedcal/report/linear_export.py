@@ -187,7 +187,7 @@ def _factor(q: np.ndarray) -> np.ndarray:
 def linear_form(fleet, method: str = "") -> LinearForm | None:
     """The basis form of a run's models, or None when the method is not linear in a basis.
 
-    ``fleet`` is a :class:`fedcal.report.export.CalibratedFleet`; one evaluated in NumPy
+    ``fleet`` is a :class:`fedcal.report.fleet.CalibratedFleet`; one evaluated in NumPy
     (:class:`fedcal.report.served.StationFleet`, no torch) gives its fedprior form from
     :func:`fedcal.prior.posterior.variance_form`, the same (Q, s).
     """

@@ -7,8 +7,8 @@ finite and well-formed parameters: :func:`fedcal.core.arrayfile.load_arrays`,
 :func:`fedcal.core.runfiles.check_model_params`), the run's column names, the units the run
 refused (:mod:`fedcal.report.sensors`, both paths') — and evaluates each
 unit's posterior with :mod:`fedcal.prior.posterior` (NumPy) behind the torch path's
-:class:`~fedcal.report.export.CalibratedFleet` (its predictions, intervals and σ checks: one
-serving code, two evaluations, :meth:`~fedcal.report.export.CalibratedFleet.evaluate`):
+:class:`~fedcal.report.fleet.CalibratedFleet` (its predictions, intervals and σ checks: one
+serving code, two evaluations, :meth:`~fedcal.report.fleet.CalibratedFleet.evaluate`):
 
     ŷ(x) = y_offset + y_scale · ψ(x)ᵀm,   σ(x) = |y_scale| · √(z(x)ᵀQz(x) + s [+ gap²])
 
@@ -61,7 +61,7 @@ def torch_available() -> bool:
 
 @dataclass(frozen=True)
 class StationFleet(CalibratedFleet):
-    """:class:`~fedcal.report.export.CalibratedFleet` evaluated in NumPy (module docstring):
+    """:class:`~fedcal.report.fleet.CalibratedFleet` evaluated in NumPy (module docstring):
     ``params`` per sensor are NumPy arrays, ``algorithm`` is None; ``terms`` and
     ``branch_terms`` the prior's basis."""
 
