@@ -40,7 +40,7 @@ from fedcal.algorithms.fedprior import FedPrior
 from fedcal.algorithms.fedprior_deployed import DEPLOY_ROWS, deployed
 from fedcal.build import build_algorithm, build_task, run_record
 from fedcal.config import DataConfig, RunConfig, from_dict
-from fedcal.core import runnames
+from fedcal.core import hooks, runnames
 from fedcal.core.bayes import F64, predictive_var
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree, expand, gather
@@ -408,9 +408,9 @@ def unit_diagnostics(prior: PriorModel, result: Calibration) -> tuple[pd.DataFra
     table, points = calibrate_dir.residual_tables(
         prior, tensors.client_ids, raw_x, ref, pred, pred_std, mask, checks
     )
-    if alg.unit_columns is not None:  # fedprior_drift: recalibrate_at
+    if isinstance(alg, hooks.UnitColumns):  # fedprior_drift: recalibrate_at
         with torch.no_grad():
-            table = table.assign(**alg.labelled_units(alg.unit_columns(personal, train)))
+            table = table.assign(**hooks.labelled_units(alg, alg.unit_columns(personal, train)))
     return table, points
 
 
@@ -485,7 +485,7 @@ def prior_algorithm(prior: PriorModel, source: str = "prior.json", timed: bool =
         raise ValueError(f"{source}: prior method {prior.method!r} is not a fedprior method")
     if prior.provenance.method_params.get("choose") == "auto":
         algorithm = replace(algorithm, choose="time" if timed else "off")
-    algorithm = algorithm.with_scaler(prior.scaler)
+    algorithm = hooks.with_scaler(algorithm, prior.scaler)
     if tuple(map(tuple, algorithm.terms)) != prior.basis.terms or (
         tuple(map(tuple, algorithm.branch_terms)) != prior.basis.branch_terms
     ):
