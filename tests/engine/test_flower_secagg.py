@@ -15,7 +15,9 @@ In process (the ServerApp's own round loop and the sites' real handlers,
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +26,14 @@ from flwr.common.serde import recorddict_from_proto
 from flwr.proto.recorddict_pb2 import RecordDict as RecordDictProto
 
 from fedcal.apps.flower_server import federation, secure_settings
-from fedcal.config import ConfigError, EngineSection, ModelConfig, RunConfig, TrainConfig
+from fedcal.config import (
+    ConfigError,
+    EngineSection,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+    load_config,
+)
 from fedcal.core.aggregation import AggregationRules
 from fedcal.core.tree import flatten
 from fedcal.engine.flower.loop import run_federation
@@ -208,3 +217,19 @@ def test_methods_and_policies_that_need_each_reply_are_refused(method, params, r
     with pytest.raises(ConfigError, match="secure aggregation") as err:
         federation(config, method, secure=SecureAggregation())
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_documented_secure_fedprior_configuration_is_accepted(tmp_path) -> None:
+    """docs/flower.md's secure.toml block: the shipped fedprior with it runs under grouped
+    SecAgg+; without it (or without groups) it is refused in one line that says why."""
+    docs = (Path(__file__).parents[2] / "docs" / "flower.md").read_text(encoding="utf-8")
+    block = re.search(r"```toml\n(\[methods\.fedprior\][^`]*)```", docs)
+    assert block is not None, "docs/flower.md lost its secure.toml block"
+    path = tmp_path / "secure.toml"
+    path.write_text(block.group(1), encoding="utf-8")
+    documented = load_config(path)
+    assert federation(documented, "fedprior", secure=SecureAggregation(groups=2)) is not None
+    with pytest.raises(ConfigError, match="robust = 'full'"):
+        federation(documented, "fedprior", secure=SecureAggregation(groups=0))
+    with pytest.raises(ConfigError, match="interval = 'calibrated'"):
+        federation(load_config(None), "fedprior", secure=SecureAggregation(groups=2))

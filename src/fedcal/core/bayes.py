@@ -55,9 +55,14 @@ def moments(design: Tensor, y: Tensor, mask: Tensor) -> Moments:
     w = mask.to(F64)
     phi = design.to(F64) * w.unsqueeze(-1)
     y = y.to(F64) * w
-    return Moments(
-        phi.transpose(1, 2) @ phi, (phi * y.unsqueeze(-1)).sum(1), (y * y).sum(1), w.sum(1)
-    )
+    # Φᵀy and Σ y² in row order (running sums): a plain .sum(1) over the rows splits them
+    # into SIMD lanes and a tail by the padded length, so a unit padded to its site's
+    # longest sensor and to the fleet's got different bits (1e-16, issue 36: Flower vs the
+    # simulator). Padding rows are zeros at the end: they add nothing to a running sum.
+    if y.shape[1] == 0:
+        return Moments(phi.transpose(1, 2) @ phi, phi.sum(1), y.sum(1), w.sum(1))
+    rhs = (phi * y.unsqueeze(-1)).cumsum(1)[:, -1]
+    return Moments(phi.transpose(1, 2) @ phi, rhs, (y * y).cumsum(1)[:, -1], w.sum(1))
 
 
 class Posterior(NamedTuple):
