@@ -8,12 +8,18 @@ the emulation keeps) against that stored prior (``FleetPrior.calibrate``) and sc
 ``predict``'s σ on (a) its other campaign rows, the emulation's held-out rows, and (b) its
 60 random off-grid test points (random direction). Per design family: the share of
 descending rows, coverage of ascending / descending / all rows, and (a)'s coverage with
-each sweep direction weighted half (what E2's scored-row weights do). The full prior
+each sweep direction weighted half (direction-balanced scoring: tried, not kept). The full prior
 contains the unit (the emulation's leave-one-out does not): (a) and (b) share that.
 
     python studies/deployment_scored.py --sim fedcal --fleet-seeds 0
     python studies/deployment_scored.py --sim crosscheck --ref-designs grid --fleet-seeds 0,1
+    python studies/deployment_scored.py --sim crosscheck --ref-designs lhs --fleet-seeds 3,8,11 \
+        --real 3x2
     python studies/deployment_scored.py --population 0-22
+
+``--real 3x2`` (cross-check only): also the same reference units calibrated from a real
+3×2 grid of their own (the generator's chamber plan, as a new unit is measured) and
+scored on the same test points: whether the emulated design stands for the real one.
 
 ``--population``: per fleet seed, the hysteresis of the 20 reference units against the 20
 new units (RMS and largest; fedcal's H, the cross-check's η): what a prior learned from the
@@ -77,6 +83,23 @@ def scored(units, frame: pd.DataFrame) -> dict[str, float]:
     }
 
 
+def real_grid(seed: int, design: str) -> pd.DataFrame:
+    """The cross-check's reference units 0–19 measured on a real P×T grid (train rows),
+    named as :func:`emulated_frames` names them."""
+    p, t = (int(v) for v in design.split("x"))
+    plan = ds.cc.plateau_campaign(
+        np.linspace(ds.cc.P_LO, ds.cc.P_HI, p), np.linspace(ds.cc.T_LO, ds.cc.T_HI, t), False
+    )
+    units = ds.cc.make_units(seed, 40)
+    frames = []
+    for i in range(20):
+        rng = np.random.default_rng([seed, 2, i, 99])
+        rows = ds.cc.unit_rows(units.iloc[i], plan, rng, ds.cc.Nominal(), "train")
+        rows.insert(0, "sensor_id", f"EU{i:03d}")
+        frames.append(rows)
+    return pd.concat(frames, ignore_index=True)[ds.COLUMNS]
+
+
 def population(first: int, last: int) -> None:
     """Hysteresis of the references against the new units, per seed and simulator."""
     spec = FleetSpec(num_reference=20, num_new=20, train_design="3x2", test_design="random")
@@ -112,6 +135,7 @@ def main() -> None:
     ap.add_argument("--ref-designs", default="grid", help="crosscheck only")
     ap.add_argument("--fleet-seeds", default="0")
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--real", help="crosscheck: also a real grid of this design (e.g. 3x2)")
     ap.add_argument("--population", help="seeds FIRST-LAST: the hysteresis table only")
     args = ap.parse_args()
     if args.population:
@@ -135,7 +159,11 @@ def main() -> None:
                     continue
                 train, held, test = frames
                 units = prior.calibrate(train[ds.COLUMNS])
-                for where, frame in (("held-out rows", held), ("off-grid test", test)):
+                scores = [("held-out rows", units, held), ("off-grid test", units, test)]
+                if args.real == name and args.sim == "crosscheck":
+                    real = prior.calibrate(real_grid(seed, name))
+                    scores.append((f"off-grid test, real {name}", real, test))
+                for where, fitted, frame in scores:
                     out.append(
                         {
                             "sim": args.sim,
@@ -143,7 +171,7 @@ def main() -> None:
                             "seed": seed,
                             "design": name,
                             "scored": where,
-                            **scored(units, frame),
+                            **scored(fitted, frame),
                         }
                     )
     frame = pd.DataFrame(out)
