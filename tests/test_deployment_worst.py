@@ -1,4 +1,5 @@
-"""studies/deployment_worst.py: the worst-unit limit's arithmetic, by hand."""
+"""studies/deployment_worst.py and deployment_scored.py: the arithmetic of the worst-unit
+limit and of the per-direction shares, by hand."""
 
 from __future__ import annotations
 
@@ -31,3 +32,30 @@ def test_tertile_bins_and_rank_correlation():
     assert dw.tertiles(np.arange(1.0, 10.0)).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     assert dw.spearman(np.array([1.0, 2, 3, 4]), np.array([10.0, 40, 90, 160])) == 1.0
     assert dw.spearman(np.array([1.0, 2, 3]), np.array([3.0, 2, 1])) == -1.0
+
+
+def test_the_scored_shares_per_sweep_direction_by_hand():
+    """studies/deployment_scored.py: 2 ascending rows (one inside ±1.96σ), 3 descending
+    (two inside): coverage 3/5, per direction 1/2 and 2/3, balanced (1/2 + 2/3)/2."""
+    import pandas as pd
+
+    from studies import deployment_scored as sc
+
+    class Units:
+        def predict(self, x, return_std):
+            return np.zeros(len(x)), np.ones(len(x))
+
+    frame = pd.DataFrame(
+        {
+            "sensor_id": ["a"] * 5,
+            "frequency_hz": 1.0,
+            "temperature_c": 0.0,
+            "pressure_hpa": [1.9, 2.0, -1.0, 1.95, 3.0],
+            "direction": ["up", "up", "down", "down", "down"],
+        }
+    )
+    got = sc.scored(Units(), frame)
+    assert got["down share"] == pytest.approx(0.6)
+    assert got["cov up"] == pytest.approx(0.5) and got["cov down"] == pytest.approx(2 / 3)
+    assert got["cov"] == pytest.approx(0.6)
+    assert got["cov balanced"] == pytest.approx((0.5 + 2 / 3) / 2)
