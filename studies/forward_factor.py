@@ -64,7 +64,7 @@ def periods(where: Path) -> dict[str, float]:
         return (pred - data.y[..., 0].double()).numpy(), sd.numpy()
 
     out = {}
-    for k, (fit, rows) in enumerate(alg.folds(train)):
+    for k, (fit, rows) in enumerate(alg.time_choice.folds(train)):
         e, sd = scored(alg._personal(down, res.states, subset(train, fit)), train)
         out[f"fold {k}"] = asked(e, sd, rows.numpy() > 0)
     personal = alg.personalize(down, res.states, train)

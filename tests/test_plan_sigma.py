@@ -5,8 +5,10 @@ the model error τ² of 6-point designs); ``plan`` chooses a 2-plateau, 8-point 
 forecasts its RMS σ over the operating range; 20 new units are then measured at exactly
 that design (the simulator's ``design_points``) and calibrated against the same prior.
 Their stated σ, at the planner's own quadrature nodes of the range, has an RMS over units
-within 10 % of the forecast (both come from :func:`fedcal.calibration.unit_posteriors`; the
-forecast takes the fleet's σ², the expected value of each unit's own noise fixed point).
+within 10 % of the forecast (both come from the function ``calibrate`` forms a unit's posterior
+with: :func:`fedcal.prior.posterior.calibrate_units` in NumPy, or for the deployment path
+:func:`fedcal.calibration.unit_posteriors`; the forecast takes the fleet's σ², the expected
+value of each unit's own noise fixed point).
 Measured (fleet seeds 3–5, 20 units, designs 2×8, 3×12, 2×6): ratio 1.002–1.005 for
 fedprior; 0.969–1.012 for fedprior_branch, whose units' σ differ with their direction term
 (3×12: 0.024–0.076 hPa around a forecast of 0.048) while the forecast is the fleet's mean.
@@ -22,10 +24,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedcal import calibration, planning
+from fedcal import calibration, planning, planning_torch
 from fedcal.api import FleetPrior
 from fedcal.core.bayes import F64
 from fedcal.data.simulator import FleetSpec, simulate_fleet
+from fedcal.planning_torch import TorchForecaster
+from fedcal.prior import posterior
+from fedcal.prior.plan import NumpyForecaster
 
 UNITS = 20
 
@@ -47,10 +52,10 @@ def prior(request):
 def stated_rms(units, plan: planning.Planner) -> np.ndarray:
     """Each unit's stated σ, RMS over the planner's quadrature of the range (target units)."""
     result = units.result
-    field = plan.field.unsqueeze(0).expand(result.tensors.num_clients, -1, -1)
+    field = torch.as_tensor(plan.field).unsqueeze(0).expand(result.tensors.num_clients, -1, -1)
     with torch.no_grad():
-        sd = result.algorithm.predictive_std(result.personal, field)[..., 0].to(F64)
-    return (sd**2 @ plan.weights).sqrt().numpy() * plan.y_scale
+        sd = result.algorithm.predictive_std(result.personal, field)[..., 0].to(F64).numpy()
+    return np.sqrt(sd**2 @ plan.weights) * plan.y_scale
 
 
 @pytest.mark.parametrize("prior", PRIORS, ids=IDS, indirect=True)
@@ -74,23 +79,36 @@ def test_the_forecast_sigma_is_within_10_percent_of_what_calibrate_states(prior)
 
 
 # The deployed σ of a references-only prior scales the noise term by κ²s² (not additive).
+@pytest.mark.parametrize("path", ["numpy", "torch"])
 @pytest.mark.parametrize("prior", MIXED, ids=IDS[:2], indirect=True)
-def test_the_planner_forms_the_posterior_with_calibrate_s_own_function(prior, monkeypatch):
-    """Whatever calibrate's σ is made of reaches the forecast: a term added in
-    :func:`calibration.unit_posteriors` moves the planner's σ by exactly that term."""
-    plan = planning.planner(prior.model_)
+def test_the_planner_forms_the_posterior_with_calibrate_s_own_function(prior, path, monkeypatch):
+    """Whatever calibrate's σ is made of reaches the forecast: a term added in the function
+    ``calibrate`` forms a unit's posterior with (NumPy: :func:`posterior.calibrate_units`;
+    torch: :func:`calibration.unit_posteriors`) moves the planner's σ by exactly that term."""
+    model = prior.model_
+    forecast = NumpyForecaster(model) if path == "numpy" else TorchForecaster(model)
+    plan = planning.planner(model, forecast=forecast)
     design = planning.grid_design(plan.chamber, 4, 3)
     before = planning.expected_variance(plan, [design])[0]
-    original = calibration.unit_posteriors
     extra = 1e-3  # scaled units²
+    if path == "numpy":
+        original = posterior.calibrate_units
 
-    def wider(*args, **kwargs):
-        params = original(*args, **kwargs)
-        return {**params, "noise_var": params["noise_var"] + extra}
+        def wider(*args, **kwargs):
+            units = original(*args, **kwargs)
+            return dataclasses.replace(units, noise_var=units.noise_var + extra)
 
-    monkeypatch.setattr(planning, "unit_posteriors", wider)
+        monkeypatch.setattr(posterior, "calibrate_units", wider)
+    else:
+        original = calibration.unit_posteriors
+
+        def wider(*args, **kwargs):
+            params = original(*args, **kwargs)
+            return {**params, "noise_var": params["noise_var"] + extra}
+
+        monkeypatch.setattr(planning_torch, "unit_posteriors", wider)
     after = planning.expected_variance(plan, [design])[0]
-    torch.testing.assert_close(after - before, torch.full_like(before, extra), rtol=0, atol=1e-9)
+    np.testing.assert_allclose(after - before, np.full_like(before, extra), rtol=0, atol=1e-9)
 
 
 @pytest.fixture(scope="module")

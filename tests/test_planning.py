@@ -17,6 +17,7 @@ from fedcal import planning
 from fedcal.cli import app
 from fedcal.data.fleet import Fleet
 from fedcal.data.simulator import FleetSpec, simulate_fleet
+from fedcal.prior import posterior
 from fedcal.prior.model import PriorModel
 
 R3 = math.sqrt(3.0)
@@ -118,7 +119,7 @@ def test_criterion_equals_hand_computed_posterior(branch):
         temps = tuple(dict.fromkeys((t1, t2)))
         pts = ((0, p1, s1), (temps.index(t2), p2, s2))
         designs.append(planning.Design(temps, pts))
-    got = planning.criterion(plan, designs).numpy()
+    got = planning.criterion(plan, designs)
     want = np.array([hand_j(d, chamber, branch) for d in designs])
     np.testing.assert_allclose(got, want, rtol=1e-9)
     # and the expected RMS σ is its root in hPa
@@ -129,7 +130,7 @@ def test_criterion_equals_hand_computed_posterior(branch):
 def test_features_invert_the_prior_mean():
     plan = planning.planner(PriorModel.from_dict(tiny_prior()), CHAMBER)
     p, t = np.array([50.0, 640.0, 1550.0]), np.array([-40.0, 0.0, 60.0])
-    x = planning.features(plan, p, t).numpy()
+    x = planning.features(plan, p, t)
     x0, x1 = hand_x(p, t)
     np.testing.assert_allclose(x[:, 0], x0, atol=1e-12)
     np.testing.assert_allclose(x[:, 1], x1, atol=1e-15)
@@ -319,12 +320,19 @@ def test_criterion_includes_the_prior_s_discrepancy_variance_as_calibrate_does()
         (-40.0, 60.0), tuple((k, p, "up") for k in (0, 1) for p in (50.0, 1550.0))
     )
     one = planning.Design((10.0,), ((0, 800.0, "up"),))
-    got = planning.criterion(plan, [one, two, four]).numpy()
+    got = planning.criterion(plan, [one, two, four])
     want = [hand_j(one, CHAMBER, False) + tau2, hand_j(two, CHAMBER, False) + tau2]
     want.append(hand_j(four, CHAMBER, False))
     np.testing.assert_allclose(got, want, rtol=1e-9)
     assert planning.evaluate(plan, one).declined
     assert not planning.evaluate(plan, two).declined
-    # the same σ a unit of that design gets from calibrate's path (fedprior's predictive_std)
-    params = planning.posteriors(plan, *planning._pack(plan, [two]), planning.prior_base(plan))
-    assert float(params["disc_var"][0]) == pytest.approx(tau2)
+    # the same σ a unit of that design gets from calibrate's path (its posterior's τ²)
+    x, b, count = planning._pack(plan, [two])
+    mean = posterior.design(plan.prior, x, b) @ plan.prior.mean
+    mask = (np.arange(x.shape[1]) < count[:, None]).astype(float)
+    units = posterior.calibrate_units(plan.prior, x, mean, mask, b, noise_var=NOISE)
+    assert float(units.disc_var[0]) == pytest.approx(tau2)
+    forecast = planning.posteriors(plan, x, b, count, planning.prior_base(plan.prior))
+    np.testing.assert_allclose(
+        forecast.variance(plan.field), posterior.predictive_std(units, plan.field[None]) ** 2
+    )

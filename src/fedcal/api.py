@@ -186,12 +186,14 @@ class FleetPrior(BaseEstimator):
     def load(
         cls, run_dir: str | Path, method: str = "fedprior", seed: int = 0, train_points: int = 0
     ) -> FleetPrior:
-        """A stored prior: a run directory of ``fedcal run`` or :meth:`save`, or a prior.json."""
-        from fedcal.calibration import find_prior, load_prior
+        """A stored prior: a run directory of ``fedcal run`` or :meth:`save`, or a prior.json
+        (torch-free: :meth:`plan` of it needs no torch)."""
+        from fedcal.prior.find import find_prior
+        from fedcal.prior.model import PriorModel
 
         _check_path(run_dir, "FleetPrior.load(run_dir)")
         path = find_prior(run_dir, method, seed, train_points)
-        model = load_prior(path)
+        model = PriorModel.load(path)
         prior = cls(
             features=model.features,
             target=model.target,

@@ -41,7 +41,7 @@ from fedcal.algorithms.fedprior_deployed import DEPLOY_ROWS, deployed
 from fedcal.algorithms.fedprior_interval import DECLINE, NO_PROBE
 from fedcal.build import build_algorithm, build_task, run_record
 from fedcal.config import DataConfig, RunConfig, from_dict
-from fedcal.core import runnames
+from fedcal.core import hooks, runnames
 from fedcal.core.bayes import F64, predictive_var
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree, expand, gather
@@ -158,11 +158,14 @@ def unit_posteriors(
 ) -> Tree:
     """Each unit's posterior under the stored prior, with what its σ is made of.
 
-    The one place a unit's stated σ is formed off the federation: :func:`calibrate` calls
-    it on a unit's readings, the planner (:func:`fedcal.planning.posteriors`) on a
-    design's expected readings, so the σ ``plan`` forecasts is the σ ``calibrate``
-    states (a term added here reaches both: the prior's ``discrepancy`` model, issue 33,
-    with the features' ``names`` for its reasons, appended to ``reasons``). ``noise_var``
+    The one place a unit's stated σ is formed off the federation on the torch path:
+    :func:`calibrate` calls it on a unit's readings, the planner's torch path
+    (:class:`fedcal.planning_torch.TorchForecaster`, for the variants
+    :func:`fedcal.prior.posterior.unsupported` names; the others are planned in NumPy by
+    :func:`fedcal.prior.posterior.calibrate_units`) on a design's expected readings, so the
+    σ ``plan`` forecasts is the σ ``calibrate`` states (a term added here reaches both: the
+    prior's ``discrepancy`` model, issue 33, with the features' ``names`` for its reasons,
+    appended to ``reasons``). ``noise_var``
     None: each unit's own noise level, the fixed point of :func:`own_noise`; given (the
     planner: the fleet's σ²): that level — the fixed point's value for the fleet's
     typical unit, since under the prior predictive E[rss_i] = n_i σ² (rss_i = ‖y − Φm‖² +
@@ -489,9 +492,9 @@ def unit_diagnostics(prior: PriorModel, result: Calibration) -> tuple[pd.DataFra
             "resid_max_abs": resid_max,
         }
     )
-    if alg.unit_columns is not None:  # fedprior_drift: recalibrate_at
+    if isinstance(alg, hooks.UnitColumns):  # fedprior_drift: recalibrate_at
         with torch.no_grad():
-            table = table.assign(**alg.labelled_units(alg.unit_columns(personal, train)))
+            table = table.assign(**hooks.labelled_units(alg, alg.unit_columns(personal, train)))
     # One row per calibration point, unit by unit in row order (the columns at once).
     unit, row = np.nonzero(mask)
     if not len(unit):
@@ -512,8 +515,8 @@ def prior_server(prior: PriorModel, scaler: Scaler | None = None) -> Tree:
     extrapolated (the guard of :meth:`FedPrior.predict`). With a calibrated interval the
     fleet's hold-out result too (fedprior "Intervals", I2–I3): τ², the probe's size and the
     decline code, so a new unit gets the σ the federation gives a unit of its design. What
-    ``calibrate`` and the planner (:mod:`fedcal.planning`) broadcast. The parts were
-    validated when the value was made (:mod:`fedcal.prior.model`).
+    ``calibrate`` and the planner's torch path (:mod:`fedcal.planning_torch`) broadcast. The
+    parts were validated when the value was made (:mod:`fedcal.prior.model`).
     """
     scaler = prior.scaler if scaler is None else scaler
     span = np.array([prior.input_range[c] for c in prior.features], dtype=float).T
@@ -576,7 +579,7 @@ def prior_algorithm(prior: PriorModel, source: str = "prior.json", timed: bool =
         raise ValueError(f"{source}: prior method {prior.method!r} is not a fedprior method")
     if prior.provenance.method_params.get("choose") == "auto":
         algorithm = replace(algorithm, choose="time" if timed else "off")
-    algorithm = algorithm.with_scaler(prior.scaler)
+    algorithm = hooks.with_scaler(algorithm, prior.scaler)
     if tuple(map(tuple, algorithm.terms)) != prior.basis.terms or (
         tuple(map(tuple, algorithm.branch_terms)) != prior.basis.branch_terms
     ):

@@ -27,12 +27,15 @@ smaller than the probe gets no stated interval from the model (declined); the
 criterion still scores it with the probe's τ² (the greedy construction passes
 through such designs) and :class:`Expected` says ``declined``. Averaged over the readings the unit
 will give, E_y[m_h m_hᵀ + V_hh] = μ_h μ_hᵀ + Σ_hh (law of total variance), so
-E_y s² is fedprior's own :meth:`~fedcal.algorithms.fedprior.FedPrior.predictive_std`
-evaluated at the posterior of the design (computed by
-:meth:`~fedcal.algorithms.fedprior.FedPrior.personalize` on readings equal to
-the prior mean, which leave the mean at μ) with the h-block of its covariance
-set to the prior's Σ_hh. This module never writes the variance formula
-itself: any term the algorithm adds to its predictive variance flows in.
+E_y s² is the predictive σ² ``calibrate`` states
+(:func:`fedcal.prior.posterior.predictive_std`) evaluated at the posterior of the design
+(:func:`fedcal.prior.posterior.calibrate_units`, ``calibrate``'s own function, on readings
+equal to the prior mean, which leave the mean at μ) with the h-block of its covariance
+set to the prior's Σ_hh (:mod:`fedcal.prior.plan`, NumPy). This module never writes the
+variance formula itself: any term ``calibrate`` adds to its predictive variance flows in.
+A prior that path does not cover (:func:`fedcal.prior.posterior.unsupported`) is
+forecast by ``calibrate``'s torch path instead (:mod:`fedcal.planning_torch`,
+``fedcal[neural]``).
 The direction still matters: a point swept up sees c + h along ψ, one swept
 down c − h, and the joint prior splits them; what h adds in the field does
 not shrink with the design (its sign is unknown there).
@@ -88,22 +91,22 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
-from torch import Tensor
 
-from fedcal.algorithms.fedprior import FedPrior
-from fedcal.calibration import prior_algorithm, prior_server, unit_posteriors
-from fedcal.core.bayes import F64
-from fedcal.core.data import ClientData
-from fedcal.core.tree import Tree
 from fedcal.data.fleet import DIRECTION_SIGNS
-from fedcal.data.scaling import Scaler
 from fedcal.prior.model import PriorModel
+from fedcal.prior.plan import (
+    Base,
+    Forecast,
+    NumpyForecaster,
+    mean_inputs,
+    prior_base,
+    unit_rmse,
+)
+from fedcal.prior.posterior import unsupported
 
 DESIGN_COLUMNS = ("pressure_hpa", "temperature_c", "direction")
 GRID = (21, 11)  # (pressures, temperatures) of the regular grid the worst σ is taken on
 QUADRATURE = (8, 6)  # Gauss–Legendre nodes (pressures, temperatures) J is integrated with
-QUANTILE_DRAWS = 4000  # draws of the units' MSE distribution (fixed seed)
 DEFAULT_PRESSURES = tuple(float(p) for p in range(50, 1551, 100))  # the campaign's levels
 MAX_PASSES = 100  # exchange passes (each applies one improving move; measured: < 20 used)
 BATCH = 512  # designs per batched posterior
@@ -196,23 +199,22 @@ class Planner:
     """A stored prior made ready to score designs (see :func:`planner`)."""
 
     prior: PriorModel
-    algorithm: FedPrior
-    server: Tree  # μ, Σ, σ² as the algorithm broadcasts them
-    scaler: Scaler
+    forecaster: Any  # fedcal.prior.plan.NumpyForecaster, or planning_torch.TorchForecaster
     chamber: Chamber
     response: int  # index of the response input (frequency), inverted from the target
     temperature: int  # index of the temperature input
-    field: Tensor  # (G, inputs) scaled quadrature nodes of the operating range
-    weights: Tensor  # (G,) their weights (sum 1): J = Σ_g w_g E_y s²(x_g)
-    grid: Tensor  # (G', inputs) scaled regular grid of the range (the worst σ)
+    field: np.ndarray  # (G, inputs) scaled quadrature nodes of the operating range
+    weights: np.ndarray  # (G,) their weights (sum 1): J = Σ_g w_g E_y s²(x_g)
+    grid: np.ndarray  # (G', inputs) scaled regular grid of the range (the worst σ)
     quantile: float
+    coef: np.ndarray | None = None  # whose responses a chamber point gets (None: μ)
     # (P, T) → (row, scaled inputs) of chamber points solved so far, and those rows stacked
     cache: dict = field(default_factory=dict, compare=False, repr=False)
     table: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def y_scale(self) -> float:
-        return float(np.asarray(self.scaler.y_scale).ravel()[0])
+        return float(np.asarray(self.prior.scaler.y_scale).ravel()[0])
 
 
 def default_chamber(
@@ -260,41 +262,45 @@ def _inputs(prior: PriorModel) -> tuple[int, int]:
     return 1 - temps[0], temps[0]
 
 
+def forecaster(prior: PriorModel, source: str = "prior.json") -> Any:
+    """What forms a design's posterior: NumPy (:class:`fedcal.prior.plan.NumpyForecaster`)
+    for the priors it covers; for the others ``calibrate``'s torch path
+    (:class:`fedcal.planning_torch.TorchForecaster`), which needs ``fedcal[neural]``."""
+    from fedcal.report.served import NeedsTorch, torch_available
+
+    why = unsupported(prior)
+    if not why:
+        return NumpyForecaster(prior)
+    if not torch_available():
+        raise NeedsTorch(f"{source}: plan of {why}")
+    from fedcal.planning_torch import TorchForecaster
+
+    return TorchForecaster(prior)
+
+
 def planner(
     prior: PriorModel,
     chamber: Chamber | None = None,
     quantile: float = 0.95,
     temperature_range: tuple[float, float] | None = None,
+    forecast: Any = None,
 ) -> Planner:
-    """Everything a design is scored with: the prior's algorithm and the range's grid.
+    """Everything a design is scored with: the prior's forecaster and the range's grid.
 
     The operating range R is [min, max] of the chamber's pressures × the
     temperature range the fleet was calibrated over (the prior's ``input_range``;
     or ``temperature_range``): limiting the set points does not shrink where
-    the unit will be used.
+    the unit will be used. ``forecast``: the forecaster (default :func:`forecaster`).
     """
-    algorithm = prior_algorithm(prior)
     chamber = chamber or default_chamber(prior)
     if not 0.0 < quantile < 1.0:
         raise ValueError(f"quantile must be in (0, 1), got {quantile}")
     response, temperature = _inputs(prior)
-    scaler = prior.scaler
-    # μ, Σ, σ² and the fleet's support box, as `calibrate` gives a new unit: a design's
-    # own span is no extrapolation boundary inside the operating range
-    server = prior_server(prior, scaler)
+    empty = np.zeros((0, 2))
     base = Planner(
-        prior,
-        algorithm,
-        server,
-        scaler,
-        chamber,
-        response,
-        temperature,
-        torch.zeros(0, 2, dtype=F64),
-        torch.zeros(0, dtype=F64),
-        torch.zeros(0, 2, dtype=F64),
-        quantile,
-    )
+        prior, forecast or forecaster(prior), chamber, response, temperature, empty,
+        np.zeros(0), empty, quantile,
+    )  # fmt: skip
     p_lo, p_hi = chamber.pressures[0], chamber.pressures[-1]
     t_lo, t_hi = temperature_range or prior.input_range[prior.features[temperature]]
     pp, tt = np.meshgrid(
@@ -304,120 +310,33 @@ def planner(
     qp, qt = np.meshgrid(
         p_lo + (p_hi - p_lo) * (pn + 1) / 2, t_lo + (t_hi - t_lo) * (tn + 1) / 2, indexing="ij"
     )
-    weights = torch.as_tensor(np.outer(pw, tw).ravel() / 4.0, dtype=F64)
     return replace(
         base,
         field=features(base, qp.ravel(), qt.ravel()),
-        weights=weights,
+        weights=np.outer(pw, tw).ravel() / 4.0,
         grid=features(base, pp.ravel(), tt.ravel()),
     )
 
 
 def features(
-    plan: Planner, pressure: np.ndarray, temperature: np.ndarray, coef: Tensor | None = None
-) -> Tensor:
+    plan: Planner, pressure: np.ndarray, temperature: np.ndarray, coef: np.ndarray | None = None
+) -> np.ndarray:
     """Scaled inputs (n, 2) of chamber points (P, T): the response the unit with
-    coefficients ``coef`` (default the prior mean μ) gives there.
-
-    Solves φ(r, T)ᵀ coef_c = P for the scaled response r by bisection over the
-    prior's calibrated response range ±5 % (the model is monotone in its
-    response there; a target outside it takes the nearer end).
-    """
-    pressure = np.asarray(pressure, float).ravel()
-    temperature = np.asarray(temperature, float).ravel()
-    n = len(pressure)
-    raw = np.zeros((n, 2))
-    raw[:, plan.temperature] = temperature
-    scaled_t = plan.scaler.x(raw)[:, plan.temperature]
-    target = torch.as_tensor(plan.scaler.y(pressure.reshape(-1, 1))[:, 0], dtype=F64)
-    name = plan.prior.features[plan.response]
-    lo, hi = plan.prior.input_range[name]
-    span = hi - lo
-    ends = np.zeros((2, 2))
-    ends[:, plan.response] = [lo - 0.05 * span, hi + 0.05 * span]
-    a, b = plan.scaler.x(ends)[:, plan.response]
-    coef = plan.server["mu"] if coef is None else coef
-    params = {"coef": coef.reshape(1, -1)}
-
-    def value(r: Tensor) -> Tensor:
-        x = torch.zeros(1, n, 2, dtype=F64)
-        x[0, :, plan.response] = r
-        x[0, :, plan.temperature] = torch.as_tensor(scaled_t, dtype=F64)
-        return plan.algorithm.predict(params, x)[0, :, 0]
-
-    lo_r = torch.full((n,), float(a), dtype=F64)
-    hi_r = torch.full((n,), float(b), dtype=F64)
-    rising = value(hi_r) >= value(lo_r)
-    for _ in range(60):  # 2⁻⁶⁰ of the bracket: exact in float64
-        mid = 0.5 * (lo_r + hi_r)
-        above = (value(mid) >= target) == rising
-        hi_r = torch.where(above, mid, hi_r)
-        lo_r = torch.where(above, lo_r, mid)
-    x = torch.zeros(n, 2, dtype=F64)
-    x[:, plan.response] = 0.5 * (lo_r + hi_r)
-    x[:, plan.temperature] = torch.as_tensor(scaled_t, dtype=F64)
-    return x
+    coefficients ``coef`` (default the planner's, the prior mean μ) gives there
+    (:func:`fedcal.prior.plan.mean_inputs`: bisection on φ(r, T)ᵀ coef_c = P)."""
+    coef = plan.coef if coef is None else coef
+    return mean_inputs(plan.prior, (plan.response, plan.temperature), pressure, temperature, coef)
 
 
-@dataclass(frozen=True)
-class Base:
-    """What a design adds to: a unit's existing points (rows with readings) and its
-    current belief about h (the prior's, or the unit's posterior). Empty: a new unit."""
-
-    x: Tensor  # (n0, 2) scaled
-    b: Tensor  # (n0,)
-    y: Tensor  # (n0,) scaled readings
-    coef: Tensor  # (p,) current mean of the coefficients
-    cov_h: Tensor  # (q, q) current covariance of h (empty without a direction term)
-    noise_var: Tensor  # the unit's noise variance (scalar)
+def posteriors(plan: Planner, x: np.ndarray, b: np.ndarray, count: np.ndarray, base: Base):
+    """Each design's expected posterior (module doc): ``calibrate``'s posterior of the base
+    rows plus the design's rows read at the current mean, h-block of the covariance set to
+    the current belief's (:class:`fedcal.prior.plan.Forecast`). ``x`` (C, n, 2), ``b`` (C, n),
+    ``count`` (C,)."""
+    return plan.forecaster.designs(x, b, count, base)
 
 
-def prior_base(plan: Planner) -> Base:
-    p = len(plan.algorithm.terms)
-    return Base(
-        torch.zeros(0, 2, dtype=F64),
-        torch.zeros(0, dtype=F64),
-        torch.zeros(0, dtype=F64),
-        plan.server["mu"],
-        plan.server["sigma"][p:, p:],
-        plan.server["noise_var"],
-    )
-
-
-def posteriors(plan: Planner, x: Tensor, b: Tensor, count: Tensor, base: Base) -> Tree:
-    """Each design's expected posterior (module doc): fedprior's personalize on the base
-    rows plus the design's rows read at the current mean, h-block of the covariance set
-    to the current belief's. ``x`` (C, n, 2), ``b`` (C, n), ``count`` (C,)."""
-    alg = plan.algorithm
-    c = x.shape[0]
-    n0 = base.x.shape[0]
-    xs = torch.cat([base.x.expand(c, n0, 2), x], 1)
-    bs = torch.cat([base.b.expand(c, n0), b], 1)
-    mean = (alg.design(x, b) @ base.coef.to(F64).unsqueeze(-1))[..., 0]
-    ys = torch.cat([base.y.expand(c, n0), mean], 1)
-    data = ClientData(xs, ys.unsqueeze(-1), count + n0, (0,) * c, (), bs)
-    # calibrate's own posterior (and σ parts), at the expected noise level (its docstring)
-    params = unit_posteriors(
-        alg,
-        plan.server,
-        data,
-        base.noise_var,
-        plan.prior.discrepancy,
-        plan.prior.features,
-        expected=n0 == 0,  # a new unit: the discrepancy model's scale at its expectation
-    )
-    # A declined interval (NaN σ) is kept aside: J still scores the design with τ² (module doc).
-    if "declined" in params:
-        params["interval_declined"] = params.pop("declined")
-    p = len(alg.terms)
-    if alg.branch_orders:  # E_y[m_h m_hᵀ + V_hh] = current m_h m_hᵀ + current Cov(h)
-        cov = params["cov"].clone()
-        cov[:, p:, p:] = base.cov_h
-        params = {**params, "cov": cov, "coef": base.coef.to(F64).expand(c, -1).clone()}
-    return params
-
-
-def _pack(plan: Planner, designs: list[Design]) -> tuple[Tensor, Tensor, Tensor]:
+def _pack(plan: Planner, designs: list[Design]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Designs → padded (x (C, n, 2), b (C, n), count (C,)); each chamber point's inputs
     solved once per planner (its cache)."""
     cache = plan.cache
@@ -428,8 +347,8 @@ def _pack(plan: Planner, designs: list[Design]) -> tuple[Tensor, Tensor, Tensor]
         for i, key in enumerate(keys):
             cache[key] = (len(cache), got[i])
         plan.table.clear()
-    if not plan.table:  # the cached inputs as one tensor, row = the cache's index
-        plan.table.append(torch.stack([v for _, v in sorted(cache.values(), key=lambda r: r[0])]))
+    if not plan.table:  # the cached inputs as one array, row = the cache's index
+        plan.table.append(np.stack([v for _, v in sorted(cache.values(), key=lambda r: r[0])]))
     rows = max([d.size for d in designs] + [1])
     idx = np.zeros((len(designs), rows), dtype=np.int64)
     sign = np.zeros((len(designs), rows))
@@ -439,65 +358,48 @@ def _pack(plan: Planner, designs: list[Design]) -> tuple[Tensor, Tensor, Tensor]
         idx[i, :n] = [cache[(p, d.temperatures[k])][0] for k, p, _ in d.points]
         sign[i, :n] = [DIRECTION_SIGNS[s] for _, _, s in d.points]
         count[i] = n
-    mask = torch.as_tensor(np.arange(rows)[None, :] < count[:, None], dtype=F64)
-    x = plan.table[0][torch.as_tensor(idx)] * mask.unsqueeze(-1)
-    return x, torch.as_tensor(sign, dtype=F64), torch.as_tensor(count)
+    mask = (np.arange(rows)[None, :] < count[:, None]).astype(float)
+    return plan.table[0][idx] * mask[..., None], sign, count
 
 
 def expected_variance(
-    plan: Planner, designs: list[Design], base: Base | None = None, at: Tensor | None = None
-) -> Tensor:
+    plan: Planner, designs: list[Design], base: Base | None = None, at: np.ndarray | None = None
+) -> np.ndarray:
     """E_y s²(x | D) at the quadrature nodes (or ``at``), (designs, G), scaled units²."""
-    base = base or prior_base(plan)
+    base = base or prior_base(plan.prior)
     at = plan.field if at is None else at
-    out = []
-    for start in range(0, len(designs), BATCH):
-        part = designs[start : start + BATCH]
-        params = posteriors(plan, *_pack(plan, part), base)
-        field = at.expand(len(part), *at.shape)
-        out.append(plan.algorithm.predictive_std(params, field)[..., 0].to(F64) ** 2)
-    return torch.cat(out)
+    out = [
+        posteriors(plan, *_pack(plan, designs[start : start + BATCH]), base).variance(at)
+        for start in range(0, len(designs), BATCH)
+    ]
+    return np.concatenate(out) if out else np.zeros((0, len(at)))
 
 
-def criterion(plan: Planner, designs: list[Design], base: Base | None = None) -> Tensor:
+def criterion(plan: Planner, designs: list[Design], base: Base | None = None) -> np.ndarray:
     """J(D) = E_{x∼U(R)} E_y s²(x | D) per design, scaled units² (module doc)."""
     return expected_variance(plan, designs, base) @ plan.weights
 
 
 def evaluate(plan: Planner, design: Design, base: Base | None = None) -> Expected:
     """A design's expected RMS σ, worst σ, mean and quantile unit RMSE, chamber time."""
-    base = base or prior_base(plan)
-    j = float(expected_variance(plan, [design], base)[0] @ plan.weights)
-    worst = float(expected_variance(plan, [design], base, plan.grid)[0].max())
-    params = posteriors(plan, *_pack(plan, [design]), base)
-    declined = bool(params.get("interval_declined", torch.zeros(1))[0] > 0)
+    base = base or prior_base(plan.prior)
+    post = posteriors(plan, *_pack(plan, [design]), base)
+    j = float(post.variance(plan.field)[0] @ plan.weights)
+    worst = float(post.variance(plan.grid)[0].max())
     # Units' MSE: a quadratic form of (e_c, h) ~ N((0, m_h), C), shifted to mean J (module doc).
-    alg = plan.algorithm
-    p = len(alg.terms)
-    cov = params["cov"][0]
-    shift = torch.zeros(cov.shape[0], dtype=F64)
-    shift[p:] = base.coef[p:].to(F64)
-    vals, vecs = torch.linalg.eigh(0.5 * (cov + cov.T))
-    root = vecs * vals.clamp_min(0.0).sqrt()
-    gen = torch.Generator().manual_seed(0)
-    z = torch.randn(QUANTILE_DRAWS, cov.shape[0], generator=gen, dtype=F64) @ root.T + shift
-    g = plan.field.shape[0]
-    errs = []
-    for sign in (1.0, -1.0):  # the field's unknown sweep, ±1 with equal odds
-        rows = alg.design(plan.field.unsqueeze(0), torch.full((1, g), sign, dtype=F64))[0]
-        errs.append(((z @ rows.T) ** 2) @ plan.weights)
-    quad = 0.5 * (errs[0] + errs[1])
-    mse = (j + quad - quad.mean()).clamp_min(0.0)
-    rmse = mse.sqrt() * plan.y_scale
+    p = len(plan.prior.basis.terms)
+    shift = np.zeros(len(base.coef))
+    shift[p:] = base.coef[p:]
+    rmse = unit_rmse(plan.prior, post.cov[0], shift, plan.field, plan.weights, j) * plan.y_scale
     return Expected(
         rms=j**0.5 * plan.y_scale,
         worst=worst**0.5 * plan.y_scale,
         mean_rmse=float(rmse.mean()),
-        quantile_rmse=float(torch.quantile(rmse, plan.quantile)),
+        quantile_rmse=float(np.quantile(rmse, plan.quantile)),
         minutes=plan.chamber.minutes(design.plateaus, design.size),
         plateaus=design.plateaus,
         points=design.size,
-        declined=declined,
+        declined=bool(post.declined[0]),
     )
 
 
@@ -561,7 +463,7 @@ def exchange(plan: Planner, start: Design, base: Base | None = None) -> tuple[De
         if not moves:
             break
         scores = criterion(plan, moves, base)
-        i = int(torch.argmin(scores))
+        i = int(np.argmin(scores))
         if not float(scores[i]) < value * (1.0 - 1e-9):
             break
         best, value = moves[i], float(scores[i])
@@ -592,7 +494,7 @@ def greedy(plan: Planner, plateaus: int, points: int, base: Base | None = None) 
                 for p in ch.pressures
                 for s in ch.directions
             ]
-        d = cands[int(torch.argmin(criterion(plan, cands, base)))]
+        d = cands[int(np.argmin(criterion(plan, cands, base)))]
     return d
 
 
@@ -617,7 +519,7 @@ def optimize(plan: Planner, plateaus: int, points: int, start: Design | None = N
     # Exchange from the better of the two starts (greedy, the grid): J never exceeds it.
     starts = [start, greedy(plan, plateaus, points)]
     values = criterion(plan, starts)
-    best = exchange(plan, starts[int(torch.argmin(values))])[0]
+    best = exchange(plan, starts[int(np.argmin(values))])[0]
     return Plan(best, evaluate(plan, best), start, evaluate(plan, start))
 
 
@@ -703,80 +605,62 @@ class NextStep:
     steps: tuple[tuple[float, float, str, float, float], ...]  # (P, T, dir, RMS σ after, min)
 
 
-def unit_base(plan: Planner, x: Tensor, b: Tensor, y: Tensor, params: Tree) -> Base:
-    """A unit's points and its actual posterior (``calibration.calibrate``'s personal model,
-    one unit) as the base the next points add to."""
-    p = len(plan.algorithm.terms)
-    return Base(
-        x,
-        b,
-        y,
-        params["coef"][0].to(F64),
-        params["cov"][0, p:, p:].to(F64),
-        params["noise_var"].reshape(-1)[0].to(F64),
-    )
+def _candidates(ch: Chamber, current: float | None) -> tuple[list, np.ndarray]:
+    """Every chamber point (P, T, direction) and its cost in minutes: a point on the current
+    plateau (set point ``current``) costs point_minutes, one on another also plateau_minutes."""
+    cands, costs = [], []
+    for t in ch.temperatures:
+        same = current is not None and abs(t - current) < 1e-9
+        for p in ch.pressures:
+            for s in ch.directions:
+                cands.append((p, t, s))
+                costs.append(ch.point_minutes + (0.0 if same else ch.plateau_minutes))
+    return cands, np.array(costs)
 
 
 def next_points(
     plan: Planner,
     base: Base,
-    params: Tree,
+    now: Forecast,
     spec: float,
     count: int = 1,
     current: float | None = None,
 ) -> NextStep:
-    """Whether the unit meets ``spec`` (its actual posterior's RMS predictive σ over the
-    range), and if not the next ``count`` points, chosen greedily by the reduction of J per
-    chamber minute: a point on the current plateau (set point ``current``, the unit's last
-    temperature snapped to the chamber) costs point_minutes, one on a new plateau also
-    plateau_minutes. Candidate points' responses are the unit's own posterior mean's."""
-    std = plan.algorithm.predictive_std
-    var = std(params, plan.field.unsqueeze(0))[0, :, 0].to(F64) ** 2 @ plan.weights
-    worst = std(params, plan.grid.unsqueeze(0))[0, :, 0].to(F64).max()
-    now = Expected(
-        float(var) ** 0.5 * plan.y_scale,
-        float(worst) * plan.y_scale,
-        float("nan"),
-        float("nan"),
-        0.0,
-        0,
-        int(base.x.shape[0]),
+    """Whether the unit meets ``spec`` (its actual posterior ``now``'s RMS predictive σ over
+    the range), and if not the next ``count`` points, chosen greedily by the reduction of J
+    per chamber minute (:func:`_candidates`; ``current``: the unit's last temperature
+    snapped to the chamber). Candidate points' responses are the unit's own posterior
+    mean's."""
+    var = float(now.variance(plan.field)[0] @ plan.weights)
+    worst = float(now.variance(plan.grid)[0].max())
+    nan = float("nan")
+    state = Expected(
+        var**0.5 * plan.y_scale, worst**0.5 * plan.y_scale, nan, nan, 0.0, 0, len(base.x)
     )
-    if not math.isfinite(now.rms):  # the prior states no interval for this unit's design
+    if not math.isfinite(state.rms):  # the prior states no interval for this unit's design
         raise ValueError(
             "the prior states no predictive σ for this unit (its interval is declined: "
             "see the prior's interval reason), so no next point can be chosen by it"
         )
-    if now.rms <= spec:
-        return NextStep(now, True, ())
-    ch = plan.chamber
+    if state.rms <= spec:
+        return NextStep(state, True, ())
     # the unit's own coefficients solve its candidate points' inputs (a cache of its own)
-    own = replace(plan, server={**plan.server, "mu": base.coef}, cache={}, table=[])
-    value = float(var)
+    own = replace(plan, coef=base.coef, cache={}, table=[])
+    value = var
     chosen: list[tuple[float, float, str]] = []
     steps = []
     for _ in range(count):
-        cands, costs = [], []
-        for t in ch.temperatures:
-            same = current is not None and abs(t - current) < 1e-9
-            for p in ch.pressures:
-                for s in ch.directions:
-                    cands.append((p, t, s))
-                    costs.append(ch.point_minutes + (0.0 if same else ch.plateau_minutes))
+        cands, costs = _candidates(plan.chamber, current)
         designs = [_as_design([*chosen, c]) for c in cands]
-        x, b, cnt = _pack(own, designs)
-        params_c = posteriors(plan, x, b, cnt, base)
-        field = plan.field.expand(len(designs), *plan.field.shape)
-        j = (std(params_c, field)[..., 0].to(F64) ** 2) @ plan.weights
-        gain = (value - j) / torch.tensor(costs, dtype=F64)
-        i = int(torch.argmax(gain))
+        j = posteriors(plan, *_pack(own, designs), base).variance(plan.field) @ plan.weights
+        i = int(np.argmax((value - j) / costs))
         chosen.append(cands[i])
         value = float(j[i])
         current = cands[i][1]
-        steps.append((*cands[i], value**0.5 * plan.y_scale, costs[i]))
+        steps.append((*cands[i], value**0.5 * plan.y_scale, float(costs[i])))
         if value**0.5 * plan.y_scale <= spec:
             break
-    return NextStep(now, False, tuple(steps))
+    return NextStep(state, False, tuple(steps))
 
 
 def _as_design(points: list[tuple[float, float, str]]) -> Design:
@@ -788,24 +672,16 @@ def unit_next(
     plan: Planner, fleet: Any, spec: float, count: int = 1, source: str = "unit"
 ) -> NextStep:
     """Sequential mode for the one unit of ``fleet`` (its calibration points so far): its
-    actual posterior under the prior (:func:`fedcal.calibration.calibrate`), whether it
+    actual posterior under the prior (``calibrate``'s: the planner's forecaster), whether it
     meets ``spec``, and else its next ``count`` points (:func:`next_points`). The current
     plateau is the set point nearest its last point's temperature."""
-    from fedcal.calibration import calibrate
-
     if fleet.num_clients != 1:
         raise ValueError(f"{source}: holds {fleet.num_clients} units; --next takes one unit")
-    result = calibrate(plan.prior, fleet, source)
-    train = result.tensors.train
-    n = int(train.count[0])
-    branch = train.branch[0, :n] if train.branch is not None else torch.zeros(n, dtype=F64)
-    base = unit_base(
-        plan, train.x[0, :n].to(F64), branch.to(F64), train.y[0, :n, 0].to(F64), result.personal
-    )
+    base, now = plan.forecaster.unit(fleet, source)
     rows = fleet.frame[fleet.frame["split"] == "train"]
     last = float(rows[plan.prior.features[plan.temperature]].iloc[-1])
     current = _snap(np.array([last]), plan.chamber.temperatures)[0]
-    return next_points(plan, base, result.personal, spec, count, current)
+    return next_points(plan, base, now, spec, count, current)
 
 
 def compare(plan: Planner, designs: dict[str, Design], spec: float | None = None) -> pd.DataFrame:
@@ -837,16 +713,10 @@ def sigma_map(plan: Planner, design: Design) -> pd.DataFrame:
     """The design's expected predictive σ (target units) on the range's regular grid:
     columns ``pressure_hpa``, ``temperature_c``, ``sigma`` (for a figure of the plane)."""
     var = expected_variance(plan, [design], at=plan.grid)[0]
-    raw = np.zeros((plan.grid.shape[0], 2))
-    raw[:, plan.temperature] = plan.grid[:, plan.temperature].numpy()
-    temps = raw[:, plan.temperature] * plan.scaler.x_scale[plan.temperature]
-    temps = temps + plan.scaler.x_offset[plan.temperature]
+    scaler, k = plan.prior.scaler, plan.temperature
+    temps = plan.grid[:, k] * scaler.x_scale[k] + scaler.x_offset[k]
     p_lo, p_hi = plan.chamber.pressures[0], plan.chamber.pressures[-1]
     pressures = np.repeat(np.linspace(p_lo, p_hi, GRID[0]), GRID[1])
     return pd.DataFrame(
-        {
-            "pressure_hpa": pressures,
-            "temperature_c": temps,
-            "sigma": var.sqrt().numpy() * plan.y_scale,
-        }
+        {"pressure_hpa": pressures, "temperature_c": temps, "sigma": np.sqrt(var) * plan.y_scale}
     )

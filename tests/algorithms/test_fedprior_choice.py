@@ -70,7 +70,7 @@ def test_forward_choice_differs_from_bic_and_predicts_the_future_better():
 def test_folds_score_later_rows_than_they_fit():
     train, _ = curved_past(units=3, rows=50)
     alg = make(choose="auto")
-    folds = alg.folds(train)
+    folds = alg.time_choice.folds(train)
     assert len(folds) == FOLDS
     t = train.time
     for fit, scored in folds:
@@ -142,7 +142,7 @@ def test_raw_reading_and_pooled_line_from_sums():
     alg = make(degree=2, raw_input=0, raw_map=(0.3, 2.0))
     x = torch.linspace(-1, 1, 7, dtype=F64).reshape(1, -1, 1)
     phi = legendre_products(x, alg.terms)
-    assert torch.allclose((phi * alg.raw_coef).sum(-1), 0.3 + 2.0 * x[..., 0])
+    assert torch.allclose((phi * alg.time_choice.raw_coef).sum(-1), 0.3 + 2.0 * x[..., 0])
     # the pooled line on all rows is the least-squares line through every unit's fitted
     # values ŷ = φᵀm_i at its rows, stacked (numpy reference; from screened uploads only)
     train, _ = curved_past(units=5, rows=30)
@@ -151,8 +151,8 @@ def test_raw_reading_and_pooled_line_from_sums():
     phi = legendre_products(train.x.to(F64), alg.terms) * train.mask.unsqueeze(-1)
     gram = phi.transpose(1, 2) @ phi
     mean = torch.randn(5, len(alg.terms), dtype=F64, generator=torch.Generator().manual_seed(0))
-    up = alg.choice_uploads(down, state, train, gram, mean)
-    out = alg.choice_update(up, torch.arange(5), gram, True)
+    up = alg.time_choice.uploads(alg, down, state, train, gram, mean)
+    out = alg.time_choice.update(up, torch.arange(5), gram, True)
     real = train.mask > 0
     xs = train.x[..., 0][real].numpy()
     fitted = (phi * mean.unsqueeze(1)).sum(-1)[real].numpy()
@@ -160,7 +160,7 @@ def test_raw_reading_and_pooled_line_from_sums():
     ref = np.linalg.lstsq(design, fitted, rcond=None)[0]
     assert np.allclose(out["pooled_all"].numpy(), ref, atol=1e-7)
     # each fold's pooled line: the least-squares line of the fold's fit rows stacked
-    for k, (fit, _) in enumerate(alg.folds(train)):
+    for k, (fit, _) in enumerate(alg.time_choice.folds(train)):
         keep = (fit > 0).numpy()
         xk, yk = train.x[..., 0].numpy()[keep], train.y[..., 0].numpy()[keep]
         dk = np.column_stack([np.ones_like(xk), np.sqrt(3) * xk])
@@ -218,7 +218,7 @@ def test_a_unit_whose_rows_share_one_time_is_scored_and_a_tiny_one_is_not():
         times.append(np.zeros(rows) if i == 0 else np.arange(float(rows)))
     data = ClientData.from_arrays(train, tuple(range(8)), F64, time=times)
     alg = make(degree=1, raw_input=0, raw_map=(0.0, 1.0))
-    (fit0, sc0), (fit1, sc1) = alg.folds(data)
+    (fit0, sc0), (fit1, sc1) = alg.time_choice.folds(data)
     assert [int(fit0[0].sum()), int(sc0[0].sum()), int(fit1[0].sum()), int(sc1[0].sum())] == [
         20,
         10,

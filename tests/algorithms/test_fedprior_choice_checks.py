@@ -100,7 +100,7 @@ def _uploads():
 
 def test_honest_choice_uploads_pass_and_each_forgery_is_named() -> None:
     alg, sub = _uploads()
-    lin = torch.tensor(alg._linear_terms())
+    lin = torch.tensor(alg.time_choice.linear_terms)
     assert choice_problems(sub, alg.choice_clip, lin) == {}
     cases = {
         "choice/score": (lambda v: v.__setitem__((1, 0), -1e6), "outside [0, 5]"),
@@ -123,7 +123,7 @@ def test_the_server_clips_each_units_score_without_the_check() -> None:
     forged["score"][1] = -1e6
     forged["score"][2] = 1e6
     forged["scored"][3] = 7.0
-    out = alg.choice_update(forged, torch.arange(5), sub["gram"], True)
+    out = alg.time_choice.update(forged, torch.arange(5), sub["gram"], True)
     clipped = choice["score"].clone()
     clipped[1], clipped[2] = 0.0, alg.choice_clip
     assert torch.allclose(out["forward_scores"], clipped.sum(0))

@@ -84,3 +84,53 @@ def test_fedprior_drift_gives_the_numbers_of_the_mixin_class():
     got = alg.predictive_std_timed(run.personal, test)[:2, 0, 0].tolist()
     # σ(t) after fieldcov's forward interval (issue 34, main 2f22e33): 0.2304, 0.1452 before
     assert got == pytest.approx([0.22780610728741557, 0.14151750337952923], rel=REL)
+
+
+# issue 35.1's last mixins (compose2): figures printed by main ea37ee4, where the calibrated
+# interval, the time-respecting choice and its forward interval were still mixins; this
+# branch gives the same bits (the report's fingerprints of 16 configurations).
+TIMED = {
+    "time_bic": (
+        {"choose": "time", "select": "bic", "orders": (2, 1)},
+        0.002270865585295792,
+        [0.06413213856171492, 0.05694595140168013],
+        [3.3617223550813757, 4.115734312589602],  # the forward scores of candidates 4, 5
+        (0.8502490810665366, 0.0006976744186046512),  # κ, ρ/T after calibration
+        [0.011852854576082438, 0.0016096076120970901],  # units 0, 1's validation MSE
+    ),
+    "time_calibrated_own": (
+        {
+            "choose": "time",
+            "interval": "calibrated",
+            "own_folds": 3,
+            "probe_rows": 6,
+            "choice_sigma": "scale",
+        },
+        0.002235025795929171,
+        [0.06362582012837463, 0.05649943544063729],
+        [50.35157141228322, 58.485872115210405],
+        (1.0607659583708762, 6.976744186046511e-05),
+        [0.011882651626427529, 0.0016367324059662707],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TIMED))
+def test_the_time_choice_gives_the_numbers_of_the_mixin_class(case):
+    """Row order as time (``choose = "time"``): the fleet σ², two units' σ, the summed
+    forward scores, the fleet's factor and rate after calibration, two units' validation MSE
+    (with ``choice_sigma = "scale"`` the σ factor of every unit)."""
+    settings, noise, std, scores, forward, val = TIMED[case]
+    train, test, *_ = planted_fleet(12, [6] * 4 + [20] * 8, seed=3, orders=(1, 1), noise=0.05)
+    alg = FedPrior(Task(MLP()), **{"orders": (1, 1), **settings})
+    run = run_rounds(alg, train, 4)
+    assert float(run.server["noise_var"]) == pytest.approx(noise, rel=REL)
+    got = alg.predictive_std(run.personal, test.x)[:2, 0, 0].tolist()
+    assert got == pytest.approx(std, rel=REL)
+    cand = 4 if case == "time_bic" else 1
+    got = run.server["forward_scores"][cand : cand + 2].tolist()
+    assert got == pytest.approx(scores, rel=REL)
+    got = (float(run.server["fwd_scale"]), float(run.server["fwd_rate"]))
+    assert got == pytest.approx(forward, rel=REL)
+    assert run.personal["val_mse"][:2].tolist() == pytest.approx(val, rel=REL)
+    assert run.personal["fallback"].tolist() == [0.0] * 12  # every unit keeps its model

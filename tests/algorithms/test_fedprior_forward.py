@@ -154,7 +154,7 @@ def _honest_uploads():
 
 def test_a_forged_forward_upload_is_refused_and_bounded() -> None:
     alg, sub = _honest_uploads()
-    lin = torch.tensor(alg._linear_terms())
+    lin = torch.tensor(alg.time_choice.linear_terms)
     assert choice_problems(sub, alg.choice_clip, lin) == {}
     cases = {
         "choice/fwd_cover": (lambda v: v.__setitem__((2, 0, 0, 0), 1e6), "outside what rows"),

@@ -202,7 +202,7 @@ def test_rich_units_own_row_hold_out_lifts_their_coverage_to_95_percent():
 
 
 def test_tau_of_takes_the_smallest_covering_grid_value_interpolated():
-    """_tau_of: share per τ² of the grid → the first τ² reaching the target, linear between
+    """tau_of: share per τ² of the grid → the first τ² reaching the target, linear between
     its grid neighbours (hand-computed); NaN when none reaches it; 0 when τ² = 0 covers."""
     from fedcal.algorithms.fedprior_interval import TAU_GRID
 
@@ -210,11 +210,11 @@ def test_tau_of_takes_the_smallest_covering_grid_value_interpolated():
     share = torch.zeros_like(TAU_GRID)
     share[10:] = 0.96
     share[9] = 0.90
-    tau = float(alg._tau_of(share))
+    tau = float(alg.calibrated.tau_of(share))
     g9, g10 = float(TAU_GRID[9]), float(TAU_GRID[10])
     assert math.isclose(tau, g9 + (0.95 - 0.90) / (0.96 - 0.90) * (g10 - g9), rel_tol=1e-12)
-    assert math.isnan(float(alg._tau_of(torch.full_like(TAU_GRID, 0.9))))
-    assert float(alg._tau_of(torch.full_like(TAU_GRID, 0.95))) == 0.0
+    assert math.isnan(float(alg.calibrated.tau_of(torch.full_like(TAU_GRID, 0.9))))
+    assert float(alg.calibrated.tau_of(torch.full_like(TAU_GRID, 0.95))) == 0.0
 
 
 def test_own_folds_needs_two_folds_and_is_inert_with_the_posterior_interval():
@@ -262,7 +262,9 @@ def _own_counts_reference(alg, down, state, design, x, y, mask, able, weights):
     for k in range(alg.own_folds):
         part = mask * (fold == k).to(F64) * able.unsqueeze(1)
         fold_held = part if weights is None else part * weights[1]
-        inside += alg._fit_count(down, state, design, x, y, mask - part, fold_held, weights)
+        inside += alg.calibrated._fit_count(
+            down, state, design, x, y, mask - part, fold_held, weights
+        )
         held += fold_held.sum(1)
     return inside, held
 
@@ -289,7 +291,7 @@ def test_own_fold_counts_equal_every_unit_fitted_on_every_row():
         design = alg.design(x)
         for weights in (None, robust):
             args = (down, states, design, x, y, mask, able, weights)
-            inside, held = alg._own_counts(*args)
+            inside, held = alg.calibrated._own_counts(*args)
             ref_inside, ref_held = _own_counts_reference(alg, *args)
             assert torch.equal(held, ref_held) and torch.equal(inside, ref_inside)
             # not a trivial equality: some rows are outside at τ² = 0, all inside at the top

@@ -131,8 +131,8 @@ def test_a_unit_without_row_times_is_not_put_in_the_short_class(both):
     train, _ = seasonal()
     untimed = ClientData(train.x, train.y, train.count, train.seeds)
     down = expand(alg.broadcast(run.server), untimed.num_clients)
-    assert not bool(alg._short_class(down, untimed).any())
-    assert bool(alg._short_class(down, train)[LONG:].all())  # with times: the short ones
+    assert not bool(alg.short.short_class(down, untimed).any())
+    assert bool(alg.short.short_class(down, train)[LONG:].all())  # with times: the short ones
     off = FedPriorDrift(
         Task(MLP(in_features=1)),
         basis="total",
@@ -193,7 +193,7 @@ def test_a_unit_forging_its_emulated_errors_no_longer_moves_w_star():
     k = torch.arange(len(TEMPER_GRID), dtype=F64)
     sse = ((1.0 + 0.5 * (k - 3).abs()) * h).repeat(units, 1)
     held = torch.full((units,), h, dtype=F64)
-    old = {**alg._short_init(), "window": torch.tensor(1.0, dtype=F64)}
+    old = {**alg.short.init(), "window": torch.tensor(1.0, dtype=F64)}
 
     def w_star(errors: torch.Tensor) -> float:
         n = len(errors)
@@ -204,7 +204,7 @@ def test_a_unit_forging_its_emulated_errors_no_longer_moves_w_star():
             "held": held[:n],
         }
         ones = torch.ones(n, dtype=F64)
-        return float(alg._short_update(old, ones, sums, ones)["temper"])
+        return float(alg.short.update(old, ones, sums, ones)["temper"])
 
     honest = float(TEMPER_GRID[3])
     assert w_star(sse) == honest
@@ -239,7 +239,7 @@ def test_a_huge_common_offset_in_one_unit_s_short_scores_does_not_move_q_s(offse
     score = gain.expand(units, w_n, q_n).clone()
     score[-1] = offset
     held = torch.full((units,), h, dtype=F64)
-    old = {**alg._short_init(), "window": torch.tensor(1.0, dtype=F64)}
+    old = {**alg.short.init(), "window": torch.tensor(1.0, dtype=F64)}
     sse = (h * (1.0 + torch.arange(w_n, dtype=F64))).repeat(units, 1)  # w* = 0
 
     def q_star(scores: torch.Tensor) -> float:
@@ -250,7 +250,7 @@ def test_a_huge_common_offset_in_one_unit_s_short_scores_does_not_move_q_s(offse
             "held": held,
         }
         ones = torch.ones(units, dtype=F64)
-        return float(alg._short_update(old, ones, sums, ones)["q"])
+        return float(alg.short.update(old, ones, sums, ones)["q"])
 
     assert q_star(score) == 0.0  # summed raw: the offset swallows the honest gain
     rows = torch.full((units * w_n,), 4 * h, dtype=F64)
@@ -272,8 +272,8 @@ def test_the_emulations_hold_out_what_they_say(both):
     train, _ = seasonal()
     down = expand(alg.broadcast(run.server), train.num_clients)
     held = {
-        mode: dataclasses.replace(alg, short_emulation=mode)._short_holdout(
-            down, run.states, train
+        mode: dataclasses.replace(alg, short_emulation=mode).short.holdout(
+            down, run.states, train, alg._drift_cov(down)
         )["held"]
         for mode in ("future", "span", "far")
     }

@@ -11,6 +11,7 @@ import pytest
 
 from fedcal.apps.flower_server import build, federation
 from fedcal.build import with_raw_column
+from fedcal.core.hooks import labelled_units
 from fedcal.engine.flower.loop import run_federation
 from fedcal.engine.simulation import EngineConfig, prepare, simulate
 from fedcal_support.flower_hostile import InProcess
@@ -35,7 +36,7 @@ def test_fedprior_with_the_choice_and_a_raw_column_on_flower_equals_the_simulato
     assert fed.rejected == {} and all(f == {} for f in fed.failed.values())
     tensors = prepare(fleet, dtype="float64")
     alg = with_raw_column(build(config, method, 2), config, tensors)
-    assert alg.choose == "time" and alg.raw_coef is not None
+    assert alg.choose == "time" and alg.time_choice.raw_coef is not None
     # the Flower server's algorithm has the raw candidate with the simulator's map
     assert fed.algorithm.raw_input == alg.raw_input == 0
     np.testing.assert_allclose(fed.algorithm.raw_map, alg.raw_map, rtol=1e-12)
@@ -47,7 +48,7 @@ def test_fedprior_with_the_choice_and_a_raw_column_on_flower_equals_the_simulato
     # absence: the fleet's data are not the raw reading)
     assert float(res.server["forward_scores"][-1]) > 0
     # fallback: codes on the wire, the same names in both final tables
-    want = alg.labelled_units(alg.unit_columns(res.personal, tensors.train))["fallback"]
+    want = labelled_units(alg, alg.unit_columns(res.personal, tensors.train))["fallback"]
     got = {row["client_index"]: row["fallback"] for row in result["final"]}
     assert [got[i] for i in range(len(want))] == list(want)
     assert set(want) <= {"prior", "own_linear", "pooled_linear", "raw"}

@@ -3,12 +3,15 @@
 Each check runs in a child process whose ``sys.meta_path`` refuses ``torch`` (any import of
 it, direct or through a fedcal module, raises ImportError). Covered: the command line's
 ``--help``/``--version`` (and that they load no torch, pandas or scipy); the station's
-numbers (:func:`fedcal.prior.station.calibrate_fleet`) equal to the same calls here; and the
+numbers (:func:`fedcal.prior.station.calibrate_fleet`) equal to the same calls here; the
 production line's commands, ``calibrate`` → ``predict`` → ``export`` (C, JSON) →
 ``certificate`` → ``report``, for fedprior and its variants fedprior_branch, fedprior_fixed and
 fedprior_sensor: their outputs against the torch path's (tolerances in
-:func:`test_the_station_commands_run_without_torch`). ``plan``, ``run`` and a variant the
-NumPy path does not cover say in one line that they need ``fedcal[neural]``.
+:func:`test_the_station_commands_run_without_torch`); and ``plan`` (a design, sequential
+mode) of the same priors against the torch path's forecast
+(:func:`test_plan_runs_without_torch_and_equals_the_torch_path`). ``run`` and a variant the
+NumPy path does not cover (``calibrate``, ``plan``) say in one line that they need
+``fedcal[neural]``.
 
 CI (.ci/run) also runs this file in a clean environment built from the wheel, where torch is
 not installed: the prior is trained beforehand with the full environment
@@ -20,8 +23,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
@@ -212,13 +217,9 @@ def test_report_of_a_calibrate_output_runs_without_torch(trained):
     assert "NEW-S000" in blocked.stdout and "QA" in blocked.stdout
 
 
-@pytest.mark.parametrize("command", ["plan", "run"])
-def test_a_command_that_still_needs_torch_says_so_in_one_line(trained, command):
-    _, new_file, root, run = trained
-    args = {
-        "plan": ["plan", "--prior", str(run), "--plateaus", "2", "--points", "6"],
-        "run": ["run", "--data", str(new_file), "--methods", "fedprior", "--out", str(root / "r")],
-    }[command]
+def test_a_command_that_still_needs_torch_says_so_in_one_line(trained):
+    _, new_file, root, _ = trained
+    args = ["run", "--data", str(new_file), "--methods", "fedprior", "--out", str(root / "r")]
     res = _child("from fedcal.cli import app\napp(sys.argv[1:])\n", *args)
     assert res.returncode == 3, res.stderr
     lines = res.stderr.strip().splitlines()
@@ -240,6 +241,12 @@ def test_a_variant_the_numpy_path_does_not_cover_is_refused_in_one_line(trained)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 3 and len(lines) == 1, res.stderr
     assert "noise over the inputs" in lines[0] and "fedcal[neural]" in lines[0]
+    # plan of that prior: the same one line (its forecast is calibrate's torch path)
+    args = ["plan", "--prior", str(shaped), "--plateaus", "2", "--points", "6"]
+    res = _child("from fedcal.cli import app\napp(sys.argv[1:])\n", *args)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 3 and len(lines) == 1, res.stderr
+    assert "plan of noise over the inputs" in lines[0] and "fedcal[neural]" in lines[0]
 
 
 # ---- the production line's commands: calibrate → predict → export → certificate → report ----
@@ -373,6 +380,90 @@ def test_the_station_commands_run_without_torch(trained):
             assert (root / f"np_{m}{suffix}").read_bytes() == (root / f"t_{m}{suffix}").read_bytes()
         for page in sorted((root / f"t_{m}_cert").glob("*.html")):
             assert (root / f"np_{m}_cert" / page.name).read_bytes() == page.read_bytes(), page
+
+
+# ---- plan: the design search and its forecast in NumPy ----------------------------------
+def _half_unit(text: str) -> float:
+    """Half a unit of the last printed digit ("0.08459" → 5e-6)."""
+    return 0.5 * 10.0 ** Decimal(text).as_tuple().exponent
+
+
+def _printed(stdout: str) -> tuple[dict, list]:
+    """(the plan table's "planned" row by column, the --next lines' (P, T, dir, σ) texts)."""
+    lines = [line.split() for line in stdout.splitlines()]
+    names = next((words for words in lines if words[:1] == ["design"]), [])
+    row = next((words for words in lines if words[:1] == ["planned"]), [])
+    steps = re.findall(r"next: (\S+) hPa at (\S+) °C, (\w+): RMS σ → (\S+)", stdout)
+    return dict(zip(names, row, strict=True)), steps
+
+
+API_PLAN = """
+from fedcal.api import FleetPrior
+FleetPrior.load(sys.argv[1]).plan(2, 6).design.frame().to_csv(sys.argv[2], index=False)
+print("TORCH", any(m.split(".")[0] == "torch" for m in sys.modules))
+"""
+
+
+def _plan_args(run: Path, method: str, out: Path, unit: Path) -> list[list[str]]:
+    base = ["plan", "--prior", str(run), "--method", method]
+    return [
+        [*base, "--plateaus", "2", "--points", "6", "--out", str(out / f"{method}_2x6.csv")],
+        [*base, "--unit", str(unit), "--next", "--spec", "0.01", "--count", "2"],
+    ]
+
+
+def test_plan_runs_without_torch_and_equals_the_torch_path(trained):
+    """With torch blocked, ``fedcal plan`` (a 2-plateau 6-point design, and sequential mode on
+    one new 3x2 unit) runs for each of :data:`METHODS`, no torch module loaded, and
+    ``FleetPrior.load(run).plan(2, 6)`` gives the command's design. Where torch is
+    installed, against the forecast the torch path makes
+    (:class:`fedcal.planning_torch.TorchForecaster`, ``calibrate``'s ``unit_posteriors``): the
+    same design.csv and next points, the printed RMS and worst σ equal to its values to the
+    printed digits (the two agree to ~1e-10 relative: tests/test_plan_numpy.py)."""
+    _, new_file, root, run = trained
+    frame = pd.read_csv(new_file)
+    unit = root / "one_unit.csv"
+    first = frame[(frame["sensor_id"] == frame["sensor_id"].iloc[0]) & (frame["split"] == "train")]
+    first[COLS[:4]].to_csv(unit, index=False)
+    out = root / "plans"
+    out.mkdir(exist_ok=True)
+    printed = {}
+    for m in METHODS:
+        for i, args in enumerate(_plan_args(run, m, out, unit)):
+            res = _child(CLI, *args)
+            assert res.returncode == 0 and "TORCH False" in res.stderr, res.stderr[-2000:]
+            printed[m, i] = _printed(res.stdout)
+    # the Python API's plan (FleetPrior.load(run).plan), torch blocked: the CLI's design
+    res = _child(API_PLAN, str(run), str(out / "api_2x6.csv"))
+    assert res.returncode == 0 and res.stdout.strip().endswith("TORCH False"), res.stderr
+    assert pd.read_csv(out / "api_2x6.csv").equals(pd.read_csv(out / "fedprior_2x6.csv"))
+    if not torch_available():
+        return  # the core environment: nothing to compare with (module docstring)
+    from fedcal import planning
+    from fedcal.planning_torch import TorchForecaster
+
+    fleet = load_fleet(unit, *_columns(run), test_fraction=0.0, min_train_points=1,
+                       min_test_points=0)  # fmt: skip
+    for m in METHODS:
+        prior = PriorModel.load(find_prior(run, m))
+        plan = planning.planner(prior, forecast=TorchForecaster(prior))
+        ref = planning.optimize(plan, 2, 6)
+        ours = pd.read_csv(out / f"{m}_2x6.csv")
+        assert ours.equals(ref.design.frame()), (m, ours, ref.design.frame())
+        row, _ = printed[m, 0]
+        for col, value in (("rms_sd", ref.expected.rms), ("worst_sd", ref.expected.worst)):
+            assert abs(float(row[col]) - value) <= _half_unit(row[col]) * (1 + 1e-9), (m, col)
+        step = planning.unit_next(plan, fleet, spec=0.01, count=2)
+        _, steps = printed[m, 1]
+        assert len(steps) == len(step.steps) == 2, (m, steps)
+        for (p, t, d, sd), want in zip(steps, step.steps, strict=True):
+            assert (float(p), float(t), d) == want[:3], (m, steps, step.steps)
+            assert abs(float(sd) - want[3]) <= _half_unit(sd) * (1 + 1e-9), (m, sd, want[3])
+
+
+def _columns(run: Path) -> tuple[tuple[str, ...], str]:
+    prior = PriorModel.load(find_prior(run))
+    return prior.features, prior.target
 
 
 @needs_torch

@@ -51,7 +51,7 @@ basis, how many units' own points determine it (the eigenvalues of
 fewer than ``min_informed`` units it keeps the vague start (μ unchanged,
 variance s²) instead of an estimate from one or two units, so predictions
 that lean on them carry a wide predictive σ rather than a confident number,
-and the run reports them as weakly identified (:meth:`FedPrior.identification`,
+and the run reports them as weakly identified (:meth:`PriorStatus.identification`,
 in the run's output and the exported prior). When every unit has fewer points
 than the basis has terms, lower the orders: the prior cannot be learned from
 such a fleet (measured in docs/results/fleet-prior.md).
@@ -63,52 +63,15 @@ With ``select_by = "marginal"`` (what client-level DP needs) one EM runs on the 
 each unit uploads one clipped score per candidate, its evidence under the candidate's marginal
 of the full prior, noised with the sums (``EvidenceSelection.dp_select_statistic``).
 
-The chamber's sweep direction (``branch_orders``, issue 10). A unit with
-hysteresis reads differently on an ascending and a descending sweep, and the
-chamber knows which it ran (the data's ``direction`` column, a sign b = +1 up,
-−1 down, 0 unknown per row: :attr:`fedcal.core.data.ClientData.branch`). With
-``branch_orders`` set, each unit's model gains a branch term
+The chamber's sweep direction (``branch_orders``, issue 10): with it each unit's model gains
+a branch term b·ψ(x)ᵀh_i, b the row's sweep sign, and every step above runs on the design
+[φ, b·ψ] unchanged; in the field b is unknown and the prediction is the branch average
+(:mod:`~fedcal.algorithms.fedprior_basis`, where the design and its predictive form are;
+the coordinates the fleet's data do not identify: :mod:`~fedcal.algorithms.fedprior_pins`).
 
-    y = φ(x)ᵀc_i + b·ψ(x)ᵀh_i + ε,   (c_i, h_i) ~ N(μ, Σ) jointly,
-
-ψ the Legendre products up to ``branch_orders``: the design is [φ(x), b·ψ(x)]
-and every step above runs on it unchanged. Units calibrated up and down teach
-the fleet the mean and spread of h and its correlation with c; a unit swept one
-way sees only c + h along ψ, and the joint prior splits the two. In the field
-the direction is unknown (±1 with equal odds, E[b] = 0, E[b²] = 1), so the
-prediction is the branch average and the hysteresis widens the interval:
-
-    ŷ = φ(x)ᵀm_c,   Var = φ(x)ᵀV_cc φ(x) + σ² + ψ(x)ᵀ(m_h m_hᵀ + V_hh)ψ(x).
-
-Rows without a direction (b = 0) carry no branch term (today's model). A direction
-term the fleet's data do not identify is out of the model (issue 20): when every unit
-swept one way, or no row has a direction, the rows see c + h along ψ (or nothing of h),
-and a split by the vague start put half of each unit's ψ part in h, which the field's
-branch average drops (230–240 hPa on all-few fleets). Each unit uploads the data support
-of the whole design (``branch_support``); the ψ coordinates J that the summed support's
-weak subspace holds (fedprior_pins) are pinned, μ_J = 0 and
-Σ_JJ = ``floor`` (masked out of every E-step), the M-step runs on the others, the EM
-starts again from the vague start when J changes and its columns held data, and the
-BIC counts no parameter for J: from then on the run is the run without the term, one
-round later. With
-``select = "bic"`` the candidates are φ's sub-bases; ψ is in every candidate,
-unless ``branch_select``: then the candidates are φ's sub-bases × ψ's options
-(no term, or any orders vector ≤ ``branch_orders``), and the fleet's BIC also
-decides whether and which direction term the data support (a fleet without
-directions gets none: its ψ columns are empty, same evidence, more parameters).
-Measured by helper "hyst" (studies/fewpoint_direction.py) and here
-(docs/results/sweep-direction.md).
-
-Field networks (issue 26). ``basis = "auto"`` is the tensor basis of ``orders`` for the
-barometer's (frequency, temperature) and, for any other named features, the total-degree
-basis (the build sets it: :func:`fedcal.build._generic_basis`), its degree chosen by the
-fleet's BIC among 0..``degree`` under ``select = "bic"``. A basis of more than
-:data:`~fedcal.models.basis.MAX_TERMS` terms is refused in one line. Every Cholesky
-factorization goes through :func:`~fedcal.core.bayes.safe_cholesky` (jitter, then an
-eigenvalue floor, reported per unit and round as the ``jitter`` metric and in one printed
-line), so a near-singular Gram (collinear features, thousands of rows, σ² → 0) cannot end
-the run. Extrapolation guard (the fleet's input support box, and the basis continued along its
-tangent plane beyond it): :mod:`fedcal.algorithms.fedprior_support`.
+Field networks (issue 26): ``basis = "auto"``, every Cholesky through
+:func:`~fedcal.core.bayes.safe_cholesky`, and the extrapolation guard
+(:mod:`fedcal.algorithms.fedprior_support`): :mod:`~fedcal.algorithms.fedprior_basis`.
 
 Noise model (issues 20, 26; :mod:`fedcal.algorithms.fedprior_noise`, steps N1–N6): with
 ``noise_shape = "inputs"`` the noise variance is σ_i² exp(γᵀx) at scaled input x, γ learned
@@ -122,70 +85,60 @@ Intervals (``interval = "calibrated"``, issue 20): the noise on residual degrees
 a discrepancy variance learned by a design-matched hold-out, or no interval where the fleet
 cannot learn one (:mod:`fedcal.algorithms.fedprior_interval`, steps I1–I3).
 
-One idea per file: this module is the model and its federated EM; :class:`FedPrior` holds
-its parts, each a frozen dataclass declared by the settings it reads (docs/design.md, "The
-flagship algorithms"): the evidence selection (``selection``, fedprior_select), the exported
-prior and statuses (``prior_status``, fedprior_status), the support box (``support_box``,
-fedprior_support), the defence (``robust_uploads``, fedprior_robust), the noise model
-(``noise_model``, fedprior_noise), the streamed M-step (``streamed``, fedprior_stream), the
-direction term's pinned coordinates (``branch_pins``, fedprior_pins) and the DP bounds
-(``private_statistics``, fedprior_dp). The calibrated interval (fedprior_interval)
-and the time-respecting choice (fedprior_choice) are still mixins.
-
-Defaults (ours, measured on mixed fleets of 20 fully calibrated + 20 new
-units, 3 fleet seeds, off-grid test points; docs/results/): Legendre orders (4, 3),
-the silicon-resonator calibration surface of docs/simulated-fleet.md,
-which also spans a quartz unit to the noise floor — (3, 3) gives the same
-errors, so the prior does not overfit the larger basis; ``select = "none"``
-here, ``"bic"`` in the shipped configuration (it picks (3, 3) on the mixed
-fleets, and (2, 2)/(2, 3) on fleets of 12-point units where (4, 3) fails); no shrinkage (0.05
-toward the diagonal cost 15 % at 4×3 points: neighbouring Legendre terms of
-one unit's narrow frequency span are strongly correlated, and shrinking
-toward the diagonal discards what the fleet measured — EM's Σ stays positive
-definite without it, through the posterior covariances V_i); a floor of
-1e-12 on Σ's eigenvalues (absolute, scaled units); one fleet noise level
-(per-sensor levels narrowed the intervals of units with few points:
-coverage 0.78 against 0.88); a vague start
-(coefficients ±1, noise 0.1 in scaled units) that keeps round 0
-well-conditioned; 50 rounds of the engine are enough (EM's slowest rate is
-the fraction of units that cannot see a direction).
+One idea per file: this module is the model and its federated EM (the E-step in
+``client_update``, the M-step in ``server_update``); its settings, each declared once with its
+range and default, are :class:`~fedcal.algorithms.fedprior_settings.FedPriorSettings`, and
+:class:`FedPrior` holds its parts, each a frozen dataclass declared by the settings it reads
+(docs/design.md, "The flagship algorithms"): the design and predictive form
+(``design_basis``, fedprior_basis), the evidence selection (``selection``, fedprior_select),
+the exported prior and statuses (``prior_status``, fedprior_status), the support box
+(``support_box``, fedprior_support), the defence (``robust_uploads``, fedprior_robust), the
+noise model (``noise_model``, fedprior_noise), the streamed M-step (``streamed``,
+fedprior_stream), the rounds' schedule (``rounds_schedule``, fedprior_rounds), the direction
+term's pinned coordinates (``branch_pins``, fedprior_pins), the DP bounds
+(``private_statistics``, fedprior_dp), the calibrated interval (``calibrated``,
+fedprior_interval) and the time-respecting choice with its interval after calibration
+(``time_choice``, fedprior_choice and fedprior_forward). The engine's optional hooks are
+FedPrior's methods, each calling its part (core/hooks.py names them).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
-from typing import Annotated, Literal, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
-from pydantic import Field
 from torch import Tensor
 
-from fedcal.algorithms.fedprior_choice import TimeChoice
+from fedcal.algorithms.fedprior_basis import DesignBasis, model_mask, unit_noise
+from fedcal.algorithms.fedprior_choice import SIMPLE, TimeChoice
+from fedcal.algorithms.fedprior_deploy import learn
 from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
 from fedcal.algorithms.fedprior_dp import PrivateStatistics
-from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval, _residual_terms
+from fedcal.algorithms.fedprior_forward import ForwardInterval
+from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval
+from fedcal.algorithms.fedprior_interval_parts import residual_terms
 from fedcal.algorithms.fedprior_noise import NoiseModel, sensor_noise
 from fedcal.algorithms.fedprior_pins import BranchPins
 from fedcal.algorithms.fedprior_robust import RobustUploads, capped_noise, weighted
 from fedcal.algorithms.fedprior_rounds import RoundSchedule
 from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
+from fedcal.algorithms.fedprior_settings import FedPriorSettings
 from fedcal.algorithms.fedprior_status import PriorStatus
 from fedcal.algorithms.fedprior_stream import StreamedSums, canonical_order
 from fedcal.algorithms.fedprior_support import SupportBox
-from fedcal.core.algorithm import Algorithm, ClientResult, SettingError
+from fedcal.core.algorithm import ClientResult, SettingError
 from fedcal.core.bayes import (
     F64,
     Moments,
     Posterior,
     data_support,
     m_step,
-    mixture_halfwidth,
     moments,
     posterior,
     predictive_var,
@@ -204,133 +157,14 @@ from fedcal.models.basis import (
 
 
 @dataclass(frozen=True)
-class FedPrior(
-    TimeChoice,
-    CalibratedInterval,
-    Algorithm,
-):
+class FedPrior(FedPriorSettings):
     @property
     def uses_local_epochs(self) -> bool:  # closed form (EM)
         return False
 
-    # tensor basis: highest Legendre order per input
-    orders: tuple[Annotated[int, Field(ge=0)], ...] = (4, 3)
-    # "tensor" (orders), "total" (degree), "auto": tensor if orders fit
-    basis: Literal["auto", "tensor", "total"] = "auto"
-    degree: Annotated[int, Field(ge=0)] = 2  # total-degree basis: every product of order ≤ degree
-    # ν0: Σ ← (1 − λ)Σ̂ + λ diag(Σ̂), λ = ν0/(N + ν0)
-    shrinkage_units: Annotated[float, Field(ge=0.0)] = 2.0
-    rank: Annotated[int, Field(ge=0)] = 0  # > 0: Σ = W Wᵀ + D with this many factors; 0: full Σ
-    floor: Annotated[float, Field(gt=0.0)] = 1e-12  # eigenvalues of Σ ≥ floor (scaled units²)
-    # "fleet": one σ²; "sensor": σ_i² shrunk toward the fleet's
-    noise: Literal["fleet", "sensor"] = "fleet"
-    noise_prior_points: Annotated[float, Field(gt=0.0)] = 4.0  # ν of the per-sensor noise
-    # Noise in the inputs (fedprior_noise, N1–N3): "inputs": σ²(x) = σ_i² exp(γᵀx), γ shared
-    # by the fleet and in use only while its evidence beats BIC; "constant": one σ_i² over x.
-    noise_shape: Literal["constant", "inputs"] = "constant"
-    # "student": t-distributed rows by EM weights (N4), outliers neither pull nor inflate σ²
-    # "auto": t rows only while the fleet's likelihood under them beats BIC (N6)
-    # "trim": Gaussian rows without the gross outliers of the unit's t fit (N7)
-    noise_tail: Literal["gaussian", "student", "auto", "trim"] = "gaussian"
-    noise_dof: Annotated[float, Field(gt=2.0)] = 4.0  # ν of the Student-t rows
-    # prior std of every coefficient, and the noise std, before any data (scaled units)
-    init_scale: Annotated[float, Field(gt=0.0)] = 1.0
-    init_noise: Annotated[float, Field(gt=0.0)] = 0.1
-    # hyperprior N(0, s²) on μ (scaled units; inf: none)
-    mean_scale: Annotated[float, Field(ge=0.0)] = 10.0
-    # a direction informed by fewer units is weakly identified
-    min_informed: Annotated[float, Field(ge=0.0)] = 2.0
-    # "bic": the sub-basis of highest fleet evidence (BIC); "none": all
-    select: Literal["none", "bic"] = "none"
-    # How "bic" scores a candidate: "candidates": each candidate's own EM (every candidate's
-    # statistics uploaded); "marginal": EM on the full basis, each candidate scored by its
-    # evidence under the full prior's marginal, one score vector per unit (what client-level
-    # DP can bound and noise: fedprior_select.marginal_scores)
-    select_by: Literal["candidates", "marginal"] = "candidates"
-    # select_by = "marginal": each unit's score of a candidate is clipped to ± this (nats):
-    # bounded for DP (L2 ≤ select_clip √K), and no unit outweighs the penalty alone
-    select_clip: Annotated[float, Field(gt=0.0)] = 10.0
-    # client-level DP with select_by = "marginal": the scores' share of each round's budget
-    dp_select_share: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.1
-    # client-level DP: rows a unit may hold (public; the campaign)
-    dp_max_rows: Annotated[float, Field(ge=0.0)] = 384.0
-    # client-level DP: the mean and second moment whitened by the broadcast Σ (True) or in
-    # the vague start's units (False; dp_statistics)
-    dp_whiten: bool = False
-    # client-level DP: the second moment's weight in the joint sensitivity (core.privacy
-    # noise_std; 1: every statistic the same share of the budget)
-    dp_second_weight: Annotated[float, Field(gt=0.0)] = 1.0
-    # ψ: Legendre orders per input of b·ψ(x)ᵀh; () = off
-    branch_orders: tuple[Annotated[int, Field(ge=0)], ...] = ()
-    # With select = "bic" and branch_orders: ψ chosen too, among no term and every orders
-    # vector ≤ branch_orders (candidates = φ's sub-bases × these); False: ψ in every candidate.
-    branch_select: bool = False
-    # "posterior": φᵀVφ + σ², σ² = Σr/Σn (the model's own interval); "calibrated": σ² on residual
-    # degrees of freedom, + a discrepancy variance learned by design-matched hold-out, or no
-    # interval where the fleet cannot learn one (module doc, "Intervals").
-    interval: Literal["posterior", "calibrated"] = "posterior"
-    # a unit with at most this many rows may be the hold-out's probe design
-    probe_rows: Annotated[int, Field(ge=1)] = 32
-    # τ² is the smallest that covers this share of held-out rows
-    coverage_target: Annotated[float, Field(ge=0.0, le=1.0)] = 0.95
-    # > 0: units with ≥ 2× the probe's rows get a τ² of their own, learned by holding out
-    # their own rows in this many folds (fedprior_interval, I4); 0: they get none (I3). Part
-    # of the calibrated interval: no effect with interval = "posterior" (as probe_rows)
-    own_folds: Annotated[int, Field(ge=0)] = 0
-    # Issue 36.1 (fedprior_rounds, R1–R3): > 0: with select = "bic" the choice is frozen once
-    # the same candidate is chosen this many rounds in a row (then only its statistics
-    # travel); 0: every candidate every round
-    select_patience: Annotated[int, Field(ge=0)] = 0
-    # > 0: after the first round the candidates' E-steps run on a sample of about this many
-    # units (each unit's own draw against the broadcast rate); 0: on every unit
-    select_units: Annotated[int, Field(ge=0)] = 0
-    # "final": the calibrated interval's hold-out fits and counts (I2, I4) only in the last
-    # round (the engine's, or the one after convergence); "every": every round
-    holdout: Literal["every", "final"] = "every"
-    # > 0: the run ends one round (the hold-out's) after the prior's relative change per round
-    # falls below this (the engine's rounds stay the cap); 0: the engine's rounds
-    converge_tol: Annotated[float, Field(ge=0.0)] = 0.0
-    # "learn": at the run's end the units with at least fedprior_deploy.REFERENCE_ROWS rows
-    # learn the prior's design-dependent error model (prior.json "discrepancy", issue 33);
-    # "off": not learned. deploy_rows > 0: a unit calibrated from such a prior carries its
-    # design (at most this many rows) for that σ (set by fedcal calibrate, not by a user).
-    deploy: Literal["learn", "off"] = "learn"
-    deploy_rows: Annotated[int, Field(ge=0)] = 0
-    # Issue 21 (core/robust.py): "full" rejects uploads inconsistent with their declared count
-    # and down-weights units far from the others' prior in the M-step; "check": the first
-    # only; "off": neither (the plain sums; what secure aggregation would leave).
-    robust: Literal["off", "check", "full"] = "full"
-    # Issue 34 (fedprior_choice): the basis chosen by each unit's forward-chaining validation
-    # on its own past, the simple fits as candidates, and the no-harm fall-back. "auto": when
-    # the data have a time column (a run resolves it from [data] time_column: "time" with
-    # one, "off" without one or under client-level DP, so that every reply of the run has
-    # one structure); "time": also without one (row order as time); "off": never.
-    choose: Literal["auto", "time", "off"] = "auto"
-    # the share of a unit's calibration span each forward fold scores
-    choice_holdout: Annotated[float, Field(gt=0.0, lt=0.5)] = 0.25
-    # a unit's score of a candidate: log of its MSE over its best, clipped to this (nats)
-    choice_clip: Annotated[float, Field(gt=0.0)] = 5.0
-    # no harm: the unit ships its best simple fit when the model's validation squared error
-    # exceeds that fit's by more than this many standard errors
-    choice_z: Annotated[float, Field(ge=0.0)] = 2.0
-    # ... and by more than this share of that fit's validation MSE (a harm that matters)
-    choice_margin: Annotated[float, Field(ge=0.0)] = 0.1
-    # "scale": each unit's σ scaled so that its fit on all but its last quarter would have
-    # covered 95 % of that quarter (fedprior_choice._scale_sigma); "off" (default): the
-    # model's σ. Measured (docs/field.md): the validation quarter's errors did not predict
-    # the future's — Antwerp 0.93 → 0.99, PurpleAir 0.90 → 0.89; only the gas array gained.
-    choice_sigma: Literal["scale", "off"] = "off"
-    # "forward": σ after a unit's calibration from the fleet's forward folds (κ, growth ρ), or
-    # declined where they show it cannot be trusted (fedprior_forward); "off": the model's σ
-    choice_interval: Literal["forward", "off"] = "forward"
-    # a unit whose validation RMSE or mean σ exceeds this × the fleet's median: "weak"
-    implausible: Annotated[float, Field(gt=1.0)] = 5.0
-    # the input that reads the target itself ([data] raw_column; -1: none) and its map into
-    # the scaled target, y = raw_map[0] + raw_map[1]·x (set by the run from the scaler)
-    raw_input: Annotated[int, Field(ge=-1)] = -1
-    raw_map: tuple[float, float] = (0.0, 1.0)
-
     name = "fedprior"
+    # per_sensor.csv's fallback column: codes on the wire, these names in the tables
+    unit_labels: ClassVar[dict[str, tuple[str, ...]]] = {"fallback": ("prior", *SIMPLE)}
     # m_i is the unit's posterior mean (its calibration); the rest are sufficient statistics.
     uploads = ("model", "statistics")
 
@@ -348,11 +182,6 @@ class FedPrior(
     # (x⁴ for a quadratic), which honest units differ in by 10²–10³ (pollution episodes,
     # docs/statuses.md); every statistic the prior is fitted from is still size-screened.
     unscreened_replies = ("cand/", "interval/", "noise/", "gram", "select", "choice/")
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "orders", tuple(int(o) for o in self.orders))
-        object.__setattr__(self, "branch_orders", tuple(int(o) for o in self.branch_orders))
-        object.__setattr__(self, "raw_map", tuple(float(v) for v in self.raw_map))
 
     def check_task(self, task: Task) -> None:
         self.terms  # noqa: B018 — the basis against the model's inputs
@@ -465,6 +294,45 @@ class FedPrior(
         return self.rounds_schedule.finished(server)
 
     @cached_property
+    def design_basis(self) -> DesignBasis:
+        """The design [φ, b·ψ] and the predictive form (fedprior_basis)."""
+        return DesignBasis(self.terms, self.branch_terms)
+
+    @cached_property
+    def calibrated(self) -> CalibratedInterval:
+        """The calibrated interval, I1–I4 (fedprior_interval)."""
+        settings = (self.interval, self.probe_rows, self.coverage_target, self.own_folds)
+        return CalibratedInterval(
+            *settings,
+            self.min_informed,
+            self.noise,
+            self.num_inputs,
+            self.design_basis,
+            self.noise_model,
+            self.selection,
+        )
+
+    @cached_property
+    def time_choice(self) -> TimeChoice:
+        """The time-respecting choice, no harm and the interval after calibration
+        (fedprior_choice, fedprior_forward)."""
+        forward = ForwardInterval(self.choice_interval, self.terms, self.support_box)
+        settings = (self.choose, self.choice_holdout, self.choice_clip, self.choice_z)
+        return TimeChoice(
+            *settings,
+            self.choice_margin,
+            self.choice_sigma,
+            self.implausible,
+            self.noise,
+            self.raw_input,
+            self.raw_map,
+            self.num_inputs,
+            self.design_basis,
+            self.selection,
+            forward,
+        )
+
+    @cached_property
     def noise_model(self) -> NoiseModel:
         """σ²(x) in the inputs, Student-t or trimmed rows (fedprior_noise, N1–N7)."""
         return NoiseModel(
@@ -483,6 +351,8 @@ class FedPrior(
             self.dp_second_weight,
             bool(self.branch_orders),
             self.selection,
+            self.noise_model.weighted,
+            self.interval,
         )
 
     @cached_property
@@ -505,7 +375,7 @@ class FedPrior(
     def robust_uploads(self) -> RobustUploads:
         """The consistency check and the M-step's outlier weights (fedprior_robust)."""
         k = len(self.candidates) if self.each_candidate else 0
-        lin = self._linear_terms()
+        lin = self.time_choice.linear_terms
         lin = None if lin is None else tuple(lin)
         return RobustUploads(self.robust, k, self.select_clip, self.choice_clip, lin)
 
@@ -524,23 +394,16 @@ class FedPrior(
             shapes["noise_gamma"] = (self.num_inputs,)
         if self.choose != "off":  # the no-harm fall-back and the validation MSE (fedprior_choice)
             shapes.update(fallback=(), val_mse=(), sigma_scale=(), target_sd=())
-            shapes.update(self.forward_shapes())  # κ, ρ/T after calibration (fedprior_forward)
+            shapes.update(
+                self.time_choice.forward.shapes()
+            )  # κ, ρ/T after calibration (fedprior_forward)
         if self.deploy_rows:  # the unit's design for the prior's discrepancy σ (fedprior_deploy)
             shapes.update(deploy_shapes(self.deploy_rows, self.num_inputs, len(self.terms)))
         return shapes
 
     def design(self, x: Tensor, branch: Tensor | None = None) -> Tensor:
-        """[φ(x), b·ψ(x)]: (clients, rows, inputs) → (clients, rows, features), float64.
-
-        ``branch`` (clients, rows): each row's sweep sign b; None reads as 0 (no
-        direction known). Without ``branch_orders``: φ(x) only.
-        """
-        phi = legendre_products(x, self.terms)
-        if not self.branch_orders:
-            return phi
-        psi = legendre_products(x, self.branch_terms)
-        b = torch.zeros(x.shape[:-1], dtype=F64) if branch is None else branch.to(F64)
-        return torch.cat([phi, psi * b.unsqueeze(-1)], -1)
+        """[φ(x), b·ψ(x)] (:meth:`DesignBasis.design`)."""
+        return self.design_basis.design(x, branch)
 
     # ---- the contract --------------------------------------------------------
     def server_init(self, params: Tree) -> Tree:
@@ -552,18 +415,12 @@ class FedPrior(
             "support": torch.zeros(p, p, dtype=F64),
         }
         if self.interval == "calibrated":
-            start.update(self._interval_init())
-        if self.noise_shape == "inputs":  # γ in use, its iterate and the fleet's ratio (N2, N3)
-            zero = torch.zeros(self.num_inputs, dtype=F64)
-            start.update(noise_gamma=zero, noise_gamma_fit=zero.clone())
-            start["noise_ratio"] = torch.tensor(0.0, dtype=F64)
-        if self.noise_tail == "auto":  # Gaussian rows until the fleet's evidence says t (N6)
-            start["noise_student"] = torch.tensor(0.0, dtype=F64)
-            start["tail_ratio"] = torch.tensor(0.0, dtype=F64)
+            start.update(self.calibrated.init())
+        start.update(self.noise_model.init(self.num_inputs))  # γ, the tail's test (N2–N6)
         if self.branch_orders:  # ψ coordinates out of the model (none yet): BranchPins.unidentified
             start["pinned"] = torch.zeros(p, dtype=F64)
-        if self.choice_on:  # fedprior_choice's pooled lines and summed scores
-            start.update(self._choice_init())
+        if self.time_choice.on:  # fedprior_choice's pooled lines and summed scores
+            start.update(self.time_choice.init())
         start.update(self.rounds_schedule.init())  # R1–R3's bookkeeping (none when off)
         if self.select == "none":
             mask = {"mask": self.masks[-1].clone()} if self.branch_orders else {}
@@ -594,7 +451,8 @@ class FedPrior(
         if self.select != "none":
             down["mask"] = server["mask"]
         if "pooled_ok" in server:  # the fleet's pooled lines (fedprior_choice), once summed
-            down.update({k: server[k] for k in self.choice_broadcast if k in server})
+            keys = self.time_choice.forward.broadcast_keys
+            down.update({k: server[k] for k in keys if k in server})
         if "holdout_now" in server:  # fedprior_rounds R2: whether this round holds out
             down["holdout_now"] = server["holdout_now"]
         if self.each_candidate and "cand" in server:  # (R1: not once the choice is frozen)
@@ -610,42 +468,19 @@ class FedPrior(
         return state
 
     def _noise(self, down: Tree, state: Tree) -> Tensor:
-        return state["noise_var"] if self.noise == "sensor" else down["noise_var"]
+        return unit_noise(self.noise, down, state)
 
     def derive(self, data: ClientData) -> dict[str, Tensor] | None:
-        """The units' unweighted moments (Φ_iᵀΦ_i, Φ_iᵀy_i, y_iᵀy_i, n_i) of step 1, which
-        their data alone fix: formed once by the engine (``ClientData.derived``) instead of
-        every round (issue 25.1). None with row weights (fedprior_noise): those moments
-        depend on the broadcast."""
-        if self.noise_model.weighted:
-            return None
-        full = self._moments(dataclasses.replace(data, derived=None))
-        out = {f"fedprior/{k}": v for k, v in full._asdict().items()}
-        # which design made them: a fleet derived for another basis is not read (_moments)
-        out["fedprior/design"] = torch.full((data.num_clients,), self._design_key)
-        return out
-
-    @cached_property
-    def _design_key(self) -> int:
-        """A fingerprint of the design [φ, b·ψ]: its terms and branch terms (56 bits)."""
-        text = repr((self.terms, self.branch_terms)).encode()
-        return int.from_bytes(hashlib.sha256(text).digest()[:7], "big")
+        """The units' unweighted moments of step 1, which their data alone fix, formed once
+        by the engine (``ClientData.derived``; :meth:`DesignBasis.derived`) instead of every
+        round (issue 25.1). None with row weights (fedprior_noise): those depend on the
+        broadcast."""
+        return None if self.noise_model.weighted else self.design_basis.derived(data)
 
     def _moments(self, data: ClientData, down: Tree | None = None) -> Moments:
-        """The unit's moments of the whole design [φ, b·ψ] (module doc, step 1); with a
-        noise model in the inputs or Student-t rows, its rows weighted (fedprior_noise, N1).
-        The unweighted ones from :meth:`derive` when the engine formed them (the same
-        function of the same data)."""
-        cached = data.derived or {}
-        made_by = cached.get("fedprior/design")  # the design that formed them (derive)
-        mine = made_by is not None and bool((made_by == self._design_key).all())
-        if mine and "fedprior/gram" in cached and (down is None or not self.noise_model.weighted):
-            return Moments(*(cached[f"fedprior/{k}"] for k in Moments._fields))
-        design = self.design(data.x, data.branch)
-        rw = None if down is None else self.noise_model.row_weights(down, data, design)
-        if rw is None:
-            return moments(design, data.y[..., 0], data.mask)
-        return self.noise_model.moments(design, data, rw)
+        """The unit's moments of the design [φ, b·ψ] (module doc, step 1), its rows weighted
+        by the noise model under ``down`` (:meth:`DesignBasis.moments`)."""
+        return self.design_basis.moments(data, self.noise_model, down)
 
     def _posterior(self, down: Tree, state: Tree, full: Moments) -> tuple[Moments, Posterior]:
         """The posterior under the broadcast prior; with selection, the chosen candidate's."""
@@ -653,12 +488,7 @@ class FedPrior(
         stats = full if mask is None else _masked(full, mask)
         return stats, posterior(stats, down["mu"], down["sigma"], self._noise(down, state))
 
-    def _model_mask(self, down: Tree) -> Tensor | None:
-        """The features in the model (the chosen basis without the ψ coordinates J out of
-        it: BranchPins.unidentified); None: all of them."""
-        if "mask" in down:
-            return down["mask"]
-        return 1.0 - down["pinned"] if "pinned" in down else None
+    _model_mask = staticmethod(model_mask)  # the features in the model (fedprior_basis)
 
     def _sensor_noise(self, rss: Tensor, n: Tensor, fleet: Tensor) -> Tensor:
         """σ_i² = (r_i + ν σ²)/(n_i + ν): the MAP under a scaled-inv-χ²(ν, σ²) prior."""
@@ -672,6 +502,7 @@ class FedPrior(
         """The moments of a unit's personalized posterior (fedprior_drift: its walk's)."""
         return self._client_moments(down, data)
 
+    # ---- step 1, the E-step (module doc) ----
     def client_update(self, down: Tree, state: Tree, data: ClientData) -> ClientResult:
         design, rw = None, None
         # select_by = "marginal": the EM runs on the full basis (without the ψ coordinates J
@@ -705,7 +536,9 @@ class FedPrior(
             reply["interval"] = {
                 "dof": chosen["dof"],
                 "fit": chosen["fit"],
-                **self._heldout(down, state, data, rw, self.rounds_schedule.holds_out(down)),
+                **self.calibrated.heldout(
+                    down, state, data, rw, self.rounds_schedule.holds_out(down)
+                ),
             }
         if self.noise_shape == "inputs":  # γ's score, information and evidence (N2)
             reply["noise"] = self.noise_model.uploads(em, data, design, post, rw[1])
@@ -724,8 +557,9 @@ class FedPrior(
             )
         elif "cand_noise_var" in state:  # R1: frozen, the candidates' σ_i² kept as they were
             new_state["cand_noise_var"] = state["cand_noise_var"]
-        if "pooled_ok" in down and self.choosing(data):  # forward scores (fedprior_choice)
-            reply["choice"] = self.choice_uploads(down, state, data, gram, chosen["mean"])
+        if "pooled_ok" in down and self.time_choice.choosing(data):  # forward scores
+            args = (down, state, data, gram, chosen["mean"])
+            reply["choice"] = self.time_choice.uploads(self, *args)
         fit_mse = post.rss / full.n.clamp_min(1.0)
         # jitter: the relative jitter a near-singular factorization needed (0: none; 1: an
         # eigenvalue floor), per unit and round in the run's metrics (core.bayes.safe_cholesky).
@@ -745,7 +579,7 @@ class FedPrior(
             "rss": post.rss,
             "loglik": post.loglik,
             "support": data_support(gram, noise, self.init_scale),
-            **({} if n is None else _residual_terms(post, gram, noise, n)),
+            **({} if n is None else residual_terms(post, gram, noise, n)),
         }
 
     def _candidates_e_step(self, down: Tree, state: Tree, full: Moments):
@@ -791,28 +625,7 @@ class FedPrior(
             own[idx] = own_part
         return out, own
 
-    def dp_statistics(self, down: Tree) -> dict[str, Statistic]:
-        """Client-level DP: each uploaded statistic's public map and bound (core/privacy;
-        :class:`~fedcal.algorithms.fedprior_dp.PrivateStatistics`), for the settings DP
-        covers."""
-        if self.noise_model.weighted:
-            raise ValueError(
-                "fedprior: client-level DP covers noise_shape = 'constant' and noise_tail = "
-                "'gaussian' only (the noise model's sums and row weights are not bounded)"
-            )
-        if self.interval != "posterior":
-            raise ValueError(
-                "fedprior: client-level DP covers interval = 'posterior' only (the hold-out "
-                "uploads a unit's inputs)"
-            )
-        if self.each_candidate:
-            # Every candidate's statistics would need their own noise (20× the sensitivity).
-            raise ValueError(
-                "fedprior: client-level DP with select = 'bic' needs select_by = 'marginal' "
-                "(one bounded score vector per unit), or select = 'none' (fedprior_fixed)"
-            )
-        return self.private_statistics.statistics(down)
-
+    # ---- step 2, the M-step (module doc) ----
     def _prior_update(
         self,
         old_mu: Tensor,
@@ -896,7 +709,8 @@ class FedPrior(
         skip = ("cand", "interval", "noise", "choice")
         forward = None
         if "choice" in replies:  # per unit unless already summed (fedprior_stream)
-            forward = self.choice_update(replies["choice"], order, replies["gram"], units is None)
+            choice = (replies["choice"], order, replies["gram"], units is None)
+            forward = self.time_choice.update(*choice)
         total = {k: v[order].sum(0) for k, v in replies.items() if k not in skip}
         pinned = self.branch_pins.unidentified(total.pop("branch_support", None))
         if "interval" in replies:  # the restricted noise update's sums (module doc, I1)
@@ -931,11 +745,11 @@ class FedPrior(
         if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
             noise = replies["noise"]
             new.update(self.noise_model.updates(server, noise, order, total["n"], replies["n"]))
-        new.update(self._choice_state(server, forward))
+        new.update(self.time_choice.kept(server, forward))
         if self.branch_orders:  # the features in use, without the ψ coordinates out of it
             new["mask"] = new.get("mask", self.masks[-1]) * (~pinned).to(F64)
             new["pinned"] = pinned.to(F64)
-        new.update(self._interval_update(server, replies, order, total))
+        new.update(self.calibrated.update(server, replies, order, total))
         return new
 
     def _candidates_update(self, sums: RoundSums) -> Tree:
@@ -957,11 +771,11 @@ class FedPrior(
         same = (eff.unsqueeze(0) == eff.unsqueeze(1)).all(-1).tril(-1).any(-1)
         choice = int(torch.argmax(torch.where(same, -math.inf, scores)))
         if forward is not None and float(forward["forward_scored"]) > 0:  # by each unit's future
-            choice = self.forward_choice(
+            choice = self.time_choice.pick(
                 torch.where(same, math.inf, forward["forward_scores"][:-3])
             )
         new = {
-            **self._choice_state(server, forward),
+            **self.time_choice.kept(server, forward),
             **{key: v[choice] for key, v in stacked.items()},
             "box": self.support_box.fleet_box(total["gram"]),
             "mask": masks[choice] * (~pinned).to(F64),
@@ -969,7 +783,7 @@ class FedPrior(
             "choice": torch.tensor(choice),
             "scores": scores,
             "cand": stacked,
-            **self._interval_update(server, replies, order, total),
+            **self.calibrated.update(server, replies, order, total),
             **(
                 self.noise_model.updates(server, replies["noise"], order, total["n"], replies["n"])
                 if "noise" in replies
@@ -977,6 +791,92 @@ class FedPrior(
             ),
         }
         return new
+
+    # ---- step 3, the personal model (module doc) ----
+    def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
+        """The unit's posterior model (:meth:`_personal`), or its best simple fit where that
+        predicted its own future better (fedprior_choice, no harm)."""
+        out = self._personal(down, state, data)
+        if self.choose == "off":
+            return out
+        return self.time_choice.no_harm(self, down, state, data, out)
+
+    def _personal(self, down: Tree, state: Tree, data: ClientData) -> Tree:
+        _, post = self._posterior(down, state, self._personal_moments(down, data))
+        coef, cov = post.mean, post.cov
+        m = self._model_mask(down)
+        if m is not None:  # terms outside the chosen basis (or J) are not in the model (0, no σ)
+            coef, cov = coef * m, cov * m.unsqueeze(-1) * m.unsqueeze(-2)
+        out = {"coef": coef, "cov": cov, "noise_var": self._noise(down, state)}
+        out.update(self.calibrated.personal(down, cov, out["noise_var"], data))  # τ², I3
+        out["box"] = self.support_box.unit_box(down.get("box"), data)
+        if self.noise_shape == "inputs":  # σ²(x) = σ_i² exp(γᵀx) (fedprior_noise)
+            gamma = down.get("noise_gamma", torch.zeros(self.num_inputs, dtype=F64))
+            out["noise_gamma"] = gamma.to(F64).expand(data.num_clients, -1).clone()
+        return out
+
+    def predict(self, params: Tree, x: Tensor) -> Tensor:
+        """ψ(x)ᵀm_c (ψ = φ inside the support box, its tangent-plane continuation beyond):
+        with a direction term, the branch average (the field's b is unknown)."""
+        p = len(self.terms)
+        phi, _ = self.support_box.guarded(params, x)
+        value = (phi * params["coef"][..., :p].to(F64).unsqueeze(1)).sum(-1)
+        return value.unsqueeze(-1).to(x.dtype)
+
+    def predictive_std(self, params: Tree, x: Tensor) -> Tensor:
+        """√(z(x)ᵀQ z(x) + s [+ g(x)²]) per row (clients, rows, 1), scaled.
+
+        z, Q, s: :meth:`variance_form`. Beyond the unit's support box the prediction is
+        the basis's tangent-plane continuation (:meth:`predict`); the gap g(x) between
+        the polynomial and that continuation is added as model-form variance there.
+        """
+        q, s = self.variance_form(params)
+        var = predictive_var(self.variance_design(x), q, s)
+        excess = self.noise_model.excess(params, x)  # σ_i²(exp(γᵀg(x)) − 1): σ²(x) at the query
+        if excess is not None:
+            var = var + excess
+        if "gp_x" in params:  # the prior's design-dependent error (fedprior_deploy, D2–D4)
+            var = deployed_var(self, params, x, var)
+        phi, beyond = self.support_box.guarded(params, x)
+        if any_beyond(beyond):  # beyond the support: + (polynomial − linearized)² (model form)
+            coef = params["coef"][..., : len(self.terms)].to(F64).unsqueeze(1)
+            gap = ((legendre_products(x, self.terms) - phi) * coef).sum(-1)
+            var = var + torch.where(beyond, gap * gap, 0.0)
+        return var.sqrt().unsqueeze(-1).to(x.dtype)
+
+    def interval_halfwidth(self, params: Tree, x: Tensor, std: Tensor | None = None) -> Tensor:
+        """The central 95 % interval's half-width per row (clients, rows, 1), scaled.
+
+        Without a direction term 1.96 σ. With one, the field's sweep b = ±1 is unknown
+        (equal odds), so the error of the branch-average prediction is the mixture
+        ½N(ψᵀm_h, s²) + ½N(−ψᵀm_h, s²), s² = σ(x)² − (ψᵀm_h)² (:meth:`predictive_std`'s
+        variance less the direction term's mean part); its interval
+        (:func:`~fedcal.core.bayes.mixture_halfwidth`) is narrower than 1.96 σ, which
+        treats ±ψᵀm_h as Gaussian. ``std``: σ(x) if given (fedprior_drift's σ at each row's
+        time), else :meth:`predictive_std`.
+        """
+        std = (self.predictive_std(params, x) if std is None else std).to(F64)
+        return self.design_basis.halfwidth(params, x, std).to(x.dtype)
+
+    def variance_design(self, x: Tensor) -> Tensor:
+        """z(x) = [φ(x), ψ(x)] (:meth:`DesignBasis.variance_design`)."""
+        return self.design_basis.variance_design(x)
+
+    def variance_form(self, params: Tree) -> tuple[Tensor, Tensor]:
+        """(Q, s): the predictive variance as z(x)ᵀQ z(x) + s (:meth:`DesignBasis.variance_form`):
+        the single place of the predictive variance, that :meth:`predictive_std` and the
+        firmware/JSON exports read."""
+        return self.design_basis.variance_form(params)
+
+    # ---- client-level DP (fedprior_dp) ----
+    def dp_statistics(self, down: Tree) -> dict[str, Statistic]:
+        """Client-level DP: each uploaded statistic's public map and bound (core/privacy;
+        :class:`~fedcal.algorithms.fedprior_dp.PrivateStatistics`); a ValueError for the
+        settings DP does not cover (:meth:`PrivateStatistics.refusal`)."""
+        why = self.private_statistics.refusal()
+        if why is not None:
+            raise ValueError(why)
+        return self.private_statistics.statistics(down)
 
     # ---- a hostile site or unit (issue 21; fedprior_robust) ----
     def screen_view(
@@ -1038,124 +938,77 @@ class FedPrior(
     def pick_reply(self, keys: Tree) -> int | None:
         return self.streamed.pick_reply(keys)
 
-    def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
-        """The unit's posterior model (:meth:`_personal`), or its best simple fit where that
-        predicted its own future better (fedprior_choice, no harm)."""
-        out = self._personal(down, state, data)
-        if self.choose == "off":
-            return out
-        return self.no_harm(down, state, data, out)
+    # ---- the time-respecting choice's hooks (fedprior_choice, fedprior_forward) ----
+    def with_scaler(self, scaler: Any) -> FedPrior:
+        """``raw_map`` from the run's scaler (``raw_input`` ≥ 0; :meth:`TimeChoice.raw_map_of`)."""
+        if self.raw_input < 0:
+            return self
+        return dataclasses.replace(self, raw_map=self.time_choice.raw_map_of(scaler))
 
-    def _personal(self, down: Tree, state: Tree, data: ClientData) -> Tree:
-        _, post = self._posterior(down, state, self._personal_moments(down, data))
-        coef, cov = post.mean, post.cov
-        m = self._model_mask(down)
-        if m is not None:  # terms outside the chosen basis (or J) are not in the model (0, no σ)
-            coef, cov = coef * m, cov * m.unsqueeze(-1) * m.unsqueeze(-2)
-        out = {"coef": coef, "cov": cov, "noise_var": self._noise(down, state)}
-        if "disc_var" in down:  # τ² for units of the probe's size; declined: no interval
-            n, probe = data.count.to(F64), down["probe_n"].to(F64)
-            small = n < 2 * probe
-            # A unit smaller than any design the fleet held out for (only a unit calibrated
-            # later from prior.json can be): its model error was never learned.
-            unknown = (n < probe) | ((probe == 0) & (n <= self.probe_rows))
-            code = down["declined"]
-            # I4: the rich units' own-row τ² (NaN: none of the grid covered; 0 when off)
-            own = down.get("disc_own", torch.tensor(0.0, dtype=F64)).to(F64)
-            rich_var = torch.nan_to_num(own, nan=0.0).expand_as(n)
-            out["disc_var"] = torch.where(small, down["disc_var"].to(F64), rich_var)
-            lost = ~small & torch.isnan(own) & (probe > 0)
-            # I3: weakly identified directions decline the units they carry (weak_units)
-            weak = self.weak_units(down, cov, out["noise_var"], data)
-            declined = (code == 1) | weak | (small & (code > 1) & (code != 5)) | unknown | lost
-            out["declined"] = declined.to(F64)
-        out["box"] = self.support_box.unit_box(down.get("box"), data)
-        if self.noise_shape == "inputs":  # σ²(x) = σ_i² exp(γᵀx) (fedprior_noise)
-            gamma = down.get("noise_gamma", torch.zeros(self.num_inputs, dtype=F64))
-            out["noise_gamma"] = gamma.to(F64).expand(data.num_clients, -1).clone()
-        return out
+    def predictive_std_timed(self, params: Tree, data: ClientData) -> Tensor | None:
+        """:meth:`predictive_std` at each row's time: after the unit's calibration, the
+        fleet's forward variance (:meth:`ForwardInterval.std`)."""
+        return self.time_choice.forward.std(params, data, self.predictive_std(params, data.x))
 
-    def predict(self, params: Tree, x: Tensor) -> Tensor:
-        """ψ(x)ᵀm_c (ψ = φ inside the support box, its tangent-plane continuation beyond):
-        with a direction term, the branch average (the field's b is unknown)."""
-        p = len(self.terms)
-        phi, _ = self.support_box.guarded(params, x)
-        value = (phi * params["coef"][..., :p].to(F64).unsqueeze(1)).sum(-1)
-        return value.unsqueeze(-1).to(x.dtype)
+    def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
+        """PriorStatus's flags, and ``weak`` for an implausible unit (fedprior_choice)."""
+        flags = self.prior_status.client_status(server, personal, x, mask)
+        if self.choose != "off":
+            medians = server.get("status_medians")  # over the whole fleet (a chunked judge)
+            args = (self, personal, x, mask, medians)
+            flags["weak"] = flags["weak"] | self.time_choice.implausible_units(*args)
+        return flags
 
-    def predictive_std(self, params: Tree, x: Tensor) -> Tensor:
-        """√(z(x)ᵀQ z(x) + s [+ g(x)²]) per row (clients, rows, 1), scaled.
+    def status_values(self, personal: Tree, x: Tensor, mask: Tensor) -> dict[str, Tensor]:
+        """The values the implausible rule compares (:meth:`TimeChoice.status_values`)."""
+        return self.time_choice.status_values(self, personal, x, mask)
 
-        z, Q, s: :meth:`variance_form`. Beyond the unit's support box the prediction is
-        the basis's tangent-plane continuation (:meth:`predict`); the gap g(x) between
-        the polynomial and that continuation is added as model-form variance there.
-        """
-        q, s = self.variance_form(params)
-        var = predictive_var(self.variance_design(x), q, s)
-        excess = self.noise_model.excess(params, x)  # σ_i²(exp(γᵀg(x)) − 1): σ²(x) at the query
-        if excess is not None:
-            var = var + excess
-        if "gp_x" in params:  # the prior's design-dependent error (fedprior_deploy, D2–D4)
-            var = deployed_var(self, params, x, var)
-        phi, beyond = self.support_box.guarded(params, x)
-        if any_beyond(beyond):  # beyond the support: + (polynomial − linearized)² (model form)
-            coef = params["coef"][..., : len(self.terms)].to(F64).unsqueeze(1)
-            gap = ((legendre_products(x, self.terms) - phi) * coef).sum(-1)
-            var = var + torch.where(beyond, gap * gap, 0.0)
-        return var.sqrt().unsqueeze(-1).to(x.dtype)
+    def unit_columns(self, params: Tree, train: ClientData) -> dict:
+        """Per unit: the no-harm fall-back and σ factors (:meth:`TimeChoice.unit_columns`)."""
+        return self.time_choice.unit_columns(params)
 
-    def interval_halfwidth(self, params: Tree, x: Tensor, std: Tensor | None = None) -> Tensor:
-        """The central 95 % interval's half-width per row (clients, rows, 1), scaled.
+    def export_state(self, server: Tree) -> dict:
+        """The fleet prior (:meth:`PriorStatus.export_state`) with the time choice's record."""
+        state = self.prior_status.export_state(server, self.interval_note(server))
+        record = self.time_choice.record(server)
+        if record is not None:  # the time-respecting choice (fedprior_choice)
+            selection = state.setdefault("selection", {"rule": "none", "chosen": {}})
+            if self.each_candidate:
+                selection["rule"] = "forward"
+            selection["forward"] = record
+        return state
 
-        Without a direction term 1.96 σ. With one, the field's sweep b = ±1 is unknown
-        (equal odds), so the error of the branch-average prediction is the mixture
-        ½N(ψᵀm_h, s²) + ½N(−ψᵀm_h, s²), s² = σ(x)² − (ψᵀm_h)² (:meth:`predictive_std`'s
-        variance less the direction term's mean part); its interval
-        (:func:`~fedcal.core.bayes.mixture_halfwidth`) is narrower than 1.96 σ, which
-        treats ±ψᵀm_h as Gaussian. ``std``: σ(x) if given (fedprior_drift's σ at each row's
-        time), else :meth:`predictive_std`.
-        """
-        std = (self.predictive_std(params, x) if std is None else std).to(F64)
-        if not self.branch_orders:
-            return (1.959964 * std).to(x.dtype)
-        p = len(self.terms)
-        psi = legendre_products(x, self.branch_terms)
-        m = (psi * params["coef"][..., p:].to(F64).unsqueeze(1)).sum(-1).unsqueeze(-1)
-        s = (std * std - m * m).clamp_min(0.0).sqrt()
-        return mixture_halfwidth(m, s).to(x.dtype)
+    # ---- the calibrated interval (fedprior_interval), as the exports and deploy read it ----
+    def interval_note(self, server: Tree) -> str:
+        """Why the run states no interval for (some) units (:meth:`CalibratedInterval.note`)."""
+        return self.calibrated.note(server)
 
-    def variance_design(self, x: Tensor) -> Tensor:
-        """z(x) = [φ(x), ψ(x)] (clients, rows, features), float64: no sign b (unknown in use)."""
-        phi = legendre_products(x, self.terms)
-        if not self.branch_orders:
-            return phi
-        return torch.cat([phi, legendre_products(x, self.branch_terms)], -1)
+    def weak_units(self, down: Tree, cov: Tensor, noise: Tensor, data: ClientData) -> Tensor:
+        """I3's declined units (:meth:`CalibratedInterval.weak_units`)."""
+        return self.calibrated.weak_units(down, cov, noise, data)
 
-    def variance_form(self, params: Tree) -> tuple[Tensor, Tensor]:
-        """(Q, s): the predictive variance as z(x)ᵀQ z(x) + s, z = :meth:`variance_design`.
+    def _fit(self, down: Tree, state: Tree, sub: Moments) -> tuple[Tensor, Tensor, Tensor]:
+        """A hold-out fit (:meth:`CalibratedInterval._fit`; fedprior_deploy's emulation)."""
+        return self.calibrated._fit(down, state, sub)
 
-        Q = blockdiag(V_cc, m_h m_hᵀ + V_hh) — the posterior covariance of c and,
-        with a direction term, E[h hᵀ] (b unknown: E[b] = 0, E[b²] = 1; module
-        doc) — and s = Σ of the unit's additive variances: every per-unit scalar
-        parameter named ``*_var`` (σ_i² = ``noise_var``; a further additive term
-        stored the same way is included). The single place of the predictive
-        variance: :meth:`predictive_std` and the firmware/JSON exports read it.
-        """
-        p = len(self.terms)
-        cov = params["cov"].to(F64)
-        q = torch.zeros_like(cov)
-        q[..., :p, :p] = cov[..., :p, :p]
-        if self.branch_orders:
-            m_h = params["coef"][..., p:].to(F64)
-            q[..., p:, p:] = m_h.unsqueeze(-1) * m_h.unsqueeze(-2) + cov[..., p:, p:]
-        batch = cov.shape[:-2]
-        s = torch.zeros(batch, dtype=F64)
-        for key, value in params.items():
-            if key.endswith("_var") and tuple(value.shape) == tuple(batch):
-                s = s + value.to(F64)  # σ_i², and τ_i² (disc_var) with a calibrated interval
-        if "declined" in params:  # no interval stated for this unit (module doc, "Intervals")
-            s = torch.where(params["declined"].to(F64) > 0, math.nan, s)
-        return q, s
+    def _mean_var(self, coef: Tensor, cov: Tensor, noise: Tensor, x: Tensor, down: Tree):
+        """A hold-out's predictions (:meth:`CalibratedInterval._mean_var`; fedprior_deploy)."""
+        return self.calibrated._mean_var(coef, cov, noise, x, down)
+
+    def deploy_state(self, server: Tree, data: ClientData) -> dict | None:
+        """The prior's design-dependent error model learned by the reference units at the
+        run's end (:mod:`fedcal.algorithms.fedprior_deploy`, E1–E5), as prior.json's
+        ``"discrepancy"``; None when not learned (``deploy = "off"``, the model's own
+        interval, the noise model's weighted rows or drift: not emulated; ``noise =
+        "sensor"``: the emulation fits with the fleet's σ² while ``calibrate`` states a
+        unit's σ with its own σ_i², so κ would be learned for another noise rule; fewer than
+        two reference units)."""
+        if self.deploy != "learn" or self.interval != "calibrated" or self.noise_model.weighted:
+            return None
+        if self.noise == "sensor" or hasattr(self, "drift_fit"):  # fedprior_drift: not emulated
+            return None
+        model = learn(self, server, data)
+        return None if model is None else model.to_dict()
 
 
 class RoundSums(NamedTuple):

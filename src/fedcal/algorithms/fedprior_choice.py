@@ -2,8 +2,15 @@
 
 A field unit is used on its *future*: what it ships is chosen by how it predicts its own
 later rows, not by in-sample evidence (BIC rewards a basis that explains the past, e.g. a
-seasonal error). A mixin of :class:`~fedcal.algorithms.fedprior.FedPrior` (and fedprior_drift),
-acting with a time column (``choose``: "auto", "time" = also row order as time, "off").
+seasonal error). :class:`TimeChoice` is a part of :class:`~fedcal.algorithms.fedprior.FedPrior`
+(its ``time_choice``; fedprior_drift's too), acting with a time column (``choose``: "auto",
+"time" = also row order as time, "off"), declared by the settings it reads (``choice_*``,
+``implausible``, ``noise``, the raw reading), the number of inputs and the parts it uses:
+the design basis (fedprior_basis), the selection's candidates (fedprior_select) and the
+interval after calibration (``forward``,
+:class:`~fedcal.algorithms.fedprior_forward.ForwardInterval`).
+The model it scores (a unit's posterior from its early rows, its prediction and stated σ) is
+passed to the methods that need it (:class:`~fedcal.algorithms.fedprior_forward.UnitModel`).
 
 **Forward chaining.** Each unit's n calibration rows, ranked in time order (ties: row order),
 give two folds: fit on the first ⌊(1 − 2h)n⌋ and score the next ones up to ⌊(1 − h)n⌋; fit on
@@ -36,7 +43,8 @@ row by row on the scored rows, d_r = e_model,r² − e_simple,r². When mean(d) 
 rows are correlated), the unit ships that candidate (fitted on all its rows: own line; the
 fleet's pooled line; the raw reading) with its validation MSE as σ_i². per_sensor.csv
 ``fallback``: prior, own_linear, pooled_linear, raw. ``choice_sigma = "scale"`` (off by
-default, :meth:`TimeChoice._scale_sigma`) also scales each unit's σ by its last quarter.
+default, :func:`~fedcal.algorithms.fedprior_forward.scale_sigma`) also scales each unit's σ
+by its last quarter.
 
 **Implausible units** (:meth:`TimeChoice.implausible_units`): validation RMSE or mean
 predictive σ, over the unit's own target spread, beyond ``implausible`` (5) × the fleet's
@@ -45,15 +53,16 @@ median: ``weak`` (docs/statuses.md).
 
 from __future__ import annotations
 
-import dataclasses
 import math
+from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from fedcal.algorithms.fedprior_basis import DesignBasis, model_mask, unit_noise
 from fedcal.algorithms.fedprior_choice_checks import fitted_rhs
 from fedcal.algorithms.fedprior_choice_parts import (
     FOLDS,
@@ -65,15 +74,21 @@ from fedcal.algorithms.fedprior_choice_parts import (
     pooled_lines,
     repeat_moments,
     ridge_solve,
+    row_times,
+    ship_simple,
     subset,
 )
 from fedcal.algorithms.fedprior_forward import (
     FORWARD_KEYS,
     ForwardInterval,
+    UnitModel,
     bound_terms,
     forward_fit,
     forward_record,
+    scale_sigma,
+    stated_var,
 )
+from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.core.algorithm import fleet_medians
 from fedcal.core.bayes import F64, Moments, moments, posterior
 from fedcal.core.data import ClientData
@@ -93,33 +108,61 @@ CHOICE_KEYS = (
 SPAN_CAP = 32.0  # a declared span counts at most this × the median in T (as fedprior_drift)
 
 
-class TimeChoice(ForwardInterval):
-    """Forward-chaining choice, simple candidates and the no-harm fall-back (module doc);
-    the interval after calibration (:mod:`~fedcal.algorithms.fedprior_forward`)."""
+@dataclass(frozen=True)
+class TimeChoice:
+    """Forward-chaining choice, simple candidates and the no-harm fall-back (module doc),
+    declared by what it reads; the interval after calibration is its ``forward`` part."""
 
-    unit_labels: ClassVar[dict[str, tuple[str, ...]]] = {"fallback": ("prior", *SIMPLE)}
+    choose: str  # "auto", "time" or "off"
+    holdout: float  # h: the share of a unit's calibration span each forward fold scores
+    clip: float  # a unit's score of a candidate is clipped to this (nats)
+    z: float  # no harm: standard errors the model must lose by
+    margin: float  # ... and this share of the simple candidate's validation MSE
+    sigma: str  # "scale": each unit's σ scaled by its last quarter; "off"
+    implausible: float  # a unit beyond this × the fleet's median is "weak"
+    noise: str  # "fleet" or "sensor": the σ² a unit's early fit uses (fedprior_basis)
+    raw_input: int  # the input that reads the target itself (-1: none)
+    raw_map: tuple[float, float]  # its map into the scaled target
+    inputs: int
+    basis: DesignBasis
+    selection: EvidenceSelection
+    forward: ForwardInterval
 
-    def with_scaler(self, scaler: Any) -> Any:
+    @property
+    def labels(self) -> dict[str, tuple[str, ...]]:
+        """The ``fallback`` column's names (its codes: 0 the prior's model, then SIMPLE)."""
+        return {"fallback": ("prior", *SIMPLE)}
+
+    def raw_map_of(self, scaler: Any) -> tuple[float, float]:
         """``raw_map`` from the run's scaler (``raw_input`` ≥ 0): y = x_raw in data units is
         y_s = (x_s·s_x + o_x − o_y) / s_y in scaled units."""
-        if self.raw_input < 0:
-            return self
         j = self.raw_input
         x_off, x_sc = float(np.ravel(scaler.x_offset)[j]), float(np.ravel(scaler.x_scale)[j])
         y_off, y_sc = float(np.ravel(scaler.y_offset)[0]), float(np.ravel(scaler.y_scale)[0])
-        return dataclasses.replace(self, raw_map=((x_off - y_off) / y_sc, x_sc / y_sc))
+        return ((x_off - y_off) / y_sc, x_sc / y_sc)
 
     # ---- when and on what ----------------------------------------------------------
+    @property
+    def on(self) -> bool:
+        """Whether the choice's state and uploads exist (``choose`` not "off", a basis with
+        the constant and every first-order term)."""
+        return self.choose != "off" and self.linear_terms is not None
+
     def choosing(self, data: ClientData) -> bool:
         """Whether the time-respecting choice acts on these data (``choose``)."""
-        if not self.choice_on:
+        if not self.on:
             return False
         return self.choose == "time" or data.time is not None
 
-    def _times(self, data: ClientData) -> Tensor:
-        if data.time is not None:
-            return data.time.to(F64)
-        return torch.arange(data.x.shape[1], dtype=F64).expand(data.x.shape[:2])
+    @cached_property
+    def linear_terms(self) -> list[int] | None:
+        """Indices in φ's terms of the constant and each input's first-order term."""
+        return linear_index(self.basis.terms, self.inputs)
+
+    @property
+    def candidates(self) -> int:
+        """The bases scored: every candidate with ``select = "bic"``'s own EMs, else one."""
+        return len(self.selection.candidates) if self.selection.each_candidate else 1
 
     def folds(self, data: ClientData) -> list[tuple[Tensor, Tensor]]:
         """(fit, scored) row masks (clients, rows) of the forward-chaining folds, cut by each
@@ -127,14 +170,14 @@ class TimeChoice(ForwardInterval):
         one time stamp still has folds. A fold counts for a unit only if it fits at least
         (linear terms + 1) rows; otherwise its scored rows are none (a unit with no counted
         fold is unscored)."""
-        t, real = self._times(data), data.mask > 0
+        t, real = row_times(data), data.mask > 0
         order = torch.argsort(torch.where(real, t, math.inf), dim=1, stable=True)
         rank = torch.argsort(order, dim=1).to(F64)
         n = real.sum(1, keepdim=True).to(F64)
-        h = self.choice_holdout
+        h = self.holdout
         # fold k (0..FOLDS-1): fit the rows before the (FOLDS - k)-th last h, score that h
         cuts = [torch.floor((1 - j * h) * n) for j in range(FOLDS, -1, -1)]  # ..., 1 - h, 1
-        least = len(self._linear_terms() or [0]) + 1
+        least = len(self.linear_terms or [0]) + 1
         out = []
         for k in range(FOLDS):
             fit = real & (rank < cuts[k])
@@ -143,44 +186,40 @@ class TimeChoice(ForwardInterval):
             out.append((fit.to(F64), scored.to(F64)))
         return out
 
-    @property
-    def choice_on(self) -> bool:
-        """Whether the choice's state and uploads exist (``choose`` not "off", a basis with
-        the constant and every first-order term)."""
-        return self.choose != "off" and self._linear_terms() is not None
-
-    def _linear_terms(self) -> list[int] | None:
-        """Indices in :attr:`terms` of the constant and each input's first-order term."""
-        return linear_index(self.terms, self.num_inputs)
-
     @cached_property
     def raw_coef(self) -> Tensor | None:
-        """The raw reading y = α + β·x_raw (scaled) as coefficients of :attr:`terms`
+        """The raw reading y = α + β·x_raw (scaled) as coefficients of the design
         (normalized Legendre: P̃₀ = 1, P̃₁(x) = √3·x)."""
-        lin = self._linear_terms()
-        if self.raw_input < 0 or lin is None or self.raw_input >= self.num_inputs:
+        lin = self.linear_terms
+        if self.raw_input < 0 or lin is None or self.raw_input >= self.inputs:
             return None
-        coef = torch.zeros(self.num_features, dtype=F64)
+        coef = torch.zeros(len(self.basis.terms) + len(self.basis.branch_terms), dtype=F64)
         coef[lin[0]] = self.raw_map[0]
         coef[lin[1 + self.raw_input]] = self.raw_map[1] / math.sqrt(3.0)
         return coef
 
     # ---- client: the uploads -----------------------------------------------------------
-    def choice_uploads(
-        self, down: Tree, state: Tree, data: ClientData, gram: Tensor, mean: Tensor
+    def uploads(
+        self,
+        model: UnitModel,
+        down: Tree,
+        state: Tree,
+        data: ClientData,
+        gram: Tensor,
+        mean: Tensor,
     ) -> Tree:
         """A unit's scores of every candidate, its folds' linear moments and (G m) on the
         linear terms (``gram``, ``mean``: its design Gram and posterior mean as uploaded;
-        fedprior_choice_checks)."""
-        design = self.design(data.x, data.branch)
+        fedprior_choice_checks); the forward interval's fold terms of ``model``."""
+        design = self.basis.design(data.x, data.branch)
         y = data.y[..., 0].to(F64)
-        lin = torch.tensor(self._linear_terms())
+        lin = torch.tensor(self.linear_terms)
         pooled = pooled_lines(down, len(lin))
         sse, grams, rhss, rows = [], [], [], torch.zeros(data.num_clients, dtype=F64)
         fwd = []
         for k, (fit, scored) in enumerate(self.folds(data)):
-            if self.choice_interval == "forward":
-                fwd.append(self.forward_fold(down, state, data, fit, scored))
+            if self.forward.on:
+                fwd.append(self.forward.fold(model, down, state, data, fit, scored))
             early, late = moments(design, y, fit), moments(design, y, scored)
             rows = rows + late.n
             coefs = self._candidate_coefs(down, state, early)  # (clients, K, p)
@@ -188,7 +227,7 @@ class TimeChoice(ForwardInterval):
             r = early.rhs[:, lin]
             grams.append(g)
             rhss.append(r)
-            simple = torch.zeros(data.num_clients, 3, self.num_features, dtype=F64)
+            simple = torch.zeros(data.num_clients, 3, design.shape[-1], dtype=F64)
             simple[:, 0, lin] = ridge_solve(g, r)
             if pooled is not None:
                 simple[:, 1, lin] = pooled[0][:, k]
@@ -201,9 +240,9 @@ class TimeChoice(ForwardInterval):
         have[-2] = pooled is not None
         have[-1] = self.raw_coef is not None
         best = torch.where(have, mse, math.inf).amin(1, keepdim=True).clamp_min(1e-300)
-        score = torch.log(mse.clamp_min(1e-300) / best).clamp(0.0, self.choice_clip)
+        score = torch.log(mse.clamp_min(1e-300) / best).clamp(0.0, self.clip)
         score = torch.where(have & (rows > 0).unsqueeze(1), score, 0.0)
-        t, real = self._times(data), data.mask > 0
+        t, real = row_times(data), data.mask > 0
         span = torch.where(real, t, -math.inf).amax(1) - torch.where(real, t, math.inf).amin(1)
         return {
             "score": score,
@@ -218,9 +257,11 @@ class TimeChoice(ForwardInterval):
 
     def _candidate_coefs(self, down: Tree, state: Tree, early: Moments) -> Tensor:
         """(clients, K, p): each basis candidate's posterior mean from the early rows."""
-        if not self.each_candidate:  # the basis in use only
-            stats, post = self._posterior(down, state, early)
-            mask = self._model_mask(down)
+        if not self.selection.each_candidate:  # the basis in use only
+            mask = model_mask(down)
+            stats = early if mask is None else _masked(early, mask)
+            noise = unit_noise(self.noise, down, state)
+            post = posterior(stats, down["mu"], down["sigma"], noise)
             coef = post.mean if mask is None else post.mean * mask
             return coef.unsqueeze(1)
         stats, c, p, k = self.selection.candidate_moments(down, early)
@@ -232,10 +273,10 @@ class TimeChoice(ForwardInterval):
             cand["sigma"].reshape(-1, p, p),
             noise.reshape(-1),
         )
-        return post.mean.reshape(c, k, p) * self.masks.unsqueeze(0)
+        return post.mean.reshape(c, k, p) * self.selection.masks.unsqueeze(0)
 
     # ---- server ------------------------------------------------------------------------
-    def choice_update(self, replies: Tree, order: Tensor, gram: Tensor, per_unit: bool) -> Tree:
+    def update(self, replies: Tree, order: Tensor, gram: Tensor, per_unit: bool) -> Tree:
         """The pooled lines and the fleet's summed scores. ``per_unit`` (not streamed sums):
         each unit's score clipped to [0, ``choice_clip``], ``scored`` to [0, 1], non-finite
         entries 0 (the consistency check refuses such replies; this bounds them without it).
@@ -249,11 +290,11 @@ class TimeChoice(ForwardInterval):
             replies = {
                 k: torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0) for k, v in replies.items()
             }
-            replies["score"] = replies["score"].clamp(0.0, self.choice_clip)
+            replies["score"] = replies["score"].clamp(0.0, self.clip)
             replies["scored"] = replies["scored"].clamp(0.0, 1.0)  # (× an outlier weight)
             fwd = bound_terms(fwd) if fwd else fwd
         total = {k: v[order].sum(0) for k, v in replies.items()}
-        lin = torch.tensor(self._linear_terms())
+        lin = torch.tensor(self.linear_terms)
         g = gram[order].sum(0).to(F64)[lin][:, lin]
         out = {
             "pooled_fold": ridge_solve(total["lin_gram"], total["lin_rhs"]),
@@ -271,17 +312,16 @@ class TimeChoice(ForwardInterval):
             out.update(forward_fit({k: v[order].sum(0) for k, v in fwd.items()}, scale))
         return out
 
-    def forward_choice(self, scores: Tensor) -> int:
+    def pick(self, scores: Tensor) -> int:
         """The basis of least summed score (ties: the smaller, listed first)."""
-        k = len(self.candidates) if self.each_candidate else 1
-        return int(torch.argmin(scores[:k]))
+        return int(torch.argmin(scores[: self.candidates]))
 
-    def choice_record(self, server: Tree) -> dict[str, Any] | None:
+    def record(self, server: Tree) -> dict[str, Any] | None:
         """prior.json's record of the time-respecting choice (None when it did not act)."""
         if "forward_scored" not in server or not float(server["forward_scored"]) > 0:
             return None
-        names = [str(c) if c else "basis in use" for c in self.candidates]
-        names = names if self.each_candidate else ["basis in use"]
+        names = [str(c) if c else "basis in use" for c in self.selection.candidates]
+        names = names if self.selection.each_candidate else ["basis in use"]
         scores = [round(float(v), 3) for v in server["forward_scores"]]
         have = [True] * len(names) + [True, True, self.raw_coef is not None]
         ranked = sorted(
@@ -294,15 +334,16 @@ class TimeChoice(ForwardInterval):
             "scores": scores,
             "ranked": [{"candidate": n, "score": s} for s, n in ranked],
             "note": "score: Σ over units of clip(log(MSE / the unit's best MSE), 0, "
-            f"{self.choice_clip:g}); lower is better; simple candidates are shipped per unit "
+            f"{self.clip:g}); lower is better; simple candidates are shipped per unit "
             "by the no-harm fall-back",
             **({"interval": forward_record(server)} if "fwd_scale" in server else {}),
         }
 
     # ---- client: no harm at personalization ----------------------------------------------
-    def no_harm(self, down: Tree, state: Tree, data: ClientData, out: Tree) -> Tree:
-        """The unit's model, or its best simple candidate where that predicted its own
-        future better by more than ``choice_z`` standard errors (module doc)."""
+    def no_harm(self, model: UnitModel, down: Tree, state: Tree, data: ClientData, out: Tree):
+        """The unit's model ``out``, or its best simple candidate where that predicted its
+        own future better by more than ``choice_z`` standard errors (module doc); ``model``
+        fits the unit's early rows the same way."""
         c = data.num_clients
         out["fallback"] = torch.zeros(c, dtype=F64)
         out["val_mse"] = torch.full((c,), -1.0, dtype=F64)  # -1: not measured (finite)
@@ -311,23 +352,22 @@ class TimeChoice(ForwardInterval):
         count = m.sum(1).clamp_min(1.0)
         mean = (y * m).sum(1) / count
         out["target_sd"] = (((y - mean.unsqueeze(1)) ** 2 * m).sum(1) / count).sqrt()
-        if self.choice_interval == "forward":  # κ, ρ/T after calibration
-            out = self.forward_personal(down, data, out)
+        if self.forward.on:  # κ, ρ/T after calibration
+            out = self.forward.personal(down, data, out)
         if not self.choosing(data):
             return out
-        lin = torch.tensor(self._linear_terms())
-        design = self.design(data.x, data.branch)
-        y = data.y[..., 0].to(F64)
+        lin = torch.tensor(self.linear_terms)
+        design = self.basis.design(data.x, data.branch)
         err = torch.zeros(4, *y.shape, dtype=F64)  # model, own, pooled, raw: squared errors
         scored_all = torch.zeros_like(y)
         stated = torch.zeros_like(y)  # the early fit's stated predictive variance there
         pooled = pooled_lines(down, len(lin))
         for k, (fit, scored) in enumerate(self.folds(data)):
-            early = self._personal(down, state, subset(data, fit))
-            pred = self.predict(early, data.x.to(F64))[..., 0].to(F64)
+            early = model._personal(down, state, subset(data, fit))
+            pred = model.predict(early, data.x.to(F64))[..., 0].to(F64)
             err[0] += scored * (pred - y) ** 2
             if k == FOLDS - 1:  # σ: the fold most like use (fit on all but the last h)
-                stated = scored * self._stated_var(early, data)
+                stated = scored * stated_var(model, early, data)
                 last = scored
             em = moments(design, y, fit)
             own = ridge_solve(em.gram[:, lin][:, :, lin], em.rhs[:, lin])
@@ -347,60 +387,20 @@ class TimeChoice(ForwardInterval):
         mean = (d * scored_all).sum(1) / n.clamp_min(1.0)
         var = ((d - mean.unsqueeze(1)) ** 2 * scored_all).sum(1) / (n - 1).clamp_min(1.0)
         base = pick_mse(mse[1:], best)
-        bar = self.choice_margin * base + self.choice_z * (var / n.clamp_min(1.0)).sqrt()
+        bar = self.margin * base + self.z * (var / n.clamp_min(1.0)).sqrt()
         worse = (n >= MIN_SCORED) & (mean > bar)
         out["val_mse"] = torch.where(n > 0, mse[0], -1.0)
-        if self.choice_sigma == "scale":
-            out = self._scale_sigma(out, err[0] * last, stated, last, ~worse)
+        if self.sigma == "scale":
+            out = scale_sigma(out, err[0] * last, stated, last, ~worse)
         if bool(worse.any()):
-            out = self._ship_simple(out, down, data, design, best, worse, base)
-        return out
-
-    def _ship_simple(
-        self,
-        out: Tree,
-        down: Tree,
-        data: ClientData,
-        design: Tensor,
-        best: Tensor,
-        worse: Tensor,
-        val: Tensor,
-    ) -> Tree:
-        """Replace the flagged units' model by their best simple candidate (all rows)."""
-        lin = torch.tensor(self._linear_terms())
-        y = data.y[..., 0].to(F64)
-        full = moments(design, y, data.mask.to(F64))
-        g, r = full.gram[:, lin][:, :, lin], full.rhs[:, lin]
-        p = self.num_features
-        coef = torch.zeros(data.num_clients, 3, p, dtype=F64)
-        coef[:, 0, lin] = ridge_solve(g, r)
-        pooled = pooled_lines(down, len(lin))
-        if pooled is not None:
-            coef[:, 1, lin] = pooled[1]
-        if self.raw_coef is not None:
-            coef[:, 2] = self.raw_coef
-        chosen = coef[torch.arange(data.num_clients), best]
-        resid = late_sse(full, chosen) / full.n.clamp_min(1.0)
-        cov = torch.zeros(data.num_clients, p, p, dtype=F64)
-        own_cov = torch.linalg.pinv(g) * resid.unsqueeze(-1).unsqueeze(-1)
-        cov[:, lin.unsqueeze(1), lin.unsqueeze(0)] = own_cov
-        cov = torch.where((best == 0).reshape(-1, 1, 1), cov, 0.0)
-        w = worse.reshape(-1, 1)
-        out["coef"] = torch.where(w, chosen, out["coef"].to(F64))
-        out["cov"] = torch.where(w.unsqueeze(-1), cov, out["cov"].to(F64))
-        noise = torch.maximum(val, resid)  # its error on its own future, at least in-sample
-        out["noise_var"] = torch.where(worse, noise, out["noise_var"].to(F64).expand_as(noise))
-        if "disc_var" in out:
-            out["disc_var"] = torch.where(worse, 0.0, out["disc_var"].to(F64))
-        out["fallback"] = torch.where(worse, 1.0 + best.to(F64), 0.0)
-        out["val_mse"] = torch.where(worse, val, out["val_mse"])
+            simple = (lin, self.raw_coef, pooled_lines(down, len(lin)))
+            out = ship_simple(out, data, design, best, worse, base, *simple)
         return out
 
     # ---- server state, status and records -------------------------------------------------
-    def _choice_init(self) -> Tree:
-        """fedprior_choice's server state before any sums: no pooled line yet."""
-        k = len(self.candidates) if self.each_candidate else 1
-        k, lin = k + len(SIMPLE), 1 + self.num_inputs
+    def init(self) -> Tree:
+        """The choice's server state before any sums: no pooled line yet."""
+        k, lin = self.candidates + len(SIMPLE), 1 + self.inputs
         zero = torch.tensor(0.0, dtype=F64)
         start = {
             "pooled_fold": torch.zeros(FOLDS, lin, dtype=F64),
@@ -409,7 +409,7 @@ class TimeChoice(ForwardInterval):
             "forward_scores": torch.zeros(k, dtype=F64),
             "forward_scored": zero.clone(),
         }
-        if self.choice_interval == "off":
+        if not self.forward.on:
             return start
         return {
             **start,
@@ -420,27 +420,20 @@ class TimeChoice(ForwardInterval):
             "fwd_check": torch.full((3,), -1.0, dtype=F64),
         }
 
-    def _choice_state(self, server: Tree, forward: Tree | None) -> Tree:
+    def kept(self, server: Tree, forward: Tree | None) -> Tree:
         """The pooled lines and forward scores to keep (last round's without new sums)."""
         if "pooled_ok" not in server:
             return {}
         return {k: server[k] for k in CHOICE_KEYS if k in server} if forward is None else forward
 
-    def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
-        """PriorStatus's flags, and ``weak`` for an implausible unit (fedprior_choice)."""
-        flags = self.prior_status.client_status(server, personal, x, mask)
-        if self.choose != "off":
-            medians = server.get("status_medians")  # over the whole fleet (a chunked judge)
-            flags["weak"] = flags["weak"] | self.implausible_units(personal, x, mask, medians)
-        return flags
-
-    def unit_columns(self, params: Tree, train: ClientData) -> dict:
+    def unit_columns(self, params: Tree) -> dict:
         """Per unit: ``fallback``, the model it ships (no harm; a code, named by
-        :attr:`unit_labels` where the tables are written), and ``sigma_scale``, the
-        factor its σ got from its own later rows (:meth:`_scale_sigma`)."""
+        :attr:`labels` where the tables are written), ``sigma_scale``, the factor its σ got
+        from its own later rows (fedprior_forward.scale_sigma), and ``future_scale``, κ on
+        σ after calibration (NaN: declined)."""
         if "fallback" not in params or self.choose == "off":
             return {}
-        out = {"fallback": params["fallback"].to(F64).numpy()}  # codes: unit_labels
+        out = {"fallback": params["fallback"].to(F64).numpy()}  # codes: labels
         if "sigma_scale" in params:
             out["sigma_scale"] = params["sigma_scale"].to(F64).numpy()
         if "fwd_scale" in params:  # κ on σ after calibration; NaN: declined (fedprior_forward)
@@ -448,18 +441,10 @@ class TimeChoice(ForwardInterval):
             out["future_scale"] = torch.where(declined, math.nan, params["fwd_scale"]).numpy()
         return out
 
-    def export_state(self, server: Tree) -> dict:
-        state = self.prior_status.export_state(server, self.interval_note(server))
-        record = self.choice_record(server)
-        if record is not None:  # the time-respecting choice (fedprior_choice)
-            selection = state.setdefault("selection", {"rule": "none", "chosen": {}})
-            if self.each_candidate:
-                selection["rule"] = "forward"
-            selection["forward"] = record
-        return state
-
     # ---- status ------------------------------------------------------------------------
-    def status_values(self, personal: Tree, x: Tensor, mask: Tensor) -> dict[str, Tensor]:
+    def status_values(
+        self, model: UnitModel, personal: Tree, x: Tensor, mask: Tensor
+    ) -> dict[str, Tensor]:
         """(clients,) each unit's validation RMSE and mean predictive σ at ``x`` (its test
         inputs, where its errors are measured), each over the unit's own target spread (the
         standard deviation of its calibration targets: a rain gauge of a wet site is not
@@ -474,7 +459,7 @@ class TimeChoice(ForwardInterval):
         if "val_mse" in personal:
             val = personal["val_mse"].to(F64).reshape(n)  # -1: not measured
             out["rmse"] = torch.where(val >= 0, val.clamp_min(0.0).sqrt() / spread, math.nan)
-        std = self.predictive_std(personal, x)
+        std = model.predictive_std(personal, x)
         if std is not None:
             m = mask.to(F64)
             s = (std.to(F64)[..., 0] * m).sum(1) / m.sum(1).clamp_min(1.0) / spread
@@ -482,12 +467,17 @@ class TimeChoice(ForwardInterval):
         return out
 
     def implausible_units(
-        self, personal: Tree, x: Tensor, mask: Tensor, medians: dict | None = None
+        self,
+        model: UnitModel,
+        personal: Tree,
+        x: Tensor,
+        mask: Tensor,
+        medians: dict | None = None,
     ) -> Tensor:
         """(clients,) units whose :meth:`status_values` exceed ``implausible`` times the
         fleet's median (``medians``: over every unit of the fleet, as a chunked caller
         passes them; None: over these units, at least 3 measured; module doc)."""
-        values = self.status_values(personal, x, mask)
+        values = self.status_values(model, personal, x, mask)
         medians = fleet_medians(values) if medians is None else medians
         flag = torch.zeros(x.shape[0], dtype=torch.bool)
         for name, v in values.items():

@@ -7,11 +7,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fedcal.core.bayes import F64, Moments
+from fedcal.core.bayes import F64, Moments, moments
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree
 
 FOLDS = 2
+
+
+def row_times(data: ClientData) -> Tensor:
+    """(clients, rows) each row's time: the data's time column, or the row order without one."""
+    if data.time is not None:
+        return data.time.to(F64)
+    return torch.arange(data.x.shape[1], dtype=F64).expand(data.x.shape[:2])
 
 
 def subset(data: ClientData, keep: Tensor) -> ClientData:
@@ -106,3 +113,46 @@ def fleet_time_scale(span: Tensor, order: Tensor, cap: float) -> Tensor:
     if float(med) > 0:
         span = span.clamp_max(cap * med)
     return span[order].sum(0) / max(float(span.shape[0]), 1.0)
+
+
+def ship_simple(
+    out: Tree,
+    data: ClientData,
+    design: Tensor,
+    best: Tensor,
+    worse: Tensor,
+    val: Tensor,
+    lin: Tensor,
+    raw_coef: Tensor | None,
+    pooled: tuple[Tensor, Tensor] | None,
+) -> Tree:
+    """The no-harm fall-back (fedprior_choice): the ``worse`` units' model ``out`` replaced
+    by their ``best`` simple candidate fitted on all rows (0: own line on the linear terms
+    ``lin``, 1: the fleet's ``pooled`` line, 2: the raw reading ``raw_coef``), with their
+    validation MSE ``val`` (at least the in-sample one) as σ_i² and no τ²."""
+    y = data.y[..., 0].to(F64)
+    full = moments(design, y, data.mask.to(F64))
+    g, r = full.gram[:, lin][:, :, lin], full.rhs[:, lin]
+    p = design.shape[-1]
+    coef = torch.zeros(data.num_clients, 3, p, dtype=F64)
+    coef[:, 0, lin] = ridge_solve(g, r)
+    if pooled is not None:
+        coef[:, 1, lin] = pooled[1]
+    if raw_coef is not None:
+        coef[:, 2] = raw_coef
+    chosen = coef[torch.arange(data.num_clients), best]
+    resid = late_sse(full, chosen) / full.n.clamp_min(1.0)
+    cov = torch.zeros(data.num_clients, p, p, dtype=F64)
+    own_cov = torch.linalg.pinv(g) * resid.unsqueeze(-1).unsqueeze(-1)
+    cov[:, lin.unsqueeze(1), lin.unsqueeze(0)] = own_cov
+    cov = torch.where((best == 0).reshape(-1, 1, 1), cov, 0.0)
+    w = worse.reshape(-1, 1)
+    out["coef"] = torch.where(w, chosen, out["coef"].to(F64))
+    out["cov"] = torch.where(w.unsqueeze(-1), cov, out["cov"].to(F64))
+    noise = torch.maximum(val, resid)  # its error on its own future, at least in-sample
+    out["noise_var"] = torch.where(worse, noise, out["noise_var"].to(F64).expand_as(noise))
+    if "disc_var" in out:
+        out["disc_var"] = torch.where(worse, 0.0, out["disc_var"].to(F64))
+    out["fallback"] = torch.where(worse, 1.0 + best.to(F64), 0.0)
+    out["val_mse"] = torch.where(worse, val, out["val_mse"])
+    return out

@@ -22,7 +22,7 @@ E2. **The designs each emulates** (:func:`unit_designs`), as new units are measu
     new unit is declined) and two draws each
     of random 2- and 3-plateau designs (plateaus spread over at least half the span,
     3–4 points per plateau, pressure ends included), in positions of the unit's
-    own span (:func:`~fedcal.algorithms.fedprior_interval._unit_span`). The plateau input
+    own span (:func:`~fedcal.algorithms.fedprior_interval_parts.span_positions`). The plateau input
     is the one with the fewest distinct levels (ties: the last, temperature in fedcal's
     schemas). A unit whose rows sit on plateaus (a campaign) takes, per design plateau,
     its nearest plateau and on it the rows nearest the design's pressure positions within
@@ -54,7 +54,7 @@ E5. **The record** (:class:`~fedcal.prior.discrepancy.Discrepancy`): β, a², �
     declines a new unit's design the references did not span.
 
 Only sums over a unit's own rows leave it (E3, E4); the engine here is the run's end
-(:meth:`~fedcal.algorithms.fedprior_interval.CalibratedInterval.deploy_state`), on the
+(:meth:`~fedcal.algorithms.fedprior.FedPrior.deploy_state`), on the
 final prior, once: not every round.
 """
 

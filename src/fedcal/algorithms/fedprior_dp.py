@@ -58,6 +58,28 @@ class PrivateStatistics:
     second_weight: float  # the second moment's weight in the joint sensitivity
     branch: bool  # the design has a direction term (its support is uploaded)
     selection: EvidenceSelection  # select_by = "marginal": the scores' statistic
+    weighted: bool  # the noise model weights rows (fedprior_noise): not covered
+    interval: str  # "posterior" or "calibrated" (the hold-out uploads inputs: not covered)
+
+    def refusal(self) -> str | None:
+        """Why client-level DP does not cover these settings (one line), or None."""
+        if self.weighted:
+            return (
+                "fedprior: client-level DP covers noise_shape = 'constant' and noise_tail = "
+                "'gaussian' only (the noise model's sums and row weights are not bounded)"
+            )
+        if self.interval != "posterior":
+            return (
+                "fedprior: client-level DP covers interval = 'posterior' only (the hold-out "
+                "uploads a unit's inputs)"
+            )
+        if self.selection.each_candidate:
+            # Every candidate's statistics would need their own noise (20× the sensitivity).
+            return (
+                "fedprior: client-level DP with select = 'bic' needs select_by = 'marginal' "
+                "(one bounded score vector per unit), or select = 'none' (fedprior_fixed)"
+            )
+        return None
 
     def statistics(self, down: Tree) -> dict[str, Statistic]:
         """Client-level DP: each uploaded statistic's public map and bound (core/privacy; the

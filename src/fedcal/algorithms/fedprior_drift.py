@@ -110,6 +110,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Annotated, Literal
 
 import numpy as np
@@ -119,7 +120,7 @@ from torch import Tensor
 
 from fedcal.algorithms.fedprior import FedPrior
 from fedcal.algorithms.fedprior_choice_parts import fleet_time_scale
-from fedcal.algorithms.fedprior_short import SHORT_WINDOWS, ShortColocation
+from fedcal.algorithms.fedprior_short import SHORT_WINDOWS, ShortColocation, unit_span, unit_times
 from fedcal.core.algorithm import ClientResult, SettingError
 from fedcal.core.bayes import F64, Moments, moments, posterior, safe_cholesky
 from fedcal.core.data import ClientData
@@ -132,7 +133,7 @@ NO_TIME = "no time column: q = 0, fedprior's model (give the data --time-column 
 
 
 @dataclass(frozen=True)
-class FedPriorDrift(ShortColocation, FedPrior):
+class FedPriorDrift(FedPrior):
     # B: bins of a unit's calibration span within which the walk is held; 0: as many as the
     # basis affords (BIN_SIZE). Measured on a planted fleet (1 input, 2 terms): 8 bins put
     # the within-bin drift into σ (0.060 for a planted 0.05) and 30 bins 0.055.
@@ -175,25 +176,16 @@ class FedPriorDrift(ShortColocation, FedPrior):
     # A unit's drift evidences grow with its rows, like its residual terms: not screened.
     unscreened_replies = (*FedPrior.unscreened_replies, "drift/")
 
-    def _q_grid(self) -> Tensor:  # fedprior_short's q_s grid: the drift's own
-        return DRIFT_GRID
+    @cached_property
+    def short(self) -> ShortColocation:
+        """Short co-locations, S1–S4 (fedprior_short), with the drift's grid of q."""
+        settings = (self.short_colocation, self.short_emulation, self.drift_holdout)
+        args = (self.drift_test, self.noise, self.design_basis, self.calibrated)
+        return ShortColocation(*settings, *args, DRIFT_GRID)
 
-    # ---- time ------------------------------------------------------------------------
-    @staticmethod
-    def _time(data: ClientData) -> Tensor:
-        """Each row's time; without a time column every row at 0 (no span: q stays 0)."""
-        if data.time is None:
-            return torch.zeros(data.mask.shape, dtype=F64)
-        return data.time.to(F64)
-
-    @staticmethod
-    def _span(t: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """(t_i, span_i): each unit's latest row time and its calibration span (clients,)."""
-        real = mask > 0
-        last = torch.where(real, t, -math.inf).amax(1)
-        first = torch.where(real, t, math.inf).amin(1)
-        ok = real.any(1)
-        return torch.where(ok, last, 0.0), torch.where(ok, last - first, 0.0)
+    # ---- time (fedprior_short) ----------------------------------------------------------
+    _time = staticmethod(unit_times)  # each row's time (0 without a time column)
+    _span = staticmethod(unit_span)  # (t_i, span_i) per unit
 
     def _drift_map(self, down: Tree) -> Tensor:
         """(…, features, features): the map onto the coordinates that drift — φ's terms of
@@ -307,7 +299,7 @@ class FedPriorDrift(ShortColocation, FedPrior):
     def _personal_moments(self, down: Tree, data: ClientData) -> Moments:
         """A unit's posterior at t_i: its moments whitened by the broadcast q (module doc),
         a short co-location's tempered by the fleet's w* (fedprior_short, S4)."""
-        return self._short_personal(down, data, self._walk_moments(down, data))
+        return self.short.personal_moments(down, data, self._walk_moments(down, data))
 
     def _walk_moments(self, down: Tree, data: ClientData) -> Moments:
         """The moments whitened by the broadcast drift q (static at q = 0)."""
@@ -329,7 +321,7 @@ class FedPriorDrift(ShortColocation, FedPrior):
             "seen": torch.eye(self.num_features, dtype=F64),
             "loglik": torch.zeros_like(DRIFT_GRID),
             "future": torch.zeros_like(DRIFT_GRID),
-            "short": self._short_init(),
+            "short": self.short.init(),
         }
         return {**super().server_init(params), "drift": drift}
 
@@ -338,7 +330,7 @@ class FedPriorDrift(ShortColocation, FedPrior):
             **super().broadcast(server),
             "drift": {
                 **{k: server["drift"][k] for k in ("q", "scale", "seen")},
-                **self._short_broadcast(server["drift"]),
+                **self.short.broadcast(server["drift"]),
             },
         }
 
@@ -404,14 +396,14 @@ class FedPriorDrift(ShortColocation, FedPrior):
         _, span = self._span(t, data.mask.to(F64))
         loglik = torch.zeros(c, len(DRIFT_GRID), dtype=F64)
         future = torch.zeros(c, len(DRIFT_GRID), dtype=F64)
-        short = self._short_holdout({**down, "drift": {}}, state, data)  # zeros (shape)
+        short = self.short.holdout(down, state, data)  # zeros (shape): no Σ_d yet
         if float(down["drift"]["scale"].reshape(-1)[0]) > 0:  # the fleet's time scale is known
             noise = down["noise_var"].to(F64).reshape(-1)
             post, half_logdet = self._grid_posterior(down, noise, self._drift_parts(down, data))
             loglik = post.loglik.reshape(c, -1) + half_logdet
             if self.drift_fit == "future":
                 future = self._future_scores(down, state, data)
-            short = self._short_holdout(down, state, data)  # S2 (fedprior_short)
+            short = self.short.holdout(down, state, data, self._drift_cov(down))  # S2
         drift = {"loglik": loglik, "future": future, "span": span, "short": short}
         reply = {**result.reply, "drift": drift}
         return ClientResult(reply, result.state, result.metrics)
@@ -463,7 +455,7 @@ class FedPriorDrift(ShortColocation, FedPrior):
             "held": held[order],
         }
         unit_w = torch.ones_like(held) if robust is None else robust.weights.to(F64)
-        new["drift"]["short"] = self._short_update(old["short"], drift["span"], sums, unit_w[order])
+        new["drift"]["short"] = self.short.update(old["short"], drift["span"], sums, unit_w[order])
         return new
 
     def inconsistent_replies(
@@ -519,7 +511,7 @@ class FedPriorDrift(ShortColocation, FedPrior):
         q, scale = down["drift"]["q"].to(F64), down["drift"]["scale"].to(F64)
         rate = torch.where(scale > 0, q / scale.clamp_min(1e-300), 0.0).reshape(-1)
         out.update(t_ref=t_ref, drift_rate=rate.expand_as(t_ref), drift_cov=self._drift_cov(down))
-        return self._short_use(down, data, out)  # S4: the short class's rate and τ²_s
+        return self.short.use(down, data, out)  # S4: the short class's rate and τ²_s
 
     def _gram_counts_rows(self, server: Tree) -> bool:
         # With q > 0 and drift_fit = "evidence" the E-step's Gram is whitened, G̃ = ΦᵀR̄⁻¹Φ: its
@@ -544,9 +536,9 @@ class FedPriorDrift(ShortColocation, FedPrior):
         """:meth:`predictive_std` at each row's time: + the walk since t_i (module doc)."""
         std = self.predictive_std(params, data.x)
         if data.time is None or "drift_rate" not in params:
-            return self.forward_std(params, data, std)  # fedprior_forward's, after t_i
+            return self.time_choice.forward.std(params, data, std)  # fedprior_forward's, after t_i
         var = std.to(F64)[..., 0] ** 2 + self._drift_var(params, data.x, data.time)
-        return self.forward_std(params, data, var.sqrt().unsqueeze(-1).to(std.dtype))
+        return self.time_choice.forward.std(params, data, var.sqrt().unsqueeze(-1).to(std.dtype))
 
     def unit_columns(self, params: Tree, train: ClientData) -> dict[str, np.ndarray]:
         """Per unit (clients,): ``recalibrate_at`` — when its mean predictive σ over its own

@@ -52,14 +52,18 @@ shows it cannot be trusted:
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from fedcal.algorithms.fedprior_choice_parts import subset
+from fedcal.algorithms.fedprior_basis import model_mask
+from fedcal.algorithms.fedprior_choice_parts import row_times, subset
+from fedcal.algorithms.fedprior_support import SupportBox
 from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData
+from fedcal.core.hooks import TimedStd
 from fedcal.core.tree import Tree
 
 #: ρ: variance growth per fleet time scale, in units of φᵀΣφ (0, then 4 per decade)
@@ -71,7 +75,7 @@ BAND = (0.90, 0.97)  # where the carried-over factor's coverage of the later fol
 MIN_UNITS = 3
 A_CLIP = 10.0  # nats: the mean log variance ratio a unit may add for a ρ
 Z2_CLIP = 100.0  # a row's standardized squared error counts at most this (10 σ)
-SIGMA_PRIOR_ROWS = 20.0  # pseudo-rows at ratio 1 of a unit's own σ scale (_scale_sigma)
+SIGMA_PRIOR_ROWS = 20.0  # pseudo-rows at ratio 1 of a unit's own σ scale (scale_sigma)
 FORWARD_KEYS = ("fwd_scale", "fwd_rate", "fwd_declined", "fwd_T")
 Z95 = 1.959964
 
@@ -256,54 +260,95 @@ def forward_problems(sub: dict[str, Tensor]) -> dict[int, str]:
     return whys
 
 
+class UnitModel(Protocol):
+    """What the forward folds and the no-harm test read of the model they score (FedPrior,
+    fedprior_drift): a unit's posterior model from some of its rows, its prediction and its
+    stated σ (at each row's time where the model has one: :class:`~fedcal.core.hooks.TimedStd`)."""
+
+    def _personal(self, down: Tree, state: Tree, data: ClientData) -> Tree: ...
+
+    def predict(self, params: Tree, x: Tensor) -> Tensor: ...
+
+    def predictive_std(self, params: Tree, x: Tensor) -> Tensor | None: ...
+
+
+def stated_var(model: UnitModel, params: Tree, data: ClientData) -> Tensor:
+    """(clients, rows) the predictive variance ``params`` states at ``data``'s rows (at
+    each row's time for a model with one, fedprior_drift's); NaN where it states none."""
+    if isinstance(model, TimedStd):
+        std = model.predictive_std_timed(params, data)
+    else:
+        std = model.predictive_std(params, data.x)
+    if std is None:
+        return torch.full(data.mask.shape, math.nan, dtype=F64)
+    return std.to(F64)[..., 0] ** 2
+
+
+@dataclass(frozen=True)
 class ForwardInterval:
-    """fedprior_choice's interval after calibration (module doc): uploads, fit and use."""
+    """The interval after calibration (module doc): uploads, fit and use; a part of
+    :class:`~fedcal.algorithms.fedprior_choice.TimeChoice` (its ``forward``), declared by
+    ``choice_interval`` ("forward" or "off"), φ's terms and the support box that guards φ."""
+
+    interval: str  # "forward": σ after calibration from the forward folds; "off": none
+    terms: tuple[tuple[int, ...], ...]
+    support_box: SupportBox
 
     #: the broadcast keys of the time-respecting choice (fedprior's broadcast)
-    choice_broadcast = ("pooled_fold", "pooled_all", "pooled_ok", *FORWARD_KEYS)
+    broadcast_keys = ("pooled_fold", "pooled_all", "pooled_ok", *FORWARD_KEYS)
 
-    def forward_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The per-unit keys :meth:`forward_personal` adds (fedprior's personal_shapes)."""
-        if self.choice_interval == "off":
+    @property
+    def on(self) -> bool:
+        return self.interval == "forward"
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The per-unit keys :meth:`personal` adds (fedprior's personal_shapes)."""
+        if not self.on:
             return {}
         p = len(self.terms)
         shape = {"fwd_scale": (), "fwd_rate": (), "fwd_declined": (), "fwd_t": ()}
         return {**shape, "fwd_cov": (p, p)}
 
-    def _spread_w(self, params: Tree, x: Tensor, sigma: Tensor) -> Tensor:
+    def spread_w(self, params: Tree, x: Tensor, sigma: Tensor) -> Tensor:
         """(clients, rows) w(x) = φ(x)ᵀΣφ(x), φ guarded by ``params``' box, Σ on φ's terms."""
         p = len(self.terms)
         phi, _ = self.support_box.guarded(params, x.to(F64))
         return ((phi @ sigma.to(F64)[..., :p, :p]) * phi).sum(-1)
 
-    def _fleet_spread(self, down: Tree) -> Tensor:
+    def fleet_spread(self, down: Tree) -> Tensor:
         """(clients, p, p) the broadcast Σ on the model's terms of φ."""
         p = len(self.terms)
         sigma = down["sigma"].to(F64)
-        mask = self._model_mask(down)
+        mask = model_mask(down)
         if mask is not None:
             mask = mask.to(F64).reshape(-1, sigma.shape[-1])
             sigma = sigma * mask.unsqueeze(-1) * mask.unsqueeze(-2)
         return sigma[..., :p, :p]
 
-    def forward_fold(
-        self, down: Tree, state: Tree, data: ClientData, fit: Tensor, scored: Tensor
+    def fold(
+        self,
+        model: UnitModel,
+        down: Tree,
+        state: Tree,
+        data: ClientData,
+        fit: Tensor,
+        scored: Tensor,
     ) -> dict[str, Tensor]:
         """One fold's forward uploads (module doc): the unit's fit on its ``fit`` rows states
         v_r at its ``scored`` rows; h_r from the fit's last time, in the broadcast T."""
-        early = self._personal(down, state, subset(data, fit))
+        early = model._personal(down, state, subset(data, fit))
         y = data.y[..., 0].to(F64)
-        e = self.predict(early, data.x.to(F64))[..., 0].to(F64) - y
-        v = self._stated_var(early, data)
-        t = self._times(data)
+        e = model.predict(early, data.x.to(F64))[..., 0].to(F64) - y
+        v = stated_var(model, early, data)
+        t = row_times(data)
         t_fit = torch.where(fit > 0, t, -math.inf).amax(1, keepdim=True)
         scale = float(down.get("fwd_T", torch.zeros(1)).reshape(-1)[0])
         h = ((t - t_fit).clamp_min(0.0) / scale) if scale > 0 else torch.zeros_like(t)
         h = torch.where(torch.isfinite(h), h, 0.0)
-        hw = h * self._spread_w(early, data.x, self._fleet_spread(down))
+        hw = h * self.spread_w(early, data.x, self.fleet_spread(down))
         return fold_terms(e, v, hw, scored)
 
-    def forward_personal(self, down: Tree, data: ClientData, out: Tree) -> Tree:
+    def personal(self, down: Tree, data: ClientData, out: Tree) -> Tree:
         """The unit's keys for use after calibration: the fleet's κ, ρ/T and decline, its
         last calibration time and Σ (no forward fit broadcast: κ = 1, ρ = 0)."""
         c = data.num_clients
@@ -313,64 +358,49 @@ class ForwardInterval:
             v = default if v is None else float(v.to(F64).reshape(-1)[0])
             return torch.full((c,), v, dtype=F64)
 
-        t = self._times(data)
+        t = row_times(data)
         real = data.mask > 0
         last = torch.where(real, t, -math.inf).amax(1)
         out["fwd_t"] = torch.where(real.any(1), last, 0.0)
         out["fwd_scale"] = fleet("fwd_scale", 1.0)
         out["fwd_rate"] = fleet("fwd_rate", 0.0)
         out["fwd_declined"] = fleet("fwd_declined", 0.0)
-        out["fwd_cov"] = self._fleet_spread(down).expand(c, -1, -1).contiguous().clone()
+        out["fwd_cov"] = self.fleet_spread(down).expand(c, -1, -1).contiguous().clone()
         return out
 
-    def forward_std(self, params: Tree, data: ClientData, std: Tensor | None) -> Tensor | None:
+    def std(self, params: Tree, data: ClientData, std: Tensor | None) -> Tensor | None:
         """σ at each row's time after calibration (:func:`forward_var`); ``std`` unchanged
         without a time column or a forward fit in ``params``."""
         if std is None or data.time is None or "fwd_scale" not in params:
             return std
-        w = self._spread_w(params, data.x, params["fwd_cov"])
+        w = self.spread_w(params, data.x, params["fwd_cov"])
         var = forward_var(params, data.time, std.to(F64)[..., 0] ** 2, w)
         return var.sqrt().unsqueeze(-1).to(std.dtype)
 
-    def predictive_std_timed(self, params: Tree, data: ClientData) -> Tensor | None:
-        """:meth:`predictive_std` at each row's time: after the unit's calibration, the
-        fleet's forward variance (:meth:`forward_std`)."""
-        return self.forward_std(params, data, self.predictive_std(params, data.x))
 
-    def _stated_var(self, params: Tree, data: ClientData) -> Tensor:
-        """(clients, rows) the predictive variance ``params`` states at ``data``'s rows (at
-        each row's time for fedprior_drift); NaN where it states none."""
-        timed = getattr(self, "predictive_std_timed", None)
-        std = timed(params, data) if timed is not None else self.predictive_std(params, data.x)
-        if std is None:
-            return torch.full(data.mask.shape, math.nan, dtype=F64)
-        return std.to(F64)[..., 0] ** 2
-
-    def _scale_sigma(
-        self, out: Tree, sq_err: Tensor, stated: Tensor, scored: Tensor, which: Tensor
-    ) -> Tree:
-        """Each unit's variance scaled so that its fit on all but the last h of its span
-        would have covered 95 % of that last h (the fold most like use): with z_r = |e_r| /
-        √v_r on the scored rows (e the error, v the variance that fit stated there) and q
-        their 95 % quantile, r = (q / 1.96)², shrunk to 1 by ``SIGMA_PRIOR_ROWS``
-        pseudo-rows, r̃ = (n r + n₀) / (n + n₀). A quantile, not Σe²/Σv: hourly PM errors are
-        heavy-tailed, and the mean-square ratio over-covered (Antwerp 0.986, docs/field.md).
-        The posterior covariance, every ``*_var`` of the unit and fedprior_drift's walk
-        covariance times r̃ (its σ times √r̃, at every time)."""
-        ok = torch.isfinite(stated) | (scored == 0)
-        v = torch.where(scored > 0, torch.nan_to_num(stated, nan=0.0), 0.0)
-        n = scored.sum(1)
-        z = torch.where((scored > 0) & (v > 0), (sq_err / v.clamp_min(1e-300)).sqrt(), math.nan)
-        q = torch.nanquantile(z, 0.95, dim=1)
-        ratio = (n * (q / 1.959964) ** 2 + SIGMA_PRIOR_ROWS) / (n + SIGMA_PRIOR_ROWS)
-        mean_v = v.sum(1) / n.clamp_min(1.0)
-        use = which & ok.all(1) & (n > 0) & (mean_v > 0) & torch.isfinite(ratio)
-        r = torch.where(use, ratio, 1.0)
-        out["cov"] = out["cov"].to(F64) * r.reshape(-1, 1, 1)
-        if "drift_cov" in out:  # fedprior_drift: the walk's growth after t_i too
-            out["drift_cov"] = out["drift_cov"].to(F64) * r.reshape(-1, 1, 1)
-        for key in [k for k in out if k.endswith("_var")]:
-            if tuple(out[key].shape) == tuple(r.shape):
-                out[key] = out[key].to(F64) * r
-        out["sigma_scale"] = r.sqrt()
-        return out
+def scale_sigma(out: Tree, sq_err: Tensor, stated: Tensor, scored: Tensor, which: Tensor) -> Tree:
+    """Each unit's variance scaled so that its fit on all but the last h of its span
+    would have covered 95 % of that last h (the fold most like use): with z_r = |e_r| /
+    √v_r on the scored rows (e the error, v the variance that fit stated there) and q
+    their 95 % quantile, r = (q / 1.96)², shrunk to 1 by ``SIGMA_PRIOR_ROWS``
+    pseudo-rows, r̃ = (n r + n₀) / (n + n₀). A quantile, not Σe²/Σv: hourly PM errors are
+    heavy-tailed, and the mean-square ratio over-covered (Antwerp 0.986, docs/field.md).
+    The posterior covariance, every ``*_var`` of the unit and fedprior_drift's walk
+    covariance times r̃ (its σ times √r̃, at every time)."""
+    ok = torch.isfinite(stated) | (scored == 0)
+    v = torch.where(scored > 0, torch.nan_to_num(stated, nan=0.0), 0.0)
+    n = scored.sum(1)
+    z = torch.where((scored > 0) & (v > 0), (sq_err / v.clamp_min(1e-300)).sqrt(), math.nan)
+    q = torch.nanquantile(z, 0.95, dim=1)
+    ratio = (n * (q / 1.959964) ** 2 + SIGMA_PRIOR_ROWS) / (n + SIGMA_PRIOR_ROWS)
+    mean_v = v.sum(1) / n.clamp_min(1.0)
+    use = which & ok.all(1) & (n > 0) & (mean_v > 0) & torch.isfinite(ratio)
+    r = torch.where(use, ratio, 1.0)
+    out["cov"] = out["cov"].to(F64) * r.reshape(-1, 1, 1)
+    if "drift_cov" in out:  # fedprior_drift: the walk's growth after t_i too
+        out["drift_cov"] = out["drift_cov"].to(F64) * r.reshape(-1, 1, 1)
+    for key in [k for k in out if k.endswith("_var")]:
+        if tuple(out[key].shape) == tuple(r.shape):
+            out[key] = out[key].to(F64) * r
+    out["sigma_scale"] = r.sqrt()
+    return out

@@ -58,30 +58,36 @@ I4. **The rich units' own-row τ² (``own_folds`` = F > 0; the shipped configura
     predicting its own fold's rows (:meth:`~CalibratedInterval._own_counts`; the same
     counts as F fits of every unit predicting every row, tested to the bit).
 
-:class:`CalibratedInterval` is a mixin of :class:`~fedcal.algorithms.fedprior.FedPrior`: the
-server's interval state (:meth:`~CalibratedInterval._interval_init`), a unit's hold-out
-uploads (I2, :meth:`~CalibratedInterval._heldout`), the server's step I3
-(:meth:`~CalibratedInterval._interval_update`) and the one line a declined run prints
-(:meth:`~CalibratedInterval.interval_note`). The residual terms of I1 are computed in the
-E-step (:func:`_residual_terms`); a unit's τ² and whether it is declined are set in
-``FedPrior.personalize``, and enter its predictive variance through ``variance_form``.
+:class:`CalibratedInterval` is a part of :class:`~fedcal.algorithms.fedprior.FedPrior` (its
+``calibrated``), declared by the settings it reads (``interval``, ``probe_rows``,
+``coverage_target``, ``own_folds``, ``min_informed``, ``noise``), the number of inputs, and
+the parts it uses: the design and predictive form (``basis``, fedprior_basis), the noise
+model (fedprior_noise: σ²(x) at a held row, the robust fit's row weights) and the selection
+(fedprior_select: the full basis's mask). It holds the server's interval state
+(:meth:`~CalibratedInterval.init`), a unit's hold-out uploads (I2,
+:meth:`~CalibratedInterval.heldout`), the server's step I3 (:meth:`~CalibratedInterval.update`),
+a unit's τ² and decline at personalization (:meth:`~CalibratedInterval.personal`) and the
+one line a declined run prints (:meth:`~CalibratedInterval.note`). The residual terms of I1 are
+computed in the E-step (fedprior_interval_parts.residual_terms); a unit's τ² enters its
+predictive variance through ``variance_form``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from fedcal.algorithms.fedprior_deploy import learn
-from fedcal.algorithms.fedprior_noise import weighted_moments
+from fedcal.algorithms.fedprior_basis import DesignBasis, model_mask, unit_noise
+from fedcal.algorithms.fedprior_interval_parts import probe_unit, span_positions
+from fedcal.algorithms.fedprior_noise import NoiseModel, weighted_moments
 from fedcal.algorithms.fedprior_rounds import carried_interval, probe_design
-from fedcal.algorithms.fedprior_select import _masked
+from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.core.bayes import (
     F64,
     Moments,
-    Posterior,
     count_within,
     mixture_mass,
     moments,
@@ -141,56 +147,45 @@ WEAK_NOTE = (
 )
 
 
-def _unit_span(x: Tensor, mask: Tensor) -> Tensor:
-    """Each row's inputs as positions in [0, 1] of its unit's own span (min to max per input).
-
-    A chamber design is a pattern over a unit's calibrated range (its ends included); units
-    of one fleet read different input values there (each resonator its own frequencies), so
-    the hold-out matches designs by these positions, not by raw inputs.
-    """
-    m = mask.unsqueeze(-1) > 0
-    lo = torch.where(m, x, math.inf).amin(1, keepdim=True)
-    hi = torch.where(m, x, -math.inf).amax(1, keepdim=True)
-    return torch.where(m, (x - lo) / (hi - lo).clamp_min(1e-12), 0.0)
-
-
-def probe_unit(n: Tensor) -> int | None:
-    """The probe's unit (I2): the smallest design among the units that upload one (n > 0);
-    ties by position in ``n`` (the server's canonical order). None: no unit uploads one."""
-    small = n > 0
-    if not bool(small.any()):
-        return None
-    return int(torch.argmin(torch.where(small, n, math.inf)))
-
-
-def _residual_terms(post: Posterior, gram: Tensor, noise: Tensor, n: Tensor) -> Tree:
-    """Residual degrees of freedom n_i − tr(G_i V_i)/σ_i² and the fit ‖y_i − Φ_i m_i‖²
-    (= E‖y_i − Φ_i c_i‖² − tr(G_i V_i)): the restricted noise update's terms (module doc,
-    "Intervals")."""
-    spent = (gram * post.cov).sum((-2, -1))
-    return {"dof": (n - spent / noise).clamp_min(0.0), "fit": (post.rss - spent).clamp_min(0.0)}
-
-
+@dataclass(frozen=True)
 class CalibratedInterval:
-    """Steps I2 and I3 of the calibrated interval (module doc)."""
+    """Steps I1–I4 of the calibrated interval (module doc), declared by what they read."""
 
-    def _interval_init(self) -> Tree:
+    interval: str  # "posterior" (the model's own interval: nothing here acts) or "calibrated"
+    probe_rows: int  # a unit with at most this many rows may be the probe design
+    coverage_target: float  # τ² is the smallest that covers this share of held-out rows
+    own_folds: int  # I4's folds (0: off)
+    min_informed: float  # a direction informed by fewer units is weakly identified (I3)
+    noise: str  # "fleet" or "sensor": the σ² a hold-out fit states (fedprior_basis.unit_noise)
+    inputs: int
+    basis: DesignBasis
+    noise_model: NoiseModel
+    selection: EvidenceSelection
+
+    @property
+    def on(self) -> bool:
+        """Whether the interval is the calibrated one (else this part adds nothing)."""
+        return self.interval == "calibrated"
+
+    def init(self) -> Tree:
+        """The server's interval state before any sums (no probe, τ² 0)."""
         zero = torch.tensor(0.0, dtype=F64)
+        p = len(self.basis.terms) + len(self.basis.branch_terms)
         return {
-            "probe_x": torch.zeros(self.probe_rows, self.num_inputs, dtype=F64),
+            "probe_x": torch.zeros(self.probe_rows, self.inputs, dtype=F64),
             "probe_b": torch.zeros(self.probe_rows, dtype=F64),
             "probe_n": zero.clone(),  # rows of the probe design; 0: none (yet)
             "disc_var": zero.clone(),  # τ², scaled units²
             "declined": zero.clone(),  # 0 an interval; else a DECLINE code
             "dof": zero.clone(),  # the fleet's residual degrees of freedom Σ_i ν_i
             # I3: the projector onto the basis's weakly identified directions (0: none)
-            "weak_proj": torch.zeros(self.num_features, self.num_features, dtype=F64),
+            "weak_proj": torch.zeros(p, p, dtype=F64),
             # I4: the rich units' own-row τ² (only with own_folds, so that the state is
             # the earlier one without it)
             **({"disc_own": zero.clone()} if self.own_folds else {}),
         }
 
-    def _heldout(
+    def heldout(
         self,
         down: Tree,
         state: Tree,
@@ -201,7 +196,7 @@ class CalibratedInterval:
         """A unit's design-matched hold-out (step I2): its uploads to the interval's sums.
 
         A unit with at least twice the probe's rows keeps, for each probe row, its own
-        nearest row (by position in its own span, :func:`_unit_span`; a row of the
+        nearest row (by position in its own span, ``span_positions``; a row of the
         opposite sweep direction only if no other; without directions, its first visit of
         that set point), fits its posterior under the
         broadcast prior from those rows alone, and
@@ -221,7 +216,7 @@ class CalibratedInterval:
         branch = torch.zeros(c, rows, dtype=F64) if data.branch is None else data.branch.to(F64)
         px, pb, pn = down["probe_x"].to(F64), down["probe_b"].to(F64), down["probe_n"].to(F64)
         valid = (torch.arange(px.shape[1]).unsqueeze(0) < pn.unsqueeze(1)).to(F64)
-        u = _unit_span(x, mask)  # positions within the unit's own calibrated span
+        u = span_positions(x, mask)  # positions within the unit's own calibrated span
         n = data.count.to(F64)
         probe = probe_design(u, branch, n, self.probe_rows)
         if not count:  # R2 (fedprior_rounds): this round uploads the probe design only
@@ -240,7 +235,7 @@ class CalibratedInterval:
             1, nearest, valid, "amax", include_self=True
         )
         keep, held = keep * able, mask * (1 - keep) * able
-        design = self.design(x, data.branch)
+        design = self.basis.design(x, data.branch)
         if weights is not None:  # N5: held rows the robust fit marks outliers not counted
             held = held * weights[1]
         inside = torch.zeros(c, TAU_GRID.shape[0], dtype=F64)  # no unit can hold out: none
@@ -334,9 +329,9 @@ class CalibratedInterval:
     def _fit(self, down: Tree, state: Tree, sub: Moments) -> tuple[Tensor, Tensor, Tensor]:
         """A hold-out fit (I2, I4): the posterior (mean, covariance) under the broadcast prior
         from the moments ``sub`` of the kept rows, in the basis in use, and σ_i²."""
-        model = self._model_mask(down)
+        model = model_mask(down)
         stats = sub if model is None else _masked(sub, model)
-        noise = self._noise(down, state)
+        noise = unit_noise(self.noise, down, state)
         coef, cov = posterior_moments(stats, down["mu"], down["sigma"], noise)
         if "mask" in down:  # as in personalize: terms outside the chosen basis are not in it
             m = down["mask"]
@@ -356,10 +351,10 @@ class CalibratedInterval:
         """Per τ² of :data:`TAU_GRID`, how many ``held`` rows (x, y) of each unit lie inside
         the interval a fit (coef, cov, σ_i²) states there: (clients, grid)."""
         mean, var = self._mean_var(coef, cov, noise, x, down)
-        if self.branch_orders:  # the stated interval is the sweep mixture's (interval_halfwidth)
+        if self.basis.branch_terms:  # the stated interval is the sweep mixture's (halfwidth)
             err = (y - mean).abs().unsqueeze(-1)
-            h = coef[..., len(self.terms) :].unsqueeze(1)
-            shift = (legendre_products(x, self.branch_terms) * h).sum(-1).unsqueeze(-1)
+            h = coef[..., len(self.basis.terms) :].unsqueeze(1)
+            shift = (legendre_products(x, self.basis.branch_terms) * h).sum(-1).unsqueeze(-1)
             sd = (var.unsqueeze(-1) - shift * shift + TAU_GRID).clamp_min(0.0).sqrt()
             within = mixture_mass(err, shift, sd) <= 0.95
             return (within.to(F64) * held.unsqueeze(-1)).sum(1)
@@ -367,14 +362,14 @@ class CalibratedInterval:
         return count_within((y - mean).square(), var, TAU_GRID, held, 1.959964)
 
     def _mean_var(self, coef: Tensor, cov: Tensor, noise: Tensor, x: Tensor, down: Tree):
-        """φᵀm_c and the predictive variance of :meth:`variance_form` per row (clients, rows)
+        """φᵀm_c and the predictive variance of ``variance_form`` per row (clients, rows)
         for a posterior (coef, cov) and noise σ_i²: the hold-out's predictions (I2); with the
         noise in the inputs, σ_i² exp(γᵀx) at each row (fedprior_noise)."""
-        coef, p = coef.to(F64), len(self.terms)
-        mean = (legendre_products(x, self.terms) * coef[..., :p].unsqueeze(1)).sum(-1)
+        coef = coef.to(F64)
+        mean = self.basis.mean(coef, x)
         noise = noise.to(F64).expand(cov.shape[:-2])  # one σ² per unit (a fleet's: broadcast)
-        q, s = self.variance_form({"coef": coef, "cov": cov, "noise_var": noise})
-        var = predictive_var(self.variance_design(x), q, s)
+        q, s = self.basis.variance_form({"coef": coef, "cov": cov, "noise_var": noise})
+        var = predictive_var(self.basis.variance_design(x), q, s)
         if "noise_gamma" in down:
             excess = self.noise_model.excess(
                 {"noise_var": noise, "noise_gamma": down["noise_gamma"]}, x
@@ -382,12 +377,12 @@ class CalibratedInterval:
             var = var if excess is None else var + excess
         return mean, var
 
-    def _interval_update(self, server: Tree, replies: Tree, order: Tensor, total: dict) -> Tree:
+    def update(self, server: Tree, replies: Tree, order: Tensor, total: dict) -> Tree:
         """The server's step I3: the probe, τ² from the hold-out sums, and whether to decline."""
-        if self.interval != "calibrated":
+        if not self.on:
             return {}
         iv = {k: v[order] for k, v in replies["interval"].items()}
-        out = self._interval_init()
+        out = self.init()
         j = probe_unit(iv["n"])
         if j is not None:
             out.update(probe_x=iv["x"][j], probe_b=iv["b"][j], probe_n=iv["n"][j])
@@ -400,7 +395,7 @@ class CalibratedInterval:
             if held == 0:
                 code = 2
             else:
-                tau = self._tau_of(iv["inside"].sum(0) / held)
+                tau = self.tau_of(iv["inside"].sum(0) / held)
                 if math.isnan(float(tau)):
                     code = 3
                 else:
@@ -408,7 +403,7 @@ class CalibratedInterval:
             if "held_own" in iv:  # I4: the rich units' own-row τ² (NaN: none covered)
                 held_own = float(iv["held_own"].sum())
                 if held_own > 0:
-                    out["disc_own"] = self._tau_of(iv["inside_own"].sum(0) / held_own)
+                    out["disc_own"] = self.tau_of(iv["inside_own"].sum(0) / held_own)
         out = self._weak_state(server, total, out)  # I3's weak directions (personalize)
         if float(total["dof"]) < 1.0:
             code = 1
@@ -417,27 +412,32 @@ class CalibratedInterval:
 
     def _weak_state(self, server: Tree, total: dict, out: Tree) -> Tree:
         """``out`` with I3's projector onto the basis's weakly identified directions."""
-        used = torch.nonzero(server["mask"] if "mask" in server else self.masks[-1])[:, 0]
+        used = torch.nonzero(server["mask"] if "mask" in server else self.selection.masks[-1])
+        used = used[:, 0]
         weak = unlearned_directions(total["support"][used][:, used], self.min_informed)
         out["weak_proj"][used.unsqueeze(1), used.unsqueeze(0)] = weak @ weak.T
         return out
 
-    def deploy_state(self, server: Tree, data: ClientData) -> dict | None:
-        """The prior's design-dependent error model learned by the reference units at the
-        run's end (:mod:`fedcal.algorithms.fedprior_deploy`, E1–E5), as prior.json's
-        ``"discrepancy"``; None when not learned (``deploy = "off"``, the model's own
-        interval, the noise model's weighted rows or drift: not emulated; ``noise =
-        "sensor"``: the emulation fits with the fleet's σ² while ``calibrate`` states a
-        unit's σ with its own σ_i², so κ would be learned for another noise rule; fewer than
-        two reference units)."""
-        if self.deploy != "learn" or self.interval != "calibrated" or self.noise_model.weighted:
-            return None
-        if self.noise == "sensor":  # κ learned under the fleet σ², applied under σ_i²
-            return None
-        if hasattr(self, "drift_fit"):  # fedprior_drift: its fit is not the one emulated
-            return None
-        model = learn(self, server, data)
-        return None if model is None else model.to_dict()
+    def personal(self, down: Tree, cov: Tensor, noise: Tensor, data: ClientData) -> Tree:
+        """A unit's τ² and whether its interval is declined (I3, I4), from the broadcast
+        and its posterior covariance ``cov`` and σ_i² ``noise``; {} without a broadcast τ²."""
+        if "disc_var" not in down:
+            return {}
+        n, probe = data.count.to(F64), down["probe_n"].to(F64)
+        small = n < 2 * probe  # τ² for units of the probe's size
+        # A unit smaller than any design the fleet held out for (only a unit calibrated
+        # later from prior.json can be): its model error was never learned.
+        unknown = (n < probe) | ((probe == 0) & (n <= self.probe_rows))
+        code = down["declined"]
+        # I4: the rich units' own-row τ² (NaN: none of the grid covered; 0 when off)
+        own = down.get("disc_own", torch.tensor(0.0, dtype=F64)).to(F64)
+        rich_var = torch.nan_to_num(own, nan=0.0).expand_as(n)
+        disc_var = torch.where(small, down["disc_var"].to(F64), rich_var)
+        lost = ~small & torch.isnan(own) & (probe > 0)
+        # I3: weakly identified directions decline the units they carry (weak_units)
+        weak = self.weak_units(down, cov, noise, data)
+        declined = (code == 1) | weak | (small & (code > 1) & (code != 5)) | unknown | lost
+        return {"disc_var": disc_var, "declined": declined.to(F64)}
 
     def weak_units(self, down: Tree, cov: Tensor, noise: Tensor, data: ClientData) -> Tensor:
         """(clients,) bool: the units I3 states no interval for because the basis's weakly
@@ -464,13 +464,13 @@ class CalibratedInterval:
             one = (mask.sum(1) == 1).to(F64).unsqueeze(1)
             x = torch.cat([0.5 * (x[:, :-1] + x[:, 1:]), x[:, :1]], 1)
             mask = torch.cat([pair, one * mask[:, :1]], 1)
-        p = len(self.terms)  # φ's coordinates: the share of what predict states
-        phi = legendre_products(x, self.terms)
+        p = len(self.basis.terms)  # φ's coordinates: the share of what predict states
+        phi = legendre_products(x, self.basis.terms)
         noise = noise.to(F64).reshape(-1).expand(c)
         share = unlearned_share(phi, cov[..., :p, :p], noise, proj.to(F64)[:p, :p], mask)
         return share > UNLEARNED_SHARE
 
-    def _tau_of(self, share: Tensor) -> Tensor:
+    def tau_of(self, share: Tensor) -> Tensor:
         """The smallest τ² whose held-out coverage ``share`` (per τ² of :data:`TAU_GRID`)
         reaches ``coverage_target``, linear between the grid's neighbours; NaN if none."""
         covered = share >= self.coverage_target
@@ -482,9 +482,9 @@ class CalibratedInterval:
         w = (self.coverage_target - share[g - 1]) / (share[g] - share[g - 1])
         return TAU_GRID[g - 1] + w * (TAU_GRID[g] - TAU_GRID[g - 1])
 
-    def interval_note(self, server: Tree) -> str:
+    def note(self, server: Tree) -> str:
         """One line: why the run states no interval for (some) units; "" when it states them."""
-        if self.interval != "calibrated":
+        if not self.on:
             return ""
         code = int(server["declined"])
         own = "disc_own" in server and math.isnan(float(server["disc_own"]))

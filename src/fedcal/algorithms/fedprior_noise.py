@@ -156,6 +156,20 @@ class NoiseModel:
     noise_dof: float
     noise_prior_points: float
 
+    def init(self, inputs: int) -> Tree:
+        """The noise model's server state before any sums: γ in use, its iterate and the
+        fleet's ratio (N2, N3; ``noise_shape = "inputs"``), Gaussian rows until the fleet's
+        evidence says t (N6; ``noise_tail = "auto"``); {} otherwise."""
+        start = {}
+        if self.noise_shape == "inputs":
+            zero = torch.zeros(inputs, dtype=F64)
+            start.update(noise_gamma=zero, noise_gamma_fit=zero.clone())
+            start["noise_ratio"] = torch.tensor(0.0, dtype=F64)
+        if self.noise_tail == "auto":
+            start["noise_student"] = torch.tensor(0.0, dtype=F64)
+            start["tail_ratio"] = torch.tensor(0.0, dtype=F64)
+        return start
+
     @property
     def weighted(self) -> bool:
         """Whether rows carry weights (the E-step's moments depend on the broadcast)."""

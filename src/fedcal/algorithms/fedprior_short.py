@@ -67,11 +67,13 @@ the honest fleet's margin is smaller than that; q_s* likewise.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from fedcal.algorithms.fedprior_interval import TAU_GRID
+from fedcal.algorithms.fedprior_basis import DesignBasis, model_mask, unit_noise
+from fedcal.algorithms.fedprior_interval import TAU_GRID, CalibratedInterval
 from fedcal.algorithms.fedprior_select import _masked
 from fedcal.core.bayes import F64, Moments, count_within, moments, posterior
 from fedcal.core.data import ClientData
@@ -83,12 +85,41 @@ SHORT_WINDOWS = 4  # windows a long unit emulates (S2), evenly over its span
 Z95 = 1.959964
 
 
-class ShortColocation:
-    """Steps S1–S4 (module doc); a mixin of
-    :class:`~fedcal.algorithms.fedprior_drift.FedPriorDrift` (it reads the unit's times,
-    spans and the drift's walk from there)."""
+def unit_times(data: ClientData) -> Tensor:
+    """Each row's time; without a time column every row at 0 (no span: q stays 0)."""
+    if data.time is None:
+        return torch.zeros(data.mask.shape, dtype=F64)
+    return data.time.to(F64)
 
-    def _short_init(self) -> Tree:
+
+def unit_span(t: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(t_i, span_i): each unit's latest row time and its calibration span (clients,)."""
+    real = mask > 0
+    last = torch.where(real, t, -math.inf).amax(1)
+    first = torch.where(real, t, math.inf).amin(1)
+    ok = real.any(1)
+    return torch.where(ok, last, 0.0), torch.where(ok, last - first, 0.0)
+
+
+@dataclass(frozen=True)
+class ShortColocation:
+    """Steps S1–S4 (module doc); a part of
+    :class:`~fedcal.algorithms.fedprior_drift.FedPriorDrift` (its ``short``), declared by the
+    settings it reads (``short_colocation``, ``short_emulation``, ``drift_holdout``,
+    ``drift_test``, ``noise``), the design basis, the calibrated interval (its τ² rule) and
+    the drift's grid of q; the drift's Σ_d is passed to :meth:`holdout`."""
+
+    mode: str  # short_colocation: "holdout" or "off"
+    emulation: str  # short_emulation: "future", "span" or "far"
+    holdout_share: float  # drift_holdout: a long unit's future period, a share of its span
+    test: float  # drift_test: 2Δ log-evidence a q_s > 0 must gain
+    noise: str  # "fleet" or "sensor" (fedprior_basis.unit_noise)
+    basis: DesignBasis
+    calibrated: CalibratedInterval
+    q_grid: Tensor = field(compare=False, repr=False)  # fedprior_drift's DRIFT_GRID
+
+    def init(self) -> Tree:
+        """The short step's server state before any sums (S1 not yet known)."""
         zero = torch.tensor(0.0, dtype=F64)
         return {
             "window": zero.clone(),  # s (time units); 0: not known yet, or no short class
@@ -97,14 +128,10 @@ class ShortColocation:
             "tau": zero.clone(),  # τ²_s (NaN: none covered)
             "held": zero.clone(),  # rows the long units held out (0: S3 off)
             "sse": torch.zeros(len(TEMPER_GRID), dtype=F64),
-            "score": torch.zeros(len(TEMPER_GRID), len(self._q_grid()), dtype=F64),
+            "score": torch.zeros(len(TEMPER_GRID), len(self.q_grid), dtype=F64),
         }
 
-    def _q_grid(self) -> Tensor:
-        """The drift's grid of q (fedprior_drift's DRIFT_GRID; the subclass gives it)."""
-        raise NotImplementedError
-
-    def _short_broadcast(self, drift: Tree) -> Tree:
+    def broadcast(self, drift: Tree) -> Tree:
         """What a unit needs of S1–S3: nothing before the fleet learned it (a prior read
         back from prior.json without it)."""
         if "short" not in drift:
@@ -112,21 +139,25 @@ class ShortColocation:
         keys = ("window", "temper", "q", "tau", "held")
         return {"short": {k: drift["short"][k] for k in keys}}
 
-    def _short_class(self, down: Tree, data: ClientData) -> Tensor:
+    def short_class(self, down: Tree, data: ClientData) -> Tensor:
         """(clients,) bool: units of the short class under a learned S3 (S1, S4)."""
         short = down["drift"].get("short")
         # without row times (``fedcal calibrate`` with no time column) a unit's span is
         # unknown, not short: every span would read 0 and every unit join the class
-        if short is None or self.short_colocation == "off" or data.time is None:
+        if short is None or self.mode == "off" or data.time is None:
             return torch.zeros(data.num_clients, dtype=torch.bool)
         window = short["window"].to(F64).reshape(-1)[0]
         held = short["held"].to(F64).reshape(-1)[0]
-        _, span = self._span(self._time(data), data.mask.to(F64))
+        _, span = unit_span(unit_times(data), data.mask.to(F64))
         return (span < 2 * window) & (window > 0) & (held > 0)
 
-    def _short_holdout(self, down: Tree, state: Tree, data: ClientData) -> Tree:
-        """A long unit's emulation of a short co-location (S2): its uploads."""
-        grid = self._q_grid()
+    def holdout(
+        self, down: Tree, state: Tree, data: ClientData, drift_cov: Tensor | None = None
+    ) -> Tree:
+        """A long unit's emulation of a short co-location (S2): its uploads; ``drift_cov``:
+        the broadcast Σ_d on the drifting coordinates (fedprior_drift; None: the zeros of a
+        round before the fleet's time scale is known)."""
+        grid = self.q_grid
         c, w_n, q_n, k = data.num_clients, len(TEMPER_GRID), len(grid), len(TAU_GRID)
         out = {
             "sse": torch.zeros(c, w_n, dtype=F64),
@@ -135,26 +166,25 @@ class ShortColocation:
             "held": torch.zeros(c, dtype=F64),
         }
         short = down["drift"].get("short")
-        if short is None or self.short_colocation == "off":
+        if short is None or self.mode == "off" or drift_cov is None:
             return out
         window = float(short["window"].reshape(-1)[0])
         if not window > 0:
             return out
-        t, mask = self._time(data), data.mask.to(F64)
-        t_last, span = self._span(t, mask)
+        t, mask = unit_times(data), data.mask.to(F64)
+        t_last, span = unit_span(t, mask)
         first = t_last - span
         long = span >= 2 * window
         if not bool(long.any()):
             return out
         y = data.y[..., 0].to(F64)
-        design = self.design(data.x, data.branch).to(F64)
-        model = self._model_mask(down)
+        design = self.basis.design(data.x, data.branch).to(F64)
+        model = model_mask(down)
         if model is not None:
             design = design * model.to(F64).reshape(-1, design.shape[-1]).unsqueeze(1)
-        p = design.shape[-1]
-        noise = self._noise(down, state).to(F64).reshape(-1).expand(c)
+        noise = unit_noise(self.noise, down, state).to(F64).reshape(-1).expand(c)
         scale = down["drift"]["scale"].to(F64).reshape(-1)[0]
-        walk = ((design @ self._drift_cov(down)) * design).sum(-1) / scale  # φᵀΣ_dφ/T
+        walk = ((design @ drift_cov) * design).sum(-1) / scale  # φᵀΣ_dφ/T
         mu = down["mu"].to(F64).repeat_interleave(w_n, 0)
         sigma = down["sigma"].to(F64).repeat_interleave(w_n, 0)
         now = int(torch.argmin((TEMPER_GRID - short["temper"].to(F64).reshape(-1)[0]).abs()))
@@ -164,39 +194,25 @@ class ShortColocation:
         probe = torch.tensor(0.0, dtype=F64) if probe is None else probe.to(F64).reshape(-1)[0]
         tau_probe = down.get("disc_var")
         tau_probe = 0.0 if tau_probe is None else tau_probe.to(F64).reshape(-1)[0]
-        tw = TEMPER_GRID.reshape(1, -1)
-        if self.short_emulation == "span":
+        if self.emulation == "span":
             # S2: windows over the whole span, every other row predicted (before or after)
             future = torch.ones_like(mask)
             room = (span - window).clamp_min(0.0)
         else:  # "future"/"far": the last drift_holdout of the span, after each window only
-            future = (t > (t_last - self.drift_holdout * span).unsqueeze(1)).to(F64)
-            room = (span * (1 - self.drift_holdout) - window).clamp_min(0.0)
-        for j in range(1 if self.short_emulation == "far" else SHORT_WINDOWS):
+            future = (t > (t_last - self.holdout_share * span).unsqueeze(1)).to(F64)
+            room = (span * (1 - self.holdout_share) - window).clamp_min(0.0)
+        for j in range(1 if self.emulation == "far" else SHORT_WINDOWS):
             start = first + room * j / (SHORT_WINDOWS - 1)
             end = start + window
             inside_w = (t >= start.unsqueeze(1)) & (t <= end.unsqueeze(1))
             keep = mask * inside_w.to(F64) * long.to(F64).unsqueeze(1)
             beyond = (t > end.unsqueeze(1)) | (t < start.unsqueeze(1))
-            if self.short_emulation != "span":
+            if self.emulation != "span":
                 beyond = t > end.unsqueeze(1)
             held = mask * future * beyond.to(F64) * long.to(F64).unsqueeze(1)
-            base = moments(design, y, keep)
-            if model is not None:
-                base = _masked(base, model)
-            stats = Moments(
-                (base.gram.unsqueeze(1) * tw.reshape(1, -1, 1, 1)).reshape(c * w_n, p, p),
-                (base.rhs.unsqueeze(1) * tw.unsqueeze(-1)).reshape(c * w_n, p),
-                (base.yy.unsqueeze(1) * tw).reshape(-1),
-                base.n.repeat_interleave(w_n, 0),
-            )
             # a window of fewer than twice the probe's rows states the probe's τ² in use (I3)
             small = (keep.sum(1) < 2 * probe).to(F64) * (probe > 0).to(F64)
-            post = posterior(stats, mu, sigma, noise.repeat_interleave(w_n, 0))
-            mean = post.mean.reshape(c, w_n, p)
-            cov = post.cov.reshape(c, w_n, p, p)
-            pred = torch.einsum("crp,cwp->cwr", design, mean)
-            spread = ((design.unsqueeze(1) @ cov) * design.unsqueeze(1)).sum(-1)
+            pred, spread = _tempered(design, y, keep, model, mu, sigma, noise)
             base_var = (noise + small * tau_probe).reshape(-1, 1, 1) + spread  # (c, W, rows)
             # time from the window to the row, either side (a walk's variance is |Δt|)
             dt = (t - end.unsqueeze(1)).clamp_min(0.0) + (start.unsqueeze(1) - t).clamp_min(0.0)
@@ -213,7 +229,7 @@ class ShortColocation:
             out["held"] += held.sum(1)
         return out
 
-    def _short_update(self, old: Tree, span: Tensor, sums: Tree, weights: Tensor) -> Tree:
+    def update(self, old: Tree, span: Tensor, sums: Tree, weights: Tensor) -> Tree:
         """S1 (the window, fixed once set) and S3 (w*, q_s*, τ²_s) from the round's sums;
         ``sums`` per unit in the canonical order (``sse``, ``score``: each unit's clipped
         gains over w = 1 and q_s = 0, fedprior_drift's bound_short_sse and
@@ -237,14 +253,14 @@ class ShortColocation:
         best = len(TEMPER_GRID) - 1 - int(torch.argmin(flipped))
         new["temper"] = TEMPER_GRID[best].clone()
         k = int(torch.argmax(score[best]))  # ties: the smaller q_s
-        beats = float(score[best, k] - score[best, 0]) > 0.5 * self.drift_test
-        new["q"] = self._q_grid()[k].clone() if beats else torch.tensor(0.0, dtype=F64)
-        new["tau"] = self._tau_of(inside / held)
+        beats = float(score[best, k] - score[best, 0]) > 0.5 * self.test
+        new["q"] = self.q_grid[k].clone() if beats else torch.tensor(0.0, dtype=F64)
+        new["tau"] = self.calibrated.tau_of(inside / held)
         return new
 
-    def _short_personal(self, down: Tree, data: ClientData, full: Moments) -> Moments:
+    def personal_moments(self, down: Tree, data: ClientData, full: Moments) -> Moments:
         """S4: the short class's moments with weight w* (the others' unchanged)."""
-        short = self._short_class(down, data)
+        short = self.short_class(down, data)
         if not bool(short.any()):
             return full
         w = torch.where(short, down["drift"]["short"]["temper"].to(F64).reshape(-1)[0], 1.0)
@@ -252,10 +268,10 @@ class ShortColocation:
             full.gram * w.reshape(-1, 1, 1), full.rhs * w.unsqueeze(1), full.yy * w, full.n
         )
 
-    def _short_use(self, down: Tree, data: ClientData, out: Tree) -> Tree:
+    def use(self, down: Tree, data: ClientData, out: Tree) -> Tree:
         """S4: the short class's walk rate (q + q_s*)/T, and τ²_s added to the probe's τ²;
         τ²_s NaN: no interval."""
-        short = self._short_class(down, data)
+        short = self.short_class(down, data)
         if not bool(short.any()):
             return out
         sh = down["drift"]["short"]
@@ -271,3 +287,35 @@ class ShortColocation:
         if math.isnan(float(tau)):
             out["declined"] = torch.where(short, 1.0, out["declined"].to(F64))
         return out
+
+
+def _tempered(
+    design: Tensor,
+    y: Tensor,
+    keep: Tensor,
+    model: Tensor | None,
+    mu: Tensor,
+    sigma: Tensor,
+    noise: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """S2's fits from a window's ``keep`` rows, its data's weight tempered by each w of
+    :data:`TEMPER_GRID` (moments w·G, w·b under the broadcast prior ``mu``, ``sigma``, each
+    repeated per w): the prediction φᵀm_w and the posterior spread φᵀV_wφ at every row,
+    (clients, W, rows) each."""
+    c, p, w_n = design.shape[0], design.shape[-1], len(TEMPER_GRID)
+    tw = TEMPER_GRID.reshape(1, -1)
+    base = moments(design, y, keep)
+    if model is not None:
+        base = _masked(base, model)
+    stats = Moments(
+        (base.gram.unsqueeze(1) * tw.reshape(1, -1, 1, 1)).reshape(c * w_n, p, p),
+        (base.rhs.unsqueeze(1) * tw.unsqueeze(-1)).reshape(c * w_n, p),
+        (base.yy.unsqueeze(1) * tw).reshape(-1),
+        base.n.repeat_interleave(w_n, 0),
+    )
+    post = posterior(stats, mu, sigma, noise.repeat_interleave(w_n, 0))
+    mean = post.mean.reshape(c, w_n, p)
+    cov = post.cov.reshape(c, w_n, p, p)
+    pred = torch.einsum("crp,cwp->cwr", design, mean)
+    spread = ((design.unsqueeze(1) @ cov) * design.unsqueeze(1)).sum(-1)
+    return pred, spread

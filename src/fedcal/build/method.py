@@ -14,6 +14,7 @@ from fedcal.algorithms import get
 from fedcal.config import ConfigError, RunConfig
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.classification import ClassificationTask
+from fedcal.core.hooks import with_scaler
 from fedcal.core.task import Task
 from fedcal.data.fleet import BAROMETRIC_FEATURES, Fleet
 from fedcal.models import build_model
@@ -219,7 +220,7 @@ def with_raw_column(algorithm: Algorithm, config: RunConfig, tensors: Any) -> Al
     if not name or "raw_input" not in {f.name for f in fields(algorithm)}:
         return algorithm
     j = list(config.data.features).index(name)
-    return dataclasses.replace(algorithm, raw_input=j).with_scaler(tensors.scaler)
+    return with_scaler(dataclasses.replace(algorithm, raw_input=j), tensors.scaler)
 
 
 def build_recorded(

@@ -65,7 +65,7 @@ class _App(typer.Typer):
 
 NO_TORCH = (
     "this needs torch, which is not installed: pip install 'fedcal[neural]' (the CPU build: "
-    "docs/getting-started.md#install); without it: calibrate, predict, export (c, json), "
+    "docs/getting-started.md#install); without it: calibrate, plan, predict, export (c, json), "
     "certificate and report of a fedprior prior"
 )
 

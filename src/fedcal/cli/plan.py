@@ -46,24 +46,26 @@ def plan(
     variance over the range; --spec S alone: the cheapest design meeting it;
     --unit FILE --next: whether that unit meets --spec, else its next points.
     """
-    import torch
-
-    from fedcal import calibration, planning
+    from fedcal import planning
     from fedcal.core.atomic import write_text
     from fedcal.core.paths import check_file_output, run_folders_of
     from fedcal.data.loader import FleetDataError
+    from fedcal.prior.find import find_prior
+    from fedcal.prior.model import PriorModel
 
-    torch.set_num_threads(1)
     try:
-        path = calibration.find_prior(prior, method, seed, 0)
+        path = find_prior(prior, method, seed, 0)
         if out is not None:  # not one of its inputs, nor a file of the prior's run folders
             check_file_output(out, "--out", [path, *([unit] if unit else [])], run_folders_of(path))
-        doc = calibration.load_prior(path)
+        doc = PriorModel.load(path)
         steps = tuple(float(v) for v in pressures.split(",")) if pressures else None
         chamber = planning.default_chamber(
             doc, t_min, t_max, t_step, steps, plateau_minutes, point_minutes
         )
-        planner = planning.planner(doc, chamber, quantile)
+        # NumPy; a variant it does not cover: torch (fedcal[neural]), else one line (exit 3)
+        planner = planning.planner(
+            doc, chamber, quantile, forecast=planning.forecaster(doc, str(path))
+        )
         unit_name = target_unit(doc.target)
         if next_:
             if unit is None or spec is None:

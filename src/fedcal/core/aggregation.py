@@ -62,6 +62,7 @@ from pydantic import Field, model_validator
 from torch import Tensor
 
 from fedcal.core import stages
+from fedcal.core.hooks import DeclaresStatistics, WeighsOutliers
 from fedcal.core.measures import (
     NORM_BLOCK,
     coordinate_rule,
@@ -187,7 +188,7 @@ def check_policy(algorithm: Algorithm, policy: AggregationPolicy) -> None:
             f"{name}: rule {policy.rule!r} is refused for this method (it accepts "
             f"{', '.join(allowed)}; see its reply_aggregation note)"
         )
-    if policy.dp_quantile > 0 and (kind != "sum" or algorithm.dp_statistics is None):
+    if policy.dp_quantile > 0 and (kind != "sum" or not isinstance(algorithm, DeclaresStatistics)):
         raise AggregationError(
             f"{name}: [privacy] quantile (adaptive clipping) adapts declared statistics' "
             "bounds (fedprior); set quantile = 0 and a fixed clip"
@@ -219,7 +220,7 @@ def policy_stages(policy: AggregationPolicy, algorithm: Algorithm) -> list[Stage
     its statistics (``dp_statistics``) is clipped and noised statistic by statistic.
     """
     kind = algorithm.reply_aggregation
-    per_statistic = policy.dp and kind == "sum" and algorithm.dp_statistics is not None
+    per_statistic = policy.dp and kind == "sum" and isinstance(algorithm, DeclaresStatistics)
     out = []
     if policy.screen_factor > 0 and not policy.dp:
         out.append(Stage("screen", partial(stages.screen, factor=policy.screen_factor)))
@@ -351,7 +352,7 @@ def aggregate(
     rows, used_weights = cohort.rows(rnd)
     metrics["accepted"] = float(len(used_weights))
     new_server = algorithm.server_update(server, unflatten(rows), used_weights)
-    if algorithm.outlier_weights is not None:
+    if isinstance(algorithm, WeighsOutliers):
         _record_downweighted(algorithm, server, rows, cohort.used, metrics, record)
     return new_server, cohort.accepted, metrics
 

@@ -34,7 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
-import numpy as np
 import torch
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from torch import Tensor
@@ -209,34 +208,17 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
         None
     )
     # Optional hooks: None here, a method on the algorithms that have one.
-    # dp_statistics(down) -> {reply path: fedcal.core.privacy.Statistic}: a "sum" server's
-    # statistics, each with its public map and bound, so client-level DP clips and noises
-    # them one by one (core/stages.private_statistics); None: one joint clip bound.
-    dp_statistics: ClassVar[Callable[[Tree], dict] | None] = None
     # beyond_support(params, x) -> (clients, rows) bool: rows the model's extrapolation
     # guard treats as outside the client's calibrated range (reported by evaluation).
     beyond_support: ClassVar[Callable[[Tree, Tensor], Tensor] | None] = None
-    # unit_columns(personal, train) -> {column: (clients,) values}: extra per-unit outputs
-    # (fedprior_drift's recalibrate_at), written to per_sensor.csv and units.csv.
-    unit_columns: ClassVar[Callable[[Tree, Any], dict] | None] = None
-    # unit_labels: {column: names}: a unit_columns column sent as a number (a Flower reply
-    # carries numbers only) that the tables write as names[code] (fedprior's fallback).
-    unit_labels: ClassVar[dict[str, tuple[str, ...]]] = {}
-    # status_values(personal, x, mask) -> {name: (clients,) values}: per-unit values that
-    # client_status compares with the fleet's median (fedprior_choice's implausible rule). A
-    # caller that judges the units in chunks passes the medians over every unit
-    # (:func:`fleet_medians`) as server["status_medians"], so chunking changes no status.
-    status_values: ClassVar[Callable[[Tree, Tensor, Tensor], dict] | None] = None
     # inconsistent_replies(server, replies, weights, accepted) -> {client: reason} | None:
     # uploads that contradict their declared row count or the broadcast model (issue 21,
     # core/robust.py); the aggregation rejects them after screening. Needs each reply.
     inconsistent_replies: ClassVar[Callable[..., dict[int, str] | None] | None] = None
-    # outlier_weights(server, replies) -> core.robust.OutlierWeights | None: the M-step
-    # weight of each used client (fedprior); those below 1/2 are reported as rejections.
-    outlier_weights: ClassVar[Callable[..., Any] | None] = None
     # Optional hooks of one family (fedprior's) are not declared here: the protocols of
-    # core/hooks.py (StreamsSums, BindsConsistency, TimedStd, DerivesData) name them, and
-    # the engine tests an algorithm against the protocol (isinstance) before it calls them.
+    # core/hooks.py (StreamsSums, BindsConsistency, TimedStd, DerivesData, EndsRounds,
+    # DeclaresStatistics, WeighsOutliers, UnitColumns, StatusValues, ReadsScaler) name them,
+    # and the engine tests an algorithm against the protocol (isinstance) before it calls them.
     # reads_seeds: whether client_update/personalize read ClientData.seeds (minibatches,
     # noise); a closed form that does not (fedprior) spares the engine a seed per client
     # and round (issue 25.1: 0.26 s a round at 10,000 units).
@@ -286,21 +268,6 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
                 named = base  # the outermost base whose settings build this class
         body = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in shown)
         return f"{named.__qualname__}({body})"
-
-    def with_scaler(self, scaler: Any) -> Algorithm:
-        """The algorithm told the run's scaler, for settings stated in data units (fedprior's
-        raw reading, ``raw_map``). Unchanged by default; the simulator, ``calibrate`` and both
-        sides of a Flower run call it once the scaler is known."""
-        return self
-
-    def labelled_units(self, columns: dict) -> dict:
-        """:attr:`unit_columns`' values with each :attr:`unit_labels` column as names."""
-        out = dict(columns)
-        for name, labels in self.unit_labels.items():
-            if name in out:
-                codes = np.asarray(out[name], dtype=float).astype(int)
-                out[name] = np.asarray(labels, dtype=object)[codes]
-        return out
 
     # ---- the contract -------------------------------------------------
     def server_init(self, params: Tree) -> Tree:
@@ -445,7 +412,7 @@ class Algorithm(AlgorithmFields, metaclass=ChecksSettings):
 
 def fleet_medians(values: dict[str, Tensor], least: int = 3) -> dict[str, Tensor]:
     """Each value's median over its finite entries (torch's: the lower middle one), NaN
-    with fewer than ``least`` of them (:attr:`Algorithm.status_values`)."""
+    with fewer than ``least`` of them (:class:`fedcal.core.hooks.StatusValues`)."""
     out = {}
     for name, v in values.items():
         ok = v[torch.isfinite(v)]

@@ -413,8 +413,8 @@ def private_statistics(
     """Declared summed statistics clipped, noised and projected one by one (DP).
 
     :func:`fedcal.core.privacy.private_sums` with the algorithm's declaration
-    (``Algorithm.dp_statistics(broadcast)``); ``scale`` (the policy's C) scales the
-    declared bounds; ``adaptive`` (a ``privacy.AdaptiveClip``) adapts them to a private
+    (``dp_statistics(broadcast)``: core.hooks.DeclaresStatistics); ``scale`` (the policy's C)
+    scales the declared bounds; ``adaptive`` (a ``privacy.AdaptiveClip``) adapts them to a private
     quantile of the clients' norms first. The private sum replaces the used replies.
     """
     from fedcal.core.privacy import private_sums

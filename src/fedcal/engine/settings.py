@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from fedcal.core.hooks import WeighsOutliers
 from fedcal.core.schema import MAX_CLIENTS, MAX_ROUNDS, Float, Int, Name, checked
 
 
@@ -66,5 +67,5 @@ def unjudged(algorithm: object, metrics: dict[str, float]) -> bool:
     were too few to judge each against the others (at most the basis's terms + 2:
     :meth:`fedcal.algorithms.fedprior_robust.RobustUploads.outlier_weights`)."""
     judges = getattr(algorithm, "robust", None) == "full"
-    judges &= getattr(algorithm, "outlier_weights", None) is not None
+    judges &= isinstance(algorithm, WeighsOutliers)
     return bool(judges and metrics.get("accepted", 0.0) > 0 and "downweighted" not in metrics)

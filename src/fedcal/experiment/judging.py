@@ -12,6 +12,7 @@ import pandas as pd
 import torch
 
 from fedcal.core.algorithm import Algorithm, fleet_medians
+from fedcal.core.hooks import StatusValues
 from fedcal.core.tree import gather
 from fedcal.engine.chunks import spans
 from fedcal.engine.evaluation import errors
@@ -28,9 +29,9 @@ def _status_server(
     algorithm: Algorithm, result: RunResult, tensors: FleetTensors, chunk_size: int
 ) -> Any:
     """The server ``client_status`` reads: with the fleet's medians of the algorithm's
-    :attr:`~fedcal.core.algorithm.Algorithm.status_values` over every unit (taken chunk by
+    :class:`~fedcal.core.hooks.StatusValues` over every unit (taken chunk by
     chunk), so that ``chunk_size`` changes no status."""
-    if algorithm.status_values is None:
+    if not isinstance(algorithm, StatusValues):
         return result.server
     n, found = tensors.num_clients, {}
     for rows in spans(n, chunk_size):

@@ -16,7 +16,7 @@ import pandas as pd
 import torch
 
 from fedcal.build import FleetOutline, valid_ranges
-from fedcal.core import runnames
+from fedcal.core import hooks, runnames
 from fedcal.core.algorithm import Algorithm
 from fedcal.engine.simulation import RunResult
 from fedcal.experiment import notes
@@ -126,10 +126,10 @@ def write_sensors(
     final["status"], final["status_reason"] = statuses, reasons
     final.insert(0, "method", run.method)
     final.insert(1, "seed", run.seed)
-    if algorithm.unit_columns is not None:  # e.g. recalibrate_at
+    if isinstance(algorithm, hooks.UnitColumns):  # e.g. recalibrate_at
         with torch.no_grad():
             extra = algorithm.unit_columns(result.personal, tensors.train)
-        extra = algorithm.labelled_units(extra)  # e.g. fallback codes as names
+        extra = hooks.labelled_units(algorithm, extra)  # e.g. fallback codes as names
         for name, values in extra.items():
             final[name] = np.asarray(values)[final["client_index"].to_numpy(int)]
     if cell.roles is not None:  # mixed fleets: each sensor's role beside its id

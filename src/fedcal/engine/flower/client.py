@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fedcal.core import hooks
 from fedcal.data.scaling import needs_moments
 from fedcal.engine.flower.kinds import CONTROL, REFUSED, SITE
 from fedcal.engine.flower.nodes import SiteData, load_for_node, safe_name
@@ -222,7 +223,7 @@ def run_round(content: RecordDict, node_cfg: Mapping, run_id: int) -> RecordDict
     spec, seed, dtype = load_run(run_path(node_cfg["state-dir"], site.site_id, run_id))
     method, dtype = spec.method, DTYPES[dtype]
     scaler = Scaler.from_dict(json.loads(str(ctl["scaler"])))
-    alg = spec.build(len(site.features), site.num_classes).with_scaler(scaler)
+    alg = hooks.with_scaler(spec.build(len(site.features), site.num_classes), scaler)
     # The node decides what leaves it, whatever the server asks (see policy.py): a refused
     # request trains nothing, sends nothing of the data and leaves the state untouched.
     refusal = NodePolicy.from_node_config(node_cfg).refusal(method, alg.name, type(alg).uploads)
@@ -348,7 +349,7 @@ def _evaluate(st: _SiteState, alg, evaluated: tuple, indices: list[int], parts: 
         row.update({f"train_{name}": float(v[k]) for name, v in scored.train.items()})
         parts[index]["eval"] = metrics_to_record(row)
         st.evals.append(row)
-    if alg.unit_columns is not None:  # e.g. fedprior_drift's recalibrate_at: per_sensor.csv
+    if isinstance(alg, hooks.UnitColumns):  # e.g. fedprior_drift's recalibrate_at
         with torch.no_grad():
             columns = alg.unit_columns(st.personal, train_data)
         for k, index in enumerate(indices):

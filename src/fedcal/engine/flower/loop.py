@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from logging import INFO, WARNING
 from typing import TYPE_CHECKING, Any, Protocol
 
+from fedcal.core.hooks import labelled_units
 from fedcal.engine.flower.kinds import Kind
 
 if TYPE_CHECKING:
@@ -77,9 +78,9 @@ def run_federation(
         _log(INFO, "[fedcal] message %d/%d done in %.1f s", t, fed.rounds, t_exchange)
 
     units = fed.unit_columns()  # per_sensor.csv's extra columns (recalibrate_at), as fedcal run
-    labelled = fed.algorithm.labelled_units if fed.algorithm is not None else dict
     result["final"] = [
-        {**row, **labelled(units.get(row["client_index"], {}))} for row in fed.final_rows()
+        {**row, **labelled_units(fed.algorithm, units.get(row["client_index"], {}))}
+        for row in fed.final_rows()
     ]
     result["last_used"] = {str(i): r for i, r in sorted(fed.last_used.items())}
     return result

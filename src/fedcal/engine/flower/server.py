@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fedcal.core.hooks import before_round  # fedprior_rounds (issue 36.1)
+from fedcal.core.hooks import UnitColumns, before_round, with_scaler  # fedprior's hooks
 from fedcal.data.scaling import scaler_from_moments
 from fedcal.engine.flower.kinds import CONTROL, REFUSED
 from fedcal.engine.flower.wire import tree_to_record
@@ -205,7 +205,7 @@ class Federation:
             features, target, moments, self.scaling, not classification
         )
         algorithm = self.spec.build(len(features), self.shape["num-classes"])
-        self.algorithm = algorithm.with_scaler(self.scaler)  # e.g. fedprior's raw_map
+        self.algorithm = with_scaler(algorithm, self.scaler)  # e.g. fedprior's raw_map
         if self.secure is not None:
             from fedcal.engine.flower.secagg import refusal
 
@@ -360,7 +360,7 @@ class Federation:
         trained = self._train_metrics.get(eval_round, {})
         names = list(dict.fromkeys(k for mets in trained.values() for k in mets))
         last = eval_round == self.rounds - 1
-        columns = last and self.algorithm.unit_columns is not None
+        columns = last and isinstance(self.algorithm, UnitColumns)
         for index in sorted(parts):
             m = self.members[index]
             row, units, why = eval_row(parts[index], spec, index, m.sensor_id, columns)
@@ -492,7 +492,7 @@ class Federation:
 
     def unit_columns(self) -> dict[int, dict[str, float]]:
         """Per client index, the algorithm's per-unit columns at the last evaluation
-        (:attr:`~fedcal.core.algorithm.Algorithm.unit_columns`, e.g. ``recalibrate_at``:
+        (:class:`~fedcal.core.hooks.UnitColumns`, e.g. ``recalibrate_at``:
         what ``fedcal run`` adds to per_sensor.csv), as its site computed them."""
         return {i: dict(v) for i, v in sorted(self._units.items())}
 
