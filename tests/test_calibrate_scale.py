@@ -87,7 +87,9 @@ def _distance_one_by_one(alg, server, noise_var, data):
 
 def test_batched_fleet_distance_equals_unit_by_unit(setup, monkeypatch):
     _, _, result = setup
-    monkeypatch.setattr(calibration, "DISTANCE_CHUNK", 2)  # 3 chunks, the last of 1 unit
+    from fedcal.prior import qa  # the batched solve both calibrate paths use
+
+    monkeypatch.setattr(qa, "DISTANCE_CHUNK", 2)  # 3 chunks, the last of 1 unit
     train, noise = result.tensors.train, result.personal["noise_var"]
     d2, dof = calibration.fleet_distance(result.algorithm, result.server, noise, train)
     ref_d2, ref_dof = _distance_one_by_one(result.algorithm, result.server, noise, train)

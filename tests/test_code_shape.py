@@ -45,7 +45,6 @@ ALLOWED: dict[str, str] = {
     # sigma3 (issue 33: the deployment discrepancy)
     "fedcal/prior/discrepancy.py::_check complexity": "sigma3",
     # report (issue 37.4–6: report/*)
-    "fedcal/report/export.py::load_models lines": "report",
 }
 
 

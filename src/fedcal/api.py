@@ -4,7 +4,7 @@ scikit-learn's conventions (the estimator is a :class:`sklearn.base.BaseEstimato
 settings are constructor arguments, ``fit`` returns it, what it learned ends in ``_``).
 The command line runs through the same code: ``fedcal calibrate`` is
 :meth:`FleetPrior.load` → :meth:`FleetPrior.calibrate` → :meth:`CalibratedUnits.save`,
-``fedcal predict`` is :meth:`fedcal.report.export.CalibratedFleet.predict_rows`, which
+``fedcal predict`` is :meth:`fedcal.report.fleet.CalibratedFleet.predict_rows`, which
 :meth:`CalibratedUnits.predict` calls too.
 
 >>> from fedcal import FleetPrior
@@ -307,7 +307,7 @@ class CalibratedUnits:
 
     @property
     def models(self):
-        """The units as a :class:`fedcal.report.export.CalibratedFleet` (what exports read).
+        """The units as a :class:`fedcal.report.fleet.CalibratedFleet` (what exports read).
 
         The same object ``fedcal predict``/``export`` rebuild from the saved run directory.
         """
@@ -338,7 +338,7 @@ class CalibratedUnits:
         With ``return_std``: also the predictive σ (posterior of the unit's coefficients
         and its noise level). With ``return_interval``: also the half-width of the stated
         95 % interval (±1.96 σ; with a direction term the sweep mixture's, the interval
-        the run scores: :meth:`fedcal.report.export.CalibratedFleet.interval_rows`).
+        the run scores: :meth:`fedcal.report.fleet.CalibratedFleet.interval_rows`).
         With ``return_range``: also ``in_range`` per row (bool), as ``fedcal predict``'s
         column: every input within the unit's calibrated span widened by 5 % of it
         (:func:`fedcal.report.export.in_range`); False: extrapolated, not calibrated.

@@ -38,7 +38,6 @@ import torch
 
 from fedcal.algorithms.fedprior import FedPrior
 from fedcal.algorithms.fedprior_deployed import DEPLOY_ROWS, deployed
-from fedcal.algorithms.fedprior_interval import DECLINE, NO_PROBE
 from fedcal.build import build_algorithm, build_task, run_record
 from fedcal.config import DataConfig, RunConfig, from_dict
 from fedcal.core import hooks, runnames
@@ -51,19 +50,15 @@ from fedcal.engine.evaluation import errors
 from fedcal.engine.simulation import FleetTensors, RunResult
 from fedcal.experiment import (
     MODEL_FILE,
-    _write_csv,
     _write_text,
-    fleet_stat,
-    full_scale,
     save_models,
-    valid_ranges,
 )
+from fedcal.prior import calibrate_dir, qa
 from fedcal.prior.discrepancy import Discrepancy, unit_scale
 from fedcal.prior.find import find_prior  # noqa: F401 (torch-free; re-exported)
 from fedcal.prior.model import PriorModel
 from fedcal.prior.qa import (  # the range guard, QA threshold and grid: torch-free, re-exported
     GRID_POINTS,  # noqa: F401  (calibration.GRID_POINTS: tests/report/test_calibration_report.py)
-    QA_LEVEL,
     RANGE_TOLERANCE,  # noqa: F401  (calibration.RANGE_TOLERANCE: benchmarks/prior_scale.py)
     check_inputs,
     distance_threshold,
@@ -71,7 +66,6 @@ from fedcal.prior.qa import (  # the range guard, QA threshold and grid: torch-f
 )
 
 NOISE_ITERATIONS = 25  # fixed-point iterations of a unit's own noise level (converged: tested)
-DISTANCE_CHUNK = 4096  # units per batched solve of the fleet distance (memory bound)
 GRID_CHUNK = 512  # units per σ grid evaluation: (units, grid) float64, ~8 MB (fastest measured)
 GRID_RANK_TOL = 1e-11  # singular values of the grid's pair products kept (relative): not rounding
 
@@ -89,11 +83,7 @@ def load_prior(path: Path) -> PriorModel:
 def _config(prior: PriorModel) -> RunConfig:
     """The configuration that rebuilds this prior's algorithm (and its run directory)."""
     method = prior.method
-    params = dict(prior.provenance.method_params)
-    if prior.selection is not None:  # the fleet chose a sub-basis by its evidence: fixed
-        params.update(prior.selection.chosen, select="none")
-    if method not in ("fedprior", "fedprior_drift"):  # registered: no base (a variant: fedprior)
-        params["base"] = "fedprior"
+    params = calibrate_dir.fixed_params(prior)  # the chosen sub-basis fixed, a variant's base
     if prior.discrepancy is not None and params.get("interval") == "calibrated":  # issue 33
         params["deploy_rows"] = DEPLOY_ROWS
     cfg = from_dict({"methods": {method: params}}, "prior.json")
@@ -114,11 +104,7 @@ class Calibration:
 
 def calibrate(prior: PriorModel, fleet: Fleet, source: str = "data") -> Calibration:
     """Each unit's posterior under the stored prior (see the module docstring)."""
-    if tuple(fleet.features) != prior.features or fleet.target != prior.target:
-        raise ValueError(
-            f"{source}: columns {list(fleet.features)} → {fleet.target} do not match the prior's "
-            f"{list(prior.features)} → {prior.target}"
-        )
+    qa.check_columns(prior, fleet, source)  # the station's checks
     check_inputs(prior, fleet, source)
     algorithm = prior_algorithm(prior, source, timed=fleet.row_times("train") is not None)
     scaler = prior.scaler
@@ -235,39 +221,27 @@ def coefficient_table(prior: PriorModel, result: Calibration) -> pd.DataFrame:
     """``coefficients.csv``: per unit its points, noise σ and coefficients (module docstring).
 
     y = Σ_k c_k φ_k(z) in the target's unit, z = (x − x_offset) / x_scale (the prior's
-    scaler), φ_k = Π_j P̃_{a_kj}(z_j) with P̃_a = √(2a+1)·P_a; the term '1' carries the offset.
+    scaler), φ_k = Π_j P̃_{a_kj}(z_j) with P̃_a = √(2a+1)·P_a; the term '1' carries the offset
+    (:func:`fedcal.prior.calibrate_dir.coefficient_table`, the NumPy path's too).
     """
-    names = prior.basis.names()  # φ's terms, then b·ψ: half the up−down split
-    scaler = result.tensors.scaler
-    y_scale = float(np.asarray(scaler.y_scale).ravel()[0])
-    # In the target's unit: y = offset + scale·Σ c_k φ_k, and φ_0 = 1 carries the offset.
-    coef = result.personal["coef"].numpy() * y_scale
-    coef[:, 0] += float(np.asarray(scaler.y_offset).ravel()[0])
-    table = pd.DataFrame(coef, columns=names)
-    table.insert(0, "sensor_id", list(result.tensors.client_ids))
-    table.insert(1, "points", result.tensors.train.count.numpy())
-    table.insert(2, "noise_sd", np.sqrt(result.personal["noise_var"].numpy()) * y_scale)
-    return table
+    personal, tensors = result.personal, result.tensors
+    return calibrate_dir.coefficient_table(
+        prior, tensors.client_ids, personal["coef"].numpy(), personal["noise_var"].numpy(),
+        tensors.train.count.numpy(),
+    )  # fmt: skip
 
 
 def declined_note(prior: PriorModel, result: Calibration) -> str:
-    """One line: why some units calibrated from this prior get no interval ("" if none)."""
+    """One line: why some units calibrated from this prior get no interval ("" if none)
+    (:func:`fedcal.prior.calibrate_dir.declined_note` with the discrepancy model's reasons)."""
     declined = result.personal.get("declined")
-    if declined is None or not bool((declined > 0).any()):
-        return ""
-    if any(result.reasons):  # the discrepancy model's: the designs it does not span
-        return "; ".join(dict.fromkeys(r for r in result.reasons if r))
-    iv = prior.interval
-    if iv is None:
-        return ""
-    if iv.reason:
-        return iv.reason
-    probe = int(iv.probe_rows)  # 0: the fleet had no unit of at most probe_rows points
-    return DECLINE[4].format(n=probe) if probe else NO_PROBE.format(n=result.algorithm.probe_rows)
+    declined = None if declined is None else (declined > 0).numpy()
+    return calibrate_dir.declined_note(prior, declined, result.reasons, result.algorithm.probe_rows)
 
 
 def write(out: Path, prior: PriorModel, fleet: Fleet, result: Calibration) -> pd.DataFrame:
-    """A run directory for the new units; returns the per-unit table."""
+    """A run directory for the new units (the tables: :func:`fedcal.prior.calibrate_dir.
+    write_tables`, the NumPy path's too); returns the per-unit table."""
     out = Path(out)
     cfg = _config(prior)
     method = prior.method
@@ -283,37 +257,15 @@ def write(out: Path, prior: PriorModel, fleet: Fleet, result: Calibration) -> pd
     save_models(
         run_dir / MODEL_FILE, run, result.tensors, cfg, result.algorithm, method, 0, fleet.meta
     )
-
     table = coefficient_table(prior, result)
-    _write_csv(out / "coefficients.csv", table)
-
-    per_sensor = table[["sensor_id", "points", "noise_sd"]].copy()
-    if int(result.tensors.test.count.sum()) > 0:
-        test = errors(result.algorithm, result.personal, result.tensors.test, result.tensors.scaler)
-        has_test = result.tensors.test.count.numpy() > 0
-        for k, v in test.items():
-            per_sensor[f"test_{k}"] = np.where(has_test, v.numpy(), np.nan)
-    _write_csv(out / runnames.PER_SENSOR, per_sensor)
-    units, points = unit_diagnostics(prior, result)
-    _write_csv(out / runnames.UNITS, units)
-    _write_csv(out / "calibration_points.csv", points)
-    # What the report and the exports read from a run directory: the valid input range of
-    # each unit and a summary row.
-    _write_text(run_dir / runnames.VALID_RANGE, json.dumps(valid_ranges(fleet), indent=1))
-    row: dict[str, Any] = {"method": method, "seed": 0, "train_points": 0}
-    for col in per_sensor.columns:
-        if col.startswith("test_"):
-            name = col.removeprefix("test_")
-            row[f"{name}_mean"] = fleet_stat(per_sensor[col], "mean", name)
-            row[f"{name}_worst"] = fleet_stat(per_sensor[col], "worst", name)
-    if declined_note(prior, result):
-        row["coverage_note"] = declined_note(prior, result)  # why some units have no interval
-    if "rmse_mean" in row:
-        fs = full_scale(fleet)
-        row["rmse_mean_pct_fs"] = 100.0 * row["rmse_mean"] / fs
-        row["max_abs_worst_pct_fs"] = 100.0 * row["max_abs_worst"] / fs
-    row.update(wall_s=0.0, bytes_up_per_round=0.0, bytes_down_per_round=0.0)
-    _write_csv(out / runnames.SUMMARY, pd.DataFrame([row]))
+    tensors = result.tensors
+    test = {}
+    if int(tensors.test.count.sum()) > 0:
+        test = errors(result.algorithm, result.personal, tensors.test, tensors.scaler)
+        test = {k: v.numpy() for k, v in test.items()}
+    per_sensor = calibrate_dir.per_sensor_table(table, test, tensors.test.count.numpy() > 0)
+    tables = (table, per_sensor, *unit_diagnostics(prior, result))
+    calibrate_dir.write_tables(out, prior, fleet, tables, declined_note(prior, result))
     return per_sensor
 
 
@@ -330,33 +282,15 @@ def fleet_distance(
     ΣΦ_iᵀC_i⁻¹Φ_iΣ, so d²_i = ‖P_A e‖² (P_A the projection on A's columns) and,
     for a unit of the fleet, d²_i ~ χ² with rank(A) degrees of freedom (Φ_i of
     full row rank: d²_i = eᵀe, the whitened residual of its points under the
-    prior predictive).
+    prior predictive). The linear algebra is :func:`fedcal.prior.qa.distances` (NumPy: the
+    station's too), on this algorithm's design.
     """
-    mu, sigma = server["mu"].to(F64), server["sigma"].to(F64)
-    d2 = np.full(data.num_clients, np.nan)
-    dof = np.zeros(data.num_clients, dtype=int)
-    # Batched over units, DISTANCE_CHUNK at a time: a unit's padding rows get Φ = 0, r = 0
-    # and variance 1, so C_i is block-diagonal (its own block, then I), e and A are zero
-    # there and A's extra singular values are 0 (below the rank threshold): the unit's d².
-    for rows in torch.arange(data.num_clients).split(DISTANCE_CHUNK):
-        part = data.select(rows)
-        real = (part.mask > 0).to(F64)
-        design = algorithm.design(part.x, part.branch).to(F64) * real.unsqueeze(-1)
-        resid = (part.y[..., 0].to(F64) - design @ mu) * real
-        noise = noise_var.index_select(0, rows).to(F64).unsqueeze(-1)
-        cov = design @ sigma @ design.mT + torch.diag_embed(torch.where(real > 0, noise, 1.0))
-        chol, info = torch.linalg.cholesky_ex(cov)
-        e = torch.linalg.solve_triangular(chol, resid.unsqueeze(-1), upper=False)[..., 0]
-        a = torch.linalg.solve_triangular(chol, design, upper=False)
-        u, sv, _ = torch.linalg.svd(a, full_matrices=False)
-        top = sv.amax(-1, keepdim=True)
-        kept = sv > 1e-10 * top
-        proj = (u.mT @ e.unsqueeze(-1))[..., 0] * kept
-        ok = (info == 0) & torch.isfinite(resid).all(-1)
-        idx = rows.numpy()[ok.numpy()]
-        d2[idx] = proj.square().sum(-1)[ok].numpy()
-        dof[idx] = kept.sum(-1)[ok].numpy()
-    return d2, dof
+    real = (data.mask > 0).to(F64)
+    design = algorithm.design(data.x, data.branch).to(F64) * real.unsqueeze(-1)
+    return qa.distances(
+        design.numpy(), data.y[..., 0].to(F64).numpy(), real.numpy(),
+        server["mu"].to(F64).numpy(), server["sigma"].to(F64).numpy(), noise_var.to(F64).numpy(),
+    )  # fmt: skip
 
 
 def grid_sigma(alg: FedPrior, personal: Tree, grid: torch.Tensor) -> np.ndarray:
@@ -464,48 +398,20 @@ def unit_diagnostics(prior: PriorModel, result: Calibration) -> tuple[pd.DataFra
         train.x.double().numpy().reshape(-1, train.x.shape[-1]) * scaler.x_scale + scaler.x_offset
     )
     raw_x = raw_x.reshape(n, -1, train.x.shape[-1])
-    mask = train.mask.numpy() > 0
-    # All units at once: a unit's residuals are its masked rows (padding excluded).
-    count = mask.sum(-1)
-    res = np.where(mask, pred - ref, 0.0)
-    has = count > 0
-    with np.errstate(invalid="ignore", divide="ignore"):
-        resid_rms = np.where(has, np.sqrt((res**2).sum(-1) / np.maximum(count, 1)), np.nan)
-    resid_max = np.where(has, np.where(mask, np.abs(pred - ref), -np.inf).max(-1), np.nan)
-    finite = torch.isfinite(personal["coef"]).all(-1).numpy()
+    status = qa.unit_status(personal["coef"].numpy(), d2, threshold)  # the station's rule
     unlike = np.isfinite(d2) & (d2 > threshold)
-    status = np.where(~finite, "failed", np.where(unlike, "unlike the fleet", "ok"))
-    table = pd.DataFrame(
-        {
-            "sensor_id": list(tensors.client_ids),
-            "points": count.astype(int),
-            "status": status.astype(object),
-            "d2": d2,
-            "dof": dof.astype(int),
-            "d2_threshold": threshold,
-            "qa_level": QA_LEVEL,
-            "p_value": p_value,
-            "unlike_fleet": unlike,
-            "sigma_mean": sigma_mean,
-            "sigma_max": sigma_max,
-            "resid_rms": resid_rms,
-            "resid_max_abs": resid_max,
-        }
+    checks = {
+        "status": status, "d2": d2, "dof": dof, "d2_threshold": threshold, "p_value": p_value,
+        "unlike_fleet": unlike, "sigma_mean": sigma_mean, "sigma_max": sigma_max,
+    }  # fmt: skip
+    mask = train.mask.numpy() > 0
+    table, points = calibrate_dir.residual_tables(
+        prior, tensors.client_ids, raw_x, ref, pred, pred_std, mask, checks
     )
     if isinstance(alg, hooks.UnitColumns):  # fedprior_drift: recalibrate_at
         with torch.no_grad():
             table = table.assign(**hooks.labelled_units(alg, alg.unit_columns(personal, train)))
-    # One row per calibration point, unit by unit in row order (the columns at once).
-    unit, row = np.nonzero(mask)
-    if not len(unit):
-        return table, pd.DataFrame([])
-    points = {"sensor_id": np.asarray(tensors.client_ids, dtype=object)[unit]}
-    points.update({c: raw_x[unit, row, j] for j, c in enumerate(prior.features)})
-    points[prior.target] = ref[unit, row]
-    points["calibrated"] = pred[unit, row]
-    points["residual"] = pred[unit, row] - ref[unit, row]
-    points["sigma"] = pred_std[unit, row]
-    return table, pd.DataFrame(points)
+    return table, points
 
 
 def prior_server(prior: PriorModel, scaler: Scaler | None = None) -> Tree:

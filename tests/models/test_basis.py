@@ -306,3 +306,28 @@ def test_poly_domain_maps_onto_legendre_interval():
     model = Basis(poly_orders=(1, 0), hidden=(), poly_domain=((0.0, 1.0), (-1.0, 1.0)))
     x = torch.tensor([[[0.75, 0.2]]], dtype=F64)
     assert model.polynomial_terms(x).item() == pytest.approx(3**0.5 * 0.5, abs=1e-15)
+
+
+def test_numpy_and_torch_inputs_take_the_one_formula_to_the_bit():
+    """The station's NumPy basis (fedcal.prior.legendre) and the torch one (models.basis) are
+    one formula (families.LEGENDRE) on either array type: the same operations in the same
+    order, so φ and the guarded ψ are equal to the bit, inside the box and beyond it (ψ
+    there is hand-checked for one input: φ(1) + φ'(1)·(x − 1) at x = 1.5)."""
+    from fedcal.models.basis import legendre_exponents, legendre_products, linearized_products
+    from fedcal.prior import legendre as np_legendre
+
+    terms = legendre_exponents(2, orders=(3, 2))
+    x = np.random.default_rng(0).uniform(-1.6, 1.6, (3, 7, 2))
+    lo, hi = np.full((3, 1, 2), -1.0), np.full((3, 1, 2), 1.0)
+    np.testing.assert_array_equal(
+        np_legendre.legendre_products(x, terms), legendre_products(torch.as_tensor(x), terms)
+    )
+    psi_np, out_np = np_legendre.linearized_products(x, terms, lo, hi)
+    psi_t, out_t = linearized_products(torch.as_tensor(x), terms, *map(torch.as_tensor, (lo, hi)))
+    np.testing.assert_array_equal(psi_np, psi_t.numpy())
+    np.testing.assert_array_equal(out_np, out_t.numpy())
+    assert out_np.any() and not out_np.all()
+    one = np_legendre.linearized_products(np.array([[1.5]]), [(0,), (1,), (2,)], -1.0, 1.0)[0]
+    # P̃_1 = √3 x (slope √3); P̃_2 = √5 (3x² − 1)/2 (value √5 and slope 3√5 at 1)
+    np.testing.assert_allclose(one[0], [1.0, 1.5 * math.sqrt(3), math.sqrt(5) * 2.5], rtol=1e-15)
+    assert np_legendre.legendre_products(x, []).shape == (3, 7, 0)

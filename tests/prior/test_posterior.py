@@ -162,13 +162,17 @@ def test_the_station_s_checks_equal_the_torch_path(trained, method):
     to the backward error of that factorization (≈ n·ε·κ(C_i), n ≤ 20 rows; measured below
     1e-9 relative with the fleet's σ²: asserted at 1e-8), plus, with per-unit noise, the
     relative error σ_i² carries (:func:`_noise_bound`: d² moves with C_i, elasticity ≤ 1
-    in σ_i²; measured 5e-8). The status at its threshold: equal."""
+    in σ_i²; measured 5e-8). The status at its threshold: equal. Both paths compute d² with
+    :func:`fedcal.prior.qa.distances` (the torch path hands it its design): with the fleet's
+    σ² the same inputs, so d² is equal to the bit."""
     prior, ref, units, _, y, mask = _both(*trained, method)
     ours = station.calibrate_fleet(prior, _fleet(trained[1], prior))
     table, _ = calibration.unit_diagnostics(prior, ref)
     assert list(ours.ids) == list(map(str, table["sensor_id"]))
     tol = 1e-8 + _noise_bound(prior, units, y, mask)
     _close(ours.checks["d2"], table["d2"].to_numpy(), "d2", tol)
+    if method != "fedprior_sensor":  # one function (qa.distances) of the same design and σ²
+        np.testing.assert_array_equal(ours.checks["d2"], table["d2"].to_numpy())
     assert (ours.checks["dof"] == table["dof"].to_numpy()).all()
     _close(ours.checks["d2_threshold"], table["d2_threshold"].to_numpy(), "threshold", 0.0)
     assert list(ours.status) == list(table["status"])

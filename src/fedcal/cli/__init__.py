@@ -41,8 +41,13 @@ from fedcal.cli import calibrate  # calibrate, certificate
 from fedcal.cli import plan, report, flower
 
 # isort: on
-from fedcal.cli.calibrate import DECISION_RULES
-from fedcal.cli.options import AGGREGATION_RULES, EXPORT_FORMATS, SIMULATOR_CHOICES, SPLIT_BY
+from fedcal.cli.options import (
+    AGGREGATION_RULES,
+    DECISION_RULES,
+    EXPORT_FORMATS,
+    SIMULATOR_CHOICES,
+    SPLIT_BY,
+)
 
 __all__ = [
     "AGGREGATION_RULES",

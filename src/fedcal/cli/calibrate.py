@@ -6,13 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import click
 import typer
 from rich.table import Table
 
 from fedcal.cli.base import KeyFileOpt, _check_mac, _fail, _mac_key, app, console, target_unit
 from fedcal.cli.options import (
+    DecisionRuleOpt,
     PriorMethodOpt,
+    PriorOpt,
     RunPointsOpt,
     RunSeedOpt,
     SensorOpt,
@@ -25,9 +26,7 @@ from fedcal.core.errors import ConfigError
 
 @app.command()
 def calibrate(
-    prior: Annotated[
-        Path, typer.Option("--prior", help="a run directory with a fedprior run, or its prior.json")
-    ],
+    prior: PriorOpt,
     data: Annotated[
         Path,
         typer.Option("--data", help="CSV/Parquet of the new units' calibration points"),
@@ -113,10 +112,7 @@ def _calibrate_numpy(path: Path, data: Path, out: Path, sensor_column, time_colu
         raise NeedsTorch(f"{path}: {why}")
     done = station.calibrate_fleet(model, fleet, str(data))
     table = calibrate_dir.write(out, model, fleet, done)
-    return table, model, calibrate_dir.declined_note(model, done.units)
-
-
-DECISION_RULES = ("guarded", "simple")  # fedcal.report.certificate.RULES (tested equal)
+    return table, model, calibrate_dir.declined_note(model, done.units.declined)
 
 
 @app.command()
@@ -141,14 +137,7 @@ def certificate(
             "adds a statement of conformity"
         ),
     ] = None,
-    rule: Annotated[
-        str,
-        typer.Option(
-            "--decision-rule",
-            help="with --spec: guarded (guard band w = U, ILAC-G8 4.2.2) or simple (w = 0)",
-            click_type=click.Choice(DECISION_RULES),
-        ),
-    ] = "guarded",
+    rule: DecisionRuleOpt = "guarded",
     issued: Annotated[
         str | None, typer.Option(help="date of issue, YYYY-MM-DD (default: today, UTC)")
     ] = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import click
 import typer
@@ -130,6 +130,7 @@ def _resolve(
 AGGREGATION_RULES = ("mean", "median", "trimmed_mean", "krum")
 SPLIT_BY = ("random", "time")
 EXPORT_FORMATS = ("c", "json", "onnx")
+DECISION_RULES = ("guarded", "simple")  # fedcal.report.certificate.RULES (tested equal)
 SIMULATOR_CHOICES = {
     "preset": ("nominal", "harsh"),
     "family": ("quartz", "silicon"),
@@ -156,6 +157,29 @@ def _default(section: str, key: str, schema: str = "") -> str:
     return f" (default: {text or 'none'}, or --config's)"
 
 
+def choice(option: str, text: str, choices: tuple[str, ...]) -> Any:
+    """``option`` taking one of ``choices`` (listed by ``--help``, refused otherwise)."""
+    return typer.Option(option, help=text, click_type=click.Choice(choices))
+
+
+RunDirArg = Annotated[Path, typer.Argument(help="a run directory of fedcal run/compare")]
+PriorOpt = Annotated[
+    Path, typer.Option("--prior", help="a run directory with a fedprior run, or its prior.json")
+]
+ExportFormatOpt = Annotated[
+    str,
+    choice(
+        "--format", "c (header for firmware), json, or onnx (one file per sensor)", EXPORT_FORMATS
+    ),
+]
+DecisionRuleOpt = Annotated[
+    str,
+    choice(
+        "--decision-rule",
+        "with --spec: guarded (guard band w = U, ILAC-G8 4.2.2) or simple (w = 0)",
+        DECISION_RULES,
+    ),
+]
 OutOpt = Annotated[
     Path | None, typer.Option("--out", help="run directory (default: runs/<kind>-<config hash>)")
 ]
@@ -196,11 +220,7 @@ RoundsOpt = Annotated[
 ]
 AggregationOpt = Annotated[
     str | None,
-    typer.Option(
-        "--aggregation",
-        help="server rule" + _default("aggregation", "rule"),
-        click_type=click.Choice(AGGREGATION_RULES),
-    ),
+    choice("--aggregation", "server rule" + _default("aggregation", "rule"), AGGREGATION_RULES),
 ]
 ConfigOpt = Annotated[
     Path | None, typer.Option("--config", help="TOML file overriding the defaults")
@@ -226,11 +246,11 @@ TimeColumnOpt = Annotated[
 ]
 SplitByOpt = Annotated[
     str | None,
-    typer.Option(
+    choice(
         "--split-by",
-        help="random, or time: each sensor's last test fraction is test"
+        "random, or time: each sensor's last test fraction is test"
         + _default("data", "split_by", "random"),
-        click_type=click.Choice(SPLIT_BY),
+        SPLIT_BY,
     ),
 ]
 RawColumnOpt = Annotated[

@@ -8,15 +8,13 @@ from typing import Annotated
 import typer
 
 from fedcal.cli.base import _fail, app, console, target_unit
-from fedcal.cli.options import PriorMethodOpt, RunSeedOpt
+from fedcal.cli.options import PriorMethodOpt, PriorOpt, RunSeedOpt
 from fedcal.core.errors import ConfigError
 
 
 @app.command()
 def plan(
-    prior: Annotated[
-        Path, typer.Option("--prior", help="a run directory with a fedprior run, or its prior.json")
-    ],
+    prior: PriorOpt,
     plateaus: Annotated[int | None, typer.Option(help="K temperature plateaus")] = None,
     points: Annotated[int | None, typer.Option(help="N chamber points in all")] = None,
     out: Annotated[Path | None, typer.Option(help="design.csv to write")] = None,

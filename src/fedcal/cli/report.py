@@ -9,13 +9,14 @@ import typer
 
 from fedcal.cli.base import _check_out, _fail, _print_table, _write_html, app, console, target_unit
 from fedcal.cli.calibrate import _print_units
+from fedcal.cli.options import RunDirArg
 from fedcal.core import runnames
 from fedcal.core.errors import ConfigError
 
 
 @app.command()
 def report(
-    run_dir: Annotated[Path, typer.Argument(help="a run directory of fedcal run/compare")],
+    run_dir: RunDirArg,
     markdown: Annotated[bool, typer.Option(help="print Markdown instead of a rich table")] = False,
     html: Annotated[
         Path | None,

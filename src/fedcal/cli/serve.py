@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-import click
 import typer
 
 from fedcal.cli.base import (
@@ -18,24 +17,24 @@ from fedcal.cli.base import (
     console,
     err_console,
 )
-from fedcal.cli.options import EXPORT_FORMATS, MethodOpt, RunPointsOpt, RunSeedOpt, SensorOpt
+from fedcal.cli.options import (
+    ExportFormatOpt,
+    MethodOpt,
+    RunDirArg,
+    RunPointsOpt,
+    RunSeedOpt,
+    SensorOpt,
+)
 from fedcal.core.errors import ConfigError
 
 
 @app.command()
 def export(
-    run_dir: Annotated[Path, typer.Argument(help="a run directory of fedcal run/compare")],
+    run_dir: RunDirArg,
     method: MethodOpt = None,
     seed: RunSeedOpt = 0,
     train_points: RunPointsOpt = 0,
-    fmt: Annotated[
-        str,
-        typer.Option(
-            "--format",
-            help="c (header for firmware), json, or onnx (one file per sensor)",
-            click_type=click.Choice(EXPORT_FORMATS),
-        ),
-    ] = "c",
+    fmt: ExportFormatOpt = "c",
     out: Annotated[
         Path | None,
         typer.Option("--out", help="file to write (default: stdout); a directory for onnx"),
@@ -142,7 +141,7 @@ def _print_footprint(fleet, method: str) -> None:
 
 @app.command()
 def predict(
-    run_dir: Annotated[Path, typer.Argument(help="a run directory of fedcal run/compare")],
+    run_dir: RunDirArg,
     data: Annotated[
         Path, typer.Option("--data", help="CSV/Parquet with the sensor column and the features")
     ],

@@ -19,7 +19,7 @@ import numpy as np
 
 from fedcal.core.paths import PathError, read_regular
 
-FORMAT = "fedcal-trees/1"  # = fedcal.core.tensorfile.FORMAT
+FORMAT = "fedcal-trees/1"  # the model files' format (core/tensorfile.py writes it too)
 META_KEY = "fedcal"
 BLOB = "__blob__/"
 
@@ -42,7 +42,9 @@ def torch_dtype_name(array: np.ndarray) -> str:
 
 
 def digest(arrays: Mapping[str, np.ndarray], meta_text: str) -> str:
-    """:func:`fedcal.core.tensorfile._digest` over NumPy arrays (the same bytes hashed)."""
+    """The SHA-256 a model file carries: the metadata, then each array's name, dtype (as torch
+    names it), shape and bytes in name order — both writers' (core/tensorfile.py, the
+    calibrate folder's) and the reader's."""
     h = hashlib.sha256(meta_text.encode())
     for name in sorted(arrays):
         a = arrays[name]

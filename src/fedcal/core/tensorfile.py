@@ -19,7 +19,6 @@ Every problem reading a file is a :class:`TensorFileError` naming the file.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,12 +28,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedcal.core.arrayfile import TensorFileError, load_arrays  # TensorFileError re-exported
+from fedcal.core.arrayfile import (  # TensorFileError re-exported
+    FORMAT,
+    META_KEY,
+    TensorFileError,
+    digest,
+    load_arrays,
+)
 from fedcal.core.atomic import write_bytes
 from fedcal.core.tree import Tree
 
-FORMAT = "fedcal-trees/1"  # = fedcal.core.arrayfile.FORMAT
-_META_KEY = "fedcal"
 _BLOB = "__blob__/"
 
 
@@ -57,12 +60,9 @@ def _skeleton(tree: Mapping, prefix: str, flat: dict[str, Tensor]) -> dict:
 
 
 def _digest(tensors: Mapping[str, Tensor], meta_text: str) -> str:
-    h = hashlib.sha256(meta_text.encode())
-    for name in sorted(tensors):
-        t = tensors[name]
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+    """The file's SHA-256: :func:`fedcal.core.arrayfile.digest` (the one checksum, what the
+    reader verifies) of the tensors' NumPy views."""
+    return digest({name: t.numpy() for name, t in tensors.items()}, meta_text)
 
 
 def save_trees(
@@ -80,7 +80,7 @@ def save_trees(
         data = json.dumps(value, allow_nan=True).encode()
         flat[_BLOB + name] = torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
     meta_text = json.dumps({"format": FORMAT, "structure": structure, "meta": dict(meta or {})})
-    header = {_META_KEY: meta_text, "sha256": _digest(flat, meta_text)}
+    header = {META_KEY: meta_text, "sha256": _digest(flat, meta_text)}
     write_bytes(path, save(flat, metadata=header))
 
 

@@ -87,6 +87,7 @@ from fedcal.models.families import (  # noqa: F401 (re-exported: callers import 
     LEGENDRE,
     MONOMIAL,
     BasisFamily,
+    any_beyond,
     basis_family,
     legendre,
     legendre_derivatives,
@@ -195,53 +196,13 @@ def legendre_products(x: Tensor, exponents: Sequence[Sequence[int]]) -> Tensor:
 SUPPORT_STDS = 2.5
 
 
-def any_beyond(mask: Tensor) -> bool:
-    """Whether any row lies beyond the support box: always True while tracing (ONNX export).
-
-    The guard's branches are skipped when no row needs them (a saving only: inside the
-    box the tangent step is 0 and the model-form gap 0, so the result is the same). A
-    traced graph records one path for every later input, so it must hold the guard.
-    """
-    return torch.jit.is_tracing() or bool(mask.any())
-
-
 def linearized_products(
     x: Tensor, exponents: Sequence[Sequence[int]], lo: Tensor, hi: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """The extrapolation guard: ψ(x) = φ(x̄) + J_φ(x̄)·(x − x̄), x̄ = clamp(x, lo, hi).
-
-    Inside the support box [lo, hi] (per input; ``lo``/``hi`` broadcast against x's
-    leading axes, e.g. (clients, 1, F)) ψ = φ (:func:`legendre_products`) exactly;
-    beyond it the surface continues along its tangent plane at the nearest point of
-    the box (a first-order Taylor expansion), so a degree-d polynomial grows linearly
-    away from the data instead of as the d-th power. ψ is linear in the
-    coefficients, so a posterior's predictive variance ψᵀVψ stays exact for the
-    guarded prediction. Returns (ψ (..., rows, terms), outside (..., rows) bool).
-    """
-    x = x.to(torch.float64)
-    inner = torch.maximum(torch.minimum(x, hi.to(x.dtype)), lo.to(x.dtype))
-    step = x - inner
-    outside = (step != 0).any(-1)
-    phi = legendre_products(inner, exponents)
-    if not any_beyond(outside) or not exponents:
-        return phi, outside
-    num_inputs = x.shape[-1]
-    tops = [max(t[j] for t in exponents) for j in range(num_inputs)]
-    values = [legendre(inner[..., j], tops[j]) for j in range(num_inputs)]
-    ders = [legendre_derivatives(inner[..., j], tops[j]) for j in range(num_inputs)]
-    cols = []
-    for term in exponents:
-        slope = torch.zeros_like(inner[..., 0])
-        for j, a in enumerate(term):
-            if not a:
-                continue
-            part = ders[j][a] * step[..., j]
-            for k, b in enumerate(term):
-                if k != j and b:
-                    part = part * values[k][b]
-            slope = slope + part
-        cols.append(slope)
-    return phi + torch.stack(cols, dim=-1), outside
+    """The extrapolation guard ψ(x) = φ(x̄) + J_φ(x̄)·(x − x̄), x̄ = clamp(x, lo, hi), of the
+    Legendre products (:meth:`fedcal.models.families.BasisFamily.linearized`: the one
+    formula, for tensors and NumPy arrays). Returns (ψ (..., rows, terms), outside)."""
+    return LEGENDRE.linearized(x, exponents, lo, hi)
 
 
 @dataclass(frozen=True)

@@ -15,21 +15,54 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # torch is imported where a family is evaluated: the registry itself
+import numpy as np
+
+if TYPE_CHECKING:  # torch is imported where a family is evaluated on a tensor: the registry
     from torch import Tensor  # is read torch-free (prior.json's check on a calibration station)
 
+Array = Any  # a NumPy array or a torch tensor: the formulas below serve both (namespace())
 
-def legendre(x: Tensor, order: int) -> list[Tensor]:
+
+def namespace(x: Array) -> Any:
+    """The array module of ``x``: torch for a tensor (imported only then), else NumPy.
+
+    One formula serves both paths: a NumPy array (the calibration station, the exports'
+    checks: no torch) and a tensor (training, ONNX tracing) go through the same operations
+    in the same order, so the two paths agree to the bit at float64.
+    """
+    if type(x).__module__.split(".")[0] == "torch":
+        import torch
+
+        return torch
+    return np
+
+
+def as_float64(x: Array) -> Array:
+    """``x`` as float64 in its own array module (a list or a number: NumPy)."""
+    xp = namespace(x)
+    return x.to(xp.float64) if xp is not np else np.asarray(x, dtype=np.float64)
+
+
+def any_beyond(mask: Array) -> bool:
+    """Whether any row lies beyond the support box: always True while tracing (ONNX export).
+
+    The guard's branches are skipped when no row needs them (a saving only: inside the
+    box the tangent step is 0 and the model-form gap 0, so the result is the same). A
+    traced graph records one path for every later input, so it must hold the guard.
+    """
+    xp = namespace(mask)
+    return (xp is not np and xp.jit.is_tracing()) or bool(mask.any())
+
+
+def legendre(x: Array, order: int) -> list[Array]:
     """Normalized Legendre values √(2n+1)·P_n(x) for n = 0..order (each shaped like x).
 
     Bonnet's recurrence (n+1)·P_{n+1} = (2n+1)·x·P_n − n·P_{n−1}, then the
-    normalization that gives unit mean square on [-1, 1].
+    normalization that gives unit mean square on [-1, 1]. ``x``: a NumPy array or a tensor.
     """
-    import torch
-
-    values = [torch.ones_like(x)]
+    values = [namespace(x).ones_like(x)]
     if order >= 1:
         values.append(x)
     for n in range(1, order):
@@ -37,15 +70,14 @@ def legendre(x: Tensor, order: int) -> list[Tensor]:
     return [math.sqrt(2 * n + 1) * v for n, v in enumerate(values)]
 
 
-def legendre_derivatives(x: Tensor, order: int) -> list[Tensor]:
+def legendre_derivatives(x: Array, order: int) -> list[Array]:
     """d/dx √(2n+1)·P_n(x) for n = 0..order: P'_{n+1} = P'_{n−1} + (2n+1)·P_n (P'_0 = 0)."""
-    import torch
-
+    xp = namespace(x)
     values = legendre(x, order)  # normalized: P_n = values[n] / √(2n+1)
     plain = [v / math.sqrt(2 * n + 1) for n, v in enumerate(values)]
-    ders = [torch.zeros_like(x)]
+    ders = [xp.zeros_like(x)]
     if order >= 1:
-        ders.append(torch.ones_like(x))
+        ders.append(xp.ones_like(x))
     for n in range(1, order):
         ders.append(ders[n - 1] + (2 * n + 1) * plain[n])
     return [math.sqrt(2 * n + 1) * d for n, d in enumerate(ders)]
@@ -66,35 +98,75 @@ class BasisFamily:
     """
 
     name: str
-    values: Callable[[Tensor, int], list[Tensor]]
-    derivatives: Callable[[Tensor, int], list[Tensor]]
+    values: Callable[[Array, int], list[Array]]
+    derivatives: Callable[[Array, int], list[Array]]
     normalization: str
     c_lines: Callable[[int], list[str]] | None = None
     # the products in one closed form, where the family has one (monomials: x^e)
     design: Callable[[Tensor, Tensor | Sequence[Sequence[int]]], Tensor] | None = None
 
-    def products(self, x: Tensor, exponents: Tensor | Sequence[Sequence[int]]) -> Tensor:
+    def products(self, x: Array, exponents: Tensor | Sequence[Sequence[int]]) -> Array:
         """φ_k(x) = Π_j p_{a_kj}(x_j) for each exponent tuple: (..., rows, F) → (..., rows, T),
-        float64."""
-        import torch
-
+        float64, in ``x``'s array module (a NumPy array or a tensor)."""
         if self.design is not None:
             return self.design(x, exponents)
-        if isinstance(exponents, torch.Tensor):
+        if type(exponents).__module__.split(".")[0] == "torch":
             exponents = [tuple(int(a) for a in row) for row in exponents.tolist()]
-        x = x.to(torch.float64)
+        x = as_float64(x)
+        xp = namespace(x)
         if not exponents:
-            return x.new_zeros(*x.shape[:-1], 0)
+            return x[..., :0] if xp is np else x.new_zeros(*x.shape[:-1], 0)
         tops = [max(t[j] for t in exponents) for j in range(x.shape[-1])]
         values = [self.values(x[..., j], tops[j]) for j in range(x.shape[-1])]
         cols = []
         for term in exponents:
-            col = torch.ones_like(x[..., 0])
+            col = xp.ones_like(x[..., 0])
             for j, a in enumerate(term):
                 if a:
                     col = col * values[j][a]
             cols.append(col)
-        return torch.stack(cols, dim=-1)
+        return xp.stack(cols, axis=-1)
+
+    def linearized(
+        self, x: Array, exponents: Sequence[Sequence[int]], lo: Array, hi: Array
+    ) -> tuple[Array, Array]:
+        """The extrapolation guard: ψ(x) = φ(x̄) + J_φ(x̄)·(x − x̄), x̄ = clamp(x, lo, hi).
+
+        Inside the support box [lo, hi] (per input; ``lo``/``hi`` broadcast against x's
+        leading axes, e.g. (clients, 1, F)) ψ = φ (:meth:`products`) exactly; beyond it
+        the surface continues along its tangent plane at the nearest point of the box (a
+        first-order Taylor expansion), so a degree-d polynomial grows linearly away from
+        the data instead of as the d-th power. ψ is linear in the coefficients, so a
+        posterior's predictive variance ψᵀVψ stays exact for the guarded prediction.
+        Returns (ψ (..., rows, terms), outside (..., rows) bool), in ``x``'s array module.
+        """
+        x = as_float64(x)
+        xp = namespace(x)
+        if xp is not np:
+            lo, hi = lo.to(x.dtype), hi.to(x.dtype)
+        inner = xp.maximum(xp.minimum(x, hi), lo)
+        step = x - inner
+        outside = (step != 0).any(-1)
+        phi = self.products(inner, exponents)
+        if not any_beyond(outside) or not exponents:
+            return phi, outside
+        num_inputs = x.shape[-1]
+        tops = [max(t[j] for t in exponents) for j in range(num_inputs)]
+        values = [self.values(inner[..., j], tops[j]) for j in range(num_inputs)]
+        ders = [self.derivatives(inner[..., j], tops[j]) for j in range(num_inputs)]
+        cols = []
+        for term in exponents:
+            slope = xp.zeros_like(inner[..., 0])
+            for j, a in enumerate(term):
+                if not a:
+                    continue
+                part = ders[j][a] * step[..., j]
+                for k, b in enumerate(term):
+                    if k != j and b:
+                        part = part * values[k][b]
+                slope = slope + part
+            cols.append(slope)
+        return phi + xp.stack(cols, axis=-1), outside
 
 
 FAMILIES: dict[str, BasisFamily] = {}

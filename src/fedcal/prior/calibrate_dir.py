@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +53,22 @@ def template() -> dict[str, Any]:
     return json.loads(TEMPLATE.read_text(encoding="utf-8"))
 
 
-def method_params(prior: PriorModel) -> dict[str, Any]:
-    """The method's parameters that rebuild this prior's calibration
-    (:func:`fedcal.calibration._config`: the fleet's chosen sub-basis fixed, a registered
-    variant on its base; ``choose = "auto"`` resolved for data without a time column)."""
+def fixed_params(prior: PriorModel) -> dict[str, Any]:
+    """The method's parameters with the fleet's chosen sub-basis fixed (``select = "none"``)
+    and a registered variant on its base: what rebuilds this prior's calibration, here and
+    in :func:`fedcal.calibration._config` (which adds what only the torch path runs)."""
     params = dict(prior.provenance.method_params)
     if prior.selection is not None:
         params.update(prior.selection.chosen, select="none")
     if prior.method not in ("fedprior", "fedprior_drift"):
         params["base"] = "fedprior"
+    return params
+
+
+def method_params(prior: PriorModel) -> dict[str, Any]:
+    """:func:`fixed_params` with ``choose = "auto"`` resolved for data without a time column
+    (the variants this path covers)."""
+    params = fixed_params(prior)
     if params.get("choose") == "auto":
         params["choose"] = "off"
     return params
@@ -138,33 +146,54 @@ def test_errors(prior: PriorModel, fleet: Fleet, units: posterior.Units) -> dict
     }
 
 
-def declined_note(prior: PriorModel, units: posterior.Units) -> str:
-    """:func:`fedcal.calibration.declined_note`: why some units get no interval ("" if none)."""
+def declined_note(
+    prior: PriorModel,
+    declined: np.ndarray | None,
+    reasons: Sequence[str] = (),
+    probe_rows: int | None = None,
+) -> str:
+    """One line: why some units calibrated from this prior get no interval ("" if none).
+
+    ``declined``: per unit, whether its interval is declined; ``reasons``: per unit, the
+    deployment discrepancy model's reason (the torch path, issue 33); ``probe_rows``: the
+    method's probe size (default: the prior's recorded one)."""
     iv = prior.interval
-    if units.declined is None or not units.declined.any() or iv is None:
+    if declined is None or not np.asarray(declined).any():
+        return ""
+    if any(reasons):  # the discrepancy model's: the designs it does not span
+        return "; ".join(dict.fromkeys(r for r in reasons if r))
+    if iv is None:
         return ""
     if iv.reason:
         return iv.reason
-    probe = int(iv.probe_rows)
-    rows = prior.provenance.method_params.get("probe_rows", posterior.PROBE_ROWS)
-    return DECLINE_SMALL.format(n=probe) if probe else NO_PROBE.format(n=rows)
+    probe = int(iv.probe_rows)  # 0: the fleet had no unit of at most probe_rows points
+    if probe_rows is None:
+        probe_rows = prior.provenance.method_params.get("probe_rows", posterior.PROBE_ROWS)
+    return DECLINE_SMALL.format(n=probe) if probe else NO_PROBE.format(n=probe_rows)
 
 
-def coefficient_table(prior: PriorModel, done: Station, points: np.ndarray) -> pd.DataFrame:
-    """coefficients.csv (:func:`fedcal.calibration.coefficient_table`): per unit its points,
-    noise σ and coefficients in the target's unit (the term '1' carries the offset)."""
+def coefficient_table(
+    prior: PriorModel,
+    ids: Sequence[str],
+    coef: np.ndarray,
+    noise_var: np.ndarray,
+    points: np.ndarray,
+) -> pd.DataFrame:
+    """coefficients.csv: per unit its points, noise σ and coefficients (scaled, (units, p))
+    in the target's unit: y = y_offset + y_scale·Σ_k c_k φ_k, so c ← y_scale·c and the
+    term '1' (φ_0 = 1) carries the offset."""
     y_scale = float(np.asarray(prior.scaler.y_scale).ravel()[0])
-    coef = done.units.coef * y_scale
+    coef = coef * y_scale
     coef[:, 0] += float(np.asarray(prior.scaler.y_offset).ravel()[0])
     table = pd.DataFrame(coef, columns=prior.basis.names())
-    table.insert(0, "sensor_id", list(done.ids))
+    table.insert(0, "sensor_id", list(ids))
     table.insert(1, "points", points)
-    table.insert(2, "noise_sd", np.sqrt(done.units.noise_var) * y_scale)
+    table.insert(2, "noise_sd", np.sqrt(noise_var) * y_scale)
     return table
 
 
 def unit_tables(prior: PriorModel, fleet: Fleet, done: Station) -> tuple[pd.DataFrame, ...]:
-    """(units.csv, calibration_points.csv) (:func:`fedcal.calibration.unit_diagnostics`)."""
+    """(units.csv, calibration_points.csv) (:func:`residual_tables` of the NumPy posterior)."""
     x, y, mask, _ = posterior.padded_rows(prior, fleet)
     s = prior.scaler
     n, rows = y.shape
@@ -172,17 +201,40 @@ def unit_tables(prior: PriorModel, fleet: Fleet, done: Station) -> tuple[pd.Data
     sd = posterior.predictive_std(done.units, x) * abs(float(np.asarray(s.y_scale).ravel()[0]))
     ref = s.y_inverse(y.reshape(-1, 1)).reshape(n, rows)
     raw_x = (x.reshape(-1, x.shape[-1]) * s.x_scale + s.x_offset).reshape(x.shape)
-    real = mask > 0
+    return residual_tables(prior, done.ids, raw_x, ref, pred, sd, mask > 0, done.checks)
+
+
+CHECKS = ("status", "d2", "dof", "d2_threshold", "p_value", "unlike_fleet")
+
+
+def residual_tables(
+    prior: PriorModel,
+    ids: Sequence[str],
+    raw_x: np.ndarray,
+    ref: np.ndarray,
+    pred: np.ndarray,
+    sd: np.ndarray,
+    real: np.ndarray,
+    checks: dict[str, Any],
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(units.csv, calibration_points.csv) from each unit's calibration rows, both paths'.
+
+    ``raw_x`` (units, rows, inputs), ``ref``/``pred``/``sd`` (units, rows) the reference,
+    the calibrated value and its σ in the target's unit, ``real`` which rows are points
+    (padding excluded); ``checks``: per unit :data:`CHECKS` and ``sigma_mean``/``sigma_max``
+    (:func:`fedcal.prior.qa.unit_checks`). units.csv adds resid_rms and resid_max_abs over a
+    unit's points (NaN without any); calibration_points.csv one row per point, unit by unit.
+    """
     count = real.sum(-1)
     res = np.where(real, pred - ref, 0.0)
     has = count > 0
     with np.errstate(invalid="ignore", divide="ignore"):
         rms = np.where(has, np.sqrt((res**2).sum(-1) / np.maximum(count, 1)), np.nan)
     worst = np.where(has, np.where(real, np.abs(pred - ref), -np.inf).max(-1), np.nan)
-    c = done.checks
+    c = checks
     units = pd.DataFrame(
         {
-            "sensor_id": list(done.ids),
+            "sensor_id": list(ids),
             "points": count.astype(int),
             "status": np.asarray(c["status"]).astype(object),
             "d2": c["d2"],
@@ -200,7 +252,7 @@ def unit_tables(prior: PriorModel, fleet: Fleet, done: Station) -> tuple[pd.Data
     unit, row = np.nonzero(real)
     if not len(unit):
         return units, pd.DataFrame([])
-    points = {"sensor_id": np.asarray(done.ids, dtype=object)[unit]}
+    points = {"sensor_id": np.asarray(ids, dtype=object)[unit]}
     points.update({col: raw_x[unit, row, j] for j, col in enumerate(prior.features)})
     points[prior.target] = ref[unit, row]
     points["calibrated"] = pred[unit, row]
@@ -239,18 +291,39 @@ def write(out: Path, prior: PriorModel, fleet: Fleet, done: Station) -> pd.DataF
     prior.save(run_dir / runnames.PRIOR)
     write_bytes(run_dir / runnames.MODEL, model_bytes(prior, fleet, done, record))
     counts = np.array([len(xi) for xi, _ in fleet.arrays("train")], dtype=np.int64)
-    table = coefficient_table(prior, done, counts)
-    write_table(out / "coefficients.csv", table)
-    per_sensor = table[["sensor_id", "points", "noise_sd"]].copy()
+    u = done.units
+    table = coefficient_table(prior, done.ids, u.coef, u.noise_var, counts)
     tests = np.array([len(xi) for xi, _ in fleet.arrays("test")])
-    if tests.sum() > 0:
-        for k, v in test_errors(prior, fleet, done.units).items():
-            per_sensor[f"test_{k}"] = np.where(tests > 0, v, np.nan)
-    write_table(out / runnames.PER_SENSOR, per_sensor)
-    units, points = unit_tables(prior, fleet, done)
-    write_table(out / runnames.UNITS, units)
-    write_table(out / "calibration_points.csv", points)
-    write_text(run_dir / runnames.VALID_RANGE, json.dumps(valid_ranges(fleet), indent=1))
-    note = declined_note(prior, done.units)
-    write_table(out / runnames.SUMMARY, pd.DataFrame([summary_row(prior, fleet, per_sensor, note)]))
+    errors = test_errors(prior, fleet, u) if tests.sum() > 0 else {}
+    per_sensor = per_sensor_table(table, errors, tests > 0)
+    write_tables(
+        out, prior, fleet, (table, per_sensor, *unit_tables(prior, fleet, done)),
+        declined_note(prior, u.declined),
+    )  # fmt: skip
     return per_sensor
+
+
+def per_sensor_table(
+    coefficients: pd.DataFrame, errors: dict[str, np.ndarray], has_test: np.ndarray
+) -> pd.DataFrame:
+    """per_sensor.csv: points and noise σ, and each test error where a unit has test rows."""
+    per_sensor = coefficients[["sensor_id", "points", "noise_sd"]].copy()
+    for k, v in errors.items():
+        per_sensor[f"test_{k}"] = np.where(has_test, v, np.nan)
+    return per_sensor
+
+
+def write_tables(
+    out: Path, prior: PriorModel, fleet: Fleet, tables: Sequence[pd.DataFrame], note: str
+) -> None:
+    """The calibrate folder's tables, both paths': ``tables`` = (coefficients, per_sensor,
+    units, calibration_points), the units' valid ranges and summary.csv (its coverage note)."""
+    for name, table in zip(TABLES, tables, strict=True):
+        write_table(out / name, table)
+    run_dir = runnames.run_path(out, prior.method)
+    write_text(run_dir / runnames.VALID_RANGE, json.dumps(valid_ranges(fleet), indent=1))
+    row = summary_row(prior, fleet, tables[1], note)
+    write_table(out / runnames.SUMMARY, pd.DataFrame([row]))
+
+
+TABLES = ("coefficients.csv", runnames.PER_SENSOR, runnames.UNITS, "calibration_points.csv")

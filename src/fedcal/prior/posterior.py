@@ -80,6 +80,13 @@ class Units:
     disc_var: np.ndarray | None = None
     declined: np.ndarray | None = None
 
+    def rows(self, start: int, stop: int) -> Units:
+        """Units ``start`` … ``stop − 1`` (their arrays sliced; the basis kept)."""
+        return Units(**{
+            k: (v[start:stop] if isinstance(v, np.ndarray) else v)
+            for k, v in self.__dict__.items()
+        })  # fmt: skip
+
 
 def design(prior: PriorModel, x: np.ndarray, branch: np.ndarray | None = None) -> np.ndarray:
     """[φ(x), b·ψ(x)] (..., rows, p); ``branch`` None reads as b = 0."""

@@ -1,11 +1,13 @@
 """A new unit's checks against a stored prior, in NumPy: the range guard, its distance from
 the fleet and its status — what ``calibrate`` writes to ``units.csv``, without torch.
 
+* :func:`check_columns`: a file whose columns are not the prior's is refused.
 * :func:`check_inputs`: a unit calibrated outside the range the prior was learned over is
   refused (only its calibration rows; 5 % of each input's span of slack).
 * :func:`fleet_distance`: d²_i = (m_i − μ)ᵀ(Σ − V_i)⁺(m_i − μ), computed in data space with
   C_i = Z_iΣZ_iᵀ + σ_i²I = LLᵀ, e = L⁻¹(y_i − Z_iμ), A = L⁻¹Z_i: d²_i = ‖P_A e‖², with rank(A)
-  degrees of freedom (:func:`fedcal.calibration.fleet_distance`, the torch form).
+  degrees of freedom (:func:`distances`; :func:`fedcal.calibration.fleet_distance` hands it
+  the torch algorithm's design).
 * :func:`distance_threshold`: Hotelling's prediction threshold of d² at ``QA_LEVEL``.
 * :func:`unit_status`: "failed" (a posterior that is not finite), "unlike the fleet" (d²
   above its threshold) or "ok".
@@ -28,6 +30,15 @@ DISTANCE_CHUNK = 4096  # units per batched solve (memory bound)
 GRID_POINTS = 2000  # σ over the operating range: a tensor grid of about this many points
 GRID_CHUNK = 256  # units per σ grid evaluation: (units, grid, p) float64, ~8 MB at p = 20
 STATUS_OK, STATUS_UNLIKE, STATUS_FAILED = "ok", "unlike the fleet", "failed"
+
+
+def check_columns(prior: PriorModel, fleet: Fleet, source: str) -> None:
+    """Refuse a file whose inputs and target are not the prior's (in the prior's order)."""
+    if tuple(fleet.features) != prior.features or fleet.target != prior.target:
+        raise ValueError(
+            f"{source}: columns {list(fleet.features)} → {fleet.target} do not match the "
+            f"prior's {list(prior.features)} → {prior.target}"
+        )
 
 
 def check_inputs(prior: PriorModel, fleet: Fleet, source: str) -> None:
@@ -60,24 +71,42 @@ def fleet_distance(
     branch: np.ndarray | None,
     noise_var: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(d², dof) per unit (module docstring); NaN and 0 where C_i does not factor. Padding
-    rows get Z = 0, r = 0 and variance 1: C_i is block-diagonal, A's extra singular values 0."""
+    """(d², dof) per unit (module docstring) of the prior's design at the units' rows."""
     real = (np.asarray(mask) > 0).astype(np.float64)
     zed = design(prior, x, branch) * real[..., None]
-    resid = (y - zed @ prior.mean) * real
-    noise = np.where(real > 0, noise_var[:, None], 1.0)
-    cov = zed @ prior.covariance @ np.swapaxes(zed, -1, -2)
-    cov = cov + noise[..., None] * np.eye(cov.shape[-1])
-    d2 = np.full(len(x), np.nan)
-    dof = np.zeros(len(x), dtype=int)
-    for i in range(0, len(x), DISTANCE_CHUNK):  # batched; a chunk with a C_i that does not
-        rows = np.arange(i, min(i + DISTANCE_CHUNK, len(x)))  # factor goes one unit at a time
+    return distances(zed, y, real, prior.mean, prior.covariance, noise_var)
+
+
+def distances(
+    zed: np.ndarray,
+    y: np.ndarray,
+    real: np.ndarray,
+    mean: np.ndarray,
+    covariance: np.ndarray,
+    noise_var: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(d², dof) per unit (module docstring) from its design ``zed`` (units, rows, p; 0 on
+    padding), readings ``y`` (units, rows), ``real`` (1 on a unit's rows, 0 on padding), the
+    prior N(μ, Σ) and each unit's σ_i²: both calibrate paths' (the torch one hands its
+    algorithm's design here). NaN and 0 where C_i does not factor. Padding rows get Z = 0,
+    r = 0 and variance 1: C_i is block-diagonal, A's extra singular values 0. Batched,
+    :data:`DISTANCE_CHUNK` units at a time; a chunk with a C_i that does not factor goes one
+    unit at a time."""
+    mean, covariance = np.asarray(mean, np.float64), np.asarray(covariance, np.float64)
+    resid = (y - zed @ mean) * real
+    d2 = np.full(len(zed), np.nan)
+    dof = np.zeros(len(zed), dtype=int)
+    for i in range(0, len(zed), DISTANCE_CHUNK):
+        rows = np.arange(i, min(i + DISTANCE_CHUNK, len(zed)))
+        noise = np.where(real[rows] > 0, noise_var[rows, None], 1.0)
+        cov = zed[rows] @ covariance @ np.swapaxes(zed[rows], -1, -2)
+        cov = cov + noise[..., None] * np.eye(cov.shape[-1])
         try:
-            _distances(cov[rows], resid[rows], zed[rows], rows, d2, dof)
+            _distances(cov, resid[rows], zed[rows], rows, d2, dof)
         except np.linalg.LinAlgError:
-            for r in rows:
+            for k, r in enumerate(rows):
                 try:
-                    _distances(cov[[r]], resid[[r]], zed[[r]], np.array([r]), d2, dof)
+                    _distances(cov[[k]], resid[[r]], zed[[r]], np.array([r]), d2, dof)
                 except np.linalg.LinAlgError:
                     continue
     return d2, dof
@@ -151,10 +180,7 @@ def sigma_over_range(prior: PriorModel, units: Units) -> tuple[np.ndarray, np.nd
     y_scale = abs(float(np.asarray(prior.scaler.y_scale).ravel()[0]))
     means, maxes = [], []
     for i in range(0, len(units.coef), GRID_CHUNK):
-        part = Units(**{
-            k: (v[i : i + GRID_CHUNK] if isinstance(v, np.ndarray) else v)
-            for k, v in units.__dict__.items()
-        })  # fmt: skip
+        part = units.rows(i, i + GRID_CHUNK)
         sigma = predictive_std(part, np.broadcast_to(grid, (len(part.coef), *grid.shape)))
         means.append(sigma.mean(-1))
         maxes.append(sigma.max(-1))

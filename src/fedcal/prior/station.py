@@ -41,10 +41,7 @@ class Station:
         if unit not in self.ids:
             raise KeyError(f"unit {unit!r} was not calibrated here ({len(self.ids)} units)")
         i = self.ids.index(unit)
-        one = posterior.Units(**{
-            k: (v[i : i + 1] if isinstance(v, np.ndarray) else v)
-            for k, v in self.units.__dict__.items()
-        })  # fmt: skip
+        one = self.units.rows(i, i + 1)
         x = self.scaler.x(np.asarray(readings, dtype=np.float64))[None]
         y_scale = float(np.asarray(self.scaler.y_scale).ravel()[0])
         y_offset = float(np.asarray(self.scaler.y_offset).ravel()[0])
@@ -55,11 +52,7 @@ class Station:
 def calibrate_fleet(prior: PriorModel, fleet: Fleet, source: str = "data") -> Station:
     """Every unit of ``fleet`` against ``prior`` from its calibration (train) rows: the
     columns must be the prior's, the rows inside its calibrated range (:func:`qa.check_inputs`)."""
-    if tuple(fleet.features) != prior.features or fleet.target != prior.target:
-        raise ValueError(
-            f"{source}: columns {list(fleet.features)} → {fleet.target} do not match the "
-            f"prior's {list(prior.features)} → {prior.target}"
-        )
+    qa.check_columns(prior, fleet, source)
     why = posterior.unsupported(prior, timed=fleet.row_times("train") is not None)
     if why:
         raise ValueError(f"{source}: {why} is calibrated by the torch path (fedcal calibrate)")

@@ -6,7 +6,7 @@ matplotlib's PDF backend). Vocabulary: GUM (JCGM 100:2008) and ISO/IEC 17025:201
 
 **Expanded uncertainty.** U(x) = k·u(x) with k = 2 (:data:`K`), u(x) the unit's
 predictive standard uncertainty at the reading x exactly as ``predict`` states it
-(:meth:`fedcal.report.export.CalibratedFleet.predict_with_std`, the one prediction path of
+(:meth:`fedcal.report.fleet.CalibratedFleet.predict_with_std`, the one prediction path of
 ``fedcal predict`` and ``CalibratedUnits.predict``: the posterior of the unit's coefficients
 and its noise, plus the design's model error where the prior learned it). k = 2, not 1.96:
 the convention of calibration certificates (EA-4/02, ILAC-P14: "k = 2, which for a normal
@@ -35,6 +35,7 @@ import pandas as pd
 
 from fedcal.core import runnames
 from fedcal.core.paths import read_regular
+from fedcal.prior.legendre import legendre_products
 from fedcal.prior.model import PriorModel
 from fedcal.report.export import RANGE_MARGIN, choose_method, range_bounds
 from fedcal.report.rundir import plateaus, read_table
@@ -143,29 +144,14 @@ def measurand_unit(target: str, given: str | None = None) -> str:
     return UNITS.get(suffix, NO_UNIT)
 
 
-def legendre_design(z: np.ndarray, terms: list[list[int]]) -> np.ndarray:
-    """Φ (rows, terms): φ_k(z) = Π_j √(2a_kj+1)·P_{a_kj}(z_j), the basis of coefficients.csv."""
-    from numpy.polynomial import legendre
-
-    cols = []
-    for orders in terms:
-        col = np.ones(len(z))
-        for j, a in enumerate(orders):
-            unit = np.zeros(a + 1)
-            unit[a] = 1.0
-            col = col * math.sqrt(2 * a + 1) * legendre.legval(z[:, j], unit)
-        cols.append(col)
-    return np.stack(cols, 1)
-
-
 def as_found(prior: PriorModel, x: np.ndarray) -> np.ndarray | None:
     """The design's typical calibration (the prior mean μ) at raw inputs ``x``: what the unit
     reads before its own adjustment. None for a prior with a direction term (needs b)."""
     if prior.basis.branch_terms:
         return None
-    terms = [list(t) for t in prior.basis.terms]
+    terms = prior.basis.terms  # φ of coefficients.csv (fedcal.prior.legendre: the one basis)
     mu = np.asarray(prior.mean, float)[: len(terms)]
-    y = legendre_design(prior.scaler.x(np.asarray(x, float)), terms) @ mu
+    y = legendre_products(prior.scaler.x(np.asarray(x, float)), terms) @ mu
     return prior.scaler.y_inverse(y.reshape(-1, 1))[:, 0]
 
 
@@ -237,8 +223,8 @@ class CalibrationRun:
 
     @classmethod
     def open(cls, run_dir: str | Path) -> CalibrationRun:
+        from fedcal.report.export import load_models
         from fedcal.report.rundir import check_plausible, read_valid_ranges
-        from fedcal.report.served import load_served_models
 
         run_dir = Path(run_dir)
         if not (run_dir / runnames.UNITS).is_file():
@@ -254,7 +240,7 @@ class CalibrationRun:
         note = summary.get("coverage_note", pd.Series([""])).fillna("").iloc[0]
         stamp = (run_dir / runnames.UNITS).stat().st_mtime
         # a failed unit: no model; without torch the NumPy path (report/served.py)
-        models = load_served_models(run_dir, method, drop_diverged=True)
+        models = load_models(run_dir, method, drop_diverged=True)
         ranges = read_valid_ranges(run_dir, method, 0, 0)
         check_plausible(models, ranges, prior_path.parent / runnames.MODEL)  # as predict
         return cls(

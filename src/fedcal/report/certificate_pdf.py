@@ -101,26 +101,13 @@ class _Flow:
             n = max(len(left), len(right), 1)
             self.need(self._h(size, n))
             x_value = LEFT + split * (RIGHT - LEFT)
-            for i, line in enumerate(left):
-                self.fig.text(
-                    LEFT,
-                    self.y - self._h(size, i) - self._a(size),
-                    line,
-                    fontsize=size,
-                    va="baseline",
-                    parse_math=False,
-                    color="0.25",
-                )
-            for i, line in enumerate(right):
-                self.fig.text(
-                    x_value,
-                    self.y - self._h(size, i) - self._a(size),
-                    line,
-                    fontsize=size,
-                    va="baseline",
-                    parse_math=False,
-                    weight="bold" if name == "Verdict" else "normal",
-                )
+            value_style = {"weight": "bold" if name == "Verdict" else "normal"}
+            for x, lines, style in ((LEFT, left, {"color": "0.25"}), (x_value, right, value_style)):
+                for i, line in enumerate(lines):
+                    top = self.y - self._h(size, i) - self._a(size)
+                    self.fig.text(
+                        x, top, line, fontsize=size, va="baseline", parse_math=False, **style
+                    )
             self.y -= self._h(size, n) + self._h(2)
 
     def table(self, head: list[str], rows: list[list[str]], size: float = 7.5) -> None:

@@ -13,9 +13,7 @@ coefficients and predictive-covariance factor (:mod:`fedcal.report.linear_export
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,149 +21,7 @@ from fedcal.core import runnames
 from fedcal.core.errors import ConfigError, did_you_mean
 from fedcal.core.paths import read_json
 from fedcal.data.scaling import Scaler
-from fedcal.status import Status
-
-if TYPE_CHECKING:  # torch is imported where a torch model is evaluated (issue 37.1)
-    from fedcal.core.algorithm import Algorithm
-    from fedcal.core.tree import Tree
-
-
-@dataclass(frozen=True)
-class CalibratedFleet:
-    """The personalized models of one run, ready to calibrate raw readings."""
-
-    algorithm: Algorithm
-    params: dict[str, Tree]  # sensor id → parameters (server-tree shapes)
-    scaler: Scaler
-    features: tuple[str, ...]
-    target: str
-    model: dict
-    sensor_column: str = "sensor_id"  # the run's column of sensor ids ([data] client_column)
-    # sensors the run recorded as refused (no model: NaN parameters), with the run's reason;
-    # they are left out of ``params``, so exports carry every other sensor (load_models)
-    excluded: dict[str, str] = field(default_factory=dict)
-
-    def no_model(self, sensor: str) -> str:
-        """The one-line reason why ``sensor`` has no model in this run."""
-        return f"sensor {sensor} has no model in this run: {self.excluded[sensor]}"
-
-    def predict(self, sensor: str, x_raw: np.ndarray) -> np.ndarray:
-        """Calibrated target values for raw readings ``x_raw`` (rows, features) of ``sensor``."""
-        return self.predict_with_std(sensor, x_raw)[0]
-
-    def predict_with_std(
-        self, sensor: str, x_raw: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """(calibrated values, predictive σ or None) in the target's unit, rows × 1 each.
-
-        σ is the method's own (``algorithm.predictive_std``, e.g. fedprior's posterior
-        and noise); None for a method without one.
-        """
-        if sensor in self.excluded:
-            raise KeyError(self.no_model(sensor))
-        if sensor not in self.params:
-            raise KeyError(
-                f"sensor {sensor!r} is not in this run; known: {', '.join(sorted(self.params))}"
-            )
-        import torch
-
-        from fedcal.core.tree import stack
-
-        params = stack([self.params[sensor]])
-        dtype = next(iter(params.values())).dtype
-        x = torch.as_tensor(self.scaler.x(np.asarray(x_raw, float)), dtype=dtype).unsqueeze(0)
-        with torch.no_grad():
-            y = self.algorithm.predict(params, x)[0].double().numpy()
-            std = self.algorithm.predictive_std(params, x)
-        scale = np.asarray(self.scaler.y_scale, float)
-        sd = None if std is None else std[0].double().numpy() * np.abs(scale)
-        return self.scaler.y_inverse(y), sd
-
-    def interval_rows(self, frame, sensor_column: str | None = None) -> np.ndarray | None:
-        """Per row of ``frame`` the half-width of the stated central 95 % interval (target
-        units), or None for a method without a σ; NaN where no σ is stated.
-
-        The interval the run scores (its ``coverage95``: :func:`fedcal.engine.evaluation.errors`
-        through ``algorithm.interval_halfwidth``), so the one a user is given. ±1.96 σ for a
-        Gaussian predictive; with fedprior's direction term (fedprior_branch) the sweep
-        mixture's, ½N(ψᵀm_h, s²) + ½N(−ψᵀm_h, s²): in the field the sweep b = ±1 is unknown,
-        so that mixture is the model's own distribution of the branch-average prediction's
-        error, and the model-error τ² a calibrated interval adds is learned for this
-        interval (:mod:`fedcal.algorithms.fedprior_interval`). ±1.96 σ of the same variance
-        treats ±ψᵀm_h as Gaussian: wider than the model's 95 % interval, a second interval
-        that disagrees with the scored one. So this one is stated, not 1.96 σ.
-        """
-        import torch
-
-        from fedcal.core.tree import stack
-
-        column = sensor_column or self.sensor_column
-        half = np.full(len(frame), np.nan)
-        x_all = frame[list(self.features)].to_numpy(float)
-        scale = float(np.abs(np.asarray(self.scaler.y_scale, float)).ravel()[0])
-        for sensor, rows in frame.groupby(column, sort=False).indices.items():
-            if str(sensor) in self.excluded:
-                continue  # no model: no interval
-            if str(sensor) not in self.params:
-                raise KeyError(f"sensor {sensor!r} is not in this run")
-            params = stack([self.params[str(sensor)]])
-            dtype = next(iter(params.values())).dtype
-            x = torch.as_tensor(self.scaler.x(x_all[rows]), dtype=dtype).unsqueeze(0)
-            with torch.no_grad():
-                std = self.algorithm.predictive_std(params, x)
-                if std is None:
-                    return None
-                width = self.algorithm.interval_halfwidth(params, x, std)
-            half[rows] = width[0, :, 0].double().numpy() * scale
-        return half
-
-    def without_sigma(self) -> list[str]:
-        """Sensors whose model states no predictive σ although the method has one (e.g.
-        fedprior's declined interval: σ NaN): every export leaves σ out for them and says so.
-        """
-        sensors = sorted(self.params)
-        if not sensors or getattr(self.algorithm, "predictive_std", None) is None:
-            return []
-        import torch
-
-        from fedcal.core.tree import stack
-
-        params = stack([self.params[s] for s in sensors])
-        dtype = next(iter(params.values())).dtype
-        at = torch.as_tensor(self.scaler.x_offset, dtype=dtype).reshape(1, 1, -1)
-        with torch.no_grad():
-            std = self.algorithm.predictive_std(params, at.expand(len(sensors), 1, -1))
-        if std is None:
-            return []
-        finite = torch.isfinite(std.reshape(len(sensors), -1)).all(-1)
-        return [s for s, ok in zip(sensors, finite.tolist(), strict=True) if not ok]
-
-    def predict_rows(self, frame, sensor_column: str | None = None):
-        """(mean, σ or None): one value per row of ``frame`` (its sensor column, features).
-
-        The one prediction path of ``fedcal predict`` and ``fedcal.api.CalibratedUnits.predict``.
-        Rows of a sensor the run refused (``excluded``) are NaN: it has no model (callers
-        say so, :func:`uncalibrated_notes`); a sensor not in the run is a KeyError.
-        """
-        column = sensor_column or self.sensor_column
-        mean = np.full(len(frame), np.nan)
-        sd: np.ndarray | None = np.full(len(frame), np.nan)
-        x_all = frame[list(self.features)].to_numpy(float)
-        predicted = False
-        for sensor, rows in frame.groupby(column, sort=False).indices.items():
-            if str(sensor) in self.excluded:
-                continue  # no model: NaN mean and σ
-            m, s = self.predict_with_std(str(sensor), x_all[rows])
-            predicted = True
-            mean[rows] = m[:, 0]
-            if s is None:
-                sd = None
-            elif sd is not None:
-                sd[rows] = s[:, 0]
-        only_refused = not predicted and self.params and len(frame)
-        if only_refused and self.predict_with_std(next(iter(self.params)), x_all[:1])[1] is None:
-            sd = None  # no row was predicted: ask one sensor's model whether it has a σ
-        return mean, sd
+from fedcal.report.fleet import CalibratedFleet  # re-exported: its readers import it here
 
 
 def choose_method(run_dir: str | Path, method: str | None) -> str:
@@ -310,17 +166,12 @@ def load_models(
     design): it is left out of ``params`` and listed in ``excluded`` with the run's reason,
     so export and predict serve every other sensor. Every sensor refused: a ValueError.
     """
-    from fedcal.build import build_recorded
-    from fedcal.config import from_json
-    from fedcal.core.paths import read_json, safe_name
-    from fedcal.core.runfiles import check_model_meta, check_model_params
-    from fedcal.core.tensorfile import TensorFileError, check_finite
-    from fedcal.core.tree import flatten
-    from fedcal.experiment import MODEL_FILE, load_model_file
+    from fedcal.core.paths import safe_name
+    from fedcal.report.served import load_station, torch_available
 
     run_dir = Path(run_dir)
     folder = runnames.run_path(run_dir, safe_name(method, "method"), train_points, seed)
-    path = folder / MODEL_FILE
+    path = folder / runnames.MODEL
     if not path.exists():
         if (folder / "model.pt").exists():
             raise ValueError(
@@ -334,6 +185,22 @@ def load_models(
             f"no model for method {method!r}, seed {seed} in {run_dir} ({path} missing)"
             + did_you_mean([method], known)
         )
+    if not torch_available():  # a calibration station: the NumPy path, or NeedsTorch
+        return load_station(run_dir, folder, method, drop_diverged)
+    return _load_torch(run_dir, folder, method, drop_diverged)
+
+
+def _load_torch(run_dir: Path, folder: Path, method: str, drop_diverged: bool) -> CalibratedFleet:
+    """:func:`load_models` with torch: the method's algorithm rebuilt from the run's config."""
+    from fedcal.build import build_recorded
+    from fedcal.config import from_json
+    from fedcal.core.runfiles import check_model_meta, check_model_params
+    from fedcal.core.tensorfile import TensorFileError, check_finite
+    from fedcal.core.tree import flatten
+    from fedcal.experiment import load_model_file
+    from fedcal.report.sensors import check_method, served_sensors
+
+    path = folder / runnames.MODEL
     config_path = run_dir / runnames.CONFIG
     record = read_json(config_path)  # guarded: a regular file, strict JSON (core/paths.py)
     try:
@@ -342,26 +209,16 @@ def load_models(
         raise ValueError(f"{config_path}: unreadable or not a fedcal run config ({e})") from None
     task, params, meta = load_model_file(path, cfg)
     check_model_meta(path, meta, len(cfg.data.features))
-    if meta.get("method", method) != method:  # a model moved under another method's name
-        raise TensorFileError(
-            path, f"holds a model of method {meta.get('method')!r}, not {method!r}: moved or edited"
-        )
-    refused = _refused_sensors(folder / runnames.PER_SENSOR)
-    excluded: dict[str, str] = {}
-    for sensor in list(params):
+    check_method(path, meta, method)
+
+    def problem(sensor: str) -> Exception | None:
         try:
             check_finite(path, {sensor: params[sensor]}, "sensor ")
-        except TensorFileError:
-            if sensor in refused:  # no model by the method's decision, recorded by the run
-                excluded[sensor] = refused[sensor]
-            elif not drop_diverged:
-                raise
-            del params[sensor]
-    if excluded and not params and not drop_diverged:
-        raise ValueError(
-            f"{path}: no sensor has a model: the method refused all {len(excluded)} "
-            f"({next(iter(excluded.values()))})"
-        )
+        except TensorFileError as err:
+            return err
+        return None
+
+    excluded = served_sensors(path, params, folder, drop_diverged, problem)
     resolved = record.get("resolved")
     methods = resolved.get("methods") if isinstance(resolved, dict) else None
     recorded = methods.get(method) if isinstance(methods, dict) else None
@@ -385,28 +242,6 @@ def load_models(
         cfg.data.client_column,
         excluded,
     )
-
-
-def _refused_sensors(path: Path) -> dict[str, str]:
-    """{sensor: "refused (reason)"} of the run's ``per_sensor.csv`` (status ``refused``);
-    empty without that file or its status columns (a run before statuses)."""
-    import csv
-    import io
-
-    from fedcal.core.paths import read_text
-
-    if not path.exists():
-        return {}
-    try:  # the guarded reader (regular file, size limit), as every run file
-        rows = list(csv.DictReader(io.StringIO(read_text(path))))
-    except (OSError, ValueError, csv.Error):
-        return {}  # unreadable: no sensor is excused, a NaN model stays an error
-    return {
-        str(r.get("client")): Status.REFUSED
-        + (f" ({r['status_reason']})" if r.get("status_reason") else "")
-        for r in rows
-        if r.get("status") == Status.REFUSED and r.get("client") is not None
-    }
 
 
 def to_json(fleet: CalibratedFleet, valid_range: dict | None = None, method: str = "") -> str:

@@ -47,7 +47,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from fedcal.models.families import LEGENDRE, basis_family
-from fedcal.prior import legendre as np_legendre
 from fedcal.prior import posterior
 from fedcal.report.gp_export import JSON_FORMULA, DeployedSigma, deployed_sigma, json_unit
 
@@ -110,24 +109,26 @@ class LinearForm:
             u = 2.0 * (u - lo) / span - 1.0
         return u
 
-    def _per_input(self, u: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """Per input order n: the basis values and their derivatives d/du (rows, F) each,
-        from the registered family (:data:`fedcal.models.basis.FAMILIES`) in float64."""
-        top = int(self.terms.max(initial=0))
-        if self.basis == LEGENDRE.name:  # its NumPy recurrence (fedcal.prior.legendre): no torch
-            u = np.asarray(u, np.float64)
-            return np_legendre.legendre(u, top), np_legendre.legendre_derivatives(u, top)
+    def _basis(self, u: np.ndarray, box: tuple[np.ndarray, np.ndarray] | None) -> np.ndarray:
+        """φ(u), or with ``box`` = (lo, hi) the guarded ψ(u), (rows, T) float64: the family's
+        own formula (:meth:`fedcal.models.families.BasisFamily.products` and ``linearized``,
+        what the model evaluates): Legendre's on NumPy arrays, another family's through torch."""
+        family = basis_family(self.basis)
+        terms = [tuple(int(a) for a in t) for t in self.terms]
+        u = np.asarray(u, np.float64)
+        if family is LEGENDRE:  # array-generic (fedcal.prior.legendre uses it too): no torch
+            return (
+                family.products(u, terms) if box is None else family.linearized(u, terms, *box)[0]
+            )
         import torch
 
-        family, ut = basis_family(self.basis), torch.from_numpy(np.asarray(u, np.float64))
-        per = [v.numpy() for v in family.values(ut, top)]
-        der = [d.numpy() for d in family.derivatives(ut, top)]
-        return per, der
+        ut, box = torch.from_numpy(u), [torch.as_tensor(b, dtype=torch.float64) for b in box or ()]
+        out = family.products(ut, terms) if not box else family.linearized(ut, terms, *box)[0]
+        return out.numpy()
 
     def features(self, z: np.ndarray, unit: int) -> np.ndarray:
         """φ(u) for scaled inputs z (rows, F) of unit ``unit`` → (rows, T), float64."""
-        per, _ = self._per_input(self.unit_inputs(z, unit))
-        return self._products(per, None, None)
+        return self._basis(self.unit_inputs(z, unit), None)
 
     def guarded(self, z: np.ndarray, unit: int) -> np.ndarray:
         """ψ(u) = φ(ū) + J_φ(ū)(u − ū), ū = clamp(u, box): φ inside the box (rows, T)."""
@@ -135,26 +136,7 @@ class LinearForm:
         if self.box_lo is None:
             return self.features(z, unit)
         row = unit if self.box_per_unit else 0
-        inner = np.minimum(np.maximum(u, self.box_lo[row]), self.box_hi[row])
-        per, der = self._per_input(inner)
-        return self._products(per, der, u - inner)
-
-    def _products(self, per, der, step) -> np.ndarray:
-        """Π_j v_{a_tj} per term, plus Σ_j step_j·v'_{a_tj}·Π_{k≠j} v_{a_tk} when ``der``."""
-        rows = per[0].shape[0]
-        out = np.ones((rows, len(self.terms)))
-        for t, term in enumerate(self.terms):
-            for j, a in enumerate(term):
-                out[:, t] *= per[a][:, j]
-            if der is None:
-                continue
-            for j, a in enumerate(term):
-                part = der[a][:, j] * step[:, j]
-                for k, b in enumerate(term):
-                    if k != j:
-                        part = part * per[b][:, k]
-                out[:, t] += part
-        return out
+        return self._basis(u, (self.box_lo[row], self.box_hi[row]))
 
     def evaluate(self, z: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(ŷ, σ) in scaled target units at scaled inputs z (rows, F)."""
@@ -205,7 +187,7 @@ def _factor(q: np.ndarray) -> np.ndarray:
 def linear_form(fleet, method: str = "") -> LinearForm | None:
     """The basis form of a run's models, or None when the method is not linear in a basis.
 
-    ``fleet`` is a :class:`fedcal.report.export.CalibratedFleet`; one evaluated in NumPy
+    ``fleet`` is a :class:`fedcal.report.fleet.CalibratedFleet`; one evaluated in NumPy
     (:class:`fedcal.report.served.StationFleet`, no torch) gives its fedprior form from
     :func:`fedcal.prior.posterior.variance_form`, the same (Q, s).
     """

@@ -273,9 +273,8 @@ def load_served(
     :func:`load_models` (shapes, dtypes, finite, variances, covariances) and
     :func:`check_plausible` (magnitudes against the recorded ranges). Without torch, a
     fedprior model is read and evaluated in NumPy (:func:`fedcal.report.served.load_station`)."""
-    from fedcal.report.served import load_served_models
 
-    models = load_served_models(run_dir, method, seed, train_points)
+    models = load_models(run_dir, method, seed, train_points)
     ranges = read_valid_ranges(run_dir, method, seed, train_points)
     folder = runnames.run_path(run_dir, safe_name(method, "method"), train_points, seed)
     check_plausible(models, ranges, folder / runnames.MODEL)
