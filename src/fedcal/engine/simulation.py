@@ -469,15 +469,19 @@ def _evaluate(
         n,
     )
     test, train, model_ok = out["test"], out["train"], out["finite"]
+    # Each metric as a list of Python floats once (the values float(v[i]) gives, one
+    # conversion instead of one per unit and metric: 100,000 units × ~10 metrics).
+    test_l = {k: v.tolist() for k, v in test.items()}
+    train_l = {k: v.tolist() for k, v in train.items()}
     rows = [
         result_row(
             i,
             cid,
-            {k: v[i] for k, v in test.items()},
-            {k: v[i] for k, v in train.items()},
-            bool(model_ok[i]),
+            {k: v[i] for k, v in test_l.items()},
+            {k: v[i] for k, v in train_l.items()},
+            ok,
         )
-        for i, cid in enumerate(fleet.client_ids)
+        for (i, cid), ok in zip(enumerate(fleet.client_ids), model_ok.tolist(), strict=True)
     ]
     key = algorithm.task.primary_metric
     summary = {

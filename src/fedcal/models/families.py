@@ -13,7 +13,9 @@ This module imports nothing of fedcal; :mod:`fedcal.models.basis` re-exports its
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +45,45 @@ def as_float64(x: Array) -> Array:
     """``x`` as float64 in its own array module (a list or a number: NumPy)."""
     xp = namespace(x)
     return x.to(xp.float64) if xp is not np else np.asarray(x, dtype=np.float64)
+
+
+#: Within :func:`reused_designs`: the designs formed so far, by input tensor and terms.
+_DESIGNS: ContextVar[dict | None] = ContextVar("fedcal_designs", default=None)
+
+
+@contextmanager
+def reused_designs() -> Iterator[None]:
+    """Within: :meth:`BasisFamily.products` and :meth:`BasisFamily.linearized` of the same
+    input tensor (the same object, not modified since), terms and box return the design
+    formed the first time, not a new one (the same operations on the same values: the same
+    bits). The evaluation scores one set of rows by its prediction, σ, interval and guard
+    (:func:`fedcal.engine.evaluation.errors`), each of which forms the same design; the
+    designs are dropped on leaving. A caller must not modify a returned design in place."""
+    token = _DESIGNS.set({})
+    try:
+        yield
+    finally:
+        _DESIGNS.reset(token)
+
+
+def _reused(kind: str, x: Array, exponents: Any, bounds: tuple, form: Callable[[], Any]) -> Any:
+    """``form()``, or within :func:`reused_designs` the value it gave for this very ``x``
+    (identity and version), ``exponents`` and equal ``bounds`` (the box, cloned)."""
+    cache = _DESIGNS.get()
+    if cache is None or namespace(x) is np:
+        return form()
+    import torch
+
+    if torch.jit.is_tracing():  # a traced graph records the operations, not a value
+        return form()
+    terms = exponents.tolist() if isinstance(exponents, torch.Tensor) else exponents
+    key = (kind, id(x), x._version, tuple(tuple(int(a) for a in t) for t in terms))
+    hit = cache.get(key)
+    if hit is not None and hit[0] is x and all(map(torch.equal, hit[1], bounds)):
+        return hit[2]
+    out = form()
+    cache[key] = (x, tuple(b.clone() for b in bounds), out)  # x held: its id is not reused
+    return out
 
 
 def any_beyond(mask: Array) -> bool:
@@ -108,6 +149,9 @@ class BasisFamily:
     def products(self, x: Array, exponents: Tensor | Sequence[Sequence[int]]) -> Array:
         """φ_k(x) = Π_j p_{a_kj}(x_j) for each exponent tuple: (..., rows, F) → (..., rows, T),
         float64, in ``x``'s array module (a NumPy array or a tensor)."""
+        return _reused("products", x, exponents, (), lambda: self._products(x, exponents))
+
+    def _products(self, x: Array, exponents: Tensor | Sequence[Sequence[int]]) -> Array:
         if self.design is not None:
             return self.design(x, exponents)
         if type(exponents).__module__.split(".")[0] == "torch":
@@ -140,6 +184,12 @@ class BasisFamily:
         posterior's predictive variance ψᵀVψ stays exact for the guarded prediction.
         Returns (ψ (..., rows, terms), outside (..., rows) bool), in ``x``'s array module.
         """
+        form = lambda: self._linearized(x, exponents, lo, hi)  # noqa: E731
+        return _reused("linearized", x, exponents, (lo, hi), form)
+
+    def _linearized(
+        self, x: Array, exponents: Sequence[Sequence[int]], lo: Array, hi: Array
+    ) -> tuple[Array, Array]:
         x = as_float64(x)
         xp = namespace(x)
         if xp is not np:

@@ -1,0 +1,60 @@
+"""``reused_designs``: a design formed once per input tensor, terms and box, the same bits."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fedcal.models import families
+from fedcal.models.basis import legendre_products, linearized_products
+from fedcal.models.families import reused_designs
+
+TERMS = [(0, 0), (1, 0), (0, 1), (2, 1)]
+
+
+def test_products_are_formed_once_per_tensor_and_equal_the_fresh_ones(monkeypatch):
+    x = torch.linspace(-1.0, 1.0, 12, dtype=torch.float32).reshape(2, 3, 2)
+    fresh = legendre_products(x, TERMS)
+    calls = []
+    form = families.BasisFamily._products
+    monkeypatch.setattr(families.BasisFamily, "_products", lambda *a: calls.append(1) or form(*a))
+    with reused_designs():
+        first = legendre_products(x, TERMS)
+        again = legendre_products(x, TERMS)
+        assert again is first and len(calls) == 1  # the second call formed nothing
+        assert torch.equal(first, fresh)  # the same bits as outside
+        # other terms, another tensor of equal values, or x modified: formed again
+        legendre_products(x, TERMS[:2])
+        legendre_products(x.clone(), TERMS)
+        assert len(calls) == 3
+        x.mul_(0.5)
+        halved = legendre_products(x, TERMS)
+        assert len(calls) == 4 and torch.equal(halved, form(families.LEGENDRE, x, TERMS))
+    legendre_products(x, TERMS)  # outside: nothing kept
+    assert len(calls) == 5 and families._DESIGNS.get() is None
+
+
+def test_linearized_is_reused_only_for_an_equal_box():
+    x = torch.tensor([[[-2.0, 0.0], [0.5, 0.5], [3.0, -0.2]]], dtype=torch.float64)
+    lo = torch.tensor([[[-1.0, -1.0]]], dtype=torch.float64)
+    hi = torch.tensor([[[1.0, 1.0]]], dtype=torch.float64)
+    fresh = linearized_products(x, TERMS, lo, hi)
+    with reused_designs():
+        psi, out = linearized_products(x, TERMS, lo, hi)
+        # an equal box in other tensors (fedprior slices its box anew each call): reused
+        assert linearized_products(x, TERMS, lo.clone(), hi.clone())[0] is psi
+        wider = linearized_products(x, TERMS, lo, 2 * hi)
+    assert torch.equal(psi, fresh[0]) and torch.equal(out, fresh[1])
+    assert out.tolist() == [[True, False, True]]  # rows 1 and 3 beyond the box
+    assert wider[1].tolist() == [[True, False, True]] and not torch.equal(wider[0], psi)
+    # x₁ = 3 against hi = 1: ψ of (1, 1)·(x₂ = −0.2) continued along the tangent: for the
+    # term (1, 0) P̃₁(x) = √3 x, so ψ = √3 (1 + (3 − 1)) = 3√3
+    assert torch.isclose(psi[0, 2, 1], torch.tensor(3.0 * 3.0**0.5, dtype=torch.float64))
+
+
+def test_numpy_inputs_are_never_kept():
+    x = np.linspace(-1.0, 1.0, 6).reshape(3, 2)
+    with reused_designs():
+        a = families.LEGENDRE.products(x, TERMS)
+        b = families.LEGENDRE.products(x, TERMS)
+    assert a is not b and np.array_equal(a, b)
