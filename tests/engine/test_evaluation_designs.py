@@ -26,7 +26,7 @@ def same_row(a: dict, b: dict) -> bool:
     if a.keys() != b.keys():
         return False
     nan = [isinstance(a[k], float) and isinstance(b[k], float) and math.isnan(a[k]) for k in a]
-    return all(n and math.isnan(b[k]) or a[k] == b[k] for n, k in zip(nan, a, strict=True))
+    return all((n and math.isnan(b[k])) or a[k] == b[k] for n, k in zip(nan, a, strict=True))
 
 
 @pytest.fixture(scope="module")
