@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 PER_ROUND: list[tuple[float, float, str]] = []  # the last _train's rounds (wall, CPU, kind)
+EVAL_ROUNDS: list[float] = []  # the last _train's evaluation steps (CPU s, with history rows)
 
 
 def _peak_mb() -> float:
@@ -169,6 +170,18 @@ def _train(
             evals.append((time.perf_counter() - w, time.process_time() - c))
 
     simulation._evaluate = timed
+    # The whole evaluation step of a round: scoring and its history rows (metrics.csv's).
+    evaluate_round = simulation._evaluate_round
+    eval_rounds: list[float] = []  # CPU seconds
+
+    def round_scored(*a, **k):
+        c = time.process_time()
+        try:
+            return evaluate_round(*a, **k)
+        finally:
+            eval_rounds.append(time.process_time() - c)
+
+    simulation._evaluate_round = round_scored
     # Each round's own wall and CPU seconds (client steps, sums, server; no evaluation), and
     # its kind: "choosing" (the candidates' statistics travelled: fedprior's basis not yet
     # frozen), "chosen" (after), "holdout" (the round that holds out, R2: the last).
@@ -199,8 +212,10 @@ def _train(
     wall = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in itertools.pairwise(marks)]
     cpu = [(b[2] - a[2]) / (b[0] - a[0]) for a, b in itertools.pairwise(marks)]
     simulation._evaluate = evaluate
+    simulation._evaluate_round = evaluate_round
     simulation._train_round = train_round
     PER_ROUND[:] = per_round  # (read by step_fedprior)
+    EVAL_ROUNDS[:] = eval_rounds
     # Without the evaluation that ends each span (one per span: on_round follows it).
     bare = [
         ((b[1] - a[1] - e[0]) / (b[0] - a[0]), (b[2] - a[2] - e[1]) / (b[0] - a[0]))
@@ -238,6 +253,8 @@ def step_fedprior(size: int, tmp: Path, args) -> dict:
         "round_only_s": sum(w for w, _ in bare[steady]) / len(bare[steady]),
         "round_only_cpu_s": sum(c for _, c in bare[steady]) / len(bare[steady]),
         "eval_cpu_s": evals[-1][1],  # the last evaluation of every unit, CPU
+        # ... with its history rows (the engine's whole evaluation step; the last round's)
+        "eval_step_cpu_s": EVAL_ROUNDS[-1] if EVAL_ROUNDS else float("nan"),
         "bytes_up_per_round": result.bytes_up_per_round,
         # per unit: the mean over the rounds run, and the last round's (issue 36.1: once the
         # basis is chosen only its statistics travel); the rounds run (fewer than --rounds
