@@ -58,3 +58,12 @@ def test_numpy_inputs_are_never_kept():
         a = families.LEGENDRE.products(x, TERMS)
         b = families.LEGENDRE.products(x, TERMS)
     assert a is not b and np.array_equal(a, b)
+
+
+def test_inference_tensors_are_formed_each_time():
+    """An inference-mode tensor has no version counter (an in-place change is invisible)."""
+    with torch.inference_mode():
+        x = torch.linspace(-1.0, 1.0, 6, dtype=torch.float64).reshape(1, 3, 2)
+    with reused_designs():
+        a, b = legendre_products(x, TERMS), legendre_products(x, TERMS)
+    assert a is not b and torch.equal(a, b)

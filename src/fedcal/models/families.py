@@ -74,8 +74,8 @@ def _reused(kind: str, x: Array, exponents: Any, bounds: tuple, form: Callable[[
         return form()
     import torch
 
-    if torch.jit.is_tracing():  # a traced graph records the operations, not a value
-        return form()
+    if torch.jit.is_tracing() or x.is_inference():  # a traced graph records operations;
+        return form()  # an inference tensor has no version to tell a modified one
     terms = exponents.tolist() if isinstance(exponents, torch.Tensor) else exponents
     key = (kind, id(x), x._version, tuple(tuple(int(a) for a in t) for t in terms))
     hit = cache.get(key)
