@@ -44,6 +44,10 @@ def test_linearized_is_reused_only_for_an_equal_box():
         # an equal box in other tensors (fedprior slices its box anew each call): reused
         assert linearized_products(x, TERMS, lo.clone(), hi.clone())[0] is psi
         wider = linearized_products(x, TERMS, lo, 2 * hi)
+        signed = torch.tensor([[[-1.0, -0.0]]], dtype=torch.float64)  # equal to (−1, 0)
+        zero = torch.tensor([[[-1.0, 0.0]]], dtype=torch.float64)
+        first = linearized_products(x, TERMS, signed, hi)[0]
+        assert linearized_products(x, TERMS, zero, hi)[0] is not first  # −0 is not +0
     assert torch.equal(psi, fresh[0]) and torch.equal(out, fresh[1])
     assert out.tolist() == [[True, False, True]]  # rows 1 and 3 beyond the box
     assert wider[1].tolist() == [[True, False, True]] and not torch.equal(wider[0], psi)

@@ -68,7 +68,7 @@ def reused_designs() -> Iterator[None]:
 
 def _reused(kind: str, x: Array, exponents: Any, bounds: tuple, form: Callable[[], Any]) -> Any:
     """``form()``, or within :func:`reused_designs` the value it gave for this very ``x``
-    (identity and version), ``exponents`` and equal ``bounds`` (the box, cloned)."""
+    (identity and version), ``exponents`` and ``bounds`` of the same bits (the box, cloned)."""
     cache = _DESIGNS.get()
     if cache is None or namespace(x) is np:
         return form()
@@ -79,11 +79,18 @@ def _reused(kind: str, x: Array, exponents: Any, bounds: tuple, form: Callable[[
     terms = exponents.tolist() if isinstance(exponents, torch.Tensor) else exponents
     key = (kind, id(x), x._version, tuple(tuple(int(a) for a in t) for t in terms))
     hit = cache.get(key)
-    if hit is not None and hit[0] is x and all(map(torch.equal, hit[1], bounds)):
+    if hit is not None and hit[0] is x and all(map(_same_bits, hit[1], bounds)):
         return hit[2]
     out = form()
     cache[key] = (x, tuple(b.clone() for b in bounds), out)  # x held: its id is not reused
     return out
+
+
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    """Equal tensors, −0 apart from +0 (a box's zero sign reaches the clamped design)."""
+    import torch
+
+    return torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
 
 
 def any_beyond(mask: Array) -> bool:
