@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from fedcal.models.families import Array, as_float64, namespace
+
 VERSION = 1
 Z95 = 1.959964
 # The ranges the reference units' grids search (fedcal.algorithms.fedprior_deploy E3–E4) and
@@ -446,3 +447,37 @@ def _reason(model: Discrepancy, n: float, lev: Any, width: Any, names: list[str]
                 "not learned"
             )
     return ""
+
+
+def unit_factor(model: Discrepancy, dof: Array, d2: Array) -> Array:
+    """κ(n_i)² s_i² (t/1.96)² per unit (D3–D4): ``dof`` n_i its design's points, ``d2``
+    d_i² (:func:`prior_distance`)."""
+    xp = namespace(dof)
+    s2 = unit_scale(model.nu0, dof, as_float64(d2) / xp.clip(as_float64(dof), 1.0, None))
+    return kappa_at(model, dof) ** 2 * s2 * interval_factor(model.nu0, dof)
+
+
+def deployed_variance(
+    var: Array, noise: Array, beta: Array, amp: Array, q: Array, scale: Array
+) -> Array:
+    """D2–D4's stated variance κ² s_i² (t/1.96)² (β v_c + σ_i² + a² q), ``scale`` the
+    factor of :func:`unit_factor`, v_c = ``var`` − σ_i² (the basis part of the model's own
+    variance ``var``, cut at 0: rounding only)."""
+    xp = namespace(var)
+    return scale * (beta * xp.clip(var - noise, 0.0, None) + noise + amp * q)
+
+
+def deployed_units(
+    n: Array, probe: Array, code: Array, own: Array, weak: Array, rows: int
+) -> Array:
+    """Which units take D2–D4's σ (bool per unit), fedprior's own interval standing
+    wherever it states one (:func:`fedcal.algorithms.fedprior_deployed.deployed`): units of
+    ``n`` points with fedprior's own decline ``own`` or a prior without a probe (``probe``
+    0: reference units only), of a design size the fleet did not learn (fewer points than
+    the probe, or fewer than twice as many under the decline codes 2–3 of ``code``), not
+    weakly identified (``weak``), not declined fleet-wide (code 1), at most ``rows``
+    points."""
+    unprobed = (probe == 0) & (n <= rows)
+    unknown = (n < probe) | unprobed
+    unlearned = unknown | ((n < 2 * probe) & ((code == 2) | (code == 3)))
+    return (own | unprobed) & unlearned & ~weak & (code != 1) & (n <= rows)
