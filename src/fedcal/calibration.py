@@ -299,12 +299,13 @@ def grid_sigma(alg: FedPrior, personal: Tree, grid: torch.Tensor) -> np.ndarray:
     :meth:`FedPrior.predictive_std` at ``grid`` for every unit. The grid lies in the prior's
     input range, inside every unit's support box (:func:`prior_server`), so no point is
     extrapolated and the design z(grid) is every unit's: it is formed once, not per unit
-    (the same numbers; a unit whose box does not hold the grid takes the general path).
+    (the same numbers; a unit whose box does not hold the grid takes the general path, and
+    so does a unit calibrated from the prior's discrepancy model: its σ is D2–D4's).
     """
     box = personal["box"].to(F64)
     inside = ((grid >= box[:, :1]) & (grid <= box[:, 1:])).all()
     n = box.shape[0]
-    if not bool(inside):
+    if not bool(inside) or "gp_x" in personal:
         return alg.predictive_std(personal, grid.expand(n, -1, -1))[..., 0].numpy()
     q, s = alg.variance_form(personal)
     design = alg.variance_design(grid.unsqueeze(0)).expand(n, -1, -1)
@@ -349,11 +350,13 @@ def grid_sigma_summary(
 
     The same dense grid as :func:`grid_sigma` (equal to it within rounding, ~1e-13
     relative: tested), through :class:`GridForm`. A chunk whose units' boxes do not
-    all hold the grid takes :func:`grid_sigma`.
+    all hold the grid takes :func:`grid_sigma`, and so do units calibrated from the prior's
+    discrepancy model (their σ is not z(x)ᵀQz(x) + s: D2–D4, ``gp_*`` parameters).
     """
     form = grid_form(alg, grid) if form is None else form
     box = personal["box"].to(F64)
-    if not bool(((grid >= box[:, :1]) & (grid <= box[:, 1:])).all()):
+    inside = bool(((grid >= box[:, :1]) & (grid <= box[:, 1:])).all())
+    if not inside or "gp_x" in personal:
         sigma = grid_sigma(alg, personal, grid)
         return sigma.mean(-1), sigma.max(-1)
     q, s = alg.variance_form(personal)
