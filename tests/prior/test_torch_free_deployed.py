@@ -1,0 +1,127 @@
+"""Issue 37.1 for a manufacturer's prior: new units calibrated from a prior learned on
+reference units alone (its deployment discrepancy model, issue 33: D1–D4 of
+:mod:`fedcal.prior.discrepancy`), with torch not importable.
+
+The prior (:func:`test_torch_free.make_reference_prior`: fedprior on 14 reference units,
+ν₀ = ∞ as learned) and a copy with a finite ν₀ = 3 (the per-unit scale s_i² and the Student-t
+factor of D4 in use): ``calibrate`` → ``predict`` → ``export`` C and JSON → ``certificate``
+→ ``report`` of 3 new 3x2 units and one 6x1 unit (one temperature level: declined with its
+reason) run with torch blocked, every exit 0, no torch module loaded; where torch is
+installed they equal the torch path's outputs within the tolerances derived in
+tests/prior/test_torch_free.py (``SOLVE_TOL``: the posterior's solves; σ of D2–D4 is a
+function of that posterior, of the design rows and the model's numbers, which both paths
+hold equal to the bit, and, with ν₀ finite, of d_i² = rᵀC⁻¹r, a Cholesky solve of the same
+backward error: so σ agrees to ``SOLVE_TOL`` × the target's scale like every value in the
+target's unit; measured ≲ 1e-15 hPa on ~1000 hPa), the served predictions to ``SERVE_TOL``,
+the C header, JSON and certificate pages byte-equal. Before the NumPy path covered the
+model, the blocked ``calibrate`` exited 3 with "needs fedcal[neural]".
+
+CI (.ci/run) runs this file in the clean core environment too (FEDCAL_STATION_DIR).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from fedcal.core.arrayfile import load_arrays
+from fedcal.prior.find import find_prior
+from fedcal.prior.model import PriorModel
+from fedcal.report.served import torch_available
+from tests.prior.test_torch_free import (
+    CHAIN,
+    COLS,
+    SERVE_TOL,
+    _child,
+    _compare_calibrated,
+    make_reference_prior,
+)
+
+DECLINED = "ONE-T-S000"
+REASON = "no σ: the design has 1 level(s) of temperature_c"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """(the reference-only run folder, a prior.json copy with ν₀ = 3, the new units, scratch)."""
+    given = os.environ.get("FEDCAL_STATION_DIR")
+    if given:  # trained by CI's full environment (test_torch_free's docstring)
+        root = Path(given)
+    else:
+        pytest.importorskip("torch", reason="training the prior needs torch")
+        root = tmp_path_factory.mktemp("reference_only")
+        make_reference_prior(root)
+    scratch = tmp_path_factory.mktemp("deployed")
+    run = root / "ref_run"
+    doc = json.loads(find_prior(run).read_text())
+    assert doc["discrepancy"]["nu0"] is None  # as learned: ν₀ = ∞
+    doc["discrepancy"]["nu0"] = 3.0
+    finite = scratch / "prior_nu3.json"
+    PriorModel.from_dict(doc).save(finite)
+    return run, finite, root / "ref_new_units.csv", scratch
+
+
+def _steps(prior: Path, data: Path, out: Path, readings: Path, src: Path) -> list[list[str]]:
+    """calibrate into ``out`` → predict → export c, json → certificate → report of the
+    calibrate output ``src`` (as in test_torch_free: both paths serve the torch-free one)."""
+    return [
+        ["calibrate", "--prior", str(prior), "--data", str(data), "--out", str(out)],
+        ["predict", str(src), "--data", str(readings), "--out", f"{out}_pred.csv"],
+        ["export", str(src), "--format", "c", "--out", f"{out}.h"],
+        ["export", str(src), "--format", "json", "--out", f"{out}.json"],
+        ["certificate", str(src), "--out", f"{out}_cert", "--issued", "2026-01-02"],
+        ["report", str(src)],
+    ]
+
+
+@pytest.mark.parametrize("which", ["learned", "nu0_finite"])
+def test_a_reference_only_prior_s_units_run_without_torch(reference, which):
+    """With torch blocked the chain exits 0 for every step, loads no torch; the 3x2 units
+    get D2–D4's σ (``gp_amp`` = a² > 0 in the model file, a finite ``_std`` wherever they
+    are read), the 6x1 unit none (NaN ``_std``, its reason the run's note); against the
+    torch path (where installed): the module docstring's tolerances."""
+    run, finite, new_file, root = reference
+    prior = run if which == "learned" else finite
+    frame = pd.read_csv(new_file)
+    readings = root / "readings.csv"
+    frame[frame["split"] == "test"][COLS[:3]].to_csv(readings, index=False)
+    ours = root / f"np_{which}"
+    res = _child(CHAIN, json.dumps(_steps(prior, new_file, ours, readings, ours)))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"CODES {json.dumps([0] * 6)}" in res.stdout, (res.stdout[-2000:], res.stderr[-2000:])
+    assert "TORCH False" in res.stdout
+    trees, meta, _ = load_arrays(next(ours.glob("runs/*/model.safetensors")))
+    amp = dict(zip(meta["client_ids"], trees["params"]["gp_amp"], strict=True))
+    assert all(amp[u] > 0 for u in amp if u != DECLINED), amp  # D2–D4's σ, not fedprior's
+    served = pd.read_csv(f"{ours}_pred.csv")
+    std = served.groupby("sensor_id")["pressure_hpa_std"]
+    assert std.apply(lambda s: s.isna().all())[DECLINED]
+    assert std.apply(lambda s: np.isfinite(s).all()).drop(DECLINED).all()
+    note = pd.read_csv(ours / "summary.csv")["coverage_note"].iloc[0]
+    assert note.startswith(REASON), note
+    assert (Path(f"{ours}_cert") / "NEW-S000.pdf").stat().st_size > 0
+    if not torch_available():
+        return  # the core environment: nothing to compare with
+    theirs = root / f"t_{which}"
+    ref = _child(CHAIN, json.dumps(_steps(prior, new_file, theirs, readings, ours)), block=False)
+    assert f"CODES {json.dumps([0] * 6)}" in ref.stdout and "TORCH True" in ref.stdout, ref.stderr
+    scale = float(frame.loc[frame["split"] == "train", "pressure_hpa"].abs().max())
+    _compare_calibrated(ours, theirs, "fedprior", scale)
+    a, b = pd.read_csv(f"{ours}_pred.csv"), pd.read_csv(f"{theirs}_pred.csv")  # served alike
+    for col in a.columns:
+        if a[col].dtype.kind == "f":
+            assert (a[col].isna() == b[col].isna()).all(), col
+            assert np.nanmax(np.abs(a[col] - b[col])) <= SERVE_TOL * scale, col
+        else:
+            assert (a[col] == b[col]).all(), col
+    for suffix in (".h", ".json"):
+        assert Path(f"{ours}{suffix}").read_bytes() == Path(f"{theirs}{suffix}").read_bytes()
+    pages = sorted(Path(f"{theirs}_cert").glob("*.html"))
+    assert len(pages) == 4
+    for page in pages:
+        assert (Path(f"{ours}_cert") / page.name).read_bytes() == page.read_bytes(), page
