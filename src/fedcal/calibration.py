@@ -54,7 +54,8 @@ from fedcal.experiment import (
     save_models,
 )
 from fedcal.prior import calibrate_dir, qa
-from fedcal.prior.discrepancy import Discrepancy, unit_scale
+from fedcal.prior.discrepancy import Discrepancy
+from fedcal.prior.discrepancy import expected_scale as discrepancy_scale
 from fedcal.prior.find import find_prior  # noqa: F401 (torch-free; re-exported)
 from fedcal.prior.model import PriorModel
 from fedcal.prior.qa import (  # the range guard, QA threshold and grid: torch-free, re-exported
@@ -184,16 +185,14 @@ def expected_scale(personal: Tree, nu0: float) -> Tree:
     the unit's readings about the prior mean, E[d_i²] = n_i under the model, so
     E[s_i²] = 1. The planner reads a design at the current mean (r = 0 on its new rows):
     its s_i² would be ν₀/(ν₀ + n_i), not the 1 a unit of the fleet has on average. So the
-    forecast takes κ² · (t/1.96)² with s_i² = 1: :func:`unit_scale` at d² = 0 divided out
-    (ν₀ = ∞: s_i² = 1 already; a unit without the model's σ, ``gp_amp`` 0: untouched).
+    forecast takes κ² · (t/1.96)² with s_i² = 1: s_i² at d² = 0 divided out
+    (:func:`fedcal.prior.discrepancy.expected_scale`, the NumPy planner's too; ν₀ = ∞:
+    s_i² = 1 already; a unit without the model's σ, ``gp_amp`` 0: untouched).
     """
-    if math.isinf(nu0) or "gp_scale" not in personal:
+    if "gp_scale" not in personal:
         return personal
-    dof = personal["gp_mask"].to(F64).sum(-1)
-    at_mean = unit_scale(nu0, dof, torch.zeros_like(dof))
-    used = personal["gp_amp"].to(F64) > 0
-    scale = personal["gp_scale"].to(F64)
-    return {**personal, "gp_scale": torch.where(used, scale / at_mean, scale)}
+    args = (personal["gp_scale"], personal["gp_amp"], personal["gp_mask"])
+    return {**personal, "gp_scale": discrepancy_scale(nu0, *args)}
 
 
 def own_noise(algorithm: FedPrior, down: Tree, state: Tree, data: ClientData) -> Tree:

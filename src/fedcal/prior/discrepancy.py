@@ -481,3 +481,17 @@ def deployed_units(
     unknown = (n < probe) | unprobed
     unlearned = unknown | ((n < 2 * probe) & ((code == 2) | (code == 3)))
     return (own | unprobed) & unlearned & ~weak & (code != 1) & (n <= rows)
+
+
+def expected_scale(nu0: float, scale: Array, amp: Array, mask: Array) -> Array:
+    """The planner's factor with s_i² at its expectation 1 (D4): a design read at the prior
+    mean has d_i² = 0, s_i² = ν₀/(ν₀ + n_i), so :func:`unit_scale` at d² = 0 is divided
+    out of ``scale`` (κ² s_i² (t/1.96)²) for the units whose σ is D2–D4's (``amp`` > 0);
+    ν₀ = ∞: unchanged. ``mask`` (units, rows) the design's rows."""
+    xp = namespace(scale)
+    if math.isinf(nu0):
+        return scale
+    dof = as_float64(mask).sum(-1)
+    at_mean = unit_scale(nu0, dof, xp.zeros_like(dof))
+    scale = as_float64(scale)
+    return xp.where(as_float64(amp) > 0, scale / at_mean, scale)
