@@ -35,10 +35,14 @@ from fedcal.prior.model import PriorModel
 from fedcal.report.served import torch_available
 from tests.prior.test_torch_free import (
     CHAIN,
+    CLI,
     COLS,
     SERVE_TOL,
     _child,
     _compare_calibrated,
+    _half_unit,
+    _plan_args,
+    _printed,
     make_reference_prior,
 )
 
@@ -125,3 +129,46 @@ def test_a_reference_only_prior_s_units_run_without_torch(reference, which):
     assert len(pages) == 4
     for page in pages:
         assert (Path(f"{ours}_cert") / page.name).read_bytes() == page.read_bytes(), page
+
+
+@pytest.mark.parametrize("which", ["learned", "nu0_finite"])
+def test_plan_of_a_reference_only_prior_runs_without_torch(reference, which):
+    """``fedcal plan`` (a 2-plateau 6-point design; sequential mode on one new 3x2 unit) with
+    torch blocked, no torch module loaded; where torch is installed the same design and next
+    points as :class:`fedcal.planning_torch.TorchForecaster` (``calibrate``'s torch path, a
+    new unit's s_i² at its expectation), the printed RMS and worst σ equal to its values to
+    the printed digits (the two forecasts agree to ~1e-13 relative, measured)."""
+    run, finite, new_file, root = reference
+    prior = run if which == "learned" else finite
+    frame = pd.read_csv(new_file)
+    unit = root / "one_unit.csv"
+    first = frame[(frame["sensor_id"] == "NEW-S000") & (frame["split"] == "train")]
+    first[COLS[:4]].to_csv(unit, index=False)
+    out = root / f"plans_{which}"
+    out.mkdir(exist_ok=True)
+    printed = []
+    for args in _plan_args(prior, "fedprior", out, unit):
+        res = _child(CLI, *args)
+        assert res.returncode == 0 and "TORCH False" in res.stderr, res.stderr[-2000:]
+        printed.append(_printed(res.stdout))
+    if not torch_available():
+        return  # the core environment: nothing to compare with
+    from fedcal import planning
+    from fedcal.data.loader import load_fleet
+    from fedcal.planning_torch import TorchForecaster
+
+    model = PriorModel.load(find_prior(prior))
+    plan = planning.planner(model, forecast=TorchForecaster(model))
+    ref = planning.optimize(plan, 2, 6)
+    assert pd.read_csv(out / "fedprior_2x6.csv").equals(ref.design.frame())
+    row, _ = printed[0]
+    for col, value in (("rms_sd", ref.expected.rms), ("worst_sd", ref.expected.worst)):
+        assert abs(float(row[col]) - value) <= _half_unit(row[col]) * (1 + 1e-9), (col, value)
+    fleet = load_fleet(unit, model.features, model.target, test_fraction=0.0,
+                       min_train_points=1, min_test_points=0)  # fmt: skip
+    step = planning.unit_next(plan, fleet, spec=0.01, count=2)
+    _, steps = printed[1]
+    assert len(steps) == len(step.steps) == 2, steps
+    for (p, t, d, sd), want in zip(steps, step.steps, strict=True):
+        assert (float(p), float(t), d) == want[:3], (steps, step.steps)
+        assert abs(float(sd) - want[3]) <= _half_unit(sd) * (1 + 1e-9), (sd, want[3])
