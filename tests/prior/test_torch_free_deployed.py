@@ -22,7 +22,6 @@ CI (.ci/run) runs this file in the clean core environment too (FEDCAL_STATION_DI
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +43,7 @@ from tests.prior.test_torch_free import (
     _plan_args,
     _printed,
     make_reference_prior,
+    station_root,
 )
 
 DECLINED = "ONE-T-S000"
@@ -53,13 +53,7 @@ REASON = "no σ: the design has 1 level(s) of temperature_c"
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """(the reference-only run folder, a prior.json copy with ν₀ = 3, the new units, scratch)."""
-    given = os.environ.get("FEDCAL_STATION_DIR")
-    if given:  # trained by CI's full environment (test_torch_free's docstring)
-        root = Path(given)
-    else:
-        pytest.importorskip("torch", reason="training the prior needs torch")
-        root = tmp_path_factory.mktemp("reference_only")
-        make_reference_prior(root)
+    root = station_root(tmp_path_factory, "reference_only", make_reference_prior)
     scratch = tmp_path_factory.mktemp("deployed")
     run = root / "ref_run"
     doc = json.loads(find_prior(run).read_text())

@@ -20,7 +20,8 @@ docstring):
 
 Covered: the priors :func:`fedcal.prior.posterior.unsupported` covers (fedprior and its
 configured variants, a prior's deployment discrepancy model: D2–D4's σ, a new unit's s_i² at
-its expectation 1 as :func:`fedcal.calibration.expected_scale`); the others go through :mod:`fedcal.planning_torch` (``fedcal[neural]``).
+its expectation 1 as :func:`fedcal.calibration.expected_scale`); the others go through
+:mod:`fedcal.planning_torch` (``fedcal[neural]``).
 Equal to that path within rounding (tests/test_plan_numpy.py).
 """
 
