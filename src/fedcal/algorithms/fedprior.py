@@ -115,6 +115,7 @@ import torch
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_basis import DesignBasis, model_mask, unit_noise
+from fedcal.algorithms.fedprior_candidates import CandidateEMs
 from fedcal.algorithms.fedprior_choice import SIMPLE, TimeChoice
 from fedcal.algorithms.fedprior_deploy import learn
 from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
@@ -148,7 +149,7 @@ from fedcal.core.data import ClientData
 from fedcal.core.privacy import Statistic
 from fedcal.core.robust import OutlierWeights
 from fedcal.core.task import Task
-from fedcal.core.tree import Tree, gather
+from fedcal.core.tree import Tree
 from fedcal.models.basis import (
     any_beyond,
     legendre_exponents,
@@ -247,6 +248,12 @@ class FedPrior(FedPriorSettings):
             self.branch_terms,
             self.branch_select,
         )
+
+    @cached_property
+    def candidate_ems(self) -> CandidateEMs:
+        """Every candidate's EM and the fleet's BIC choice (fedprior_candidates, C1–C4)."""
+        settings = (self.noise, self.noise_prior_points, self.interval, self.branch_pins)
+        return CandidateEMs(self.selection, self.rounds_schedule, *settings)
 
     @cached_property
     def prior_status(self) -> PriorStatus:
@@ -422,22 +429,8 @@ class FedPrior(FedPriorSettings):
         if self.time_choice.on:  # fedprior_choice's pooled lines and summed scores
             start.update(self.time_choice.init())
         start.update(self.rounds_schedule.init())  # R1–R3's bookkeeping (none when off)
-        if self.select == "none":
-            mask = {"mask": self.masks[-1].clone()} if self.branch_orders else {}
-            return {**start, "box": self.support_box.open_box(), **mask}
-        k = len(self.candidates)
-        # Round 0 screens with the largest candidate (the basis asked for), as without selection.
-        fleet_keys = ("mu", "sigma", "noise_var", "support")
-        chosen = {"mask": self.masks[-1].clone(), "choice": torch.tensor(k - 1)}
-        chosen["scores"] = torch.zeros(k, dtype=F64)
-        if not self.each_candidate:  # select_by = "marginal": one EM, on the full basis
-            return {**start, "box": self.support_box.open_box(), **chosen}
-        return {
-            **start,
-            "box": self.support_box.open_box(),
-            **chosen,
-            "cand": {key: start[key].expand(k, *start[key].shape).clone() for key in fleet_keys},
-        }
+        # the selection's (fedprior_candidates C1): round 0 screens with the largest candidate
+        return {**start, "box": self.support_box.open_box(), **self.candidate_ems.init(start)}
 
     def broadcast(self, server: Tree) -> Tree:
         down = {k: server[k] for k in ("mu", "sigma", "noise_var")}
@@ -455,17 +448,11 @@ class FedPrior(FedPriorSettings):
             down.update({k: server[k] for k in keys if k in server})
         if "holdout_now" in server:  # fedprior_rounds R2: whether this round holds out
             down["holdout_now"] = server["holdout_now"]
-        if self.each_candidate and "cand" in server:  # (R1: not once the choice is frozen)
-            down["cand"] = {k: server["cand"][k] for k in ("mu", "sigma", "noise_var")}
-            if "cand_rate" in server:  # R1: the share of units whose draw runs the candidates
-                down["cand_rate"] = server["cand_rate"]
+        down.update(self.candidate_ems.broadcast(server))  # (fedprior_candidates C1)
         return down
 
     def client_init(self, down: Tree) -> Tree:
-        state = {"noise_var": down["noise_var"].clone()}
-        if self.each_candidate:
-            state["cand_noise_var"] = down["cand"]["noise_var"].clone()
-        return state
+        return {"noise_var": down["noise_var"].clone(), **self.candidate_ems.client_init(down)}
 
     def _noise(self, down: Tree, state: Tree) -> Tensor:
         return unit_noise(self.noise, down, state)
@@ -550,13 +537,10 @@ class FedPrior(FedPriorSettings):
         new_state = {"noise_var": own if self.noise == "sensor" else state["noise_var"]}
         if marginal:
             reply["select"] = self.selection.marginal_scores(down, self._noise(down, state), full)
-        if self.each_candidate and "cand" in down:  # (R1: until the choice is frozen)
-            reply["cand"], cand_own = self._candidates_e_step(down, state, full)
-            new_state["cand_noise_var"] = (
-                cand_own if self.noise == "sensor" else state["cand_noise_var"]
-            )
-        elif "cand_noise_var" in state:  # R1: frozen, the candidates' σ_i² kept as they were
-            new_state["cand_noise_var"] = state["cand_noise_var"]
+        cand, cand_state = self.candidate_ems.uploads(down, state, full, self._e_step_sums)
+        if cand is not None:  # every candidate's E-step (fedprior_candidates C2)
+            reply["cand"] = cand
+        new_state.update(cand_state)
         if "pooled_ok" in down and self.time_choice.choosing(data):  # forward scores
             args = (down, state, data, gram, chosen["mean"])
             reply["choice"] = self.time_choice.uploads(self, *args)
@@ -582,53 +566,10 @@ class FedPrior(FedPriorSettings):
             **({} if n is None else residual_terms(post, gram, noise, n)),
         }
 
-    def _candidates_e_step(self, down: Tree, state: Tree, full: Moments):
-        """Every candidate's E-step at once: (clients, candidates, ...) statistics.
-
-        Candidate k uses the moments ``full`` of its own terms (the others' rows and
-        columns of G and b zeroed): its posterior, GLS terms and marginal likelihood
-        log p(y_i | μ_k, Σ_k, σ_k²) are those of the sub-basis model exactly (the
-        unused coordinates see no data and keep their prior).
-        """
-        sampled = self.rounds_schedule.sampled(down, full.rhs)
-        if sampled is not None and not bool(sampled.all()):  # R1: the sampled units', zeros else
-            return self._sampled_candidates(down, state, full, sampled)
-        stats, c, p, k = self.selection.candidate_moments(down, full)
-        cand = down["cand"]
-        noise = state["cand_noise_var"] if self.noise == "sensor" else cand["noise_var"]
-        noise = noise.reshape(-1)
-        post = posterior(stats, cand["mu"].reshape(-1, p), cand["sigma"].reshape(-1, p, p), noise)
-        out = self._e_step_sums(
-            post, stats.gram, noise, stats.n if self.interval == "calibrated" else None
-        )
-        own = self._sensor_noise(post.rss, stats.n, cand["noise_var"].reshape(-1))
-        out = {key: v.reshape(c, k, *v.shape[1:]) for key, v in out.items()}
-        if "cand_rate" in down:  # R1: which units' terms the candidates' sums hold
-            out["unit"], out["n"] = torch.ones(c, k, dtype=F64), full.n.unsqueeze(1).expand(c, k)
-        return out, own.reshape(c, k)
-
-    def _sampled_candidates(self, down: Tree, state: Tree, full: Moments, sampled: Tensor):
-        """:meth:`_candidates_e_step` of the ``sampled`` units (R1 of fedprior_rounds), zeros
-        for the others (their upload holds no candidate terms: ``unit`` 0)."""
-        idx = torch.nonzero(sampled)[:, 0]
-        run = idx if idx.numel() else torch.zeros(1, dtype=torch.long)  # (shapes: one unit)
-        sub_down = gather(down, run)
-        sub_down["cand_rate"] = torch.ones_like(sub_down["cand_rate"])  # every one of them
-        sub_full = Moments(*(v.index_select(0, run) for v in full))
-        part, own_part = self._candidates_e_step(sub_down, gather(state, run), sub_full)
-        c = full.n.shape[0]
-        out = {key: v.new_zeros(c, *v.shape[1:]) for key, v in part.items()}
-        own = state["cand_noise_var"].clone()
-        if idx.numel():
-            for key, v in part.items():
-                out[key][idx] = v
-            own[idx] = own_part
-        return out, own
-
     def sampled_clients(self, down: Tree, data: ClientData) -> Tensor | None:
         """The units that run the candidates this round (fedprior_rounds R1, by their own
         draws), None: every unit the same reply (engine.streamed.SamplesClients)."""
-        if not self.each_candidate or "cand" not in down or self.noise_model.weighted:
+        if not self.candidate_ems.running(down) or self.noise_model.weighted:
             return None
         if "pooled_ok" in down and self.time_choice.choosing(data):  # (reads the candidates)
             return None
@@ -682,31 +623,6 @@ class FedPrior(FedPriorSettings):
             noise_var = torch.where(dof >= 1.0, total["fit"] / dof.clamp_min(1.0), old_noise)
         return mu, sigma, noise_var
 
-    def _candidate_updates(
-        self, server: Tree, cand: Tree, total: Tree, count: Tensor, metric: Tensor, pinned: Tensor
-    ) -> dict[str, Tensor]:
-        """Every candidate basis's M-step on its own summed statistics (``select = "bic"``),
-        stacked over the candidates; the fleet's restart, if any, for all of them."""
-        new: dict[str, list[Tensor]] = {"mu": [], "sigma": [], "noise_var": []}
-        restart = self.branch_pins.restart(server, pinned, total["gram"])
-        units = count
-        if "unit" in cand:  # R1: the sampled units' sums (their n, their count)
-            units = cand["unit"][0].clamp_min(1.0)
-        for k, m in enumerate(self.masks):
-            part = {**{key: v[k] for key, v in cand.items()}}
-            part["n"] = part["n"] if "unit" in cand else total["n"]
-            out = restart or self._prior_update(
-                server["cand"]["mu"][k],
-                part,
-                units,
-                metric * m.unsqueeze(0) * m.unsqueeze(1),
-                server["cand"]["noise_var"][k],
-                pinned,
-            )
-            for key, v in zip(("mu", "sigma", "noise_var"), out, strict=True):
-                new[key].append(v)
-        return {**{key: torch.stack(v) for key, v in new.items()}, "support": cand["support"]}
-
     def server_update(
         self, server: Tree, replies: Tree, weights: Tensor, units: Tensor | None = None
     ) -> Tree:
@@ -741,18 +657,16 @@ class FedPrior(FedPriorSettings):
         """The server update of one EM: without selection, under ``select_by = "marginal"``,
         or the chosen candidate's once the choice is frozen (fedprior_rounds R1)."""
         server, replies, order, total, count, metric, pinned, forward = sums
-        frozen = self.each_candidate  # R1: the chosen EM alone
-        if frozen:  # the candidate's own M-step: its design metric (fedprior_rounds R1)
-            m = self.masks[int(server["choice"])]
-            metric = metric * m.unsqueeze(0) * m.unsqueeze(1)
+        frozen = self.each_candidate  # R1: the chosen EM alone, in its own design metric
+        if frozen:
+            metric = self.candidate_ems.frozen_metric(server, metric)
         mu, sigma, noise_var = self.branch_pins.restart(
             server, pinned, total["gram"]
         ) or self._prior_update(server["mu"], total, count, metric, server["noise_var"], pinned)
         new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
         new["box"] = self.support_box.fleet_box(total["gram"])
         if frozen:  # the choice as frozen
-            new.update({k: server[k] for k in ("choice", "scores")})
-            new["mask"] = self.masks[int(server["choice"])]
+            new.update(self.candidate_ems.frozen(server))
         elif self.select != "none":  # select_by = "marginal": the noisy-BIC choice
             new.update(self.selection.marginal_choice(total["select"], count, pinned))
         if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
@@ -770,19 +684,9 @@ class FedPrior(FedPriorSettings):
         candidate's M-step and the fleet's BIC choice."""
         server, replies, order, total, count, metric, pinned, forward = sums
         cand = {k: v[order].sum(0) for k, v in replies["cand"].items()}
-        masks = self.masks
-        stacked = self._candidate_updates(server, cand, total, count, metric, pinned)
-        # BIC of the fleet's evidence (Schwarz 1978): Σ_i log p(y_i | θ_k) − ½ d_k log N,
-        # the evidence at the broadcast θ_k (each candidate's EM converges to its maximum).
-        # (the ψ coordinates J out of the model are no parameters)
-        free = self.selection.prior_parameters(masks * (~pinned).to(F64))
-        units = cand["unit"][0].clamp_min(1.0) if "unit" in cand else count  # R1: the sample's
-        scores = cand["loglik"] - 0.5 * free * math.log(float(units))
-        # ties: the smaller candidate (listed first); a candidate whose model is an earlier
-        # one's once J is out (it differs only in pinned ψ terms) is that one, not a rival
-        eff = masks * (~pinned).to(F64)
-        same = (eff.unsqueeze(0) == eff.unsqueeze(1)).all(-1).tril(-1).any(-1)
-        choice = int(torch.argmax(torch.where(same, -math.inf, scores)))
+        args = (server, cand, total, count, metric, pinned, self._prior_update)
+        stacked = self.candidate_ems.m_steps(*args)  # C3, then C4 (fedprior_candidates)
+        scores, choice, same = self.candidate_ems.choice(cand, count, pinned)
         if forward is not None and float(forward["forward_scored"]) > 0:  # by each unit's future
             choice = self.time_choice.pick(
                 torch.where(same, math.inf, forward["forward_scores"][:-3])
@@ -791,7 +695,7 @@ class FedPrior(FedPriorSettings):
             **self.time_choice.kept(server, forward),
             **{key: v[choice] for key, v in stacked.items()},
             "box": self.support_box.fleet_box(total["gram"]),
-            "mask": masks[choice] * (~pinned).to(F64),
+            "mask": self.masks[choice] * (~pinned).to(F64),
             **({"pinned": pinned.to(F64)} if self.branch_orders else {}),
             "choice": torch.tensor(choice),
             "scores": scores,
