@@ -63,8 +63,10 @@ CANDIDATES = {
         "select": "bic",
         "orders": (2, 1),
         "select_units": 4,
-        "select_patience": 3,
+        "select_patience": 2,
+        "choose": "off",  # (the time-respecting choice never freezes the basis)
     },
+    "bic_sample_time": {"select": "bic", "orders": (2, 1), "select_units": 4, "choose": "time"},
     "bic_marginal": {"select": "bic", "select_by": "marginal", "orders": (2, 1)},
     "bic_sensor_cal": {
         "select": "bic",
