@@ -57,8 +57,10 @@ than the basis has terms, lower the orders: the prior cannot be learned from
 such a fleet (measured in docs/results/fleet-prior.md).
 
 Complexity from the fleet's evidence (``select = "bic"``): every sub-basis of the orders is
-a candidate, all candidates' EM runs in the same federation and the server keeps the one of
-highest BIC of the fleet's summed evidence (:mod:`fedcal.algorithms.fedprior_select`).
+a candidate (:mod:`fedcal.algorithms.fedprior_select`), every candidate's EM runs in the same
+federation and the server keeps the one of highest BIC of the fleet's summed evidence
+(:mod:`fedcal.algorithms.fedprior_candidates`, C1–C4: the candidates' E- and M-steps are this
+module's, run by that part on each candidate's terms).
 With ``select_by = "marginal"`` (what client-level DP needs) one EM runs on the full basis and
 each unit uploads one clipped score per candidate, its evidence under the candidate's marginal
 of the full prior, noised with the sums (``EvidenceSelection.dp_select_statistic``).
@@ -86,20 +88,12 @@ a discrepancy variance learned by a design-matched hold-out, or no interval wher
 cannot learn one (:mod:`fedcal.algorithms.fedprior_interval`, steps I1–I3).
 
 One idea per file: this module is the model and its federated EM (the E-step in
-``client_update``, the M-step in ``server_update``); its settings, each declared once with its
-range and default, are :class:`~fedcal.algorithms.fedprior_settings.FedPriorSettings`, and
-:class:`FedPrior` holds its parts, each a frozen dataclass declared by the settings it reads
-(docs/design.md, "The flagship algorithms"): the design and predictive form
-(``design_basis``, fedprior_basis), the evidence selection (``selection``, fedprior_select),
-the exported prior and statuses (``prior_status``, fedprior_status), the support box
-(``support_box``, fedprior_support), the defence (``robust_uploads``, fedprior_robust), the
-noise model (``noise_model``, fedprior_noise), the streamed M-step (``streamed``,
-fedprior_stream), the rounds' schedule (``rounds_schedule``, fedprior_rounds), the direction
-term's pinned coordinates (``branch_pins``, fedprior_pins), the DP bounds
-(``private_statistics``, fedprior_dp), the calibrated interval (``calibrated``,
-fedprior_interval) and the time-respecting choice with its interval after calibration
-(``time_choice``, fedprior_choice and fedprior_forward). The engine's optional hooks are
-FedPrior's methods, each calling its part (core/hooks.py names them).
+``client_update``, the M-step in ``_prior_update`` and ``server_update``, the personal model);
+its settings are :class:`~fedcal.algorithms.fedprior_settings.FedPriorSettings`, and
+:class:`FedPrior` holds its parts, each a frozen dataclass declared by the settings it reads,
+built once (a ``cached_property``) and called by the engine's optional hooks, each a method
+here (core/hooks.py names them). The table of parts, what each owns and may import:
+docs/design.md, "The flagship algorithms, one idea per file".
 """
 
 from __future__ import annotations
@@ -262,21 +256,6 @@ class FedPrior(FedPriorSettings):
         settings = (self.noise, self.noise_prior_points, self.noise_shape, self.interval)
         return PriorStatus(self.selection, self.min_informed, *settings)
 
-    @property
-    def candidates(self) -> tuple[dict, ...]:
-        """The bases ``select = "bic"`` chooses from (:attr:`EvidenceSelection.candidates`)."""
-        return self.selection.candidates
-
-    @property
-    def masks(self) -> Tensor:
-        """(candidates, features): each candidate's terms (:attr:`EvidenceSelection.masks`)."""
-        return self.selection.masks
-
-    @property
-    def each_candidate(self) -> bool:
-        """Whether every candidate runs its own EM (:attr:`EvidenceSelection.each_candidate`)."""
-        return self.selection.each_candidate
-
     @cached_property
     def rounds_schedule(self) -> RoundSchedule:
         """What travels when: the basis chosen once, the hold-out once, the stop (R1–R3 of
@@ -287,7 +266,7 @@ class FedPrior(FedPriorSettings):
             self.select_patience if self.choose == "off" else 0,
             self.holdout,
             self.converge_tol,
-            self.each_candidate,
+            self.selection.each_candidate,
             self.select_units,
         )
 
@@ -381,7 +360,7 @@ class FedPrior(FedPriorSettings):
     @cached_property
     def robust_uploads(self) -> RobustUploads:
         """The consistency check and the M-step's outlier weights (fedprior_robust)."""
-        k = len(self.candidates) if self.each_candidate else 0
+        k = len(self.selection.candidates) if self.candidate_ems.on else 0
         lin = self.time_choice.linear_terms
         lin = None if lin is None else tuple(lin)
         return RobustUploads(self.robust, k, self.select_clip, self.choice_clip, lin)
@@ -494,7 +473,7 @@ class FedPrior(FedPriorSettings):
         design, rw = None, None
         # select_by = "marginal": the EM runs on the full basis (without the ψ coordinates J
         # out of the model), whatever candidate is chosen: its E-step and noise model too
-        marginal = self.select != "none" and not self.each_candidate
+        marginal = self.select != "none" and not self.candidate_ems.on
         em = {k: v for k, v in down.items() if k != "mask"} if marginal else down
         if (
             self.noise_model.weighted
@@ -649,7 +628,7 @@ class FedPrior(FedPriorSettings):
             count = robust.weights[order].sum() if bool((robust.weights != 1).any()) else count
         metric = total["gram"] / total["n"].clamp_min(1.0)
         args = RoundSums(server, replies, order, total, count, metric, pinned, forward)
-        if not self.each_candidate or "cand" not in replies:  # (R1: the choice frozen)
+        if not self.candidate_ems.running(replies):  # (R1: the choice frozen)
             return self.rounds_schedule.after(server, self._one_em_update(args), count)
         return self.rounds_schedule.after(server, self._candidates_update(args), count)
 
@@ -657,7 +636,7 @@ class FedPrior(FedPriorSettings):
         """The server update of one EM: without selection, under ``select_by = "marginal"``,
         or the chosen candidate's once the choice is frozen (fedprior_rounds R1)."""
         server, replies, order, total, count, metric, pinned, forward = sums
-        frozen = self.each_candidate  # R1: the chosen EM alone, in its own design metric
+        frozen = self.candidate_ems.on  # R1: the chosen EM alone, in its own design metric
         if frozen:
             metric = self.candidate_ems.frozen_metric(server, metric)
         mu, sigma, noise_var = self.branch_pins.restart(
@@ -674,7 +653,7 @@ class FedPrior(FedPriorSettings):
             new.update(self.noise_model.updates(server, noise, order, total["n"], replies["n"]))
         new.update(self.time_choice.kept(server, forward))
         if self.branch_orders:  # the features in use, without the ψ coordinates out of it
-            new["mask"] = new.get("mask", self.masks[-1]) * (~pinned).to(F64)
+            new["mask"] = new.get("mask", self.selection.masks[-1]) * (~pinned).to(F64)
             new["pinned"] = pinned.to(F64)
         new.update(self.calibrated.update(server, replies, order, total))
         return new
@@ -695,7 +674,7 @@ class FedPrior(FedPriorSettings):
             **self.time_choice.kept(server, forward),
             **{key: v[choice] for key, v in stacked.items()},
             "box": self.support_box.fleet_box(total["gram"]),
-            "mask": self.masks[choice] * (~pinned).to(F64),
+            "mask": self.selection.masks[choice] * (~pinned).to(F64),
             **({"pinned": pinned.to(F64)} if self.branch_orders else {}),
             "choice": torch.tensor(choice),
             "scores": scores,
@@ -890,7 +869,7 @@ class FedPrior(FedPriorSettings):
         record = self.time_choice.record(server)
         if record is not None:  # the time-respecting choice (fedprior_choice)
             selection = state.setdefault("selection", {"rule": "none", "chosen": {}})
-            if self.each_candidate:
+            if self.candidate_ems.on:
                 selection["rule"] = "forward"
             selection["forward"] = record
         return state
@@ -903,14 +882,6 @@ class FedPrior(FedPriorSettings):
     def weak_units(self, down: Tree, cov: Tensor, noise: Tensor, data: ClientData) -> Tensor:
         """I3's declined units (:meth:`CalibratedInterval.weak_units`)."""
         return self.calibrated.weak_units(down, cov, noise, data)
-
-    def _fit(self, down: Tree, state: Tree, sub: Moments) -> tuple[Tensor, Tensor, Tensor]:
-        """A hold-out fit (:meth:`CalibratedInterval._fit`; fedprior_deploy's emulation)."""
-        return self.calibrated._fit(down, state, sub)
-
-    def _mean_var(self, coef: Tensor, cov: Tensor, noise: Tensor, x: Tensor, down: Tree):
-        """A hold-out's predictions (:meth:`CalibratedInterval._mean_var`; fedprior_deploy)."""
-        return self.calibrated._mean_var(coef, cov, noise, x, down)
 
     def deploy_state(self, server: Tree, data: ClientData) -> dict | None:
         """The prior's design-dependent error model learned by the reference units at the

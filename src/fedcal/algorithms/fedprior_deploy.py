@@ -240,8 +240,8 @@ def _emulation(alg, down: Tree, data: ClientData, refs: Tensor) -> dict[str, Ten
     down_b = {**gather(sub, idx), **gather(loo, at)}
     z = alg.design(xb, bb).to(F64)
     state = {"noise_var": down_b["noise_var"]}  # the fleet's σ² (a new unit has no own yet)
-    coef, cov, noise = alg._fit(down_b, state, moments(z, yb, keep))
-    mean, v0 = alg._mean_var(coef, cov, noise, xb, down_b)
+    coef, cov, noise = alg.calibrated._fit(down_b, state, moments(z, yb, keep))
+    mean, v0 = alg.calibrated._mean_var(coef, cov, noise, xb, down_b)
     nmax = int(keep.sum(1).max())
     order = torch.argsort(keep, dim=1, descending=True, stable=True)[:, :nmax]
     km = keep.gather(1, order)
