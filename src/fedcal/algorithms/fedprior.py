@@ -256,6 +256,16 @@ class FedPrior(FedPriorSettings):
         settings = (self.noise, self.noise_prior_points, self.noise_shape, self.interval)
         return PriorStatus(self.selection, self.min_informed, *settings)
 
+    @property
+    def candidates(self) -> tuple[dict, ...]:
+        """The bases ``select = "bic"`` chooses from (:attr:`EvidenceSelection.candidates`)."""
+        return self.selection.candidates
+
+    @property
+    def masks(self) -> Tensor:
+        """(candidates, features): each candidate's terms (:attr:`EvidenceSelection.masks`)."""
+        return self.selection.masks
+
     @cached_property
     def rounds_schedule(self) -> RoundSchedule:
         """What travels when: the basis chosen once, the hold-out once, the stop (R1–R3 of
