@@ -111,7 +111,7 @@ from torch import Tensor
 from fedcal.algorithms.fedprior_basis import DesignBasis, model_mask, unit_noise
 from fedcal.algorithms.fedprior_candidates import CandidateEMs
 from fedcal.algorithms.fedprior_choice import SIMPLE, TimeChoice
-from fedcal.algorithms.fedprior_deploy import learn
+from fedcal.algorithms.fedprior_deploy import deploy_state
 from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
 from fedcal.algorithms.fedprior_dp import PrivateStatistics
 from fedcal.algorithms.fedprior_forward import ForwardInterval
@@ -894,19 +894,9 @@ class FedPrior(FedPriorSettings):
         return self.calibrated.weak_units(down, cov, noise, data)
 
     def deploy_state(self, server: Tree, data: ClientData) -> dict | None:
-        """The prior's design-dependent error model learned by the reference units at the
-        run's end (:mod:`fedcal.algorithms.fedprior_deploy`, E1–E5), as prior.json's
-        ``"discrepancy"``; None when not learned (``deploy = "off"``, the model's own
-        interval, the noise model's weighted rows or drift: not emulated; ``noise =
-        "sensor"``: the emulation fits with the fleet's σ² while ``calibrate`` states a
-        unit's σ with its own σ_i², so κ would be learned for another noise rule; fewer than
-        two reference units)."""
-        if self.deploy != "learn" or self.interval != "calibrated" or self.noise_model.weighted:
-            return None
-        if self.noise == "sensor" or hasattr(self, "drift_fit"):  # fedprior_drift: not emulated
-            return None
-        model = learn(self, server, data)
-        return None if model is None else model.to_dict()
+        """The prior's design-dependent error model, prior.json's ``"discrepancy"``, or None
+        (:func:`~fedcal.algorithms.fedprior_deploy.deploy_state`: when it is learned)."""
+        return deploy_state(self, server, data)
 
 
 class RoundSums(NamedTuple):

@@ -388,6 +388,21 @@ def family_sums(em: dict[str, Tensor], model: Discrepancy, units: int) -> tuple[
     )
 
 
+def deploy_state(alg, server: Tree, data: ClientData) -> dict | None:
+    """The prior's design-dependent error model learned by the reference units at the run's
+    end (E1–E5), as prior.json's ``"discrepancy"`` (``FedPrior.deploy_state``); None when not
+    learned (``deploy = "off"``, the model's own interval, the noise model's weighted rows or
+    drift: not emulated; ``noise = "sensor"``: the emulation fits with the fleet's σ² while
+    ``calibrate`` states a unit's σ with its own σ_i², so κ would be learned for another noise
+    rule; fewer than two reference units)."""
+    if alg.deploy != "learn" or alg.interval != "calibrated" or alg.noise_model.weighted:
+        return None
+    if alg.noise == "sensor" or hasattr(alg, "drift_fit"):  # fedprior_drift: not emulated
+        return None
+    model = learn(alg, server, data)
+    return None if model is None else model.to_dict()
+
+
 def learn(alg, server: Tree, data: ClientData) -> Discrepancy | None:
     """E1–E5 on the final prior: the model, or None (fewer than two reference units, a
     fleet with few-point units, or no κ of the grid covers).
