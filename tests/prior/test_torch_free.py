@@ -132,29 +132,6 @@ def make_prior(root: Path) -> None:
     new = simulate_fleet(FleetSpec(num_sensors=3, train_design="3x2", test_design="random"), 9)
     frame = new.frame.assign(sensor_id="NEW-" + new.frame["sensor_id"])
     frame[COLS].to_csv(root / "new_units.csv", index=False)
-    make_reference_prior(root)
-
-
-def make_reference_prior(root: Path) -> None:
-    """A manufacturer's prior: fedprior on 14 reference units only (its deployment
-    discrepancy model, issue 33) in ``root/ref_run``; new units in ``root/ref_new_units.csv``:
-    3 of a 3x2 design and ``ONE-T-S000`` of a 6x1 one (one temperature level: declined).
-    (tests/prior/test_torch_free_deployed.py.) Needs torch."""
-    root.mkdir(parents=True, exist_ok=True)
-    simulate_fleet(FleetSpec(num_reference=14, num_new=0), seed=3).frame.to_csv(
-        root / "ref_fleet.csv", index=False
-    )
-    cfg = root / "ref_prior.toml"
-    cfg.write_text("[engine]\nrounds = 10\neval_every = 10\n")
-    args = ["run", "--data", str(root / "ref_fleet.csv"), "--methods", "fedprior", "--seeds", "1"]
-    result = runner.invoke(app, [*args, "--config", str(cfg), "--out", str(root / "ref_run")])
-    assert result.exit_code == 0, result.output
-    parts = []
-    for tag, design, n, seed in (("NEW-", "3x2", 3, 9), ("ONE-T-", "6x1", 1, 10)):
-        spec = FleetSpec(num_sensors=n, train_design=design, test_design="random")
-        frame = simulate_fleet(spec, seed).frame
-        parts.append(frame.assign(sensor_id=tag + frame["sensor_id"])[COLS])
-    pd.concat(parts).to_csv(root / "ref_new_units.csv", index=False)
 
 
 def station_root(tmp_path_factory, name: str, build) -> Path:

@@ -2,7 +2,7 @@
 reference units alone (its deployment discrepancy model, issue 33: D1–D4 of
 :mod:`fedcal.prior.discrepancy`), with torch not importable.
 
-The prior (:func:`test_torch_free.make_reference_prior`: fedprior on 14 reference units,
+The prior (:func:`make_reference_prior`: fedprior on 14 reference units,
 ν₀ = ∞ as learned) and a copy with a finite ν₀ = 3 (the per-unit scale s_i² and the Student-t
 factor of D4 in use): ``calibrate`` → ``predict`` → ``export`` C and JSON → ``certificate``
 → ``report`` of 3 new 3x2 units and one 6x1 unit (one temperature level: declined with its
@@ -22,13 +22,16 @@ CI (.ci/run) runs this file in the clean core environment too (FEDCAL_STATION_DI
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from fedcal.cli import app
 from fedcal.core.arrayfile import load_arrays
+from fedcal.data.simulator import FleetSpec, simulate_fleet
 from fedcal.prior.find import find_prior
 from fedcal.prior.model import PriorModel
 from fedcal.report.served import torch_available
@@ -42,12 +45,34 @@ from tests.prior.test_torch_free import (
     _half_unit,
     _plan_args,
     _printed,
-    make_reference_prior,
+    runner,
     station_root,
 )
 
 DECLINED = "ONE-T-S000"
 REASON = "no σ: the design has 1 level(s) of temperature_c"
+
+
+def make_reference_prior(root: Path) -> None:
+    """A manufacturer's prior: fedprior on 14 reference units only (its deployment
+    discrepancy model, issue 33) in ``root/ref_run``; new units in ``root/ref_new_units.csv``:
+    3 of a 3x2 design and ``ONE-T-S000`` of a 6x1 one (one temperature level: declined).
+    Needs torch (CI: ``python -m tests.prior.test_torch_free_deployed DIR``)."""
+    root.mkdir(parents=True, exist_ok=True)
+    simulate_fleet(FleetSpec(num_reference=14, num_new=0), seed=3).frame.to_csv(
+        root / "ref_fleet.csv", index=False
+    )
+    cfg = root / "ref_prior.toml"
+    cfg.write_text("[engine]\nrounds = 10\neval_every = 10\n")
+    args = ["run", "--data", str(root / "ref_fleet.csv"), "--methods", "fedprior", "--seeds", "1"]
+    result = runner.invoke(app, [*args, "--config", str(cfg), "--out", str(root / "ref_run")])
+    assert result.exit_code == 0, result.output
+    parts = []
+    for tag, design, n, seed in (("NEW-", "3x2", 3, 9), ("ONE-T-", "6x1", 1, 10)):
+        spec = FleetSpec(num_sensors=n, train_design=design, test_design="random")
+        frame = simulate_fleet(spec, seed).frame
+        parts.append(frame.assign(sensor_id=tag + frame["sensor_id"])[COLS])
+    pd.concat(parts).to_csv(root / "ref_new_units.csv", index=False)
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +191,7 @@ def test_plan_of_a_reference_only_prior_runs_without_torch(reference, which):
     for (p, t, d, sd), want in zip(steps, step.steps, strict=True):
         assert (float(p), float(t), d) == want[:3], (steps, step.steps)
         assert abs(float(sd) - want[3]) <= _half_unit(sd) * (1 + 1e-9), (sd, want[3])
+
+
+if __name__ == "__main__":  # CI: train the prior with the full environment (docstring)
+    make_reference_prior(Path(sys.argv[1]))
