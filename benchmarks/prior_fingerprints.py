@@ -9,6 +9,9 @@ columns and ``export_state``. Two trees give the same bits when the JSON files a
     OMP_NUM_THREADS=1 PYTHONPATH=src:. python benchmarks/prior_fingerprints.py before.json
     (the same from the other tree, to after.json); diff before.json after.json
 
+``--candidates`` adds four configurations of every candidate's EM (R1's sample and freeze,
+the marginal scores, each unit's σ_ik², the selected direction term).
+
 Run from the repository root (the planted fleets are the tests'). Used by issue 35.1's last
 step (docs/design.md, "The flagship algorithms"); ~4 s on one thread. It reads only what
 both sides of that step have (FedPrior's methods), so it runs on either.
@@ -51,6 +54,32 @@ FEDPRIOR = {
     "time_off_fwd": {"choose": "time", "choice_interval": "off", "noise": "sensor"},
     "branch": {"branch_orders": (1, 0), "interval": "calibrated"},
     "inputs_noise": {"noise_shape": "inputs", "interval": "calibrated"},
+}
+# every candidate's EM (fedprior_candidates): R1's sample and freeze, the marginal scores, the
+# candidates with each unit's σ_ik² and the calibrated interval's residual terms, and with the
+# direction term selected; run by ``--candidates`` (added after session 13's 16 configurations)
+CANDIDATES = {
+    "bic_sample_freeze": {
+        "select": "bic",
+        "orders": (2, 1),
+        "select_units": 4,
+        "select_patience": 2,
+        "choose": "off",  # (the time-respecting choice never freezes the basis)
+    },
+    "bic_sample_time": {"select": "bic", "orders": (2, 1), "select_units": 4, "choose": "time"},
+    "bic_marginal": {"select": "bic", "select_by": "marginal", "orders": (2, 1)},
+    "bic_sensor_cal": {
+        "select": "bic",
+        "orders": (2, 1),
+        "noise": "sensor",
+        "interval": "calibrated",
+    },
+    "bic_branch": {
+        "select": "bic",
+        "orders": (2, 1),
+        "branch_orders": (1, 0),
+        "branch_select": True,
+    },
 }
 DRIFT = {
     "drift": {},
@@ -107,10 +136,10 @@ def prints(alg: Any, train: Any, test: Any) -> dict[str, Any]:
     return out
 
 
-def main(path: str) -> None:
+def main(path: str, candidates: bool = False) -> None:
     found = {}
     train, test, *_ = planted_fleet(12, [6] * 4 + [20] * 8, seed=3, orders=(1, 1), noise=0.05)
-    for name, settings in FEDPRIOR.items():
+    for name, settings in {**FEDPRIOR, **(CANDIDATES if candidates else {})}.items():
         found[name] = prints(FedPrior(Task(MLP()), **{"orders": (1, 1), **settings}), train, test)
     train, test = planted_drift(1.0, units=12, rows=20, future=10, seed=2)
     for name, settings in DRIFT.items():
@@ -126,4 +155,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--candidates" in sys.argv[2:])

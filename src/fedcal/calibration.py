@@ -54,7 +54,8 @@ from fedcal.experiment import (
     save_models,
 )
 from fedcal.prior import calibrate_dir, qa
-from fedcal.prior.discrepancy import Discrepancy, unit_scale
+from fedcal.prior.discrepancy import Discrepancy
+from fedcal.prior.discrepancy import expected_scale as discrepancy_scale
 from fedcal.prior.find import find_prior  # noqa: F401 (torch-free; re-exported)
 from fedcal.prior.model import PriorModel
 from fedcal.prior.qa import (  # the range guard, QA threshold and grid: torch-free, re-exported
@@ -184,16 +185,14 @@ def expected_scale(personal: Tree, nu0: float) -> Tree:
     the unit's readings about the prior mean, E[d_i²] = n_i under the model, so
     E[s_i²] = 1. The planner reads a design at the current mean (r = 0 on its new rows):
     its s_i² would be ν₀/(ν₀ + n_i), not the 1 a unit of the fleet has on average. So the
-    forecast takes κ² · (t/1.96)² with s_i² = 1: :func:`unit_scale` at d² = 0 divided out
-    (ν₀ = ∞: s_i² = 1 already; a unit without the model's σ, ``gp_amp`` 0: untouched).
+    forecast takes κ² · (t/1.96)² with s_i² = 1: s_i² at d² = 0 divided out
+    (:func:`fedcal.prior.discrepancy.expected_scale`, the NumPy planner's too; ν₀ = ∞:
+    s_i² = 1 already; a unit without the model's σ, ``gp_amp`` 0: untouched).
     """
-    if math.isinf(nu0) or "gp_scale" not in personal:
+    if "gp_scale" not in personal:
         return personal
-    dof = personal["gp_mask"].to(F64).sum(-1)
-    at_mean = unit_scale(nu0, dof, torch.zeros_like(dof))
-    used = personal["gp_amp"].to(F64) > 0
-    scale = personal["gp_scale"].to(F64)
-    return {**personal, "gp_scale": torch.where(used, scale / at_mean, scale)}
+    args = (personal["gp_scale"], personal["gp_amp"], personal["gp_mask"])
+    return {**personal, "gp_scale": discrepancy_scale(nu0, *args)}
 
 
 def own_noise(algorithm: FedPrior, down: Tree, state: Tree, data: ClientData) -> Tree:
@@ -299,12 +298,13 @@ def grid_sigma(alg: FedPrior, personal: Tree, grid: torch.Tensor) -> np.ndarray:
     :meth:`FedPrior.predictive_std` at ``grid`` for every unit. The grid lies in the prior's
     input range, inside every unit's support box (:func:`prior_server`), so no point is
     extrapolated and the design z(grid) is every unit's: it is formed once, not per unit
-    (the same numbers; a unit whose box does not hold the grid takes the general path).
+    (the same numbers; a unit whose box does not hold the grid takes the general path, and
+    so does a unit calibrated from the prior's discrepancy model: its σ is D2–D4's).
     """
     box = personal["box"].to(F64)
     inside = ((grid >= box[:, :1]) & (grid <= box[:, 1:])).all()
     n = box.shape[0]
-    if not bool(inside):
+    if not bool(inside) or "gp_x" in personal:
         return alg.predictive_std(personal, grid.expand(n, -1, -1))[..., 0].numpy()
     q, s = alg.variance_form(personal)
     design = alg.variance_design(grid.unsqueeze(0)).expand(n, -1, -1)
@@ -349,11 +349,13 @@ def grid_sigma_summary(
 
     The same dense grid as :func:`grid_sigma` (equal to it within rounding, ~1e-13
     relative: tested), through :class:`GridForm`. A chunk whose units' boxes do not
-    all hold the grid takes :func:`grid_sigma`.
+    all hold the grid takes :func:`grid_sigma`, and so do units calibrated from the prior's
+    discrepancy model (their σ is not z(x)ᵀQz(x) + s: D2–D4, ``gp_*`` parameters).
     """
     form = grid_form(alg, grid) if form is None else form
     box = personal["box"].to(F64)
-    if not bool(((grid >= box[:, :1]) & (grid <= box[:, 1:])).all()):
+    inside = bool(((grid >= box[:, :1]) & (grid <= box[:, 1:])).all())
+    if not inside or "gp_x" in personal:
         sigma = grid_sigma(alg, personal, grid)
         return sigma.mean(-1), sigma.max(-1)
     q, s = alg.variance_form(personal)

@@ -5,10 +5,11 @@
 predictive variance; a unit's posterior for sequential mode), computed by ``calibrate``'s
 torch path: :func:`fedcal.calibration.unit_posteriors` and fedprior's ``predictive_std``.
 Used only for the variants :func:`fedcal.prior.posterior.unsupported` names (drift, the
-time-respecting choice, noise over the inputs, Student-t rows, the deployment discrepancy
-model, issue 33), so the σ ``plan`` forecasts for them is the σ ``calibrate`` states; every
-other prior is planned in NumPy (torch not needed). Needs ``fedcal[neural]``. The two agree
-within rounding on the priors both cover (tests/test_plan_numpy.py).
+time-respecting choice, noise over the inputs, Student-t rows), so the σ ``plan``
+forecasts for them is the σ ``calibrate`` states; every other prior is planned in NumPy
+(torch not needed; a prior's deployment discrepancy model too). Needs ``fedcal[neural]``.
+The two agree within rounding on the priors both cover (tests/test_plan_numpy.py,
+tests/prior/test_torch_free_deployed.py).
 """
 
 from __future__ import annotations

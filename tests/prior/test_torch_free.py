@@ -134,16 +134,22 @@ def make_prior(root: Path) -> None:
     frame[COLS].to_csv(root / "new_units.csv", index=False)
 
 
+def station_root(tmp_path_factory, name: str, build) -> Path:
+    """The folder of the trained priors: CI's (``FEDCAL_STATION_DIR``, trained by the full
+    environment: module docstring), else a new one ``build`` trains (needs torch)."""
+    given = os.environ.get("FEDCAL_STATION_DIR")
+    if given:
+        return Path(given)
+    pytest.importorskip("torch", reason="training the prior needs torch")
+    root = tmp_path_factory.mktemp(name)
+    build(root)
+    return root
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(prior.json of fedprior, the new units' file, a scratch folder, the run folder)."""
-    given = os.environ.get("FEDCAL_STATION_DIR")
-    if given:  # trained by CI's full environment (module docstring)
-        root = Path(given)
-    else:
-        pytest.importorskip("torch", reason="training the prior needs torch")
-        root = tmp_path_factory.mktemp("torch_free")
-        make_prior(root)
+    root = station_root(tmp_path_factory, "torch_free", make_prior)
     scratch = tmp_path_factory.mktemp("station")
     run = root / "fleet_run"
     return find_prior(run), root / "new_units.csv", scratch, run

@@ -57,8 +57,10 @@ than the basis has terms, lower the orders: the prior cannot be learned from
 such a fleet (measured in docs/results/fleet-prior.md).
 
 Complexity from the fleet's evidence (``select = "bic"``): every sub-basis of the orders is
-a candidate, all candidates' EM runs in the same federation and the server keeps the one of
-highest BIC of the fleet's summed evidence (:mod:`fedcal.algorithms.fedprior_select`).
+a candidate (:mod:`fedcal.algorithms.fedprior_select`), every candidate's EM runs in the same
+federation and the server keeps the one of highest BIC of the fleet's summed evidence
+(:mod:`fedcal.algorithms.fedprior_candidates`, C1–C4: the candidates' E- and M-steps are this
+module's, run by that part on each candidate's terms).
 With ``select_by = "marginal"`` (what client-level DP needs) one EM runs on the full basis and
 each unit uploads one clipped score per candidate, its evidence under the candidate's marginal
 of the full prior, noised with the sums (``EvidenceSelection.dp_select_statistic``).
@@ -86,20 +88,12 @@ a discrepancy variance learned by a design-matched hold-out, or no interval wher
 cannot learn one (:mod:`fedcal.algorithms.fedprior_interval`, steps I1–I3).
 
 One idea per file: this module is the model and its federated EM (the E-step in
-``client_update``, the M-step in ``server_update``); its settings, each declared once with its
-range and default, are :class:`~fedcal.algorithms.fedprior_settings.FedPriorSettings`, and
-:class:`FedPrior` holds its parts, each a frozen dataclass declared by the settings it reads
-(docs/design.md, "The flagship algorithms"): the design and predictive form
-(``design_basis``, fedprior_basis), the evidence selection (``selection``, fedprior_select),
-the exported prior and statuses (``prior_status``, fedprior_status), the support box
-(``support_box``, fedprior_support), the defence (``robust_uploads``, fedprior_robust), the
-noise model (``noise_model``, fedprior_noise), the streamed M-step (``streamed``,
-fedprior_stream), the rounds' schedule (``rounds_schedule``, fedprior_rounds), the direction
-term's pinned coordinates (``branch_pins``, fedprior_pins), the DP bounds
-(``private_statistics``, fedprior_dp), the calibrated interval (``calibrated``,
-fedprior_interval) and the time-respecting choice with its interval after calibration
-(``time_choice``, fedprior_choice and fedprior_forward). The engine's optional hooks are
-FedPrior's methods, each calling its part (core/hooks.py names them).
+``client_update``, the M-step in ``_prior_update`` and ``server_update``, the personal model);
+its settings are :class:`~fedcal.algorithms.fedprior_settings.FedPriorSettings`, and
+:class:`FedPrior` holds its parts, each a frozen dataclass declared by the settings it reads,
+built once (a ``cached_property``) and called by the engine's optional hooks, each a method
+here (core/hooks.py names them). The table of parts, what each owns and may import:
+docs/design.md, "The flagship algorithms, one idea per file".
 """
 
 from __future__ import annotations
@@ -115,8 +109,9 @@ import torch
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_basis import DesignBasis, model_mask, unit_noise
+from fedcal.algorithms.fedprior_candidates import CandidateEMs
 from fedcal.algorithms.fedprior_choice import SIMPLE, TimeChoice
-from fedcal.algorithms.fedprior_deploy import learn
+from fedcal.algorithms.fedprior_deploy import deploy_state
 from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
 from fedcal.algorithms.fedprior_dp import PrivateStatistics
 from fedcal.algorithms.fedprior_forward import ForwardInterval
@@ -148,7 +143,7 @@ from fedcal.core.data import ClientData
 from fedcal.core.privacy import Statistic
 from fedcal.core.robust import OutlierWeights
 from fedcal.core.task import Task
-from fedcal.core.tree import Tree, gather
+from fedcal.core.tree import Tree
 from fedcal.models.basis import (
     any_beyond,
     legendre_exponents,
@@ -249,6 +244,12 @@ class FedPrior(FedPriorSettings):
         )
 
     @cached_property
+    def candidate_ems(self) -> CandidateEMs:
+        """Every candidate's EM and the fleet's BIC choice (fedprior_candidates, C1–C4)."""
+        settings = (self.noise, self.noise_prior_points, self.interval, self.branch_pins)
+        return CandidateEMs(self.selection, self.rounds_schedule, *settings)
+
+    @cached_property
     def prior_status(self) -> PriorStatus:
         """Identification, each unit's status, the exported prior (fedprior_status): the
         contract's ``client_status`` and ``export_state`` (fedprior_choice's) call it."""
@@ -265,11 +266,6 @@ class FedPrior(FedPriorSettings):
         """(candidates, features): each candidate's terms (:attr:`EvidenceSelection.masks`)."""
         return self.selection.masks
 
-    @property
-    def each_candidate(self) -> bool:
-        """Whether every candidate runs its own EM (:attr:`EvidenceSelection.each_candidate`)."""
-        return self.selection.each_candidate
-
     @cached_property
     def rounds_schedule(self) -> RoundSchedule:
         """What travels when: the basis chosen once, the hold-out once, the stop (R1–R3 of
@@ -280,7 +276,7 @@ class FedPrior(FedPriorSettings):
             self.select_patience if self.choose == "off" else 0,
             self.holdout,
             self.converge_tol,
-            self.each_candidate,
+            self.selection.each_candidate,
             self.select_units,
         )
 
@@ -374,7 +370,7 @@ class FedPrior(FedPriorSettings):
     @cached_property
     def robust_uploads(self) -> RobustUploads:
         """The consistency check and the M-step's outlier weights (fedprior_robust)."""
-        k = len(self.candidates) if self.each_candidate else 0
+        k = len(self.selection.candidates) if self.candidate_ems.on else 0
         lin = self.time_choice.linear_terms
         lin = None if lin is None else tuple(lin)
         return RobustUploads(self.robust, k, self.select_clip, self.choice_clip, lin)
@@ -422,22 +418,8 @@ class FedPrior(FedPriorSettings):
         if self.time_choice.on:  # fedprior_choice's pooled lines and summed scores
             start.update(self.time_choice.init())
         start.update(self.rounds_schedule.init())  # R1–R3's bookkeeping (none when off)
-        if self.select == "none":
-            mask = {"mask": self.masks[-1].clone()} if self.branch_orders else {}
-            return {**start, "box": self.support_box.open_box(), **mask}
-        k = len(self.candidates)
-        # Round 0 screens with the largest candidate (the basis asked for), as without selection.
-        fleet_keys = ("mu", "sigma", "noise_var", "support")
-        chosen = {"mask": self.masks[-1].clone(), "choice": torch.tensor(k - 1)}
-        chosen["scores"] = torch.zeros(k, dtype=F64)
-        if not self.each_candidate:  # select_by = "marginal": one EM, on the full basis
-            return {**start, "box": self.support_box.open_box(), **chosen}
-        return {
-            **start,
-            "box": self.support_box.open_box(),
-            **chosen,
-            "cand": {key: start[key].expand(k, *start[key].shape).clone() for key in fleet_keys},
-        }
+        # the selection's (fedprior_candidates C1): round 0 screens with the largest candidate
+        return {**start, "box": self.support_box.open_box(), **self.candidate_ems.init(start)}
 
     def broadcast(self, server: Tree) -> Tree:
         down = {k: server[k] for k in ("mu", "sigma", "noise_var")}
@@ -455,17 +437,11 @@ class FedPrior(FedPriorSettings):
             down.update({k: server[k] for k in keys if k in server})
         if "holdout_now" in server:  # fedprior_rounds R2: whether this round holds out
             down["holdout_now"] = server["holdout_now"]
-        if self.each_candidate and "cand" in server:  # (R1: not once the choice is frozen)
-            down["cand"] = {k: server["cand"][k] for k in ("mu", "sigma", "noise_var")}
-            if "cand_rate" in server:  # R1: the share of units whose draw runs the candidates
-                down["cand_rate"] = server["cand_rate"]
+        down.update(self.candidate_ems.broadcast(server))  # (fedprior_candidates C1)
         return down
 
     def client_init(self, down: Tree) -> Tree:
-        state = {"noise_var": down["noise_var"].clone()}
-        if self.each_candidate:
-            state["cand_noise_var"] = down["cand"]["noise_var"].clone()
-        return state
+        return {"noise_var": down["noise_var"].clone(), **self.candidate_ems.client_init(down)}
 
     def _noise(self, down: Tree, state: Tree) -> Tensor:
         return unit_noise(self.noise, down, state)
@@ -507,7 +483,7 @@ class FedPrior(FedPriorSettings):
         design, rw = None, None
         # select_by = "marginal": the EM runs on the full basis (without the ψ coordinates J
         # out of the model), whatever candidate is chosen: its E-step and noise model too
-        marginal = self.select != "none" and not self.each_candidate
+        marginal = self.select != "none" and not self.candidate_ems.on
         em = {k: v for k, v in down.items() if k != "mask"} if marginal else down
         if (
             self.noise_model.weighted
@@ -550,13 +526,10 @@ class FedPrior(FedPriorSettings):
         new_state = {"noise_var": own if self.noise == "sensor" else state["noise_var"]}
         if marginal:
             reply["select"] = self.selection.marginal_scores(down, self._noise(down, state), full)
-        if self.each_candidate and "cand" in down:  # (R1: until the choice is frozen)
-            reply["cand"], cand_own = self._candidates_e_step(down, state, full)
-            new_state["cand_noise_var"] = (
-                cand_own if self.noise == "sensor" else state["cand_noise_var"]
-            )
-        elif "cand_noise_var" in state:  # R1: frozen, the candidates' σ_i² kept as they were
-            new_state["cand_noise_var"] = state["cand_noise_var"]
+        cand, cand_state = self.candidate_ems.uploads(down, state, full, self._e_step_sums)
+        if cand is not None:  # every candidate's E-step (fedprior_candidates C2)
+            reply["cand"] = cand
+        new_state.update(cand_state)
         if "pooled_ok" in down and self.time_choice.choosing(data):  # forward scores
             args = (down, state, data, gram, chosen["mean"])
             reply["choice"] = self.time_choice.uploads(self, *args)
@@ -582,53 +555,10 @@ class FedPrior(FedPriorSettings):
             **({} if n is None else residual_terms(post, gram, noise, n)),
         }
 
-    def _candidates_e_step(self, down: Tree, state: Tree, full: Moments):
-        """Every candidate's E-step at once: (clients, candidates, ...) statistics.
-
-        Candidate k uses the moments ``full`` of its own terms (the others' rows and
-        columns of G and b zeroed): its posterior, GLS terms and marginal likelihood
-        log p(y_i | μ_k, Σ_k, σ_k²) are those of the sub-basis model exactly (the
-        unused coordinates see no data and keep their prior).
-        """
-        sampled = self.rounds_schedule.sampled(down, full.rhs)
-        if sampled is not None and not bool(sampled.all()):  # R1: the sampled units', zeros else
-            return self._sampled_candidates(down, state, full, sampled)
-        stats, c, p, k = self.selection.candidate_moments(down, full)
-        cand = down["cand"]
-        noise = state["cand_noise_var"] if self.noise == "sensor" else cand["noise_var"]
-        noise = noise.reshape(-1)
-        post = posterior(stats, cand["mu"].reshape(-1, p), cand["sigma"].reshape(-1, p, p), noise)
-        out = self._e_step_sums(
-            post, stats.gram, noise, stats.n if self.interval == "calibrated" else None
-        )
-        own = self._sensor_noise(post.rss, stats.n, cand["noise_var"].reshape(-1))
-        out = {key: v.reshape(c, k, *v.shape[1:]) for key, v in out.items()}
-        if "cand_rate" in down:  # R1: which units' terms the candidates' sums hold
-            out["unit"], out["n"] = torch.ones(c, k, dtype=F64), full.n.unsqueeze(1).expand(c, k)
-        return out, own.reshape(c, k)
-
-    def _sampled_candidates(self, down: Tree, state: Tree, full: Moments, sampled: Tensor):
-        """:meth:`_candidates_e_step` of the ``sampled`` units (R1 of fedprior_rounds), zeros
-        for the others (their upload holds no candidate terms: ``unit`` 0)."""
-        idx = torch.nonzero(sampled)[:, 0]
-        run = idx if idx.numel() else torch.zeros(1, dtype=torch.long)  # (shapes: one unit)
-        sub_down = gather(down, run)
-        sub_down["cand_rate"] = torch.ones_like(sub_down["cand_rate"])  # every one of them
-        sub_full = Moments(*(v.index_select(0, run) for v in full))
-        part, own_part = self._candidates_e_step(sub_down, gather(state, run), sub_full)
-        c = full.n.shape[0]
-        out = {key: v.new_zeros(c, *v.shape[1:]) for key, v in part.items()}
-        own = state["cand_noise_var"].clone()
-        if idx.numel():
-            for key, v in part.items():
-                out[key][idx] = v
-            own[idx] = own_part
-        return out, own
-
     def sampled_clients(self, down: Tree, data: ClientData) -> Tensor | None:
         """The units that run the candidates this round (fedprior_rounds R1, by their own
         draws), None: every unit the same reply (engine.streamed.SamplesClients)."""
-        if not self.each_candidate or "cand" not in down or self.noise_model.weighted:
+        if not self.candidate_ems.running(down) or self.noise_model.weighted:
             return None
         if "pooled_ok" in down and self.time_choice.choosing(data):  # (reads the candidates)
             return None
@@ -682,31 +612,6 @@ class FedPrior(FedPriorSettings):
             noise_var = torch.where(dof >= 1.0, total["fit"] / dof.clamp_min(1.0), old_noise)
         return mu, sigma, noise_var
 
-    def _candidate_updates(
-        self, server: Tree, cand: Tree, total: Tree, count: Tensor, metric: Tensor, pinned: Tensor
-    ) -> dict[str, Tensor]:
-        """Every candidate basis's M-step on its own summed statistics (``select = "bic"``),
-        stacked over the candidates; the fleet's restart, if any, for all of them."""
-        new: dict[str, list[Tensor]] = {"mu": [], "sigma": [], "noise_var": []}
-        restart = self.branch_pins.restart(server, pinned, total["gram"])
-        units = count
-        if "unit" in cand:  # R1: the sampled units' sums (their n, their count)
-            units = cand["unit"][0].clamp_min(1.0)
-        for k, m in enumerate(self.masks):
-            part = {**{key: v[k] for key, v in cand.items()}}
-            part["n"] = part["n"] if "unit" in cand else total["n"]
-            out = restart or self._prior_update(
-                server["cand"]["mu"][k],
-                part,
-                units,
-                metric * m.unsqueeze(0) * m.unsqueeze(1),
-                server["cand"]["noise_var"][k],
-                pinned,
-            )
-            for key, v in zip(("mu", "sigma", "noise_var"), out, strict=True):
-                new[key].append(v)
-        return {**{key: torch.stack(v) for key, v in new.items()}, "support": cand["support"]}
-
     def server_update(
         self, server: Tree, replies: Tree, weights: Tensor, units: Tensor | None = None
     ) -> Tree:
@@ -733,7 +638,7 @@ class FedPrior(FedPriorSettings):
             count = robust.weights[order].sum() if bool((robust.weights != 1).any()) else count
         metric = total["gram"] / total["n"].clamp_min(1.0)
         args = RoundSums(server, replies, order, total, count, metric, pinned, forward)
-        if not self.each_candidate or "cand" not in replies:  # (R1: the choice frozen)
+        if not self.candidate_ems.running(replies):  # (R1: the choice frozen)
             return self.rounds_schedule.after(server, self._one_em_update(args), count)
         return self.rounds_schedule.after(server, self._candidates_update(args), count)
 
@@ -741,18 +646,16 @@ class FedPrior(FedPriorSettings):
         """The server update of one EM: without selection, under ``select_by = "marginal"``,
         or the chosen candidate's once the choice is frozen (fedprior_rounds R1)."""
         server, replies, order, total, count, metric, pinned, forward = sums
-        frozen = self.each_candidate  # R1: the chosen EM alone
-        if frozen:  # the candidate's own M-step: its design metric (fedprior_rounds R1)
-            m = self.masks[int(server["choice"])]
-            metric = metric * m.unsqueeze(0) * m.unsqueeze(1)
+        frozen = self.candidate_ems.on  # R1: the chosen EM alone, in its own design metric
+        if frozen:
+            metric = self.candidate_ems.frozen_metric(server, metric)
         mu, sigma, noise_var = self.branch_pins.restart(
             server, pinned, total["gram"]
         ) or self._prior_update(server["mu"], total, count, metric, server["noise_var"], pinned)
         new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
         new["box"] = self.support_box.fleet_box(total["gram"])
         if frozen:  # the choice as frozen
-            new.update({k: server[k] for k in ("choice", "scores")})
-            new["mask"] = self.masks[int(server["choice"])]
+            new.update(self.candidate_ems.frozen(server))
         elif self.select != "none":  # select_by = "marginal": the noisy-BIC choice
             new.update(self.selection.marginal_choice(total["select"], count, pinned))
         if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
@@ -760,7 +663,7 @@ class FedPrior(FedPriorSettings):
             new.update(self.noise_model.updates(server, noise, order, total["n"], replies["n"]))
         new.update(self.time_choice.kept(server, forward))
         if self.branch_orders:  # the features in use, without the ψ coordinates out of it
-            new["mask"] = new.get("mask", self.masks[-1]) * (~pinned).to(F64)
+            new["mask"] = new.get("mask", self.selection.masks[-1]) * (~pinned).to(F64)
             new["pinned"] = pinned.to(F64)
         new.update(self.calibrated.update(server, replies, order, total))
         return new
@@ -770,19 +673,9 @@ class FedPrior(FedPriorSettings):
         candidate's M-step and the fleet's BIC choice."""
         server, replies, order, total, count, metric, pinned, forward = sums
         cand = {k: v[order].sum(0) for k, v in replies["cand"].items()}
-        masks = self.masks
-        stacked = self._candidate_updates(server, cand, total, count, metric, pinned)
-        # BIC of the fleet's evidence (Schwarz 1978): Σ_i log p(y_i | θ_k) − ½ d_k log N,
-        # the evidence at the broadcast θ_k (each candidate's EM converges to its maximum).
-        # (the ψ coordinates J out of the model are no parameters)
-        free = self.selection.prior_parameters(masks * (~pinned).to(F64))
-        units = cand["unit"][0].clamp_min(1.0) if "unit" in cand else count  # R1: the sample's
-        scores = cand["loglik"] - 0.5 * free * math.log(float(units))
-        # ties: the smaller candidate (listed first); a candidate whose model is an earlier
-        # one's once J is out (it differs only in pinned ψ terms) is that one, not a rival
-        eff = masks * (~pinned).to(F64)
-        same = (eff.unsqueeze(0) == eff.unsqueeze(1)).all(-1).tril(-1).any(-1)
-        choice = int(torch.argmax(torch.where(same, -math.inf, scores)))
+        args = (server, cand, total, count, metric, pinned, self._prior_update)
+        stacked = self.candidate_ems.m_steps(*args)  # C3, then C4 (fedprior_candidates)
+        scores, choice, same = self.candidate_ems.choice(cand, count, pinned)
         if forward is not None and float(forward["forward_scored"]) > 0:  # by each unit's future
             choice = self.time_choice.pick(
                 torch.where(same, math.inf, forward["forward_scores"][:-3])
@@ -791,7 +684,7 @@ class FedPrior(FedPriorSettings):
             **self.time_choice.kept(server, forward),
             **{key: v[choice] for key, v in stacked.items()},
             "box": self.support_box.fleet_box(total["gram"]),
-            "mask": masks[choice] * (~pinned).to(F64),
+            "mask": self.selection.masks[choice] * (~pinned).to(F64),
             **({"pinned": pinned.to(F64)} if self.branch_orders else {}),
             "choice": torch.tensor(choice),
             "scores": scores,
@@ -986,7 +879,7 @@ class FedPrior(FedPriorSettings):
         record = self.time_choice.record(server)
         if record is not None:  # the time-respecting choice (fedprior_choice)
             selection = state.setdefault("selection", {"rule": "none", "chosen": {}})
-            if self.each_candidate:
+            if self.candidate_ems.on:
                 selection["rule"] = "forward"
             selection["forward"] = record
         return state
@@ -1000,28 +893,10 @@ class FedPrior(FedPriorSettings):
         """I3's declined units (:meth:`CalibratedInterval.weak_units`)."""
         return self.calibrated.weak_units(down, cov, noise, data)
 
-    def _fit(self, down: Tree, state: Tree, sub: Moments) -> tuple[Tensor, Tensor, Tensor]:
-        """A hold-out fit (:meth:`CalibratedInterval._fit`; fedprior_deploy's emulation)."""
-        return self.calibrated._fit(down, state, sub)
-
-    def _mean_var(self, coef: Tensor, cov: Tensor, noise: Tensor, x: Tensor, down: Tree):
-        """A hold-out's predictions (:meth:`CalibratedInterval._mean_var`; fedprior_deploy)."""
-        return self.calibrated._mean_var(coef, cov, noise, x, down)
-
     def deploy_state(self, server: Tree, data: ClientData) -> dict | None:
-        """The prior's design-dependent error model learned by the reference units at the
-        run's end (:mod:`fedcal.algorithms.fedprior_deploy`, E1–E5), as prior.json's
-        ``"discrepancy"``; None when not learned (``deploy = "off"``, the model's own
-        interval, the noise model's weighted rows or drift: not emulated; ``noise =
-        "sensor"``: the emulation fits with the fleet's σ² while ``calibrate`` states a
-        unit's σ with its own σ_i², so κ would be learned for another noise rule; fewer than
-        two reference units)."""
-        if self.deploy != "learn" or self.interval != "calibrated" or self.noise_model.weighted:
-            return None
-        if self.noise == "sensor" or hasattr(self, "drift_fit"):  # fedprior_drift: not emulated
-            return None
-        model = learn(self, server, data)
-        return None if model is None else model.to_dict()
+        """The prior's design-dependent error model, prior.json's ``"discrepancy"``, or None
+        (:func:`~fedcal.algorithms.fedprior_deploy.deploy_state`: when it is learned)."""
+        return deploy_state(self, server, data)
 
 
 class RoundSums(NamedTuple):

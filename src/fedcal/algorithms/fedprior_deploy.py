@@ -240,8 +240,8 @@ def _emulation(alg, down: Tree, data: ClientData, refs: Tensor) -> dict[str, Ten
     down_b = {**gather(sub, idx), **gather(loo, at)}
     z = alg.design(xb, bb).to(F64)
     state = {"noise_var": down_b["noise_var"]}  # the fleet's σ² (a new unit has no own yet)
-    coef, cov, noise = alg._fit(down_b, state, moments(z, yb, keep))
-    mean, v0 = alg._mean_var(coef, cov, noise, xb, down_b)
+    coef, cov, noise = alg.calibrated._fit(down_b, state, moments(z, yb, keep))
+    mean, v0 = alg.calibrated._mean_var(coef, cov, noise, xb, down_b)
     nmax = int(keep.sum(1).max())
     order = torch.argsort(keep, dim=1, descending=True, stable=True)[:, :nmax]
     km = keep.gather(1, order)
@@ -386,6 +386,21 @@ def family_sums(em: dict[str, Tensor], model: Discrepancy, units: int) -> tuple[
     return _per_unit(per, em["unit"], units), _per_unit(
         em["held"].sum(-1, keepdim=True) * onehot, em["unit"], units
     )
+
+
+def deploy_state(alg, server: Tree, data: ClientData) -> dict | None:
+    """The prior's design-dependent error model learned by the reference units at the run's
+    end (E1–E5), as prior.json's ``"discrepancy"`` (``FedPrior.deploy_state``); None when not
+    learned (``deploy = "off"``, the model's own interval, the noise model's weighted rows or
+    drift: not emulated; ``noise = "sensor"``: the emulation fits with the fleet's σ² while
+    ``calibrate`` states a unit's σ with its own σ_i², so κ would be learned for another noise
+    rule; fewer than two reference units)."""
+    if alg.deploy != "learn" or alg.interval != "calibrated" or alg.noise_model.weighted:
+        return None
+    if alg.noise == "sensor" or hasattr(alg, "drift_fit"):  # fedprior_drift: not emulated
+        return None
+    model = learn(alg, server, data)
+    return None if model is None else model.to_dict()
 
 
 def learn(alg, server: Tree, data: ClientData) -> Discrepancy | None:

@@ -23,13 +23,13 @@ from fedcal.prior.discrepancy import (
     MAX_POINTS,
     Discrepancy,
     DiscrepancyError,
+    deployed_units,
+    deployed_variance,
     design_reason,
-    interval_factor,
-    kappa_at,
     prior_distance,
     smoother,
     smoother_q,
-    unit_scale,
+    unit_factor,
 )
 
 DEPLOY_ROWS = MAX_POINTS  # a calibrated unit carries at most this many design rows (D2)
@@ -61,12 +61,14 @@ def deployed_var(alg, params: Tree, x: Tensor, var: Tensor) -> Tensor:
     """D2–D4 at query rows ``x`` (units, rows, d): κ² s_i² (t/1.96)² (β v_c + σ_i² + a² q),
     v_c = ``var`` − σ_i² (the basis part of the model's own variance ``var``)."""
     phi = legendre_products(x.to(F64), alg.terms)
-    noise = params["noise_var"].to(F64).reshape(-1, 1)
-    var = params["gp_beta"].to(F64).reshape(-1, 1) * (var - noise).clamp_min(0.0) + noise
     lengths = params["gp_len"].to(F64).unsqueeze(-2)
     q = smoother_q(x, phi, params["gp_x"], params["gp_mask"], params["gp_a"], lengths)
-    amp = params["gp_amp"].to(F64).reshape(-1, 1)
-    return params["gp_scale"].to(F64).reshape(-1, 1) * (var + amp * q)
+    col = {
+        k: params[k].to(F64).reshape(-1, 1) for k in ("noise_var", "gp_beta", "gp_amp", "gp_scale")
+    }
+    return deployed_variance(
+        var, col["noise_var"], col["gp_beta"], col["gp_amp"], q, col["gp_scale"]
+    )
 
 
 def deploy_terms(
@@ -90,9 +92,7 @@ def deploy_terms(
     sigma, mu = prior_in_use(down)
     resid = (yd - (zd * mu.unsqueeze(1)).sum(-1)) * km
     d2 = prior_distance(zd, model.beta * sigma, noise, xd, km, model.amplitude, lengths, resid)
-    dof = km.sum(1)
-    s2 = unit_scale(model.nu0, dof, d2 / dof.clamp_min(1.0))
-    scale = kappa_at(model, dof).square() * s2 * interval_factor(model.nu0, dof)  # D3: κ(n)
+    scale = unit_factor(model, km.sum(1), d2)  # D3: κ(n), D4: s_i², t
     reasons = design_reason(model, x, mask, names)
     out = {
         "gp_x": xd,
@@ -135,12 +135,9 @@ def deployed(alg, raw: dict, down: Tree, personal: Tree, data: ClientData, names
     # a prior without a probe (reference units only): I2/I4 learned nothing for any design
     # of up to DEPLOY_ROWS (I4's τ² is the 384-point references' on their own rows); beyond
     # the model's max_points design_reason declines (κ(n) not learned there)
-    unprobed = (probe == 0) & (n <= DEPLOY_ROWS)
-    unknown = (n < probe) | unprobed
-    unlearned = unknown | ((n < 2 * probe) & ((code == 2) | (code == 3)))
     weak = alg.weak_units(down, personal["cov"], personal["noise_var"], data)
     own = personal.get("declined", torch.zeros(data.num_clients, dtype=F64)) > 0
-    use = (own | unprobed) & unlearned & ~weak & (code != 1) & (n <= DEPLOY_ROWS)
+    use = deployed_units(n, probe, code, own, weak, DEPLOY_ROWS)
     off = torch.zeros_like(extra["gp_amp"])
     extra["gp_amp"] = torch.where(use, extra["gp_amp"], off)
     extra["gp_scale"] = torch.where(use, extra["gp_scale"], off + 1.0)

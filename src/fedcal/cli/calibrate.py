@@ -112,7 +112,8 @@ def _calibrate_numpy(path: Path, data: Path, out: Path, sensor_column, time_colu
         raise NeedsTorch(f"{path}: {why}")
     done = station.calibrate_fleet(model, fleet, str(data))
     table = calibrate_dir.write(out, model, fleet, done)
-    return table, model, calibrate_dir.declined_note(model, done.units.declined)
+    units = done.units
+    return table, model, calibrate_dir.declined_note(model, units.declined, units.reasons)
 
 
 @app.command()

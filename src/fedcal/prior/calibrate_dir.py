@@ -31,6 +31,7 @@ from fedcal.core.summarystats import fleet_stat
 from fedcal.data.fleet import Fleet
 from fedcal.data.ranges import valid_ranges
 from fedcal.prior import posterior
+from fedcal.prior.discrepancy import MAX_POINTS
 from fedcal.prior.model import PriorModel
 from fedcal.prior.qa import QA_LEVEL
 from fedcal.prior.station import Station
@@ -56,10 +57,14 @@ def template() -> dict[str, Any]:
 def fixed_params(prior: PriorModel) -> dict[str, Any]:
     """The method's parameters with the fleet's chosen sub-basis fixed (``select = "none"``)
     and a registered variant on its base: what rebuilds this prior's calibration, here and
-    in :func:`fedcal.calibration._config` (which adds what only the torch path runs)."""
+    in :func:`fedcal.calibration._config` (which adds what only the torch path runs); with
+    the prior's deployment discrepancy model, ``deploy_rows``: the design rows each unit
+    carries (:data:`fedcal.prior.discrepancy.MAX_POINTS`, :mod:`fedcal.prior.deployment`)."""
     params = dict(prior.provenance.method_params)
     if prior.selection is not None:
         params.update(prior.selection.chosen, select="none")
+    if posterior.deploys(prior):
+        params["deploy_rows"] = MAX_POINTS
     if prior.method not in ("fedprior", "fedprior_drift"):
         params["base"] = "fedprior"
     return params
@@ -90,7 +95,8 @@ def config_record(prior: PriorModel, record: dict[str, Any]) -> dict[str, Any]:
 
 def model_bytes(prior: PriorModel, fleet: Fleet, done: Station, record: dict) -> bytes:
     """model.safetensors: :func:`fedcal.experiment.save_models`'s file of the units'
-    posteriors (the tree ``params``: coef, cov, noise_var[, disc_var, declined], box)."""
+    posteriors (the tree ``params``: coef, cov, noise_var[, disc_var, declined], box[, the
+    ``gp_*`` leaves of the deployment discrepancy model])."""
     from safetensors.numpy import save
 
     n = str(len(prior.features))
@@ -104,6 +110,8 @@ def model_bytes(prior: PriorModel, fleet: Fleet, done: Station, record: dict) ->
     if u.disc_var is not None:
         leaves.update(disc_var=u.disc_var, declined=u.declined.astype(np.float64))
     leaves["box"] = u.box
+    if u.gp is not None:  # the prior's deployment discrepancy model (fedprior_deployed's)
+        leaves.update(u.gp)
     flat = {f"params/{k}": np.ascontiguousarray(v, dtype=np.float64) for k, v in leaves.items()}
     meta = {
         "method": prior.method,
@@ -298,7 +306,7 @@ def write(out: Path, prior: PriorModel, fleet: Fleet, done: Station) -> pd.DataF
     per_sensor = per_sensor_table(table, errors, tests > 0)
     write_tables(
         out, prior, fleet, (table, per_sensor, *unit_tables(prior, fleet, done)),
-        declined_note(prior, u.declined),
+        declined_note(prior, u.declined, u.reasons),
     )  # fmt: skip
     return per_sensor
 

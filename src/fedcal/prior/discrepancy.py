@@ -56,10 +56,10 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
-from torch import Tensor
+import numpy as np
 
-F64 = torch.float64
+from fedcal.models.families import Array, as_float64, namespace
+
 VERSION = 1
 Z95 = 1.959964
 # The ranges the reference units' grids search (fedcal.algorithms.fedprior_deploy E3–E4) and
@@ -280,148 +280,218 @@ def _check_knots(m: Discrepancy) -> None:
         last = n
 
 
-def kappa_at(model: Discrepancy, points: Tensor) -> Tensor:
+def _like(xp: Any, values: Any) -> Array:
+    """``values`` as a float64 array of the array module ``xp``."""
+    return xp.asarray(values, dtype=xp.float64)
+
+
+def kappa_at(model: Discrepancy, points: Array) -> Array:
     """κ(n) of D3 at design sizes ``points`` (any shape): log κ linear in log n between the
     knots ``kappa_points``, constant beyond them; no knots: ``kappa`` everywhere."""
-    n = points.to(F64)
+    xp = namespace(points)
+    n = as_float64(points)
     if not model.kappa_points:
-        return torch.full_like(n, model.kappa)
-    knots = torch.tensor(model.kappa_points, dtype=F64)
-    ln, lk = knots[:, 0].log(), knots[:, 1].log()
-    x = n.clamp(float(knots[0, 0]), float(knots[-1, 0])).log()
+        return xp.full_like(n, model.kappa)
+    knots = _like(xp, model.kappa_points)
+    ln, lk = xp.log(knots[:, 0]), xp.log(knots[:, 1])
+    x = xp.log(xp.clip(n, float(knots[0, 0]), float(knots[-1, 0])))
     if len(knots) == 1:
-        return torch.full_like(n, float(knots[0, 1]))
-    i = (torch.searchsorted(ln, x.contiguous()) - 1).clamp(0, len(knots) - 2)
+        return xp.full_like(n, float(knots[0, 1]))
+    at = x.contiguous() if xp is not np else x
+    i = xp.clip(xp.searchsorted(ln, at) - 1, 0, len(knots) - 2)
     w = (x - ln[i]) / (ln[i + 1] - ln[i])
-    return torch.exp(lk[i] + w * (lk[i + 1] - lk[i]))
+    return xp.exp(lk[i] + w * (lk[i + 1] - lk[i]))
 
 
-def kernel(a: Tensor, b: Tensor, lengths: Tensor) -> Tensor:
-    """k(a, b) = exp(−½ Σ_j (a_j − b_j)²/ℓ_j²) for batches a (..., n, d), b (..., m, d)."""
-    la, lb = a.to(F64) / lengths, b.to(F64) / lengths
-    return torch.exp(-0.5 * torch.cdist(la, lb).square())
+def kernel(a: Array, b: Array, lengths: Array) -> Array:
+    """k(a, b) = exp(−½ Σ_j (a_j − b_j)²/ℓ_j²) for batches a (..., n, d), b (..., m, d)
+    (tensors: ``torch.cdist``; NumPy arrays: the differences, equal within rounding)."""
+    xp = namespace(a)
+    la, lb = as_float64(a) / lengths, as_float64(b) / lengths
+    if xp is not np:
+        return xp.exp(-0.5 * xp.cdist(la, lb).square())
+    d = la[..., :, None, :] - lb[..., None, :, :]
+    return np.exp(-0.5 * (d * d).sum(-1))
 
 
-def smoother(design: Tensor, cov_c: Tensor, noise: Tensor, mask: Tensor) -> Tensor:
+def smoother(design: Array, cov_c: Array, noise: Array, mask: Array) -> Array:
     """A = Z_D V_i[:, c] / σ_i² (D2): (units, rows, p); padding rows 0."""
-    a = design.to(F64) @ cov_c.to(F64) / noise.to(F64).reshape(-1, 1, 1)
-    return a * mask.to(F64).unsqueeze(-1)
+    a = as_float64(design) @ as_float64(cov_c) / as_float64(noise).reshape(-1, 1, 1)
+    return a * as_float64(mask)[..., None]
 
 
-def smoother_q(
-    x: Tensor, phi: Tensor, xd: Tensor, mask: Tensor, a: Tensor, lengths: Tensor
-) -> Tensor:
+def smoother_q(x: Array, phi: Array, xd: Array, mask: Array, a: Array, lengths: Array) -> Array:
     """q(x) = 1 − 2 gᵀk_D(x) + gᵀK_DD g, g = A φ(x) (D2), per query row: (units, rows).
 
     ``x`` (units, rows, d) and ``phi`` (units, rows, p) the queries; ``xd`` (units, n, d)
     the design's inputs, ``mask`` (units, n) its real rows, ``a`` (units, n, p) A.
     """
-    m = mask.to(F64)
-    g = (phi.to(F64) @ a.to(F64).mT) * m.unsqueeze(1)  # (units, rows, n)
-    k_dx = kernel(x, xd, lengths) * m.unsqueeze(1)  # (units, rows, n)
-    k_dd = kernel(xd, xd, lengths) * m.unsqueeze(-1) * m.unsqueeze(-2)
+    xp = namespace(x)
+    m = as_float64(mask)
+    g = (as_float64(phi) @ xp.swapaxes(as_float64(a), -1, -2)) * m[:, None]  # (units, rows, n)
+    k_dx = kernel(x, xd, lengths) * m[:, None]  # (units, rows, n)
+    k_dd = kernel(xd, xd, lengths) * m[..., None] * m[..., None, :]
     quad = ((g @ k_dd) * g).sum(-1)
-    return (1.0 - 2.0 * (g * k_dx).sum(-1) + quad).clamp_min(0.0)
+    return xp.clip(1.0 - 2.0 * (g * k_dx).sum(-1) + quad, 0.0, None)
 
 
 def prior_distance(
-    design: Tensor,
-    sigma: Tensor,
-    noise: Tensor,
-    xd: Tensor,
-    mask: Tensor,
+    design: Array,
+    sigma: Array,
+    noise: Array,
+    xd: Array,
+    mask: Array,
     amplitude: float,
-    lengths: Tensor,
-    resid: Tensor,
-) -> Tensor:
+    lengths: Array,
+    resid: Array,
+) -> Array:
     """d_i² = rᵀC⁻¹r (D4) per unit: (units,). ``design`` Z_D (units, n, q), ``sigma`` the
     prior's (β-scaled) Σ, ``resid`` r = y_D − Z_Dμ (0 on padding rows, whose C is 1)."""
-    m = mask.to(F64)
-    z = design.to(F64) * m.unsqueeze(-1)
-    s2 = noise.to(F64).reshape(-1, 1, 1)
-    pair = m.unsqueeze(-1) * m.unsqueeze(-2)
-    c = z @ sigma.to(F64) @ z.mT + amplitude * kernel(xd, xd, lengths) * pair
-    c = c + torch.diag_embed(m * s2[..., 0] + (1 - m))
-    chol = torch.linalg.cholesky(c)
-    w = torch.linalg.solve_triangular(chol, (resid.to(F64) * m).unsqueeze(-1), upper=False)
-    return w.square().sum((-2, -1))
+    xp = namespace(design)
+    m = as_float64(mask)
+    z = as_float64(design) * m[..., None]
+    s2 = as_float64(noise).reshape(-1, 1, 1)
+    pair = m[..., None] * m[..., None, :]
+    c = z @ as_float64(sigma) @ xp.swapaxes(z, -1, -2)
+    c = c + amplitude * kernel(xd, xd, lengths) * pair
+    diag = m * s2[..., 0] + (1 - m)
+    r = (as_float64(resid) * m)[..., None]
+    if xp is not np:
+        chol = xp.linalg.cholesky(c + xp.diag_embed(diag))
+        w = xp.linalg.solve_triangular(chol, r, upper=False)
+    else:
+        chol = np.linalg.cholesky(c + diag[..., None] * np.eye(diag.shape[-1]))
+        w = np.linalg.solve(chol, r)  # triangular: L⁻¹r
+    return (w * w).sum((-2, -1))
 
 
-def unit_scale(nu0: float, dof: Tensor, ratio: Tensor) -> Tensor:
+def unit_scale(nu0: float, dof: Array, ratio: Array) -> Array:
     """s_i² = (ν₀ + n_i · d_i²/n_i)/(ν₀ + n_i) (D4, s₀² = 1; ``dof`` n_i, ``ratio`` d_i²/n_i);
     ν₀ = ∞: 1."""
+    xp = namespace(dof)
+    dof = as_float64(dof)
     if math.isinf(nu0):
-        return torch.ones_like(dof, dtype=F64)
-    dof, ratio = dof.to(F64), ratio.to(F64)
+        return xp.ones_like(dof)
+    ratio = as_float64(ratio)
     return (nu0 + dof * ratio) / (nu0 + dof)
 
 
-def interval_factor(nu0: float, dof: Tensor) -> Tensor:
+def interval_factor(nu0: float, dof: Array) -> Array:
     """(t_{0.975, ν₀+ν_i} / 1.96)²: what makes ±1.96 σ the Student-t's 95 % interval (D4)."""
+    xp = namespace(dof)
+    dof = as_float64(dof)
     if math.isinf(nu0):
-        return torch.ones_like(dof, dtype=F64)
+        return xp.ones_like(dof)
     from scipy.stats import t as student
 
-    total = (nu0 + dof.to(F64)).clamp_min(1e-3).numpy()
-    return torch.as_tensor(student.ppf(0.975, total) / Z95, dtype=F64).square()
+    total = np.maximum(np.asarray(nu0 + dof), 1e-3)
+    return _like(xp, (student.ppf(0.975, total) / Z95) ** 2)
 
 
-def levels(x: Tensor, mask: Tensor, tol: float, span: Tensor) -> Tensor:
+def levels(x: Array, mask: Array, tol: float, span: Array) -> Array:
     """Distinct levels of each input among a unit's real rows: values closer than ``tol``
     of the input's ``span`` are one level. (units, d), integer-valued float."""
-    m = mask.to(torch.bool).unsqueeze(-1)
-    v = torch.where(m, x.to(F64) / span, math.inf).sort(1).values
-    gap = (v[:, 1:] - v[:, :-1]) > tol
-    real = torch.isfinite(v[:, 1:])
-    return 1.0 + (gap & real).sum(1).to(F64)
+    xp = namespace(x)
+    m = as_float64(mask)[..., None] > 0
+    v = xp.sort(xp.where(m, as_float64(x) / span, math.inf), 1)
+    v = v.values if xp is not np else v
+    with np.errstate(invalid="ignore"):  # inf − inf beyond the real rows: not counted
+        gap = (v[:, 1:] - v[:, :-1]) > tol
+    real = xp.isfinite(v[:, 1:])
+    return 1.0 + as_float64((gap & real).sum(1))
 
 
-def design_reason(model: Discrepancy, x: Tensor, mask: Tensor, names: list[str]) -> list[str]:
+def design_reason(model: Discrepancy, x: Array, mask: Array, names: list[str]) -> list[str]:
     """Per unit, "" if the references' emulation spans its design, else one line why not.
 
     Spanned: at least ``min_points`` and at most ``max_points`` points (the largest design
     the references emulated: beyond it κ(n) of D3 would be extrapolated), and per input at
     least ``min_levels`` levels spanning at least ``min_span`` of the references' span.
     (A unit of more than 64 points, :data:`MAX_POINTS`, keeps fedprior's own interval: not
-    judged here.)
+    judged here.) ``x``, ``mask``: tensors or NumPy arrays.
     """
-    lo, hi = torch.tensor(model.box_lo, dtype=F64), torch.tensor(model.box_hi, dtype=F64)
-    span = hi - lo
-    n = mask.to(F64).sum(1)
+    x, mask = np.asarray(as_float64(x)), np.asarray(as_float64(mask))
+    span = np.asarray(model.box_hi, dtype=np.float64) - np.asarray(model.box_lo, dtype=np.float64)
+    n = mask.sum(1)
     lev = levels(x, mask, model.level_tol, span)
-    m = mask.to(torch.bool).unsqueeze(-1)
-    width = (
-        torch.where(m, x.to(F64), -math.inf).amax(1) - torch.where(m, x.to(F64), math.inf).amin(1)
-    ) / span
-    out = []
-    for i in range(x.shape[0]):
-        why = ""
-        if n[i] < model.min_points:
-            why = (
-                f"no σ: {int(n[i])} points, fewer than the smallest design the reference "
-                f"units emulated ({model.min_points})"
+    m = mask[..., None] > 0
+    width = (np.where(m, x, -math.inf).max(1) - np.where(m, x, math.inf).min(1)) / span
+    return [_reason(model, n[i], lev[i], width[i], names) for i in range(x.shape[0])]
+
+
+def _reason(model: Discrepancy, n: float, lev: Any, width: Any, names: list[str]) -> str:
+    """One unit's line of :func:`design_reason` ("" if spanned)."""
+    if n < model.min_points:
+        return (
+            f"no σ: {int(n)} points, fewer than the smallest design the reference "
+            f"units emulated ({model.min_points})"
+        )
+    if n > model.max_points:
+        return (
+            f"no σ: {int(n)} points, more than the largest design the reference units "
+            f"emulated ({model.max_points}), so how far its error exceeds the model's "
+            "was not learned"
+        )
+    for j, name in enumerate(names):
+        if lev[j] < model.min_levels[j]:
+            return (
+                f"no σ: the design has {int(lev[j])} level(s) of {name}; the reference "
+                f"units emulated designs of at least {model.min_levels[j]}, so the error "
+                "away from its levels was not learned"
             )
-        elif n[i] > model.max_points:
-            why = (
-                f"no σ: {int(n[i])} points, more than the largest design the reference units "
-                f"emulated ({model.max_points}), so how far its error exceeds the model's "
-                "was not learned"
+        if width[j] < model.min_span[j] - 1e-9:
+            return (
+                f"no σ: the design's {name} spans {100 * float(width[j]):.0f} % of the "
+                f"references' range; they emulated designs spanning at least "
+                f"{100 * model.min_span[j]:.0f} %, so the error far from its points was "
+                "not learned"
             )
-        for j, name in enumerate(names):
-            if why:
-                break
-            if lev[i, j] < model.min_levels[j]:
-                why = (
-                    f"no σ: the design has {int(lev[i, j])} level(s) of {name}; the reference "
-                    f"units emulated designs of at least {model.min_levels[j]}, so the error "
-                    "away from its levels was not learned"
-                )
-            elif width[i, j] < model.min_span[j] - 1e-9:
-                why = (
-                    f"no σ: the design's {name} spans {100 * float(width[i, j]):.0f} % of the "
-                    f"references' range; they emulated designs spanning at least "
-                    f"{100 * model.min_span[j]:.0f} %, so the error far from its points was "
-                    "not learned"
-                )
-        out.append(why)
-    return out
+    return ""
+
+
+def unit_factor(model: Discrepancy, dof: Array, d2: Array) -> Array:
+    """κ(n_i)² s_i² (t/1.96)² per unit (D3–D4): ``dof`` n_i its design's points, ``d2``
+    d_i² (:func:`prior_distance`)."""
+    xp = namespace(dof)
+    s2 = unit_scale(model.nu0, dof, as_float64(d2) / xp.clip(as_float64(dof), 1.0, None))
+    return kappa_at(model, dof) ** 2 * s2 * interval_factor(model.nu0, dof)
+
+
+def deployed_variance(
+    var: Array, noise: Array, beta: Array, amp: Array, q: Array, scale: Array
+) -> Array:
+    """D2–D4's stated variance κ² s_i² (t/1.96)² (β v_c + σ_i² + a² q), ``scale`` the
+    factor of :func:`unit_factor`, v_c = ``var`` − σ_i² (the basis part of the model's own
+    variance ``var``, cut at 0: rounding only)."""
+    xp = namespace(var)
+    return scale * (beta * xp.clip(var - noise, 0.0, None) + noise + amp * q)
+
+
+def deployed_units(
+    n: Array, probe: Array, code: Array, own: Array, weak: Array, rows: int
+) -> Array:
+    """Which units take D2–D4's σ (bool per unit), fedprior's own interval standing
+    wherever it states one (:func:`fedcal.algorithms.fedprior_deployed.deployed`): units of
+    ``n`` points with fedprior's own decline ``own`` or a prior without a probe (``probe``
+    0: reference units only), of a design size the fleet did not learn (fewer points than
+    the probe, or fewer than twice as many under the decline codes 2–3 of ``code``), not
+    weakly identified (``weak``), not declined fleet-wide (code 1), at most ``rows``
+    points."""
+    unprobed = (probe == 0) & (n <= rows)
+    unknown = (n < probe) | unprobed
+    unlearned = unknown | ((n < 2 * probe) & ((code == 2) | (code == 3)))
+    return (own | unprobed) & unlearned & ~weak & (code != 1) & (n <= rows)
+
+
+def expected_scale(nu0: float, scale: Array, amp: Array, mask: Array) -> Array:
+    """The planner's factor with s_i² at its expectation 1 (D4): a design read at the prior
+    mean has d_i² = 0, s_i² = ν₀/(ν₀ + n_i), so :func:`unit_scale` at d² = 0 is divided
+    out of ``scale`` (κ² s_i² (t/1.96)²) for the units whose σ is D2–D4's (``amp`` > 0);
+    ν₀ = ∞: unchanged. ``mask`` (units, rows) the design's rows."""
+    xp = namespace(scale)
+    if math.isinf(nu0):
+        return scale
+    dof = as_float64(mask).sum(-1)
+    at_mean = unit_scale(nu0, dof, xp.zeros_like(dof))
+    scale = as_float64(scale)
+    return xp.where(as_float64(amp) > 0, scale / at_mean, scale)

@@ -477,8 +477,8 @@ def _discrepancy(raw: Any, source: str) -> dict[str, Any] | None:
     if raw is not None and not isinstance(raw, dict):
         raise RunFileError(f"{source}: discrepancy: expected an object")
     if raw is not None:  # validated here (one line naming the field), carried as written
-        # imported here: the discrepancy module's kernels use torch, and a prior without
-        # this part (the chamber default) is read by the torch-free path (issue 37.1)
+        # imported here: only a prior with this part needs it (its formulas serve NumPy
+        # and torch alike: the torch-free path reads it too, issue 37.1)
         from fedcal.prior.discrepancy import Discrepancy
 
         try:

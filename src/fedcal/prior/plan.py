@@ -19,7 +19,9 @@ docstring):
   :data:`QUANTILE_SEED`) and shifted to mean J (:func:`unit_rmse`).
 
 Covered: the priors :func:`fedcal.prior.posterior.unsupported` covers (fedprior and its
-configured variants); the others go through :mod:`fedcal.planning_torch` (``fedcal[neural]``).
+configured variants, a prior's deployment discrepancy model: D2–D4's σ, a new unit's s_i² at
+its expectation 1 as :func:`fedcal.calibration.expected_scale`); the others go through
+:mod:`fedcal.planning_torch` (``fedcal[neural]``).
 Equal to that path within rounding (tests/test_plan_numpy.py).
 """
 
@@ -32,6 +34,8 @@ import numpy as np
 
 from fedcal.data.fleet import Fleet
 from fedcal.prior import posterior, station
+from fedcal.prior.deployment import model_of
+from fedcal.prior.discrepancy import expected_scale
 from fedcal.prior.legendre import legendre_products
 from fedcal.prior.model import PriorModel
 
@@ -155,6 +159,11 @@ class NumpyForecaster:
         mean = posterior.design(prior, x, b) @ base.coef  # readings at the current mean
         ys = np.concatenate([np.broadcast_to(base.y, (c, n0)), mean], 1)
         units = posterior.calibrate_units(prior, xs, ys, mask, bs, noise_var=base.noise_var)
+        if n0 == 0 and units.gp is not None:  # a new unit: the discrepancy model's s_i² at 1
+            nu0 = model_of(prior).nu0
+            gp = units.gp
+            scale = expected_scale(nu0, gp["gp_scale"], gp["gp_amp"], gp["gp_mask"])
+            units = replace(units, gp={**gp, "gp_scale": scale})
         # A declined interval (no σ) is kept aside: J still scores the design with τ².
         declined = np.zeros(c, bool) if units.declined is None else units.declined
         if prior.basis.branch_terms:  # E_y[m_h m_hᵀ + V_hh] = current m_h m_hᵀ + Cov(h)

@@ -25,18 +25,21 @@ to the polynomial is added (:func:`predictive_std`).
 Covered: fedprior and its configured variants (fixed or selected basis, fleet or per-unit
 noise, a direction term with pinned terms, a calibrated or posterior interval). Not covered
 (:func:`unsupported` says which, and ``calibrate`` then takes the torch path): drift, the
-time-respecting choice, noise over the inputs or Student-t rows, and the deployment
-discrepancy model (issue 33). Equal to the torch path within rounding:
-tests/prior/test_posterior.py.
+time-respecting choice, noise over the inputs or Student-t rows. A prior's deployment
+discrepancy model (issue 33) gives new units its σ (D2–D4, :mod:`fedcal.prior.deployment`).
+Equal to the torch path within rounding: tests/prior/test_posterior.py,
+tests/prior/test_torch_free.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from fedcal.data.fleet import Fleet
+from fedcal.prior.deployment import deploy
+from fedcal.prior.discrepancy import deployed_variance, smoother_q
 from fedcal.prior.legendre import legendre_products, linearized_products
 from fedcal.prior.model import PriorModel
 
@@ -60,16 +63,24 @@ def unsupported(prior: PriorModel, timed: bool = False) -> str:
         return "noise over the inputs (noise_shape = inputs)"
     if prior.noise.student is not None or params.get("noise_tail", "gaussian") != "gaussian":
         return "Student-t rows (noise_tail)"
-    if prior.discrepancy is not None and params.get("interval") == "calibrated":
-        return "the deployment discrepancy model (issue 33)"
     return ""
+
+
+def deploys(prior: PriorModel) -> bool:
+    """Whether new units take the prior's deployment discrepancy model (issue 33:
+    :mod:`fedcal.prior.deployment`): a discrepancy model and a calibrated interval."""
+    params = prior.provenance.method_params
+    return prior.discrepancy is not None and params.get("interval") == "calibrated"
 
 
 @dataclass(frozen=True)
 class Units:
     """Each unit's posterior under the prior, scaled units: ``coef`` (c, p), ``cov`` (c, p, p),
     ``noise_var`` σ_i² (c,), ``box`` its support (c, 2, inputs); with a calibrated interval
-    ``disc_var`` τ_i² (c,) and ``declined`` (c,) bool (no σ stated)."""
+    ``disc_var`` τ_i² (c,) and ``declined`` (c,) bool (no σ stated); from a prior's
+    deployment discrepancy model (:mod:`fedcal.prior.deployment`) ``gp`` its ``gp_*``
+    leaves (each (c, ...)) and ``reasons`` per unit why its design gets no σ ("" if it
+    gets one)."""
 
     coef: np.ndarray
     cov: np.ndarray
@@ -79,13 +90,18 @@ class Units:
     branch_terms: tuple[tuple[int, ...], ...] = ()
     disc_var: np.ndarray | None = None
     declined: np.ndarray | None = None
+    gp: dict[str, np.ndarray] | None = None
+    reasons: tuple[str, ...] = ()
 
     def rows(self, start: int, stop: int) -> Units:
         """Units ``start`` … ``stop − 1`` (their arrays sliced; the basis kept)."""
-        return Units(**{
-            k: (v[start:stop] if isinstance(v, np.ndarray) else v)
-            for k, v in self.__dict__.items()
-        })  # fmt: skip
+        out = {
+            k: (v[start:stop] if isinstance(v, np.ndarray) else v) for k, v in self.__dict__.items()
+        }
+        if self.gp is not None:
+            out["gp"] = {k: v[start:stop] for k, v in self.gp.items()}
+        out["reasons"] = self.reasons[start:stop]
+        return Units(**out)
 
 
 def design(prior: PriorModel, x: np.ndarray, branch: np.ndarray | None = None) -> np.ndarray:
@@ -213,7 +229,12 @@ def calibrate_units(
     )
     if prior.interval is None:
         return units
-    return _with_interval(prior, units, x, w, n)
+    units = _with_interval(prior, units, x, w, n)
+    if not deploys(prior):
+        return units
+    weak = weak_units(prior, units.cov, units.noise_var, x, w)
+    gp, disc, declined, why = deploy(prior, units, (x, y * w, w, zed), weak, m)
+    return replace(units, gp=gp, disc_var=disc, declined=declined, reasons=why)
 
 
 def _unit_box(prior: PriorModel, x: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -326,12 +347,24 @@ def predictive_std(units: Units, x: np.ndarray) -> np.ndarray:
     q, s = variance_form(units)
     z = variance_design(units, x)
     var = ((z @ q) * z).sum(-1) + s[:, None]
+    if units.gp is not None:  # the prior's deployment discrepancy model (D2–D4)
+        var = _deployed_var(units, x, var)
     phi, beyond = _guarded(units, x)
     if beyond.any():
         p = len(units.terms)
         gap = ((legendre_products(x, units.terms) - phi) * units.coef[:, None, :p]).sum(-1)
         var = var + np.where(beyond, gap * gap, 0.0)
     return np.sqrt(var)
+
+
+def _deployed_var(units: Units, x: np.ndarray, var: np.ndarray) -> np.ndarray:
+    """D2–D4 at query rows ``x`` (c, rows, d) (:func:`fedcal.prior.discrepancy.deployed_variance`,
+    the torch path's :func:`~fedcal.algorithms.fedprior_deployed.deployed_var`)."""
+    gp = units.gp
+    phi = legendre_products(x, units.terms)
+    q = smoother_q(x, phi, gp["gp_x"], gp["gp_mask"], gp["gp_a"], gp["gp_len"][:, None, :])
+    col = [a.reshape(-1, 1) for a in (units.noise_var, gp["gp_beta"], gp["gp_amp"], gp["gp_scale"])]
+    return deployed_variance(var, *col[:3], q, col[3])
 
 
 Z95 = 1.959964  # = FedPrior.interval_halfwidth's Gaussian 95 % point (tested equal)

@@ -22,7 +22,9 @@ from fedcal.prior.model import PriorModel
 
 @dataclass(frozen=True)
 class Station:
-    """The units (``ids`` in the fleet's order), their posteriors and their QA columns."""
+    """The units (``ids`` in the fleet's order), their posteriors and their QA columns
+    (from a prior's deployment discrepancy model, ``units.reasons``: per unit why its design
+    gets no σ, "" if it gets one)."""
 
     ids: tuple[str, ...]
     units: posterior.Units

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedcal.prior.deployment import GP_LEAVES
+
 BYTES = 8  # every stored number of this block is a double
 
 
@@ -75,39 +77,51 @@ class DeployedSigma:
         return BYTES * (t * (t + 1) // 2 + 1 + f + k * f + k * t) + 1
 
 
-def deployed_sigma(alg, params: dict, q, s) -> DeployedSigma | None:
+def deployed_sigma(params: dict, q, s) -> DeployedSigma | None:
     """The block of the units whose σ is the discrepancy model's (``gp_amp`` > 0 and a
-    stated σ), from the stacked float64 ``params`` and the (Q, s) of ``variance_form``;
-    None when no unit has one."""
+    stated σ), from the stacked float64 ``params`` and the (Q, s) of ``variance_form``
+    (tensors, or NumPy arrays: :mod:`fedcal.report.served`); None when no unit has one."""
     if "gp_amp" not in params:
         return None
-    s = s.numpy()
-    amp = params["gp_amp"].numpy()
+    params = {k: np.asarray(params[k]) for k in (*GP_LEAVES, "noise_var")}
+    q, s = np.asarray(q), np.asarray(s)
+    amp = params["gp_amp"]
     which = np.flatnonzero((amp > 0) & np.isfinite(s))
     if len(which) == 0:
         return None
     rows = np.full(len(amp), -1)
     rows[which] = np.arange(len(which))
-    mask = params["gp_mask"].numpy() > 0
+    mask = params["gp_mask"] > 0
     count = mask.sum(1)[which]
     k, p, t = int(count.max()), params["gp_a"].shape[-1], q.shape[-1]
     f = params["gp_x"].shape[-1]
     quad, const = np.zeros((len(which), t, t)), np.zeros(len(which))
     points, cross = np.zeros((len(which), k, f)), np.zeros((len(which), k, t))
-    lengths = params["gp_len"].numpy()[which]
+    lengths = params["gp_len"][which]
     for g, i in enumerate(which):
         c, beta, a2 = (float(params[n][i]) for n in ("gp_scale", "gp_beta", "gp_amp"))
         noise = float(params["noise_var"].reshape(-1)[i])
-        xd = params["gp_x"].numpy()[i][mask[i]]
-        a = params["gp_a"].numpy()[i][mask[i]]  # (K_i, p)
+        xd = params["gp_x"][i][mask[i]]
+        a = params["gp_a"][i][mask[i]]  # (K_i, p)
         d = (xd[:, None, :] - xd[None, :, :]) / lengths[g]
         k_dd = np.exp(-0.5 * (d * d).sum(-1))
-        quad[g] = c * beta * q[i].numpy()
+        quad[g] = c * beta * q[i]
         quad[g, :p, :p] += c * a2 * (a.T @ k_dd @ a)
         const[g] = c * (beta * (s[i] - noise) + noise + a2)
         points[g, : count[g]] = xd
         cross[g, : count[g], :p] = 2.0 * c * a2 * a
     return DeployedSigma(rows, quad, const, lengths, points, cross, count)
+
+
+def carried(params: dict, q, s) -> tuple[np.ndarray, np.ndarray, DeployedSigma | None]:
+    """(Q, s, block) for the export: the units whose σ is the discrepancy model's are
+    carried whole by :func:`deployed_sigma`'s block, so their basis factor is 0."""
+    deployed = deployed_sigma(params, q, s)
+    q, s = np.asarray(q), np.asarray(s)
+    if deployed is not None:
+        gp = deployed.rows >= 0
+        q, s = np.where(gp[:, None, None], 0.0, q), np.where(gp, 0.0, s)
+    return q, s, deployed
 
 
 def _lit(v: float) -> str:

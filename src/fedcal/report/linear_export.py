@@ -48,7 +48,7 @@ import numpy as np
 
 from fedcal.models.families import LEGENDRE, basis_family
 from fedcal.prior import posterior
-from fedcal.report.gp_export import JSON_FORMULA, DeployedSigma, deployed_sigma, json_unit
+from fedcal.report.gp_export import JSON_FORMULA, DeployedSigma, carried, json_unit
 
 # C types of the stages, each overridable with -D at compile time (for the precision study).
 STAGES = {
@@ -198,7 +198,9 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
         coef = np.zeros_like(units.coef)
         coef[:, :p] = units.coef[:, :p]  # the branch average: h does not enter ŷ
         q, add_var = posterior.variance_form(units)
-        parts = (LEGENDRE.name, [*fleet.terms, *fleet.branch_terms], coef, q, add_var, None)
+        gp = {} if units.gp is None else {**units.gp, "noise_var": units.noise_var}
+        q, add_var, deployed = carried(gp, q, add_var)  # issue 33: prior/deployment.py
+        parts = (LEGENDRE.name, [*fleet.terms, *fleet.branch_terms], coef, q, add_var, deployed)
         return _form(method, sensors, *parts, units.box[:, 0], units.box[:, 1])
     import torch
 
@@ -220,11 +222,7 @@ def linear_form(fleet, method: str = "") -> LinearForm | None:
         coef = np.zeros((len(sensors), len(terms)))
         coef[:, :p] = params["coef"][:, :p].numpy()  # the branch average: h does not enter ŷ
         q, s = alg.variance_form(params)
-        deployed = deployed_sigma(alg, params, q, s)  # the discrepancy model's σ (issue 33)
-        q, add_var = q.numpy(), s.numpy()
-        if deployed is not None:  # carried whole by that block: the basis factor is 0
-            gp = deployed.rows >= 0
-            q, add_var = np.where(gp[:, None, None], 0.0, q), np.where(gp, 0.0, add_var)
+        q, add_var, deployed = carried(params, q, s)  # the discrepancy model's σ (issue 33)
         if "box" in params:  # the guard's box (scaled inputs); a model saved before: none
             box_lo, box_hi = params["box"][:, 0].numpy(), params["box"][:, 1].numpy()
     elif isinstance(alg, PolynomialCalibration):

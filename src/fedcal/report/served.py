@@ -16,7 +16,7 @@ serving code, two evaluations, :meth:`~fedcal.report.fleet.CalibratedFleet.evalu
 half-width 1.96 σ, or with a direction term the sweep mixture's
 (:func:`fedcal.prior.posterior.interval_halfwidth`).
 Equal to the torch path within rounding (tests/prior/test_torch_free.py). A model this path
-does not cover (another method; drift, the deployment discrepancy model, …: parameters
+does not cover (another method; drift, noise over the inputs, …: parameters
 beyond :data:`COVERED`, or :func:`fedcal.prior.posterior.unsupported`) raises
 :class:`NeedsTorch`, which the command line turns into its one-line "needs torch" error.
 :func:`torch_available` says which path :func:`fedcal.report.export.load_models` takes (the
@@ -37,11 +37,12 @@ from fedcal.core.paths import read_json
 from fedcal.core.runfiles import check_model_meta, check_model_params
 from fedcal.data.scaling import Scaler
 from fedcal.prior import posterior
+from fedcal.prior.deployment import GP_LEAVES
 from fedcal.prior.model import PriorModel
 from fedcal.report.fleet import CalibratedFleet
 from fedcal.report.sensors import check_method, served_sensors
 
-COVERED = frozenset({"coef", "cov", "noise_var", "box", "disc_var", "declined"})
+COVERED = frozenset({"coef", "cov", "noise_var", "box", "disc_var", "declined", *GP_LEAVES})
 
 
 class NeedsTorch(ImportError):
@@ -72,9 +73,10 @@ class StationFleet(CalibratedFleet):
         """The sensors' posteriors as :class:`fedcal.prior.posterior.Units` (scaled)."""
         p = {k: np.stack([self.params[s][k] for s in sensors]) for k in self.params[sensors[0]]}
         declined = p.get("declined")
+        gp = {k: p[k] for k in GP_LEAVES} if "gp_x" in p else None  # prior/deployment.py
         return posterior.Units(
             p["coef"], p["cov"], p["noise_var"], p["box"], self.terms, self.branch_terms,
-            p.get("disc_var"), None if declined is None else declined > 0,
+            p.get("disc_var"), None if declined is None else declined > 0, gp,
         )  # fmt: skip
 
     def evaluate(self, sensor: str, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
