@@ -71,3 +71,28 @@ def test_inference_tensors_are_formed_each_time():
     with reused_designs():
         a, b = legendre_products(x, TERMS), legendre_products(x, TERMS)
     assert a is not b and torch.equal(a, b)
+
+
+def test_products_equal_the_product_started_from_one_to_the_bit():
+    """φ_k = Π_j p_{a_kj}(x_j) formed from its first factor equals 1·p·p… (the former form)
+    bit for bit, −0, ∞ and NaN readings included, for a tensor and a NumPy array."""
+    terms = [(0, 0), (1, 0), (0, 1), (2, 1), (4, 3), (0, 4)]
+    x = torch.randn(5, 7, 2, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    x[0, 0] = torch.tensor([-0.0, float("nan")])
+    x[0, 1] = torch.tensor([float("inf"), 0.0])
+    for arr, xp, as_int in ((x, torch, torch.int64), (x.numpy(), np, np.int64)):
+        want, got = _both_forms(arr, xp, terms)
+        assert (got.view(as_int) == want.view(as_int)).all()
+
+
+def _both_forms(arr, xp, terms):
+    """(the former 1·p·p… form, ``products``) of ``arr`` (NaN readings: no warnings)."""
+    with np.errstate(invalid="ignore"):
+        values = [families.LEGENDRE.values(arr[..., j], 4) for j in range(2)]
+        cols = []
+        for term in terms:
+            col = xp.ones_like(arr[..., 0])
+            for j, a in enumerate(term):
+                col = col * values[j][a] if a else col
+            cols.append(col)
+        return xp.stack(cols, -1), families.LEGENDRE.products(arr, terms)

@@ -171,10 +171,12 @@ class BasisFamily:
         values = [self.values(x[..., j], tops[j]) for j in range(x.shape[-1])]
         cols = []
         for term in exponents:
-            col = xp.ones_like(x[..., 0])
-            for j, a in enumerate(term):
-                if a:
-                    col = col * values[j][a]
+            # Π over the inputs with a nonzero order, from the first factor itself (1·v is v
+            # to the bit: no array of ones and no product with it); none: the constant 1
+            factors = [values[j][a] for j, a in enumerate(term) if a]
+            col = factors[0] if factors else xp.ones_like(x[..., 0])
+            for factor in factors[1:]:
+                col = col * factor
             cols.append(col)
         return xp.stack(cols, axis=-1)
 
