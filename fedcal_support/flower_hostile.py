@@ -153,7 +153,10 @@ def with_arrays(reply: RecordDict, arrays: Mapping[str, np.ndarray]) -> RecordDi
     from flwr.app import Array, ArrayRecord, RecordDict
 
     out = RecordDict({k: v for k, v in reply.items() if k != "reply"})
-    out["reply"] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+    # contiguous, and of the shape given (np.ascontiguousarray alone makes a 0-d leaf 1-d)
+    out["reply"] = ArrayRecord(
+        {k: Array(np.ascontiguousarray(v).reshape(np.shape(v))) for k, v in arrays.items()}
+    )
     return out
 
 

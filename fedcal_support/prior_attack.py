@@ -3,8 +3,9 @@
 A site that scales every statistic of its fedprior upload by a factor — the posterior
 means, second moments, GLS terms, RSS, every candidate's, the interval's sums — but not its
 row count ``n`` and Gram (a count check alone would catch those), in the simulator
-(:class:`ScaledSites`) or on a Flower reply (:func:`scale_arrays`); and a unit whose training
-targets are flipped (:func:`flipped`).
+(:class:`ScaledSites`) or on a Flower reply (:func:`scale_arrays`, and as a tamper hook of
+the in-process Flower transport: :func:`scaling_site`); and a unit whose training targets
+are flipped (:func:`flipped`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,20 @@ def scale_arrays(arrays: dict[str, np.ndarray], factor: float) -> dict[str, np.n
         k: v if k in NOT_SCALED or not np.issubdtype(v.dtype, np.floating) else v * factor
         for k, v in arrays.items()
     }
+
+
+def scaling_site(attacker: int, factor: float):
+    """A tamper hook (:class:`~fedcal_support.flower_hostile.InProcess`): client
+    ``attacker``'s fedprior upload scaled by ``factor`` (:func:`scale_arrays`), every other
+    message as sent."""
+    from fedcal_support.flower_hostile import arrays, with_arrays
+
+    def hostile(t, i, part):
+        if i != attacker or "reply" not in part:
+            return part
+        return with_arrays(part, scale_arrays(arrays(part), factor))
+
+    return hostile
 
 
 def flipped(fleet, unit: str):

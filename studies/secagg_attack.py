@@ -32,7 +32,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 
@@ -42,23 +41,8 @@ from fedcal.apps.flower_server import federation
 from fedcal.config import default_config
 from fedcal.data.simulator import FleetSpec, simulate_fleet
 from fedcal.engine.flower.secagg import SecureAggregation
-from fedcal_support.flower_hostile import arrays, node_cfgs, run_in_process
-from fedcal_support.prior_attack import flipped, scale_arrays
-
-
-def scaling(attacker: int, factor: float):
-    """A tamper hook: sensor ``attacker``'s statistics scaled by ``factor``."""
-    from flwr.app import Array, ArrayRecord, RecordDict
-
-    def hostile(t, i, part):
-        if i != attacker or "reply" not in part:
-            return part
-        out = RecordDict({k: v for k, v in part.items() if k != "reply"})
-        scaled = scale_arrays(arrays(part), factor)
-        out["reply"] = ArrayRecord({k: Array(np.asarray(v)) for k, v in scaled.items()})
-        return out
-
-    return hostile
+from fedcal_support.flower_hostile import node_cfgs, run_in_process
+from fedcal_support.prior_attack import flipped, scaling_site
 
 
 def run(config, method, fleet, tamper, secure, root: Path) -> tuple[pd.DataFrame, list, str]:
@@ -117,7 +101,7 @@ def main() -> None:
                 if case == "flip":
                     data = flipped(fleet, fleet.client_ids[args.attacker])
                 elif case != "clean":
-                    tamper = scaling(args.attacker, float(case[1:]))
+                    tamper = scaling_site(args.attacker, float(case[1:]))
                 with tempfile.TemporaryDirectory() as tmp:
                     final, left, failed = run(config, args.method, data, tamper, secure, Path(tmp))
                 row = {"seed": seed, "mode": mode, "case": case, "failed": failed}

@@ -25,8 +25,8 @@ from fedcal.core.robust import prior_frame
 from fedcal.core.tree import flatten
 from fedcal.engine.flower.secagg import SecureAggregation, group_of
 from fedcal.engine.flower.wire import split_parts, to_numpy
-from fedcal_support.flower_hostile import InProcess, arrays, node_cfgs
-from fedcal_support.prior_attack import flipped, scale_arrays
+from fedcal_support.flower_hostile import InProcess, node_cfgs
+from fedcal_support.prior_attack import flipped, scaling_site
 
 UNITS, GROUPS, ATTACKER, ROUNDS = 12, 4, 3, 3
 
@@ -141,20 +141,6 @@ def test_groups_are_fixed_by_node_ids_and_never_hold_a_single_site() -> None:
         SecureAggregation(groups=1)
 
 
-def _scaling(factor: float):
-    from flwr.app import Array, ArrayRecord, RecordDict
-
-    def hostile(t, i, part):
-        if i != ATTACKER or "reply" not in part:
-            return part
-        out = RecordDict({k: v for k, v in part.items() if k != "reply"})
-        scaled = scale_arrays(arrays(part), factor)
-        out["reply"] = ArrayRecord({k: Array(np.asarray(v)) for k, v in scaled.items()})
-        return out
-
-    return hostile
-
-
 def _run(fleet, root, robust, secure, tamper=None):
     from fedcal.engine.flower.loop import run_federation
 
@@ -187,8 +173,10 @@ def runs(toy, tmp_path_factory):
     return {
         "today": _run(toy, root / "today", "off", SecureAggregation()),
         "clean": _run(toy, root / "clean", "full", grouped),
-        "x1.5": _run(toy, root / "x15", "full", grouped, _scaling(1.5)),
-        "today x1.5": _run(toy, root / "t15", "off", SecureAggregation(), _scaling(1.5)),
+        "x1.5": _run(toy, root / "x15", "full", grouped, scaling_site(ATTACKER, 1.5)),
+        "today x1.5": _run(
+            toy, root / "t15", "off", SecureAggregation(), scaling_site(ATTACKER, 1.5)
+        ),
         "flip": _run(flipped(toy, f"S{ATTACKER:02d}"), root / "flip", "full", grouped),
     }
 

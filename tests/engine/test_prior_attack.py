@@ -17,7 +17,7 @@ from fedcal.apps.flower_server import build, federation
 from fedcal.build import build_policy
 from fedcal.config import EngineSection, RunConfig
 from fedcal.engine.simulation import EngineConfig, prepare, simulate
-from fedcal_support.prior_attack import attacking, flipped, scale_arrays
+from fedcal_support.prior_attack import attacking, flipped, scaling_site
 
 ROUNDS = 6
 UNITS = 12
@@ -90,10 +90,8 @@ def test_a_flower_site_scaling_its_upload_or_flipping_its_unit_is_contained_and_
     its upload by 1.5, 3 or 10, or holds a unit with flipped targets; the honest sensors
     keep their clean errors within 5 % and every round's record names the attacker only."""
     pytest.importorskip("flwr")
-    import numpy as np
-    from flwr.app import Array, ArrayRecord, RecordDict
 
-    from fedcal_support.flower_hostile import arrays, node_cfgs, run_in_process
+    from fedcal_support.flower_hostile import node_cfgs, run_in_process
 
     rounds = 4
     config = RunConfig(
@@ -101,20 +99,9 @@ def test_a_flower_site_scaling_its_upload_or_flipping_its_unit_is_contained_and_
         method_params=CONFIG.method_params,
     )
 
-    def scaling(factor):
-        def hostile(t, i, part):
-            if i != ATTACKER or "reply" not in part:
-                return part
-            out = RecordDict({k: v for k, v in part.items() if k != "reply"})
-            scaled = scale_arrays(arrays(part), factor)
-            out["reply"] = ArrayRecord({k: Array(np.asarray(v)) for k, v in scaled.items()})
-            return out
-
-        return hostile
-
     fleet = make_fleet(num_clients=8, train=24)
     cases = {"clean": (fleet, None), "flip": (flipped(fleet, f"S{ATTACKER:02d}"), None)}
-    cases |= {f"x{f:g}": (fleet, scaling(f)) for f in (1.5, 3.0, 10.0)}
+    cases |= {f"x{f:g}": (fleet, scaling_site(ATTACKER, f)) for f in (1.5, 3.0, 10.0)}
     runs = {}
     for name, (data, tamper) in cases.items():
         fed = federation(config, "fedprior", seed=0)
