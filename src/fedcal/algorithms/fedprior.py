@@ -246,15 +246,27 @@ class FedPrior(FedPriorSettings):
     @cached_property
     def candidate_ems(self) -> CandidateEMs:
         """Every candidate's EM and the fleet's BIC choice (fedprior_candidates, C1–C4)."""
-        settings = (self.noise, self.noise_prior_points, self.interval, self.branch_pins)
-        return CandidateEMs(self.selection, self.rounds_schedule, *settings)
+        return CandidateEMs(
+            selection=self.selection,
+            schedule=self.rounds_schedule,
+            noise=self.noise,
+            noise_prior_points=self.noise_prior_points,
+            interval=self.interval,
+            pins=self.branch_pins,
+        )
 
     @cached_property
     def prior_status(self) -> PriorStatus:
         """Identification, each unit's status, the exported prior (fedprior_status): the
         contract's ``client_status`` and ``export_state`` (fedprior_choice's) call it."""
-        settings = (self.noise, self.noise_prior_points, self.noise_shape, self.interval)
-        return PriorStatus(self.selection, self.min_informed, *settings)
+        return PriorStatus(
+            selection=self.selection,
+            min_informed=self.min_informed,
+            noise=self.noise,
+            noise_prior_points=self.noise_prior_points,
+            noise_shape=self.noise_shape,
+            interval=self.interval,
+        )
 
     @property
     def candidates(self) -> tuple[dict, ...]:
@@ -297,15 +309,17 @@ class FedPrior(FedPriorSettings):
     @cached_property
     def calibrated(self) -> CalibratedInterval:
         """The calibrated interval, I1–I4 (fedprior_interval)."""
-        settings = (self.interval, self.probe_rows, self.coverage_target, self.own_folds)
         return CalibratedInterval(
-            *settings,
-            self.min_informed,
-            self.noise,
-            self.num_inputs,
-            self.design_basis,
-            self.noise_model,
-            self.selection,
+            interval=self.interval,
+            probe_rows=self.probe_rows,
+            coverage_target=self.coverage_target,
+            own_folds=self.own_folds,
+            min_informed=self.min_informed,
+            noise=self.noise,
+            inputs=self.num_inputs,
+            basis=self.design_basis,
+            noise_model=self.noise_model,
+            selection=self.selection,
         )
 
     @cached_property
@@ -313,19 +327,21 @@ class FedPrior(FedPriorSettings):
         """The time-respecting choice, no harm and the interval after calibration
         (fedprior_choice, fedprior_forward)."""
         forward = ForwardInterval(self.choice_interval, self.terms, self.support_box)
-        settings = (self.choose, self.choice_holdout, self.choice_clip, self.choice_z)
         return TimeChoice(
-            *settings,
-            self.choice_margin,
-            self.choice_sigma,
-            self.implausible,
-            self.noise,
-            self.raw_input,
-            self.raw_map,
-            self.num_inputs,
-            self.design_basis,
-            self.selection,
-            forward,
+            choose=self.choose,
+            holdout=self.choice_holdout,
+            clip=self.choice_clip,
+            z=self.choice_z,
+            margin=self.choice_margin,
+            sigma=self.choice_sigma,
+            implausible=self.implausible,
+            noise=self.noise,
+            raw_input=self.raw_input,
+            raw_map=self.raw_map,
+            inputs=self.num_inputs,
+            basis=self.design_basis,
+            selection=self.selection,
+            forward=forward,
         )
 
     @cached_property

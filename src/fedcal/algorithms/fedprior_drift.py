@@ -179,9 +179,16 @@ class FedPriorDrift(FedPrior):
     @cached_property
     def short(self) -> ShortColocation:
         """Short co-locations, S1–S4 (fedprior_short), with the drift's grid of q."""
-        settings = (self.short_colocation, self.short_emulation, self.drift_holdout)
-        args = (self.drift_test, self.noise, self.design_basis, self.calibrated)
-        return ShortColocation(*settings, *args, DRIFT_GRID)
+        return ShortColocation(
+            mode=self.short_colocation,
+            emulation=self.short_emulation,
+            holdout_share=self.drift_holdout,
+            test=self.drift_test,
+            noise=self.noise,
+            basis=self.design_basis,
+            calibrated=self.calibrated,
+            q_grid=DRIFT_GRID,
+        )
 
     # ---- time (fedprior_short) ----------------------------------------------------------
     _time = staticmethod(unit_times)  # each row's time (0 without a time column)
