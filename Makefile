@@ -5,7 +5,7 @@
 #               seed's method), new and reference units apart; write the HTML report
 #   make test   install (first time) and run the test suite
 # Both install everything (".[all]": core + neural (torch), flower, onnx, studies, dev); a
-# core-only install, without torch (a calibration station: calibrate, predict, export,
+# core-only install, without torch (a calibration station: calibrate, plan, predict, export,
 # certificate, report), is `pip install .` (docs/getting-started.md#install).
 # The seed's protocol instead: .venv/bin/fedcal run --config seed
 # torch's CPU-only build (a smaller download, no CUDA libraries), on a machine with internet:
