@@ -40,7 +40,7 @@ def test_fedprior_drift_s_parts_hold_the_settings_they_name():
     alg = dataclasses.replace(
         alg, short_emulation="span", short_sse_clip=11.0, noise="sensor", drift_score_clip=2.5
     )
-    alg = dataclasses.replace(alg, drift_span_cap=9.0, recalibrate_ratio=3.0, min_informed=2)
+    alg = dataclasses.replace(alg, drift_span_cap=9.0, recalibrate_ratio=3.0, min_informed=3.0)
     walk, short, fleet = alg.drift
     assert (walk.bins, walk.holdout, walk.noise) == (7, 0.3, "sensor")
     assert (walk.features, walk.phi_terms) == (alg.num_features, len(alg.terms))
@@ -50,6 +50,6 @@ def test_fedprior_drift_s_parts_hold_the_settings_they_name():
     assert short.calibrated is alg.calibrated and short is alg.short
     assert (fleet.fit, fleet.prior, fleet.test) == ("evidence", "walk", 5.0)
     assert (fleet.score_clip, fleet.span_cap, fleet.short_sse_clip) == (2.5, 9.0, 11.0)
-    assert (fleet.recalibrate_ratio, fleet.min_informed, fleet.noise) == (3.0, 2, "sensor")
+    assert (fleet.recalibrate_ratio, fleet.min_informed, fleet.noise) == (3.0, 3.0, "sensor")
     assert fleet.selection is alg.selection and fleet.short is short
     assert settings_of(alg)["drift_bins"] == 7
