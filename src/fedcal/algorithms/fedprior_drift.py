@@ -18,8 +18,8 @@ calibration spans, from the sums the server adds) and q ≥ 0 one dimensionless 
 over one mean calibration span a unit drifts by q times the fleet's spread. q is learned by the
 federation from every unit's time-stamped rows. One round is fedprior's ECME round and:
 
-1. **E-step, client i** (``client_update``): fedprior's, on its moments whitened by the
-   walk (:meth:`FedPriorDrift._client_moments`; W1 of
+1. **E-step, client i** (``client_update``): fedprior's (with ``drift_prior = "walk"`` on
+   its moments whitened by the broadcast q, :meth:`FedPriorDrift._client_moments`; W1 of
    :mod:`~fedcal.algorithms.fedprior_drift_walk`: the Kalman smoother's answer in closed
    form, Woodbury over time bins, for every q at once), and for each q_k of
    :data:`~fedcal.algorithms.fedprior_drift_walk.DRIFT_GRID` two scores under the broadcast
@@ -117,7 +117,7 @@ class FedPriorDrift(FedPrior):
     drift_test: Annotated[float, Field(ge=0.0)] = 3.84
     # recalibrate_at: when the unit's mean σ has grown by this factor
     recalibrate_ratio: Annotated[float, Field(gt=1.0)] = 2.0
-    # How q is chosen (module doc, "Choosing q"): "future", by each unit's own last rows held
+    # How q is chosen (module doc, step 2): "future", by each unit's own last rows held
     # out, with the prior, basis and σ² fitted without drift; "evidence", by the fleet's
     # in-sample evidence, the prior fitted under the walk (ECM).
     drift_fit: Literal["future", "evidence"] = "future"
