@@ -208,7 +208,7 @@ def load_fleet_chunks(path: str | Path, **options: Any) -> Iterator[Fleet]:
 
 
 def _row_groups(given: Mapping[str, Any]) -> Iterator[Fleet]:
-    how = checked_assembly(*(given[name] for name in _ASSEMBLY_ARGUMENTS))
+    how = checked_assembly(**{name: given[name] for name in _ASSEMBLY_ARGUMENTS})
     yield from row_group_fleets(given["path"], how, given["physical_bounds"], given["max_bytes"])
 
 
