@@ -462,7 +462,8 @@ class CalibratedUnits:
         from fedcal.core.atomic import write_text
         from fedcal.report.export import to_c_header
 
-        write_text(Path(path), to_c_header(self.models, valid_range=self.valid_range))
+        header = to_c_header(self.models, valid_range=self.valid_range, method=self.prior.method)
+        write_text(Path(path), header)
         return Path(path)
 
     def to_onnx(self, out: str | Path) -> list[Path]:

@@ -44,6 +44,8 @@ def calibrate(prior: PriorModel, fleet: Fleet, source: str = "data") -> Result:
 
     why = posterior.unsupported(prior, timed=fleet.row_times("train") is not None)
     if not why:
+        if torch_available():
+            check_settings(prior)
         return calibrate_fleet(prior, fleet, source)
     if not torch_available():
         raise NeedsTorch(f"{source}: {why}")
@@ -53,6 +55,16 @@ def calibrate(prior: PriorModel, fleet: Fleet, source: str = "data") -> Result:
 
     torch.set_num_threads(1)
     return calibration.calibrate(prior, fleet, source)
+
+
+def check_settings(prior: PriorModel) -> None:
+    """The prior's recorded method settings against the configuration's schema, as FedPrior's
+    path checks them (a ConfigError naming prior.json and the setting). The schema
+    (:mod:`fedcal.config`) imports torch, so only where torch is installed; without it a
+    setting the NumPy path does not read is not checked."""
+    from fedcal.config import from_dict
+
+    from_dict({"methods": {prior.method: calibrate_dir.fixed_params(prior)}}, "prior.json")
 
 
 def sensor_ids(result: Result) -> list[str]:
