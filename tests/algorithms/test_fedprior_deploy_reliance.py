@@ -110,8 +110,9 @@ def test_the_numpy_and_torch_paths_decline_alike(fitted):
     from fedcal.calibration import calibrate
     from fedcal.data.loader import load_fleet
     from fedcal.prior import posterior
+    from fedcal.prior.calibrate_dir import declined_note
 
-    _, prior, new = fitted
+    lhs, prior, new = fitted
     model = prior.model_
     fleet = load_fleet(
         new,
@@ -127,3 +128,7 @@ def test_the_numpy_and_torch_paths_decline_alike(fitted):
     assert tuple(numpy_path.reasons) == torch_path.reasons
     declined = torch_path.personal["declined"].numpy() > 0
     assert (np.asarray(numpy_path.declined) == declined).all()
+    # calibrate's one-line note (its console table and summary.csv) carries D6's reason
+    note = declined_note(model, numpy_path.declined, numpy_path.reasons)
+    assert note.startswith("no σ: the design leaves the prior ") if lhs else note == ""
+    assert "\n" not in note
