@@ -38,6 +38,7 @@ D6. **How much the design leaves to the prior** (:func:`reliance_reason`). A des
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from statistics import NormalDist
 from typing import TYPE_CHECKING, Any
 
@@ -59,8 +60,10 @@ RELIANCE_POINTS = 256  # D6: Halton points of the references' box for M
 PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53)
 
 
+@lru_cache(maxsize=8)
 def halton(count: int, dims: int) -> np.ndarray:
-    """The first ``count`` points (from the second) of the Halton sequence in [0, 1]^dims."""
+    """The first ``count`` points (from the second) of the Halton sequence in [0, 1]^dims
+    (read-only: cached, the planner forms many designs' σ against one box)."""
     if dims > len(PRIMES):
         raise ValueError(f"halton: at most {len(PRIMES)} inputs, got {dims}")
     out = np.zeros((count, dims))
@@ -72,6 +75,7 @@ def halton(count: int, dims: int) -> np.ndarray:
                 v += f * (k % base)
                 k //= base
             out[i, j] = v
+    out.flags.writeable = False
     return out
 
 
