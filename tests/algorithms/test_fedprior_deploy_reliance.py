@@ -94,8 +94,10 @@ def test_a_plateau_design_is_declined_where_the_references_have_no_plateaus(fitt
     lhs, prior, new = fitted
     doc = prior.model_.discrepancy
     assert np.isfinite(doc["max_reliance"]) and doc["max_reliance"] > 0
-    result = prior.calibrate(new).result
-    why = dict(zip(result.tensors.client_ids, result.reasons, strict=True))
+    from fedcal.calibrated import sensor_ids
+
+    units = prior.calibrate(new)
+    why = dict(zip(sensor_ids(units.result), units.reasons, strict=True))
     small = [w for k, w in why.items() if k.startswith("3x2")]
     large = [w for k, w in why.items() if k.startswith("6x4")]
     assert len(small) == len(large) == 3
