@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fedcal.algorithms.fedprior_accel import accelerated, unchecked_reverted
 from fedcal.algorithms.fedprior_interval_parts import span_positions
 from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData
@@ -86,12 +87,18 @@ class RoundSchedule:
     converge_tol: float
     candidates: bool  # select = "bic" with select_by = "candidates"
     select_units: int = 0  # R1: the candidates' sample of about this many units (0: every unit)
+    accelerate: str = "off"  # "squarem": the one EM's extrapolation (fedprior_accel, A1–A4)
+    floor: float = 1e-12  # Σ's eigenvalue floor (the M-step's), for the extrapolated Σ
 
     @property
     def active(self) -> bool:
         """Whether the server keeps the schedule's bookkeeping (any of R1–R3 on)."""
         return bool(
-            self.select_patience or self.holdout == "final" or self.converge_tol or self.sampling
+            self.select_patience
+            or self.holdout == "final"
+            or self.converge_tol
+            or self.sampling
+            or self.accelerate != "off"
         )
 
     @property
@@ -145,17 +152,22 @@ class RoundSchedule:
             out["holdout_now"] = torch.tensor(1.0, dtype=F64)
         if self.sampling and "cand_rate" in server and units > 0:
             out["cand_rate"] = torch.tensor(min(1.0, self.select_units / units), dtype=F64)
+        if self.accelerate != "off" and (t == rounds - 1 or float(out.get("holdout_now", 0.0)) > 0):
+            out = unchecked_reverted(out)  # A4: the last round at a plain EM iterate
         return out
 
     def finished(self, server: Tree) -> bool:
         """Whether the run is done (R3): the round after convergence held out."""
         return float(server.get("finished", 0.0)) > 0
 
-    def after(self, old: Tree, new: Tree, units: Tensor) -> Tree:
+    def after(self, old: Tree, new: Tree, units: Tensor, loglik: Tensor | None = None) -> Tree:
         """The bookkeeping after a server update ``old`` → ``new`` (R1's freeze and sample
-        rate from the ``units`` of this round, R3's test)."""
+        rate from the ``units`` of this round, R3's test); with ``loglik`` (Σ_i ℓ_i of the
+        broadcast, the one EM's round) and ``accelerate``, SQUAREM's step (fedprior_accel)."""
         if not self.active:
             return new
+        if self.accelerate != "off" and loglik is not None and "cand" not in new:
+            new = accelerated(old, new, loglik, self.floor)
         out = dict(new)
         cand = "cand" in new
         if cand and self.sampling:  # R1: about select_units units draw the candidates
