@@ -67,7 +67,8 @@ def _line(tag: str, f: dict, ref: dict) -> str:
         f"{tag:>14} rounds {f['rounds']:3d}  σ² {rel(f['s2'], ref['s2']):+.2e}  "
         f"τ² {rel(f['tau2'], ref['tau2']):+.2e} ({f['tau2']:.3e})  ℓ {f['ll'] - ref['ll']:+9.2f}  "
         f"new RMSE {rel(f['rmse_new'], ref['rmse_new']):+.2e} worst "
-        f"{rel(f['worst_new'], ref['worst_new']):+.2e}  coverage {f['cover_new'] - ref['cover_new']:+.4f}"
+        f"{rel(f['worst_new'], ref['worst_new']):+.2e}  "
+        f"coverage {f['cover_new'] - ref['cover_new']:+.4f}"
         f"  unit max {unit:.2e}"
     )
 
