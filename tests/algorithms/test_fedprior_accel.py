@@ -124,18 +124,25 @@ def test_the_fallback_by_hand():
 
 
 def test_the_last_round_starts_from_a_plain_iterate():
-    """A4: before the engine's last round an unchecked θ' is replaced by θ2."""
+    """A4: the update of the round before the engine's last one does not extrapolate (the
+    flag its ``before`` set): the last round broadcasts θ2 = F(θ1)."""
     schedule = RoundSchedule(0, "final", 0.0, False, accelerate="squarem")
-    theta = {"mu": torch.zeros(2, dtype=F64), "sigma": torch.eye(2, dtype=F64)}
-    theta["noise_var"] = torch.tensor(1.0, dtype=F64)
-    back = {k: v + 1 for k, v in theta.items()}
-    server = {**schedule.init(), **theta, "accel_phase": torch.tensor(2.0, dtype=F64)}
-    server.update(accel_back=back, accel_ll=torch.tensor(0.0, dtype=F64))
-    middle = schedule.before(server, 3, 10, 5)
-    assert torch.equal(middle["mu"], theta["mu"])  # not the last round: θ' goes out
-    last = schedule.before(server, 9, 10, 5)
-    assert all(torch.equal(last[k], back[k]) for k in KEYS)
-    assert float(last["accel_phase"]) == 0.0 and float(last["holdout_now"]) == 1.0
+    theta0 = {"mu": torch.zeros(2, dtype=F64), "sigma": torch.eye(2, dtype=F64)}
+    theta0["noise_var"] = torch.tensor(1.0, dtype=F64)
+    theta1 = {k: 0.5 * v for k, v in theta0.items()}
+    theta1["mu"] = torch.tensor([1.0, 1.0], dtype=F64)
+    theta2 = {k: 0.5 * v for k, v in theta1.items()}
+    theta2["mu"] = torch.tensor([1.5, 1.5], dtype=F64)
+    server = {**schedule.init(), **theta1, "accel_phase": torch.tensor(1.0, dtype=F64)}
+    server.update(accel_from=theta0, accel_ll=torch.tensor(0.0, dtype=F64))
+    server["accel_step"] = torch.tensor(4.0, dtype=F64)
+    ll, n = torch.tensor(1.0, dtype=F64), torch.tensor(5.0, dtype=F64)
+    middle = schedule.after(schedule.before(server, 3, 10, 5), dict(theta2), n, ll)
+    assert float(middle["accel_phase"]) == 2.0  # extrapolated: μ beyond θ2 (toward 2)
+    assert float(middle["mu"][0]) > 1.5
+    last = schedule.after(schedule.before(server, 8, 10, 5), dict(theta2), n, ll)
+    assert all(torch.equal(last[k], theta2[k]) for k in KEYS)
+    assert float(last["accel_phase"]) == 0.0
 
 
 def test_off_by_default_and_no_extra_upload(fleet):

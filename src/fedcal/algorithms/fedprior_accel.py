@@ -26,8 +26,11 @@ A3. **Rounds.** A cycle is two rounds: the round that broadcasts θ0 returns F(�
     iterate, and α_max to 1. So the likelihood of the kept iterates never decreases below a
     plain EM step's starting point, and a rejected extrapolation costs one round.
 A4. **The last round** (and the round that holds out after convergence, R2/R3 of
-    :mod:`~fedcal.algorithms.fedprior_rounds`) never starts from an unchecked θ': it
-    broadcasts θ2 instead, so the model and τ² are learned at a plain EM iterate.
+    :mod:`~fedcal.algorithms.fedprior_rounds`) never starts from an unchecked θ': the round
+    before it broadcasts θ2 instead (decided in that round's update, from the flag its
+    ``before`` set, so that Flower's evaluation, sent with the next round's message, reads
+    the same server as the simulator's), and the model and τ² are learned at a plain EM
+    iterate.
 
 The server's bookkeeping (:data:`ACCEL_KEYS`): the cycle's phase (0: θ0 next, 1: θ1 next,
 2: θ' broadcast), α_max, the reference ℓ, θ0 and the fall-back θ2. Pure functions of the
@@ -43,7 +46,14 @@ from fedcal.core.bayes import F64
 from fedcal.core.tree import Tree
 
 PRIOR = ("mu", "sigma", "noise_var")
-ACCEL_KEYS = ("accel_phase", "accel_step", "accel_ll", "accel_from", "accel_back")
+ACCEL_KEYS = (
+    "accel_phase",
+    "accel_step",
+    "accel_ll",
+    "accel_from",
+    "accel_back",
+    "accel_last_next",
+)
 GROWTH = 4.0  # α_max's growth when α reaches it (SQUAREM's default "mstep")
 
 
@@ -124,13 +134,9 @@ def _book(
 
 
 def unchecked_reverted(server: Tree) -> Tree:
-    """A4: the server before a last (or holding-out) round, θ' replaced by the plain θ2."""
+    """A4: the server after the round before a last (or holding-out) one, an unchecked θ'
+    replaced by the plain θ2."""
     if int(server.get("accel_phase", torch.tensor(0.0))) != 2:
         return server
     out = {**server, **server["accel_back"]}
     return _book(out, 0, 1.0, server["accel_ll"], None, None)
-
-
-def restart(server: Tree) -> Tree:
-    """The server without the bookkeeping (the choice not yet frozen: no cycle runs)."""
-    return {k: v for k, v in server.items() if k not in ACCEL_KEYS}

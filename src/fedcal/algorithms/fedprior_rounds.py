@@ -152,8 +152,8 @@ class RoundSchedule:
             out["holdout_now"] = torch.tensor(1.0, dtype=F64)
         if self.sampling and "cand_rate" in server and units > 0:
             out["cand_rate"] = torch.tensor(min(1.0, self.select_units / units), dtype=F64)
-        if self.accelerate != "off" and (t == rounds - 1 or float(out.get("holdout_now", 0.0)) > 0):
-            out = unchecked_reverted(out)  # A4: the last round at a plain EM iterate
+        if self.accelerate != "off":  # A4: no extrapolation into the engine's last round
+            out["accel_last_next"] = tensor_flag(t == rounds - 2)
         return out
 
     def finished(self, server: Tree) -> bool:
@@ -168,6 +168,8 @@ class RoundSchedule:
             return new
         if self.accelerate != "off" and loglik is not None and "cand" not in new:
             new = accelerated(old, new, loglik, self.floor)
+            if float(old.get("accel_last_next", 0.0)) > 0:  # A4: the last round's θ is plain
+                new = unchecked_reverted(new)
         out = dict(new)
         cand = "cand" in new
         if cand and self.sampling:  # R1: about select_units units draw the candidates
@@ -190,7 +192,7 @@ class RoundSchedule:
         # (once converged every round holds out: an engine that does not stop still ends
         # on a round that held out against its prior)
         out["holdout_now"] = tensor_flag(converged)
-        return out
+        return unchecked_reverted(out) if converged else out  # A4 (fedprior_accel)
 
 
 def unit_draw(values: Tensor) -> Tensor:
