@@ -284,7 +284,14 @@ def _split_rounds(rounds: list[tuple[float, float, str]]) -> dict:
             out[f"{label}_round_s"] = sum(w for w, _ in part) / len(part)
             out[f"{label}_round_cpu_s"] = sum(c for _, c in part) / len(part)
             out[f"{label}_round_max_s"] = max(w for w, _ in part)
+            # which round was the slowest (0 = the first), its CPU seconds (issue 36.1)
+            slow = max(range(len(rounds)), key=lambda i: (rounds[i][2] == label, rounds[i][0]))
+            out[f"{label}_round_max_index"] = slow
+            out[f"{label}_round_max_cpu_s"] = rounds[slow][1]
     out["all_rounds_s"] = sum(w for w, _, _ in rounds)
+    # every round's wall and CPU seconds in order (the slowest named, not only timed)
+    out["rounds_wall_s"] = [round(w, 2) for w, _, _ in rounds]
+    out["rounds_cpu_s"] = [round(c, 2) for _, c, _ in rounds]
     return out
 
 
