@@ -2,8 +2,8 @@
 
 Tolerances. On a planted fleet whose EM converges linearly (10 units of 8 points, a
 bilinear basis) plain EM's iterates settle at ~1e-12 relative of their 400-round limit (the
-E-step's rounding: measured 5e-13–3e-12 from round 40 on); 1e-9 is 300× that and 1e4 below
-the distance either method still has after 10 rounds (~1e-2), so it separates "reached the
+E-step's rounding: measured 5e-13–3e-12 from round 40 on); 1e-9 is 300× that and 1e6 below
+the distance either method still has after 10 rounds (3e-3–3e-2), so it separates "reached the
 fixed point" from "on the way". The extrapolation of a geometric sequence is exact in exact
 arithmetic (SqS3 with α = −1/(1 − ρ)); here through a matrix log/exp of Σ, hence 1e-12.
 """
@@ -63,13 +63,13 @@ def test_squarem_reaches_the_plain_em_fixed_point_sooner(fleet):
     _, accel = _run(fast, train, 60)
     assert _dist(accel[-1][1], limit) <= 1e-9  # the same fixed point
     assert _dist(plain[-1][1], limit) <= 1e-9
-    # on the way: after 20 rounds SQUAREM is much nearer (measured 7e-7 against 2.5e-5)
+    # on the way: after 20 rounds SQUAREM is much nearer (measured 5.5e-8 against 2.5e-5)
     assert _dist(accel[19][1], limit) < 0.1 * _dist(plain[19][1], limit)
 
 
 def test_a_bad_extrapolation_falls_back_and_kept_likelihood_never_decreases(fleet):
     """A3: a round at θ' whose fleet likelihood is below ℓ(θ1) is undone (θ2 broadcast
-    next, α_max back to 1); the reference likelihood of the kept iterates never decreases."""
+    next, α_max divided by 4); the reference likelihood of the kept iterates never decreases."""
     _, fast, train = fleet
     _, rounds = _run(fast, train, 30)
     rejected = 0
@@ -80,11 +80,12 @@ def test_a_bad_extrapolation_falls_back_and_kept_likelihood_never_decreases(flee
             rejected += 1
             for k in KEYS:
                 assert torch.equal(after[k], before["accel_back"][k])
-            assert int(after["accel_phase"]) == 0 and float(after["accel_step"]) == 1.0
+            assert int(after["accel_phase"]) == 0
+            assert float(after["accel_step"]) == max(1.0, float(before["accel_step"]) / 4)
         else:  # kept: θ' is the next cycle's start and its ℓ the new reference
             assert int(after["accel_phase"]) == 1
             assert float(after["accel_ll"]) == ll >= float(before["accel_ll"])
-    assert rejected >= 1  # measured: round 5 of this fleet (ℓ 30.9 against 37.8)
+    assert rejected >= 1  # measured: round 5 of this fleet (ℓ 31.0 against 37.8)
 
 
 def test_the_extrapolation_of_a_geometric_sequence_is_its_limit():

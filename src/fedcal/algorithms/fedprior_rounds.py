@@ -41,8 +41,10 @@ R3. **Rounds to convergence** (``converge_tol`` = ε > 0). After each M-step the
     36.1"), σ² converges sublinearly (its change per round decays like 1/t, not ρ^t), so no
     rate bound holds after the stop, and on a fleet of 12 campaign + 4 3x2 units the stop at
     ε = 1e-4 (round 11) kept τ² = 0 where the 30-round run learns 1.4e-9 (of the order of
-    σ² itself): the interval of the few-point units changed. Fewer rounds need an accelerated
-    σ² update (not built).
+    σ² itself): the interval of the few-point units changed. SQUAREM on the chosen basis's EM
+    (``accelerate = "squarem"``, :mod:`~fedcal.algorithms.fedprior_accel`, opt-in) reaches the
+    50-round fleet likelihood and σ² in 30–40 rounds, not the few-point units' predictions
+    and τ² (docs/benchmarks.md, session 14): no stop is built on it.
 
 :class:`RoundSchedule` is a part of FedPrior (``rounds_schedule``), declared by those three
 settings; its functions read and write only the server's bookkeeping keys
