@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 #: Batches smaller than this run as one call (a thread's start costs more than it saves).
-MIN_BATCH = 4096
+MIN_BATCH = 512
 
 # One pool per process and size: a forked child does not inherit its parent's threads.
 _POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
