@@ -100,7 +100,7 @@ def safe_cholesky(a: Tensor) -> tuple[Tensor, Tensor]:
     used (0: none; 1: the eigenvalue floor), which the caller reports.
     """
     a = 0.5 * (a + a.transpose(-2, -1))
-    chol, info = on_cores(torch.linalg.cholesky_ex, a)
+    chol, info = torch.linalg.cholesky_ex(a)
     used = torch.zeros(info.shape, dtype=a.dtype)
     if not bool((info != 0).any()):
         return chol, used
@@ -155,7 +155,7 @@ def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Poste
         l_inv = torch.linalg.solve_triangular(one, eye, upper=False).expand(c, p, p)
     else:
         l_inv = torch.linalg.solve_triangular(chol, eye.expand(c, p, p), upper=False)
-    gls_gram = l_inv.transpose(1, 2) @ on_cores(torch.cholesky_solve, b, a_chol) @ l_inv
+    gls_gram = l_inv.transpose(1, 2) @ torch.cholesky_solve(b, a_chol) @ l_inv
     gls_gram = 0.5 * (gls_gram + gls_gram.transpose(1, 2))
     gls_rhs = l_inv.transpose(1, 2) @ z
     # E‖y − Φc‖² = ‖y − Φm‖² + tr(G V)
@@ -221,9 +221,9 @@ def _whitened(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> _Whit
     a_chol, jitter_a = safe_cholesky(a)
     resid_rhs = rhs - (gram @ mu.unsqueeze(-1))[..., 0]  # Φᵀ(y − Φμ)
     g = (chol.transpose(1, 2) @ resid_rhs.unsqueeze(-1)) / s2
-    z = on_cores(torch.cholesky_solve, g, a_chol)
+    z = torch.cholesky_solve(g, a_chol)
     mean = mu + (chol @ z)[..., 0]
-    a_inv = on_cores(torch.cholesky_inverse, a_chol)
+    a_inv = torch.cholesky_inverse(a_chol)
     cov = chol @ a_inv @ chol.transpose(1, 2)
     cov = 0.5 * (cov + cov.transpose(1, 2))
     return _Whitened(chol, b, a_chol, g, z, mean, cov, jitter_sigma, jitter_a)

@@ -182,7 +182,7 @@ def _factors(a: Tensor, shift: Tensor | float) -> Tensor:
     (``cholesky_ex`` info = 0), i.e. λ_min(a) > −shift up to rounding. ``cholesky_ex`` lets
     ±inf through: the caller tests finiteness (:func:`_frobenius`)."""
     shift = torch.as_tensor(shift, dtype=F64).reshape(-1, 1, 1)
-    return on_cores(torch.linalg.cholesky_ex, a + shift * torch.eye(a.shape[-1], dtype=F64))[1] == 0
+    return torch.linalg.cholesky_ex(a + shift * torch.eye(a.shape[-1], dtype=F64)).info == 0
 
 
 def _frobenius(a: Tensor) -> Tensor:
