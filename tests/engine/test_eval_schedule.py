@@ -53,32 +53,38 @@ def judged(result, rounds: int, tolerance: float) -> list[str]:
     return statuses
 
 
+def judged_frame(result, history: pd.DataFrame, rounds: int, tolerance: float) -> list[str]:
+    final = pd.DataFrame(result.final)
+    return sensor_statuses(final, history, [], {}, rounds, "rmse", tolerance)[0]
+
+
 @pytest.fixture(scope="module")
 def fedavg_runs():
-    """FedAvg on 8 units, 7 rounds, every round evaluated and every 3rd (rounds 3, 6, 7)."""
+    """FedAvg on 8 units, 8 rounds, every round evaluated and every 3rd (rounds 3, 6, 7, 8)."""
     from tests.conftest import toy_fleet
 
     tensors = prepare(toy_fleet(num_clients=8, train=[30, 12, 25, 18, 30, 9, 21, 16]))
     alg = REGISTRY["fedavg"](Task(MLP(hidden=(8, 8))), local_epochs=1, batch_size=8)
-    runs = {k: simulate(alg, tensors, EngineConfig(rounds=7, seed=1, eval_every=k)) for k in (1, 3)}
+    runs = {k: simulate(alg, tensors, EngineConfig(rounds=8, seed=1, eval_every=k)) for k in (1, 3)}
     return runs
 
 
 def test_every_third_round_judges_as_every_round(fedavg_runs):
     every, third = fedavg_runs[1], fedavg_runs[3]
-    assert sorted({r["round"] for r in third.history}) == [3, 6, 7]
+    assert sorted({r["round"] for r in third.history}) == [3, 6, 7, 8]
     falling = still_improving(as_frame(every.history), "train_rmse")
     # a tolerance between the units' rates: some flagged, some not (the test can tell)
     tol = float(np.median(list(falling.values())))
-    want = judged(every, 7, tol)
+    want = judged(every, 8, tol)
     assert {"unconverged", "ok"} <= set(want)
-    assert judged(third, 7, tol) == want
+    assert judged(third, 8, tol) == want
     assert still_improving(as_frame(third.history), "train_rmse") == falling
-    # the schedule before (rounds 3, 6 and 7 without 6 being the one before the last: here
-    # rounds 3 and 7 alone stand for it) would have read another pair and judged otherwise
+    # the schedule before (rounds 3, 6 and 8: not the one before the last) read the pair
+    # (6, 8) and judged otherwise
     frame = as_frame(every.history)
-    before = frame[frame["round"].isin([3, 7])]
+    before = frame[frame["round"].isin([3, 6, 8])]
     assert still_improving(before, "train_rmse") != falling
+    assert judged_frame(every, before, 8, tol) != want
 
 
 @pytest.fixture(scope="module")
