@@ -100,7 +100,10 @@ def plan_run(
     methods: Sequence[str],
     train_points: Sequence[int],
 ) -> RunPlan:
-    """The run's checks, before anything is written; δ = 1/N² for N units unless set."""
+    """The run's checks, before anything is written; δ = 1/N² for N units unless set;
+    ``[engine] eval_every = "auto"`` resolved from the fleet's units (the value used is the
+    one config.json records)."""
+    config = with_eval_every(config, fleet.num_clients)
     if isinstance(fleet, FleetOutline) and any(train_points):
         raise ConfigError("train_points need the fleet's frame: load the file whole")
     expand_all = list(methods) == ["all"]
@@ -111,6 +114,19 @@ def plan_run(
     if policy.dp:
         refuse_unprivate_scaling(config, fleet)
     return RunPlan(config, Path(out), methods, train_points, expand_all, variants, policy, privacy)
+
+
+def with_eval_every(config: RunConfig, units: int) -> RunConfig:
+    """``config`` with ``[engine] eval_every`` a number of rounds: "auto" resolved for a fleet
+    of ``units`` (:func:`fedcal.engine.settings.resolve_eval_every`), else unchanged."""
+    from fedcal.config import override
+    from fedcal.engine.settings import resolve_eval_every
+
+    every = config.engine.eval_every
+    if every != "auto":
+        return config
+    resolved = resolve_eval_every(every, units)
+    return override(config, {"engine": {"eval_every": resolved}}, "eval_every")
 
 
 def open_run_directory(plan: RunPlan) -> None:
