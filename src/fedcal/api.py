@@ -465,9 +465,9 @@ class CalibratedUnits:
 
 
 def _prior_config(prior: PriorModel):
-    from fedcal.calibration import _config
+    from fedcal.calibration import prior_config
 
-    return _config(prior)
+    return prior_config(prior)
 
 
 def _loaded_calibration(prior: PriorModel, fleet: Any, models: Any) -> Any:
