@@ -27,7 +27,7 @@ from fedcal.prior.model import PriorModel
 
 
 def coefficient_table(prior: PriorModel, result: Calibration) -> pd.DataFrame:
-    """``coefficients.csv``: per unit its points, noise σ and coefficients (module docstring).
+    """``coefficients.csv``: per unit its points, noise σ and coefficients (the package docstring).
 
     y = Σ_k c_k φ_k(z) in the target's unit, z = (x − x_offset) / x_scale (the prior's
     scaler), φ_k = Π_j P̃_{a_kj}(z_j) with P̃_a = √(2a+1)·P_a; the term '1' carries the offset

@@ -35,7 +35,7 @@ class Calibration:
 
 
 def calibrate(prior: PriorModel, fleet: Fleet, source: str = "data") -> Calibration:
-    """Each unit's posterior under the stored prior (see the module docstring)."""
+    """Each unit's posterior under the stored prior (see the package docstring)."""
     qa.check_columns(prior, fleet, source)  # the station's checks
     check_inputs(prior, fleet, source)
     algorithm = prior_algorithm(prior, source, timed=fleet.row_times("train") is not None)

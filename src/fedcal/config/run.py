@@ -14,16 +14,8 @@ from typing import Any
 from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass
 
+from fedcal.config import sections
 from fedcal.config.files import shipped_recipe
-from fedcal.config.sections import (
-    DataConfig,
-    EngineSection,
-    FleetConfig,
-    ModelConfig,
-    PrivacySection,
-    RunSection,
-    TrainConfig,
-)
 from fedcal.core.aggregation import AggregationRules
 
 
@@ -34,13 +26,13 @@ class RunConfig:
     designs: tuple[str, ...] = ()
     fleet_seeds: tuple[int, ...] = ()
     unconverged_tol: float = 1e-3
-    data: DataConfig = field(default_factory=DataConfig)
-    fleet: FleetConfig = field(default_factory=FleetConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    engine: EngineSection = field(default_factory=EngineSection)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    data: sections.DataConfig = field(default_factory=sections.DataConfig)
+    fleet: sections.FleetConfig = field(default_factory=sections.FleetConfig)
+    model: sections.ModelConfig = field(default_factory=sections.ModelConfig)
+    engine: sections.EngineSection = field(default_factory=sections.EngineSection)
+    train: sections.TrainConfig = field(default_factory=sections.TrainConfig)
     aggregation: AggregationRules = field(default_factory=AggregationRules)
-    privacy: PrivacySection = field(default_factory=PrivacySection)
+    privacy: sections.PrivacySection = field(default_factory=sections.PrivacySection)
     method_params: dict[str, dict[str, Any]] = field(default_factory=dict)
     # [train] keys the user set (file or command line), even to the shipped value: they win
     # over a method's own recipe. Not compared: see recipe_overrides().
@@ -58,15 +50,15 @@ class RunConfig:
 
 
 SECTIONS: dict[str, type] = {
-    "data": DataConfig,
-    "fleet": FleetConfig,
-    "model": ModelConfig,
-    "engine": EngineSection,
-    "train": TrainConfig,
+    "data": sections.DataConfig,
+    "fleet": sections.FleetConfig,
+    "model": sections.ModelConfig,
+    "engine": sections.EngineSection,
+    "train": sections.TrainConfig,
     "aggregation": AggregationRules,
-    "privacy": PrivacySection,
+    "privacy": sections.PrivacySection,
 }
-RUN_KEYS = tuple(f.name for f in fields(RunSection))  # fields of [run]
+RUN_KEYS = tuple(f.name for f in fields(sections.RunSection))  # fields of [run]
 # Keys a run directory's config.json adds to the layout (fedcal.build.run_record).
 RECORD_KEYS = ("resolved", "train_points_sweep", "data_sha256")
 

@@ -67,7 +67,7 @@ def features(
 
 
 def posteriors(plan: Planner, x: np.ndarray, b: np.ndarray, count: np.ndarray, base: Base):
-    """Each design's expected posterior (module doc): ``calibrate``'s posterior of the base
+    """Each design's expected posterior (package doc): ``calibrate``'s posterior of the base
     rows plus the design's rows read at the current mean, h-block of the covariance set to
     the current belief's (:class:`fedcal.prior.plan.Forecast`). ``x`` (C, n, 2), ``b`` (C, n),
     ``count`` (C,)."""
@@ -114,7 +114,7 @@ def expected_variance(
 
 
 def criterion(plan: Planner, designs: list[Design], base: Base | None = None) -> np.ndarray:
-    """J(D) = E_{x∼U(R)} E_y s²(x | D) per design, scaled units² (module doc)."""
+    """J(D) = E_{x∼U(R)} E_y s²(x | D) per design, scaled units² (package doc)."""
     return expected_variance(plan, designs, base) @ plan.weights
 
 
@@ -124,7 +124,7 @@ def evaluate(plan: Planner, design: Design, base: Base | None = None) -> Expecte
     post = posteriors(plan, *pack(plan, [design]), base)
     j = float(post.variance(plan.field)[0] @ plan.weights)
     worst = float(post.variance(plan.grid)[0].max())
-    # Units' MSE: a quadratic form of (e_c, h) ~ N((0, m_h), C), shifted to mean J (module doc).
+    # Units' MSE: a quadratic form of (e_c, h) ~ N((0, m_h), C), shifted to mean J (package doc).
     p = len(plan.prior.basis.terms)
     shift = np.zeros(len(base.coef))
     shift[p:] = base.coef[p:]

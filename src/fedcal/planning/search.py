@@ -38,7 +38,7 @@ def _moves(plan: Planner, d: Design) -> list[Design]:
 
 
 def exchange(plan: Planner, start: Design, base: Base | None = None) -> tuple[Design, float]:
-    """Best-improvement exchange from ``start``; never returns a worse design (module doc)."""
+    """Best-improvement exchange from ``start``; never returns a worse design (package doc)."""
     best, value = start, float(criterion(plan, [start], base)[0])
     for _ in range(MAX_PASSES):
         moves = _moves(plan, best)
@@ -89,7 +89,7 @@ class Plan:
 
 
 def optimize(plan: Planner, plateaus: int, points: int, start: Design | None = None) -> Plan:
-    """The design of K plateaus and N points minimizing J (module doc)."""
+    """The design of K plateaus and N points minimizing J (package doc)."""
     ch = plan.chamber
     if plateaus < 1 or points < plateaus:
         raise ValueError(f"need 1 <= plateaus <= points, got {plateaus} plateaus, {points} points")
