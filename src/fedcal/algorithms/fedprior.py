@@ -176,7 +176,7 @@ class FedPrior(FedPriorSettings):
     # G_00 = n: core/robust.py), not by size: per row it is a moment of the unit's inputs
     # (x⁴ for a quadratic), which honest units differ in by 10²–10³ (pollution episodes,
     # docs/statuses.md); every statistic the prior is fitted from is still size-screened.
-    unscreened_replies = ("cand/", "interval/", "noise/", "gram", "select", "choice/")
+    unscreened_replies = ("cand/", "interval/", "noise/", "gram", "select", "choice/", "loglik")
 
     def check_task(self, task: Task) -> None:
         self.terms  # noqa: B018 — the basis against the model's inputs
@@ -290,6 +290,8 @@ class FedPrior(FedPriorSettings):
             self.converge_tol,
             self.selection.each_candidate,
             self.select_units,
+            self.accelerate,  # fedprior_accel (A1–A4)
+            self.floor,
         )
 
     def before_round(self, server: Tree, t: int, rounds: int, units: int) -> Tree:
@@ -521,6 +523,8 @@ class FedPrior(FedPriorSettings):
         # The design's own Gram ΦᵀΦ (the input box's sums, the row-count check), unweighted.
         gram = full.gram if rw is None else moments(design, data.y[..., 0], data.mask).gram
         reply.update(n=full.n, gram=gram, support=chosen["support"])
+        if self.accelerate != "off":  # ℓ_i(θ) at the broadcast, SQUAREM's check (fedprior_accel)
+            reply["loglik"] = chosen["loglik"]
         if self.branch_orders:  # the whole design's, whatever J: BranchPins.unidentified's input
             reply["branch_support"] = data_support(gram, self._noise(down, state), self.init_scale)
         if self.interval == "calibrated" and "probe_x" in down:
@@ -655,7 +659,8 @@ class FedPrior(FedPriorSettings):
         metric = total["gram"] / total["n"].clamp_min(1.0)
         args = RoundSums(server, replies, order, total, count, metric, pinned, forward)
         if not self.candidate_ems.running(replies):  # (R1: the choice frozen)
-            return self.rounds_schedule.after(server, self._one_em_update(args), count)
+            new = self._one_em_update(args)  # (fedprior_accel: ℓ of the broadcast)
+            return self.rounds_schedule.after(server, new, count, total.get("loglik"))
         return self.rounds_schedule.after(server, self._candidates_update(args), count)
 
     def _one_em_update(self, sums: RoundSums) -> Tree:
