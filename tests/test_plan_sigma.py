@@ -137,3 +137,50 @@ def test_the_forecast_is_calibrate_s_sigma_on_the_deployment_path(reference_prio
     stated = stated_rms(units, plan)
     ratio = float(np.sqrt(np.mean(stated**2))) / forecast.rms
     assert abs(ratio - 1.0) < 0.10, (ratio, forecast.rms, stated)
+
+
+def test_the_forecast_takes_the_unit_scale_s_expectation_over_the_fleet(reference_prior):
+    """D4 weighs a unit's readings about μ with βΣ while the fleet's units spread with Σ:
+    with β < 1 a unit's d_i² averages tr(C_β⁻¹C₁) > n_i, so E[s_i²] > 1 (cross-check grid
+    fleet seed 3: β = 0.032, ν₀ = 32, E[s_i²] 3.8, the units' mean 4.2; a forecast at
+    s_i² = 1 was 0.48 of the stated σ). Units drawn from the prior's own model (c ~ N(μ, Σ),
+    δ ~ GP(0, a²k), ε ~ N(0, σ²)) at the planned design, calibrated as ``calibrate`` does:
+    their RMS stated σ within 10 % of the forecast (before: the forecast at E[s_i²] = 1,
+    ratio √E[s_i²] ≈ 2.3 here)."""
+    from fedcal.planning.forecast import pack
+    from fedcal.prior.discrepancy import kernel
+
+    model = reference_prior.model_
+    disc = {**model.discrepancy, "nu0": 4.0, "beta": 0.03}
+    model = dataclasses.replace(model, discrepancy=disc)
+    plan = planning.planner(model)
+    design = planning.optimize(plan, plateaus=2, points=8).design
+    forecast = planning.evaluate(plan, design)
+    assert not forecast.declined
+    x, b, count = pack(plan, [design])
+    n = int(count[0])
+    x, b = x[:, :n], b[:, :n]
+    z = posterior.design(model, x, b)[0]
+    sigma = np.asarray(model.covariance)
+    vals, vecs = np.linalg.eigh(0.5 * (sigma + sigma.T))
+    root = vecs * np.sqrt(np.clip(vals, 0.0, None))
+    k = disc["amplitude"] * kernel(x[0], x[0], np.asarray(disc["lengths"], dtype=np.float64))
+    gen = np.random.default_rng(0)
+    units = 400
+    coef = np.asarray(model.mean) + gen.standard_normal((units, len(sigma))) @ root.T
+    delta = gen.multivariate_normal(np.zeros(n), k + 1e-15 * np.eye(n), units)
+    noise = np.sqrt(float(model.noise.variance)) * gen.standard_normal((units, n))
+    y = coef @ z.T + delta + noise
+    xs, bs = np.broadcast_to(x, (units, n, x.shape[-1])), np.broadcast_to(b, (units, n))
+    fit = posterior.calibrate_units(model, xs, y, np.ones((units, n)), bs)
+    assert not fit.declined.any() and (fit.gp["gp_amp"] > 0).all()
+    field = np.broadcast_to(plan.field, (units, *plan.field.shape))
+    stated = np.sqrt(np.mean(posterior.predictive_std(fit, field) ** 2 @ plan.weights))
+    ratio = float(stated * plan.y_scale / forecast.rms)
+    assert abs(ratio - 1.0) < 0.10, ratio
+    torch_plan = planning.planner(model, forecast=TorchForecaster(model))  # the same E[s_i²]
+    np.testing.assert_allclose(
+        planning.expected_variance(torch_plan, [design])[0],
+        planning.expected_variance(plan, [design])[0],
+        rtol=1e-8,
+    )

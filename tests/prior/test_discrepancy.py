@@ -196,3 +196,40 @@ def test_kappa_of_the_design_size_by_hand():
     old = model().to_dict()
     del old["kappa_points"]  # a file written before the knots loads with one κ
     assert Discrepancy.from_dict(old).kappa_points == ()
+
+
+def test_expected_distance_is_the_trace_of_c_beta_inverse_c_one_by_hand():
+    """E[d²] = tr(C_β⁻¹C₁) (D4 under c ~ N(μ, Σ)): one row z = 2, Σ = 3, β = 0.1, a² = 0.5,
+    σ² = 0.25: (12 + 0.5 + 0.25)/(1.2 + 0.5 + 0.25) = 12.75/1.95; a padding row adds 0;
+    at β = 1 it is the design's n (E[s_i²] = 1: the forecast unchanged)."""
+    from fedcal.prior.discrepancy import expected_distance
+
+    lengths = np.array([0.3, 0.3])
+    design = np.array([[[2.0], [0.0]]])  # (units, rows, p): one real row, one padding row
+    xd = np.array([[[0.1, 0.2], [0.0, 0.0]]])
+    mask = np.array([[1.0, 0.0]])
+    got = expected_distance(
+        design, np.array([[3.0]]), 0.1, np.array([0.25]), xd, mask, 0.5, lengths
+    )
+    assert got[0] == pytest.approx(12.75 / 1.95, rel=1e-12)
+    gen = np.random.default_rng(1)
+    z = gen.standard_normal((2, 5, 4))
+    a = gen.standard_normal((4, 4))
+    xs = gen.uniform(-1, 1, (2, 5, 2))
+    m = np.array([[1.0, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    one = expected_distance(z, a @ a.T, 1.0, np.array([0.1, 0.2]), xs, m, 0.3, lengths)
+    np.testing.assert_allclose(one, [5.0, 3.0], rtol=1e-10)
+    few = expected_distance(z, a @ a.T, 0.2, np.array([0.1, 0.2]), xs, m, 0.3, lengths)
+    assert (few > one).all()  # β < 1: the readings spread more than C_β says
+
+
+def test_expected_scale_puts_in_the_expected_unit_scale():
+    """(ν₀ + E[d²])/(ν₀ + n) replaces s² at d² = 0 (ν₀/(ν₀ + n)); ν₀ = ∞ unchanged."""
+    from fedcal.prior.discrepancy import expected_scale
+
+    mask = np.ones((1, 6))
+    scale, amp = np.array([0.5 * 4 / 10]), np.array([1.0])  # κ² = 0.5, ν₀ = 4, n = 6, d² = 0
+    got = expected_scale(4.0, scale, amp, mask, np.array([26.0]))
+    assert got[0] == pytest.approx(0.5 * 30 / 10)
+    assert expected_scale(4.0, scale, amp, mask)[0] == pytest.approx(0.5)
+    assert expected_scale(math.inf, scale, amp, mask, np.array([26.0]))[0] == scale[0]
