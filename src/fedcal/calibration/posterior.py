@@ -4,14 +4,12 @@ point (the package docstring)."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from fedcal.algorithms.fedprior import FedPrior
-from fedcal.algorithms.fedprior_deployed import deployed, prior_in_use
+from fedcal.algorithms.fedprior_deployed import deployed
 from fedcal.calibration.rebuild import prior_algorithm, prior_server
 from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData
@@ -19,7 +17,7 @@ from fedcal.core.tree import Tree, expand
 from fedcal.data.fleet import Fleet
 from fedcal.engine.simulation import FleetTensors
 from fedcal.prior import qa
-from fedcal.prior.discrepancy import Discrepancy, expected_distance
+from fedcal.prior.discrepancy import Discrepancy
 from fedcal.prior.discrepancy import expected_scale as discrepancy_scale
 from fedcal.prior.model import PriorModel
 from fedcal.prior.qa import check_inputs
@@ -107,38 +105,25 @@ def unit_posteriors(
         if reasons is not None:  # per unit, why its design gets no σ ("" if it gets one)
             reasons.extend(why)
         if expected:  # the planner's new unit, read at the prior mean: its expected scale
-            model = Discrepancy.from_dict(discrepancy)
-            personal = expected_scale(personal, model, algorithm.design, down, data)
+            personal = expected_scale(personal, Discrepancy.from_dict(discrepancy).nu0)
     return personal
 
 
-def expected_scale(
-    personal: Tree, model: Discrepancy, design: Callable, down: Tree, data: ClientData
-) -> Tree:
+def expected_scale(personal: Tree, nu0: float) -> Tree:
     """The planner's units with the discrepancy model's per-unit scale at its expectation.
 
-    D4 (:mod:`fedcal.prior.discrepancy`): s_i² = (ν₀ + d_i²)/(ν₀ + n_i), d_i² = rᵀC_β⁻¹r
-    of the unit's readings about the prior mean. The planner reads a design at the current
-    mean (r = 0 on its new rows): its s_i² would be ν₀/(ν₀ + n_i), not what a unit of the
-    fleet has on average. The fleet's units spread about μ with Σ (D1), d_i² weighs them
-    with βΣ, so E[d_i²] = tr(C_β⁻¹C₁) (= n_i only at β = 1): the forecast takes κ² (t/1.96)²
-    E[s_i²], E[s_i²] = (ν₀ + E[d_i²])/(ν₀ + n_i) (:func:`fedcal.prior.discrepancy.expected_scale`
-    and ``expected_distance``, the NumPy planner's too; ν₀ = ∞: s_i² = 1 already; a unit
-    without the model's σ, ``gp_amp`` 0: untouched). ``design`` the rows' [φ, b·ψ].
+    D4 (:mod:`fedcal.prior.discrepancy`): s_i² = (ν₀ + d_i²)/(ν₀ + n_i), d_i² = rᵀC⁻¹r of
+    the unit's readings about the prior mean, E[d_i²] = n_i under the model, so
+    E[s_i²] = 1. The planner reads a design at the current mean (r = 0 on its new rows):
+    its s_i² would be ν₀/(ν₀ + n_i), not the 1 a unit of the fleet has on average. So the
+    forecast takes κ² · (t/1.96)² with s_i² = 1: s_i² at d² = 0 divided out
+    (:func:`fedcal.prior.discrepancy.expected_scale`, the NumPy planner's too; ν₀ = ∞:
+    s_i² = 1 already; a unit without the model's σ, ``gp_amp`` 0: untouched).
     """
     if "gp_scale" not in personal:
         return personal
-    distance = None
-    if not math.isinf(model.nu0):
-        x, mask = data.x.to(F64), data.mask.to(F64)
-        z = design(x, data.branch).to(F64)
-        sigma, _ = prior_in_use(down)
-        noise = personal["noise_var"].to(F64).reshape(-1).expand(len(mask))
-        lengths = torch.tensor(model.lengths, dtype=F64)
-        args = (model.beta, noise, x, mask, model.amplitude, lengths)
-        distance = expected_distance(z, sigma, *args)
-    parts = (personal["gp_scale"], personal["gp_amp"], personal["gp_mask"])
-    return {**personal, "gp_scale": discrepancy_scale(model.nu0, *parts, distance)}
+    args = (personal["gp_scale"], personal["gp_amp"], personal["gp_mask"])
+    return {**personal, "gp_scale": discrepancy_scale(nu0, *args)}
 
 
 def own_noise(algorithm: FedPrior, down: Tree, state: Tree, data: ClientData) -> Tree:

@@ -439,52 +439,15 @@ def deployed_units(
     return (own | unprobed) & unlearned & ~weak & (code != 1) & (n <= rows)
 
 
-def expected_distance(
-    design: Array,
-    sigma: Array,
-    beta: float,
-    noise: Array,
-    xd: Array,
-    mask: Array,
-    amplitude: float,
-    lengths: Array,
-) -> Array:
-    """E[d_i²] over the fleet's units of D4's d_i² = rᵀC_β⁻¹r, C_β = βZ_DΣZ_Dᵀ + a²K_DD +
-    σ_i²I (:func:`prior_distance`), when the unit's readings about the prior mean follow D1
-    with the fleet's own Σ (c_i ~ N(μ, Σ)): r ~ N(0, C₁), C₁ = C_β at β = 1, so
-    E[d_i²] = tr(C_β⁻¹C₁) per unit (units,); = n_i when β = 1, > n_i when β < 1.
-    Arguments as :func:`prior_distance`'s (``sigma`` unscaled; padding rows add 0)."""
-    xp = namespace(design)
-    m = as_float64(mask)
-    z = as_float64(design) * m[..., None]
-    rows = m.shape[-1]
-    eye = xp.eye(rows, dtype=xp.float64)
-    spread = z @ as_float64(sigma) @ xp.swapaxes(z, -1, -2)
-    rest = amplitude * kernel(xd, xd, lengths) * (m[..., None] * m[..., None, :])
-    diag = m * as_float64(noise).reshape(-1, 1) + (1 - m)
-    rest = rest + diag[..., None] * eye
-    ratio = xp.linalg.solve(beta * spread + rest, spread + rest)
-    return (ratio * eye).sum((-2, -1)) - (1 - m).sum(-1)
-
-
-def expected_scale(
-    nu0: float, scale: Array, amp: Array, mask: Array, distance: Array | None = None
-) -> Array:
-    """The planner's factor with s_i² at its expectation over the fleet's units (D4): a
-    design read at the prior mean has d_i² = 0, s_i² = ν₀/(ν₀ + n_i), so :func:`unit_scale`
-    at d² = 0 is divided out of ``scale`` (κ² s_i² (t/1.96)²) and E[s_i²] = (ν₀ +
-    E[d_i²])/(ν₀ + n_i) put in, for the units whose σ is D2–D4's (``amp`` > 0);
-    ``distance`` E[d_i²] (:func:`expected_distance`; None: n_i, E[s_i²] = 1); ν₀ = ∞:
-    unchanged. ``mask`` (units, rows) the design's rows."""
+def expected_scale(nu0: float, scale: Array, amp: Array, mask: Array) -> Array:
+    """The planner's factor with s_i² at its expectation 1 (D4): a design read at the prior
+    mean has d_i² = 0, s_i² = ν₀/(ν₀ + n_i), so :func:`unit_scale` at d² = 0 is divided
+    out of ``scale`` (κ² s_i² (t/1.96)²) for the units whose σ is D2–D4's (``amp`` > 0);
+    ν₀ = ∞: unchanged. ``mask`` (units, rows) the design's rows."""
     xp = namespace(scale)
     if math.isinf(nu0):
         return scale
     dof = as_float64(mask).sum(-1)
     at_mean = unit_scale(nu0, dof, xp.zeros_like(dof))
-    mean = (
-        1.0
-        if distance is None
-        else unit_scale(nu0, dof, as_float64(distance) / xp.clip(dof, 1.0, None))
-    )
     scale = as_float64(scale)
-    return xp.where(as_float64(amp) > 0, scale / at_mean * mean, scale)
+    return xp.where(as_float64(amp) > 0, scale / at_mean, scale)

@@ -20,15 +20,13 @@ docstring):
 
 Covered: the priors :func:`fedcal.prior.posterior.unsupported` covers (fedprior and its
 configured variants, a prior's deployment discrepancy model: D2–D4's σ, a new unit's s_i² at
-its expectation over the fleet's units, (ν₀ + tr(C_β⁻¹C₁))/(ν₀ + n_i):
-:func:`fedcal.prior.discrepancy.expected_distance`); the others go through
+its expectation 1 as :func:`fedcal.calibration.expected_scale`); the others go through
 :mod:`fedcal.planning_torch` (``fedcal[neural]``).
 Equal to that path within rounding (tests/test_plan_numpy.py).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -37,7 +35,7 @@ import numpy as np
 from fedcal.data.fleet import Fleet
 from fedcal.prior import posterior, station
 from fedcal.prior.deployment import model_of
-from fedcal.prior.discrepancy import expected_distance, expected_scale
+from fedcal.prior.discrepancy import expected_scale
 from fedcal.prior.legendre import legendre_products
 from fedcal.prior.model import PriorModel
 
@@ -133,29 +131,6 @@ def mean_inputs(
     return x
 
 
-def _expected_unit_scale(
-    prior: PriorModel, units: posterior.Units, x: np.ndarray, b: np.ndarray, mask: np.ndarray
-) -> posterior.Units:
-    """A new unit's D4 factor with s_i² at its expectation over the fleet's units
-    (:func:`fedcal.prior.discrepancy.expected_scale`): E[d_i²] = tr(C_β⁻¹C₁) of the design
-    rows ``x``, ``b``, ``mask`` (:func:`fedcal.prior.discrepancy.expected_distance`: the
-    readings about μ vary with the fleet's Σ, d_i² weighs them with βΣ), not d_i² = n_i."""
-    model = model_of(prior)
-    gp = units.gp
-    if math.isinf(model.nu0):
-        return units
-    sigma = np.asarray(prior.covariance, dtype=np.float64)
-    keep = posterior._model_mask(prior)
-    if keep is not None:
-        sigma = sigma * keep[:, None] * keep[None, :]
-    z = posterior.design(prior, x, b)
-    lengths = np.asarray(model.lengths, dtype=np.float64)
-    args = (model.amplitude, lengths)
-    dist = expected_distance(z, sigma, model.beta, units.noise_var, x, mask, *args)
-    scale = expected_scale(model.nu0, gp["gp_scale"], gp["gp_amp"], gp["gp_mask"], dist)
-    return replace(units, gp={**gp, "gp_scale": scale})
-
-
 def _variance_at(units: posterior.Units) -> Callable[[np.ndarray], np.ndarray]:
     def variance(at: np.ndarray) -> np.ndarray:
         x = np.broadcast_to(at, (len(units.coef), *at.shape))
@@ -184,8 +159,11 @@ class NumpyForecaster:
         mean = posterior.design(prior, x, b) @ base.coef  # readings at the current mean
         ys = np.concatenate([np.broadcast_to(base.y, (c, n0)), mean], 1)
         units = posterior.calibrate_units(prior, xs, ys, mask, bs, noise_var=base.noise_var)
-        if n0 == 0 and units.gp is not None:  # a new unit: the model's s_i² at E[s_i²]
-            units = _expected_unit_scale(prior, units, xs, bs, mask)
+        if n0 == 0 and units.gp is not None:  # a new unit: the discrepancy model's s_i² at 1
+            nu0 = model_of(prior).nu0
+            gp = units.gp
+            scale = expected_scale(nu0, gp["gp_scale"], gp["gp_amp"], gp["gp_mask"])
+            units = replace(units, gp={**gp, "gp_scale": scale})
         # A declined interval (no σ) is kept aside: J still scores the design with τ².
         declined = np.zeros(c, bool) if units.declined is None else units.declined
         if prior.basis.branch_terms:  # E_y[m_h m_hᵀ + V_hh] = current m_h m_hᵀ + Cov(h)
