@@ -56,44 +56,21 @@ in the run's output and the exported prior). When every unit has fewer points
 than the basis has terms, lower the orders: the prior cannot be learned from
 such a fleet (measured in docs/results/fleet-prior.md).
 
-Complexity from the fleet's evidence (``select = "bic"``): every sub-basis of the orders is
-a candidate (:mod:`fedcal.algorithms.fedprior_select`), every candidate's EM runs in the same
-federation and the server keeps the one of highest BIC of the fleet's summed evidence
-(:mod:`fedcal.algorithms.fedprior_candidates`, C1–C4: the candidates' E- and M-steps are this
-module's, run by that part on each candidate's terms).
-With ``select_by = "marginal"`` (what client-level DP needs) one EM runs on the full basis and
-each unit uploads one clipped score per candidate, its evidence under the candidate's marginal
-of the full prior, noised with the sums (``EvidenceSelection.dp_select_statistic``).
-
-The chamber's sweep direction (``branch_orders``, issue 10): with it each unit's model gains
-a branch term b·ψ(x)ᵀh_i, b the row's sweep sign, and every step above runs on the design
-[φ, b·ψ] unchanged; in the field b is unknown and the prediction is the branch average
-(:mod:`~fedcal.algorithms.fedprior_basis`, where the design and its predictive form are;
-the coordinates the fleet's data do not identify: :mod:`~fedcal.algorithms.fedprior_pins`).
-
-Field networks (issue 26): ``basis = "auto"``, every Cholesky through
-:func:`~fedcal.core.bayes.safe_cholesky`, and the extrapolation guard
-(:mod:`fedcal.algorithms.fedprior_support`): :mod:`~fedcal.algorithms.fedprior_basis`.
-
-Noise model (issues 20, 26; :mod:`fedcal.algorithms.fedprior_noise`, steps N1–N6): with
-``noise_shape = "inputs"`` the noise variance is σ_i² exp(γᵀx) at scaled input x, γ learned
-by the fleet from summed score/information terms and used only while BIC keeps it, the E-step
-a weighted least squares with row weights exp(−γᵀx); with ``noise_tail = "student"`` rows are
-Student-t by EM weights (ν = ``noise_dof``); ``noise_tail = "auto"``: t only while the
-fleet's likelihood ratio beats BIC (N6). All opt-in (measured in docs/uncertainty.md,
-"The noise model": they cost RMSE on a drifting field network).
-
-Intervals (``interval = "calibrated"``, issue 20): the noise on residual degrees of freedom,
-a discrepancy variance learned by a design-matched hold-out, or no interval where the fleet
-cannot learn one (:mod:`fedcal.algorithms.fedprior_interval`, steps I1–I3).
+Every option around the model is a part, a frozen dataclass declared by the settings it
+reads, built once (:mod:`~fedcal.algorithms.fedprior_parts`, whose module doc lists them):
+the complexity chosen by the fleet's evidence (``select = "bic"``: every candidate's EM runs
+in the same federation, its E- and M-steps this module's, run on each candidate's terms by
+:mod:`~fedcal.algorithms.fedprior_candidates`, C1–C4), the chamber's sweep direction
+(``branch_orders``: the design [φ, b·ψ], :mod:`~fedcal.algorithms.fedprior_basis`), the
+noise model (N1–N7), the calibrated interval (I1–I4), the time-respecting choice, the
+extrapolation guard, client-level DP's bounds, the robust sums and the streamed round.
 
 One idea per file: this module is the model and its federated EM (the E-step in
 ``client_update``, the M-step in ``_prior_update`` and ``server_update``, the personal model);
-its settings are :class:`~fedcal.algorithms.fedprior_settings.FedPriorSettings`, and
-:class:`FedPrior` holds its parts, each a frozen dataclass declared by the settings it reads,
-built once (a ``cached_property``) and called by the engine's optional hooks, each a method
-here (core/hooks.py names them). The table of parts, what each owns and may import:
-docs/design.md, "The flagship algorithms, one idea per file".
+its settings are :class:`~fedcal.algorithms.fedprior_settings.FedPriorSettings`; the engine's
+optional hooks (core/hooks.py) are its parts' methods (:class:`Delegate`) or a few lines here
+that call them. The table of parts, what each owns and may import: docs/design.md, "The
+flagship algorithms, one idea per file".
 """
 
 from __future__ import annotations
@@ -108,25 +85,25 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor
 
-from fedcal.algorithms.fedprior_basis import DesignBasis, model_mask, unit_noise
-from fedcal.algorithms.fedprior_candidates import CandidateEMs
-from fedcal.algorithms.fedprior_choice import SIMPLE, TimeChoice
+from fedcal.algorithms.fedprior_basis import model_mask, unit_noise
+from fedcal.algorithms.fedprior_choice import SIMPLE
 from fedcal.algorithms.fedprior_deploy import deploy_state
 from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
-from fedcal.algorithms.fedprior_dp import PrivateStatistics
-from fedcal.algorithms.fedprior_forward import ForwardInterval
-from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval
+from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS
 from fedcal.algorithms.fedprior_interval_parts import residual_terms
-from fedcal.algorithms.fedprior_noise import NoiseModel, sensor_noise
-from fedcal.algorithms.fedprior_pins import BranchPins
-from fedcal.algorithms.fedprior_robust import RobustUploads, capped_noise, weighted
-from fedcal.algorithms.fedprior_rounds import RoundSchedule
-from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
+from fedcal.algorithms.fedprior_noise import sensor_noise
+from fedcal.algorithms.fedprior_parts import (
+    Delegate,
+    FedPriorParts,
+    build_parts,
+    phi_terms,
+    psi_terms,
+)
+from fedcal.algorithms.fedprior_robust import capped_noise, weighted
+from fedcal.algorithms.fedprior_select import _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
 from fedcal.algorithms.fedprior_settings import FedPriorSettings
-from fedcal.algorithms.fedprior_status import PriorStatus
-from fedcal.algorithms.fedprior_stream import StreamedSums, canonical_order
-from fedcal.algorithms.fedprior_support import SupportBox
+from fedcal.algorithms.fedprior_stream import canonical_order
 from fedcal.core.algorithm import ClientResult, SettingError
 from fedcal.core.bayes import (
     F64,
@@ -141,14 +118,9 @@ from fedcal.core.bayes import (
 )
 from fedcal.core.data import ClientData
 from fedcal.core.privacy import Statistic
-from fedcal.core.robust import OutlierWeights
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree
-from fedcal.models.basis import (
-    any_beyond,
-    legendre_exponents,
-    legendre_products,
-)
+from fedcal.models.basis import any_beyond, legendre_products
 
 
 @dataclass(frozen=True)
@@ -194,206 +166,61 @@ class FedPrior(FedPriorSettings):
     def num_inputs(self) -> int:
         return int(getattr(self.task.model, "in_features", 2))
 
-    def _tensor_basis(self) -> bool:
-        f = self.num_inputs
-        return self.basis == "tensor" or (self.basis == "auto" and len(self.orders) == f)
-
     @cached_property  # built once per instance: the fields are frozen
     def terms(self) -> tuple[tuple[int, ...], ...]:
-        """Exponent tuples of the basis functions (constant first)."""
-        f = self.num_inputs
-        if self._tensor_basis():
-            if len(self.orders) != f:
-                raise ValueError(
-                    f"orders {list(self.orders)} needs one order per input ({f} inputs); "
-                    "or use basis = 'total' with a degree"
-                )
-            return legendre_exponents(f, orders=self.orders)
-        return legendre_exponents(f, degree=self.degree)
+        """Exponent tuples of the basis functions (constant first; :func:`phi_terms`)."""
+        return phi_terms(self.basis, self.orders, self.degree, self.num_inputs)
 
     @cached_property
     def branch_terms(self) -> tuple[tuple[int, ...], ...]:
         """Exponent tuples of ψ, the direction term's basis (empty when off)."""
-        if not self.branch_orders:
-            return ()
-        return legendre_exponents(self.num_inputs, orders=self.branch_orders)
+        return psi_terms(self.branch_orders, self.num_inputs)
 
     @property
     def num_features(self) -> int:
         """Columns of the design: φ's terms, then ψ's (the prior is over both)."""
         return len(self.terms) + len(self.branch_terms)
 
-    # ---- the parts (each declared by what it reads; built once: the fields are frozen) ----
-    @cached_property
-    def selection(self) -> EvidenceSelection:
-        """The candidate bases and the basis in use (fedprior_select)."""
-        return EvidenceSelection(
-            self.select,
-            self.select_by,
-            self.select_clip,
-            self.dp_select_share,
-            self.rank,
-            self.num_inputs,
-            self._tensor_basis(),
-            self.orders,
-            self.degree,
-            self.terms,
-            self.branch_orders,
-            self.branch_terms,
-            self.branch_select,
-        )
+    # ---- the parts (fedprior_parts), each declared by the settings it reads ----
+    @cached_property  # built once: the fields are frozen (not a field: configured_repr as it was)
+    def parts(self) -> FedPriorParts:
+        """Every part, built by :func:`~fedcal.algorithms.fedprior_parts.build_parts`."""
+        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return build_parts(settings, self.num_inputs, self.terms, self.branch_terms)
 
-    @cached_property
-    def candidate_ems(self) -> CandidateEMs:
-        """Every candidate's EM and the fleet's BIC choice (fedprior_candidates, C1–C4)."""
-        return CandidateEMs(
-            selection=self.selection,
-            schedule=self.rounds_schedule,
-            noise=self.noise,
-            noise_prior_points=self.noise_prior_points,
-            interval=self.interval,
-            pins=self.branch_pins,
-        )
+    design_basis = Delegate("parts")  # the design [φ, b·ψ], the predictive form
+    selection = Delegate("parts")  # the candidate bases and the basis in use
+    noise_model = Delegate("parts")  # σ²(x) in the inputs, Student-t or trimmed rows (N1–N7)
+    support_box = Delegate("parts")  # the extrapolation guard over φ
+    branch_pins = Delegate("parts")  # ψ's coordinates the fleet's data do not identify
+    rounds_schedule = Delegate("parts")  # the choice frozen, the hold-out once, the stop (R1–R3)
+    candidate_ems = Delegate("parts")  # every candidate's EM and the fleet's BIC choice (C1–C4)
+    prior_status = Delegate("parts")  # identification, each unit's status, the exported prior
+    calibrated = Delegate("parts")  # the calibrated interval (I1–I4)
+    time_choice = Delegate("parts")  # the time-respecting choice, no harm, its forward interval
+    private_statistics = Delegate("parts")  # the uploaded statistics' DP maps and bounds
+    streamed = Delegate("parts")  # whether and how the M-step runs from the replies' sums
+    robust_uploads = Delegate("parts")  # the consistency check and the outlier weights
 
-    @cached_property
-    def prior_status(self) -> PriorStatus:
-        """Identification, each unit's status, the exported prior (fedprior_status): the
-        contract's ``client_status`` and ``export_state`` (fedprior_choice's) call it."""
-        return PriorStatus(
-            selection=self.selection,
-            min_informed=self.min_informed,
-            noise=self.noise,
-            noise_prior_points=self.noise_prior_points,
-            noise_shape=self.noise_shape,
-            interval=self.interval,
-        )
-
-    @property
-    def candidates(self) -> tuple[dict, ...]:
-        """The bases ``select = "bic"`` chooses from (:attr:`EvidenceSelection.candidates`)."""
-        return self.selection.candidates
-
-    @property
-    def masks(self) -> Tensor:
-        """(candidates, features): each candidate's terms (:attr:`EvidenceSelection.masks`)."""
-        return self.selection.masks
-
-    @cached_property
-    def rounds_schedule(self) -> RoundSchedule:
-        """What travels when: the basis chosen once, the hold-out once, the stop (R1–R3 of
-        fedprior_rounds)."""
-        return RoundSchedule(
-            # the time-respecting choice scores every candidate each round (its forward
-            # folds): the basis is never frozen under it
-            self.select_patience if self.choose == "off" else 0,
-            self.holdout,
-            self.converge_tol,
-            self.selection.each_candidate,
-            self.select_units,
-        )
-
-    def before_round(self, server: Tree, t: int, rounds: int, units: int) -> Tree:
-        """The server before round ``t`` of ``rounds`` over ``units`` units (fedprior_rounds:
-        R2's last round holds out, R1's sample rate)."""
-        return self.rounds_schedule.before(server, t, rounds, units)
-
-    def finished(self, server: Tree) -> bool:
-        """Whether the run is done before the engine's rounds (fedprior_rounds R3)."""
-        return self.rounds_schedule.finished(server)
-
-    @cached_property
-    def design_basis(self) -> DesignBasis:
-        """The design [φ, b·ψ] and the predictive form (fedprior_basis)."""
-        return DesignBasis(self.terms, self.branch_terms)
-
-    @cached_property
-    def calibrated(self) -> CalibratedInterval:
-        """The calibrated interval, I1–I4 (fedprior_interval)."""
-        return CalibratedInterval(
-            interval=self.interval,
-            probe_rows=self.probe_rows,
-            coverage_target=self.coverage_target,
-            own_folds=self.own_folds,
-            min_informed=self.min_informed,
-            noise=self.noise,
-            inputs=self.num_inputs,
-            basis=self.design_basis,
-            noise_model=self.noise_model,
-            selection=self.selection,
-        )
-
-    @cached_property
-    def time_choice(self) -> TimeChoice:
-        """The time-respecting choice, no harm and the interval after calibration
-        (fedprior_choice, fedprior_forward)."""
-        forward = ForwardInterval(self.choice_interval, self.terms, self.support_box)
-        return TimeChoice(
-            choose=self.choose,
-            holdout=self.choice_holdout,
-            clip=self.choice_clip,
-            z=self.choice_z,
-            margin=self.choice_margin,
-            sigma=self.choice_sigma,
-            implausible=self.implausible,
-            noise=self.noise,
-            raw_input=self.raw_input,
-            raw_map=self.raw_map,
-            inputs=self.num_inputs,
-            basis=self.design_basis,
-            selection=self.selection,
-            forward=forward,
-        )
-
-    @cached_property
-    def noise_model(self) -> NoiseModel:
-        """σ²(x) in the inputs, Student-t or trimmed rows (fedprior_noise, N1–N7)."""
-        return NoiseModel(
-            self.noise_shape, self.noise_tail, self.noise_dof, self.noise_prior_points
-        )
-
-    @cached_property
-    def private_statistics(self) -> PrivateStatistics:
-        """The uploaded statistics' DP maps and bounds (fedprior_dp)."""
-        return PrivateStatistics(
-            self.num_features,
-            self.dp_max_rows,
-            self.init_scale,
-            self.init_noise,
-            self.dp_whiten,
-            self.dp_second_weight,
-            bool(self.branch_orders),
-            self.selection,
-            self.noise_model.weighted,
-            self.interval,
-        )
-
-    @cached_property
-    def branch_pins(self) -> BranchPins:
-        """The direction term's coordinates the fleet's data do not identify (fedprior_pins)."""
-        start = (self.min_informed, self.floor, self.init_scale, self.init_noise)
-        return BranchPins(len(self.terms), self.num_features, *start)
-
-    @cached_property
-    def support_box(self) -> SupportBox:
-        """The extrapolation guard over φ (fedprior_support)."""
-        return SupportBox(self.num_inputs, self.terms)
-
-    @cached_property
-    def streamed(self) -> StreamedSums:
-        """Whether and how the M-step runs from the replies' sums (fedprior_stream)."""
-        return StreamedSums(self.robust, self.interval, self.noise_shape, self.noise_tail)
-
-    @cached_property
-    def robust_uploads(self) -> RobustUploads:
-        """The consistency check and the M-step's outlier weights (fedprior_robust)."""
-        k = len(self.selection.candidates) if self.candidate_ems.on else 0
-        lin = self.time_choice.linear_terms
-        lin = None if lin is None else tuple(lin)
-        return RobustUploads(self.robust, k, self.select_clip, self.choice_clip, lin)
-
-    def beyond_support(self, params: Tree, x: Tensor) -> Tensor:
-        """(clients, rows) bool: rows outside the unit's support box (linearized, flagged)."""
-        return self.support_box.beyond(params, x)
+    # ---- the hooks (core/hooks.py) and attributes that are a part's ----
+    candidates = Delegate("selection")  # the bases select = "bic" chooses from
+    masks = Delegate("selection")  # (candidates, features): each candidate's terms
+    before_round = Delegate("rounds_schedule", "before")  # R2's last round holds out; R1's rate
+    finished = Delegate("rounds_schedule")  # R3: the run is done before the engine's rounds
+    unsampled_broadcast = Delegate("rounds_schedule", "unsampled")  # outside R1's sample
+    design = Delegate("design_basis")  # [φ(x), b·ψ(x)]
+    variance_design = Delegate("design_basis")  # z(x) = [φ(x), ψ(x)]
+    # (Q, s): the predictive variance z(x)ᵀQ z(x) + s, the single place that predictive_std
+    # and the firmware/JSON exports read
+    variance_form = Delegate("design_basis")
+    beyond_support = Delegate("support_box", "beyond")  # (clients, rows): beyond the unit's box
+    outlier_weights = Delegate("robust_uploads")  # each client's M-step weight (or None)
+    outlier_inputs = Delegate("streamed")  # a streamed round's per-unit leaves (StreamsSums)
+    picked_leaves = Delegate("streamed")
+    pick_inputs = Delegate("streamed")
+    pick_reply = Delegate("streamed")
+    interval_note = Delegate("calibrated", "note")  # why no interval is stated for some units
+    weak_units = Delegate("calibrated")  # I3's declined units
 
     def personal_shapes(self) -> dict[str, tuple[int, ...]]:
         """One sensor's :meth:`personalize` tree: shapes a loaded model file must have."""
@@ -412,10 +239,6 @@ class FedPrior(FedPriorSettings):
         if self.deploy_rows:  # the unit's design for the prior's discrepancy σ (fedprior_deploy)
             shapes.update(deploy_shapes(self.deploy_rows, self.num_inputs, len(self.terms)))
         return shapes
-
-    def design(self, x: Tensor, branch: Tensor | None = None) -> Tensor:
-        """[φ(x), b·ψ(x)] (:meth:`DesignBasis.design`)."""
-        return self.design_basis.design(x, branch)
 
     # ---- the contract --------------------------------------------------------
     def server_init(self, params: Tree) -> Tree:
@@ -579,10 +402,6 @@ class FedPrior(FedPriorSettings):
         if "pooled_ok" in down and self.time_choice.choosing(data):  # (reads the candidates)
             return None
         return self.rounds_schedule.sampled(down, self._client_moments(down, data).rhs)
-
-    def unsampled_broadcast(self, down: Tree) -> Tree:
-        """What a unit outside the candidates' sample is sent (fedprior_rounds R1)."""
-        return self.rounds_schedule.unsampled(down)
 
     # ---- step 2, the M-step (module doc) ----
     def _prior_update(
@@ -780,16 +599,6 @@ class FedPrior(FedPriorSettings):
         std = (self.predictive_std(params, x) if std is None else std).to(F64)
         return self.design_basis.halfwidth(params, x, std).to(x.dtype)
 
-    def variance_design(self, x: Tensor) -> Tensor:
-        """z(x) = [φ(x), ψ(x)] (:meth:`DesignBasis.variance_design`)."""
-        return self.design_basis.variance_design(x)
-
-    def variance_form(self, params: Tree) -> tuple[Tensor, Tensor]:
-        """(Q, s): the predictive variance as z(x)ᵀQ z(x) + s (:meth:`DesignBasis.variance_form`):
-        the single place of the predictive variance, that :meth:`predictive_std` and the
-        firmware/JSON exports read."""
-        return self.design_basis.variance_form(params)
-
     # ---- client-level DP (fedprior_dp) ----
     def dp_statistics(self, down: Tree) -> dict[str, Statistic]:
         """Client-level DP: each uploaded statistic's public map and bound (core/privacy;
@@ -830,10 +639,6 @@ class FedPrior(FedPriorSettings):
         row count (a consistency check); fedprior_drift's whitened Gram is not."""
         return True
 
-    def outlier_weights(self, server: Tree, replies: Tree) -> OutlierWeights | None:
-        """Each client's M-step weight (:meth:`RobustUploads.outlier_weights`)."""
-        return self.robust_uploads.outlier_weights(server, replies)
-
     # ---- a round streamed chunk by chunk (engine/streamed.py; fedprior_stream) ----
     def server_update_sums(self, server: Tree, sums: Tree, count: Tensor) -> Tree:
         """``server_update`` from Σ_i reply_i (``sums``, no clients axis) and N (``count``)."""
@@ -844,21 +649,6 @@ class FedPrior(FedPriorSettings):
         """None when :meth:`server_update_sums` equals ``server_update``; else why not."""
         own = type(self).server_update is not FedPrior.server_update
         return self.streamed.refused(self.name, own)
-
-    @property
-    def outlier_inputs(self) -> tuple[str, ...]:
-        return self.streamed.outlier_inputs
-
-    @property
-    def picked_leaves(self) -> tuple[str, ...]:
-        return self.streamed.picked_leaves
-
-    @property
-    def pick_inputs(self) -> tuple[str, ...]:
-        return self.streamed.pick_inputs
-
-    def pick_reply(self, keys: Tree) -> int | None:
-        return self.streamed.pick_reply(keys)
 
     # ---- the time-respecting choice's hooks (fedprior_choice, fedprior_forward) ----
     def with_scaler(self, scaler: Any) -> FedPrior:
@@ -899,15 +689,6 @@ class FedPrior(FedPriorSettings):
                 selection["rule"] = "forward"
             selection["forward"] = record
         return state
-
-    # ---- the calibrated interval (fedprior_interval), as the exports and deploy read it ----
-    def interval_note(self, server: Tree) -> str:
-        """Why the run states no interval for (some) units (:meth:`CalibratedInterval.note`)."""
-        return self.calibrated.note(server)
-
-    def weak_units(self, down: Tree, cov: Tensor, noise: Tensor, data: ClientData) -> Tensor:
-        """I3's declined units (:meth:`CalibratedInterval.weak_units`)."""
-        return self.calibrated.weak_units(down, cov, noise, data)
 
     def deploy_state(self, server: Tree, data: ClientData) -> dict | None:
         """The prior's design-dependent error model, prior.json's ``"discrepancy"``, or None
