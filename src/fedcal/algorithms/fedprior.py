@@ -76,11 +76,10 @@ flagship algorithms, one idea per file".
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -88,8 +87,7 @@ from torch import Tensor
 from fedcal.algorithms.fedprior_basis import model_mask, unit_noise
 from fedcal.algorithms.fedprior_choice import SIMPLE
 from fedcal.algorithms.fedprior_deploy import deploy_state
-from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
-from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS
+from fedcal.algorithms.fedprior_deployed import deployed_var
 from fedcal.algorithms.fedprior_interval_parts import residual_terms
 from fedcal.algorithms.fedprior_noise import sensor_noise
 from fedcal.algorithms.fedprior_parts import (
@@ -99,11 +97,17 @@ from fedcal.algorithms.fedprior_parts import (
     phi_terms,
     psi_terms,
 )
-from fedcal.algorithms.fedprior_robust import capped_noise, weighted
 from fedcal.algorithms.fedprior_select import _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
 from fedcal.algorithms.fedprior_settings import FedPriorSettings
-from fedcal.algorithms.fedprior_stream import canonical_order
+from fedcal.algorithms.fedprior_state import (
+    broadcast,
+    export_state,
+    next_server,
+    personal_shapes,
+    round_sums,
+    server_start,
+)
 from fedcal.core.algorithm import ClientResult, SettingError
 from fedcal.core.bayes import (
     F64,
@@ -117,10 +121,8 @@ from fedcal.core.bayes import (
     regularize,
 )
 from fedcal.core.data import ClientData
-from fedcal.core.privacy import Statistic
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree
-from fedcal.models.basis import any_beyond, legendre_products
 
 
 @dataclass(frozen=True)
@@ -215,6 +217,11 @@ class FedPrior(FedPriorSettings):
     variance_form = Delegate("design_basis")
     beyond_support = Delegate("support_box", "beyond")  # (clients, rows): beyond the unit's box
     outlier_weights = Delegate("robust_uploads")  # each client's M-step weight (or None)
+    screen_view = Delegate("robust_uploads")  # what the server's size screen judges
+    # client-level DP: each uploaded statistic's public map and bound, or a ValueError for
+    # the settings DP does not cover (PrivateStatistics.refusal)
+    dp_statistics = Delegate("private_statistics", "checked")
+    unit_columns = Delegate("time_choice")  # per unit: the no-harm fall-back and σ factors
     outlier_inputs = Delegate("streamed")  # a streamed round's per-unit leaves (StreamsSums)
     picked_leaves = Delegate("streamed")
     pick_inputs = Delegate("streamed")
@@ -224,60 +231,16 @@ class FedPrior(FedPriorSettings):
 
     def personal_shapes(self) -> dict[str, tuple[int, ...]]:
         """One sensor's :meth:`personalize` tree: shapes a loaded model file must have."""
-        p = self.num_features
-        # box: the unit's input support (lo, hi per input), the extrapolation guard's
-        shapes = {"coef": (p,), "cov": (p, p), "noise_var": (), "box": (2, self.num_inputs)}
-        if self.interval == "calibrated":  # τ_i² and whether the unit's interval is declined
-            shapes.update(disc_var=(), declined=())
-        if self.noise_shape == "inputs":  # γ of σ²(x) = σ_i² exp(γᵀx) (fedprior_noise)
-            shapes["noise_gamma"] = (self.num_inputs,)
-        if self.choose != "off":  # the no-harm fall-back and the validation MSE (fedprior_choice)
-            shapes.update(fallback=(), val_mse=(), sigma_scale=(), target_sd=())
-            shapes.update(
-                self.time_choice.forward.shapes()
-            )  # κ, ρ/T after calibration (fedprior_forward)
-        if self.deploy_rows:  # the unit's design for the prior's discrepancy σ (fedprior_deploy)
-            shapes.update(deploy_shapes(self.deploy_rows, self.num_inputs, len(self.terms)))
-        return shapes
+        return personal_shapes(self.parts, self.deploy_rows)
 
     # ---- the contract --------------------------------------------------------
     def server_init(self, params: Tree) -> Tree:
-        p = self.num_features
-        start = {
-            "mu": torch.zeros(p, dtype=F64),
-            "sigma": self.init_scale**2 * torch.eye(p, dtype=F64),
-            "noise_var": torch.tensor(self.init_noise**2, dtype=F64),
-            "support": torch.zeros(p, p, dtype=F64),
-        }
-        if self.interval == "calibrated":
-            start.update(self.calibrated.init())
-        start.update(self.noise_model.init(self.num_inputs))  # γ, the tail's test (N2–N6)
-        if self.branch_orders:  # ψ coordinates out of the model (none yet): BranchPins.unidentified
-            start["pinned"] = torch.zeros(p, dtype=F64)
-        if self.time_choice.on:  # fedprior_choice's pooled lines and summed scores
-            start.update(self.time_choice.init())
-        start.update(self.rounds_schedule.init())  # R1–R3's bookkeeping (none when off)
-        # the selection's (fedprior_candidates C1): round 0 screens with the largest candidate
-        return {**start, "box": self.support_box.open_box(), **self.candidate_ems.init(start)}
+        """The vague start and each part's state (fedprior_state.server_start)."""
+        return server_start(self.parts, self.init_scale, self.init_noise)
 
     def broadcast(self, server: Tree) -> Tree:
-        down = {k: server[k] for k in ("mu", "sigma", "noise_var")}
-        if "box" in server:  # the fleet's input support (extrapolation guard)
-            down["box"] = server["box"]
-        down.update({k: server[k] for k in INTERVAL_KEYS if k in server})
-        noise_keys = ("noise_gamma", "noise_gamma_fit", "noise_student")
-        down.update({k: server[k] for k in noise_keys if k in server})
-        if "pinned" in server:  # ψ coordinates out of the model (BranchPins.unidentified)
-            down["pinned"] = server["pinned"]
-        if self.select != "none":
-            down["mask"] = server["mask"]
-        if "pooled_ok" in server:  # the fleet's pooled lines (fedprior_choice), once summed
-            keys = self.time_choice.forward.broadcast_keys
-            down.update({k: server[k] for k in keys if k in server})
-        if "holdout_now" in server:  # fedprior_rounds R2: whether this round holds out
-            down["holdout_now"] = server["holdout_now"]
-        down.update(self.candidate_ems.broadcast(server))  # (fedprior_candidates C1)
-        return down
+        """The prior (μ, Σ, σ²) and each part's keys (fedprior_state.broadcast)."""
+        return broadcast(self.parts, server)
 
     def client_init(self, down: Tree) -> Tree:
         return {"noise_var": down["noise_var"].clone(), **self.candidate_ems.client_init(down)}
@@ -324,9 +287,7 @@ class FedPrior(FedPriorSettings):
         # out of the model), whatever candidate is chosen: its E-step and noise model too
         marginal = self.select != "none" and not self.candidate_ems.on
         em = {k: v for k, v in down.items() if k != "mask"} if marginal else down
-        if (
-            self.noise_model.weighted
-        ):  # rows weighted by 1/σ²(x) and t-weights (fedprior_noise, N1/N4)
+        if self.noise_model.weighted:  # rows weighted by 1/σ²(x), t-weights (N1/N4)
             design = self.design(data.x, data.branch)
             rw = self.noise_model.row_weights(em, data, design)
             full = self.noise_model.moments(design, data, rw)
@@ -348,19 +309,15 @@ class FedPrior(FedPriorSettings):
             reply["branch_support"] = data_support(gram, self._noise(down, state), self.init_scale)
         if self.interval == "calibrated" and "probe_x" in down:
             # Unscreened ("interval/"): a unit's residual terms scale with its rows.
-            reply["interval"] = {
-                "dof": chosen["dof"],
-                "fit": chosen["fit"],
-                **self.calibrated.heldout(
-                    down, state, data, rw, self.rounds_schedule.holds_out(down)
-                ),
-            }
+            held = self.calibrated.heldout(
+                down, state, data, rw, self.rounds_schedule.holds_out(down)
+            )
+            reply["interval"] = {"dof": chosen["dof"], "fit": chosen["fit"], **held}
         if self.noise_shape == "inputs":  # γ's score, information and evidence (N2)
             reply["noise"] = self.noise_model.uploads(em, data, design, post, rw[1])
         if self.noise_tail == "auto":  # the tail's evidence d_i (N6)
-            reply.setdefault("noise", {})["tail_ratio"] = self.noise_model.tail_ratio(
-                em, data, design
-            )
+            ratio = self.noise_model.tail_ratio(em, data, design)
+            reply.setdefault("noise", {})["tail_ratio"] = ratio
         own = self._sensor_noise(post.rss, full.n, down["noise_var"])
         new_state = {"noise_var": own if self.noise == "sensor" else state["noise_var"]}
         if marginal:
@@ -418,15 +375,8 @@ class FedPrior(FedPriorSettings):
         if pinned is not None and bool(pinned.any()):  # the M-step of the model without them
             args = (old_mu, total, count, metric, old_noise, pinned)
             return self.branch_pins.pinned_update(self._prior_update, *args)
-        mu, sigma_hat = m_step(
-            total["gls_gram"],
-            total["gls_rhs"],
-            total["mean"],
-            total["second"],
-            count,
-            old_mu,
-            self.mean_scale,
-        )
+        moments_sums = (total["gls_gram"], total["gls_rhs"], total["mean"], total["second"])
+        mu, sigma_hat = m_step(*moments_sums, count, old_mu, self.mean_scale)
         # λ = ν0/(N + ν0): ν0 pseudo-units of an inverse-Wishart hyperprior, so a small
         # fleet is shrunk more than a large one; in the fleet's design metric.
         lam = self.shrinkage_units / (float(count) + self.shrinkage_units)
@@ -450,88 +400,12 @@ class FedPrior(FedPriorSettings):
     def server_update(
         self, server: Tree, replies: Tree, weights: Tensor, units: Tensor | None = None
     ) -> Tree:
-        # ``units``: N when the replies are already summed (fedprior_stream), else their count.
-        # Every unit counts once (a hierarchical model's units are its samples);
-        # sums in a canonical order so the rounding does not depend on arrival order.
-        order = canonical_order(replies["mean"])
-        robust = self.outlier_weights(server, replies)
-        if robust is not None and bool((robust.weights != 1).any()):  # all 1: the plain sums
-            replies = weighted(replies, robust.weights)
-        if self.robust != "off":  # residual sums: a bounded pull on σ², not a size screen
-            replies = capped_noise(replies)
-        skip = ("cand", "interval", "noise", "choice")
-        forward = None
-        if "choice" in replies:  # per unit unless already summed (fedprior_stream)
-            choice = (replies["choice"], order, replies["gram"], units is None)
-            forward = self.time_choice.update(*choice)
-        total = {k: v[order].sum(0) for k, v in replies.items() if k not in skip}
-        pinned = self.branch_pins.unidentified(total.pop("branch_support", None))
-        if "interval" in replies:  # the restricted noise update's sums (module doc, I1)
-            total.update({k: replies["interval"][k][order].sum(0) for k in ("dof", "fit")})
-        count = torch.tensor(float(replies["mean"].shape[0]), dtype=F64) if units is None else units
-        if robust is not None:  # Σ w_i units (exactly N when every weight is 1)
-            count = robust.weights[order].sum() if bool((robust.weights != 1).any()) else count
-        metric = total["gram"] / total["n"].clamp_min(1.0)
-        args = RoundSums(server, replies, order, total, count, metric, pinned, forward)
-        if not self.candidate_ems.running(replies):  # (R1: the choice frozen)
-            return self.rounds_schedule.after(server, self._one_em_update(args), count)
-        return self.rounds_schedule.after(server, self._candidates_update(args), count)
-
-    def _one_em_update(self, sums: RoundSums) -> Tree:
-        """The server update of one EM: without selection, under ``select_by = "marginal"``,
-        or the chosen candidate's once the choice is frozen (fedprior_rounds R1)."""
-        server, replies, order, total, count, metric, pinned, forward = sums
-        frozen = self.candidate_ems.on  # R1: the chosen EM alone, in its own design metric
-        if frozen:
-            metric = self.candidate_ems.frozen_metric(server, metric)
-        mu, sigma, noise_var = self.branch_pins.restart(
-            server, pinned, total["gram"]
-        ) or self._prior_update(server["mu"], total, count, metric, server["noise_var"], pinned)
-        new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
-        new["box"] = self.support_box.fleet_box(total["gram"])
-        if frozen:  # the choice as frozen
-            new.update(self.candidate_ems.frozen(server))
-        elif self.select != "none":  # select_by = "marginal": the noisy-BIC choice
-            new.update(self.selection.marginal_choice(total["select"], count, pinned))
-        if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
-            noise = replies["noise"]
-            new.update(self.noise_model.updates(server, noise, order, total["n"], replies["n"]))
-        new.update(self.time_choice.kept(server, forward))
-        if self.branch_orders:  # the features in use, without the ψ coordinates out of it
-            new["mask"] = new.get("mask", self.selection.masks[-1]) * (~pinned).to(F64)
-            new["pinned"] = pinned.to(F64)
-        new.update(self.calibrated.update(server, replies, order, total))
-        return new
-
-    def _candidates_update(self, sums: RoundSums) -> Tree:
-        """The server update while every candidate's EM runs (``select = "bic"``): each
-        candidate's M-step and the fleet's BIC choice."""
-        server, replies, order, total, count, metric, pinned, forward = sums
-        cand = {k: v[order].sum(0) for k, v in replies["cand"].items()}
-        args = (server, cand, total, count, metric, pinned, self._prior_update)
-        stacked = self.candidate_ems.m_steps(*args)  # C3, then C4 (fedprior_candidates)
-        scores, choice, same = self.candidate_ems.choice(cand, count, pinned)
-        if forward is not None and float(forward["forward_scored"]) > 0:  # by each unit's future
-            choice = self.time_choice.pick(
-                torch.where(same, math.inf, forward["forward_scores"][:-3])
-            )
-        new = {
-            **self.time_choice.kept(server, forward),
-            **{key: v[choice] for key, v in stacked.items()},
-            "box": self.support_box.fleet_box(total["gram"]),
-            "mask": self.selection.masks[choice] * (~pinned).to(F64),
-            **({"pinned": pinned.to(F64)} if self.branch_orders else {}),
-            "choice": torch.tensor(choice),
-            "scores": scores,
-            "cand": stacked,
-            **self.calibrated.update(server, replies, order, total),
-            **(
-                self.noise_model.updates(server, replies["noise"], order, total["n"], replies["n"])
-                if "noise" in replies
-                else {}
-            ),
-        }
-        return new
+        """Step 2 (module doc): the sums in a canonical order, each unit once, times its outlier
+        weight (``units``: N when the replies are already summed, fedprior_stream), then
+        :meth:`_prior_update` per EM and each part's update (fedprior_state)."""
+        sums = round_sums(self.parts, server, replies, units, self.outlier_weights(server, replies))
+        new = next_server(self.parts, sums, self._prior_update)
+        return self.rounds_schedule.after(server, new, sums.count)
 
     # ---- step 3, the personal model (module doc) ----
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
@@ -578,11 +452,9 @@ class FedPrior(FedPriorSettings):
             var = var + excess
         if "gp_x" in params:  # the prior's design-dependent error (fedprior_deploy, D2–D4)
             var = deployed_var(self, params, x, var)
-        phi, beyond = self.support_box.guarded(params, x)
-        if any_beyond(beyond):  # beyond the support: + (polynomial − linearized)² (model form)
-            coef = params["coef"][..., : len(self.terms)].to(F64).unsqueeze(1)
-            gap = ((legendre_products(x, self.terms) - phi) * coef).sum(-1)
-            var = var + torch.where(beyond, gap * gap, 0.0)
+        gap = self.support_box.gap_var(params, x)  # beyond the support: g(x)² (model form)
+        if gap is not None:
+            var = var + gap
         return var.sqrt().unsqueeze(-1).to(x.dtype)
 
     def interval_halfwidth(self, params: Tree, x: Tensor, std: Tensor | None = None) -> Tensor:
@@ -599,23 +471,7 @@ class FedPrior(FedPriorSettings):
         std = (self.predictive_std(params, x) if std is None else std).to(F64)
         return self.design_basis.halfwidth(params, x, std).to(x.dtype)
 
-    # ---- client-level DP (fedprior_dp) ----
-    def dp_statistics(self, down: Tree) -> dict[str, Statistic]:
-        """Client-level DP: each uploaded statistic's public map and bound (core/privacy;
-        :class:`~fedcal.algorithms.fedprior_dp.PrivateStatistics`); a ValueError for the
-        settings DP does not cover (:meth:`PrivateStatistics.refusal`)."""
-        why = self.private_statistics.refusal()
-        if why is not None:
-            raise ValueError(why)
-        return self.private_statistics.statistics(down)
-
     # ---- a hostile site or unit (issue 21; fedprior_robust) ----
-    def screen_view(
-        self, replies: dict[str, Tensor], rows: Tensor, broadcast: Tree
-    ) -> dict[str, Tensor]:
-        """What the server's size screen judges (:meth:`RobustUploads.screen_view`)."""
-        return self.robust_uploads.screen_view(replies, rows)
-
     def inconsistent_replies(
         self, server: Tree, replies: Tree, weights: Tensor, accepted: Tensor
     ) -> dict[int, str] | None:
@@ -675,35 +531,11 @@ class FedPrior(FedPriorSettings):
         """The values the implausible rule compares (:meth:`TimeChoice.status_values`)."""
         return self.time_choice.status_values(self, personal, x, mask)
 
-    def unit_columns(self, params: Tree, train: ClientData) -> dict:
-        """Per unit: the no-harm fall-back and σ factors (:meth:`TimeChoice.unit_columns`)."""
-        return self.time_choice.unit_columns(params)
-
     def export_state(self, server: Tree) -> dict:
-        """The fleet prior (:meth:`PriorStatus.export_state`) with the time choice's record."""
-        state = self.prior_status.export_state(server, self.interval_note(server))
-        record = self.time_choice.record(server)
-        if record is not None:  # the time-respecting choice (fedprior_choice)
-            selection = state.setdefault("selection", {"rule": "none", "chosen": {}})
-            if self.candidate_ems.on:
-                selection["rule"] = "forward"
-            selection["forward"] = record
-        return state
+        """The fleet prior with the time choice's record (fedprior_state.export_state)."""
+        return export_state(self.parts, server, self.interval_note(server))
 
     def deploy_state(self, server: Tree, data: ClientData) -> dict | None:
         """The prior's design-dependent error model, prior.json's ``"discrepancy"``, or None
         (:func:`~fedcal.algorithms.fedprior_deploy.deploy_state`: when it is learned)."""
         return deploy_state(self, server, data)
-
-
-class RoundSums(NamedTuple):
-    """One round's server-side sums, as both M-step paths (one EM, every candidate) read them."""
-
-    server: Tree
-    replies: Tree
-    order: Tensor
-    total: dict
-    count: Tensor
-    metric: Tensor
-    pinned: Tensor
-    forward: Tree | None
