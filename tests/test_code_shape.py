@@ -40,7 +40,6 @@ ALLOWED: dict[str, str] = {
     # vocab (issue 35.2: presets, one place for defaults)
     "fedcal/config.py": "vocab",
     # compose (issue 35.1: FedPrior's mixins → parts) and fieldcov (fedprior_drift)
-    "fedcal/algorithms/fedprior.py": "compose",
     "fedcal/algorithms/fedprior_drift.py": "fieldcov / compose",
     # sigma3 (issue 33: the deployment discrepancy)
     "fedcal/prior/discrepancy.py::_check complexity": "sigma3",

@@ -1,76 +1,59 @@
 """Fleet-prior calibration: federated empirical Bayes over per-sensor coefficients (ours).
 
-Units of one design differ, but not arbitrarily: their calibration
-coefficients vary around a fleet mean along a few directions. The federation
-learns that distribution without pooling anyone's data, and a unit with a
-handful of chamber points is calibrated by placing itself in it
-(empirical Bayes; docs/calibration-guide.md). The model is linear in its parameters:
+Units of one design differ, but not arbitrarily: their calibration coefficients vary around a
+fleet mean along a few directions. The federation learns that distribution without pooling
+anyone's data, and a unit with a handful of chamber points is calibrated by placing itself in
+it (empirical Bayes; docs/calibration-guide.md). The model is linear in its parameters:
 
     y_i = φ(x)ᵀ c_i + ε,   ε ~ N(0, σ_i²),   c_i ~ N(μ, Σ),
 
-with φ a Legendre-product basis of the scaled inputs (:func:`legendre_products`):
-the tensor product up to ``orders`` for a two-input pressure sensor (the
-inputs are scaled by their fixed physical ranges), or every product up to a
-total ``degree`` for any other set of named features.
+with φ a Legendre-product basis of the scaled inputs (:func:`legendre_products`): the tensor
+product up to ``orders`` for a two-input pressure sensor (the inputs are scaled by their fixed
+physical ranges), or every product up to a total ``degree`` for any other set of features.
 
 One round is one ECME iteration (:mod:`fedcal.core.bayes`):
 
-1. **E-step, client i** (closed form, float64): from its moments
-   (Φ_iᵀΦ_i, Φ_iᵀy_i, y_iᵀy_i, n_i) and the broadcast (μ, Σ, σ²), the posterior
-   N(m_i, V_i) of its coefficients. It uploads only what the server's sums
-   need: m_i, S_i = m_i m_iᵀ + V_i, the GLS terms Φ_iᵀC_i⁻¹Φ_i and
-   Φ_iᵀC_i⁻¹(y_i − Φ_iμ), its expected residual sum of squares r_i, n_i, and how
-   far its own points determine each direction (for the identification check).
-   With ``noise = "sensor"`` (for fleets whose units differ in noise) it keeps
-   a private noise variance
-   σ_i² = (r_i + ν σ²)/(n_i + ν): its own residuals shrunk toward the fleet's by
-   ν pseudo-points (the MAP under a scaled-inverse-χ² prior centred on σ²), so a
-   noisy unit is not trusted like a clean one and a unit with three points is
-   not trusted on its own noise.
+1. **E-step, client i** (closed form, float64): from its moments (Φ_iᵀΦ_i, Φ_iᵀy_i, y_iᵀy_i,
+   n_i) and the broadcast (μ, Σ, σ²), the posterior N(m_i, V_i) of its coefficients. It
+   uploads only what the server's sums need: m_i, S_i = m_i m_iᵀ + V_i, the GLS terms
+   Φ_iᵀC_i⁻¹Φ_i and Φ_iᵀC_i⁻¹(y_i − Φ_iμ), its expected residual sum of squares r_i, n_i, and
+   how far its own points determine each direction (for the identification check). With
+   ``noise = "sensor"`` it keeps a private σ_i² = (r_i + ν σ²)/(n_i + ν): its residuals shrunk
+   toward the fleet's by ν pseudo-points (the MAP under a scaled-inverse-χ² prior centred on
+   σ²), so a noisy unit is not trusted like a clean one, nor a unit with three points on its
+   own noise.
 2. **M-step, server**: μ by generalized least squares, Σ by EM's update
-   (1/N) Σ_i E[(c_i − μ)(c_i − μ)ᵀ], then shrunk toward its diagonal by
-   ``shrinkage``, optionally factored as ``rank`` factors plus a diagonal, and
-   its eigenvalues floored (:func:`fedcal.core.bayes.regularize`);
-   σ² = Σ_i r_i / Σ_i n_i (with ``interval = "calibrated"``: on residual degrees of
-   freedom, I1 of :mod:`~fedcal.algorithms.fedprior_interval`). Only sums over clients
-   enter, in a canonical order.
-   With ``robust = "full"`` (issue 21, :mod:`fedcal.core.robust`) an upload that
-   contradicts its declared count or the broadcast prior is rejected by the aggregation,
-   and each unit's terms enter the sums times a weight from its leave-one-out distance to
-   the other units (1 inside the cut-off; docs/safety.md).
-3. **Personal model** (``personalize``): the posterior mean m_i, which is a
-   precision-weighted interpolation between the unit's own least-squares fit
-   and the fleet mean, with its covariance V_i: every prediction carries the
-   predictive variance φ(x)ᵀV_iφ(x) + σ_i² (:meth:`FedPrior.predictive_std`).
+   (1/N) Σ_i E[(c_i − μ)(c_i − μ)ᵀ], shrunk toward its diagonal by ``shrinkage``, optionally
+   ``rank`` factors plus a diagonal, its eigenvalues floored (core.bayes.regularize);
+   σ² = Σ_i r_i / Σ_i n_i (``interval = "calibrated"``: on residual degrees of freedom, I1 of
+   :mod:`~fedcal.algorithms.fedprior_interval`). Only sums over clients enter, in a canonical
+   order; with ``robust = "full"`` (issue 21, docs/safety.md) an upload that contradicts its
+   declared count or the broadcast prior is rejected, and each unit's terms enter times a
+   weight from its leave-one-out distance to the other units.
+3. **Personal model** (``personalize``): the posterior mean m_i, a precision-weighted
+   interpolation between the unit's own least-squares fit and the fleet mean, with its
+   covariance V_i: every prediction carries the predictive variance φ(x)ᵀV_iφ(x) + σ_i²
+   (:meth:`FedPrior.predictive_std`).
 
-Identification. A direction of coefficient space that no unit's data
-determine (e.g. curvature in temperature when every unit saw only two
-temperatures) cannot be learned. The server counts, per direction of the
-basis, how many units' own points determine it (the eigenvalues of
-Σ_i [I − (I + s²G_i/σ_i²)⁻¹], s = ``init_scale``); along directions informed by
-fewer than ``min_informed`` units it keeps the vague start (μ unchanged,
-variance s²) instead of an estimate from one or two units, so predictions
-that lean on them carry a wide predictive σ rather than a confident number,
-and the run reports them as weakly identified (:meth:`PriorStatus.identification`,
-in the run's output and the exported prior). When every unit has fewer points
-than the basis has terms, lower the orders: the prior cannot be learned from
-such a fleet (measured in docs/results/fleet-prior.md).
+Identification. A direction of coefficient space that no unit's data determine (e.g.
+curvature in temperature when every unit saw only two temperatures) cannot be learned. The
+server counts, per direction, how many units' own points determine it (the eigenvalues of
+Σ_i [I − (I + s²G_i/σ_i²)⁻¹], s = ``init_scale``); along directions informed by fewer than
+``min_informed`` units it keeps the vague start (μ unchanged, variance s²), so predictions that
+lean on them carry a wide σ rather than a confident number, and the run reports them as weakly
+identified (:meth:`PriorStatus.identification`). When every unit has fewer points than the
+basis has terms, lower the orders (measured in docs/results/fleet-prior.md).
 
-Every option around the model is a part, a frozen dataclass declared by the settings it
-reads, built once (:mod:`~fedcal.algorithms.fedprior_parts`, whose module doc lists them):
-the complexity chosen by the fleet's evidence (``select = "bic"``: every candidate's EM runs
-in the same federation, its E- and M-steps this module's, run on each candidate's terms by
-:mod:`~fedcal.algorithms.fedprior_candidates`, C1–C4), the chamber's sweep direction
-(``branch_orders``: the design [φ, b·ψ], :mod:`~fedcal.algorithms.fedprior_basis`), the
-noise model (N1–N7), the calibrated interval (I1–I4), the time-respecting choice, the
-extrapolation guard, client-level DP's bounds, the robust sums and the streamed round.
-
-One idea per file: this module is the model and its federated EM (the E-step in
-``client_update``, the M-step in ``_prior_update`` and ``server_update``, the personal model);
-its settings are :class:`~fedcal.algorithms.fedprior_settings.FedPriorSettings`; the engine's
-optional hooks (core/hooks.py) are its parts' methods (:class:`Delegate`) or a few lines here
-that call them. The table of parts, what each owns and may import: docs/design.md, "The
-flagship algorithms, one idea per file".
+This module is the model and its federated EM (the E-step in ``client_update``, the M-step in
+``_prior_update`` and ``server_update``, the personal model); its settings are
+:class:`~fedcal.algorithms.fedprior_settings.FedPriorSettings`. Every option around it is a
+part with declared state, built once (:mod:`~fedcal.algorithms.fedprior_parts`, whose doc
+lists them: the basis chosen by the fleet's evidence, every candidate's EM running these
+equations on its terms, the sweep direction, the noise model, the calibrated interval, the
+time-respecting choice, ...); the server's trees around the M-step are
+:mod:`~fedcal.algorithms.fedprior_state`'s; the engine's optional hooks (core/hooks.py) are
+the parts' methods (:class:`~fedcal.algorithms.fedprior_parts.Delegate`) or a few lines here.
+The table of parts: docs/design.md, "The flagship algorithms, one idea per file".
 """
 
 from __future__ import annotations
@@ -84,30 +67,17 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from fedcal.algorithms.fedprior_basis import model_mask, unit_noise
+from fedcal.algorithms import fedprior_state
+from fedcal.algorithms.fedprior_basis import model_mask, phi_terms, psi_terms, unit_noise
 from fedcal.algorithms.fedprior_choice import SIMPLE
 from fedcal.algorithms.fedprior_deploy import deploy_state
 from fedcal.algorithms.fedprior_deployed import deployed_var
 from fedcal.algorithms.fedprior_interval_parts import residual_terms
 from fedcal.algorithms.fedprior_noise import sensor_noise
-from fedcal.algorithms.fedprior_parts import (
-    Delegate,
-    FedPriorParts,
-    build_parts,
-    phi_terms,
-    psi_terms,
-)
+from fedcal.algorithms.fedprior_parts import Delegate, FedPriorParts, build_parts
 from fedcal.algorithms.fedprior_select import _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
 from fedcal.algorithms.fedprior_settings import FedPriorSettings
-from fedcal.algorithms.fedprior_state import (
-    broadcast,
-    export_state,
-    next_server,
-    personal_shapes,
-    round_sums,
-    server_start,
-)
 from fedcal.core.algorithm import ClientResult, SettingError
 from fedcal.core.bayes import (
     F64,
@@ -139,17 +109,13 @@ class FedPrior(FedPriorSettings):
 
     reply_aggregation = "sum"  # sums of per-unit sufficient statistics
     reads_seeds = False  # a closed-form E-step: no minibatches, no draws
-    # Measured (studies/poisoning.py): a coordinate-wise median of the second moments
-    # is not positive definite (Cholesky fails) and a trimmed mean costs 24× on a clean
-    # fleet; screening, clipping and Krum keep the statistics whole.
+    # Measured (studies/poisoning.py): a coordinate-wise median of the second moments is not
+    # PD (Cholesky fails), a trimmed mean costs 24× on a clean fleet; Krum keeps them whole.
     robust_rules = ("mean", "krum")
-    # With select = "bic" every candidate's statistics travel under "cand/"; the server
-    # judges a client (screening, Krum) by the chosen candidate's statistics only: a
-    # sub-basis that misfits the fleet has large statistics for honest units too.
-    # "gram" (the design's ΦᵀΦ, inputs only) is judged by the consistency check (PSD,
-    # G_00 = n: core/robust.py), not by size: per row it is a moment of the unit's inputs
-    # (x⁴ for a quadratic), which honest units differ in by 10²–10³ (pollution episodes,
-    # docs/statuses.md); every statistic the prior is fitted from is still size-screened.
+    # Not size-screened: every candidate's statistics ("cand/"; a client is judged by the
+    # chosen candidate's: a misfit sub-basis has large ones for honest units too), and "gram"
+    # (ΦᵀΦ: per row a moment of the unit's inputs, which honest units differ in by 10²–10³,
+    # docs/statuses.md), judged by the consistency check (PSD, G_00 = n: core/robust.py).
     unscreened_replies = ("cand/", "interval/", "noise/", "gram", "select", "choice/")
 
     def check_task(self, task: Task) -> None:
@@ -212,14 +178,11 @@ class FedPrior(FedPriorSettings):
     unsampled_broadcast = Delegate("rounds_schedule", "unsampled")  # outside R1's sample
     design = Delegate("design_basis")  # [φ(x), b·ψ(x)]
     variance_design = Delegate("design_basis")  # z(x) = [φ(x), ψ(x)]
-    # (Q, s): the predictive variance z(x)ᵀQ z(x) + s, the single place that predictive_std
-    # and the firmware/JSON exports read
-    variance_form = Delegate("design_basis")
+    variance_form = Delegate("design_basis")  # (Q, s): σ² = zᵀQz + s, the exports' too
     beyond_support = Delegate("support_box", "beyond")  # (clients, rows): beyond the unit's box
     outlier_weights = Delegate("robust_uploads")  # each client's M-step weight (or None)
     screen_view = Delegate("robust_uploads")  # what the server's size screen judges
-    # client-level DP: each uploaded statistic's public map and bound, or a ValueError for
-    # the settings DP does not cover (PrivateStatistics.refusal)
+    # client-level DP: each statistic's public map and bound (or a ValueError: not covered)
     dp_statistics = Delegate("private_statistics", "checked")
     unit_columns = Delegate("time_choice")  # per unit: the no-harm fall-back and σ factors
     outlier_inputs = Delegate("streamed")  # a streamed round's per-unit leaves (StreamsSums)
@@ -231,16 +194,16 @@ class FedPrior(FedPriorSettings):
 
     def personal_shapes(self) -> dict[str, tuple[int, ...]]:
         """One sensor's :meth:`personalize` tree: shapes a loaded model file must have."""
-        return personal_shapes(self.parts, self.deploy_rows)
+        return fedprior_state.personal_shapes(self.parts, self.deploy_rows)
 
     # ---- the contract --------------------------------------------------------
     def server_init(self, params: Tree) -> Tree:
         """The vague start and each part's state (fedprior_state.server_start)."""
-        return server_start(self.parts, self.init_scale, self.init_noise)
+        return fedprior_state.server_start(self.parts, self.init_scale, self.init_noise)
 
     def broadcast(self, server: Tree) -> Tree:
         """The prior (μ, Σ, σ²) and each part's keys (fedprior_state.broadcast)."""
-        return broadcast(self.parts, server)
+        return fedprior_state.broadcast(self.parts, server)
 
     def client_init(self, down: Tree) -> Tree:
         return {"noise_var": down["noise_var"].clone(), **self.candidate_ems.client_init(down)}
@@ -249,10 +212,9 @@ class FedPrior(FedPriorSettings):
         return unit_noise(self.noise, down, state)
 
     def derive(self, data: ClientData) -> dict[str, Tensor] | None:
-        """The units' unweighted moments of step 1, which their data alone fix, formed once
-        by the engine (``ClientData.derived``; :meth:`DesignBasis.derived`) instead of every
-        round (issue 25.1). None with row weights (fedprior_noise): those depend on the
-        broadcast."""
+        """The units' unweighted moments of step 1, which their data alone fix, formed once by
+        the engine (``ClientData.derived``; :meth:`DesignBasis.derived`), not every round
+        (issue 25.1). None with row weights (fedprior_noise): they depend on the broadcast."""
         return None if self.noise_model.weighted else self.design_basis.derived(data)
 
     def _moments(self, data: ClientData, down: Tree | None = None) -> Moments:
@@ -403,8 +365,9 @@ class FedPrior(FedPriorSettings):
         """Step 2 (module doc): the sums in a canonical order, each unit once, times its outlier
         weight (``units``: N when the replies are already summed, fedprior_stream), then
         :meth:`_prior_update` per EM and each part's update (fedprior_state)."""
-        sums = round_sums(self.parts, server, replies, units, self.outlier_weights(server, replies))
-        new = next_server(self.parts, sums, self._prior_update)
+        robust = self.outlier_weights(server, replies)
+        sums = fedprior_state.round_sums(self.parts, server, replies, units, robust)
+        new = fedprior_state.next_server(self.parts, sums, self._prior_update)
         return self.rounds_schedule.after(server, new, sums.count)
 
     # ---- step 3, the personal model (module doc) ----
@@ -458,15 +421,10 @@ class FedPrior(FedPriorSettings):
         return var.sqrt().unsqueeze(-1).to(x.dtype)
 
     def interval_halfwidth(self, params: Tree, x: Tensor, std: Tensor | None = None) -> Tensor:
-        """The central 95 % interval's half-width per row (clients, rows, 1), scaled.
-
-        Without a direction term 1.96 σ. With one, the field's sweep b = ±1 is unknown
-        (equal odds), so the error of the branch-average prediction is the mixture
-        ½N(ψᵀm_h, s²) + ½N(−ψᵀm_h, s²), s² = σ(x)² − (ψᵀm_h)² (:meth:`predictive_std`'s
-        variance less the direction term's mean part); its interval
-        (:func:`~fedcal.core.bayes.mixture_halfwidth`) is narrower than 1.96 σ, which
-        treats ±ψᵀm_h as Gaussian. ``std``: σ(x) if given (fedprior_drift's σ at each row's
-        time), else :meth:`predictive_std`.
+        """The central 95 % interval's half-width per row (clients, rows, 1), scaled: 1.96 σ,
+        or with a direction term (the field's sweep b = ±1 unknown) that of the mixture
+        ½N(ψᵀm_h, s²) + ½N(−ψᵀm_h, s²), s² = σ(x)² − (ψᵀm_h)² (:meth:`DesignBasis.halfwidth`).
+        ``std``: σ(x) if given (fedprior_drift's at each row's time), else :meth:`predictive_std`.
         """
         std = (self.predictive_std(params, x) if std is None else std).to(F64)
         return self.design_basis.halfwidth(params, x, std).to(x.dtype)
@@ -481,10 +439,9 @@ class FedPrior(FedPriorSettings):
         return self.robust_uploads.inconsistent(frames, replies, weights, accepted)
 
     def consistency_check(self, server: Tree) -> Callable[..., dict[int, str] | None]:
-        """:meth:`inconsistent_replies` bound to one round's ``server``, called as
-        ``check(replies, weights, accepted)``, its priors' frames formed once, not once per
-        chunk of a streamed round; a subclass's own :meth:`inconsistent_replies`
-        (fedprior_drift adds checks) bound as it is."""
+        """:meth:`inconsistent_replies` bound to one round's ``server`` (``check(replies,
+        weights, accepted)``), its frames formed once, not once per chunk of a streamed round;
+        a subclass's own (fedprior_drift adds checks) bound as it is."""
         if type(self).inconsistent_replies is not FedPrior.inconsistent_replies:
             return partial(self.inconsistent_replies, server)
         frames = self.robust_uploads.frames(server, self._gram_counts_rows(server))
@@ -533,7 +490,7 @@ class FedPrior(FedPriorSettings):
 
     def export_state(self, server: Tree) -> dict:
         """The fleet prior with the time choice's record (fedprior_state.export_state)."""
-        return export_state(self.parts, server, self.interval_note(server))
+        return fedprior_state.export_state(self.parts, server, self.interval_note(server))
 
     def deploy_state(self, server: Tree, data: ClientData) -> dict | None:
         """The prior's design-dependent error model, prior.json's ``"discrepancy"``, or None

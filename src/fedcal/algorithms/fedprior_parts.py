@@ -40,7 +40,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from fedcal.algorithms.fedprior_basis import DesignBasis
+from fedcal.algorithms.fedprior_basis import DesignBasis, Terms, tensor_basis
 from fedcal.algorithms.fedprior_candidates import CandidateEMs
 from fedcal.algorithms.fedprior_choice import TimeChoice
 from fedcal.algorithms.fedprior_dp import PrivateStatistics
@@ -54,33 +54,8 @@ from fedcal.algorithms.fedprior_select import EvidenceSelection
 from fedcal.algorithms.fedprior_status import PriorStatus
 from fedcal.algorithms.fedprior_stream import StreamedSums
 from fedcal.algorithms.fedprior_support import SupportBox
-from fedcal.models.basis import legendre_exponents
 
 Part = TypeVar("Part")
-Terms = tuple[tuple[int, ...], ...]
-
-
-def tensor_basis(basis: str, orders: tuple[int, ...], inputs: int) -> bool:
-    """Whether φ is the tensor product up to ``orders`` (else every product up to a total
-    degree): ``basis = "tensor"``, or ``"auto"`` with one order per input."""
-    return basis == "tensor" or (basis == "auto" and len(orders) == inputs)
-
-
-def phi_terms(basis: str, orders: tuple[int, ...], degree: int, inputs: int) -> Terms:
-    """Exponent tuples of φ's Legendre products (constant first; module doc of fedprior.py)."""
-    if tensor_basis(basis, orders, inputs):
-        if len(orders) != inputs:
-            raise ValueError(
-                f"orders {list(orders)} needs one order per input ({inputs} inputs); "
-                "or use basis = 'total' with a degree"
-            )
-        return legendre_exponents(inputs, orders=orders)
-    return legendre_exponents(inputs, degree=degree)
-
-
-def psi_terms(branch_orders: tuple[int, ...], inputs: int) -> Terms:
-    """Exponent tuples of ψ, the sweep-direction term's basis (empty when off)."""
-    return legendre_exponents(inputs, orders=branch_orders) if branch_orders else ()
 
 
 def declared(part: type[Part], settings: dict[str, Any], given: dict[str, Any], prefix="") -> Part:
