@@ -244,6 +244,8 @@ class FedPrior(FedPriorSettings):
 
     # ---- step 1, the E-step (module doc) ----
     def client_update(self, down: Tree, state: Tree, data: ClientData) -> ClientResult:
+        """Step 1 (module doc): the unit's posterior under the broadcast prior, its terms of
+        the M-step sums (:meth:`_e_step_sums`) and each part's uploads."""
         design, rw = None, None
         # select_by = "marginal": the EM runs on the full basis (without the ψ coordinates J
         # out of the model), whatever candidate is chosen: its E-step and noise model too
@@ -255,10 +257,9 @@ class FedPrior(FedPriorSettings):
             full = self.noise_model.moments(design, data, rw)
         else:
             full = self._client_moments(down, data)  # once: candidates' are masks of these
-        # With selection the chosen candidate's E-step is also in the batch below, but is
-        # computed on its own: with noise = "sensor" its σ_i² is last round's choice's (not
-        # always this round's); with one fleet σ² the batched one differs in the last bits
-        # (measured: taking it from the batch saved 4 % of a client update).
+        # With selection the chosen candidate's E-step is also in the batch below, but is run
+        # on its own: with noise = "sensor" its σ_i² is last round's choice's; with one fleet
+        # σ² the batched one differs in the last bits (taking it saved 4 % of an update).
         stats, post = self._posterior(em, state, full)
         reml = full.n if self.interval == "calibrated" else None
         chosen = self._e_step_sums(post, stats.gram, self._noise(down, state), reml)
@@ -271,9 +272,8 @@ class FedPrior(FedPriorSettings):
             reply["branch_support"] = data_support(gram, self._noise(down, state), self.init_scale)
         if self.interval == "calibrated" and "probe_x" in down:
             # Unscreened ("interval/"): a unit's residual terms scale with its rows.
-            held = self.calibrated.heldout(
-                down, state, data, rw, self.rounds_schedule.holds_out(down)
-            )
+            holds = self.rounds_schedule.holds_out(down)  # R2
+            held = self.calibrated.heldout(down, state, data, rw, holds)
             reply["interval"] = {"dof": chosen["dof"], "fit": chosen["fit"], **held}
         if self.noise_shape == "inputs":  # γ's score, information and evidence (N2)
             reply["noise"] = self.noise_model.uploads(em, data, design, post, rw[1])
@@ -292,8 +292,7 @@ class FedPrior(FedPriorSettings):
             args = (down, state, data, gram, chosen["mean"])
             reply["choice"] = self.time_choice.uploads(self, *args)
         fit_mse = post.rss / full.n.clamp_min(1.0)
-        # jitter: the relative jitter a near-singular factorization needed (0: none; 1: an
-        # eigenvalue floor), per unit and round in the run's metrics (core.bayes.safe_cholesky).
+        # jitter (core.bayes.safe_cholesky): 0 none, 1 an eigenvalue floor; per unit and round
         metrics = {"train_loss": fit_mse, "loglik": post.loglik, "jitter": post.jitter}
         return ClientResult(reply, new_state, metrics)
 
