@@ -114,24 +114,24 @@ def build_parts(settings: dict[str, Any], inputs: int, terms: Terms, psi: Terms)
     candidate_ems = declared(CandidateEMs, s, known)
     known["forward"] = declared(ForwardInterval, s, known, prefix="choice_")
     time_choice = declared(TimeChoice, s, known, prefix="choice_")
-    weighted = {"branch": bool(s["branch_orders"]), "weighted": noise.weighted}
+    dp = {"branch": bool(s["branch_orders"]), "weighted": noise.weighted}
     lin = time_choice.linear_terms
     k = len(known["selection"].candidates) if candidate_ems.on else 0
     robust = {"candidates": k, "linear_terms": None if lin is None else tuple(lin)}
     return FedPriorParts(
-        known["basis"],
-        known["selection"],
-        noise,
-        known["support_box"],
-        known["pins"],
-        schedule,
-        candidate_ems,
-        declared(PriorStatus, s, known),
-        declared(CalibratedInterval, s, known),
-        time_choice,
-        declared(PrivateStatistics, s, known | weighted, prefix="dp_"),
-        declared(StreamedSums, s, known),
-        declared(RobustUploads, s, known | robust),
+        design_basis=known["basis"],
+        selection=known["selection"],
+        noise_model=noise,
+        support_box=known["support_box"],
+        branch_pins=known["pins"],
+        rounds_schedule=schedule,
+        candidate_ems=candidate_ems,
+        prior_status=declared(PriorStatus, s, known),
+        calibrated=declared(CalibratedInterval, s, known),
+        time_choice=time_choice,
+        private_statistics=declared(PrivateStatistics, s, known | dp, prefix="dp_"),
+        streamed=declared(StreamedSums, s, known),
+        robust_uploads=declared(RobustUploads, s, known | robust),
     )
 
 
