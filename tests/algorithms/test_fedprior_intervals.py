@@ -255,6 +255,7 @@ def test_the_note_names_both_declines_when_the_probe_and_the_own_rows_find_no_ta
 def _own_counts_reference(alg, down, state, design, x, y, mask, able, weights):
     """I4's counts as first built: F fits of every unit, each predicting every row."""
     from fedcal.algorithms.fedprior_interval import TAU_GRID
+    from fedcal.algorithms.fedprior_interval_parts import kept_moments
 
     inside = torch.zeros(mask.shape[0], TAU_GRID.shape[0], dtype=F64)
     held = torch.zeros(mask.shape[0], dtype=F64)
@@ -262,9 +263,9 @@ def _own_counts_reference(alg, down, state, design, x, y, mask, able, weights):
     for k in range(alg.own_folds):
         part = mask * (fold == k).to(F64) * able.unsqueeze(1)
         fold_held = part if weights is None else part * weights[1]
-        inside += alg.calibrated._fit_count(
-            down, state, design, x, y, mask - part, fold_held, weights
-        )
+        w = None if weights is None else weights[0]
+        stats = kept_moments(design, y, mask - part, w)
+        inside += alg.calibrated._fit_count(down, state, stats, x, y, fold_held)
         held += fold_held.sum(1)
     return inside, held
 

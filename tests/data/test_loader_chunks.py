@@ -47,6 +47,26 @@ def test_row_groups_equal_the_whole_file(fleet_file):
             assert torch.equal(t, u), (split, name)
 
 
+def test_the_options_are_load_fleets(fleet_file):
+    """load_fleet_chunks takes load_fleet's options by name, with its defaults: a seeded split
+    of its own (the file's split column ignored, another fraction and seed) splits each sensor
+    as load_fleet does. An unknown option is a TypeError at the call; a bad value is refused
+    at the first row group (a generator checks nothing before)."""
+    options = {"split_column": None, "test_fraction": 0.3, "seed": 4}
+    whole = load_fleet(fleet_file, **options)
+    parts = list(load_fleet_chunks(fleet_file, **options))
+    joined = pd.concat([p.frame for p in parts], ignore_index=True)
+    pd.testing.assert_frame_equal(joined, whole.frame.reset_index(drop=True))
+    assert all(p.meta["split"] == "seeded" for p in parts)
+    default = load_fleet(fleet_file, split_column=None).frame["split"].tolist()
+    assert joined["split"].tolist() != default  # the fraction and seed reached the split
+    with pytest.raises(TypeError, match="test_fractions"):
+        load_fleet_chunks(fleet_file, test_fractions=0.3)
+    chunks = load_fleet_chunks(fleet_file, test_fraction=1.5)
+    with pytest.raises(ValueError, match=r"test_fraction must be in \[0, 1\), got 1.5"):
+        next(chunks)
+
+
 def test_a_changed_value_is_refused_before_any_row_group(fleet_file, tmp_path):
     table = pq.read_table(fleet_file)
     col = table.column_names.index("pressure_hpa")

@@ -51,8 +51,8 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from fedcal.core.algorithm import Algorithm, ClientResult
-from fedcal.core.classification import class_index, masked_cross_entropy
+from fedcal.core.algorithm import ClientResult
+from fedcal.core.classification import FedLSARecipe, class_index, masked_cross_entropy
 from fedcal.core.data import ClientData
 from fedcal.core.local import LossFn
 from fedcal.core.task import Task
@@ -89,12 +89,7 @@ def _seed_from(params: Tree) -> int:
 
 
 @dataclass(frozen=True)
-class FedLSA(Algorithm):
-    lr: float = 0.01
-    momentum: float = 0.9
-    batch_size: int = 64
-    local_epochs: int = 5
-    sample_weighted: bool = True
+class FedLSA(FedLSARecipe):
     lam: Annotated[float, Field(ge=0.0)] = 0.5  # λ, weight of L_COM (eq. 10)
     tau: Annotated[float, Field(gt=0.0)] = 0.1  # τ, temperature of eqs. 4 and 8
     alpha: Annotated[float, Field(ge=0.0)] = 0.4  # α, weight of L_SEP (eq. 5)

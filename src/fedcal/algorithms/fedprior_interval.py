@@ -81,8 +81,8 @@ import torch
 from torch import Tensor
 
 from fedcal.algorithms.fedprior_basis import DesignBasis, model_mask, unit_noise
-from fedcal.algorithms.fedprior_interval_parts import probe_unit, span_positions
-from fedcal.algorithms.fedprior_noise import NoiseModel, weighted_moments
+from fedcal.algorithms.fedprior_interval_parts import kept_moments, probe_unit, span_positions
+from fedcal.algorithms.fedprior_noise import NoiseModel
 from fedcal.algorithms.fedprior_rounds import carried_interval, probe_design, small_probe
 from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
 from fedcal.core.bayes import (
@@ -90,7 +90,6 @@ from fedcal.core.bayes import (
     Moments,
     count_within,
     mixture_mass,
-    moments,
     posterior_moments,
     predictive_var,
 )
@@ -241,7 +240,8 @@ class CalibratedInterval:
         design = self.basis.design(x, data.branch)
         if weights is not None:  # N5: held rows the robust fit marks outliers not counted
             held = held * weights[1]
-        inside = self._fit_count(down, state, design, x, y, keep, held, weights)
+        w = None if weights is None else weights[0]  # N5: the weighted fit
+        inside = self._fit_count(down, state, kept_moments(design, y, keep, w), x, y, held)
         out = {**probe, "inside": inside, "held": held.sum(1)}
         if self.own_folds:  # I4: the rich units hold out their own rows, fold by fold
             out["inside_own"], out["held_own"] = self._own_counts(
@@ -284,13 +284,11 @@ class CalibratedInterval:
         yr, dr = y.index_select(0, rich), design.index_select(0, rich)
         w0 = None if weights is None else weights[0].index_select(0, rich)
         # the fits, one per (fold, unit), fold-major: moments of the other folds' rows
-        fit = moments if w0 is None else lambda d, t, k: weighted_moments(d, t, k, w0)
-        sub = [fit(dr, yr, m - part[k]) for k in range(f)]
+        sub = [kept_moments(dr, yr, m - part[k], w0) for k in range(f)]
         stats = Moments(*(torch.cat(v) for v in zip(*sub, strict=True)))
         batch = rich.repeat(f)
         # the broadcast's rows the fits read (not the BIC candidates' priors)
         down = gather({k: v for k, v in down.items() if k != "cand"}, batch)
-        coef, cov, noise = self._fit(down, gather(state, batch), stats)
         # each fit predicts its own fold's rows only (in row order; shorter folds padded)
         width = math.ceil(float(m.sum(1).max()) / f)
         order = torch.argsort((part == 0).to(torch.int8), dim=-1, stable=True)[..., :width]
@@ -301,29 +299,18 @@ class CalibratedInterval:
         xs = x.index_select(0, batch)
         xs = xs.gather(1, order.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
         ys = yr.repeat(f, 1).gather(1, order)
-        counts = self._count(down, coef, cov, noise, xs, ys, fold_rows)
+        counts = self._fit_count(down, gather(state, batch), stats, xs, ys, fold_rows)
         inside[rich] = counts.reshape(f, rich.numel(), -1).sum(0)
         held[rich] = fold_rows.reshape(f, rich.numel(), width).sum((0, 2))
         return inside, held
 
     def _fit_count(
-        self,
-        down: Tree,
-        state: Tree,
-        design: Tensor,
-        x: Tensor,
-        y: Tensor,
-        keep: Tensor,
-        held: Tensor,
-        weights: tuple[Tensor, Tensor] | None,
+        self, down: Tree, state: Tree, sub: Moments, x: Tensor, y: Tensor, held: Tensor
     ) -> Tensor:
-        """Fit each unit's posterior under the broadcast prior from its ``keep`` rows alone
-        and count, per τ² of :data:`TAU_GRID`, its ``held`` rows inside the interval it
-        states (I2): (clients, grid)."""
-        if weights is None:
-            sub = moments(design, y, keep)
-        else:  # N5: the weighted fit
-            sub = weighted_moments(design, y, keep, weights[0])
+        """Fit each unit's posterior under the broadcast prior from the moments ``sub`` of its
+        kept rows alone (:func:`kept_moments`) and count, per τ² of :data:`TAU_GRID`, its
+        ``held`` rows (x, y) inside the interval it states (I2; I4 a fit per fold and unit):
+        (clients, grid)."""
         coef, cov, noise = self._fit(down, state, sub)
         return self._count(down, coef, cov, noise, x, y, held)
 

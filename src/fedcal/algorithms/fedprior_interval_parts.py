@@ -1,6 +1,7 @@
 """fedprior_interval's pieces that are plain functions of tensors: a unit's rows as positions
-in its own span (the hold-out's matching of designs, I2), the probe's unit, and the residual
-terms of the restricted noise update (I1) (:mod:`fedcal.algorithms.fedprior_interval`)."""
+in its own span (the hold-out's matching of designs, I2), the probe's unit, the moments of a
+hold-out fit's kept rows (I2, I4), and the residual terms of the restricted noise update (I1)
+(:mod:`fedcal.algorithms.fedprior_interval`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import math
 import torch
 from torch import Tensor
 
-from fedcal.core.bayes import Posterior
+from fedcal.algorithms.fedprior_noise import weighted_moments
+from fedcal.core.bayes import Moments, Posterior, moments
 from fedcal.core.tree import Tree
 
 
@@ -33,6 +35,12 @@ def probe_unit(n: Tensor) -> int | None:
     if not bool(small.any()):
         return None
     return int(torch.argmin(torch.where(small, n, math.inf)))
+
+
+def kept_moments(design: Tensor, y: Tensor, keep: Tensor, weight: Tensor | None) -> Moments:
+    """The moments a hold-out fit reads (I2, I4): of the ``keep`` rows, weighted by the noise
+    model's row weights (N5) when there are any."""
+    return moments(design, y, keep) if weight is None else weighted_moments(design, y, keep, weight)
 
 
 def residual_terms(post: Posterior, gram: Tensor, noise: Tensor, n: Tensor) -> Tree:

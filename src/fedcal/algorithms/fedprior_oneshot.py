@@ -36,6 +36,7 @@ and is outside the ε the accountant reports.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -115,25 +116,23 @@ def oneshot_prior(
     budget: StagedBudget | None,
     generator: torch.Generator,
     min_rows: int = 0,
-    quantile: float = 0.9,
     whiten: Whitening | None = None,
-    refresh_last: bool = False,
     coordinates: Tensor | None = None,
-    scales: bool = False,
-    relevant: float = 0.0,
     keys: Sequence[object] | None = None,
+    **release: Any,
 ) -> tuple[Tree, dict[str, float]]:
     """Steps 1–2: the broadcast (μ, Σ, σ², box) of the released prior, and the release's
     metrics. ``min_rows`` 0: twice the basis's terms. ``budget`` None: no noise;
-    ``whiten``: the oracle's preconditioner; ``refresh_last``: the last stage re-releases
-    the whole covariance (:func:`fedcal.core.privacy.release_moments`); ``coordinates``: a
+    ``whiten``: the oracle's preconditioner; ``coordinates``: a
     public R (:func:`prediction_coordinates`), the release then runs on u = R ĉ (``whiten``
-    stays in c's coordinates) and is mapped back; ``scales``: stage 1 releases each coordinate's
-    scale and median, ``relevant``: the next stages refine only the coordinates whose
-    variance is at least that × σ̂₀² (:func:`fedcal.core.privacy.release_moments`;
-    meaningful in prediction ``coordinates``); ``keys``: one public key per unit of ``data``
+    stays in c's coordinates) and is mapped back; ``keys``: one public key per unit of ``data``
     (its sensor id), the contributing units' order the scale stage's path follows (None:
-    positions, whose caveat :func:`fedcal.core.privacy.release_moments` states)."""
+    positions, whose caveat :func:`fedcal.core.privacy.release_moments` states).
+    ``release``: :func:`fedcal.core.privacy.release_moments`' options as they are, with its
+    defaults (declared there once): ``quantile``; ``refresh_last``, the last stage re-releases
+    the whole covariance; ``scales``, stage 1 releases each coordinate's scale and median;
+    ``relevant``, the next stages refine only the coordinates whose variance is at least that
+    × σ̂₀² (meaningful in prediction ``coordinates``)."""
     p = algorithm.num_features
     if keys is not None and len(keys) != data.num_clients:
         raise ValueError(f"oneshot keys: {len(keys)} for {data.num_clients} units")
@@ -157,13 +156,10 @@ def oneshot_prior(
         generator,
         scale,
         algorithm.init_noise,
-        quantile,
-        whiten,
-        algorithm.floor,
-        refresh_last,
-        scales,
-        relevant,
-        keys,
+        whiten=whiten,
+        floor=algorithm.floor,
+        keys=keys,
+        **release,
     )
     mean, cov = released.mean, released.cov
     if coordinates is not None:  # back to c: μ = R⁻¹ μ_u, Σ = R⁻¹ Σ_u R⁻ᵀ, eigenvalues ≥ floor

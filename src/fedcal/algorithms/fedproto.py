@@ -26,7 +26,8 @@ name FedProto (the FPL code base): models are also averaged as in FedAvg and
 every client uses the global model.
 
 Defaults: λ = 1 (authors' ``ld``); the optimizer recipe is FedLSA's (SGD lr
-0.01, momentum 0.9, batch 64, 5 epochs) so the two are compared on equal
+0.01, momentum 0.9, batch 64, 5 epochs;
+:class:`~fedcal.core.classification.FedLSARecipe`) so the two are compared on equal
 terms — the FedProto paper uses lr 0.01, momentum 0.5, 1 local epoch.
 """
 
@@ -39,8 +40,9 @@ import torch
 from pydantic import Field
 from torch import Tensor
 
-from fedcal.core.algorithm import Algorithm, ClientResult
+from fedcal.core.algorithm import ClientResult
 from fedcal.core.classification import (
+    FedLSARecipe,
     class_index,
     local_prototypes,
     masked_cross_entropy,
@@ -67,12 +69,7 @@ def aggregate_prototypes(
 
 
 @dataclass(frozen=True)
-class FedProto(Algorithm):
-    lr: float = 0.01
-    momentum: float = 0.9
-    batch_size: int = 64
-    local_epochs: int = 5
-    sample_weighted: bool = True  # FedAvg weights n_m/n (used with share_model)
+class FedProto(FedLSARecipe):  # sample-weighted: FedAvg's n_m/n (used with share_model)
     lam: Annotated[float, Field(ge=0.0)] = 1.0  # λ, weight of the prototype regularizer (eq. 7)
     share_model: bool = False  # True: FedAvg + prototypes, as FedLSA's benchmark runs it
 

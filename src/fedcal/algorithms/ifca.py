@@ -45,7 +45,7 @@ from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData
-from fedcal.core.tree import Tree, tree_map, weighted_mean
+from fedcal.core.tree import Tree, clone, expand, tree_map, weighted_mean
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class IFCA(Algorithm):
 
     def copies(self, model: Tree) -> Tree:
         """k identical models (leaves (k, ...))."""
-        return tree_map(lambda t: t.unsqueeze(0).expand(self.clusters, *t.shape).clone(), model)
+        return clone(expand(model, self.clusters))
 
     def split(self, model: Tree) -> Tree:
         """θ_j = θ + spread·(ε_j − mean ε) (leaves (k, ...)), ε drawn from ``init_seed``."""

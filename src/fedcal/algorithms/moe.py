@@ -41,7 +41,7 @@ from torch import Tensor
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import ClientData
 from fedcal.core.task import Task
-from fedcal.core.tree import Tree, stack, tree_map, weighted_mean
+from fedcal.core.tree import Tree, clone, expand, stack, weighted_mean
 from fedcal.models.mlp import MLP
 from fedcal.models.moe import EXPERTS, GATE, MixtureOfExperts, prefixed, unprefixed
 
@@ -79,7 +79,7 @@ class MoE(Algorithm):
         n = next(iter(down["experts"].values())).shape[0]
         dtype = next(iter(down["experts"].values())).dtype
         gate = self.mixture.init_gate(torch.Generator().manual_seed(self.gate_seed), dtype)
-        return {"gate": tree_map(lambda t: t.unsqueeze(0).expand(n, *t.shape).clone(), gate)}
+        return {"gate": clone(expand(gate, n))}
 
     def client_update(self, down: Tree, state: Tree, data: ClientData) -> ClientResult:
         params = {**prefixed(EXPERTS, down["experts"]), **prefixed(GATE, state["gate"])}

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fedcal.core.algorithm import Algorithm
 from fedcal.core.task import Task
 
 
@@ -96,3 +97,22 @@ class ClassificationTask(Task):
         hit = (pred.argmax(-1) == class_index(y)).to(mask.dtype) * mask
         accuracy = hit.sum(1) / mask.sum(1).clamp_min(1.0)
         return {"error_rate": 1.0 - accuracy, "accuracy": accuracy}
+
+
+@dataclass(frozen=True)
+class FedLSARecipe(Algorithm):
+    """The local optimizer recipe of FedLSA's benchmark (seed 001, §5.1) as a method's defaults:
+    SGD lr 0.01, momentum 0.9, batch 64, E_c = 5 local epochs, aggregation weighted by train
+    rows (n_m/n).
+
+    FedLSA's own, and FedProto's, so that the two are compared on equal terms (the FedProto
+    paper's lr 0.01, momentum 0.5, 1 epoch is not used). The fields are
+    :class:`~fedcal.core.algorithm.Recipe`'s
+    (their ranges, their place in the repr); only the defaults change.
+    """
+
+    lr: float = 0.01
+    momentum: float = 0.9
+    batch_size: int = 64
+    local_epochs: int = 5
+    sample_weighted: bool = True

@@ -4,7 +4,7 @@ order, then the frame assembled (the same for a whole file and each of its row g
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +27,7 @@ from fedcal.data.fleet import (
 from fedcal.data.reading import SOURCE_LINE, _Raw
 from fedcal.data.splits import _check_counts, _seeded_split, time_split
 from fedcal.data.tablechecks import (
+    _check_args,
     _check_columns,
     _check_duplicates,
     _check_roles,
@@ -49,6 +50,31 @@ class _Assembly:
     mins: dict[str, int]
     time_column: str | None
     split_by: str
+
+
+def checked_assembly(
+    features: Sequence[str] | None,
+    target: str | None,
+    client_column: str,
+    split_column: str | None,
+    test_fraction: float,
+    seed: int,
+    min_train_points: int,
+    min_test_points: int,
+    time_column: str | None,
+    split_by: str,
+) -> _Assembly:
+    """:func:`~fedcal.data.loader.load_fleet`'s arguments of that name (its and
+    ``load_fleet_chunks``'s, which shares them) checked by ``_check_args`` (features and
+    target defaulted to the barometric schema) and bundled."""
+    mins = {"train": min_train_points, "test": min_test_points}
+    features, target = _check_args(
+        features, target, client_column, split_column, test_fraction, seed, mins
+    )
+    return _Assembly(
+        features, target, client_column, split_column, test_fraction, seed, mins, time_column,
+        split_by,
+    )  # fmt: skip
 
 
 @dataclass

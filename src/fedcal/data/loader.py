@@ -59,15 +59,17 @@ metadata, checked on read when present.
 
 from __future__ import annotations
 
+import inspect
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from fedcal.core.atomic import write_with
-from fedcal.data.assembly import _Assembly, _fleet_of
+from fedcal.data.assembly import _fleet_of, checked_assembly
 from fedcal.data.cells import _infer_text_column, _parse_ids, _parse_numbers, parse_times
 from fedcal.data.fileerrors import MAX_LISTED, FleetDataError, SensorSplitError, _raise_first
 from fedcal.data.fleet import (
@@ -86,9 +88,9 @@ from fedcal.data.reading import (
     _read_guarded,
     max_file_bytes,
 )
-from fedcal.data.rowgroups import load_fleet_chunks, save_chunks
+from fedcal.data.rowgroups import row_group_fleets, save_chunks
 from fedcal.data.splits import time_split
-from fedcal.data.tablechecks import TIME_NAMES, _check_args, _check_columns
+from fedcal.data.tablechecks import TIME_NAMES, _check_columns
 from fedcal.data.units import (
     DEFAULT_PHYSICAL_BOUNDS,
     MAX_ABS_VALUE,
@@ -181,17 +183,33 @@ def load_fleet(
     column and an int ``source_line`` column (CSV line number or Parquet
     record number; a column of that name in the file is replaced).
     """
-    mins = {"train": min_train_points, "test": min_test_points}
-    features, target = _check_args(
-        features, target, client_column, split_column, test_fraction, seed, mins
-    )
-    numeric = [*features, target]
-    raw, label, bounds, plausible = _read_guarded(path, numeric, physical_bounds, max_bytes)
-    how = _Assembly(
-        features, target, client_column, split_column, test_fraction, seed, mins, time_column,
-        split_by,
+    how = checked_assembly(
+        features, target, client_column, split_column, test_fraction, seed, min_train_points,
+        min_test_points, time_column, split_by,
     )  # fmt: skip
+    numeric = [*how.features, how.target]
+    raw, label, bounds, plausible = _read_guarded(path, numeric, physical_bounds, max_bytes)
     return _fleet_of(raw, label, bounds, plausible, how)
+
+
+_LOAD_FLEET = inspect.signature(load_fleet)
+_ASSEMBLY_ARGUMENTS = tuple(inspect.signature(checked_assembly).parameters)
+
+
+def load_fleet_chunks(path: str | Path, **options: Any) -> Iterator[Fleet]:
+    """:func:`load_fleet` of a Parquet file, one row group at a time
+    (:func:`fedcal.data.rowgroups.row_group_fleets` says how). ``options``: load_fleet's, by
+    name, with its defaults (its signature is their one declaration; an unknown one is a
+    TypeError at the call). Lazy as a generator: nothing is checked or read before the
+    first row group is asked for."""
+    given = _LOAD_FLEET.bind(path, **options)
+    given.apply_defaults()
+    return _row_groups(given.arguments)
+
+
+def _row_groups(given: Mapping[str, Any]) -> Iterator[Fleet]:
+    how = checked_assembly(**{name: given[name] for name in _ASSEMBLY_ARGUMENTS})
+    yield from row_group_fleets(given["path"], how, given["physical_bounds"], given["max_bytes"])
 
 
 def load_readings(

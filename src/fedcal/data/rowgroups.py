@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +19,6 @@ from fedcal.data.assembly import _Assembly, _fleet_of
 from fedcal.data.fileerrors import FleetDataError, SensorSplitError
 from fedcal.data.fleet import (
     CLIENT_COLUMN,
-    SPLIT_COLUMN,
     Fleet,
 )
 from fedcal.data.reading import (
@@ -36,26 +35,18 @@ from fedcal.data.reading import (
     _tidy_parquet_frame,
     max_file_bytes,
 )
-from fedcal.data.tablechecks import _check_args
 from fedcal.data.units import Bounds, Plausible, _resolve_bounds, plausible_range
 
 
-def load_fleet_chunks(
+def row_group_fleets(
     path: str | Path,
-    features: Sequence[str] | None = None,
-    target: str | None = None,
-    client_column: str = CLIENT_COLUMN,
-    split_column: str | None = SPLIT_COLUMN,
-    test_fraction: float = 0.135,
-    seed: int = 0,
-    min_train_points: int = 3,
-    min_test_points: int = 1,
-    physical_bounds: Mapping[str, tuple[float | None, float | None] | Bounds | None] | None = None,
-    max_bytes: int | None = None,
-    time_column: str | None = None,
-    split_by: str = "random",
+    how: _Assembly,
+    physical_bounds: Mapping[str, tuple[float | None, float | None] | Bounds | None] | None,
+    max_bytes: int | None,
 ) -> Iterator[Fleet]:
-    """:func:`load_fleet` of a Parquet file, one row group at a time (issue 25.1: a fleet
+    """:func:`~fedcal.data.loader.load_fleet_chunks`' work (its options checked into ``how``,
+    :func:`~fedcal.data.assembly.checked_assembly`): :func:`load_fleet` of a Parquet file, one
+    row group at a time (issue 25.1: a fleet
     of 100,000 units without its whole frame; ``fedcal simulate`` and :func:`save_chunks`
     write a row group per 1,000 sensors). Each row group is checked as :func:`load_fleet`
     checks a file (its messages name the file and the record numbers of the whole file)
@@ -66,15 +57,7 @@ def load_fleet_chunks(
     in a later row group is refused, naming it."""
     import pyarrow.parquet as pq
 
-    mins = {"train": min_train_points, "test": min_test_points}
-    features, target = _check_args(
-        features, target, client_column, split_column, test_fraction, seed, mins
-    )
-    how = _Assembly(
-        features, target, client_column, split_column, test_fraction, seed, mins, time_column,
-        split_by,
-    )  # fmt: skip
-    numeric = [*features, target]
+    numeric = [*how.features, how.target]
     bounds = _resolve_bounds(numeric, physical_bounds)
     plausible = {
         c: p
@@ -92,7 +75,7 @@ def load_fleet_chunks(
             record = (pf.schema_arrow.metadata or {}).get(PARQUET_META_KEY)
             if record is not None:
                 _check_streamed_record(pf, record, label)
-            _check_sensor_groups(pf, client_column, label)
+            _check_sensor_groups(pf, how.client_column, label)
             whole = _whole_file_stats(pf, plausible)
         except FleetDataError:
             raise
