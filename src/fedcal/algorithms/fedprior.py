@@ -23,7 +23,7 @@ One round is one ECME iteration (:mod:`fedcal.core.bayes`):
    σ²), so a noisy unit is not trusted like a clean one, nor a unit with three points on its
    own noise.
 2. **M-step, server**: μ by generalized least squares, Σ by EM's update
-   (1/N) Σ_i E[(c_i − μ)(c_i − μ)ᵀ], shrunk toward its diagonal by ``shrinkage``, optionally
+   (1/N) Σ_i E[(c_i − μ)(c_i − μ)ᵀ], shrunk toward its diagonal (``shrinkage_units``), optionally
    ``rank`` factors plus a diagonal, its eigenvalues floored (core.bayes.regularize);
    σ² = Σ_i r_i / Σ_i n_i (``interval = "calibrated"``: on residual degrees of freedom, I1 of
    :mod:`~fedcal.algorithms.fedprior_interval`). Only sums over clients enter, in a canonical
