@@ -91,7 +91,7 @@ def _d2_per_point(prior: FleetPrior, train: pd.DataFrame) -> pd.Series:
     n = n.to(torch.float64)
     model = Discrepancy.from_dict(raw)
     factor = kappa_at(model, n).square() * interval_factor(1.0, n)
-    s2 = units.result.personal["gp_scale"].to(torch.float64) / factor
+    s2 = torch.as_tensor(units.params["gp_scale"], dtype=torch.float64) / factor
     return pd.Series(((s2 * (1 + n) - 1) / n).numpy(), index=units.sensor_ids)
 
 

@@ -22,11 +22,9 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
 from fedcal import calibration, planning, planning_torch
 from fedcal.api import FleetPrior
-from fedcal.core.bayes import F64
 from fedcal.data.simulator import FleetSpec, simulate_fleet
 from fedcal.planning_torch import TorchForecaster
 from fedcal.prior import posterior
@@ -51,10 +49,8 @@ def prior(request):
 
 def stated_rms(units, plan: planning.Planner) -> np.ndarray:
     """Each unit's stated σ, RMS over the planner's quadrature of the range (target units)."""
-    result = units.result
-    field = torch.as_tensor(plan.field).unsqueeze(0).expand(result.tensors.num_clients, -1, -1)
-    with torch.no_grad():
-        sd = result.algorithm.predictive_std(result.personal, field)[..., 0].to(F64).numpy()
+    models = units.models  # what predict serves (scaled σ at the scaled quadrature)
+    sd = np.stack([models.evaluate(s, plan.field)[1][:, 0] for s in units.sensor_ids])
     return np.sqrt(sd**2 @ plan.weights) * plan.y_scale
 
 
@@ -71,8 +67,8 @@ def test_the_forecast_sigma_is_within_10_percent_of_what_calibrate_states(prior)
     spec = FleetSpec(num_sensors=UNITS, train_design="points", design_points=points)
     frame = simulate_fleet(spec, seed=11).frame
     units = prior.calibrate(frame[frame["split"] == "train"])
-    assert (units.result.tensors.train.count.numpy() == 8).all()
-    assert not bool((units.result.personal.get("declined", torch.zeros(1)) > 0).any())
+    assert (units.coefficients["points"] == 8).all()
+    assert units.declined is None or not units.declined.any()
     stated = stated_rms(units, plan)
     ratio = float(np.sqrt(np.mean(stated**2))) / forecast.rms
     assert abs(ratio - 1.0) < 0.10, (ratio, forecast.rms, stated)
@@ -136,8 +132,8 @@ def test_the_forecast_is_calibrate_s_sigma_on_the_deployment_path(reference_prio
     spec = FleetSpec(num_sensors=UNITS, train_design="points", design_points=points)
     frame = simulate_fleet(spec, seed=11).frame
     units = prior.calibrate(frame[frame["split"] == "train"])
-    assert not bool((units.result.personal["declined"] > 0).any())  # σ stated for all
-    assert bool((units.result.personal["gp_amp"] > 0).all())  # ... by the discrepancy model
+    assert not units.declined.any()  # σ stated for all
+    assert (units.params["gp_amp"] > 0).all()  # ... by the discrepancy model
     stated = stated_rms(units, plan)
     ratio = float(np.sqrt(np.mean(stated**2))) / forecast.rms
     assert abs(ratio - 1.0) < 0.10, (ratio, forecast.rms, stated)

@@ -262,15 +262,18 @@ class FleetPrior(BaseEstimator):
         (a fedprior_drift prior: the walk since each unit's last point widens σ, and
         units.csv gains ``recalibrate_at``). The closed form of
         :func:`fedcal.calibration.calibrate`; nothing of the reference fleet is needed.
+
+        A prior the NumPy posterior covers (fedprior, _branch, _fixed, _sensor, a prior's
+        deployment discrepancy model) is calibrated in NumPy, with no torch import
+        (:mod:`fedcal.prior.station`); the other variants (drift, the time-respecting
+        choice, noise over the inputs, Student-t rows) by FedPrior with torch, and without
+        torch they raise an ImportError saying so in one line (:mod:`fedcal.calibrated`).
         """
         _check_data(X, "FleetPrior.calibrate(X)")
-        import torch
-
-        from fedcal import calibration
+        from fedcal import calibrated
         from fedcal.data.loader import load_fleet
 
         self._check_fitted()
-        torch.set_num_threads(1)
         model = self.model_
         fleet = load_fleet(
             X,
@@ -283,8 +286,7 @@ class FleetPrior(BaseEstimator):
             time_column=time_column,
         )
         source = "DataFrame" if isinstance(X, pd.DataFrame) else str(X)
-        result = calibration.calibrate(model, fleet, source)
-        return CalibratedUnits(model, fleet, result)
+        return CalibratedUnits(model, fleet, calibrated.calibrate(model, fleet, source))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,39 +294,62 @@ class CalibratedUnits:
     """New units calibrated against a fleet prior: predict, export, save.
 
     ``prior``: the fitted prior (:class:`fedcal.prior.model.PriorModel`); ``fleet``: the
-    units' calibration points; ``result``: their posteriors
-    (:class:`fedcal.calibration.Calibration`).
+    units' calibration points; ``result``: their posteriors, in the form that covers the
+    prior (:mod:`fedcal.calibrated`): a :class:`fedcal.prior.station.Station` (NumPy) or a
+    :class:`fedcal.calibration.Calibration` (FedPrior, torch).
     """
 
     prior: PriorModel
     fleet: Any  # fedcal.data.fleet.Fleet
-    result: Any  # fedcal.calibration.Calibration
+    result: Any  # fedcal.prior.station.Station | fedcal.calibration.Calibration
     ranges: dict[str, Any] | None = None  # loaded units: their saved valid_range.json
 
     @property
     def sensor_ids(self) -> list[str]:
-        return list(self.result.tensors.client_ids)
+        from fedcal.calibrated import sensor_ids
+
+        return sensor_ids(self.result)
 
     @property
     def models(self):
         """The units as a :class:`fedcal.report.fleet.CalibratedFleet` (what exports read).
 
-        The same object ``fedcal predict``/``export`` rebuild from the saved run directory.
+        The same object ``fedcal predict``/``export`` rebuild from the saved run directory
+        (NumPy-evaluated for a covered prior, :class:`fedcal.report.served.StationFleet`).
         """
-        from fedcal.core.tree import unstack
-        from fedcal.report.export import CalibratedFleet
+        from fedcal.calibrated import served
 
-        per_unit = unstack(self.result.personal)
-        cfg = _prior_config(self.prior)
-        return CalibratedFleet(
-            self.result.algorithm,
-            dict(zip(self.sensor_ids, per_unit, strict=True)),
-            self.result.tensors.scaler,
-            self.prior.features,
-            self.prior.target,
-            dataclasses.asdict(cfg.model),
-            self.fleet.client_column,
-        )
+        return served(self.prior, self.fleet, self.result)
+
+    @property
+    def params(self) -> dict[str, np.ndarray]:
+        """The units' posteriors as arrays, units first, scaled (``coef``, ``cov``,
+        ``noise_var``, ``box``[, ``disc_var``, ``declined``, the ``gp_*`` of a deployment
+        discrepancy model]): the tree model.safetensors holds."""
+        from fedcal.calibrated import unit_params
+
+        return unit_params(self.result)
+
+    @property
+    def declined(self) -> np.ndarray | None:
+        """Per unit whether its interval is declined (no σ stated); None without an interval."""
+        from fedcal.calibrated import declined
+
+        return declined(self.result)
+
+    @property
+    def reasons(self) -> tuple[str, ...]:
+        """Per unit why the prior's deployment discrepancy model states no σ ("" if it does)."""
+        from fedcal.calibrated import reasons
+
+        return reasons(self.result)
+
+    @property
+    def declined_note(self) -> str:
+        """One line: why some units get no interval ("" if every unit has one)."""
+        from fedcal.calibrated import declined_note
+
+        return declined_note(self.prior, self.result)
 
     def predict(
         self,
@@ -372,9 +397,9 @@ class CalibratedUnits:
         the saved units' bit for bit, tested), with the prior (``prior.json``) and the
         calibration points (``calibration_points.csv``: coefficients, valid range).
         """
-        from fedcal.calibration import load_prior
+        from fedcal import calibrated
         from fedcal.data.loader import load_fleet
-        from fedcal.report.export import choose_method, load_models
+        from fedcal.report.export import choose_method
         from fedcal.report.rundir import read_table, read_valid_ranges
 
         _check_path(run_dir, "CalibratedUnits.load(run_dir)")
@@ -384,7 +409,7 @@ class CalibratedUnits:
                 f"{run_dir}: not a `fedcal calibrate` output (no calibration_points.csv)"
             )
         method = choose_method(run_dir, None)
-        prior = load_prior(runnames.run_path(run_dir, method) / runnames.PRIOR)
+        prior = calibrated.run_prior(run_dir, method)
         column = prior.sensor_column
         points = read_table(run_dir / "calibration_points.csv", dtype={"sensor_id": str})
         frame = points[["sensor_id", *prior.features, prior.target]].rename(
@@ -398,9 +423,9 @@ class CalibratedUnits:
             min_train_points=1,
             min_test_points=0,
         )
-        models = load_models(run_dir, method, drop_diverged=True)
+        models = calibrated.load_served(run_dir, method)
         ranges = read_valid_ranges(run_dir, method, 0, 0)  # as saved (the points' CSV rounds)
-        return cls(prior, fleet, _loaded_calibration(prior, fleet, models), ranges)
+        return cls(prior, fleet, calibrated.loaded(prior, fleet, models), ranges)
 
     @property
     def coefficients(self) -> pd.DataFrame:
@@ -410,14 +435,16 @@ class CalibratedUnits:
         docstring; :attr:`input_scaling` gives the scaling); the same table as the
         ``coefficients.csv`` of ``fedcal calibrate``.
         """
-        from fedcal.calibration import coefficient_table
+        from fedcal.calibrated import coefficients
 
-        return coefficient_table(self.prior, self.result)
+        return coefficients(self.prior, self.fleet, self.result)
 
     @property
     def input_scaling(self) -> pd.DataFrame:
         """Per feature, ``offset`` and ``scale``: the basis reads z = (x − offset) / scale."""
-        s = self.result.tensors.scaler
+        from fedcal.calibrated import scaler
+
+        s = scaler(self.result)
         return pd.DataFrame(
             {"offset": np.asarray(s.x_offset, float), "scale": np.asarray(s.x_scale, float)},
             index=pd.Index(list(self.prior.features), name="feature"),
@@ -426,7 +453,7 @@ class CalibratedUnits:
     @property
     def valid_range(self) -> dict[str, dict[str, list[float]]]:
         """Per unit, the span of its calibration points (inputs and target)."""
-        from fedcal.experiment import valid_ranges
+        from fedcal.data.ranges import valid_ranges
 
         return self.ranges if self.ranges is not None else valid_ranges(self.fleet)
 
@@ -435,15 +462,17 @@ class CalibratedUnits:
         from fedcal.core.atomic import write_text
         from fedcal.report.export import to_c_header
 
-        write_text(Path(path), to_c_header(self.models, valid_range=self.valid_range))
+        header = to_c_header(self.models, valid_range=self.valid_range, method=self.prior.method)
+        write_text(Path(path), header)
         return Path(path)
 
     def to_onnx(self, out: str | Path) -> list[Path]:
         """One ``<sensor>.onnx`` per unit in ``out`` (``fedcal export --format onnx``)."""
+        from fedcal.calibrated import torch_served
         from fedcal.core.atomic import write_bytes
         from fedcal.report.onnx_export import to_onnx
 
-        models, ranges = self.models, self.valid_range
+        models, ranges = torch_served(self.prior, self.fleet, self.result), self.valid_range
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         written = []
@@ -459,39 +488,6 @@ class CalibratedUnits:
 
         Returns the per-unit table (points, noise σ, test errors when rows were held out).
         """
-        from fedcal import calibration
+        from fedcal.calibrated import write
 
-        return calibration.write(Path(out), self.prior, self.fleet, self.result)
-
-
-def _prior_config(prior: PriorModel):
-    from fedcal.calibration import _config
-
-    return _config(prior)
-
-
-def _loaded_calibration(prior: PriorModel, fleet: Any, models: Any) -> Any:
-    """The :class:`fedcal.calibration.Calibration` of stored units: their saved parameters
-    (a unit whose calibration failed: NaN, as it was saved), their calibration points as
-    tensors, and the prior's server state (:func:`fedcal.calibration.prior_server`)."""
-    import torch
-
-    from fedcal.calibration import Calibration, prior_server
-    from fedcal.core.bayes import F64
-    from fedcal.core.data import ClientData
-    from fedcal.core.tree import stack, tree_map
-    from fedcal.engine.simulation import FleetTensors
-
-    scaler = models.scaler
-
-    def scaled(split: str) -> ClientData:
-        arrays = [(scaler.x(x), scaler.y(y)) for x, y in fleet.arrays(split)]
-        return ClientData.from_arrays(arrays, dtype=F64)
-
-    ids = tuple(map(str, fleet.client_ids))
-    tensors = FleetTensors(scaled("train"), scaled("test"), scaler, ids)
-    failed = tree_map(
-        lambda t: torch.full_like(t, float("nan")), next(iter(models.params.values()))
-    )
-    personal = stack([models.params.get(sid, failed) for sid in ids])
-    return Calibration(models.algorithm, tensors, personal, prior_server(prior, scaler))
+        return write(Path(out), self.prior, self.fleet, self.result)

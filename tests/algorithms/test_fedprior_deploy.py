@@ -231,8 +231,8 @@ def test_the_deployment_path_states_a_sigma_and_declines_an_unspanned_design(dep
     flat = (rows["sensor_id"] == "flat").to_numpy()
     assert np.isfinite(std[~flat]).all() and (std[~flat] > 0).all()
     assert np.isnan(std[flat]).all()
-    assert "level(s) of temperature_c" in units.result.reasons[-1]
-    assert all(r == "" for r in units.result.reasons[:-1])
+    assert "level(s) of temperature_c" in units.reasons[-1]
+    assert all(r == "" for r in units.reasons[:-1])
 
 
 def test_a_bad_discrepancy_in_the_prior_file_is_refused(deployment, tmp_path):
@@ -314,8 +314,8 @@ def test_a_unit_of_33_to_64_points_gets_the_learned_sigma_from_a_reference_only_
     assert set(new.groupby("sensor_id").size()) == {40}
     units = prior.calibrate(new)
     assert prior.model_.discrepancy["max_points"] >= 40
-    assert (units.result.personal["gp_amp"] > 0).all()
-    assert all(r == "" for r in units.result.reasons)
+    assert (units.params["gp_amp"] > 0).all()
+    assert all(r == "" for r in units.reasons)
 
 
 def test_a_unit_larger_than_the_largest_emulated_design_is_declined_with_its_reason(
@@ -333,7 +333,7 @@ def test_a_unit_larger_than_the_largest_emulated_design_is_declined_with_its_rea
     frame = simulate_fleet(spec, 0).frame
     new = frame[(frame["role"] == "new") & (frame["split"] == "train")][columns]
     units = prior.calibrate(new)
-    assert units.result.reasons == (
+    assert units.reasons == (
         "no σ: 64 points, more than the largest design the reference units emulated (60), "
         "so how far its error exceeds the model's was not learned",
     )

@@ -80,6 +80,19 @@ np.savez(sys.argv[3], coef=units.coef, cov=units.cov, noise=units.noise_var,
 print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))))
 """
 
+# The torch path as the reference, where torch is installed: since the commands calibrate
+# and serve a covered prior in NumPy whether or not torch is there (fedcal.calibrated,
+# fedcal.report.export.load_models), the reference child refuses the NumPy path to both:
+# calibrate takes FedPrior's posterior (fedcal.calibration), predict/export/certificate
+# evaluate the stored units with FedPrior (load_models' torch branch).
+TORCH_PATH = """
+import fedcal.prior.posterior as _posterior, fedcal.report.served as _served
+_posterior.unsupported = lambda prior, timed=False: "the reference: FedPrior's path"
+def _refuse(*args, **kwargs):
+    raise _served.NeedsTorch("the reference: FedPrior's evaluation")
+_served.load_station = _refuse
+"""
+
 CLI = (
     "from fedcal.cli import app\n"
     "try:\n    app(sys.argv[1:])\nfinally:\n"
@@ -181,11 +194,20 @@ def test_the_station_calibrates_and_predicts_without_torch(trained):
     assert np.isfinite(child["std"]).any() and child["coef"].shape[0] == 3
 
 
-def test_the_station_s_values_are_fedcal_predict_s_after_fedcal_calibrate(trained):
-    """The torch-free values of one unit's held-out readings against the commands (torch):
+def test_the_station_s_values_are_fedcal_predict_s_after_fedcal_calibrate(trained, monkeypatch):
+    """The torch-free values of one unit's held-out readings against the commands
     ``fedcal calibrate`` then ``fedcal predict`` — its <target>_calibrated and _std columns,
-    to 1e-10 relative (fleet noise: tests/prior/test_posterior.py's derivation)."""
+    to 1e-10 relative (fleet noise: tests/prior/test_posterior.py's derivation); where torch
+    is installed, the commands on FedPrior's path (:data:`TORCH_PATH`'s patches)."""
     prior_file, new_file, root, _ = trained
+    if torch_available():  # the reference: FedPrior's calibrate and evaluation
+        from fedcal.report import served as served_module
+
+        def refuse(*args, **kwargs):
+            raise served_module.NeedsTorch("the reference: FedPrior's evaluation")
+
+        monkeypatch.setattr(posterior, "unsupported", lambda prior, timed=False: "reference")
+        monkeypatch.setattr(served_module, "load_station", refuse)
     res = _child(STATION, str(prior_file), str(new_file), str(root / "child2.npz"))
     assert res.returncode == 0, res.stderr
     child = np.load(root / "child2.npz")
@@ -370,7 +392,7 @@ def test_the_station_commands_run_without_torch(trained):
     served = [cmd for m in METHODS for cmd in _chain(m, root, "t", readings, calibrate=False)]
     torch_cal = [[*cmd[:1], *base, *cmd[1:]] for m in METHODS for cmd in
                  [["calibrate", "--method", m, "--out", str(root / f"torch_{m}")]]]  # fmt: skip
-    ref = _child(CHAIN, json.dumps(torch_cal + served), block=False)
+    ref = _child(TORCH_PATH + CHAIN, json.dumps(torch_cal + served), block=False)
     assert f"CODES {json.dumps([0] * (len(torch_cal) + len(served)))}" in ref.stdout, ref.stderr
     assert "TORCH True" in ref.stdout
     for m in METHODS:

@@ -40,6 +40,7 @@ from tests.prior.test_torch_free import (
     CLI,
     COLS,
     SERVE_TOL,
+    TORCH_PATH,
     _child,
     _compare_calibrated,
     _half_unit,
@@ -131,7 +132,8 @@ def test_a_reference_only_prior_s_units_run_without_torch(reference, which):
     if not torch_available():
         return  # the core environment: nothing to compare with
     theirs = root / f"t_{which}"
-    ref = _child(CHAIN, json.dumps(_steps(prior, new_file, theirs, readings, ours)), block=False)
+    steps = json.dumps(_steps(prior, new_file, theirs, readings, ours))
+    ref = _child(TORCH_PATH + CHAIN, steps, block=False)  # FedPrior's calibrate and serving
     assert f"CODES {json.dumps([0] * 6)}" in ref.stdout and "TORCH True" in ref.stdout, ref.stderr
     scale = float(frame.loc[frame["split"] == "train", "pressure_hpa"].abs().max())
     _compare_calibrated(ours, theirs, "fedprior", scale)

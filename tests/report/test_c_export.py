@@ -104,7 +104,7 @@ def export_and_compare(run, method, tmp_path):
     args = ["export", str(run), "--method", method, "--format", "c", "--out", str(header)]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
-    fleet = load_models(run, method)
+    fleet = load_models(run, method, algorithm=True)  # the method's own (torch) evaluation
     ranges = read_valid_ranges(run, method)
     sensors = sorted(fleet.params)
     idx, x = probes(ranges, sensors)
@@ -501,7 +501,7 @@ def test_c_flags_equal_predict_at_the_edges(runs, tmp_path, method):
     from fedcal.report.export import in_range
 
     run, _, _ = runs
-    fleet = load_models(run, method)
+    fleet = load_models(run, method, algorithm=True)  # the method's own (torch) evaluation
     ranges = read_valid_ranges(run, method)
     sensors = sorted(fleet.params)
     s = sensors[-1]  # a new unit: its support box is wider than its span

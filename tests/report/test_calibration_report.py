@@ -84,7 +84,7 @@ def test_fleet_distance_is_the_coefficient_mahalanobis_distance(calibrated):
     run, out, _ = calibrated
     doc = calibration.load_prior(calibration.find_prior(run))
     units = pd.read_csv(out / "units.csv").set_index("sensor_id")
-    fleet = load_models(out, "fedprior")
+    fleet = load_models(out, "fedprior", algorithm=True)  # FedPrior evaluates (torch)
     mu, sigma = np.array(doc.mean), np.array(doc.covariance)
     for sid in fleet.params:
         m = fleet.params[sid]["coef"].double().numpy()
@@ -104,7 +104,7 @@ def test_fleet_distance_is_the_coefficient_mahalanobis_distance(calibrated):
 def test_sigma_and_residuals_are_what_the_exported_models_compute(calibrated):
     run, out, _ = calibrated
     doc = calibration.load_prior(calibration.find_prior(run))
-    fleet = load_models(out, "fedprior")
+    fleet = load_models(out, "fedprior", algorithm=True)  # FedPrior evaluates (torch)
     units = pd.read_csv(out / "units.csv").set_index("sensor_id")
     points = pd.read_csv(out / "calibration_points.csv")
     lo_f, hi_f = doc.input_range["frequency_hz"]

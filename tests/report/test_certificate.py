@@ -87,7 +87,7 @@ def test_u_is_twice_the_sigma_predict_states_and_the_hand_computed_one(outputs):
     s = prior["scaler"]  # the file's numbers, read here without fedcal
     z = (readings[["frequency_hz", "temperature_c"]].to_numpy() - s["x_offset"]) / s["x_scale"]
     phi = _hand_phi(z, prior["terms"])
-    cov = params["cov"].double().numpy()
+    cov = np.asarray(params["cov"], dtype=np.float64)
     extra = sum(float(v) for k, v in params.items() if k.endswith("_var"))
     sigma = s["y_scale"][0] * np.sqrt(np.einsum("ij,jk,ik->i", phi, cov, phi) + extra)
     assert np.allclose(pts["U"], 2.0 * sigma, rtol=1e-9, atol=0)

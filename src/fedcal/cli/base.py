@@ -50,7 +50,7 @@ class _App(typer.Typer):
             if debug:
                 raise
             if _missing_torch(err):  # what needed it (a model the NumPy path does not cover)
-                why = str(err).splitlines()[0] if str(err) else ""
+                why = getattr(err, "why", None) or (str(err).splitlines()[0] if str(err) else "")
                 why = "" if why.startswith("No module named") else f"{why}: "
                 sys.stderr.write(f"fedcal: {why}{NO_TORCH}\n")
                 sys.exit(3)

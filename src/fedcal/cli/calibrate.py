@@ -50,7 +50,6 @@ def calibrate(
     from fedcal.core.paths import check_dir_output, run_folders_of
     from fedcal.data.loader import FleetDataError
     from fedcal.prior.find import find_prior
-    from fedcal.report.served import torch_available
 
     key = _mac_key(key_file)
     try:
@@ -58,10 +57,7 @@ def calibrate(
         check_dir_output(out, "--out", run_folders_of(path), [data, path])
         if key is not None:
             _check_mac(run_folders_of(path)[-1:] or [path], key)
-        if torch_available():
-            table, model, note = _calibrate_torch(path, data, out, sensor_column, time_column)
-        else:  # the station's NumPy path (fedcal.prior.calibrate_dir): the same folder
-            table, model, note = _calibrate_numpy(path, data, out, sensor_column, time_column)
+        table, model, note = _calibrate(path, data, out, sensor_column, time_column)
         if key is not None:
             from fedcal.core.mac import write_mac
 
@@ -80,40 +76,14 @@ def calibrate(
     console.print(f"wrote {out}/coefficients.csv, per_sensor.csv, units.csv and a run directory")
 
 
-def _calibrate_torch(path: Path, data: Path, out: Path, sensor_column, time_column):
-    """(per_sensor table, prior, declined note) by the Python API (FedPrior, torch)."""
-    import torch
-
+def _calibrate(path: Path, data: Path, out: Path, sensor_column, time_column):
+    """(per_sensor table, prior, declined note) by the Python API: NumPy for a prior the
+    NumPy posterior covers, FedPrior (torch) otherwise, and without torch a one-line
+    :class:`fedcal.report.served.NeedsTorch` (:mod:`fedcal.calibrated`)."""
     from fedcal.api import FleetPrior
-    from fedcal.calibration import declined_note
 
-    torch.set_num_threads(1)
     units = FleetPrior.load(path).calibrate(data, sensor_column, time_column)
-    table = units.save(out)
-    return table, units.prior, declined_note(units.prior, units.result)
-
-
-def _calibrate_numpy(path: Path, data: Path, out: Path, sensor_column, time_column):
-    """(per_sensor table, prior, declined note) without torch: :mod:`fedcal.prior.station`
-    and :mod:`fedcal.prior.calibrate_dir`; a variant they do not cover needs torch."""
-    from fedcal.data.loader import load_fleet
-    from fedcal.prior import calibrate_dir, posterior, station
-    from fedcal.prior.model import PriorModel
-    from fedcal.report.served import NeedsTorch
-
-    model = PriorModel.load(path)
-    fleet = load_fleet(
-        data, features=model.features, target=model.target,
-        client_column=sensor_column or model.sensor_column, test_fraction=0.0,
-        min_train_points=1, min_test_points=0, time_column=time_column,
-    )  # fmt: skip
-    why = posterior.unsupported(model, timed=fleet.row_times("train") is not None)
-    if why:
-        raise NeedsTorch(f"{path}: {why}")
-    done = station.calibrate_fleet(model, fleet, str(data))
-    table = calibrate_dir.write(out, model, fleet, done)
-    units = done.units
-    return table, model, calibrate_dir.declined_note(model, units.declined, units.reasons)
+    return units.save(out), units.prior, units.declined_note
 
 
 @app.command()

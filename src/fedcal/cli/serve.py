@@ -62,7 +62,8 @@ def export(
         method = choose_method(run_dir, method)
         if key is not None:
             _check_mac([run_dir], key)
-        fleet, ranges = load_served(run_dir, method, seed, train_points)  # checked models
+        # checked models; ONNX traces the method's torch algorithm
+        fleet, ranges = load_served(run_dir, method, seed, train_points, algorithm=fmt == "onnx")
         if fmt == "onnx":
             from fedcal.report.onnx_export import to_onnx
 

@@ -105,14 +105,8 @@ def model_bytes(prior: PriorModel, fleet: Fleet, done: Station, record: dict) ->
             f"{len(prior.features)} inputs: beyond the torch-free record (1-8 inputs); "
             "calibrate it with torch: pip install 'fedcal[neural]'"
         )
-    u = done.units
-    leaves = {"coef": u.coef, "cov": u.cov, "noise_var": u.noise_var}
-    if u.disc_var is not None:
-        leaves.update(disc_var=u.disc_var, declined=u.declined.astype(np.float64))
-    leaves["box"] = u.box
-    if u.gp is not None:  # the prior's deployment discrepancy model (fedprior_deployed's)
-        leaves.update(u.gp)
-    flat = {f"params/{k}": np.ascontiguousarray(v, dtype=np.float64) for k, v in leaves.items()}
+    leaves = unit_leaves(done.units)
+    flat = {f"params/{k}": v for k, v in leaves.items()}
     meta = {
         "method": prior.method,
         "seed": 0,
@@ -129,6 +123,21 @@ def model_bytes(prior: PriorModel, fleet: Fleet, done: Station, record: dict) ->
     structure = {"params": {k: f"params/{k}" for k in leaves}}
     meta_text = json.dumps({"format": FORMAT, "structure": structure, "meta": meta})
     return save(flat, metadata={META_KEY: meta_text, "sha256": digest(flat, meta_text)})
+
+
+def unit_leaves(units: posterior.Units) -> dict[str, np.ndarray]:
+    """The units' model tree ``params`` in the torch path's order (one array per leaf, units
+    first, float64): coef, cov, noise_var[, disc_var, declined (1.0/0.0)], box[, the ``gp_*``
+    leaves of the deployment discrepancy model]; what model.safetensors holds and
+    :class:`fedcal.report.served.StationFleet` serves."""
+    u = units
+    leaves = {"coef": u.coef, "cov": u.cov, "noise_var": u.noise_var}
+    if u.disc_var is not None:
+        leaves.update(disc_var=u.disc_var, declined=u.declined.astype(np.float64))
+    leaves["box"] = u.box
+    if u.gp is not None:  # the prior's deployment discrepancy model (fedprior_deployed's)
+        leaves.update(u.gp)
+    return {k: np.ascontiguousarray(v, dtype=np.float64) for k, v in leaves.items()}
 
 
 def test_errors(prior: PriorModel, fleet: Fleet, units: posterior.Units) -> dict[str, np.ndarray]:

@@ -153,8 +153,14 @@ def load_models(
     seed: int = 0,
     train_points: int = 0,
     drop_diverged: bool = False,
+    algorithm: bool = False,
 ) -> CalibratedFleet:
     """Read ``runs/<method>_tp<N>_seed<S>/model.safetensors`` of a run directory.
+
+    A model the NumPy posterior covers (a ``fedcal calibrate`` output of a covered prior:
+    :func:`fedcal.report.served.load_station`) is evaluated in NumPy whether or not torch is
+    installed, unless ``algorithm`` asks for the method's torch algorithm (the ONNX export
+    traces it); any other model is rebuilt with torch.
 
     Tensors and JSON only: the model is rebuilt from the run's ``config.json``
     (nothing is unpickled, so a planted file cannot run code). A damaged or
@@ -167,7 +173,7 @@ def load_models(
     so export and predict serve every other sensor. Every sensor refused: a ValueError.
     """
     from fedcal.core.paths import safe_name
-    from fedcal.report.served import load_station, torch_available
+    from fedcal.report.served import NeedsTorch, load_station, torch_available
 
     run_dir = Path(run_dir)
     folder = runnames.run_path(run_dir, safe_name(method, "method"), train_points, seed)
@@ -187,6 +193,11 @@ def load_models(
         )
     if not torch_available():  # a calibration station: the NumPy path, or NeedsTorch
         return load_station(run_dir, folder, method, drop_diverged)
+    if not algorithm:  # one evaluation of a covered model, with torch or without
+        try:
+            return load_station(run_dir, folder, method, drop_diverged)
+        except NeedsTorch:
+            pass
     return _load_torch(run_dir, folder, method, drop_diverged)
 
 

@@ -267,14 +267,15 @@ def check_plausible(models: CalibratedFleet, ranges: dict, path: str | Path) -> 
 
 
 def load_served(
-    run_dir: str | Path, method: str, seed: int = 0, train_points: int = 0
+    run_dir: str | Path, method: str, seed: int = 0, train_points: int = 0, algorithm: bool = False
 ) -> tuple[CalibratedFleet, dict]:
     """The models ``predict`` and ``export`` serve, and their valid ranges, both checked:
     :func:`load_models` (shapes, dtypes, finite, variances, covariances) and
-    :func:`check_plausible` (magnitudes against the recorded ranges). Without torch, a
-    fedprior model is read and evaluated in NumPy (:func:`fedcal.report.served.load_station`)."""
+    :func:`check_plausible` (magnitudes against the recorded ranges). A covered fedprior
+    model is read and evaluated in NumPy (:func:`fedcal.report.served.load_station`), unless
+    ``algorithm`` asks for the torch one (ONNX)."""
 
-    models = load_models(run_dir, method, seed, train_points)
+    models = load_models(run_dir, method, seed, train_points, algorithm=algorithm)
     ranges = read_valid_ranges(run_dir, method, seed, train_points)
     folder = runnames.run_path(run_dir, safe_name(method, "method"), train_points, seed)
     check_plausible(models, ranges, folder / runnames.MODEL)

@@ -45,11 +45,18 @@ from fedcal.report.sensors import check_method, served_sensors
 COVERED = frozenset({"coef", "cov", "noise_var", "box", "disc_var", "declined", *GP_LEAVES})
 
 
+INSTALL = "needs torch, which is not installed: pip install 'fedcal[neural]'"
+
+
 class NeedsTorch(ImportError):
-    """A model the NumPy path does not evaluate: the torch path (``fedcal[neural]``) does."""
+    """A model the NumPy path does not evaluate: the torch path (``fedcal[neural]``) does.
+
+    ``why`` names the model (the command line adds its own line on torch); the message is
+    ``why`` and what to install, one line (what a Python caller sees)."""
 
     def __init__(self, why: str) -> None:
-        super().__init__(why, name="torch")
+        self.why = why
+        super().__init__(f"{why}: {INSTALL}", name="torch")
 
 
 def torch_available() -> bool:
