@@ -35,6 +35,7 @@ such, instead of the kernel's OOM killer ending it (or a neighbour).
                                      [--held-out] [--build frame|chunks]
                                      [--mem-limit-gb 12]
                                      [--trees before=/path/main,after=. [--repeat 2]]
+                                     [--eval-every 1|auto|before=1,after=auto]
 
 ``--trees`` runs every step once per fedcal tree, in turn (so both see the same load on a
 shared machine), and prints the mean figure of the last tree over the first's.
@@ -54,6 +55,7 @@ from pathlib import Path
 
 PER_ROUND: list[tuple[float, float, str]] = []  # the last _train's rounds (wall, CPU, kind)
 EVAL_ROUNDS: list[float] = []  # the last _train's evaluation steps (CPU s, with history rows)
+RUN_TOTAL: list[float] = []  # the last _train's whole simulate(): wall s, CPU s, evaluations
 
 
 def _peak_mb() -> float:
@@ -199,7 +201,8 @@ def _train(
             per_round.append((time.perf_counter() - w, time.process_time() - c, kind))
 
     simulation._train_round = round_timed
-    engine = EngineConfig(rounds=rounds, seed=0, eval_every=eval_every, chunk_size=chunk_size)
+    every = int(eval_every) if str(eval_every).isdigit() else eval_every  # or "auto"
+    engine = EngineConfig(rounds=rounds, seed=0, eval_every=every, chunk_size=chunk_size)
     start = (0, time.perf_counter(), time.process_time())
     result = simulate(
         algorithm,
@@ -207,6 +210,8 @@ def _train(
         engine,
         on_round=lambda t, s: stamps.append((t, time.perf_counter(), time.process_time())),
     )
+    # The whole run, its evaluations included (a late-scored round's too): per round below.
+    RUN_TOTAL[:] = [time.perf_counter() - start[1], time.process_time() - start[2], len(evals)]
     # Seconds per round between evaluations (on_round runs only when a round evaluates).
     marks = [start, *stamps]
     wall = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in itertools.pairwise(marks)]
@@ -253,6 +258,10 @@ def step_fedprior(size: int, tmp: Path, args) -> dict:
         "round_only_s": sum(w for w, _ in bare[steady]) / len(bare[steady]),
         "round_only_cpu_s": sum(c for _, c in bare[steady]) / len(bare[steady]),
         "eval_cpu_s": evals[-1][1],  # the last evaluation of every unit, CPU
+        # the whole run per round, evaluations included (--eval-every: how many, and which)
+        "run_s_per_round": RUN_TOTAL[0] / result.rounds_done,
+        "run_cpu_s_per_round": RUN_TOTAL[1] / result.rounds_done,
+        "evaluations": RUN_TOTAL[2],
         # ... with its history rows (the engine's whole evaluation step; the last round's)
         "eval_step_cpu_s": EVAL_ROUNDS[-1] if EVAL_ROUNDS else float("nan"),
         "bytes_up_per_round": result.bytes_up_per_round,
@@ -284,7 +293,14 @@ def _split_rounds(rounds: list[tuple[float, float, str]]) -> dict:
             out[f"{label}_round_s"] = sum(w for w, _ in part) / len(part)
             out[f"{label}_round_cpu_s"] = sum(c for _, c in part) / len(part)
             out[f"{label}_round_max_s"] = max(w for w, _ in part)
+            # which round was the slowest (0 = the first), its CPU seconds (issue 36.1)
+            slow = max(range(len(rounds)), key=lambda i: (rounds[i][2] == label, rounds[i][0]))
+            out[f"{label}_round_max_index"] = slow
+            out[f"{label}_round_max_cpu_s"] = rounds[slow][1]
     out["all_rounds_s"] = sum(w for w, _, _ in rounds)
+    # every round's wall and CPU seconds in order (the slowest named, not only timed)
+    out["rounds_wall_s"] = [round(w, 2) for w, _, _ in rounds]
+    out["rounds_cpu_s"] = [round(c, 2) for _, c, _ in rounds]
     return out
 
 
@@ -387,7 +403,12 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=1000, help="0 = the whole fleet")
     parser.add_argument("--prior-units", type=int, default=300)
     parser.add_argument("--method", default="fedprior", help="fedprior: a fedprior variant")
-    parser.add_argument("--eval-every", type=int, default=1, help="fedprior: evaluate every k")
+    parser.add_argument(
+        "--eval-every",
+        default="1",
+        help='fedprior: evaluate every k rounds, or "auto"; with --trees, per tree: '
+        "before=1,after=auto",
+    )
     parser.add_argument(
         "--held-out",
         action="store_true",
@@ -435,7 +456,7 @@ def main() -> None:
             runs: dict[str, list[dict]] = {label: [] for label in trees}
             for _ in range(args.repeat if args.trees else 1):
                 for label, root in trees.items():  # the trees in turn (the same load for each)
-                    r = _run(size, step, passed, root)
+                    r = _run(size, step, passed + _tree_eval_every(args.eval_every, label), root)
                     tag = f"{label:<8} " if label else ""
                     if "failed" in r:
                         print(f"{size:>7} {step:<9} {tag}FAILED {r['failed']}")
@@ -450,6 +471,13 @@ def main() -> None:
                     sys.stdout.flush()
             if args.trees and all(runs.values()):
                 _ratios(size, step, runs)
+
+
+def _tree_eval_every(value: str, label: str) -> list[str]:
+    """``--eval-every before=1,after=auto``: the tree's own value (argparse: the last wins)."""
+    if "=" not in value:
+        return []
+    return ["--eval-every", dict(v.split("=", 1) for v in value.split(","))[label]]
 
 
 def _run(size: int, step: str, passed: list[str], root: str) -> dict:

@@ -42,7 +42,7 @@ QUOTES: list[tuple[str, str, tuple[str, ...]]] = [
     ),
     (
         "README.md",
-        rf"\| fedgmi \(training seed 0\) \| {N} / {N} \| – \| {N} \|",
+        rf"\| fedgmi \(training seed 0; [^|]*\) \| {N} / {N} \| – \| {N} \|",
         ("run.fedgmi.new_mean", "run.fedgmi.new_worst", "run.fedgmi.ref_mean"),
     ),
     ("README.md", rf"footprint: {N} bytes per fedprior unit", ("c_header.fedprior_bytes",)),

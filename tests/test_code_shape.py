@@ -34,11 +34,6 @@ MAX_FILE_LINES = 500
 # key → why it is still here (the owner who splits it). Keys: "path" (a file over 500 lines),
 # "path::qualname lines" (a function over 80 lines), "path::qualname complexity" (over 15).
 ALLOWED: dict[str, str] = {
-    # light (issue 37.1: the cli package; calibration, planning, api; prior/model.py)
-    "fedcal/calibration.py": "light",
-    "fedcal/planning.py": "light",
-    # vocab (issue 35.2: presets, one place for defaults)
-    "fedcal/config.py": "vocab",
     # compose (issue 35.1: FedPrior's mixins → parts) and fieldcov (fedprior_drift)
     "fedcal/algorithms/fedprior_drift.py": "fieldcov / compose",
     # sigma3 (issue 33: the deployment discrepancy)

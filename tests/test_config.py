@@ -55,3 +55,12 @@ def test_config_json_round_trip():
     assert from_json(to_json(cfg)) == cfg
     partial = from_json('{"train": {"lr": 0.2}}')  # over the shipped default
     assert partial.train.lr == 0.2 and partial.model == ModelConfig()
+
+
+def test_the_shipped_recipe_is_the_default_configurations_train_table():
+    """shipped_recipe reads default.toml's [train] on its own (config/files.py, below the
+    run's value that compares with it); it is the recipe the whole default file gives."""
+    from fedcal.config import shipped_recipe
+
+    assert shipped_recipe() == default_config().train
+    assert default_config().recipe_overrides() == frozenset()

@@ -1,8 +1,8 @@
 """The import contracts of pyproject.toml ([tool.importlinter]) hold for this tree.
 
 The layers — data, models, core → algorithms → engine → config/build → experiment →
-report → calibration → CLI/apps — and no import cycle between sibling modules. ``make lint``
-runs the same check; this test makes ``make test`` (and so CI) run it too.
+report → calibration → planning → CLI/apps — and no import cycle between sibling modules.
+``make lint`` runs the same check; this test makes ``make test`` (and so CI) run it too.
 """
 
 import os

@@ -59,7 +59,7 @@ def both(request):
 def solve_bound(plan: planning.Planner, designs: list[planning.Design]) -> np.ndarray:
     """p·ε·κ(A) per design, A = I + LᵀGL/σ² of the design's rows (module docstring)."""
     prior = plan.prior
-    x, b, count = planning._pack(plan, designs)
+    x, b, count = planning.pack(plan, designs)
     z = posterior.design(prior, x, b) * (np.arange(x.shape[1]) < count[:, None])[..., None]
     chol = np.linalg.cholesky(prior.covariance)
     a = np.eye(len(chol)) + chol.T @ (np.swapaxes(z, 1, 2) @ z) @ chol / prior.noise.variance
@@ -220,9 +220,7 @@ def test_the_printed_quantiles_moved_within_sampling_error(both):
         planning.optimize(plan, 2, 6).design,
         *planning.standard_grids(plan.chamber).values(),
     ):
-        post = planning.posteriors(
-            plan, *planning._pack(plan, [design]), planning.prior_base(prior)
-        )
+        post = planning.posteriors(plan, *planning.pack(plan, [design]), planning.prior_base(prior))
         j = float(post.variance(plan.field)[0] @ plan.weights)
         shift = np.zeros(len(prior.mean))
         shift[p:] = prior.mean[p:]

@@ -327,7 +327,7 @@ def test_criterion_includes_the_prior_s_discrepancy_variance_as_calibrate_does()
     assert planning.evaluate(plan, one).declined
     assert not planning.evaluate(plan, two).declined
     # the same σ a unit of that design gets from calibrate's path (its posterior's τ²)
-    x, b, count = planning._pack(plan, [two])
+    x, b, count = planning.pack(plan, [two])
     mean = posterior.design(plan.prior, x, b) @ plan.prior.mean
     mask = (np.arange(x.shape[1]) < count[:, None]).astype(float)
     units = posterior.calibrate_units(plan.prior, x, mean, mask, b, noise_var=NOISE)

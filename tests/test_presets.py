@@ -16,7 +16,7 @@ import pytest
 from fedcal import presets
 from fedcal.algorithms import REGISTRY
 from fedcal.build import method_settings, method_values, run_record
-from fedcal.config import SHIPPED, ConfigError, _shipped, from_json, load_config, to_json
+from fedcal.config import SHIPPED, ConfigError, from_json, load_config, shipped_layout, to_json
 from fedcal.core.algorithm import check_settings
 from fedcal.presets import PRESET_KEY, PRESETS, Preset, PresetError, preset_settings
 
@@ -66,7 +66,7 @@ def test_no_shipped_table_repeats_a_value_its_class_or_preset_gives() -> None:
     checked = 0
     for config in SHIPPED:
         cfg = load_config(config)
-        for name, table in _shipped(config).get("methods", {}).items():
+        for name, table in shipped_layout(config).get("methods", {}).items():
             cls, _ = method_settings(name, cfg)
             if not issubclass(cls, with_presets):
                 continue

@@ -452,8 +452,8 @@ def test_nothing_below_the_experiment_imports_it():
     import fedcal
 
     root = Path(fedcal.__file__).parent
-    below = [root / "config.py"]
-    for package in ("build", "engine", "data", "models", "core", "algorithms"):
+    below = []
+    for package in ("config", "build", "engine", "data", "models", "core", "algorithms"):
         below += sorted((root / package).rglob("*.py"))
     for path in below:
         for node in ast.walk(ast.parse(path.read_text())):

@@ -164,12 +164,12 @@ def _torch_fleet(
 ) -> CalibratedFleet:
     """FedPrior's :class:`~fedcal.report.fleet.CalibratedFleet` of the units' ``personal``
     tree (units first)."""
-    from fedcal.calibration import _config
+    from fedcal.calibration import prior_config
     from fedcal.core.tree import unstack
 
     return CalibratedFleet(
         algorithm, dict(zip(sensor_ids_of(fleet), unstack(personal), strict=True)), scale,
-        prior.features, prior.target, dataclasses.asdict(_config(prior).model),
+        prior.features, prior.target, dataclasses.asdict(prior_config(prior).model),
         fleet.client_column,
     )  # fmt: skip
 

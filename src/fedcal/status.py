@@ -138,26 +138,32 @@ def final_window(rounds: int) -> int:
 def still_improving(history: pd.DataFrame, column: str) -> dict[int, float]:
     """Per client index, the fall per round of ``column`` between its last two evaluated
     rounds, relative to max(its value, the fleet's median value) at the first of them
-    (only clients with two finite values and a positive scale)."""
+    (only clients with two finite values and a positive scale).
+
+    Array by array, not client by client (at 100,000 units a loop over the clients' rows
+    took minutes, issue 36.1): the rows sorted by client and round, each client's last two.
+    """
     if history.empty or column not in history.columns or "round" not in history.columns:
         return {}
-    pairs: dict[int, tuple[float, float, float, float]] = {}
-    for client, rows in history.groupby("client_index", sort=False):
-        rows = rows.sort_values("round")
-        if len(rows) < 2:
-            continue
-        (t1, e1), (t2, e2) = rows[["round", column]].to_numpy(float)[-2:]
-        if np.isfinite(e1) and np.isfinite(e2) and t2 > t1:
-            pairs[int(client)] = (t1, e1, t2, e2)
-    if not pairs:
+    client = history["client_index"].to_numpy(np.int64)
+    t, e = history["round"].to_numpy(float), history[column].to_numpy(float)
+    order = np.lexsort((t, client))  # by client, then round (stable: ties keep row order)
+    c, t, e = client[order], t[order], e[order]
+    last = np.flatnonzero(np.r_[c[1:] != c[:-1], True])  # each client's last row
+    last = last[(last > 0) & (c[last - 1] == c[last])]  # ... with a row before it
+    t1, e1, t2, e2 = t[last - 1], e[last - 1], t[last], e[last]
+    keep = np.isfinite(e1) & np.isfinite(e2) & (t2 > t1)
+    if not keep.any():
         return {}
-    fleet = float(np.median([e1 for _, e1, _, _ in pairs.values()]))
-    out: dict[int, float] = {}
-    for client, (t1, e1, t2, e2) in pairs.items():
-        scale = max(e1, fleet)
-        if scale > 0:
-            out[client] = (e1 - e2) / scale / (t2 - t1)
-    return out
+    who, t1, e1, t2, e2 = c[last][keep], t1[keep], e1[keep], t2[keep], e2[keep]
+    fleet = float(np.median(e1))
+    scale = np.maximum(e1, fleet)
+    ok = scale > 0
+    rate = (e1[ok] - e2[ok]) / scale[ok] / (t2[ok] - t1[ok])
+    # in the order the clients first appear in ``history`` (as the loop over groups gave)
+    first = pd.unique(client)
+    values = dict(zip(who[ok].tolist(), rate.tolist(), strict=True))
+    return {int(i): values[i] for i in first.tolist() if i in values}
 
 
 def sensor_statuses(

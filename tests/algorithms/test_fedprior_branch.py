@@ -170,13 +170,13 @@ def test_bic_can_choose_psi_too_none_for_no_directions_the_planted_shape_otherwi
     assert torch.all(personal["coef"][:, 17:] == 0)  # ψ terms outside the choice: not in it
     # `fedcal calibrate` rebuilds the chosen model from the prior's selection record
     from fedcal.build import build_algorithm, build_task
-    from fedcal.calibration import _config
+    from fedcal.calibration import prior_config
     from tests.conftest import stored_prior
 
     params = {"orders": [3, 3], "select": "bic", "branch_orders": [2, 0], "branch_select": True}
     doc = {"method": "fedprior_psi", "method_params": params, "selection": state["selection"]}
     features = {"features": ["frequency_hz", "temperature_c"], "target": "p"}
-    cfg = _config(stored_prior({**state, **doc, **features, "input_range": {}}))
+    cfg = prior_config(stored_prior({**state, **doc, **features, "input_range": {}}))
     rebuilt = build_algorithm("fedprior_psi", cfg, build_task(cfg, 2))
     assert [list(t) for t in rebuilt.branch_terms] == state["branch_terms"]
     assert [list(t) for t in rebuilt.terms] == state["terms"] and rebuilt.select == "none"
@@ -276,13 +276,13 @@ def test_every_unit_swept_one_way_leaves_the_term_out_and_is_fedprior_one_round_
         if select == "bic":
             assert state["selection"]["chosen"]["orders"] == state0["selection"]["chosen"]["orders"]
         from fedcal.build import build_algorithm, build_task
-        from fedcal.calibration import _config
+        from fedcal.calibration import prior_config
         from tests.conftest import stored_prior
 
         params = {"orders": list(PHI), "select": select, "branch_orders": [2, 0]}
         doc = {"method": "fedprior_br", "method_params": params, "selection": state["selection"]}
         features = {"features": ["frequency_hz", "temperature_c"], "target": "p"}
-        cfg = _config(stored_prior({**state, **doc, **features, "input_range": {}}))
+        cfg = prior_config(stored_prior({**state, **doc, **features, "input_range": {}}))
         rebuilt = build_algorithm("fedprior_br", cfg, build_task(cfg, 2))
         assert rebuilt.branch_terms == () and [list(t) for t in rebuilt.terms] == state["terms"]
     # half of the units swept both ways: h is identified, nothing is pinned

@@ -685,6 +685,29 @@ def test_fedprior_basis_selection_on_sites_equals_the_simulator(make_fleet, tmp_
     _assert_same_as_simulator(fed, res, cfgs, 17)
 
 
+def test_fedprior_squarem_on_sites_equals_the_simulator(make_fleet, tmp_path) -> None:
+    """fedprior with accelerate = "squarem" (fedprior_accel): the server's extrapolation and
+    its likelihood check read only summed uploads (each unit's log-evidence among them), so
+    Flower's server runs it unchanged; 5 rounds: an extrapolated prior is broadcast, judged,
+    and the last round starts from a plain EM iterate."""
+    params = {"orders": [1, 1], "init_noise": 0.1, "accelerate": "squarem"}
+    variant = {**params, "base": "fedprior"}
+    config = replace(
+        CONFIG,
+        engine=EngineSection(rounds=5, dtype="float64"),
+        method_params={**CONFIG.method_params, "fedprior_sq": variant},
+    )
+    fleet = make_fleet(num_clients=6, train=TRAIN_ROWS)
+    cfgs = _node_cfgs(fleet, tmp_path, SITES)
+    fed = federation(config, "fedprior_sq", seed=4)
+    run_in_process(fed, cfgs, run_id=18)
+    assert fed.rejected == {} and all(f == {} for f in fed.failed.values())
+    engine = EngineConfig(rounds=5, seed=4, dtype="float64", aggregation=POLICY)
+    res = simulate(build(config, "fedprior_sq", 2), prepare(fleet, dtype="float64"), engine)
+    assert "accel_phase" in res.server  # the extrapolation's bookkeeping ran
+    _assert_same_as_simulator(fed, res, cfgs, 18)
+
+
 def _with_directions(fleet: Fleet, seed: int = 5) -> Fleet:
     """The fleet with a chamber ``direction`` column and a hysteresis that depends on it.
 

@@ -18,6 +18,7 @@ from fedcal.core.aggregation import AggregationPolicy
 from fedcal.core.data import client_round_seed
 from fedcal.core.task import Task
 from fedcal.core.tree import expand, leaves
+from fedcal.engine.history import block_rows
 from fedcal.engine.simulation import EngineConfig, _evaluate, prepare, simulate
 from fedcal.experiment import run_experiment, summary_row
 from fedcal.models.mlp import MLP
@@ -78,7 +79,8 @@ def test_non_finite_personal_model_is_reported_diverged_and_propagates(make_flee
     config = EngineConfig(rounds=1, dtype="float64")
     device = torch.device("cpu")
     args = (fedavg, tensors, result.server, result.states, config, 0, device)
-    rows, _, _ = _evaluate(*args, personal=personal)
+    block, _, _ = _evaluate(*args, personal=personal)
+    rows = block_rows(block)  # the evaluation's columns, as rows
     assert [r["status"] for r in rows] == ["ok", "ok", "diverged"]
     result.final = [{**r, "rejected_rounds": 0} for r in rows]
     row = summary_row("fedavg", 0, 0, result, 1500.0, fedavg.task)

@@ -96,3 +96,31 @@ def _both_forms(arr, xp, terms):
                 col = col * values[j][a] if a else col
             cols.append(col)
         return xp.stack(cols, -1), families.LEGENDRE.products(arr, terms)
+
+
+def test_rows_inside_the_box_share_their_own_design_with_the_sigma():
+    """Nothing clamped (a unit's train rows, inside its own box): the guard's design is x's
+    own, the one ``legendre_products(x)`` (the σ's design) then reuses — formed once, not
+    again from the clamped copy — and it equals the clamped copy's design to the bit. A
+    −0 reading clamped to a +0 edge is not the same bits: its design is the clamped one."""
+    x = torch.tensor([[[-0.5, 0.25], [0.75, -1.0]]], dtype=torch.float32)
+    lo = torch.tensor([[[-1.0, -1.0]]], dtype=torch.float64)
+    hi = torch.tensor([[[1.0, 1.0]]], dtype=torch.float64)
+    clamped = legendre_products(torch.maximum(torch.minimum(x.double(), hi), lo), TERMS)
+    with reused_designs():
+        psi, out = linearized_products(x, TERMS, lo, hi)
+        assert legendre_products(x, TERMS) is psi and not out.any()
+    assert torch.equal(psi, clamped)
+    # a zero reading at a zero edge, of either sign: the design of the clamped copy, sign
+    # of zero included (whichever the clamp keeps, the guard's design has its bits)
+    terms = [(1, 0), (1, 1)]
+    for value in (-0.0, 0.0):
+        for edge in (-0.0, 0.0):
+            x0 = torch.tensor([[[value, 0.5]]], dtype=torch.float64)
+            at = torch.tensor([[[edge, -1.0]]], dtype=torch.float64)  # x₁'s edge at ±0
+            for box in ((at, hi), (lo, torch.tensor([[[edge, 1.0]]], dtype=torch.float64))):
+                want = legendre_products(torch.maximum(torch.minimum(x0, box[1]), box[0]), terms)
+                with reused_designs():
+                    psi, out = linearized_products(x0, terms, *box)
+                assert not out.any() and torch.equal(psi, want)
+                assert torch.equal(torch.signbit(psi), torch.signbit(want))

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from fedcal.prior.design_span import design_reason
 from fedcal.prior.discrepancy import (
     Discrepancy,
     DiscrepancyError,
-    design_reason,
     interval_factor,
     kappa_at,
     prior_distance,
@@ -44,7 +44,7 @@ def model(**kw) -> Discrepancy:
 
 @pytest.mark.parametrize("nu0", [math.inf, 8.0])
 def test_round_trip_through_strict_json(nu0):
-    m = model(nu0=nu0, kappa_points=((6.0, 0.9), (24.0, 1.2), (60.0, 1.3)))
+    m = model(nu0=nu0, kappa_points=((6.0, 0.9), (24.0, 1.2), (60.0, 1.3)), max_reliance=12.5)
     text = json.dumps(m.to_dict(), allow_nan=False)  # strict JSON: ∞ is written as null
     assert Discrepancy.from_dict(json.loads(text)) == m
 
@@ -81,6 +81,10 @@ def test_round_trip_through_strict_json(nu0):
         ("kappa_points", [[6.0, 1.0, 2.0]], "discrepancy.kappa_points"),
         ("kappa_points", [[6.0, "1"]], "discrepancy.kappa_points"),
         ("kappa_points", 1.0, "discrepancy.kappa_points"),
+        # D6's u_ref (fedcal.prior.design_span): a positive number or null (∞)
+        ("max_reliance", -1.0, "discrepancy.max_reliance"),
+        ("max_reliance", 0.0, "discrepancy.max_reliance"),
+        ("max_reliance", "3", "discrepancy.max_reliance"),
     ],
 )
 def test_a_bad_field_is_refused_in_one_line_naming_it(field, value, says):

@@ -49,11 +49,10 @@ This module is the model and its federated EM (the E-step in ``client_update``, 
 :class:`~fedcal.algorithms.fedprior_settings.FedPriorSettings`. Every option around it is a
 part with declared state, built once (:mod:`~fedcal.algorithms.fedprior_parts`, whose doc
 lists them: the basis chosen by the fleet's evidence, every candidate's EM running these
-equations on its terms, the sweep direction, the noise model, the calibrated interval, the
-time-respecting choice, ...); the server's trees around the M-step are
-:mod:`~fedcal.algorithms.fedprior_state`'s; the engine's optional hooks (core/hooks.py) are
-the parts' methods (:class:`~fedcal.algorithms.fedprior_parts.Delegate`) or a few lines here.
-The table of parts: docs/design.md, "The flagship algorithms, one idea per file".
+equations on its terms, the noise model, the calibrated interval, the time choice, ...); the
+server's trees around the M-step are :mod:`~fedcal.algorithms.fedprior_state`'s; the engine's
+optional hooks (core/hooks.py) are the parts' methods (``Delegate``) or a few lines here (the
+table of parts: docs/design.md, "The flagship algorithms, one idea per file").
 """
 
 from __future__ import annotations
@@ -116,7 +115,7 @@ class FedPrior(FedPriorSettings):
     # chosen candidate's: a misfit sub-basis has large ones for honest units too), and "gram"
     # (ΦᵀΦ: per row a moment of the unit's inputs, which honest units differ in by 10²–10³,
     # docs/statuses.md), judged by the consistency check (PSD, G_00 = n: core/robust.py).
-    unscreened_replies = ("cand/", "interval/", "noise/", "gram", "select", "choice/")
+    unscreened_replies = ("cand/", "interval/", "noise/", "gram", "select", "choice/", "loglik")
 
     def check_task(self, task: Task) -> None:
         self.terms  # noqa: B018 — the basis against the model's inputs
@@ -268,6 +267,8 @@ class FedPrior(FedPriorSettings):
         # The design's own Gram ΦᵀΦ (the input box's sums, the row-count check), unweighted.
         gram = full.gram if rw is None else moments(design, data.y[..., 0], data.mask).gram
         reply.update(n=full.n, gram=gram, support=chosen["support"])
+        if self.accelerate != "off":  # ℓ_i(θ) at the broadcast, SQUAREM's check (fedprior_accel)
+            reply["loglik"] = chosen["loglik"]
         if self.branch_orders:  # the whole design's, whatever J: BranchPins.unidentified's input
             reply["branch_support"] = data_support(gram, self._noise(down, state), self.init_scale)
         if self.interval == "calibrated" and "probe_x" in down:
@@ -367,7 +368,8 @@ class FedPrior(FedPriorSettings):
         robust = self.outlier_weights(server, replies)
         sums = fedprior_state.round_sums(self.parts, server, replies, units, robust)
         new = fedprior_state.next_server(self.parts, sums, self._prior_update)
-        return self.rounds_schedule.after(server, new, sums.count)
+        loglik = sums.total.get("loglik")  # ℓ of the broadcast: the one EM's SQUAREM step (A1)
+        return self.rounds_schedule.after(server, new, sums.count, loglik)
 
     # ---- step 3, the personal model (module doc) ----
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
@@ -379,6 +381,7 @@ class FedPrior(FedPriorSettings):
         return self.time_choice.no_harm(self, down, state, data, out)
 
     def _personal(self, down: Tree, state: Tree, data: ClientData) -> Tree:
+        """Step 3: the posterior N(m_i, V_i) in the model's terms, σ_i² and each part's keys."""
         _, post = self._posterior(down, state, self._personal_moments(down, data))
         coef, cov = post.mean, post.cov
         m = self._model_mask(down)
@@ -447,8 +450,7 @@ class FedPrior(FedPriorSettings):
         return partial(self.robust_uploads.inconsistent, frames)
 
     def _gram_counts_rows(self, server: Tree) -> bool:
-        """Whether the uploaded Gram is the design's ΦᵀΦ, whose constant term is the unit's
-        row count (a consistency check); fedprior_drift's whitened Gram is not."""
+        """Whether the uploaded Gram is ΦᵀΦ, its constant term the row count (not drift's)."""
         return True
 
     # ---- a round streamed chunk by chunk (engine/streamed.py; fedprior_stream) ----
@@ -470,8 +472,7 @@ class FedPrior(FedPriorSettings):
         return dataclasses.replace(self, raw_map=self.time_choice.raw_map_of(scaler))
 
     def predictive_std_timed(self, params: Tree, data: ClientData) -> Tensor | None:
-        """:meth:`predictive_std` at each row's time: after the unit's calibration, the
-        fleet's forward variance (:meth:`ForwardInterval.std`)."""
+        """σ at each row's time: after calibration, the fleet's (:meth:`ForwardInterval.std`)."""
         return self.time_choice.forward.std(params, data, self.predictive_std(params, data.x))
 
     def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
@@ -492,6 +493,5 @@ class FedPrior(FedPriorSettings):
         return fedprior_state.export_state(self.parts, server, self.interval_note(server))
 
     def deploy_state(self, server: Tree, data: ClientData) -> dict | None:
-        """The prior's design-dependent error model, prior.json's ``"discrepancy"``, or None
-        (:func:`~fedcal.algorithms.fedprior_deploy.deploy_state`: when it is learned)."""
+        """prior.json's ``"discrepancy"`` (fedprior_deploy.deploy_state), or None."""
         return deploy_state(self, server, data)

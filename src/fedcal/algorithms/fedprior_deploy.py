@@ -50,10 +50,14 @@ E5. **The record** (:class:`~fedcal.prior.discrepancy.Discrepancy`): β, a², �
     very rows, so each knot's weighted share is 95 % by construction; a family's own share
     says how even the fit is), and
     the span of designs emulated (fewest points, plateaus,
-    share of each input's span) by which :func:`~fedcal.prior.discrepancy.design_reason`
+    share of each input's span) by which :func:`~fedcal.prior.design_span.design_reason`
     declines a new unit's design the references did not span.
+E6. **How much the emulated designs relied on the prior** (``max_reliance``, D6):
+    :mod:`fedcal.algorithms.fedprior_deploy_reliance`; a new design that leans on the
+    prior beyond it by more than the 93–97 % band tolerates is declined
+    (:func:`~fedcal.prior.design_span.reliance_reason`).
 
-Only sums over a unit's own rows leave it (E3, E4); the engine here is the run's end
+Only sums over a unit's own rows leave it (E3, E4, E6); the engine here is the run's end
 (:meth:`~fedcal.algorithms.fedprior.FedPrior.deploy_state`), on the
 final prior, once: not every round.
 """
@@ -74,12 +78,14 @@ from fedcal.algorithms.fedprior_deploy_kappa import (
     choose,
     knot_weights,
 )
+from fedcal.algorithms.fedprior_deploy_reliance import max_reliance, reliance_sums
 from fedcal.algorithms.fedprior_deployed import DEPLOY_ROWS, prior_in_use
 from fedcal.algorithms.fedprior_loo import _leave_one_out
 from fedcal.core.bayes import F64, moments
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree, gather
 from fedcal.models.basis import legendre_products
+from fedcal.prior.design_span import reliance_gram
 from fedcal.prior.discrepancy import (
     AMP_RATIO_MAX,
     BETA_RANGE,
@@ -444,8 +450,11 @@ def learn(alg, server: Tree, data: ClientData) -> Discrepancy | None:
             kappa_points=pick.knots,
         )
         inside, held = (t.sum(0) for t in family_sums(em, model, data.num_clients))
+        gram = torch.as_tensor(reliance_gram(model.box_lo, model.box_hi, alg.terms))
+        u_ref = max_reliance(reliance_sums(em, gram, data.num_clients))  # E6
     return replace(
         model,
+        max_reliance=u_ref,
         coverage=tuple(
             (f, float(h), round(float(i / h), 4))
             for f, h, i in zip(FAMILIES, held.tolist(), inside.tolist(), strict=True)

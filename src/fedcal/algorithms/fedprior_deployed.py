@@ -18,6 +18,7 @@ from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree
 from fedcal.models.basis import legendre_products
+from fedcal.prior.design_span import reliance, reliance_gram, span_reasons
 from fedcal.prior.discrepancy import (
     AMP_RATIO_MAX,
     MAX_POINTS,
@@ -25,7 +26,6 @@ from fedcal.prior.discrepancy import (
     DiscrepancyError,
     deployed_units,
     deployed_variance,
-    design_reason,
     prior_distance,
     smoother,
     smoother_q,
@@ -75,7 +75,8 @@ def deploy_terms(
     alg, model: Discrepancy, down: Tree, personal: Tree, data: ClientData, names: list[str]
 ) -> tuple[Tree, list[str]]:
     """A unit calibrated from the prior: its :func:`deploy_shapes` parameters, and per unit
-    the reason its design is declined ("" if spanned: :func:`design_reason`)."""
+    the reason its design is declined ("" if spanned: D5–D6,
+    :func:`~fedcal.prior.design_span.span_reasons`)."""
     rows = alg.deploy_rows
     x, y, mask = data.x.to(F64), data.y[..., 0].to(F64), data.mask.to(F64)
     c, r = mask.shape
@@ -93,7 +94,9 @@ def deploy_terms(
     resid = (yd - (zd * mu.unsqueeze(1)).sum(-1)) * km
     d2 = prior_distance(zd, model.beta * sigma, noise, xd, km, model.amplitude, lengths, resid)
     scale = unit_factor(model, km.sum(1), d2)  # D3: κ(n), D4: s_i², t
-    reasons = design_reason(model, x, mask, names)
+    gram = reliance_gram(model.box_lo, model.box_hi, alg.terms)
+    u = reliance(cov[..., :p, :p], noise, gram)  # D6
+    reasons = span_reasons(model, x, mask, names, u, noise)
     out = {
         "gp_x": xd,
         "gp_mask": km,
@@ -118,7 +121,7 @@ def deployed(alg, raw: dict, down: Tree, personal: Tree, data: ClientData, names
     whose I4 τ² the references learned on their own 384-point rows; one of more than the
     model's ``max_points``, the largest design emulated, is declined with its reason), or
     no unit that held
-    out / no τ² that covered. There the unit's design is judged (:func:`design_reason`):
+    out / no τ² that covered. There the unit's design is judged (D5–D6, :func:`span_reasons`):
     spanned, it gets D2–D4's σ (I2's τ² replaced by it); not spanned, no σ and the reason.
     Declines for other causes (no residual degrees of freedom, weakly identified directions, I4's
     own-row τ² not found) stand."""
@@ -134,7 +137,7 @@ def deployed(alg, raw: dict, down: Tree, personal: Tree, data: ClientData, names
     code = down["declined"].to(F64).reshape(-1)
     # a prior without a probe (reference units only): I2/I4 learned nothing for any design
     # of up to DEPLOY_ROWS (I4's τ² is the 384-point references' on their own rows); beyond
-    # the model's max_points design_reason declines (κ(n) not learned there)
+    # the model's max_points span_reasons declines (κ(n) not learned there)
     weak = alg.weak_units(down, personal["cov"], personal["noise_var"], data)
     own = personal.get("declined", torch.zeros(data.num_clients, dtype=F64)) > 0
     use = deployed_units(n, probe, code, own, weak, DEPLOY_ROWS)

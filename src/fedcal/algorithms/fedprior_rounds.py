@@ -41,8 +41,10 @@ R3. **Rounds to convergence** (``converge_tol`` = ε > 0). After each M-step the
     36.1"), σ² converges sublinearly (its change per round decays like 1/t, not ρ^t), so no
     rate bound holds after the stop, and on a fleet of 12 campaign + 4 3x2 units the stop at
     ε = 1e-4 (round 11) kept τ² = 0 where the 30-round run learns 1.4e-9 (of the order of
-    σ² itself): the interval of the few-point units changed. Fewer rounds need an accelerated
-    σ² update (not built).
+    σ² itself): the interval of the few-point units changed. SQUAREM on the chosen basis's EM
+    (``accelerate = "squarem"``, :mod:`~fedcal.algorithms.fedprior_accel`, opt-in) reaches the
+    50-round fleet likelihood and σ² in 30–40 rounds, not the few-point units' predictions
+    and τ² (docs/benchmarks.md, session 14): no stop is built on it.
 
 :class:`RoundSchedule` is a part of FedPrior (``rounds_schedule``), declared by those three
 settings; its functions read and write only the server's bookkeeping keys
@@ -56,6 +58,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from fedcal.algorithms.fedprior_accel import accelerated, unchecked_reverted
 from fedcal.algorithms.fedprior_interval_parts import span_positions
 from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData
@@ -86,12 +89,18 @@ class RoundSchedule:
     converge_tol: float
     candidates: bool  # select = "bic" with select_by = "candidates"
     select_units: int = 0  # R1: the candidates' sample of about this many units (0: every unit)
+    accelerate: str = "off"  # "squarem": the one EM's extrapolation (fedprior_accel, A1–A4)
+    floor: float = 1e-12  # Σ's eigenvalue floor (the M-step's), for the extrapolated Σ
 
     @property
     def active(self) -> bool:
         """Whether the server keeps the schedule's bookkeeping (any of R1–R3 on)."""
         return bool(
-            self.select_patience or self.holdout == "final" or self.converge_tol or self.sampling
+            self.select_patience
+            or self.holdout == "final"
+            or self.converge_tol
+            or self.sampling
+            or self.accelerate != "off"
         )
 
     @property
@@ -145,17 +154,24 @@ class RoundSchedule:
             out["holdout_now"] = torch.tensor(1.0, dtype=F64)
         if self.sampling and "cand_rate" in server and units > 0:
             out["cand_rate"] = torch.tensor(min(1.0, self.select_units / units), dtype=F64)
+        if self.accelerate != "off":  # A4: no extrapolation into the engine's last round
+            out["accel_last_next"] = tensor_flag(t == rounds - 2)
         return out
 
     def finished(self, server: Tree) -> bool:
         """Whether the run is done (R3): the round after convergence held out."""
         return float(server.get("finished", 0.0)) > 0
 
-    def after(self, old: Tree, new: Tree, units: Tensor) -> Tree:
+    def after(self, old: Tree, new: Tree, units: Tensor, loglik: Tensor | None = None) -> Tree:
         """The bookkeeping after a server update ``old`` → ``new`` (R1's freeze and sample
-        rate from the ``units`` of this round, R3's test)."""
+        rate from the ``units`` of this round, R3's test); with ``loglik`` (Σ_i ℓ_i of the
+        broadcast, the one EM's round) and ``accelerate``, SQUAREM's step (fedprior_accel)."""
         if not self.active:
             return new
+        if self.accelerate != "off" and loglik is not None and "cand" not in new:
+            new = accelerated(old, new, loglik, self.floor)
+            if float(old.get("accel_last_next", 0.0)) > 0:  # A4: the last round's θ is plain
+                new = unchecked_reverted(new)
         out = dict(new)
         cand = "cand" in new
         if cand and self.sampling:  # R1: about select_units units draw the candidates
@@ -178,7 +194,7 @@ class RoundSchedule:
         # (once converged every round holds out: an engine that does not stop still ends
         # on a round that held out against its prior)
         out["holdout_now"] = tensor_flag(converged)
-        return out
+        return unchecked_reverted(out) if converged else out  # A4 (fedprior_accel)
 
 
 def unit_draw(values: Tensor) -> Tensor:

@@ -116,6 +116,9 @@ class FedPriorSettings(Algorithm):
     # > 0: the run ends one round (the hold-out's) after the prior's relative change per round
     # falls below this (the engine's rounds stay the cap); 0: the engine's rounds
     converge_tol: Annotated[float, Field(ge=0.0)] = 0.0
+    # "squarem": the server extrapolates the chosen basis's EM (fedprior_accel, A1–A4; each unit
+    # adds its log-evidence to the upload); "off": plain EM
+    accelerate: Literal["off", "squarem"] = "off"
     # "learn": at the run's end the units with at least fedprior_deploy.REFERENCE_ROWS rows
     # learn the prior's design-dependent error model (prior.json "discrepancy", issue 33);
     # "off": not learned. deploy_rows > 0: a unit calibrated from such a prior carries its

@@ -26,6 +26,7 @@ from __future__ import annotations
 from fedcal.build.checks import (
     check_fit,
     check_methods,
+    refuse_unprivate_scaling,
     run_record,
     validate_methods,
 )
@@ -34,6 +35,7 @@ from fedcal.build.data import (
     FleetOutline,
     _Gather,
     auto_chunk_size,
+    fleet_variants,
     load_configured,
     load_data,
     load_outline,
@@ -74,6 +76,7 @@ __all__ = [
     "choice_note",
     "client_inputs",
     "engine_settings",
+    "fleet_variants",
     "load_configured",
     "load_data",
     "load_outline",
@@ -81,6 +84,7 @@ __all__ = [
     "method_settings",
     "method_values",
     "privacy_delta",
+    "refuse_unprivate_scaling",
     "run_record",
     "task_kind",
     "valid_ranges",

@@ -1,5 +1,6 @@
 """A run's methods checked against the configuration and the fleet before anything
-trains (names, task kind, fit on the data), and the run's record (config.json).
+trains (names, task kind, fit on the data, a private run's scaling), and the run's record
+(config.json).
 """
 
 from __future__ import annotations
@@ -127,6 +128,24 @@ def check_fit(config: RunConfig, fleet: Fleet) -> None:
         raise ConfigError(f"[fleet] num_lots: {config.fleet.num_lots} lots for {n} sensors")
 
 
+def refuse_unprivate_scaling(config: RunConfig, fleet: Fleet) -> None:
+    """Client-level DP noises the algorithm's sums only: a column scaled by federated
+    statistics (the fleet's mean and std, un-noised, sent to every site) would be released
+    outside the accountant's ε, so DP is refused unless every column has a physical range."""
+    from fedcal.data.scaling import PHYSICAL_RANGES, needs_moments
+
+    mode, regression = config.data.scaling, fleet.meta.get("task") != "classification"
+    if not needs_moments(fleet.features, fleet.target, mode, regression):
+        return
+    columns = [*fleet.features, *([fleet.target] if regression else [])]
+    named = [c for c in columns if mode == "federated" or c not in PHYSICAL_RANGES]
+    raise ConfigError(
+        f"[data] scaling = {mode!r}: client-level DP ([privacy] epsilon > 0) needs every column "
+        f"on a physical range; {', '.join(named)} would be scaled by the fleet's un-noised "
+        "mean and std (released outside ε)"
+    )
+
+
 def run_record(
     config: RunConfig, methods: Sequence[str], train_points: Sequence[int]
 ) -> dict[str, Any]:
@@ -137,9 +156,9 @@ def run_record(
     :func:`fedcal.config.from_json` reads the file back.
     """
     cfg = dataclasses.replace(config, methods=tuple(methods))
-    layout = to_layout(cfg)
     resolved = {
         "train": asdict(config.train),
         "methods": {m: method_values(m, config) for m in methods},
     }
+    layout = to_layout(cfg)
     return {**layout, "resolved": resolved, "train_points_sweep": list(train_points)}

@@ -1,6 +1,7 @@
 """A run's data from its configuration: the simulator's fleet or a file (whole, or a
-Parquet file by row groups as a :class:`FleetOutline`), its warnings, the valid ranges
-of its inputs, and the engine's chunk size chosen from its size.
+Parquet file by row groups as a :class:`FleetOutline`), the fleets of the design and
+fleet-seed sweeps, its warnings, the valid ranges of its inputs, and the engine's chunk
+size chosen from its size.
 """
 
 from __future__ import annotations
@@ -35,6 +36,38 @@ def load_data(config: RunConfig) -> Fleet:
     from fedcal.data.simulator import simulate_fleet
 
     return simulate_fleet(config.fleet.spec(), seed=config.fleet.seed)
+
+
+def fleet_variants(config: RunConfig, fleet: Fleet) -> list[tuple[dict[str, Any], Fleet]]:
+    """The fleets of a run: ``fleet`` alone, or one per (fleet seed, design) of the sweeps.
+
+    ``[run] fleet_seeds`` / ``designs`` (or ``--fleet-seeds`` / ``--designs``)
+    regenerate the fleet with ``[fleet] seed`` / ``train_design`` set to each
+    value; each variant is labelled by the swept fields only (they become
+    summary columns ``fleet_seed`` / ``design``).
+    """
+    if not config.designs and not config.fleet_seeds:
+        return [({}, fleet)]
+    path = config.data.path
+    if config.designs and path:
+        raise ConfigError(
+            f"[run] designs sweep the simulator's chamber designs; [data] path is {path!r}"
+        )
+    if config.fleet_seeds and path and not path.startswith("builtin:"):
+        raise ConfigError(
+            f"[run] fleet_seeds regenerate a built-in fleet; [data] path is the file {path!r}"
+        )
+    out = []
+    for fleet_seed in config.fleet_seeds or (config.fleet.seed,):
+        for design in config.designs or (config.fleet.train_design,):
+            f = dataclasses.replace(config.fleet, seed=fleet_seed, train_design=design)
+            labels: dict[str, Any] = {}
+            if config.designs:
+                labels["design"] = design
+            if config.fleet_seeds:
+                labels["fleet_seed"] = fleet_seed
+            out.append((labels, load_data(dataclasses.replace(config, fleet=f))))
+    return out
 
 
 def _loader_options(config: RunConfig) -> dict[str, Any]:

@@ -99,7 +99,7 @@ def _next_points(planner, doc, unit: Path, spec: float, count: int, out, unit_na
     for p, t, d, after, minutes in step.steps:
         console.print(f"next: {p:g} hPa at {t:g} °C, {d}: RMS σ → {after:.4g} ({minutes:g} min)")
     if step.steps:
-        frame = planning._as_design([s[:3] for s in step.steps]).frame()
+        frame = planning.as_design([s[:3] for s in step.steps]).frame()
         if out is not None:
             write_text(out, frame.to_csv(index=False))  # atomic
 

@@ -9,12 +9,14 @@ import hashlib
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from fedcal.core.algorithm import Algorithm
 from fedcal.core.tensorfile import TensorFileError, load_trees, save_trees
 from fedcal.core.tree import Tree
-from fedcal.engine.settings import EngineSettings
+from fedcal.engine.history import History
+from fedcal.engine.settings import EngineSettings, resolve_eval_every
 from fedcal.engine.tensors import FleetTensors
 
 
@@ -29,6 +31,8 @@ def _fingerprint(algorithm: Algorithm, fleet: FleetTensors, config: EngineSettin
     full = asdict(config)
     keys = ("rounds", "participation", "eval_every", "seed", "dtype", "init_seed", "aggregation")
     schedule = {k: full[k] for k in keys}
+    # "auto" as the rounds it means for this fleet: the fingerprint of the schedule run
+    schedule["eval_every"] = resolve_eval_every(schedule["eval_every"], fleet.num_clients)
     if isinstance(schedule["aggregation"], dict):  # a DP run's secret noise seed: new per run
         schedule["aggregation"].pop("dp_noise_secret", None)
     h.update(repr(schedule).encode())
@@ -66,41 +70,65 @@ def save_checkpoint(
     elapsed: float,
     server: Tree,
     states: Tree,
-    history: list[dict],
+    history: History,
     rejected: Tensor,
     rounds_log: list[dict],
     rejections: list[dict] | None = None,
+    unscored: tuple[dict[str, Tensor], list[int]] | None = None,
 ) -> None:
     """Tensors and JSON only (no pickle), checksummed, written atomically.
 
     ``rejected`` counts, per client, the rounds its reply was rejected; ``rounds_log``
-    is the aggregation's per-round record, ``rejections`` each rejection with its reason.
+    is the aggregation's per-round record, ``rejections`` each rejection with its reason;
+    ``unscored``: the round's client metrics and cohort when that round was not evaluated
+    (a resumed run may have to score it late: simulation._Round).
     """
+    columns, layout = history.saved()  # the history's arrays as tensors (issue 36.1)
+    trees = {
+        "server": server,
+        "states": states,
+        "rejected": {"rounds": rejected},
+        "history": columns,
+    }
+    if unscored is not None:
+        metrics, ids = unscored
+        trees["unscored"] = {"metrics": metrics, "ids": torch.tensor(ids, dtype=torch.int64)}
     save_trees(
         path,
-        {"server": server, "states": states, "rejected": {"rounds": rejected}},
+        trees,
         {"fingerprint": fingerprint, "round": round_done, "elapsed": elapsed},
-        {"history": history, "aggregation": rounds_log, "rejections": rejections or []},
+        {"history": layout, "aggregation": rounds_log, "rejections": rejections or []},
     )
 
 
 def load_checkpoint(path: Path, fingerprint: str) -> tuple:
-    """``(server, states, history, round, elapsed, rejected, rounds_log, rejections)`` of this
-    very run (a checkpoint of before rejections were recorded: none)."""
+    """``(server, states, history, round, elapsed, rejected, rounds_log, rejections,
+    unscored)`` of this very run. ``unscored``: ``(metrics, ids)`` of its last round when
+    that round was not evaluated, else None; a checkpoint of before rejections were recorded
+    has none; of before the history's columns, its rows are read into columns."""
     try:
         trees, meta, blobs = load_trees(path)
         same = meta["fingerprint"] == fingerprint
-        saved = (trees["server"], trees["states"], list(blobs["history"]))
+        history = History.restored(trees.get("history", {}), blobs["history"])
+        saved = (trees["server"], trees["states"], history)
         round_done, elapsed = int(meta["round"]), float(meta["elapsed"])
         extra = (
             trees["rejected"]["rounds"],
             list(blobs["aggregation"]),
             list(blobs.get("rejections", [])),
+            _unscored(trees.get("unscored")),
         )
     except TensorFileError as e:
         raise CheckpointError(path, e.problem) from None
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, IndexError) as e:
         raise CheckpointError(path, f"incomplete ({type(e).__name__}: {e})") from None
     if not same:
         raise CheckpointError(path, "belongs to another run (algorithm, data or config differ)")
     return (*saved, round_done, elapsed, *extra)
+
+
+def _unscored(tree: dict | None) -> tuple[dict[str, Tensor], list[int]] | None:
+    """A checkpoint's unevaluated last round: its client metrics and cohort (None: none)."""
+    if tree is None:
+        return None
+    return dict(tree["metrics"]), [int(i) for i in tree["ids"].tolist()]

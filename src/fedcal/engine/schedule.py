@@ -34,9 +34,17 @@ def cohort(seed: int, round_index: int, num_clients: int, participation: float) 
     return torch.as_tensor(np.sort(rng.choice(num_clients, size=k, replace=False)))
 
 
-def evaluates(t: int, rounds: int, eval_every: int) -> bool:
-    """Whether round ``t`` (0-based) is evaluated: every ``eval_every`` rounds and the last."""
-    return t == rounds - 1 or (t + 1) % eval_every == 0
+def evaluates(t: int, rounds: int, eval_every: int | str, units: int = 0) -> bool:
+    """Whether round ``t`` (0-based) is evaluated: every ``eval_every`` rounds ("auto": by
+    the fleet's ``units``, :func:`~fedcal.engine.settings.resolve_eval_every`), the last and
+    the one before it — the "unconverged" judgement reads each unit's train error in the
+    last two evaluated rounds (:func:`fedcal.status.still_improving`), so with any
+    ``eval_every`` it reads the same two rounds as when every round is evaluated (issue
+    36.1). A run its algorithm ends early (``EndsRounds``) has its round before the last
+    scored late by the simulator."""
+    from fedcal.engine.settings import resolve_eval_every
+
+    return t >= rounds - 2 or (t + 1) % resolve_eval_every(eval_every, units) == 0
 
 
 def train_seeds(seed: int, t: int, indices: Iterable[int]) -> tuple[int, ...]:

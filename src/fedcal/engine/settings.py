@@ -7,12 +7,25 @@ aggregation policy, the configuration's ``[engine]`` the checkpoint interval.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PlainValidator, model_validator
 
 from fedcal.core.hooks import WeighsOutliers
 from fedcal.core.schema import MAX_CLIENTS, MAX_ROUNDS, Float, Int, Name, checked
+
+
+def _eval_every(value: object) -> int | str:
+    """``[engine] eval_every``: "auto" or a whole number of rounds in [1, MAX_ROUNDS]."""
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if value == "auto" or (whole and 1 <= value <= MAX_ROUNDS):
+        return value  # type: ignore[return-value]
+    raise ValueError(f'must be "auto" or an integer in [1, {MAX_ROUNDS}], got {value!r}')
+
+
+EvalEvery = Annotated[
+    int | str, PlainValidator(_eval_every, json_schema_input_type=int | Literal["auto"])
+]
 
 
 @checked
@@ -21,7 +34,10 @@ class EngineSettings:
 
     rounds: Int = Field(default=50, ge=1, le=MAX_ROUNDS)
     participation: Float = Field(default=1.0, gt=0.0, le=1.0)  # fraction drawn each round
-    eval_every: Int = Field(default=1, ge=1, le=MAX_ROUNDS)  # every k rounds, and the last
+    # Every k rounds, the last and the one before it (the "unconverged" judgement reads the
+    # last two); "auto": 1 below AUTO_EVAL_UNITS units, AUTO_EVAL_EVERY from there (an
+    # evaluation of every unit costs more than a round: issue 36.1); resolve_eval_every.
+    eval_every: EvalEvery = "auto"
     dtype: Literal["float32", "float64"] = "float32"
     # Clients trained and evaluated at once (0 = the whole cohort): bounds the memory of
     # local training and evaluation; the numbers do not depend on it (fedcal.engine.chunks).
@@ -38,6 +54,22 @@ class EngineSettings:
 
         resolve_device(self.device)
         return self
+
+
+# eval_every = "auto": every round below this many units, every AUTO_EVAL_EVERY rounds from
+# it. At 10,000 units one evaluation of every unit took 2.6 CPU s against a round's 3.1, at
+# 100,000 units 26 against 11 (docs/benchmarks.md): evaluating every round would double a
+# large fleet's run or more.
+AUTO_EVAL_UNITS = 10_000
+AUTO_EVAL_EVERY = 10
+
+
+def resolve_eval_every(eval_every: int | str, units: int) -> int:
+    """``[engine] eval_every`` as a number of rounds: itself, or for ``"auto"`` 1 below
+    :data:`AUTO_EVAL_UNITS` units and :data:`AUTO_EVAL_EVERY` from there."""
+    if eval_every == "auto":
+        return 1 if units < AUTO_EVAL_UNITS else AUTO_EVAL_EVERY
+    return int(eval_every)
 
 
 class FederationRefused(RuntimeError):

@@ -36,21 +36,26 @@ from fedcal.engine import chunks, streamed
 # re-exported: callers import the tensors and the checkpoint's error from here too
 from fedcal.engine.checkpoint import CheckpointError as CheckpointError
 from fedcal.engine.checkpoint import _fingerprint, load_checkpoint, save_checkpoint
-from fedcal.engine.evaluation import evaluate_cohort
+from fedcal.engine.evaluation_fleet import evaluate_fleet as _evaluate
+from fedcal.engine.evaluation_fleet import seeds_for as _seeds
+from fedcal.engine.evaluation_fleet import unit_columns
+from fedcal.engine.history import (
+    Block,
+    History,
+    block_rows,
+    round_block,
+)
 from fedcal.engine.memory import keep_freed_memory
 from fedcal.engine.schedule import (
     cohort,
     evaluates,
-    final_row,
-    history_row,
-    personalize_seeds,
-    result_row,
     train_seeds,
 )
 from fedcal.engine.settings import (
     EngineSettings,
     mostly_refused,
     refused_clients,
+    resolve_eval_every,
     unjudged,
 )
 from fedcal.engine.tensors import DTYPES, FleetTensors
@@ -73,9 +78,10 @@ class EngineConfig(EngineSettings):
 
 @dataclass
 class RunResult:
-    """Everything a run produced; ``history`` rows are per round and client."""
+    """Everything a run produced; ``history`` rows are per round and client (a
+    :class:`~fedcal.engine.history.History`: columns, read as rows)."""
 
-    history: list[dict]
+    history: History | list[dict]
     final: list[dict]
     personal: Tree
     server: Tree
@@ -93,7 +99,7 @@ class _Run:
 
     server: Tree
     states: Tree
-    history: list[dict]
+    history: History
     start_round: int
     elapsed: float
     rejected: Tensor  # rounds each client's reply was rejected
@@ -104,8 +110,24 @@ class _Run:
     bytes_down: list[int] = field(default_factory=list)
     reply_size: list[int] = field(default_factory=list)  # one client's reply bytes (_streams)
     personal: Tree | None = None  # after the last round: every client's personal model
-    last_rows: list[dict] | None = None  # after the last round: the evaluation's rows
+    last_rows: Block | None = None  # after the last round: the evaluation's columns
     summary: dict = field(default_factory=dict)  # the latest evaluation's fleet summary
+    units: tuple = ()  # the fleet's unit indices and names (unit_columns), once a run
+    unscored: _Round | None = None  # the last round, when not evaluated (scored late)
+
+
+@dataclass(frozen=True)
+class _Round:
+    """A trained round as its evaluation reads it: the server and states after round ``t``
+    (0-based), the rejection counts then, and the round's client metrics of the cohort
+    ``ids``."""
+
+    t: int
+    server: Tree
+    states: Tree
+    rejected: Tensor
+    metrics: dict[str, Tensor]
+    ids: list[int]
 
 
 def simulate(
@@ -123,11 +145,16 @@ def simulate(
     is resumed from.
     """
     keep_freed_memory()
+    # eval_every "auto": from the fleet's size (engine.settings.resolve_eval_every)
+    every = resolve_eval_every(config.eval_every, fleet.num_clients)
+    if every != config.eval_every:
+        config = dataclasses.replace(config, eval_every=every)
     # A closed-form method (Algorithm.one_shot) is done after one round: later rounds
     # would repeat it exactly, so they are not run.
     rounds = 1 if algorithm.one_shot else config.rounds
     device = chunks.resolve_device(config.device)
     run = _start(algorithm, fleet, config, checkpoint)
+    run.units = unit_columns(fleet)
     fleet = with_derived(algorithm, fleet, config.chunk_size, device)
     counts = fleet.train.count.to(torch.float64)
     t0 = time.perf_counter() - run.elapsed
@@ -141,33 +168,20 @@ def simulate(
             run.server = algorithm.before_round(run.server, t, rounds, fleet.num_clients)
         ids, result = _train_round(run, algorithm, fleet, counts, config, t, device)
         last = t == rounds - 1 or (ends and algorithm.finished(run.server))
-        if last or evaluates(t, rounds, config.eval_every):  # always after the last round
-            _evaluate_round(run, algorithm, fleet, config, t, device, last, result, ids)
-            if on_round is not None:
-                on_round(t + 1, run.summary)
+        done = _Round(t, run.server, run.states, run.rejected, result.metrics, ids)
+        if _score(run, algorithm, fleet, config, device, rounds, last, done) and on_round:
+            on_round(t + 1, run.summary)
         if checkpoint is not None and (last or (t + 1) % checkpoint_every == 0):
-            elapsed_now = time.perf_counter() - t0
-            save_checkpoint(
-                Path(checkpoint),
-                run.fingerprint,
-                t + 1,
-                elapsed_now,
-                run.server,
-                run.states,
-                run.history,
-                run.rejected,
-                run.rounds_log,
-                run.rejections,
-            )
+            _save(run, Path(checkpoint), t, time.perf_counter() - t0)
         if last:
             rounds = t + 1  # the rounds done (fewer than the cap when the algorithm finished)
             break
     wall = time.perf_counter() - t0
     if run.start_round >= rounds:  # resumed after the last round: evaluate it here
-        run.last_rows, _, run.personal = _evaluate(
-            algorithm, fleet, run.server, run.states, config, rounds - 1, device, keep_personal=True
-        )
-    final = [final_row(row, int(run.rejected[row["client_index"]])) for row in run.last_rows]
+        args = (algorithm, fleet, run.server, run.states, config, rounds - 1, device, True)
+        run.last_rows, _, run.personal = _evaluate(*args, units=run.units)
+    # the final table: the last evaluation's rows and the rounds each reply was rejected
+    final = block_rows({**run.last_rows, "rejected_rounds": run.rejected.numpy()})
     return RunResult(
         history=run.history,
         final=final,
@@ -188,6 +202,50 @@ def simulate(
     )
 
 
+def _score(
+    run: _Run,
+    algorithm: Algorithm,
+    fleet: FleetTensors,
+    config: EngineConfig,
+    device: torch.device,
+    rounds: int,
+    last: bool,
+    done: _Round,
+) -> bool:
+    """Round ``done.t`` evaluated when the schedule says so (and always the last); whether
+    it was. Before the last, the round before it when that one was kept unscored."""
+    if last or evaluates(done.t, rounds, config.eval_every):
+        if last and run.unscored is not None:  # the round before the last, scored late
+            _evaluate_round(run, algorithm, fleet, config, device, False, run.unscored)
+        _evaluate_round(run, algorithm, fleet, config, device, last, done)
+        run.unscored = None
+        return True
+    if isinstance(algorithm, EndsRounds):
+        # Its next round may end the run (finished), unscheduled: the "unconverged"
+        # judgement reads the last two evaluated rounds, so this one is kept (the
+        # references alone: the next round makes new states) to be scored then too.
+        run.unscored = done
+    return False
+
+
+def _save(run: _Run, path: Path, t: int, elapsed: float) -> None:
+    """The run's checkpoint after round ``t`` (with an unscored round's client metrics)."""
+    unscored = run.unscored
+    save_checkpoint(
+        path,
+        run.fingerprint,
+        t + 1,
+        elapsed,
+        run.server,
+        run.states,
+        run.history,
+        run.rejected,
+        run.rounds_log,
+        run.rejections,
+        None if unscored is None else (unscored.metrics, unscored.ids),
+    )
+
+
 def _start(
     algorithm: Algorithm, fleet: FleetTensors, config: EngineConfig, checkpoint: Path | None
 ) -> _Run:
@@ -203,10 +261,14 @@ def _start(
     )
     fingerprint = _fingerprint(algorithm, fleet, config)
     if checkpoint is not None and Path(checkpoint).exists():
-        saved = load_checkpoint(Path(checkpoint), fingerprint)
-        return _Run(*saved, fingerprint=fingerprint)
+        *saved, unscored = load_checkpoint(Path(checkpoint), fingerprint)
+        run = _Run(*saved, fingerprint=fingerprint)
+        if unscored is not None:  # its last round was not evaluated: scored late if need be
+            t = run.start_round - 1
+            run.unscored = _Round(t, run.server, run.states, run.rejected, *unscored)
+        return run
     rejected = torch.zeros(n, dtype=torch.int64)
-    return _Run(server, states, [], 0, 0.0, rejected, [], [], fingerprint)
+    return _Run(server, states, History(), 0, 0.0, rejected, [], [], fingerprint)
 
 
 def _train_round(
@@ -313,41 +375,22 @@ def _evaluate_round(
     algorithm: Algorithm,
     fleet: FleetTensors,
     config: EngineConfig,
-    t: int,
     device: torch.device,
     last: bool,
-    result: ClientResult,
-    ids: list[int],
+    done: _Round,
 ) -> None:
-    """Every client's personal model scored after round ``t``: the history's rows (with the
-    round's client metrics for those who trained) and the summary into ``run``; the last
-    round's rows and models kept."""
+    """Every client's personal model scored after round ``done.t``: the history's rows (with
+    the round's client metrics for those who trained) and the summary into ``run``; the
+    last round's rows and models kept."""
+    t = done.t
     rows, run.summary, evaluated = _evaluate(
-        algorithm, fleet, run.server, run.states, config, t, device, keep_personal=last
+        algorithm, fleet, done.server, done.states, config, t, device, last, units=run.units
     )
     if last:
         run.personal, run.last_rows = evaluated, rows
     # The round's client metrics (train loss, FedGMI's α, …) for those who trained.
-    values = {name: v.tolist() for name, v in result.metrics.items()}
-    trained = {i: {name: v[j] for name, v in values.items()} for j, i in enumerate(ids)}
-    run.history.extend(
-        history_row(
-            row,
-            t + 1,
-            int(run.rejected[row["client_index"]]),
-            trained.get(row["client_index"], {}),
-            list(values),
-        )
-        for row in rows
-    )
-
-
-def _seeds(
-    algorithm: Algorithm, seeds: Callable[..., tuple[int, ...]], seed: int, t: int, ids
-) -> tuple[int, ...]:
-    """The clients' seeds of round ``t`` (``train_seeds``/``personalize_seeds``), or zeros
-    for an algorithm that reads none (:attr:`Algorithm.reads_seeds`)."""
-    return seeds(seed, t, ids) if algorithm.reads_seeds else (0,) * len(ids)
+    rejected = done.rejected.numpy().copy()
+    run.history.add(round_block(rows, t + 1, rejected, done.metrics, done.ids))
 
 
 def with_derived(
@@ -416,77 +459,3 @@ def _roll_back(new: Tree, old: Tree, accepted: Tensor) -> Tree:
     if bool(accepted.all()):
         return tree_map(lambda t: t.contiguous(), new)
     return tree_map(lambda n, o: torch.where(per_client(accepted, n), n, o.to(n.dtype)), new, old)
-
-
-def _evaluate(
-    algorithm: Algorithm,
-    fleet: FleetTensors,
-    server: Tree,
-    states: Tree,
-    config: EngineConfig,
-    t: int,
-    device: torch.device,
-    keep_personal: bool = False,
-    personal: Tree | None = None,
-) -> tuple[list[dict], dict, Tree]:
-    """Per-client rows and the summary of every client's personal model after round ``t``;
-    the personal models too with ``keep_personal`` (else ``{}``). Runs ``config.chunk_size``
-    clients at a time: personalizing (e.g. fine-tuning) and predicting every row of a large
-    fleet at once would hold (clients, rows, hidden) activations. Given ``personal`` (the
-    whole fleet's models), scores those instead of personalizing."""
-    n = fleet.num_clients
-    down = algorithm.broadcast(server)
-    train_all = fleet.train.with_seeds(
-        _seeds(algorithm, personalize_seeds, config.seed, t, range(n))
-    )
-    whole = config.chunk_size <= 0 or config.chunk_size >= n
-    given = personal
-
-    def one_chunk(rows: Tensor) -> Tree:
-        def mine(tree: Tree) -> Tree:
-            return chunks.to_device(tree if whole else gather(tree, rows), device)
-
-        train = train_all if whole else train_all.select(rows)
-        test = fleet.test if whole else fleet.test.select(rows)
-        out = evaluate_cohort(
-            algorithm,
-            chunks.to_device(down, device),
-            {} if given is not None else mine(states),
-            chunks.data_to(train, device),
-            chunks.data_to(test, device),
-            fleet.scaler,
-            None if given is None else mine(given),
-        )._asdict()
-        return out if keep_personal else {**out, "personal": {}}
-
-    # Chunk by chunk into the fleet's tensors: the chunks' personal models never coexist
-    # with their concatenation.
-    out = chunks.assemble(
-        (
-            (int(rows[0]), chunks.on_device(device, one_chunk, rows))
-            for rows in chunks.spans(n, config.chunk_size)
-        ),
-        n,
-    )
-    test, train, model_ok = out["test"], out["train"], out["finite"]
-    # Each metric as a list of Python floats once (the values float(v[i]) gives, one
-    # conversion instead of one per unit and metric: 100,000 units × ~10 metrics).
-    test_l = {k: v.tolist() for k, v in test.items()}
-    train_l = {k: v.tolist() for k, v in train.items()}
-    rows = [
-        result_row(
-            i,
-            cid,
-            {k: v[i] for k, v in test_l.items()},
-            {k: v[i] for k, v in train_l.items()},
-            ok,
-        )
-        for (i, cid), ok in zip(enumerate(fleet.client_ids), model_ok.tolist(), strict=True)
-    ]
-    key = algorithm.task.primary_metric
-    summary = {
-        f"test_{key}_mean": float(test[key].mean()),
-        f"test_{key}_worst": float(test[key].max()),
-        f"train_{key}_mean": float(train[key].mean()),
-    }
-    return rows, summary, out["personal"]

@@ -41,8 +41,10 @@ from fedcal.build import (
     check_methods,
     client_inputs,
     engine_settings,
+    fleet_variants,
     load_data,
     method_settings,
+    refuse_unprivate_scaling,
     run_record,
     task_kind,
     valid_ranges,
@@ -58,7 +60,6 @@ from fedcal.experiment.notes import (
     status_notes,
     unjudged_note,
 )
-from fedcal.experiment.plan import fleet_variants, refuse_unprivate_scaling
 from fedcal.experiment.run import run_experiment
 from fedcal.experiment.rundir import (
     CHECKPOINT_FILE,

@@ -18,6 +18,7 @@ import torch
 from fedcal.build import FleetOutline, valid_ranges
 from fedcal.core import hooks, runnames
 from fedcal.core.algorithm import Algorithm
+from fedcal.engine.history import as_frame
 from fedcal.engine.simulation import RunResult
 from fedcal.experiment import notes
 from fedcal.experiment.builds import Cell
@@ -98,7 +99,7 @@ def record_run(plan: RunPlan, cell: Cell, run: Trained, hooks: Hooks) -> dict[st
 
 def write_history(run: Trained) -> pd.DataFrame:
     """metrics.csv (per round and sensor) and aggregation.csv (per round); the history."""
-    history = pd.DataFrame(run.result.history)
+    history = as_frame(run.result.history)
     history.insert(0, "method", run.method)
     history.insert(1, "seed", run.seed)
     _write_csv(run.run_dir / runnames.METRICS, history)

@@ -93,6 +93,11 @@ def _same_bits(a: Tensor, b: Tensor) -> bool:
     return torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
 
 
+def _same_array_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal arrays, −0 apart from +0 (NumPy's :func:`_same_bits`)."""
+    return bool(np.array_equal(a, b) and np.array_equal(np.signbit(a), np.signbit(b)))
+
+
 def any_beyond(mask: Array) -> bool:
     """Whether any row lies beyond the support box: always True while tracing (ONNX export).
 
@@ -199,15 +204,21 @@ class BasisFamily:
     def _linearized(
         self, x: Array, exponents: Sequence[Sequence[int]], lo: Array, hi: Array
     ) -> tuple[Array, Array]:
-        x = as_float64(x)
+        given, x = x, as_float64(x)
         xp = namespace(x)
         if xp is not np:
             lo, hi = lo.to(x.dtype), hi.to(x.dtype)
         inner = xp.maximum(xp.minimum(x, hi), lo)
         step = x - inner
         outside = (step != 0).any(-1)
+        if not any_beyond(outside):
+            # Nothing clamped: x̄ is x to the bit (its zeros' signs too), so the design is
+            # x's own — the one the σ's design of the same rows reuses, not a second one
+            # formed from the clamped copy (issue 36.1: the train rows are always inside).
+            same = _same_bits(inner, x) if xp is not np else _same_array_bits(inner, x)
+            return self.products(given if same else inner, exponents), outside
         phi = self.products(inner, exponents)
-        if not any_beyond(outside) or not exponents:
+        if not exponents:
             return phi, outside
         num_inputs = x.shape[-1]
         tops = [max(t[j] for t in exponents) for j in range(num_inputs)]

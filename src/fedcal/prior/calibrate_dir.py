@@ -57,7 +57,7 @@ def template() -> dict[str, Any]:
 def fixed_params(prior: PriorModel) -> dict[str, Any]:
     """The method's parameters with the fleet's chosen sub-basis fixed (``select = "none"``)
     and a registered variant on its base: what rebuilds this prior's calibration, here and
-    in :func:`fedcal.calibration._config` (which adds what only the torch path runs); with
+    in :func:`fedcal.calibration.prior_config` (which adds what only the torch path runs); with
     the prior's deployment discrepancy model, ``deploy_rows``: the design rows each unit
     carries (:data:`fedcal.prior.discrepancy.MAX_POINTS`, :mod:`fedcal.prior.deployment`)."""
     params = dict(prior.provenance.method_params)

@@ -10,7 +10,7 @@ formulas (array-generic, :mod:`fedcal.prior.discrepancy`) on the posterior of
 d_i² = rᵀC⁻¹r, r = y_D − Z_Dμ (D4), the factor κ(n_i)² s_i² (t/1.96)² (D3–D4), β, a², ℓ;
 which units take that σ (:func:`~fedcal.prior.discrepancy.deployed_units`: fedprior's own
 interval stands wherever it states one), and per unit why its design gets no σ
-(:func:`~fedcal.prior.discrepancy.design_reason`, "" if it gets one).
+(:func:`~fedcal.prior.design_span.span_reasons`, D5–D6, "" if it gets one).
 :func:`fedcal.prior.posterior.predictive_std` then states
 
     σ²(x) = κ² s_i² (t/1.96)² (β v_c(x) + σ_i² + a² q(x))   (D2–D4)
@@ -24,13 +24,13 @@ from typing import Any
 
 import numpy as np
 
+from fedcal.prior.design_span import reliance, reliance_gram, span_reasons
 from fedcal.prior.discrepancy import (
     AMP_RATIO_MAX,
     MAX_POINTS,
     Discrepancy,
     DiscrepancyError,
     deployed_units,
-    design_reason,
     prior_distance,
     smoother,
     unit_factor,
@@ -85,7 +85,9 @@ def deploy(
     noise = units.noise_var
     lengths = np.asarray(model.lengths, dtype=np.float64)
     d2 = prior_distance(zd, model.beta * sigma, noise, xd, km, model.amplitude, lengths, resid)
-    reasons = design_reason(model, x, mask, list(prior.features))
+    gram = reliance_gram(model.box_lo, model.box_hi, prior.basis.terms)
+    u = reliance(units.cov[..., :p, :p], noise, gram)  # D6
+    reasons = span_reasons(model, x, mask, list(prior.features), u, noise)
     iv = prior.interval
     n = mask.sum(1)
     use = deployed_units(

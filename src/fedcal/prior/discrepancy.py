@@ -29,7 +29,7 @@ D3. A scale κ, learned with them from the reference units, makes the nominal 95
     κ(n) = κ_1 below the first knot and κ_K beyond the last (:func:`kappa_at`). A record
     without knots (written before them) has one κ for every n. A design of more than
     ``max_points`` points (the largest the references emulated) is declined
-    (:func:`design_reason`): its κ would be extrapolated.
+    (:func:`fedcal.prior.design_span.design_reason`): its κ would be extrapolated.
 D4. σ per unit (a scaled-inverse-χ² fleet prior on the unit's scale, s₀² = 1 since κ
     holds the fleet's): the unit's readings about the prior mean, r = y_D − Z_Dμ, have
     covariance C = βZ_DΣZ_Dᵀ + a²K_DD + σ_i²I under D1; if the unit's whole error is
@@ -46,8 +46,10 @@ D4. σ per unit (a scaled-inverse-χ² fleet prior on the unit's scale, s₀² =
 
 How the reference units learn (a², ℓ), ν₀ and κ (sums only) and which designs they
 emulate: :mod:`fedcal.algorithms.fedprior_deploy`. This module holds the fitted model as
-a value (:class:`Discrepancy`, ``prior.json``'s ``"discrepancy"``), the variance of D2–D4
-and the rule that declines a design the references did not span (:func:`design_reason`).
+a value (:class:`Discrepancy`, ``prior.json``'s ``"discrepancy"``) and the variance of
+D2–D4; the rules that decline a design the references did not span (D5, its points and
+levels) or whose reliance on the prior their emulation did not reach (D6):
+:mod:`fedcal.prior.design_span`.
 """
 
 from __future__ import annotations
@@ -89,7 +91,9 @@ class Discrepancy:
     ``coverage``: per emulated design family (name, held-out rows, share inside the
     stated 95 % interval at the chosen κ): the selection record, in-sample (κ was chosen
     on those rows: the pooled share is 95 % by construction, not a held-out check);
-    ``units``: how many reference units emulated.
+    ``units``: how many reference units emulated; ``max_reliance`` u_ref of D6
+    (:mod:`fedcal.prior.design_span`: the most basis variance, box mean over σ², that the
+    emulated designs left to the prior in enough held-out rows; ∞ in a file without it).
     """
 
     beta: float
@@ -107,15 +111,18 @@ class Discrepancy:
     coverage: tuple[tuple[str, float, float], ...] = ()
     units: int = 0
     kappa_points: tuple[tuple[float, float], ...] = ()
+    max_reliance: float = math.inf
     version: int = VERSION
 
     def __post_init__(self) -> None:
         _check(self)
+        _check_reliance(self)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able: ν₀ = ∞ is written as null (strict JSON has no infinity)."""
         out = asdict(self)
         out["nu0"] = None if math.isinf(self.nu0) else self.nu0
+        out["max_reliance"] = None if math.isinf(self.max_reliance) else self.max_reliance
         for key in ("lengths", "box_lo", "box_hi", "min_levels", "min_span"):
             out[key] = list(out[key])
         out["coverage"] = [{"family": f, "held": h, "coverage": c} for f, h, c in self.coverage]
@@ -136,13 +143,15 @@ class Discrepancy:
         unknown = sorted(set(raw) - names)
         if unknown:
             raise DiscrepancyError(f"{where}: discrepancy.{unknown[0]}: unknown field")
-        optional = ("level_tol", "coverage", "units", "kappa_points")
+        optional = ("level_tol", "coverage", "units", "kappa_points", "max_reliance")
         missing = sorted(n for n in names - set(raw) if n not in optional)
         if missing:
             raise DiscrepancyError(f"{where}: discrepancy.{missing[0]}: missing")
         args = dict(raw)
         try:
             args["nu0"] = math.inf if raw["nu0"] is None else _number(raw["nu0"], "nu0")
+            u_ref = raw.get("max_reliance")
+            args["max_reliance"] = math.inf if u_ref is None else _number(u_ref, "max_reliance")
             for key in ("lengths", "box_lo", "box_hi", "min_span"):
                 args[key] = tuple(_number(v, key) for v in _list(raw[key], key))
             args["min_levels"] = tuple(
@@ -257,6 +266,12 @@ def _check(m: Discrepancy) -> None:
             _fail("coverage", f"{family}: expected held rows ≥ 0, got {held!r}")
         if not 0 <= share <= 1:
             _fail("coverage", f"{family}: expected a share in [0, 1], got {share!r}")
+
+
+def _check_reliance(m: Discrepancy) -> None:
+    """``max_reliance``: a positive number or ∞ (D6; not part of :func:`_check`)."""
+    if not m.max_reliance > 0:
+        _fail("max_reliance", f"expected a positive number or null (∞), got {m.max_reliance!r}")
 
 
 def _check_knots(m: Discrepancy) -> None:
@@ -386,67 +401,6 @@ def interval_factor(nu0: float, dof: Array) -> Array:
 
     total = np.maximum(np.asarray(nu0 + dof), 1e-3)
     return _like(xp, (student.ppf(0.975, total) / Z95) ** 2)
-
-
-def levels(x: Array, mask: Array, tol: float, span: Array) -> Array:
-    """Distinct levels of each input among a unit's real rows: values closer than ``tol``
-    of the input's ``span`` are one level. (units, d), integer-valued float."""
-    xp = namespace(x)
-    m = as_float64(mask)[..., None] > 0
-    v = xp.sort(xp.where(m, as_float64(x) / span, math.inf), 1)
-    v = v.values if xp is not np else v
-    with np.errstate(invalid="ignore"):  # inf − inf beyond the real rows: not counted
-        gap = (v[:, 1:] - v[:, :-1]) > tol
-    real = xp.isfinite(v[:, 1:])
-    return 1.0 + as_float64((gap & real).sum(1))
-
-
-def design_reason(model: Discrepancy, x: Array, mask: Array, names: list[str]) -> list[str]:
-    """Per unit, "" if the references' emulation spans its design, else one line why not.
-
-    Spanned: at least ``min_points`` and at most ``max_points`` points (the largest design
-    the references emulated: beyond it κ(n) of D3 would be extrapolated), and per input at
-    least ``min_levels`` levels spanning at least ``min_span`` of the references' span.
-    (A unit of more than 64 points, :data:`MAX_POINTS`, keeps fedprior's own interval: not
-    judged here.) ``x``, ``mask``: tensors or NumPy arrays.
-    """
-    x, mask = np.asarray(as_float64(x)), np.asarray(as_float64(mask))
-    span = np.asarray(model.box_hi, dtype=np.float64) - np.asarray(model.box_lo, dtype=np.float64)
-    n = mask.sum(1)
-    lev = levels(x, mask, model.level_tol, span)
-    m = mask[..., None] > 0
-    width = (np.where(m, x, -math.inf).max(1) - np.where(m, x, math.inf).min(1)) / span
-    return [_reason(model, n[i], lev[i], width[i], names) for i in range(x.shape[0])]
-
-
-def _reason(model: Discrepancy, n: float, lev: Any, width: Any, names: list[str]) -> str:
-    """One unit's line of :func:`design_reason` ("" if spanned)."""
-    if n < model.min_points:
-        return (
-            f"no σ: {int(n)} points, fewer than the smallest design the reference "
-            f"units emulated ({model.min_points})"
-        )
-    if n > model.max_points:
-        return (
-            f"no σ: {int(n)} points, more than the largest design the reference units "
-            f"emulated ({model.max_points}), so how far its error exceeds the model's "
-            "was not learned"
-        )
-    for j, name in enumerate(names):
-        if lev[j] < model.min_levels[j]:
-            return (
-                f"no σ: the design has {int(lev[j])} level(s) of {name}; the reference "
-                f"units emulated designs of at least {model.min_levels[j]}, so the error "
-                "away from its levels was not learned"
-            )
-        if width[j] < model.min_span[j] - 1e-9:
-            return (
-                f"no σ: the design's {name} spans {100 * float(width[j]):.0f} % of the "
-                f"references' range; they emulated designs spanning at least "
-                f"{100 * model.min_span[j]:.0f} %, so the error far from its points was "
-                "not learned"
-            )
-    return ""
 
 
 def unit_factor(model: Discrepancy, dof: Array, d2: Array) -> Array:

@@ -396,7 +396,7 @@ def _round_figure(metrics, ranked, unit, budget_text, figure, note) -> None:
     iterative = [m for m in ranked if rounds.get(m, 0) >= 2][:MAX_ROUND_METHODS]
     single = [m for m in ranked if 0 < rounds.get(m, 0) < 2]
     if not iterative:
-        why = "every method has one evaluated round (closed form, or [engine] eval_every ≥ rounds)"
+        why = "every method has one evaluated round (closed form, or a one-round run)"
         note("rounds", "Error against round", why)
         return
     also = f" One evaluation only (closed form, see the summary): {', '.join(single)}." * bool(

@@ -73,7 +73,7 @@ class Federation:
     seed: int = 0
     rounds: int = 50
     dtype: str = "float32"
-    eval_every: int = 1
+    eval_every: int | str = 1  # or "auto" ([engine] eval_every: by the units registered)
     participation: float = 1.0
     min_replies: int = 1  # fewer train replies in a round → the run fails
     # more of a round's replies refused than this share → the run fails ([engine], issue 36.4)
@@ -240,7 +240,7 @@ class Federation:
         """Whether round ``t`` (0-based) is evaluated (as the simulator decides)."""
         from fedcal.engine.schedule import evaluates
 
-        return evaluates(t, self.rounds, self.eval_every)
+        return evaluates(t, self.rounds, self.eval_every, self.num_clients)  # "auto": by units
 
     def eval_round(self, t: int) -> int:
         """The round message ``t`` evaluates (-1: none)."""
