@@ -10,7 +10,11 @@ columns and ``export_state``. Two trees give the same bits when the JSON files a
     (the same from the other tree, to after.json); diff before.json after.json
 
 ``--candidates`` adds four configurations of every candidate's EM (R1's sample and freeze,
-the marginal scores, each unit's σ_ik², the selected direction term).
+the marginal scores, each unit's σ_ik², the selected direction term). ``--drift`` adds
+fedprior_drift's variants (issue 35, fedprior_drift's split): the evidence fit, the static
+prior, the time choice with and without the forward interval, BIC's candidates, sensor noise,
+fixed bins, no robust weighting, the calibrated interval's own folds, no time column; each
+also hashes the consistency check's verdicts on a round's replies with two forged units.
 
 Run from the repository root (the planted fleets are the tests'). Used by issue 35.1's last
 step (docs/design.md, "The flagship algorithms"); ~4 s on one thread. It reads only what
@@ -19,6 +23,7 @@ both sides of that step have (FedPrior's methods), so it runs on either.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import sys
@@ -86,6 +91,22 @@ DRIFT = {
     "drift_span": {"short_emulation": "span", "interval": "calibrated"},
     "drift_far_time": {"short_emulation": "far", "choose": "time"},
 }
+# fedprior_drift's variants (``--drift``), on the planted walk; ``make_drift`` fits the prior
+# under the walk unless ``drift_prior = "static"``
+DRIFT_VARIANTS = {
+    "drift_evidence": {"drift_fit": "evidence"},
+    "drift_static": {"drift_prior": "static"},
+    "drift_static_evidence": {"drift_prior": "static", "drift_fit": "evidence"},
+    "drift_time": {"choose": "time"},
+    "drift_time_off": {"choose": "time", "choice_interval": "off"},
+    "drift_choose_off": {"choose": "off"},
+    "drift_bic": {"select": "bic", "degree": 2, "choose": "off"},
+    "drift_bic_time": {"select": "bic", "degree": 2, "choose": "time"},
+    "drift_sensor": {"noise": "sensor", "choose": "off"},
+    "drift_bins": {"drift_bins": 6, "drift_holdout": 0.4},
+    "drift_robust_off": {"robust": "off", "choose": "off"},
+    "drift_cal_own": {"interval": "calibrated", "own_folds": 3, "short_colocation": "off"},
+}
 SHORT = {
     "short": {"choose": "off"},
     "short_time": {"choose": "time"},
@@ -136,7 +157,27 @@ def prints(alg: Any, train: Any, test: Any) -> dict[str, Any]:
     return out
 
 
-def main(path: str, candidates: bool = False) -> None:
+def verdicts(alg: Any, train: Any) -> str:
+    """The consistency check's verdicts (``inconsistent_replies``) on the replies of a round
+    after 5, five units forged: an evidence grid raised, one lowered at q = 0, one raised at
+    the broadcast q, a future score raised, a grid not finite."""
+    from fedcal.core.tree import expand
+
+    run = run_rounds(alg, train, 5)
+    n = train.num_clients
+    reply = alg.client_update(expand(alg.broadcast(run.server), n), run.states, train).reply
+    grid = torch.cat([torch.zeros(1, dtype=torch.float64), torch.logspace(-3, 1, 33)])
+    at = int(torch.argmin((grid - float(run.server["drift"]["q"])).abs()))
+    reply["drift"]["loglik"][1] += 1e3
+    reply["drift"]["loglik"][2, 0] -= 5.0
+    reply["drift"]["loglik"][3, at] += 5.0
+    reply["drift"]["future"][4] += 1e3
+    reply["drift"]["loglik"][5, 3] = float("nan")
+    accepted = torch.ones(n, dtype=torch.bool)
+    return digest_json(alg.inconsistent_replies(run.server, reply, train.count, accepted))
+
+
+def main(path: str, candidates: bool = False, drift: bool = False) -> None:
     found = {}
     train, test, *_ = planted_fleet(12, [6] * 4 + [20] * 8, seed=3, orders=(1, 1), noise=0.05)
     for name, settings in {**FEDPRIOR, **(CANDIDATES if candidates else {})}.items():
@@ -144,6 +185,12 @@ def main(path: str, candidates: bool = False) -> None:
     train, test = planted_drift(1.0, units=12, rows=20, future=10, seed=2)
     for name, settings in DRIFT.items():
         found[name] = prints(make_drift(**settings), train, test)
+    for name, settings in (DRIFT_VARIANTS if drift else {}).items():
+        alg = make_drift(**settings)
+        found[name] = {**prints(alg, train, test), "verdicts": verdicts(alg, train)}
+    if drift:  # no time column: q stays 0, fedprior's model (drift.note)
+        untimed = (dataclasses.replace(train, time=None), dataclasses.replace(test, time=None))
+        found["drift_untimed"] = prints(make_drift(), *untimed)
     train, test = seasonal()
     task = Task(MLP(in_features=1))
     for name, settings in SHORT.items():
@@ -155,4 +202,4 @@ def main(path: str, candidates: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--candidates" in sys.argv[2:])
+    main(sys.argv[1], "--candidates" in sys.argv[2:], "--drift" in sys.argv[2:])

@@ -130,7 +130,7 @@ def main() -> None:
     long = (span >= 2 * window).to(F64).unsqueeze(1)
     noise = alg._noise(down, run.states).to(F64).reshape(-1).expand(train.num_clients)
     scale = down["drift"]["scale"].to(F64).reshape(-1)[0]
-    walk = ((design @ alg._drift_cov(down)) * design).sum(-1) / scale
+    walk = ((design @ alg.drift.walk.drift_cov(down)) * design).sum(-1) / scale
     q = float(server["drift"]["q"])
     probe = down.get("probe_n")
     probe = 0.0 if probe is None else float(probe.reshape(-1)[0])

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from fedcal.algorithms.fedprior import FedPrior
-from fedcal.algorithms.fedprior_drift import DRIFT_GRID, NO_TIME, FedPriorDrift
+from fedcal.algorithms.fedprior_drift import NO_TIME, FedPriorDrift
+from fedcal.algorithms.fedprior_drift_walk import DRIFT_GRID
 from fedcal.core.bayes import F64, moments
 from fedcal.core.data import ClientData
 from fedcal.core.task import Task
@@ -183,7 +184,9 @@ def test_whitened_moments_equal_the_dense_covariance(bins):
     sigma = torch.tensor([[0.5, 0.1], [0.1, 0.3]], dtype=F64).unsqueeze(0)
     noise, q = torch.tensor([0.2], dtype=F64), 0.7
     down = {"sigma": sigma, "drift": {"scale": torch.tensor([1.0], dtype=F64)}}
-    got, logdet = alg._whiten(alg._drift_parts(down, data), torch.tensor([[q]]), noise)
+    got, logdet = alg.drift.walk.whiten(
+        alg.drift.walk.parts(down, data), torch.tensor([[q]]), noise
+    )
     phi = alg.design(x)[0]
     tau = (t[0, -1] - t[0]) if bins == n else torch.full((n,), float((t[0, -1] - t[0]).mean()))
     k = torch.minimum(tau.unsqueeze(0), tau.unsqueeze(1)) * (phi @ sigma[0] @ phi.T)
@@ -357,7 +360,7 @@ def test_honest_uploads_under_a_learned_drift_pass_the_consistency_check():
 @pytest.mark.parametrize(("q", "prior"), [(0.0, "walk"), (0.5, "walk"), (0.5, "static")])
 def test_a_forged_drift_evidence_row_is_rejected_and_honest_ones_pass(q, prior):
     """The drift uploads are checked against the unit's row count and its own E-step
-    (fedprior_drift.drift_problems): honest units pass, with the learned q = 0 or > 0; a unit
+    (fedprior_drift_checks.drift_problems): honest units pass, with the learned q = 0 or > 0; a unit
     that lowers its evidence at q = 0 (so that drift looks better), or claims at some q more
     evidence than its rows allow at the broadcast σ², is rejected with its reason."""
     from fedcal.core.tree import expand
@@ -410,7 +413,7 @@ def test_future_scores_equal_the_dense_gaussian_prediction():
     noise = torch.tensor([0.2], dtype=F64)
     down = {"mu": mu, "sigma": sigma, "noise_var": noise}
     down["drift"] = {"scale": torch.tensor([1.0], dtype=F64), "q": torch.tensor([0.0])}
-    got = alg._future_scores(down, {"noise_var": noise}, data)[0]
+    got = alg.drift.walk.future_scores(down, {"noise_var": noise}, data)[0]
     phi = alg.design(x)[0]
     past, fut = phi[:6], phi[6:]
     tau = 5.0 - t[0, :6]
@@ -451,7 +454,7 @@ def test_the_static_prior_is_fedprior_s_fit_and_the_walk_acts_in_use():
 def test_bounded_future_scores_clip_each_unit_s_gain_over_q0_by_its_rows():
     """Hand-computed: the gains s(q_k) − s(0) clipped to ± c·n; s(0) itself dropped (column
     0 exactly 0). Unit 0: gains 6, −20 against ± 2·2 = 4; unit 1: 0.5, −1 within ± 20."""
-    from fedcal.algorithms.fedprior_drift import bound_future_scores
+    from fedcal.algorithms.fedprior_drift_checks import bound_future_scores
 
     future = torch.tensor([[-10.0, -4.0, -30.0], [5.0, 5.5, 4.0]], dtype=F64)
     out = bound_future_scores(future, torch.tensor([2.0, 10.0], dtype=F64), 2.0)
@@ -537,7 +540,7 @@ def test_non_finite_short_step_uploads_are_rejected(planted_round):
 def test_one_forged_span_cannot_make_the_time_scale_arbitrarily_long():
     """Round 0 sets the fleet's time scale T from the declared spans: the plain mean on an
     honest fleet; a forged span of 1e9 counts at most drift_span_cap × the median."""
-    from fedcal.algorithms.fedprior_drift import fleet_time_scale
+    from fedcal.algorithms.fedprior_choice_parts import fleet_time_scale
     from fedcal.core.tree import expand
 
     train, _ = planted(q=0.5, units=8, rows=20, future=2, seed=1)

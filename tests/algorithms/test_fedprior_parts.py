@@ -9,7 +9,8 @@ import pytest
 
 from fedcal.algorithms.fedavg import FedAvg
 from fedcal.algorithms.fedprior import FedPrior
-from fedcal.algorithms.fedprior_parts import Delegate, declared
+from fedcal.algorithms.fedprior_declared import declared
+from fedcal.algorithms.fedprior_parts import Delegate
 from fedcal.core import hooks
 from fedcal.core.task import Task
 from fedcal.models.mlp import MLP

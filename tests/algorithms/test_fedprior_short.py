@@ -168,7 +168,7 @@ def test_bound_short_sse_clips_each_units_gains_over_w_1():
     [2, 2], [2, 2], [100, 1] -> median s = [2, 2] (a unit that held nothing out is not in
     it); clip 10: each gain over its own w = 1 entry within ± 10 · h_i · 2; the w = 1 entry
     itself dropped (0)."""
-    from fedcal.algorithms.fedprior_drift import bound_short_sse
+    from fedcal.algorithms.fedprior_drift_checks import bound_short_sse
 
     sse = torch.tensor([[1.0, 2.0], [4.0, 2.0], [100.0, 1.0], [-5.0, 7.0]], dtype=F64)
     held = torch.tensor([1.0, 2.0, 1.0, 0.0], dtype=F64)
@@ -184,7 +184,8 @@ def test_a_unit_forging_its_emulated_errors_no_longer_moves_w_star():
     (the server cannot recompute S2's sums). Unbounded it moves the fleet's w* to 0; with its
     gains over w = 1 clipped to 20 · h · s_w (bound_short_sse, the server's step) w* stays
     the honest fleet's: 60·250 + (1e9 - 20·100·3) > 60·100 + 1e9."""
-    from fedcal.algorithms.fedprior_drift import DRIFT_GRID, bound_short_sse
+    from fedcal.algorithms.fedprior_drift_checks import bound_short_sse
+    from fedcal.algorithms.fedprior_drift_walk import DRIFT_GRID
     from fedcal.algorithms.fedprior_interval import TAU_GRID
 
     alg = FedPriorDrift(Task(MLP(in_features=1)), basis="total", degree=1)
@@ -229,7 +230,8 @@ def test_a_huge_common_offset_in_one_unit_s_short_scores_does_not_move_q_s(offse
     the same huge negative score at every (w, q_s): zero gains, so nothing to clip, but
     summed raw the offset ties every column and q_s* = 0. On the clipped gains
     (bound_future_scores, the server's step) q_s* is the honest fleet's."""
-    from fedcal.algorithms.fedprior_drift import DRIFT_GRID, bound_future_scores
+    from fedcal.algorithms.fedprior_drift_checks import bound_future_scores
+    from fedcal.algorithms.fedprior_drift_walk import DRIFT_GRID
     from fedcal.algorithms.fedprior_interval import TAU_GRID
 
     alg = FedPriorDrift(Task(MLP(in_features=1)), basis="total", degree=1)
@@ -273,7 +275,7 @@ def test_the_emulations_hold_out_what_they_say(both):
     down = expand(alg.broadcast(run.server), train.num_clients)
     held = {
         mode: dataclasses.replace(alg, short_emulation=mode).short.holdout(
-            down, run.states, train, alg._drift_cov(down)
+            down, run.states, train, alg.drift.walk.drift_cov(down)
         )["held"]
         for mode in ("future", "span", "far")
     }

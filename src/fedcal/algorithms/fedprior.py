@@ -69,6 +69,7 @@ from torch import Tensor
 from fedcal.algorithms import fedprior_state
 from fedcal.algorithms.fedprior_basis import model_mask, phi_terms, psi_terms, unit_noise
 from fedcal.algorithms.fedprior_choice import SIMPLE
+from fedcal.algorithms.fedprior_declared import settings_of
 from fedcal.algorithms.fedprior_deploy import deploy_state
 from fedcal.algorithms.fedprior_deployed import deployed_var
 from fedcal.algorithms.fedprior_interval_parts import residual_terms
@@ -152,8 +153,8 @@ class FedPrior(FedPriorSettings):
     @cached_property  # built once: the fields are frozen (not a field: configured_repr as it was)
     def parts(self) -> FedPriorParts:
         """Every part, built by :func:`~fedcal.algorithms.fedprior_parts.build_parts`."""
-        settings = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return build_parts(settings, self.num_inputs, self.terms, self.branch_terms)
+        args = (self.num_inputs, self.terms, self.branch_terms)
+        return build_parts(settings_of(self), *args)
 
     design_basis = Delegate("parts")  # the design [φ, b·ψ], the predictive form
     selection = Delegate("parts")  # the candidate bases and the basis in use

@@ -1,8 +1,8 @@
 """The server's checks of fedprior_choice's uploads (issue 34, review B).
 
 The ``choice/`` uploads are not size-screened (a unit's scores and moments scale with nothing
-the fleet shares), so each is bounded or tied to a screened upload here, as fedprior_drift's
-:func:`~fedcal.algorithms.fedprior_drift.drift_problems` does for the drift's:
+the fleet shares), so each is bounded or tied to a screened upload here, as
+:func:`~fedcal.algorithms.fedprior_drift_checks.drift_problems` does for the drift's:
 
 a. every entry finite;
 b. each score s_ik in [0, ``choice_clip``] (the client's clip of log MSE ratios), ``scored``

@@ -27,22 +27,22 @@ around it is a part, a frozen dataclass whose fields are the settings it reads (
   :class:`RobustUploads`, ``fedprior_robust``, docs/safety.md) and the streamed round
   (:class:`StreamedSums`, ``fedprior_stream``).
 
-:func:`build_parts` builds them all by one rule (:func:`declared`): a part's field is the
-setting of its name (or of its prefixed name), unless given (the basis, the parts it is built
-from). :class:`Delegate` makes a part's method one of FedPrior's hooks (core/hooks.py), read
+:func:`build_parts` builds them all by one rule (``fedprior_declared.declared``): a part's
+field is the setting of its name (or prefixed name), unless given (the basis, the parts it is
+built from). :class:`Delegate` makes a part's method one of FedPrior's hooks (core/hooks.py), read
 through FedPrior's attribute so that a subclass's override is the one called. This module
 imports the parts, never ``fedprior.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from fedcal.algorithms.fedprior_basis import DesignBasis, Terms, tensor_basis
 from fedcal.algorithms.fedprior_candidates import CandidateEMs
 from fedcal.algorithms.fedprior_choice import TimeChoice
+from fedcal.algorithms.fedprior_declared import declared
 from fedcal.algorithms.fedprior_dp import PrivateStatistics
 from fedcal.algorithms.fedprior_forward import ForwardInterval
 from fedcal.algorithms.fedprior_interval import CalibratedInterval
@@ -54,24 +54,6 @@ from fedcal.algorithms.fedprior_select import EvidenceSelection
 from fedcal.algorithms.fedprior_status import PriorStatus
 from fedcal.algorithms.fedprior_stream import StreamedSums
 from fedcal.algorithms.fedprior_support import SupportBox
-
-Part = TypeVar("Part")
-
-
-def declared(part: type[Part], settings: dict[str, Any], given: dict[str, Any], prefix="") -> Part:
-    """``part`` built from what it declares: each field ``given``, else the setting
-    ``prefix + name`` (``TimeChoice.holdout`` is ``choice_holdout``), else the setting
-    ``name``; a field that is none of these is a KeyError naming it."""
-    values = {}
-    for field in dataclasses.fields(part):  # type: ignore[arg-type]
-        name = field.name
-        if name in given:
-            values[name] = given[name]
-        elif prefix + name in settings:
-            values[name] = settings[prefix + name]
-        else:
-            values[name] = settings[name]
-    return part(**values)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ S2. **Emulation, each long unit.** Its future period is the last ``drift_holdout
     rows (as in use), q the fleet's walk and q_s ≥ 0 an extra rate of the short class: what
     a short co-location's relation loses with time — the seasons it did not see — grows
     with the time since it, as a walk's. It uploads, per w, the summed squared error; per w and
-    q_s of :data:`~fedcal.algorithms.fedprior_drift.DRIFT_GRID`, the summed log density
+    q_s of :data:`~fedcal.algorithms.fedprior_drift_walk.DRIFT_GRID`, the summed log density
     log N(y_r; φ_rᵀm_w, v); at the broadcast (w*, q_s*), per τ² of
     :data:`~fedcal.algorithms.fedprior_interval.TAU_GRID`, how many rows lie within
     ±1.96 √(v + τ²); and how many rows it held out (sums only). Other designs
@@ -55,11 +55,11 @@ statistics (the server cannot recompute them without the held-out rows). Each un
 count is clipped to its declared rows, its counts to that, its score gains over q_s = 0 to
 ± ``drift_score_clip`` per row (as the drift's future scores), and its squared errors' gains
 over w = 1 to ± ``short_sse_clip`` (20) × its held-out rows × a typical unit's squared error
-per row at that w (:func:`~fedcal.algorithms.fedprior_drift.bound_short_sse`); the server
+per row at that w (:func:`~fedcal.algorithms.fedprior_drift_checks.bound_short_sse`); the server
 sums only these clipped gains, never a unit's squared error at w = 1 or score at q_s = 0
 themselves (unbounded: a forged huge common offset would swallow the honest margins in
 float64 and tie every column), and non-finite uploads are rejected
-(:func:`~fedcal.algorithms.fedprior_drift.drift_problems`). So one forging unit moves the
+(:func:`~fedcal.algorithms.fedprior_drift_checks.drift_problems`). So one forging unit moves the
 fleet's preference between two w, w' by at most 20 · h_i · (s_w + s_w'), and w* only where
 the honest fleet's margin is smaller than that; q_s* likewise.
 """
@@ -109,14 +109,14 @@ class ShortColocation:
     ``drift_test``, ``noise``), the design basis, the calibrated interval (its τ² rule) and
     the drift's grid of q; the drift's Σ_d is passed to :meth:`holdout`."""
 
-    mode: str  # short_colocation: "holdout" or "off"
+    colocation: str  # short_colocation: "holdout" or "off"
     emulation: str  # short_emulation: "future", "span" or "far"
-    holdout_share: float  # drift_holdout: a long unit's future period, a share of its span
-    test: float  # drift_test: 2Δ log-evidence a q_s > 0 must gain
+    drift_holdout: float  # a long unit's future period, a share of its span
+    drift_test: float  # 2Δ log-evidence a q_s > 0 must gain
     noise: str  # "fleet" or "sensor" (fedprior_basis.unit_noise)
     basis: DesignBasis
     calibrated: CalibratedInterval
-    q_grid: Tensor = field(compare=False, repr=False)  # fedprior_drift's DRIFT_GRID
+    q_grid: Tensor = field(compare=False, repr=False)  # fedprior_drift_walk's DRIFT_GRID
 
     def init(self) -> Tree:
         """The short step's server state before any sums (S1 not yet known)."""
@@ -144,7 +144,7 @@ class ShortColocation:
         short = down["drift"].get("short")
         # without row times (``fedcal calibrate`` with no time column) a unit's span is
         # unknown, not short: every span would read 0 and every unit join the class
-        if short is None or self.mode == "off" or data.time is None:
+        if short is None or self.colocation == "off" or data.time is None:
             return torch.zeros(data.num_clients, dtype=torch.bool)
         window = short["window"].to(F64).reshape(-1)[0]
         held = short["held"].to(F64).reshape(-1)[0]
@@ -166,7 +166,7 @@ class ShortColocation:
             "held": torch.zeros(c, dtype=F64),
         }
         short = down["drift"].get("short")
-        if short is None or self.mode == "off" or drift_cov is None:
+        if short is None or self.colocation == "off" or drift_cov is None:
             return out
         window = float(short["window"].reshape(-1)[0])
         if not window > 0:
@@ -199,8 +199,8 @@ class ShortColocation:
             future = torch.ones_like(mask)
             room = (span - window).clamp_min(0.0)
         else:  # "future"/"far": the last drift_holdout of the span, after each window only
-            future = (t > (t_last - self.holdout_share * span).unsqueeze(1)).to(F64)
-            room = (span * (1 - self.holdout_share) - window).clamp_min(0.0)
+            future = (t > (t_last - self.drift_holdout * span).unsqueeze(1)).to(F64)
+            room = (span * (1 - self.drift_holdout) - window).clamp_min(0.0)
         for j in range(1 if self.emulation == "far" else SHORT_WINDOWS):
             start = first + room * j / (SHORT_WINDOWS - 1)
             end = start + window
@@ -253,7 +253,7 @@ class ShortColocation:
         best = len(TEMPER_GRID) - 1 - int(torch.argmin(flipped))
         new["temper"] = TEMPER_GRID[best].clone()
         k = int(torch.argmax(score[best]))  # ties: the smaller q_s
-        beats = float(score[best, k] - score[best, 0]) > 0.5 * self.test
+        beats = float(score[best, k] - score[best, 0]) > 0.5 * self.drift_test
         new["q"] = self.q_grid[k].clone() if beats else torch.tensor(0.0, dtype=F64)
         new["tau"] = self.calibrated.tau_of(inside / held)
         return new

@@ -209,17 +209,15 @@ def _integer(v: Any, field: str) -> int:
 
 def _within(m: Discrepancy, key: str, lo: float, hi: float) -> None:
     v = getattr(m, key)
-    if not (
-        isinstance(v, int | float) and math.isfinite(v) and lo * (1 - 1e-9) <= v <= hi * (1 + 1e-9)
-    ):
+    number = isinstance(v, int | float) and math.isfinite(v)
+    if not (number and lo * (1 - 1e-9) <= v <= hi * (1 + 1e-9)):
         _fail(key, f"expected a number in [{lo:g}, {hi:g}] (the range learned), got {v!r}")
 
 
 def _check(m: Discrepancy) -> None:
     """Every field within what the references' emulation can learn (κ, β in their grids'
-    ranges, a² ≤ :data:`AMP_RATIO_MAX`, ℓ in :data:`LENGTH_RANGE`, at most
-    :data:`MAX_POINTS` design points, coverage shares in [0, 1]), consistent sizes: else
-    a one-line error naming the field."""
+    ranges, a² ≤ :data:`AMP_RATIO_MAX`, ν₀ > 0, then the named checks below in this order),
+    sizes consistent: else a one-line error naming the field."""
     _within(m, "kappa", *KAPPA_RANGE)
     _within(m, "beta", *BETA_RANGE)
     _within(m, "level_tol", 1e-9, 1.0)
@@ -228,6 +226,20 @@ def _check(m: Discrepancy) -> None:
         _fail("amplitude", f"expected a finite positive number ≤ {AMP_RATIO_MAX:g}, got {a!r}")
     if not (m.nu0 > 0 and not math.isnan(m.nu0)):
         _fail("nu0", f"expected a positive number or null (∞), got {m.nu0!r}")
+    _check_inputs(m)
+    _check_design(m)
+    _check_knots(m)
+    for family, held, share in m.coverage:  # the selection record
+        if not isinstance(family, str):
+            _fail("coverage", f"expected a family name (a string), got {family!r}")
+        if not held >= 0:
+            _fail("coverage", f"{family}: expected held rows ≥ 0, got {held!r}")
+        if not 0 <= share <= 1:
+            _fail("coverage", f"{family}: expected a share in [0, 1], got {share!r}")
+
+
+def _check_inputs(m: Discrepancy) -> None:
+    """One value per input in each per-input field, ℓ in :data:`LENGTH_RANGE`, a finite box."""
     d = len(m.lengths)
     if d == 0:
         _fail("lengths", "expected one length scale per input")
@@ -237,35 +249,25 @@ def _check(m: Discrepancy) -> None:
     lo, hi = LENGTH_RANGE
     if not all(math.isfinite(v) and lo <= v <= hi for v in m.lengths):
         _fail("lengths", f"expected length scales in [{lo:g}, {hi:g}], got {list(m.lengths)}")
-    if not all(
-        math.isfinite(a) and math.isfinite(b) and a < b
-        for a, b in zip(m.box_lo, m.box_hi, strict=True)
-    ):
+    box = zip(m.box_lo, m.box_hi, strict=True)
+    if not all(math.isfinite(a) and math.isfinite(b) and a < b for a, b in box):
         _fail("box_lo", "expected finite box_lo < box_hi per input")
-    if not 1 <= m.min_points <= m.max_points:
-        _fail(
-            "min_points",
-            f"expected 1 <= min_points <= max_points, got {m.min_points}, {m.max_points}",
-        )
-    if m.max_points > MAX_POINTS:
-        _fail(
-            "max_points",
-            f"expected at most {MAX_POINTS} (the emulation's limit), got {m.max_points}",
-        )
+
+
+def _check_design(m: Discrepancy) -> None:
+    """The emulated designs: 1 ≤ min_points ≤ max_points ≤ :data:`MAX_POINTS`, at least one
+    level and a span share in [0, 1] per input, a count of units ≥ 0."""
+    least, most = m.min_points, m.max_points
+    if not 1 <= least <= most:
+        _fail("min_points", f"expected 1 <= min_points <= max_points, got {least}, {most}")
+    if most > MAX_POINTS:
+        _fail("max_points", f"expected at most {MAX_POINTS} (the emulation's limit), got {most}")
     if not all(v >= 1 for v in m.min_levels):
         _fail("min_levels", "expected at least 1 level per input")
     if not all(0 <= v <= 1 for v in m.min_span):
         _fail("min_span", "expected shares of the span in [0, 1]")
     if m.units < 0:
         _fail("units", f"expected a count ≥ 0, got {m.units}")
-    _check_knots(m)
-    for family, held, share in m.coverage:
-        if not isinstance(family, str):
-            _fail("coverage", f"expected a family name (a string), got {family!r}")
-        if not held >= 0:
-            _fail("coverage", f"{family}: expected held rows ≥ 0, got {held!r}")
-        if not 0 <= share <= 1:
-            _fail("coverage", f"{family}: expected a share in [0, 1], got {share!r}")
 
 
 def _check_reliance(m: Discrepancy) -> None:
