@@ -126,17 +126,20 @@ class Tree:
         return closure
 
 
-def walk(tree: Tree) -> list[Key]:
-    """The functions read from run_experiment, in reading order (pre-order, each once)."""
+def walk(tree: Tree, callers: dict[Key, Key] | None = None) -> list[Key]:
+    """The functions read from run_experiment, in reading order (pre-order, each once);
+    ``callers`` (if given) receives each function's caller on the walk."""
     start = tree.resolve("fedcal.experiment", "run_experiment")
-    order, seen, stack = [], set(), [start]
+    order, seen, stack = [], set(), [(start, start)]
     while stack:
-        key = stack.pop()
+        key, caller = stack.pop()
         if key in seen:
             continue
         seen.add(key)
         order.append(key)
-        stack.extend(reversed(tree.callees(key)))
+        if callers is not None:
+            callers[key] = caller
+        stack.extend((callee, key) for callee in reversed(tree.callees(key)))
     return order
 
 
@@ -146,17 +149,29 @@ def main() -> None:
     parser.add_argument("--most", type=int, default=8)
     args = parser.parse_args()
     tree = Tree(args.src.resolve())
-    order = walk(tree)
+    callers: dict[Key, Key] = {}
+    order = walk(tree, callers)
     files = [tree.mods[m][0].relative_to(tree.root).as_posix() for m, _ in order]
-    path = [f for i, f in enumerate(files) if i == 0 or f != files[i - 1]]
+    starts = [i for i, f in enumerate(files) if i == 0 or f != files[i - 1]]
+    path = [files[i] for i in starts]
     module = {tree.mods[m][0].relative_to(tree.root).as_posix(): m for m in tree.mods}
     below = tree.below()
     again, up, left = collections.Counter(), collections.Counter(), set()
+    # a climb is a *return* when the function entered is called by one outside the module
+    # just left (a caller further up the stack continuing with its next step), a *call up*
+    # when a function of the module just left (or below it) calls into the upper module
+    returns, calls_up = 0, []
     for i, f in enumerate(path):
         if f in left:
             again[f] += 1
             if module[path[i - 1]] in below[module[f]]:
                 up[f] += 1
+                caller = callers[order[starts[i]]][0]
+                lower = module[path[i - 1]]
+                if caller == lower or caller in below.get(lower, set()):
+                    calls_up.append(f"{caller}.{callers[order[starts[i]]][1]}: {path[i - 1]} → {f}")
+                else:
+                    returns += 1
         if i:
             left.add(path[i - 1])
     packages = collections.Counter()
@@ -165,6 +180,7 @@ def main() -> None:
     print(f"functions read: {len(order)}; files: {len(set(files))}")
     print(f"re-entries: {sum(again.values())}; most: {again.most_common(args.most)}")
     print(f"climbs back up: {sum(up.values())}; most: {up.most_common(args.most)}")
+    print(f"  of which returns to a caller between its steps: {returns}; calls up: {calls_up}")
     print(f"climbs by package: {packages.most_common()}")
 
 

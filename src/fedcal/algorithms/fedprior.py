@@ -1,132 +1,83 @@
 """Fleet-prior calibration: federated empirical Bayes over per-sensor coefficients (ours).
 
-Units of one design differ, but not arbitrarily: their calibration
-coefficients vary around a fleet mean along a few directions. The federation
-learns that distribution without pooling anyone's data, and a unit with a
-handful of chamber points is calibrated by placing itself in it
-(empirical Bayes; docs/calibration-guide.md). The model is linear in its parameters:
+Units of one design differ, but not arbitrarily: their calibration coefficients vary around a
+fleet mean along a few directions. The federation learns that distribution without pooling
+anyone's data, and a unit with a handful of chamber points is calibrated by placing itself in
+it (empirical Bayes; docs/calibration-guide.md). The model is linear in its parameters:
 
     y_i = φ(x)ᵀ c_i + ε,   ε ~ N(0, σ_i²),   c_i ~ N(μ, Σ),
 
-with φ a Legendre-product basis of the scaled inputs (:func:`legendre_products`):
-the tensor product up to ``orders`` for a two-input pressure sensor (the
-inputs are scaled by their fixed physical ranges), or every product up to a
-total ``degree`` for any other set of named features.
+with φ a Legendre-product basis of the scaled inputs (:func:`legendre_products`): the tensor
+product up to ``orders`` for a two-input pressure sensor (the inputs are scaled by their fixed
+physical ranges), or every product up to a total ``degree`` for any other set of features.
 
 One round is one ECME iteration (:mod:`fedcal.core.bayes`):
 
-1. **E-step, client i** (closed form, float64): from its moments
-   (Φ_iᵀΦ_i, Φ_iᵀy_i, y_iᵀy_i, n_i) and the broadcast (μ, Σ, σ²), the posterior
-   N(m_i, V_i) of its coefficients. It uploads only what the server's sums
-   need: m_i, S_i = m_i m_iᵀ + V_i, the GLS terms Φ_iᵀC_i⁻¹Φ_i and
-   Φ_iᵀC_i⁻¹(y_i − Φ_iμ), its expected residual sum of squares r_i, n_i, and how
-   far its own points determine each direction (for the identification check).
-   With ``noise = "sensor"`` (for fleets whose units differ in noise) it keeps
-   a private noise variance
-   σ_i² = (r_i + ν σ²)/(n_i + ν): its own residuals shrunk toward the fleet's by
-   ν pseudo-points (the MAP under a scaled-inverse-χ² prior centred on σ²), so a
-   noisy unit is not trusted like a clean one and a unit with three points is
-   not trusted on its own noise.
+1. **E-step, client i** (closed form, float64): from its moments (Φ_iᵀΦ_i, Φ_iᵀy_i, y_iᵀy_i,
+   n_i) and the broadcast (μ, Σ, σ²), the posterior N(m_i, V_i) of its coefficients. It
+   uploads only what the server's sums need: m_i, S_i = m_i m_iᵀ + V_i, the GLS terms
+   Φ_iᵀC_i⁻¹Φ_i and Φ_iᵀC_i⁻¹(y_i − Φ_iμ), its expected residual sum of squares r_i, n_i, and
+   how far its own points determine each direction (for the identification check). With
+   ``noise = "sensor"`` it keeps a private σ_i² = (r_i + ν σ²)/(n_i + ν): its residuals shrunk
+   toward the fleet's by ν pseudo-points (the MAP under a scaled-inverse-χ² prior centred on
+   σ²), so a noisy unit is not trusted like a clean one, nor a unit with three points on its
+   own noise.
 2. **M-step, server**: μ by generalized least squares, Σ by EM's update
-   (1/N) Σ_i E[(c_i − μ)(c_i − μ)ᵀ], then shrunk toward its diagonal by
-   ``shrinkage``, optionally factored as ``rank`` factors plus a diagonal, and
-   its eigenvalues floored (:func:`fedcal.core.bayes.regularize`);
-   σ² = Σ_i r_i / Σ_i n_i (with ``interval = "calibrated"``: on residual degrees of
-   freedom, I1 of :mod:`~fedcal.algorithms.fedprior_interval`). Only sums over clients
-   enter, in a canonical order.
-   With ``robust = "full"`` (issue 21, :mod:`fedcal.core.robust`) an upload that
-   contradicts its declared count or the broadcast prior is rejected by the aggregation,
-   and each unit's terms enter the sums times a weight from its leave-one-out distance to
-   the other units (1 inside the cut-off; docs/safety.md).
-3. **Personal model** (``personalize``): the posterior mean m_i, which is a
-   precision-weighted interpolation between the unit's own least-squares fit
-   and the fleet mean, with its covariance V_i: every prediction carries the
-   predictive variance φ(x)ᵀV_iφ(x) + σ_i² (:meth:`FedPrior.predictive_std`).
+   (1/N) Σ_i E[(c_i − μ)(c_i − μ)ᵀ], shrunk toward its diagonal (``shrinkage_units``), optionally
+   ``rank`` factors plus a diagonal, its eigenvalues floored (core.bayes.regularize);
+   σ² = Σ_i r_i / Σ_i n_i (``interval = "calibrated"``: on residual degrees of freedom, I1 of
+   :mod:`~fedcal.algorithms.fedprior_interval`). Only sums over clients enter, in a canonical
+   order; with ``robust = "full"`` (issue 21, docs/safety.md) an upload that contradicts its
+   declared count or the broadcast prior is rejected, and each unit's terms enter times a
+   weight from its leave-one-out distance to the other units.
+3. **Personal model** (``personalize``): the posterior mean m_i, a precision-weighted
+   interpolation between the unit's own least-squares fit and the fleet mean, with its
+   covariance V_i: every prediction carries the predictive variance φ(x)ᵀV_iφ(x) + σ_i²
+   (:meth:`FedPrior.predictive_std`).
 
-Identification. A direction of coefficient space that no unit's data
-determine (e.g. curvature in temperature when every unit saw only two
-temperatures) cannot be learned. The server counts, per direction of the
-basis, how many units' own points determine it (the eigenvalues of
-Σ_i [I − (I + s²G_i/σ_i²)⁻¹], s = ``init_scale``); along directions informed by
-fewer than ``min_informed`` units it keeps the vague start (μ unchanged,
-variance s²) instead of an estimate from one or two units, so predictions
-that lean on them carry a wide predictive σ rather than a confident number,
-and the run reports them as weakly identified (:meth:`PriorStatus.identification`,
-in the run's output and the exported prior). When every unit has fewer points
-than the basis has terms, lower the orders: the prior cannot be learned from
-such a fleet (measured in docs/results/fleet-prior.md).
+Identification. A direction of coefficient space that no unit's data determine (e.g.
+curvature in temperature when every unit saw only two temperatures) cannot be learned. The
+server counts, per direction, how many units' own points determine it (the eigenvalues of
+Σ_i [I − (I + s²G_i/σ_i²)⁻¹], s = ``init_scale``); along directions informed by fewer than
+``min_informed`` units it keeps the vague start (μ unchanged, variance s²), so predictions that
+lean on them carry a wide σ rather than a confident number, and the run reports them as weakly
+identified (:meth:`PriorStatus.identification`). When every unit has fewer points than the
+basis has terms, lower the orders (measured in docs/results/fleet-prior.md).
 
-Complexity from the fleet's evidence (``select = "bic"``): every sub-basis of the orders is
-a candidate (:mod:`fedcal.algorithms.fedprior_select`), every candidate's EM runs in the same
-federation and the server keeps the one of highest BIC of the fleet's summed evidence
-(:mod:`fedcal.algorithms.fedprior_candidates`, C1–C4: the candidates' E- and M-steps are this
-module's, run by that part on each candidate's terms).
-With ``select_by = "marginal"`` (what client-level DP needs) one EM runs on the full basis and
-each unit uploads one clipped score per candidate, its evidence under the candidate's marginal
-of the full prior, noised with the sums (``EvidenceSelection.dp_select_statistic``).
-
-The chamber's sweep direction (``branch_orders``, issue 10): with it each unit's model gains
-a branch term b·ψ(x)ᵀh_i, b the row's sweep sign, and every step above runs on the design
-[φ, b·ψ] unchanged; in the field b is unknown and the prediction is the branch average
-(:mod:`~fedcal.algorithms.fedprior_basis`, where the design and its predictive form are;
-the coordinates the fleet's data do not identify: :mod:`~fedcal.algorithms.fedprior_pins`).
-
-Field networks (issue 26): ``basis = "auto"``, every Cholesky through
-:func:`~fedcal.core.bayes.safe_cholesky`, and the extrapolation guard
-(:mod:`fedcal.algorithms.fedprior_support`): :mod:`~fedcal.algorithms.fedprior_basis`.
-
-Noise model (issues 20, 26; :mod:`fedcal.algorithms.fedprior_noise`, steps N1–N6): with
-``noise_shape = "inputs"`` the noise variance is σ_i² exp(γᵀx) at scaled input x, γ learned
-by the fleet from summed score/information terms and used only while BIC keeps it, the E-step
-a weighted least squares with row weights exp(−γᵀx); with ``noise_tail = "student"`` rows are
-Student-t by EM weights (ν = ``noise_dof``); ``noise_tail = "auto"``: t only while the
-fleet's likelihood ratio beats BIC (N6). All opt-in (measured in docs/uncertainty.md,
-"The noise model": they cost RMSE on a drifting field network).
-
-Intervals (``interval = "calibrated"``, issue 20): the noise on residual degrees of freedom,
-a discrepancy variance learned by a design-matched hold-out, or no interval where the fleet
-cannot learn one (:mod:`fedcal.algorithms.fedprior_interval`, steps I1–I3).
-
-One idea per file: this module is the model and its federated EM (the E-step in
-``client_update``, the M-step in ``_prior_update`` and ``server_update``, the personal model);
-its settings are :class:`~fedcal.algorithms.fedprior_settings.FedPriorSettings`, and
-:class:`FedPrior` holds its parts, each a frozen dataclass declared by the settings it reads,
-built once (a ``cached_property``) and called by the engine's optional hooks, each a method
-here (core/hooks.py names them). The table of parts, what each owns and may import:
-docs/design.md, "The flagship algorithms, one idea per file".
+This module is the model and its federated EM (the E-step in ``client_update``, the M-step in
+``_prior_update`` and ``server_update``, the personal model); its settings are
+:class:`~fedcal.algorithms.fedprior_settings.FedPriorSettings`. Every option around it is a
+part with declared state, built once (:mod:`~fedcal.algorithms.fedprior_parts`, whose doc
+lists them: the basis chosen by the fleet's evidence, every candidate's EM running these
+equations on its terms, the noise model, the calibrated interval, the time choice, ...); the
+server's trees around the M-step are :mod:`~fedcal.algorithms.fedprior_state`'s; the engine's
+optional hooks (core/hooks.py) are the parts' methods (``Delegate``) or a few lines here (the
+table of parts: docs/design.md, "The flagship algorithms, one idea per file").
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from fedcal.algorithms.fedprior_basis import DesignBasis, model_mask, unit_noise
-from fedcal.algorithms.fedprior_candidates import CandidateEMs
-from fedcal.algorithms.fedprior_choice import SIMPLE, TimeChoice
+from fedcal.algorithms import fedprior_state
+from fedcal.algorithms.fedprior_basis import model_mask, phi_terms, psi_terms, unit_noise
+from fedcal.algorithms.fedprior_choice import SIMPLE
+from fedcal.algorithms.fedprior_declared import settings_of
 from fedcal.algorithms.fedprior_deploy import deploy_state
-from fedcal.algorithms.fedprior_deployed import deploy_shapes, deployed_var
-from fedcal.algorithms.fedprior_dp import PrivateStatistics
-from fedcal.algorithms.fedprior_forward import ForwardInterval
-from fedcal.algorithms.fedprior_interval import INTERVAL_KEYS, CalibratedInterval
+from fedcal.algorithms.fedprior_deployed import deployed_var
 from fedcal.algorithms.fedprior_interval_parts import residual_terms
-from fedcal.algorithms.fedprior_noise import NoiseModel, sensor_noise
-from fedcal.algorithms.fedprior_pins import BranchPins
-from fedcal.algorithms.fedprior_robust import RobustUploads, capped_noise, weighted
-from fedcal.algorithms.fedprior_rounds import RoundSchedule
-from fedcal.algorithms.fedprior_select import EvidenceSelection, _masked
+from fedcal.algorithms.fedprior_noise import sensor_noise
+from fedcal.algorithms.fedprior_parts import Delegate, FedPriorParts, build_parts
+from fedcal.algorithms.fedprior_select import _masked
 from fedcal.algorithms.fedprior_select import term_name as term_name  # re-exported
 from fedcal.algorithms.fedprior_settings import FedPriorSettings
-from fedcal.algorithms.fedprior_status import PriorStatus
-from fedcal.algorithms.fedprior_stream import StreamedSums, canonical_order
-from fedcal.algorithms.fedprior_support import SupportBox
 from fedcal.core.algorithm import ClientResult, SettingError
 from fedcal.core.bayes import (
     F64,
@@ -140,15 +91,8 @@ from fedcal.core.bayes import (
     regularize,
 )
 from fedcal.core.data import ClientData
-from fedcal.core.privacy import Statistic
-from fedcal.core.robust import OutlierWeights
 from fedcal.core.task import Task
 from fedcal.core.tree import Tree
-from fedcal.models.basis import (
-    any_beyond,
-    legendre_exponents,
-    legendre_products,
-)
 
 
 @dataclass(frozen=True)
@@ -165,17 +109,13 @@ class FedPrior(FedPriorSettings):
 
     reply_aggregation = "sum"  # sums of per-unit sufficient statistics
     reads_seeds = False  # a closed-form E-step: no minibatches, no draws
-    # Measured (studies/poisoning.py): a coordinate-wise median of the second moments
-    # is not positive definite (Cholesky fails) and a trimmed mean costs 24× on a clean
-    # fleet; screening, clipping and Krum keep the statistics whole.
+    # Measured (studies/poisoning.py): a coordinate-wise median of the second moments is not
+    # PD (Cholesky fails), a trimmed mean costs 24× on a clean fleet; Krum keeps them whole.
     robust_rules = ("mean", "krum")
-    # With select = "bic" every candidate's statistics travel under "cand/"; the server
-    # judges a client (screening, Krum) by the chosen candidate's statistics only: a
-    # sub-basis that misfits the fleet has large statistics for honest units too.
-    # "gram" (the design's ΦᵀΦ, inputs only) is judged by the consistency check (PSD,
-    # G_00 = n: core/robust.py), not by size: per row it is a moment of the unit's inputs
-    # (x⁴ for a quadratic), which honest units differ in by 10²–10³ (pollution episodes,
-    # docs/statuses.md); every statistic the prior is fitted from is still size-screened.
+    # Not size-screened: every candidate's statistics ("cand/"; a client is judged by the
+    # chosen candidate's: a misfit sub-basis has large ones for honest units too), and "gram"
+    # (ΦᵀΦ: per row a moment of the unit's inputs, which honest units differ in by 10²–10³,
+    # docs/statuses.md), judged by the consistency check (PSD, G_00 = n: core/robust.py).
     unscreened_replies = ("cand/", "interval/", "noise/", "gram", "select", "choice/", "loglik")
 
     def check_task(self, task: Task) -> None:
@@ -194,269 +134,76 @@ class FedPrior(FedPriorSettings):
     def num_inputs(self) -> int:
         return int(getattr(self.task.model, "in_features", 2))
 
-    def _tensor_basis(self) -> bool:
-        f = self.num_inputs
-        return self.basis == "tensor" or (self.basis == "auto" and len(self.orders) == f)
-
     @cached_property  # built once per instance: the fields are frozen
     def terms(self) -> tuple[tuple[int, ...], ...]:
-        """Exponent tuples of the basis functions (constant first)."""
-        f = self.num_inputs
-        if self._tensor_basis():
-            if len(self.orders) != f:
-                raise ValueError(
-                    f"orders {list(self.orders)} needs one order per input ({f} inputs); "
-                    "or use basis = 'total' with a degree"
-                )
-            return legendre_exponents(f, orders=self.orders)
-        return legendre_exponents(f, degree=self.degree)
+        """Exponent tuples of the basis functions (constant first; :func:`phi_terms`)."""
+        return phi_terms(self.basis, self.orders, self.degree, self.num_inputs)
 
     @cached_property
     def branch_terms(self) -> tuple[tuple[int, ...], ...]:
         """Exponent tuples of ψ, the direction term's basis (empty when off)."""
-        if not self.branch_orders:
-            return ()
-        return legendre_exponents(self.num_inputs, orders=self.branch_orders)
+        return psi_terms(self.branch_orders, self.num_inputs)
 
     @property
     def num_features(self) -> int:
         """Columns of the design: φ's terms, then ψ's (the prior is over both)."""
         return len(self.terms) + len(self.branch_terms)
 
-    # ---- the parts (each declared by what it reads; built once: the fields are frozen) ----
-    @cached_property
-    def selection(self) -> EvidenceSelection:
-        """The candidate bases and the basis in use (fedprior_select)."""
-        return EvidenceSelection(
-            self.select,
-            self.select_by,
-            self.select_clip,
-            self.dp_select_share,
-            self.rank,
-            self.num_inputs,
-            self._tensor_basis(),
-            self.orders,
-            self.degree,
-            self.terms,
-            self.branch_orders,
-            self.branch_terms,
-            self.branch_select,
-        )
+    # ---- the parts (fedprior_parts), each declared by the settings it reads ----
+    @cached_property  # built once: the fields are frozen (not a field: configured_repr as it was)
+    def parts(self) -> FedPriorParts:
+        """Every part, built by :func:`~fedcal.algorithms.fedprior_parts.build_parts`."""
+        args = (self.num_inputs, self.terms, self.branch_terms)
+        return build_parts(settings_of(self), *args)
 
-    @cached_property
-    def candidate_ems(self) -> CandidateEMs:
-        """Every candidate's EM and the fleet's BIC choice (fedprior_candidates, C1–C4)."""
-        return CandidateEMs(
-            selection=self.selection,
-            schedule=self.rounds_schedule,
-            noise=self.noise,
-            noise_prior_points=self.noise_prior_points,
-            interval=self.interval,
-            pins=self.branch_pins,
-        )
+    design_basis = Delegate("parts")  # the design [φ, b·ψ], the predictive form
+    selection = Delegate("parts")  # the candidate bases and the basis in use
+    noise_model = Delegate("parts")  # σ²(x) in the inputs, Student-t or trimmed rows (N1–N7)
+    support_box = Delegate("parts")  # the extrapolation guard over φ
+    branch_pins = Delegate("parts")  # ψ's coordinates the fleet's data do not identify
+    rounds_schedule = Delegate("parts")  # the choice frozen, the hold-out once, the stop (R1–R3)
+    candidate_ems = Delegate("parts")  # every candidate's EM and the fleet's BIC choice (C1–C4)
+    prior_status = Delegate("parts")  # identification, each unit's status, the exported prior
+    calibrated = Delegate("parts")  # the calibrated interval (I1–I4)
+    time_choice = Delegate("parts")  # the time-respecting choice, no harm, its forward interval
+    private_statistics = Delegate("parts")  # the uploaded statistics' DP maps and bounds
+    streamed = Delegate("parts")  # whether and how the M-step runs from the replies' sums
+    robust_uploads = Delegate("parts")  # the consistency check and the outlier weights
 
-    @cached_property
-    def prior_status(self) -> PriorStatus:
-        """Identification, each unit's status, the exported prior (fedprior_status): the
-        contract's ``client_status`` and ``export_state`` (fedprior_choice's) call it."""
-        return PriorStatus(
-            selection=self.selection,
-            min_informed=self.min_informed,
-            noise=self.noise,
-            noise_prior_points=self.noise_prior_points,
-            noise_shape=self.noise_shape,
-            interval=self.interval,
-        )
-
-    @property
-    def candidates(self) -> tuple[dict, ...]:
-        """The bases ``select = "bic"`` chooses from (:attr:`EvidenceSelection.candidates`)."""
-        return self.selection.candidates
-
-    @property
-    def masks(self) -> Tensor:
-        """(candidates, features): each candidate's terms (:attr:`EvidenceSelection.masks`)."""
-        return self.selection.masks
-
-    @cached_property
-    def rounds_schedule(self) -> RoundSchedule:
-        """What travels when: the basis chosen once, the hold-out once, the stop (R1–R3 of
-        fedprior_rounds)."""
-        return RoundSchedule(
-            # the time-respecting choice scores every candidate each round (its forward
-            # folds): the basis is never frozen under it
-            self.select_patience if self.choose == "off" else 0,
-            self.holdout,
-            self.converge_tol,
-            self.selection.each_candidate,
-            self.select_units,
-            self.accelerate,  # fedprior_accel (A1–A4)
-            self.floor,
-        )
-
-    def before_round(self, server: Tree, t: int, rounds: int, units: int) -> Tree:
-        """The server before round ``t`` of ``rounds`` over ``units`` units (fedprior_rounds:
-        R2's last round holds out, R1's sample rate)."""
-        return self.rounds_schedule.before(server, t, rounds, units)
-
-    def finished(self, server: Tree) -> bool:
-        """Whether the run is done before the engine's rounds (fedprior_rounds R3)."""
-        return self.rounds_schedule.finished(server)
-
-    @cached_property
-    def design_basis(self) -> DesignBasis:
-        """The design [φ, b·ψ] and the predictive form (fedprior_basis)."""
-        return DesignBasis(self.terms, self.branch_terms)
-
-    @cached_property
-    def calibrated(self) -> CalibratedInterval:
-        """The calibrated interval, I1–I4 (fedprior_interval)."""
-        return CalibratedInterval(
-            interval=self.interval,
-            probe_rows=self.probe_rows,
-            coverage_target=self.coverage_target,
-            own_folds=self.own_folds,
-            min_informed=self.min_informed,
-            noise=self.noise,
-            inputs=self.num_inputs,
-            basis=self.design_basis,
-            noise_model=self.noise_model,
-            selection=self.selection,
-        )
-
-    @cached_property
-    def time_choice(self) -> TimeChoice:
-        """The time-respecting choice, no harm and the interval after calibration
-        (fedprior_choice, fedprior_forward)."""
-        forward = ForwardInterval(self.choice_interval, self.terms, self.support_box)
-        return TimeChoice(
-            choose=self.choose,
-            holdout=self.choice_holdout,
-            clip=self.choice_clip,
-            z=self.choice_z,
-            margin=self.choice_margin,
-            sigma=self.choice_sigma,
-            implausible=self.implausible,
-            noise=self.noise,
-            raw_input=self.raw_input,
-            raw_map=self.raw_map,
-            inputs=self.num_inputs,
-            basis=self.design_basis,
-            selection=self.selection,
-            forward=forward,
-        )
-
-    @cached_property
-    def noise_model(self) -> NoiseModel:
-        """σ²(x) in the inputs, Student-t or trimmed rows (fedprior_noise, N1–N7)."""
-        return NoiseModel(
-            self.noise_shape, self.noise_tail, self.noise_dof, self.noise_prior_points
-        )
-
-    @cached_property
-    def private_statistics(self) -> PrivateStatistics:
-        """The uploaded statistics' DP maps and bounds (fedprior_dp)."""
-        return PrivateStatistics(
-            self.num_features,
-            self.dp_max_rows,
-            self.init_scale,
-            self.init_noise,
-            self.dp_whiten,
-            self.dp_second_weight,
-            bool(self.branch_orders),
-            self.selection,
-            self.noise_model.weighted,
-            self.interval,
-        )
-
-    @cached_property
-    def branch_pins(self) -> BranchPins:
-        """The direction term's coordinates the fleet's data do not identify (fedprior_pins)."""
-        start = (self.min_informed, self.floor, self.init_scale, self.init_noise)
-        return BranchPins(len(self.terms), self.num_features, *start)
-
-    @cached_property
-    def support_box(self) -> SupportBox:
-        """The extrapolation guard over φ (fedprior_support)."""
-        return SupportBox(self.num_inputs, self.terms)
-
-    @cached_property
-    def streamed(self) -> StreamedSums:
-        """Whether and how the M-step runs from the replies' sums (fedprior_stream)."""
-        return StreamedSums(self.robust, self.interval, self.noise_shape, self.noise_tail)
-
-    @cached_property
-    def robust_uploads(self) -> RobustUploads:
-        """The consistency check and the M-step's outlier weights (fedprior_robust)."""
-        k = len(self.selection.candidates) if self.candidate_ems.on else 0
-        lin = self.time_choice.linear_terms
-        lin = None if lin is None else tuple(lin)
-        return RobustUploads(self.robust, k, self.select_clip, self.choice_clip, lin)
-
-    def beyond_support(self, params: Tree, x: Tensor) -> Tensor:
-        """(clients, rows) bool: rows outside the unit's support box (linearized, flagged)."""
-        return self.support_box.beyond(params, x)
+    # ---- the hooks (core/hooks.py) and attributes that are a part's ----
+    candidates = Delegate("selection")  # the bases select = "bic" chooses from
+    masks = Delegate("selection")  # (candidates, features): each candidate's terms
+    before_round = Delegate("rounds_schedule", "before")  # R2's last round holds out; R1's rate
+    finished = Delegate("rounds_schedule")  # R3: the run is done before the engine's rounds
+    unsampled_broadcast = Delegate("rounds_schedule", "unsampled")  # outside R1's sample
+    design = Delegate("design_basis")  # [φ(x), b·ψ(x)]
+    variance_design = Delegate("design_basis")  # z(x) = [φ(x), ψ(x)]
+    variance_form = Delegate("design_basis")  # (Q, s): σ² = zᵀQz + s, the exports' too
+    beyond_support = Delegate("support_box", "beyond")  # (clients, rows): beyond the unit's box
+    outlier_weights = Delegate("robust_uploads")  # each client's M-step weight (or None)
+    screen_view = Delegate("robust_uploads")  # what the server's size screen judges
+    # client-level DP: each statistic's public map and bound (or a ValueError: not covered)
+    dp_statistics = Delegate("private_statistics", "checked")
+    unit_columns = Delegate("time_choice")  # per unit: the no-harm fall-back and σ factors
+    outlier_inputs = Delegate("streamed")  # a streamed round's per-unit leaves (StreamsSums)
+    picked_leaves = Delegate("streamed")
+    pick_inputs = Delegate("streamed")
+    pick_reply = Delegate("streamed")
+    interval_note = Delegate("calibrated", "note")  # why no interval is stated for some units
+    weak_units = Delegate("calibrated")  # I3's declined units
 
     def personal_shapes(self) -> dict[str, tuple[int, ...]]:
         """One sensor's :meth:`personalize` tree: shapes a loaded model file must have."""
-        p = self.num_features
-        # box: the unit's input support (lo, hi per input), the extrapolation guard's
-        shapes = {"coef": (p,), "cov": (p, p), "noise_var": (), "box": (2, self.num_inputs)}
-        if self.interval == "calibrated":  # τ_i² and whether the unit's interval is declined
-            shapes.update(disc_var=(), declined=())
-        if self.noise_shape == "inputs":  # γ of σ²(x) = σ_i² exp(γᵀx) (fedprior_noise)
-            shapes["noise_gamma"] = (self.num_inputs,)
-        if self.choose != "off":  # the no-harm fall-back and the validation MSE (fedprior_choice)
-            shapes.update(fallback=(), val_mse=(), sigma_scale=(), target_sd=())
-            shapes.update(
-                self.time_choice.forward.shapes()
-            )  # κ, ρ/T after calibration (fedprior_forward)
-        if self.deploy_rows:  # the unit's design for the prior's discrepancy σ (fedprior_deploy)
-            shapes.update(deploy_shapes(self.deploy_rows, self.num_inputs, len(self.terms)))
-        return shapes
-
-    def design(self, x: Tensor, branch: Tensor | None = None) -> Tensor:
-        """[φ(x), b·ψ(x)] (:meth:`DesignBasis.design`)."""
-        return self.design_basis.design(x, branch)
+        return fedprior_state.personal_shapes(self.parts, self.deploy_rows)
 
     # ---- the contract --------------------------------------------------------
     def server_init(self, params: Tree) -> Tree:
-        p = self.num_features
-        start = {
-            "mu": torch.zeros(p, dtype=F64),
-            "sigma": self.init_scale**2 * torch.eye(p, dtype=F64),
-            "noise_var": torch.tensor(self.init_noise**2, dtype=F64),
-            "support": torch.zeros(p, p, dtype=F64),
-        }
-        if self.interval == "calibrated":
-            start.update(self.calibrated.init())
-        start.update(self.noise_model.init(self.num_inputs))  # γ, the tail's test (N2–N6)
-        if self.branch_orders:  # ψ coordinates out of the model (none yet): BranchPins.unidentified
-            start["pinned"] = torch.zeros(p, dtype=F64)
-        if self.time_choice.on:  # fedprior_choice's pooled lines and summed scores
-            start.update(self.time_choice.init())
-        start.update(self.rounds_schedule.init())  # R1–R3's bookkeeping (none when off)
-        # the selection's (fedprior_candidates C1): round 0 screens with the largest candidate
-        return {**start, "box": self.support_box.open_box(), **self.candidate_ems.init(start)}
+        """The vague start and each part's state (fedprior_state.server_start)."""
+        return fedprior_state.server_start(self.parts, self.init_scale, self.init_noise)
 
     def broadcast(self, server: Tree) -> Tree:
-        down = {k: server[k] for k in ("mu", "sigma", "noise_var")}
-        if "box" in server:  # the fleet's input support (extrapolation guard)
-            down["box"] = server["box"]
-        down.update({k: server[k] for k in INTERVAL_KEYS if k in server})
-        noise_keys = ("noise_gamma", "noise_gamma_fit", "noise_student")
-        down.update({k: server[k] for k in noise_keys if k in server})
-        if "pinned" in server:  # ψ coordinates out of the model (BranchPins.unidentified)
-            down["pinned"] = server["pinned"]
-        if self.select != "none":
-            down["mask"] = server["mask"]
-        if "pooled_ok" in server:  # the fleet's pooled lines (fedprior_choice), once summed
-            keys = self.time_choice.forward.broadcast_keys
-            down.update({k: server[k] for k in keys if k in server})
-        if "holdout_now" in server:  # fedprior_rounds R2: whether this round holds out
-            down["holdout_now"] = server["holdout_now"]
-        down.update(self.candidate_ems.broadcast(server))  # (fedprior_candidates C1)
-        return down
+        """The prior (μ, Σ, σ²) and each part's keys (fedprior_state.broadcast)."""
+        return fedprior_state.broadcast(self.parts, server)
 
     def client_init(self, down: Tree) -> Tree:
         return {"noise_var": down["noise_var"].clone(), **self.candidate_ems.client_init(down)}
@@ -465,10 +212,9 @@ class FedPrior(FedPriorSettings):
         return unit_noise(self.noise, down, state)
 
     def derive(self, data: ClientData) -> dict[str, Tensor] | None:
-        """The units' unweighted moments of step 1, which their data alone fix, formed once
-        by the engine (``ClientData.derived``; :meth:`DesignBasis.derived`) instead of every
-        round (issue 25.1). None with row weights (fedprior_noise): those depend on the
-        broadcast."""
+        """The units' unweighted moments of step 1, which their data alone fix, formed once by
+        the engine (``ClientData.derived``; :meth:`DesignBasis.derived`), not every round
+        (issue 25.1). None with row weights (fedprior_noise): they depend on the broadcast."""
         return None if self.noise_model.weighted else self.design_basis.derived(data)
 
     def _moments(self, data: ClientData, down: Tree | None = None) -> Moments:
@@ -498,23 +244,22 @@ class FedPrior(FedPriorSettings):
 
     # ---- step 1, the E-step (module doc) ----
     def client_update(self, down: Tree, state: Tree, data: ClientData) -> ClientResult:
+        """Step 1 (module doc): the unit's posterior under the broadcast prior, its terms of
+        the M-step sums (:meth:`_e_step_sums`) and each part's uploads."""
         design, rw = None, None
         # select_by = "marginal": the EM runs on the full basis (without the ψ coordinates J
         # out of the model), whatever candidate is chosen: its E-step and noise model too
         marginal = self.select != "none" and not self.candidate_ems.on
         em = {k: v for k, v in down.items() if k != "mask"} if marginal else down
-        if (
-            self.noise_model.weighted
-        ):  # rows weighted by 1/σ²(x) and t-weights (fedprior_noise, N1/N4)
+        if self.noise_model.weighted:  # rows weighted by 1/σ²(x), t-weights (N1/N4)
             design = self.design(data.x, data.branch)
             rw = self.noise_model.row_weights(em, data, design)
             full = self.noise_model.moments(design, data, rw)
         else:
             full = self._client_moments(down, data)  # once: candidates' are masks of these
-        # With selection the chosen candidate's E-step is also in the batch below, but is
-        # computed on its own: with noise = "sensor" its σ_i² is last round's choice's (not
-        # always this round's); with one fleet σ² the batched one differs in the last bits
-        # (measured: taking it from the batch saved 4 % of a client update).
+        # With selection the chosen candidate's E-step is also in the batch below, but is run
+        # on its own: with noise = "sensor" its σ_i² is last round's choice's; with one fleet
+        # σ² the batched one differs in the last bits (taking it saved 4 % of an update).
         stats, post = self._posterior(em, state, full)
         reml = full.n if self.interval == "calibrated" else None
         chosen = self._e_step_sums(post, stats.gram, self._noise(down, state), reml)
@@ -529,19 +274,14 @@ class FedPrior(FedPriorSettings):
             reply["branch_support"] = data_support(gram, self._noise(down, state), self.init_scale)
         if self.interval == "calibrated" and "probe_x" in down:
             # Unscreened ("interval/"): a unit's residual terms scale with its rows.
-            reply["interval"] = {
-                "dof": chosen["dof"],
-                "fit": chosen["fit"],
-                **self.calibrated.heldout(
-                    down, state, data, rw, self.rounds_schedule.holds_out(down)
-                ),
-            }
+            holds = self.rounds_schedule.holds_out(down)  # R2
+            held = self.calibrated.heldout(down, state, data, rw, holds)
+            reply["interval"] = {"dof": chosen["dof"], "fit": chosen["fit"], **held}
         if self.noise_shape == "inputs":  # γ's score, information and evidence (N2)
             reply["noise"] = self.noise_model.uploads(em, data, design, post, rw[1])
         if self.noise_tail == "auto":  # the tail's evidence d_i (N6)
-            reply.setdefault("noise", {})["tail_ratio"] = self.noise_model.tail_ratio(
-                em, data, design
-            )
+            ratio = self.noise_model.tail_ratio(em, data, design)
+            reply.setdefault("noise", {})["tail_ratio"] = ratio
         own = self._sensor_noise(post.rss, full.n, down["noise_var"])
         new_state = {"noise_var": own if self.noise == "sensor" else state["noise_var"]}
         if marginal:
@@ -554,8 +294,7 @@ class FedPrior(FedPriorSettings):
             args = (down, state, data, gram, chosen["mean"])
             reply["choice"] = self.time_choice.uploads(self, *args)
         fit_mse = post.rss / full.n.clamp_min(1.0)
-        # jitter: the relative jitter a near-singular factorization needed (0: none; 1: an
-        # eigenvalue floor), per unit and round in the run's metrics (core.bayes.safe_cholesky).
+        # jitter (core.bayes.safe_cholesky): 0 none, 1 an eigenvalue floor; per unit and round
         metrics = {"train_loss": fit_mse, "loglik": post.loglik, "jitter": post.jitter}
         return ClientResult(reply, new_state, metrics)
 
@@ -584,10 +323,6 @@ class FedPrior(FedPriorSettings):
             return None
         return self.rounds_schedule.sampled(down, self._client_moments(down, data).rhs)
 
-    def unsampled_broadcast(self, down: Tree) -> Tree:
-        """What a unit outside the candidates' sample is sent (fedprior_rounds R1)."""
-        return self.rounds_schedule.unsampled(down)
-
     # ---- step 2, the M-step (module doc) ----
     def _prior_update(
         self,
@@ -603,15 +338,8 @@ class FedPrior(FedPriorSettings):
         if pinned is not None and bool(pinned.any()):  # the M-step of the model without them
             args = (old_mu, total, count, metric, old_noise, pinned)
             return self.branch_pins.pinned_update(self._prior_update, *args)
-        mu, sigma_hat = m_step(
-            total["gls_gram"],
-            total["gls_rhs"],
-            total["mean"],
-            total["second"],
-            count,
-            old_mu,
-            self.mean_scale,
-        )
+        moments_sums = (total["gls_gram"], total["gls_rhs"], total["mean"], total["second"])
+        mu, sigma_hat = m_step(*moments_sums, count, old_mu, self.mean_scale)
         # λ = ν0/(N + ν0): ν0 pseudo-units of an inverse-Wishart hyperprior, so a small
         # fleet is shrunk more than a large one; in the fleet's design metric.
         lam = self.shrinkage_units / (float(count) + self.shrinkage_units)
@@ -635,89 +363,14 @@ class FedPrior(FedPriorSettings):
     def server_update(
         self, server: Tree, replies: Tree, weights: Tensor, units: Tensor | None = None
     ) -> Tree:
-        # ``units``: N when the replies are already summed (fedprior_stream), else their count.
-        # Every unit counts once (a hierarchical model's units are its samples);
-        # sums in a canonical order so the rounding does not depend on arrival order.
-        order = canonical_order(replies["mean"])
+        """Step 2 (module doc): the sums in a canonical order, each unit once, times its outlier
+        weight (``units``: N when the replies are already summed, fedprior_stream), then
+        :meth:`_prior_update` per EM and each part's update (fedprior_state)."""
         robust = self.outlier_weights(server, replies)
-        if robust is not None and bool((robust.weights != 1).any()):  # all 1: the plain sums
-            replies = weighted(replies, robust.weights)
-        if self.robust != "off":  # residual sums: a bounded pull on σ², not a size screen
-            replies = capped_noise(replies)
-        skip = ("cand", "interval", "noise", "choice")
-        forward = None
-        if "choice" in replies:  # per unit unless already summed (fedprior_stream)
-            choice = (replies["choice"], order, replies["gram"], units is None)
-            forward = self.time_choice.update(*choice)
-        total = {k: v[order].sum(0) for k, v in replies.items() if k not in skip}
-        pinned = self.branch_pins.unidentified(total.pop("branch_support", None))
-        if "interval" in replies:  # the restricted noise update's sums (module doc, I1)
-            total.update({k: replies["interval"][k][order].sum(0) for k in ("dof", "fit")})
-        count = torch.tensor(float(replies["mean"].shape[0]), dtype=F64) if units is None else units
-        if robust is not None:  # Σ w_i units (exactly N when every weight is 1)
-            count = robust.weights[order].sum() if bool((robust.weights != 1).any()) else count
-        metric = total["gram"] / total["n"].clamp_min(1.0)
-        args = RoundSums(server, replies, order, total, count, metric, pinned, forward)
-        if not self.candidate_ems.running(replies):  # (R1: the choice frozen)
-            new = self._one_em_update(args)  # (fedprior_accel: ℓ of the broadcast)
-            return self.rounds_schedule.after(server, new, count, total.get("loglik"))
-        return self.rounds_schedule.after(server, self._candidates_update(args), count)
-
-    def _one_em_update(self, sums: RoundSums) -> Tree:
-        """The server update of one EM: without selection, under ``select_by = "marginal"``,
-        or the chosen candidate's once the choice is frozen (fedprior_rounds R1)."""
-        server, replies, order, total, count, metric, pinned, forward = sums
-        frozen = self.candidate_ems.on  # R1: the chosen EM alone, in its own design metric
-        if frozen:
-            metric = self.candidate_ems.frozen_metric(server, metric)
-        mu, sigma, noise_var = self.branch_pins.restart(
-            server, pinned, total["gram"]
-        ) or self._prior_update(server["mu"], total, count, metric, server["noise_var"], pinned)
-        new = {"mu": mu, "sigma": sigma, "noise_var": noise_var, "support": total["support"]}
-        new["box"] = self.support_box.fleet_box(total["gram"])
-        if frozen:  # the choice as frozen
-            new.update(self.candidate_ems.frozen(server))
-        elif self.select != "none":  # select_by = "marginal": the noisy-BIC choice
-            new.update(self.selection.marginal_choice(total["select"], count, pinned))
-        if "noise" in replies:  # γ's step and test, the tail's test (fedprior_noise, N2–N6)
-            noise = replies["noise"]
-            new.update(self.noise_model.updates(server, noise, order, total["n"], replies["n"]))
-        new.update(self.time_choice.kept(server, forward))
-        if self.branch_orders:  # the features in use, without the ψ coordinates out of it
-            new["mask"] = new.get("mask", self.selection.masks[-1]) * (~pinned).to(F64)
-            new["pinned"] = pinned.to(F64)
-        new.update(self.calibrated.update(server, replies, order, total))
-        return new
-
-    def _candidates_update(self, sums: RoundSums) -> Tree:
-        """The server update while every candidate's EM runs (``select = "bic"``): each
-        candidate's M-step and the fleet's BIC choice."""
-        server, replies, order, total, count, metric, pinned, forward = sums
-        cand = {k: v[order].sum(0) for k, v in replies["cand"].items()}
-        args = (server, cand, total, count, metric, pinned, self._prior_update)
-        stacked = self.candidate_ems.m_steps(*args)  # C3, then C4 (fedprior_candidates)
-        scores, choice, same = self.candidate_ems.choice(cand, count, pinned)
-        if forward is not None and float(forward["forward_scored"]) > 0:  # by each unit's future
-            choice = self.time_choice.pick(
-                torch.where(same, math.inf, forward["forward_scores"][:-3])
-            )
-        new = {
-            **self.time_choice.kept(server, forward),
-            **{key: v[choice] for key, v in stacked.items()},
-            "box": self.support_box.fleet_box(total["gram"]),
-            "mask": self.selection.masks[choice] * (~pinned).to(F64),
-            **({"pinned": pinned.to(F64)} if self.branch_orders else {}),
-            "choice": torch.tensor(choice),
-            "scores": scores,
-            "cand": stacked,
-            **self.calibrated.update(server, replies, order, total),
-            **(
-                self.noise_model.updates(server, replies["noise"], order, total["n"], replies["n"])
-                if "noise" in replies
-                else {}
-            ),
-        }
-        return new
+        sums = fedprior_state.round_sums(self.parts, server, replies, units, robust)
+        new = fedprior_state.next_server(self.parts, sums, self._prior_update)
+        loglik = sums.total.get("loglik")  # ℓ of the broadcast: the one EM's SQUAREM step (A1)
+        return self.rounds_schedule.after(server, new, sums.count, loglik)
 
     # ---- step 3, the personal model (module doc) ----
     def personalize(self, down: Tree, state: Tree, data: ClientData) -> Tree:
@@ -729,6 +382,7 @@ class FedPrior(FedPriorSettings):
         return self.time_choice.no_harm(self, down, state, data, out)
 
     def _personal(self, down: Tree, state: Tree, data: ClientData) -> Tree:
+        """Step 3: the posterior N(m_i, V_i) in the model's terms, σ_i² and each part's keys."""
         _, post = self._posterior(down, state, self._personal_moments(down, data))
         coef, cov = post.mean, post.cov
         m = self._model_mask(down)
@@ -764,54 +418,21 @@ class FedPrior(FedPriorSettings):
             var = var + excess
         if "gp_x" in params:  # the prior's design-dependent error (fedprior_deploy, D2–D4)
             var = deployed_var(self, params, x, var)
-        phi, beyond = self.support_box.guarded(params, x)
-        if any_beyond(beyond):  # beyond the support: + (polynomial − linearized)² (model form)
-            coef = params["coef"][..., : len(self.terms)].to(F64).unsqueeze(1)
-            gap = ((legendre_products(x, self.terms) - phi) * coef).sum(-1)
-            var = var + torch.where(beyond, gap * gap, 0.0)
+        gap = self.support_box.gap_var(params, x)  # beyond the support: g(x)² (model form)
+        if gap is not None:
+            var = var + gap
         return var.sqrt().unsqueeze(-1).to(x.dtype)
 
     def interval_halfwidth(self, params: Tree, x: Tensor, std: Tensor | None = None) -> Tensor:
-        """The central 95 % interval's half-width per row (clients, rows, 1), scaled.
-
-        Without a direction term 1.96 σ. With one, the field's sweep b = ±1 is unknown
-        (equal odds), so the error of the branch-average prediction is the mixture
-        ½N(ψᵀm_h, s²) + ½N(−ψᵀm_h, s²), s² = σ(x)² − (ψᵀm_h)² (:meth:`predictive_std`'s
-        variance less the direction term's mean part); its interval
-        (:func:`~fedcal.core.bayes.mixture_halfwidth`) is narrower than 1.96 σ, which
-        treats ±ψᵀm_h as Gaussian. ``std``: σ(x) if given (fedprior_drift's σ at each row's
-        time), else :meth:`predictive_std`.
+        """The central 95 % interval's half-width per row (clients, rows, 1), scaled: 1.96 σ,
+        or with a direction term (the field's sweep b = ±1 unknown) that of the mixture
+        ½N(ψᵀm_h, s²) + ½N(−ψᵀm_h, s²), s² = σ(x)² − (ψᵀm_h)² (:meth:`DesignBasis.halfwidth`).
+        ``std``: σ(x) if given (fedprior_drift's at each row's time), else :meth:`predictive_std`.
         """
         std = (self.predictive_std(params, x) if std is None else std).to(F64)
         return self.design_basis.halfwidth(params, x, std).to(x.dtype)
 
-    def variance_design(self, x: Tensor) -> Tensor:
-        """z(x) = [φ(x), ψ(x)] (:meth:`DesignBasis.variance_design`)."""
-        return self.design_basis.variance_design(x)
-
-    def variance_form(self, params: Tree) -> tuple[Tensor, Tensor]:
-        """(Q, s): the predictive variance as z(x)ᵀQ z(x) + s (:meth:`DesignBasis.variance_form`):
-        the single place of the predictive variance, that :meth:`predictive_std` and the
-        firmware/JSON exports read."""
-        return self.design_basis.variance_form(params)
-
-    # ---- client-level DP (fedprior_dp) ----
-    def dp_statistics(self, down: Tree) -> dict[str, Statistic]:
-        """Client-level DP: each uploaded statistic's public map and bound (core/privacy;
-        :class:`~fedcal.algorithms.fedprior_dp.PrivateStatistics`); a ValueError for the
-        settings DP does not cover (:meth:`PrivateStatistics.refusal`)."""
-        why = self.private_statistics.refusal()
-        if why is not None:
-            raise ValueError(why)
-        return self.private_statistics.statistics(down)
-
     # ---- a hostile site or unit (issue 21; fedprior_robust) ----
-    def screen_view(
-        self, replies: dict[str, Tensor], rows: Tensor, broadcast: Tree
-    ) -> dict[str, Tensor]:
-        """What the server's size screen judges (:meth:`RobustUploads.screen_view`)."""
-        return self.robust_uploads.screen_view(replies, rows)
-
     def inconsistent_replies(
         self, server: Tree, replies: Tree, weights: Tensor, accepted: Tensor
     ) -> dict[int, str] | None:
@@ -821,23 +442,17 @@ class FedPrior(FedPriorSettings):
         return self.robust_uploads.inconsistent(frames, replies, weights, accepted)
 
     def consistency_check(self, server: Tree) -> Callable[..., dict[int, str] | None]:
-        """:meth:`inconsistent_replies` bound to one round's ``server``, called as
-        ``check(replies, weights, accepted)``, its priors' frames formed once, not once per
-        chunk of a streamed round; a subclass's own :meth:`inconsistent_replies`
-        (fedprior_drift adds checks) bound as it is."""
+        """:meth:`inconsistent_replies` bound to one round's ``server`` (``check(replies,
+        weights, accepted)``), its frames formed once, not once per chunk of a streamed round;
+        a subclass's own (fedprior_drift adds checks) bound as it is."""
         if type(self).inconsistent_replies is not FedPrior.inconsistent_replies:
             return partial(self.inconsistent_replies, server)
         frames = self.robust_uploads.frames(server, self._gram_counts_rows(server))
         return partial(self.robust_uploads.inconsistent, frames)
 
     def _gram_counts_rows(self, server: Tree) -> bool:
-        """Whether the uploaded Gram is the design's ΦᵀΦ, whose constant term is the unit's
-        row count (a consistency check); fedprior_drift's whitened Gram is not."""
+        """Whether the uploaded Gram is ΦᵀΦ, its constant term the row count (not drift's)."""
         return True
-
-    def outlier_weights(self, server: Tree, replies: Tree) -> OutlierWeights | None:
-        """Each client's M-step weight (:meth:`RobustUploads.outlier_weights`)."""
-        return self.robust_uploads.outlier_weights(server, replies)
 
     # ---- a round streamed chunk by chunk (engine/streamed.py; fedprior_stream) ----
     def server_update_sums(self, server: Tree, sums: Tree, count: Tensor) -> Tree:
@@ -850,21 +465,6 @@ class FedPrior(FedPriorSettings):
         own = type(self).server_update is not FedPrior.server_update
         return self.streamed.refused(self.name, own)
 
-    @property
-    def outlier_inputs(self) -> tuple[str, ...]:
-        return self.streamed.outlier_inputs
-
-    @property
-    def picked_leaves(self) -> tuple[str, ...]:
-        return self.streamed.picked_leaves
-
-    @property
-    def pick_inputs(self) -> tuple[str, ...]:
-        return self.streamed.pick_inputs
-
-    def pick_reply(self, keys: Tree) -> int | None:
-        return self.streamed.pick_reply(keys)
-
     # ---- the time-respecting choice's hooks (fedprior_choice, fedprior_forward) ----
     def with_scaler(self, scaler: Any) -> FedPrior:
         """``raw_map`` from the run's scaler (``raw_input`` ≥ 0; :meth:`TimeChoice.raw_map_of`)."""
@@ -873,8 +473,7 @@ class FedPrior(FedPriorSettings):
         return dataclasses.replace(self, raw_map=self.time_choice.raw_map_of(scaler))
 
     def predictive_std_timed(self, params: Tree, data: ClientData) -> Tensor | None:
-        """:meth:`predictive_std` at each row's time: after the unit's calibration, the
-        fleet's forward variance (:meth:`ForwardInterval.std`)."""
+        """σ at each row's time: after calibration, the fleet's (:meth:`ForwardInterval.std`)."""
         return self.time_choice.forward.std(params, data, self.predictive_std(params, data.x))
 
     def client_status(self, server: Tree, personal: Tree, x: Tensor, mask: Tensor) -> dict:
@@ -890,44 +489,10 @@ class FedPrior(FedPriorSettings):
         """The values the implausible rule compares (:meth:`TimeChoice.status_values`)."""
         return self.time_choice.status_values(self, personal, x, mask)
 
-    def unit_columns(self, params: Tree, train: ClientData) -> dict:
-        """Per unit: the no-harm fall-back and σ factors (:meth:`TimeChoice.unit_columns`)."""
-        return self.time_choice.unit_columns(params)
-
     def export_state(self, server: Tree) -> dict:
-        """The fleet prior (:meth:`PriorStatus.export_state`) with the time choice's record."""
-        state = self.prior_status.export_state(server, self.interval_note(server))
-        record = self.time_choice.record(server)
-        if record is not None:  # the time-respecting choice (fedprior_choice)
-            selection = state.setdefault("selection", {"rule": "none", "chosen": {}})
-            if self.candidate_ems.on:
-                selection["rule"] = "forward"
-            selection["forward"] = record
-        return state
-
-    # ---- the calibrated interval (fedprior_interval), as the exports and deploy read it ----
-    def interval_note(self, server: Tree) -> str:
-        """Why the run states no interval for (some) units (:meth:`CalibratedInterval.note`)."""
-        return self.calibrated.note(server)
-
-    def weak_units(self, down: Tree, cov: Tensor, noise: Tensor, data: ClientData) -> Tensor:
-        """I3's declined units (:meth:`CalibratedInterval.weak_units`)."""
-        return self.calibrated.weak_units(down, cov, noise, data)
+        """The fleet prior with the time choice's record (fedprior_state.export_state)."""
+        return fedprior_state.export_state(self.parts, server, self.interval_note(server))
 
     def deploy_state(self, server: Tree, data: ClientData) -> dict | None:
-        """The prior's design-dependent error model, prior.json's ``"discrepancy"``, or None
-        (:func:`~fedcal.algorithms.fedprior_deploy.deploy_state`: when it is learned)."""
+        """prior.json's ``"discrepancy"`` (fedprior_deploy.deploy_state), or None."""
         return deploy_state(self, server, data)
-
-
-class RoundSums(NamedTuple):
-    """One round's server-side sums, as both M-step paths (one EM, every candidate) read them."""
-
-    server: Tree
-    replies: Tree
-    order: Tensor
-    total: dict
-    count: Tensor
-    metric: Tensor
-    pinned: Tensor
-    forward: Tree | None

@@ -73,10 +73,36 @@ from torch import Tensor
 from fedcal.core.bayes import F64, Moments, mixture_halfwidth, moments
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree
-from fedcal.models.basis import legendre_products
+from fedcal.models.basis import legendre_exponents, legendre_products
 
 if TYPE_CHECKING:
     from fedcal.algorithms.fedprior_noise import NoiseModel
+
+
+Terms = tuple[tuple[int, ...], ...]  # exponent tuples of Legendre products, constant first
+
+
+def tensor_basis(basis: str, orders: tuple[int, ...], inputs: int) -> bool:
+    """Whether φ is the tensor product up to ``orders`` (else every product up to a total
+    degree): ``basis = "tensor"``, or ``"auto"`` with one order per input."""
+    return basis == "tensor" or (basis == "auto" and len(orders) == inputs)
+
+
+def phi_terms(basis: str, orders: tuple[int, ...], degree: int, inputs: int) -> Terms:
+    """Exponent tuples of φ's Legendre products (constant first; fedprior.py's module doc)."""
+    if tensor_basis(basis, orders, inputs):
+        if len(orders) != inputs:
+            raise ValueError(
+                f"orders {list(orders)} needs one order per input ({inputs} inputs); "
+                "or use basis = 'total' with a degree"
+            )
+        return legendre_exponents(inputs, orders=orders)
+    return legendre_exponents(inputs, degree=degree)
+
+
+def psi_terms(branch_orders: tuple[int, ...], inputs: int) -> Terms:
+    """Exponent tuples of ψ, the sweep-direction term's basis (empty when off)."""
+    return legendre_exponents(inputs, orders=branch_orders) if branch_orders else ()
 
 
 @dataclass(frozen=True)

@@ -426,11 +426,12 @@ class TimeChoice:
             return {}
         return {k: server[k] for k in CHOICE_KEYS if k in server} if forward is None else forward
 
-    def unit_columns(self, params: Tree) -> dict:
+    def unit_columns(self, params: Tree, train: ClientData | None = None) -> dict:
         """Per unit: ``fallback``, the model it ships (no harm; a code, named by
         :attr:`labels` where the tables are written), ``sigma_scale``, the factor its σ got
         from its own later rows (fedprior_forward.scale_sigma), and ``future_scale``, κ on
-        σ after calibration (NaN: declined)."""
+        σ after calibration (NaN: declined); ``train``: the hook's (core/hooks.UnitColumns),
+        not read."""
         if "fallback" not in params or self.choose == "off":
             return {}
         out = {"fallback": params["fallback"].to(F64).numpy()}  # codes: labels

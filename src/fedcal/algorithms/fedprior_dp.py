@@ -81,6 +81,14 @@ class PrivateStatistics:
             )
         return None
 
+    def checked(self, down: Tree) -> dict[str, Statistic]:
+        """:meth:`statistics`, or a ValueError for the settings DP does not cover
+        (:meth:`refusal`): FedPrior's ``dp_statistics`` hook (core/hooks.py)."""
+        why = self.refusal()
+        if why is not None:
+            raise ValueError(why)
+        return self.statistics(down)
+
     def statistics(self, down: Tree) -> dict[str, Statistic]:
         """Client-level DP: each uploaded statistic's public map and bound (core/privacy; the
         bounds: class doc)."""

@@ -52,7 +52,9 @@ class RobustUploads:
     choice_clip: float  # fedprior_choice's score clip
     linear_terms: tuple[int, ...] | None  # the constant and first-order terms (choice)
 
-    def screen_view(self, replies: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
+    def screen_view(
+        self, replies: dict[str, Tensor], rows: Tensor, broadcast: Tree | None = None
+    ) -> dict[str, Tensor]:
         """What the server's size screen judges (issue 34.3): with the consistency check on,
         only the RMS of the unit's own posterior fit √(mᵀGm/n), in the units of y
         (:func:`fedcal.core.honesty.fitted_rms`). The other statistics are whitened by the
@@ -60,7 +62,8 @@ class RobustUploads:
         support in [0, 1]), the residual sum is bounded in the fleet noise
         (:func:`fedcal.core.honesty.capped_residuals`): none of them is a size that an
         honest unit with more or fewer rows, or more noise, would exceed. ``robust = "off"``:
-        every fitted statistic is sized as before (as a sum: raw or per row)."""
+        every fitted statistic is sized as before (as a sum: raw or per row). ``broadcast``:
+        the hook's (``Algorithm.screen_view``), not read."""
         if self.robust == "off":
             return {f"sum/{k}": replies[k] for k in SIZED if k in replies}
         return {"fit_rms": fitted_rms(replies["mean"], replies["gram"], rows)}

@@ -30,7 +30,12 @@ from torch import Tensor
 from fedcal.core.bayes import F64
 from fedcal.core.data import ClientData
 from fedcal.core.tree import Tree
-from fedcal.models.basis import SUPPORT_STDS, legendre_products, linearized_products
+from fedcal.models.basis import (
+    SUPPORT_STDS,
+    any_beyond,
+    legendre_products,
+    linearized_products,
+)
 
 
 @dataclass(frozen=True)
@@ -100,3 +105,15 @@ class SupportBox:
     def beyond(self, params: Tree, x: Tensor) -> Tensor:
         """(clients, rows) bool: rows outside the unit's support box (linearized, flagged)."""
         return self.guarded(params, x)[1]
+
+    def gap_var(self, params: Tree, x: Tensor) -> Tensor | None:
+        """(clients, rows): beyond the unit's box, g(x)² with g the gap between the polynomial
+        φ(x)ᵀc and its tangent-plane continuation ψ(x)ᵀc that is predicted there (the
+        model-form variance fedprior's ``predictive_std`` adds); 0 inside; None: no row
+        beyond."""
+        phi, beyond = self.guarded(params, x)
+        if not any_beyond(beyond):
+            return None
+        coef = params["coef"][..., : len(self.terms)].to(F64).unsqueeze(1)
+        gap = ((legendre_products(x, self.terms) - phi) * coef).sum(-1)
+        return torch.where(beyond, gap * gap, 0.0)
