@@ -62,7 +62,6 @@ from scipy.stats import f as f_dist
 from torch import Tensor
 
 from fedcal.core.bayes import F64, safe_cholesky
-from fedcal.core.cores import on_cores
 
 #: Tolerances of the consistency checks, in whitened units (a consistent upload's rounding
 #: error is ≤ 1e-9 of the prior's scale at the condition numbers the EM produces; measured
@@ -159,7 +158,7 @@ def _eigvalsh(a: Tensor) -> Tensor:
     flat = a.reshape(-1, *a.shape[-2:])
     finite = torch.isfinite(flat.flatten(-2)).all(-1)
     out = torch.full(flat.shape[:-1], torch.nan, dtype=a.dtype)
-    out[finite] = on_cores(torch.linalg.eigvalsh, flat[finite])
+    out[finite] = torch.linalg.eigvalsh(flat[finite])
     return out.reshape(a.shape[:-1])
 
 
