@@ -667,20 +667,33 @@ def test_to_numpy_equals_np_load_and_falls_back_on_any_mismatch(value) -> None:
     assert got.tobytes() == want.tobytes()
 
 
+def _fedprior_variant_on_sites(
+    make_fleet, tmp_path, name: str, params: dict, rounds: int, run_id: int
+):
+    """A fedprior variant run on Flower's sites and in the simulator (same fleet, seed 4):
+    the federation (nobody rejected or failed), the simulator's result and the node configs."""
+    variant = {**params, "base": "fedprior"}
+    config = replace(
+        CONFIG,
+        engine=EngineSection(rounds=rounds, dtype="float64"),
+        method_params={**CONFIG.method_params, name: variant},
+    )
+    fleet = make_fleet(num_clients=6, train=TRAIN_ROWS)
+    cfgs = _node_cfgs(fleet, tmp_path, SITES)
+    fed = federation(config, name, seed=4)
+    run_in_process(fed, cfgs, run_id=run_id)
+    assert fed.rejected == {} and all(f == {} for f in fed.failed.values())
+    engine = EngineConfig(rounds=rounds, seed=4, dtype="float64", aggregation=POLICY)
+    res = simulate(build(config, name, 2), prepare(fleet, dtype="float64"), engine)
+    return fed, res, cfgs
+
+
 def test_fedprior_basis_selection_on_sites_equals_the_simulator(make_fleet, tmp_path) -> None:
     """fedprior with select = "bic": candidate statistics nested under cand/, an integer
     choice in the server state; screening judges the chosen candidate only, as in the
     simulator."""
     params = {"orders": [1, 1], "init_noise": 0.1, "select": "bic"}
-    variant = {**params, "base": "fedprior"}
-    config = replace(CONFIG, method_params={**CONFIG.method_params, "fedprior_bic": variant})
-    fleet = make_fleet(num_clients=6, train=TRAIN_ROWS)
-    cfgs = _node_cfgs(fleet, tmp_path, SITES)
-    fed = federation(config, "fedprior_bic", seed=4)
-    run_in_process(fed, cfgs, run_id=17)
-    assert fed.rejected == {} and all(f == {} for f in fed.failed.values())
-    engine = EngineConfig(rounds=3, seed=4, dtype="float64", aggregation=POLICY)
-    res = simulate(build(config, "fedprior_bic", 2), prepare(fleet, dtype="float64"), engine)
+    fed, res, cfgs = _fedprior_variant_on_sites(make_fleet, tmp_path, "fedprior_bic", params, 3, 17)
     assert res.server["cand"]["mu"].shape == (4, 4)  # (0,0), (0,1), (1,0), (1,1)
     _assert_same_as_simulator(fed, res, cfgs, 17)
 
@@ -691,19 +704,7 @@ def test_fedprior_squarem_on_sites_equals_the_simulator(make_fleet, tmp_path) ->
     Flower's server runs it unchanged; 5 rounds: an extrapolated prior is broadcast, judged,
     and the last round starts from a plain EM iterate."""
     params = {"orders": [1, 1], "init_noise": 0.1, "accelerate": "squarem"}
-    variant = {**params, "base": "fedprior"}
-    config = replace(
-        CONFIG,
-        engine=EngineSection(rounds=5, dtype="float64"),
-        method_params={**CONFIG.method_params, "fedprior_sq": variant},
-    )
-    fleet = make_fleet(num_clients=6, train=TRAIN_ROWS)
-    cfgs = _node_cfgs(fleet, tmp_path, SITES)
-    fed = federation(config, "fedprior_sq", seed=4)
-    run_in_process(fed, cfgs, run_id=18)
-    assert fed.rejected == {} and all(f == {} for f in fed.failed.values())
-    engine = EngineConfig(rounds=5, seed=4, dtype="float64", aggregation=POLICY)
-    res = simulate(build(config, "fedprior_sq", 2), prepare(fleet, dtype="float64"), engine)
+    fed, res, cfgs = _fedprior_variant_on_sites(make_fleet, tmp_path, "fedprior_sq", params, 5, 18)
     assert "accel_phase" in res.server  # the extrapolation's bookkeeping ran
     _assert_same_as_simulator(fed, res, cfgs, 18)
 
