@@ -87,7 +87,7 @@ class Posterior(NamedTuple):
 JITTERS = (1e-12, 1e-10, 1e-8, 1e-6, 1e-4)
 
 
-def safe_cholesky(a: Tensor) -> tuple[Tensor, Tensor]:
+def safe_cholesky(a: Tensor, symmetric: bool = False) -> tuple[Tensor, Tensor]:
     """Cholesky factor of a symmetric positive semi-definite batch (…, p, p) that cannot fail.
 
     Near-singular Gram matrices (collinear features, many rows, a tiny noise
@@ -95,9 +95,11 @@ def safe_cholesky(a: Tensor) -> tuple[Tensor, Tensor]:
     fails gets the smallest jitter ε·max_k a_kk·I of :data:`JITTERS` that
     factors; if none does, its eigenvalues are floored at 10⁻⁴·λ_max (an
     eigenvalue floor). Returns the factor and, per matrix, the relative jitter
-    used (0: none; 1: the eigenvalue floor), which the caller reports.
+    used (0: none; 1: the eigenvalue floor), which the caller reports. ``symmetric``: ``a``
+    is exactly symmetric already (½(x + x) = x: its ½(a + aᵀ) is ``a``, not formed).
     """
-    a = 0.5 * (a + a.transpose(-2, -1))
+    if not symmetric:
+        a = _sym(a)
     chol, info = torch.linalg.cholesky_ex(a)
     used = torch.zeros(info.shape, dtype=a.dtype)
     if not bool((info != 0).any()):
@@ -154,7 +156,7 @@ def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Poste
     else:
         l_inv = torch.linalg.solve_triangular(chol, eye.expand(c, p, p), upper=False)
     gls_gram = l_inv.transpose(1, 2) @ torch.cholesky_solve(b, a_chol) @ l_inv
-    gls_gram = 0.5 * (gls_gram + gls_gram.transpose(1, 2))
+    gls_gram = _sym(gls_gram)
     gls_rhs = l_inv.transpose(1, 2) @ z
     # E‖y − Φc‖² = ‖y − Φm‖² + tr(G V)
     mean_col = mean.unsqueeze(-1)
@@ -213,18 +215,23 @@ def _whitened(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> _Whit
     else:
         chol, jitter_sigma = safe_cholesky(sigma)
     eye = torch.eye(p, dtype=F64)
-    lg = chol.transpose(1, 2) @ gram @ chol / s2
-    b = 0.5 * (lg + lg.transpose(1, 2))  # B = LᵀGL/σ², symmetric by construction
-    a = eye + b
-    a_chol, jitter_a = safe_cholesky(a)
+    lg = (chol.transpose(1, 2) @ gram @ chol).div_(s2)
+    b = _sym(lg)  # B = LᵀGL/σ², symmetric by construction
+    a = eye + b  # exactly symmetric, as b is
+    a_chol, jitter_a = safe_cholesky(a, symmetric=True)
     resid_rhs = rhs - (gram @ mu.unsqueeze(-1))[..., 0]  # Φᵀ(y − Φμ)
     g = (chol.transpose(1, 2) @ resid_rhs.unsqueeze(-1)) / s2
     z = torch.cholesky_solve(g, a_chol)
     mean = mu + (chol @ z)[..., 0]
     a_inv = torch.cholesky_inverse(a_chol)
-    cov = chol @ a_inv @ chol.transpose(1, 2)
-    cov = 0.5 * (cov + cov.transpose(1, 2))
+    cov = _sym(chol @ a_inv @ chol.transpose(1, 2))
     return _Whitened(chol, b, a_chol, g, z, mean, cov, jitter_sigma, jitter_a)
+
+
+def _sym(a: Tensor) -> Tensor:
+    """½(a + aᵀ) of a batch (…, p, p), the product formed in the sum's buffer (x·½ = ½·x:
+    the same bits as ``0.5 * (a + aᵀ)``, one temporary fewer)."""
+    return (a + a.transpose(-2, -1)).mul_(0.5)
 
 
 def posterior_moments(
@@ -247,8 +254,7 @@ def data_support(gram: Tensor, noise_var: Tensor, scale: float) -> Tensor:
     """
     p = gram.shape[-1]
     eye = torch.eye(p, dtype=F64)
-    a = eye + scale**2 * gram.to(F64) / noise_var.to(F64).reshape(-1, 1, 1)
-    a = 0.5 * (a + a.transpose(1, 2))
+    a = _sym(eye + (scale**2 * gram.to(F64)).div_(noise_var.to(F64).reshape(-1, 1, 1)))
     inv, info = torch.linalg.inv_ex(a)
     bad = info != 0
     if bool(bad.any()):  # (finiteness read only then: it cost a quarter of the inverse)
