@@ -129,10 +129,53 @@ def safe_cholesky(a: Tensor, symmetric: bool = False) -> tuple[Tensor, Tensor]:
     return chol, used
 
 
-def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Posterior:
+class PriorFactor(NamedTuple):
+    """Σ's factors per client, formed by the caller (:func:`repeated_factor`): L (c, p, p)
+    with Σ = LLᵀ, the jitter :func:`safe_cholesky` used (c,) and L⁻¹ (c, p, p)."""
+
+    chol: Tensor
+    jitter: Tensor
+    l_inv: Tensor
+
+
+def repeated_factor(sigmas: Tensor, clients: int) -> PriorFactor:
+    """The :class:`PriorFactor` of ``sigmas`` (k, p, p) repeated for ``clients`` clients
+    (row i·k + j: matrix j, client-major as ``(clients, k, p, p).reshape(-1, p, p)``): k
+    factorizations and inverses, not clients × k of the same matrices (fedprior's candidate
+    priors, issue 36.1). Each matrix's LAPACK call is the one a batch of the copies makes
+    (per matrix, the same input), and each copy keeps the factor's memory layout, so the
+    products that read it are the same calls: the same bits (tested)."""
+    k, p = sigmas.shape[0], sigmas.shape[-1]
+    chol, jitter = safe_cholesky(sigmas.to(F64))
+    l_inv = torch.linalg.solve_triangular(
+        chol, torch.eye(p, dtype=F64).expand(k, p, p), upper=False
+    )
+    return PriorFactor(_repeat(chol, clients), jitter.repeat(clients), _repeat(l_inv, clients))
+
+
+def _repeat(t: Tensor, clients: int) -> Tensor:
+    """(k, p, p) → (clients·k, p, p), client-major, each matrix in ``t``'s layout (LAPACK's
+    column-major factors stay column-major)."""
+    k, p, q = t.shape
+    if t.stride(-2) == 1 and p > 1:  # column-major matrices
+        out = torch.empty_strided((clients * k, p, q), (p * q, 1, p), dtype=t.dtype)
+    else:
+        out = torch.empty((clients * k, p, q), dtype=t.dtype)
+    out.unflatten(0, (clients, k)).copy_(t.unsqueeze(0).expand(clients, k, p, q))
+    return out
+
+
+def posterior(
+    m: Moments,
+    mu: Tensor,
+    sigma: Tensor | None,
+    noise_var: Tensor,
+    factor: PriorFactor | None = None,
+) -> Posterior:
     """The E-step: each client's posterior under the prior N(mu, sigma) and noise σ_i².
 
-    ``mu`` (p,) or (c, p), ``sigma`` (p, p) or (c, p, p), positive definite;
+    ``mu`` (p,) or (c, p), ``sigma`` (p, p) or (c, p, p), positive definite (``factor``:
+    its factors, formed by the caller; ``sigma`` is then not read);
     ``noise_var`` (c,). In whitened coordinates z = L⁻¹(c − μ):
 
         A = I + Lᵀ G L / σ²,  g = Lᵀ (b − G μ) / σ²,  z̄ = A⁻¹ g,
@@ -143,7 +186,7 @@ def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Poste
     c, p = rhs.shape
     mu = mu.to(F64).expand(c, p)
     s2 = noise_var.to(F64).reshape(c, 1, 1)
-    w = _whitened(m, mu, sigma, noise_var)
+    w = _whitened(m, mu, sigma, noise_var, factor)
     chol, b, a_chol, g, z, mean, cov = w.chol, w.b, w.a_chol, w.g, w.z, w.mean, w.cov
     eye = torch.eye(p, dtype=F64)
     # In whitened coordinates, with B = LᵀGL/σ² = A − I (Woodbury):
@@ -151,7 +194,9 @@ def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Poste
     # A⁻¹B is a solve, not a difference: the direct (G − G L A⁻¹ Lᵀ G/σ²)/σ² cancels
     # catastrophically on collinear features, and I − A⁻¹ does under a tight prior.
     one = _one_matrix(chol)
-    if one is not None:  # one prior for every client: L⁻¹ once (per client's within rounding)
+    if factor is not None:
+        l_inv = factor.l_inv
+    elif one is not None:  # one prior for every client: L⁻¹ once (per client's within rounding)
         l_inv = torch.linalg.solve_triangular(one, eye, upper=False).expand(c, p, p)
     else:
         l_inv = torch.linalg.solve_triangular(chol, eye.expand(c, p, p), upper=False)
@@ -200,20 +245,19 @@ class _Whitened(NamedTuple):
     jitter_a: Tensor
 
 
-def _whitened(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> _Whitened:
+def _whitened(
+    m: Moments, mu: Tensor, sigma: Tensor | None, noise_var: Tensor, factor: PriorFactor | None
+) -> _Whitened:
     """:func:`posterior`'s whitened solve: L, B, chol(A), g, z̄, and the posterior mean and
     covariance (its docstring's equations)."""
     gram, rhs = m.gram, m.rhs
     c, p = rhs.shape
     mu = mu.to(F64).expand(c, p)
-    sigma = sigma.to(F64).expand(c, p, p)
     s2 = noise_var.to(F64).reshape(c, 1, 1)
-    one = _one_matrix(sigma)
-    if one is not None:  # one prior for every client (a broadcast): factored once, not c times
-        chol, jitter_sigma = safe_cholesky(one)  # L (never fails: see safe_cholesky)
-        chol, jitter_sigma = chol.expand(c, p, p), jitter_sigma.expand(c)
+    if factor is not None:  # the caller's (:func:`repeated_factor`)
+        chol, jitter_sigma = factor.chol, factor.jitter
     else:
-        chol, jitter_sigma = safe_cholesky(sigma)
+        chol, jitter_sigma = _prior_chol(sigma.to(F64).expand(c, p, p))
     eye = torch.eye(p, dtype=F64)
     lg = (chol.transpose(1, 2) @ gram @ chol).div_(s2)
     b = _sym(lg)  # B = LᵀGL/σ², symmetric by construction
@@ -234,12 +278,23 @@ def _sym(a: Tensor) -> Tensor:
     return (a + a.transpose(-2, -1)).mul_(0.5)
 
 
+def _prior_chol(sigma: Tensor) -> tuple[Tensor, Tensor]:
+    """L of each client's Σ = LLᵀ (c, p, p) and its jitter (c,) (:func:`safe_cholesky`)."""
+    one = _one_matrix(sigma)
+    if one is None:
+        return safe_cholesky(sigma)
+    # one prior for every client (a broadcast): factored once, not c times
+    chol, jitter = safe_cholesky(one)  # L (never fails: see safe_cholesky)
+    c, p = sigma.shape[0], sigma.shape[-1]
+    return chol.expand(c, p, p), jitter.expand(c)
+
+
 def posterior_moments(
     m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor
 ) -> tuple[Tensor, Tensor]:
     """:func:`posterior`'s mean and covariance alone (the same operations, so the same bits),
     without the M-step's GLS terms and the evidence: for fits that only predict."""
-    w = _whitened(m, mu, sigma, noise_var)
+    w = _whitened(m, mu, sigma, noise_var, None)
     return w.mean, w.cov
 
 

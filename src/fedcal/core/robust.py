@@ -120,12 +120,13 @@ def _whitened_terms(stats: dict[str, Tensor], mu: Tensor, chol: Tensor, inv: Ten
     m = stats["mean"].to(F64)
     p = m.shape[-1]
     tr = chol.transpose(-2, -1)
-    v = _sym(stats["second"].to(F64) - m.unsqueeze(-1) * m.unsqueeze(-2))
+    outer = m.unsqueeze(-1) * m.unsqueeze(-2)  # S − m mᵀ formed in m mᵀ's buffer
+    v = _sym(torch.sub(stats["second"].to(F64), outer, out=outer))
     w = _sym(inv @ v @ inv.transpose(-2, -1))
     h = _sym(tr @ stats["gls_gram"].to(F64) @ chol)
     z = (inv @ (m - mu.to(F64)).unsqueeze(-1))[..., 0]
     e = z - (tr @ stats["gls_rhs"].to(F64).unsqueeze(-1))[..., 0]
-    return w, h, h + w - torch.eye(p, dtype=F64), z, e
+    return w, h, (h + w).sub_(torch.eye(p, dtype=F64)), z, e
 
 
 def whitened_gaps(
