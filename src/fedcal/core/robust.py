@@ -161,9 +161,12 @@ def _eigvalsh(a: Tensor) -> Tensor:
     (LAPACK returns NaN for some and refuses others, ending the round). Every matrix finite
     (the rule): all at once, without copying them out (the same LAPACK call per matrix)."""
     flat = a.reshape(-1, *a.shape[-2:])
-    finite = finite_each(flat.flatten(-2))
+    # a finite sum has no NaN or ±inf term; else each entry decides (a LAPACK factor's
+    # column-major layout is summed as it lies: no copy)
+    finite = torch.isfinite(flat.sum((-2, -1)))
     if bool(finite.all()):
         return torch.linalg.eigvalsh(flat).reshape(a.shape[:-1])
+    finite = finite_each(flat.flatten(-2))
     out = torch.full(flat.shape[:-1], torch.nan, dtype=a.dtype)
     out[finite] = torch.linalg.eigvalsh(flat[finite])
     return out.reshape(a.shape[:-1])
@@ -183,17 +186,18 @@ def _rhs_gap(z: Tensor, e: Tensor) -> Tensor:
 ROUNDING_SLACK = 16.0
 
 
-def _factors(a: Tensor, shift: Tensor | float) -> Tensor:
+def _factors(a: Tensor, shift: Tensor | float, own: bool = False) -> Tensor:
     """Per matrix of ``a`` (c, p, p), symmetric: a + shift·I has a Cholesky factor
     (``cholesky_ex`` info = 0), i.e. λ_min(a) > −shift up to rounding. ``cholesky_ex`` lets
-    ±inf through: the caller tests finiteness (:func:`_frobenius`)."""
+    ±inf through: the caller tests finiteness (:func:`_frobenius`). ``own``: ``a`` is the
+    caller's temporary (−w), shifted in place."""
     shift = torch.as_tensor(shift, dtype=F64)
     if not bool(torch.isfinite(shift).all()):  # (never at the call sites: their verdict's)
         eye = torch.eye(a.shape[-1], dtype=F64)
         return torch.linalg.cholesky_ex(a + shift.reshape(-1, 1, 1) * eye).info == 0
     # the shift on the diagonal alone: the off-diagonal entries are a's (a + 0: the same
     # values, a zero's sign aside, which no pivot of the factorization reads)
-    shifted = a.clone(memory_format=torch.contiguous_format)
+    shifted = a if own else a.clone(memory_format=torch.contiguous_format)
     shifted.diagonal(dim1=-2, dim2=-1).add_(shift.unsqueeze(-1) if shift.dim() else shift)
     return torch.linalg.cholesky_ex(shifted).info == 0
 
@@ -223,7 +227,7 @@ def _clear(w: Tensor, h: Tensor, gap: Tensor, tol: float) -> Tensor:
     slack = _rounding(sum(norms) + 1.0, p)  # non-finite if any entry is: no verdict
     small = norms[2] + slack <= half
     ok = small & _factors(w, half)
-    return ok & _factors(-w, 1.0 + half)
+    return ok & _factors(-w, 1.0 + half, own=True)
 
 
 def inconsistencies(
