@@ -135,7 +135,7 @@ class CandidateEMs:
         noise = state["cand_noise_var"] if self.noise == "sensor" else cand["noise_var"]
         noise = noise.reshape(-1)
         sigma, factor = cand["sigma"], None
-        if sigma.stride(0) == 0:  # the broadcast's k priors: each factored once, not c times
+        if c and sigma.stride(0) == 0:  # the broadcast's k priors: each factored once, not c×
             sigma, factor = None, repeated_factor(sigma[0], c)
         else:
             sigma = sigma.reshape(-1, p, p)

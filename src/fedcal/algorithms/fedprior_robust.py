@@ -164,7 +164,7 @@ class RobustUploads:
         mean, second = replies["mean"], replies["second"]
         if "mask" in server and not bool(server["mask"].all()):
             used = torch.nonzero(server["mask"])[:, 0]
-            mean, second = mean[:, used], second[:, used][:, :, used]
+            mean, second = mean[:, used], second[:, used.unsqueeze(-1), used]  # one gather
         c, p = mean.shape
         if c - 1 <= p + 1:  # the others' moments cannot name a law for δ: not judged
             return None
