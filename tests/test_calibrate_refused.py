@@ -278,6 +278,11 @@ def test_the_api_warns_once_and_strict_refuses(calibrated):
     ):
         units = prior.calibrate(root / "new.csv")
     assert units.refused == {OUT: REASON} and units.fleet.num_clients == 3
+    readings = pd.read_csv(root / "readings.csv")
+    mean, std, inside = units.predict(readings, return_std=True, return_range=True)
+    mine = (readings["sensor_id"] == OUT).to_numpy()
+    assert np.isnan(mean[mine]).all() and np.isnan(std[mine]).all() and not inside[mine].any()
+    assert np.isfinite(mean[~mine]).all() and (std[~mine] > 0).all() and inside[~mine].all()
     with pytest.raises(ValueError, match=f"sensor {OUT}: frequency_hz spans 32500…33500"):
         prior.calibrate(root / "new.csv", strict=True)
 

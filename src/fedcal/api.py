@@ -407,7 +407,8 @@ class CalibratedUnits:
             inside = np.zeros(len(frame), dtype=bool)
             ranges, x = self.valid_range, frame[list(models.features)].to_numpy(float)
             for sensor, rows in frame.groupby(models.sensor_column, sort=False).indices.items():
-                inside[rows] = in_range(x[rows], ranges[str(sensor)], models.features)
+                if str(sensor) not in models.excluded:  # refused: no model, no range (False)
+                    inside[rows] = in_range(x[rows], ranges[str(sensor)], models.features)
             out = (*out, inside)
         return out if len(out) > 1 else mean
 
