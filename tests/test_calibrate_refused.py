@@ -47,7 +47,8 @@ def hand_prior() -> PriorModel:
         "noise_prior_points": 4.0,
         "interval": {"rule": "calibrated", "discrepancy_var": 1e-06, "probe_rows": 6.0,
                      "residual_dof": 30.0, "declined": 0, "reason": ""},
-        "method": "fedprior", "method_params": {"orders": [1, 1], "noise": "sensor"},
+        "method": "fedprior",
+        "method_params": {"orders": [1, 1], "noise": "sensor", "interval": "calibrated"},
         "features": ["frequency_hz", "temperature_c"], "target": "pressure_hpa",
         "sensor_column": "sensor_id",
         "scaler": {"x_offset": [30000.0, 20.0], "x_scale": [2000.0, 30.0], "y_offset": [800.0],
@@ -236,6 +237,11 @@ def test_export_omits_the_refused_unit_and_names_it(calibrated, tmp_path):
     assert 'fedcal_sensor_ids[FEDCAL_NUM_SENSORS] = {"U0", "U1", "U3"}' in header
     doc = json.loads((tmp_path / "cal.json").read_text())
     assert sorted(doc["sensors"]) == ["U0", "U1", "U3"] and doc["excluded"] == {OUT: SERVED}
+    pytest.importorskip("torch")
+    from fedcal.report.export import load_models
+
+    traced = load_models(root / "new", "fedprior", algorithm=True)  # what ONNX exports
+    assert sorted(traced.params) == ["U0", "U1", "U3"] and traced.excluded == {OUT: SERVED}
 
 
 def test_certificate_skips_the_refused_unit_and_lists_it(calibrated, tmp_path):
