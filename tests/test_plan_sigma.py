@@ -158,8 +158,9 @@ def test_the_forecast_takes_the_references_mean_scale_where_a_unit_scale_is_kept
 ):
     """ν₀ = 4 learned: the forecast takes E[s²](n) of the references' emulation (here 0.58
     at 24 points), not 1, and is within 10 % of the σ calibrate states for 20 new units of
-    a 6×4 grid (measured 0.93; with s² = 1 it would be 0.7); the same prior without the field (a file written before it) forecasts with
-    s² = 1, exactly the forecast with E[s²] = 1 at every knot."""
+    a 6×4 grid (measured 0.93; with s² = 1 it would be 0.7); the same prior without the
+    field (a file written before it) forecasts with s² = 1, exactly the forecast with
+    E[s²] = 1 at every knot."""
     model = planted_nu0_prior.model_
     doc = model.discrepancy
     assert doc["nu0"] == 4.0 and len(doc["mean_scale2"]) == len(doc["kappa_points"])
