@@ -156,3 +156,14 @@ def test_off_by_default_and_no_extra_upload(fleet):
     assert "loglik" not in reply
     reply = fast.client_update(expand(fast.broadcast(server), n), states, train).reply
     assert reply["loglik"].shape == (n,)
+
+
+def test_client_level_dp_refuses_squarem_in_one_line(fleet):
+    """ℓ_i has no declared bound (fedprior_dp): DP refuses SQUAREM by name, up front (before,
+    it failed in the DP stage with "statistics ['loglik'] have no declared bound"); off is
+    declared as before."""
+    base, fast, _ = fleet
+    with pytest.raises(ValueError, match="covers accelerate = 'off' only"):
+        fast.dp_statistics(fast.broadcast(fast.server_init({})))
+    declared = base.dp_statistics(base.broadcast(base.server_init({})))
+    assert {"mean", "second", "rss", "n", "gram"} <= set(declared)

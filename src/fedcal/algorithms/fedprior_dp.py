@@ -60,6 +60,7 @@ class PrivateStatistics:
     selection: EvidenceSelection  # select_by = "marginal": the scores' statistic
     weighted: bool  # the noise model weights rows (fedprior_noise): not covered
     interval: str  # "posterior" or "calibrated" (the hold-out uploads inputs: not covered)
+    accelerate: str  # "off", or SQUAREM's per-unit log-evidence (not declared: not covered)
 
     def refusal(self) -> str | None:
         """Why client-level DP does not cover these settings (one line), or None."""
@@ -72,6 +73,11 @@ class PrivateStatistics:
             return (
                 "fedprior: client-level DP covers interval = 'posterior' only (the hold-out "
                 "uploads a unit's inputs)"
+            )
+        if self.accelerate != "off":  # ℓ_i (fedprior_accel): no declared bound
+            return (
+                "fedprior: client-level DP covers accelerate = 'off' only (SQUAREM's "
+                "per-unit log-evidence is not a declared statistic)"
             )
         if self.selection.each_candidate:
             # Every candidate's statistics would need their own noise (20× the sensitivity).
