@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,13 +54,17 @@ from fedcal.data.fleet import BAROMETRIC_FEATURES, BAROMETRIC_TARGET, CLIENT_COL
 if TYPE_CHECKING:
     from fedcal.prior.model import PriorModel
 
-__all__ = ["CalibratedUnits", "FleetPrior", "NotFittedError"]
+__all__ = ["CalibratedUnits", "FleetPrior", "NotFittedError", "RefusedUnitsWarning"]
 
 Data = pd.DataFrame | str | Path
 
 
 class NotFittedError(ValueError):
     """A :class:`FleetPrior` used before ``fit`` or ``load``."""
+
+
+class RefusedUnitsWarning(UserWarning):
+    """Units of a calibrate file outside the prior's range: refused, the others calibrated."""
 
 
 def _check_path(value: Any, where: str) -> None:
@@ -252,7 +257,11 @@ class FleetPrior(BaseEstimator):
         return plan_design(self.model_, plateaus, points, chamber=chamber)
 
     def calibrate(
-        self, X: Data, sensor_column: str | None = None, time_column: str | None = None
+        self,
+        X: Data,
+        sensor_column: str | None = None,
+        time_column: str | None = None,
+        strict: bool = False,
     ) -> CalibratedUnits:
         """Each new unit's posterior under the prior, from its few calibration points.
 
@@ -268,6 +277,11 @@ class FleetPrior(BaseEstimator):
         (:mod:`fedcal.prior.station`); the other variants (drift, the time-respecting
         choice, noise over the inputs, Student-t rows) by FedPrior with torch, and without
         torch they raise an ImportError saying so in one line (:mod:`fedcal.calibrated`).
+
+        A unit whose calibration rows lie outside the prior's calibrated range (±5 % of
+        its span) is refused alone: no model, listed in :attr:`CalibratedUnits.refused`
+        with the reason and named in a warning; the others are calibrated as if ``X``
+        held only them. ``strict`` (or every unit outside): a ValueError for the file.
         """
         _check_data(X, "FleetPrior.calibrate(X)")
         from fedcal import calibrated
@@ -286,7 +300,10 @@ class FleetPrior(BaseEstimator):
             time_column=time_column,
         )
         source = "DataFrame" if isinstance(X, pd.DataFrame) else str(X)
-        return CalibratedUnits(model, fleet, calibrated.calibrate(model, fleet, source))
+        result = calibrated.calibrate(model, fleet, source, strict)
+        if result.refused:
+            warnings.warn(calibrated.refused_line(result), RefusedUnitsWarning, stacklevel=2)
+        return CalibratedUnits(model, calibrated.calibrated_fleet(fleet, result), result)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,6 +362,11 @@ class CalibratedUnits:
         return reasons(self.result)
 
     @property
+    def refused(self) -> dict[str, str]:
+        """The units refused by the range guard (no model): {unit: reason}."""
+        return {r.unit: r.reason for r in self.result.refused}
+
+    @property
     def declined_note(self) -> str:
         """One line: why some units get no interval ("" if every unit has one)."""
         from fedcal.calibrated import declined_note
@@ -385,7 +407,8 @@ class CalibratedUnits:
             inside = np.zeros(len(frame), dtype=bool)
             ranges, x = self.valid_range, frame[list(models.features)].to_numpy(float)
             for sensor, rows in frame.groupby(models.sensor_column, sort=False).indices.items():
-                inside[rows] = in_range(x[rows], ranges[str(sensor)], models.features)
+                if str(sensor) not in models.excluded:  # refused: no model, no range (False)
+                    inside[rows] = in_range(x[rows], ranges[str(sensor)], models.features)
             out = (*out, inside)
         return out if len(out) > 1 else mean
 
@@ -397,35 +420,10 @@ class CalibratedUnits:
         the saved units' bit for bit, tested), with the prior (``prior.json``) and the
         calibration points (``calibration_points.csv``: coefficients, valid range).
         """
-        from fedcal import calibrated
-        from fedcal.data.loader import load_fleet
-        from fedcal.report.export import choose_method
-        from fedcal.report.rundir import read_table, read_valid_ranges
+        from fedcal.calibrated import load_dir
 
         _check_path(run_dir, "CalibratedUnits.load(run_dir)")
-        run_dir = Path(run_dir)
-        if not (run_dir / "calibration_points.csv").is_file():
-            raise FileNotFoundError(
-                f"{run_dir}: not a `fedcal calibrate` output (no calibration_points.csv)"
-            )
-        method = choose_method(run_dir, None)
-        prior = calibrated.run_prior(run_dir, method)
-        column = prior.sensor_column
-        points = read_table(run_dir / "calibration_points.csv", dtype={"sensor_id": str})
-        frame = points[["sensor_id", *prior.features, prior.target]].rename(
-            columns={"sensor_id": column}
-        )
-        fleet = load_fleet(
-            frame.assign(split="train"),
-            features=prior.features,
-            target=prior.target,
-            client_column=column,
-            min_train_points=1,
-            min_test_points=0,
-        )
-        models = calibrated.load_served(run_dir, method)
-        ranges = read_valid_ranges(run_dir, method, 0, 0)  # as saved (the points' CSV rounds)
-        return cls(prior, fleet, calibrated.loaded(prior, fleet, models), ranges)
+        return cls(*load_dir(Path(run_dir)))
 
     @property
     def coefficients(self) -> pd.DataFrame:

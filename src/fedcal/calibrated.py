@@ -38,15 +38,19 @@ if TYPE_CHECKING:
     Result = Station | Calibration
 
 
-def calibrate(prior: PriorModel, fleet: Fleet, source: str = "data") -> Result:
-    """Every unit of ``fleet`` against ``prior`` (module docstring: NumPy where covered)."""
+def calibrate(
+    prior: PriorModel, fleet: Fleet, source: str = "data", strict: bool = False
+) -> Result:
+    """Every unit of ``fleet`` against ``prior`` (module docstring: NumPy where covered); a
+    unit outside the prior's range is refused alone (``strict``: the whole file), both paths
+    alike (:func:`fedcal.prior.qa.refuse_out_of_range`): the result holds the others."""
     from fedcal.report.served import NeedsTorch, torch_available
 
     why = posterior.unsupported(prior, timed=fleet.row_times("train") is not None)
     if not why:
         if torch_available():
             check_settings(prior)
-        return calibrate_fleet(prior, fleet, source)
+        return calibrate_fleet(prior, fleet, source, strict)
     if not torch_available():
         raise NeedsTorch(f"{source}: {why}")
     import torch
@@ -54,7 +58,21 @@ def calibrate(prior: PriorModel, fleet: Fleet, source: str = "data") -> Result:
     from fedcal import calibration
 
     torch.set_num_threads(1)
-    return calibration.calibrate(prior, fleet, source)
+    return calibration.calibrate(prior, fleet, source, strict)
+
+
+def calibrated_fleet(fleet: Fleet, result: Result) -> Fleet:
+    """``fleet`` without the rows of the units ``result`` refused: the units it holds."""
+    if not result.refused:
+        return fleet
+    gone = {r.unit for r in result.refused}
+    frame = fleet.frame[~fleet.frame[fleet.client_column].astype(str).isin(gone)]
+    return dataclasses.replace(fleet, frame=frame)
+
+
+def refused_line(result: Result) -> str:
+    """One line: which units the range guard refused and why ("" if none)."""
+    return qa.refused_line(result.refused, len(sensor_ids(result)) + len(result.refused))
 
 
 def check_settings(prior: PriorModel) -> None:
@@ -141,10 +159,10 @@ def served(prior: PriorModel, fleet: Fleet, result: Result) -> CalibratedFleet:
         basis = prior.basis
         return StationFleet(
             None, params, result.scaler, prior.features, prior.target,
-            calibrate_dir.template()["model"], fleet.client_column, {}, basis.terms,
-            basis.branch_terms,
+            calibrate_dir.template()["model"], fleet.client_column, excluded(result),
+            basis.terms, basis.branch_terms,
         )  # fmt: skip
-    return _torch_fleet(prior, fleet, result.algorithm, result.personal, result.tensors.scaler)
+    return _torch_fleet(prior, fleet, result.algorithm, result.personal, result)
 
 
 def torch_served(prior: PriorModel, fleet: Fleet, result: Result) -> CalibratedFleet:
@@ -156,11 +174,11 @@ def torch_served(prior: PriorModel, fleet: Fleet, result: Result) -> CalibratedF
     from fedcal.calibration import prior_algorithm
 
     leaves = {k: torch.as_tensor(v) for k, v in calibrate_dir.unit_leaves(result.units).items()}
-    return _torch_fleet(prior, fleet, prior_algorithm(prior), leaves, result.scaler)
+    return _torch_fleet(prior, fleet, prior_algorithm(prior), leaves, result)
 
 
 def _torch_fleet(
-    prior: PriorModel, fleet: Fleet, algorithm: Any, personal: Any, scale: Scaler
+    prior: PriorModel, fleet: Fleet, algorithm: Any, personal: Any, result: Result
 ) -> CalibratedFleet:
     """FedPrior's :class:`~fedcal.report.fleet.CalibratedFleet` of the units' ``personal``
     tree (units first)."""
@@ -168,10 +186,18 @@ def _torch_fleet(
     from fedcal.core.tree import unstack
 
     return CalibratedFleet(
-        algorithm, dict(zip(sensor_ids_of(fleet), unstack(personal), strict=True)), scale,
-        prior.features, prior.target, dataclasses.asdict(prior_config(prior).model),
-        fleet.client_column,
+        algorithm, dict(zip(sensor_ids_of(fleet), unstack(personal), strict=True)),
+        scaler(result), prior.features, prior.target,
+        dataclasses.asdict(prior_config(prior).model), fleet.client_column, excluded(result),
     )  # fmt: skip
+
+
+def excluded(result: Result) -> dict[str, str]:
+    """The units the range guard refused, as a run's refused sensors are served
+    (``CalibratedFleet.excluded``: no model, "refused (reason)")."""
+    from fedcal.report.sensors import refused_reason
+
+    return {r.unit: refused_reason(r.reason) for r in result.refused}
 
 
 def sensor_ids_of(fleet: Fleet) -> list[str]:
@@ -188,13 +214,50 @@ def load_served(run_dir: Path, method: str) -> CalibratedFleet:
     return load_models(run_dir, method, drop_diverged=True)
 
 
-def loaded(prior: PriorModel, fleet: Fleet, models: CalibratedFleet) -> Result:
+def load_dir(run_dir: Path) -> tuple[PriorModel, Fleet, Result, dict[str, Any]]:
+    """A ``fedcal calibrate`` output's (prior, calibrated units' points, result, saved valid
+    ranges) (:meth:`fedcal.api.CalibratedUnits.load`): the stored models
+    (:func:`load_served`), the points of calibration_points.csv, the units it refused
+    (units.csv: status ``refused``, kept as refused)."""
+    from fedcal.data.loader import load_fleet
+    from fedcal.report.export import choose_method
+    from fedcal.report.rundir import read_table, read_valid_ranges
+
+    if not (run_dir / "calibration_points.csv").is_file():
+        raise FileNotFoundError(
+            f"{run_dir}: not a `fedcal calibrate` output (no calibration_points.csv)"
+        )
+    method = choose_method(run_dir, None)
+    prior = run_prior(run_dir, method)
+    column = prior.sensor_column
+    points = read_table(run_dir / "calibration_points.csv", dtype={"sensor_id": str})
+    frame = points[["sensor_id", *prior.features, prior.target]].rename(
+        columns={"sensor_id": column}
+    )
+    fleet = load_fleet(
+        frame.assign(split="train"), features=prior.features, target=prior.target,
+        client_column=column, min_train_points=1, min_test_points=0,
+    )  # fmt: skip
+    models = load_served(run_dir, method)
+    ranges = read_valid_ranges(run_dir, method, 0, 0)  # as saved (the points' CSV rounds)
+    units = read_table(run_dir / runnames.UNITS, dtype={"sensor_id": str})
+    refused = tuple(
+        qa.Refusal(r.sensor_id, int(r.points), str(r.status_reason))
+        for r in units[units["status"] == qa.STATUS_REFUSED].itertuples()
+    )
+    return prior, fleet, loaded(prior, fleet, models, refused), ranges
+
+
+def loaded(
+    prior: PriorModel, fleet: Fleet, models: CalibratedFleet, refused: tuple[qa.Refusal, ...] = ()
+) -> Result:
     """The result of stored units (``models``, :func:`load_served`) and their calibration
-    points ``fleet``: a unit whose calibration failed is NaN, as it was saved."""
+    points ``fleet``: a unit whose calibration failed is NaN, as it was saved; ``refused``:
+    the units the range guard refused (no model)."""
     from fedcal.report.served import StationFleet
 
     if not isinstance(models, StationFleet):
-        return _loaded_calibration(prior, fleet, models)
+        return dataclasses.replace(_loaded_calibration(prior, fleet, models), refused=refused)
     ids = tuple(sensor_ids_of(fleet))
     first = next(iter(models.params.values()))
     failed = {k: np.full_like(v, np.nan) for k, v in first.items()}
@@ -206,7 +269,8 @@ def loaded(prior: PriorModel, fleet: Fleet, models: CalibratedFleet) -> Result:
         prior.basis.branch_terms, leaves.get("disc_var"), None if flag is None else flag > 0, gp,
     )  # fmt: skip
     x, y, mask, branch = posterior.padded_rows(prior, fleet)
-    return Station(ids, units, qa.units_qa(prior, units, x, y, mask, branch), models.scaler)
+    checks = qa.units_qa(prior, units, x, y, mask, branch)
+    return Station(ids, units, checks, models.scaler, refused)
 
 
 def _loaded_calibration(prior: PriorModel, fleet: Fleet, models: CalibratedFleet) -> Calibration:

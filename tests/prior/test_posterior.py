@@ -188,10 +188,14 @@ def test_a_unit_outside_the_prior_s_range_is_refused_like_calibrate(trained, tmp
     moved = tmp_path / "moved.csv"
     frame.to_csv(moved, index=False)
     fleet = _fleet(moved, prior)
-    with pytest.raises(ValueError) as ours:
-        station.calibrate_fleet(prior, fleet, "moved.csv")
+    ours = station.calibrate_fleet(prior, fleet, "moved.csv")  # refused alone (issue 33)
+    theirs = calibration.calibrate(prior, fleet, "moved.csv")
+    assert ours.refused == theirs.refused and [r.unit for r in ours.refused] == ["NEW-S000"]
+    assert "NEW-S000" not in ours.ids and ours.ids == theirs.tensors.client_ids
+    with pytest.raises(ValueError) as ours:  # --strict: the whole file, as before
+        station.calibrate_fleet(prior, fleet, "moved.csv", strict=True)
     with pytest.raises(ValueError) as theirs:
-        calibration.calibrate(prior, fleet, "moved.csv")
+        calibration.calibrate(prior, fleet, "moved.csv", strict=True)
     assert str(ours.value) == str(theirs.value) and "NEW-S000" in str(ours.value)
 
 

@@ -225,3 +225,44 @@ def test_a_variant_the_numpy_path_does_not_cover_needs_torch_in_one_line(priors)
         prior = PriorModel.load(shaped)
         result = calibrated.calibrate(prior, _fleet(new_file, prior), str(new_file))
         assert type(result).__name__ == "Calibration"
+
+
+REFUSED = """
+import json, warnings
+import pandas as pd
+from fedcal import CalibratedUnits, FleetPrior
+
+prior, data, readings, out = sys.argv[1:5]
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    units = FleetPrior.load(prior).calibrate(data)
+units.save(out)
+mean, std = units.predict(pd.read_csv(readings), return_std=True)
+back = CalibratedUnits.load(out)
+print(json.dumps({
+    "warned": [str(w.message) for w in said], "refused": units.refused,
+    "loaded": back.refused, "ids": back.sensor_ids, "empty": int(pd.isna(mean).sum()),
+    "torch": sorted(m for m in sys.modules if m.split(".")[0] == "torch"),
+}))
+"""
+
+
+def test_a_unit_outside_the_prior_s_range_is_refused_alone_without_torch(tmp_path):
+    """Issue 33's user path with torch blocked (tests/test_calibrate_refused.py's hand-written
+    prior, no training): U2 refused alone with its reason and one warning, the others
+    calibrated and served, its rows left empty, the refusal kept by a reloaded folder."""
+    from tests.test_calibrate_refused import OUT, REASON, WARNING, hand_prior, new_units
+
+    prior = hand_prior()
+    prior.save(tmp_path / "prior.json")
+    frame = new_units(prior)
+    frame.to_csv(tmp_path / "new.csv", index=False)
+    readings = frame[frame.split == "test"].drop(columns=["split", prior.target])
+    readings.to_csv(tmp_path / "readings.csv", index=False)
+    args = [str(tmp_path / n) for n in ("prior.json", "new.csv", "readings.csv", "out")]
+    res = _child(REFUSED, *args)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["torch"] == [] and got["warned"] == [WARNING], got
+    assert got["refused"] == got["loaded"] == {OUT: REASON}
+    assert got["ids"] == ["U0", "U1", "U3"] and got["empty"] == 4  # U2's 4 readings

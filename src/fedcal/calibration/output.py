@@ -74,5 +74,5 @@ def write(out: Path, prior: PriorModel, fleet: Fleet, result: Calibration) -> pd
         test = {k: v.numpy() for k, v in test.items()}
     per_sensor = calibrate_dir.per_sensor_table(table, test, tensors.test.count.numpy() > 0)
     tables = (table, per_sensor, *unit_diagnostics(prior, result))
-    calibrate_dir.write_tables(out, prior, fleet, tables, declined_note(prior, result))
-    return per_sensor
+    note = declined_note(prior, result)
+    return calibrate_dir.write_tables(out, prior, fleet, tables, note, result.refused)

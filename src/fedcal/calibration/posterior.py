@@ -20,7 +20,6 @@ from fedcal.prior import qa
 from fedcal.prior.discrepancy import Discrepancy
 from fedcal.prior.discrepancy import expected_scale as discrepancy_scale
 from fedcal.prior.model import PriorModel
-from fedcal.prior.qa import check_inputs
 
 NOISE_ITERATIONS = 25  # fixed-point iterations of a unit's own noise level (converged: tested)
 
@@ -32,12 +31,17 @@ class Calibration:
     personal: Tree
     server: Tree
     reasons: tuple[str, ...] = ()  # per unit, why its design gets no σ ("" if it gets one)
+    refused: tuple[qa.Refusal, ...] = ()  # units the range guard refused (no model, not here)
 
 
-def calibrate(prior: PriorModel, fleet: Fleet, source: str = "data") -> Calibration:
-    """Each unit's posterior under the stored prior (see the package docstring)."""
+def calibrate(
+    prior: PriorModel, fleet: Fleet, source: str = "data", strict: bool = False
+) -> Calibration:
+    """Each unit's posterior under the stored prior (see the package docstring); a unit
+    outside the prior's range refused alone (``strict``: the whole file), as the station
+    does (:func:`fedcal.prior.qa.refuse_out_of_range`)."""
     qa.check_columns(prior, fleet, source)  # the station's checks
-    check_inputs(prior, fleet, source)
+    fleet, refused = qa.refuse_out_of_range(prior, fleet, source, strict)
     algorithm = prior_algorithm(prior, source, timed=fleet.row_times("train") is not None)
     scaler = prior.scaler
 
@@ -61,7 +65,7 @@ def calibrate(prior: PriorModel, fleet: Fleet, source: str = "data") -> Calibrat
         names=prior.features,
         reasons=reasons,
     )
-    return Calibration(algorithm, tensors, personal, server, tuple(reasons))
+    return Calibration(algorithm, tensors, personal, server, tuple(reasons), refused)
 
 
 def unit_posteriors(

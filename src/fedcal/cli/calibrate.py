@@ -7,9 +7,19 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from fedcal.cli.base import KeyFileOpt, _check_mac, _fail, _mac_key, app, console, target_unit
+from fedcal.cli.base import (
+    KeyFileOpt,
+    _check_mac,
+    _fail,
+    _mac_key,
+    app,
+    console,
+    err_console,
+    target_unit,
+)
 from fedcal.cli.options import (
     DecisionRuleOpt,
     PriorMethodOpt,
@@ -39,12 +49,21 @@ def calibrate(
     time_column: TimeColumnOpt = None,
     unit: UnitOpt = None,
     key_file: KeyFileOpt = None,
+    strict: Annotated[
+        bool,
+        typer.Option(
+            "--strict", help="refuse the whole file if any unit lies outside the prior's range"
+        ),
+    ] = False,
 ) -> None:
     """Calibrate new units from a few points each, against a trained fleet prior.
 
     Every row of --data is a calibration point unless the file has a split column
     (rows marked 'test' are then held out and scored). Writes coefficients.csv,
     per_sensor.csv and a run directory that `fedcal export`/`predict` read.
+    A unit whose calibration points lie outside the prior's calibrated range (±5 % of
+    its span) is refused alone (status "refused" in units.csv, named in a warning);
+    the others are calibrated. With --strict the whole file is refused instead.
     The same code as the Python API: FleetPrior.load(...).calibrate(data).save(out).
     """
     from fedcal.core.paths import check_dir_output, run_folders_of
@@ -57,7 +76,7 @@ def calibrate(
         check_dir_output(out, "--out", run_folders_of(path), [data, path])
         if key is not None:
             _check_mac(run_folders_of(path)[-1:] or [path], key)
-        table, model, note = _calibrate(path, data, out, sensor_column, time_column)
+        table, units = _calibrate(path, data, out, sensor_column, time_column, strict)
         if key is not None:
             from fedcal.core.mac import write_mac
 
@@ -67,23 +86,33 @@ def calibrate(
     _print_calibrated(
         table,
         out,
-        target_unit(model.target, unit or ""),
-        f"{len(table)} unit(s) calibrated against {path}",
+        target_unit(units.prior.target, unit or ""),
+        f"{len(table) - len(units.refused)} unit(s) calibrated against {path}",
     )
+    if units.refused:  # outside the prior's range: refused alone, the others calibrated
+        from fedcal.calibrated import refused_line
+
+        line = refused_line(units.result)
+        err_console.print(f"[bold yellow]warning[/] {escape(line)}", soft_wrap=True)
+    note = units.declined_note
     if note:  # coverage empty: say why, in one line
         console.print(f"[yellow]{note}[/]")
     _print_findings(out)
     console.print(f"wrote {out}/coefficients.csv, per_sensor.csv, units.csv and a run directory")
 
 
-def _calibrate(path: Path, data: Path, out: Path, sensor_column, time_column):
-    """(per_sensor table, prior, declined note) by the Python API: NumPy for a prior the
+def _calibrate(path: Path, data: Path, out: Path, sensor_column, time_column, strict: bool):
+    """(per_sensor table, the calibrated units) by the Python API: NumPy for a prior the
     NumPy posterior covers, FedPrior (torch) otherwise, and without torch a one-line
     :class:`fedcal.report.served.NeedsTorch` (:mod:`fedcal.calibrated`)."""
-    from fedcal.api import FleetPrior
+    import warnings
 
-    units = FleetPrior.load(path).calibrate(data, sensor_column, time_column)
-    return units.save(out), units.prior, units.declined_note
+    from fedcal.api import FleetPrior, RefusedUnitsWarning
+
+    with warnings.catch_warnings():  # said once, on stderr, by the command
+        warnings.simplefilter("ignore", RefusedUnitsWarning)
+        units = FleetPrior.load(path).calibrate(data, sensor_column, time_column, strict)
+    return units.save(out), units
 
 
 @app.command()
@@ -156,7 +185,13 @@ def certificate(
         stated = f"U ≤ {c.u_max:.3g} {c.symbol}" if not c.declined else "no U stated"
         verdict = f", {c.conformity.verdict}" if c.conformity is not None else ""
         console.print(f"{c.unit}: {c.certificate_id} ({c.status}; {stated}{verdict})")
-    console.print(f"wrote {len(certs)} certificate(s) to {out} (<unit>.html, <unit>.pdf)")
+    from fedcal.report.sensors import calibrate_refused
+
+    refused = {u: w for u, w in calibrate_refused(run_dir).items() if not sensor or u in sensor}
+    for unit, why in refused.items():  # by calibrate's range guard: no model
+        console.print(f"{unit}: no certificate (refused: {why})", highlight=False)
+    without = f"; {len(refused)} refused unit(s) without one" if refused else ""
+    console.print(f"wrote {len(certs)} certificate(s) to {out} (<unit>.html, <unit>.pdf){without}")
 
 
 def _calibrated_column(run_dir: Path) -> str:
@@ -241,6 +276,8 @@ def _print_findings(out: Path) -> None:
     bad = units[units["status"] != "ok"]
     for r in bad.itertuples():
         why = f" (fleet distance d² {r.d2:.3g} > {r.d2_threshold:.3g})" * (r.status != "failed")
+        if r.status == "refused":  # by the range guard: no model (units.csv's reason)
+            why = f" ({getattr(r, 'status_reason', '')})"
         console.print(f"QA finding: {r.sensor_id}: {r.status}{why}", highlight=False)
     if bad.empty:
         console.print(f"QA: all {len(units)} unit(s) like the fleet (units.csv)")

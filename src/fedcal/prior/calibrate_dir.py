@@ -33,7 +33,7 @@ from fedcal.data.ranges import valid_ranges
 from fedcal.prior import posterior
 from fedcal.prior.discrepancy import MAX_POINTS
 from fedcal.prior.model import PriorModel
-from fedcal.prior.qa import QA_LEVEL
+from fedcal.prior.qa import QA_LEVEL, STATUS_REFUSED, Refusal, refused_line
 from fedcal.prior.station import Station
 
 TEMPLATE = Path(__file__).with_name("calibrate_record.json")
@@ -313,11 +313,10 @@ def write(out: Path, prior: PriorModel, fleet: Fleet, done: Station) -> pd.DataF
     tests = np.array([len(xi) for xi, _ in fleet.arrays("test")])
     errors = test_errors(prior, fleet, u) if tests.sum() > 0 else {}
     per_sensor = per_sensor_table(table, errors, tests > 0)
-    write_tables(
+    return write_tables(
         out, prior, fleet, (table, per_sensor, *unit_tables(prior, fleet, done)),
-        declined_note(prior, u.declined, u.reasons),
+        declined_note(prior, u.declined, u.reasons), done.refused,
     )  # fmt: skip
-    return per_sensor
 
 
 def per_sensor_table(
@@ -331,16 +330,55 @@ def per_sensor_table(
 
 
 def write_tables(
-    out: Path, prior: PriorModel, fleet: Fleet, tables: Sequence[pd.DataFrame], note: str
-) -> None:
+    out: Path,
+    prior: PriorModel,
+    fleet: Fleet,
+    tables: Sequence[pd.DataFrame],
+    note: str,
+    refused: Sequence[Refusal] = (),
+) -> pd.DataFrame:
     """The calibrate folder's tables, both paths': ``tables`` = (coefficients, per_sensor,
-    units, calibration_points), the units' valid ranges and summary.csv (its coverage note)."""
-    for name, table in zip(TABLES, tables, strict=True):
+    units, calibration_points) of the calibrated units (``fleet``), the units' valid ranges
+    and summary.csv (its coverage note, the count of ``refused`` units and why); the units
+    the range guard refused are listed after them in per_sensor.csv and units.csv
+    (:func:`with_refused`). Returns per_sensor.csv's table."""
+    written = with_refused(tables, refused)
+    for name, table in zip(TABLES, written, strict=True):
         write_table(out / name, table)
     run_dir = runnames.run_path(out, prior.method)
     write_text(run_dir / runnames.VALID_RANGE, json.dumps(valid_ranges(fleet), indent=1))
-    row = summary_row(prior, fleet, tables[1], note)
+    row = summary_row(prior, fleet, tables[1], note)  # over the calibrated units
+    if refused:
+        row.update(
+            refused=len(refused), refused_note=refused_line(refused, len(tables[1]) + len(refused))
+        )
     write_table(out / runnames.SUMMARY, pd.DataFrame([row]))
+    return written[1]
+
+
+def with_refused(
+    tables: Sequence[pd.DataFrame], refused: Sequence[Refusal]
+) -> tuple[pd.DataFrame, ...]:
+    """(coefficients, per_sensor, units, calibration_points) with a row per refused unit
+    after the calibrated ones in per_sensor (its points; no model, so no number) and units
+    (status ``refused`` and ``status_reason``: the range guard's wording, ``dof`` 0);
+    units.csv's ``status_reason`` is "" for a calibrated unit. The calibrated units' rows
+    are the tables of the file without the refused units, value for value."""
+    coefficients, per_sensor, units, points = tables
+    units = units.copy()
+    units.insert(units.columns.get_loc("status") + 1, "status_reason", "")
+    if not refused:
+        return coefficients, per_sensor, units, points
+    ids = [r.unit for r in refused]
+    counts = [r.points for r in refused]
+    more = pd.DataFrame({"sensor_id": ids, "points": counts})
+    per_sensor = pd.concat([per_sensor, more], ignore_index=True)
+    more = more.assign(
+        status=STATUS_REFUSED, status_reason=[r.reason for r in refused], dof=0, qa_level=QA_LEVEL,
+        unlike_fleet=False,
+    )  # fmt: skip
+    units = pd.concat([units, more], ignore_index=True)[units.columns]
+    return coefficients, per_sensor, units, points
 
 
 TABLES = ("coefficients.csv", runnames.PER_SENSOR, runnames.UNITS, "calibration_points.csv")

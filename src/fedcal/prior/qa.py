@@ -2,8 +2,10 @@
 the fleet and its status — what ``calibrate`` writes to ``units.csv``, without torch.
 
 * :func:`check_columns`: a file whose columns are not the prior's is refused.
-* :func:`check_inputs`: a unit calibrated outside the range the prior was learned over is
-  refused (only its calibration rows; 5 % of each input's span of slack).
+* :func:`refuse_out_of_range`: a unit calibrated outside the range the prior was learned over
+  is refused alone (only its calibration rows; 5 % of each input's span of slack): no model,
+  status "refused" with the reason; the others are calibrated as if the file held only them.
+  :func:`check_inputs` (``calibrate --strict``, or every unit out of range): the whole file.
 * :func:`fleet_distance`: d²_i = (m_i − μ)ᵀ(Σ − V_i)⁺(m_i − μ), computed in data space with
   C_i = Z_iΣZ_iᵀ + σ_i²I = LLᵀ, e = L⁻¹(y_i − Z_iμ), A = L⁻¹Z_i: d²_i = ‖P_A e‖², with rank(A)
   degrees of freedom (:func:`distances`; :func:`fedcal.calibration.fleet_distance` hands it
@@ -17,7 +19,12 @@ the fleet and its status — what ``calibrate`` writes to ``units.csv``, without
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
+import pandas as pd
 
 from fedcal.data.fleet import SPLIT_COLUMN, Fleet
 from fedcal.prior.model import PriorModel
@@ -30,6 +37,7 @@ DISTANCE_CHUNK = 4096  # units per batched solve (memory bound)
 GRID_POINTS = 2000  # σ over the operating range: a tensor grid of about this many points
 GRID_CHUNK = 256  # units per σ grid evaluation: (units, grid, p) float64, ~8 MB at p = 20
 STATUS_OK, STATUS_UNLIKE, STATUS_FAILED = "ok", "unlike the fleet", "failed"
+STATUS_REFUSED = "refused"  # = fedcal.status.Status.REFUSED (tested): no model, a reason
 
 
 def check_columns(prior: PriorModel, fleet: Fleet, source: str) -> None:
@@ -41,8 +49,10 @@ def check_columns(prior: PriorModel, fleet: Fleet, source: str) -> None:
         )
 
 
-def check_inputs(prior: PriorModel, fleet: Fleet, source: str) -> None:
-    """Refuse units calibrated outside the range the fleet's prior was learned over.
+def out_of_range(prior: PriorModel, fleet: Fleet) -> dict[Any, list[tuple[int, str]]]:
+    """Per unit calibrated outside the range the fleet's prior was learned over (in the
+    file's order), each input it exceeds as (its index in the prior's inputs, "<input> spans
+    <low>…<high>, outside the prior fleet's calibrated range <lo>…<hi> (±5 %)").
 
     Only calibration (train) rows are judged: a unit's held-out rows beyond the range are
     scored with the extrapolation guard (linearized, ``beyond_support`` in per_sensor.csv).
@@ -50,17 +60,96 @@ def check_inputs(prior: PriorModel, fleet: Fleet, source: str) -> None:
     calibration_rows = fleet.frame[fleet.frame[SPLIT_COLUMN] == "train"]
     # Every sensor's span at once (one grouped min/max per column, not a loop over sensors).
     groups = calibration_rows.groupby(fleet.client_column, sort=False)
-    for c, (lo, hi) in prior.input_range.items():
+    found: dict[Any, list[tuple[int, str]]] = {}
+    for k, (c, (lo, hi)) in enumerate(prior.input_range.items()):
         slack = RANGE_TOLERANCE * (hi - lo)
         span = groups[c].agg(["min", "max"])
         bad = span[(span["min"] < lo - slack) | (span["max"] > hi + slack)]
-        if len(bad):  # the first such sensor in the file's order
-            sensor, (low, high) = bad.index[0], bad.iloc[0]
-            raise ValueError(
-                f"{source}: sensor {sensor}: {c} spans {low:.6g}…{high:.6g}, "
-                f"outside the prior fleet's calibrated range {lo:.6g}…{hi:.6g} (±5 %): "
-                "this prior cannot calibrate it"
-            )
+        for sensor, (low, high) in zip(bad.index, bad.to_numpy(), strict=True):
+            found.setdefault(sensor, []).append(
+                (k, f"{c} spans {low:.6g}…{high:.6g}, outside the prior fleet's calibrated "
+                 f"range {lo:.6g}…{hi:.6g} (±5 %)")
+            )  # fmt: skip
+    order = {s: k for k, s in enumerate(pd.unique(fleet.frame[fleet.client_column]))}
+    return dict(sorted(found.items(), key=lambda kv: order[kv[0]]))
+
+
+def check_inputs(prior: PriorModel, fleet: Fleet, source: str) -> None:
+    """Refuse a file with any unit calibrated outside the range the fleet's prior was learned
+    over (``calibrate --strict``; :func:`out_of_range`) in one line (:func:`refusal_line`)."""
+    found = out_of_range(prior, fleet)
+    if found:
+        raise ValueError(refusal_line(found, source))
+
+
+def refusal_line(found: dict[Any, list[tuple[int, str]]], source: str) -> str:
+    """The whole file's one-line refusal: the first unit (in the file's order) out of range
+    on the first of the prior's inputs any unit exceeds, and its span there."""
+    first = min(found, key=lambda s: found[s][0][0])  # ties: the first in the file's order
+    return f"{source}: sensor {first}: {found[first][0][1]}: {CANNOT}"
+
+
+CANNOT = "this prior cannot calibrate it"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A unit ``calibrate`` refused (no model): its calibration points and why (the wording
+    of ``--strict``'s error for that unit, ``reason``; ``brief``: the warning's short form)."""
+
+    unit: str
+    points: int
+    reason: str
+    brief: str = ""
+
+
+def refuse_out_of_range(
+    prior: PriorModel, fleet: Fleet, source: str, strict: bool = False
+) -> tuple[Fleet, tuple[Refusal, ...]]:
+    """(the units inside the range as a fleet of their own rows, the refused ones).
+
+    A unit whose calibration rows lie outside the prior's range (:func:`out_of_range`) is
+    refused alone: the others are the file without its rows, so they are calibrated as if
+    the file held only them. ``strict``, or every unit out of range: the whole file is
+    refused in one line (:func:`check_inputs`'s)."""
+    found = out_of_range(prior, fleet)
+    if not found:
+        return fleet, ()
+    units = fleet.num_clients
+    if strict or len(found) == units:
+        line = refusal_line(found, source)
+        if len(found) > 1:
+            line += f" (nor any of the file's other {units - 1} units)"
+        raise ValueError(line)
+    column = fleet.client_column
+    counts = fleet.frame[fleet.frame[SPLIT_COLUMN] == "train"].groupby(column, sort=False).size()
+    refused = tuple(
+        Refusal(str(s), int(counts[s]), "; ".join(w for _, w in why) + f": {CANNOT}", _brief(why))
+        for s, why in found.items()
+    )
+    kept = fleet.frame[~fleet.frame[column].isin(list(found))]
+    return Fleet(kept, fleet.features, fleet.target, column, dict(fleet.meta)), refused
+
+
+def _brief(why: list[tuple[int, str]]) -> str:
+    """ "frequency_hz 30720.5…33939.5 outside 29805.7…33691.2 ±5 %" of :func:`out_of_range`'s
+    lines (the warning's short form)."""
+    short = (" spans ", " "), (", outside the prior fleet's calibrated range ", " outside ")
+    out = []
+    for _, w in why:
+        for old, new in (*short, (" (±5 %)", " ±5 %")):
+            w = w.replace(old, new)
+        out.append(w)
+    return "; ".join(out)
+
+
+def refused_line(refused: Sequence[Refusal], units: int) -> str:
+    """The warning: "2 of 20 units refused: U030 (frequency_hz 30720.5…33939.5 outside
+    29805.7…33691.2 ±5 %), …" ("" if none)."""
+    if not refused:
+        return ""
+    named = ", ".join(f"{r.unit} ({r.brief or r.reason})" for r in refused)
+    return f"{len(refused)} of {units} units refused: {named}"
 
 
 def fleet_distance(

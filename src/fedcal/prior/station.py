@@ -24,12 +24,14 @@ from fedcal.prior.model import PriorModel
 class Station:
     """The units (``ids`` in the fleet's order), their posteriors and their QA columns
     (from a prior's deployment discrepancy model, ``units.reasons``: per unit why its design
-    gets no σ, "" if it gets one)."""
+    gets no σ, "" if it gets one); ``refused``: the file's units refused by the range guard
+    (no model, not in ``ids``: :func:`fedcal.prior.qa.refuse_out_of_range`)."""
 
     ids: tuple[str, ...]
     units: posterior.Units
     checks: dict[str, np.ndarray]
     scaler: Scaler
+    refused: tuple[qa.Refusal, ...] = ()
 
     @property
     def status(self) -> np.ndarray:
@@ -51,15 +53,19 @@ class Station:
         return mean, posterior.predictive_std(one, x)[0] * abs(y_scale)
 
 
-def calibrate_fleet(prior: PriorModel, fleet: Fleet, source: str = "data") -> Station:
+def calibrate_fleet(
+    prior: PriorModel, fleet: Fleet, source: str = "data", strict: bool = False
+) -> Station:
     """Every unit of ``fleet`` against ``prior`` from its calibration (train) rows: the
-    columns must be the prior's, the rows inside its calibrated range (:func:`qa.check_inputs`)."""
+    columns must be the prior's; a unit whose rows lie outside its calibrated range is
+    refused alone, the others calibrated as if the file held only them (``strict``: the
+    whole file refused, :func:`qa.refuse_out_of_range`)."""
     qa.check_columns(prior, fleet, source)
     why = posterior.unsupported(prior, timed=fleet.row_times("train") is not None)
     if why:
         raise ValueError(f"{source}: {why} is calibrated by the torch path (fedcal calibrate)")
-    qa.check_inputs(prior, fleet, source)
+    fleet, refused = qa.refuse_out_of_range(prior, fleet, source, strict)
     x, y, mask, branch = posterior.padded_rows(prior, fleet)
     units = posterior.calibrate_units(prior, x, y, mask, branch)
     checks = qa.units_qa(prior, units, x, y, mask, branch)
-    return Station(tuple(map(str, fleet.client_ids)), units, checks, prior.scaler)
+    return Station(tuple(map(str, fleet.client_ids)), units, checks, prior.scaler, refused)

@@ -37,6 +37,7 @@ from fedcal.core import runnames
 from fedcal.core.paths import read_regular
 from fedcal.prior.legendre import legendre_products
 from fedcal.prior.model import PriorModel
+from fedcal.prior.qa import STATUS_REFUSED
 from fedcal.report.export import RANGE_MARGIN, choose_method, range_bounds
 from fedcal.report.rundir import plateaus, read_table
 from fedcal.report.tables import UNITS
@@ -221,6 +222,15 @@ class CalibrationRun:
     declined_note: str
     written: str  # the date units.csv was written (UTC)
 
+    @property
+    def refused(self) -> dict[str, str]:
+        """{unit: reason} of the units ``calibrate`` refused (no model: no certificate)."""
+        units = self.units
+        if "status_reason" not in units.columns:  # a folder written before refusals
+            return {}
+        rows = units[units["status"] == STATUS_REFUSED]
+        return {str(u): str(why) for u, why in rows["status_reason"].items()}
+
     @classmethod
     def open(cls, run_dir: str | Path) -> CalibrationRun:
         from fedcal.report.export import load_models
@@ -314,6 +324,8 @@ def build_certificate(
     """The certificate of ``unit`` (module docstring: U, the valid range, the rules)."""
     if unit not in run.units.index:
         raise KeyError(f"unit {unit!r} is not in {run.path}/units.csv")
+    if unit in run.refused:
+        raise ValueError(f"unit {unit} has no certificate: refused ({run.refused[unit]})")
     row, models = run.units.loc[unit], run.models
     status = str(row["status"])
     span = {c: tuple(map(float, v)) for c, v in run.ranges[unit].items()}

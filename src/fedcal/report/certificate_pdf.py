@@ -235,7 +235,8 @@ def write_certificates(
     """``<unit>.html`` and ``<unit>.pdf`` in ``out`` for every unit (or ``units``) of a
     ``fedcal calibrate`` output. ``references``: per-unit reference instruments (a data
     column), ``reference``: one for all; ``symbol``: the measurand's unit
-    (:func:`~fedcal.report.certificate.measurand_unit`)."""
+    (:func:`~fedcal.report.certificate.measurand_unit`). A unit ``calibrate`` refused has
+    no model and gets none (:attr:`CalibrationRun.refused` lists them)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -248,6 +249,8 @@ def write_certificates(
     out.mkdir(parents=True, exist_ok=True)
     done = []
     for unit in units or list(run.units.index):
+        if unit in run.refused:  # no model, no certificate (the command lists it)
+            continue
         ref = (references or {}).get(unit) or reference
         cert = build_certificate(run, unit, ref, spec, rule, issued_on, symbol=symbol)
         name = safe_name(unit, "unit id")  # an id names a file: sanitized

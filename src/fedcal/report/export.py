@@ -128,6 +128,8 @@ def calibrate_frame(
         sensor = str(sensor)
         x = rows[list(fleet.features)].to_numpy(float)
         span = valid_range.get(sensor)
+        if span is None and sensor in fleet.excluded:
+            continue  # refused by calibrate's range guard: no model, no valid range
         if span is None:
             raise KeyError(f"sensor {sensor!r} has no calibrated range in this run")
         inside = in_range(x, span, fleet.features)
@@ -321,6 +323,17 @@ def to_c_header(
         columns = [*fleet.features, fleet.target]
         ranges = range_lines(sensors, columns, valid_range, bounds, RANGE_MARGIN)
     if form is None:
-        return mlp_header(fleet, guard, ranges)
+        return excluded_line(mlp_header(fleet, guard, ranges), fleet, guard)
     check_form(fleet, form, valid_range)
-    return c_header(fleet, form, guard, ranges)
+    return excluded_line(c_header(fleet, form, guard, ranges), fleet, guard)
+
+
+def excluded_line(header: str, fleet: CalibratedFleet, guard: str) -> str:
+    """``header`` with one comment line, before its include guard, naming the sensors the
+    run refused (not exported: no model) and why; unchanged if none."""
+    if not fleet.excluded:
+        return header
+    named = "; ".join(f"{s}: {why}" for s, why in fleet.excluded.items())
+    named = " ".join(named.replace("*/", "* /").split())  # one line, the comment unbroken
+    line = f"/* Not exported (no model): {named}. */\n"
+    return header.replace(f"#ifndef {guard}\n", line + f"#ifndef {guard}\n", 1)

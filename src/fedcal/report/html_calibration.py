@@ -101,6 +101,8 @@ def _unit_rows(units, points, coef, unit: str) -> dict[str, tuple[str, str]]:
         line = html.escape(
             f"{row.status} · {int(row.points)} points · σ mean {row.sigma_mean:.3g}{u} · "
             f"residual RMS {row.resid_rms:.3g}{u}"
+            if row.status != "refused"  # by calibrate's range guard: no model
+            else f"refused · {int(row.points)} points · no model: {_reason(row)}"
         )
         own = points[points["sensor_id"] == sid].drop(columns="sensor_id")
         coefficients = coef[coef["sensor_id"] == sid].drop(columns="sensor_id")
@@ -127,6 +129,7 @@ def _units_table(units, per_sensor, unit: str, qa_level: float) -> str:
             f"(d² = {r.d2:.3g} &gt; {r.d2_threshold:.3g})"
             if r.status == "unlike the fleet"
             else f"{html.escape(r.sensor_id)}: {html.escape(r.status)}"
+            + (f" ({html.escape(_reason(r))})" if r.status == "refused" else "")
             for r in flagged.itertuples()
         )
         + "</p>"
@@ -139,6 +142,7 @@ def _units_table(units, per_sensor, unit: str, qa_level: float) -> str:
     shown = ["sensor_id", "points", "status", "d2", "p_value", "sigma_mean", "sigma_max"]
     shown += ["resid_rms", *[c for c in ("test_rmse", "test_coverage95") if c in tests]]
     every = ["sensor_id", "points", "status", "d2", "dof", "d2_threshold", "p_value"]
+    every[3:3] = ["status_reason"] * ("status_reason" in table.columns)  # why refused
     every += ["sigma_mean", "sigma_max", "resid_rms", "resid_max_abs", *tests]
     full = frame_html(table[every], "units-all").replace("data-column=", "data-field=")
     return (
@@ -155,6 +159,12 @@ def _units_table(units, per_sensor, unit: str, qa_level: float) -> str:
         f"σ in {html.escape(unit)} over the fleet's operating range; residuals "
         f"(calibrated − reference, {html.escape(unit)}) at the unit's calibration points.</p>",
     )
+
+
+def _reason(row) -> str:
+    """units.csv's ``status_reason`` of a row ("" where none is written)."""
+    why = getattr(row, "status_reason", "")
+    return why if isinstance(why, str) else ""
 
 
 def _coefficients(prior: dict, coef, target: str, unit: str) -> str:
