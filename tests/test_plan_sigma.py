@@ -137,3 +137,52 @@ def test_the_forecast_is_calibrate_s_sigma_on_the_deployment_path(reference_prio
     stated = stated_rms(units, plan)
     ratio = float(np.sqrt(np.mean(stated**2))) / forecast.rms
     assert abs(ratio - 1.0) < 0.10, (ratio, forecast.rms, stated)
+
+
+@pytest.fixture(scope="module")
+def planted_nu0_prior():
+    """The deployment path with a finite ν₀ learned: the references' emulation restricted
+    to ν₀ = 4 (the grid's other values removed), so ``mean_scale2`` is the emulation's
+    E[s²] per knot at that ν₀ (E4c), learned, not planted."""
+    from fedcal.algorithms import fedprior_deploy, fedprior_deploy_kappa
+
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (fedprior_deploy, fedprior_deploy_kappa):
+            patch.setattr(module, "NU_GRID", (4.0,))
+        frame = simulate_fleet(FleetSpec(num_sensors=20), seed=3).frame
+        return FleetPrior(rounds=30).fit(frame)
+
+
+def test_the_forecast_takes_the_references_mean_scale_where_a_unit_scale_is_kept(
+    planted_nu0_prior,
+):
+    """ν₀ = 4 learned: the forecast takes E[s²](n) of the references' emulation (here 0.58
+    at 24 points), not 1, and is within 10 % of the σ calibrate states for 20 new units of
+    a 6×4 grid (measured 0.93; with s² = 1 it would be 0.7); the same prior without the
+    field (a file written before it) forecasts with s² = 1, exactly the forecast with
+    E[s²] = 1 at every knot."""
+    model = planted_nu0_prior.model_
+    doc = model.discrepancy
+    assert doc["nu0"] == 4.0 and len(doc["mean_scale2"]) == len(doc["kappa_points"])
+    plan = planning.planner(model)
+    design = planning.grid_design(plan.chamber, 6, 4)
+    forecast = planning.evaluate(plan, design)
+    points = tuple(
+        (float(r.pressure_hpa), float(r.temperature_c), str(r.direction))
+        for r in design.frame().itertuples()
+    )
+    spec = FleetSpec(num_sensors=UNITS, train_design="points", design_points=points)
+    frame = simulate_fleet(spec, seed=11).frame
+    units = planted_nu0_prior.calibrate(frame[frame["split"] == "train"])
+    assert (units.params["gp_amp"] > 0).all()
+    stated = stated_rms(units, plan)
+    ratio = float(np.sqrt(np.mean(stated**2))) / forecast.rms
+    assert abs(ratio - 1.0) < 0.10, (ratio, forecast.rms, stated)
+    old = {k: v for k, v in doc.items() if k != "mean_scale2"}
+    ones = {**doc, "mean_scale2": [1.0] * len(doc["mean_scale2"])}
+    before = [
+        planning.evaluate(planning.planner(dataclasses.replace(model, discrepancy=d)), design)
+        for d in (old, ones)
+    ]
+    assert before[0].rms == before[1].rms  # an older file: s² = 1, as before
+    assert abs(float(np.sqrt(np.mean(stated**2))) / before[0].rms - 1.0) > 0.10  # s² = 1 misses

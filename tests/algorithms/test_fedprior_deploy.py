@@ -105,6 +105,50 @@ def test_the_emulation_counts_of_a_two_point_design_by_hand():
     assert float(hyper[0, b, a, 0]) == pytest.approx(want, rel=1e-12)
 
 
+def test_the_mean_per_unit_scale_of_the_emulated_designs_by_hand():
+    # E4c: two 2-point designs of one unit (below the first knot: all weight on it), A = 0,
+    # Z_D = [1, 1]ᵀ, Σ = 1, x_D = (−1, −1), (1, 1), ℓ = 1: C = β11ᵀ + a²K + σ²I with
+    # K's off-diagonal e⁻⁴. r = (0.1, −0.1) lies on C's eigenvector (1, −1), eigenvalue
+    # a²(1 − e⁻⁴) + σ², so d² = 0.02 / that; r = (0.3, 0.3) on (1, 1), eigenvalue
+    # 2β + a²(1 + e⁻⁴) + σ², d² = 0.18 / that. s² = (ν₀ + d²)/(ν₀ + 2) per ν₀ (D4).
+    beta, amp, vc, sn = 0.5, 0.25, 2.0, 0.75
+    one, two = (two_point_emulation([1.0, 2.0], vc, sn) for _ in range(2))
+    two["resid"] = torch.tensor([[0.3, 0.3]], dtype=F64)
+    em = {k: torch.cat([one[k], two[k]]) for k in one}
+    em["sigma"], em["unit"] = one["sigma"], torch.tensor([0, 0])
+    e4 = math.exp(-4.0)
+    d2 = [0.02 / (amp * (1 - e4) + sn), 0.18 / (2 * beta + amp * (1 + e4) + sn)]
+    sums = deploy.scale_sums(em, beta, amp, torch.ones(2, dtype=F64), units=1)
+    assert sums["designs"][0].tolist() == [2.0] + [0.0] * (len(knots.KNOTS) - 1)
+    for g, nu0 in enumerate(knots.NU_GRID):
+        s2 = [1.0, 1.0] if math.isinf(nu0) else [(nu0 + d) / (nu0 + 2) for d in d2]
+        assert float(sums["s2"][0, 0, g]) == pytest.approx(sum(s2), rel=1e-12), nu0
+        assert float(sums["s2"][0, 1:, g].abs().sum()) == 0.0
+    # the server's record: 4 held rows are fewer than a knot needs, so one pooled mean
+    pick = knots.choose(sums)
+    nu0 = knots.NU_GRID[pick.nu]
+    want = 1.0 if math.isinf(nu0) else sum((nu0 + d) / (nu0 + 2) for d in d2) / 2
+    assert pick.knots == () and pick.scales == pytest.approx((want,), rel=1e-12)
+
+
+def test_the_mean_scale_is_recorded_per_knot_for_the_chosen_nu0():
+    # designs of 6, 12, 24, 48 points (two each, each on a knot), v = 1, Z_D = 0 and
+    # r = c_n on every point: d² = c_n² n, s² = (ν₀ + c_n² n)/(ν₀ + n) at each knot for
+    # the ν₀ the log score chooses (planted: the first of the grid's)
+    sizes = [6, 12, 24, 48]
+    c = {6: 2.0, 12: 1.5, 24: 1.0, 48: 0.5}
+    em = sized_emulation(sizes * 2, lambda n: 0.9)
+    em["resid"] = em["km"] * torch.tensor([c[n] for n in sizes * 2], dtype=F64).unsqueeze(-1)
+    sums = deploy.scale_sums(em, 1.0, 1e-300, torch.ones(2, dtype=F64), units=len(sizes) * 2)
+    score = torch.zeros_like(sums["score"])
+    score[:, :, 0] = 1.0  # ν₀ = NU_GRID[0] scores best
+    pick = knots.choose({**sums, "score": score})
+    nu0 = knots.NU_GRID[pick.nu]
+    assert pick.nu == 0 and [n for n, _ in pick.knots] == pytest.approx(sizes, rel=1e-9)
+    want = [(nu0 + c[n] ** 2 * n) / (nu0 + n) for n in sizes]
+    assert pick.scales == pytest.approx(want, rel=1e-12)
+
+
 def test_kappa_is_the_smallest_that_covers_95_percent_pooled():
     # 100 held rows: row k comes inside at κ = 0.5 + k/100; 95 % inside from κ = 1.44 + ε.
     # 100 rows are fewer than a knot needs (MIN_KNOT_HELD): one κ for every size, no knots

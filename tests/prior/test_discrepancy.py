@@ -13,8 +13,10 @@ from fedcal.prior.design_span import design_reason
 from fedcal.prior.discrepancy import (
     Discrepancy,
     DiscrepancyError,
+    expected_scale,
     interval_factor,
     kappa_at,
+    mean_scale_at,
     prior_distance,
     smoother_q,
     unit_scale,
@@ -44,7 +46,12 @@ def model(**kw) -> Discrepancy:
 
 @pytest.mark.parametrize("nu0", [math.inf, 8.0])
 def test_round_trip_through_strict_json(nu0):
-    m = model(nu0=nu0, kappa_points=((6.0, 0.9), (24.0, 1.2), (60.0, 1.3)), max_reliance=12.5)
+    m = model(
+        nu0=nu0,
+        kappa_points=((6.0, 0.9), (24.0, 1.2), (60.0, 1.3)),
+        max_reliance=12.5,
+        mean_scale2=(3.5, 2.0, 1.25),
+    )
     text = json.dumps(m.to_dict(), allow_nan=False)  # strict JSON: ∞ is written as null
     assert Discrepancy.from_dict(json.loads(text)) == m
 
@@ -85,6 +92,13 @@ def test_round_trip_through_strict_json(nu0):
         ("max_reliance", -1.0, "discrepancy.max_reliance"),
         ("max_reliance", 0.0, "discrepancy.max_reliance"),
         ("max_reliance", "3", "discrepancy.max_reliance"),
+        # E[s²] per knot (E4c): one per knot of kappa_points (model(): none, so at most one)
+        ("mean_scale2", [1.0, 2.0], "discrepancy.mean_scale2"),
+        ("mean_scale2", [0.0], "discrepancy.mean_scale2"),
+        ("mean_scale2", [-2.0], "discrepancy.mean_scale2"),
+        ("mean_scale2", [float("inf")], "discrepancy.mean_scale2"),
+        ("mean_scale2", ["2"], "discrepancy.mean_scale2"),
+        ("mean_scale2", 2.0, "discrepancy.mean_scale2"),
     ],
 )
 def test_a_bad_field_is_refused_in_one_line_naming_it(field, value, says):
@@ -196,3 +210,42 @@ def test_kappa_of_the_design_size_by_hand():
     old = model().to_dict()
     del old["kappa_points"]  # a file written before the knots loads with one κ
     assert Discrepancy.from_dict(old).kappa_points == ()
+
+
+def test_a_knot_count_mismatch_of_mean_scale2_is_refused():
+    raw = model(kappa_points=((6.0, 1.0), (24.0, 2.0))).to_dict()
+    raw["mean_scale2"] = [2.0]  # two knots, one value
+    with pytest.raises(DiscrepancyError, match=r"^run/prior.json: discrepancy.mean_scale2: "):
+        Discrepancy.from_dict(raw, "run/prior.json")
+
+
+def test_the_mean_scale_of_the_design_size_by_hand():
+    # E[s²] at knots (6, 4), (24, 1): log-linear in log n as κ(n), so E[s²](12) = 2; the
+    # end values beyond; ν₀ = ∞ or a record without it (written before E4c): 1
+    knots = ((6.0, 1.0), (24.0, 2.0))
+    m = model(nu0=8.0, kappa_points=knots, mean_scale2=(4.0, 1.0))
+    n = torch.tensor([3.0, 6.0, 12.0, 24.0, 40.0], dtype=F64)
+    assert mean_scale_at(m, n).tolist() == pytest.approx([4.0, 4.0, 2.0, 1.0, 1.0], rel=1e-12)
+    assert mean_scale_at(model(nu0=8.0, mean_scale2=(3.0,)), n).tolist() == [3.0] * 5
+    assert (
+        mean_scale_at(model(nu0=math.inf, kappa_points=knots, mean_scale2=(4.0, 1.0)), n).tolist()
+        == [1.0] * 5
+    )
+    old = m.to_dict()
+    del old["mean_scale2"]
+    assert mean_scale_at(Discrepancy.from_dict(old), n).tolist() == [1.0] * 5
+
+
+def test_the_planner_s_scale_takes_the_recorded_mean_s2():
+    # a 12-point design read at the prior mean: calibrate's factor there is
+    # κ² (t/1.96)² ν₀/(ν₀ + n); the planner's divides ν₀/(ν₀ + n) out and puts E[s²](12) in
+    # (2 here); a unit without the model's σ (amp 0) is untouched; without the field: s² = 1
+    nu0, n, factor = 8.0, 12, 0.7
+    m = model(nu0=nu0, kappa_points=((6.0, 1.0), (24.0, 2.0)), mean_scale2=(4.0, 1.0))
+    mask = np.ones((2, n))
+    at_mean = nu0 / (nu0 + n)
+    scale = np.array([factor * at_mean, 0.3])
+    got = expected_scale(m, scale, np.array([1e-9, 0.0]), mask)
+    assert got.tolist() == pytest.approx([factor * 2.0, 0.3], rel=1e-12)
+    old = Discrepancy.from_dict({k: v for k, v in m.to_dict().items() if k != "mean_scale2"})
+    assert expected_scale(old, scale, np.array([1e-9, 0.0]), mask)[0] == pytest.approx(factor)

@@ -78,13 +78,16 @@ def make_reference_prior(root: Path) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """(the reference-only run folder, a prior.json copy with ν₀ = 3, the new units, scratch)."""
+    """(the reference-only run folder, a prior.json copy with ν₀ = 3 and E[s²] per knot
+    planted, the new units, scratch)."""
     root = station_root(tmp_path_factory, "reference_only", make_reference_prior)
     scratch = tmp_path_factory.mktemp("deployed")
     run = root / "ref_run"
     doc = json.loads(find_prior(run).read_text())
     assert doc["discrepancy"]["nu0"] is None  # as learned: ν₀ = ∞
     doc["discrepancy"]["nu0"] = 3.0
+    knots = len(doc["discrepancy"]["kappa_points"]) or 1  # E[s²] per knot ≠ 1: plan takes it
+    doc["discrepancy"]["mean_scale2"] = [2.0 - 0.1 * k for k in range(knots)]
     finite = scratch / "prior_nu3.json"
     PriorModel.from_dict(doc).save(finite)
     return run, finite, root / "ref_new_units.csv", scratch

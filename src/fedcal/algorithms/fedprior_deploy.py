@@ -42,7 +42,9 @@ E4. **ν₀, κ(n)** (given β, a², ℓ; uploaded per knot of design size, ν�
     density, each design weighted by its nearness to the knot in log n): per knot the
     smallest κ whose coverage reaches 95 %, ν₀ the one whose log score at those κ is
     highest (∞ included: no per-unit scale): :mod:`fedcal.algorithms.fedprior_deploy_kappa`
-    E4a–E4b. Then (a second upload, sums only) each family's held-out rows inside its
+    E4a–E4b; with them, per knot and ν₀, Σ_b w_bk s_b² and Σ_b w_bk: the mean per-unit
+    scale E[s²] at each knot for the chosen ν₀ (E4c, the planner's forecast). Then (a
+    second upload, sums only) each family's held-out rows inside its
     designs' κ(n) interval: the record's coverage. One length scale ℓ is fitted, shared by
     every input (the record lists it once per input).
 E5. **The record** (:class:`~fedcal.prior.discrepancy.Discrepancy`): β, a², ℓ, κ (pooled),
@@ -356,10 +358,12 @@ def scale_sums(
     """E4's uploads per unit (E4a of :mod:`~fedcal.algorithms.fedprior_deploy_kappa`):
     ``inside`` (units, knots, ν₀, κ) weighted held-out rows within the 95 % interval,
     ``held`` (units, knots) weighted held-out rows, ``logn`` (units, knots) their weighted
-    log design size, ``score`` (units, knots, ν₀, κ) the weighted t log density."""
+    log design size, ``score`` (units, knots, ν₀, κ) the weighted t log density;
+    ``designs`` (units, knots) Σ_b w_bk and ``s2`` (units, knots, ν₀) Σ_b w_bk s_b² (E4c)."""
     v, ratio = _standardised(em, beta, amplitude, lengths)
     inside, score = [], []
     k2 = KAPPA_GRID.square().reshape(-1, 1, 1)
+    s2 = torch.stack([unit_scale(nu0, em["dof"], ratio) for nu0 in NU_GRID], -1)  # (B, ν₀)
     for nu0 in NU_GRID:
         scaled = _scaled(em, v, ratio, nu0)
         need = em["err2"] / (Z95**2 * scaled).clamp_min(1e-300)  # κ² at which e is inside
@@ -376,6 +380,8 @@ def scale_sums(
         "held": _per_unit(w * rows, em["unit"], units),
         "logn": _per_unit(w * rows * em["dof"].log().unsqueeze(-1), em["unit"], units),
         "score": _per_unit(spread * torch.stack(score, 1).unsqueeze(1), em["unit"], units),
+        "designs": _per_unit(w, em["unit"], units),  # E4c: Σ_b w_bk
+        "s2": _per_unit(w.unsqueeze(-1) * s2.unsqueeze(1), em["unit"], units),  # Σ_b w_bk s_b²
     }
 
 
@@ -448,6 +454,7 @@ def learn(alg, server: Tree, data: ClientData) -> Discrepancy | None:
             level_tol=LEVEL_TOL,
             units=int(refs.numel()),
             kappa_points=pick.knots,
+            mean_scale2=pick.scales,
         )
         inside, held = (t.sum(0) for t in family_sums(em, model, data.num_clients))
         gram = torch.as_tensor(reliance_gram(model.box_lo, model.box_hi, alg.terms))

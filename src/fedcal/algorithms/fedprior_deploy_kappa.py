@@ -18,6 +18,13 @@ E4b. **κ_k** (:func:`choose`): for each ν₀, at every knot holding at least
      log score at its knots' κ_k is highest (∞ included). The pooled κ (every design at
      once) is kept as the record's summary ``kappa``. A design of n points then takes
      κ(n) of D3 (log κ linear in log n between the knots (n̄_k, κ_k)).
+E4c. **E[s²] per knot** (issue 33, the planner's forecast): each unit also uploads, per knot
+     and ν₀, Σ_b w_bk s_b² (s_b² of D4 for its emulated design b, at that ν₀) and Σ_b w_bk;
+     the server keeps, for the chosen ν₀, ē_k = Σ w_bk s_b² / Σ w_bk at each kept knot
+     (one per knot of κ(n); no knots: the pooled mean over every design). The mean of s²,
+     not of s: the forecast is an expected variance (its RMS σ), and a unit's stated
+     variance is κ² s_i² (t/1.96)² v(x), linear in s_i², so its mean over units is
+     κ² E[s²] (t/1.96)² v(x) where s_i² varies independently of v (D3–D4). ν₀ = ∞: ē_k = 1.
 
 Why per size (measured, docs/uncertainty.md "Deployment"): with one κ pooled over 6- to
 40-point designs, the 40-point family covered 0.81–0.92 of its held-out rows at that κ and
@@ -76,18 +83,22 @@ def _grid_index(kappa: float) -> int:
 @dataclass(frozen=True)
 class KappaChoice:
     """E4b's result: ``nu`` the index of ν₀ in :data:`NU_GRID` (−1: no κ covers), the
-    pooled ``kappa`` and the knots (n̄_k, κ_k) of κ(n)."""
+    pooled ``kappa`` and the knots (n̄_k, κ_k) of κ(n); ``scales`` E4c's mean s² at each
+    knot (no knots: one, pooled)."""
 
     nu: int
     kappa: float
     knots: tuple[tuple[float, float], ...]
+    scales: tuple[float, ...] = ()
 
 
 def choose(sums: dict[str, Tensor]) -> KappaChoice:
     """E4b's server step from the pooled uploads ``inside`` (units, knots, ν₀, κ), ``held``
-    (units, knots), ``logn`` (units, knots): Σ w log n, ``score`` (units, knots, ν₀, κ)."""
+    (units, knots), ``logn`` (units, knots): Σ w log n, ``score`` (units, knots, ν₀, κ),
+    ``designs`` (units, knots): Σ w, ``s2`` (units, knots, ν₀): Σ w s² (E4c)."""
     inside, held = sums["inside"].sum(0), sums["held"].sum(0)  # (K, N, G), (K,)
     score, logn = sums["score"].sum(0), sums["logn"].sum(0)
+    mean_s2 = sums["s2"].sum(0) / sums["designs"].sum(0).clamp_min(1e-300).unsqueeze(-1)
     used = [k for k in range(len(KNOTS)) if float(held[k]) >= MIN_KNOT_HELD]
     best = KappaChoice(-1, math.nan, ())
     best_score = -math.inf
@@ -101,23 +112,29 @@ def choose(sums: dict[str, Tensor]) -> KappaChoice:
             if math.isnan(kappa):  # no κ of the grid covers these designs: knot unusable
                 knots = None
                 break
-            knots.append((math.exp(float(logn[k] / held[k])), kappa))
+            knots.append((math.exp(float(logn[k] / held[k])), kappa, float(mean_s2[k, n])))
             total += float(score[k, n, _grid_index(kappa)])
         if knots is None:
             continue
         if not knots:
             total = float(score[:, n, _grid_index(pooled)].sum())
+            pooled_s2 = float(sums["s2"].sum((0, 1))[n] / sums["designs"].sum().clamp_min(1e-300))
+            choice = KappaChoice(n, pooled, (), (pooled_s2,))
+        else:
+            kept = _ascending(knots)
+            choice = KappaChoice(n, pooled, tuple(k[:2] for k in kept), tuple(k[2] for k in kept))
         if total > best_score:
-            best, best_score = KappaChoice(n, pooled, _ascending(knots)), total
+            best, best_score = choice, total
     return best
 
 
-def _ascending(knots: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
-    """The knots, each at least :data:`KNOT_GAP` × the previous one's size (a knot closer
-    than that is dropped: two knots whose designs are the same ones, e.g. 40-point designs
-    shared by the 32- and 48-point knots when none is larger, say the same thing)."""
-    out: list[tuple[float, float]] = []
-    for n, kappa in knots:
+def _ascending(knots: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
+    """The knots (n̄_k, κ_k, ē_k), each at least :data:`KNOT_GAP` × the previous one's size
+    (a knot closer than that is dropped: two knots whose designs are the same ones, e.g.
+    40-point designs shared by the 32- and 48-point knots when none is larger, say the same
+    thing)."""
+    out: list[tuple[float, float, float]] = []
+    for n, kappa, s2 in knots:
         if not out or n >= out[-1][0] * KNOT_GAP:
-            out.append((round(n, 4), kappa))
-    return tuple(out)
+            out.append((round(n, 4), kappa, s2))
+    return out

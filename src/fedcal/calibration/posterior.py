@@ -109,25 +109,29 @@ def unit_posteriors(
         if reasons is not None:  # per unit, why its design gets no σ ("" if it gets one)
             reasons.extend(why)
         if expected:  # the planner's new unit, read at the prior mean: its expected scale
-            personal = expected_scale(personal, Discrepancy.from_dict(discrepancy).nu0)
+            personal = expected_scale(personal, Discrepancy.from_dict(discrepancy))
     return personal
 
 
-def expected_scale(personal: Tree, nu0: float) -> Tree:
+def expected_scale(personal: Tree, model: Discrepancy) -> Tree:
     """The planner's units with the discrepancy model's per-unit scale at its expectation.
 
     D4 (:mod:`fedcal.prior.discrepancy`): s_i² = (ν₀ + d_i²)/(ν₀ + n_i), d_i² = rᵀC⁻¹r of
     the unit's readings about the prior mean, E[d_i²] = n_i under the model, so
-    E[s_i²] = 1. The planner reads a design at the current mean (r = 0 on its new rows):
-    its s_i² would be ν₀/(ν₀ + n_i), not the 1 a unit of the fleet has on average. So the
-    forecast takes κ² · (t/1.96)² with s_i² = 1: s_i² at d² = 0 divided out
-    (:func:`fedcal.prior.discrepancy.expected_scale`, the NumPy planner's too; ν₀ = ∞:
-    s_i² = 1 already; a unit without the model's σ, ``gp_amp`` 0: untouched).
+    E[s_i²] = 1 if units spread as the model says; new units read farther from the prior
+    than that (issue 33: d² ≈ 126 over 6 points on cross-check seed 3), so the references'
+    emulation records the mean s² of its emulated units per design size
+    (``mean_scale2``, E4c). The planner reads a design at the current mean (r = 0 on its
+    new rows): its s_i² would be ν₀/(ν₀ + n_i). So the forecast takes κ² · (t/1.96)² with
+    s_i² = E[s²](n_i): s_i² at d² = 0 divided out and the recorded mean put in
+    (:func:`fedcal.prior.discrepancy.expected_scale`, the NumPy planner's too; a record
+    without it: 1; ν₀ = ∞: s_i² = 1 already; a unit without the model's σ, ``gp_amp`` 0:
+    untouched).
     """
     if "gp_scale" not in personal:
         return personal
     args = (personal["gp_scale"], personal["gp_amp"], personal["gp_mask"])
-    return {**personal, "gp_scale": discrepancy_scale(nu0, *args)}
+    return {**personal, "gp_scale": discrepancy_scale(model, *args)}
 
 
 def own_noise(algorithm: FedPrior, down: Tree, state: Tree, data: ClientData) -> Tree:

@@ -93,7 +93,9 @@ class Discrepancy:
     on those rows: the pooled share is 95 % by construction, not a held-out check);
     ``units``: how many reference units emulated; ``max_reliance`` u_ref of D6
     (:mod:`fedcal.prior.design_span`: the most basis variance, box mean over σ², that the
-    emulated designs left to the prior in enough held-out rows; ∞ in a file without it).
+    emulated designs left to the prior in enough held-out rows; ∞ in a file without it);
+    ``mean_scale2`` the emulated designs' mean s_i² (D4) per knot (no knots: one, pooled),
+    the planner's :func:`mean_scale_at` (empty in a file written before it: s² = 1).
     """
 
     beta: float
@@ -112,6 +114,7 @@ class Discrepancy:
     units: int = 0
     kappa_points: tuple[tuple[float, float], ...] = ()
     max_reliance: float = math.inf
+    mean_scale2: tuple[float, ...] = ()
     version: int = VERSION
 
     def __post_init__(self) -> None:
@@ -127,6 +130,7 @@ class Discrepancy:
             out[key] = list(out[key])
         out["coverage"] = [{"family": f, "held": h, "coverage": c} for f, h, c in self.coverage]
         out["kappa_points"] = [list(k) for k in self.kappa_points]
+        out["mean_scale2"] = list(self.mean_scale2)
         return out
 
     @classmethod
@@ -144,6 +148,7 @@ class Discrepancy:
         if unknown:
             raise DiscrepancyError(f"{where}: discrepancy.{unknown[0]}: unknown field")
         optional = ("level_tol", "coverage", "units", "kappa_points", "max_reliance")
+        optional += ("mean_scale2",)
         missing = sorted(n for n in names - set(raw) if n not in optional)
         if missing:
             raise DiscrepancyError(f"{where}: discrepancy.{missing[0]}: missing")
@@ -154,6 +159,8 @@ class Discrepancy:
             args["max_reliance"] = math.inf if u_ref is None else _number(u_ref, "max_reliance")
             for key in ("lengths", "box_lo", "box_hi", "min_span"):
                 args[key] = tuple(_number(v, key) for v in _list(raw[key], key))
+            scales = _list(raw.get("mean_scale2", []), "mean_scale2")
+            args["mean_scale2"] = tuple(_number(v, "mean_scale2") for v in scales)
             args["min_levels"] = tuple(
                 _integer(v, "min_levels") for v in _list(raw["min_levels"], "min_levels")
             )
@@ -229,6 +236,7 @@ def _check(m: Discrepancy) -> None:
     _check_inputs(m)
     _check_design(m)
     _check_knots(m)
+    _check_scales(m)
     for family, held, share in m.coverage:  # the selection record
         if not isinstance(family, str):
             _fail("coverage", f"expected a family name (a string), got {family!r}")
@@ -297,6 +305,19 @@ def _check_knots(m: Discrepancy) -> None:
         last = n
 
 
+def _check_scales(m: Discrepancy) -> None:
+    """``mean_scale2``: finite E[s²] > 0, one per knot of ``kappa_points`` (or none)."""
+    count, knots = len(m.mean_scale2), len(m.kappa_points)
+    if count and count != (knots or 1):
+        _fail(
+            "mean_scale2",
+            f"expected one value per knot of kappa_points ({knots or 1}), got {count}",
+        )
+    for v in m.mean_scale2:
+        if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+            _fail("mean_scale2", f"expected finite numbers > 0, got {v!r}")
+
+
 def _like(xp: Any, values: Any) -> Array:
     """``values`` as a float64 array of the array module ``xp``."""
     return xp.asarray(values, dtype=xp.float64)
@@ -309,7 +330,27 @@ def kappa_at(model: Discrepancy, points: Array) -> Array:
     n = as_float64(points)
     if not model.kappa_points:
         return xp.full_like(n, model.kappa)
-    knots = _like(xp, model.kappa_points)
+    return _log_linear(model.kappa_points, n)
+
+
+def mean_scale_at(model: Discrepancy, points: Array) -> Array:
+    """E[s²](n), the references' mean per-unit scale (D4) at design sizes ``points``,
+    interpolated as κ(n) (:func:`kappa_at`: log-linear in log n between the knots of
+    ``kappa_points``, constant beyond); ν₀ = ∞ or a record without ``mean_scale2``: 1."""
+    xp = namespace(points)
+    n = as_float64(points)
+    if math.isinf(model.nu0) or not model.mean_scale2:
+        return xp.ones_like(n)
+    if not model.kappa_points:
+        return xp.full_like(n, model.mean_scale2[0])
+    knots = [(k[0], s2) for k, s2 in zip(model.kappa_points, model.mean_scale2, strict=True)]
+    return _log_linear(tuple(knots), n)
+
+
+def _log_linear(points: tuple[tuple[float, float], ...], n: Array) -> Array:
+    """``points`` (n_k, v_k) at ``n``: log v linear in log n between them, v_k beyond."""
+    xp = namespace(n)
+    knots = _like(xp, points)
     ln, lk = xp.log(knots[:, 0]), xp.log(knots[:, 1])
     x = xp.log(xp.clip(n, float(knots[0, 0]), float(knots[-1, 0])))
     if len(knots) == 1:
@@ -439,15 +480,20 @@ def deployed_units(
     return (own | unprobed) & unlearned & ~weak & (code != 1) & (n <= rows)
 
 
-def expected_scale(nu0: float, scale: Array, amp: Array, mask: Array) -> Array:
-    """The planner's factor with s_i² at its expectation 1 (D4): a design read at the prior
-    mean has d_i² = 0, s_i² = ν₀/(ν₀ + n_i), so :func:`unit_scale` at d² = 0 is divided
-    out of ``scale`` (κ² s_i² (t/1.96)²) for the units whose σ is D2–D4's (``amp`` > 0);
-    ν₀ = ∞: unchanged. ``mask`` (units, rows) the design's rows."""
+def expected_scale(model: Discrepancy, scale: Array, amp: Array, mask: Array) -> Array:
+    """The planner's factor with s_i² at its expectation E[s²](n_i) (D4,
+    :func:`mean_scale_at`: the references' emulated units' mean s² at the design's size;
+    1 in a record without it): a design read at the prior mean has d_i² = 0, s_i² =
+    ν₀/(ν₀ + n_i), so :func:`unit_scale` at d² = 0 is divided out of ``scale`` (κ² s_i²
+    (t/1.96)²) and E[s²](n_i) put in, for the units whose σ is D2–D4's (``amp`` > 0);
+    ν₀ = ∞: unchanged (s_i² = 1). ``mask`` (units, rows) the design's rows. E[s²], not
+    E[s]²: the forecast is the expected stated variance (the planner's J and RMS σ), linear
+    in s_i²."""
     xp = namespace(scale)
-    if math.isinf(nu0):
+    if math.isinf(model.nu0):
         return scale
     dof = as_float64(mask).sum(-1)
-    at_mean = unit_scale(nu0, dof, xp.zeros_like(dof))
+    at_mean = unit_scale(model.nu0, dof, xp.zeros_like(dof))
     scale = as_float64(scale)
-    return xp.where(as_float64(amp) > 0, scale / at_mean, scale)
+    expected = mean_scale_at(model, dof)
+    return xp.where(as_float64(amp) > 0, scale / at_mean * expected, scale)

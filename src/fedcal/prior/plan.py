@@ -20,7 +20,8 @@ docstring):
 
 Covered: the priors :func:`fedcal.prior.posterior.unsupported` covers (fedprior and its
 configured variants, a prior's deployment discrepancy model: D2–D4's σ, a new unit's s_i² at
-its expectation 1 as :func:`fedcal.calibration.expected_scale`); the others go through
+its expectation, the references' mean s² at the design's size, as
+:func:`fedcal.calibration.expected_scale`); the others go through
 :mod:`fedcal.planning_torch` (``fedcal[neural]``).
 Equal to that path within rounding (tests/test_plan_numpy.py).
 """
@@ -160,9 +161,9 @@ class NumpyForecaster:
         ys = np.concatenate([np.broadcast_to(base.y, (c, n0)), mean], 1)
         units = posterior.calibrate_units(prior, xs, ys, mask, bs, noise_var=base.noise_var)
         if n0 == 0 and units.gp is not None:  # a new unit: the discrepancy model's s_i² at 1
-            nu0 = model_of(prior).nu0
             gp = units.gp
-            scale = expected_scale(nu0, gp["gp_scale"], gp["gp_amp"], gp["gp_mask"])
+            args = (gp["gp_scale"], gp["gp_amp"], gp["gp_mask"])
+            scale = expected_scale(model_of(prior), *args)
             units = replace(units, gp={**gp, "gp_scale": scale})
         # A declined interval (no σ) is kept aside: J still scores the design with τ².
         declined = np.zeros(c, bool) if units.declined is None else units.declined
