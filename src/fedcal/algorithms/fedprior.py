@@ -305,7 +305,7 @@ class FedPrior(FedPriorSettings):
         GLS terms, the expected RSS, its log-evidence and its data support."""
         return {
             "mean": post.mean,
-            "second": post.mean.unsqueeze(-1) * post.mean.unsqueeze(-2) + post.cov,
+            "second": (post.mean.unsqueeze(-1) * post.mean.unsqueeze(-2)).add_(post.cov),
             "gls_gram": post.gls_gram,
             "gls_rhs": post.gls_rhs,
             "rss": post.rss,

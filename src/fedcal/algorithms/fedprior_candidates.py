@@ -47,7 +47,7 @@ from fedcal.algorithms.fedprior_noise import sensor_noise
 from fedcal.algorithms.fedprior_pins import BranchPins
 from fedcal.algorithms.fedprior_rounds import RoundSchedule
 from fedcal.algorithms.fedprior_select import EvidenceSelection
-from fedcal.core.bayes import F64, Moments, Posterior, posterior
+from fedcal.core.bayes import F64, Moments, Posterior, posterior, repeated_factor
 from fedcal.core.tree import Tree, gather
 
 # FedPrior's E-step terms of one posterior (post, gram, noise, n or None) and its M-step
@@ -134,7 +134,12 @@ class CandidateEMs:
         cand = down["cand"]
         noise = state["cand_noise_var"] if self.noise == "sensor" else cand["noise_var"]
         noise = noise.reshape(-1)
-        post = posterior(stats, cand["mu"].reshape(-1, p), cand["sigma"].reshape(-1, p, p), noise)
+        sigma, factor = cand["sigma"], None
+        if c and sigma.stride(0) == 0:  # the broadcast's k priors: each factored once, not c×
+            sigma, factor = None, repeated_factor(sigma[0], c)
+        else:
+            sigma = sigma.reshape(-1, p, p)
+        post = posterior(stats, cand["mu"].reshape(-1, p), sigma, noise, factor)
         out = terms(post, stats.gram, noise, stats.n if self.interval == "calibrated" else None)
         fleet = cand["noise_var"].reshape(-1)
         own = sensor_noise(post.rss, stats.n, fleet, self.noise_prior_points)
@@ -150,7 +155,8 @@ class CandidateEMs:
         others (their upload holds no candidate terms: ``unit`` 0)."""
         idx = torch.nonzero(sampled)[:, 0]
         run = idx if idx.numel() else torch.zeros(1, dtype=torch.long)  # (shapes: one unit)
-        sub_down = gather(down, run)
+        sub_down = gather({k: v for k, v in down.items() if k != "cand"}, run)
+        sub_down["cand"] = {k: _rows(v, run) for k, v in down["cand"].items()}
         sub_down["cand_rate"] = torch.ones_like(sub_down["cand_rate"])  # every one of them
         sub_full = Moments(*(v.index_select(0, run) for v in full))
         part, own_part = self.e_step(sub_down, gather(state, run), sub_full, terms)
@@ -217,3 +223,11 @@ class CandidateEMs:
         out = {k: server[k] for k in ("choice", "scores")}
         out["mask"] = self.selection.masks[int(server["choice"])]
         return out
+
+
+def _rows(t: Tensor, index: Tensor) -> Tensor:
+    """Rows ``index`` of a client tensor; a broadcast (stride 0 along the clients: every row
+    the same) stays one, so that :meth:`CandidateEMs.e_step` factors its priors once."""
+    if t.dim() and t.stride(0) == 0:
+        return t[:1].expand(len(index), *t.shape[1:])
+    return t.index_select(0, index)

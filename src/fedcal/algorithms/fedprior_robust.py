@@ -159,14 +159,16 @@ class RobustUploads:
         terms + 2 (too few to judge each against the others). Needs each client's own upload."""
         if self.robust != "full":
             return None
-        # the chosen basis's coordinates only: the others hold the prior itself (no data)
-        used = torch.nonzero(server["mask"])[:, 0] if "mask" in server else slice(None)
-        mean = replies["mean"][:, used]
+        # the chosen basis's coordinates only: the others hold the prior itself (no data);
+        # every coordinate (the largest basis, round 0): the replies as they are, not copied
+        mean, second = replies["mean"], replies["second"]
+        if "mask" in server and not bool(server["mask"].all()):
+            used = torch.nonzero(server["mask"])[:, 0]
+            mean, second = mean[:, used], second[:, used.unsqueeze(-1), used]  # one gather
         c, p = mean.shape
         if c - 1 <= p + 1:  # the others' moments cannot name a law for δ: not judged
             return None
-        dist = loo_distances(mean, replies["second"][:, used][:, :, used])
-        return outlier_weights(dist, p, c - 1)
+        return outlier_weights(loo_distances(mean, second), p, c - 1)
 
 
 def weighted(replies: Tree, w: Tensor) -> Tree:

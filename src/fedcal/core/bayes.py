@@ -87,7 +87,7 @@ class Posterior(NamedTuple):
 JITTERS = (1e-12, 1e-10, 1e-8, 1e-6, 1e-4)
 
 
-def safe_cholesky(a: Tensor) -> tuple[Tensor, Tensor]:
+def safe_cholesky(a: Tensor, symmetric: bool = False) -> tuple[Tensor, Tensor]:
     """Cholesky factor of a symmetric positive semi-definite batch (…, p, p) that cannot fail.
 
     Near-singular Gram matrices (collinear features, many rows, a tiny noise
@@ -95,9 +95,11 @@ def safe_cholesky(a: Tensor) -> tuple[Tensor, Tensor]:
     fails gets the smallest jitter ε·max_k a_kk·I of :data:`JITTERS` that
     factors; if none does, its eigenvalues are floored at 10⁻⁴·λ_max (an
     eigenvalue floor). Returns the factor and, per matrix, the relative jitter
-    used (0: none; 1: the eigenvalue floor), which the caller reports.
+    used (0: none; 1: the eigenvalue floor), which the caller reports. ``symmetric``: ``a``
+    is exactly symmetric already (½(x + x) = x: its ½(a + aᵀ) is ``a``, not formed).
     """
-    a = 0.5 * (a + a.transpose(-2, -1))
+    if not symmetric:
+        a = _sym(a)
     chol, info = torch.linalg.cholesky_ex(a)
     used = torch.zeros(info.shape, dtype=a.dtype)
     if not bool((info != 0).any()):
@@ -127,10 +129,53 @@ def safe_cholesky(a: Tensor) -> tuple[Tensor, Tensor]:
     return chol, used
 
 
-def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Posterior:
+class PriorFactor(NamedTuple):
+    """Σ's factors per client, formed by the caller (:func:`repeated_factor`): L (c, p, p)
+    with Σ = LLᵀ, the jitter :func:`safe_cholesky` used (c,) and L⁻¹ (c, p, p)."""
+
+    chol: Tensor
+    jitter: Tensor
+    l_inv: Tensor
+
+
+def repeated_factor(sigmas: Tensor, clients: int) -> PriorFactor:
+    """The :class:`PriorFactor` of ``sigmas`` (k, p, p) repeated for ``clients`` clients
+    (row i·k + j: matrix j, client-major as ``(clients, k, p, p).reshape(-1, p, p)``): k
+    factorizations and inverses, not clients × k of the same matrices (fedprior's candidate
+    priors, issue 36.1). Each matrix's LAPACK call is the one a batch of the copies makes
+    (per matrix, the same input), and each copy keeps the factor's memory layout, so the
+    products that read it are the same calls: the same bits (tested)."""
+    k, p = sigmas.shape[0], sigmas.shape[-1]
+    chol, jitter = safe_cholesky(sigmas.to(F64))
+    l_inv = torch.linalg.solve_triangular(
+        chol, torch.eye(p, dtype=F64).expand(k, p, p), upper=False
+    )
+    return PriorFactor(_repeat(chol, clients), jitter.repeat(clients), _repeat(l_inv, clients))
+
+
+def _repeat(t: Tensor, clients: int) -> Tensor:
+    """(k, p, p) → (clients·k, p, p), client-major, each matrix in ``t``'s layout (LAPACK's
+    column-major factors stay column-major)."""
+    k, p, q = t.shape
+    if t.stride(-2) == 1 and p > 1:  # column-major matrices
+        out = torch.empty_strided((clients * k, p, q), (p * q, 1, p), dtype=t.dtype)
+    else:
+        out = torch.empty((clients * k, p, q), dtype=t.dtype)
+    out.unflatten(0, (clients, k)).copy_(t.unsqueeze(0).expand(clients, k, p, q))
+    return out
+
+
+def posterior(
+    m: Moments,
+    mu: Tensor,
+    sigma: Tensor | None,
+    noise_var: Tensor,
+    factor: PriorFactor | None = None,
+) -> Posterior:
     """The E-step: each client's posterior under the prior N(mu, sigma) and noise σ_i².
 
-    ``mu`` (p,) or (c, p), ``sigma`` (p, p) or (c, p, p), positive definite;
+    ``mu`` (p,) or (c, p), ``sigma`` (p, p) or (c, p, p), positive definite (``factor``:
+    its factors, formed by the caller; ``sigma`` is then not read);
     ``noise_var`` (c,). In whitened coordinates z = L⁻¹(c − μ):
 
         A = I + Lᵀ G L / σ²,  g = Lᵀ (b − G μ) / σ²,  z̄ = A⁻¹ g,
@@ -141,7 +186,7 @@ def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Poste
     c, p = rhs.shape
     mu = mu.to(F64).expand(c, p)
     s2 = noise_var.to(F64).reshape(c, 1, 1)
-    w = _whitened(m, mu, sigma, noise_var)
+    w = _whitened(m, mu, sigma, noise_var, factor)
     chol, b, a_chol, g, z, mean, cov = w.chol, w.b, w.a_chol, w.g, w.z, w.mean, w.cov
     eye = torch.eye(p, dtype=F64)
     # In whitened coordinates, with B = LᵀGL/σ² = A − I (Woodbury):
@@ -149,12 +194,14 @@ def posterior(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> Poste
     # A⁻¹B is a solve, not a difference: the direct (G − G L A⁻¹ Lᵀ G/σ²)/σ² cancels
     # catastrophically on collinear features, and I − A⁻¹ does under a tight prior.
     one = _one_matrix(chol)
-    if one is not None:  # one prior for every client: L⁻¹ once (per client's within rounding)
+    if factor is not None:
+        l_inv = factor.l_inv
+    elif one is not None:  # one prior for every client: L⁻¹ once (per client's within rounding)
         l_inv = torch.linalg.solve_triangular(one, eye, upper=False).expand(c, p, p)
     else:
         l_inv = torch.linalg.solve_triangular(chol, eye.expand(c, p, p), upper=False)
     gls_gram = l_inv.transpose(1, 2) @ torch.cholesky_solve(b, a_chol) @ l_inv
-    gls_gram = 0.5 * (gls_gram + gls_gram.transpose(1, 2))
+    gls_gram = _sym(gls_gram)
     gls_rhs = l_inv.transpose(1, 2) @ z
     # E‖y − Φc‖² = ‖y − Φm‖² + tr(G V)
     mean_col = mean.unsqueeze(-1)
@@ -198,33 +245,48 @@ class _Whitened(NamedTuple):
     jitter_a: Tensor
 
 
-def _whitened(m: Moments, mu: Tensor, sigma: Tensor, noise_var: Tensor) -> _Whitened:
+def _whitened(
+    m: Moments, mu: Tensor, sigma: Tensor | None, noise_var: Tensor, factor: PriorFactor | None
+) -> _Whitened:
     """:func:`posterior`'s whitened solve: L, B, chol(A), g, z̄, and the posterior mean and
     covariance (its docstring's equations)."""
     gram, rhs = m.gram, m.rhs
     c, p = rhs.shape
     mu = mu.to(F64).expand(c, p)
-    sigma = sigma.to(F64).expand(c, p, p)
     s2 = noise_var.to(F64).reshape(c, 1, 1)
-    one = _one_matrix(sigma)
-    if one is not None:  # one prior for every client (a broadcast): factored once, not c times
-        chol, jitter_sigma = safe_cholesky(one)  # L (never fails: see safe_cholesky)
-        chol, jitter_sigma = chol.expand(c, p, p), jitter_sigma.expand(c)
+    if factor is not None:  # the caller's (:func:`repeated_factor`)
+        chol, jitter_sigma = factor.chol, factor.jitter
     else:
-        chol, jitter_sigma = safe_cholesky(sigma)
+        chol, jitter_sigma = _prior_chol(sigma.to(F64).expand(c, p, p))
     eye = torch.eye(p, dtype=F64)
-    lg = chol.transpose(1, 2) @ gram @ chol / s2
-    b = 0.5 * (lg + lg.transpose(1, 2))  # B = LᵀGL/σ², symmetric by construction
-    a = eye + b
-    a_chol, jitter_a = safe_cholesky(a)
+    lg = (chol.transpose(1, 2) @ gram @ chol).div_(s2)
+    b = _sym(lg)  # B = LᵀGL/σ², symmetric by construction
+    a = eye + b  # exactly symmetric, as b is
+    a_chol, jitter_a = safe_cholesky(a, symmetric=True)
     resid_rhs = rhs - (gram @ mu.unsqueeze(-1))[..., 0]  # Φᵀ(y − Φμ)
     g = (chol.transpose(1, 2) @ resid_rhs.unsqueeze(-1)) / s2
     z = torch.cholesky_solve(g, a_chol)
     mean = mu + (chol @ z)[..., 0]
     a_inv = torch.cholesky_inverse(a_chol)
-    cov = chol @ a_inv @ chol.transpose(1, 2)
-    cov = 0.5 * (cov + cov.transpose(1, 2))
+    cov = _sym(chol @ a_inv @ chol.transpose(1, 2))
     return _Whitened(chol, b, a_chol, g, z, mean, cov, jitter_sigma, jitter_a)
+
+
+def _sym(a: Tensor) -> Tensor:
+    """½(a + aᵀ) of a batch (…, p, p), the product formed in the sum's buffer (x·½ = ½·x:
+    the same bits as ``0.5 * (a + aᵀ)``, one temporary fewer)."""
+    return (a + a.transpose(-2, -1)).mul_(0.5)
+
+
+def _prior_chol(sigma: Tensor) -> tuple[Tensor, Tensor]:
+    """L of each client's Σ = LLᵀ (c, p, p) and its jitter (c,) (:func:`safe_cholesky`)."""
+    one = _one_matrix(sigma)
+    if one is None:
+        return safe_cholesky(sigma)
+    # one prior for every client (a broadcast): factored once, not c times
+    chol, jitter = safe_cholesky(one)  # L (never fails: see safe_cholesky)
+    c, p = sigma.shape[0], sigma.shape[-1]
+    return chol.expand(c, p, p), jitter.expand(c)
 
 
 def posterior_moments(
@@ -232,7 +294,7 @@ def posterior_moments(
 ) -> tuple[Tensor, Tensor]:
     """:func:`posterior`'s mean and covariance alone (the same operations, so the same bits),
     without the M-step's GLS terms and the evidence: for fits that only predict."""
-    w = _whitened(m, mu, sigma, noise_var)
+    w = _whitened(m, mu, sigma, noise_var, None)
     return w.mean, w.cov
 
 
@@ -247,8 +309,7 @@ def data_support(gram: Tensor, noise_var: Tensor, scale: float) -> Tensor:
     """
     p = gram.shape[-1]
     eye = torch.eye(p, dtype=F64)
-    a = eye + scale**2 * gram.to(F64) / noise_var.to(F64).reshape(-1, 1, 1)
-    a = 0.5 * (a + a.transpose(1, 2))
+    a = _sym(eye + (scale**2 * gram.to(F64)).div_(noise_var.to(F64).reshape(-1, 1, 1)))
     inv, info = torch.linalg.inv_ex(a)
     bad = info != 0
     if bool(bad.any()):  # (finiteness read only then: it cost a quarter of the inverse)

@@ -104,8 +104,8 @@ class ClientData:
             self.x.index_select(0, index),
             self.y.index_select(0, index),
             self.count.index_select(0, index),
-            tuple(self.seeds[i] for i in idx),
-            tuple(self.index[i] for i in idx) if self.index else (),
+            tuple(map(self.seeds.__getitem__, idx)),  # (map: half a generator's time)
+            tuple(map(self.index.__getitem__, idx)) if self.index else (),
             self.branch.index_select(0, index) if self.branch is not None else None,
             self.time.index_select(0, index) if self.time is not None else None,
             None

@@ -82,7 +82,7 @@ def support_problems(support: Tensor) -> dict[int, str]:
     p, tol = a.shape[-1], WHITENED_TOL
     norm = _frobenius(a)
     ok = torch.isfinite(norm) & (_rounding(norm, p) <= 0.5 * tol)
-    ok = ok & _factors(a, tol) & _factors(-a, 1.0 + tol)
+    ok = ok & _factors(a, tol) & _factors(-a, 1.0 + tol, own=True)
     out: dict[int, str] = {}
     for i in (~ok).nonzero()[:, 0].tolist():
         vals = _eigvalsh(a[i : i + 1])[0]

@@ -81,8 +81,21 @@ def finite_rows(tree: Tree) -> Tensor:
     for t in flat:
         # A block of clients at a time: isfinite makes float temporaries (|x|) as large
         # as its input, ~35 KB per sensor for the seed's MLP over a whole fleet.
-        blocks = [torch.isfinite(b.reshape(len(b), -1)).all(1) for b in _client_blocks(t, n)]
+        blocks = [finite_each(b.reshape(len(b), -1)) for b in _client_blocks(t, n)]
         ok = ok & torch.cat(blocks or [ok])
+    return ok
+
+
+def finite_each(rows: Tensor) -> Tensor:
+    """(clients,) bool: every entry of each row of ``rows`` (clients, k) is finite. A row
+    whose sum is finite has no NaN or ±inf (either makes the sum NaN or ±inf), so only the
+    rows whose sum is not (a non-finite entry, or an overflow of finite ones) are read entry
+    by entry: the same verdicts as isfinite(rows).all(1), at one pass without a (clients, k)
+    temporary (issue 36.1: a tenth of a 100,000-unit round)."""
+    ok = torch.isfinite(rows.sum(1))
+    doubt = (~ok).nonzero()[:, 0]
+    if len(doubt):
+        ok[doubt] = torch.isfinite(rows.index_select(0, doubt)).all(1)
     return ok
 
 

@@ -62,6 +62,7 @@ from scipy.stats import f as f_dist
 from torch import Tensor
 
 from fedcal.core.bayes import F64, safe_cholesky
+from fedcal.core.measures import finite_each
 
 #: Tolerances of the consistency checks, in whitened units (a consistent upload's rounding
 #: error is ≤ 1e-9 of the prior's scale at the condition numbers the EM produces; measured
@@ -76,7 +77,9 @@ BLOCK = 4096
 
 
 def _sym(a: Tensor) -> Tensor:
-    return 0.5 * (a + a.transpose(-2, -1))
+    """½(a + aᵀ): exactly symmetric (x + y = y + x in floating point); the product formed
+    in the sum's own buffer (x·½ = ½·x: the same bits, one temporary fewer)."""
+    return (a + a.transpose(-2, -1)).mul_(0.5)
 
 
 def _whiten(sigma: Tensor) -> tuple[Tensor, Tensor]:
@@ -117,12 +120,13 @@ def _whitened_terms(stats: dict[str, Tensor], mu: Tensor, chol: Tensor, inv: Ten
     m = stats["mean"].to(F64)
     p = m.shape[-1]
     tr = chol.transpose(-2, -1)
-    v = _sym(stats["second"].to(F64) - m.unsqueeze(-1) * m.unsqueeze(-2))
+    outer = m.unsqueeze(-1) * m.unsqueeze(-2)  # S − m mᵀ formed in m mᵀ's buffer
+    v = _sym(torch.sub(stats["second"].to(F64), outer, out=outer))
     w = _sym(inv @ v @ inv.transpose(-2, -1))
     h = _sym(tr @ stats["gls_gram"].to(F64) @ chol)
     z = (inv @ (m - mu.to(F64)).unsqueeze(-1))[..., 0]
     e = z - (tr @ stats["gls_rhs"].to(F64).unsqueeze(-1))[..., 0]
-    return w, h, h + w - torch.eye(p, dtype=F64), z, e
+    return w, h, (h + w).sub_(torch.eye(p, dtype=F64)), z, e
 
 
 def whitened_gaps(
@@ -154,9 +158,15 @@ def whitened_gaps(
 
 def _eigvalsh(a: Tensor) -> Tensor:
     """Eigenvalues of symmetric matrices (…, p, p); NaN for a matrix with a non-finite entry
-    (LAPACK returns NaN for some and refuses others, ending the round)."""
+    (LAPACK returns NaN for some and refuses others, ending the round). Every matrix finite
+    (the rule): all at once, without copying them out (the same LAPACK call per matrix)."""
     flat = a.reshape(-1, *a.shape[-2:])
-    finite = torch.isfinite(flat.flatten(-2)).all(-1)
+    # a finite sum has no NaN or ±inf term; else each entry decides (a LAPACK factor's
+    # column-major layout is summed as it lies: no copy)
+    finite = torch.isfinite(flat.sum((-2, -1)))
+    if bool(finite.all()):
+        return torch.linalg.eigvalsh(flat).reshape(a.shape[:-1])
+    finite = finite_each(flat.flatten(-2))
     out = torch.full(flat.shape[:-1], torch.nan, dtype=a.dtype)
     out[finite] = torch.linalg.eigvalsh(flat[finite])
     return out.reshape(a.shape[:-1])
@@ -176,12 +186,20 @@ def _rhs_gap(z: Tensor, e: Tensor) -> Tensor:
 ROUNDING_SLACK = 16.0
 
 
-def _factors(a: Tensor, shift: Tensor | float) -> Tensor:
+def _factors(a: Tensor, shift: Tensor | float, own: bool = False) -> Tensor:
     """Per matrix of ``a`` (c, p, p), symmetric: a + shift·I has a Cholesky factor
     (``cholesky_ex`` info = 0), i.e. λ_min(a) > −shift up to rounding. ``cholesky_ex`` lets
-    ±inf through: the caller tests finiteness (:func:`_frobenius`)."""
-    shift = torch.as_tensor(shift, dtype=F64).reshape(-1, 1, 1)
-    return torch.linalg.cholesky_ex(a + shift * torch.eye(a.shape[-1], dtype=F64)).info == 0
+    ±inf through: the caller tests finiteness (:func:`_frobenius`). ``own``: ``a`` is the
+    caller's temporary (−w), shifted in place."""
+    shift = torch.as_tensor(shift, dtype=F64)
+    if not bool(torch.isfinite(shift).all()):  # (never at the call sites: their verdict's)
+        eye = torch.eye(a.shape[-1], dtype=F64)
+        return torch.linalg.cholesky_ex(a + shift.reshape(-1, 1, 1) * eye).info == 0
+    # the shift on the diagonal alone: the off-diagonal entries are a's (a + 0: the same
+    # values, a zero's sign aside, which no pivot of the factorization reads)
+    shifted = a if own else a.clone(memory_format=torch.contiguous_format)
+    shifted.diagonal(dim1=-2, dim2=-1).add_(shift.unsqueeze(-1) if shift.dim() else shift)
+    return torch.linalg.cholesky_ex(shifted).info == 0
 
 
 def _frobenius(a: Tensor) -> Tensor:
@@ -209,7 +227,7 @@ def _clear(w: Tensor, h: Tensor, gap: Tensor, tol: float) -> Tensor:
     slack = _rounding(sum(norms) + 1.0, p)  # non-finite if any entry is: no verdict
     small = norms[2] + slack <= half
     ok = small & _factors(w, half)
-    return ok & _factors(-w, 1.0 + half)
+    return ok & _factors(-w, 1.0 + half, own=True)
 
 
 def inconsistencies(
@@ -351,9 +369,11 @@ def loo_distances(mean: Tensor, second: Tensor) -> Tensor:
     for lo in range(0, c, BLOCK):
         mb, sb = m[lo : lo + BLOCK], s[lo : lo + BLOCK]
         centre = (total_m - mb) / (c - 1)
-        scatter = _sym((total_s - sb) / (c - 1) - centre.unsqueeze(-1) * centre.unsqueeze(-2))
+        # (S − S_i)/(c − 1) − c₋ᵢc₋ᵢᵀ, each step in one buffer (the same operations)
+        scatter = (total_s - sb).div_(c - 1).sub_(centre.unsqueeze(-1) * centre.unsqueeze(-2))
+        scatter = _sym(scatter)
         d = mb - centre
-        chol = safe_cholesky(scatter)[0]
+        chol = safe_cholesky(scatter, symmetric=True)[0]
         out.append(_honest_distance(d, _sym(sb - mb.unsqueeze(-1) * mb.unsqueeze(-2)), chol))
     return torch.cat(out)
 
@@ -369,12 +389,14 @@ def _honest_distance(d: Tensor, v: Tensor, chol: Tensor) -> Tensor:
     white = _sym(torch.linalg.solve_triangular(chol, lower.transpose(-2, -1), upper=False))
     dw = torch.linalg.solve_triangular(chol, d.unsqueeze(-1), upper=False)
     eye = torch.eye(v.shape[-1], dtype=F64)
-    widened = safe_cholesky(white + eye)[0]
+    widened = safe_cholesky(white + eye, symmetric=True)[0]
     far = torch.linalg.solve_triangular(widened, dw, upper=False)[..., 0].pow(2).sum(-1)
     trace = torch.diagonal(white, dim1=-2, dim2=-1).sum(-1)
     own = trace.clone()
     doubt = (~(trace <= 1.0)).nonzero()[:, 0]  # λ_max ≤ tr (PSD): below 1, nothing capped
-    if len(doubt):
+    if len(doubt) == len(trace):  # every unit (the vague start): no copy of them
+        own = _eigvalsh(white).clamp(min=0.0, max=1.0).sum(-1)
+    elif len(doubt):
         own[doubt] = _eigvalsh(white[doubt]).clamp(min=0.0, max=1.0).sum(-1)
     return far + own
 

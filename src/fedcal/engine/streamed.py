@@ -171,7 +171,9 @@ def streamed_round(
     used = accepted.nonzero()[:, 0]
     count = torch.tensor(float(len(used)), dtype=torch.float64)
     if acc.inputs:
-        rows = {key: v.index_select(0, used) for key, v in acc.inputs.items()}
+        rows = acc.inputs  # every client used (most rounds): the kept leaves, not a copy
+        if len(used) < n:
+            rows = {key: v.index_select(0, used) for key, v in acc.inputs.items()}
         robust = algorithm.outlier_weights(server, unflatten(rows))
         if robust is not None and bool((robust.weights != 1).any()):
             factor[used] = robust.weights.to(torch.float64)
