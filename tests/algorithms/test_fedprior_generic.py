@@ -51,8 +51,8 @@ def test_a_near_singular_gram_neither_crashes_nor_hides_the_jitter(
     used_in_posterior: list[float] = []
     real = bayes.safe_cholesky
 
-    def recording(a):
-        chol, used = real(a)
+    def recording(a, **options):  # options: safe_cholesky's own (symmetric=)
+        chol, used = real(a, **options)
         used_in_posterior.append(float(used.max()) if used.numel() else 0.0)
         return chol, used
 
