@@ -49,10 +49,35 @@ def check_columns(prior: PriorModel, fleet: Fleet, source: str) -> None:
         )
 
 
-def out_of_range(prior: PriorModel, fleet: Fleet) -> dict[Any, list[tuple[int, str]]]:
+@dataclass(frozen=True)
+class Excess:
+    """One input a unit's calibration rows exceed: their span ``low``…``high`` against the
+    prior's range ``lo``…``hi`` (``index``: the input's place in the prior's inputs)."""
+
+    index: int
+    column: str
+    low: float
+    high: float
+    lo: float
+    hi: float
+
+    def long(self) -> str:
+        """The refusal's wording (``--strict``'s error, units.csv's ``status_reason``)."""
+        return (
+            f"{self.column} spans {self.low:.6g}…{self.high:.6g}, outside the prior fleet's "
+            f"calibrated range {self.lo:.6g}…{self.hi:.6g} (±5 %)"
+        )
+
+    def brief(self) -> str:
+        """The warning's short form."""
+        return (
+            f"{self.column} {self.low:.6g}…{self.high:.6g} outside {self.lo:.6g}…{self.hi:.6g} ±5 %"
+        )
+
+
+def out_of_range(prior: PriorModel, fleet: Fleet) -> dict[Any, list[Excess]]:
     """Per unit calibrated outside the range the fleet's prior was learned over (in the
-    file's order), each input it exceeds as (its index in the prior's inputs, "<input> spans
-    <low>…<high>, outside the prior fleet's calibrated range <lo>…<hi> (±5 %)").
+    file's order), each input it exceeds (:class:`Excess`, in the prior's input order).
 
     Only calibration (train) rows are judged: a unit's held-out rows beyond the range are
     scored with the extrapolation guard (linearized, ``beyond_support`` in per_sensor.csv).
@@ -60,16 +85,13 @@ def out_of_range(prior: PriorModel, fleet: Fleet) -> dict[Any, list[tuple[int, s
     calibration_rows = fleet.frame[fleet.frame[SPLIT_COLUMN] == "train"]
     # Every sensor's span at once (one grouped min/max per column, not a loop over sensors).
     groups = calibration_rows.groupby(fleet.client_column, sort=False)
-    found: dict[Any, list[tuple[int, str]]] = {}
+    found: dict[Any, list[Excess]] = {}
     for k, (c, (lo, hi)) in enumerate(prior.input_range.items()):
         slack = RANGE_TOLERANCE * (hi - lo)
         span = groups[c].agg(["min", "max"])
         bad = span[(span["min"] < lo - slack) | (span["max"] > hi + slack)]
         for sensor, (low, high) in zip(bad.index, bad.to_numpy(), strict=True):
-            found.setdefault(sensor, []).append(
-                (k, f"{c} spans {low:.6g}…{high:.6g}, outside the prior fleet's calibrated "
-                 f"range {lo:.6g}…{hi:.6g} (±5 %)")
-            )  # fmt: skip
+            found.setdefault(sensor, []).append(Excess(k, c, low, high, lo, hi))
     order = {s: k for k, s in enumerate(pd.unique(fleet.frame[fleet.client_column]))}
     return dict(sorted(found.items(), key=lambda kv: order[kv[0]]))
 
@@ -82,11 +104,11 @@ def check_inputs(prior: PriorModel, fleet: Fleet, source: str) -> None:
         raise ValueError(refusal_line(found, source))
 
 
-def refusal_line(found: dict[Any, list[tuple[int, str]]], source: str) -> str:
+def refusal_line(found: dict[Any, list[Excess]], source: str) -> str:
     """The whole file's one-line refusal: the first unit (in the file's order) out of range
     on the first of the prior's inputs any unit exceeds, and its span there."""
-    first = min(found, key=lambda s: found[s][0][0])  # ties: the first in the file's order
-    return f"{source}: sensor {first}: {found[first][0][1]}: {CANNOT}"
+    first = min(found, key=lambda s: found[s][0].index)  # ties: the first in the file's order
+    return f"{source}: sensor {first}: {found[first][0].long()}: {CANNOT}"
 
 
 CANNOT = "this prior cannot calibrate it"
@@ -124,23 +146,16 @@ def refuse_out_of_range(
     column = fleet.client_column
     counts = fleet.frame[fleet.frame[SPLIT_COLUMN] == "train"].groupby(column, sort=False).size()
     refused = tuple(
-        Refusal(str(s), int(counts[s]), "; ".join(w for _, w in why) + f": {CANNOT}", _brief(why))
+        Refusal(
+            str(s),
+            int(counts[s]),
+            "; ".join(e.long() for e in why) + f": {CANNOT}",
+            "; ".join(e.brief() for e in why),
+        )
         for s, why in found.items()
     )
     kept = fleet.frame[~fleet.frame[column].isin(list(found))]
     return Fleet(kept, fleet.features, fleet.target, column, dict(fleet.meta)), refused
-
-
-def _brief(why: list[tuple[int, str]]) -> str:
-    """ "frequency_hz 30720.5…33939.5 outside 29805.7…33691.2 ±5 %" of :func:`out_of_range`'s
-    lines (the warning's short form)."""
-    short = (" spans ", " "), (", outside the prior fleet's calibrated range ", " outside ")
-    out = []
-    for _, w in why:
-        for old, new in (*short, (" (±5 %)", " ±5 %")):
-            w = w.replace(old, new)
-        out.append(w)
-    return "; ".join(out)
 
 
 def refused_line(refused: Sequence[Refusal], units: int) -> str:
