@@ -54,19 +54,25 @@ def stated_rms(units, plan: planning.Planner) -> np.ndarray:
     return np.sqrt(sd**2 @ plan.weights) * plan.y_scale
 
 
+def new_units(prior: FleetPrior, design: planning.Design):
+    """20 new units measured at exactly ``design`` (fleet seed 11), calibrated against
+    ``prior``: what a user does after ``plan``."""
+    points = tuple(
+        (float(r.pressure_hpa), float(r.temperature_c), str(r.direction))
+        for r in design.frame().itertuples()
+    )
+    spec = FleetSpec(num_sensors=UNITS, train_design="points", design_points=points)
+    frame = simulate_fleet(spec, seed=11).frame
+    return prior.calibrate(frame[frame["split"] == "train"])
+
+
 @pytest.mark.parametrize("prior", PRIORS, ids=IDS, indirect=True)
 def test_the_forecast_sigma_is_within_10_percent_of_what_calibrate_states(prior):
     plan = planning.planner(prior.model_)
     chosen = planning.optimize(plan, plateaus=2, points=8).design
     forecast = planning.evaluate(plan, chosen)
     assert not forecast.declined  # 8 points ≥ the fleet's smallest design: a stated σ
-    points = tuple(
-        (float(r.pressure_hpa), float(r.temperature_c), str(r.direction))
-        for r in chosen.frame().itertuples()
-    )
-    spec = FleetSpec(num_sensors=UNITS, train_design="points", design_points=points)
-    frame = simulate_fleet(spec, seed=11).frame
-    units = prior.calibrate(frame[frame["split"] == "train"])
+    units = new_units(prior, chosen)
     assert (units.coefficients["points"] == 8).all()
     assert units.declined is None or not units.declined.any()
     stated = stated_rms(units, plan)
@@ -125,13 +131,7 @@ def test_the_forecast_is_calibrate_s_sigma_on_the_deployment_path(reference_prio
     plan = planning.planner(prior.model_)
     chosen = planning.optimize(plan, plateaus=2, points=8).design
     forecast = planning.evaluate(plan, chosen)
-    points = tuple(
-        (float(r.pressure_hpa), float(r.temperature_c), str(r.direction))
-        for r in chosen.frame().itertuples()
-    )
-    spec = FleetSpec(num_sensors=UNITS, train_design="points", design_points=points)
-    frame = simulate_fleet(spec, seed=11).frame
-    units = prior.calibrate(frame[frame["split"] == "train"])
+    units = new_units(prior, chosen)
     assert not units.declined.any()  # σ stated for all
     assert (units.params["gp_amp"] > 0).all()  # ... by the discrepancy model
     stated = stated_rms(units, plan)
@@ -167,13 +167,7 @@ def test_the_forecast_takes_the_references_mean_scale_where_a_unit_scale_is_kept
     plan = planning.planner(model)
     design = planning.grid_design(plan.chamber, 6, 4)
     forecast = planning.evaluate(plan, design)
-    points = tuple(
-        (float(r.pressure_hpa), float(r.temperature_c), str(r.direction))
-        for r in design.frame().itertuples()
-    )
-    spec = FleetSpec(num_sensors=UNITS, train_design="points", design_points=points)
-    frame = simulate_fleet(spec, seed=11).frame
-    units = planted_nu0_prior.calibrate(frame[frame["split"] == "train"])
+    units = new_units(planted_nu0_prior, design)
     assert (units.params["gp_amp"] > 0).all()
     stated = stated_rms(units, plan)
     ratio = float(np.sqrt(np.mean(stated**2))) / forecast.rms
