@@ -44,6 +44,7 @@ shared machine), and prints the mean figure of the last tree over the first's.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -122,6 +123,7 @@ def _train(
     eval_every: int = 1,
     settings: dict | None = None,
     chunked: bool = False,
+    workers: int | str = "auto",
 ):
     """The default fedprior trained on a simulated fleet: (algorithm, result, tensors, fleet,
     per-round wall and CPU seconds, build seconds). ``chunked``: the fleet simulated and
@@ -154,8 +156,6 @@ def _train(
     task = build_task(config, tensors.train.x.shape[-1], meta, client_inputs(tensors))
     algorithm = build_algorithm(method, config, task)
     if settings:  # --set: the method's settings changed (e.g. robust = "check")
-        import dataclasses
-
         algorithm = dataclasses.replace(algorithm, **settings)
     build_s = time.perf_counter() - t0
     build_rss_mb = _peak_mb()  # the fleet's frame and tensors: the high-water mark before training
@@ -202,7 +202,10 @@ def _train(
 
     simulation._train_round = round_timed
     every = int(eval_every) if str(eval_every).isdigit() else eval_every  # or "auto"
-    engine = EngineConfig(rounds=rounds, seed=0, eval_every=every, chunk_size=chunk_size)
+    named = {f.name for f in dataclasses.fields(EngineConfig)}
+    # (a tree from before [engine] workers has none: its rounds run as they did)
+    extra = {"workers": workers} if "workers" in named else {}
+    engine = EngineConfig(rounds=rounds, seed=0, eval_every=every, chunk_size=chunk_size, **extra)
     start = (0, time.perf_counter(), time.process_time())
     result = simulate(
         algorithm,
@@ -244,6 +247,7 @@ def step_fedprior(size: int, tmp: Path, args) -> dict:
         eval_every=args.eval_every,
         settings=settings,
         chunked=args.build == "chunks",
+        workers=args.workers if args.workers == "auto" else int(args.workers),
     )
     # Streamed when eligible and the assembled replies would pass the bound (engine._streams).
     refused = streamed.eligible(algorithm, EngineConfig().aggregation)
@@ -430,6 +434,12 @@ def main() -> None:
         help="fedprior: the training fleet as one frame, or 1,000 sensors at a time",
     )
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--workers",
+        default="auto",
+        help='fedprior: [engine] workers, threads computing a streamed round\'s chunks ("auto": '
+        "--threads)",
+    )
     parser.add_argument(
         "--trees",
         default="",

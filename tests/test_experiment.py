@@ -75,6 +75,12 @@ def test_rerun_resumes_and_refuses_other_configs(tmp_path, make_fleet):
     again = run_experiment(small_config(), fleet, tmp_path, ["fedgmi"])
     cols = ["rmse_mean", "rmse_worst", "mae_mean"]
     assert again[cols].values.tolist() == first[cols].values.tolist()
+    # where and on how many threads a run computes does not change its numbers: read back
+    (tmp_path / "runs" / "fedgmi_tp0_seed0" / "done.json").unlink()
+    cfg = small_config()
+    other = replace(cfg, engine=replace(cfg.engine, workers=3, chunk_size=2))
+    again = run_experiment(other, fleet, tmp_path, ["fedgmi"])
+    assert again[cols].values.tolist() == first[cols].values.tolist()
     with pytest.raises(ConfigError, match="another configuration"):
         run_experiment(small_config(rounds=4), fleet, tmp_path, ["fedgmi"])
     assert (

@@ -17,7 +17,11 @@ fleet's state and the server live. ``"cpu"`` (the default) copies nothing.
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -25,6 +29,8 @@ from torch import Tensor
 from fedcal.core.algorithm import Algorithm, ClientResult
 from fedcal.core.data import HOST, ClientData
 from fedcal.core.tree import Tree, expand, gather, tree_map
+
+T = TypeVar("T")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -55,6 +61,42 @@ def spans(num_clients: int, chunk_size: int) -> Iterator[Tensor]:
     size = chunk_size if chunk_size > 0 else max(num_clients, 1)
     for start in range(0, num_clients, size):
         yield torch.arange(start, min(start + size, num_clients))
+
+
+def in_order(measured: Callable[[Tensor], T], every: Iterable[Tensor], workers: int) -> Iterator[T]:
+    """``measured(rows)`` of each chunk, yielded in chunk order: computed here (``workers``
+    = 1), or ahead on ``workers`` threads, at most ``workers`` + 1 chunks in flight.
+
+    Why threads (a streamed round's pass 1, engine/streamed.py): its batched factorizations
+    (Cholesky, eigenvalues, triangular solves of thousands of p × p matrices) run one
+    matrix after another whatever torch's thread count, so on two cores half of such a
+    round was one core's. Each chunk is computed alone, torch on one thread
+    (:func:`torch_on_one_thread`), and taken in order: the same bits for any number of
+    workers (tested). A chunk's work runs outside the GIL in torch's kernels mostly."""
+    if workers <= 1:
+        yield from (measured(rows) for rows in every)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fedcal-chunk") as pool:
+        ahead: deque[Future[T]] = deque()
+        for rows in every:
+            ahead.append(pool.submit(measured, rows))
+            if len(ahead) > workers:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
+
+
+@contextmanager
+def torch_on_one_thread() -> Iterator[None]:
+    """Torch's intra-op threads set to one, then back: a chunk's numbers then do not depend
+    on the thread count (a reduction may split its terms by threads), and ``workers``
+    threads each leading a team of torch's would run workers × threads on the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def to_device(tree: Tree, device: torch.device) -> Tree:

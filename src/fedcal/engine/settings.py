@@ -27,6 +27,22 @@ EvalEvery = Annotated[
     int | str, PlainValidator(_eval_every, json_schema_input_type=int | Literal["auto"])
 ]
 
+#: The most threads ``[engine] workers`` may name.
+MAX_WORKERS = 256
+
+
+def _workers(value: object) -> int | str:
+    """``[engine] workers``: "auto" or a whole number of threads in [1, MAX_WORKERS]."""
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    if value == "auto" or (whole and 1 <= value <= MAX_WORKERS):
+        return value  # type: ignore[return-value]
+    raise ValueError(f'must be "auto" or an integer in [1, {MAX_WORKERS}], got {value!r}')
+
+
+Workers = Annotated[
+    int | str, PlainValidator(_workers, json_schema_input_type=int | Literal["auto"])
+]
+
 
 @checked
 class EngineSettings:
@@ -43,6 +59,9 @@ class EngineSettings:
     # local training and evaluation; the numbers do not depend on it (fedcal.engine.chunks).
     chunk_size: Int = Field(default=0, ge=0, le=MAX_CLIENTS)
     device: Name = "cpu"  # where chunks run ("cuda", "cuda:1"); the fleet's state stays on host
+    # Threads computing a streamed round's chunks ("auto": as many as torch's threads, the
+    # cores it uses); the numbers do not depend on it (engine/streamed.py, issue 36.1).
+    workers: Workers = "auto"
     # A round whose server checks refuse more than this share of the units that replied
     # (screened by size, inconsistent, prior outliers; not a diverged unit's non-finite
     # reply) stops the run: its result would rest on the few left (1 = never; issue 36.4).
@@ -62,6 +81,12 @@ class EngineSettings:
 # large fleet's run or more.
 AUTO_EVAL_UNITS = 10_000
 AUTO_EVAL_EVERY = 10
+
+
+def resolve_workers(workers: int | str, threads: int) -> int:
+    """``[engine] workers`` as a number of threads: itself, or ``threads`` (torch's) for
+    ``"auto"``."""
+    return max(1, int(threads)) if workers == "auto" else int(workers)
 
 
 def resolve_eval_every(eval_every: int | str, units: int) -> int:

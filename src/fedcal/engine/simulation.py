@@ -56,6 +56,7 @@ from fedcal.engine.settings import (
     mostly_refused,
     refused_clients,
     resolve_eval_every,
+    resolve_workers,
     unjudged,
 )
 from fedcal.engine.tensors import DTYPES, FleetTensors
@@ -352,6 +353,7 @@ def _aggregate_round(
             config.chunk_size,
             record,
             upload,
+            resolve_workers(config.workers, torch.get_num_threads()),
         )
         return result, accepted, agg
     result = chunks.client_update(algorithm, down, before, data, config.chunk_size, device)

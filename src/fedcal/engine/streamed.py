@@ -142,17 +142,50 @@ def streamed_round(
     chunk_size: int,
     record: list[dict] | None = None,
     upload: list[int] | None = None,
+    workers: int = 1,
 ) -> tuple[ClientResult, Tree, Tensor, dict[str, float]]:
     """One round streamed (module doc): ``(result, new_server, accepted, metrics)``.
 
     ``result`` holds the cohort's new states and client metrics, and the first client's
     reply as the reply. ``weights``: the clients' declared rows. Metrics and ``record`` as
     :func:`fedcal.core.aggregation.aggregate`; ``upload`` gets the round's bytes up, each
-    client's reply counted (a sample's replies are larger than the others')."""
+    client's reply counted (a sample's replies are larger than the others'). ``workers``:
+    the threads computing pass 1's chunks; torch runs on one thread meanwhile, so the
+    numbers are the same for any ``workers`` and torch thread count."""
+    with chunks.torch_on_one_thread():
+        return _streamed_round(
+            algorithm,
+            server,
+            down,
+            states,
+            data,
+            weights,
+            policy,
+            chunk_size,
+            record,
+            upload,
+            workers,
+        )
+
+
+def _streamed_round(
+    algorithm: Algorithm,
+    server: Tree,
+    down: Tree,
+    states: Tree,
+    data: ClientData,
+    weights: Tensor,
+    policy: AggregationPolicy,
+    chunk_size: int,
+    record: list[dict] | None,
+    upload: list[int] | None,
+    workers: int,
+) -> tuple[ClientResult, Tree, Tensor, dict[str, float]]:
+    """:func:`streamed_round`, torch on one thread."""
     n = data.num_clients
     weights = weights.to(torch.float64)
     check = _consistency_check(algorithm, server)
-    acc = _first_pass(algorithm, check, down, states, data, weights, chunk_size)
+    acc = _first_pass(algorithm, check, down, states, data, weights, chunk_size, workers)
     trees = acc.small.trees()
     result = ClientResult(unflatten(acc.first_reply), trees["state"], trees["metrics"])
     accepted, records, metrics, outlier = _decisions(acc, algorithm, policy, weights)
@@ -209,23 +242,31 @@ def _first_pass(
     data: ClientData,
     weights: Tensor,
     chunk_size: int,
+    workers: int = 1,
 ) -> _Pass:
     """Step 1: every chunk's client update, measured, checked and summed (a sample's group
-    first, when the algorithm samples: :func:`_groups`)."""
+    first, when the algorithm samples: :func:`_groups`), on ``workers`` threads
+    (:func:`fedcal.engine.chunks.in_order`)."""
     n = data.num_clients
     acc = _Pass.empty(n)
+    rounds: dict[frozenset, Round] = {}
     for group, sent in _groups(algorithm, down, data):
         size = chunk_size
         if group is not None and acc.bytes_up:  # the sample: chunks of the same bytes
             one = group[:1]
             full = reply_bytes(algorithm, sent, gather(states, one), data.select(one))
             size = max(1, chunk_size * acc.bytes_up // max(1, n - len(group)) // max(1, full))
-        for span in chunks.spans(n if group is None else len(group), size):
-            rows = span if group is None else group.index_select(0, span)
-            k = len(rows)
-            out = algorithm.client_update(expand(sent, k), gather(states, rows), data.select(rows))
-            _absorb_chunk(acc, algorithm, out, rows, weights, sent, check)
-            del out
+        spans = chunks.spans(n if group is None else len(group), size)
+        every = (span if group is None else group.index_select(0, span) for span in spans)
+
+        def measured(rows: Tensor, sent: Tree = sent) -> _Chunk:
+            out = algorithm.client_update(
+                expand(sent, len(rows)), gather(states, rows), data.select(rows)
+            )
+            return _measure(algorithm, out, rows, weights, sent, check, rounds)
+
+        for part in chunks.in_order(measured, every, workers):
+            _absorb_chunk(acc, algorithm, part)
     return acc
 
 
@@ -243,51 +284,86 @@ def _groups(algorithm: Algorithm, down: Tree, data: ClientData) -> list[tuple[Te
     return [((~sampled).nonzero()[:, 0], rest), (sampled.nonzero()[:, 0], down)]
 
 
-def _absorb_chunk(
-    acc: _Pass,
+@dataclass
+class _Chunk:
+    """One chunk's replies measured (every number of step 1 that reads only this chunk)."""
+
+    rows: Tensor
+    out: ClientResult
+    flat: dict[str, Tensor]
+    rnd: Round
+    ok: Tensor  # each client's reply (and state) finite
+    stateful: bool  # the clients keep a state (checked for finiteness too)
+    total: Tensor  # each client's update norm over the floating leaves
+    judged: dict[str, Tensor]  # the size screen's per-client norms
+    bad: dict[int, str] | None  # the consistency check's reasons (chunk positions)
+    keep: Tensor  # the clients summed: finite and consistent
+    sums: dict[str, Tensor]  # float64 sums of the kept clients' leaves
+    bytes_up: int
+
+
+def _measure(
     algorithm: Algorithm,
     out: ClientResult,
     rows: Tensor,
     weights: Tensor,
     down: Tree,
     check,
-) -> None:
-    """One chunk's replies into the pass: finite flags, norms, consistency, sums, the kept
-    per-client leaves."""
-    n, k = acc.n, len(rows)
+    rounds: dict[frozenset, Round],
+) -> _Chunk:
+    """One chunk's finite flags, norms, consistency and sums (:class:`_Chunk`); ``rounds``:
+    the :class:`Round` of each reply structure, formed once (a sample's replies hold more)."""
+    k = len(rows)
     flat = flatten(out.reply)
     shape = frozenset(flat)
-    if acc.first_reply is None:
-        acc.first_reply = {key: v[:1].clone() for key, v in flat.items()}
-    if shape not in acc.rounds:  # (one per reply structure: a sample's replies hold more)
-        acc.rounds[shape] = Round.of(down, flat, "sum", algorithm.unscreened_replies)
-    rnd = acc.rounds[shape]
-    acc.dtypes.update((key, v.dtype) for key, v in flat.items())
-    acc.bytes_up += num_bytes(out.reply, per_client_axis=True) * k
+    if shape not in rounds:  # (a pure function of the structure: a race forms it twice)
+        rounds[shape] = Round.of(down, flat, "sum", algorithm.unscreened_replies)
+    rnd = rounds[shape]
     ok, state_ok = finite_rows(out.reply), finite_rows(out.state)
     ok = ok & state_ok if state_ok.numel() else ok  # a stateless client: its reply only
-    acc.reason = "non-finite reply or state" if state_ok.numel() else "non-finite reply"
-    acc.finite[rows] = ok
     sq = _norms(flat, rnd.floating, k)
-    acc.total[rows] = torch.stack(list(sq.values())).square().sum(0).sqrt()
+    total = torch.stack(list(sq.values())).square().sum(0).sqrt()
     # the size screen's input: the algorithm's scale-free view (issue 34.3) or the leaves
     view = algorithm.screen_view
     parts = _view_norms(view(flat, weights[rows], down), k) if view is not None else sq
-    for key in parts if view is not None else rnd.judged:
-        acc.judged_norms.setdefault(key, torch.zeros(n, dtype=torch.float64))
-        acc.judged_norms[key][rows] = parts[key]
+    judged = {key: parts[key] for key in (parts if view is not None else rnd.judged)}
     keep = ok.clone()
-    if check is not None:
-        bad = check(out.reply, weights[rows], ok)
-        acc.checked = acc.checked or bad is not None
-        for j, why in (bad or {}).items():
-            acc.reasons[int(rows[j])] = why
-            keep[j] = False
+    bad = check(out.reply, weights[rows], ok) if check is not None else None
+    for j in bad or {}:
+        keep[j] = False
     whole = bool(keep.all())  # most chunks: every row summed, no masked copy
-    for key, v in flat.items():
-        part = (v if whole and v.is_contiguous() else v[keep]).to(torch.float64).sum(0)
-        acc.sums[key] = acc.sums[key] + part if key in acc.sums else part
+    sums = {
+        key: (v if whole and v.is_contiguous() else v[keep]).to(torch.float64).sum(0)
+        for key, v in flat.items()
+    }
+    size = num_bytes(out.reply, per_client_axis=True) * k
+    return _Chunk(
+        rows, out, flat, rnd, ok, bool(state_ok.numel()), total, judged, bad, keep, sums, size
+    )
+
+
+def _absorb_chunk(acc: _Pass, algorithm: Algorithm, part: _Chunk) -> None:
+    """One measured chunk into the pass, in chunk order: finite flags, norms, reasons, sums,
+    the kept per-client leaves."""
+    n, rows, flat, k = acc.n, part.rows, part.flat, len(part.rows)
+    if acc.first_reply is None:
+        acc.first_reply = {key: v[:1].clone() for key, v in flat.items()}
+    acc.rounds.setdefault(frozenset(flat), part.rnd)
+    acc.dtypes.update((key, v.dtype) for key, v in flat.items())
+    acc.bytes_up += part.bytes_up
+    acc.reason = "non-finite reply or state" if part.stateful else "non-finite reply"
+    acc.finite[rows] = part.ok
+    acc.total[rows] = part.total
+    for key, v in part.judged.items():
+        acc.judged_norms.setdefault(key, torch.zeros(n, dtype=torch.float64))
+        acc.judged_norms[key][rows] = v
+    acc.checked = acc.checked or part.bad is not None
+    for j, why in (part.bad or {}).items():
+        acc.reasons[int(rows[j])] = why
+    for key, v in part.sums.items():
+        acc.sums[key] = acc.sums[key] + v if key in acc.sums else v
     contiguous = int(rows[-1]) - int(rows[0]) == k - 1  # (spans of one group: in order)
+    out = part.out
     acc.small.add(
         {"state": out.state, "metrics": out.metrics}, int(rows[0]) if contiguous else rows
     )
