@@ -10,6 +10,7 @@ sample of the units (two groups of chunks), chunks of 3 units.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from fedcal.core.algorithm import ClientResult
 from fedcal.core.bayes import F64
 from fedcal.core.tree import expand, flatten
 from fedcal.engine import chunks, streamed
-from fedcal.engine.settings import resolve_workers
+from fedcal.engine.settings import available_cores, resolve_workers
 from fedcal.engine.simulation import EngineConfig, prepare, simulate
 
 from .test_streamed import UNITS, Hostile, fleet, make
@@ -122,14 +123,16 @@ def test_workers_setting():
     assert EngineConfig().workers == "auto"
     assert resolve_workers("auto", 2) == 2 and resolve_workers(3, 2) == 3
     assert resolve_workers("auto", 0) == 1
+    assert 1 <= available_cores() <= (os.cpu_count() or 1)
     for bad in (0, -1, 2.5, True, "many"):
         with pytest.raises(ValueError, match="workers"):
             EngineConfig(workers=bad)
 
 
 def test_the_engine_passes_its_workers(make_fleet, monkeypatch):
-    """``[engine] workers`` reaches the streamed round ("auto": torch's threads), and two
-    runs with 1 and 3 workers give the same numbers."""
+    """``[engine] workers`` reaches the streamed round ("auto": the cores this process may
+    use, whatever torch's thread count: `fedcal run` sets that to one), and two runs with 1
+    and 3 workers give the same numbers."""
     tensors = prepare(make_fleet(num_clients=12), dtype="float64")
     alg = make(robust="full")
     seen = []
@@ -137,10 +140,16 @@ def test_the_engine_passes_its_workers(make_fleet, monkeypatch):
     monkeypatch.setattr(streamed, "streamed_round", lambda *a: seen.append(a[-1]) or real(*a))
     monkeypatch.setattr(streamed, "STREAM_ABOVE", 0)
     runs = {}
-    for workers in (1, 3, "auto"):
-        config = EngineConfig(rounds=2, seed=0, dtype="float64", chunk_size=5, workers=workers)
-        runs[workers] = simulate(alg, tensors, config)
-    assert seen == [1, 1, 3, 3, torch.get_num_threads(), torch.get_num_threads()]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as `fedcal run` does
+    try:
+        for workers in (1, 3, "auto"):
+            config = EngineConfig(rounds=2, seed=0, dtype="float64", chunk_size=5, workers=workers)
+            runs[workers] = simulate(alg, tensors, config)
+    finally:
+        torch.set_num_threads(threads)
+    cores = available_cores()
+    assert seen == [1, 1, 3, 3, cores, cores]
     for key, v in flatten(runs[1].server).items():
         assert torch.equal(flatten(runs[3].server)[key], v), key
     assert [r["test_rmse"] for r in runs[3].final] == [r["test_rmse"] for r in runs[1].final]

@@ -7,6 +7,7 @@ aggregation policy, the configuration's ``[engine]`` the checkpoint interval.
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Literal
 
 from pydantic import Field, PlainValidator, model_validator
@@ -59,8 +60,8 @@ class EngineSettings:
     # local training and evaluation; the numbers do not depend on it (fedcal.engine.chunks).
     chunk_size: Int = Field(default=0, ge=0, le=MAX_CLIENTS)
     device: Name = "cpu"  # where chunks run ("cuda", "cuda:1"); the fleet's state stays on host
-    # Threads computing a streamed round's chunks ("auto": as many as torch's threads, the
-    # cores it uses); the numbers do not depend on it (engine/streamed.py, issue 36.1).
+    # Threads computing a streamed round's chunks ("auto": the cores this process may use);
+    # the numbers do not depend on it (engine/streamed.py, issue 36.1).
     workers: Workers = "auto"
     # A round whose server checks refuse more than this share of the units that replied
     # (screened by size, inconsistent, prior outliers; not a diverged unit's non-finite
@@ -83,10 +84,20 @@ AUTO_EVAL_UNITS = 10_000
 AUTO_EVAL_EVERY = 10
 
 
-def resolve_workers(workers: int | str, threads: int) -> int:
-    """``[engine] workers`` as a number of threads: itself, or ``threads`` (torch's) for
-    ``"auto"``."""
-    return max(1, int(threads)) if workers == "auto" else int(workers)
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity call: macOS, Windows)
+        return os.cpu_count() or 1
+
+
+def resolve_workers(workers: int | str, cores: int) -> int:
+    """``[engine] workers`` as a number of threads: itself, or ``cores`` (e.g.
+    :func:`available_cores`) for ``"auto"``. Not torch's thread count: ``fedcal run`` sets
+    that to one (its models are small), and a streamed round's chunks run torch on one
+    thread each anyway."""
+    return max(1, int(cores)) if workers == "auto" else int(workers)
 
 
 def resolve_eval_every(eval_every: int | str, units: int) -> int:

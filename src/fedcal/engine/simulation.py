@@ -53,6 +53,7 @@ from fedcal.engine.schedule import (
 )
 from fedcal.engine.settings import (
     EngineSettings,
+    available_cores,
     mostly_refused,
     refused_clients,
     resolve_eval_every,
@@ -353,7 +354,7 @@ def _aggregate_round(
             config.chunk_size,
             record,
             upload,
-            resolve_workers(config.workers, torch.get_num_threads()),
+            resolve_workers(config.workers, available_cores()),
         )
         return result, accepted, agg
     result = chunks.client_update(algorithm, down, before, data, config.chunk_size, device)
