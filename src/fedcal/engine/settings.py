@@ -16,33 +16,24 @@ from fedcal.core.hooks import WeighsOutliers
 from fedcal.core.schema import MAX_CLIENTS, MAX_ROUNDS, Float, Int, Name, checked
 
 
-def _eval_every(value: object) -> int | str:
-    """``[engine] eval_every``: "auto" or a whole number of rounds in [1, MAX_ROUNDS]."""
-    whole = isinstance(value, int) and not isinstance(value, bool)
-    if value == "auto" or (whole and 1 <= value <= MAX_ROUNDS):
-        return value  # type: ignore[return-value]
-    raise ValueError(f'must be "auto" or an integer in [1, {MAX_ROUNDS}], got {value!r}')
+def _auto_or_count(upper: int) -> PlainValidator:
+    """A setting that is "auto" or a whole number in [1, ``upper``] (kept as given)."""
 
+    def check(value: object) -> int | str:
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if value == "auto" or (whole and 1 <= value <= upper):
+            return value  # type: ignore[return-value]
+        raise ValueError(f'must be "auto" or an integer in [1, {upper}], got {value!r}')
 
-EvalEvery = Annotated[
-    int | str, PlainValidator(_eval_every, json_schema_input_type=int | Literal["auto"])
-]
+    return PlainValidator(check, json_schema_input_type=int | Literal["auto"])
+
 
 #: The most threads ``[engine] workers`` may name.
 MAX_WORKERS = 256
-
-
-def _workers(value: object) -> int | str:
-    """``[engine] workers``: "auto" or a whole number of threads in [1, MAX_WORKERS]."""
-    whole = isinstance(value, int) and not isinstance(value, bool)
-    if value == "auto" or (whole and 1 <= value <= MAX_WORKERS):
-        return value  # type: ignore[return-value]
-    raise ValueError(f'must be "auto" or an integer in [1, {MAX_WORKERS}], got {value!r}')
-
-
-Workers = Annotated[
-    int | str, PlainValidator(_workers, json_schema_input_type=int | Literal["auto"])
-]
+#: ``[engine] eval_every``: "auto" or every k rounds (:func:`resolve_eval_every`).
+EvalEvery = Annotated[int | str, _auto_or_count(MAX_ROUNDS)]
+#: ``[engine] workers``: "auto" or a number of threads (:func:`resolve_workers`).
+Workers = Annotated[int | str, _auto_or_count(MAX_WORKERS)]
 
 
 @checked

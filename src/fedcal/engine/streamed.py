@@ -131,6 +131,7 @@ class _Pass:
         return cls(n, {}, finite, torch.zeros(n, dtype=torch.float64), chunks.Assembly(n))
 
 
+@chunks.torch_on_one_thread()
 def streamed_round(
     algorithm: Algorithm,
     server: Tree,
@@ -152,36 +153,6 @@ def streamed_round(
     client's reply counted (a sample's replies are larger than the others'). ``workers``:
     the threads computing pass 1's chunks; torch runs on one thread meanwhile, so the
     numbers are the same for any ``workers`` and torch thread count."""
-    with chunks.torch_on_one_thread():
-        return _streamed_round(
-            algorithm,
-            server,
-            down,
-            states,
-            data,
-            weights,
-            policy,
-            chunk_size,
-            record,
-            upload,
-            workers,
-        )
-
-
-def _streamed_round(
-    algorithm: Algorithm,
-    server: Tree,
-    down: Tree,
-    states: Tree,
-    data: ClientData,
-    weights: Tensor,
-    policy: AggregationPolicy,
-    chunk_size: int,
-    record: list[dict] | None,
-    upload: list[int] | None,
-    workers: int,
-) -> tuple[ClientResult, Tree, Tensor, dict[str, float]]:
-    """:func:`streamed_round`, torch on one thread."""
     n = data.num_clients
     weights = weights.to(torch.float64)
     check = _consistency_check(algorithm, server)
