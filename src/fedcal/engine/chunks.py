@@ -90,7 +90,9 @@ def in_order(measured: Callable[[Tensor], T], every: Iterable[Tensor], workers: 
 def torch_on_one_thread() -> Iterator[None]:
     """Torch's intra-op threads set to one, then back: a chunk's numbers then do not depend
     on the thread count (a reduction may split its terms by threads), and ``workers``
-    threads each leading a team of torch's would run workers × threads on the cores."""
+    threads each leading a team of torch's would run workers × threads on the cores. The
+    setting is the process's: other torch work running meanwhile in another thread of the
+    same program also runs on one thread. Also a decorator (``@torch_on_one_thread()``)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
