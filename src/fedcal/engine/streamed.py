@@ -119,7 +119,6 @@ class _Pass:
     inputs: dict[str, Tensor] = field(default_factory=dict)  # the M-step weight's leaves
     keys: dict[str, Tensor] = field(default_factory=dict)  # the leaves pick_reply reads
     first_reply: dict[str, Tensor] | None = None
-    rounds: dict[frozenset, Round] = field(default_factory=dict)  # a reply structure's Round
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # each leaf's reply dtype
     bytes_up: int = 0  # the clients' replies, each counted
     checked: bool = False  # the algorithm checks consistency (a rejected_inconsistent column)
@@ -262,13 +261,11 @@ class _Chunk:
     rows: Tensor
     out: ClientResult
     flat: dict[str, Tensor]
-    rnd: Round
     ok: Tensor  # each client's reply (and state) finite
     stateful: bool  # the clients keep a state (checked for finiteness too)
     total: Tensor  # each client's update norm over the floating leaves
     judged: dict[str, Tensor]  # the size screen's per-client norms
     bad: dict[int, str] | None  # the consistency check's reasons (chunk positions)
-    keep: Tensor  # the clients summed: finite and consistent
     sums: dict[str, Tensor]  # float64 sums of the kept clients' leaves
     bytes_up: int
 
@@ -308,9 +305,7 @@ def _measure(
         for key, v in flat.items()
     }
     size = num_bytes(out.reply, per_client_axis=True) * k
-    return _Chunk(
-        rows, out, flat, rnd, ok, bool(state_ok.numel()), total, judged, bad, keep, sums, size
-    )
+    return _Chunk(rows, out, flat, ok, bool(state_ok.numel()), total, judged, bad, sums, size)
 
 
 def _absorb_chunk(acc: _Pass, algorithm: Algorithm, part: _Chunk) -> None:
@@ -319,7 +314,6 @@ def _absorb_chunk(acc: _Pass, algorithm: Algorithm, part: _Chunk) -> None:
     n, rows, flat, k = acc.n, part.rows, part.flat, len(part.rows)
     if acc.first_reply is None:
         acc.first_reply = {key: v[:1].clone() for key, v in flat.items()}
-    acc.rounds.setdefault(frozenset(flat), part.rnd)
     acc.dtypes.update((key, v.dtype) for key, v in flat.items())
     acc.bytes_up += part.bytes_up
     acc.reason = "non-finite reply or state" if part.stateful else "non-finite reply"
