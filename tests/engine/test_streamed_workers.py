@@ -20,7 +20,7 @@ from fedcal.core.algorithm import ClientResult
 from fedcal.core.bayes import F64
 from fedcal.core.tree import expand, flatten
 from fedcal.engine import chunks, streamed
-from fedcal.engine.settings import available_cores, resolve_workers
+from fedcal.engine.settings import AUTO_WORKERS_MAX, available_cores, resolve_workers
 from fedcal.engine.simulation import EngineConfig, prepare, simulate
 
 from .test_streamed import UNITS, Hostile, fleet, make
@@ -123,6 +123,8 @@ def test_workers_setting():
     assert EngineConfig().workers == "auto"
     assert resolve_workers("auto", 2) == 2 and resolve_workers(3, 2) == 3
     assert resolve_workers("auto", 0) == 1
+    assert resolve_workers("auto", 64) == AUTO_WORKERS_MAX < 64  # chunks in flight bounded
+    assert resolve_workers(64, 2) == 64  # a number given is kept
     assert 1 <= available_cores() <= (os.cpu_count() or 1)
     for bad in (0, -1, 2.5, True, "many"):
         with pytest.raises(ValueError, match="workers"):
@@ -148,7 +150,7 @@ def test_the_engine_passes_its_workers(make_fleet, monkeypatch):
             runs[workers] = simulate(alg, tensors, config)
     finally:
         torch.set_num_threads(threads)
-    cores = available_cores()
+    cores = min(available_cores(), AUTO_WORKERS_MAX)
     assert seen == [1, 1, 3, 3, cores, cores]
     for key, v in flatten(runs[1].server).items():
         assert torch.equal(flatten(runs[3].server)[key], v), key
