@@ -41,7 +41,7 @@ from fedcal.data.simulator import Fleet, simulate_fleet
 from fedcal.engine.simulation import EngineConfig, prepare, simulate
 
 
-def _fleet(seed: int, kind: str = "quickstart"):
+def _fleet(seed: int, kind: str):
     config = load_config("quickstart")
     if kind == "crosscheck":  # studies/crosscheck.py on the path (PYTHONPATH=src:studies)
         import crosscheck
@@ -87,10 +87,10 @@ def _distance(f: dict, ref: dict) -> tuple[float, float]:
 
 def _line(tag: str, f: dict, ref: dict, bar: tuple[float, float] | None = None) -> str:
     rel = _rel
-    unit = _distance(f, ref)[0]
+    here = _distance(f, ref)
+    unit = here[0]
     verdict = ""
     if bar is not None:
-        here = _distance(f, ref)
         verdict = "  pass" if here[0] <= bar[0] and here[1] <= bar[1] else "  FAIL"
     return (
         f"{tag:>14} rounds {f['rounds']:3d}  σ² {rel(f['s2'], ref['s2']):+.2e}  "

@@ -438,7 +438,7 @@ def main() -> None:
         "--workers",
         default="auto",
         help='fedprior: [engine] workers, threads computing a streamed round\'s chunks ("auto": '
-        "--threads)",
+        "the cores the process may use, at most 8)",
     )
     parser.add_argument(
         "--trees",

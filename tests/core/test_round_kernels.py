@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from fedcal.core import robust
+from fedcal.core import bayes, robust
 from fedcal.core.bayes import Moments, posterior, repeated_factor, safe_cholesky
 from fedcal.core.measures import finite_each, finite_rows
 
@@ -44,7 +44,7 @@ def test_the_diagonal_shift_gives_the_verdicts_of_adding_shift_times_identity():
     q, _ = torch.linalg.qr(torch.randn(9, 5, 5, generator=gen, dtype=F64))
     vals = torch.rand(9, 5, generator=gen, dtype=F64) + 0.5
     vals[:, 0] = torch.tensor([-0.3, -0.2, -0.1 + 1e-15, -0.1, -0.1 - 1e-15, 0.0, 0.1, -1.0, 2.0])
-    a = robust._sym((q * vals.unsqueeze(-2)) @ q.transpose(-2, -1))
+    a = bayes.sym((q * vals.unsqueeze(-2)) @ q.transpose(-2, -1))
     a[0, 0, 1] = a[0, 1, 0] = -0.0
     for shift in (0.1, torch.full((9,), 0.1, dtype=F64), torch.linspace(0, 1, 9, dtype=F64)):
         assert torch.equal(robust._factors(a, shift), _old_factors(a, shift))
@@ -54,18 +54,18 @@ def test_the_diagonal_shift_gives_the_verdicts_of_adding_shift_times_identity():
 def test_sym_and_a_symmetric_safe_cholesky_keep_the_bits():
     gen = torch.Generator().manual_seed(1)
     a = torch.randn(6, 7, 7, generator=gen, dtype=F64)
-    s = robust._sym(a)
+    s = bayes.sym(a)
     assert torch.equal(s, 0.5 * (a + a.transpose(-2, -1)))
     spd = s @ s.transpose(-2, -1) + torch.eye(7, dtype=F64)
     spd[-1] = s[-1]  # indefinite: the jitter path
-    spd = robust._sym(spd)
+    spd = bayes.sym(spd)
     for got, want in zip(safe_cholesky(spd, symmetric=True), safe_cholesky(spd), strict=True):
         assert torch.equal(got, want)
 
 
 def test_eigenvalues_of_every_matrix_at_once_are_the_masked_ones():
     gen = torch.Generator().manual_seed(2)
-    a = robust._sym(torch.randn(5, 6, 6, generator=gen, dtype=F64))
+    a = bayes.sym(torch.randn(5, 6, 6, generator=gen, dtype=F64))
     vals = robust._eigvalsh(a)  # all finite: one call, no copy
     for i in range(5):
         assert torch.equal(vals[i], torch.linalg.eigvalsh(a[i : i + 1])[0])

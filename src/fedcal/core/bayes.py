@@ -99,7 +99,7 @@ def safe_cholesky(a: Tensor, symmetric: bool = False) -> tuple[Tensor, Tensor]:
     is exactly symmetric already (½(x + x) = x: its ½(a + aᵀ) is ``a``, not formed).
     """
     if not symmetric:
-        a = _sym(a)
+        a = sym(a)
     chol, info = torch.linalg.cholesky_ex(a)
     used = torch.zeros(info.shape, dtype=a.dtype)
     if not bool((info != 0).any()):
@@ -201,7 +201,7 @@ def posterior(
     else:
         l_inv = torch.linalg.solve_triangular(chol, eye.expand(c, p, p), upper=False)
     gls_gram = l_inv.transpose(1, 2) @ torch.cholesky_solve(b, a_chol) @ l_inv
-    gls_gram = _sym(gls_gram)
+    gls_gram = sym(gls_gram)
     gls_rhs = l_inv.transpose(1, 2) @ z
     # E‖y − Φc‖² = ‖y − Φm‖² + tr(G V)
     mean_col = mean.unsqueeze(-1)
@@ -260,7 +260,7 @@ def _whitened(
         chol, jitter_sigma = _prior_chol(sigma.to(F64).expand(c, p, p))
     eye = torch.eye(p, dtype=F64)
     lg = (chol.transpose(1, 2) @ gram @ chol).div_(s2)
-    b = _sym(lg)  # B = LᵀGL/σ², symmetric by construction
+    b = sym(lg)  # B = LᵀGL/σ², symmetric by construction
     a = eye + b  # exactly symmetric, as b is
     a_chol, jitter_a = safe_cholesky(a, symmetric=True)
     resid_rhs = rhs - (gram @ mu.unsqueeze(-1))[..., 0]  # Φᵀ(y − Φμ)
@@ -268,13 +268,14 @@ def _whitened(
     z = torch.cholesky_solve(g, a_chol)
     mean = mu + (chol @ z)[..., 0]
     a_inv = torch.cholesky_inverse(a_chol)
-    cov = _sym(chol @ a_inv @ chol.transpose(1, 2))
+    cov = sym(chol @ a_inv @ chol.transpose(1, 2))
     return _Whitened(chol, b, a_chol, g, z, mean, cov, jitter_sigma, jitter_a)
 
 
-def _sym(a: Tensor) -> Tensor:
-    """½(a + aᵀ) of a batch (…, p, p), the product formed in the sum's buffer (x·½ = ½·x:
-    the same bits as ``0.5 * (a + aᵀ)``, one temporary fewer)."""
+def sym(a: Tensor) -> Tensor:
+    """½(a + aᵀ) of a batch (…, p, p): exactly symmetric (x + y = y + x in floating point),
+    the product formed in the sum's buffer (x·½ = ½·x: the same bits as ``0.5 * (a + aᵀ)``,
+    one temporary fewer). Shared by the E-step and the robust checks (core/robust.py)."""
     return (a + a.transpose(-2, -1)).mul_(0.5)
 
 
@@ -309,7 +310,7 @@ def data_support(gram: Tensor, noise_var: Tensor, scale: float) -> Tensor:
     """
     p = gram.shape[-1]
     eye = torch.eye(p, dtype=F64)
-    a = _sym(eye + (scale**2 * gram.to(F64)).div_(noise_var.to(F64).reshape(-1, 1, 1)))
+    a = sym(eye + (scale**2 * gram.to(F64)).div_(noise_var.to(F64).reshape(-1, 1, 1)))
     inv, info = torch.linalg.inv_ex(a)
     bad = info != 0
     if bool(bad.any()):  # (finiteness read only then: it cost a quarter of the inverse)

@@ -22,15 +22,8 @@ import math
 import torch
 from torch import Tensor
 
-from fedcal.core.bayes import F64
-from fedcal.core.robust import (
-    WHITENED_TOL,
-    _eigvalsh,
-    _factors,
-    _frobenius,
-    _rounding,
-    _sym,
-)
+from fedcal.core.bayes import F64, sym
+from fedcal.core.robust import WHITENED_TOL, _eigvalsh, _factors, _frobenius, _rounding
 
 
 def fitted_rms(mean: Tensor, gram: Tensor, rows: Tensor) -> Tensor:
@@ -45,7 +38,7 @@ def fitted_rms(mean: Tensor, gram: Tensor, rows: Tensor) -> Tensor:
     m = mean.to(F64)
     if gram.shape[-1] != m.shape[-1]:  # a design Gram of another basis: the coefficients
         return m.norm(dim=-1)
-    g = _sym(gram.to(F64))
+    g = sym(gram.to(F64))
     energy = (m.unsqueeze(-2) @ g @ m.unsqueeze(-1))[..., 0, 0]
     weight = torch.where(g[..., 0, 0] > 0, g[..., 0, 0], rows.to(F64).clamp_min(1.0))
     return (energy.clamp_min(0.0) / weight).sqrt()
@@ -78,7 +71,7 @@ def support_problems(support: Tensor) -> dict[int, str]:
     """Units whose data support I − (I + s²G/σ²)⁻¹ (c, p, p) has an eigenvalue outside
     [0, 1] (beyond :data:`WHITENED_TOL` and rounding): a support is a share of information,
     whatever the unit's rows (so it is checked for range, not judged by size)."""
-    a = _sym(support.to(F64))
+    a = sym(support.to(F64))
     p, tol = a.shape[-1], WHITENED_TOL
     norm = _frobenius(a)
     ok = torch.isfinite(norm) & (_rounding(norm, p) <= 0.5 * tol)

@@ -61,7 +61,7 @@ from scipy.stats import chi2
 from scipy.stats import f as f_dist
 from torch import Tensor
 
-from fedcal.core.bayes import F64, safe_cholesky
+from fedcal.core.bayes import F64, safe_cholesky, sym
 from fedcal.core.measures import finite_each
 
 #: Tolerances of the consistency checks, in whitened units (a consistent upload's rounding
@@ -76,15 +76,9 @@ CUTOFF_QUANTILE = 0.999
 BLOCK = 4096
 
 
-def _sym(a: Tensor) -> Tensor:
-    """½(a + aᵀ): exactly symmetric (x + y = y + x in floating point); the product formed
-    in the sum's own buffer (x·½ = ½·x: the same bits, one temporary fewer)."""
-    return (a + a.transpose(-2, -1)).mul_(0.5)
-
-
 def _whiten(sigma: Tensor) -> tuple[Tensor, Tensor]:
     """(L, L⁻¹) of Σ = L Lᵀ (batched; :func:`safe_cholesky`)."""
-    chol = safe_cholesky(_sym(sigma.to(F64)))[0]
+    chol = safe_cholesky(sym(sigma.to(F64)), symmetric=True)[0]
     eye = torch.eye(sigma.shape[-1], dtype=F64).expand_as(chol)
     return chol, torch.linalg.solve_triangular(chol, eye, upper=False)
 
@@ -92,7 +86,7 @@ def _whiten(sigma: Tensor) -> tuple[Tensor, Tensor]:
 def whitened_tolerance(sigma: Tensor) -> Tensor:
     """Tolerance of the whitened checks for a prior Σ (…, p, p): :data:`WHITENED_TOL` plus
     10³·ε·cond(Σ) (whitening by an ill-conditioned L amplifies rounding by its condition)."""
-    vals = torch.linalg.eigvalsh(_sym(sigma.to(F64)))
+    vals = torch.linalg.eigvalsh(sym(sigma.to(F64)))
     cond = vals[..., -1].abs() / vals[..., 0].clamp_min(1e-300)
     return WHITENED_TOL + 1e3 * torch.finfo(F64).eps * cond
 
@@ -121,9 +115,9 @@ def _whitened_terms(stats: dict[str, Tensor], mu: Tensor, chol: Tensor, inv: Ten
     p = m.shape[-1]
     tr = chol.transpose(-2, -1)
     outer = m.unsqueeze(-1) * m.unsqueeze(-2)  # S − m mᵀ formed in m mᵀ's buffer
-    v = _sym(torch.sub(stats["second"].to(F64), outer, out=outer))
-    w = _sym(inv @ v @ inv.transpose(-2, -1))
-    h = _sym(tr @ stats["gls_gram"].to(F64) @ chol)
+    v = sym(torch.sub(stats["second"].to(F64), outer, out=outer))
+    w = sym(inv @ v @ inv.transpose(-2, -1))
+    h = sym(tr @ stats["gls_gram"].to(F64) @ chol)
     z = (inv @ (m - mu.to(F64)).unsqueeze(-1))[..., 0]
     e = z - (tr @ stats["gls_rhs"].to(F64).unsqueeze(-1))[..., 0]
     return w, h, (h + w).sub_(torch.eye(p, dtype=F64)), z, e
@@ -326,7 +320,7 @@ def gram_problems(gram: Tensor, n: Tensor | None, constant_first: bool) -> dict[
     PSD means λ_min(G) ≥ −:data:`GRAM_TOL`·max_k |G_kk|. A unit whose G + (that bound / 2)·I
     has a Cholesky factor, with the bound / 2 above the rounding of both verdicts
     (:func:`_rounding`), certainly passes; only the others' eigenvalues are computed."""
-    g = _sym(gram.to(F64))
+    g = sym(gram.to(F64))
     scale = torch.diagonal(g, dim1=-2, dim2=-1).abs().amax(-1).clamp_min(1e-300)
     bound = GRAM_TOL * scale
     norm = _frobenius(g)  # not finite for a non-finite G: no verdict (NaN eigenvalues: rejected)
@@ -371,10 +365,10 @@ def loo_distances(mean: Tensor, second: Tensor) -> Tensor:
         centre = (total_m - mb) / (c - 1)
         # (S − S_i)/(c − 1) − c₋ᵢc₋ᵢᵀ, each step in one buffer (the same operations)
         scatter = (total_s - sb).div_(c - 1).sub_(centre.unsqueeze(-1) * centre.unsqueeze(-2))
-        scatter = _sym(scatter)
+        scatter = sym(scatter)
         d = mb - centre
         chol = safe_cholesky(scatter, symmetric=True)[0]
-        out.append(_honest_distance(d, _sym(sb - mb.unsqueeze(-1) * mb.unsqueeze(-2)), chol))
+        out.append(_honest_distance(d, sym(sb - mb.unsqueeze(-1) * mb.unsqueeze(-2)), chol))
     return torch.cat(out)
 
 
@@ -386,7 +380,7 @@ def _honest_distance(d: Tensor, v: Tensor, chol: Tensor) -> Tensor:
     expectation of before; a data-rich unit is judged as before. V_i ⪯ Σ is checked
     (:func:`inconsistencies`, d), so a forger gains at most Σ's width."""
     lower = torch.linalg.solve_triangular(chol, v, upper=False)
-    white = _sym(torch.linalg.solve_triangular(chol, lower.transpose(-2, -1), upper=False))
+    white = sym(torch.linalg.solve_triangular(chol, lower.transpose(-2, -1), upper=False))
     dw = torch.linalg.solve_triangular(chol, d.unsqueeze(-1), upper=False)
     eye = torch.eye(v.shape[-1], dtype=F64)
     widened = safe_cholesky(white + eye, symmetric=True)[0]
@@ -450,7 +444,7 @@ def explained_rms(gram: Tensor, moment: Tensor, rows: Tensor) -> Tensor:
     A size screen's scale-free view of the moment Φᵀy (issue 20 item 3): in the units of y,
     whatever the unit's row count or input range (raw, Φᵀy grows with both), and ≤ the RMS
     of y, so a unit whose targets are f × an honest unit's has f × its value."""
-    g = _sym(gram.to(F64))
+    g = sym(gram.to(F64))
     m = moment.to(F64).unsqueeze(-1)
     coef = torch.linalg.pinv(g, hermitian=True, rtol=1e-12) @ m
     energy = (m * coef).sum((-2, -1)).clamp_min(0.0)  # ≥ 0 up to rounding for a PSD G

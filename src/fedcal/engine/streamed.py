@@ -212,7 +212,7 @@ def _first_pass(
     data: ClientData,
     weights: Tensor,
     chunk_size: int,
-    workers: int = 1,
+    workers: int,
 ) -> _Pass:
     """Step 1: every chunk's client update, measured, checked and summed (a sample's group
     first, when the algorithm samples: :func:`_groups`), on ``workers`` threads
@@ -276,7 +276,7 @@ def _measure(
     rows: Tensor,
     weights: Tensor,
     down: Tree,
-    check,
+    check: Callable[..., dict] | None,
     rounds: dict[frozenset, Round],
 ) -> _Chunk:
     """One chunk's finite flags, norms, consistency and sums (:class:`_Chunk`); ``rounds``:

@@ -83,10 +83,13 @@ def _data_digest(variants: list[tuple[dict[str, Any], Fleet]]) -> str:
 
 def _numbers_config(resolved: dict) -> dict:
     """The configuration without what cannot change the numbers ([engine] chunk_size,
-    device and workers, and [data] path: the data's content is compared by its digest), so a run may
-    resume in other chunks, on another device, or with the same data by another path."""
+    device and workers, and [data] path: the data's content is compared by its digest), so
+    a run may resume in other chunks, on another device or threads, or with the same data
+    by another path."""
     engine = {
-        k: v for k, v in resolved.get("engine", {}).items() if k not in ("chunk_size", "device", "workers")
+        k: v
+        for k, v in resolved.get("engine", {}).items()
+        if k not in ("chunk_size", "device", "workers")
     }
     data = resolved.get("data", {})
     data = {k: v for k, v in data.items() if k != "path"} if isinstance(data, dict) else data

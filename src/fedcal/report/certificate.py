@@ -28,6 +28,7 @@ import io
 import math
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -222,9 +223,10 @@ class CalibrationRun:
     declined_note: str
     written: str  # the date units.csv was written (UTC)
 
-    @property
+    @cached_property
     def refused(self) -> dict[str, str]:
-        """{unit: reason} of the units ``calibrate`` refused (no model: no certificate)."""
+        """{unit: reason} of the units ``calibrate`` refused (no model: no certificate);
+        formed once (the PDF asks it for every unit)."""
         units = self.units
         if "status_reason" not in units.columns:  # a folder written before refusals
             return {}
